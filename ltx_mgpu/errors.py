@@ -1,0 +1,96 @@
+"""Error types of the control plane, each named for how a caller recovers from it.
+
+| Raised                  | Meaning                                              | Fleet      | Caller does          |
+|-------------------------|------------------------------------------------------|------------|----------------------|
+| `RunnerError`           | (inside a runner) a recoverable, symmetric failure   | -          | raise it on every rank, outside collectives |
+| `SymmetricRunnerError`  | every rank ended the job with a `RunnerError`        | alive      | fix the input, retry |
+| `JobCancelledError`     | the job was cancelled cooperatively on every rank    | alive      | nothing              |
+| `AsymmetricRunnerError` | some ranks raised `RunnerError`, others finished     | alive      | treat as a failure; investigate (latent hang risk) |
+| `ControllerBusyError`   | another job is still in flight                       | alive      | drain it first       |
+| `FleetFailure`          | a rank died, a job timed out, the fleet desynced     | poisoned   | build a new controller |
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsymmetricRunnerError",
+    "ControllerBusyError",
+    "FleetFailure",
+    "FleetTimeoutError",
+    "JobCancelled",
+    "JobCancelledError",
+    "RunnerError",
+    "SymmetricRunnerError",
+]
+
+
+class RunnerError(Exception):
+    """Recoverable runner failure. Must be raised identically on every rank and outside any collective."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (type(self), (self.message,))
+
+
+class JobCancelled(RunnerError):
+    """Raised on every rank by `MGPURunner.raise_if_cancelled()` once the rank-0 decision says so."""
+
+
+class SymmetricRunnerError(Exception):
+    """Every rank ended its job with a `RunnerError`; the fleet is alive and can take the next job."""
+
+    def __init__(self, errors: list[RunnerError]) -> None:
+        self.errors = errors
+        super().__init__(errors[0].message if errors else "runner error")
+
+
+class JobCancelledError(SymmetricRunnerError):
+    """The job was cancelled (`Stream.cancel()`); every rank stopped at a safe point, the fleet is alive."""
+
+
+class AsymmetricRunnerError(Exception):
+    """Some ranks raised `RunnerError` and others finished cleanly; the fleet is alive but the runner has a
+    latent hang risk (a rank that skipped a collective the others entered would deadlock)."""
+
+    def __init__(self, terminals: list[BaseException]) -> None:
+        self.terminals = terminals
+        super().__init__("runner raised RunnerError on some ranks but not all")
+
+
+class ControllerBusyError(RuntimeError):
+    """A job is still in flight: consume it (iterate or `drain()`) or shut the controller down."""
+
+    def __init__(self, job_id: int) -> None:
+        self.job_id = job_id
+        super().__init__(f"MGPU job {job_id} is still in flight; consume it (stream.drain()) first.")
+
+
+class FleetFailure(RuntimeError):
+    """The fleet can no longer be trusted (dead rank, timeout, desync, shutdown mid-job).
+
+    The controller is poisoned: every later `stream()` raises "MGPUController is dead; create a new one.".
+    `rank`, `pid` and `exitcode` name the first failed rank when one is known; `reason` is a short
+    machine-readable tag: "rank_failed", "rank_exited", "timeout", "desync" or "shutdown".
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str,
+        rank: int | None = None,
+        pid: int | None = None,
+        exitcode: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.rank = rank
+        self.pid = pid
+        self.exitcode = exitcode
+
+
+class FleetTimeoutError(FleetFailure, TimeoutError):
+    """A job exceeded its `timeout` (or startup exceeded its own); a `TimeoutError` as well."""

@@ -1,0 +1,123 @@
+"""The contract a pipeline implements once to run on a fleet: `MGPURunner`.
+
+The controller ships the runner *class* by value to every rank, builds one instance per rank with no
+arguments (so `__init__` runs before any process group exists: a per-rank pre-init hook, e.g. for
+`torch.use_deterministic_algorithms`), binds the rank's device and groups, calls `setup(**setup_kwargs)`
+once, then calls the instance once per job with the job kwargs. Both run on every rank (SPMD).
+
+`__call__` must be a generator. Each `yield` becomes one element of the caller's `Stream` (from whichever
+rank yields it; yields are never gathered across ranks). The return value rides the terminal.
+
+Failures: raise `RunnerError` (or `ValueError`, converted) identically on every rank and outside any
+collective for a recoverable error; anything else kills the rank and poisons the controller, because a
+collective that some ranks entered and others did not cannot be unwound.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import JobCancelled
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+__all__ = ["MGPURunner", "ProcessGroups", "RankContext"]
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """Per-component process groups, each spanning the whole fleet (group rank == global rank).
+
+    Separate communicators with identical membership, so collectives of one component never interleave
+    with another's. `control_group` is always gloo (CPU tensors): the framework's own small decisions.
+    """
+
+    gemma_group: dist.ProcessGroup
+    transformer_group: dist.ProcessGroup
+    vae_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where this rank runs: set by the fleet before `setup()`."""
+
+    rank: int  #: global rank, 0 is the driver (relay) rank
+    world_size: int
+    device: torch.device  #: the rank's own device (cuda:devices[rank] or cpu); never derived from `rank`
+    backend: str  #: "nccl" or "gloo"
+
+
+class MGPURunner(ABC):
+    """Subclass once per pipeline; see the module docstring for the contract."""
+
+    _groups: ProcessGroups | None = None
+    _ctx: RankContext | None = None
+    _cancel_probe: Any = None  # callable() -> bool on rank 0, injected by the fleet; one read per decision
+
+    # ---- injected state ------------------------------------------------------------------------------
+    @property
+    def groups(self) -> ProcessGroups:
+        if self._groups is None:
+            raise RuntimeError("MGPURunner.groups is only available inside a fleet rank")
+        return self._groups
+
+    @property
+    def context(self) -> RankContext:
+        if self._ctx is None:
+            raise RuntimeError("MGPURunner.context is only available inside a fleet rank")
+        return self._ctx
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.context.device
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the rank that owns outputs (encodes files, yields progress)."""
+        return self.context.rank == 0
+
+    # ---- cooperative cancellation --------------------------------------------------------------------
+    def cancel_requested(self) -> bool:
+        """Collective: True on every rank iff the caller cancelled the current job.
+
+        Rank 0 reads the flag once and broadcasts its answer over the gloo control group, so every rank
+        takes the same branch even if the flag flips between their reads. Call it at the same safe point
+        on every rank (e.g. once per denoising step).
+        """
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.zeros(1, dtype=torch.int32)
+        if self.context.rank == 0 and self._cancel_probe is not None and self._cancel_probe():
+            flag[0] = 1
+        if self.context.world_size > 1:
+            dist.broadcast(flag, src=0, group=self.groups.control_group)
+        return bool(flag.item())
+
+    def raise_if_cancelled(self) -> None:
+        """Collective: raise `JobCancelled` on every rank if the job was cancelled (see `cancel_requested`)."""
+        if self.cancel_requested():
+            raise JobCancelled("job cancelled")
+
+    # ---- the contract ---------------------------------------------------------------------------------
+    @abstractmethod
+    def setup(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401
+        """Load models once per rank. Runs on every rank; may use collectives."""
+
+    @abstractmethod
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:  # noqa: ANN401
+        """Run one job. Must be a generator; each yield reaches the caller's Stream."""

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv with everything the project, its tests and its demo need (CPU machine).
+# Idempotent: re-running only installs what is missing. See docs/operations.md for why each pin exists.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch pinned: the CPU wheel for 2.13.0 is served locally; anything unpinned pulls a multi-GB CUDA build.
+pip install -q "torch==2.13.0" numpy
+# ltx-core declares torchaudio, whose CUDA build breaks imports next to CPU torch: install without deps.
+pip install -q --no-deps "ltx-core==1.0.0"
+pip install -q -e ".[dev]"
