@@ -1,13 +1,13 @@
 """Error types of the control plane, each named for how a caller recovers from it.
 
-| Raised                  | Meaning                                              | Fleet      | Caller does          |
-|-------------------------|------------------------------------------------------|------------|----------------------|
-| `RunnerError`           | (inside a runner) a recoverable, symmetric failure   | -          | raise it on every rank, outside collectives |
-| `SymmetricRunnerError`  | every rank ended the job with a `RunnerError`        | alive      | fix the input, retry |
-| `JobCancelledError`     | the job was cancelled cooperatively on every rank    | alive      | nothing              |
-| `AsymmetricRunnerError` | some ranks raised `RunnerError`, others finished     | alive      | treat as a failure; investigate (latent hang risk) |
-| `ControllerBusyError`   | another job is still in flight                       | alive      | drain it first       |
-| `FleetFailure`          | a rank died, a job timed out, the fleet desynced     | poisoned   | build a new controller |
+How each error tells the caller to recover:
+- `RunnerError` (raised inside a runner): a recoverable failure; raise it on every rank, outside collectives.
+- `SymmetricRunnerError`: every rank ended the job with a `RunnerError`. Fleet alive: fix the input, retry.
+- `JobCancelledError`: the job was cancelled cooperatively on every rank. Fleet alive.
+- `AsymmetricRunnerError`: some ranks raised `RunnerError`, others finished. Fleet alive, but treat it as a
+  failure and investigate (a latent hang risk).
+- `ControllerBusyError`: another job is still in flight. Fleet alive: drain it first.
+- `FleetFailure`: a rank died, a job timed out, the fleet desynced. Poisoned: build a new controller.
 """
 
 from __future__ import annotations

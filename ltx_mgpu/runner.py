@@ -115,9 +115,9 @@ class MGPURunner(ABC):
 
     # ---- the contract ---------------------------------------------------------------------------------
     @abstractmethod
-    def setup(self, *args: Any, **kwargs: Any) -> None:  # noqa: ANN401
+    def setup(self, *args: Any, **kwargs: Any) -> None:
         """Load models once per rank. Runs on every rank; may use collectives."""
 
     @abstractmethod
-    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:  # noqa: ANN401
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """Run one job. Must be a generator; each yield reaches the caller's Stream."""

@@ -1,0 +1,479 @@
+"""`MGPUController`: a persistent, one-job-at-a-time fleet of SPMD ranks with streamed results.
+
+Contract (written once here; docs/controller.md links to it):
+- One process per rank, spawned once by `start()` and kept warm; each runs `setup()` once and then one
+  job at a time, in lockstep with the others. Single machine (rendezvous on 127.0.0.1).
+- `stream(**kwargs)` dispatches a job and returns a `Stream` at once; iterating it yields every rank's
+  yields in arrival order and ends when every rank has finished. A job belongs to its dispatching thread;
+  another `stream()` while one is in flight raises `ControllerBusyError`.
+- Recoverable: `RunnerError`/`ValueError` on every rank → `SymmetricRunnerError` (cancelled →
+  `JobCancelledError`); on some ranks → `AsymmetricRunnerError`. The fleet stays alive.
+- Fatal (`FleetFailure`, the controller is poisoned): a rank raised anything else or exited, a job
+  exceeded its timeout, a result arrived for the wrong job (desync), or `shutdown()` ran mid-job. A monitor
+  thread notices dead ranks and blown deadlines within ~0.1 s even while nobody iterates the stream.
+- `shutdown()` is safe from any thread at any time, idempotent, never raises, and leaves no rank alive;
+  `start()` may be called again afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from .devices import choose_backend, normalize_devices
+from .errors import (
+    AsymmetricRunnerError,
+    ControllerBusyError,
+    FleetFailure,
+    FleetTimeoutError,
+    JobCancelled,
+    JobCancelledError,
+    RunnerError,
+    SymmetricRunnerError,
+)
+from .fleet import FleetChannels, RankBoot, check_job_kwargs, rank_main, ship_runner
+from .jobboard import cancel_key
+from .runner import MGPURunner
+from .transport import Channel, Job, Result, split_tensors
+
+__all__ = ["MGPUController", "Stream"]
+
+log = logging.getLogger("ltx_mgpu.controller")
+
+_MONITOR_POLL_S = 0.1
+_DEAD_MESSAGE = "MGPUController is dead; create a new one."
+
+
+class _Fleet:
+    """One generation of rank processes and their channels (replaced on every `start()`)."""
+
+    def __init__(self, procs: list[Any], channels: FleetChannels, store: dist.TCPStore) -> None:
+        self.procs = procs
+        self.channels = channels
+        self.store = store
+
+    def terminate(self, grace_s: float = 3.0) -> None:
+        """SIGTERM, wait, SIGKILL, reap. Idempotent, never raises."""
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                if p.is_alive():
+                    p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                if p.is_alive():
+                    p.kill()
+                p.join(5.0)
+
+    def all_exited(self) -> bool:
+        return all(p.exitcode is not None for p in self.procs)
+
+
+class MGPUController:
+    """A warm fleet running `runner_cls` on `devices` (or CUDA `0..num_gpus-1`); see the module docstring.
+
+    `devices` entries are CUDA indices, "cuda:N" or "cpu" (CPU ranks run over gloo; `["cpu"] * 4` is a
+    world of four). Several ranks may share one GPU only with `allow_shared_devices=True` (then gloo).
+    """
+
+    def __init__(
+        self,
+        runner_cls: type[MGPURunner],
+        *,
+        num_gpus: int | None = None,
+        devices: Sequence[int | str | torch.device] | None = None,
+        allow_shared_devices: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        if num_gpus is not None and devices is not None:
+            raise ValueError("Pass either num_gpus or devices, not both.")
+        if not (isinstance(runner_cls, type) and issubclass(runner_cls, MGPURunner)):
+            raise TypeError(f"runner_cls must be an MGPURunner subclass, got {runner_cls!r}")
+        self._runner_cls = runner_cls
+        self._num_gpus = num_gpus
+        self._devices = (
+            normalize_devices(list(devices), allow_shared=allow_shared_devices) if devices is not None else None
+        )
+        if backend not in (None, "nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl', 'gloo' or None (auto), got {backend!r}")
+        self._backend_override = backend
+        self._ctx = tmp.get_context("spawn")
+        self._lock = threading.Lock()  # guards the in-flight check-and-set and the lifecycle fields
+        self._next_job_id = 0  # monotonic over the controller's life (desync detection)
+        self._inflight: Stream | None = None
+        self._fatal: FleetFailure | None = None  # one-way poison per fleet generation
+        self._fleet: _Fleet | None = None
+        self._monitor: threading.Thread | None = None
+        self._stopping = threading.Event()  # set while shutdown() tears the fleet down
+        self._finalizer: weakref.finalize | None = None
+        self.world_size = 0
+        self.devices: list[str] = []
+        self.backend = ""
+
+    # ==== lifecycle =================================================================================
+
+    @property
+    def is_alive(self) -> bool:
+        """Started, not poisoned, not shut down."""
+        return self._fleet is not None and self._fatal is None and not self._stopping.is_set()
+
+    @property
+    def pids(self) -> list[int]:
+        fleet = self._fleet
+        return [p.pid for p in fleet.procs] if fleet else []
+
+    def start(self, *, timeout: float | timedelta = 1800.0, **setup_kwargs: Any) -> None:
+        """Spawn the ranks and block until every one has run `setup(**setup_kwargs)`.
+
+        `timeout` bounds process-group creation plus `setup()` (it must exceed the slowest model load).
+        On a rank crash or timeout the half-started fleet is torn down and the error raised.
+        """
+        timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        with self._lock:
+            if self._fleet is not None:
+                raise RuntimeError("MGPUController.start() called twice")
+            devices = self._resolve_devices()
+            self.devices = devices
+            self.world_size = len(devices)
+            self.backend = self._backend_override or choose_backend(devices)
+            if self.backend == "nccl" and len(set(devices)) != len(devices):
+                raise ValueError("NCCL needs one distinct GPU per rank; use backend='gloo' to share GPUs")
+            self._fatal = None
+            self._inflight = None
+            self._stopping.clear()
+            store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+            )
+            channels = FleetChannels(*(Channel(self._ctx) for _ in range(4)))
+            payload = ship_runner(self._runner_cls)
+            procs = []
+            for rank in range(self.world_size):
+                boot = RankBoot(
+                    rank,
+                    self.world_size,
+                    devices,
+                    self.backend,
+                    store.port,
+                    timeout_s,
+                    payload,
+                    setup_kwargs,
+                    channels,
+                )
+                proc = self._ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
+                proc.start()
+                procs.append(proc)
+            self._fleet = _Fleet(procs, channels, store)
+            self._finalizer = weakref.finalize(self, _Fleet.terminate, self._fleet, 1.0)
+        try:
+            self._await_ready(self._fleet, timeout_s)
+        except BaseException:
+            self.shutdown(graceful_timeout=0)
+            raise
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, args=(self._fleet,), name="ltx-mgpu-monitor", daemon=True
+        )
+        self._monitor.start()
+        log.info("MGPU fleet ready (%d workers, %s, devices %s).", self.world_size, self.backend, devices)
+
+    def _resolve_devices(self) -> list[str]:
+        if self._devices is not None:
+            return list(self._devices)
+        count = self._num_gpus if self._num_gpus is not None else torch.cuda.device_count()
+        if count <= 0:
+            raise ValueError(f"No GPUs available: num_gpus={self._num_gpus}.")
+        return [f"cuda:{i}" for i in range(count)]
+
+    def _await_ready(self, fleet: _Fleet, timeout_s: float) -> None:
+        """Wait for every rank's check-in, watching for crashes (exits) and wedges (the deadline)."""
+        deadline = time.monotonic() + timeout_s
+        seen: set[int] = set()
+        while len(seen) < self.world_size:
+            failure = self._exited_rank_failure(fleet, during="startup")
+            if failure is not None:
+                raise failure
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - seen)
+                raise FleetTimeoutError(
+                    f"MGPU startup: {len(seen)}/{self.world_size} workers ready after {timeout_s:.0f}s; "
+                    f"ranks {missing} never checked in -- stuck in init_process_group / group creation / "
+                    "setup()? Check the worker logs.",
+                    reason="timeout",
+                )
+            with contextlib.suppress(queue.Empty):
+                seen.add(fleet.channels.ready.get(timeout=0.05))
+
+    def shutdown(self, *, graceful_timeout: float = 60.0) -> None:
+        """Stop every rank: announce shutdown, wait up to `graceful_timeout` s, then SIGTERM/SIGKILL.
+
+        Safe from any thread at any time; idempotent; never raises. A job in flight ends with a
+        `FleetFailure(reason="shutdown")` in its iterating thread.
+        """
+        try:
+            with self._lock:
+                fleet = self._fleet
+                if fleet is None:
+                    return
+                self._stopping.set()
+                inflight = self._inflight
+            if inflight is not None and not inflight._finished:
+                self._poison(
+                    fleet,
+                    FleetFailure(f"MGPU job {inflight.job_id} aborted: controller shut down", reason="shutdown"),
+                    terminate=False,
+                )
+            with contextlib.suppress(Exception):
+                fleet.channels.jobs.put(None)
+            deadline = time.monotonic() + max(0.0, graceful_timeout)
+            while not fleet.all_exited() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            fleet.terminate()
+            if self._monitor is not None and self._monitor is not threading.current_thread():
+                self._monitor.join(2.0)
+            for ch in vars(fleet.channels).values():
+                ch.close()
+            with self._lock:
+                self._fleet = None
+                self._monitor = None
+                self._inflight = None
+                if self._finalizer is not None:
+                    self._finalizer.detach()
+                    self._finalizer = None
+        except Exception:  # never raise from shutdown: it is the last-resort kill switch
+            log.exception("MGPUController.shutdown: unexpected error (ignored)")
+
+    def __enter__(self) -> MGPUController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown(graceful_timeout=10.0)
+
+    # ==== jobs ======================================================================================
+
+    def stream(self, *, timeout: float | None = None, **kwargs: Any) -> Stream:
+        """Dispatch one job and return its `Stream` at once. `timeout` (s) runs from dispatch."""
+        check_job_kwargs(self._runner_cls, kwargs)
+        with self._lock:
+            if self._fleet is None:
+                raise RuntimeError("MGPUController not started; call start() first")
+            if self._fatal is not None:
+                raise RuntimeError(_DEAD_MESSAGE) from self._fatal
+            if self._inflight is not None:
+                raise ControllerBusyError(self._inflight.job_id)
+            job_id = self._next_job_id
+            self._next_job_id += 1
+            deadline = None if timeout is None else time.monotonic() + timeout
+            stream = Stream(self, self._fleet, job_id, threading.get_ident(), deadline, timeout)
+            self._inflight = stream
+            fleet = self._fleet
+        skeleton, tensors = split_tensors(kwargs)
+        fleet.channels.jobs.put(Job(job_id, skeleton, tensors))
+        return stream
+
+    def _finish(self, stream: Stream) -> None:
+        with self._lock:
+            if self._inflight is stream:
+                self._inflight = None
+        with contextlib.suppress(Exception):
+            stream._fleet.store.delete_key(cancel_key(stream.job_id))
+
+    def _poison(self, fleet: _Fleet, failure: FleetFailure, *, terminate: bool) -> None:
+        """Record the first fatal error, wake the iterating thread, optionally kill the ranks."""
+        with self._lock:
+            if fleet is not self._fleet:
+                return
+            first = self._fatal is None
+            if first:
+                self._fatal = failure
+            inflight = self._inflight
+        if first:
+            if failure.reason != "shutdown":
+                log.error("MGPU fleet failed: %s", failure)
+            if inflight is not None:
+                with contextlib.suppress(Exception):
+                    fleet.channels.results.put(Result("fatal", inflight.job_id, -1, None))
+        if terminate:
+            fleet.terminate()
+
+    # ==== monitoring ================================================================================
+
+    def _monitor_loop(self, fleet: _Fleet) -> None:
+        """Notice dead ranks and blown job deadlines without anyone iterating the stream."""
+        sentinels = [p.sentinel for p in fleet.procs]
+        while not self._stopping.is_set() and self._fatal is None:
+            multiprocessing.connection.wait(sentinels, timeout=_MONITOR_POLL_S)
+            if self._stopping.is_set():
+                return
+            failure = self._exited_rank_failure(fleet, during=None)
+            if failure is not None:
+                self._poison(fleet, failure, terminate=True)
+                return
+            inflight = self._inflight
+            if inflight is not None and inflight._deadline is not None and not inflight._finished:
+                if time.monotonic() > inflight._deadline:
+                    self._poison(
+                        fleet,
+                        FleetTimeoutError(
+                            f"MGPU job {inflight.job_id} exceeded {inflight._timeout}s", reason="timeout"
+                        ),
+                        terminate=True,
+                    )
+                    return
+
+    def _exited_rank_failure(self, fleet: _Fleet, *, during: str | None) -> FleetFailure | None:
+        exited = [(r, p) for r, p in enumerate(fleet.procs) if p.exitcode is not None]
+        if not exited:
+            return None
+        tracebacks: dict[int, str] = {}
+        # A crashing rank writes its traceback before exiting; collect what arrived (briefly).
+        drain_until = time.monotonic() + 0.5
+        while time.monotonic() < drain_until:
+            try:
+                rank, _pid, tb = fleet.channels.failures.get(timeout=0.05)
+                tracebacks[rank] = tb
+            except queue.Empty:
+                if all(r in tracebacks for r, _ in exited):
+                    break
+                if tracebacks or time.monotonic() > drain_until - 0.4:
+                    break
+        where = f" during {during}" if during else ""
+        lines = [f"MGPU worker(s) failed{where}:"]
+        for rank, proc in exited:
+            lines.append(f"  rank {rank} (pid {proc.pid}) exit {proc.exitcode}:")
+            tb = tracebacks.get(rank)
+            lines.append(_indent(tb) if tb else "    (no traceback: the process died without reporting)")
+        rank0, proc0 = exited[0]
+        return FleetFailure(
+            "\n".join(lines),
+            reason="rank_failed" if tracebacks else "rank_exited",
+            rank=rank0,
+            pid=proc0.pid,
+            exitcode=proc0.exitcode,
+        )
+
+    # ==== used by Stream ============================================================================
+
+    def _next_result(self, stream: Stream) -> Result:
+        """Block for the next message of `stream`'s job; raise the fleet's failure if it has one."""
+        fleet = stream._fleet
+        while True:
+            if self._fatal is not None and (fleet is self._fleet or self._fleet is None):
+                raise self._fatal
+            try:
+                msg: Result = fleet.channels.results.get(timeout=0.25)
+            except (queue.Empty, OSError, EOFError):
+                if fleet is not self._fleet and self._fatal is None:
+                    raise FleetFailure(f"MGPU job {stream.job_id}: fleet is gone", reason="shutdown") from None
+                continue
+            if msg.kind == "fatal":
+                continue  # wake-up only; the loop head raises the stored failure
+            if msg.job_id != stream.job_id:
+                failure = FleetFailure(
+                    f"MGPU fleet desync: rank {msg.rank} sent job {msg.job_id}, expected {stream.job_id}.",
+                    reason="desync",
+                    rank=msg.rank,
+                )
+                self._poison(fleet, failure, terminate=True)
+                raise self._fatal or failure
+            return msg
+
+
+class Stream(Iterator[Any]):
+    """The handle of one dispatched job. Iterate it from the dispatching thread only.
+
+    Elements are the ranks' yields in arrival order. At the end: `StopIteration` carrying the per-rank
+    return values ordered by rank (`result = yield from stream`), or a classified error.
+    """
+
+    def __init__(
+        self,
+        controller: MGPUController,
+        fleet: _Fleet,
+        job_id: int,
+        thread_id: int,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> None:
+        self.job_id = job_id
+        self._controller = controller
+        self._fleet = fleet
+        self._thread_id = thread_id
+        self._deadline = deadline
+        self._timeout = timeout
+        self._terminals: dict[int, BaseException | StopIteration] = {}
+        self._finished = False
+        self.result: list[Any] | None = None  #: per-rank return values once the job ended cleanly
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Any:
+        if threading.get_ident() != self._thread_id:
+            raise RuntimeError(
+                f"Stream for job {self.job_id} is single-threaded: dispatched on thread {self._thread_id}, "
+                f"iterated from thread {threading.get_ident()} -- a job belongs to its dispatching thread."
+            )
+        if self._finished:
+            raise StopIteration
+        world = self._controller.world_size
+        while True:
+            try:
+                msg = self._controller._next_result(self)
+            except FleetFailure:
+                self._finished = True
+                raise
+            if msg.kind == "yield":
+                return msg.value
+            self._terminals[msg.rank] = StopIteration(msg.value) if msg.kind == "done" else msg.value
+            if len(self._terminals) == world:
+                self._finished = True
+                self._controller._finish(self)
+                self._classify()
+
+    def _classify(self) -> None:
+        terminals = [self._terminals[r] for r in range(len(self._terminals))]
+        errors = [t for t in terminals if isinstance(t, RunnerError)]
+        if not errors:
+            self.result = [t.value for t in terminals]  # type: ignore[union-attr]
+            raise StopIteration(self.result)
+        if len(errors) == len(terminals):
+            if all(isinstance(e, JobCancelled) for e in errors):
+                raise JobCancelledError(errors)
+            raise SymmetricRunnerError(errors)
+        log.error("asymmetric RunnerError across ranks: %r", terminals)
+        raise AsymmetricRunnerError(terminals)
+
+    def drain(self) -> None:
+        """Consume to the end, discarding yields and recoverable errors; fatal errors propagate."""
+        with contextlib.suppress(SymmetricRunnerError, AsymmetricRunnerError):
+            for _ in self:
+                pass
+
+    def cancel(self) -> None:
+        """Ask the runner to stop at its next `raise_if_cancelled()` point. Any thread; idempotent."""
+        if self._finished:
+            return
+        with contextlib.suppress(Exception):
+            self._fleet.store.set(cancel_key(self.job_id), b"1")
+
+    @property
+    def done(self) -> bool:
+        return self._finished
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines())

@@ -1,0 +1,71 @@
+"""Device maps for a fleet: parsing group specs and choosing the process-group backend.
+
+A fleet is a list of devices, one per rank: `"cpu"` or `"cuda:N"`. Rank r binds to `devices[r]` with
+`torch.cuda.set_device`, never through `CUDA_VISIBLE_DEVICES` (the spawn bootstrap may already have
+touched CUDA, freezing the device list) and never by assuming device index == rank, so two fleets can
+share one machine on disjoint GPUs (`[0, 1, 2, 3]` and `[4, 5, 6, 7]`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["DeviceLike", "choose_backend", "normalize_devices", "parse_device_group"]
+
+DeviceLike = int | str  # 3, "cuda:3", "cpu"; torch.device also works (its str() is parsed)
+
+
+def parse_device_group(spec: str) -> list[str]:
+    """Parse a command-line group: "0,1,2,3" (CUDA indices), "cpu:2" (two CPU ranks), "cuda:0,cuda:1"."""
+    text = spec.strip()
+    if not text:
+        raise ValueError("empty device group")
+    if text.startswith("cpu"):
+        _, _, count = text.partition(":")
+        n = int(count) if count else 1
+        if n < 1:
+            raise ValueError(f"device group {spec!r}: need at least one CPU rank")
+        return ["cpu"] * n
+    return normalize_devices([part.strip() for part in text.split(",")], allow_shared=False)
+
+
+def _normalize_one(device: object) -> str:
+    if isinstance(device, bool):
+        raise ValueError(f"not a device: {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"CUDA device index must be >= 0, got {device}")
+        return f"cuda:{device}"
+    text = str(device).strip()
+    if text == "cpu":
+        return "cpu"
+    if text.isdigit():
+        return f"cuda:{int(text)}"
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return f"cuda:{int(text[5:])}"
+    raise ValueError(f"not a device: {device!r} (use an index, 'cuda:N' or 'cpu')")
+
+
+def normalize_devices(devices: Sequence[object], *, allow_shared: bool) -> list[str]:
+    """Canonical per-rank device strings. CUDA devices must be unique unless `allow_shared`."""
+    if isinstance(devices, str | bytes) or not devices:
+        raise ValueError(f"devices must be non-empty and unique: {list(devices) if devices else []}.")
+    out = [_normalize_one(d) for d in devices]
+    kinds = {d == "cpu" for d in out}
+    if len(kinds) > 1:
+        raise ValueError(f"devices must be all CPU or all CUDA, got {out}")
+    cuda = [d for d in out if d != "cpu"]
+    if len(set(cuda)) != len(cuda) and not allow_shared:
+        raise ValueError(
+            f"devices must be non-empty and unique: {out}. To run several ranks on one GPU (gloo; for "
+            "testing multi-rank code on a single GPU) pass allow_shared_devices=True."
+        )
+    return out
+
+
+def choose_backend(devices: Sequence[str]) -> str:
+    """NCCL when every rank owns a distinct GPU; gloo for CPU ranks and for ranks sharing a GPU
+    (NCCL refuses two ranks on one device: "Duplicate GPU detected")."""
+    if all(d.startswith("cuda:") for d in devices) and len(set(devices)) == len(devices):
+        return "nccl"
+    return "gloo"

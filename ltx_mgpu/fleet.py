@@ -1,0 +1,253 @@
+"""The fleet: spawning one process per rank, the rank-side loops, and teardown. No job semantics here
+beyond running one generator per announced job; classification lives in `controller.py`.
+
+Rank lifecycle (every rank, SPMD):
+  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog;
+  2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
+  3. join the process group through the controller's TCPStore; create the component groups;
+  4. `runner.setup(**setup_kwargs)`, then report ready;
+  5. loop: relay (rank 0) takes a job from the controller, posts it on the job board and broadcasts its
+     top-level tensors; other ranks wait on the board outside collectives, then receive; everyone runs it;
+  6. on the shutdown announcement: tear down the process group and exit 0.
+Any exception outside the runner's recoverable set is reported on the `failures` channel with its
+traceback, and the rank exits 1: a collective it may have left half-entered cannot be unwound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from .errors import RunnerError
+from .jobboard import JobBoard, cancel_key
+from .runner import MGPURunner, ProcessGroups, RankContext
+from .transport import Channel, Job, Result, TensorPlaceholder, fill_tensors
+
+__all__ = ["FleetChannels", "RankBoot", "ship_runner"]
+
+log = logging.getLogger("ltx_mgpu.fleet")
+
+RELAY_RANK = 0
+
+
+@dataclass
+class FleetChannels:
+    """The pipes of one fleet generation (recreated on every `start()`)."""
+
+    jobs: Channel  #: controller → relay rank
+    results: Channel  #: all ranks → controller (yields and terminals) + controller-local fatal wake-ups
+    ready: Channel  #: all ranks → controller: the rank number once `setup()` returned
+    failures: Channel  #: all ranks → controller: (rank, pid, traceback) right before a rank exits 1
+
+
+@dataclass
+class RankBoot:
+    """Everything a rank needs, pickled once into its spawn arguments."""
+
+    rank: int
+    world_size: int
+    devices: list[str]
+    backend: str
+    store_port: int
+    init_timeout_s: float
+    runner_payload: bytes  #: the runner class, cloudpickled (by value unless it lives in ltx_mgpu)
+    setup_kwargs: dict[str, Any]
+    channels: FleetChannels
+
+
+def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
+    """Pickle the runner class so it survives spawn: by value (its module too) unless it is one of ours.
+
+    By value makes runners defined in `__main__`, a test module or a notebook work in fresh interpreters;
+    our own runners travel by reference so their module-level imports happen normally.
+    """
+    module = sys.modules.get(runner_cls.__module__)
+    by_value = module is not None and not runner_cls.__module__.startswith("ltx_mgpu.")
+    if by_value and runner_cls.__module__ != "__main__":
+        cloudpickle.register_pickle_by_value(module)
+        try:
+            return cloudpickle.dumps(runner_cls)
+        finally:
+            cloudpickle.unregister_pickle_by_value(module)
+    return cloudpickle.dumps(runner_cls)
+
+
+# ==== rank side ===============================================================================
+
+
+def rank_main(boot: RankBoot) -> None:
+    """Spawn target. Never returns normally on failure: reports, then `os._exit(1)`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _start_parent_watchdog()
+    try:
+        _run_rank(boot)
+    except BaseException:
+        tb = traceback.format_exc()
+        with contextlib.suppress(BaseException):
+            boot.channels.failures.put((boot.rank, os.getpid(), tb))
+        sys.stderr.write(f"[ltx_mgpu rank {boot.rank} pid {os.getpid()}] fatal:\n{tb}")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _start_parent_watchdog() -> None:
+    """Exit when the controller process dies, so an orphaned fleet never holds GPUs."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ltx-mgpu-parent-watchdog", daemon=True).start()
+
+
+def _run_rank(boot: RankBoot) -> None:
+    device = torch.device(boot.devices[boot.rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    runner_cls = cloudpickle.loads(boot.runner_payload)
+    runner: MGPURunner = runner_cls()
+
+    timeout = timedelta(seconds=boot.init_timeout_s)
+    store = dist.TCPStore("127.0.0.1", boot.store_port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend=boot.backend,
+        store=dist.PrefixStore("pg/", store),
+        rank=boot.rank,
+        world_size=boot.world_size,
+        timeout=timeout,
+        device_id=device if boot.backend == "nccl" else None,
+    )
+    try:
+        groups = ProcessGroups(
+            gemma_group=dist.new_group(),
+            transformer_group=dist.new_group(),
+            vae_group=dist.new_group(),
+            control_group=dist.new_group(backend="gloo"),
+        )
+        runner._groups = groups
+        runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
+        runner.setup(**boot.setup_kwargs)
+        boot.channels.ready.put(boot.rank)
+        _job_loop(boot, runner, store, device)
+    finally:
+        _teardown(device)
+
+
+def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: torch.device) -> None:
+    board = JobBoard(store)
+    results = boot.channels.results
+    is_relay = boot.rank == RELAY_RANK
+    while True:
+        if is_relay:
+            job: Job | None = _take_job(boot.channels.jobs)
+            if job is None:
+                board.post(None)
+                return
+            board.post((job.job_id, job.skeleton))
+            job_id, skeleton = job.job_id, job.skeleton
+            tensors = [t.to(device).contiguous() for t in job.tensors]
+            if boot.world_size > 1:
+                for t in tensors:
+                    dist.broadcast(t, src=RELAY_RANK)
+        else:
+            announcement = board.next()
+            if announcement is None:
+                return
+            job_id, skeleton = announcement
+            specs = sorted((v for v in skeleton.values() if isinstance(v, TensorPlaceholder)), key=lambda p: p.idx)
+            tensors = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in specs]
+            for t in tensors:
+                dist.broadcast(t, src=RELAY_RANK)
+        if is_relay:
+            runner._cancel_probe = functools.partial(store.check, [cancel_key(job_id)])
+        _run_job(runner, job_id, fill_tensors(skeleton, tensors), boot.rank, results)
+        runner._cancel_probe = None
+
+
+def _take_job(jobs: Channel) -> Job | None:
+    while True:
+        try:
+            return jobs.get(timeout=3600.0)
+        except queue.Empty:
+            continue
+
+
+def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int, results: Channel) -> None:
+    """Advance the runner's generator, forwarding yields; recoverable errors become terminals.
+
+    Argument binding and the generator check happen on every rank identically and before the runner
+    touches any collective, so they are safe to report as `RunnerError` (symmetric) rather than fatal.
+    """
+    try:
+        gen = runner(**kwargs)
+    except (RunnerError, ValueError, TypeError) as err:
+        results.put(Result("error", job_id, rank, _as_runner_error(err)))
+        return
+    if not isinstance(gen, Iterator):
+        msg = f"{type(runner).__name__}.__call__ must be a generator (got {type(gen).__name__})"
+        results.put(Result("error", job_id, rank, RunnerError(msg)))
+        return
+    while True:
+        try:
+            value = next(gen)
+        except StopIteration as stop:
+            results.put(Result("done", job_id, rank, stop.value))
+            return
+        except (RunnerError, ValueError) as err:
+            results.put(Result("error", job_id, rank, _as_runner_error(err)))
+            return
+        results.put(Result("yield", job_id, rank, value))
+
+
+def _as_runner_error(err: BaseException) -> RunnerError:
+    if isinstance(err, RunnerError):
+        return err
+    return RunnerError(f"{type(err).__name__}: {err}" if isinstance(err, TypeError) else str(err))
+
+
+def _teardown(device: torch.device) -> None:
+    # Compiled artifacts hold CUDA pool/stream references that process-group destruction waits on;
+    # reset Dynamo first or teardown can deadlock.
+    if "torch._dynamo" in sys.modules:
+        with contextlib.suppress(Exception):
+            torch._dynamo.reset()
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def check_job_kwargs(runner_cls: type[MGPURunner], kwargs: dict[str, Any]) -> None:
+    """Bind job kwargs to `runner_cls.__call__` in the caller, so a typo is a `TypeError` here rather than
+    a failed job (and never a dead fleet)."""
+    try:
+        sig = inspect.signature(runner_cls.__call__)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"invalid job kwargs for {runner_cls.__name__}: {err}") from None

@@ -1,0 +1,95 @@
+"""Runners used by the controller tests. They live in a test module on purpose: the controller must ship
+runner classes by value, so classes defined outside an installed package still work after spawn."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ltx_mgpu import MGPURunner, RunnerError
+
+
+class ScriptedRunner(MGPURunner):
+    """Does what the job's `mode` says, so one warm fleet can exercise every contract."""
+
+    def setup(self, *, scale: float = 1.0, crash_on_rank: int | None = None, hang_on_rank: int | None = None) -> None:
+        if crash_on_rank == self.rank:
+            raise RuntimeError(f"setup exploded on rank {self.rank}")
+        if hang_on_rank == self.rank:
+            time.sleep(3600)
+        self.scale = scale
+
+    def __call__(
+        self,
+        *,
+        mode: str = "ok",
+        n: int = 2,
+        x: torch.Tensor | None = None,
+        nested: dict[str, Any] | None = None,
+        target_rank: int = 1,
+        sleep_s: float = 0.0,
+    ) -> Iterator[Any]:
+        if mode == "ok":
+            for i in range(n):
+                yield {"rank": self.rank, "i": i}
+            return self.rank * 10
+        if mode == "tensors":
+            # Reduce across ranks so the test proves every rank got the same values on its own device.
+            assert x is not None and nested is not None
+            total = x.to(torch.float64).sum().reshape(1)
+            if self.world_size > 1:
+                dist.all_reduce(total, group=self.groups.transformer_group)
+            yield {
+                "rank": self.rank,
+                "device": str(x.device),
+                "x_sum_all_ranks": float(total.item()),
+                "nested_sum": float(nested["t"].sum().item()),
+                "scaled": x * self.scale,
+            }
+            return None
+        if mode == "runner_error":
+            raise RunnerError(f"bad input on rank {self.rank}")
+        if mode == "value_error":
+            raise ValueError("width must be positive")
+        if mode == "asymmetric":
+            if self.rank == target_rank:
+                raise RunnerError("only one rank objects")
+            yield "fine"
+            return None
+        if mode == "crash":
+            yield "before"
+            if self.rank == target_rank:
+                raise KeyError("boom")
+            time.sleep(30)
+            return None
+        if mode == "exit":
+            if self.rank == target_rank:
+                os._exit(7)
+            time.sleep(30)
+            return None
+        if mode == "sleep":
+            time.sleep(sleep_s)
+            yield "slept"
+            return None
+        if mode == "cancellable":
+            for step in range(n):
+                self.raise_if_cancelled()
+                yield {"step": step, "rank": self.rank}
+                time.sleep(sleep_s)
+            return "completed"
+        if mode == "not_generator":
+            return None
+        raise RunnerError(f"unknown mode {mode}")
+
+
+class NotAGeneratorRunner(MGPURunner):
+    def setup(self) -> None:
+        pass
+
+    def __call__(self) -> Any:
+        return 42
