@@ -1,0 +1,48 @@
+"""Sequence parallelism (SP) for the LTX-2 transformer: the data plane of a fleet.
+
+Public API (see docs/sequence-parallel.md):
+- partition: `compute_sequence_partition`, `compute_sequence_offsets`, `pad_modality_for_uniform_sharding`,
+  `tile_modality_for_rank`, `padded_token_count`
+- all2all: `All2AllBackend` (protocol), `register_backend`, `get_backend_factory`, `available_backends`,
+  custom ops `torch.ops.ltx_mgpu.{send_recv_heads,gather_heads,all_gather_heads}`
+- `AttentionManager`, `All2AllAttention`, `AudioAll2AllAttention`
+- `SequenceParallelModelWrapper`, `SequenceParallelBuilder`, `create_sp_module_ops`, `patch_sp_attention`
+
+Nothing here imports the CUDA kernel module eagerly: `AttentionManager(backend="auto")` imports it lazily,
+so this package imports (and its tests run) on CPU-only installs.
+"""
+
+from __future__ import annotations
+
+from .all2all import All2AllBackend, available_backends, get_backend_factory, register_backend
+from .attention import DEFAULT_ALL2ALL_TIMEOUT_S, All2AllAttention, AttentionManager, AudioAll2AllAttention
+from .builder import SequenceParallelBuilder, create_sp_module_ops, patch_sp_attention
+from .partition import (
+    compute_sequence_offsets,
+    compute_sequence_partition,
+    pad_modality_for_uniform_sharding,
+    padded_token_count,
+    tile_modality_for_rank,
+)
+from .wrapper import SequenceParallelModelWrapper, check_token_budget
+
+__all__ = [
+    "DEFAULT_ALL2ALL_TIMEOUT_S",
+    "All2AllAttention",
+    "All2AllBackend",
+    "AttentionManager",
+    "AudioAll2AllAttention",
+    "SequenceParallelBuilder",
+    "SequenceParallelModelWrapper",
+    "available_backends",
+    "check_token_budget",
+    "compute_sequence_offsets",
+    "compute_sequence_partition",
+    "create_sp_module_ops",
+    "get_backend_factory",
+    "pad_modality_for_uniform_sharding",
+    "padded_token_count",
+    "patch_sp_attention",
+    "register_backend",
+    "tile_modality_for_rank",
+]
