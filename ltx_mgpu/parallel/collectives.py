@@ -32,12 +32,12 @@ def all_gather_tokens(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     src = x.contiguous()
     staged = needs_host_staging(group, src.device)
     inp = src.cpu() if staged else src
-    out = torch.empty((w, *inp.shape), dtype=inp.dtype, device=inp.device)
+    b, t, c = src.shape
+    out = torch.empty((w * b, t, c), dtype=inp.dtype, device=inp.device)  # rank-major along dim 0
     _all_gather_single(out, inp, group=group)
     if staged:
         out = out.to(src.device)
-    b, t, c = src.shape
-    return out.permute(1, 0, 2, 3).reshape(b, w * t, c)
+    return out.view(w, b, t, c).permute(1, 0, 2, 3).reshape(b, w * t, c)
 
 
 def broadcast_tensor(x: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
