@@ -159,7 +159,9 @@ class MGPUController:
             store = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
             )
-            channels = FleetChannels(*(Channel(self._ctx) for _ in range(4)))
+            channels = FleetChannels(
+                *(Channel(self._ctx) for _ in range(4)), tensors=[Channel(self._ctx) for _ in devices]
+            )
             payload = ship_runner(self._runner_cls)
             procs = []
             for rank in range(self.world_size):
@@ -244,8 +246,9 @@ class MGPUController:
             fleet.terminate()
             if self._monitor is not None and self._monitor is not threading.current_thread():
                 self._monitor.join(2.0)
-            for ch in vars(fleet.channels).values():
-                ch.close()
+            for ch in [*vars(fleet.channels).values(), *fleet.channels.tensors]:
+                if isinstance(ch, Channel):
+                    ch.close()
             with self._lock:
                 self._fleet = None
                 self._monitor = None
@@ -281,6 +284,9 @@ class MGPUController:
             self._inflight = stream
             fleet = self._fleet
         skeleton, tensors = split_tensors(kwargs)
+        if tensors and self.devices[0] == "cpu":
+            for rank in range(1, self.world_size):  # see fleet._receive_shared
+                fleet.channels.tensors[rank].put((job_id, tensors))
         fleet.channels.jobs.put(Job(job_id, skeleton, tensors))
         return stream
 
