@@ -1,0 +1,147 @@
+"""Admission control: enqueue a job only if the queue has room and the client has quota, atomically.
+
+A flood of a few hundred long renders can keep a GPU service busy for hours and starve everyone else, so
+the producer refuses work past a queue-depth cap (and past an optional per-client quota) instead of
+letting the queue grow without bound. The check and the enqueue must be one atomic step, or two producers
+racing for the last slot both get in. This uses Redis optimistic locking: WATCH the queue lists, the
+client's pending set and the job key; read depths; then MULTI/EXEC RQ's own enqueue (its public
+`Queue.enqueue_job(job, pipeline=...)`), so the job hash is written exactly as RQ writes it. If any
+watched key changed in between, EXEC fails and the whole decision is made again.
+
+Per-client accounting: each admitted job id is added to a sorted set per client. Entries are pruned
+lazily inside the same transaction when their job ended (finished, failed, stopped, canceled) or expired,
+so no worker cooperation is needed and a crashed producer never leaks quota for longer than its jobs live.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import redis
+from rq import Queue
+from rq.job import Job
+
+__all__ = [
+    "TERMINAL_STATUSES",
+    "AdmissionPolicy",
+    "AdmissionRefused",
+    "DuplicateJobError",
+    "Refusal",
+    "client_key",
+    "enqueue_admitted",
+]
+
+CLIENT_KEY_PREFIX = "ltx:producer:client:"  # + <client> + ":jobs" (sorted set of job ids, score = submit time)
+CLIENT_KEY_TTL_S = 7 * 24 * 3600  # idle clients' sets disappear on their own
+TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
+_MAX_ATTEMPTS = 50
+
+
+def client_key(client: str) -> str:
+    return f"{CLIENT_KEY_PREFIX}{client}:jobs"
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """Limits applied at submit; `None` means unlimited."""
+
+    max_queue_depth: int | None = None  #: queued (not yet started) jobs across the counted queues
+    client_quota: int | None = None  #: unfinished (queued or running) jobs of one client
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a submit was refused and how full things are."""
+
+    reason: Literal["queue_full", "client_quota"]
+    current: int
+    limit: int
+    queue: str
+    client: str | None = None
+
+    def message(self) -> str:
+        if self.reason == "queue_full":
+            return (
+                f"queue {self.queue!r} is full: {self.current}/{self.limit} jobs waiting "
+                f"(admission cap); try again when it drains, or use `producer backfill`, which waits"
+            )
+        return (
+            f"client {self.client!r} has {self.current}/{self.limit} unfinished jobs (quota); "
+            f"wait for some to finish or cancel one"
+        )
+
+
+class AdmissionRefused(RuntimeError):
+    """The submit was refused by admission control; `refusal` says why and how full."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message())
+        self.refusal = refusal
+
+
+class DuplicateJobError(RuntimeError):
+    """A job with this id already exists (backfill uses this to skip work that is done or queued)."""
+
+    def __init__(self, job_id: str, status: str | None) -> None:
+        super().__init__(f"job {job_id} already exists (status: {status or 'unknown'})")
+        self.job_id = job_id
+        self.status = status
+
+
+def enqueue_admitted(
+    queue: Queue,
+    job: Job,
+    *,
+    policy: AdmissionPolicy,
+    counted_queues: list[Queue],
+    client: str | None,
+    at_front: bool = False,
+) -> Job:
+    """Enqueue `job` on `queue` if `policy` allows it, as one atomic decision.
+
+    `counted_queues` are the queues whose waiting jobs count against `max_queue_depth` (all priority
+    levels of one service). Raises AdmissionRefused, or DuplicateJobError if `job.id` already exists.
+    """
+    connection: redis.Redis = queue.connection
+    ckey = client_key(client) if client else None
+    keys = [q.key for q in counted_queues] + [job.key] + ([ckey] if ckey else [])
+    with connection.pipeline() as pipe:
+        for _ in range(_MAX_ATTEMPTS):
+            try:
+                pipe.watch(*keys)
+                if pipe.exists(job.key):
+                    raw = pipe.hget(job.key, "status")
+                    raise DuplicateJobError(job.id, raw.decode() if raw else None)
+                depth = sum(int(pipe.llen(q.key)) for q in counted_queues)
+                if policy.max_queue_depth is not None and depth >= policy.max_queue_depth:
+                    raise AdmissionRefused(Refusal("queue_full", depth, policy.max_queue_depth, queue.name))
+                stale: list[bytes] = []
+                live = 0
+                if ckey:
+                    for member in pipe.zrange(ckey, 0, -1):
+                        status = pipe.hget(Job.key_for(member.decode()), "status")
+                        if status is None or status.decode() in TERMINAL_STATUSES:
+                            stale.append(member)
+                        else:
+                            live += 1
+                    if policy.client_quota is not None and live >= policy.client_quota:
+                        raise AdmissionRefused(Refusal("client_quota", live, policy.client_quota, queue.name, client))
+                pipe.multi()
+                if stale and ckey:
+                    pipe.zrem(ckey, *stale)
+                queue.enqueue_job(job, pipeline=pipe, at_front=at_front)
+                if ckey:
+                    pipe.zadd(ckey, {job.id: time.time()})
+                    pipe.expire(ckey, CLIENT_KEY_TTL_S)
+                pipe.execute()
+                return job
+            except redis.WatchError:
+                pipe.reset()
+                time.sleep(0.001)
+                continue
+            except (AdmissionRefused, DuplicateJobError):
+                pipe.reset()
+                raise
+    raise RuntimeError(f"admission for job {job.id} kept racing with other submits; try again")

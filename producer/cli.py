@@ -1,0 +1,494 @@
+"""`producer`: the command line of the render service (submit, status, watch, cancel, fetch, ls, stats,
+backfill). A thin layer over `producer.client`; see docs/producer.md.
+
+User errors (bad files, bad values, refused submits, unknown jobs) end with one line on stderr and a
+documented exit code (`producer.exitcodes`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from producer.admission import AdmissionRefused, DuplicateJobError
+from producer.backfill import Backfill, BackfillSummary, ManifestRecord, default_manifest_path
+from producer.client import (
+    IntegrityError,
+    JobInfo,
+    JobNotFound,
+    JobNotReady,
+    ProducerClient,
+    ServiceUnavailable,
+)
+from producer.display import EventPrinter, human_bytes, render_job_table, render_stats, render_status
+from producer.exitcodes import EXIT_CODE_HELP, ExitCode
+from producer.requestfile import RequestFileError, load_requests
+from producer.settings import SettingsError, load_settings
+from worker.keys import JobState
+
+__all__ = ["cli", "main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_STATE_EXIT = {
+    JobState.UPLOADED.value: ExitCode.OK,
+    JobState.FAILED.value: ExitCode.JOB_FAILED,
+    JobState.CANCELLED.value: ExitCode.CANCELLED,
+}
+
+
+class UserError(click.ClickException):
+    """A one-line error with our exit code (click prints `Error: ...`; we print `producer: ...`)."""
+
+    def __init__(self, message: str, code: ExitCode) -> None:
+        super().__init__(message)
+        self.exit_code = int(code)
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"producer: {self.message}", err=True)
+
+
+def _guard(fn: F) -> F:
+    """Map the client's exceptions to one-line messages and exit codes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (RequestFileError, SettingsError) as exc:
+            raise UserError(str(exc), ExitCode.USAGE) from None
+        except AdmissionRefused as exc:
+            raise UserError(f"refused: {exc}", ExitCode.REFUSED) from None
+        except DuplicateJobError as exc:
+            raise UserError(str(exc), ExitCode.USAGE) from None
+        except JobNotFound as exc:
+            raise UserError(str(exc), ExitCode.NOT_FOUND) from None
+        except JobNotReady as exc:
+            code = _STATE_EXIT.get(exc.state, ExitCode.NOT_FINISHED)
+            raise UserError(str(exc), code) from None
+        except ServiceUnavailable as exc:
+            raise UserError(str(exc), ExitCode.UNAVAILABLE) from None
+        except IntegrityError as exc:
+            raise UserError(str(exc), ExitCode.INTEGRITY) from None
+        except KeyboardInterrupt:
+            raise UserError("interrupted", ExitCode.INTERRUPTED) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _client(ctx: click.Context, **overrides: Any) -> ProducerClient:
+    settings = load_settings(**{**ctx.obj, **overrides})
+    return ProducerClient(settings)
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+# ==== the group =========================================================================================
+
+_EPILOG = (
+    "\b\nExit codes:\n"
+    + EXIT_CODE_HELP
+    + "\n\n\bSettings come from LTX_* environment variables (see docs/producer.md)."
+)
+
+
+@click.group(epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--redis-url", envvar="LTX_REDIS_URL", help="the service's Redis [env LTX_REDIS_URL]")
+@click.option("--client", "client_name", help="client name for quotas [env LTX_CLIENT; default: user name]")
+@click.version_option(package_name="ltx-mgpu", prog_name="producer")
+@click.pass_context
+def cli(ctx: click.Context, redis_url: str | None, client_name: str | None) -> None:
+    """Submit render jobs to the ltx-mgpu service and follow them."""
+    ctx.obj = {"redis_url": redis_url, "client": client_name}
+
+
+# ==== submit ============================================================================================
+
+
+@cli.command(epilog=_EPILOG)
+@click.argument("request_file")
+@click.option("--queue", "-q", help="queue to submit to [default: first of LTX_QUEUES]")
+@click.option("--priority", type=click.Choice(["normal", "high"]), default="normal", show_default=True,
+              help="high puts the job at the front of its queue")  # fmt: skip
+@click.option("--watch", "-w", is_flag=True, help="follow the job(s) until they end (exit code reflects the end)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output (one JSON object per line)")
+@click.option("--max-queue-depth", type=click.IntRange(min=0), help="override the admission cap (0: none)")
+@click.option("--client-quota", type=click.IntRange(min=0), help="override the per-client quota (0: none)")
+@click.option("--dry-run", is_flag=True, help="validate only; submit nothing")
+@click.pass_context
+@_guard
+def submit(
+    ctx: click.Context,
+    request_file: str,
+    queue: str | None,
+    priority: str,
+    watch: bool,
+    as_json: bool,
+    max_queue_depth: int | None,
+    client_quota: int | None,
+    dry_run: bool,
+) -> None:
+    """Validate REQUEST_FILE (a JSON object, or JSON Lines of several; - for stdin) and submit it.
+
+    Prints one job id per line. Everything is validated before anything is submitted: a bad request
+    stops the command with FILE:LINE:COLUMN and the field.
+    """
+    requests = load_requests(request_file)
+    if dry_run:
+        for loaded in requests:
+            click.echo(json.dumps({"source": loaded.source, "valid": True}) if as_json else f"{loaded.source}: ok")
+        return
+    with _client(ctx) as client:
+        submitted: list[str] = []
+        for loaded in requests:
+            try:
+                job = client.submit(loaded.request, queue=queue, priority=priority,
+                                    max_queue_depth=max_queue_depth, client_quota=client_quota)  # fmt: skip
+            except AdmissionRefused:
+                if submitted:
+                    click.echo(f"producer: {len(submitted)} of {len(requests)} submitted before the refusal", err=True)
+                raise
+            submitted.append(job.id)
+            if as_json:
+                click.echo(json.dumps({"job_id": job.id, "queue": job.origin, "source": loaded.source}))
+            else:
+                click.echo(job.id)
+        if len(requests) > 1 and not as_json:
+            click.echo(f"submitted {len(submitted)} jobs to {client.queue(queue).name}", err=True)
+        if watch:
+            worst = ExitCode.OK
+            for job_id in submitted:
+                code = _watch(client, job_id, as_json=as_json, timeout=None)
+                worst = code if code != ExitCode.OK and worst == ExitCode.OK else worst
+            ctx.exit(int(worst))
+
+
+# ==== status / watch ====================================================================================
+
+
+@cli.command(epilog=_EPILOG)
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="print the status as one JSON object")
+@click.pass_context
+@_guard
+def status(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    """Show a job's state, progress, worker and result."""
+    with _client(ctx) as client:
+        info = client.status(job_id)
+    if as_json:
+        click.echo(json.dumps(info.as_json(), default=str))
+    else:
+        render_status(_console(), info)
+
+
+@cli.command(epilog=_EPILOG)
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="print each event as a JSON line")
+@click.option("--timeout", type=click.FloatRange(min=0), help="stop watching after this many seconds (exit 8)")
+@click.pass_context
+@_guard
+def watch(ctx: click.Context, job_id: str, as_json: bool, timeout: float | None) -> None:
+    """Follow a job's events until it ends; the exit code is its final state (0 uploaded, 1 failed,
+    4 cancelled). A lost Redis connection is retried and resumes at the last event seen."""
+    with _client(ctx) as client:
+        ctx.exit(int(_watch(client, job_id, as_json=as_json, timeout=timeout)))
+
+
+def _watch(client: ProducerClient, job_id: str, *, as_json: bool, timeout: float | None) -> ExitCode:
+    console = _console()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    printer = EventPrinter(console, job_id, live=False if as_json else None)
+
+    def reconnecting(exc: Exception, retry_in: float) -> None:
+        if as_json:
+            click.echo(json.dumps({"type": "reconnect", "error": str(exc), "retry_in_s": retry_in}))
+        else:
+            printer.note(f"connection lost ({type(exc).__name__}); resuming in {retry_in:.1f}s")
+
+    try:
+        with printer if not as_json else contextlib.nullcontext():
+            if not as_json:
+                printer.note(f"watching {job_id}")
+            for event in client.follow(job_id, on_reconnect=reconnecting, deadline=deadline):
+                if as_json:
+                    click.echo(json.dumps({"id": event.id, **event.data}, default=str))
+                else:
+                    printer.show(event)
+    except KeyboardInterrupt:
+        click.echo(f"producer: stopped watching; job {job_id} keeps running (`producer watch {job_id}`)", err=True)
+        return ExitCode.INTERRUPTED
+    info = client.status(job_id)
+    if not info.terminal:
+        click.echo(f"producer: job {job_id} is still {info.state} after {timeout}s", err=True)
+        return ExitCode.NOT_FINISHED
+    if as_json:
+        click.echo(json.dumps({"type": "final", **info.as_json()}, default=str))
+    elif info.state == JobState.UPLOADED.value and info.result:
+        r = info.result
+        where = f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else r.get("url")
+        console.print(f"done: {where}", highlight=False)
+        if r.get("url"):
+            console.print(f"url:  {r['url']}", highlight=False, soft_wrap=True)
+    elif info.error:
+        console.print(f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}", highlight=False)
+    return _STATE_EXIT.get(info.state, ExitCode.JOB_FAILED)
+
+
+# ==== cancel / fetch ====================================================================================
+
+
+@cli.command(epilog=_EPILOG)
+@click.argument("job_id")
+@click.pass_context
+@_guard
+def cancel(ctx: click.Context, job_id: str) -> None:
+    """Cancel a job: a waiting one never runs; a running one stops at its next step (its fleet survives)."""
+    with _client(ctx) as client:
+        outcome = client.cancel(job_id)
+    messages = {
+        "cancelled": f"cancelled {job_id} (it was waiting; it will not run)",
+        "stop_requested": f"stop requested for {job_id}; it ends at its next step (`producer watch {job_id}`)",
+    }
+    click.echo(
+        messages.get(outcome, f"{job_id} had already ended ({outcome.removeprefix('already_')}); nothing to cancel")
+    )
+
+
+@cli.command(epilog=_EPILOG)
+@click.argument("job_id")
+@click.option(
+    "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="where to write [default: <job id>.mp4]"
+)
+@click.option("--wait", is_flag=True, help="wait for the job to end first")
+@click.option("--timeout", type=click.FloatRange(min=0), help="with --wait: give up after this many seconds")
+@click.pass_context
+@_guard
+def fetch(ctx: click.Context, job_id: str, output: str | None, wait: bool, timeout: float | None) -> None:
+    """Download a finished job's video and verify its sha256 (nothing is written on a mismatch)."""
+    dest = Path(output or f"{job_id}.mp4")
+    with _client(ctx) as client:
+        if wait:
+            client.wait(job_id, timeout=timeout)
+        result = client.fetch(job_id, dest)
+    click.echo(
+        f"saved {result.path} ({human_bytes(result.size)}, sha256 {result.sha256} verified) from {result.source}"
+    )
+
+
+# ==== ls / stats ========================================================================================
+
+
+@cli.command(name="ls", epilog=_EPILOG)
+@click.option("--queue", "-q", "queues", multiple=True, help="queue(s) to list [default: LTX_QUEUES]")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="jobs per section")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per job")
+@click.pass_context
+@_guard
+def ls(ctx: click.Context, queues: tuple[str, ...], limit: int, as_json: bool) -> None:
+    """List jobs: waiting, running, and recently ended."""
+    with _client(ctx) as client:
+        names = list(queues) or client.settings.queues
+        sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
+        for name in names:
+            q = client.queue(name)
+            ids = {
+                "waiting": q.get_job_ids(0, limit - 1),
+                "running": q.started_job_registry.get_job_ids(0, limit - 1, cleanup=False),
+                "recently ended": [
+                    *q.finished_job_registry.get_job_ids(-limit, -1, cleanup=False),
+                    *q.failed_job_registry.get_job_ids(-limit, -1, cleanup=False),
+                    *q.canceled_job_registry.get_job_ids(-limit, -1, cleanup=False),
+                ],
+            }
+            for section, job_ids in ids.items():
+                for job_id in job_ids:
+                    with contextlib.suppress(JobNotFound):
+                        sections[section].append(client.status(job_id))
+        sections["recently ended"].sort(key=lambda i: i.ended_at.timestamp() if i.ended_at else 0.0, reverse=True)
+        if as_json:
+            for section, rows in sections.items():
+                for info in rows[:limit]:
+                    click.echo(json.dumps({"section": section, **info.as_json()}, default=str))
+            return
+        console = _console()
+        for section, rows in sections.items():
+            render_job_table(console, rows[:limit], f"{section} ({len(rows)})")
+
+
+@cli.command(epilog=_EPILOG)
+@click.option("--queue", "-q", "queues", multiple=True, help="queue(s) to show [default: LTX_QUEUES]")
+@click.option("--failures", type=click.IntRange(min=0), default=5, show_default=True, help="recent failures to show")
+@click.option("--json", "as_json", is_flag=True, help="print everything as one JSON object")
+@click.pass_context
+@_guard
+def stats(ctx: click.Context, queues: tuple[str, ...], failures: int, as_json: bool) -> None:
+    """Queue depths, workers with their device groups and fleet states, recent failures, admission."""
+    with _client(ctx) as client:
+        result = client.stats(queues=list(queues) or None, failures=failures)
+    if as_json:
+        click.echo(json.dumps(result.as_json(), default=str))
+    else:
+        render_stats(_console(), result)
+
+
+# ==== backfill ==========================================================================================
+
+
+@cli.command(epilog=_EPILOG)
+@click.argument("requests_file")
+@click.option("--concurrency", "-n", type=click.IntRange(min=1), default=4, show_default=True,
+              help="jobs in flight (queued or running) at most")  # fmt: skip
+@click.option("--manifest", "-m", type=click.Path(dir_okay=False), help="results manifest (JSON Lines) "
+              "[default: <file>.manifest.jsonl next to the input]")  # fmt: skip
+@click.option("--queue", "-q", help="queue to submit to [default: first of LTX_QUEUES]")
+@click.option("--priority", type=click.Choice(["normal", "high"]), default="normal", show_default=True)
+@click.option("--retry-failed/--no-retry-failed", default=True, show_default=True,
+              help="re-run jobs that ended failed or cancelled")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="print each manifest record and a summary as JSON lines")
+@click.pass_context
+@_guard
+def backfill(
+    ctx: click.Context,
+    requests_file: str,
+    concurrency: int,
+    manifest: str | None,
+    queue: str | None,
+    priority: str,
+    retry_failed: bool,
+    as_json: bool,
+) -> None:
+    """Render every request of REQUESTS_FILE with at most N in flight; safe to interrupt and re-run.
+
+    Job ids derive from each request's content and seed, so a re-run skips what is done or still queued,
+    and Ctrl+C loses nothing: run the same command again to resume. When the queue is full the backfill
+    waits instead of failing. Exit code: 0 if every job was uploaded, 1 if any failed, 130 if interrupted.
+    """
+    requests = load_requests(requests_file)
+    manifest_path = Path(manifest) if manifest else default_manifest_path(requests_file)
+    console = Console(stderr=True, highlight=False)
+    with _client(ctx) as client:
+        runner: Backfill
+        progress = _BackfillProgress(console, live=console.is_terminal and not as_json)
+
+        def on_record(record: ManifestRecord) -> None:
+            if as_json:
+                click.echo(record.to_json())
+            progress.record(record)
+
+        runner = Backfill(client, requests, manifest=manifest_path, concurrency=concurrency, queue=queue,
+                          priority=priority, retry_failed=retry_failed,
+                          on_change=lambda s, note: progress.update(s, note, runner), on_record=on_record)  # fmt: skip
+        stop = threading.Event()
+        with _first_sigint_sets(stop), progress:
+            summary = runner.run(stop)
+    line = (
+        f"backfill: {summary.done}/{summary.total} done ({summary.already_done} already, {summary.uploaded} uploaded, "
+        f"{summary.failed} failed, {summary.cancelled} cancelled); enqueued {summary.enqueued}, adopted "
+        f"{summary.adopted}; manifest {manifest_path}"
+    )
+    if as_json:
+        click.echo(json.dumps({"type": "summary", **summary.__dict__, "manifest": str(manifest_path)}))
+    if summary.interrupted:
+        console.print(line)
+        console.print(
+            f"interrupted: {summary.in_flight} jobs still queued or running (they keep going), "
+            f"{summary.remaining} not submitted; run the same command again to resume"
+        )
+        ctx.exit(int(ExitCode.INTERRUPTED))
+    console.print(line)
+    ctx.exit(int(ExitCode.JOB_FAILED if summary.failed or summary.cancelled else ExitCode.OK))
+
+
+class _BackfillProgress:
+    """A progress bar on a terminal; otherwise one line per finished job and per admission wait."""
+
+    def __init__(self, console: Console, *, live: bool) -> None:
+        self.console = console
+        self.live = live
+        self.bar: Progress | None = None
+        self.task: Any = None
+        self._waiting = False
+
+    def __enter__(self) -> _BackfillProgress:
+        if self.live:
+            self.bar = Progress(
+                TextColumn("[bold]backfill"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task("backfill", total=None, info="")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, summary: BackfillSummary, note: str, runner: Backfill) -> None:
+        refusal = runner.refusal
+        waiting = f" · waiting: {refusal.message().split(';')[0]}" if refusal is not None else ""
+        if self.bar is not None:
+            info = (f"{summary.uploaded + summary.already_done} ok · {summary.failed} failed · "
+                    f"enqueued {summary.enqueued} · adopted {summary.adopted}{waiting}")  # fmt: skip
+            self.bar.update(self.task, total=summary.total, completed=summary.done, info=info)
+            return
+        if note == "start":
+            self.console.print(f"backfill: {summary.total} jobs, {summary.already_done} already done per manifest")
+        if refusal is not None and not self._waiting:
+            self.console.print(f"backfill: waiting for room{waiting.removeprefix(' · waiting')}")
+        self._waiting = refusal is not None
+
+    def record(self, record: ManifestRecord) -> None:
+        if self.bar is None:
+            where = f" {record.key}" if record.key else ""
+            err = f" {record.error.get('reason')}: {record.error.get('message')}" if record.error else ""
+            self.console.print(f"backfill: {record.job_id} {record.state}{where}{err} ({record.source})")
+
+
+@contextlib.contextmanager
+def _first_sigint_sets(stop: threading.Event) -> Iterator[None]:
+    """First Ctrl+C: ask the loop to stop cleanly (manifest flushed); second: abort at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (`producer`)."""
+    try:
+        cli.main(args=argv, prog_name="producer")
+    except KeyboardInterrupt:
+        click.echo("producer: interrupted", err=True)
+        sys.exit(int(ExitCode.INTERRUPTED))
+
+
+if __name__ == "__main__":
+    main()

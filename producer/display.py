@@ -1,0 +1,286 @@
+"""How the CLI shows jobs, events and the service: rich progress bars on a terminal, plain lines elsewhere.
+
+On a terminal `watch` draws one progress bar per stage (denoise, decode, upload, ...) and prints state
+changes above them. When stdout is not a terminal (CI logs, pipes, tests) every event becomes one plain,
+greppable line instead, because redrawn bars are noise in a log file.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from producer.client import JobEvent, JobInfo, Stats
+from worker.keys import EventType, JobState
+
+__all__ = ["EventPrinter", "human_bytes", "render_job_table", "render_stats", "render_status"]
+
+
+def human_bytes(size: float | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _ago(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    seconds = max(0.0, time.time() - value.timestamp())
+    if seconds < 60:
+        return f"{seconds:.0f}s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _clock(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts if ts is not None else time.time()).strftime("%H:%M:%S")
+
+
+def _state_line(data: dict[str, Any]) -> str:
+    """A one-line description of a `state` event."""
+    state = str(data.get("state"))
+    if state == JobState.STARTED.value:
+        extra = f" on {data.get('worker')} (fleet {data.get('fleet')}, attempt {data.get('attempt')})"
+        if data.get("queue_wait_s") is not None:
+            extra += f", waited {float(data['queue_wait_s']):.2f}s"
+        return "started" + extra
+    if state == JobState.RENDERING.value:
+        return f"rendering on {data.get('devices')} ({data.get('world_size')} ranks)"
+    if state == JobState.RENDERED.value:
+        extra = f" in {float(data['render_s']):.2f}s" if data.get("render_s") is not None else ""
+        return f"rendered {human_bytes(data.get('bytes'))}{extra}"
+    if state == JobState.UPLOADING.value:
+        return f"uploading {human_bytes(data.get('bytes'))} to {data.get('key')}"
+    if state == JobState.UPLOADED.value:
+        result = data.get("result") or {}
+        where = f"s3://{result.get('bucket')}/{result.get('key')}" if result.get("bucket") else result.get("url")
+        sha = str(result.get("sha256") or "")[:16]
+        return f"uploaded {where} ({human_bytes(result.get('size'))}, sha256 {sha}…)"
+    if state in (JobState.FAILED.value, JobState.RETRYING.value):
+        error = data.get("error") or {}
+        head = "failed" if state == JobState.FAILED.value else f"retrying ({data.get('retry')}/{data.get('of')})"
+        return f"{head}: {error.get('reason')}: {error.get('message')}"
+    if state == JobState.CANCELLED.value:
+        return "cancelled" + (f" ({data['message']})" if data.get("message") else "")
+    return state
+
+
+class EventPrinter:
+    """Turns a job's events into progress bars (terminal) or lines (anything else)."""
+
+    def __init__(self, console: Console, job_id: str, *, live: bool | None = None) -> None:
+        self.console = console
+        self.job_id = job_id
+        self.live = console.is_terminal if live is None else live
+        self.progress: Progress | None = None
+        self.tasks: dict[str, TaskID] = {}
+        self._last_plain: dict[str, float] = {}
+
+    def __enter__(self) -> EventPrinter:
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]{task.description:>10}"),
+                BarColumn(bar_width=36),
+                TextColumn("{task.completed:>4.0f}/{task.total:<4.0f}"),
+                TextColumn("{task.percentage:>5.1f}%"),
+                TextColumn("{task.fields[eta]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def note(self, text: str) -> None:
+        """A line outside the event stream (reconnects, hints)."""
+        self.console.print(f"{_clock(None)} {text}", highlight=False)
+
+    def show(self, event: JobEvent) -> None:
+        data = event.data
+        ts = data.get("ts")
+        if event.type == EventType.STATE.value:
+            self.console.print(f"{_clock(ts)} {_state_line(data)}", highlight=False)
+            if data.get("state") == JobState.UPLOADED.value:
+                self._finish_all()
+            return
+        if event.type == EventType.STAGE.value:
+            stage = str(data.get("stage"))
+            if self.progress is not None:
+                self._task(stage, None)
+            else:
+                self.console.print(f"{_clock(ts)} stage {stage}", highlight=False)
+            return
+        if event.type == EventType.PROGRESS.value:
+            stage = str(data.get("stage"))
+            step, total = int(data.get("step") or 0), int(data.get("total") or 0)
+            eta = data.get("eta_s")
+            if self.progress is not None:
+                task = self._task(stage, total or None)
+                self.progress.update(task, completed=step, total=total or None,
+                                     eta=f"eta {float(eta):.1f}s" if eta is not None else "")  # fmt: skip
+            else:
+                pct = f" ({100.0 * step / total:.0f}%)" if total else ""
+                eta_text = f" eta {float(eta):.1f}s" if eta is not None else ""
+                self.console.print(f"{_clock(ts)} {stage} {step}/{total}{pct}{eta_text}", highlight=False)
+            return
+        if event.type == EventType.UPLOAD.value:
+            if data.get("error"):
+                self.console.print(
+                    f"{_clock(ts)} upload attempt {data.get('attempt')} failed: {data.get('error')}; "
+                    f"retry in {data.get('retry_in_s')}s",
+                    highlight=False,
+                )
+                return
+            done, total = data.get("bytes"), data.get("total")
+            if self.progress is not None and total:
+                task = self._task("upload", float(total))
+                self.progress.update(task, completed=float(done or 0), total=float(total))
+            elif total:
+                self._throttled("upload", f"{_clock(ts)} upload {human_bytes(done)}/{human_bytes(total)}")
+            return
+        if event.type == EventType.OUTPUT.value:
+            self.console.print(
+                f"{_clock(ts)} output {data.get('width')}x{data.get('height')} {data.get('frames')} frames "
+                f"@ {data.get('fps')} fps, {human_bytes(data.get('bytes'))}",
+                highlight=False,
+            )
+            return
+        if event.type == EventType.FLEET.value:
+            details = ", ".join(f"{k}={v}" for k, v in data.items() if k not in ("type", "ts", "action"))
+            self.console.print(f"{_clock(ts)} fleet {data.get('action')}: {details}", highlight=False)
+            return
+        self.console.print(f"{_clock(ts)} {event.type}: {data}", highlight=False)
+
+    def _task(self, name: str, total: float | None) -> TaskID:
+        assert self.progress is not None
+        if name not in self.tasks:
+            for other in self.tasks.values():  # a new stage means the previous ones are done
+                task = self.progress.tasks[other]
+                if task.total:
+                    self.progress.update(other, completed=task.total)
+            self.tasks[name] = self.progress.add_task(name, total=total, eta="")
+        return self.tasks[name]
+
+    def _finish_all(self) -> None:
+        if self.progress is None:
+            return
+        for task_id in self.tasks.values():
+            task = self.progress.tasks[task_id]
+            if task.total:
+                self.progress.update(task_id, completed=task.total, eta="")
+
+    def _throttled(self, key: str, line: str, every_s: float = 1.0) -> None:
+        now = time.monotonic()
+        if now - self._last_plain.get(key, 0.0) >= every_s:
+            self._last_plain[key] = now
+            self.console.print(line, highlight=False)
+
+
+def render_status(console: Console, info: JobInfo) -> None:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("job", info.job_id)
+    table.add_row("state", info.state + (f"  (rq: {info.rq_status})" if info.rq_status else ""))
+    table.add_row("queue", str(info.queue))
+    meta = info.meta
+    if meta.get("stage"):
+        pct = f" {meta['percent']:.0f}%" if meta.get("percent") is not None else ""
+        step = f" {meta.get('step')}/{meta.get('total')}" if meta.get("total") else ""
+        eta = f", eta {meta['eta_s']:.1f}s" if meta.get("eta_s") is not None else ""
+        table.add_row("stage", f"{meta['stage']}{step}{pct}{eta}")
+    if meta.get("worker"):
+        table.add_row("worker", f"{meta.get('worker')} (fleet {meta.get('fleet')}, attempt {meta.get('attempt')})")
+    table.add_row("enqueued", _ago(info.enqueued_at))
+    if info.started_at:
+        table.add_row("started", _ago(info.started_at))
+    if info.ended_at:
+        table.add_row("ended", _ago(info.ended_at))
+    if info.request:
+        req = info.request
+        table.add_row(
+            "request",
+            f"{req.get('width')}x{req.get('height')}, {req.get('num_frames')} frames, seed {req.get('seed')}: "
+            f"{str(req.get('prompt'))[:60]!r}",
+        )
+    if info.error:
+        table.add_row("error", f"{info.error.get('reason')}: {info.error.get('message')}")
+    if info.result:
+        r = info.result
+        table.add_row("object", f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else str(r.get("url")))
+        table.add_row("size", f"{human_bytes(r.get('size'))}  sha256 {r.get('sha256')}")
+        timings = r.get("timings") or {}
+        if timings:
+            table.add_row("timings", ", ".join(f"{k} {v}" for k, v in timings.items() if v is not None))
+    console.print(table)
+
+
+def render_job_table(console: Console, rows: list[JobInfo], title: str) -> None:
+    table = Table(title=title, title_justify="left")
+    for col in ("job", "state", "stage", "progress", "fleet", "enqueued", "prompt"):
+        table.add_column(col, no_wrap=col != "prompt", overflow="fold" if col == "prompt" else "ellipsis")
+    for info in rows:
+        meta = info.meta
+        progress = f"{meta.get('step')}/{meta.get('total')}" if meta.get("total") else ""
+        prompt = str((info.request or {}).get("prompt", ""))[:40]
+        table.add_row(info.job_id, info.state, str(meta.get("stage") or ""), progress, str(meta.get("fleet") or ""),
+                      _ago(info.enqueued_at), prompt)  # fmt: skip
+    console.print(table)
+
+
+def render_stats(console: Console, stats: Stats) -> None:
+    queues = Table(title="queues", title_justify="left")
+    for col in ("queue", "waiting", "running", "finished", "failed", "cancelled", "cap"):
+        queues.add_column(col, justify="left" if col == "queue" else "right")
+    cap = stats.max_queue_depth
+    for q in stats.queues:
+        fill = f"{q.queued}/{cap}" if cap else "no cap"
+        queues.add_row(q.name, str(q.queued), str(q.started), str(q.finished), str(q.failed), str(q.canceled), fill)
+    console.print(queues)
+
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "group", "state", "fleet", "current job", "jobs", "heartbeat"):
+        workers.add_column(col)
+    for w in stats.workers:
+        health = w.health or {}
+        fleet = health.get("fleet") if isinstance(health.get("fleet"), dict) else {}
+        fleet_text = w.fleet_state or "?"
+        if fleet:
+            fleet_text += f" ({len(fleet.get('pids') or [])} ranks"
+            fleet_text += f", {fleet.get('rebuilds')} rebuilds)" if fleet.get("rebuilds") else ")"
+        workers.add_row(w.name, w.group or "?", w.state, fleet_text, w.current_job or "-",
+                        str(health.get("jobs_done", "-")), _ago(w.last_heartbeat))  # fmt: skip
+    if not stats.workers:
+        workers.add_row("(none)", "", "", "", "", "", "")
+    console.print(workers)
+
+    failures = Table(title="recent failures", title_justify="left")
+    for col in ("job", "queue", "reason", "message", "ended"):
+        failures.add_column(col, overflow="fold" if col == "message" else "ellipsis")
+    for f in stats.failures:
+        failures.add_row(f.job_id, f.queue, f.reason or "-", f.message[:80], _ago(f.ended_at))
+    if not stats.failures:
+        failures.add_row("(none)", "", "", "", "")
+    console.print(failures)
+    quota = (
+        f"{stats.client_unfinished}/{stats.client_quota}"
+        if stats.client_quota
+        else f"{stats.client_unfinished} (no quota)"
+    )
+    console.print(f"admission: cap {cap or 'none'} waiting jobs per queue; client {stats.client!r}: {quota} unfinished")

@@ -1,0 +1,117 @@
+"""Producer settings: the same `LTX_*` environment variables as the worker where they mean the same thing.
+
+One `.env` (or compose `environment:` block) configures both sides: `LTX_REDIS_URL`, `LTX_QUEUES` (the
+first queue is where `submit` puts jobs), `LTX_RESULT_TTL`/`LTX_FAILURE_TTL`, and the `LTX_S3_*` storage
+variables (used by `fetch` when credentials are present; otherwise `fetch` downloads the presigned URL
+from the job result). Producer-only knobs: `LTX_CLIENT` (the name quotas are counted under),
+`LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`. Unknown `LTX_*` variables are ignored, so
+the worker's variables can live in the same file. Credentials are `SecretStr` and never printed.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
+
+ENV_PREFIX = "LTX_"
+
+
+class SettingsError(ValueError):
+    """Invalid producer settings; the message names the field and its environment variable."""
+
+
+def _default_client() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        return "anonymous"
+
+
+class ProducerSettings(BaseSettings):
+    """Field `x` is environment variable `LTX_X`; CLI flags override."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", case_sensitive=False)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the service's Redis")
+    queues: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["ltx-render"],
+        description="the worker's queues; `submit` uses the first unless --queue is given",
+    )
+    client: str = Field(default_factory=_default_client, description="name per-client quotas count under")
+    max_queue_depth: int = Field(
+        200, ge=0, description="refuse a submit when this many jobs wait in the queue (0: no cap)"
+    )
+    client_quota: int = Field(
+        0, ge=0, description="refuse a submit when the client has this many unfinished jobs (0: no quota)"
+    )
+    job_timeout: int = Field(
+        7200, ge=1, description="RQ job_timeout in seconds: a backstop above the worker's render timeout"
+    )
+    result_ttl: int = Field(86400, ge=-1, description="seconds a finished job and its result stay in Redis")
+    failure_ttl: int = Field(7 * 86400, ge=1, description="seconds a failed job stays in Redis")
+
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint for `fetch` (unset: AWS)")
+    s3_region: str = "us-east-1"
+    s3_access_key_id: SecretStr | None = None
+    s3_secret_access_key: SecretStr | None = None
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _split_queues(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("queues")
+    @classmethod
+    def _check_queues(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one queue is needed")
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_.:-]+", name):
+                raise ValueError(f"queue name {name!r} may only contain letters, digits and _.:-")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("client")
+    @classmethod
+    def _check_client(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", value):
+            raise ValueError("may only contain letters, digits and _.@- (at most 64)")
+        return value
+
+    @property
+    def default_queue(self) -> str:
+        return self.queues[0]
+
+    @property
+    def has_s3_credentials(self) -> bool:
+        return self.s3_access_key_id is not None and self.s3_secret_access_key is not None
+
+
+def load_settings(**overrides: Any) -> ProducerSettings:
+    """Settings from the environment with CLI overrides (None = not given); raise SettingsError."""
+    try:
+        return ProducerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else "settings"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise SettingsError(f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {msg}") from None
