@@ -1,0 +1,418 @@
+// Implementation of runtime.hpp. Every CUDA call is checked and reported with file:line and the error
+// name; user mistakes are std::invalid_argument (ValueError in Python) raised before anything launches.
+#include "runtime.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+#include "launch.hpp"
+
+namespace ltxk {
+namespace {
+
+[[noreturn]] void cuda_fail(cudaError_t err, const char* what, const char* file, int line) {
+  std::ostringstream os;
+  os << "ltx_mgpu_kernels: " << what << " failed at " << file << ":" << line << ": " << cudaGetErrorName(err)
+     << " (" << cudaGetErrorString(err) << ")";
+  throw std::runtime_error(os.str());
+}
+
+#define LTXK_CUDA(call)                                              \
+  do {                                                               \
+    const cudaError_t err_ = (call);                                 \
+    if (err_ != cudaSuccess) cuda_fail(err_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+template <typename... Args>
+[[noreturn]] void invalid(Args&&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw std::invalid_argument(os.str());
+}
+
+// Makes `device` current for this scope. The extension links its own (static) CUDA runtime, whose notion
+// of "current device" is separate from torch's, so every entry point sets it explicitly.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    LTXK_CUDA(cudaGetDevice(&prev_));
+    if (prev_ != device) LTXK_CUDA(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(prev_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+uint64_t timeout_to_ns(double timeout_s) {
+  if (!std::isfinite(timeout_s) || timeout_s <= 0.0)
+    invalid("all2all timeout must be a finite number of seconds > 0, got ", timeout_s);
+  const double ns = timeout_s * 1e9;
+  if (ns >= static_cast<double>(std::numeric_limits<uint64_t>::max() / 2))
+    return std::numeric_limits<uint64_t>::max() / 2;
+  return static_cast<uint64_t>(ns);
+}
+
+void check_world(int world) {
+  if (world < 1 || world > kMaxRanks)
+    invalid("the ipc all2all supports 1..", kMaxRanks, " ranks per instance, got world size ", world,
+            "; use the dist backend for larger groups");
+}
+
+}  // namespace
+
+// ==== planning (pure host code) =========================================================================
+
+Plan make_plan(int op, int world, const std::vector<int64_t>& counts, const std::vector<int>& src_ranks,
+               int64_t batch, const std::vector<int64_t>& seqs, int64_t heads_in, int64_t head_dim, int64_t itemsize,
+               int64_t capacity_bytes) {
+  check_world(world);
+  if (op != kSendRecvHeads && op != kGatherHeads && op != kAllGatherHeads) invalid("unknown op ", op);
+  if (src_ranks.empty() || static_cast<int>(src_ranks.size()) > world)
+    invalid("expected 1..", world, " source ranks, got ", src_ranks.size());
+  if (seqs.size() != src_ranks.size()) invalid("expected one sequence length per source rank");
+  for (int64_t seq : seqs)
+    if (batch < 0 || seq < 0 || heads_in < 1 || head_dim < 1)
+      invalid("invalid input shape (B=", batch, ", S=", seq, ", H=", heads_in, ", D=", head_dim, ")");
+  if (itemsize != 1 && itemsize != 2 && itemsize != 4) invalid("unsupported element size ", itemsize);
+  const bool needs_counts = op != kAllGatherHeads;
+  if (needs_counts && static_cast<int>(counts.size()) != world)
+    invalid("token counts are not set for this world size (", world,
+            "): call set_rank_tokens(counts) with one count per rank before exchanging");
+  int64_t total = 0;
+  std::vector<int64_t> offsets(world, 0);
+  if (needs_counts) {
+    for (int r = 0; r < world; ++r) {
+      offsets[r] = total;
+      total += counts[r];
+    }
+  }
+
+  int64_t heads = 0;  // full head count H
+  int64_t hh = 0;     // heads per rank
+  if (op == kSendRecvHeads) {
+    heads = heads_in;
+    if (heads % world != 0)
+      invalid("send_recv_heads: heads (", heads, ") must be divisible by world size (", world, ")");
+    hh = heads / world;
+  } else {
+    hh = heads_in;
+    heads = hh * world;
+  }
+  const int64_t chunk = hh * head_dim * itemsize;
+  const int64_t row_full = heads * head_dim * itemsize;
+
+  Plan plan;
+  Params& p = plan.params;
+  p.world = world;
+  p.num_src = static_cast<int32_t>(src_ranks.size());
+  p.batch = static_cast<int32_t>(batch);
+  p.chunk_bytes = chunk;
+
+  int64_t max_rows_out = 0;  // rows per batch element of the largest target output
+  for (int i = 0; i < p.num_src; ++i) {
+    const int s = src_ranks[i];
+    if (s < 0 || s >= world) invalid("source rank ", s, " out of range for world size ", world);
+    Route& r = p.route[i];
+    r.rank = s;
+    const int64_t seq = seqs[i];
+    if (op == kSendRecvHeads) {
+      if (seq != counts[s])
+        invalid("send_recv_heads: rank ", s, " input has ", seq, " tokens but set_rank_tokens gave it ",
+                counts[s]);
+      r.src_rows = seq;
+      r.dst_row0 = offsets[s];
+      r.dst_col0 = 0;
+      for (int t = 0; t < world; ++t) {
+        r.n_rows[t] = static_cast<int32_t>(seq);
+        r.src_row0[t] = 0;
+        r.src_col0[t] = t * chunk;
+        r.dst_rows[t] = total;
+      }
+      max_rows_out = total;
+    } else if (op == kGatherHeads) {
+      if (seq != total)
+        invalid("gather_heads: input has ", seq, " tokens but the ranks' token counts add up to ", total);
+      r.src_rows = seq;
+      r.dst_row0 = 0;
+      r.dst_col0 = s * chunk;
+      for (int t = 0; t < world; ++t) {
+        r.n_rows[t] = static_cast<int32_t>(counts[t]);
+        r.src_row0[t] = static_cast<int32_t>(offsets[t]);
+        r.src_col0[t] = 0;
+        r.dst_rows[t] = counts[t];
+        max_rows_out = std::max(max_rows_out, counts[t]);
+      }
+    } else {
+      if (seq != seqs[0]) invalid("all_gather_heads: every rank must send the same number of tokens");
+      r.src_rows = seq;
+      r.dst_row0 = 0;
+      r.dst_col0 = s * chunk;
+      for (int t = 0; t < world; ++t) {
+        r.n_rows[t] = static_cast<int32_t>(seq);
+        r.src_row0[t] = 0;
+        r.src_col0[t] = 0;
+        r.dst_rows[t] = seq;
+      }
+      max_rows_out = seq;
+    }
+  }
+  if (op == kSendRecvHeads) {
+    p.src_stride = row_full;
+    p.dst_stride = chunk;
+  } else {
+    p.src_stride = chunk;
+    p.dst_stride = row_full;
+  }
+  const int64_t out_row_bytes = op == kSendRecvHeads ? chunk : row_full;
+  plan.out_bytes_max = batch * max_rows_out * out_row_bytes;
+  if (plan.out_bytes_max > capacity_bytes) {
+    const char* names[] = {"send_recv_heads", "gather_heads", "all_gather_heads"};
+    invalid(names[op], ": the output needs ", plan.out_bytes_max, " bytes (B=", batch, ", ", max_rows_out,
+            " tokens x ", out_row_bytes, " bytes) but the exchange buffer holds ", capacity_bytes,
+            " bytes; raise max_tokens_per_rank/max_batch or send fewer tokens");
+  }
+  int64_t max_seq = 0;
+  for (int64_t seq : seqs) max_seq = std::max(max_seq, seq);
+  if (batch * std::max<int64_t>(max_rows_out, max_seq) >= (int64_t{1} << 31))
+    invalid("batch x tokens must stay below 2^31 rows");
+  return plan;
+}
+
+int pick_vector_bytes(const Params& p, const std::vector<uintptr_t>& srcs) {
+  auto ok = [&](int64_t v) {
+    if (p.chunk_bytes % v || p.src_stride % v || p.dst_stride % v) return false;
+    for (uintptr_t s : srcs)
+      if (s % static_cast<uintptr_t>(v)) return false;
+    return true;
+  };
+  for (int v : {16, 8, 4, 2}) if (ok(v)) return v;
+  return 1;
+}
+
+// ==== runtime ===========================================================================================
+
+Runtime::Runtime(int device, int rank, int world, int64_t capacity_bytes, int64_t itemsize, double timeout_s,
+                 bool loopback)
+    : device_(device), rank_(rank), world_(world), capacity_(capacity_bytes), itemsize_(itemsize),
+      loopback_(loopback) {
+  check_world(world);
+  if (!loopback && (rank < 0 || rank >= world)) invalid("rank ", rank, " out of range for world size ", world);
+  if (capacity_bytes <= 0) invalid("exchange buffer capacity must be > 0 bytes, got ", capacity_bytes);
+  if (itemsize != 1 && itemsize != 2 && itemsize != 4) invalid("unsupported element size ", itemsize);
+  if (device < 0) invalid("device index must be >= 0, got ", device);
+  timeout_ns_ = timeout_to_ns(timeout_s);
+
+  int count = 0;
+  const cudaError_t cerr = cudaGetDeviceCount(&count);
+  if (cerr != cudaSuccess || count == 0)
+    throw std::runtime_error(std::string("ltx_mgpu_kernels: no usable CUDA device (") +
+                             cudaGetErrorName(cerr) + ")");
+  if (device >= count) invalid("device index ", device, " but only ", count, " CUDA devices are visible");
+
+  DeviceGuard guard(device_);
+  LTXK_CUDA(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_));
+  LTXK_CUDA(exchange_blocks_per_sm(&blocks_per_sm_));
+  if (blocks_per_sm_ < 1) throw std::runtime_error("ltx_mgpu_kernels: exchange kernel cannot be resident");
+
+  slot_bytes_ = kCtrlBytes + round_up(capacity_bytes, kAlign);
+  const int slots = loopback ? world : 1;
+  void* base = nullptr;
+  LTXK_CUDA(cudaMalloc(&base, static_cast<size_t>(slot_bytes_) * slots));
+  base_ = static_cast<uint8_t*>(base);
+  void* local = nullptr;
+  try {
+    LTXK_CUDA(cudaMemset(base_, 0, static_cast<size_t>(slot_bytes_) * slots));
+    LTXK_CUDA(cudaMalloc(&local, sizeof(LocalState)));
+    local_ = static_cast<LocalState*>(local);
+    LTXK_CUDA(cudaMemset(local_, 0, sizeof(LocalState)));
+    void* host = nullptr;
+    LTXK_CUDA(cudaHostAlloc(&host, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+    err_host_ = static_cast<ErrorRecord*>(host);
+    std::memset(err_host_, 0, sizeof(ErrorRecord));
+    void* dev_alias = nullptr;
+    LTXK_CUDA(cudaHostGetDevicePointer(&dev_alias, host, 0));
+    err_dev_ = static_cast<ErrorRecord*>(dev_alias);
+    // Zeroed signals must be globally visible before any peer can learn our handle.
+    LTXK_CUDA(cudaDeviceSynchronize());
+  } catch (...) {
+    destroy();
+    throw;
+  }
+  if (loopback) {
+    for (int r = 0; r < world; ++r) {
+      ctrl_[r] = reinterpret_cast<Ctrl*>(base_ + r * slot_bytes_);
+      data_[r] = base_ + r * slot_bytes_ + kCtrlBytes;
+    }
+    set_loopback_blocks(std::max(world, (num_sms_ / world)));
+  } else {
+    ctrl_[rank] = reinterpret_cast<Ctrl*>(base_);
+    data_[rank] = base_ + kCtrlBytes;
+  }
+}
+
+Runtime::~Runtime() {
+  try {
+    destroy();
+  } catch (...) {
+    // Destructors must not throw; destroy() failures were already reported if called explicitly.
+  }
+}
+
+std::string Runtime::ipc_handle() const {
+  if (destroyed_) throw std::runtime_error("ltx_mgpu_kernels: instance was destroyed");
+  if (loopback_) throw std::runtime_error("ltx_mgpu_kernels: a loopback instance has no IPC handle");
+  DeviceGuard guard(device_);
+  cudaIpcMemHandle_t h;
+  LTXK_CUDA(cudaIpcGetMemHandle(&h, base_));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void Runtime::open_peers(const std::vector<std::string>& handles, int blocks_per_src) {
+  if (destroyed_) throw std::runtime_error("ltx_mgpu_kernels: instance was destroyed");
+  if (loopback_) throw std::runtime_error("ltx_mgpu_kernels: a loopback instance has no peers");
+  if (ready_) throw std::runtime_error("ltx_mgpu_kernels: peers are already open");
+  if (static_cast<int>(handles.size()) != world_)
+    invalid("expected ", world_, " IPC handles, got ", handles.size());
+  if (blocks_per_src < world_ || blocks_per_src > num_sms_ * blocks_per_sm_)
+    invalid("blocks per rank must be in [", world_, ", ", num_sms_ * blocks_per_sm_, "], got ", blocks_per_src);
+  for (const auto& h : handles)
+    if (h.size() != sizeof(cudaIpcMemHandle_t))
+      invalid("IPC handle of ", h.size(), " bytes, expected ", sizeof(cudaIpcMemHandle_t));
+  if (handles[rank_] != ipc_handle()) invalid("handles[", rank_, "] is not this rank's own handle");
+  DeviceGuard guard(device_);
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    void* ptr = nullptr;
+    LTXK_CUDA(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
+    opened_.push_back(ptr);
+    ctrl_[r] = static_cast<Ctrl*>(ptr);
+    data_[r] = static_cast<uint8_t*>(ptr) + kCtrlBytes;
+  }
+  blocks_per_src_ = blocks_per_src;
+  ready_ = true;
+}
+
+void Runtime::set_loopback_blocks(int blocks_per_src) {
+  if (!loopback_) throw std::runtime_error("ltx_mgpu_kernels: set_loopback_blocks is for loopback instances");
+  // All W sources run in one grid whose blocks spin on each other: the whole grid must be co-resident.
+  const int limit = num_sms_ * blocks_per_sm_ / world_;
+  if (blocks_per_src < world_ || blocks_per_src > limit)
+    invalid("loopback blocks per rank must be in [", world_, ", ", limit, "], got ", blocks_per_src);
+  blocks_per_src_ = blocks_per_src;
+  ready_ = true;
+}
+
+void Runtime::set_rank_tokens(const std::vector<int64_t>& counts) {
+  if (static_cast<int>(counts.size()) != world_)
+    invalid("set_rank_tokens expects ", world_, " counts (one per rank), got ", counts.size());
+  for (int64_t c : counts)
+    if (c < 0 || c >= (int64_t{1} << 31)) invalid("token counts must be in [0, 2^31), got ", c);
+  counts_ = counts;
+}
+
+void Runtime::set_timeout(double timeout_s) { timeout_ns_ = timeout_to_ns(timeout_s); }
+
+void Runtime::launch(int op, const std::vector<uintptr_t>& srcs, int64_t batch, const std::vector<int64_t>& seqs,
+                     int64_t heads_in, int64_t head_dim, uintptr_t stream) {
+  if (destroyed_) throw std::runtime_error("ltx_mgpu_kernels: instance was destroyed");
+  if (!ready_) throw std::runtime_error("ltx_mgpu_kernels: peers are not open (handshake incomplete)");
+  if (auto e = error_state()) {
+    std::ostringstream os;
+    os << "ltx_mgpu_kernels: instance unusable: an earlier exchange timed out on rank " << std::get<0>(*e)
+       << " waiting for rank " << std::get<1>(*e);
+    throw std::runtime_error(os.str());
+  }
+  if (failed_launch_) throw std::runtime_error("ltx_mgpu_kernels: instance unusable after a failed launch");
+  const int expected_srcs = loopback_ ? world_ : 1;
+  if (static_cast<int>(srcs.size()) != expected_srcs)
+    invalid("expected ", expected_srcs, " input pointers, got ", srcs.size());
+  std::vector<int> ranks;
+  for (int i = 0; i < expected_srcs; ++i) ranks.push_back(loopback_ ? i : rank_);
+  Plan plan = make_plan(op, world_, counts_, ranks, batch, seqs, heads_in, head_dim, itemsize_, capacity_);
+  Params& p = plan.params;
+  for (int i = 0; i < expected_srcs; ++i) p.route[i].src = reinterpret_cast<const uint8_t*>(srcs[i]);
+  for (int r = 0; r < world_; ++r) {
+    p.data[r] = data_[r];
+    p.ctrl[r] = ctrl_[r];
+  }
+  p.local = local_;
+  p.err = err_dev_;
+  p.blocks_per_src = blocks_per_src_;
+  p.timeout_ns = timeout_ns_;
+  const int vec = pick_vector_bytes(p, srcs);
+  const int64_t vpc = p.chunk_bytes / vec;
+  int tpr = 1;
+  while (tpr * 2 <= vpc && tpr * 2 <= kThreads) tpr *= 2;
+  p.threads_per_row = tpr;
+  DeviceGuard guard(device_);
+  const cudaError_t err = launch_exchange(p, vec, reinterpret_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    failed_launch_ = true;
+    cuda_fail(err, "exchange kernel launch", __FILE__, __LINE__);
+  }
+}
+
+std::optional<std::tuple<int, int, int, uint32_t, uint32_t>> Runtime::error_state() const {
+  const volatile ErrorRecord* e = err_host_ != nullptr ? err_host_ : &saved_err_;
+  if (e->code == 0) return std::nullopt;
+  return std::make_tuple(static_cast<int>(e->waiting_rank), static_cast<int>(e->missing_rank),
+                         static_cast<int>(e->phase), static_cast<uint32_t>(e->seen),
+                         static_cast<uint32_t>(e->expected));
+}
+
+uintptr_t Runtime::data_ptr(int rank) const {
+  if (destroyed_) throw std::runtime_error("ltx_mgpu_kernels: instance was destroyed");
+  if (rank < 0 || rank >= world_ || (!loopback_ && rank != rank_))
+    invalid("data region of rank ", rank, " is not addressable here");
+  return reinterpret_cast<uintptr_t>(data_[rank]);
+}
+
+void Runtime::destroy() {
+  if (destroyed_) return;
+  destroyed_ = true;
+  ready_ = false;
+  int prev = 0;
+  const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+  cudaSetDevice(device_);
+  // No kernel of ours may still be writing into mapped peers or reading our region.
+  cudaDeviceSynchronize();
+  for (void* ptr : opened_) cudaIpcCloseMemHandle(ptr);
+  opened_.clear();
+  if (base_ != nullptr) cudaFree(base_);
+  if (local_ != nullptr) cudaFree(local_);
+  if (err_host_ != nullptr) {
+    // Keep error_state() answering after destroy: copy the record before the pinned page goes away.
+    const volatile ErrorRecord* e = err_host_;
+    saved_err_.code = e->code;
+    saved_err_.waiting_rank = e->waiting_rank;
+    saved_err_.missing_rank = e->missing_rank;
+    saved_err_.phase = e->phase;
+    saved_err_.seen = e->seen;
+    saved_err_.expected = e->expected;
+    cudaFreeHost(err_host_);
+  }
+  base_ = nullptr;
+  local_ = nullptr;
+  err_host_ = nullptr;
+  err_dev_ = nullptr;
+  for (int r = 0; r < kMaxRanks; ++r) {
+    data_[r] = nullptr;
+    ctrl_[r] = nullptr;
+  }
+  if (have_prev) cudaSetDevice(prev);
+}
+
+}  // namespace ltxk
