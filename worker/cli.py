@@ -1,0 +1,154 @@
+"""`ltx-worker` / `python -m worker`: run the render service.
+
+    ltx-worker --group 0,1,2,3 --group 4,5,6,7      # supervisor + one worker process per group
+    ltx-worker --group cpu:2                        # a CPU fleet of two ranks (no GPU needed)
+    ltx-worker one --group 0,1                      # a single worker in this process (no supervisor)
+    ltx-worker health --port 9400                   # probe a worker's /readyz (exit 0 when ready)
+    ltx-worker settings                             # print the effective settings (secrets masked)
+
+Every setting is an environment variable (`LTX_<FIELD>`) or a settings-file entry (`--settings FILE` /
+`LTX_SETTINGS_FILE`); the flags below override the most common ones. See docs/worker.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .settings import SETTINGS_FILE_ENV, SettingsError, WorkerSettings, load_settings
+
+__all__ = ["main"]
+
+_OVERRIDES = ("redis_url", "runner", "metrics_port", "spool_dir", "log_format", "log_level")
+
+
+def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--settings", "settings_file", type=click.Path(dir_okay=False), default=None,
+                     help=f"settings file (.json/.toml/.yaml); default ${SETTINGS_FILE_ENV}"),
+        click.option("--redis-url", default=None, help="Redis URL (LTX_REDIS_URL)"),
+        click.option("--queue", "queues", multiple=True, help="queue to serve, repeatable (LTX_QUEUES)"),
+        click.option("--runner", default=None, help="runner name from the registry (LTX_RUNNER)"),
+        click.option("--metrics-port", type=int, default=None, help="metrics port, group 0 (LTX_METRICS_PORT)"),
+        click.option("--spool-dir", default=None, help="spool directory (LTX_SPOOL_DIR)"),
+        click.option("--log-format", type=click.Choice(["json", "text"]), default=None),
+        click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default=None),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load(settings_file: str | None, groups: tuple[str, ...], queues: tuple[str, ...], **flags: Any) -> WorkerSettings:
+    overrides: dict[str, Any] = {k: v for k, v in flags.items() if k in _OVERRIDES and v is not None}
+    if groups:
+        overrides["groups"] = list(groups)
+    if queues:
+        overrides["queues"] = list(queues)
+    try:
+        return load_settings(settings_file, **overrides)
+    except SettingsError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(2)
+
+
+def _child_env(settings: WorkerSettings, settings_file: str | None) -> dict[str, str]:
+    """Hand the supervisor's effective settings to its children through LTX_* variables (the file and
+    the environment are re-read there; CLI flags become variables)."""
+    from .supervisor import child_env
+
+    env: dict[str, str] = {}
+    if settings_file:
+        env[SETTINGS_FILE_ENV] = settings_file
+    data = settings.model_dump(mode="json", include=set(_OVERRIDES) | {"queues"})
+    for key, value in data.items():
+        if value is None:
+            continue
+        env[f"LTX_{key.upper()}"] = json.dumps(value) if isinstance(value, list | dict) else str(value)
+    return child_env(env)
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--group", "groups", multiple=True, help="device group per worker: '0,1,2,3' or 'cpu:2' (repeatable)")
+@click.option("--kill-after", type=float, default=None, help="seconds after a cold stop before SIGKILL")
+@_common
+@click.pass_context
+def main(
+    ctx: click.Context,
+    groups: tuple[str, ...],
+    kill_after: float | None,
+    settings_file: str | None,
+    queues: tuple[str, ...],
+    **flags: Any,
+) -> None:
+    """Run one worker process per device group under a supervisor (default command)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .logs import setup_logging
+    from .supervisor import Supervisor, child_command
+
+    settings = _load(settings_file, groups, queues, **flags)
+    setup_logging(settings.log_level, settings.log_format, group="supervisor")
+    env = _child_env(settings, settings_file)
+    supervisor = Supervisor(settings.groups, child_command, env=env, kill_after_s=kill_after)
+    sys.exit(supervisor.run())
+
+
+@main.command("one")
+@click.option("--group", required=True, help="this worker's device group")
+@click.option("--index", type=int, default=0, help="group index (metrics port offset)")
+@click.option("--burst", is_flag=True, help="exit when the queues are empty")
+@click.option("--max-jobs", type=int, default=None, help="exit after this many jobs")
+@_common
+def one(
+    group: str,
+    index: int,
+    burst: bool,
+    max_jobs: int | None,
+    settings_file: str | None,
+    queues: tuple[str, ...],
+    **flags: Any,
+) -> None:
+    """Run a single worker (one fleet) in this process."""
+    from .process import run_worker
+    from .settings import validate_group
+
+    settings = _load(settings_file, (), queues, **flags)
+    try:
+        group = validate_group(group)
+    except ValueError as exc:
+        click.echo(f"--group: {exc}", err=True)
+        sys.exit(2)
+    sys.exit(run_worker(settings, group, index=index, burst=burst, max_jobs=max_jobs))
+
+
+@main.command("health")
+@click.option("--url", default=None, help="probe URL (default http://127.0.0.1:<port>/readyz)")
+@click.option("--port", type=int, default=9400)
+@click.option("--live", is_flag=True, help="probe liveness (/healthz) instead of readiness")
+def health(url: str | None, port: int, live: bool) -> None:
+    """Probe a worker's health endpoint; exit 0 if healthy, 1 if not (for container health checks)."""
+    target = url or f"http://127.0.0.1:{port}/{'healthz' if live else 'readyz'}"
+    try:
+        with urllib.request.urlopen(target, timeout=5) as resp:
+            click.echo(resp.read().decode())
+            sys.exit(0)
+    except urllib.error.HTTPError as exc:
+        click.echo(exc.read().decode() or str(exc), err=True)
+    except (urllib.error.URLError, OSError) as exc:
+        click.echo(f"unreachable: {exc}", err=True)
+    sys.exit(1)
+
+
+@main.command("settings")
+@_common
+def show_settings(settings_file: str | None, queues: tuple[str, ...], **flags: Any) -> None:
+    """Print the effective settings as JSON (secrets masked); exit 2 if they are invalid."""
+    settings = _load(settings_file, (), queues, **flags)
+    click.echo(json.dumps(settings.public_dump(), indent=2, sort_keys=True))

@@ -1,0 +1,156 @@
+"""Redis names, job states, event types and failure reasons of the render service, in one place.
+
+Imports only the standard library so the producer (and any non-Python client that reads this file as
+documentation) can share it without pulling in torch, rq or boto3.
+
+Redis layout (besides RQ's own `rq:*` keys; RQ is used with its JSON serializer, so every RQ value is
+JSON too):
+
+| key                              | type   | written by | what                                           |
+|----------------------------------|--------|------------|------------------------------------------------|
+| `rq:job:<id>` field `meta`       | hash   | worker     | JSON summary: see `SUMMARY_FIELDS`             |
+| `ltx:job:<id>:events`            | stream | worker     | one entry per event (fields `type`, `data`)    |
+| `ltx:worker:<name>:health`       | string | worker     | JSON health snapshot, expires with the worker  |
+
+The event stream is capped with `XADD ... MAXLEN ~ events_maxlen` and expires with the job (result TTL
+on success, failure TTL otherwise). The health key is refreshed with RQ's heartbeat.
+
+Job lifecycle (`JobState`, stored in meta `state` and announced by `state` events):
+`queued → started → rendering → rendered → uploading → uploaded` on success; any state → `failed`
+(with a `FailureReason`) or `cancelled`; `retrying` when the worker re-queues the job itself (then the
+next attempt starts again at `started`). The terminal states are `uploaded`, `failed`, `cancelled`.
+A client waiting for the video waits for `uploaded`, never for RQ's `finished` alone: with the
+background uploader (issue 9) the RQ job finishes at `rendered` and the upload completes afterwards.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = [
+    "EVENTS_KEY_TEMPLATE",
+    "EVENT_FIELD_DATA",
+    "EVENT_FIELD_TYPE",
+    "KEY_PREFIX",
+    "RENDER_FUNC",
+    "SUMMARY_FIELDS",
+    "TERMINAL_STATES",
+    "WORKER_HEALTH_KEY_TEMPLATE",
+    "EventType",
+    "FailureReason",
+    "JobState",
+    "events_key",
+    "worker_health_key",
+]
+
+KEY_PREFIX = "ltx"
+
+#: The dotted path producers enqueue (`queue.enqueue(RENDER_FUNC, request_dict, ...)`); RQ resolves it in
+#: the worker, so the producer never imports the worker.
+RENDER_FUNC = "worker.job.render"
+
+EVENTS_KEY_TEMPLATE = KEY_PREFIX + ":job:{job_id}:events"
+WORKER_HEALTH_KEY_TEMPLATE = KEY_PREFIX + ":worker:{name}:health"
+
+#: Stream entry fields: `type` (an `EventType` value, for cheap filtering) and `data` (the whole event as
+#: a JSON object, which repeats `type` and adds `ts`, the worker's wall-clock time in seconds).
+EVENT_FIELD_TYPE = "type"
+EVENT_FIELD_DATA = "data"
+
+
+def events_key(job_id: str) -> str:
+    """The Redis Stream holding a job's events."""
+    return EVENTS_KEY_TEMPLATE.format(job_id=job_id)
+
+
+def worker_health_key(name: str) -> str:
+    return WORKER_HEALTH_KEY_TEMPLATE.format(name=name)
+
+
+class JobState(StrEnum):
+    """The service-level state of a render job (RQ's own status is coarser: queued/started/finished/...)."""
+
+    #: Enqueued, not picked up yet (set by the producer; the worker never writes it).
+    QUEUED = "queued"
+    #: A worker took the job and validated the request; the fleet is about to run it.
+    STARTED = "started"
+    #: The fleet is running the job (stage/progress events flow).
+    RENDERING = "rendering"
+    #: The video is complete in the worker's spool (manifest written); not in storage yet.
+    RENDERED = "rendered"
+    #: The upload to storage is in progress (or being retried).
+    UPLOADING = "uploading"
+    #: Terminal, success: the object is in storage with a matching sha256; the result names it.
+    UPLOADED = "uploaded"
+    #: The worker re-queued the job after a retryable failure (see `FailureReason`).
+    RETRYING = "retrying"
+    #: Terminal: see the `error` object in meta and the last `state` event.
+    FAILED = "failed"
+    #: Terminal: cancelled by a client (queued: never ran; running: stopped cooperatively).
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATES = frozenset({JobState.UPLOADED, JobState.FAILED, JobState.CANCELLED})
+
+
+class EventType(StrEnum):
+    """`type` of a stream entry. Runner events are relayed unchanged (see `ltx_mgpu/events.py`)."""
+
+    #: Service state change: `{"state": JobState, ...}`; terminal ones carry `result` or `error`.
+    STATE = "state"
+    #: Runner: a stage begins: `{"stage": str}`.
+    STAGE = "stage"
+    #: Runner: `{"stage", "step", "total"}`; the worker adds `percent` and `eta_s`.
+    PROGRESS = "progress"
+    #: Runner: the finished file on the driver rank: `{"path", "frames", "fps", "width", "height", "bytes"}`.
+    OUTPUT = "output"
+    #: Upload progress: `{"bytes", "total"}` (throttled), and `{"attempt", "error", "retry_in_s"}` on retries.
+    UPLOAD = "upload"
+    #: Fleet supervision: `{"action": "failed" | "rebuilding" | "rebuilt" | "rebuild_failed", ...}`.
+    FLEET = "fleet"
+    #: Anything else a runner yields that is a dict with an unknown type: relayed as-is.
+    OTHER = "other"
+
+
+class FailureReason(StrEnum):
+    """Machine-readable `error.reason` of a failed job; `retryable` says whether a retry could succeed."""
+
+    #: The request failed validation; `error.field` names the offending field. Never retried.
+    INVALID_REQUEST = "invalid_request"
+    #: The runner rejected the job on every rank (e.g. over its token budget). Never retried.
+    RUNNER_ERROR = "runner_error"
+    #: Some ranks raised a RunnerError and others did not: a runner bug. Not retried.
+    ASYMMETRIC_RUNNER_ERROR = "asymmetric_runner_error"
+    #: A rank died, the job timed out in the fleet, or the fleet desynced: `error.rank`, `error.exitcode`,
+    #: `error.fleet_reason` say which. The fleet is rebuilt before the next job. Retried per settings.
+    FLEET_FAILURE = "fleet_failure"
+    #: The render finished but the upload failed after all attempts; the file stays in the spool.
+    UPLOAD_FAILED = "upload_failed"
+    #: The runner finished without yielding an `output` event (or the file is missing).
+    NO_OUTPUT = "no_output"
+    #: The worker was stopped cold (second SIGTERM) mid-job. Re-queued per settings.
+    WORKER_SHUTDOWN = "worker_shutdown"
+    #: A previous attempt's worker vanished (killed) mid-job; RQ's cleanup re-queued it.
+    WORKER_LOST = "worker_lost"
+    #: RQ's job_timeout fired before the fleet's own timeout (the fleet is rebuilt).
+    JOB_TIMEOUT = "job_timeout"
+    #: A bug in the worker itself.
+    INTERNAL = "internal"
+
+
+#: Keys of the summary the worker keeps in `job.meta` (read with plain RQ: `Job.fetch(id,
+#: connection=r, serializer=JSONSerializer).get_meta()`).
+SUMMARY_FIELDS = (
+    "state",  # JobState value
+    "stage",  # current runner stage or None
+    "step",  # progress step in the current stage or None
+    "total",  # steps in the current stage or None
+    "percent",  # 0..100 within the current stage, or None
+    "eta_s",  # seconds left in the current stage (from the observed step rate), or None
+    "attempt",  # 1 for the first execution, incremented on every (re)start by a worker
+    "worker",  # RQ worker name that runs / ran the job
+    "fleet",  # the device group, e.g. "cpu:2" or "0,1,2,3"
+    "updated_at",  # worker wall-clock seconds of the last summary write
+    "error",  # on failure: {"reason": FailureReason, "message": str, "retryable": bool, ...}
+    "result",  # on success: the same JSON object as the RQ job result
+)

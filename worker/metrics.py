@@ -1,0 +1,119 @@
+"""Prometheus metrics and the health probe of one worker process (one fleet), on one HTTP port.
+
+- `GET /metrics`: Prometheus text format, from a registry private to this process (so several worker
+  processes on one machine never mix their numbers; each has its own port: metrics_port + group index).
+- `GET /healthz`: liveness, 200 while the work loop has beaten recently; 503 otherwise.
+- `GET /readyz`: readiness, 200 only while the fleet is up (warm and not poisoned); 503 otherwise.
+Both return the JSON health snapshot (group, fleet state, pids, current job, counters).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["HealthServer", "WorkerMetrics"]
+
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+_WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+FLEET_STATES = ("new", "starting", "ready", "failed", "stopped")
+
+
+class WorkerMetrics:
+    """The metric families of one worker process; every sample carries the `group` label."""
+
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        labels = ["group"]
+        self.jobs = Counter("ltx_worker_jobs", "Jobs by outcome (uploaded, failed, cancelled, retrying)",
+                            [*labels, "outcome", "reason"], registry=r)  # fmt: skip
+        self.render_seconds = Histogram("ltx_worker_render_seconds", "Fleet render time per job", labels,
+                                        buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
+        self.upload_seconds = Histogram("ltx_worker_upload_seconds", "Upload time per job (all attempts)",
+                                        labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
+        self.upload_bytes = Counter("ltx_worker_upload_bytes", "Bytes confirmed in storage", labels, registry=r)
+        self.upload_retries = Counter("ltx_worker_upload_retries", "Failed upload attempts", labels, registry=r)
+        self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
+                                            labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
+        self.fleet_up = Gauge("ltx_worker_fleet_up", "1 while the fleet is warm and not poisoned", labels,
+                              registry=r)  # fmt: skip
+        self.fleet_state = Gauge("ltx_worker_fleet_state", "1 for the fleet's current state", [*labels, "state"],
+                                 registry=r)  # fmt: skip
+        self.fleet_rebuilds = Counter("ltx_worker_fleet_rebuilds", "Fleet rebuilds by result (ok, failed)",
+                                      [*labels, "result"], registry=r)  # fmt: skip
+        self.fleet_failures = Counter("ltx_worker_fleet_failures", "Poisoned fleets by controller reason",
+                                      [*labels, "reason"], registry=r)  # fmt: skip
+        self.busy = Gauge("ltx_worker_busy", "1 while a job runs", labels, registry=r)
+        self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
+                                   registry=r)  # fmt: skip
+        self.spool_bytes = Gauge("ltx_worker_spool_bytes", "Bytes of renders waiting for upload", labels,
+                                 registry=r)  # fmt: skip
+        self.set_fleet_state("new", alive=False)
+
+    def set_fleet_state(self, state: str, *, alive: bool) -> None:
+        for s in FLEET_STATES:
+            self.fleet_state.labels(self.group, s).set(1 if s == state else 0)
+        self.fleet_up.labels(self.group).set(1 if alive else 0)
+
+    def job_outcome(self, outcome: str, reason: str = "") -> None:
+        self.jobs.labels(self.group, outcome, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HealthServer:
+    """`/metrics`, `/healthz`, `/readyz` on a daemon thread. `snapshot()` returns (live, ready, info)."""
+
+    def __init__(
+        self,
+        metrics: WorkerMetrics,
+        snapshot: Callable[[], tuple[bool, bool, dict[str, Any]]],
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+    ) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body = metrics.exposition()
+                    self._reply(200, body, CONTENT_TYPE_LATEST)
+                elif path in ("/healthz", "/readyz", "/"):
+                    live, ready, info = snapshot()
+                    ok = live if path != "/readyz" else ready
+                    body = json.dumps({"live": live, "ready": ready, **info}, default=str).encode()
+                    self._reply(200 if ok else 503, body, "application/json")
+                else:
+                    self._reply(404, b"not found\n", "text/plain")
+
+            def _reply(self, status: int, body: bytes, ctype: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                return
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self._thread = threading.Thread(target=self.server.serve_forever, name="ltx-health", daemon=True)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

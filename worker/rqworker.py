@@ -1,0 +1,237 @@
+"""`FleetWorker`: an RQ `SimpleWorker` that runs jobs in-process next to its warm fleet.
+
+Why each override exists (measured behaviours, shared/reference/ecosystem.md §1):
+- `SimpleWorker`, never the forking `Worker`: the fleet's IPC handles and CUDA state cannot cross a fork,
+  and the model must stay loaded between jobs.
+- JSON serializer: no pickle crosses Redis (job args, meta and results are JSON).
+- Heartbeat thread during a job: SimpleWorker never refreshes its heartbeat while a job runs, so a long
+  render would look abandoned and could be run twice. The thread refreshes the worker key, the
+  execution's deadline in `rq:wip:<queue>` and the job heartbeat every `heartbeat_interval`, with a short
+  deadline (`job_heartbeat_ttl`) so a *dead* worker's job is detected quickly. It stops in
+  `handle_execution_ended`, before RQ removes the execution, so a late beat can never re-add a finished
+  job to the started registry.
+- `kill_horse()`: RQ's stop-job command lands here (on the pubsub thread) and would be a no-op for a
+  SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives and RQ
+  records the job as `stopped`. A client's `job.cancel()` on a *running* job is noticed by the heartbeat
+  thread and handled the same way.
+- Warm stop (first SIGTERM/SIGINT): RQ finishes the job, then the loop ends and `teardown()` stops the
+  fleet. Cold stop (second signal): the fleet is killed from a helper thread (never from inside the
+  signal handler, which may have interrupted the controller) and `SystemExit` aborts the job, which is
+  re-queued per `retry_worker_shutdown`.
+- Before every dequeue the fleet is rebuilt if it is poisoned, so a job is never taken by a worker
+  without a live fleet; `FleetUnrecoverable` ends the worker with a non-zero exit code.
+- Abandoned jobs found by RQ's registry cleanup get a terminal (or retrying) `worker_lost` state event,
+  so a client watching the stream learns the outcome even though the worker that ran it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from rq.exceptions import AbandonedJobError
+from rq.job import JobStatus
+from rq.serializers import JSONSerializer
+from rq.worker import SimpleWorker
+
+from .fleet import FleetUnrecoverable
+from .keys import FailureReason, JobState, worker_health_key
+from .logs import bind_job
+from .relay import EventRelay
+from .service import RenderService
+
+__all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
+
+log = logging.getLogger("worker.rq")
+
+EXIT_FLEET_UNRECOVERABLE = 3
+
+
+class FleetWorker(SimpleWorker):
+    """See the module docstring."""
+
+    def __init__(self, queues: Any, *, service: RenderService, **kwargs: Any) -> None:
+        settings = service.settings
+        kwargs.setdefault("serializer", JSONSerializer)
+        kwargs.setdefault("default_result_ttl", settings.result_ttl)
+        kwargs.setdefault("worker_ttl", settings.worker_ttl)
+        kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
+        kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
+        kwargs.setdefault("name", service.worker_name)
+        super().__init__(queues, **kwargs)
+        self.service = service
+        self.settings = settings
+        self.exit_code = 0
+        self._beat_stop: threading.Event | None = None
+        self._beat_thread: threading.Thread | None = None
+        self._cold = False
+        self.last_loop_beat = time.monotonic()
+        self.push_exc_handler(self._abandoned_job_handler)
+
+    # ==== heartbeats ==================================================================================
+    def get_heartbeat_ttl(self, job: Any) -> int:
+        return int(self.settings.job_heartbeat_ttl)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        super().heartbeat(timeout, pipeline)
+        self.last_loop_beat = time.monotonic()
+        if pipeline is None:
+            self.write_health()
+
+    def write_health(self) -> None:
+        """Publish the health snapshot under `ltx:worker:<name>:health` (expires with the worker)."""
+        try:
+            _, _, info = self.health_snapshot()
+            self.connection.set(
+                worker_health_key(self.name), json.dumps(info, default=str), ex=self.settings.worker_ttl + 60
+            )
+        except Exception:
+            log.debug("could not write health key", exc_info=True)
+
+    def health_snapshot(self) -> tuple[bool, bool, dict[str, Any]]:
+        fleet = self.service.fleet
+        cur = self.service.current
+        live_window = max(self.settings.worker_ttl, 3 * self.settings.heartbeat_interval)
+        live = (time.monotonic() - self.last_loop_beat) < live_window + 15 and fleet.state != "stopped"
+        info = {
+            "worker": self.name,
+            "group": self.service.group,
+            "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids,
+                      "builds": fleet.builds, "rebuilds": fleet.rebuilds, "last_failure": fleet.last_failure},
+            "current_job": cur.job_id if cur else None,
+            "jobs_done": self.service.jobs_done,
+            "metrics_port": getattr(self, "metrics_port", None),
+            "pid": self.pid,
+            "ts": time.time(),
+        }  # fmt: skip
+        return live, fleet.is_alive, info
+
+    def _beat_loop(self, job: Any, stop: threading.Event) -> None:
+        interval = self.settings.heartbeat_interval
+        while not stop.wait(interval):
+            try:
+                self.maintain_heartbeats(job)
+                self.last_loop_beat = time.monotonic()
+                self.write_health()
+                status = job.get_status(refresh=True)
+                if status == JobStatus.CANCELED:
+                    log.info("job %s was cancelled in Redis while running; stopping it", job.id)
+                    self._stopped_job_id = job.id
+                    self.service.cancel(job.id)
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)
+
+    def _stop_beats(self) -> None:
+        stop, thread = self._beat_stop, self._beat_thread
+        self._beat_stop = self._beat_thread = None
+        if stop is not None:
+            stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+
+    # ==== job execution ===============================================================================
+    def execute_job(self, job: Any, queue: Any) -> None:
+        self._stopped_job_id = None
+        self.prepare_execution(job)
+        self._beat_stop = threading.Event()
+        self._beat_thread = threading.Thread(
+            target=self._beat_loop, args=(job, self._beat_stop), name="ltx-heartbeat", daemon=True
+        )
+        self._beat_thread.start()
+        self.service.metrics.busy.labels(self.service.group).set(1)
+        try:
+            with bind_job(job.id):
+                self.perform_job(job, queue)
+        finally:
+            self._stop_beats()
+            self.service.metrics.busy.labels(self.service.group).set(0)
+        self.set_state("idle")
+        if not self._stop_requested and not self._cold:
+            self._ensure_fleet()  # rebuild right away so the next job finds a warm fleet
+
+    def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
+        self._stop_beats()
+        super().handle_execution_ended(job, queue, heartbeat_ttl)
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        self._ensure_fleet()
+        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+
+    def _ensure_fleet(self) -> None:
+        service = self.service
+        try:
+            rebuilt = service.fleet.ensure_ready()
+        except FleetUnrecoverable as exc:
+            log.critical("%s; the worker exits with code %d", exc, EXIT_FLEET_UNRECOVERABLE)
+            service.metrics.fleet_rebuilds.labels(service.group, "failed").inc()
+            service.metrics.set_fleet_state("failed", alive=False)
+            self.exit_code = EXIT_FLEET_UNRECOVERABLE
+            raise SystemExit(EXIT_FLEET_UNRECOVERABLE) from exc
+        if rebuilt:
+            service.metrics.fleet_rebuilds.labels(service.group, "ok").inc()
+        service.metrics.set_fleet_state(service.fleet.state, alive=service.fleet.is_alive)
+
+    # ==== cancellation and shutdown ===================================================================
+    def kill_horse(self, sig: Any = None) -> None:
+        """RQ's stop-job / kill-horse command: cancel the running render cooperatively."""
+        job_id = self._stopped_job_id
+        if not self.service.cancel(job_id):
+            log.info("stop command for %s: no such job running here", job_id)
+
+    @property
+    def horse_pid(self) -> int:
+        # RQ's kill-horse command only calls kill_horse() when this is truthy; the "horse" is our fleet.
+        return 1 if self.service.current is not None else 0
+
+    def request_force_stop(self, signum: int, frame: Any) -> None:
+        """Second signal: kill the fleet (from a helper thread) and abort the running job."""
+        if self._shutdown_requested_date is not None:
+            from rq.utils import now
+
+            if (now() - self._shutdown_requested_date).total_seconds() < 1:
+                return  # the same Ctrl+C delivered twice (e.g. supervisor + terminal)
+        log.warning("cold shutdown: killing the fleet and aborting the running job")
+        self._cold = True
+        self.service.stop_uploads.set()
+        threading.Thread(target=self.service.fleet.kill, name="ltx-cold-stop", daemon=True).start()
+        raise SystemExit(0)
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            log.info("stopping the fleet")
+            self.service.fleet.shutdown(0 if self._cold else None)
+            self.service.metrics.set_fleet_state("stopped", alive=False)
+            try:
+                self.connection.delete(worker_health_key(self.name))
+            except Exception:
+                pass
+
+    # ==== abandoned jobs (found by registry cleanup, possibly for another worker's job) ===============
+    def _abandoned_job_handler(self, job: Any, exc_type: Any, exc_value: Any, tb: Any) -> bool:
+        if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
+            return True
+        try:
+            meta = job.meta if isinstance(job.meta, dict) else {}
+            job.meta = meta
+            retries = dict(meta.get("retries") or {})
+            key = FailureReason.WORKER_LOST.value
+            retrying = bool(job.retries_left and job.retries_left > 0)
+            error = {"reason": key, "message": "the worker running this job vanished (no heartbeat)",
+                     "retryable": retrying, "worker": meta.get("worker")}  # fmt: skip
+            relay = EventRelay(self.connection, job, maxlen=self.settings.events_maxlen, running_ttl=3600)
+            if retrying:
+                retries[key] = retries.get(key, 0) + 1
+                meta["retries"] = retries
+                relay.state(JobState.RETRYING, error=error)
+            else:
+                relay.state(JobState.FAILED, error=error, ttl=int(job.failure_ttl or self.settings.failure_ttl))
+            log.warning("abandoned job %s (worker %s): %s", job.id, meta.get("worker"),
+                        "re-queued" if retrying else "failed")  # fmt: skip
+        except Exception:
+            log.warning("could not record abandoned job %s", getattr(job, "id", "?"), exc_info=True)
+        return True

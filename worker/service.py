@@ -1,0 +1,428 @@
+"""`RenderService`: what a worker process does with one render job, given its warm fleet.
+
+One instance per worker process (one fleet). `run_job()` is the body of the RQ job function
+(`worker.job.render`):
+
+1. bookkeeping: attempt counter, a retry budget for "the worker vanished" written to the RQ job (so RQ's
+   abandoned-job cleanup re-queues it at most that often), `failure_ttl`;
+2. validate the request (`RenderRequest`); a bad one fails at once naming the field, the fleet untouched;
+3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
+   the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
+   after an upload failure uploads instead of rendering again);
+4. commit the file to the spool (manifest with sha256), upload it (retries, confirmation), release it;
+5. return the result (bucket, key, size, sha256, presigned URL, timings, fleet).
+
+Failures raise `JobFailed(reason, ...)` after the terminal (or `retrying`) state event is written. The
+worker, not the enqueuer, owns the retry policy: before raising, `job.retries_left` is set from the
+settings' budget for that reason, which RQ's failure handling then honours (0 = no retry).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from .fleet import FleetSupervisor
+from .keys import FailureReason, JobState
+from .metrics import WorkerMetrics
+from .relay import EventRelay
+from .schema import RenderRequest
+from .settings import WorkerSettings
+from .spool import Spool, SpoolEntry
+from .storage import Storage, StoredObject
+from .uploader import Uploader, UploadFailed
+
+__all__ = ["JobFailed", "RenderService"]
+
+log = logging.getLogger("worker.service")
+
+_RUNNING_STATES = {JobState.STARTED.value, JobState.RENDERING.value, JobState.RENDERED.value,
+                   JobState.UPLOADING.value}  # fmt: skip
+_RQ_TIMEOUT_MARGIN_S = 30  # the fleet's own timeout fires this much before RQ's death penalty
+
+
+class JobFailed(Exception):
+    """A job ended in failure; `reason` is a `FailureReason`, `details` the machine-readable rest."""
+
+    def __init__(self, reason: FailureReason, message: str, *, retrying: bool = False, **details: Any) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+        self.message = message
+        self.retrying = retrying
+        self.details = details
+
+
+class JobCancelledByClient(Exception):
+    """The job was cancelled by a client; the worker turns this into RQ's `stopped` status."""
+
+
+@dataclass
+class _Current:
+    """The job this process is running (at most one)."""
+
+    job_id: str
+    cancel: threading.Event = field(default_factory=threading.Event)
+    stream: Any = None  # ltx_mgpu.Stream while the fleet renders
+
+
+class RenderService:
+    """Per-process job logic around one `FleetSupervisor`; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        group: str,
+        worker_name: str,
+        fleet: FleetSupervisor,
+        storage: Storage,
+        spool: Spool,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.group = group
+        self.worker_name = worker_name
+        self.fleet = fleet
+        self.storage = storage
+        self.spool = spool
+        self.metrics = metrics
+        self.uploader = Uploader(
+            storage,
+            spool,
+            attempts=settings.upload_attempts,
+            backoff_s=settings.upload_backoff_s,
+            backoff_max_s=settings.upload_backoff_max_s,
+        )
+        self.stop_uploads = threading.Event()  # set on cold shutdown: cut upload back-offs short
+        self.current: _Current | None = None
+        self.jobs_done = 0
+        self._lock = threading.Lock()
+
+    # ==== control from other threads ==================================================================
+    def cancel(self, job_id: str | None = None) -> bool:
+        """Cooperatively cancel the running job (any thread). Returns True if a job was signalled."""
+        with self._lock:
+            cur = self.current
+            if cur is None or (job_id is not None and cur.job_id != job_id):
+                return False
+            cur.cancel.set()
+            stream = cur.stream
+        if stream is not None:
+            stream.cancel()
+        log.info("cancel requested for job %s", cur.job_id)
+        return True
+
+    # ==== the job =====================================================================================
+    def run_job(self, job: Any, request: Any) -> dict[str, Any]:
+        t0 = time.time()
+        cur = _Current(job.id)
+        with self._lock:
+            self.current = cur
+        try:
+            return self._run(job, request, cur, t0)
+        finally:
+            with self._lock:
+                self.current = None
+
+    def _run(self, job: Any, request: Any, cur: _Current, t0: float) -> dict[str, Any]:
+        s = self.settings
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        job.meta = meta
+        retries: dict[str, int] = dict(meta.get("retries") or {})
+        previous_state = meta.get("state")
+        lost_before = previous_state in _RUNNING_STATES  # an earlier execution vanished mid-job
+        if lost_before:
+            retries[FailureReason.WORKER_LOST.value] = retries.get(FailureReason.WORKER_LOST.value, 0) + 1
+        attempt = int(meta.get("attempt") or 0) + 1
+        queue_wait = _queue_wait(job)
+        if queue_wait is not None:
+            self.metrics.queue_wait_seconds.labels(self.group).observe(queue_wait)
+
+        running_ttl = max(int(job.timeout or 0), int(s.render_timeout)) + self._result_ttl(job) + 3600
+        relay = EventRelay(job.connection, job, maxlen=s.events_maxlen, running_ttl=running_ttl)
+        # Budget for "this worker vanishes mid-job": RQ's abandoned-job cleanup re-queues only while
+        # retries_left > 0, so the budget must be in Redis before anything can go wrong.
+        lost_left = max(0, s.retry_worker_lost - retries.get(FailureReason.WORKER_LOST.value, 0))
+        self._set_retries_left(job, lost_left)
+        if job.failure_ttl is None:
+            job.failure_ttl = s.failure_ttl
+            job.connection.hset(job.key, "failure_ttl", s.failure_ttl)
+        relay.state(
+            JobState.STARTED,
+            attempt=attempt,
+            worker=self.worker_name,
+            fleet=self.group,
+            queue_wait_s=None if queue_wait is None else round(queue_wait, 4),
+            **({"previous_attempt_lost": True} if lost_before else {}),
+        )
+        relay.update_summary(retries=retries)
+
+        # ---- validate -------------------------------------------------------------------------------
+        try:
+            req = RenderRequest.model_validate(request)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field_name = ".".join(str(p) for p in err.get("loc", ())) or "(request)"
+            self._fail(job, relay, retries, FailureReason.INVALID_REQUEST,
+                       f"field {field_name!r}: {err.get('msg')}", field=field_name,
+                       errors=[{"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg")}
+                               for e in exc.errors()])  # fmt: skip
+
+        # ---- render (unless a complete render of this job is already in the spool) ------------------
+        entry = self.spool.load(job.id)
+        render_s = 0.0
+        if entry is not None:
+            log.info("job %s: complete render found in the spool; uploading it instead of rendering", job.id)
+            relay.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256, bytes=entry.size)
+        else:
+            entry, render_s = self._render(job, req, relay, retries, cur)
+
+        # ---- upload ---------------------------------------------------------------------------------
+        relay.state(JobState.UPLOADING, key=entry.key, bytes=entry.size)
+        t_up = time.monotonic()
+        try:
+            stored = self.uploader.upload(entry, on_event=self._upload_event(relay), stop=self.stop_uploads)
+        except UploadFailed as exc:
+            self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
+            self._fail(job, relay, retries, FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
+                       spool_path=str(exc.entry.path), attempts=exc.attempts)  # fmt: skip
+        upload_s = time.monotonic() - t_up
+        self.metrics.upload_seconds.labels(self.group).observe(upload_s)
+        self.metrics.upload_bytes.labels(self.group).inc(stored.size)
+
+        result = self._result(job, entry, stored, t0, queue_wait, render_s, upload_s, attempt)
+        relay.state(JobState.UPLOADED, result=result, ttl=self._result_ttl(job))
+        self.metrics.job_outcome("uploaded")
+        self.jobs_done += 1
+        return result
+
+    # ---- render ---------------------------------------------------------------------------------------
+    def _render(
+        self, job: Any, req: RenderRequest, relay: EventRelay, retries: dict[str, int], cur: _Current
+    ) -> tuple[SpoolEntry, float]:
+        from ltx_mgpu import AsymmetricRunnerError, FleetFailure, JobCancelledError, SymmetricRunnerError
+
+        s = self.settings
+        if cur.cancel.is_set():
+            self._cancelled(job, relay)
+        output_path = self.spool.prepare(job.id, s.output_name)
+        kwargs = {**req.runner_kwargs(), "output_path": str(output_path)}
+        timeout = float(s.render_timeout)
+        if job.timeout and job.timeout > 0:
+            timeout = max(1.0, min(timeout, float(job.timeout) - _RQ_TIMEOUT_MARGIN_S))
+        relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
+        output: dict[str, Any] | None = None
+        t_render = time.monotonic()
+        stream = None
+        try:
+            ctl = self.fleet.controller
+            if ctl is None or not ctl.is_alive:
+                raise FleetFailure("fleet is not running", reason="rank_exited")
+            try:
+                stream = ctl.stream(timeout=timeout, **kwargs)
+            except TypeError as exc:  # kwargs the runner does not accept: the request, not the fleet
+                self._fail(job, relay, retries, FailureReason.INVALID_REQUEST, str(exc), field="(runner kwargs)")
+            except RuntimeError as exc:  # "MGPUController is dead": poisoned between jobs
+                cause = exc.__cause__ if isinstance(exc.__cause__, FleetFailure) else None
+                raise cause or FleetFailure(str(exc), reason="rank_exited") from exc
+            with self._lock:
+                cur.stream = stream
+            if cur.cancel.is_set():
+                stream.cancel()
+            for item in stream:
+                if not isinstance(item, dict) or "type" not in item:
+                    continue  # non-driver ranks or diagnostic yields: nothing a client needs
+                if item["type"] == "output":
+                    output = item
+                relay.emit(item)
+        except JobCancelledError:
+            self.spool.discard_incomplete(job.id)
+            self._cancelled(job, relay)
+        except SymmetricRunnerError as exc:
+            self.spool.discard_incomplete(job.id)
+            self._fail(job, relay, retries, FailureReason.RUNNER_ERROR, str(exc))
+        except AsymmetricRunnerError as exc:
+            self.spool.discard_incomplete(job.id)
+            self._fail(job, relay, retries, FailureReason.ASYMMETRIC_RUNNER_ERROR, str(exc))
+        except FleetFailure as exc:
+            self.spool.discard_incomplete(job.id)
+            info = self.fleet.record_failure(exc)
+            relay.emit({"type": "fleet", "action": "failed", **info})
+            self.metrics.fleet_failures.labels(self.group, str(info.get("fleet_reason"))).inc()
+            self.metrics.set_fleet_state("failed", alive=False)
+            reason = FailureReason.FLEET_FAILURE
+            self._fail(
+                job, relay, retries, reason, info["message"], **{k: v for k, v in info.items() if k != "message"}
+            )
+        except BaseException as exc:
+            # RQ's death penalty (JobTimeoutException), a cold stop (SystemExit) or a bug: the fleet may be
+            # mid-job, so it cannot be trusted with the next one. Kill it; it is rebuilt before the next job.
+            self.spool.discard_incomplete(job.id)
+            if stream is not None and not stream.done:
+                self.fleet.kill_for_rebuild()
+            reason = _reason_for(exc)
+            if reason is FailureReason.WORKER_SHUTDOWN:
+                self._fail(job, relay, retries, reason, "worker stopped cold mid-job", reraise=exc)
+            self._fail(job, relay, retries, reason, f"{type(exc).__name__}: {exc}", reraise=exc)
+        finally:
+            with self._lock:
+                cur.stream = None
+        render_s = time.monotonic() - t_render
+        self.metrics.render_seconds.labels(self.group).observe(render_s)
+        if output is None or not output_path.exists():
+            self.spool.discard_incomplete(job.id)
+            message = f"the runner finished without writing {output_path.name} (output event: {output is not None})"
+            self._fail(job, relay, retries, FailureReason.NO_OUTPUT, message)
+        info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
+        info["render_s"] = round(render_s, 4)
+        entry = self.spool.commit(
+            job.id,
+            file_name=output_path.name,
+            key=self.storage.key_for(job.id, output_path.name),
+            content_type=str(output.get("content_type") or "video/mp4"),
+            queue=job.origin,
+            info=info,
+        )
+        relay.state(JobState.RENDERED, sha256=entry.sha256, bytes=entry.size, render_s=round(render_s, 4))
+        return entry, render_s
+
+    # ---- outcomes -------------------------------------------------------------------------------------
+    def _cancelled(self, job: Any, relay: EventRelay) -> None:
+        self._set_retries_left(job, 0)
+        relay.state(JobState.CANCELLED, ttl=self._failure_ttl(job))
+        self.metrics.job_outcome("cancelled")
+        raise JobCancelledByClient(f"job {job.id} cancelled")
+
+    def _fail(
+        self,
+        job: Any,
+        relay: EventRelay,
+        retries: dict[str, int],
+        reason: FailureReason,
+        message: str,
+        *,
+        retryable: bool | None = None,
+        reraise: BaseException | None = None,
+        **details: Any,
+    ) -> None:
+        """Write the failure (or retrying) state, set RQ's retry budget for it, and raise."""
+        budget = self._budget(reason)
+        used = retries.get(reason.value, 0)
+        retry = budget > used and retryable is not False
+        if retryable is None:
+            retryable = budget > 0
+        error = {"reason": reason.value, "message": message, "retryable": bool(retryable), **details}
+        if retry:
+            retries[reason.value] = used + 1
+            self._set_retries_left(job, 1)
+            job.retry_intervals = None
+            relay.update_summary(retries=retries)
+            relay.state(JobState.RETRYING, error=error, retry=used + 1, of=budget)
+            self.metrics.job_outcome("retrying", reason.value)
+            log.warning("job %s: %s; re-queued (retry %d of %d)", job.id, message, used + 1, budget)
+        else:
+            self._set_retries_left(job, 0)
+            relay.state(JobState.FAILED, error=error, ttl=self._failure_ttl(job))
+            self.metrics.job_outcome("failed", reason.value)
+            log.error("job %s failed: %s", job.id, message)
+        if reraise is not None:
+            raise reraise
+        raise JobFailed(reason, message, retrying=retry, **details)
+
+    def _budget(self, reason: FailureReason) -> int:
+        s = self.settings
+        return {
+            FailureReason.FLEET_FAILURE: s.retry_fleet_failure,
+            FailureReason.WORKER_LOST: s.retry_worker_lost,
+            FailureReason.WORKER_SHUTDOWN: s.retry_worker_shutdown,
+            FailureReason.UPLOAD_FAILED: s.retry_upload_failed,
+            FailureReason.JOB_TIMEOUT: s.retry_job_timeout,
+        }.get(reason, 0)
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _upload_event(self, relay: EventRelay) -> Any:
+        def emit(event: dict[str, Any]) -> None:
+            if "error" in event:
+                self.metrics.upload_retries.labels(self.group).inc()
+            try:
+                relay.emit(event)
+            except Exception:
+                log.warning("could not relay upload event", exc_info=True)
+
+        return emit
+
+    @staticmethod
+    def _set_retries_left(job: Any, value: int) -> None:
+        job.retries_left = value
+        job.connection.hset(job.key, "retries_left", value)
+
+    def _result_ttl(self, job: Any) -> int:
+        ttl = job.result_ttl if job.result_ttl is not None else self.settings.result_ttl
+        return int(ttl) if ttl and ttl > 0 else self.settings.failure_ttl
+
+    def _failure_ttl(self, job: Any) -> int:
+        return int(job.failure_ttl or self.settings.failure_ttl)
+
+    def _result(
+        self,
+        job: Any,
+        entry: SpoolEntry,
+        stored: StoredObject,
+        t0: float,
+        queue_wait: float | None,
+        render_s: float,
+        upload_s: float,
+        attempt: int,
+    ) -> dict[str, Any]:
+        return {
+            "job_id": job.id,
+            "state": JobState.UPLOADED.value,
+            "storage": stored.backend,
+            "bucket": stored.bucket,
+            "key": stored.key,
+            "size": stored.size,
+            "sha256": stored.sha256,
+            "content_type": stored.content_type,
+            "url": stored.url,
+            "url_expires_at": stored.url_expires_at,
+            "reused_object": stored.reused,
+            "output": {k: v for k, v in entry.info.items() if k in ("frames", "fps", "width", "height")},
+            "timings": {
+                "queue_wait_s": None if queue_wait is None else round(queue_wait, 4),
+                "render_s": round(render_s, 4),
+                "upload_s": round(upload_s, 4),
+                "total_s": round(time.time() - t0, 4),
+            },
+            "fleet": {
+                "group": self.group,
+                "devices": [str(d) for d in self.fleet.devices],
+                "world_size": self.fleet.world_size,
+                "worker": self.worker_name,
+            },
+            "attempt": attempt,
+        }
+
+
+def _queue_wait(job: Any) -> float | None:
+    enq = getattr(job, "enqueued_at", None)
+    if enq is None:
+        return None
+    start = getattr(job, "started_at", None)
+    try:
+        end = start.timestamp() if start is not None else time.time()
+        return max(0.0, end - enq.timestamp())
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _reason_for(exc: BaseException) -> FailureReason:
+    if isinstance(exc, SystemExit | KeyboardInterrupt):
+        return FailureReason.WORKER_SHUTDOWN
+    if type(exc).__name__ == "JobTimeoutException":
+        return FailureReason.JOB_TIMEOUT
+    return FailureReason.INTERNAL
