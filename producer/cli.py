@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import signal
 import sys
 import threading
@@ -93,8 +94,12 @@ def _client(ctx: click.Context, **overrides: Any) -> ProducerClient:
     return ProducerClient(settings)
 
 
-def _console() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+def _console(*, stderr: bool = False) -> Console:
+    """A console; off a terminal (logs, pipes) it is wide, so tables and URLs are not folded at 80."""
+    console = Console(highlight=False, stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(highlight=False, stderr=stderr, width=160)
+    return console
 
 
 # ==== the group =========================================================================================
@@ -240,11 +245,13 @@ def _watch(client: ProducerClient, job_id: str, *, as_json: bool, timeout: float
     elif info.state == JobState.UPLOADED.value and info.result:
         r = info.result
         where = f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else r.get("url")
-        console.print(f"done: {where}", highlight=False)
+        console.print(f"done: {where}", markup=False, soft_wrap=True)
         if r.get("url"):
-            console.print(f"url:  {r['url']}", highlight=False, soft_wrap=True)
+            console.print(f"url:  {r['url']}", markup=False, soft_wrap=True)
     elif info.error:
-        console.print(f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}", highlight=False)
+        console.print(
+            f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}", markup=False, soft_wrap=True
+        )
     return _STATE_EXIT.get(info.state, ExitCode.JOB_FAILED)
 
 
@@ -379,7 +386,7 @@ def backfill(
     """
     requests = load_requests(requests_file)
     manifest_path = Path(manifest) if manifest else default_manifest_path(requests_file)
-    console = Console(stderr=True, highlight=False)
+    console = _console(stderr=True)
     with _client(ctx) as client:
         runner: Backfill
         progress = _BackfillProgress(console, live=console.is_terminal and not as_json)

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from producer.client import JobEvent, JobInfo, Stats
 from worker.keys import EventType, JobState
@@ -107,15 +108,19 @@ class EventPrinter:
         if self.progress is not None:
             self.progress.stop()
 
+    def _line(self, text: str) -> None:
+        """One plain line: no markup (event data may contain brackets), no highlighting, no folding."""
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
     def note(self, text: str) -> None:
         """A line outside the event stream (reconnects, hints)."""
-        self.console.print(f"{_clock(None)} {text}", highlight=False)
+        self._line(f"{_clock(None)} {text}")
 
     def show(self, event: JobEvent) -> None:
         data = event.data
         ts = data.get("ts")
         if event.type == EventType.STATE.value:
-            self.console.print(f"{_clock(ts)} {_state_line(data)}", highlight=False)
+            self._line(f"{_clock(ts)} {_state_line(data)}")
             if data.get("state") == JobState.UPLOADED.value:
                 self._finish_all()
             return
@@ -124,7 +129,7 @@ class EventPrinter:
             if self.progress is not None:
                 self._task(stage, None)
             else:
-                self.console.print(f"{_clock(ts)} stage {stage}", highlight=False)
+                self._line(f"{_clock(ts)} stage {stage}")
             return
         if event.type == EventType.PROGRESS.value:
             stage = str(data.get("stage"))
@@ -137,14 +142,13 @@ class EventPrinter:
             else:
                 pct = f" ({100.0 * step / total:.0f}%)" if total else ""
                 eta_text = f" eta {float(eta):.1f}s" if eta is not None else ""
-                self.console.print(f"{_clock(ts)} {stage} {step}/{total}{pct}{eta_text}", highlight=False)
+                self._line(f"{_clock(ts)} {stage} {step}/{total}{pct}{eta_text}")
             return
         if event.type == EventType.UPLOAD.value:
             if data.get("error"):
-                self.console.print(
+                self._line(
                     f"{_clock(ts)} upload attempt {data.get('attempt')} failed: {data.get('error')}; "
                     f"retry in {data.get('retry_in_s')}s",
-                    highlight=False,
                 )
                 return
             done, total = data.get("bytes"), data.get("total")
@@ -155,17 +159,16 @@ class EventPrinter:
                 self._throttled("upload", f"{_clock(ts)} upload {human_bytes(done)}/{human_bytes(total)}")
             return
         if event.type == EventType.OUTPUT.value:
-            self.console.print(
+            self._line(
                 f"{_clock(ts)} output {data.get('width')}x{data.get('height')} {data.get('frames')} frames "
                 f"@ {data.get('fps')} fps, {human_bytes(data.get('bytes'))}",
-                highlight=False,
             )
             return
         if event.type == EventType.FLEET.value:
             details = ", ".join(f"{k}={v}" for k, v in data.items() if k not in ("type", "ts", "action"))
-            self.console.print(f"{_clock(ts)} fleet {data.get('action')}: {details}", highlight=False)
+            self._line(f"{_clock(ts)} fleet {data.get('action')}: {details}")
             return
-        self.console.print(f"{_clock(ts)} {event.type}: {data}", highlight=False)
+        self._line(f"{_clock(ts)} {event.type}: {data}")
 
     def _task(self, name: str, total: float | None) -> TaskID:
         assert self.progress is not None
@@ -189,45 +192,51 @@ class EventPrinter:
         now = time.monotonic()
         if now - self._last_plain.get(key, 0.0) >= every_s:
             self._last_plain[key] = now
-            self.console.print(line, highlight=False)
+            self._line(line)
+
+
+def _row(table: Table, *cells: object) -> None:
+    """Add a row of plain text: worker names, prompts and error messages may contain [brackets]."""
+    table.add_row(*(Text(str(cell)) for cell in cells))
 
 
 def render_status(console: Console, info: JobInfo) -> None:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("job", info.job_id)
-    table.add_row("state", info.state + (f"  (rq: {info.rq_status})" if info.rq_status else ""))
-    table.add_row("queue", str(info.queue))
+    _row(table, "job", info.job_id)
+    _row(table, "state", info.state + (f"  (rq: {info.rq_status})" if info.rq_status else ""))
+    _row(table, "queue", str(info.queue))
     meta = info.meta
     if meta.get("stage"):
         pct = f" {meta['percent']:.0f}%" if meta.get("percent") is not None else ""
         step = f" {meta.get('step')}/{meta.get('total')}" if meta.get("total") else ""
         eta = f", eta {meta['eta_s']:.1f}s" if meta.get("eta_s") is not None else ""
-        table.add_row("stage", f"{meta['stage']}{step}{pct}{eta}")
+        _row(table, "stage", f"{meta['stage']}{step}{pct}{eta}")
     if meta.get("worker"):
-        table.add_row("worker", f"{meta.get('worker')} (fleet {meta.get('fleet')}, attempt {meta.get('attempt')})")
-    table.add_row("enqueued", _ago(info.enqueued_at))
+        _row(table, "worker", f"{meta.get('worker')} (fleet {meta.get('fleet')}, attempt {meta.get('attempt')})")
+    _row(table, "enqueued", _ago(info.enqueued_at))
     if info.started_at:
-        table.add_row("started", _ago(info.started_at))
+        _row(table, "started", _ago(info.started_at))
     if info.ended_at:
-        table.add_row("ended", _ago(info.ended_at))
+        _row(table, "ended", _ago(info.ended_at))
     if info.request:
         req = info.request
-        table.add_row(
+        _row(
+            table,
             "request",
             f"{req.get('width')}x{req.get('height')}, {req.get('num_frames')} frames, seed {req.get('seed')}: "
             f"{str(req.get('prompt'))[:60]!r}",
         )
     if info.error:
-        table.add_row("error", f"{info.error.get('reason')}: {info.error.get('message')}")
+        _row(table, "error", f"{info.error.get('reason')}: {info.error.get('message')}")
     if info.result:
         r = info.result
-        table.add_row("object", f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else str(r.get("url")))
-        table.add_row("size", f"{human_bytes(r.get('size'))}  sha256 {r.get('sha256')}")
+        _row(table, "object", f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else str(r.get("url")))
+        _row(table, "size", f"{human_bytes(r.get('size'))}  sha256 {r.get('sha256')}")
         timings = r.get("timings") or {}
         if timings:
-            table.add_row("timings", ", ".join(f"{k} {v}" for k, v in timings.items() if v is not None))
+            _row(table, "timings", ", ".join(f"{k} {v}" for k, v in timings.items() if v is not None))
     console.print(table)
 
 
@@ -239,7 +248,7 @@ def render_job_table(console: Console, rows: list[JobInfo], title: str) -> None:
         meta = info.meta
         progress = f"{meta.get('step')}/{meta.get('total')}" if meta.get("total") else ""
         prompt = str((info.request or {}).get("prompt", ""))[:40]
-        table.add_row(info.job_id, info.state, str(meta.get("stage") or ""), progress, str(meta.get("fleet") or ""),
+        _row(table, info.job_id, info.state, str(meta.get("stage") or ""), progress, str(meta.get("fleet") or ""),
                       _ago(info.enqueued_at), prompt)  # fmt: skip
     console.print(table)
 
@@ -251,7 +260,7 @@ def render_stats(console: Console, stats: Stats) -> None:
     cap = stats.max_queue_depth
     for q in stats.queues:
         fill = f"{q.queued}/{cap}" if cap else "no cap"
-        queues.add_row(q.name, str(q.queued), str(q.started), str(q.finished), str(q.failed), str(q.canceled), fill)
+        _row(queues, q.name, str(q.queued), str(q.started), str(q.finished), str(q.failed), str(q.canceled), fill)
     console.print(queues)
 
     workers = Table(title="workers", title_justify="left")
@@ -264,23 +273,27 @@ def render_stats(console: Console, stats: Stats) -> None:
         if fleet:
             fleet_text += f" ({len(fleet.get('pids') or [])} ranks"
             fleet_text += f", {fleet.get('rebuilds')} rebuilds)" if fleet.get("rebuilds") else ")"
-        workers.add_row(w.name, w.group or "?", w.state, fleet_text, w.current_job or "-",
+        _row(workers, w.name, w.group or "?", w.state, fleet_text, w.current_job or "-",
                         str(health.get("jobs_done", "-")), _ago(w.last_heartbeat))  # fmt: skip
     if not stats.workers:
-        workers.add_row("(none)", "", "", "", "", "", "")
+        _row(workers, "(none)", "", "", "", "", "", "")
     console.print(workers)
 
     failures = Table(title="recent failures", title_justify="left")
     for col in ("job", "queue", "reason", "message", "ended"):
         failures.add_column(col, overflow="fold" if col == "message" else "ellipsis")
     for f in stats.failures:
-        failures.add_row(f.job_id, f.queue, f.reason or "-", f.message[:80], _ago(f.ended_at))
+        _row(failures, f.job_id, f.queue, f.reason or "-", f.message[:80], _ago(f.ended_at))
     if not stats.failures:
-        failures.add_row("(none)", "", "", "", "")
+        _row(failures, "(none)", "", "", "", "")
     console.print(failures)
     quota = (
         f"{stats.client_unfinished}/{stats.client_quota}"
         if stats.client_quota
         else f"{stats.client_unfinished} (no quota)"
     )
-    console.print(f"admission: cap {cap or 'none'} waiting jobs per queue; client {stats.client!r}: {quota} unfinished")
+    console.print(
+        f"admission: cap {cap or 'none'} waiting jobs per queue; client {stats.client!r}: {quota} unfinished",
+        markup=False,
+        soft_wrap=True,
+    )
