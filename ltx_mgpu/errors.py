@@ -12,6 +12,8 @@ How each error tells the caller to recover:
 
 from __future__ import annotations
 
+import time
+
 __all__ = [
     "AsymmetricRunnerError",
     "ControllerBusyError",
@@ -86,6 +88,7 @@ class FleetFailure(RuntimeError):
         exitcode: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.detected_at = time.time()  #: wall-clock time the controller noticed the failure
         self.reason = reason
         self.rank = rank
         self.pid = pid

@@ -33,6 +33,7 @@ class ScriptedRunner(MGPURunner):
         nested: dict[str, Any] | None = None,
         target_rank: int = 1,
         sleep_s: float = 0.0,
+        marker: str | None = None,
     ) -> Iterator[Any]:
         if mode == "ok":
             for i in range(n):
@@ -69,6 +70,9 @@ class ScriptedRunner(MGPURunner):
             return None
         if mode == "exit":
             if self.rank == target_rank:
+                if marker:
+                    with open(marker, "w") as fh:
+                        fh.write(repr(time.time()))
                 os._exit(7)
             time.sleep(30)
             return None
