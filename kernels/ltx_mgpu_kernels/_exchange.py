@@ -130,6 +130,14 @@ class _Instance:
         self._live().set_timeout(t)
         self._timeout_s = t
 
+    def fill_buffers_(self, value: int) -> None:
+        """Fill this process's exchange buffer(s) with one byte value (tests poison them to prove that every
+        output byte is written). Enqueued on the current stream."""
+        ranks = range(self._world) if isinstance(self, LoopbackAll2All) else [self._rank]
+        for r in ranks:
+            self._view(r, (0,))
+            self._views[r].fill_(value)
+
     # ---- errors and teardown --------------------------------------------------------------------------------
     def check(self) -> None:
         """Raises the recorded failure, if any exchange of this instance failed. Never blocks."""
@@ -285,6 +293,7 @@ class IpcAll2All(_Instance):
         except Exception as exc:
             status = {"error": f"{type(exc).__name__}: {exc}"}
         self._raise_if_failed(_gather(status, group, world), "mapping peer buffers (is peer access possible?)")
+        self._view(rank, (0,))  # wrap the buffer now rather than during a CUDA-graph capture
 
     def _raise_if_failed(self, infos: list[dict[str, Any]], what: str) -> None:
         errors = {r: i["error"] for r, i in enumerate(infos) if "error" in i}
@@ -345,6 +354,8 @@ class LoopbackAll2All(_Instance):
         self._arm_finalizer()
         if blocks_per_rank is not None:
             self._rt.set_loopback_blocks(int(blocks_per_rank))
+        for r in range(world):
+            self._view(r, (0,))
 
     @property
     def max_blocks_per_rank(self) -> int:
