@@ -151,7 +151,7 @@ class AttentionManager:
         return "ipc" if int(flag.item()) == 1 else "dist"
 
     @property
-    def backends(self) -> dict[str, All2AllBackend]:
+    def channels(self) -> dict[str, All2AllBackend]:
         """Role ("q", "k", "v", "heads") -> backend instance (empty at world size 1)."""
         return dict(self._backends)
 

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -41,6 +41,7 @@ class WorldContext:
     world_size: int
     device: torch.device  #: given by the caller per rank; never derived from the rank
     backend: str  #: process-group backend ("gloo" or "nccl")
+    cache: dict[str, Any] = field(default_factory=dict)  #: per-rank state that survives between `run` calls
 
 
 class WorldError(RuntimeError):
