@@ -54,7 +54,7 @@ class ManifestRecord:
     bucket: str | None
     sha256: str | None
     size: int | None
-    seconds: float | None  #: the worker's total seconds for the job (queue wait excluded when known)
+    seconds: float | None  #: seconds the worker spent on the job (render + upload; queue wait excluded)
     source: str  #: file:line of the request
     error: dict[str, Any] | None = None
     recorded_at: float = field(default_factory=time.time)
@@ -66,8 +66,6 @@ class ManifestRecord:
         seconds = timings.get("total_s")
         if seconds is None and info.started_at and info.ended_at:
             seconds = round((info.ended_at - info.started_at).total_seconds(), 3)
-        if seconds is not None and timings.get("queue_wait_s") is not None:
-            seconds = round(max(0.0, float(seconds) - float(timings["queue_wait_s"])), 3)
         return cls(
             job_id=info.job_id,
             state=info.state,

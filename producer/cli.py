@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -133,6 +134,7 @@ def cli(ctx: click.Context, redis_url: str | None, client_name: str | None) -> N
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output (one JSON object per line)")
 @click.option("--max-queue-depth", type=click.IntRange(min=0), help="override the admission cap (0: none)")
 @click.option("--client-quota", type=click.IntRange(min=0), help="override the per-client quota (0: none)")
+@click.option("--job-id", help="choose the job id (letters, digits, _ and -; one request only); exit 2 if it exists")
 @click.option("--dry-run", is_flag=True, help="validate only; submit nothing")
 @click.pass_context
 @_guard
@@ -145,6 +147,7 @@ def submit(
     as_json: bool,
     max_queue_depth: int | None,
     client_quota: int | None,
+    job_id: str | None,
     dry_run: bool,
 ) -> None:
     """Validate REQUEST_FILE (a JSON object, or JSON Lines of several; - for stdin) and submit it.
@@ -153,6 +156,11 @@ def submit(
     stops the command with FILE:LINE:COLUMN and the field.
     """
     requests = load_requests(request_file)
+    if job_id is not None:
+        if len(requests) != 1:
+            raise UserError(f"--job-id needs exactly one request; {request_file} has {len(requests)}", ExitCode.USAGE)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", job_id):
+            raise UserError(f"--job-id {job_id!r}: use 1-128 letters, digits, _ or -", ExitCode.USAGE)
     if dry_run:
         for loaded in requests:
             click.echo(json.dumps({"source": loaded.source, "valid": True}) if as_json else f"{loaded.source}: ok")
@@ -161,7 +169,7 @@ def submit(
         submitted: list[str] = []
         for loaded in requests:
             try:
-                job = client.submit(loaded.request, queue=queue, priority=priority,
+                job = client.submit(loaded.request, job_id=job_id, queue=queue, priority=priority,
                                     max_queue_depth=max_queue_depth, client_quota=client_quota)  # fmt: skip
             except AdmissionRefused:
                 if submitted:
@@ -176,8 +184,8 @@ def submit(
             click.echo(f"submitted {len(submitted)} jobs to {client.queue(queue).name}", err=True)
         if watch:
             worst = ExitCode.OK
-            for job_id in submitted:
-                code = _watch(client, job_id, as_json=as_json, timeout=None)
+            for submitted_id in submitted:
+                code = _watch(client, submitted_id, as_json=as_json, timeout=None)
                 worst = code if code != ExitCode.OK and worst == ExitCode.OK else worst
             ctx.exit(int(worst))
 

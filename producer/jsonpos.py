@@ -16,7 +16,7 @@ __all__ = ["Position", "locate", "position_at"]
 
 _WS = re.compile(r"[ \t\n\r]*")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
-_LITERALS = ("true", "false", "null")
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # json.loads accepts the last three
 
 Path = tuple[str | int, ...]
 

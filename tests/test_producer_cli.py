@@ -1,0 +1,297 @@
+"""The producer CLI without a worker: request-file validation, admission control, cancel of a waiting job,
+exit codes, and the import-lightness rule. A real Redis (tests/servers.py); queues nobody consumes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producer.admission import AdmissionPolicy, AdmissionRefused, enqueue_admitted
+from producer.cli import cli
+from producer.client import ProducerClient, content_job_id
+from producer.exitcodes import EXIT_CODE_HELP, ExitCode
+from producer.jsonpos import locate, position_at
+from producer.requestfile import load_requests
+from producer.settings import load_settings
+from worker.keys import RENDER_FUNC, JobState, events_key
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def env(redis_url: str, unique_name: str) -> dict[str, str]:
+    """Environment for one CLI test: its own queue, a generous cap unless a test lowers it."""
+    return {"LTX_REDIS_URL": redis_url, "LTX_QUEUES": f"q-{unique_name}", "LTX_CLIENT": f"c-{unique_name}"}
+
+
+def run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, args, env=env, catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# ==== validation: exit 2, one line, file position and field ============================================
+
+
+def test_malformed_json_names_line_and_column(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, "bad.json", '{\n  "prompt": "a cat",\n  "seed": ,\n}\n')
+    code, out, err = run(["submit", path], env)
+    assert code == ExitCode.USAGE
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert f"{path}:3:11: invalid JSON: Expecting value" in err
+    assert "Traceback" not in err
+
+
+def test_unknown_field_is_named_with_its_position(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, "typo.json", '{"prompt": "a cat",\n "widht": 256}\n')
+    code, _out, err = run(["submit", path], env)
+    assert code == ExitCode.USAGE
+    assert err.strip() == f"producer: {path}:2:2: unknown field 'widht'; did you mean 'width'?"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("width", 4096, "width: input should be less than or equal to 2048 (got 4096)"),
+        ("width", 100, "width: must be a multiple of 32, got 100"),
+        ("num_frames", 300, "num_frames: input should be less than or equal to 257 (got 300)"),
+        ("num_frames", 10, "num_frames: must be 8k+1 (1, 9, 17, ..., 257), got 10"),
+        ("steps", 0, "steps: input should be greater than or equal to 1 (got 0)"),
+    ],
+)
+def test_out_of_range_values(tmp_path: Path, env: dict[str, str], field: str, value: int, expected: str) -> None:
+    path = write(tmp_path, "r.json", json.dumps({"prompt": "x", field: value}, indent=2))
+    code, _out, err = run(["submit", path], env)
+    assert code == ExitCode.USAGE
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert re.fullmatch(rf"producer: {re.escape(path)}:\d+:\d+: {re.escape(expected)}", lines[0]), lines[0]
+
+
+def test_json_lines_error_points_at_its_line_and_nothing_is_submitted(
+    tmp_path: Path, env: dict[str, str], redis_client
+) -> None:
+    text = '{"prompt": "one"}\n\n{"prompt": "two"}\n{"prompt": "three", "height": 33}\n'
+    path = write(tmp_path, "many.jsonl", text)
+    code, _out, err = run(["submit", path], env)
+    assert code == ExitCode.USAGE
+    assert err.strip() == f"producer: {path}:4:21: height: must be a multiple of 32, got 33"
+    assert redis_client.llen(f"rq:queue:{env['LTX_QUEUES']}") == 0  # all validated before any submit
+
+
+def test_missing_file_wrong_type_and_missing_field(tmp_path: Path, env: dict[str, str]) -> None:
+    code, _out, err = run(["submit", str(tmp_path / "nope.json")], env)
+    assert (code, err.strip()) == (ExitCode.USAGE, f"producer: {tmp_path / 'nope.json'}: no such file")
+    path = write(tmp_path, "list.json", "[1, 2]")
+    code, _out, err = run(["submit", path], env)
+    expected = f"producer: {path}:1:1: expected a JSON object (a request), got array"
+    assert (code, err.strip()) == (ExitCode.USAGE, expected)
+    path = write(tmp_path, "noprompt.json", '{"seed": 3}')
+    code, _out, err = run(["submit", path], env)
+    assert (code, err.strip()) == (ExitCode.USAGE, f"producer: {path}:1:1: missing required field 'prompt'")
+
+
+def test_invalid_setting_is_a_usage_error(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, "ok.json", '{"prompt": "x"}')
+    code, _out, err = run(["submit", path], {**env, "LTX_MAX_QUEUE_DEPTH": "lots"})
+    assert code == ExitCode.USAGE
+    assert err.startswith("producer: invalid setting max_queue_depth (LTX_MAX_QUEUE_DEPTH)")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.dictionaries(
+        st.text(min_size=1, max_size=8),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+            max_leaves=8,
+        ),
+        max_size=5,
+    ),
+    indent=st.sampled_from([None, 0, 2, 4]),
+)
+def test_locate_points_at_every_key(data: dict, indent: int | None) -> None:
+    text = json.dumps(data, indent=indent)
+    offsets = locate(text)
+    for key in data:
+        offset = offsets[(key,)]
+        # the key's own JSON string starts there (json.dumps escapes it the same way)
+        assert text.startswith(json.dumps(key), offset)
+        pos = position_at(text, offset)
+        assert text.splitlines()[pos.line - 1][pos.column - 1] == '"'
+
+
+# ==== admission control =================================================================================
+
+
+def test_submit_over_the_cap_is_refused_with_its_own_exit_code(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, "p.json", '{"prompt": "x", "width": 64, "height": 64, "num_frames": 9}')
+    capped = {**env, "LTX_MAX_QUEUE_DEPTH": "2"}
+    ids = []
+    for _ in range(2):
+        code, out, _err = run(["submit", path], capped)
+        assert code == ExitCode.OK
+        ids.append(out.strip())
+    code, out, err = run(["submit", path], capped)
+    assert code == ExitCode.REFUSED == 3
+    assert out == ""
+    assert err.strip() == (
+        f"producer: refused: queue '{env['LTX_QUEUES']}' is full: 2/2 jobs waiting (admission cap); "
+        "try again when it drains, or use `producer backfill`, which waits"
+    )
+    # cancelling one makes room
+    assert run(["cancel", ids[0]], capped)[0] == ExitCode.OK
+    assert run(["submit", path], capped)[0] == ExitCode.OK
+
+
+def test_client_quota(tmp_path: Path, env: dict[str, str]) -> None:
+    path = write(tmp_path, "p.json", '{"prompt": "x"}')
+    quota = {**env, "LTX_CLIENT_QUOTA": "2"}
+    first = run(["submit", path], quota)[1].strip()
+    assert run(["submit", path], quota)[0] == ExitCode.OK
+    code, _out, err = run(["submit", path], quota)
+    assert code == ExitCode.REFUSED
+    assert f"client '{env['LTX_CLIENT']}' has 2/2 unfinished jobs (quota)" in err
+    # another client is not affected; a finished (here: cancelled) job frees its slot
+    assert run(["--client", "other", "submit", path], quota)[0] == ExitCode.OK
+    assert run(["cancel", first], quota)[0] == ExitCode.OK
+    assert run(["submit", path], quota)[0] == ExitCode.OK
+
+
+def test_admission_is_atomic_under_concurrent_submits(redis_url: str, unique_name: str) -> None:
+    """40 threads race for 7 slots: exactly 7 get in (WATCH/MULTI re-decides on every conflict)."""
+    settings_ = load_settings(redis_url=redis_url, queues=[f"q-{unique_name}"], client="racer")
+    client = ProducerClient(settings_)
+    queue = client.queue()
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        job = queue.create_job(RENDER_FUNC, args=({"prompt": f"p{i}"},))
+        try:
+            enqueue_admitted(queue, job, policy=AdmissionPolicy(max_queue_depth=7), counted_queues=[queue],
+                             client="racer")  # fmt: skip
+            result = "ok"
+        except AdmissionRefused:
+            result = "refused"
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("ok") == 7
+    assert queue.count == 7
+    client.close()
+
+
+# ==== status / watch / cancel without a worker ==========================================================
+
+
+def test_cancel_waiting_job_then_status_and_watch(tmp_path: Path, env: dict[str, str], redis_client) -> None:
+    path = write(tmp_path, "p.json", '{"prompt": "cancel me", "seed": 5}')
+    job_id = run(["submit", path], env)[1].strip()
+    code, out, _ = run(["status", job_id, "--json"], env)
+    assert code == 0
+    info = json.loads(out)
+    assert (info["state"], info["rq_status"], info["request"]["seed"]) == ("queued", "queued", 5)
+
+    code, _out, err = run(["watch", job_id, "--timeout", "1"], env)
+    assert code == ExitCode.NOT_FINISHED
+    assert "still queued" in err
+
+    code, out, _ = run(["cancel", job_id], env)
+    assert (code, out.strip()) == (0, f"cancelled {job_id} (it was waiting; it will not run)")
+    assert redis_client.llen(f"rq:queue:{env['LTX_QUEUES']}") == 0
+    # the producer wrote the terminal event itself, so any stream reader sees the end
+    entries = redis_client.xrange(events_key(job_id))
+    assert json.loads(entries[-1][1][b"data"])["state"] == JobState.CANCELLED.value
+
+    code, out, _ = run(["watch", job_id], env)
+    assert code == ExitCode.CANCELLED
+    assert "cancelled" in out
+    code, out, _ = run(["cancel", job_id], env)
+    assert (code, out.strip()) == (0, f"{job_id} had already ended (cancelled); nothing to cancel")
+    code, _out, err = run(["fetch", job_id, "-o", str(tmp_path / "x.mp4")], env)
+    assert code == ExitCode.CANCELLED
+    assert not (tmp_path / "x.mp4").exists()
+
+
+def test_unknown_job_and_unreachable_redis(env: dict[str, str]) -> None:
+    for command in (["status", "nope"], ["watch", "nope"], ["cancel", "nope"], ["fetch", "nope"]):
+        code, _out, err = run(command, env)
+        assert code == ExitCode.NOT_FOUND, command
+        assert err.strip() == "producer: no job 'nope' (never submitted, or expired)"
+    dead = {**env, "LTX_REDIS_URL": "redis://127.0.0.1:1/0"}
+    code, _out, err = run(["status", "x"], dead)
+    assert code == ExitCode.UNAVAILABLE
+    assert err.count("\n") == 1 and err.startswith("producer: cannot reach Redis")
+
+
+def test_priority_high_goes_to_the_front(tmp_path: Path, env: dict[str, str], redis_client) -> None:
+    path = write(tmp_path, "p.json", '{"prompt": "x"}')
+    normal = run(["submit", path], env)[1].strip()
+    urgent = run(["submit", path, "--priority", "high"], env)[1].strip()
+    ids = [i.decode() for i in redis_client.lrange(f"rq:queue:{env['LTX_QUEUES']}", 0, -1)]
+    assert ids == [urgent, normal]
+
+
+def test_jobs_are_json_not_pickle(tmp_path: Path, env: dict[str, str], redis_client) -> None:
+    import zlib
+
+    path = write(tmp_path, "p.json", '{"prompt": "json please", "width": 64}')
+    job_id = run(["submit", path], env)[1].strip()
+    data = json.loads(zlib.decompress(redis_client.hget(f"rq:job:{job_id}", "data")))
+    assert data[0] == RENDER_FUNC
+    assert data[2][0]["prompt"] == "json please"
+    assert json.loads(redis_client.hget(f"rq:job:{job_id}", "meta"))["state"] == "queued"
+
+
+def test_content_job_id_is_stable_and_seed_sensitive(tmp_path: Path) -> None:
+    a, b, c = load_requests(
+        write(tmp_path, "x.jsonl", '{"prompt": "x"}\n{"seed": 42, "prompt": "x"}\n{"prompt": "x", "seed": 1}\n')
+    )
+    assert content_job_id(a.request) == content_job_id(b.request) != content_job_id(c.request)
+    assert re.fullmatch(r"bf-[0-9a-f]{32}", content_job_id(a.request))
+
+
+# ==== docs and layering =================================================================================
+
+
+def test_exit_codes_are_documented_in_help_and_docs(env: dict[str, str]) -> None:
+    _code, out, _ = run(["--help"], env)
+    for code in ExitCode:
+        assert re.search(rf"^\s+{code.value}\s+{code.name.lower().replace('_', ' ')}:", out, re.M), code
+    docs = (ROOT / "docs" / "producer.md").read_text()
+    for code in ExitCode:
+        assert re.search(rf"^\|\s*{code.value}\s*\|\s*`{code.name}`", docs, re.M), f"{code} missing in docs"
+    assert EXIT_CODE_HELP in out
+
+
+def test_producer_never_imports_torch_or_ltx_mgpu() -> None:
+    code = (
+        "import sys, producer.cli, producer.client, producer.backfill\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu', 'boto3'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
