@@ -84,6 +84,10 @@ class SmokeRunner(MGPURunner):
         from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
         from ltx_core.model.video_vae.model_configurator import VideoDecoderConfigurator
 
+        if self.device.type == "cpu":
+            # CPU ranks share the machine's cores: one OpenMP pool per rank sized to its share, or the
+            # ranks' spinning thread pools fight over the cores at every collective (seconds per job).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.dtype = _DTYPES[dtype]

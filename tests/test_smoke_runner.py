@@ -1,0 +1,158 @@
+"""The smoke runner under the real controller: CPU fleets of 1 and 2 ranks over gloo render real mp4s
+(decoded back with PyAV), world 2 matches world 1, limits are symmetric recoverable errors, cancellation
+keeps the fleet, and the tiny checkpoint is deterministic."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ltx_mgpu import JobCancelledError, MGPUController, SymmetricRunnerError
+from ltx_mgpu.runners.smoke import SmokeRunner, ensure_smoke_checkpoint
+from ltx_mgpu.runners.smoke.video_io import read_mp4
+
+START_TIMEOUT = 180
+JOB = {"prompt": "a red fox in the snow", "seed": 7, "width": 128, "height": 96, "num_frames": 17, "steps": 2}
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("smoke_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def fleets(ckpt_dir: str) -> Any:
+    controllers: dict[int, MGPUController] = {}
+    try:
+        for world in (1, 2):
+            ctl = MGPUController(SmokeRunner, devices=["cpu"] * world)
+            ctl.start(timeout=START_TIMEOUT, checkpoint_dir=ckpt_dir, max_tokens=512)
+            controllers[world] = ctl
+        yield controllers
+    finally:
+        for ctl in controllers.values():
+            ctl.shutdown(graceful_timeout=10)
+
+
+def _render(ctl: MGPUController, out: Path, **overrides: Any) -> list[dict[str, Any]]:
+    return list(ctl.stream(timeout=120, output_path=str(out), **{**JOB, **overrides}))
+
+
+def test_renders_mp4_at_world_1_and_2_and_they_match(fleets: dict, tmp_path: Path) -> None:
+    frames = {}
+    for world, ctl in fleets.items():
+        out = tmp_path / f"w{world}.mp4"
+        events = _render(ctl, out)
+        # Only the driver yields: encode, denoise, 2 x progress, decode, mux, output.
+        assert [e["type"] for e in events] == ["stage", "stage", "progress", "progress", "stage", "stage", "output"]
+        assert [e["stage"] for e in events if e["type"] == "stage"] == ["encode", "denoise", "decode", "mux"]
+        assert [(e["step"], e["total"]) for e in events if e["type"] == "progress"] == [(1, 2), (2, 2)]
+        output = events[-1]
+        assert output["path"] == str(out) and output["world_size"] == world
+        assert (output["frames"], output["width"], output["height"], output["fps"]) == (17, 128, 96, 24.0)
+        assert output["bytes"] == out.stat().st_size > 0 and output["content_type"] == "video/mp4"
+        decoded, fps = read_mp4(out)
+        assert decoded.shape == (17, 96, 128, 3) and fps == pytest.approx(24.0)
+        assert decoded.float().std() > 5  # a real picture, not a constant frame
+        frames[world] = decoded.float()
+    diff = (frames[1] - frames[2]).abs()
+    assert diff.max() <= 8 and diff.mean() <= 0.5, (diff.max(), diff.mean())
+
+
+def test_same_seed_same_frames_other_seed_differs(fleets: dict, tmp_path: Path) -> None:
+    ctl = fleets[1]
+    a, b, c = (tmp_path / n for n in ("a.mp4", "b.mp4", "c.mp4"))
+    _render(ctl, a)
+    _render(ctl, b)
+    _render(ctl, c, seed=8)
+    fa, fb, fc = (read_mp4(p)[0].float() for p in (a, b, c))
+    assert torch.equal(fa, fb)
+    assert (fa - fc).abs().mean() > 5
+
+
+def test_guidance_runs_a_batch_of_two_through_sp(fleets: dict, tmp_path: Path) -> None:
+    plain, guided = tmp_path / "plain.mp4", tmp_path / "guided.mp4"
+    _render(fleets[2], plain)
+    events = _render(fleets[2], guided, guidance_scale=4.0, negative_prompt="blurry")
+    assert events[-1]["type"] == "output"
+    assert (read_mp4(plain)[0].float() - read_mp4(guided)[0].float()).abs().mean() > 1
+
+
+def test_over_max_tokens_is_symmetric_and_the_fleet_serves_the_next_job(fleets: dict, tmp_path: Path) -> None:
+    ctl = fleets[2]
+    with pytest.raises(SymmetricRunnerError) as err:
+        _render(ctl, tmp_path / "big.mp4", width=1024, height=1024)  # 3 x 32 x 32 = 3072 tokens > 512
+    assert len(err.value.errors) == 2  # every rank raised it, before any collective
+    assert str(err.value) == (
+        "Total video token count (3072) exceeds attention_manager max_tokens (512). "
+        "Use a smaller resolution or fewer frames."
+    )
+    assert not (tmp_path / "big.mp4").exists()
+    assert ctl.is_alive
+    assert _render(ctl, tmp_path / "next.mp4")[-1]["type"] == "output"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"width": 100}, "width and height must be positive multiples of 32"),
+        ({"num_frames": 10}, "num_frames must be 8k+1"),
+        ({"steps": 51}, "steps must be in [1, 50]"),
+        ({"guidance_scale": 0.5}, "guidance_scale must be >= 1.0"),
+    ],
+)
+def test_invalid_requests_are_recoverable(fleets: dict, tmp_path: Path, overrides: dict, message: str) -> None:
+    ctl = fleets[2]
+    with pytest.raises(SymmetricRunnerError, match=re.escape(message)):
+        _render(ctl, tmp_path / "bad.mp4", **overrides)
+    assert ctl.is_alive
+
+
+def test_cancel_mid_render_keeps_the_fleet(fleets: dict, tmp_path: Path) -> None:
+    ctl = fleets[2]
+    stream = ctl.stream(timeout=120, output_path=str(tmp_path / "cancelled.mp4"), **{**JOB, "steps": 20})
+    seen = []
+    with pytest.raises(JobCancelledError):
+        for event in stream:
+            seen.append(event)
+            if event["type"] == "progress":
+                stream.cancel()
+    steps_done = [e["step"] for e in seen if e["type"] == "progress"]
+    assert 1 <= len(steps_done) < 20
+    assert not (tmp_path / "cancelled.mp4").exists()
+    assert _render(ctl, tmp_path / "after.mp4")[-1]["type"] == "output"
+
+
+def test_enhance_prompt_is_accepted_and_ignored(fleets: dict, tmp_path: Path) -> None:
+    a, b = tmp_path / "e0.mp4", tmp_path / "e1.mp4"
+    _render(fleets[1], a)
+    _render(fleets[1], b, enhance_prompt=True, frame_rate=24.0)
+    assert torch.equal(read_mp4(a)[0], read_mp4(b)[0])
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_checkpoint_is_deterministic_and_safe_to_create_concurrently(tmp_path: Path) -> None:
+    first = ensure_smoke_checkpoint(tmp_path / "one")
+    results: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_smoke_checkpoint(tmp_path / "two"))) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3
+    for other in results:
+        assert _sha(other.transformer_path) == _sha(first.transformer_path)
+        assert _sha(other.decoder_path) == _sha(first.decoder_path)
+    leftovers = [p.name for p in results[0].directory.iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # temporary files were renamed or removed
