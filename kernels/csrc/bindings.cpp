@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <memory>
+#include <stdexcept>
+
 #include "exchange.cuh"
 #include "runtime.hpp"
 
@@ -12,12 +15,32 @@ using ltxk::Runtime;
 
 namespace {
 
+// Runs f and turns C++ exceptions into Python ones *here*: std::invalid_argument -> ValueError, anything
+// else -> RuntimeError, re-thrown as py::error_already_set, which pybind11's dispatcher restores without
+// consulting the registered exception translators. Those translators live in pybind11's internals, which
+// other extensions in the process (torch among them) may share with us; a C++ exception reaching them
+// crashed the process on the GPU machine (torch 2.11), so no exception of ours ever gets that far.
+template <typename F>
+auto guarded(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (py::error_already_set&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  throw py::error_already_set();
+}
+
 // The routes of make_plan as plain Python data, so CPU tests can replay the copy without a GPU.
 py::dict plan_to_dict(int op, int world, const std::vector<int64_t>& counts, const std::vector<int>& src_ranks,
                       int64_t batch, const std::vector<int64_t>& seqs, int64_t heads_in, int64_t head_dim, int64_t itemsize,
                       int64_t capacity_bytes) {
-  const ltxk::Plan plan =
-      ltxk::make_plan(op, world, counts, src_ranks, batch, seqs, heads_in, head_dim, itemsize, capacity_bytes);
+  const ltxk::Plan plan = guarded([&] {
+    return ltxk::make_plan(op, world, counts, src_ranks, batch, seqs, heads_in, head_dim, itemsize, capacity_bytes);
+  });
   const ltxk::Params& p = plan.params;
   py::list routes;
   for (int i = 0; i < p.num_src; ++i) {
@@ -71,20 +94,51 @@ PYBIND11_MODULE(_C, m) {
       "CUDA devices visible to the extension's own runtime (0 when there is no driver).");
 
   py::class_<Runtime>(m, "Runtime")
-      .def(py::init<int, int, int, int64_t, int64_t, double, bool>(), py::arg("device"), py::arg("rank"),
-           py::arg("world"), py::arg("capacity_bytes"), py::arg("itemsize"), py::arg("timeout_s"),
-           py::arg("loopback"))
-      .def("ipc_handle", [](const Runtime& r) { return py::bytes(r.ipc_handle()); })
-      .def("open_peers", &Runtime::open_peers, py::arg("handles"), py::arg("blocks_per_src"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("set_loopback_blocks", &Runtime::set_loopback_blocks, py::arg("blocks_per_src"))
-      .def("set_rank_tokens", &Runtime::set_rank_tokens, py::arg("counts"))
-      .def("set_timeout", &Runtime::set_timeout, py::arg("timeout_s"))
-      .def("launch", &Runtime::launch, py::arg("op"), py::arg("srcs"), py::arg("batch"), py::arg("seqs"),
-           py::arg("heads_in"), py::arg("head_dim"), py::arg("stream"))
+      .def(py::init([](int device, int rank, int world, int64_t capacity_bytes, int64_t itemsize, double timeout_s,
+                       bool loopback) {
+             return guarded([&] {
+               return std::make_unique<Runtime>(device, rank, world, capacity_bytes, itemsize, timeout_s, loopback);
+             });
+           }),
+           py::arg("device"), py::arg("rank"), py::arg("world"), py::arg("capacity_bytes"), py::arg("itemsize"),
+           py::arg("timeout_s"), py::arg("loopback"))
+      .def("ipc_handle", [](const Runtime& r) { return py::bytes(guarded([&] { return r.ipc_handle(); })); })
+      .def(
+          "open_peers",
+          [](Runtime& r, const std::vector<std::string>& handles, int blocks) {
+            guarded([&] {
+              py::gil_scoped_release nogil;
+              r.open_peers(handles, blocks);
+            });
+          },
+          py::arg("handles"), py::arg("blocks_per_src"))
+      .def(
+          "set_loopback_blocks", [](Runtime& r, int b) { guarded([&] { r.set_loopback_blocks(b); }); },
+          py::arg("blocks_per_src"))
+      .def(
+          "set_rank_tokens", [](Runtime& r, const std::vector<int64_t>& c) { guarded([&] { r.set_rank_tokens(c); }); },
+          py::arg("counts"))
+      .def(
+          "set_timeout", [](Runtime& r, double t) { guarded([&] { r.set_timeout(t); }); }, py::arg("timeout_s"))
+      .def(
+          "launch",
+          [](Runtime& r, int op, const std::vector<uintptr_t>& srcs, int64_t batch, const std::vector<int64_t>& seqs,
+             int64_t heads_in, int64_t head_dim, uintptr_t stream) {
+            guarded([&] { r.launch(op, srcs, batch, seqs, heads_in, head_dim, stream); });
+          },
+          py::arg("op"), py::arg("srcs"), py::arg("batch"), py::arg("seqs"), py::arg("heads_in"), py::arg("head_dim"),
+          py::arg("stream"))
       .def("error_state", &Runtime::error_state)
-      .def("destroy", &Runtime::destroy, py::call_guard<py::gil_scoped_release>())
-      .def("data_ptr", &Runtime::data_ptr, py::arg("rank"))
+      .def("destroy",
+           [](Runtime& r) {
+             guarded([&] {
+               py::gil_scoped_release nogil;
+               r.destroy();
+             });
+           })
+      .def(
+          "data_ptr", [](const Runtime& r, int rank) { return guarded([&] { return r.data_ptr(rank); }); },
+          py::arg("rank"))
       .def_property_readonly("device", &Runtime::device)
       .def_property_readonly("rank", &Runtime::rank)
       .def_property_readonly("world", &Runtime::world)

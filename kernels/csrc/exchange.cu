@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(kThreads, 2) exchange_kernel(const __grid_cons
     const int64_t src_row0 = r.src_row0[t];
     const int64_t src_col0 = r.src_col0[t];
     const int64_t dst_rows = r.dst_rows[t];
+    const bool single_batch = p.batch == 1;
     for (uint32_t base = static_cast<uint32_t>(j) * rpi + rsub; base < rows_total; base += stride * kUnroll) {
       const uint8_t* sp[kUnroll];
       uint8_t* dp[kUnroll];
@@ -150,8 +151,8 @@ __global__ void __launch_bounds__(kThreads, 2) exchange_kernel(const __grid_cons
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t row = base + static_cast<uint32_t>(u) * stride;
         valid[u] = row < rows_total;
-        const uint32_t b = valid[u] ? row / n : 0;
-        const uint32_t i = valid[u] ? row - b * n : 0;
+        const uint32_t b = (single_batch || !valid[u]) ? 0 : row / n;  // no division in the common B == 1
+        const uint32_t i = row - b * n;
         sp[u] = src + (static_cast<int64_t>(b) * r.src_rows + src_row0 + i) * p.src_stride + src_col0;
         dp[u] = dst + (static_cast<int64_t>(b) * dst_rows + r.dst_row0 + i) * p.dst_stride + r.dst_col0;
       }
@@ -176,9 +177,10 @@ __global__ void __launch_bounds__(kThreads, 2) exchange_kernel(const __grid_cons
   // Exit barrier: block 0 of each source waits for all blocks of all sources that target `me`.
   if (blockIdx.x == 0 && ok && threadIdx.x < static_cast<unsigned>(w)) {
     const uint32_t n_me = static_cast<uint32_t>((p.blocks_per_src - me + w - 1) / w);
-    const uint32_t expected = (s_epoch + 1u) * n_me;
-    wait_reach(p, &my->arrive[threadIdx.x], expected, s_deadline, me, static_cast<int>(threadIdx.x),
-               kPhaseExit);
+    const uint32_t expected = my->arrive_base[threadIdx.x] + n_me;
+    if (wait_reach(p, &my->arrive[threadIdx.x], expected, s_deadline, me, static_cast<int>(threadIdx.x),
+                   kPhaseExit))
+      my->arrive_base[threadIdx.x] = expected;  // read by the next launch only (kernel boundary orders it)
   }
 
   // Epoch bookkeeping: the last block of this source to finish advances the epoch for the next launch.

@@ -24,8 +24,10 @@
 //     rank's exchange n starts only after all its earlier stream work (the copy-out / consumers of
 //     exchange n-1), nobody overwrites data a slow rank is still reading (no write-after-read race).
 //   exit barrier: every block adds 1 to the target's arrive[me] after its stores (release, system
-//     scope); block 0 of each source waits until arrive[s] counts every block of every source. When the
-//     kernel completes, the rank's data region holds the complete output.
+//     scope); block 0 of each source waits until arrive[s] has grown by the number of blocks s aims at
+//     this rank (arrive_base[s] remembers the last value consumed). When the kernel completes, the rank's
+//     data region holds the complete output. No early arrivals of the next exchange can be miscounted:
+//     they need this rank's next entry, which comes only after this kernel ends.
 //   Counters are monotonic (wrap-safe 32-bit compares) and epoch lives in device memory, so the kernel
 //   is correct under CUDA-graph replay (no host-side sequence number is baked into the launch).
 //   Timeouts use %globaltimer (wall-clock ns). A timeout never traps: it records the missing rank in
@@ -49,6 +51,8 @@ enum Phase : int { kPhaseEntry = 1, kPhaseExit = 2 };
 struct Ctrl {
   uint32_t entry[kMaxRanks];   // entry[s]: number of the exchange rank s has entered (written by s)
   uint32_t arrive[kMaxRanks];  // arrive[s]: monotonic count of s's blocks that finished writing here
+  uint32_t arrive_base[kMaxRanks];  // arrive[s] value already consumed by earlier exchanges (owner only),
+                                    // so the grid size may change between launches (loopback sweeps)
   uint32_t epoch;              // exchanges this rank completed on this instance (owner only)
   uint32_t done;               // blocks of the running launch that finished (owner only; self-resetting)
 };
