@@ -14,9 +14,7 @@ def test_s3_roundtrip_presign_and_auth(s3_server, s3_client, unique_name):
     key = f"{unique_name}/obj"
     s3_client.put_object(Bucket=s3_server.bucket, Key=key, Body=b"hello", Metadata={"sha256": "abc"})
     assert s3_client.head_object(Bucket=s3_server.bucket, Key=key)["Metadata"] == {"sha256": "abc"}
-    url = s3_client.generate_presigned_url(
-        "get_object", Params={"Bucket": s3_server.bucket, "Key": key}, ExpiresIn=60
-    )
+    url = s3_client.generate_presigned_url("get_object", Params={"Bucket": s3_server.bucket, "Key": key}, ExpiresIn=60)
     assert s3_server.http_get(url) == b"hello"
     bad = boto3.client(
         "s3",

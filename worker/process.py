@@ -138,6 +138,7 @@ def run_worker(
         worker.service.fleet.shutdown(0)
         if health is not None:
             health.stop()
+        log.info("worker exiting")
     return worker.exit_code
 
 

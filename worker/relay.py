@@ -94,6 +94,8 @@ class EventRelay:
         """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`
         also go into the summary."""
         summary: dict[str, Any] = {"state": state.value}
+        if state is JobState.UPLOADED:
+            summary.update(percent=100.0, eta_s=0.0)
         for key in ("error", "result", "attempt", "worker", "fleet"):
             if key in extra:
                 summary[key] = extra[key]

@@ -174,6 +174,18 @@ class FleetWorker(SimpleWorker):
             service.metrics.fleet_rebuilds.labels(service.group, "ok").inc()
         service.metrics.set_fleet_state(service.fleet.state, alive=service.fleet.is_alive)
 
+    def handle_exception(self, job: Any, *exc_info: Any) -> None:
+        """Expected outcomes (a failure with a reason, a cancel) get one log line, not a traceback."""
+        from .service import JobCancelledByClient, JobFailed
+
+        exc = exc_info[1] if len(exc_info) > 1 else None
+        if isinstance(exc, JobFailed | JobCancelledByClient):
+            log.info("job %s ended: %s", job.id, exc)
+            for handler in self._exc_handlers:
+                handler(job, *exc_info)
+            return
+        super().handle_exception(job, *exc_info)
+
     # ==== cancellation and shutdown ===================================================================
     def kill_horse(self, sig: Any = None) -> None:
         """RQ's stop-job / kill-horse command: cancel the running render cooperatively."""
@@ -203,8 +215,9 @@ class FleetWorker(SimpleWorker):
         try:
             super().teardown()
         finally:
-            log.info("stopping the fleet")
+            t0 = time.monotonic()
             self.service.fleet.shutdown(0 if self._cold else None)
+            log.info("fleet stopped in %.2fs", time.monotonic() - t0)
             self.service.metrics.set_fleet_state("stopped", alive=False)
             try:
                 self.connection.delete(worker_health_key(self.name))

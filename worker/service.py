@@ -332,7 +332,7 @@ class RenderService:
             log.error("job %s failed: %s", job.id, message)
         if reraise is not None:
             raise reraise
-        raise JobFailed(reason, message, retrying=retry, **details)
+        raise JobFailed(reason, message, retrying=retry, **details) from None
 
     def _budget(self, reason: FailureReason) -> int:
         s = self.settings

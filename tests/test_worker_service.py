@@ -1,0 +1,336 @@
+"""The render service end to end: real Redis, real S3 (SeaweedFS), real `ltx-worker one` processes with
+CPU fleets (world 2, gloo) running the smoke runner or the fault-injection runner.
+
+One module-scoped worker serves most tests (a fleet start costs seconds); its S3 traffic goes through a
+`TcpProxy` so a test can make storage unreachable. Tests run in file order but do not depend on it:
+each waits for the worker to be idle with a live fleet first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from tests.test_worker_support import (
+    WorkerProcess,
+    enqueue,
+    events,
+    output_bytes,
+    pid_alive,
+    read_records,
+    wait_for,
+    wait_ready,
+    wait_rq_status,
+    wait_state,
+    worker_env,
+    worker_health,
+)
+from worker.control import cancel_job
+from worker.spool import MANIFEST_NAME
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Fleet:
+    """Handle on the module's worker: its process, queue, Redis connection, proxy and spool."""
+
+    def __init__(self, proc: WorkerProcess, conn: Any, queue: str, name: str, proxy: Any, spool: Path) -> None:
+        self.proc, self.conn, self.queue, self.name, self.proxy, self.spool = proc, conn, queue, name, proxy, spool
+
+    def health(self) -> dict[str, Any]:
+        infos = worker_health(self.conn, self.name)
+        assert len(infos) == 1, infos
+        return infos[0]
+
+    def idle(self, timeout: float = 90) -> dict[str, Any]:
+        """Wait for a live fleet and no running job; return the health snapshot."""
+
+        def ok() -> dict[str, Any] | None:
+            infos = wait_ready(self.conn, self.name, 1, timeout, self.proc)
+            info = infos[0]
+            return info if info["current_job"] is None else None
+
+        return wait_for(ok, timeout, "idle worker", on_fail=self.proc.log_tail)
+
+    def submit(self, prompt: str, **request: Any) -> Any:
+        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9,
+                                               **request})  # fmt: skip
+
+
+def _start_worker(
+    tmp: Path, redis_server: Any, s3_server: Any, proxy: Any, runner: str, group: str, **extra: Any
+) -> Fleet:  # noqa: E501
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    name = f"t{uuid.uuid4().hex[:6]}"
+    spool = tmp / "spool"
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=spool, s3_url=proxy.url,
+                     runner=runner, **extra)  # fmt: skip
+    proc = WorkerProcess(["one", "--group", group], env, tmp / "worker.log").start()
+    conn = redis_server.client()
+    wait_ready(conn, name, 1, 120, proc)
+    return Fleet(proc, conn, queue, name, proxy, spool)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
+    from tests.servers import TcpProxy
+
+    tmp = tmp_path_factory.mktemp("worker")
+    proxy = TcpProxy(s3_server.s3_port).start()
+    f = _start_worker(tmp, redis_server, s3_server, proxy, "fault", "cpu:2", upload_attempts=3,
+                      retry_fleet_failure=1, retry_upload_failed=1)  # fmt: skip
+    try:
+        yield f
+    finally:
+        proxy.unblock()
+        rc = f.proc.stop()
+        proxy.block()
+        f.conn.close()
+        assert rc == 0, f.proc.log_tail()
+
+
+def _types(evts: list[dict[str, Any]]) -> list[str]:
+    return [e["state"] if e["type"] == "state" else e["type"] for e in evts]
+
+
+def _check_object(s3_server: Any, result: dict[str, Any], expected: bytes) -> None:
+    sha = hashlib.sha256(expected).hexdigest()
+    assert result["sha256"] == sha and result["size"] == len(expected)
+    head = s3_server.client().head_object(Bucket=result["bucket"], Key=result["key"])
+    assert head["Metadata"]["sha256"] == sha
+    assert head["ContentType"] == "video/mp4"
+    assert s3_server.http_get(result["url"]) == expected  # the presigned URL works for an outside client
+
+
+# ==== the smoke runner: the real pipeline, SP over two CPU ranks ========================================
+
+
+def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, redis_server, s3_server):
+    from tests.servers import TcpProxy
+
+    proxy = TcpProxy(s3_server.s3_port).start()
+    f = _start_worker(tmp_path, redis_server, s3_server, proxy, "smoke", "cpu:2",
+                      runner_setup=json.dumps({"default_steps": 2}))  # fmt: skip
+    try:
+        job = f.submit("a red fox in the snow", seed=7, steps=2)
+        assert wait_state(job, {"uploaded", "failed"}, 180, f.proc) == "uploaded", job.get_meta()
+        evts = events(f.conn, job.id)
+        kinds = _types(evts)
+        assert kinds[:2] == ["started", "rendering"]
+        assert kinds[-1] == "uploaded"
+        order = ["started", "rendering", "encode", "denoise", "decode", "mux", "output", "rendered", "uploading",
+                 "uploaded"]  # fmt: skip
+        seen = [e.get("stage", e.get("state", e["type"])) for e in evts]
+        positions = [seen.index(x) for x in order]
+        assert positions == sorted(positions), seen
+        steps = [e["step"] for e in evts if e["type"] == "progress"]
+        assert steps == [1, 2]
+        assert [e["ts"] for e in evts] == sorted(e["ts"] for e in evts)
+        # plain rq APIs see the summary and the result
+        fetched = Job.fetch(job.id, connection=f.conn, serializer=JSONSerializer)
+        meta = fetched.get_meta()
+        assert meta["state"] == "uploaded" and meta["percent"] == 100.0 and meta["fleet"] == "cpu:2"
+        assert fetched.get_status() == JobStatus.FINISHED
+        result = fetched.latest_result().return_value
+        assert result == meta["result"]
+        data = s3_server.client().get_object(Bucket=result["bucket"], Key=result["key"])["Body"].read()
+        assert data[4:8] == b"ftyp"  # an mp4 container
+        _check_object(s3_server, result, data)
+        assert result["fleet"]["world_size"] == 2
+        assert not (f.spool / job.id).exists()  # released after the confirmed upload
+    finally:
+        assert f.proc.stop() == 0, f.proc.log_tail()
+        proxy.block()
+
+
+# ==== the fault runner ==================================================================================
+
+
+def test_job_result_object_and_rq_summary(fleet, s3_server):
+    fleet.idle()
+    job = fleet.submit("t bytes=100000", seed=3, steps=3)
+    assert wait_state(job, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded"
+    result = job.latest_result().return_value
+    _check_object(s3_server, result, output_bytes(3, 100000))
+    assert result["key"].endswith(f"{job.id}/video.mp4")
+    assert set(result["timings"]) == {"queue_wait_s", "render_s", "upload_s", "total_s"}
+    kinds = _types(events(fleet.conn, job.id))
+    assert kinds[:3] == ["started", "rendering", "stage"] and kinds[-1] == "uploaded"
+    assert kinds.count("progress") == 3
+    ttl = fleet.conn.ttl(f"ltx:job:{job.id}:events")
+    assert 0 < ttl <= 3600  # expires with the job's result_ttl
+
+
+def test_multipart_upload_above_threshold(fleet, s3_server):
+    fleet.idle()
+    size = 20 * 1024 * 1024  # above the default 16 MiB multipart threshold
+    job = fleet.submit(f"t bytes={size}", seed=5, steps=1)
+    assert wait_state(job, {"uploaded", "failed"}, 90, fleet.proc) == "uploaded"
+    result = job.latest_result().return_value
+    head = s3_server.client().head_object(Bucket=result["bucket"], Key=result["key"])
+    assert "-" in head["ETag"], head["ETag"]  # a multipart ETag
+    assert head["Metadata"]["sha256"] == hashlib.sha256(output_bytes(5, size)).hexdigest()
+    assert any(e["type"] == "upload" and e.get("done") for e in events(fleet.conn, job.id))
+
+
+def test_invalid_request_names_field_and_leaves_fleet_untouched(fleet):
+    before = fleet.idle()["fleet"]["pids"]
+    job = fleet.submit("t", width=100)
+    wait_rq_status(job, {JobStatus.FAILED}, 30, fleet.proc)
+    meta = job.get_meta(refresh=True)
+    assert meta["state"] == "failed"
+    assert meta["error"]["reason"] == "invalid_request" and meta["error"]["field"] == "width"
+    assert "multiple of 32" in meta["error"]["message"]
+    assert job.retries_left in (0, None)
+    assert "invalid_request" in job.latest_result().exc_string
+    after = fleet.idle()["fleet"]
+    assert after["pids"] == before and after["alive"]
+    # unknown fields too
+    job2 = enqueue(fleet.conn, fleet.queue, {"prompt": "t", "widht": 64})
+    wait_rq_status(job2, {JobStatus.FAILED}, 30, fleet.proc)
+    assert job2.get_meta(refresh=True)["error"]["field"] == "widht"
+
+
+def test_runner_error_fails_without_retry_and_fleet_survives(fleet):
+    before = fleet.idle()["fleet"]["pids"]
+    job = fleet.submit("t error=runner")
+    wait_rq_status(job, {JobStatus.FAILED}, 30, fleet.proc)
+    err = job.get_meta(refresh=True)["error"]
+    assert err["reason"] == "runner_error" and "injected runner error" in err["message"]
+    assert fleet.idle()["fleet"]["pids"] == before
+
+
+def test_cancel_running_job_keeps_fleet_and_next_job_succeeds(fleet):
+    before = fleet.idle()["fleet"]["pids"]
+    job = fleet.submit("t step_s=0.2", steps=100)
+    queued = fleet.submit("t")  # waits behind the first; cancelled while queued
+    wait_for(lambda: (job.get_meta(refresh=True).get("step") or 0) >= 2, 30, "progress", on_fail=fleet.proc.log_tail)
+    assert cancel_job(fleet.conn, queued.id) == "cancelled"
+    assert cancel_job(fleet.conn, job.id) == "stopping"
+    assert wait_rq_status(job, {JobStatus.STOPPED}, 30, fleet.proc)
+    assert job.get_meta(refresh=True)["state"] == "cancelled"
+    assert _types(events(fleet.conn, job.id))[-1] == "cancelled"
+    assert queued.get_status(refresh=True) == JobStatus.CANCELED
+    assert _types(events(fleet.conn, queued.id)) == ["cancelled"]
+    info = fleet.idle()
+    assert info["fleet"]["pids"] == before and info["fleet"]["alive"]
+    nxt = fleet.submit("t")
+    assert wait_state(nxt, {"uploaded", "failed"}, 30, fleet.proc) == "uploaded"
+    assert queued.get_meta(refresh=True)["state"] == "cancelled"  # never ran
+
+
+def test_rank_killed_mid_job_fails_with_fleet_failure_rebuilds_and_next_job_succeeds(fleet, tmp_path):
+    info = fleet.idle()
+    old_pids, rebuilds = info["fleet"]["pids"], info["fleet"]["rebuilds"]
+    record = tmp_path / "exec.jsonl"
+    # retry_fleet_failure=1: the first failure is retried, the retry dies the same way and the job fails.
+    job = fleet.submit(f"t exit_rank=1 exit_step=2 step_s=0.05 record={record}", steps=4)
+    wait_rq_status(job, {JobStatus.FAILED}, 90, fleet.proc)
+    meta = job.get_meta(refresh=True)
+    err = meta["error"]
+    assert err["reason"] == "fleet_failure" and err["rank"] == 1 and err["exitcode"] == 9, err
+    assert err["fleet_reason"] in ("rank_exited", "rank_failed")
+    kinds = _types(events(fleet.conn, job.id))
+    assert kinds.count("retrying") == 1 and kinds[-1] == "failed"
+    assert kinds.count("fleet") == 2  # a fleet-failure event per attempt
+    assert meta["attempt"] == 2 and len(read_records(record)) == 2  # ran twice: once + one retry, no more
+    info = wait_for(lambda: (i := fleet.idle())["fleet"]["rebuilds"] >= rebuilds + 2 and i, 90, "rebuilt fleet")
+    assert set(info["fleet"]["pids"]).isdisjoint(old_pids)
+    wait_for(lambda: not any(pid_alive(p) for p in old_pids), 20, "old ranks gone")
+    nxt = fleet.submit("t")
+    assert wait_state(nxt, {"uploaded", "failed"}, 30, fleet.proc) == "uploaded"
+
+
+def test_s3_unreachable_during_upload_then_back(fleet, s3_server):
+    fleet.idle()
+    fleet.proxy.block()
+    job = fleet.submit("t bytes=50000", seed=11)
+
+    def retried() -> bool:
+        return any(e["type"] == "upload" and "error" in e for e in events(fleet.conn, job.id))
+
+    try:
+        wait_for(retried, 30, "a failed upload attempt", on_fail=fleet.proc.log_tail)
+        assert (fleet.spool / job.id / MANIFEST_NAME).exists()  # the video waits in the spool meanwhile
+    finally:
+        fleet.proxy.unblock()
+    assert wait_state(job, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded"
+    _check_object(s3_server, job.latest_result().return_value, output_bytes(11, 50000))
+    assert not (fleet.spool / job.id).exists()
+
+
+def test_s3_down_for_good_keeps_video_in_spool_and_fails_retryable(fleet, tmp_path):
+    fleet.idle()
+    record = tmp_path / "exec.jsonl"
+    fleet.proxy.block()
+    try:
+        job = fleet.submit(f"t bytes=30000 record={record}", seed=13)
+        wait_rq_status(job, {JobStatus.FAILED}, 90, fleet.proc)
+    finally:
+        fleet.proxy.unblock()
+    meta = job.get_meta(refresh=True)
+    assert meta["error"]["reason"] == "upload_failed" and meta["error"]["retryable"] is True
+    kinds = _types(events(fleet.conn, job.id))
+    assert kinds.count("retrying") == 1  # retry_upload_failed=1
+    resumed = [e for e in events(fleet.conn, job.id) if e.get("resumed_from_spool")]
+    assert len(resumed) == 1  # the retry uploaded from the spool instead of rendering again
+    assert len([r for r in read_records(record) if r["event"] == "start"]) == 1
+    manifest = json.loads((fleet.spool / job.id / MANIFEST_NAME).read_text())
+    video = fleet.spool / job.id / manifest["file_name"]
+    assert hashlib.sha256(video.read_bytes()).hexdigest() == manifest["sha256"]
+    assert manifest["sha256"] == hashlib.sha256(output_bytes(13, 30000)).hexdigest()
+    assert manifest["attempts"] == 6  # 3 attempts per execution, both recorded in the manifest
+
+
+def test_heartbeats_keep_long_job_from_being_abandoned(fleet, tmp_path):
+    """The job runs longer than job_heartbeat_ttl (6 s); a registry cleanup (what another worker's
+    maintenance does) in the middle must not see it as abandoned, so it is never run twice."""
+    fleet.idle()
+    record = tmp_path / "exec.jsonl"
+    job = fleet.submit(f"t step_s=0.5 record={record}", steps=20)
+    wait_state(job, "rendering", 30, fleet.proc)
+    time.sleep(8)
+    registry = StartedJobRegistry(fleet.queue, connection=fleet.conn, serializer=JSONSerializer)
+    registry.cleanup()
+    assert job.id in registry.get_job_ids(cleanup=False)
+    assert wait_state(job, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded"
+    assert [r["event"] for r in read_records(record)] == ["start", "end"]
+    assert len(job.results()) == 1 and job.get_meta(refresh=True)["attempt"] == 1
+
+
+def test_metrics_and_health_endpoints(fleet):
+    fleet.idle()
+    job = fleet.submit("t")
+    assert wait_state(job, {"uploaded", "failed"}, 30, fleet.proc) == "uploaded"
+    port = fleet.idle()["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'ltx_worker_jobs_total{group="cpu:2",outcome="uploaded",reason=""}' in text
+    assert 'ltx_worker_fleet_up{group="cpu:2"} 1.0' in text
+    assert "ltx_worker_render_seconds_bucket" in text and "ltx_worker_queue_wait_seconds_count" in text
+    assert 'ltx_worker_fleet_rebuilds_total{group="cpu:2",result="ok"}' in text
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
+        body = json.loads(resp.read())
+    assert resp.status == 200 and body["ready"] and body["fleet"]["alive"]
+
+
+def test_cancel_right_after_start_is_honoured(fleet):
+    """A cancel sent the moment RQ reports the job started (the fleet may not have the job yet) stops it."""
+    fleet.idle()
+    job = fleet.submit("t step_s=0.3", steps=30)
+    probe = Job(job.id, connection=fleet.conn, serializer=JSONSerializer)
+    wait_for(lambda: probe.get_status(refresh=True) == JobStatus.STARTED, 20, "started", poll=0.005)
+    assert cancel_job(fleet.conn, job.id) == "stopping"
+    assert wait_rq_status(job, {JobStatus.STOPPED}, 30, fleet.proc)
+    assert job.get_meta(refresh=True)["state"] == "cancelled"
+    assert fleet.idle()["fleet"]["alive"]

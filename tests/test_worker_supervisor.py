@@ -1,0 +1,105 @@
+"""Two fleets side by side under one `ltx-worker --group cpu:1 --group cpu:1` supervisor: concurrent
+renders, and a worker process SIGKILLed mid-job (restarted by the supervisor; the job is re-run once by
+RQ's abandoned-job cleanup, never twice, never lost). Real Redis, real S3, real CPU fleets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from typing import Any
+
+import pytest
+from rq.job import JobStatus
+
+from tests.test_worker_support import (
+    WorkerProcess,
+    enqueue,
+    events,
+    pid_alive,
+    read_records,
+    wait_for,
+    wait_ready,
+    wait_state,
+    worker_env,
+    worker_health,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Pair:
+    def __init__(self, proc: WorkerProcess, conn: Any, queue: str, name: str) -> None:
+        self.proc, self.conn, self.queue, self.name = proc, conn, queue, name
+
+    def submit(self, prompt: str, **request: Any) -> Any:
+        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9,
+                                               **request})  # fmt: skip
+
+    def ready(self, timeout: float = 120) -> list[dict[str, Any]]:
+        return wait_ready(self.conn, self.name, 2, timeout, self.proc)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
+    tmp = tmp_path_factory.mktemp("pair")
+    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"p{uuid.uuid4().hex[:6]}"
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=tmp / "spool")
+    proc = WorkerProcess(["--group", "cpu:1", "--group", "cpu:1"], env, tmp / "supervisor.log").start()
+    conn = redis_server.client()
+    p = Pair(proc, conn, queue, name)
+    p.ready()
+    try:
+        yield p
+    finally:
+        workers = [h["pid"] for h in worker_health(conn, name)]
+        ranks = [pid for h in worker_health(conn, name) for pid in h["fleet"]["pids"]]
+        rc = proc.stop(90)
+        assert rc == 0, proc.log_tail()
+        wait_for(lambda: not any(pid_alive(x) for x in workers + ranks), 20, "no process left")
+        conn.close()
+
+
+def test_two_groups_render_concurrently(pair):
+    pair.ready()
+    jobs = [pair.submit("t step_s=0.25", steps=8, seed=i) for i in range(2)]
+    for job in jobs:
+        assert wait_state(job, {"uploaded", "failed"}, 90, pair.proc) == "uploaded", job.get_meta(refresh=True)
+    spans = []
+    for job in jobs:
+        evts = {e.get("state"): e["ts"] for e in events(pair.conn, job.id) if e["type"] == "state"}
+        spans.append((evts["rendering"], evts["rendered"]))
+    assert max(s for s, _ in spans) < min(e for _, e in spans), f"render intervals do not overlap: {spans}"
+    workers = {job.latest_result().return_value["fleet"]["worker"] for job in jobs}
+    assert len(workers) == 2
+
+
+def test_worker_sigkilled_mid_job_is_rerun_once_not_lost(pair, tmp_path):
+    before = {h["pid"]: h for h in pair.ready()}
+    record = tmp_path / "exec.jsonl"
+    job = pair.submit(f"t step_s=0.25 record={record}", steps=16)
+    wait_for(lambda: (job.get_meta(refresh=True).get("step") or 0) >= 2, 60, "progress", on_fail=pair.proc.log_tail)
+    victim_name = job.get_meta(refresh=True)["worker"]
+    victim = next(h for h in before.values() if h["worker"] == victim_name)
+    os.kill(victim["pid"], signal.SIGKILL)
+    # the killed worker's ranks notice their parent died and exit (no orphaned fleet)
+    wait_for(lambda: not any(pid_alive(p) for p in victim["fleet"]["pids"]), 30, "orphaned ranks to exit")
+    # RQ's cleanup (the surviving worker's maintenance, every 2 s) finds it abandoned after the 6 s
+    # heartbeat deadline and re-queues it once (retry_worker_lost=1); a worker runs it to the end.
+    assert wait_state(job, {"uploaded", "failed"}, 120, pair.proc) == "uploaded", job.get_meta(refresh=True)
+    recs = read_records(record)
+    starts = [r for r in recs if r["event"] == "start"]
+    ends = [r for r in recs if r["event"] == "end"]
+    assert len(starts) == 2 and len(ends) == 1, recs
+    assert ends[0]["t"] > starts[1]["t"] > starts[0]["t"]  # the second run began after the first died
+    assert starts[0]["pid"] in victim["fleet"]["pids"]
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    results = job.results()
+    assert [r.type.name for r in results] == ["SUCCESSFUL"], results
+    meta = job.get_meta(refresh=True)
+    assert meta["attempt"] == 2 and meta["retries"] == {"worker_lost": 1}
+    kinds = [e.get("state") for e in events(pair.conn, job.id) if e["type"] == "state"]
+    assert kinds.count("started") == 2 and "retrying" in kinds and kinds[-1] == "uploaded"
+    # the supervisor restarted the killed worker: two live fleets again, one of them new
+    after = pair.ready()
+    assert victim["pid"] not in {h["pid"] for h in after}

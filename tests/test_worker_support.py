@@ -1,0 +1,311 @@
+"""Support for the worker tests: fault-injection runners and a handle on `ltx-worker` processes.
+
+The runners are registered in the worker under test by import path (`LTX_RUNNERS`), and the controller
+ships them to the ranks by value, so they live here rather than in an installed package. Requests are
+validated by the real `RenderRequest` (unknown fields are rejected), so the test behaviour is steered
+through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 record=/tmp/x.jsonl".
+
+| directive       | effect                                                                   |
+|-----------------|--------------------------------------------------------------------------|
+| step_s=F        | sleep F seconds per step (on every rank) before the cancel point         |
+| bytes=N         | size of the output file (default 4096), content derived from the seed    |
+| record=PATH     | the driver appends {"event": "start"/"end", "pid", "t", "job"} lines     |
+| error=runner    | raise RunnerError on every rank (recoverable, the fleet survives)        |
+| exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
+| no_output=1     | finish without writing a file                                            |
+
+No test functions here: pytest collects the module and finds none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ltx_mgpu import MGPURunner, RunnerError
+from ltx_mgpu.events import output_event, progress_event, stage_event
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNERS = {
+    "fault": "tests.test_worker_support:FaultRunner",
+    "broken": "tests.test_worker_support:BrokenSetupRunner",
+}
+
+
+def directives(prompt: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in prompt.split() if "=" in part)
+
+
+def output_bytes(seed: int, size: int) -> bytes:
+    """The deterministic content FaultRunner writes (tests recompute it to check sha256 end to end)."""
+    block = hashlib.sha256(str(seed).encode()).digest() * 2048
+    out = bytearray()
+    while len(out) < size:
+        out += block
+    return bytes(out[:size])
+
+
+class FaultRunner(MGPURunner):
+    """A fast runner with injectable faults; see the module docstring."""
+
+    def setup(self, *, fail_if_exists: str | None = None, **_: Any) -> None:
+        """`fail_if_exists`: raise if that file exists (a test creates it to make *rebuilds* fail)."""
+        if fail_if_exists and os.path.exists(fail_if_exists):
+            raise RuntimeError(f"injected setup failure ({fail_if_exists} exists)")
+        self.pid = os.getpid()
+
+    def __call__(
+        self,
+        *,
+        output_path: str,
+        prompt: str,
+        seed: int = 42,
+        steps: int | None = None,
+        width: int = 64,
+        height: int = 64,
+        num_frames: int = 9,
+        frame_rate: float = 24.0,
+        **_ignored: Any,
+    ) -> Iterator[dict[str, Any]]:
+        d = directives(prompt)
+        steps = int(steps or 2)
+        record = d.get("record")
+        job = Path(output_path).parent.name
+        if record and self.is_driver:
+            _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job})
+        if d.get("error") == "runner":
+            raise RunnerError("injected runner error")
+        if self.is_driver:
+            yield stage_event("denoise")
+        exit_rank = int(d["exit_rank"]) if "exit_rank" in d else None
+        exit_step = int(d.get("exit_step", 2))
+        for step in range(1, steps + 1):
+            time.sleep(float(d.get("step_s", 0)))
+            if exit_rank == self.rank and step == exit_step:
+                os._exit(9)
+            self.raise_if_cancelled()
+            if self.is_driver:
+                yield progress_event("denoise", step, steps)
+        if self.is_driver:
+            if d.get("no_output") != "1":
+                data = output_bytes(seed, int(d.get("bytes", 4096)))
+                Path(output_path).write_bytes(data)
+                yield output_event(output_path, frames=num_frames, fps=frame_rate, width=width, height=height,
+                                   size_bytes=len(data))  # fmt: skip
+            if record:
+                _append(record, {"event": "end", "pid": os.getpid(), "t": time.time(), "job": job})
+
+
+class BrokenSetupRunner(MGPURunner):
+    """Its setup always fails: the fleet can never be built."""
+
+    def setup(self, **_: Any) -> None:
+        raise RuntimeError("injected setup failure")
+
+    def __call__(self, **_: Any) -> Iterator[Any]:
+        yield None
+
+
+def _append(path: str, record: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ==== worker processes ==================================================================================
+
+
+def worker_env(
+    redis_url: str, s3: Any, *, queue: str, name: str, spool: Path, s3_url: str | None = None, **extra: Any
+) -> dict[str, str]:
+    """Environment for an `ltx-worker` under test: fast heartbeats, test runners, the given servers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LTX_")}
+    env.update(
+        LTX_REDIS_URL=redis_url,
+        LTX_QUEUES=queue,
+        LTX_WORKER_NAME=name,
+        LTX_RUNNERS=json.dumps(RUNNERS),
+        LTX_RUNNER="fault",
+        LTX_SPOOL_DIR=str(spool),
+        LTX_S3_ENDPOINT_URL=s3_url or s3.url,
+        LTX_S3_BUCKET=s3.bucket,
+        LTX_S3_ACCESS_KEY_ID=s3.access_key,
+        LTX_S3_SECRET_ACCESS_KEY=s3.secret_key,
+        LTX_METRICS_PORT="0",
+        LTX_METRICS_HOST="127.0.0.1",
+        LTX_LOG_FORMAT="json",
+        LTX_HEARTBEAT_INTERVAL="1",
+        LTX_JOB_HEARTBEAT_TTL="6",
+        LTX_WORKER_TTL="20",
+        LTX_MAINTENANCE_INTERVAL="2",
+        LTX_FLEET_START_TIMEOUT="120",
+        LTX_FLEET_SHUTDOWN_TIMEOUT="5",
+        LTX_UPLOAD_BACKOFF_S="0.2",
+        LTX_UPLOAD_BACKOFF_MAX_S="1",
+        LTX_S3_CONNECT_TIMEOUT="2",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update({f"LTX_{k.upper()}": str(v) for k, v in extra.items()})
+    return env
+
+
+class WorkerProcess:
+    """An `ltx-worker` (supervisor) or `ltx-worker one` process with its log in a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args = args
+        self.env = env
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker", *self.args], env=self.env, cwd=ROOT,
+                                     stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def worker_health(conn: Any, name_prefix: str) -> list[dict[str, Any]]:
+    """Health snapshots of workers whose name starts with `name_prefix` (a SIGKILLed worker's snapshot
+    lingers until its key expires: filter with `pid_alive`)."""
+    out = []
+    for key in conn.scan_iter(match=f"ltx:worker:{name_prefix}.*:health"):
+        raw = conn.get(key)
+        if raw:
+            out.append(json.loads(raw))
+    return out
+
+
+def wait_for(predicate: Any, timeout: float, what: str, *, poll: float = 0.05, on_fail: Any = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    extra = f"\n{on_fail()}" if on_fail else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
+
+
+def wait_ready(
+    conn: Any, name_prefix: str, count: int, timeout: float, worker: WorkerProcess | None = None
+) -> list[dict[str, Any]]:  # noqa: E501
+    """Wait until `count` workers with this name prefix report a live fleet and an idle loop."""
+
+    def ready() -> list[dict[str, Any]] | None:
+        if worker is not None and worker.proc is not None and worker.proc.poll() is not None:
+            raise AssertionError(f"worker exited with {worker.proc.returncode}:\n{worker.log_tail()}")
+        infos = [h for h in worker_health(conn, name_prefix) if h["fleet"]["alive"] and pid_alive(h["pid"])]
+        return infos if len(infos) >= count else None
+
+    return wait_for(ready, timeout, f"{count} ready worker(s) {name_prefix}",
+                    on_fail=worker.log_tail if worker else None)  # fmt: skip
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie still answers kill(0); treat it as dead
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+# ==== jobs ==============================================================================================
+
+
+def enqueue(conn: Any, queue: str, request: dict[str, Any], **kwargs: Any) -> Any:
+    """Enqueue a render exactly as a producer would: by dotted path, JSON serializer, explicit timeouts."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.keys import RENDER_FUNC
+
+    q = Queue(queue, connection=conn, serializer=JSONSerializer)
+    kwargs.setdefault("job_timeout", 600)
+    kwargs.setdefault("result_ttl", 3600)
+    kwargs.setdefault("failure_ttl", 3600)
+    return q.enqueue(RENDER_FUNC, request, **kwargs)
+
+
+def meta_state(job: Any) -> str | None:
+    return job.get_meta(refresh=True).get("state")
+
+
+def wait_state(job: Any, states: set[str] | str, timeout: float, worker: WorkerProcess | None = None) -> str:
+    wanted = {states} if isinstance(states, str) else set(states)
+
+    def reached() -> str | None:
+        state = meta_state(job)
+        return state if state in wanted else None
+
+    return wait_for(reached, timeout, f"job {job.id} in {wanted} (now {meta_state(job)})",
+                    on_fail=worker.log_tail if worker else None)  # fmt: skip
+
+
+def wait_rq_status(job: Any, statuses: set[str], timeout: float, worker: WorkerProcess | None = None) -> str:
+    def reached() -> str | None:
+        status = job.get_status(refresh=True)
+        return str(status.value if hasattr(status, "value") else status) if status in statuses else None
+
+    return wait_for(reached, timeout, f"job {job.id} RQ status in {statuses}",
+                    on_fail=worker.log_tail if worker else None)  # fmt: skip
+
+
+def events(conn: Any, job_id: str) -> list[dict[str, Any]]:
+    from worker.keys import EVENT_FIELD_DATA, events_key
+
+    return [json.loads(fields[EVENT_FIELD_DATA.encode()]) for _, fields in conn.xrange(events_key(job_id))]
