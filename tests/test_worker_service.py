@@ -69,7 +69,7 @@ class Fleet:
 
 def _start_worker(
     tmp: Path, redis_server: Any, s3_server: Any, proxy: Any, runner: str, group: str, **extra: Any
-) -> Fleet:  # noqa: E501
+) -> Fleet:
     queue = f"q-{uuid.uuid4().hex[:8]}"
     name = f"t{uuid.uuid4().hex[:6]}"
     spool = tmp / "spool"

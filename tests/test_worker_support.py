@@ -236,7 +236,7 @@ def wait_for(predicate: Any, timeout: float, what: str, *, poll: float = 0.05, o
 
 def wait_ready(
     conn: Any, name_prefix: str, count: int, timeout: float, worker: WorkerProcess | None = None
-) -> list[dict[str, Any]]:  # noqa: E501
+) -> list[dict[str, Any]]:
     """Wait until `count` workers with this name prefix report a live fleet and an idle loop."""
 
     def ready() -> list[dict[str, Any]] | None:
