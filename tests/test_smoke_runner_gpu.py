@@ -1,0 +1,46 @@
+"""The smoke runner on CUDA under the real controller: one rank, and two ranks oversubscribed on one GPU
+(gloo). Skipped cleanly without CUDA. Run on the GPU machine:
+
+    pytest -m gpu tests/test_smoke_runner_gpu.py -v
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ltx_mgpu import MGPUController, SymmetricRunnerError
+from ltx_mgpu.runners.smoke import SmokeRunner
+from ltx_mgpu.runners.smoke.video_io import read_mp4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+JOB = {"prompt": "a red fox in the snow", "seed": 7, "width": 256, "height": 160, "num_frames": 25, "steps": 3}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smoke_render_on_one_gpu_world_1_and_2(tmp_path: Path, dtype: str) -> None:
+    frames = {}
+    for world in (1, 2):
+        ctl = MGPUController(SmokeRunner, devices=[0] * world, allow_shared_devices=world > 1)
+        try:
+            ctl.start(timeout=300, checkpoint_dir=str(tmp_path / "ckpt"), dtype=dtype, max_tokens=1024)
+            out = tmp_path / f"w{world}_{dtype}.mp4"
+            events = list(ctl.stream(timeout=300, output_path=str(out), **JOB))
+            assert events[-1]["type"] == "output" and events[-1]["world_size"] == world
+            decoded, fps = read_mp4(out)
+            assert decoded.shape == (25, 160, 256, 3) and fps == pytest.approx(24.0)
+            frames[world] = decoded.float()
+            with pytest.raises(SymmetricRunnerError, match="Use a smaller resolution or fewer frames."):
+                list(ctl.stream(timeout=300, output_path=str(tmp_path / "big.mp4"), **{**JOB, "width": 2048}))
+            assert ctl.is_alive
+        finally:
+            ctl.shutdown(graceful_timeout=30)
+    diff = (frames[1] - frames[2]).abs()
+    limit = 8 if dtype == "float32" else 48  # bf16 rounding differs with the row split; still the same video
+    assert diff.mean() <= (0.5 if dtype == "float32" else 4.0) and diff.max() <= limit, (diff.mean(), diff.max())
