@@ -1,0 +1,307 @@
+"""`LoraWeightTracker`: switch the LoRAs fused into a resident transformer in place, with the fusion work
+and the clean-weight backup sharded across the ranks of a group.
+
+Why: a fleet keeps one transformer resident per rank and the two-stage pipeline runs stage 1 without the
+distilled LoRA and stage 2 with it. Rebuilding the model per stage would reload the checkpoint and
+reallocate every weight (and defeat `torch.compile`/CUDA graphs, which need stable addresses). Fusing on
+every rank would repeat the same work W times and need a full clean copy per rank.
+
+How (every rank of `group`, same order):
+- `attach(model)`: every LoRA-able weight (a >= 2-D floating `*.weight`, plus its `*.weight_scale` when
+  present) gets one owner rank, chosen by a deterministic greedy balance on bytes (the same on every
+  rank: it depends only on names and sizes). Each rank clones only the weights it owns: the clean backup
+  costs ~1/W of the model per rank.
+- `apply(loras)` (collective): the keys touched by the previous or the requested LoRAs are the affected
+  set (known on every rank from the LoRA files' headers). Each owner restores its affected keys from the
+  clean backup and fuses the requested LoRAs into them with ltx-core's own `apply_loras` (so the result is
+  bit-identical to a single-process `SingleGPUModelBuilder(...).lora(...).build()`), then every owner's
+  affected tensors are broadcast to all ranks through one bucketed uint8 staging buffer, written into
+  the parameters in place (addresses never change). Requesting the current set is a no-op.
+- `reset()` (collective) is `apply(())`: the affected keys get their exact clean bytes back.
+
+LoRA identity is the set of (path, strength, sd-ops name) with non-zero strength, order-insensitive.
+Only tensors are moved; the model's module structure (and any shared-weight sibling built with
+`tdp.shared_weights_model`) sees the new weights because they alias the same storage.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .collectives import needs_host_staging
+
+__all__ = ["LoraSpec", "LoraWeightTracker", "assign_owners"]
+
+_SCALE_SUFFIX = ".weight_scale"
+_FUSABLE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  #: what ltx-core's apply_loras fuses
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One LoRA to fuse: a safetensors file, a strength and the key mapping (ltx-core `SDOps` or None)."""
+
+    path: str
+    strength: float = 1.0
+    sd_ops: Any = None
+
+    @property
+    def identity(self) -> tuple[str, float, str]:
+        return (str(self.path), float(self.strength), getattr(self.sd_ops, "name", "") or "")
+
+    @classmethod
+    def coerce(cls, lora: Any) -> LoraSpec:
+        """Accept a `LoraSpec`, an ltx-core `LoraPathStrengthAndSDOps` or a (path, strength[, sd_ops]) tuple."""
+        if isinstance(lora, LoraSpec):
+            return lora
+        if hasattr(lora, "path") and hasattr(lora, "strength"):
+            return cls(str(lora.path), float(lora.strength), getattr(lora, "sd_ops", None))
+        path, strength, *rest = lora
+        return cls(str(path), float(strength), rest[0] if rest else None)
+
+
+def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Deterministic greedy balance: units (a weight plus its scale) by descending bytes, each to the
+    least-loaded rank (ties: lowest rank). Same answer on every rank for the same names and sizes."""
+    units: dict[str, list[str]] = {}
+    for key in sizes:
+        base = key[: -len(_SCALE_SUFFIX)] + ".weight" if key.endswith(_SCALE_SUFFIX) else key
+        units.setdefault(base, []).append(key)
+    order = sorted(units, key=lambda b: (-sum(sizes[k] for k in units[b]), b))
+    load = [0] * world_size
+    owners: dict[str, int] = {}
+    for base in order:
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        for key in units[base]:
+            owners[key] = rank
+        load[rank] += sum(sizes[k] for k in units[base])
+    return owners
+
+
+def _lora_targets(spec: LoraSpec) -> dict[str, tuple[str, str]]:
+    """Model weight key -> (raw lora_A name, raw lora_B name) in the file, from the header only."""
+    from safetensors import safe_open
+
+    mapped: dict[str, str] = {}
+    with safe_open(spec.path, framework="pt") as f:
+        for raw in f.keys():
+            key = raw if spec.sd_ops is None else spec.sd_ops.apply_to_key(raw)
+            if key is not None:
+                mapped[key] = raw
+    out: dict[str, tuple[str, str]] = {}
+    for key, raw in mapped.items():
+        if key.endswith(".lora_A.weight"):
+            prefix = key[: -len(".lora_A.weight")]
+            raw_b = mapped.get(f"{prefix}.lora_B.weight")
+            if raw_b is not None:
+                out[f"{prefix}.weight"] = (raw, raw_b)
+    return out
+
+
+class LoraWeightTracker:
+    """See the module docstring.
+
+    Args:
+        group: process group whose ranks share the work (None = default group; world 1 works too).
+        bucket_bytes: size of the broadcast staging buffer (the reference uses 256 MiB).
+        backup_device: where the clean shards live (default: each weight's own device; "cpu" saves
+            accelerator memory at the cost of slower swaps).
+        lora_load_device: where LoRA tensors are read to (default CPU, as ltx-core's builder does).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_bytes: int = 256 << 20,
+        backup_device: torch.device | str | None = None,
+        lora_load_device: torch.device | str = "cpu",
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError("bucket_bytes must be > 0")
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.bucket_bytes = int(bucket_bytes)
+        self.backup_device = None if backup_device is None else torch.device(backup_device)
+        self.lora_load_device = torch.device(lora_load_device)
+        self._working: dict[str, torch.Tensor] | None = None  # name -> the parameter's tensor (aliased)
+        self._owners: dict[str, int] = {}
+        self._clean: dict[str, torch.Tensor] = {}  # owned keys only
+        self._current: tuple[LoraSpec, ...] = ()
+        self._touched_current: set[str] = set()
+        self._staging: torch.Tensor | None = None
+        self.stats = {"swaps": 0, "bytes_broadcast": 0, "keys_fused": 0}
+
+    # ---- attach ----------------------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> None:
+        """Track `model`'s LoRA-able weights (names as in `model.state_dict()`, e.g. an `LTXModel`'s).
+
+        Not collective. Must be called with the same model structure on every rank.
+        """
+        if self._working is not None:
+            raise RuntimeError("LoraWeightTracker is already attached to a model")
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        working: dict[str, torch.Tensor] = {}
+        for name, p in params.items():
+            if name.endswith(".weight") and p.dim() >= 2 and torch.is_floating_point(p):
+                working[name] = p.data
+                scale = name[: -len(".weight")] + _SCALE_SUFFIX
+                if scale in params or scale in buffers:
+                    working[scale] = (params.get(scale) if scale in params else buffers[scale]).data
+        for name, t in working.items():
+            if not t.is_contiguous():
+                raise RuntimeError(f"LoraWeightTracker: weight '{name}' is not contiguous")
+        self._owners = assign_owners({k: t.numel() * t.element_size() for k, t in working.items()}, self.world_size)
+        self._clean = {
+            k: t.detach().to(device=self.backup_device or t.device, copy=True)
+            for k, t in working.items()
+            if self._owners[k] == self.rank
+        }
+        self._working = working
+
+    @property
+    def current(self) -> tuple[LoraSpec, ...]:
+        """The LoRAs fused now (non-zero strengths), in the order they were requested."""
+        return self._current
+
+    def owned_bytes(self) -> int:
+        """Bytes of clean backup this rank holds."""
+        return sum(t.numel() * t.element_size() for t in self._clean.values())
+
+    # ---- apply / reset ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Collective: restore the exact clean weights of every key a LoRA changed."""
+        self.apply(())
+
+    def apply(self, loras: Iterable[Any]) -> None:
+        """Collective: make the fused LoRAs exactly `loras` (see the module docstring)."""
+        if self._working is None:
+            raise RuntimeError("LoraWeightTracker.apply before attach(model)")
+        specs = tuple(s for s in (LoraSpec.coerce(x) for x in loras) if s.strength != 0.0)
+        if sorted(s.identity for s in specs) == sorted(s.identity for s in self._current):
+            return
+        # Validation below runs on every rank from the same inputs, before any collective: a bad request
+        # raises the same ValueError everywhere (recoverable), never on the owners only.
+        for spec in specs:
+            if not os.path.isfile(spec.path):
+                raise ValueError(f"LoRA file not found: {spec.path}")
+        targets = [_lora_targets(s) for s in specs]
+        touched_new = set().union(*(t.keys() for t in targets)) & set(self._working) if targets else set()
+        unsupported = sorted(k for k in touched_new if self._working[k].dtype not in _FUSABLE_DTYPES)
+        if unsupported:
+            raise ValueError(
+                f"LoRA fusion supports {sorted(str(d) for d in _FUSABLE_DTYPES)} weights (ltx-core apply_loras); "
+                f"'{unsupported[0]}' is {self._working[unsupported[0]].dtype}. Load the transformer in bfloat16."
+            )
+        affected = self._with_scales(touched_new | self._touched_current)
+        mine = sorted(k for k in affected if self._owners[k] == self.rank)
+        with torch.no_grad():
+            for key in mine:  # restore clean first: fusion always starts from the clean bytes
+                self._working[key].copy_(self._clean[key])
+            self._fuse(sorted(k for k in mine if k in touched_new), specs, targets)
+            self._broadcast(sorted(affected))
+        self._current = specs
+        self._touched_current = touched_new
+        self.stats["swaps"] += 1
+
+    def _with_scales(self, keys: set[str]) -> set[str]:
+        out = set(keys)
+        for key in keys:
+            scale = key[: -len(".weight")] + _SCALE_SUFFIX
+            if scale in self._working:
+                out.add(scale)
+        return out
+
+    def _fuse(self, keys: Sequence[str], specs: Sequence[LoraSpec], targets: Sequence[dict]) -> None:
+        """Fuse `specs` into this rank's `keys` with ltx-core's `apply_loras`, one LoRA file read at a time."""
+        if not keys:
+            return
+        from ltx_core.loader.fuse_loras import apply_loras
+        from ltx_core.loader.primitives import LoraStateDictWithStrength, StateDict
+        from safetensors import safe_open
+
+        lora_sds = []
+        for spec, target in zip(specs, targets, strict=True):
+            wanted = {k: target[k] for k in keys if k in target}
+            sd: dict[str, torch.Tensor] = {}
+            with safe_open(spec.path, framework="pt", device=str(self.lora_load_device)) as f:
+                for key, (raw_a, raw_b) in wanted.items():
+                    prefix = key[: -len(".weight")]
+                    sd[f"{prefix}.lora_A.weight"] = self._mapped(spec, raw_a, f.get_tensor(raw_a))
+                    sd[f"{prefix}.lora_B.weight"] = self._mapped(spec, raw_b, f.get_tensor(raw_b))
+            size = sum(t.nbytes for t in sd.values())
+            sd_obj = StateDict(sd, self.lora_load_device, size, {t.dtype for t in sd.values()})
+            lora_sds.append(LoraStateDictWithStrength(sd_obj, spec.strength))
+        for key in keys:
+            # One key at a time keeps the transient fp32/bf16 deltas to a single weight's size.
+            part = {key: self._working[key]}
+            scale = key[: -len(".weight")] + _SCALE_SUFFIX
+            if scale in self._working:
+                part[scale] = self._working[scale]
+            model_sd = StateDict(part, self._working[key].device, 0, {t.dtype for t in part.values()})
+            fused = apply_loras(model_sd, lora_sds, dtype=None).sd
+            for k, value in fused.items():
+                self._working[k].copy_(value)
+            self.stats["keys_fused"] += 1
+
+    @staticmethod
+    def _mapped(spec: LoraSpec, raw: str, value: torch.Tensor) -> torch.Tensor:
+        if spec.sd_ops is None:
+            return value
+        key = spec.sd_ops.apply_to_key(raw)
+        results = spec.sd_ops.apply_to_key_value(key, value)
+        return results[0].new_value if results else value
+
+    # ---- bucketed broadcast ----------------------------------------------------------------------------
+    def _staging_buffer(self, device: torch.device) -> torch.Tensor:
+        if self._staging is None or self._staging.device != device:
+            self._staging = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+        return self._staging
+
+    def _broadcast(self, keys: Sequence[str]) -> None:
+        """Every owner's tensors among `keys` to every rank, in rounds of at most `bucket_bytes`."""
+        if self.world_size == 1 or not keys:
+            return
+        assert self._working is not None
+        any_tensor = self._working[keys[0]]
+        staged = needs_host_staging(self.group, any_tensor.device)
+        device = torch.device("cpu") if staged or any_tensor.device.type == "cpu" else any_tensor.device
+        staging = self._staging_buffer(device)
+        for owner in range(self.world_size):
+            pieces: list[tuple[torch.Tensor, int, int]] = []  # (byte view, start, length) in this round
+            filled = 0
+            for key in (k for k in keys if self._owners[k] == owner):
+                flat = self._working[key].reshape(-1).view(torch.uint8)
+                offset = 0
+                while offset < flat.numel():
+                    take = min(flat.numel() - offset, self.bucket_bytes - filled)
+                    pieces.append((flat, offset, take))
+                    filled += take
+                    offset += take
+                    if filled == self.bucket_bytes:
+                        self._round(owner, staging, pieces, filled)
+                        pieces, filled = [], 0
+            if filled:
+                self._round(owner, staging, pieces, filled)
+
+    def _round(self, owner: int, staging: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int]], n: int) -> None:
+        src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+        pos = 0
+        if self.rank == owner:
+            for flat, offset, length in pieces:
+                staging[pos : pos + length].copy_(flat[offset : offset + length])
+                pos += length
+        dist.broadcast(staging[:n], src=src, group=self.group)
+        self.stats["bytes_broadcast"] += n
+        if self.rank != owner:
+            pos = 0
+            for flat, offset, length in pieces:
+                flat[offset : offset + length].copy_(staging[pos : pos + length])
+                pos += length
