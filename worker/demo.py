@@ -403,6 +403,7 @@ class Demo:
                          f"({len(everything)} processes)")  # fmt: skip
             for service in reversed(self.services):
                 self._stop(service)
+            everything |= set().union(*(s.known for s in self.services))
             left = sorted(pid for pid in everything if _alive(pid))
             for pid in left:  # last resort, by pid: nothing may survive the demo
                 with contextlib.suppress(ProcessLookupError):
@@ -427,15 +428,21 @@ class Demo:
         if proc.poll() is not None:
             return
         # The supervisor's first SIGTERM is a warm stop (jobs finish, fleets shut down); a second is cold.
-        waits = (60.0, 15.0) if service.name == "worker" else (15.0,)
+        waits = (30.0, 15.0) if service.name == "worker" else (15.0,)
         for wait in waits:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                self.say(f"{service.name} (pid {proc.pid}) still running after {wait:.0f}s")
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                # Keep collecting descendants while it stops: a process started during shutdown (e.g. a
+                # fleet rank of a build in progress) must be known before its parent exits and orphans it.
+                service.known |= _descendants(proc.pid)
+                try:
+                    proc.wait(timeout=0.2)
+                    return
+                except subprocess.TimeoutExpired:
+                    continue
+            self.say(f"{service.name} (pid {proc.pid}) still running after {wait:.0f}s")
         proc.kill()
         proc.wait(timeout=10)
 
