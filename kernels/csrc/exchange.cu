@@ -26,8 +26,8 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void red_add_release_sys(uint32_t* p, uint32_t v) {
@@ -95,7 +95,7 @@ __device__ bool wait_reach(const Params& p, const uint32_t* counter, uint32_t ta
       atomicExch(&p.local->abort, 1);
       return false;
     }
-    __nanosleep(100);
+    __nanosleep(64);
   }
 }
 
@@ -113,14 +113,62 @@ __global__ void __launch_bounds__(kThreads, 2) exchange_kernel(const __grid_cons
   __shared__ int s_ok;
   __shared__ uint32_t s_epoch;
   __shared__ uint64_t s_deadline;
+  uint32_t epoch = 0;
+  uint64_t deadline = 0;
+  bool alive = true;
   if (threadIdx.x == 0) {
-    const uint64_t deadline = global_ns() + p.timeout_ns;
-    const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&my->epoch);
-    bool ok = ld_volatile(&p.local->abort) == 0;
-    // Entry: the first block for each target announces "me entered exchange epoch+1" to that target...
-    if (ok && j == 0) st_release_sys(&p.ctrl[t]->entry[me], epoch + 1);
-    // ...and every block waits until its target announced the same in our Ctrl before writing to it.
-    if (ok) ok = wait_reach(p, &my->entry[t], epoch + 1, deadline, me, t, kPhaseEntry);
+    deadline = global_ns() + p.timeout_ns;
+    epoch = *reinterpret_cast<volatile uint32_t*>(&my->epoch);
+    alive = ld_volatile(&p.local->abort) == 0;
+    // Entry, part 1: the first block for each target announces "me entered exchange epoch+1" to it.
+    // Relaxed is enough: what the target must not overwrite was read by kernels that completed before.
+    if (alive && j == 0) st_relaxed_sys(&p.ctrl[t]->entry[me], epoch + 1);
+  }
+
+  // This block's share: rows base, base + stride, ... of target t's B * n rows; tpr threads per row.
+  const uint32_t n = static_cast<uint32_t>(r.n_rows[t]);
+  const uint32_t rows_total = static_cast<uint32_t>(p.batch) * n;
+  const uint32_t tpr = static_cast<uint32_t>(p.threads_per_row);
+  const uint32_t rpi = kThreads / tpr;  // rows in flight per block per step
+  const uint32_t sub = threadIdx.x & (tpr - 1);
+  const uint32_t rsub = threadIdx.x / tpr;
+  const uint32_t vpc = static_cast<uint32_t>(p.chunk_bytes / VEC);
+  const uint32_t stride = static_cast<uint32_t>(nb_t) * rpi;
+  const uint32_t base0 = static_cast<uint32_t>(j) * rpi + rsub;
+  const uint8_t* src = r.src;
+  uint8_t* dst = p.data[t];
+  const int64_t src_row0 = r.src_row0[t];
+  const int64_t src_col0 = r.src_col0[t];
+  const int64_t dst_rows = r.dst_rows[t];
+  const bool single_batch = p.batch == 1;
+  const uint8_t* sp[kUnroll];
+  uint8_t* dp[kUnroll];
+  bool valid[kUnroll];
+  auto locate = [&](uint32_t base) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t row = base + static_cast<uint32_t>(u) * stride;
+      valid[u] = row < rows_total;
+      const uint32_t b = (single_batch || !valid[u]) ? 0 : row / n;  // no division in the common B == 1
+      const uint32_t i = row - b * n;
+      sp[u] = src + (static_cast<int64_t>(b) * r.src_rows + src_row0 + i) * p.src_stride + src_col0;
+      dp[u] = dst + (static_cast<int64_t>(b) * dst_rows + r.dst_row0 + i) * p.dst_stride + r.dst_col0;
+    }
+  };
+
+  // Prefetch the first group: reading our own input is always safe, only the stores to the target need
+  // its entry. The loads stay in flight while thread 0 waits for the handshake below.
+  typename V::T v[kUnroll];
+  locate(base0);
+  if (sub < vpc) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (valid[u]) v[u] = V::load(sp[u] + static_cast<int64_t>(sub) * VEC);
+  }
+
+  // Entry, part 2: wait until the target announced the same exchange in our Ctrl before writing to it.
+  if (threadIdx.x == 0) {
+    const bool ok = alive && wait_reach(p, &my->entry[t], epoch + 1, deadline, me, t, kPhaseEntry);
     s_ok = ok ? 1 : 0;
     s_epoch = epoch;
     s_deadline = deadline;
@@ -129,38 +177,16 @@ __global__ void __launch_bounds__(kThreads, 2) exchange_kernel(const __grid_cons
   const bool ok = s_ok != 0;
 
   if (ok) {
-    const uint32_t n = static_cast<uint32_t>(r.n_rows[t]);
-    const uint32_t rows_total = static_cast<uint32_t>(p.batch) * n;
-    const uint32_t tpr = static_cast<uint32_t>(p.threads_per_row);
-    const uint32_t rpi = kThreads / tpr;                   // rows in flight per block per step
-    const uint32_t sub = threadIdx.x & (tpr - 1);
-    const uint32_t rsub = threadIdx.x / tpr;
-    const uint32_t vpc = static_cast<uint32_t>(p.chunk_bytes / VEC);
-    const uint32_t stride = static_cast<uint32_t>(nb_t) * rpi;
-    const uint8_t* src = r.src;
-    uint8_t* dst = p.data[t];
-    const int64_t src_row0 = r.src_row0[t];
-    const int64_t src_col0 = r.src_col0[t];
-    const int64_t dst_rows = r.dst_rows[t];
-    const bool single_batch = p.batch == 1;
-    for (uint32_t base = static_cast<uint32_t>(j) * rpi + rsub; base < rows_total; base += stride * kUnroll) {
-      const uint8_t* sp[kUnroll];
-      uint8_t* dp[kUnroll];
-      bool valid[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t row = base + static_cast<uint32_t>(u) * stride;
-        valid[u] = row < rows_total;
-        const uint32_t b = (single_batch || !valid[u]) ? 0 : row / n;  // no division in the common B == 1
-        const uint32_t i = row - b * n;
-        sp[u] = src + (static_cast<int64_t>(b) * r.src_rows + src_row0 + i) * p.src_stride + src_col0;
-        dp[u] = dst + (static_cast<int64_t>(b) * dst_rows + r.dst_row0 + i) * p.dst_stride + r.dst_col0;
-      }
+    bool prefetched = true;  // v[] holds (base0, sub)
+    for (uint32_t base = base0; base < rows_total; base += stride * kUnroll) {
+      if (base != base0) locate(base);
       for (uint32_t k = sub; k < vpc; k += tpr) {
-        typename V::T v[kUnroll];
+        if (!prefetched) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (valid[u]) v[u] = V::load(sp[u] + static_cast<int64_t>(k) * VEC);
+          for (int u = 0; u < kUnroll; ++u)
+            if (valid[u]) v[u] = V::load(sp[u] + static_cast<int64_t>(k) * VEC);
+        }
+        prefetched = false;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u)
           if (valid[u]) V::store(dp[u] + static_cast<int64_t>(k) * VEC, v[u]);

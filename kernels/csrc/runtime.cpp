@@ -8,19 +8,33 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "launch.hpp"
 
 namespace ltxk {
 namespace {
 
+// Messages are built with std::string and std::to_string only, no iostreams: std::ostringstream number
+// formatting segfaulted inside this module on the GPU machine (torch 2.11, GCC 13.3; cause not established).
+std::string to_str(const char* v) { return v; }
+[[maybe_unused]] std::string to_str(const std::string& v) { return v; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<std::decay_t<T>>>>
+std::string to_str(T v) {
+  return std::to_string(v);
+}
+template <typename... Args>
+std::string cat(Args&&... args) {
+  std::string out;
+  ((out += to_str(args)), ...);
+  return out;
+}
+
 [[noreturn]] void cuda_fail(cudaError_t err, const char* what, const char* file, int line) {
-  std::ostringstream os;
-  os << "ltx_mgpu_kernels: " << what << " failed at " << file << ":" << line << ": " << cudaGetErrorName(err)
-     << " (" << cudaGetErrorString(err) << ")";
-  throw std::runtime_error(os.str());
+  throw std::runtime_error(cat("ltx_mgpu_kernels: ", what, " failed at ", file, ":", line, ": ",
+                               cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
 #define LTXK_CUDA(call)                                              \
@@ -31,9 +45,7 @@ namespace {
 
 template <typename... Args>
 [[noreturn]] void invalid(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  throw std::invalid_argument(os.str());
+  throw std::invalid_argument(cat(std::forward<Args>(args)...));
 }
 
 // Makes `device` current for this scope. The extension links its own (static) CUDA runtime, whose notion
@@ -216,8 +228,7 @@ Runtime::Runtime(int device, int rank, int world, int64_t capacity_bytes, int64_
   int count = 0;
   const cudaError_t cerr = cudaGetDeviceCount(&count);
   if (cerr != cudaSuccess || count == 0)
-    throw std::runtime_error(std::string("ltx_mgpu_kernels: no usable CUDA device (") +
-                             cudaGetErrorName(cerr) + ")");
+    throw std::runtime_error(cat("ltx_mgpu_kernels: no usable CUDA device (", cudaGetErrorName(cerr), ")"));
   if (device >= count) invalid("device index ", device, " but only ", count, " CUDA devices are visible");
 
   DeviceGuard guard(device_);
@@ -330,10 +341,8 @@ void Runtime::launch(int op, const std::vector<uintptr_t>& srcs, int64_t batch, 
   if (destroyed_) throw std::runtime_error("ltx_mgpu_kernels: instance was destroyed");
   if (!ready_) throw std::runtime_error("ltx_mgpu_kernels: peers are not open (handshake incomplete)");
   if (auto e = error_state()) {
-    std::ostringstream os;
-    os << "ltx_mgpu_kernels: instance unusable: an earlier exchange timed out on rank " << std::get<0>(*e)
-       << " waiting for rank " << std::get<1>(*e);
-    throw std::runtime_error(os.str());
+    throw std::runtime_error(cat("ltx_mgpu_kernels: instance unusable: an earlier exchange timed out on rank ",
+                                 std::get<0>(*e), " waiting for rank ", std::get<1>(*e)));
   }
   if (failed_launch_) throw std::runtime_error("ltx_mgpu_kernels: instance unusable after a failed launch");
   const int expected_srcs = loopback_ ? world_ : 1;

@@ -9,13 +9,18 @@ Semantics are those of `ltx_mgpu_kernels.IpcAll2All` (docs/kernels.md): one IPC 
 tensor role), an entry handshake and an exit barrier inside every exchange, a barrier timeout that does not
 poison the CUDA context but raises `All2AllTimeoutError` (naming the rank that never arrived) from the next
 call or `synchronize()`. Outputs are fresh tensors (copied out of the exchange buffer), so the caller may
-keep them as long as it likes. No dist barrier is needed after `set_rank_tokens`: token counts are host
+keep them as long as it likes. `LTX_MGPU_IPC_ZERO_COPY=1` returns views of the exchange buffer instead
+(no local copy): a view stays valid until the next exchange on the same instance (tensor role) is
+enqueued, which holds for the SP attention path (each output is consumed before its role exchanges
+again) but is the caller's promise, not something the backend can check.
+No dist barrier is needed after `set_rank_tokens`: token counts are host
 state of each rank, and the kernel's entry handshake orders buffer reuse.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -28,6 +33,7 @@ __all__ = ["IpcBackend", "create_ipc_backend", "is_available", "unavailable_reas
 
 _KERNELS_MODULE = "ltx_mgpu_kernels"
 DEFAULT_TIMEOUT_S = 10.0
+ZERO_COPY_ENV = "LTX_MGPU_IPC_ZERO_COPY"  #: "1" -> outputs are views of the exchange buffer (see above)
 
 
 def _kernels() -> tuple[ModuleType | None, str | None]:
@@ -73,8 +79,9 @@ class IpcBackend:
 
     requires_barrier_after_set_tokens = False  # the kernel's entry handshake orders everything
 
-    def __init__(self, instance: Any) -> None:
+    def __init__(self, instance: Any, *, zero_copy: bool = False) -> None:
         self._inst = instance
+        self._copy_out = not zero_copy
         self.rank: int = instance.rank
         self.world_size: int = instance.world_size
 
@@ -91,15 +98,15 @@ class IpcBackend:
 
     def send_recv_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S_local, H, D) -> (B, S_total, H/w, D)."""
-        return self._inst.send_recv_heads(x.contiguous())
+        return self._inst.send_recv_heads(x.contiguous(), copy_out=self._copy_out)
 
     def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S_total, H/w, D) -> (B, S_local, H, D)."""
-        return self._inst.gather_heads(x.contiguous())
+        return self._inst.gather_heads(x.contiguous(), copy_out=self._copy_out)
 
     def all_gather_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, H/w, D) -> (B, S, H, D)."""
-        return self._inst.all_gather_heads(x.contiguous())
+        return self._inst.all_gather_heads(x.contiguous(), copy_out=self._copy_out)
 
     def synchronize(self) -> None:
         """Wait for this device's current stream and raise a recorded exchange failure, if any."""
@@ -133,7 +140,7 @@ def create_ipc_backend(
         device=device,
         timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
     )
-    return IpcBackend(instance)
+    return IpcBackend(instance, zero_copy=os.environ.get(ZERO_COPY_ENV, "0") == "1")
 
 
 register_backend("ipc", create_ipc_backend)
