@@ -47,6 +47,8 @@ _WORLDS: dict[int, LocalWorld] = {}
 def worlds() -> Any:
     yield _WORLDS
     for world in _WORLDS.values():
+        world.begin_close()  # all worlds wind down concurrently
+    for world in _WORLDS.values():
         world.close()
     _WORLDS.clear()
 

@@ -180,15 +180,22 @@ class LocalWorld:
         raise WorldError(message + detail)
 
     # ---- teardown ------------------------------------------------------------------------------------
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop every rank (graceful, then terminate, then kill); idempotent, never raises."""
-        was_healthy, self.healthy = self.healthy, False
-        if was_healthy:
+    def begin_close(self) -> None:
+        """Ask every rank to leave (non-blocking), so several worlds can wind down concurrently."""
+        if self.healthy and not self._closing:
+            self._closing = True
             for q in self._jobs:
                 try:
                     q.put(None)
                 except Exception:
                     pass
+
+    _closing = False
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every rank (graceful, then terminate, then kill); idempotent, never raises."""
+        self.begin_close()
+        was_healthy, self.healthy = self.healthy, False
         deadline = time.monotonic() + (timeout if was_healthy else 0.5)
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
