@@ -114,6 +114,16 @@ class SequenceParallelBuilder:
     def model_config(self) -> dict:
         return self.inner.model_config()
 
+    @property
+    def all2all_timeout_seconds(self) -> float:
+        """The exchange barrier timeout of the attention manager (raise it around a first compiled
+        forward, then set it back)."""
+        return self.attn_mgr.all2all_timeout_seconds
+
+    @all2all_timeout_seconds.setter
+    def all2all_timeout_seconds(self, seconds: float) -> None:
+        self.attn_mgr.all2all_timeout_seconds = seconds
+
     # ---- functional updates (return a new SP builder around an updated inner builder) ---------------
     def _rewrap(self, inner: Any) -> SequenceParallelBuilder:
         return SequenceParallelBuilder(inner, self.attn_mgr, sync_audio=self.sync_audio)
