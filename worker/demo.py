@@ -193,7 +193,6 @@ class Demo:
             LTX_FLEET_SHUTDOWN_TIMEOUT="10",
             LTX_CLIENT="ltx-demo",
         )
-        env.setdefault("LTX_MGPU_CACHE", str(Path.home() / ".cache" / "ltx-mgpu"))
         return env
 
     def _spawn(self, name: str, args: list[str], *, env: dict[str, str] | None = None) -> _Service:

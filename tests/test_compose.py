@@ -1,0 +1,237 @@
+"""docker-compose.yml and the Dockerfile, checked without Docker (it cannot run on these machines).
+
+The compose file must parse; every LTX_* variable it gives the worker must be a real field of the worker's
+settings class (and the producer's variables of the producer's), with the file's defaults forming valid
+settings; and every image stage, command, console script and file it references must exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from producer.settings import ProducerSettings
+from producer.settings import load_settings as load_producer_settings
+from worker.settings import WorkerSettings
+from worker.settings import load_settings as load_worker_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+SERVICES = COMPOSE["services"]
+_VAR = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+
+
+def substitute(value: Any, env: dict[str, str] | None = None) -> Any:
+    """Compose-style ${VAR}, ${VAR:-default}, ${VAR:?error} with `env` (default: nothing set)."""
+    env = env or {}
+    if not isinstance(value, str):
+        return value
+
+    def one(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        if name in env:
+            return env[name]
+        if op in (":-", "-"):
+            return arg
+        if op in (":?", "?"):
+            return f"<{name} required>"
+        return ""
+
+    return _VAR.sub(one, value)
+
+
+def environment(service: str) -> dict[str, str]:
+    env = SERVICES[service].get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(substitute(v)) for k, v in env.items()}
+
+
+def stages() -> set[str]:
+    return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE, re.M | re.I))
+
+
+def stage_text(name: str) -> str:
+    match = re.search(rf"^FROM\s+\S+\s+AS\s+{name}\b(.*?)(?=^FROM\s|\Z)", DOCKERFILE, re.M | re.S | re.I)
+    assert match, f"no stage {name}"
+    return match.group(1)
+
+
+# ==== the file and the services =========================================================================
+
+
+def test_compose_parses_and_has_the_services() -> None:
+    assert set(SERVICES) >= {"redis", "s3", "worker", "dashboard", "producer"}
+    for name, service in SERVICES.items():
+        assert "image" in service or "build" in service, name
+
+
+def test_redis_keeps_jobs_aof_and_noeviction() -> None:
+    command = [str(c) for c in SERVICES["redis"]["command"]]
+    joined = " ".join(command)
+    assert "--appendonly yes" in joined
+    assert "--maxmemory-policy noeviction" in joined
+    assert any(v.endswith(":/data") for v in SERVICES["redis"]["volumes"])
+    image = SERVICES["redis"]["image"]
+    assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", image), image
+
+
+def test_s3_is_pinned_and_creates_its_bucket() -> None:
+    s3 = SERVICES["s3"]
+    image = s3["image"]
+    assert not image.endswith(":latest") and re.search(r":\d", image), f"pin the S3 image: {image}"
+    if "minio" in image:  # MinIO community images stopped in 2025: only a dated release tag is acceptable
+        assert re.search(r":RELEASE\.\d{4}-\d{2}-\d{2}", image), image
+    command = [substitute(str(c)) for c in s3["command"]]
+    assert "mini" in command and "-bucket=videos" in command
+    bucket = environment("worker")["LTX_S3_BUCKET"]
+    assert f"-bucket={bucket}" in command
+    # the S3 identity is the one the worker and producer sign with
+    assert substitute(s3["environment"]["AWS_ACCESS_KEY_ID"]) == environment("worker")["LTX_S3_ACCESS_KEY_ID"]
+    assert "healthz" in " ".join(s3["healthcheck"]["test"])
+
+
+# ==== the worker: settings fields, GPUs, groups =========================================================
+
+
+def test_every_worker_variable_is_a_settings_field() -> None:
+    env = environment("worker")
+    assert env, "the worker sets no environment"
+    fields = set(WorkerSettings.model_fields)
+    for name in env:
+        assert name.startswith("LTX_"), f"{name}: the worker is configured only through LTX_* settings"
+        assert name.removeprefix("LTX_").lower() in fields, f"{name} is not a WorkerSettings field"
+
+
+def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("LTX_"):
+            monkeypatch.delenv(name)
+    for name, value in environment("worker").items():
+        monkeypatch.setenv(name, value)
+    settings = load_worker_settings()
+    assert settings.groups == ["0,1,2,3", "4,5,6,7"]  # two groups, from the environment
+    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.s3_endpoint_url == "http://s3:8333"
+    assert settings.metrics_port == 9400
+    assert str(settings.spool_dir) == "/spool"
+
+
+def test_worker_reserves_gpus_and_stops_warm() -> None:
+    worker = SERVICES["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert worker["shm_size"]
+    assert worker["stop_grace_period"]
+    assert worker["build"]["target"] in stages()
+    assert any(v.startswith("spool:") for v in worker["volumes"])
+    health = worker["healthcheck"]["test"]
+    assert health[1] == "ltx-worker" and health[1] in SCRIPTS
+    from worker.cli import main as worker_cli
+
+    result = CliRunner().invoke(worker_cli, [*health[2:], "--help"])
+    assert result.exit_code == 0, result.output
+
+
+def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = environment("producer")
+    fields = set(ProducerSettings.model_fields)
+    for name in env:
+        assert name.removeprefix("LTX_").lower() in fields, f"{name} is not a ProducerSettings field"
+    for name in list(os.environ):
+        if name.startswith("LTX_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = load_producer_settings()
+    assert (settings.max_queue_depth, settings.client_quota, settings.client) == (200, 0, "compose")
+    assert settings.has_s3_credentials  # fetch reads from s3:8333 inside compose, not the public URL
+
+
+# ==== images, commands and files exist ==================================================================
+
+
+def test_build_targets_and_copied_files_exist() -> None:
+    for name, service in SERVICES.items():
+        build = service.get("build")
+        if not build:
+            continue
+        assert (ROOT / build["context"] / build["dockerfile"]).is_file(), name
+        assert build["target"] in stages(), f"{name}: no stage {build['target']}"
+    for line in re.findall(r"^COPY\s+(?!--from)(.+)$", DOCKERFILE, re.M):
+        *sources, _dest = line.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+
+
+def test_entrypoints_are_real_commands() -> None:
+    assert '["ltx-worker"]' in stage_text("worker") and "ltx-worker" in SCRIPTS
+    assert SCRIPTS["ltx-worker"] == "worker.cli:main"
+    assert '["python", "-m", "producer"]' in stage_text("producer")
+    assert (ROOT / "producer" / "__main__.py").is_file()
+    dashboard = stage_text("dashboard")
+    assert re.search(r"rq-dashboard==\d", dashboard) and '["rq-dashboard"]' in dashboard
+    assert SERVICES["dashboard"]["environment"]["RQ_DASHBOARD_REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_bind_mounts_exist() -> None:
+    for name, service in SERVICES.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("./"):
+                target = ROOT / source
+                assert target.exists() or source == "./out", f"{name} mounts {source}, which does not exist"
+
+
+def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
+    """Copy exactly what the producer stage copies into an empty directory and import the CLI from there:
+    it must work and pull in neither torch nor ltx_mgpu."""
+    for line in re.findall(r"^COPY\s+(.+)$", stage_text("producer"), re.M):
+        *sources, dest = line.split()
+        for source in sources:
+            src = ROOT / source
+            target = tmp_path / dest.removeprefix("./") / (src.name if dest.endswith("/") else "")
+            if src.is_dir():
+                shutil.copytree(src, tmp_path / dest.removeprefix("./"), dirs_exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(src, target)
+    code = (
+        "import sys\n"
+        "sys.path = [p for p in sys.path if 'site-packages' in p or p.endswith('.zip') or 'lib/python' in p]\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from producer.cli import cli\nimport producer.client, producer.backfill\n"
+        "assert producer.client.__file__.startswith(sys.path[0]), producer.client.__file__\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_env_example_documents_what_compose_needs() -> None:
+    example = (ROOT / "examples" / ".env.example").read_text()
+    documented = set(re.findall(r"^#?\s*(\w+)=", example, re.M))
+    text = (ROOT / "docker-compose.yml").read_text()
+    required = {m.group(1) for m in _VAR.finditer(text) if m.group(2) in (":?", "?")}
+    assert required <= documented, f"required but not in .env.example: {required - documented}"
+    referenced = {m.group(1) for m in _VAR.finditer(text)}
+    assert referenced <= documented, f"undocumented compose variables: {referenced - documented}"
+    worker_fields, producer_fields = set(WorkerSettings.model_fields), set(ProducerSettings.model_fields)
+    for name in documented:
+        if name.startswith("LTX_"):
+            field = name.removeprefix("LTX_").lower()
+            assert field in worker_fields | producer_fields, f".env.example: {name} is no settings field"
