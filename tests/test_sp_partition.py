@@ -3,6 +3,9 @@ pieces that need no process group."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -160,3 +163,31 @@ def test_custom_op_fake_shapes(world: int) -> None:
 def test_custom_op_without_runtime_fails_clearly() -> None:
     with pytest.raises(RuntimeError, match="all2all runtime 987654 is not registered"):
         torch.ops.ltx_mgpu.send_recv_heads(torch.zeros(1, 2, 4, 2), 987654, 2)
+
+
+def test_single_process_without_a_process_group(tmp_path: Path) -> None:
+    """No torch.distributed at all: SP degenerates to world size 1 and equals the plain model; the token
+    budget still applies."""
+    from ltx_core.guidance.perturbations import BatchedPerturbationConfig
+    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
+    from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
+
+    from ltx_mgpu.parallel import AttentionManager
+    from ltx_mgpu.runners.smoke import ensure_smoke_checkpoint
+
+    ck = ensure_smoke_checkpoint(tmp_path)
+    inner = SingleGPUModelBuilder(LTXModelConfigurator, str(ck.transformer_path))
+    cfg = ck.transformer_config["transformer"]
+    mgr = AttentionManager(8, cfg["num_attention_heads"], cfg["attention_head_dim"], torch.float32)
+    assert (mgr.rank, mgr.world_size, mgr.channels) == (0, 1, {})
+    sp = SequenceParallelBuilder(inner, mgr).build(device=torch.device("cpu"))
+    plain = inner.build(device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    video = _modality(6, channels=cfg["in_channels"])
+    video = dataclasses.replace(video, context=torch.randn(1, 3, cfg["caption_channels"], generator=g))
+    pert = BatchedPerturbationConfig.empty(1)
+    with torch.no_grad():
+        assert torch.equal(sp(video, None, pert)[0], plain(video, None, pert)[0])
+    too_long = dataclasses.replace(video, latent=torch.zeros(1, 9, cfg["in_channels"]))
+    with pytest.raises(ValueError, match="Use a smaller resolution or fewer frames."):
+        sp(too_long, None, pert)

@@ -96,11 +96,13 @@ class AttentionManager:
     ) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        _check_heads(num_heads, dist.get_world_size(group))
+        # Without a process group (a single process, e.g. a notebook) SP degenerates to world size 1.
+        rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+        _check_heads(num_heads, world_size)
         _check_timeout(timeout_s)
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = rank
+        self.world_size = world_size
         self.max_tokens = int(max_tokens)
         self.max_tokens_per_rank = math.ceil(max_tokens / self.world_size)
         self.num_heads = int(num_heads)
@@ -222,7 +224,7 @@ def _check_timeout(seconds: float) -> None:
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+    if dist.is_initialized() and dist.get_backend(group) == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())  # the device the fleet bound
     return torch.device("cpu")
 
