@@ -16,6 +16,9 @@
 
 namespace ltxk {
 
+// Throws std::invalid_argument unless 1 <= world <= kMaxRanks.
+void check_world(int world);
+
 // Everything one launch needs besides device pointers; computed on the host, testable without a GPU.
 struct Plan {
   Params params{};           // routes, strides, chunk size (pointers filled by the runtime)
