@@ -106,9 +106,7 @@ def _console(*, stderr: bool = False) -> Console:
 # ==== the group =========================================================================================
 
 _EPILOG = (
-    "\b\nExit codes:\n"
-    + EXIT_CODE_HELP
-    + "\n\n\bSettings come from LTX_* environment variables (see docs/producer.md)."
+    "\b\nExit codes:\n" + EXIT_CODE_HELP + "\n\nSettings come from LTX_* environment variables (see docs/producer.md)."
 )
 
 

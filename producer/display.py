@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -78,6 +78,19 @@ def _state_line(data: dict[str, Any]) -> str:
     return state
 
 
+class _StepsColumn(ProgressColumn):
+    """`step/total  pct%`, or nothing while a stage's total is unknown (a stage event carries none)."""
+
+    def render(self, task: Task) -> Text:
+        if not task.fields.get("counted", True):
+            return Text("done" if task.finished else "")
+        if not task.total:
+            return Text("")
+        if task.description == "upload":
+            return Text(f"{human_bytes(task.completed)}/{human_bytes(task.total)} {task.percentage:5.1f}%")
+        return Text(f"{task.completed:>4.0f}/{task.total:<4.0f} {task.percentage:5.1f}%")
+
+
 class EventPrinter:
     """Turns a job's events into progress bars (terminal) or lines (anything else)."""
 
@@ -94,8 +107,7 @@ class EventPrinter:
             self.progress = Progress(
                 TextColumn("[bold]{task.description:>10}"),
                 BarColumn(bar_width=36),
-                TextColumn("{task.completed:>4.0f}/{task.total:<4.0f}"),
-                TextColumn("{task.percentage:>5.1f}%"),
+                _StepsColumn(),
                 TextColumn("{task.fields[eta]}"),
                 TimeElapsedColumn(),
                 console=self.console,
@@ -127,7 +139,9 @@ class EventPrinter:
         if event.type == EventType.STAGE.value:
             stage = str(data.get("stage"))
             if self.progress is not None:
-                self._task(stage, None)
+                task = self._task(stage, None)
+                if not self.progress.tasks[task].total:
+                    self.progress.update(task, counted=False)
             else:
                 self._line(f"{_clock(ts)} stage {stage}")
             return
@@ -137,8 +151,8 @@ class EventPrinter:
             eta = data.get("eta_s")
             if self.progress is not None:
                 task = self._task(stage, total or None)
-                self.progress.update(task, completed=step, total=total or None,
-                                     eta=f"eta {float(eta):.1f}s" if eta is not None else "")  # fmt: skip
+                eta_text = f"eta {float(eta):.1f}s" if eta is not None and step < total else ""
+                self.progress.update(task, completed=step, total=total or None, eta=eta_text, refresh=True)
             else:
                 pct = f" ({100.0 * step / total:.0f}%)" if total else ""
                 eta_text = f" eta {float(eta):.1f}s" if eta is not None else ""
@@ -154,7 +168,7 @@ class EventPrinter:
             done, total = data.get("bytes"), data.get("total")
             if self.progress is not None and total:
                 task = self._task("upload", float(total))
-                self.progress.update(task, completed=float(done or 0), total=float(total))
+                self.progress.update(task, completed=float(done or 0), total=float(total), refresh=True)
             elif total:
                 self._throttled("upload", f"{_clock(ts)} upload {human_bytes(done)}/{human_bytes(total)}")
             return
@@ -173,20 +187,23 @@ class EventPrinter:
     def _task(self, name: str, total: float | None) -> TaskID:
         assert self.progress is not None
         if name not in self.tasks:
-            for other in self.tasks.values():  # a new stage means the previous ones are done
-                task = self.progress.tasks[other]
-                if task.total:
-                    self.progress.update(other, completed=task.total)
-            self.tasks[name] = self.progress.add_task(name, total=total, eta="")
+            self._finish_all()  # a new stage means the previous ones are done
+            self.tasks[name] = self.progress.add_task(name, total=total, eta="", counted=True)
+        elif total:
+            self.progress.update(self.tasks[name], counted=True)
         return self.tasks[name]
 
     def _finish_all(self) -> None:
+        """Show every stage so far as complete (stages that never reported steps say "done")."""
         if self.progress is None:
             return
         for task_id in self.tasks.values():
             task = self.progress.tasks[task_id]
             if task.total:
                 self.progress.update(task_id, completed=task.total, eta="")
+            else:
+                self.progress.update(task_id, total=1, completed=1, eta="", counted=False)
+                self.progress.stop_task(task_id)
 
     def _throttled(self, key: str, line: str, every_s: float = 1.0) -> None:
         now = time.monotonic()
@@ -208,7 +225,7 @@ def render_status(console: Console, info: JobInfo) -> None:
     _row(table, "state", info.state + (f"  (rq: {info.rq_status})" if info.rq_status else ""))
     _row(table, "queue", str(info.queue))
     meta = info.meta
-    if meta.get("stage"):
+    if meta.get("stage") and not info.terminal:
         pct = f" {meta['percent']:.0f}%" if meta.get("percent") is not None else ""
         step = f" {meta.get('step')}/{meta.get('total')}" if meta.get("total") else ""
         eta = f", eta {meta['eta_s']:.1f}s" if meta.get("eta_s") is not None else ""
@@ -246,10 +263,12 @@ def render_job_table(console: Console, rows: list[JobInfo], title: str) -> None:
         table.add_column(col, no_wrap=col != "prompt", overflow="fold" if col == "prompt" else "ellipsis")
     for info in rows:
         meta = info.meta
-        progress = f"{meta.get('step')}/{meta.get('total')}" if meta.get("total") else ""
+        live = not info.terminal
+        progress = f"{meta.get('step')}/{meta.get('total')}" if meta.get("total") and live else ""
         prompt = str((info.request or {}).get("prompt", ""))[:40]
-        _row(table, info.job_id, info.state, str(meta.get("stage") or ""), progress, str(meta.get("fleet") or ""),
-                      _ago(info.enqueued_at), prompt)  # fmt: skip
+        stage = str(meta.get("stage") or "") if live else ""
+        fleet = str(meta.get("fleet") or "")
+        _row(table, info.job_id, info.state, stage, progress, fleet, _ago(info.enqueued_at), prompt)
     console.print(table)
 
 

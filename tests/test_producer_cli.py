@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from producer.admission import AdmissionPolicy, AdmissionRefused, enqueue_admitted
 from producer.cli import cli
 from producer.client import ProducerClient, content_job_id
-from producer.exitcodes import EXIT_CODE_HELP, ExitCode
+from producer.exitcodes import ExitCode
 from producer.jsonpos import locate, position_at
 from producer.requestfile import load_requests
 from producer.settings import load_settings
@@ -284,7 +284,7 @@ def test_exit_codes_are_documented_in_help_and_docs(env: dict[str, str]) -> None
     docs = (ROOT / "docs" / "producer.md").read_text()
     for code in ExitCode:
         assert re.search(rf"^\|\s*{code.value}\s*\|\s*`{code.name}`", docs, re.M), f"{code} missing in docs"
-    assert EXIT_CODE_HELP in out
+    assert "\x08" not in out
 
 
 def test_producer_never_imports_torch_or_ltx_mgpu() -> None:
@@ -295,3 +295,75 @@ def test_producer_never_imports_torch_or_ltx_mgpu() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ==== the terminal rendering of watch ===================================================================
+
+
+def _events(*items: tuple[str, dict]) -> list:
+    from producer.client import JobEvent
+
+    return [JobEvent(id=f"{i}-0", type=t, data={"type": t, "ts": 1.0e9 + i, **d}) for i, (t, d) in enumerate(items)]
+
+
+WATCH_EVENTS = _events(
+    ("state", {"state": "started", "worker": "w1", "fleet": "cpu:2", "attempt": 1, "queue_wait_s": 0.01}),
+    ("state", {"state": "rendering", "devices": "cpu:2", "world_size": 2}),
+    ("stage", {"stage": "encode"}),  # a stage with no total yet
+    ("stage", {"stage": "denoise", "steps": 3}),
+    *[("progress", {"stage": "denoise", "step": k, "total": 3, "eta_s": 0.5 * (3 - k)}) for k in (1, 2, 3)],
+    ("stage", {"stage": "decode"}),
+    ("output", {"width": 64, "height": 64, "frames": 9, "fps": 24.0, "bytes": 2048}),
+    ("upload", {"bytes": 1024, "total": 2048}),
+    ("upload", {"attempt": 1, "error": "connection [reset]", "retry_in_s": 1.0}),
+    ("upload", {"bytes": 2048, "total": 2048}),
+    ("fleet", {"action": "rebuilt", "pids": [1, 2]}),
+    ("other", {"note": "[not markup]"}),
+    ("state", {"state": "uploaded", "result": {"bucket": "b", "key": "k/v.mp4", "size": 2048, "sha256": "ab" * 32}}),
+)
+
+
+def test_watch_renders_progress_bars_on_a_terminal() -> None:
+    """The rich path (what a person sees) must survive every event type, including stages without totals."""
+    import io
+
+    from rich.console import Console
+
+    from producer.display import EventPrinter
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=120, color_system=None)
+    with EventPrinter(console, "job-1") as printer:
+        assert printer.progress is not None
+        for event in WATCH_EVENTS:
+            printer.show(event)
+    text = buffer.getvalue()
+    assert "started on w1 (fleet cpu:2, attempt 1)" in text
+    assert "denoise" in text and "3/3" in text and "100.0%" in text
+    assert "upload attempt 1 failed: connection [reset]" in text
+    assert "uploaded s3://b/k/v.mp4" in text
+    assert "[not markup]" in text
+
+
+def test_watch_plain_lines_off_a_terminal() -> None:
+    import io
+
+    from rich.console import Console
+
+    from producer.display import EventPrinter
+
+    buffer = io.StringIO()
+    with EventPrinter(Console(file=buffer, width=80), "job-1") as printer:
+        assert printer.progress is None
+        for event in WATCH_EVENTS:
+            printer.show(event)
+    lines = [line.split(" ", 1)[1] for line in buffer.getvalue().splitlines()]
+    assert lines[:5] == [
+        "started on w1 (fleet cpu:2, attempt 1), waited 0.01s",
+        "rendering on cpu:2 (2 ranks)",
+        "stage encode",
+        "stage denoise",
+        "denoise 1/3 (33%) eta 1.0s",
+    ]
+    assert all(len(line) < 200 for line in lines)
+    assert lines[-1] == "uploaded s3://b/k/v.mp4 (2.0 KiB, sha256 abababababababab…)"
