@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import logging
 import os
@@ -76,16 +77,23 @@ def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
     """Pickle the runner class so it survives spawn: by value (its module too) unless it is one of ours.
 
     By value makes runners defined in `__main__`, a test module or a notebook work in fresh interpreters;
-    our own runners travel by reference so their module-level imports happen normally.
+    our own runners travel by reference so their module-level imports happen normally. A few module
+    globals cannot be pickled by value (e.g. a reference to `torch.backends.cudnn`); such a runner still
+    ships by reference when its module is importable (spawned ranks inherit the caller's `sys.path`).
     """
-    module = sys.modules.get(runner_cls.__module__)
-    by_value = module is not None and not runner_cls.__module__.startswith("ltx_mgpu.")
-    if by_value and runner_cls.__module__ != "__main__":
-        cloudpickle.register_pickle_by_value(module)
-        try:
-            return cloudpickle.dumps(runner_cls)
-        finally:
-            cloudpickle.unregister_pickle_by_value(module)
+    name = runner_cls.__module__
+    module = sys.modules.get(name)
+    if module is None or name.startswith("ltx_mgpu.") or name == "__main__":
+        return cloudpickle.dumps(runner_cls)  # __main__ classes are pickled by value by cloudpickle itself
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(runner_cls)
+    except Exception:
+        if importlib.util.find_spec(name) is None:
+            raise
+        log.warning("runner %s: by-value pickling failed; shipping by reference", runner_cls.__qualname__)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
     return cloudpickle.dumps(runner_cls)
 
 
@@ -126,6 +134,10 @@ def _run_rank(boot: RankBoot) -> None:
     device = torch.device(boot.devices[boot.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the machine's cores: without a split, every rank's intra-op pool spans all of
+        # them and a world of 2 runs ~10x slower than it should from oversubscription.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // boot.world_size))
     runner_cls = cloudpickle.loads(boot.runner_payload)
     runner: MGPURunner = runner_cls()
 
