@@ -17,11 +17,11 @@ from typing import Any
 __all__ = ["output_event", "progress_event", "stage_event"]
 
 
-def stage_event(stage: str, **extra: Any) -> dict[str, Any]:  # noqa: ANN401
+def stage_event(stage: str, **extra: Any) -> dict[str, Any]:
     return {"type": "stage", "stage": stage, **extra}
 
 
-def progress_event(stage: str, step: int, total: int, **extra: Any) -> dict[str, Any]:  # noqa: ANN401
+def progress_event(stage: str, step: int, total: int, **extra: Any) -> dict[str, Any]:
     return {"type": "progress", "stage": stage, "step": int(step), "total": int(total), **extra}
 
 
@@ -34,7 +34,7 @@ def output_event(
     height: int,
     size_bytes: int,
     content_type: str = "video/mp4",
-    **extra: Any,  # noqa: ANN401
+    **extra: Any,
 ) -> dict[str, Any]:
     return {
         "type": "output",
