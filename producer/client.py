@@ -65,6 +65,7 @@ __all__ = [
 ]
 
 _TERMINAL = {s.value for s in TERMINAL_STATES}
+_RUNNING = {JobState.STARTED.value, JobState.RENDERING.value, JobState.RENDERED.value, JobState.UPLOADING.value}
 # RQ statuses that end a job even if no worker wrote a service state (never ran, or its worker vanished).
 _RQ_TO_STATE = {
     "queued": JobState.QUEUED.value,
@@ -692,6 +693,9 @@ def _derive_state(rq_status: str | None, meta: dict[str, Any]) -> str:
     if rq_status in ("failed", "stopped", "canceled") and state not in _TERMINAL:
         # RQ ended the job but no worker said so (worker lost, cancelled while queued, ...).
         state = _RQ_TO_STATE[rq_status]
+    elif rq_status in ("queued", "scheduled", "deferred") and state in _RUNNING:
+        # Re-queued after its worker vanished mid-job (RQ's abandoned-job retry): the summary is stale.
+        state = JobState.QUEUED.value
     return str(state)
 
 

@@ -244,7 +244,8 @@ def test_follow_resumes_after_connection_loss(stack: Stack, tcp_proxy_factory) -
 def test_cap_refuses_submit_while_backfill_waits_and_completes(stack: Stack, tmp_path: Path) -> None:
     capped = {**stack.env, "LTX_MAX_QUEUE_DEPTH": "2"}
     filler = tmp_path / "filler.jsonl"
-    write_requests(filler, [{"prompt": f"filler {i}", **TINY} for i in range(4)])
+    # Fillers slow enough (a few steps each) that the queue stays full while the next lines run.
+    write_requests(filler, [{"prompt": f"filler {i}", **TINY, "steps": 5} for i in range(4)])
     code, out, _ = run(["submit", str(filler), "--max-queue-depth", "0"], capped)
     assert code == 0 and len(out.split()) == 4
     one = tmp_path / "one.json"
@@ -293,13 +294,14 @@ def test_backfill_twice_enqueues_nothing_the_second_time(stack: Stack, tmp_path:
 
 def test_backfill_interrupted_and_resumed_runs_each_prompt_once(stack: Stack, tmp_path: Path, redis_client) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    write_requests(prompts, [{"prompt": f"resume {i}", "seed": 200 + i, **TINY} for i in range(5)])
+    # A few steps per job so the interrupt surely lands while some are still to do (one in flight at a time).
+    write_requests(prompts, [{"prompt": f"resume {i}", "seed": 200 + i, **TINY, "steps": 4} for i in range(5)])
     manifest = tmp_path / "m.jsonl"
     args = [sys.executable, "-m", "producer", "backfill", str(prompts), "-n", "1", "-m", str(manifest)]
     env = {**os.environ, **stack.env}
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: manifest.exists() and len(manifest.read_text().splitlines()) >= 2, 120, "two jobs done")
+        _wait(lambda: manifest.exists() and len(manifest.read_text().splitlines()) >= 2, 120, "two jobs done", 0.02)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
