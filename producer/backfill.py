@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from producer.admission import AdmissionRefused, DuplicateJobError, Refusal
-from producer.client import JobInfo, JobNotFound, ProducerClient, content_job_id
+from producer.client import JobInfo, JobNotFound, ProducerClient, ServiceUnavailable, content_job_id
 from producer.requestfile import LoadedRequest
 from worker.keys import TERMINAL_STATES, JobState, events_key
 
@@ -140,6 +142,7 @@ class Backfill:
         retry_failed: bool = True,
         poll_s: float = 0.25,
         max_wait_s: float = 5.0,
+        unavailable_window_s: float = 300.0,
         on_change: Callable[[BackfillSummary, str], None] | None = None,
         on_record: Callable[[ManifestRecord], None] | None = None,
     ) -> None:
@@ -153,6 +156,7 @@ class Backfill:
         self.retry_failed = retry_failed
         self.poll_s = poll_s
         self.max_wait_s = max_wait_s
+        self.unavailable_window_s = unavailable_window_s
         self.on_change = on_change or (lambda _summary, _note: None)
         self.on_record = on_record or (lambda _record: None)
         self.summary = BackfillSummary()
@@ -180,40 +184,28 @@ class Backfill:
             else:
                 pending.append(item)
         inflight: dict[str, _Item] = {}
-        backoff = 0.5
-        next_try = 0.0
+        self._backoff = 0.5
+        self._next_try = 0.0
+        down_since: float | None = None
         self.on_change(self.summary, "start")
         self.manifest.parent.mkdir(parents=True, exist_ok=True)
         with self.manifest.open("a", encoding="utf-8") as out:
             while (pending or inflight) and not stop.is_set():
-                # 1. fill up to `concurrency` in flight (unless admission told us to wait)
-                while pending and len(inflight) < self.concurrency and time.monotonic() >= next_try:
-                    item = pending[0]
-                    try:
-                        outcome = self._start(item)
-                    except AdmissionRefused as exc:
-                        if self.refusal is None:
-                            self.summary.waits += 1
-                        self.refusal = exc.refusal
-                        next_try = time.monotonic() + backoff
-                        backoff = min(backoff * 1.6, self.max_wait_s)
-                        self.on_change(self.summary, "waiting")
-                        break
-                    pending.popleft()
-                    if self.refusal is not None:
-                        self.refusal = None
-                        backoff = 0.5
-                    if outcome == "recorded":
-                        continue
-                    inflight[item.job_id] = item
-                    self.on_change(self.summary, outcome)
-                # 2. collect terminal jobs
-                if inflight:
-                    states = self.client.peek_states(list(inflight))
-                    for job_id, state in states.items():
-                        if state is None or state in _TERMINAL:
-                            item = inflight.pop(job_id)
-                            self._record(out, item, expired=state is None)
+                try:
+                    self._step(out, pending, inflight)
+                    if down_since is not None:
+                        down_since = None
+                        self.on_change(self.summary, "reconnected")
+                except (ServiceUnavailable, redis.ConnectionError, redis.TimeoutError):
+                    # A Redis outage is waited out like a full queue: content-derived ids make a retried
+                    # submit safe (an enqueue that did land is adopted, not duplicated).
+                    now = time.monotonic()
+                    down_since = down_since or now
+                    if now - down_since > self.unavailable_window_s:
+                        raise
+                    self.on_change(self.summary, "unavailable")
+                    stop.wait(min(self.max_wait_s, 1.0 + (now - down_since) / 4))
+                    continue
                 stop.wait(self.poll_s)
         if stop.is_set() and (pending or inflight):
             self.summary.interrupted = True
@@ -221,6 +213,36 @@ class Backfill:
             self.summary.remaining = len(pending)
         self.on_change(self.summary, "end")
         return self.summary
+
+    def _step(self, out: Any, pending: deque[_Item], inflight: dict[str, _Item]) -> None:
+        """One round: fill up to `concurrency` in flight (unless admission told us to wait), then record
+        the jobs that ended."""
+        while pending and len(inflight) < self.concurrency and time.monotonic() >= self._next_try:
+            item = pending[0]
+            try:
+                outcome = self._start(item)
+            except AdmissionRefused as exc:
+                if self.refusal is None:
+                    self.summary.waits += 1
+                self.refusal = exc.refusal
+                self._next_try = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 1.6, self.max_wait_s)
+                self.on_change(self.summary, "waiting")
+                break
+            pending.popleft()
+            if self.refusal is not None:
+                self.refusal = None
+                self._backoff = 0.5
+            if outcome == "recorded":
+                continue
+            inflight[item.job_id] = item
+            self.on_change(self.summary, outcome)
+        if inflight:
+            states = self.client.peek_states(list(inflight))
+            for job_id, state in states.items():
+                if state is None or state in _TERMINAL:
+                    self._record(out, inflight[job_id], expired=state is None)
+                    del inflight[job_id]  # only once recorded: an outage mid-record retries it
 
     def _start(self, item: _Item) -> str:
         """Enqueue `item`, or adopt the job that already has its id. Returns "enqueued", "adopted" or

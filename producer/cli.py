@@ -435,6 +435,7 @@ class _BackfillProgress:
         self.bar: Progress | None = None
         self.task: Any = None
         self._waiting = False
+        self._down = False
 
     def __enter__(self) -> _BackfillProgress:
         if self.live:
@@ -460,10 +461,15 @@ class _BackfillProgress:
         if self.bar is not None:
             info = (f"{summary.uploaded + summary.already_done} ok · {summary.failed} failed · "
                     f"enqueued {summary.enqueued} · adopted {summary.adopted}{waiting}")  # fmt: skip
-            self.bar.update(self.task, total=summary.total, completed=summary.done, info=info)
+            self.bar.update(self.task, total=summary.total, completed=summary.done, info=info, refresh=True)
             return
         if note == "start":
             self.console.print(f"backfill: {summary.total} jobs, {summary.already_done} already done per manifest")
+        elif note == "unavailable" and not self._down:
+            self.console.print("backfill: Redis unreachable; retrying (Ctrl+C to stop, run again to resume)")
+        elif note == "reconnected":
+            self.console.print("backfill: Redis reachable again; continuing")
+        self._down = note == "unavailable" or (self._down and note != "reconnected")
         if refusal is not None and not self._waiting:
             self.console.print(f"backfill: waiting for room{waiting.removeprefix(' · waiting')}")
         self._waiting = refusal is not None

@@ -367,3 +367,30 @@ def test_watch_plain_lines_off_a_terminal() -> None:
     ]
     assert all(len(line) < 200 for line in lines)
     assert lines[-1] == "uploaded s3://b/k/v.mp4 (2.0 KiB, sha256 abababababababab…)"
+
+
+def test_backfill_progress_bar_on_a_terminal() -> None:
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from producer.admission import Refusal
+    from producer.backfill import BackfillSummary, ManifestRecord
+    from producer.cli import _BackfillProgress
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=140, color_system=None)
+    summary = BackfillSummary(total=5, already_done=1)
+    runner = SimpleNamespace(refusal=None)
+    with _BackfillProgress(console, live=True) as progress:
+        progress.update(summary, "start", runner)
+        runner.refusal = Refusal("queue_full", 200, 200, "ltx-render")
+        progress.update(summary, "waiting", runner)
+        runner.refusal = None
+        summary.enqueued, summary.uploaded = 4, 4
+        progress.record(ManifestRecord("bf-1", "uploaded", "k", "b", "ab" * 32, 10, 1.0, "f:1:1"))
+        progress.update(summary, "finished", runner)
+    text = buffer.getvalue()
+    assert "waiting: queue 'ltx-render' is full: 200/200 jobs waiting (admission cap)" in text
+    assert "5/5" in text and "5 ok" in text

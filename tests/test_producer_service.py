@@ -347,3 +347,31 @@ def test_cancel_running_job_keeps_the_fleet(stack: Stack, tmp_path: Path) -> Non
         stack.redis.client().scan_iter(match=worker_health_key(f"prodtest-{stack.queue}*"))))))  # fmt: skip
     assert sorted(health["fleet"]["pids"]) == sorted(stack.worker_pids)
     client.close()
+
+
+def test_backfill_rides_out_a_redis_outage(stack: Stack, tmp_path: Path, tcp_proxy_factory, redis_client) -> None:
+    """The producer's Redis connection is cut for ~2.5 s mid-backfill: it waits, then finishes every job
+    exactly once (a submit whose reply was lost is adopted, not repeated)."""
+    proxy = tcp_proxy_factory(stack.redis.port)
+    env = {**stack.env, "LTX_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0"}
+    prompts = tmp_path / "prompts.jsonl"
+    write_requests(prompts, [{"prompt": f"outage {i}", "seed": 300 + i, **TINY, "steps": 3} for i in range(4)])
+    manifest = tmp_path / "m.jsonl"
+
+    def cut() -> None:
+        proxy.block()
+        threading.Timer(2.5, proxy.unblock).start()
+
+    timer = threading.Timer(1.0, cut)
+    timer.start()
+    try:
+        code, out, err = run(["backfill", str(prompts), "-n", "2", "-m", str(manifest)], env)
+    finally:
+        timer.cancel()
+    assert code == ExitCode.OK, out + err
+    assert "Redis unreachable; retrying" in err and "Redis reachable again" in err, err
+    records = [json.loads(line) for line in manifest.read_text().splitlines()]
+    assert len(records) == len({r["job_id"] for r in records}) == 4
+    assert {r["state"] for r in records} == {"uploaded"}
+    for record in records:
+        assert started_count(redis_client, record["job_id"]) == 1
