@@ -120,6 +120,7 @@ class FleetSupervisor:
                 self.on_event({"type": "fleet", "action": "rebuilt" if rebuild else "started",
                                "seconds": seconds, "pids": list(ctl.pids)})  # fmt: skip
                 return
+            self.state = "stopped"
             raise FleetUnrecoverable("fleet start interrupted by shutdown")
 
     def ensure_ready(self) -> bool:

@@ -1,0 +1,140 @@
+"""Worker settings: environment, settings files, CLI overrides, secrets from files, errors naming fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.settings import (
+    BUILTIN_RUNNERS,
+    SettingsError,
+    WorkerSettings,
+    group_label,
+    load_settings,
+    resolve_runner,
+    validate_group,
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("LTX_"):
+            monkeypatch.delenv(key)
+
+
+def test_defaults_are_valid_and_settings_cli_supervisor_never_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import worker.cli, worker.supervisor, worker.keys, worker.control; "
+        "from worker.settings import load_settings; load_settings(); "
+        "assert 'torch' not in sys.modules and 'ltx_mgpu' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    s = load_settings()
+    assert s.queues == ["ltx-render"] and s.groups == ["cpu:1"] and s.runner == "smoke"
+    assert s.runner_registry["smoke"] == BUILTIN_RUNNERS["smoke"]
+    assert s.result_ttl > 0 and s.failure_ttl < 365 * 86400  # never RQ's one-year default
+
+
+def test_environment_lists_and_types(monkeypatch):
+    monkeypatch.setenv("LTX_GROUPS", "0,1,2,3; 4,5,6,7")
+    monkeypatch.setenv("LTX_QUEUES", "high,low")
+    monkeypatch.setenv("LTX_RENDER_TIMEOUT", "120")
+    monkeypatch.setenv("LTX_RUNNER_SETUP", '{"default_steps": 3}')
+    monkeypatch.setenv("LTX_RUNNERS", '{"mine": "pkg.mod:Runner"}')
+    monkeypatch.setenv("LTX_RUNNER", "mine")
+    s = load_settings()
+    assert s.groups == ["0,1,2,3", "4,5,6,7"] and s.queues == ["high", "low"]
+    assert s.render_timeout == 120.0 and s.runner_setup == {"default_steps": 3}
+    assert s.runner_registry["mine"] == "pkg.mod:Runner" and "smoke" in s.runner_registry
+    monkeypatch.setenv("LTX_GROUPS", '["cpu:2", "cuda:4,cuda:5"]')
+    assert load_settings().groups == ["cpu:2", "4,5"]
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"LTX_RENDER_TIMEOUT": "soon"}, "render_timeout (LTX_RENDER_TIMEOUT)"),
+        ({"LTX_GROUPS": "0,1;1,2"}, "groups (LTX_GROUPS)"),
+        ({"LTX_GROUPS": "gpu0"}, "groups (LTX_GROUPS)"),
+        ({"LTX_QUEUES": "a b"}, "queues (LTX_QUEUES)"),
+        ({"LTX_REDIS_URL": "localhost:6379"}, "redis_url (LTX_REDIS_URL)"),
+        ({"LTX_RUNNER": "nope"}, "runner (LTX_RUNNER)"),
+        ({"LTX_STORAGE_BACKEND": "local"}, "local_storage_dir (LTX_LOCAL_STORAGE_DIR)"),
+        ({"LTX_S3_ACCESS_KEY_ID": "k"}, "LTX_S3_SECRET_ACCESS_KEY"),
+        ({"LTX_PRESIGN_EXPIRY_S": "999999999"}, "presign_expiry_s (LTX_PRESIGN_EXPIRY_S)"),
+        ({"LTX_S3_ENDPOINT_URL": "minio:9000"}, "s3_endpoint_url (LTX_S3_ENDPOINT_URL)"),
+        ({"LTX_HEARTBEAT_INTERVAL": "40"}, "job_heartbeat_ttl (LTX_JOB_HEARTBEAT_TTL)"),
+        ({"LTX_NOT_A_SETTING": "1"}, None),  # unknown LTX_ variables are ignored by pydantic-settings
+    ],
+)
+def test_invalid_settings_name_the_field(monkeypatch, env, needle):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if needle is None:
+        load_settings()
+        return
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert needle in str(info.value)
+
+
+def test_settings_files_json_and_toml_with_env_and_cli_precedence(tmp_path, monkeypatch):
+    cfg = tmp_path / "worker.json"
+    cfg.write_text(json.dumps({"queues": ["from-file"], "render_timeout": 100, "runner": "noop"}))
+    s = load_settings(cfg)
+    assert s.queues == ["from-file"] and s.render_timeout == 100 and s.runner == "noop"
+    monkeypatch.setenv("LTX_RENDER_TIMEOUT", "200")
+    assert load_settings(cfg).render_timeout == 200  # env beats the file
+    assert load_settings(cfg, render_timeout=300).render_timeout == 300  # CLI beats env
+    toml = tmp_path / "worker.toml"
+    toml.write_text('queues = ["t"]\nmetrics_port = 9500\n[runner_setup]\ndefault_steps = 2\n')
+    s = load_settings(toml)
+    assert s.queues == ["t"] and s.metrics_port_for(1) == 9501 and s.runner_setup == {"default_steps": 2}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"render_timout": 1}))
+    with pytest.raises(SettingsError, match="render_timout"):
+        load_settings(bad)
+    with pytest.raises(SettingsError, match="does not exist"):
+        load_settings(tmp_path / "missing.json")
+
+
+def test_credentials_from_files_are_secret(tmp_path):
+    (tmp_path / "id").write_text("AKIDEXAMPLE\n")
+    (tmp_path / "secret").write_text("s3cr3t\n")
+    s = load_settings(s3_access_key_id_file=tmp_path / "id", s3_secret_access_key_file=tmp_path / "secret")
+    assert s.s3_access_key_id.get_secret_value() == "AKIDEXAMPLE"
+    assert s.s3_secret_access_key.get_secret_value() == "s3cr3t"
+    dumped = json.dumps(s.public_dump())
+    assert "s3cr3t" not in dumped and "AKIDEXAMPLE" not in dumped and "s3cr3t" not in repr(s)
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings(s3_access_key_id_file=tmp_path / "nope", s3_secret_access_key_file=tmp_path / "secret")
+
+
+def test_checksum_mode_defaults_on_for_custom_endpoints():
+    assert WorkerSettings().checksum_when_required is False
+    assert WorkerSettings(s3_endpoint_url="http://seaweed:8333").checksum_when_required is True
+    assert WorkerSettings(s3_endpoint_url="http://x:1", s3_checksum_when_required=False).checksum_when_required is False
+
+
+def test_groups_and_labels():
+    assert validate_group("cpu") == "cpu" and validate_group(" 0, 1 ") == "0,1"
+    assert group_label("0,1,2,3") == "g0-1-2-3" and group_label("cpu:2") == "cpu2"
+    for bad in ("cpu:0", "0,0", "a,b", ""):
+        with pytest.raises(ValueError):
+            validate_group(bad)
+
+
+def test_resolve_runner_imports_by_path():
+    from worker.noop import NoopRunner
+
+    assert resolve_runner(WorkerSettings(runner="noop")) is NoopRunner
+    s = WorkerSettings(runners={"x": "worker.noop:Missing"}, runner="x")
+    with pytest.raises(SettingsError, match="cannot import"):
+        resolve_runner(s)

@@ -1,0 +1,119 @@
+"""Stopping workers: warm (finish the job), cold (abort and re-queue it), unrecoverable fleets (exit 3),
+invalid settings (exit 2). Real processes and signals; each test owns its worker (world 1)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rq.job import JobStatus
+
+from tests.test_worker_support import (
+    ROOT,
+    WorkerProcess,
+    enqueue,
+    events,
+    pid_alive,
+    read_records,
+    wait_for,
+    wait_ready,
+    wait_state,
+    worker_env,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _worker(tmp: Path, redis_server: Any, s3_server: Any, args: list[str], **extra: Any) -> tuple[Any, ...]:
+    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"s{uuid.uuid4().hex[:6]}"
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=tmp / "spool", **extra)
+    proc = WorkerProcess(args, env, tmp / f"{name}.log").start()
+    return proc, redis_server.client(), queue, name
+
+
+def _submit(conn: Any, queue: str, prompt: str, **request: Any) -> Any:
+    return enqueue(conn, queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9, **request})
+
+
+def _progress(job: Any, proc: WorkerProcess, at_least: int = 2) -> None:
+    wait_for(lambda: (job.get_meta(refresh=True).get("step") or 0) >= at_least, 60, "progress",
+             on_fail=proc.log_tail)  # fmt: skip
+
+
+def test_warm_stop_via_supervisor_finishes_running_job(tmp_path, redis_server, s3_server):
+    proc, conn, queue, name = _worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"])
+    (info,) = wait_ready(conn, name, 1, 120, proc)
+    job = _submit(conn, queue, "t step_s=0.2", steps=15)
+    waiting = _submit(conn, queue, "t")  # must stay queued: a warm stop takes no new job
+    _progress(job, proc)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, proc.log_tail()
+    assert job.get_meta(refresh=True)["state"] == "uploaded"
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    assert waiting.get_status(refresh=True) == JobStatus.QUEUED
+    wait_for(lambda: not any(pid_alive(p) for p in [info["pid"], *info["fleet"]["pids"]]), 20, "all gone")
+
+
+def test_cold_stop_aborts_job_requeues_it_and_a_new_worker_finishes_it(tmp_path, redis_server, s3_server):
+    record = tmp_path / "exec.jsonl"
+    proc, conn, queue, name = _worker(tmp_path, redis_server, s3_server, ["one", "--group", "cpu:1"])
+    (info,) = wait_ready(conn, name, 1, 120, proc)
+    job = _submit(conn, queue, f"t step_s=0.3 record={record}", steps=40)
+    _progress(job, proc)
+    proc.signal(signal.SIGTERM)
+    time.sleep(1.3)  # RQ ignores a second signal within 1 s (the same Ctrl+C seen twice)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, proc.log_tail()
+    wait_for(lambda: not any(pid_alive(p) for p in info["fleet"]["pids"]), 20, "fleet killed")
+    meta = job.get_meta(refresh=True)
+    assert meta["state"] == "retrying" and meta["error"]["reason"] == "worker_shutdown", meta
+    assert job.get_status(refresh=True) == JobStatus.QUEUED  # re-queued explicitly, not lost
+    assert [r["event"] for r in read_records(record)] == ["start"]
+    # a new worker picks it up and finishes it
+    proc2, _, _, _ = _worker(tmp_path, redis_server, s3_server, ["one", "--group", "cpu:1"],
+                                 queues=queue, worker_name=name + "b")  # fmt: skip
+    try:
+        assert wait_state(job, {"uploaded", "failed"}, 120, proc2) == "uploaded"
+        assert job.get_meta(refresh=True)["attempt"] == 2
+        assert [r["event"] for r in read_records(record)] == ["start", "start", "end"]
+    finally:
+        assert proc2.stop(60) == 0, proc2.log_tail()
+
+
+def test_repeated_rebuild_failures_exit_nonzero(tmp_path, redis_server, s3_server):
+    marker = tmp_path / "break-setup"
+    proc, conn, queue, name = _worker(
+        tmp_path, redis_server, s3_server, ["one", "--group", "cpu:1"],
+        runner_setup=f'{{"fail_if_exists": "{marker}"}}', max_rebuild_failures=2, rebuild_backoff_s=0,
+    )  # fmt: skip
+    (info,) = wait_ready(conn, name, 1, 120, proc)
+    marker.touch()  # from now on every (re)build fails in setup()
+    job = _submit(conn, queue, "t exit_rank=0 exit_step=1")
+    assert proc.wait(120) == 3, proc.log_tail()
+    meta = job.get_meta(refresh=True)
+    # retry_fleet_failure=1 (default): the job went back to the queue for a healthy worker, not lost
+    assert meta["state"] == "retrying" and meta["error"]["reason"] == "fleet_failure", meta
+    assert job.get_status(refresh=True) == JobStatus.QUEUED
+    assert "failed to start 2 times in a row" in proc.log_tail()
+    assert not any(pid_alive(p) for p in info["fleet"]["pids"])
+    fleet_events = [e for e in events(conn, job.id) if e["type"] == "fleet"]
+    assert fleet_events and fleet_events[0]["rank"] == 0 and fleet_events[0]["exitcode"] == 9
+
+
+def test_invalid_settings_exit_2_naming_the_variable(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "LTX_RENDER_TIMEOUT": "soon", "LTX_GROUPS": "0,1;1,2"}
+    cmd = [sys.executable, "-m", "worker", "settings"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, check=False, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "LTX_RENDER_TIMEOUT" in res.stderr and "LTX_GROUPS" in res.stderr and "share a GPU" in res.stderr
+    cmd = [sys.executable, "-m", "worker", "one", "--group", "cpu:0"]
+    res = subprocess.run(
+        cmd, env={"PATH": "/usr/bin"}, cwd=ROOT, capture_output=True, check=False, text=True, timeout=60
+    )
+    assert res.returncode == 2 and "--group" in res.stderr

@@ -1,0 +1,206 @@
+"""Units of the worker that need no fleet: the event relay (real Redis), fleet supervision logic (a
+stand-in controller factory; the real controller is exercised by test_worker_service.py), and the
+process supervisor (real child processes and signals)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from worker.fleet import FleetSupervisor, FleetUnrecoverable
+from worker.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
+from worker.relay import EventRelay
+from worker.supervisor import EXIT_CRASH_LOOP, Supervisor
+
+# ==== relay =============================================================================================
+
+
+def test_relay_stream_meta_summary_and_expiry(redis_client, unique_name):
+    q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
+    job = q.enqueue("worker.job.render", {"prompt": "x"}, meta={"client": "me"})
+    relay = EventRelay(redis_client, job, maxlen=20, running_ttl=500)
+    relay.state(JobState.STARTED, attempt=1, worker="w", fleet="cpu:1")
+    relay.emit({"type": "stage", "stage": "denoise"})
+    for step in range(1, 51):
+        relay.emit({"type": "progress", "stage": "denoise", "step": step, "total": 50})
+    key = events_key(job.id)
+    assert 20 <= redis_client.xlen(key) < 60  # approximate MAXLEN trims
+    assert 0 < redis_client.ttl(key) <= 500
+    _, fields = redis_client.xrevrange(key, count=1)[0]
+    last = json.loads(fields[EVENT_FIELD_DATA.encode()])
+    assert fields[EVENT_FIELD_TYPE.encode()] == b"progress" and last["step"] == 50 and last["percent"] == 100.0
+    meta = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).get_meta()
+    assert meta["client"] == "me"  # the producer's keys survive
+    assert meta["state"] == "started" and meta["step"] == 50 and meta["total"] == 50 and meta["percent"] == 100.0
+    assert meta["eta_s"] == 0.0 and meta["worker"] == "w" and meta["attempt"] == 1
+    relay.state(JobState.UPLOADED, result={"key": "k"}, ttl=60)
+    assert redis_client.ttl(key) <= 60
+    meta = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).get_meta()
+    assert meta["state"] == "uploaded" and meta["result"] == {"key": "k"}
+    relay.emit({"type": "weird", "x": 1})
+    _, fields = redis_client.xrevrange(key, count=1)[0]
+    assert fields[EVENT_FIELD_TYPE.encode()] == b"other"
+
+
+def test_relay_eta_from_observed_step_rate(redis_client, unique_name):
+    job = Queue(unique_name, connection=redis_client, serializer=JSONSerializer).enqueue("worker.job.render", {})
+    relay = EventRelay(redis_client, job, maxlen=100, running_ttl=100)
+    relay.emit({"type": "progress", "stage": "denoise", "step": 1, "total": 11})
+    time.sleep(0.2)
+    relay.emit({"type": "progress", "stage": "denoise", "step": 2, "total": 11})
+    eta = job.meta["eta_s"]
+    assert 1.5 < eta < 3.0  # ~0.2 s/step x 9 steps left
+
+
+# ==== fleet supervision (logic) =========================================================================
+
+
+class _FakeController:
+    """Stands in for MGPUController to drive FleetSupervisor's state machine deterministically."""
+
+    plan: list[bool] = []  # True = start() succeeds
+    made: list[_FakeController] = []
+
+    def __init__(self, runner_cls, devices):
+        self.devices = devices
+        self.is_alive = False
+        self.pids = [len(self.made) * 10 + i for i in range(len(devices))]
+        self.shut = False
+        _FakeController.made.append(self)
+
+    def start(self, timeout, **kwargs):
+        if not _FakeController.plan.pop(0):
+            raise RuntimeError("setup exploded")
+        self.is_alive = True
+
+    def shutdown(self, graceful_timeout):
+        self.is_alive = False
+        self.shut = True
+
+
+def _supervisor(plan: list[bool], **kw) -> FleetSupervisor:
+    _FakeController.plan = list(plan)
+    _FakeController.made = []
+    events: list[dict] = []
+    sup = FleetSupervisor(object, ["cpu", "cpu"], factory=_FakeController, backoff_s=0, on_event=events.append, **kw)
+    sup.events = events  # type: ignore[attr-defined]
+    return sup
+
+
+def test_fleet_rebuilds_after_failure_and_retries_failed_builds():
+    sup = _supervisor([True, False, True], max_failures=3)
+    sup.start()
+    assert sup.is_alive and sup.builds == 1 and not sup.ensure_ready()
+    first = sup.controller
+    first.is_alive = False  # poisoned
+    info = sup.record_failure(type("F", (RuntimeError,), {"reason": "rank_exited", "rank": 1, "exitcode": 9})("x"))
+    assert info["rank"] == 1 and info["exitcode"] == 9 and sup.state == "failed"
+    assert sup.ensure_ready()  # one failed build, then a good one
+    assert first.shut and sup.is_alive and sup.rebuilds == 1 and sup.build_failures == 1
+    actions = [e["action"] for e in sup.events]
+    assert actions == ["starting", "started", "failed", "rebuilding", "rebuild_failed", "rebuilding", "rebuilt"]
+
+
+def test_fleet_gives_up_after_max_consecutive_failures():
+    sup = _supervisor([False, False], max_failures=2)
+    with pytest.raises(FleetUnrecoverable, match="2 times in a row"):
+        sup.start()
+    assert all(c.shut or not c.is_alive for c in _FakeController.made)
+
+
+def test_fleet_shutdown_interrupts_backoff():
+    _FakeController.plan = [False] * 10
+    _FakeController.made = []
+    sup = FleetSupervisor(object, ["cpu"], factory=_FakeController, backoff_s=30, max_failures=10)
+    timer = threading.Timer(0.3, sup.shutdown)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(FleetUnrecoverable, match="interrupted"):
+        sup.start()
+    assert time.monotonic() - t0 < 5
+    timer.join(5)
+    assert sup.state == "stopped"
+
+
+# ==== process supervisor ================================================================================
+
+_CHILD = """
+import signal, sys, time, pathlib
+out = pathlib.Path(sys.argv[1]); group = sys.argv[2]; mode = sys.argv[3]
+out.joinpath(f"start-{group}-{time.time_ns()}").touch()
+if mode == "crash":
+    sys.exit(3)
+if mode == "exit-once" and not out.joinpath(f"exited-{group}").exists():
+    out.joinpath(f"exited-{group}").touch(); sys.exit(1)
+def term(signum, frame):
+    out.joinpath(f"term-{group}-{time.time_ns()}").touch()
+    n = len(list(out.glob(f"term-{group}-*")))
+    if n >= 2: sys.exit(0)  # cold stop
+signal.signal(signal.SIGTERM, term)
+while True:
+    time.sleep(0.05)
+    if len(list(out.glob(f"term-{group}-*"))) == 1 and mode != "cold":
+        time.sleep(0.3); sys.exit(0)  # warm stop: finish "the job", then exit (a "cold" child waits)
+"""
+
+
+def _command(tmp, mode):
+    return lambda group, index: [sys.executable, "-c", _CHILD, str(tmp), f"{group}{index}", mode]
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_restarts_exited_worker_and_warm_stops_all(tmp_path):
+    sup = Supervisor(["a", "b"], _command(tmp_path, "exit-once"), backoff_s=0.05, poll_s=0.02)
+    import os
+
+    def stop_later():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(list(tmp_path.glob("start-*"))) < 4:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_later, daemon=True).start()
+    rc = sup.run()
+    assert rc == 0
+    assert len(list(tmp_path.glob("start-a0-*"))) == 2 and len(list(tmp_path.glob("start-b1-*"))) == 2
+    assert all(c.restarts == 1 for c in sup.children)
+    assert len(list(tmp_path.glob("term-*"))) == 2  # each live worker got exactly one SIGTERM
+    assert sup.pids == []
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_second_signal_is_forwarded_as_cold_stop(tmp_path):
+    import os
+
+    sup = Supervisor(["a"], _command(tmp_path, "cold"), poll_s=0.02)
+
+    def signals():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not list(tmp_path.glob("start-*")):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=signals, daemon=True).start()
+    assert sup.run() == 0
+    assert len(list(tmp_path.glob("term-a0-*"))) == 2
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_gives_up_on_crash_loop(tmp_path):
+    sup = Supervisor(["a", "b"], _command(tmp_path, "crash"), backoff_s=0.01, max_quick_exits=3, poll_s=0.02)
+    t0 = time.monotonic()
+    assert sup.run() == EXIT_CRASH_LOOP
+    assert time.monotonic() - t0 < 30
+    assert any(c.exit_codes[-3:] == [3, 3, 3] for c in sup.children)
