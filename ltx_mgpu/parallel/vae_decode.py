@@ -49,8 +49,13 @@ class VaeTile:
     scale_w: int
 
     def latent_slice(self) -> tuple[slice, ...]:
-        return (slice(None), slice(None), slice(None), slice(self.height.start, self.height.end),
-                slice(self.width.start, self.width.end))  # fmt: skip
+        return (
+            slice(None),
+            slice(None),
+            slice(None),
+            slice(self.height.start, self.height.end),
+            slice(self.width.start, self.width.end),
+        )
 
     def pixel_slice(self) -> tuple[slice, slice]:
         return (
@@ -174,8 +179,9 @@ class DistributedVideoDecoder:
         b, _, frames, height, width = (int(x) for x in latent.shape)
         out_dev = self.output_device or self.device
         n_frames = (frames - 1) * self.scale_t + 1
-        acc = torch.zeros((b, 3, n_frames, height * self.scale_h, width * self.scale_w), dtype=torch.float32,
-                          device=out_dev)  # fmt: skip
+        acc = torch.zeros(
+            (b, 3, n_frames, height * self.scale_h, width * self.scale_w), dtype=torch.float32, device=out_dev
+        )
         wsum_h = torch.zeros(height * self.scale_h, dtype=torch.float32)
         wsum_w = torch.zeros(width * self.scale_w, dtype=torch.float32)
         seen_h: set[tuple[int, int]] = set()

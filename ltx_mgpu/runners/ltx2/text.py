@@ -136,7 +136,7 @@ def gemma_module_ops(gemma_root: str | Path, *, max_tokens: int = DEFAULT_PROMPT
             )
             module.processor_error = None
         except Exception as exc:  # e.g. pillow / torchvision missing: only image enhancement is affected
-            module.processor_error = f"the Gemma image processor is unavailable: {exc}".strip()
+            module.processor_error = " ".join(str(exc).split())
         return module
 
     def is_encoder(module: Any) -> bool:
@@ -281,7 +281,10 @@ class GemmaPromptEncoder:
         te = self.text_encoder
         if image is not None:
             if te.processor is None:
-                raise ValueError(f"image-conditioned prompt enhancement needs {te.processor_error}")
+                raise ValueError(
+                    "image-conditioned prompt enhancement needs the Gemma image processor, which is unavailable: "
+                    f"{te.processor_error}"
+                )
             return _clean_enhanced(te.enhance_i2v(prompt, image, max_new_tokens=self.enhance_max_new_tokens, seed=seed))
         tokenizer = te.tokenizer.tokenizer
         messages = [
