@@ -7,15 +7,51 @@ on every rank, so a request that slips past the edge still fails cleanly without
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["MAX_PROMPT_CHARS", "RenderRequest"]
+__all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
 MAX_PROMPT_CHARS = 4000
 SPATIAL_MULTIPLE = 32  # the video VAE downsamples height and width by 32
 TEMPORAL_MULTIPLE = 8  # ... and time by 8 (after the first frame): num_frames = 8k + 1
+MAX_IMAGES = 4  #: conditioning images per request
+MAX_IMAGE_BYTES = 8 << 20  #: decoded size of one image file (the request travels through Redis as JSON)
+
+
+class ConditioningImage(BaseModel):
+    """An image the video is conditioned on, carried inline so the request never names a worker path.
+
+    `data` is a base64-encoded image file (PNG, JPEG, WebP, ...); `frame` the video frame it pins (0, or a
+    multiple of 8: one latent frame); `strength` how strongly (1.0 = keep the image exactly).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: str = Field(min_length=4, max_length=4 * ((MAX_IMAGE_BYTES + 2) // 3), repr=False)
+    frame: int = Field(default=0, ge=0, le=256)
+    strength: float = Field(default=1.0, ge=0.0, le=1.0)
+
+    @field_validator("data")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"must be base64-encoded image bytes: {exc}") from exc
+        if len(raw) > MAX_IMAGE_BYTES:
+            raise ValueError(f"image is {len(raw)} bytes, over the {MAX_IMAGE_BYTES} byte limit")
+        return value
+
+    @field_validator("frame")
+    @classmethod
+    def _latent_frame(cls, value: int) -> int:
+        if value % TEMPORAL_MULTIPLE:
+            raise ValueError(f"must be 0 or a multiple of {TEMPORAL_MULTIPLE} (a latent frame), got {value}")
+        return value
 
 
 class RenderRequest(BaseModel):
@@ -33,6 +69,9 @@ class RenderRequest(BaseModel):
     steps: int | None = Field(default=None, ge=1, le=200, description="denoising steps; runner default if unset")
     guidance_scale: float | None = Field(default=None, ge=1.0, le=20.0)
     enhance_prompt: bool = False
+    images: list[ConditioningImage] | None = Field(
+        default=None, max_length=MAX_IMAGES, description="image conditioning (ltx2 runners); None = text only"
+    )
 
     @field_validator("width", "height")
     @classmethod
@@ -47,6 +86,13 @@ class RenderRequest(BaseModel):
         if (value - 1) % TEMPORAL_MULTIPLE:
             raise ValueError(f"must be {TEMPORAL_MULTIPLE}k+1 (1, 9, 17, ..., 257), got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _images_inside_the_video(self) -> RenderRequest:
+        for i, image in enumerate(self.images or ()):
+            if image.frame >= self.num_frames:
+                raise ValueError(f"images[{i}].frame {image.frame} is past the last frame ({self.num_frames - 1})")
+        return self
 
     def runner_kwargs(self) -> dict[str, Any]:
         """The job kwargs for a runner: unset optional fields are left out so runner defaults apply."""

@@ -1,0 +1,110 @@
+"""Both LTX-2 runners on tiny checkpoints with CUDA ranks, printing the peak GPU memory of every stage.
+
+Skipped without CUDA. Cases: one process on cuda:0 (LocalRunner), 2 and 4 ranks oversubscribed on GPU 0
+(gloo with host staging), 2 ranks with one GPU each over NCCL when the machine has 2+ GPUs, and the
+two-stage runner with fp8-cast quantization (the LoRA fusion then takes ltx-core's triton fp8 path).
+
+Run on the GPU box (prints a table even without -s):
+
+    pytest -q -m gpu tests/test_ltx2_runners_gpu.py
+
+Each row: runner, world, devices, stage -> peak `torch.cuda.max_memory_allocated` per rank in MiB (reset at
+the start of each stage; all ranks of an oversubscribed world share one GPU, so their peaks add up there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from ltx_mgpu import MGPUController
+from ltx_mgpu.runners.ltx2.local import LocalRunner
+from ltx_mgpu.runners.ltx2.media import read_mp4
+from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible)"),
+]
+
+JOB = {"prompt": "a cat walks along the beach", "width": 256, "height": 192, "num_frames": 17, "frame_rate": 8.0}
+SETUP = {"prompt_tokens": 128, "default_steps": 3, "tdp_overlap": 1, "dtype": "bfloat16"}
+REPORT = os.environ.get("LTX_GPU_REPORT", "ltx2_runner_gpu_memory.jsonl")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
+
+    return ensure_tiny_ltx2()
+
+
+def _setup(tiny, runner, **extra):
+    kw = {**tiny.setup_kwargs(), **SETUP, **extra}
+    if runner is Ltx2DistilledRunner:
+        kw.pop("distilled_lora_path")
+    return kw
+
+
+def _report(capsys, name, world, devices, output, path):
+    frames, fps = read_mp4(path)
+    assert frames.shape == (JOB["num_frames"], JOB["height"], JOB["width"], 3) and fps == pytest.approx(8.0)
+    peaks = output.get("peak_memory_bytes")
+    assert peaks, output  # CUDA ranks report their per-stage peaks
+    mib = {stage: [round(b / 2**20, 1) for b in per_rank] for stage, per_rank in peaks.items()}
+    row = {"runner": name, "world": world, "devices": devices, "peak_mib": mib}
+    with open(REPORT, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+    with capsys.disabled():
+        print(f"\n[ltx2 gpu] {name} world={world} devices={devices}")
+        for stage, mib in row["peak_mib"].items():
+            print(f"    {stage:<9} peak MiB per rank: {mib}")
+
+
+RUNNERS = [("ltx2-distilled", Ltx2DistilledRunner), ("ltx2-two-stage", Ltx2TwoStageRunner)]
+
+
+@pytest.mark.parametrize(("name", "runner"), RUNNERS)
+def test_one_process_on_cuda(tiny, tmp_path, capsys, name, runner):
+    with LocalRunner(runner, device="cuda:0") as local:
+        local.start(**_setup(tiny, runner))
+        events = local.run(output_path=str(tmp_path / "v.mp4"), **JOB)
+    output = next(e for e in events if e.get("type") == "output")
+    _report(capsys, name, 1, ["cuda:0"], output, tmp_path / "v.mp4")
+
+
+def _worlds() -> list[tuple[list[int], bool]]:
+    cases = [([0, 0], True), ([0, 0, 0, 0], True)]
+    if torch.cuda.device_count() >= 2:
+        cases.append(([0, 1], False))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "runner"), RUNNERS)
+@pytest.mark.parametrize(("devices", "shared"), _worlds())
+def test_fleet_on_cuda(tiny, tmp_path, capsys, name, runner, devices, shared):
+    ctl = MGPUController(runner, devices=devices, allow_shared_devices=shared)
+    ctl.start(timeout=600, **_setup(tiny, runner))
+    try:
+        events = list(ctl.stream(timeout=600, output_path=str(tmp_path / "v.mp4"), **JOB))
+        output = next(e for e in events if isinstance(e, dict) and e.get("type") == "output")
+        _report(capsys, name, len(devices), devices, output, tmp_path / "v.mp4")
+        again = list(ctl.stream(timeout=600, output_path=str(tmp_path / "w.mp4"), **JOB))
+        assert any(isinstance(e, dict) and e.get("type") == "output" for e in again)
+        assert torch.equal(read_mp4(tmp_path / "v.mp4")[0], read_mp4(tmp_path / "w.mp4")[0])  # deterministic
+    finally:
+        ctl.shutdown(graceful_timeout=30)
+
+
+def test_two_stage_fp8_cast_on_shared_gpu(tiny, tmp_path, capsys):
+    ctl = MGPUController(Ltx2TwoStageRunner, devices=[0, 0], allow_shared_devices=True)
+    ctl.start(timeout=600, **_setup(tiny, Ltx2TwoStageRunner, quantization="fp8-cast"))
+    try:
+        events = list(ctl.stream(timeout=600, output_path=str(tmp_path / "q.mp4"), **JOB))
+        output = next(e for e in events if isinstance(e, dict) and e.get("type") == "output")
+        _report(capsys, "ltx2-two-stage fp8-cast", 2, [0, 0], output, tmp_path / "q.mp4")
+    finally:
+        ctl.shutdown(graceful_timeout=30)
