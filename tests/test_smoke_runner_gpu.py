@@ -29,7 +29,8 @@ def test_smoke_render_on_one_gpu_world_1_and_2(tmp_path: Path, dtype: str) -> No
     for world in (1, 2):
         ctl = MGPUController(SmokeRunner, devices=[0] * world, allow_shared_devices=world > 1)
         try:
-            ctl.start(timeout=300, checkpoint_dir=str(tmp_path / "ckpt"), dtype=dtype, max_tokens=1024)
+            # crf=0: lossless H.264, so the comparison below sees the frames, not codec decisions
+            ctl.start(timeout=300, checkpoint_dir=str(tmp_path / "ckpt"), dtype=dtype, max_tokens=1024, crf=0)
             out = tmp_path / f"w{world}_{dtype}.mp4"
             events = list(ctl.stream(timeout=300, output_path=str(out), **JOB))
             assert events[-1]["type"] == "output" and events[-1]["world_size"] == world

@@ -64,6 +64,7 @@ class SmokeRunner(MGPURunner):
         dtype: str = "float32",
         backend: str = "auto",
         transformer_config: dict[str, Any] | None = None,
+        crf: int = 18,
     ) -> None:
         """Create the checkpoint if missing (rank 0, then a barrier), build the SP transformer on every
         rank and the VAE decoder on the driver.
@@ -78,6 +79,8 @@ class SmokeRunner(MGPURunner):
             backend: all2all backend ("auto", "dist", "ipc").
             transformer_config: override the tiny transformer config (tests); heads must divide by the
                 world size.
+            crf: H.264 quality (0 = lossless, so tests can compare decoded frames across world sizes
+                without the encoder's mode decisions amplifying last-bit differences).
         """
         from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
         from ltx_core.model.transformer.model import X0Model
@@ -94,6 +97,7 @@ class SmokeRunner(MGPURunner):
         self.max_tokens = int(max_tokens)
         self.max_steps = int(max_steps)
         self.default_steps = int(default_steps)
+        self.crf = int(crf)
         # Rank 0 writes the checkpoint, everyone else waits: one writer, and no rank reads a partial file
         # (the writes are also atomic, so separate fleets sharing a cache directory are safe too).
         if self.is_driver:
@@ -200,7 +204,7 @@ class SmokeRunner(MGPURunner):
         yield stage_event("decode")
         frames = decode_frames(self.decoder, geo, video_state)
         yield stage_event("mux")
-        size = write_mp4(frames, output_path, geo.frame_rate)
+        size = write_mp4(frames, output_path, geo.frame_rate, crf=self.crf)
         yield output_event(
             os.fspath(output_path),
             frames=int(frames.shape[0]),
