@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -319,9 +321,13 @@ def test_metrics_and_health_endpoints(fleet):
     assert 'ltx_worker_fleet_up{group="cpu:2"} 1.0' in text
     assert "ltx_worker_render_seconds_bucket" in text and "ltx_worker_queue_wait_seconds_count" in text
     assert 'ltx_worker_fleet_rebuilds_total{group="cpu:2",result="ok"}' in text
+    assert 'ltx_worker_spool_entries{group="cpu:2"}' in text
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
         body = json.loads(resp.read())
     assert resp.status == 200 and body["ready"] and body["fleet"]["alive"]
+    probe = subprocess.run([sys.executable, "-m", "worker", "health", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60, check=False)  # fmt: skip
+    assert probe.returncode == 0 and json.loads(probe.stdout)["ready"]
 
 
 def test_cancel_right_after_start_is_honoured(fleet):

@@ -55,6 +55,8 @@ def test_environment_lists_and_types(monkeypatch):
     assert s.runner_registry["mine"] == "pkg.mod:Runner" and "smoke" in s.runner_registry
     monkeypatch.setenv("LTX_GROUPS", '["cpu:2", "cuda:4,cuda:5"]')
     assert load_settings().groups == ["cpu:2", "4,5"]
+    monkeypatch.setenv("LTX_METRICS_PORT", "off")
+    assert load_settings().metrics_port is None and load_settings().metrics_port_for(0) is None
 
 
 @pytest.mark.parametrize(
@@ -138,3 +140,11 @@ def test_resolve_runner_imports_by_path():
     s = WorkerSettings(runners={"x": "worker.noop:Missing"}, runner="x")
     with pytest.raises(SettingsError, match="cannot import"):
         resolve_runner(s)
+
+
+def test_every_setting_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "worker.md").read_text()
+    missing = [f"LTX_{name.upper()}" for name in WorkerSettings.model_fields if f"LTX_{name.upper()}" not in doc]
+    assert not missing, f"settings missing from docs/worker.md: {missing}"

@@ -117,3 +117,12 @@ def test_invalid_settings_exit_2_naming_the_variable(tmp_path):
         cmd, env={"PATH": "/usr/bin"}, cwd=ROOT, capture_output=True, check=False, text=True, timeout=60
     )
     assert res.returncode == 2 and "--group" in res.stderr
+
+
+def test_workers_stop_themselves_when_the_supervisor_is_killed(tmp_path, redis_server, s3_server):
+    proc, conn, _, name = _worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"])
+    (info,) = wait_ready(conn, name, 1, 120, proc)
+    proc.signal(signal.SIGKILL)
+    proc.wait(10)
+    everything = [info["pid"], *info["fleet"]["pids"]]
+    wait_for(lambda: not any(pid_alive(p) for p in everything), 60, "orphaned worker and ranks to exit")

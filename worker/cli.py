@@ -105,12 +105,14 @@ def main(
 @click.option("--index", type=int, default=0, help="group index (metrics port offset)")
 @click.option("--burst", is_flag=True, help="exit when the queues are empty")
 @click.option("--max-jobs", type=int, default=None, help="exit after this many jobs")
+@click.option("--parent-pid", type=int, default=None, hidden=True, help="warm-stop when this process dies")
 @_common
 def one(
     group: str,
     index: int,
     burst: bool,
     max_jobs: int | None,
+    parent_pid: int | None,
     settings_file: str | None,
     queues: tuple[str, ...],
     **flags: Any,
@@ -125,7 +127,7 @@ def one(
     except ValueError as exc:
         click.echo(f"--group: {exc}", err=True)
         sys.exit(2)
-    sys.exit(run_worker(settings, group, index=index, burst=burst, max_jobs=max_jobs))
+    sys.exit(run_worker(settings, group, index=index, burst=burst, max_jobs=max_jobs, parent_pid=parent_pid))
 
 
 @main.command("health")

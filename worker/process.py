@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 from types import FrameType
 from typing import Any
 
@@ -83,14 +82,21 @@ def run_worker(
     index: int = 0,
     burst: bool = False,
     max_jobs: int | None = None,
+    parent_pid: int | None = None,
 ) -> int:
-    """Run one worker process to completion; returns the exit code (see the module docstring)."""
+    """Run one worker process to completion; returns the exit code (see the module docstring).
+
+    `parent_pid`: the supervisor's pid. Workers run in their own sessions (so a terminal's Ctrl+C reaches
+    only the supervisor); if the supervisor dies without stopping them, they warm-stop themselves.
+    """
     from .logs import setup_logging
     from .metrics import HealthServer
     from .storage import StorageError
 
     setup_logging(settings.log_level, settings.log_format, group=group, worker=settings.worker_name_for(group))
     log.info("worker starting: group %s, queues %s, runner %s", group, settings.queues, settings.runner)
+    if parent_pid is not None:
+        _watch_parent(parent_pid)
 
     def interrupted(signum: int, frame: FrameType | None) -> None:
         raise _StartupInterrupted(signal.Signals(signum).name)
@@ -120,6 +126,7 @@ def run_worker(
             log.critical("%s", exc)
             return EXIT_FLEET_UNRECOVERABLE
         worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
+        worker.service.update_spool_metrics()
     except _StartupInterrupted as exc:
         log.info("stopped by %s during startup", exc)
         if worker is not None:
@@ -142,5 +149,16 @@ def run_worker(
     return worker.exit_code
 
 
-def main_one(settings: WorkerSettings, group: str, index: int, burst: bool, max_jobs: int | None) -> None:
-    sys.exit(run_worker(settings, group, index=index, burst=burst, max_jobs=max_jobs))
+def _watch_parent(parent_pid: int) -> None:
+    """SIGTERM ourselves (a warm stop) once the supervisor is gone (we are re-parented)."""
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        log.warning("supervisor (pid %d) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ltx-parent-watch", daemon=True).start()

@@ -148,6 +148,7 @@ class FleetWorker(SimpleWorker):
         finally:
             self._stop_beats()
             self.service.metrics.busy.labels(self.service.group).set(0)
+            self.service.update_spool_metrics()
         self.set_state("idle")
         if not self._stop_requested and not self._cold:
             self._ensure_fleet()  # rebuild right away so the next job finds a warm fleet

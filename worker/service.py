@@ -117,6 +117,15 @@ class RenderService:
         log.info("cancel requested for job %s", cur.job_id)
         return True
 
+    def update_spool_metrics(self) -> None:
+        """Publish how many complete renders wait in the spool (and their bytes)."""
+        try:
+            entries, size = self.spool.usage()
+        except OSError:
+            return
+        self.metrics.spool_entries.labels(self.group).set(entries)
+        self.metrics.spool_bytes.labels(self.group).set(size)
+
     # ==== the job =====================================================================================
     def run_job(self, job: Any, request: Any) -> dict[str, Any]:
         t0 = time.time()

@@ -228,6 +228,13 @@ class WorkerSettings(BaseSettings):
     def _parse_groups(cls, value: Any) -> Any:
         return _split_list(value, ";")
 
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _metrics_off(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "off", "none", "false"):
+            return None
+        return value
+
     @field_validator("queues")
     @classmethod
     def _check_queues(cls, value: list[str]) -> list[str]:

@@ -169,7 +169,8 @@ class Supervisor:
 
 def child_command(group: str, index: int, extra: Sequence[str] = ()) -> list[str]:
     """The command line of one worker process (this interpreter, `-m worker one`)."""
-    return [sys.executable, "-m", "worker", "one", "--group", group, "--index", str(index), *extra]
+    return [sys.executable, "-m", "worker", "one", "--group", group, "--index", str(index),
+            "--parent-pid", str(os.getpid()), *extra]  # fmt: skip
 
 
 def child_env(overrides: dict[str, str]) -> dict[str, str]:
