@@ -253,6 +253,22 @@ def test_rank_killed_mid_job_fails_with_fleet_failure_rebuilds_and_next_job_succ
     assert wait_state(nxt, {"uploaded", "failed"}, 30, fleet.proc) == "uploaded"
 
 
+def test_rank_dying_while_idle_is_rebuilt_before_the_next_job_runs(fleet):
+    import os
+    import signal
+
+    info = fleet.idle()
+    old_pids, rebuilds = info["fleet"]["pids"], info["fleet"]["rebuilds"]
+    os.kill(old_pids[1], signal.SIGKILL)
+    time.sleep(0.5)  # the controller's monitor notices within ~0.1 s; the worker is blocked in BLMOVE
+    job = fleet.submit("t")
+    assert wait_state(job, {"uploaded", "failed"}, 90, fleet.proc) == "uploaded", job.get_meta(refresh=True)
+    assert job.get_meta(refresh=True)["attempt"] == 1  # not a failure: it waited for the rebuild
+    info = fleet.idle()
+    assert info["fleet"]["rebuilds"] == rebuilds + 1 and set(info["fleet"]["pids"]).isdisjoint(old_pids)
+    wait_for(lambda: not any(pid_alive(p) for p in old_pids), 20, "old ranks gone")
+
+
 def test_s3_unreachable_during_upload_then_back(fleet, s3_server):
     fleet.idle()
     fleet.proxy.block()

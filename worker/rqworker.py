@@ -142,6 +142,15 @@ class FleetWorker(SimpleWorker):
         )
         self._beat_thread.start()
         self.service.metrics.busy.labels(self.service.group).set(1)
+        if not self.service.fleet.is_alive:
+            # The fleet died while we were blocked waiting for this job (a rank crashed while idle). Rebuild
+            # it while the heartbeat holds the job, rather than failing a job that never reached a fleet.
+            try:
+                self._ensure_fleet()
+            except SystemExit:
+                self._stop_beats()
+                self._give_back(job, queue)
+                raise
         try:
             with bind_job(job.id):
                 self.perform_job(job, queue)
@@ -152,6 +161,15 @@ class FleetWorker(SimpleWorker):
         self.set_state("idle")
         if not self._stop_requested and not self._cold:
             self._ensure_fleet()  # rebuild right away so the next job finds a warm fleet
+
+    def _give_back(self, job: Any, queue: Any) -> None:
+        """Return a job this worker took but never started to the front of its queue."""
+        with self.connection.pipeline() as pipe:
+            self.cleanup_execution(job, pipeline=pipe)
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.execute()
+        queue.enqueue_job(job, at_front=True)
+        log.warning("job %s given back to queue %s untouched", job.id, queue.name)
 
     def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
         self._stop_beats()
