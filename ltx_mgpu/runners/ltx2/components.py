@@ -45,6 +45,9 @@ def quantization_policy(name: str | None) -> Any:
     """ltx-core `QuantizationPolicy` for `name` (None / "none" -> None)."""
     if name in (None, "", "none"):
         return None
+    # ltx-core 1.0.0 has an import cycle (quantization.fp8_cast -> loader -> fuse_loras -> fp8_cast):
+    # importing `ltx_core.quantization` first in a fresh process fails; importing the loader first works.
+    import ltx_core.loader  # noqa: F401
     from ltx_core.quantization import QuantizationPolicy
 
     if name == "fp8-cast":
