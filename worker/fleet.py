@@ -154,6 +154,11 @@ class FleetSupervisor:
             self._teardown(graceful_timeout)
             self.state = "stopped"
 
+    def stop_retrying(self) -> None:
+        """Make a running `start()` give up after its current attempt (no lock: callable from a signal
+        handler running on the thread that holds it)."""
+        self._stopped.set()
+
     def kill_for_rebuild(self) -> None:
         """Kill the ranks now because the fleet cannot be trusted (e.g. abandoned mid-job); the next
         `ensure_ready()` builds a new one."""

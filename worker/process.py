@@ -28,7 +28,7 @@ EXIT_OK = 0
 EXIT_BAD_CONFIG = 2
 
 
-class _StartupInterrupted(Exception):
+class _StartupInterrupted(BaseException):  # not an Exception: build-failure handlers must not catch it
     pass
 
 

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from rq.exceptions import AbandonedJobError
+from rq.exceptions import AbandonedJobError, StopRequested
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
@@ -68,6 +68,8 @@ class FleetWorker(SimpleWorker):
         self._beat_stop: threading.Event | None = None
         self._beat_thread: threading.Thread | None = None
         self._cold = False
+        self._rebuilding = False  # True while _ensure_fleet runs in the main thread
+        self._stop_pending = False  # a warm stop arrived during a rebuild
         self.last_loop_beat = time.monotonic()
         self.push_exc_handler(self._abandoned_job_handler)
 
@@ -88,6 +90,8 @@ class FleetWorker(SimpleWorker):
             self.connection.set(
                 worker_health_key(self.name), json.dumps(info, default=str), ex=self.settings.worker_ttl + 60
             )
+        except StopRequested:
+            raise  # RQ's warm stop while idle arrives as this exception, wherever the main thread is
         except Exception:
             log.debug("could not write health key", exc_info=True)
 
@@ -181,17 +185,37 @@ class FleetWorker(SimpleWorker):
 
     def _ensure_fleet(self) -> None:
         service = self.service
+        self._rebuilding = True
         try:
             rebuilt = service.fleet.ensure_ready()
         except FleetUnrecoverable as exc:
+            if self._stop_pending:
+                raise StopRequested() from exc  # a warm stop interrupted the rebuild back-off
             log.critical("%s; the worker exits with code %d", exc, EXIT_FLEET_UNRECOVERABLE)
             service.metrics.fleet_rebuilds.labels(service.group, "failed").inc()
             service.metrics.set_fleet_state("failed", alive=False)
             self.exit_code = EXIT_FLEET_UNRECOVERABLE
             raise SystemExit(EXIT_FLEET_UNRECOVERABLE) from exc
+        finally:
+            self._rebuilding = False
         if rebuilt:
             service.metrics.fleet_rebuilds.labels(service.group, "ok").inc()
         service.metrics.set_fleet_state(service.fleet.state, alive=service.fleet.is_alive)
+        if self._stop_pending:
+            raise StopRequested()
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        """First signal (warm stop). While idle RQ raises StopRequested from the handler, i.e. from wherever
+        the main thread is; during a fleet rebuild that would be taken for a failed build, so the stop is
+        deferred until the rebuild attempt ends (a second signal still aborts at once)."""
+        try:
+            super().request_stop(signum, frame)
+        except StopRequested:
+            if not self._rebuilding:
+                raise
+            self._stop_pending = True
+            self.service.fleet.stop_retrying()
+            log.info("warm stop requested during a fleet rebuild: stopping once this attempt ends")
 
     def handle_exception(self, job: Any, *exc_info: Any) -> None:
         """Expected outcomes (a failure with a reason, a cancel) get one log line, not a traceback."""
@@ -264,6 +288,8 @@ class FleetWorker(SimpleWorker):
                 relay.state(JobState.FAILED, error=error, ttl=int(job.failure_ttl or self.settings.failure_ttl))
             log.warning("abandoned job %s (worker %s): %s", job.id, meta.get("worker"),
                         "re-queued" if retrying else "failed")  # fmt: skip
+        except StopRequested:
+            raise
         except Exception:
             log.warning("could not record abandoned job %s", getattr(job, "id", "?"), exc_info=True)
         return True
