@@ -204,3 +204,37 @@ def test_supervisor_gives_up_on_crash_loop(tmp_path):
     assert sup.run() == EXIT_CRASH_LOOP
     assert time.monotonic() - t0 < 30
     assert any(c.exit_codes[-3:] == [3, 3, 3] for c in sup.children)
+
+
+# ==== abandoned jobs (RQ's registry cleanup with the worker's handler) ==================================
+
+
+@pytest.mark.parametrize("retries_left", [0, 1])
+def test_abandoned_job_is_recorded_as_worker_lost(redis_client, unique_name, retries_left):
+    from rq.executions import Execution
+    from rq.registry import StartedJobRegistry
+
+    from worker.rqworker import FleetWorker
+    from worker.settings import WorkerSettings
+
+    q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
+    job = q.enqueue("worker.job.render", {"prompt": "x"}, meta={"state": "rendering", "worker": "gone.cpu1.1"})
+    q.remove(job.id)  # it was dequeued by the worker that then vanished
+    job.retries_left = retries_left
+    job.save()
+    with redis_client.pipeline() as pipe:
+        Execution.create(job, 5, pipeline=pipe, worker_name="gone.cpu1.1")
+        pipe.execute()
+    worker = FleetWorker.__new__(FleetWorker)  # only the handler's state: connection and settings
+    worker.connection, worker.settings = redis_client, WorkerSettings()
+    registry = StartedJobRegistry(unique_name, connection=redis_client, serializer=JSONSerializer)
+    registry.cleanup(timestamp=time.time() + 60, exception_handlers=[worker._abandoned_job_handler])
+    meta = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).get_meta()
+    state = "retrying" if retries_left else "failed"
+    assert meta["state"] == state and meta["error"]["reason"] == "worker_lost", meta
+    assert meta["error"]["worker"] == "gone.cpu1.1" and meta["error"]["retryable"] is bool(retries_left)
+    _, fields = redis_client.xrevrange(events_key(job.id), count=1)[0]
+    assert json.loads(fields[EVENT_FIELD_DATA.encode()])["state"] == state
+    assert (job.id in q.get_job_ids()) is bool(retries_left)  # re-queued only while the budget lasts
+    if retries_left:
+        assert meta["retries"] == {"worker_lost": 1}
