@@ -292,8 +292,14 @@ def wait_state(job: Any, states: set[str] | str, timeout: float, worker: WorkerP
         state = meta_state(job)
         return state if state in wanted else None
 
-    return wait_for(reached, timeout, f"job {job.id} in {wanted} (now {meta_state(job)})",
-                    on_fail=worker.log_tail if worker else None)  # fmt: skip
+    state = wait_for(reached, timeout, f"job {job.id} in {wanted} (now {meta_state(job)})",
+                     on_fail=worker.log_tail if worker else None)  # fmt: skip
+    if state == "uploaded":
+        # the worker announces "uploaded" just before returning; RQ then records the result and `finished`
+        from rq.job import JobStatus
+
+        wait_rq_status(job, {JobStatus.FINISHED}, 30, worker)
+    return state
 
 
 def wait_rq_status(job: Any, statuses: set[str], timeout: float, worker: WorkerProcess | None = None) -> str:
