@@ -41,6 +41,7 @@ from .fleet import FleetUnrecoverable
 from .keys import FailureReason, JobState, worker_health_key
 from .logs import bind_job
 from .relay import EventRelay
+from .renderjob import RefusedJob, RenderJob, fail_unreadable
 from .service import RenderService
 
 __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
@@ -56,6 +57,7 @@ class FleetWorker(SimpleWorker):
     def __init__(self, queues: Any, *, service: RenderService, **kwargs: Any) -> None:
         settings = service.settings
         kwargs.setdefault("serializer", JSONSerializer)
+        kwargs.setdefault("job_class", RenderJob)  # runs only the render function; survives hostile hashes
         kwargs.setdefault("default_result_ttl", settings.result_ttl)
         kwargs.setdefault("worker_ttl", settings.worker_ttl)
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
@@ -181,7 +183,16 @@ class FleetWorker(SimpleWorker):
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
         self._ensure_fleet()
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except Exception as exc:
+                # RQ attaches job_id/queue when a dequeued hash cannot be loaded; without this the worker
+                # (and its warm fleet) would quit on one malformed job.
+                job_id = getattr(exc, "job_id", None)
+                if job_id is None:
+                    raise
+                fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc, self.settings.failure_ttl)
 
     def _ensure_fleet(self) -> None:
         service = self.service
@@ -222,12 +233,37 @@ class FleetWorker(SimpleWorker):
         from .service import JobCancelledByClient, JobFailed
 
         exc = exc_info[1] if len(exc_info) > 1 else None
+        if not isinstance(exc, JobFailed | JobCancelledByClient | AbandonedJobError):
+            self._record_unrecorded_failure(job, exc)
         if isinstance(exc, JobFailed | JobCancelledByClient):
             log.info("job %s ended: %s", job.id, exc)
             for handler in self._exc_handlers:
                 handler(job, *exc_info)
             return
         super().handle_exception(job, *exc_info)
+
+    def _record_unrecorded_failure(self, job: Any, exc: BaseException | None) -> None:
+        """A job that failed before the service could record it (a refused function, arguments that do not
+        fit `render(request)`) still gets a terminal `failed` state, so watchers never wait forever."""
+        try:
+            raw = self.connection.hget(job.key, "meta")
+            state = json.loads(raw).get("state") if raw else None
+            if state in {s.value for s in (JobState.UPLOADED, JobState.FAILED, JobState.CANCELLED, JobState.RETRYING)}:
+                return
+            if job.get_status(refresh=False) != JobStatus.FAILED:
+                return
+            # a TypeError before the service started the job: arguments that do not fit render(request)
+            refused = isinstance(exc, RefusedJob) or (isinstance(exc, TypeError) and state in (None, "queued"))
+            reason = FailureReason.INVALID_REQUEST if refused else FailureReason.INTERNAL
+            if not isinstance(job.meta, dict):
+                job.meta = {}
+            relay = EventRelay(self.connection, job, maxlen=self.settings.events_maxlen, running_ttl=3600)
+            error = {"reason": reason.value, "message": f"{type(exc).__name__}: {exc}"[:2000], "retryable": False}
+            relay.state(JobState.FAILED, error=error, ttl=int(job.failure_ttl or self.settings.failure_ttl))
+        except StopRequested:
+            raise
+        except Exception:
+            log.warning("could not record the failure of job %s", getattr(job, "id", "?"), exc_info=True)
 
     # ==== cancellation and shutdown ===================================================================
     def kill_horse(self, sig: Any = None) -> None:

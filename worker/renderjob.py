@@ -1,0 +1,63 @@
+"""`RenderJob`: the RQ job class of render workers, hardened against what anyone with Redis access can push.
+
+Found by the chaos suite (tests/chaos): a plain RQ worker executes *any* importable function named in a
+job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), and a hash RQ cannot parse
+(`created_at: "yesterday"`) or whose meta is not JSON made the worker process quit with its warm fleet
+(an unparseable meta even crashed the next worker's registry cleanup). So:
+
+- only `worker.keys.RENDER_FUNC` is executed; any other function fails the job with `RefusedJob`;
+- a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
+- `fail_unreadable()` records a job that cannot even be loaded as failed (hash status, failed registry,
+  expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rq.job import Job
+
+from .keys import RENDER_FUNC
+
+__all__ = ["RefusedJob", "RenderJob", "fail_unreadable"]
+
+log = logging.getLogger("worker.rq")
+
+
+class RefusedJob(RuntimeError):
+    """The job names a function other than the render function: never executed."""
+
+
+class RenderJob(Job):
+    """See the module docstring."""
+
+    def restore(self, raw_data: Any) -> Any:
+        out = super().restore(raw_data)
+        meta = self.meta
+        if isinstance(meta, dict) and isinstance(meta.get("unserialized"), bytes):
+            self.meta = {"unserialized": meta["unserialized"].decode("utf-8", "replace")}
+        return out
+
+    def _execute(self) -> Any:
+        if self.func_name != RENDER_FUNC:
+            raise RefusedJob(f"this worker only runs {RENDER_FUNC}; refusing to run {self.func_name!r}")
+        return super()._execute()
+
+
+def fail_unreadable(connection: Any, job_id: str, queue: Any, exc: BaseException, failure_ttl: int) -> None:
+    """Mark a dequeued job that RQ cannot load as failed (it was already popped from its queue)."""
+    from rq.utils import now, utcformat
+
+    message = f"unreadable job hash: {type(exc).__name__}: {exc}"[:2000]
+    key = Job.key_for(job_id)
+    with connection.pipeline() as pipe:
+        pipe.hset(key, mapping={"status": "failed", "ended_at": utcformat(now()), "exc_info": message})
+        pipe.expire(key, failure_ttl)
+        if queue is not None:
+            pipe.zadd(queue.failed_job_registry.key, {job_id: time.time() + failure_ttl})
+            # RQ moved it to the intermediate queue on dequeue; its cleanup would fetch it and crash again
+            pipe.lrem(queue.intermediate_queue_key, 0, job_id)
+        pipe.execute()
+    log.error("job %s failed without running: %s", job_id, message)
