@@ -375,10 +375,25 @@ class S3Server:
 
 class TcpProxy:
     """Forwards 127.0.0.1:`port` to a target; `block()` makes the port refuse connections (and cuts open
-    ones) until `unblock()`. Used to make a server unreachable without stopping it."""
+    ones) until `unblock()`. Used to make a server unreachable without stopping it.
 
-    def __init__(self, target_port: int, *, target_host: str = _LOOPBACK, port: int | None = None) -> None:
+    Remote-like storage (benchmarks): `rate_bytes_per_s` caps the client→target bandwidth, shared by all
+    connections (a token schedule: each chunk waits for its slot), and `latency_s` delays every new
+    connection and every chunk sent back to the client by that much (a round trip to a distant region)."""
+
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        target_host: str = _LOOPBACK,
+        port: int | None = None,
+        rate_bytes_per_s: float | None = None,
+        latency_s: float = 0.0,
+    ) -> None:
         self.target = (target_host, target_port)
+        self.rate = rate_bytes_per_s
+        self.latency_s = latency_s
+        self._next_slot = 0.0
         self.port = port or free_port()
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -435,6 +450,8 @@ class TcpProxy:
             except OSError:
                 return
             try:
+                if self.latency_s:
+                    time.sleep(self.latency_s)
                 upstream = socket.create_connection(self.target, timeout=5)
                 upstream.settimeout(None)
             except OSError:
@@ -446,15 +463,30 @@ class TcpProxy:
                     upstream.close()
                     return
                 self._conns.update((client, upstream))
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+            for src, dst, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(src, dst, up), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _throttle(self, nbytes: int) -> None:
+        assert self.rate
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next_slot)
+            self._next_slot = start + nbytes / self.rate
+            until = self._next_slot
+        delay = until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, upstream: bool = True) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if upstream and self.rate:
+                    self._throttle(len(data))
+                elif not upstream and self.latency_s:
+                    time.sleep(self.latency_s)
                 dst.sendall(data)
         except OSError:
             pass

@@ -165,7 +165,8 @@ def test_job_result_object_and_rq_summary(fleet, s3_server):
     result = job.latest_result().return_value
     _check_object(s3_server, result, output_bytes(3, 100000))
     assert result["key"].endswith(f"{job.id}/video.mp4")
-    assert set(result["timings"]) == {"queue_wait_s", "render_s", "upload_s", "total_s"}
+    # upload_wait_s: time in the background uploader's queue (the pipeline is on by default)
+    assert set(result["timings"]) == {"queue_wait_s", "render_s", "upload_s", "upload_wait_s", "total_s"}
     kinds = _types(events(fleet.conn, job.id))
     assert kinds[:3] == ["started", "rendering", "stage"] and kinds[-1] == "uploaded"
     assert kinds.count("progress") == 3
@@ -323,7 +324,9 @@ def test_heartbeats_keep_long_job_from_being_abandoned(fleet, tmp_path):
     assert job.id in registry.get_job_ids(cleanup=False)
     assert wait_state(job, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded"
     assert [r["event"] for r in read_records(record)] == ["start", "end"]
-    assert len(job.results()) == 1 and job.get_meta(refresh=True)["attempt"] == 1
+    # one execution: RQ's hand-off result at `rendered`, then the pipeline's full result at `uploaded`
+    assert [r.return_value["state"] for r in reversed(job.results())] == ["rendered", "uploaded"]
+    assert job.get_meta(refresh=True)["attempt"] == 1
 
 
 def test_metrics_and_health_endpoints(fleet):

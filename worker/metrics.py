@@ -56,6 +56,14 @@ class WorkerMetrics:
                                    registry=r)  # fmt: skip
         self.spool_bytes = Gauge("ltx_worker_spool_bytes", "Bytes of renders waiting for upload", labels,
                                  registry=r)  # fmt: skip
+        self.upload_pending = Gauge("ltx_worker_upload_pending", "Renders queued for or in background upload",
+                                    labels, registry=r)  # fmt: skip
+        self.upload_pending_bytes = Gauge("ltx_worker_upload_pending_bytes", "Bytes queued for or in upload",
+                                          labels, registry=r)  # fmt: skip
+        self.backpressure = Gauge("ltx_worker_backpressure", "1 while the worker waits for upload room before "
+                                  "taking a job", labels, registry=r)  # fmt: skip
+        self.backpressure_seconds = Counter("ltx_worker_backpressure_seconds", "Time spent waiting for upload "
+                                            "room before taking a job", labels, registry=r)  # fmt: skip
         self.set_fleet_state("new", alive=False)
 
     def set_fleet_state(self, state: str, *, alive: bool) -> None:

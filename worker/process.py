@@ -120,6 +120,9 @@ def run_worker(
         from .fleet import FleetUnrecoverable
         from .rqworker import EXIT_FLEET_UNRECOVERABLE
 
+        # Recovery starts before the (possibly minutes-long) fleet start: renders a previous process left
+        # in the spool upload meanwhile, and count against the back-pressure bound before the first job.
+        worker.service.start_uploads(worker.connection)
         try:
             worker.service.fleet.start()  # warm before the first job
         except FleetUnrecoverable as exc:

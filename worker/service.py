@@ -9,8 +9,15 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
 3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
    after an upload failure uploads instead of rendering again);
-4. commit the file to the spool (manifest with sha256), upload it (retries, confirmation), release it;
+4. commit the file to the spool (manifest written atomically), then either
+   - (`upload_pipeline`, the default) hand it to the background `UploadPipeline` and return a small
+     hand-off value at once: RQ marks the job `finished` while the state is `rendered`; the pipeline
+     writes `uploading` → `uploaded` (or `retrying`/`failed`) and the full result later, or
+   - (synchronous) upload it here (retries, confirmation), release it and
 5. return the result (bucket, key, size, sha256, presigned URL, timings, fleet).
+
+The service state in the job meta (and the event stream) is the source of truth for clients; RQ's
+`finished` only means "rendered" when the pipeline is on. See docs/worker.md, "Job lifecycle".
 
 Failures raise `JobFailed(reason, ...)` after the terminal (or `retrying`) state event is written. The
 worker, not the enqueuer, owns the retry policy: before raising, `job.retries_left` is set from the
@@ -30,6 +37,7 @@ from pydantic import ValidationError
 from .fleet import FleetSupervisor
 from .keys import FailureReason, JobState
 from .metrics import WorkerMetrics
+from .pipeline import PendingUpload, UploadPipeline
 from .relay import EventRelay
 from .schema import RenderRequest
 from .settings import WorkerSettings
@@ -99,6 +107,25 @@ class RenderService:
             backoff_max_s=settings.upload_backoff_max_s,
         )
         self.stop_uploads = threading.Event()  # set on cold shutdown: cut upload back-offs short
+        # The background uploader. It always exists (it recovers the spool at start); jobs use it only
+        # with `upload_pipeline` on, otherwise they upload synchronously as before.
+        self.pipeline = UploadPipeline(
+            uploader=self.uploader,
+            spool=spool,
+            metrics=metrics,
+            group=group,
+            worker_name=worker_name,
+            threads=settings.upload_threads,
+            max_pending=settings.max_pending_uploads,
+            max_pending_bytes=settings.max_pending_bytes,
+            events_maxlen=settings.events_maxlen,
+            retry_budget=settings.retry_upload_failed,
+            result_ttl=self._result_ttl,
+            failure_ttl=self._failure_ttl,
+            make_result=self._pipeline_result,
+            stop=self.stop_uploads,
+            on_uploaded=self._count_done,
+        )
         self.current: _Current | None = None
         self.jobs_done = 0
         self._lock = threading.Lock()
@@ -116,6 +143,24 @@ class RenderService:
             stream.cancel()
         log.info("cancel requested for job %s", cur.job_id)
         return True
+
+    def start_uploads(self, connection: Any) -> int:
+        """Start the background uploader and queue what the spool still holds (recovery). Returns how
+        many renders were recovered."""
+        self.pipeline.start(connection)
+        try:
+            return self.pipeline.recover()
+        except Exception:
+            log.exception("spool recovery failed; the renders stay in the spool")
+            return 0
+
+    def job_returned(self, job_id: str) -> None:
+        """RQ finished handling the job function's return (status, result): the pipeline may record the
+        upload's outcome for this job now."""
+        self.pipeline.released(job_id)
+
+    def _count_done(self) -> None:
+        self.jobs_done += 1
 
     def update_spool_metrics(self) -> None:
         """Publish how many complete renders wait in the spool (and their bytes)."""
@@ -147,6 +192,15 @@ class RenderService:
         lost_before = previous_state in _RUNNING_STATES  # an earlier execution vanished mid-job
         if lost_before:
             retries[FailureReason.WORKER_LOST.value] = retries.get(FailureReason.WORKER_LOST.value, 0) + 1
+        if (
+            previous_state == JobState.UPLOADED.value
+            and isinstance(meta.get("result"), dict)
+            and self.spool.load(job.id) is None
+            and not self.pipeline.is_pending(job.id)
+        ):
+            # Recovery (or a late registry cleanup) re-queued a job whose video is already in storage.
+            log.info("job %s is already uploaded; returning its recorded result", job.id)
+            return dict(meta["result"])
         attempt = int(meta.get("attempt") or 0) + 1
         queue_wait = _queue_wait(job)
         if queue_wait is not None:
@@ -187,11 +241,20 @@ class RenderService:
         render_s = 0.0
         if entry is not None:
             log.info("job %s: complete render found in the spool; uploading it instead of rendering", job.id)
-            relay.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256, bytes=entry.size)
+            if self.pipeline.hold(job.id):  # recovery already queued it: let that upload finish it
+                return self._handoff(job, entry, render_s)
+            relay.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256 or None, bytes=entry.size)
         else:
             entry, render_s = self._render(job, req, relay, retries, cur)
 
-        # ---- upload ---------------------------------------------------------------------------------
+        if s.upload_pipeline:
+            # ---- hand over to the background uploader; the fleet takes the next job now ------------------
+            self.pipeline.submit(PendingUpload(entry=entry, job=job, relay=relay, retries=retries, attempt=attempt,
+                                               queue_wait_s=queue_wait, render_s=render_s, t0=t0))  # fmt: skip
+            return self._handoff(job, entry, render_s)
+
+        # ---- synchronous upload ---------------------------------------------------------------------
+        entry = self.spool.ensure_sha256(entry)
         relay.state(JobState.UPLOADING, key=entry.key, bytes=entry.size)
         t_up = time.monotonic()
         try:
@@ -296,8 +359,10 @@ class RenderService:
             content_type=str(output.get("content_type") or "video/mp4"),
             queue=job.origin,
             info=info,
+            hash_now=not s.upload_pipeline,  # the pipeline hashes in its own thread, off the critical path
         )
-        relay.state(JobState.RENDERED, sha256=entry.sha256, bytes=entry.size, render_s=round(render_s, 4))
+        sha = {"sha256": entry.sha256} if entry.sha256 else {}
+        relay.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
         return entry, render_s
 
     # ---- outcomes -------------------------------------------------------------------------------------
@@ -364,6 +429,30 @@ class RenderService:
                 log.warning("could not relay upload event", exc_info=True)
 
         return emit
+
+    def _handoff(self, job: Any, entry: SpoolEntry, render_s: float) -> dict[str, Any]:
+        """The job function's return value with the pipeline on: what RQ stores when it marks the job
+        `finished`. Deliberately without `sha256`/`url`: it must not look like an upload result (the
+        pipeline appends the full result as a second RQ result once the object is confirmed)."""
+        return {
+            "job_id": job.id,
+            "state": JobState.RENDERED.value,
+            "upload": "pending",
+            "key": entry.key,
+            "bytes": entry.size,
+            "render_s": round(render_s, 4),
+            "worker": self.worker_name,
+        }
+
+    def _pipeline_result(
+        self, item: PendingUpload, stored: StoredObject, upload_s: float, wait_s: float
+    ) -> dict[str, Any]:
+        result = self._result(item.job, item.entry, stored, item.t0, item.queue_wait_s, item.render_s, upload_s,
+                              item.attempt)  # fmt: skip
+        result["timings"]["upload_wait_s"] = round(wait_s, 4)
+        if item.recovered:
+            result["recovered"] = True
+        return result
 
     @staticmethod
     def _set_retries_left(job: Any, value: int) -> None:

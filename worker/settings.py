@@ -189,6 +189,21 @@ class WorkerSettings(BaseSettings):
         default_factory=lambda: Path(tempfile.gettempdir()) / "ltx-spool",
         description="local directory where renders wait until their upload is confirmed",
     )
+    upload_pipeline: bool = Field(
+        True,
+        description="upload in a background thread so the fleet takes the next job at once (false: the "
+        "job function uploads before it returns)",
+    )
+    upload_threads: int = Field(2, ge=1, le=32, description="background uploads in flight at once")
+    max_pending_uploads: int = Field(
+        8, ge=1, description="renders waiting for (or in) upload before the worker stops taking jobs"
+    )
+    max_pending_bytes: int = Field(
+        20 * 1024 * _MiB, ge=_MiB, description="bytes waiting for upload before the worker stops taking jobs"
+    )
+    upload_drain_timeout_s: float = Field(
+        600.0, ge=0, description="seconds a warm stop waits for pending uploads before leaving them in the spool"
+    )
 
     # ---- observability -------------------------------------------------------------------------------
     metrics_port: int | None = Field(

@@ -71,8 +71,13 @@ class Uploader:
         *,
         on_event: EventFn | None = None,
         stop: threading.Event | None = None,
+        release: bool = True,
     ) -> StoredObject:
-        """Upload `entry` (retrying), release the spool copy, return the confirmed object."""
+        """Upload `entry` (retrying), release the spool copy, return the confirmed object.
+
+        `release=False`: keep the spool copy; the caller releases it once the job's outcome is recorded
+        (the background uploader does, so a crash between confirmation and that record loses nothing:
+        the restarted worker finds the entry, the idempotent put reuses the object, and the job is updated)."""
         emit = on_event or (lambda _event: None)
         last_error = "no attempt made"
         retryable = True
@@ -106,7 +111,8 @@ class Uploader:
                     time.sleep(wait)
                 continue
             progress.finish()
-            self.spool.release(entry)
+            if release:
+                self.spool.release(entry)
             return stored
         raise UploadFailed(
             f"upload of {entry.key} failed after {entry.attempts} attempt(s): {last_error}; "

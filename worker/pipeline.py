@@ -1,0 +1,470 @@
+"""`UploadPipeline`: the background uploader of one worker process, so the fleet never waits on storage.
+
+Why: a fleet that uploads its video before taking the next job idles for the whole upload (seconds to
+minutes for a 50 MB file on a remote bucket), and GPU seconds are what a backfill pays for. With the
+pipeline the job function commits the render to the spool (manifest written atomically), hands it over
+here and returns at once; the worker's next dequeue follows immediately.
+
+Who writes what, in order, for one job (the RQ job id is the key everywhere):
+
+1. main thread: `rendered` (the manifest exists: the video survives any crash from here on), `submit()`,
+   the job function returns a small hand-off value, RQ marks the job `finished`, the worker calls
+   `released(job_id)`;
+2. an uploader thread: sha256 of the file (off the critical path; recorded in the manifest), `uploading`,
+   `Uploader.upload(release=False)` with its retries, back-off and read-back confirmation;
+3. after `released`: the outcome. Success: `uploaded` (meta `result`, a terminal state event with the
+   result TTL on the stream) and a second RQ `Result` holding the full result, then the spool copy is
+   deleted. Final failure: `retrying` (the job is re-queued in RQ; the re-run finds the manifest and
+   uploads without rendering) or `failed` with `upload_failed` (RQ status and failed registry set; the
+   video stays in the spool and is picked up again at the next start).
+
+Waiting for `released` before writing the outcome keeps RQ's own success bookkeeping (status, result,
+registries) from landing after ours.
+
+Recovery: `recover()` (at start, before the first job) queues every complete render the spool still
+holds. Its job is updated as above; one already recorded as `uploaded` for the same key is only released.
+Uploads are idempotent: the key depends only on the job id and `Storage.put` skips an object that
+already holds the same sha256, so a crash between confirmation and the record costs one HEAD request.
+
+Bounds: `full()` is true while `max_pending_uploads` renders or `max_pending_bytes` bytes are pending
+(queued or in flight); the worker does not take another job meanwhile (back-pressure, see
+`worker.rqworker`). A render in progress can overshoot the byte bound by its own size.
+
+Stopping: `drain(timeout)` (warm stop) waits for the pending uploads; whatever is left, and everything on a
+cold stop, stays in the spool for the next start. `stop` (an Event shared with the service) cuts back-off
+sleeps short; an upload interrupted that way is not recorded as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .keys import FailureReason, JobState
+from .metrics import WorkerMetrics
+from .relay import EventRelay
+from .spool import Spool, SpoolEntry
+from .storage import StoredObject
+from .uploader import Uploader, UploadFailed
+
+__all__ = ["PendingUpload", "UploadPipeline"]
+
+log = logging.getLogger("worker.pipeline")
+
+_RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
+
+
+@dataclass
+class PendingUpload:
+    """One render waiting for (or in) upload, with what is needed to record the job's outcome."""
+
+    entry: SpoolEntry
+    job: Any | None  #: the RQ job; None when a recovered entry's job no longer exists in Redis
+    relay: EventRelay | None
+    retries: dict[str, int] = field(default_factory=dict)
+    attempt: int = 1
+    queue_wait_s: float | None = None
+    render_s: float = 0.0
+    t0: float = field(default_factory=time.time)  #: wall clock at the start of the job's execution
+    released: threading.Event = field(default_factory=threading.Event)
+    recovered: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def job_id(self) -> str:
+        return self.entry.job_id
+
+
+ResultFn = Callable[[PendingUpload, StoredObject, float, float], dict[str, Any]]
+
+
+class UploadPipeline:
+    """Queue + uploader threads + outcome recording; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        uploader: Uploader,
+        spool: Spool,
+        metrics: WorkerMetrics,
+        group: str,
+        worker_name: str,
+        threads: int,
+        max_pending: int,
+        max_pending_bytes: int,
+        events_maxlen: int,
+        retry_budget: int,
+        result_ttl: Callable[[Any], int],
+        failure_ttl: Callable[[Any], int],
+        make_result: ResultFn,
+        stop: threading.Event,
+        on_uploaded: Callable[[], None] | None = None,
+    ) -> None:
+        self.uploader = uploader
+        self.spool = spool
+        self.metrics = metrics
+        self.group = group
+        self.worker_name = worker_name
+        self.n_threads = threads
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.events_maxlen = events_maxlen
+        self.retry_budget = retry_budget
+        self.result_ttl = result_ttl
+        self.failure_ttl = failure_ttl
+        self.make_result = make_result
+        self.stop = stop
+        self.on_uploaded = on_uploaded
+        self._cond = threading.Condition()
+        self._queue: deque[PendingUpload] = deque()
+        self._pending: dict[str, PendingUpload] = {}  # queued or in flight, by job id
+        self._bytes = 0
+        self._active = 0
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        self.uploaded = 0
+        self.failed = 0
+        self.connection: Any = None
+
+    # ==== lifecycle ===================================================================================
+    def start(self, connection: Any) -> UploadPipeline:
+        """Start the uploader threads (idempotent). `connection`: Redis, for recovered jobs."""
+        self.connection = connection
+        with self._cond:
+            if self._threads:
+                return self
+            for i in range(self.n_threads):
+                t = threading.Thread(target=self._run, name=f"ltx-upload-{i}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        self._publish()
+        return self
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for every pending upload to end; then stop the threads. True if drained.
+
+        Whatever is still pending stays in the spool (its manifest intact) for the next start."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            if self._pending:
+                log.info("warm stop: waiting up to %.0fs for %d pending upload(s)", timeout, len(self._pending))
+            while self._pending and not self.stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.2))
+            drained = not self._pending
+            left_over = len(self._pending)
+            self._closing = True
+            self._cond.notify_all()
+        if not drained:
+            log.warning("%d upload(s) left in the spool for the next start", left_over)
+            self.stop.set()  # cut retries short; an interrupted upload is not recorded as failed
+        for t in self._threads:
+            t.join(timeout=5)
+        return drained
+
+    # ==== feeding =====================================================================================
+    def submit(self, item: PendingUpload) -> bool:
+        """Queue a committed render. False if this job is already pending (the first one wins)."""
+        with self._cond:
+            if item.job_id in self._pending:
+                return False
+            self._pending[item.job_id] = item
+            self._bytes += item.entry.size
+            self._queue.append(item)
+            self._cond.notify_all()
+        self._publish()
+        return True
+
+    def released(self, job_id: str) -> None:
+        """RQ finished its bookkeeping of the job function's return: the outcome may be recorded now."""
+        with self._cond:
+            item = self._pending.get(job_id)
+        if item is not None:
+            item.released.set()
+
+    def hold(self, job_id: str) -> bool:
+        """A new execution of a pending job (recovery queued it, then RQ handed the re-queued job to us):
+        delay recording its outcome until that execution's return is handled too (`released`)."""
+        with self._cond:
+            item = self._pending.get(job_id)
+        if item is None:
+            return False
+        item.released.clear()
+        return True
+
+    def recover(self) -> int:
+        """Queue every complete render left in the spool (a previous process died or stopped cold, or an
+        upload finally failed). Returns how many were queued."""
+        from rq.job import Job
+        from rq.serializers import JSONSerializer
+
+        queued = 0
+        for entry in self.spool.pending():
+            if self.is_pending(entry.job_id):
+                continue
+            job = None
+            try:
+                job = Job.fetch(entry.job_id, connection=self.connection, serializer=JSONSerializer)
+                if not isinstance(job.meta, dict):
+                    job.meta = {}
+            except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
+                log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
+                            entry.job_id, type(exc).__name__)  # fmt: skip
+                job = None
+            meta = job.meta if job is not None else {}
+            result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
+            if meta.get("state") == JobState.UPLOADED.value and result.get("key") == entry.key:
+                log.info("spool entry %s: job already recorded as uploaded; releasing the copy", entry.job_id)
+                self.spool.release(entry)
+                continue
+            relay = None
+            if job is not None:
+                relay = EventRelay(self.connection, job, maxlen=self.events_maxlen,
+                                   running_ttl=self.failure_ttl(job) + 3600)  # fmt: skip
+            item = PendingUpload(
+                entry=entry,
+                job=job,
+                relay=relay,
+                retries=dict(meta.get("retries") or {}),
+                attempt=int(meta.get("attempt") or 1),
+                render_s=float(entry.info.get("render_s") or 0.0),
+                t0=entry.created_at,
+                recovered=True,
+            )
+            item.released.set()
+            if self.submit(item):
+                queued += 1
+        if queued:
+            log.info("recovery: %d render(s) from the spool queued for upload", queued)
+        return queued
+
+    # ==== back-pressure ===============================================================================
+    def is_pending(self, job_id: str) -> bool:
+        with self._cond:
+            return job_id in self._pending
+
+    def full(self) -> bool:
+        with self._cond:
+            return self._full()
+
+    def _full(self) -> bool:
+        return len(self._pending) >= self.max_pending or self._bytes >= self.max_pending_bytes
+
+    def wait_for_room(self, timeout: float) -> bool:
+        """Block up to `timeout` s until the pipeline is below its bounds. True if there is room."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._full():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+            return True
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "pending": len(self._pending),
+                "pending_bytes": self._bytes,
+                "in_flight": self._active,
+                "full": self._full(),
+                "max_pending": self.max_pending,
+                "max_pending_bytes": self.max_pending_bytes,
+                "uploaded": self.uploaded,
+                "failed": self.failed,
+            }
+
+    # ==== uploader threads ============================================================================
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing and (not self._queue or self.stop.is_set()):
+                    return
+                item = self._queue.popleft()
+                self._active += 1
+            try:
+                self._process(item)
+            except Exception:
+                log.exception("upload of job %s: unexpected error; the video stays in the spool", item.job_id)
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    if self._pending.pop(item.job_id, None) is not None:
+                        self._bytes -= item.entry.size
+                    self._cond.notify_all()
+                self._publish()
+
+    def _process(self, item: PendingUpload) -> None:
+        if self.stop.is_set():
+            return  # stopping: leave it in the spool
+        try:
+            entry = self.spool.ensure_sha256(item.entry)
+        except OSError as exc:
+            log.error("job %s: spool file unreadable (%s); cannot upload it", item.job_id, exc)
+            return
+        item.entry = entry
+        relay = item.relay
+        emit = self._event_fn(relay)
+        if relay is not None:
+            extra = {"recovered": True} if item.recovered else {}
+            self._safe(relay.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
+                       worker=self.worker_name, **extra)  # fmt: skip
+        t_up = time.monotonic()
+        wait_s = t_up - item.submitted
+        try:
+            stored = self.uploader.upload(entry, on_event=emit, stop=self.stop, release=False)
+        except UploadFailed as exc:
+            self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
+            if self.stop.is_set():
+                log.warning("job %s: upload interrupted by shutdown; left in the spool", item.job_id)
+                return
+            item.released.wait(_RELEASE_WAIT_S)
+            self._record_failure(item, exc)
+            return
+        upload_s = time.monotonic() - t_up
+        self.metrics.upload_seconds.labels(self.group).observe(upload_s)
+        self.metrics.upload_bytes.labels(self.group).inc(stored.size)
+        item.released.wait(_RELEASE_WAIT_S)
+        self._record_success(item, stored, upload_s, wait_s)
+        self.spool.release(entry)  # only now: a crash before this line re-uploads (idempotently) at start
+
+    # ---- outcomes -------------------------------------------------------------------------------------
+    def _record_success(self, item: PendingUpload, stored: StoredObject, upload_s: float, wait_s: float) -> None:
+        self.uploaded += 1
+        job = item.job
+        if job is None or item.relay is None:
+            log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
+            return
+        result = self.make_result(item, stored, upload_s, wait_s)
+        ttl = self.result_ttl(job)
+        item.relay.state(JobState.UPLOADED, result=result, ttl=ttl)
+        _rq_record_success(job, result, ttl, self.worker_name, recovered=item.recovered)
+        self.metrics.job_outcome("uploaded")
+        if self.on_uploaded is not None:
+            self.on_uploaded()
+        log.info("job %s uploaded (%.2fs after %.2fs in the queue)", item.job_id, upload_s, wait_s)
+
+    def _record_failure(self, item: PendingUpload, exc: UploadFailed) -> None:
+        self.failed += 1
+        job, relay = item.job, item.relay
+        reason = FailureReason.UPLOAD_FAILED
+        used = item.retries.get(reason.value, 0)
+        retry = self.retry_budget > used and exc.retryable
+        error = {"reason": reason.value, "message": str(exc), "retryable": bool(exc.retryable),
+                 "spool_path": str(exc.entry.path), "attempts": exc.attempts}  # fmt: skip
+        if job is None or relay is None:
+            log.error("recovered render %s: %s", item.job_id, exc)
+            return
+        if retry:
+            item.retries[reason.value] = used + 1
+            relay.update_summary(retries=item.retries)
+            relay.state(JobState.RETRYING, error=error, retry=used + 1, of=self.retry_budget)
+            self.metrics.job_outcome("retrying", reason.value)
+            _rq_requeue(job)
+            log.warning("job %s: %s; re-queued (retry %d of %d)", job.id, exc, used + 1, self.retry_budget)
+        else:
+            ttl = self.failure_ttl(job)
+            relay.state(JobState.FAILED, error=error, ttl=ttl)
+            self.metrics.job_outcome("failed", reason.value)
+            _rq_record_failure(job, f"JobFailed: {reason.value}: {exc}", ttl, self.worker_name)
+            log.error("job %s failed: %s", job.id, exc)
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    def _event_fn(self, relay: EventRelay | None) -> Callable[[dict[str, Any]], None]:
+        def emit(event: dict[str, Any]) -> None:
+            if "error" in event:
+                self.metrics.upload_retries.labels(self.group).inc()
+            if relay is not None:
+                self._safe(relay.emit, event)
+
+        return emit
+
+    @staticmethod
+    def _safe(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            log.warning("could not write a job event", exc_info=True)
+
+    def _publish(self) -> None:
+        snap = self.snapshot()
+        self.metrics.upload_pending.labels(self.group).set(snap["pending"])
+        self.metrics.upload_pending_bytes.labels(self.group).set(snap["pending_bytes"])
+        try:
+            entries, size = self.spool.usage()
+        except OSError:
+            return
+        self.metrics.spool_entries.labels(self.group).set(entries)
+        self.metrics.spool_bytes.labels(self.group).set(size)
+
+
+# ==== RQ bookkeeping after the job function returned =====================================================
+
+
+def _registries(job: Any) -> tuple[Any, Any, Any]:
+    from rq import Queue
+    from rq.registry import FailedJobRegistry, FinishedJobRegistry
+
+    kw = {"connection": job.connection, "serializer": job.serializer}
+    return (Queue(job.origin, **kw), FinishedJobRegistry(job.origin, **kw), FailedJobRegistry(job.origin, **kw))
+
+
+def _rq_record_success(job: Any, result: dict[str, Any], ttl: int, worker_name: str, *, recovered: bool) -> None:
+    """Append the full result to the job's RQ results (so `latest_result()` / `return_value()` give it);
+    a recovered job whose RQ status is not `finished` (failed, or waiting for a retry) is moved there."""
+    from rq.job import JobStatus
+    from rq.results import Result
+
+    if not job.connection.exists(job.key):
+        log.info("job %s expired before its upload ended; result not recorded in RQ", job.id)
+        return
+    status = job.get_status(refresh=True)
+    with job.connection.pipeline() as pipe:
+        Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name, pipeline=pipe)
+        if recovered and status not in (JobStatus.FINISHED, JobStatus.STARTED):
+            queue, finished, failed = _registries(job)
+            pipe.lrem(queue.key, 0, job.id)
+            failed.remove(job, pipeline=pipe)
+            finished.add(job, ttl, pipeline=pipe)
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+        if ttl > 0:
+            pipe.expire(job.key, ttl)
+        pipe.execute()
+
+
+def _rq_requeue(job: Any) -> None:
+    """Put a job RQ saw finish (it returned at `rendered`) back on its queue for another attempt."""
+    queue, finished, failed = _registries(job)
+    with job.connection.pipeline() as pipe:
+        finished.remove(job, pipeline=pipe)
+        failed.remove(job, pipeline=pipe)
+        pipe.persist(job.key)
+        pipe.execute()
+    job.retries_left = 0
+    queue.enqueue_job(job)
+
+
+def _rq_record_failure(job: Any, message: str, ttl: int, worker_name: str) -> None:
+    """Mark a job RQ saw finish as failed (status, failed registry, a failure result)."""
+    from rq.job import JobStatus
+    from rq.results import Result
+
+    _, finished, failed = _registries(job)
+    with job.connection.pipeline() as pipe:
+        finished.remove(job, pipeline=pipe)
+        job.set_status(JobStatus.FAILED, pipeline=pipe)
+        job.retries_left = 0
+        pipe.hset(job.key, "retries_left", 0)
+        failed.add(job, ttl=ttl, exc_string=message, pipeline=pipe)
+        Result.create_failure(job, ttl, exc_string=message, worker_name=worker_name, pipeline=pipe)
+        pipe.expire(job.key, ttl)
+        pipe.execute()
