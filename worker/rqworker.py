@@ -20,6 +20,10 @@ Why each override exists (measured behaviours, shared/reference/ecosystem.md §1
   re-queued per `retry_worker_shutdown`.
 - Before every dequeue the fleet is rebuilt if it is poisoned, so a job is never taken by a worker
   without a live fleet; `FleetUnrecoverable` ends the worker with a non-zero exit code.
+- Back-pressure: before every dequeue the worker waits while the background uploader (`worker.pipeline`)
+  is at its bound of pending uploads; after every job it tells the service that RQ's bookkeeping of the
+  return is done (`job_returned`), so the uploader's `uploaded` record always lands after RQ's own.
+  `teardown()` drains pending uploads on a warm stop (bounded), never on a cold one.
 - Abandoned jobs found by RQ's registry cleanup get a terminal (or retrying) `worker_lost` state event,
   so a client watching the stream learns the outcome even though the worker that ran it is gone.
 """
@@ -72,6 +76,7 @@ class FleetWorker(SimpleWorker):
         self._cold = False
         self._rebuilding = False  # True while _ensure_fleet runs in the main thread
         self._stop_pending = False  # a warm stop arrived during a rebuild
+        self._backpressure = False  # True while waiting for upload room before a dequeue
         self.last_loop_beat = time.monotonic()
         self.push_exc_handler(self._abandoned_job_handler)
 
@@ -108,6 +113,8 @@ class FleetWorker(SimpleWorker):
             "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids,
                       "builds": fleet.builds, "rebuilds": fleet.rebuilds, "last_failure": fleet.last_failure},
             "current_job": cur.job_id if cur else None,
+            "uploads": {**self.service.pipeline.snapshot(), "backpressure": self._backpressure,
+                        "background": self.settings.upload_pipeline},
             "jobs_done": self.service.jobs_done,
             "metrics_port": getattr(self, "metrics_port", None),
             "pid": self.pid,
@@ -162,8 +169,10 @@ class FleetWorker(SimpleWorker):
                 self.perform_job(job, queue)
         finally:
             self._stop_beats()
+            self.service.job_returned(job.id)  # RQ's success bookkeeping is done: uploads may record now
             self.service.metrics.busy.labels(self.service.group).set(0)
-            self.service.update_spool_metrics()
+            if not self.settings.upload_pipeline:
+                self.service.update_spool_metrics()  # (the pipeline publishes these from its own thread)
         self.set_state("idle")
         if not self._stop_requested and not self._cold:
             self._ensure_fleet()  # rebuild right away so the next job finds a warm fleet
@@ -183,6 +192,7 @@ class FleetWorker(SimpleWorker):
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
         self._ensure_fleet()
+        self._wait_for_upload_room()
         while True:
             try:
                 return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
@@ -193,6 +203,32 @@ class FleetWorker(SimpleWorker):
                 if job_id is None:
                     raise
                 fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc, self.settings.failure_ttl)
+
+    def _wait_for_upload_room(self) -> None:
+        """Back-pressure: while the background uploader holds `max_pending_uploads` renders (or
+        `max_pending_bytes`), take no job. The worker stays registered (heartbeats), idle (a warm stop
+        interrupts the wait like an idle dequeue) and says so in metrics, health and the log."""
+        pipeline = self.service.pipeline
+        if not pipeline.full():
+            return
+        metrics, group = self.service.metrics, self.service.group
+        self._backpressure = True
+        metrics.backpressure.labels(group).set(1)
+        t0 = last = time.monotonic()
+        log.warning("back-pressure: %s; waiting for uploads before taking another job", pipeline.snapshot())
+        self.write_health()
+        try:
+            beat = max(1.0, min(10.0, self.settings.worker_ttl / 4))
+            while not pipeline.wait_for_room(beat):
+                now = time.monotonic()
+                metrics.backpressure_seconds.labels(group).inc(now - last)
+                last = now
+                self.heartbeat()  # keeps the registration and the health key fresh
+        finally:
+            metrics.backpressure_seconds.labels(group).inc(time.monotonic() - last)
+            metrics.backpressure.labels(group).set(0)
+            self._backpressure = False
+        log.info("back-pressure released after %.2fs", time.monotonic() - t0)
 
     def _ensure_fleet(self) -> None:
         service = self.service
@@ -298,6 +334,9 @@ class FleetWorker(SimpleWorker):
             self.service.fleet.shutdown(0 if self._cold else None)
             log.info("fleet stopped in %.2fs", time.monotonic() - t0)
             self.service.metrics.set_fleet_state("stopped", alive=False)
+            # Warm stop: let pending uploads finish (bounded); cold: leave them in the spool for the next start.
+            drain_s = 0.0 if self._cold else self.settings.upload_drain_timeout_s
+            self.service.pipeline.drain(drain_s)
             try:
                 self.connection.delete(worker_health_key(self.name))
             except Exception:
