@@ -8,6 +8,11 @@ disappear together with the job (an EXPIRE survives later XADDs).
 The meta summary (see `worker.keys.SUMMARY_FIELDS`) is written into the *same* dict RQ holds for the job,
 so RQ's own later `job.save()` (e.g. on a re-queue) writes our latest summary rather than a stale copy.
 Thread-safe: upload progress arrives from transfer threads while the main thread may emit too.
+
+Redis may restart under a running job (found by the chaos suite: one failed XADD during a restart turned a
+healthy render into a terminal `internal` failure). Writes are therefore retried on connection errors for
+up to `REDIS_OUTAGE_S` with a short back-off; with AOF nothing acknowledged is lost, and an event whose
+reply was lost in the outage may appear twice in the stream (at-least-once), never zero times.
 """
 
 from __future__ import annotations
@@ -15,11 +20,32 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, EventType, JobState, events_key
 
-__all__ = ["EventRelay"]
+__all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
+
+REDIS_OUTAGE_S = 30.0  #: how long relay writes keep retrying while Redis is unreachable
+
+
+def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S) -> Any:
+    """Call `fn` (one Redis write), retrying connection errors with back-off for up to `outage_s` seconds."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    deadline = time.monotonic() + outage_s
+    delay = 0.05
+    while True:
+        try:
+            return fn()
+        except (RedisConnectionError, RedisTimeoutError):
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
 
 _KNOWN_TYPES = {t.value for t in EventType}
 
@@ -69,26 +95,30 @@ class EventRelay:
                 data["percent"], data["eta_s"] = changes["percent"], changes["eta_s"]
             elif etype == EventType.STAGE.value:
                 changes.update(stage=data.get("stage"), step=None, total=None, percent=None, eta_s=None)
-            pipe = self.connection.pipeline(transaction=False)
-            pipe.xadd(
-                self.key,
-                {EVENT_FIELD_TYPE: etype, EVENT_FIELD_DATA: json.dumps(data, default=str)},
-                maxlen=self.maxlen,
-                approximate=True,
-            )
-            if ttl is not None:
-                pipe.expire(self.key, max(1, int(ttl)))
-                self._expiry_set = True
-            elif not self._expiry_set:
-                pipe.expire(self.key, self.running_ttl)
-                self._expiry_set = True
-            if changes:
-                changes["updated_at"] = data["ts"]
-                self.meta.update(changes)
-                pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.meta))
-            entry_id = pipe.execute()[0]
+            entry_id = with_redis_retry(lambda: self._write(data, etype, changes, ttl))
             self.entries += 1
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    def _write(self, data: dict[str, Any], etype: str, changes: dict[str, Any], ttl: int | None) -> Any:
+        """One pipeline: XADD, the stream's expiry, the summary. Safe to repeat after a connection error."""
+        pipe = self.connection.pipeline(transaction=False)
+        pipe.xadd(
+            self.key,
+            {EVENT_FIELD_TYPE: etype, EVENT_FIELD_DATA: json.dumps(data, default=str)},
+            maxlen=self.maxlen,
+            approximate=True,
+        )
+        if ttl is not None:
+            pipe.expire(self.key, max(1, int(ttl)))
+        elif not self._expiry_set:
+            pipe.expire(self.key, self.running_ttl)
+        if changes:
+            changes["updated_at"] = data["ts"]
+            self.meta.update(changes)
+            pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.meta))
+        entry_id = pipe.execute()[0]
+        self._expiry_set = True  # only once the pipeline went through (a retried write sets it again)
+        return entry_id
 
     def state(self, state: JobState, *, ttl: int | None = None, **extra: Any) -> str:
         """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`
@@ -106,7 +136,8 @@ class EventRelay:
         with self._lock:
             changes["updated_at"] = time.time()
             self.meta.update(changes)
-            self.connection.hset(self.job.key, "meta", self.job.serializer.dumps(self.meta))
+            payload = self.job.serializer.dumps(self.meta)
+            with_redis_retry(lambda: self.connection.hset(self.job.key, "meta", payload))
 
     # ---- internals -----------------------------------------------------------------------------------
     def _progress_summary(self, data: dict[str, Any]) -> dict[str, Any]:

@@ -89,3 +89,37 @@ def test_job_failing_before_the_service_runs_gets_a_terminal_state(one_worker: A
     wait_for(lambda: fetched.get_status(refresh=True) == JobStatus.FAILED, 60, "failed", on_fail=proc.log_tail)
     meta = wait_for(lambda: (m := fetched.get_meta(refresh=True)).get("state") == "failed" and m, 10, "state")
     assert meta["error"]["reason"] == "invalid_request"
+
+
+def test_relay_rides_out_a_redis_restart(redis_server_factory: Any) -> None:
+    """A Redis restart under a running job used to fail it as `internal` (one XADD hit the closed
+    connection). The relay now retries its writes through the outage; the events arrive, none lost."""
+    import threading
+    import time
+
+    from worker.keys import JobState
+    from worker.relay import EventRelay
+
+    server = redis_server_factory(appendonly=True)
+    conn = server.client()
+    job = Queue("q", connection=conn, serializer=JSONSerializer).enqueue(RENDER_FUNC, VALID)
+    relay = EventRelay(conn, job, maxlen=100, running_ttl=600)
+    relay.state(JobState.STARTED)
+
+    def restart() -> None:
+        server.kill()
+        time.sleep(1.0)
+        server.start()
+
+    t = threading.Thread(target=restart)
+    t.start()
+    time.sleep(0.2)  # Redis is down now
+    for step in range(1, 4):
+        relay.emit({"type": "progress", "stage": "denoise", "step": step, "total": 3})
+    relay.state(JobState.FAILED, error={"reason": "x"}, ttl=60)
+    t.join()
+    kinds = [f[b"type"] for _, f in conn.xrange(f"ltx:job:{job.id}:events")]
+    assert kinds.count(b"progress") >= 3 and kinds[0] == b"state" and kinds[-1] == b"state"
+    assert 0 < conn.ttl(f"ltx:job:{job.id}:events") <= 60
+    assert Job.fetch(job.id, connection=conn, serializer=JSONSerializer).get_meta()["state"] == "failed"
+    conn.close()
