@@ -1,0 +1,332 @@
+"""One chaos run: a seeded schedule of jobs, faults and hostile requests against a `ChaosStack`, then the
+invariant checker and a report.
+
+Faults (each counted once; "survived" = its target job ended as planned, or for service-wide faults, every
+job in flight across it did, and the service still rendered the final canary jobs):
+
+| kind               | how                                                                                |
+|--------------------|------------------------------------------------------------------------------------|
+| kill_rank          | runner: the last rank SIGKILLs itself mid-denoise (expect uploaded after a retry)  |
+| hang               | runner: the last rank hangs past the render timeout (expect uploaded after retry)  |
+| raise              | runner: RunnerError on the last rank only (expect failed, fleet survives)          |
+| kill_worker_render | SIGKILL of the worker process running a job, mid-render (expect uploaded)          |
+| kill_worker_upload | S3 blocked, SIGKILL of the worker while the job uploads, S3 back (expect uploaded) |
+| redis_restart      | Redis restarted (SIGTERM, or SIGKILL in the soak) with jobs queued and running     |
+| s3_outage          | S3 unreachable for a few seconds while jobs upload                                 |
+
+Hostile requests (see hostile.py) go first, while nothing else is in flight, so "no worker died and no
+fleet was rebuilt" can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+
+from producer.cli import cli as producer_cli
+from producer.client import ProducerClient
+from producer.settings import ProducerSettings
+from tests.chaos.hostile import BadInput, canary_paths, generate_bad_inputs, raw_job_hashes, to_text
+from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
+from tests.chaos.stack import ChaosStack
+from tests.test_worker_support import enqueue, pid_alive, wait_for
+from worker.schema import RenderRequest
+
+__all__ = ["FAULT_KINDS", "Report", "run_chaos"]
+
+FAULT_KINDS = ("kill_rank", "hang", "raise", "kill_worker_render", "kill_worker_upload", "redis_restart",
+               "s3_outage")  # fmt: skip
+TINY = {"width": 64, "height": 64, "num_frames": 9}
+
+
+@dataclass
+class Report:
+    seed: int
+    faults: int = 0
+    survived: int = 0
+    jobs: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    corrupt: int = 0
+    leaked: int = 0
+    bad_inputs: int = 0
+    rejected: int = 0
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return (f"faults {self.faults}, survived {self.survived}, jobs {self.jobs}, lost {self.lost}, "
+                f"duplicated {self.duplicated}, corrupt {self.corrupt}, leaked processes {self.leaked}, "
+                f"bad inputs {self.bad_inputs} rejected {self.rejected}")  # fmt: skip
+
+    @property
+    def ok(self) -> bool:
+        return (self.lost == self.duplicated == self.corrupt == self.leaked == 0 and self.survived == self.faults
+                and self.rejected == self.bad_inputs and not self.details.get("memory"))  # fmt: skip
+
+
+class _Run:
+    def __init__(self, stack: ChaosStack, rng: random.Random, log: Callable[[dict[str, Any]], None],
+                 hard_redis: bool) -> None:  # fmt: skip
+        self.stack = stack
+        self.rng = rng
+        self.log = log
+        self.hard_redis = hard_redis
+        self.accepted: list[Accepted] = []
+        self.fault_jobs: list[tuple[str, list[str]]] = []  # (kind, job ids that must end as planned)
+        settings = ProducerSettings(redis_url=stack.redis.url, queues=[stack.queue], max_queue_depth=0,
+                                    job_timeout=120, result_ttl=3600, failure_ttl=3600)  # fmt: skip
+        self.client = ProducerClient(settings)
+        self.n = 0
+
+    # ---- submitting ------------------------------------------------------------------------------------
+    def submit(self, kind: str = "normal", directives: str = "", *, steps: int = 1, expected: str = "uploaded",
+               reasons: tuple[str, ...] = ()) -> str:  # fmt: skip
+        self.n += 1
+        prompt = f"chaos job {self.n} {directives}".strip()
+        request = RenderRequest(prompt=prompt, seed=self.rng.randrange(2**31), steps=steps, **TINY)
+        job = _retry(lambda: self.client.submit(request))
+        self.accepted.append(Accepted(job.id, kind, expected, reasons))
+        return job.id
+
+    def normal(self, count: int) -> list[str]:
+        return [self.submit() for _ in range(count)]
+
+    # ---- faults ----------------------------------------------------------------------------------------
+    def fault(self, kind: str) -> None:
+        t0 = time.monotonic()
+        targets: list[str] = []
+        if kind == "kill_rank":
+            targets = [self.submit(kind, f"fault=kill_rank at={self.rng.randint(1, 2)}", steps=2)]
+        elif kind == "hang":
+            targets = [self.submit(kind, "fault=hang at=1", steps=2)]
+        elif kind == "raise":
+            targets = [self.submit(kind, "fault=raise at=1", steps=2, expected="failed",
+                                   reasons=("asymmetric_runner_error", "runner_error"))]  # fmt: skip
+        elif kind == "kill_worker_render":
+            jid = self.submit(kind, "hold_s=0.5", steps=8)
+            targets = [jid]
+            self._kill_worker_of(jid, {"rendering"})
+        elif kind == "kill_worker_upload":
+            self.stack.proxy.block()
+            try:
+                jid = self.submit(kind)
+                targets = [jid]
+                self._kill_worker_of(jid, {"uploading", "rendered"})
+                time.sleep(1.0)
+            finally:
+                self.stack.proxy.unblock()
+        elif kind == "redis_restart":
+            targets = self.normal(3)
+            time.sleep(self.rng.uniform(0.0, 1.0))
+            waiting = [j for j in targets if job_state(self.stack.conn, j) not in TERMINAL]
+            if self.hard_redis and self.rng.random() < 0.5:
+                self.stack.redis.kill()
+                self.stack.redis.start()
+                how = "SIGKILL"
+            else:
+                self.stack.redis.restart()
+                how = "SIGTERM"
+            missing = [j for j in waiting if not self.stack.conn.exists(f"rq:job:{j}")]
+            self.log({"event": "redis_restart", "how": how, "in_flight": len(waiting), "missing_after": missing})
+            assert not missing, f"jobs lost by a Redis restart (AOF): {missing}"
+        elif kind == "s3_outage":
+            self.stack.proxy.block()
+            try:
+                targets = self.normal(2)
+                time.sleep(self.rng.uniform(2.0, 4.0))
+            finally:
+                self.stack.proxy.unblock()
+        else:
+            raise ValueError(kind)
+        self.fault_jobs.append((kind, targets))
+        self.log({"event": "fault", "kind": kind, "jobs": targets, "s": round(time.monotonic() - t0, 2)})
+
+    def _kill_worker_of(self, job_id: str, states: set[str]) -> None:
+        conn = self.stack.conn
+        wait_for(lambda: job_state(conn, job_id) in states, 90, f"{job_id} in {states}", poll=0.02,
+                 on_fail=self.stack.log_tail)  # fmt: skip
+        meta = json.loads(conn.hget(f"rq:job:{job_id}", "meta"))
+        victim = next(h for h in self.stack.live_workers() if h["worker"] == meta["worker"])
+        self.stack.pids_seen.setdefault(int(victim["pid"]), "worker")
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        self.log({"event": "sigkill_worker", "pid": victim["pid"], "job": job_id, "state": job_state(conn, job_id)})
+
+    # ---- hostile input ---------------------------------------------------------------------------------
+    def hostile(self, count: int, rng_seed: int) -> list[BadInput]:
+        stack, conn = self.stack, self.stack.conn
+        before = {h["pid"]: sorted(h["fleet"]["pids"]) for h in stack.wait_ready(120)}
+        payloads = generate_bad_inputs(rng_seed, count)
+        doors = ["cli", "enqueue"]
+        inputs = [BadInput(doors[i % 2], p, repr(p)[:60]) for i, p in enumerate(payloads)]
+        canary_dir = stack.workdir / "canary"
+        canary_dir.mkdir(exist_ok=True)
+        inputs += [BadInput("raw", fields, label, job_id=jid) for label, jid, fields in
+                   raw_job_hashes(stack.queue, canary_dir)]  # fmt: skip
+        runner = CliRunner()
+        env = {"LTX_REDIS_URL": stack.redis.url, "LTX_QUEUES": stack.queue, "LTX_MAX_QUEUE_DEPTH": "0"}
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, bad in enumerate(inputs):
+                if bad.door == "cli":
+                    path = Path(tmp) / f"req{i}.json"
+                    path.write_text(to_text(bad.payload))
+                    queued_before = conn.llen(f"rq:queue:{stack.queue}")
+                    res = runner.invoke(producer_cli, ["submit", str(path)], env=env, catch_exceptions=True)
+                    bad.rejected = (
+                        res.exit_code not in (0, None) and conn.llen(f"rq:queue:{stack.queue}") == queued_before
+                    )
+                    bad.detail = f"exit {res.exit_code}"
+                elif bad.door == "enqueue":
+                    payload = json.loads(to_text(bad.payload)) if not hasattr(bad.payload, "depth") else bad.payload
+                    if hasattr(payload, "depth"):
+                        # too deep for json.dumps: written as a raw job hash of the render function instead
+                        bad.door, bad.job_id = "raw", f"hostile-deep-{i}"
+                        _raw_render(conn, stack.queue, bad.job_id, payload.text())
+                    else:
+                        bad.job_id = enqueue(conn, stack.queue, payload, job_timeout=60).id
+                else:
+                    conn.hset(f"rq:job:{bad.job_id}", mapping=bad.payload)
+                    conn.rpush(f"rq:queue:{stack.queue}", bad.job_id)
+                    conn.sadd("rq:queues", f"rq:queue:{stack.queue}")
+        # a valid job behind them proves the workers still render, then judge each bad input
+        probe = self.submit("hostile_probe")
+        wait_for(lambda: job_state(conn, probe) in TERMINAL, 120, "probe after hostile input", poll=0.1,
+                 on_fail=stack.log_tail)  # fmt: skip
+        for bad in inputs:
+            if bad.door == "cli":
+                continue
+            status = (conn.hget(f"rq:job:{bad.job_id}", "status") or b"").decode()
+            in_queue = conn.lpos(f"rq:queue:{stack.queue}", bad.job_id) is not None
+            if bad.door == "enqueue":
+                meta_state = job_state(conn, bad.job_id)
+                raw_meta = conn.hget(f"rq:job:{bad.job_id}", "meta")
+                reason = (json.loads(raw_meta).get("error") or {}).get("reason") if raw_meta else None
+                bad.rejected = status == "failed" and meta_state == "failed" and reason == "invalid_request"
+                bad.detail = f"RQ {status}, state {meta_state}, reason {reason}"
+            else:
+                has_data = "data" in bad.payload if isinstance(bad.payload, dict) else True
+                bad.rejected = not in_queue and (status == "failed" or not has_data)
+                bad.detail = f"RQ {status or 'none'}"
+        canaries = canary_paths(canary_dir)
+        after = {h["pid"]: sorted(h["fleet"]["pids"]) for h in stack.wait_ready(60)}
+        if canaries or after != before:
+            for bad in inputs:
+                if bad.door == "raw":
+                    bad.rejected = False
+            self.log({"event": "hostile_damage", "canaries": [str(c) for c in canaries], "before": before,
+                      "after": after})  # fmt: skip
+        self.log({"event": "hostile", "inputs": len(inputs), "rejected": sum(bool(b.rejected) for b in inputs),
+                  "not_rejected": [(b.door, b.label, b.detail) for b in inputs if not b.rejected]})  # fmt: skip
+        return inputs
+
+
+def _raw_render(conn: Any, queue: str, job_id: str, request_text: str) -> None:
+    import zlib
+
+    data = zlib.compress(('["worker.job.render", null, [' + request_text + "], {}]").encode())
+    stamp = "2025-01-01T00:00:00.000000Z"
+    conn.hset(f"rq:job:{job_id}", mapping={"data": data, "origin": queue, "status": "queued", "created_at": stamp,
+                                           "enqueued_at": stamp, "timeout": 60, "description": "deep"})  # fmt: skip
+    conn.rpush(f"rq:queue:{queue}", job_id)
+    conn.sadd("rq:queues", f"rq:queue:{queue}")
+
+
+def _retry(fn: Callable[[], Any], attempts: int = 50) -> Any:
+    """Submits ride out a Redis restart (the producer raises ServiceUnavailable meanwhile)."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception:
+            if i == attempts - 1:
+                raise
+            time.sleep(0.2)
+    return None
+
+
+def run_chaos(workdir: Path, *, seed: int, jobs: int, faults: int, bad_inputs: int, s3: Any = None,
+              hard_redis: bool = False, settle_timeout: float = 240.0,
+              log: Callable[[dict[str, Any]], None] = lambda _: None) -> tuple[Report, Verdict]:  # fmt: skip
+    """Run one seeded chaos schedule; return the report and the checker's verdict (never raises on a
+    violated invariant: the caller decides)."""
+    t0 = time.monotonic()
+    rng = random.Random(seed)
+    stack = ChaosStack(Path(workdir) / f"seed{seed}", s3=s3)
+    report = Report(seed)
+    verdict = Verdict()
+    try:
+        stack.start()
+        conn = stack.conn
+        baseline_memory, baseline_keys = int(conn.info("memory")["used_memory"]), int(conn.dbsize())
+        run = _Run(stack, rng, log, hard_redis)
+        inputs = run.hostile(bad_inputs, seed)
+        kinds = [FAULT_KINDS[i % len(FAULT_KINDS)] for i in range(faults)]
+        rng.shuffle(kinds)
+        fault_jobs = sum(1 if k not in ("redis_restart", "s3_outage") else 3 for k in kinds)
+        normal_total = max(0, jobs - fault_jobs - 3)  # 3 = hostile probe + 2 final canaries
+        for i, kind in enumerate(kinds):
+            share = normal_total // max(1, faults) + (1 if i < normal_total % max(1, faults) else 0)
+            run.normal(share)
+            run.fault(kind)
+            time.sleep(rng.uniform(0.0, 0.5))
+        pending = [a.job_id for a in run.accepted]
+
+        def settled() -> bool:
+            return all(job_state(conn, j) in TERMINAL for j in pending)
+
+        with contextlib.suppress(AssertionError):
+            wait_for(settled, settle_timeout, "every job terminal", poll=0.2)
+        canaries = run.normal(2)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: all(job_state(conn, j) in TERMINAL for j in canaries), 120, "canaries", poll=0.1)
+        # give in-flight background work (uploads, registry cleanup) a moment, then stop everything
+        rc = stack.stop()
+        log({"event": "stopped", "rc": rc})
+        report.leaked = len(leaked := stack.leaked(grace=20))
+        stack.kill_leftovers(leaked)
+        verdict = check(conn, stack.s3.client(), stack.exec_log_dir, run.accepted, baseline_memory=baseline_memory,
+                        baseline_keys=baseline_keys)  # fmt: skip
+        verdict.leaked = leaked
+        run.client.close()
+        survived = 0
+        canaries_ok = all(verdict.outcomes.get(c) == "uploaded" for c in canaries)
+        bad_ids = {
+            line.split(" ")[0] for line in verdict.unexpected + verdict.lost + verdict.duplicated + verdict.corrupt
+        }
+        for _, targets in run.fault_jobs:
+            if canaries_ok and not any(t in bad_ids for t in targets):
+                survived += 1
+        report.faults = len(run.fault_jobs)
+        report.survived = survived
+        report.jobs = len(run.accepted)
+        report.lost, report.duplicated, report.corrupt = (
+            len(verdict.lost),
+            len(verdict.duplicated),
+            len(verdict.corrupt),
+        )
+        report.bad_inputs = len(inputs)
+        report.rejected = sum(bool(b.rejected) for b in inputs)
+        report.details = {"lost": verdict.lost, "duplicated": verdict.duplicated, "corrupt": verdict.corrupt,
+                          "unexpected": verdict.unexpected, "memory": verdict.memory, "leaked": leaked,
+                          "supervisor_rc": rc, "stats": verdict.stats,
+                          "not_rejected": [(b.door, b.label, b.detail) for b in inputs if not b.rejected]}  # fmt: skip
+    finally:
+        report.seconds = round(time.monotonic() - t0, 1)
+        if report.details.get("lost") or report.details.get("unexpected") or not report.details:
+            report.details["log_tail"] = stack.log_tail(4000)
+        stack.cleanup()
+    return report, verdict
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if pid_alive(p)]
