@@ -50,6 +50,8 @@ SETTINGS_FILE_ENV = "LTX_SETTINGS_FILE"
 BUILTIN_RUNNERS: dict[str, str] = {
     "smoke": "ltx_mgpu.runners.smoke:SmokeRunner",
     "noop": "worker.noop:NoopRunner",
+    "ltx2-distilled": "ltx_mgpu.runners.ltx2.runners:Ltx2DistilledRunner",
+    "ltx2-two-stage": "ltx_mgpu.runners.ltx2.runners:Ltx2TwoStageRunner",
 }
 
 _GROUP_CPU = re.compile(r"^cpu(?::(\d+))?$")
