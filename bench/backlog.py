@@ -182,6 +182,7 @@ def main() -> None:
                 port = json.loads(conn.get(health))["metrics_port"] if health else None
                 bp_s = None
                 if port:
+                    bp_s = 0.0  # the counter has no sample until the worker first waited
                     import urllib.request
 
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:

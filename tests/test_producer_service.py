@@ -355,7 +355,8 @@ def test_backfill_rides_out_a_redis_outage(stack: Stack, tmp_path: Path, tcp_pro
     proxy = tcp_proxy_factory(stack.redis.port)
     env = {**stack.env, "LTX_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0"}
     prompts = tmp_path / "prompts.jsonl"
-    write_requests(prompts, [{"prompt": f"outage {i}", "seed": 300 + i, **TINY, "steps": 3} for i in range(4)])
+    # 12 steps: with the background uploader 4 jobs of 3 steps ended before the cut at 1 s (nothing to ride out)
+    write_requests(prompts, [{"prompt": f"outage {i}", "seed": 300 + i, **TINY, "steps": 12} for i in range(4)])
     manifest = tmp_path / "m.jsonl"
 
     def cut() -> None:

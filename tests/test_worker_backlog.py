@@ -93,6 +93,7 @@ def _check_uploaded(job: Any, s3_server: Any, seed: int, size: int) -> dict[str,
     body = s3_server.client().get_object(Bucket=result["bucket"], Key=result["key"])["Body"].read()
     assert hashlib.sha256(body).hexdigest() == sha
     assert job.latest_result().return_value == result  # plain RQ sees the full result once uploaded
+    assert [r.return_value.get("state") for r in job.results() if r.type.name == "SUCCESSFUL"][:1] == ["uploaded"]
     assert job.get_status(refresh=True) == JobStatus.FINISHED
     return result
 

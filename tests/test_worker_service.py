@@ -324,8 +324,8 @@ def test_heartbeats_keep_long_job_from_being_abandoned(fleet, tmp_path):
     assert job.id in registry.get_job_ids(cleanup=False)
     assert wait_state(job, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded"
     assert [r["event"] for r in read_records(record)] == ["start", "end"]
-    # one execution: RQ's hand-off result at `rendered`, then the pipeline's full result at `uploaded`
-    assert [r.return_value["state"] for r in reversed(job.results())] == ["rendered", "uploaded"]
+    # one execution, one result: the pipeline's full result replaced RQ's hand-off value at `uploaded`
+    assert [r.return_value["state"] for r in job.results()] == ["uploaded"]
     assert job.get_meta(refresh=True)["attempt"] == 1
 
 

@@ -13,8 +13,8 @@ Who writes what, in order, for one job (the RQ job id is the key everywhere):
 2. an uploader thread: sha256 of the file (off the critical path; recorded in the manifest), `uploading`,
    `Uploader.upload(release=False)` with its retries, back-off and read-back confirmation;
 3. after `released`: the outcome. Success: `uploaded` (meta `result`, a terminal state event with the
-   result TTL on the stream) and a second RQ `Result` holding the full result, then the spool copy is
-   deleted. Final failure: `retrying` (the job is re-queued in RQ; the re-run finds the manifest and
+   result TTL on the stream) and the full result replaces the hand-off as the RQ `Result`, then the spool
+   copy is deleted. Final failure: `retrying` (the job is re-queued in RQ; the re-run finds the manifest and
    uploads without rendering) or `failed` with `upload_failed` (RQ status and failed registry set; the
    video stays in the spool and is picked up again at the next start).
 
@@ -419,8 +419,9 @@ def _registries(job: Any) -> tuple[Any, Any, Any]:
 
 
 def _rq_record_success(job: Any, result: dict[str, Any], ttl: int, worker_name: str, *, recovered: bool) -> None:
-    """Append the full result to the job's RQ results (so `latest_result()` / `return_value()` give it);
-    a recovered job whose RQ status is not `finished` (failed, or waiting for a retry) is moved there."""
+    """Record the full result as the job's RQ result, in place of the hand-off value (so `latest_result()`,
+    `return_value()` and `results()` look as if the job had returned it); a recovered job whose RQ status
+    is not `finished` (failed, or waiting for a retry) is moved there."""
     from rq.job import JobStatus
     from rq.results import Result
 
@@ -429,6 +430,7 @@ def _rq_record_success(job: Any, result: dict[str, Any], ttl: int, worker_name: 
         return
     status = job.get_status(refresh=True)
     with job.connection.pipeline() as pipe:
+        _drop_handoff(job, pipe)
         Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name, pipeline=pipe)
         if recovered and status not in (JobStatus.FINISHED, JobStatus.STARTED):
             queue, finished, failed = _registries(job)
@@ -441,10 +443,21 @@ def _rq_record_success(job: Any, result: dict[str, Any], ttl: int, worker_name: 
         pipe.execute()
 
 
+def _drop_handoff(job: Any, pipe: Any) -> None:
+    """Delete the hand-off value RQ stored as this execution's result: it stood in while the upload ran
+    and is replaced by the real outcome (one result per execution, as without the pipeline)."""
+    from rq.results import Result
+
+    latest = job.latest_result()
+    if latest is not None and isinstance(latest.return_value, dict) and latest.return_value.get("upload"):
+        pipe.xdel(Result.get_key(job.id), latest.id)
+
+
 def _rq_requeue(job: Any) -> None:
     """Put a job RQ saw finish (it returned at `rendered`) back on its queue for another attempt."""
     queue, finished, failed = _registries(job)
     with job.connection.pipeline() as pipe:
+        _drop_handoff(job, pipe)
         finished.remove(job, pipeline=pipe)
         failed.remove(job, pipeline=pipe)
         pipe.persist(job.key)
@@ -460,6 +473,7 @@ def _rq_record_failure(job: Any, message: str, ttl: int, worker_name: str) -> No
 
     _, finished, failed = _registries(job)
     with job.connection.pipeline() as pipe:
+        _drop_handoff(job, pipe)
         finished.remove(job, pipeline=pipe)
         job.set_status(JobStatus.FAILED, pipeline=pipe)
         job.retries_left = 0

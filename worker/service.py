@@ -433,7 +433,7 @@ class RenderService:
     def _handoff(self, job: Any, entry: SpoolEntry, render_s: float) -> dict[str, Any]:
         """The job function's return value with the pipeline on: what RQ stores when it marks the job
         `finished`. Deliberately without `sha256`/`url`: it must not look like an upload result (the
-        pipeline appends the full result as a second RQ result once the object is confirmed)."""
+        pipeline replaces it with the full result once the object is confirmed)."""
         return {
             "job_id": job.id,
             "state": JobState.RENDERED.value,
