@@ -16,7 +16,9 @@ Prints one JSON line per mode and a summary line with the wall-time ratio (off /
 Target: idle gap p50 < 50 ms with the pipeline on.
 
 Usage: .venv/bin/python bench/backlog.py [--jobs 50] [--pad-mb 50] [--s3-mbps 100] [--latency-ms 20]
-                                         [--group cpu:1] [--steps 2] [--modes on,off]
+                                         [--group cpu:1] [--size 128] [--frames 17] [--steps 16]
+                                         [--modes on,off]
+(defaults: a ~0.5-0.8 s smoke render per job on this 2-core VM, so 100 MB/s of bandwidth can keep up)
 """
 
 from __future__ import annotations
@@ -92,9 +94,9 @@ def main() -> None:
     ap.add_argument("--s3-mbps", type=float, default=100.0, help="upload bandwidth to S3, MB/s (0: unthrottled)")
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--group", default="cpu:1")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--size", type=int, default=64, help="width = height of the smoke render")
-    ap.add_argument("--frames", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--size", type=int, default=128, help="width = height of the smoke render")
+    ap.add_argument("--frames", type=int, default=17)
     ap.add_argument("--modes", default="on,off")
     ap.add_argument("--max-pending", type=int, default=8)
     args = ap.parse_args()
