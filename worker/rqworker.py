@@ -53,6 +53,7 @@ __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
 log = logging.getLogger("worker.rq")
 
 EXIT_FLEET_UNRECOVERABLE = 3
+_STUCK_IN_INTERMEDIATE = "Job was stuck in intermediate queue"  # RQ's exc_string for it
 
 
 class FleetWorker(SimpleWorker):
@@ -341,6 +342,41 @@ class FleetWorker(SimpleWorker):
                 self.connection.delete(worker_health_key(self.name))
             except Exception:
                 pass
+
+    # ==== jobs dequeued but never started (their worker died in between) ===========================
+    def handle_job_failure(self, job: Any, queue: Any, started_job_registry: Any = None, exc_string: str = "") -> Any:
+        if exc_string.startswith(_STUCK_IN_INTERMEDIATE):
+            self._record_stuck_job(job)
+        return super().handle_job_failure(job, queue, started_job_registry, exc_string)
+
+    def _record_stuck_job(self, job: Any) -> None:
+        """RQ's intermediate-queue cleanup fails a job whose worker died after dequeuing it and before
+        starting it, without our retry budget or a state event (found by the chaos suite: a retried job
+        stayed `retrying` forever while RQ said failed). Treat it as `worker_lost`: re-queue while that
+        budget lasts (RQ retries when `retries_left` > 0), and record the outcome for watchers."""
+        try:
+            meta = job.meta if isinstance(job.meta, dict) else {}
+            job.meta = meta
+            retries = dict(meta.get("retries") or {})
+            key = FailureReason.WORKER_LOST.value
+            retrying = retries.get(key, 0) < self.settings.retry_worker_lost
+            error = {"reason": key, "message": "the worker that dequeued this job vanished before starting it",
+                     "retryable": retrying}  # fmt: skip
+            relay = EventRelay(self.connection, job, maxlen=self.settings.events_maxlen, running_ttl=3600)
+            if retrying:
+                retries[key] = retries.get(key, 0) + 1
+                meta["retries"] = retries
+                job.retries_left = 1
+                job.retry_intervals = None
+                relay.state(JobState.RETRYING, error=error)
+            else:
+                job.retries_left = 0
+                relay.state(JobState.FAILED, error=error, ttl=int(job.failure_ttl or self.settings.failure_ttl))
+            log.warning("job %s was dequeued but never started: %s", job.id, "re-queued" if retrying else "failed")
+        except StopRequested:
+            raise
+        except Exception:
+            log.warning("could not record stuck job %s", getattr(job, "id", "?"), exc_info=True)
 
     # ==== abandoned jobs (found by registry cleanup, possibly for another worker's job) ===============
     def _abandoned_job_handler(self, job: Any, exc_type: Any, exc_value: Any, tb: Any) -> bool:

@@ -123,3 +123,24 @@ def test_relay_rides_out_a_redis_restart(redis_server_factory: Any) -> None:
     assert 0 < conn.ttl(f"ltx:job:{job.id}:events") <= 60
     assert Job.fetch(job.id, connection=conn, serializer=JSONSerializer).get_meta()["state"] == "failed"
     conn.close()
+
+
+def test_job_dequeued_by_a_worker_that_died_before_starting_it_is_requeued(one_worker: Any) -> None:
+    """A worker SIGKILLed between dequeuing a job and starting it leaves the job in RQ's intermediate
+    queue; RQ's cleanup used to fail it (no retry, meta stuck at `retrying`/`queued`, no terminal event).
+    Now it counts as `worker_lost`: re-queued within that budget, and the job renders."""
+    from rq.intermediate_queue import IntermediateQueue
+    from rq.utils import now
+
+    proc, conn, queue, _, _ = one_worker
+    q = Queue(queue, connection=conn, serializer=JSONSerializer)
+    job = q.create_job(RENDER_FUNC, args=(dict(VALID, prompt="t"),), meta={"state": "queued"}, timeout=60)
+    job.save()
+    # what a dequeue leaves behind when its worker dies before starting the job: the id sits in the
+    # intermediate queue only (not in the queue, not in the started registry)
+    intermediate = IntermediateQueue(q.key, connection=conn)
+    conn.set(intermediate.get_first_seen_key(job.id), now().timestamp() - 120)
+    conn.rpush(intermediate.key, job.id)
+    assert wait_state(job, {"uploaded", "failed"}, 60, proc) == "uploaded", job.get_meta(refresh=True)
+    meta = job.get_meta(refresh=True)
+    assert meta["retries"] == {"worker_lost": 1}
