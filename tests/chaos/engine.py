@@ -153,9 +153,11 @@ class _Run:
         self.fault_jobs.append((kind, targets))
         self.log({"event": "fault", "kind": kind, "jobs": targets, "s": round(time.monotonic() - t0, 2)})
 
-    def _kill_worker_of(self, job_id: str, states: set[str]) -> None:
+    def _kill_worker_of(self, job_id: str, states: set[str], timeout: float = 20.0) -> None:
+        """SIGKILL the worker running `job_id` once it is in one of `states` (bounded: S3 may be blocked
+        meanwhile, and a worker restarted during an S3 outage exits 2, see the report)."""
         conn = self.stack.conn
-        wait_for(lambda: job_state(conn, job_id) in states, 90, f"{job_id} in {states}", poll=0.02,
+        wait_for(lambda: job_state(conn, job_id) in states, timeout, f"{job_id} in {states}", poll=0.02,
                  on_fail=self.stack.log_tail)  # fmt: skip
         meta = json.loads(conn.hget(f"rq:job:{job_id}", "meta"))
         victim = next(h for h in self.stack.live_workers() if h["worker"] == meta["worker"])
