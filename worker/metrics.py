@@ -51,6 +51,8 @@ class WorkerMetrics:
                                       [*labels, "result"], registry=r)  # fmt: skip
         self.fleet_failures = Counter("ltx_worker_fleet_failures", "Poisoned fleets by controller reason",
                                       [*labels, "reason"], registry=r)  # fmt: skip
+        self.storage_up = Gauge("ltx_worker_storage_up", "0 while storage is degraded (unreachable at start, "
+                                "not yet confirmed by an upload), else 1", labels, registry=r)  # fmt: skip
         self.busy = Gauge("ltx_worker_busy", "1 while a job runs", labels, registry=r)
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
                                    registry=r)  # fmt: skip

@@ -1,13 +1,14 @@
 """One worker process: one device group, one warm fleet, one `FleetWorker` loop.
 
 `run_worker()` wires the parts together in dependency order — logging, metrics/health endpoint, Redis,
-storage check (fail fast: a worker that cannot store videos must not take jobs), spool, runner import,
+storage check (fail fast on a configuration error; an unreachable endpoint only marks storage degraded:
+renders wait in the spool and uploads retry), spool, runner import,
 fleet start (blocks until the model is warm), then RQ's work loop — and returns the process exit code:
 
 | code | meaning                                                                |
 |------|------------------------------------------------------------------------|
 | 0    | stopped on request (SIGTERM/SIGINT), or burst/max-jobs finished         |
-| 2    | invalid settings or storage unusable at start                          |
+| 2    | invalid settings or storage misconfigured at start (4xx, unwritable)    |
 | 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row |
 """
 
@@ -44,12 +45,21 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     from .rqworker import FleetWorker
     from .service import RenderService
     from .spool import Spool
-    from .storage import make_storage
+    from .storage import StorageError, make_storage
 
     name = settings.worker_name_for(group)
     metrics = WorkerMetrics(group)
     storage = make_storage(settings)
-    storage.check()
+    storage_error: str | None = None
+    try:
+        storage.check()
+    except StorageError as exc:
+        if not exc.retryable:
+            raise  # a definite configuration error (4xx answer, unwritable directory): do not start
+        # Storage unreachable right now (an outage, a restart of the endpoint): start anyway. Renders go to
+        # the spool and their uploads retry; health, metrics and the log say storage is degraded.
+        storage_error = str(exc)
+        log.warning("storage degraded at start (renders wait in the spool, uploads retry): %s", exc)
     spool = Spool(settings.spool_dir)
     runner_cls = resolve_runner(settings)
 
@@ -70,6 +80,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     service = RenderService(
         settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool, metrics=metrics
     )
+    service.set_storage_state(storage_error)
     install_service(service)
     connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     return FleetWorker(settings.queues, connection=connection, service=service)

@@ -128,6 +128,7 @@ class RenderService:
         )
         self.current: _Current | None = None
         self.jobs_done = 0
+        self.storage_error: str | None = None  # set while storage is degraded (see set_storage_state)
         self._lock = threading.Lock()
 
     # ==== control from other threads ==================================================================
@@ -161,6 +162,20 @@ class RenderService:
 
     def _count_done(self) -> None:
         self.jobs_done += 1
+        if self.storage_error is not None:
+            self.set_storage_state(None)  # a confirmed upload: storage is reachable again
+
+    def set_storage_state(self, error: str | None) -> None:
+        """`error`: why storage is degraded (unreachable at start), or None once it is usable. A degraded
+        worker still renders (videos wait in the spool, uploads retry); health and metrics say so."""
+        if error is None and self.storage_error is not None:
+            log.info("storage reachable again (an upload was confirmed)")
+        self.storage_error = error
+        self.metrics.storage_up.labels(self.group).set(0 if error else 1)
+
+    @property
+    def storage_state(self) -> dict[str, Any]:
+        return {"state": "degraded" if self.storage_error else "ok", "error": self.storage_error}
 
     def update_spool_metrics(self) -> None:
         """Publish how many complete renders wait in the spool (and their bytes)."""
@@ -270,7 +285,7 @@ class RenderService:
         result = self._result(job, entry, stored, t0, queue_wait, render_s, upload_s, attempt)
         relay.state(JobState.UPLOADED, result=result, ttl=self._result_ttl(job))
         self.metrics.job_outcome("uploaded")
-        self.jobs_done += 1
+        self._count_done()
         return result
 
     # ---- render ---------------------------------------------------------------------------------------

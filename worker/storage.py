@@ -64,7 +64,9 @@ class Storage(Protocol):
     def key_for(self, job_id: str, file_name: str) -> str: ...
 
     def check(self) -> None:
-        """Fail fast at start if the destination is unusable (bucket missing, directory unwritable)."""
+        """Fail fast at start if the destination is unusable (bucket missing, directory unwritable).
+        Raises StorageError: `retryable=False` for a configuration error, `retryable=True` for a transient
+        one (endpoint unreachable), which the worker survives (it starts with storage `degraded`)."""
 
     def put(self, entry: SpoolEntry, progress: ProgressFn | None = None) -> StoredObject:
         """One idempotent upload attempt, confirmed by reading the object back. Raises StorageError."""
@@ -139,16 +141,29 @@ class S3Storage:
     def check(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
+        # Only a definite answer from the endpoint (a 4xx: bad credentials, no such bucket, access denied) is
+        # a configuration error (`retryable=False`: the worker must not start). No answer at all (connection
+        # refused/reset, timeouts) or a 5xx is transient (`retryable=True`): found by the chaos suite, a
+        # worker restarted during an S3 outage used to exit 2 until its supervisor gave up and the whole
+        # service was down; now it starts degraded, renders into the spool and its uploads retry.
+        where = f"bucket {self.bucket!r} at {self.settings.s3_endpoint_url}"
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
             if code in ("404", "NoSuchBucket", "NotFound") and self.settings.s3_create_bucket:
-                self.client.create_bucket(Bucket=self.bucket)
+                try:
+                    self.client.create_bucket(Bucket=self.bucket)
+                except ClientError as create_exc:
+                    raise StorageError(f"{where}: cannot create it: {create_exc}", retryable=False) from create_exc
+                except BotoCoreError as create_exc:
+                    raise StorageError(f"{where}: unreachable: {create_exc}", retryable=True) from create_exc
                 return
-            raise StorageError(f"bucket {self.bucket!r} at {self.settings.s3_endpoint_url}: {exc}") from exc
+            raise StorageError(f"{where}: {exc}", retryable=not (400 <= status < 500)) from exc
         except BotoCoreError as exc:
-            raise StorageError(f"S3 endpoint {self.settings.s3_endpoint_url} unreachable: {exc}") from exc
+            message = f"S3 endpoint {self.settings.s3_endpoint_url} unreachable: {exc}"
+            raise StorageError(message, retryable=True) from exc
 
     def _stat(self, key: str) -> dict[str, Any] | None:
         from botocore.exceptions import ClientError
