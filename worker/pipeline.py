@@ -123,6 +123,7 @@ class UploadPipeline:
         self._cond = threading.Condition()
         self._queue: deque[PendingUpload] = deque()
         self._pending: dict[str, PendingUpload] = {}  # queued or in flight, by job id
+        self._claims: dict[str, int] = {}  # spool ownership locks of the pending entries (Spool.claim)
         self._bytes = 0
         self._active = 0
         self._closing = False
@@ -175,6 +176,11 @@ class UploadPipeline:
         with self._cond:
             if item.job_id in self._pending:
                 return False
+            fd = self.spool.claim(item.job_id)
+            if fd is None:  # another live process (its job function or its recovery) owns this entry
+                log.info("job %s: its spool entry is owned by another process; not uploading it here", item.job_id)
+                return False
+            self._claims[item.job_id] = fd
             self._pending[item.job_id] = item
             self._bytes += item.entry.size
             self._queue.append(item)
@@ -300,6 +306,9 @@ class UploadPipeline:
                     self._active -= 1
                     if self._pending.pop(item.job_id, None) is not None:
                         self._bytes -= item.entry.size
+                    fd = self._claims.pop(item.job_id, None)
+                    if fd is not None:
+                        self.spool.unclaim(fd)
                     self._cond.notify_all()
                 self._publish()
 
@@ -432,8 +441,14 @@ def _rq_record_success(job: Any, result: dict[str, Any], ttl: int, worker_name: 
     with job.connection.pipeline() as pipe:
         _drop_handoff(job, pipe)
         Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name, pipeline=pipe)
-        if recovered and status not in (JobStatus.FINISHED, JobStatus.STARTED):
+        if recovered and status != JobStatus.FINISHED:
+            # (`started` too: the worker died between `rendered` and RQ's own bookkeeping, so the job is
+            # still in the started registry; left there, RQ's abandoned-job cleanup would later mark the
+            # uploaded job failed. We hold the spool entry's lock, so no live execution owns the job.)
+            from rq.registry import StartedJobRegistry
+
             queue, finished, failed = _registries(job)
+            _remove_started(job, StartedJobRegistry(job.origin, connection=job.connection), pipe)
             pipe.lrem(queue.key, 0, job.id)
             failed.remove(job, pipeline=pipe)
             finished.add(job, ttl, pipeline=pipe)
@@ -441,6 +456,15 @@ def _rq_record_success(job: Any, result: dict[str, Any], ttl: int, worker_name: 
         if ttl > 0:
             pipe.expire(job.key, ttl)
         pipe.execute()
+
+
+def _remove_started(job: Any, registry: Any, pipe: Any) -> None:
+    """Take every execution of `job` out of RQ's started registry (entries are `<job_id>:<execution_id>`;
+    read from the registry itself, since a dead worker's execution records may have expired)."""
+    prefix = f"{job.id}:".encode()
+    entries = [e for e in job.connection.zrange(registry.key, 0, -1) if e.startswith(prefix) or e == job.id.encode()]
+    if entries:
+        pipe.zrem(registry.key, *entries)
 
 
 def _drop_handoff(job: Any, pipe: Any) -> None:

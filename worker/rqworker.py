@@ -54,6 +54,8 @@ log = logging.getLogger("worker.rq")
 
 EXIT_FLEET_UNRECOVERABLE = 3
 _STUCK_IN_INTERMEDIATE = "Job was stuck in intermediate queue"  # RQ's exc_string for it
+# states in which a job's render is complete (its video is committed to a spool, or already in storage)
+_RENDER_COMPLETE = frozenset({JobState.RENDERED.value, JobState.UPLOADING.value, JobState.UPLOADED.value})
 
 
 class FleetWorker(SimpleWorker):
@@ -116,6 +118,7 @@ class FleetWorker(SimpleWorker):
             "current_job": cur.job_id if cur else None,
             "uploads": {**self.service.pipeline.snapshot(), "backpressure": self._backpressure,
                         "background": self.settings.upload_pipeline},
+            "storage": self.service.storage_state,
             "jobs_done": self.service.jobs_done,
             "metrics_port": getattr(self, "metrics_port", None),
             "pid": self.pid,
@@ -385,6 +388,19 @@ class FleetWorker(SimpleWorker):
         try:
             meta = job.meta if isinstance(job.meta, dict) else {}
             job.meta = meta
+            state = meta.get("state")
+            if state in _RENDER_COMPLETE:
+                # The render is complete (found by the chaos suite: a worker SIGKILLed between `rendered`
+                # and RQ's own bookkeeping left the job in the started registry; its restart recovered the
+                # video from the spool and uploaded it, and this cleanup re-queued the job, which rendered
+                # and uploaded again: two terminal states). The committed video is in the host's spool
+                # (manifest written before `rendered`), and the next worker start there recovers it and
+                # records the outcome, moving RQ's status from `failed` to `finished`; an `uploaded` job is
+                # done. So: never re-run it (no retry: RQ only marks it failed for now) and write no event.
+                job.retries_left = 0
+                log.warning("abandoned job %s (worker %s) is already %s: not re-queued; the spool recovery "
+                            "uploads/records it", job.id, meta.get("worker"), state)  # fmt: skip
+                return True
             retries = dict(meta.get("retries") or {})
             key = FailureReason.WORKER_LOST.value
             retrying = bool(job.retries_left and job.retries_left > 0)

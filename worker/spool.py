@@ -18,6 +18,7 @@ and queue ids), so a background uploader (issue 9) can be fed from `pending()` a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -160,6 +161,33 @@ class Spool:
         """(number of complete unconfirmed renders, their total bytes)."""
         entries = self.pending()
         return len(entries), sum(e.size for e in entries)
+
+    # ---- ownership -----------------------------------------------------------------------------------
+    def claim(self, job_id: str) -> int | None:
+        """Take exclusive ownership of a job's spool entry for this process; returns the lock's file
+        descriptor (pass it to `unclaim`), or None if another process holds it.
+
+        Why: every worker process of a host shares the spool, and a worker's start-up recovery lists *all*
+        complete entries, including the ones another live worker is uploading right now (found by the chaos
+        suite: two processes uploaded and recorded the same job, two terminal events). The lock is an
+        `flock` on `<job_dir>/.owner`, so the kernel drops it when its process dies (SIGKILL included) and
+        the entry becomes recoverable at once."""
+        directory = self.job_dir(job_id)
+        try:
+            fd = os.open(directory / ".owner", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+
+    @staticmethod
+    def unclaim(fd: int) -> None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
     # ---- removal -------------------------------------------------------------------------------------
     def release(self, entry: SpoolEntry) -> None:

@@ -4,6 +4,7 @@ each one down in isolation and fast."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,128 @@ def test_job_dequeued_by_a_worker_that_died_before_starting_it_is_requeued(one_w
     assert wait_state(job, {"uploaded", "failed"}, 60, proc) == "uploaded", job.get_meta(refresh=True)
     meta = job.get_meta(refresh=True)
     assert meta["retries"] == {"worker_lost": 1}
+
+
+# ==== a render already complete when its worker died is never rendered again ==========================
+
+
+def _complete_render_of_a_dead_worker(conn: Any, queue: str, spool_dir: Path) -> Any:
+    """What a worker SIGKILLed between `rendered` and RQ's own bookkeeping leaves behind: meta `rendered`,
+    RQ status `started`, an execution in the started registry whose heartbeat has long expired, the
+    worker_lost retry budget in `retries_left`, and a committed video in the host's spool."""
+    import os
+    import time
+
+    from worker.spool import Spool
+
+    q = Queue(queue, connection=conn, serializer=JSONSerializer)
+    job = q.create_job(RENDER_FUNC, args=(dict(VALID, prompt="t"),), timeout=60, result_ttl=600, failure_ttl=600,
+                       meta={"state": "rendered", "attempt": 1, "worker": "gone", "retries": {}})  # fmt: skip
+    job.retries_left = 2
+    job.save()
+    job.set_status(JobStatus.STARTED)
+    conn.zadd(f"rq:wip:{queue}", {f"{job.id}:deadexec": time.time() - 60})
+    spool = Spool(spool_dir)
+    spool.prepare(job.id, "video.mp4").write_bytes(os.urandom(8192))
+    spool.commit(job.id, file_name="video.mp4", key=f"videos/{job.id}/video.mp4", content_type="video/mp4",
+                 queue=queue, info={}, hash_now=True)  # fmt: skip
+    return job
+
+
+def _assert_uploaded_once(conn: Any, job: Any) -> None:
+    import json as _json
+
+    from worker.keys import EVENT_FIELD_DATA, events_key
+
+    events = [_json.loads(f[EVENT_FIELD_DATA.encode()]) for _, f in conn.xrange(events_key(job.id))]
+    states = [e["state"] for e in events if e["type"] == "state"]
+    assert states.count("uploaded") == 1 and "rendering" not in states and "retrying" not in states, states
+    fetched = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+    assert fetched.get_meta()["state"] == "uploaded"
+    assert fetched.get_status() == JobStatus.FINISHED
+    uploads = [r for r in fetched.results() if r.type.name == "SUCCESSFUL" and r.return_value["state"] == "uploaded"]
+    assert len(uploads) == 1
+    assert not [e for e in conn.zrange(f"rq:wip:{fetched.origin}", 0, -1) if e.decode().startswith(job.id)]
+    for key in (f"rq:job:{job.id}", events_key(job.id), f"rq:results:{job.id}"):
+        assert conn.ttl(key) > 0, key  # a terminal job's keys expire
+
+
+def test_complete_render_of_a_killed_worker_is_uploaded_not_rendered_again(
+    one_worker: Any, tmp_path: Path, redis_server: Any, s3_server: Any
+) -> None:
+    """Chaos CI found a job rendered twice with two terminal states: its worker was SIGKILLed after the
+    render, the restarted worker uploaded the video from the spool, and RQ's abandoned-job cleanup re-queued
+    the job (still in the started registry), which rendered and uploaded again. Both orders are pinned:
+    job A is found abandoned by another worker's cleanup *before* any recovery (it must not be re-queued),
+    job B is recovered and uploaded *before* a cleanup (the upload must take it out of the started
+    registry, or the cleanup would mark the uploaded job failed). Each ends uploaded exactly once."""
+    proc, conn, queue_a, _, _ = one_worker
+    spool = tmp_path / "spool"
+    job_a = _complete_render_of_a_dead_worker(conn, queue_a, spool)
+    # the running worker's registry cleanup (every 2 s) finds A abandoned
+    wait_for(lambda: conn.zcard(f"rq:wip:{queue_a}") == 0, 30, "cleanup of A", on_fail=proc.log_tail)
+    assert Job.fetch(job_a.id, connection=conn, serializer=JSONSerializer).get_meta()["state"] == "rendered"
+    assert conn.lpos(f"rq:queue:{queue_a}", job_a.id) is None, "a complete render was re-queued"
+
+    queue_b = f"q-{uuid.uuid4().hex[:8]}"
+    job_b = _complete_render_of_a_dead_worker(conn, queue_b, spool)
+    name = f"r{uuid.uuid4().hex[:6]}"
+    env = worker_env(redis_server.url, s3_server, queue=queue_b, name=name, spool=spool)
+    restarted = WorkerProcess(["one", "--group", "cpu:1"], env, tmp_path / "restarted.log").start()
+    try:
+        for job in (job_a, job_b):
+            assert wait_state(job, {"uploaded", "failed"}, 90, restarted) == "uploaded"
+        wait_ready(conn, name, 1, 120, restarted)
+        time.sleep(5)  # two more cleanups of B's queue: nothing may change any more
+        for job in (job_a, job_b):
+            _assert_uploaded_once(conn, job)
+    finally:
+        assert restarted.stop() == 0, restarted.log_tail()
+
+
+# ==== storage unreachable at start is not fatal; misconfigured storage is ==============================
+
+
+def test_worker_starting_while_s3_is_unreachable_serves_renders(
+    tmp_path: Path, redis_server: Any, s3_server: Any
+) -> None:
+    """A worker restarting during an S3 outage used to exit 2 (as if misconfigured); the supervisor gave up
+    after 5 quick exits and the service was down. Now it starts with storage `degraded` (health, metrics),
+    renders into the spool while uploads retry, and the job is uploaded once S3 is back."""
+    from tests.servers import TcpProxy
+    from tests.test_worker_support import worker_health
+
+    proxy = TcpProxy(s3_server.s3_port).start()
+    proxy.block()
+    conn = redis_server.client()
+    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"s{uuid.uuid4().hex[:6]}"
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=tmp_path / "spool",
+                     s3_url=proxy.url, upload_attempts=200, upload_backoff_max_s=0.5)  # fmt: skip
+    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp_path / "worker.log").start()
+    try:
+        health = wait_ready(conn, name, 1, 120, proc)[0]
+        assert health["storage"]["state"] == "degraded", health
+        job = enqueue(conn, queue, dict(VALID, prompt="t"))
+        assert wait_state(job, {"rendered", "uploading"}, 60, proc) in {"rendered", "uploading"}
+        proxy.unblock()
+        assert wait_state(job, {"uploaded", "failed"}, 60, proc) == "uploaded"
+        wait_for(lambda: any(h["storage"]["state"] == "ok" for h in worker_health(conn, name)), 30, "storage ok")
+        assert proc.proc is not None and proc.proc.poll() is None
+    finally:
+        proxy.unblock()
+        assert proc.stop() == 0, proc.log_tail()
+        proxy.block()
+        conn.close()
+
+
+def test_worker_with_bad_s3_credentials_still_refuses_to_start(
+    tmp_path: Path, redis_server: Any, s3_server: Any
+) -> None:
+    """Only a definite configuration error (a 4xx answer) fails the start (exit 2)."""
+    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"c{uuid.uuid4().hex[:6]}"
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=tmp_path / "spool",
+                     s3_secret_access_key="wrong-secret")  # fmt: skip
+    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp_path / "worker.log").start()
+    assert proc.proc is not None
+    assert proc.proc.wait(timeout=60) == 2, proc.log_tail()
+    assert "cannot start" in proc.log_tail()
