@@ -17,6 +17,8 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from worker.keys import check_queue_names, check_redis_url, split_list
+
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
 
 ENV_PREFIX = "LTX_"
@@ -64,31 +66,17 @@ class ProducerSettings(BaseSettings):
     @field_validator("queues", mode="before")
     @classmethod
     def _split_queues(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                import json
-
-                return json.loads(text)
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return split_list(value, ",")
 
     @field_validator("queues")
     @classmethod
     def _check_queues(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one queue is needed")
-        for name in value:
-            if not re.fullmatch(r"[A-Za-z0-9_.:-]+", name):
-                raise ValueError(f"queue name {name!r} may only contain letters, digits and _.:-")
-        return value
+        return check_queue_names(value)
 
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        return value
+        return check_redis_url(value)
 
     @field_validator("client")
     @classmethod

@@ -25,7 +25,10 @@ background uploader (issue 9) the RQ job finishes at `rendered` and the upload c
 
 from __future__ import annotations
 
+import json
+import re
 from enum import StrEnum
+from typing import Any
 
 __all__ = [
     "EVENTS_KEY_TEMPLATE",
@@ -39,7 +42,10 @@ __all__ = [
     "EventType",
     "FailureReason",
     "JobState",
+    "check_queue_names",
+    "check_redis_url",
     "events_key",
+    "split_list",
     "worker_health_key",
 ]
 
@@ -154,3 +160,34 @@ SUMMARY_FIELDS = (
     "error",  # on failure: {"reason": FailureReason, "message": str, "retryable": bool, ...}
     "result",  # on success: the same JSON object as the RQ job result
 )
+
+
+# ==== settings shared by the worker and the producer (both read the same LTX_* variables) ===========
+
+_QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+def split_list(value: Any, sep: str) -> Any:
+    """An environment value as a list: a JSON array, or items separated by `sep`; other values pass."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [part.strip() for part in text.split(sep) if part.strip()]
+    return value
+
+
+def check_queue_names(names: list[str]) -> list[str]:
+    """Queue names become Redis key parts: at least one, and only letters, digits and `_.:-`."""
+    if not names:
+        raise ValueError("at least one queue is needed")
+    for name in names:
+        if not _QUEUE_NAME.fullmatch(name):
+            raise ValueError(f"queue name {name!r} may only contain letters, digits and _.:-")
+    return names
+
+
+def check_redis_url(url: str) -> str:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must start with redis://, rediss:// or unix://")
+    return url

@@ -31,6 +31,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from .keys import check_queue_names, check_redis_url, split_list
+
 __all__ = [
     "BUILTIN_RUNNERS",
     "ENV_PREFIX",
@@ -89,17 +91,6 @@ def group_label(spec: str) -> str:
     if text.startswith("cpu"):
         return "cpu" + (text.split(":")[1] if ":" in text else "1")
     return "g" + text.replace(",", "-")
-
-
-def _split_list(value: Any, sep: str) -> Any:
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            import json
-
-            return json.loads(text)
-        return [part.strip() for part in text.split(sep) if part.strip()]
-    return value
 
 
 class WorkerSettings(BaseSettings):
@@ -238,12 +229,12 @@ class WorkerSettings(BaseSettings):
     @field_validator("queues", mode="before")
     @classmethod
     def _parse_queues(cls, value: Any) -> Any:
-        return _split_list(value, ",")
+        return split_list(value, ",")
 
     @field_validator("groups", mode="before")
     @classmethod
     def _parse_groups(cls, value: Any) -> Any:
-        return _split_list(value, ";")
+        return split_list(value, ";")
 
     @field_validator("metrics_port", mode="before")
     @classmethod
@@ -255,12 +246,7 @@ class WorkerSettings(BaseSettings):
     @field_validator("queues")
     @classmethod
     def _check_queues(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one queue is needed")
-        for name in value:
-            if not re.fullmatch(r"[A-Za-z0-9_.:-]+", name):
-                raise ValueError(f"queue name {name!r} may only contain letters, digits and _.:-")
-        return value
+        return check_queue_names(value)
 
     @field_validator("groups")
     @classmethod
@@ -276,9 +262,7 @@ class WorkerSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        return value
+        return check_redis_url(value)
 
     @field_validator("s3_endpoint_url", "s3_public_endpoint_url")
     @classmethod
