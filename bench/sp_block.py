@@ -118,7 +118,7 @@ def _inputs(
     """TransformerArgs for the block, prepared by the model's own preprocessors (real RoPE, AdaLN, etc.)."""
     from ltx_core.model.transformer.modality import Modality
 
-    from ltx_mgpu.runners.smoke.pipeline import SmokeGeometry
+    from ltx_mgpu.runners.smoke.denoise import SmokeGeometry
 
     t = cfg["transformer"]
     f, h, w = _geometry(tokens)

@@ -2,7 +2,9 @@
 text projection, x2 upsampler, distilled LoRA, Gemma root with a locally built tokenizer), through the real
 loaders: on 2 CPU ranks under `MGPUController` and on one process (`LocalRunner`).
 
-What is checked: a valid mp4 (decodable, right size, frame count and rate) from each runner; determinism
+What is checked: a valid mp4 (decodable, right size, frame count and rate, an AAC stereo track as long as
+the video within 0.1 s, per-stage timings in the output event) from each runner; `audio=False` (a silent
+file, no audio stage); one process and two ranks give the same audio; determinism
 across jobs (the two-stage runner swaps the distilled LoRA in and out every job, so a repeat equals the
 first only if the tracker restores the exact clean weights); single process vs 2 ranks; symmetric request
 errors that leave the fleet alive; image conditioning, prompt enhancement and fp8 quantization passed
@@ -18,8 +20,8 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController, SymmetricRunnerError
-from ltx_mgpu.runners.ltx2.local import LocalRunner
-from ltx_mgpu.runners.ltx2.media import read_mp4
+from ltx_mgpu.runners.common.local import LocalRunner
+from ltx_mgpu.runners.common.media import probe_mp4, read_audio, read_mp4
 from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
 
 START_TIMEOUT = 300
@@ -69,7 +71,16 @@ def render(ctl, path, **job):
     assert frames.shape == (JOB["num_frames"], job.get("height", 128), job.get("width", 128), 3)
     assert fps == pytest.approx(JOB["frame_rate"])
     assert frames.float().std() > 1.0  # not a blank video
-    return frames, outputs[0], events
+    out = outputs[0]
+    stages = [e["stage"] for e in events if isinstance(e, dict) and e.get("type") == "stage"]
+    assert set(out["timings_s"]) == set(stages) and out["synthetic_weights"] is True
+    if job.get("audio", True):
+        streams = probe_mp4(path)
+        assert (streams.audio_codec, streams.audio_sample_rate, streams.audio_channels) == ("aac", 24000, 2)
+        assert abs(streams.audio_duration_s - streams.video_duration_s) < 0.1
+        assert out["audio"] is True and out["audio_sample_rate"] == 24000
+        assert out["audio_duration_s"] == pytest.approx(JOB["num_frames"] / JOB["frame_rate"], abs=1e-4)
+    return frames, out, events
 
 
 class _LocalCtl:
@@ -105,7 +116,7 @@ def distilled_fleet(tiny):
 def test_two_stage_renders_and_repeats_exactly(two_stage_fleet, tmp_path):
     first, out, events = render(two_stage_fleet, tmp_path / "a.mp4", seed=3)
     stages = [e["stage"] for e in events if isinstance(e, dict) and e.get("type") == "stage"]
-    assert stages == ["encode", "stage1", "upsample", "stage2", "decode", "mux"]
+    assert stages == ["encode", "stage1", "upsample", "stage2", "decode", "audio_decode", "mux"]
     assert next(e for e in events if e.get("stage") == "stage2" and e["type"] == "stage")["mode"] == "tdp"
     assert out["world_size"] == 2 and out["width"] == 128
     again, _, _ = render(two_stage_fleet, tmp_path / "b.mp4", seed=3)
@@ -158,6 +169,18 @@ def test_distilled_one_process_matches_two_ranks(distilled_fleet, tiny, tmp_path
     # the videos agree to within a fraction of an 8-bit level on average.
     diff = (two.float() - one.float()).abs()
     assert diff.mean().item() < 0.5, diff.mean().item()
+    # Audio tokens are computed whole on every rank (SP splits video tokens only), but they attend to the video,
+    # so the reduction-order differences reach them too: the same track up to a small relative error.
+    a2, a1 = read_audio(tmp_path / "two.mp4")[0], read_audio(tmp_path / "one.mp4")[0]
+    rel = ((a1 - a2).norm() / a1.norm()).item()
+    assert a1.shape == a2.shape and rel < 0.05, rel
+
+
+def test_audio_false_is_a_silent_file_without_the_audio_stage(distilled_fleet, tmp_path):
+    _, out, events = render(distilled_fleet, tmp_path / "silent.mp4", audio=False)
+    assert "audio_decode" not in [e["stage"] for e in events if e.get("type") == "stage"]
+    assert out["audio"] is False and "audio_decode" not in out["timings_s"]
+    assert probe_mp4(tmp_path / "silent.mp4").audio_codec is None
 
 
 # ---- one process ------------------------------------------------------------------------------------------

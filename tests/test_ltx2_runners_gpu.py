@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController
-from ltx_mgpu.runners.ltx2.local import LocalRunner
-from ltx_mgpu.runners.ltx2.media import read_mp4
+from ltx_mgpu.runners.common.local import LocalRunner
+from ltx_mgpu.runners.common.media import read_mp4
 from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
 
 pytestmark = [

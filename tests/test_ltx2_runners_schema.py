@@ -1,9 +1,12 @@
-"""The request schema and the LTX-2 runners agree: every `RenderRequest` field is a job kwarg of both runners,
-and conditioning images validated at the edge decode in the runner (and bad ones never reach it)."""
+"""The request schema and the runners agree: the job arguments are declared once (`RenderArgs`) and equal
+`RenderRequest`'s fields (+ `output_path`) with the same defaults; every runner's `__call__` exposes exactly
+them to the controller's kwarg binding; conditioning images validated at the edge decode in the runner (and
+bad ones never reach it)."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import inspect
 
 import pytest
@@ -12,17 +15,43 @@ from pydantic import ValidationError
 from worker.schema import MAX_IMAGES, RenderRequest
 
 
-def test_every_request_field_is_a_runner_kwarg():
-    from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
+def test_render_args_are_the_request_fields():
+    from ltx_mgpu.runners.common.args import RenderArgs
 
-    fields = set(RenderRequest.model_fields) | {"output_path"}
-    for runner in (Ltx2DistilledRunner, Ltx2TwoStageRunner):
+    args = {f.name: f for f in dataclasses.fields(RenderArgs)}
+    assert set(args) == set(RenderRequest.model_fields) | {"output_path"}
+    for name, field in RenderRequest.model_fields.items():
+        if field.is_required():
+            assert args[name].default is dataclasses.MISSING, name
+        else:
+            assert args[name].default == field.get_default(), name  # the same defaults on both sides
+
+
+def test_every_runner_binds_exactly_the_render_args():
+    from ltx_mgpu.fleet import check_job_kwargs
+    from ltx_mgpu.runners.common.args import RenderArgs
+    from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
+    from ltx_mgpu.runners.smoke import SmokeRunner
+
+    fields = {f.name for f in dataclasses.fields(RenderArgs)}
+    job = RenderRequest(prompt="x", images=None).runner_kwargs() | {"output_path": "/tmp/x.mp4"}
+    for runner in (Ltx2DistilledRunner, Ltx2TwoStageRunner, SmokeRunner):
         params = set(inspect.signature(runner.__call__).parameters) - {"self"}
-        assert fields <= params, (runner.__name__, fields - params)
+        assert params == fields, (runner.__name__, params ^ fields)
+        check_job_kwargs(runner, job)  # what the controller does before dispatch
+        with pytest.raises(TypeError, match="unexpected keyword argument 'audi'"):
+            check_job_kwargs(runner, {**job, "audi": False})
+
+
+def test_audio_field_is_validated_at_the_edge():
+    assert RenderRequest(prompt="x").runner_kwargs()["audio"] is True
+    assert RenderRequest(prompt="x", audio=False).runner_kwargs()["audio"] is False
+    with pytest.raises(ValidationError, match="audio"):
+        RenderRequest(prompt="x", audio="sometimes")
 
 
 def test_images_round_trip_from_request_to_runner():
-    from ltx_mgpu.runners.ltx2.media import parse_images
+    from ltx_mgpu.runners.ltx2.images import parse_images
 
     from .test_ltx2_runners import png_b64
 

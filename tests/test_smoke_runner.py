@@ -1,6 +1,7 @@
-"""The smoke runner under the real controller: CPU fleets of 1 and 2 ranks over gloo render real mp4s
-(decoded back with PyAV), world 2 matches world 1, limits are symmetric recoverable errors, cancellation
-keeps the fleet, and the tiny checkpoint is deterministic."""
+"""The smoke runner under the real controller: CPU fleets of 1 and 2 ranks over gloo render real mp4s with an
+AAC audio track (decoded back with PyAV), world 2 matches world 1 (video and audio), `audio=False` gives a
+silent file without the audio stage, limits are symmetric recoverable errors, cancellation keeps the fleet,
+and the tiny checkpoint is deterministic."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from ltx_mgpu import JobCancelledError, MGPUController, SymmetricRunnerError
+from ltx_mgpu.runners.common.media import probe_mp4, read_audio, read_mp4
 from ltx_mgpu.runners.smoke import SmokeRunner, ensure_smoke_checkpoint
-from ltx_mgpu.runners.smoke.video_io import read_mp4
 
 START_TIMEOUT = 180
 JOB = {"prompt": "a red fox in the snow", "seed": 7, "width": 128, "height": 96, "num_frames": 17, "steps": 2}
@@ -44,25 +45,51 @@ def _render(ctl: MGPUController, out: Path, **overrides: Any) -> list[dict[str, 
     return list(ctl.stream(timeout=120, output_path=str(out), **{**JOB, **overrides}))
 
 
-def test_renders_mp4_at_world_1_and_2_and_they_match(fleets: dict, tmp_path: Path) -> None:
-    frames = {}
+def test_renders_mp4_with_audio_at_world_1_and_2_and_they_match(fleets: dict, tmp_path: Path) -> None:
+    frames, audio = {}, {}
     for world, ctl in fleets.items():
         out = tmp_path / f"w{world}.mp4"
         events = _render(ctl, out)
-        # Only the driver yields: encode, denoise, 2 x progress, decode, mux, output.
-        assert [e["type"] for e in events] == ["stage", "stage", "progress", "progress", "stage", "stage", "output"]
-        assert [e["stage"] for e in events if e["type"] == "stage"] == ["encode", "denoise", "decode", "mux"]
+        # Only the driver yields: encode, denoise, 2 x progress, decode, audio_decode, mux, output.
+        assert [e["type"] for e in events] == ["stage", "stage", "progress", "progress", *["stage"] * 3, "output"]
+        assert [e["stage"] for e in events if e["type"] == "stage"] == [
+            "encode", "denoise", "decode", "audio_decode", "mux"
+        ]  # fmt: skip
         assert [(e["step"], e["total"]) for e in events if e["type"] == "progress"] == [(1, 2), (2, 2)]
         output = events[-1]
         assert output["path"] == str(out) and output["world_size"] == world
         assert (output["frames"], output["width"], output["height"], output["fps"]) == (17, 128, 96, 24.0)
         assert output["bytes"] == out.stat().st_size > 0 and output["content_type"] == "video/mp4"
+        assert output["audio"] is True and output["audio_sample_rate"] == 24000
+        assert output["audio_duration_s"] == pytest.approx(17 / 24.0, abs=1 / 24000)  # fitted to the video
+        assert set(output["timings_s"]) == {"encode", "denoise", "decode", "audio_decode", "mux"}
+        assert all(t >= 0 for t in output["timings_s"].values())
+        streams = probe_mp4(out)
+        assert (streams.video_codec, streams.audio_codec) == ("h264", "aac")
+        assert (streams.audio_sample_rate, streams.audio_channels) == (24000, 2)
+        assert abs(streams.audio_duration_s - streams.video_duration_s) < 0.1
         decoded, fps = read_mp4(out)
         assert decoded.shape == (17, 96, 128, 3) and fps == pytest.approx(24.0)
         assert decoded.float().std() > 5  # a real picture, not a constant frame
-        frames[world] = decoded.float()
+        wave, _ = read_audio(out)
+        assert torch.isfinite(wave).all() and wave.std() > 1e-3  # a real signal, not silence
+        frames[world], audio[world] = decoded.float(), wave
     diff = (frames[1] - frames[2]).abs()
     assert diff.max() <= 8 and diff.mean() <= 0.5, (diff.max(), diff.mean())
+    # Audio tokens are not split by SP: every rank computes them whole, so world 2 gives world 1's audio exactly.
+    assert torch.equal(audio[1], audio[2])
+
+
+def test_audio_false_writes_a_silent_mp4_and_skips_the_decode(fleets: dict, tmp_path: Path) -> None:
+    out = tmp_path / "silent.mp4"
+    events = _render(fleets[2], out, audio=False)
+    assert "audio_decode" not in [e["stage"] for e in events if e["type"] == "stage"]
+    output = events[-1]
+    assert output["audio"] is False and output["audio_sample_rate"] is None and output["audio_duration_s"] is None
+    assert "audio_decode" not in output["timings_s"]
+    assert probe_mp4(out).audio_codec is None
+    with pytest.raises(SymmetricRunnerError, match="audio must be true or false"):
+        _render(fleets[2], tmp_path / "x.mp4", audio="false")
 
 
 def test_same_seed_same_frames_other_seed_differs(fleets: dict, tmp_path: Path) -> None:
@@ -154,5 +181,6 @@ def test_checkpoint_is_deterministic_and_safe_to_create_concurrently(tmp_path: P
     for other in results:
         assert _sha(other.transformer_path) == _sha(first.transformer_path)
         assert _sha(other.decoder_path) == _sha(first.decoder_path)
+        assert _sha(other.audio_path) == _sha(first.audio_path)
     leftovers = [p.name for p in results[0].directory.iterdir() if p.name.startswith(".")]
     assert leftovers == []  # temporary files were renamed or removed

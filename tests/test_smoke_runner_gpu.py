@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController, SymmetricRunnerError
+from ltx_mgpu.runners.common.media import read_mp4
 from ltx_mgpu.runners.smoke import SmokeRunner
-from ltx_mgpu.runners.smoke.video_io import read_mp4
 
 pytestmark = [
     pytest.mark.gpu,

@@ -96,7 +96,7 @@ def _inputs(cfg: dict[str, Any], f: int, h: int, w: int, batch: int, user_mask: 
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
     from ltx_core.model.transformer.modality import Modality
 
-    from ltx_mgpu.runners.smoke.pipeline import SmokeGeometry
+    from ltx_mgpu.runners.smoke.denoise import SmokeGeometry
 
     g = torch.Generator().manual_seed(seed)
     geo = SmokeGeometry(w * 32, h * 32, (f - 1) * 8 + 1, 24.0, cfg["in_channels"], cfg["audio_in_channels"])

@@ -72,6 +72,9 @@ class RenderRequest(BaseModel):
     images: list[ConditioningImage] | None = Field(
         default=None, max_length=MAX_IMAGES, description="image conditioning (ltx2 runners); None = text only"
     )
+    audio: bool = Field(
+        default=True, description="decode the generated audio into the mp4 (AAC); false = a silent mp4, faster"
+    )
 
     @field_validator("width", "height")
     @classmethod

@@ -1,9 +1,9 @@
 """Loading the LTX-2 components from local checkpoint files with ltx-core's builders.
 
 Every component goes through `SingleGPUModelBuilder` (safetensors, config from the file's metadata, the
-released key layouts via ltx-core's sd ops) and is checked after loading: a tensor still on the meta
-device (ltx-core loads with `strict=False` and silently returns such a model) is a `RuntimeError` naming
-the file and the first missing tensors.
+released key layouts via ltx-core's sd ops) and is checked after loading with `common.loading.build_checked`
+(a tensor still on the meta device is a `RuntimeError` naming the file and the first missing tensors). The
+audio decoder and vocoder builders are in `common.audio` (the smoke runner uses them too).
 
 Quantization is passed through, never ignored: `quantization_policy(name)` returns ltx-core's policy for
 "fp8-cast" or "fp8-scaled-mm" (the latter needs TensorRT-LLM and says so), and unknown names raise.
@@ -11,18 +11,15 @@ Quantization is passed through, never ignored: `quantization_policy(name)` retur
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..common.loading import require_file
+
 __all__ = [
     "DTYPES",
     "QUANTIZATIONS",
-    "build_checked",
-    "checkpoint_metadata",
     "parse_dtype",
     "quantization_policy",
     "transformer_builder",
@@ -60,24 +57,6 @@ def quantization_policy(name: str | None) -> Any:
     raise ValueError(f"unknown quantization {name!r}; expected one of {QUANTIZATIONS} or None")
 
 
-def _require_file(path: str | Path, what: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{what} not found: {p}")
-    return str(p)
-
-
-def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
-    """The safetensors metadata of `path` with the `config` entry parsed (empty dict when absent)."""
-    from safetensors import safe_open
-
-    with safe_open(_require_file(path, "checkpoint"), framework="pt") as f:
-        meta = dict(f.metadata() or {})
-    if "config" in meta:
-        meta["config"] = json.loads(meta["config"])
-    return meta
-
-
 def transformer_builder(checkpoint: str, *, quantization: Any = None, registry: Any = None) -> Any:
     """The AV transformer from an LTX-2 checkpoint ("model.diffusion_model." keys), with the quantization
     policy's sd ops chained after the key renaming and its module ops appended."""
@@ -95,7 +74,7 @@ def transformer_builder(checkpoint: str, *, quantization: Any = None, registry: 
         module_ops = tuple(quantization.module_ops)
     return SingleGPUModelBuilder(
         LTXModelConfigurator,
-        _require_file(checkpoint, "LTX-2 checkpoint"),
+        require_file(checkpoint, "LTX-2 checkpoint"),
         model_sd_ops=sd_ops,
         module_ops=module_ops,
         registry=registry or DummyRegistry(),
@@ -109,7 +88,7 @@ def video_decoder_builder(checkpoint: str, *, registry: Any = None) -> Any:
 
     return SingleGPUModelBuilder(
         VideoDecoderConfigurator,
-        _require_file(checkpoint, "LTX-2 checkpoint"),
+        require_file(checkpoint, "LTX-2 checkpoint"),
         model_sd_ops=VAE_DECODER_COMFY_KEYS_FILTER,
         registry=registry or DummyRegistry(),
     )
@@ -122,7 +101,7 @@ def video_encoder_builder(checkpoint: str, *, registry: Any = None) -> Any:
 
     return SingleGPUModelBuilder(
         VideoEncoderConfigurator,
-        _require_file(checkpoint, "LTX-2 checkpoint"),
+        require_file(checkpoint, "LTX-2 checkpoint"),
         model_sd_ops=VAE_ENCODER_COMFY_KEYS_FILTER,
         registry=registry or DummyRegistry(),
     )
@@ -135,22 +114,6 @@ def upsampler_builder(path: str, *, registry: Any = None) -> Any:
 
     return SingleGPUModelBuilder(
         LatentUpsamplerConfigurator,
-        _require_file(path, "spatial upsampler"),
+        require_file(path, "spatial upsampler"),
         registry=registry or DummyRegistry(),
     )
-
-
-def build_checked(builder: Any, device: torch.device, dtype: torch.dtype | None, what: str) -> torch.nn.Module:
-    """`builder.build(device, dtype)`, then fail clearly if any tensor is still on meta; eval, no grad."""
-    model = builder.build(device=torch.device(device), dtype=dtype)
-    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
-    if meta:
-        raise RuntimeError(
-            f"{what} ({builder.model_path}): {len(meta)} tensors are still on the meta device after loading "
-            f"(first: {meta[:3]}); the checkpoint lacks them or has another key layout"
-        )
-    return model.eval().requires_grad_(False)
-
-
-def without_module_op(builder: Any, name: str) -> Any:
-    return dataclasses.replace(builder, module_ops=tuple(op for op in builder.module_ops if op.name != name))

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..common.loading import check_materialized
+
 __all__ = [
     "EmbeddingsProcessorFromConfig",
     "GemmaPromptEncoder",
@@ -307,16 +309,6 @@ class GemmaPromptEncoder:
         return _clean_enhanced(tokenizer.decode(new_tokens, skip_special_tokens=True))
 
 
-def _materialized(model: torch.nn.Module, what: str) -> torch.nn.Module:
-    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
-    if meta:
-        raise RuntimeError(
-            f"{what}: {len(meta)} tensors are still on the meta device after loading (first: {meta[:3]}); the "
-            "checkpoint lacks them or uses another key layout"
-        )
-    return model.eval().requires_grad_(False)
-
-
 def build_gemma_prompt_encoder(
     gemma_root: str | Path,
     checkpoint: str,
@@ -330,7 +322,7 @@ def build_gemma_prompt_encoder(
     """Load Gemma and the embeddings processor on `device` (the real loaders, meta-checked)."""
     device = torch.device(device)
     text_encoder = gemma_builder(gemma_root, max_tokens=max_tokens, registry=registry).build(device=device, dtype=dtype)
-    text_encoder = _materialized(text_encoder, f"Gemma at {gemma_root}")
+    text_encoder = check_materialized(text_encoder, f"Gemma at {gemma_root}")
     processor = embeddings_processor_builder(checkpoint, registry=registry).build(device=device, dtype=dtype)
-    processor = _materialized(processor, f"embeddings processor in {checkpoint}")
+    processor = check_materialized(processor, f"embeddings processor in {checkpoint}")
     return GemmaPromptEncoder(text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens)

@@ -1,8 +1,11 @@
-"""Deterministic tiny LTX-2 checkpoints (transformer + video VAE decoder) for tests, CI and the demo.
+"""Deterministic tiny LTX-2 checkpoints (transformer, video VAE decoder, audio decoder + vocoder) for tests, CI
+and the demo.
 
 No LTX-2 weights are available here, so the smoke model is the real ltx-core architecture at a tiny size
-with seeded random weights, written as safetensors files with the model config in their metadata, exactly
-the format `SingleGPUModelBuilder` loads. The same arguments always produce byte-identical files.
+with seeded random weights (`common.weights`), written as safetensors files with the model config in their
+metadata, exactly the format `SingleGPUModelBuilder` loads. The audio file uses the monolith's real layout
+(`audio_vae.decoder.*`, `audio_vae.per_channel_statistics.*`, `vocoder.*`), so the smoke runner loads it
+with the same builders as the LTX-2 runners. The same arguments always produce byte-identical files.
 
 `ensure_smoke_checkpoint(cache_dir)` creates the files once per directory; it is safe to call from
 several processes at once (each file is written to a temporary name and renamed into place atomically;
@@ -14,12 +17,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..common.audio import TINY_AUDIO, audio_specs
+from ..common.tiny import tiny_transformer_config, tiny_video_decoder_config
+from ..common.weights import module_specs, write_safetensors
 
 __all__ = [
     "SmokeCheckpoint",
@@ -27,174 +33,45 @@ __all__ = [
     "ensure_smoke_checkpoint",
     "tiny_transformer_config",
     "tiny_video_decoder_config",
+    "write_audio_checkpoint",
     "write_transformer_checkpoint",
     "write_video_decoder_checkpoint",
 ]
 
 _TRANSFORMER_FILE = "transformer.safetensors"
 _DECODER_FILE = "video_decoder.safetensors"
-FORMAT_VERSION = 1  #: bump when the generated content changes (part of the cache key)
+_AUDIO_FILE = "audio.safetensors"
+FORMAT_VERSION = 2  #: bump when the generated content changes (part of the cache key); 2: audio, new fills
 
 
-def tiny_transformer_config(
-    *,
-    num_layers: int = 2,
-    num_heads: int = 24,
-    head_dim: int = 8,
-    audio_num_heads: int = 24,
-    audio_head_dim: int = 4,
-    latent_channels: int = 16,
-    audio_channels: int = 32,
-    caption_channels: int = 32,
-) -> dict[str, Any]:
-    """A complete `LTXModelConfigurator` config (every checked key present) at a tiny size.
-
-    Defaults: 24 video heads and 24 audio heads, so every world size in {1, 2, 3, 4, 6, 8, 12, 24}
-    divides them. `cross_attention_dim` must equal the video inner dim and `audio_cross_attention_dim`
-    the audio inner dim (ltx-core views the context with those widths).
-    """
-    inner = num_heads * head_dim
-    audio_inner = audio_num_heads * audio_head_dim
-    return {
-        "transformer": {
-            # values ltx-core checks (must be exactly these)
-            "dropout": 0.0,
-            "attention_bias": True,
-            "num_vector_embeds": None,
-            "activation_fn": "gelu-approximate",
-            "num_embeds_ada_norm": 1000,
-            "use_linear_projection": False,
-            "only_cross_attention": False,
-            "cross_attention_norm": True,
-            "double_self_attention": False,
-            "upcast_attention": False,
-            "standardization_norm": "rms_norm",
-            "norm_elementwise_affine": False,
-            "qk_norm": "rms_norm",
-            "positional_embedding_type": "rope",
-            "use_audio_video_cross_attention": True,
-            "share_ff": False,
-            "av_cross_ada_norm": True,
-            "use_middle_indices_grid": True,
-            # sizes
-            "num_layers": num_layers,
-            "num_attention_heads": num_heads,
-            "attention_head_dim": head_dim,
-            "in_channels": latent_channels,
-            "out_channels": latent_channels,
-            "cross_attention_dim": inner,
-            "audio_num_attention_heads": audio_num_heads,
-            "audio_attention_head_dim": audio_head_dim,
-            "audio_in_channels": audio_channels,
-            "audio_out_channels": audio_channels,
-            "audio_cross_attention_dim": audio_inner,
-            "caption_channels": caption_channels,
-            "positional_embedding_theta": 10000.0,
-            "positional_embedding_max_pos": [20, 2048, 2048],
-            "audio_positional_embedding_max_pos": [20],
-            "timestep_scale_multiplier": 1000,
-            "av_ca_timestep_scale_multiplier": 1,
-            "rope_type": "interleaved",
-            "attention_type": "pytorch",
-            "norm_eps": 1e-6,
-        }
-    }
-
-
-def tiny_video_decoder_config(*, latent_channels: int = 16, base_channels: int = 4) -> dict[str, Any]:
-    """A `VideoDecoderConfigurator` config with LTX-2's scale factors (x32 space, x8 time) at tiny width.
-
-    Three `compress_all` blocks (x2 in time and space each) and a final 4x4 unpatchify give the real
-    decoder's geometry: latent (C, F', H', W') -> frames (3, 8(F'-1)+1, 32H', 32W'). Pixel norm (no
-    group-count constraints), no timestep conditioning (no injected noise: deterministic decode).
-    """
-    return {
-        "vae": {
-            "dims": 3,
-            "latent_channels": latent_channels,
-            "out_channels": 3,
-            "patch_size": 4,
-            "norm_layer": "pixel_norm",
-            "causal_decoder": False,
-            "timestep_conditioning": False,
-            "spatial_padding_mode": "reflect",
-            "decoder_base_channels": base_channels,
-            "decoder_blocks": [
-                ["res_x", {"num_layers": 1}],
-                ["compress_all", {"multiplier": 2}],
-                ["res_x", {"num_layers": 1}],
-                ["compress_all", {"multiplier": 2}],
-                ["res_x", {"num_layers": 1}],
-                ["compress_all", {"multiplier": 2}],
-                ["res_x", {"num_layers": 1}],
-            ],
-        }
-    }
-
-
-def _init_(module: torch.nn.Module, seed: int, *, skip: tuple[str, ...] = ()) -> None:
-    """Seeded init, in parameter-name order, with scales that keep activations O(1): weights ~
-    N(0, 1/fan_in), everything else N(0, 0.1^2). Meta tensors (ltx-core builds the caption projection on
-    meta) are materialised on the CPU first."""
-    gen = torch.Generator().manual_seed(seed)
-    if any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers()):
-        module.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-            if any(name.endswith(s) for s in skip):
-                continue
-            if p.dim() >= 2:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], config: dict[str, Any], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-            tmp,
-            metadata={"config": json.dumps(config, sort_keys=True)},
-        )
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is shared by every rank and fleet
-        os.replace(tmp, path)  # atomic: readers see no file or the whole file
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _config_meta(config: dict[str, Any]) -> dict[str, str]:
+    return {"config": json.dumps(config, sort_keys=True), "synthetic": "true"}
 
 
 def write_transformer_checkpoint(path: str | Path, config: dict[str, Any], *, seed: int = 0) -> Path:
-    """Build the ltx-core AV transformer from `config`, init it from `seed`, save it to `path`."""
+    """The ltx-core AV transformer of `config`, seeded random weights, at `path` (float32)."""
     from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 
-    model = LTXModelConfigurator.from_config(config)
-    _init_(model, seed)
-    path = Path(path)
-    _atomic_save(dict(model.state_dict()), config, path)
-    return path
+    with torch.device("meta"):
+        model = LTXModelConfigurator.from_config(config)
+    write_safetensors(path, module_specs(model, dtype=torch.float32), seed=seed, metadata=_config_meta(config))
+    return Path(path)
 
 
 def write_video_decoder_checkpoint(path: str | Path, config: dict[str, Any], *, seed: int = 1) -> Path:
-    """Build the ltx-core video VAE decoder from `config`, init it from `seed`, save it to `path`.
-
-    Per-channel latent statistics are set to mean 0 / std 1 (the identity), so the decoder sees the
-    latent as generated.
-    """
+    """The ltx-core video VAE decoder of `config` at `path`; its per-channel latent statistics are the
+    identity (mean 0, std 1), so the decoder sees the latent as generated."""
     from ltx_core.model.video_vae.model_configurator import VideoDecoderConfigurator
 
-    decoder = VideoDecoderConfigurator.from_config(config)
-    _init_(decoder, seed)
-    sd = dict(decoder.state_dict())
-    for key, value in list(sd.items()):
-        if key.startswith("per_channel_statistics."):
-            sd[key] = torch.ones_like(value) if "std" in key else torch.zeros_like(value)
-    _atomic_save(sd, config, Path(path))
+    with torch.device("meta"):
+        decoder = VideoDecoderConfigurator.from_config(config)
+    write_safetensors(path, module_specs(decoder, dtype=torch.float32), seed=seed, metadata=_config_meta(config))
+    return Path(path)
+
+
+def write_audio_checkpoint(path: str | Path, config: dict[str, Any] = TINY_AUDIO, *, seed: int = 2) -> Path:
+    """The audio VAE decoder + vocoder of `config` at `path`, in the monolith's key layout."""
+    write_safetensors(path, audio_specs(config, torch.float32), seed=seed, metadata=_config_meta(config))
     return Path(path)
 
 
@@ -205,6 +82,7 @@ class SmokeCheckpoint:
     directory: Path
     transformer_path: Path
     decoder_path: Path
+    audio_path: Path  #: audio VAE decoder + vocoder (monolith layout)
     transformer_config: dict[str, Any]
     decoder_config: dict[str, Any]
 
@@ -216,8 +94,11 @@ def default_cache_dir() -> Path:
 
 
 def _digest(*configs: dict[str, Any], seed: int) -> str:
-    blob = json.dumps([FORMAT_VERSION, seed, *configs], sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps([FORMAT_VERSION, seed, *configs], sort_keys=True).encode())
+    common = Path(__file__).parents[1] / "common"
+    for source in (Path(__file__), common / "weights.py", common / "audio.py"):  # a generator edit never
+        digest.update(source.read_bytes())  # leaves stale files in a cache
+    return digest.hexdigest()[:12]
 
 
 def ensure_smoke_checkpoint(
@@ -229,17 +110,20 @@ def ensure_smoke_checkpoint(
 ) -> SmokeCheckpoint:
     """Create (once) and return the smoke checkpoint under `cache_dir/<config digest>/`.
 
-    The digest of the configs and seed names the subdirectory, so different configs never collide and an
-    existing directory is always the right one. Concurrent callers are safe (atomic renames).
+    The digest of the configs, the seed and the generator's source names the subdirectory, so different
+    configs never collide and an existing directory is always the right one. Concurrent callers are safe
+    (atomic renames).
     """
     tcfg = transformer_config or tiny_transformer_config()
     dcfg = decoder_config or tiny_video_decoder_config(latent_channels=tcfg["transformer"]["in_channels"])
     if dcfg["vae"]["latent_channels"] != tcfg["transformer"]["in_channels"]:
         raise ValueError("decoder latent_channels must equal the transformer's in_channels")
-    directory = Path(cache_dir or default_cache_dir()) / _digest(tcfg, dcfg, seed=seed)
-    tpath, dpath = directory / _TRANSFORMER_FILE, directory / _DECODER_FILE
+    directory = Path(cache_dir or default_cache_dir()) / _digest(tcfg, dcfg, TINY_AUDIO, seed=seed)
+    tpath, dpath, apath = directory / _TRANSFORMER_FILE, directory / _DECODER_FILE, directory / _AUDIO_FILE
     if not tpath.exists():
         write_transformer_checkpoint(tpath, tcfg, seed=seed)
     if not dpath.exists():
         write_video_decoder_checkpoint(dpath, dcfg, seed=seed + 1)
-    return SmokeCheckpoint(directory, tpath, dpath, tcfg, dcfg)
+    if not apath.exists():
+        write_audio_checkpoint(apath, seed=seed + 2)
+    return SmokeCheckpoint(directory, tpath, dpath, apath, tcfg, dcfg)

@@ -1,12 +1,15 @@
-"""`SmokeRunner`: a real text-to-video render with the LTX-2 architecture at a tiny size.
+"""`SmokeRunner`: a real text-to-video-with-audio render with the LTX-2 architecture at a tiny size.
 
 Everything is the real machinery except the weights and the text encoder: the ltx-core AV transformer
 (built by `SequenceParallelBuilder` around `SingleGPUModelBuilder` from a deterministic tiny safetensors
 checkpoint), the LTX-2 scheduler, CFG guidance and Euler steps, the ltx-core video VAE decoder (tiny
-config, x32/x8 geometry), and an H.264 mp4 written with PyAV on the driver rank. It exists so the
-service, CI and demos exercise the whole path, SP included, on CPUs and GPUs without real weights.
+config, x32/x8 geometry), the ltx-core audio VAE decoder and vocoder (tiny config, LTX-2's audio geometry:
+25 latent frames per second -> 24 kHz stereo), and an mp4 (H.264 + AAC) written with PyAV on the driver
+rank. It exists so the service, CI and demos exercise the whole path, SP included, on CPUs and GPUs
+without real weights.
 
-Request fields (worker/schema.py `RenderRequest` + `output_path`) and what the smoke model does with them:
+Request fields (`SmokeArgs`: worker/schema.py `RenderRequest` + `output_path`) and what the smoke model
+does with them:
 
 | field            | used as |
 |------------------|---------|
@@ -18,37 +21,54 @@ Request fields (worker/schema.py `RenderRequest` + `output_path`) and what the s
 | frame_rate       | RoPE time positions and the mp4 frame rate |
 | steps            | denoising steps (default: setup's `default_steps`) |
 | guidance_scale   | CFG scale (default 1.0: no guidance, batch 1; > 1 runs a batch of 2 through SP) |
+| images           | refused (`ValueError`): the smoke model takes no conditioning images |
 | enhance_prompt   | accepted and ignored (no prompt-enhancer model in the smoke setup) |
+| audio            | decode the denoised audio latent and mux it as AAC (default); False: a silent mp4 |
 | output_path      | where the driver rank writes the mp4 |
 
-The audio latent is denoised alongside the video (it takes part in every block's audio-video attention),
-but not decoded: the smoke model has no audio VAE/vocoder (ltx-core's needs torchaudio), so the mp4 is
-video-only.
+The audio latent is denoised alongside the video on every rank (it takes part in every block's
+audio-video attention); the driver decodes it (audio VAE decoder + vocoder, no torchaudio needed) and
+fits it to the video's duration.
 
-Events (driver rank only): stage encode / denoise, one progress per step, stage decode, stage mux, output.
-Limits are checked on every rank before any collective and raise `ValueError` (a recoverable
-`SymmetricRunnerError` for the caller).
+Events (driver rank only): stage encode / denoise, one progress per step, stage decode, stage
+audio_decode (when audio is on), stage mux, output (with `audio`, `audio_sample_rate`, `audio_duration_s`
+and `timings_s`). Limits are checked on every rank before any collective and raise `ValueError` (a
+recoverable `SymmetricRunnerError` for the caller).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...events import output_event, progress_event, stage_event
-from ...parallel import AttentionManager, SequenceParallelBuilder, check_token_budget, padded_token_count
+from ...parallel import check_token_budget, padded_token_count
 from ...runner import MGPURunner
+from ..common.args import RenderArgs, job_entry
+from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.loading import build_checked, build_sp_transformer
+from ..common.media import audio_fields, write_mp4
+from ..common.stages import StageClock
 from .checkpoint import ensure_smoke_checkpoint
-from .pipeline import SmokeGeometry, decode_frames, denoise_step, initial_states, prompt_embedding
-from .video_io import write_mp4
+from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding
 
-__all__ = ["SmokeRunner"]
+__all__ = ["SmokeArgs", "SmokeRunner"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmokeArgs(RenderArgs):
+    """The smoke model's job: `RenderArgs` with a small default size (256x256, 17 frames)."""
+
+    width: int = 256
+    height: int = 256
+    num_frames: int = 17
 
 
 class SmokeRunner(MGPURunner):
@@ -67,7 +87,7 @@ class SmokeRunner(MGPURunner):
         crf: int = 18,
     ) -> None:
         """Create the checkpoint if missing (rank 0, then a barrier), build the SP transformer on every
-        rank and the VAE decoder on the driver.
+        rank and the video VAE decoder, audio decoder and vocoder on the driver.
 
         Args:
             checkpoint_dir: cache directory for the generated checkpoint (default `$LTX_MGPU_CACHE/smoke`
@@ -113,24 +133,21 @@ class SmokeRunner(MGPURunner):
         self.latent_channels = int(cfg["in_channels"])
         self.audio_channels = int(cfg["audio_in_channels"])
         self.caption_channels = int(cfg["caption_channels"])
-        self.attention = AttentionManager(
-            self.max_tokens,
-            int(cfg["num_attention_heads"]),
-            int(cfg["attention_head_dim"]),
-            self.dtype,
-            self.groups.transformer_group,
-            backend=backend,
-            device=self.device,
+        self.attention, self.transformer = build_sp_transformer(
+            inner, self, max_tokens=self.max_tokens, dtype=self.dtype, backend=backend, build_dtype=self.dtype
         )
-        self.transformer = SequenceParallelBuilder(inner, self.attention).build(device=self.device, dtype=self.dtype)
         self.x0 = X0Model(self.transformer)
         self.decoder = None
+        self.audio: AudioDecoding | None = None
         if self.is_driver:  # only the driver decodes and encodes
-            self.decoder = (
-                SingleGPUModelBuilder(VideoDecoderConfigurator, str(ckpt.decoder_path))
-                .build(device=self.device, dtype=self.dtype)
-                .eval()
+            self.decoder = build_checked(
+                SingleGPUModelBuilder(VideoDecoderConfigurator, str(ckpt.decoder_path)),
+                self.device,
+                self.dtype,
+                "video decoder",
             )
+            self.audio = build_audio_decoding(str(ckpt.audio_path), self.device, torch.float32)  # small; no bf16 hiss
+        self.clock = StageClock(self.device)
 
     # ---- validation (every rank, before any collective) ----------------------------------------------
     def _validate(self, geo: SmokeGeometry, steps: int, guidance_scale: float, output_path: str) -> None:
@@ -150,70 +167,73 @@ class SmokeRunner(MGPURunner):
         check_token_budget(padded_token_count(geo.video_tokens, self.world_size), batch, self.max_tokens)
 
     # ---- one job -------------------------------------------------------------------------------------
-    def __call__(
-        self,
-        *,
-        output_path: str,
-        prompt: str,
-        negative_prompt: str = "",
-        seed: int = 42,
-        width: int = 256,
-        height: int = 256,
-        num_frames: int = 17,
-        frame_rate: float = 24.0,
-        steps: int | None = None,
-        guidance_scale: float | None = None,
-        enhance_prompt: bool = False,  # accepted for the schema; the smoke model has no prompt enhancer
-    ) -> Iterator[dict[str, Any]]:
+    __call__ = job_entry(SmokeArgs)
+
+    def render(self, args: SmokeArgs) -> Iterator[dict[str, Any]]:
+        """One job on every rank (SPMD); the driver yields the events and writes the file."""
         from ltx_core.components.schedulers import LTX2Scheduler
 
-        del enhance_prompt
-        steps = self.default_steps if steps is None else int(steps)
-        scale = 1.0 if guidance_scale is None else float(guidance_scale)
+        steps = self.default_steps if args.steps is None else int(args.steps)
+        scale = 1.0 if args.guidance_scale is None else float(args.guidance_scale)
         geo = SmokeGeometry(
-            width=int(width),
-            height=int(height),
-            num_frames=int(num_frames),
-            frame_rate=float(frame_rate),
+            width=int(args.width),
+            height=int(args.height),
+            num_frames=int(args.num_frames),
+            frame_rate=float(args.frame_rate),
             latent_channels=self.latent_channels,
             audio_channels=self.audio_channels,
         )
-        self._validate(geo, steps, scale, output_path)
-        driver = self.is_driver
+        if args.images:
+            raise ValueError("the smoke runner takes no conditioning images")
+        self._validate(geo, steps, scale, args.output_path)
+        driver, clock = self.is_driver, self.clock
+        clock.reset()
 
         if driver:
             yield stage_event("encode")
-        rows = [prompt_embedding(prompt, self.caption_channels)]
-        if scale > 1.0:
-            rows.append(prompt_embedding(negative_prompt, self.caption_channels))
-        context = torch.stack(rows).to(device=self.device, dtype=self.dtype)
-        video_state, audio_state = initial_states(geo, seed, self.device, self.dtype)
+        with clock.stage("encode"):
+            rows = [prompt_embedding(args.prompt, self.caption_channels)]
+            if scale > 1.0:
+                rows.append(prompt_embedding(args.negative_prompt, self.caption_channels))
+            context = torch.stack(rows).to(device=self.device, dtype=self.dtype)
+            video_state, audio_state = initial_states(geo, args.seed, self.device, self.dtype)
         latent_shape = (1, geo.latent_channels, geo.latent_frames, geo.latent_height, geo.latent_width)
         sigmas = LTX2Scheduler().execute(steps=steps, latent=torch.empty(latent_shape, device="meta"))
 
         if driver:
             yield stage_event("denoise", steps=steps, video_tokens=geo.video_tokens, world_size=self.world_size)
-        for step in range(steps):
-            self.raise_if_cancelled()  # collective: every rank takes the same branch
-            video_state, audio_state = denoise_step(self.x0, video_state, audio_state, sigmas, step, context, scale)
-            if driver:
-                yield progress_event("denoise", step + 1, steps)
+        with clock.stage("denoise"):
+            for step in range(steps):
+                self.raise_if_cancelled()  # collective: every rank takes the same branch
+                video_state, audio_state = denoise_step(self.x0, video_state, audio_state, sigmas, step, context, scale)
+                if driver:
+                    yield progress_event("denoise", step + 1, steps)
 
         if not driver:
             return None
+        assert self.decoder is not None and self.audio is not None  # built on the driver
         yield stage_event("decode")
-        frames = decode_frames(self.decoder, geo, video_state)
+        with clock.stage("decode"):
+            frames = decode_frames(self.decoder, geo, video_state)
+        track = None
+        if args.audio:
+            yield stage_event("audio_decode")
+            with clock.stage("audio_decode"):
+                track = self.audio.decode(audio_latent(geo, audio_state)).fitted(args.duration_s)
         yield stage_event("mux")
-        size = write_mp4(frames, output_path, geo.frame_rate, crf=self.crf)
+        with clock.stage("mux"):
+            size = write_mp4(frames, args.output_path, geo.frame_rate, crf=self.crf, audio=track)
         yield output_event(
-            os.fspath(output_path),
+            os.fspath(args.output_path),
             frames=int(frames.shape[0]),
             fps=geo.frame_rate,
             width=int(frames.shape[2]),
             height=int(frames.shape[1]),
             size_bytes=size,
-            seed=int(seed),
+            seed=int(args.seed),
             steps=steps,
             world_size=self.world_size,
+            **audio_fields(track),
+            timings_s=dict(clock.timings_s),
         )
         return None

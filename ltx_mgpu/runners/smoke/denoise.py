@@ -1,5 +1,6 @@
-"""The smoke model's text-to-video math, built from ltx-core pieces: latent geometry, deterministic
-prompt embeddings, the initial noise, one guided denoising step, and the decode to uint8 frames.
+"""The smoke model's text-to-video denoising math, built from ltx-core pieces: latent geometry,
+deterministic prompt embeddings, the initial noise, one guided denoising step, the decode to uint8 frames
+and the final audio latent.
 
 Pure functions of tensors (no process groups): the runner adds ranks, SP and events around them. The
 same functions with the same seed give the same latents on any world size, up to SP's floating-point
@@ -18,6 +19,7 @@ __all__ = [
     "AUDIO_LATENTS_PER_SECOND",
     "PROMPT_TOKENS",
     "SmokeGeometry",
+    "audio_latent",
     "build_modalities",
     "decode_frames",
     "denoise_step",
@@ -189,3 +191,8 @@ def decode_frames(decoder: torch.nn.Module, geometry: SmokeGeometry, video_state
     with torch.no_grad():
         chunks = list(decode_video(latent.to(dtype), decoder))
     return torch.cat(chunks, dim=0).cpu()
+
+
+def audio_latent(geometry: SmokeGeometry, audio_state: Any) -> torch.Tensor:
+    """The final audio latent (1, 8, frames, mel_bins) for the audio decoder."""
+    return geometry.audio_tools(1).unpatchify(audio_state).latent

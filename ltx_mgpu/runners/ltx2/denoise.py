@@ -1,5 +1,6 @@
-"""The LTX-2 text/image-to-video math shared by the runners, built from ltx-core pieces (ltx-pipelines 1.0.0
-cannot be imported here: it imports the audio VAE, which needs torchaudio, at import time).
+"""The LTX-2 text/image-to-video denoising math shared by the runners, built from ltx-core pieces
+(ltx-pipelines 1.0.0 cannot be imported here: it imports the audio VAE, which needs torchaudio, at import
+time).
 
 Pure functions of tensors and models (no process groups): the runners add ranks, parallel wrappers,
 cancellation and events around them. Facts reused from LTX-2: the stage-1 scheduler (`LTX2Scheduler`),
@@ -160,7 +161,7 @@ def blend_clean(denoised: torch.Tensor, state: Any) -> torch.Tensor:
 
 def encode_images(images: Sequence[Any], tools: Any, encoder: torch.nn.Module) -> list[torch.Tensor]:
     """VAE latents (1, C, 1, h, w) of the conditioning images at the stage's resolution."""
-    from .media import to_model_input
+    from .images import to_model_input
 
     shape = tools.target_shape
     height, width = shape.height * 32, shape.width * 32

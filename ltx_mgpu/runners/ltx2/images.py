@@ -1,4 +1,4 @@
-"""Conditioning images in, mp4 out (PyAV and torch only: no pillow or torchvision needed).
+"""Conditioning images in: decoded with PyAV and torch only (no pillow or torchvision needed).
 
 Images arrive in the job kwargs as base64-encoded files (PNG, JPEG, WebP, ... anything FFmpeg decodes), so a
 request is self-contained and never names a path on the worker. Decoding runs on every rank from the same
@@ -15,16 +15,15 @@ from typing import Any
 
 import torch
 
-from ..smoke.video_io import read_mp4, write_mp4
-
-__all__ = ["ConditioningImage", "decode_image", "parse_images", "read_mp4", "to_model_input", "write_mp4"]
+__all__ = ["DecodedImage", "decode_image", "parse_images", "to_model_input"]
 
 MAX_IMAGE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
-class ConditioningImage:
-    """An image to condition on: decoded uint8 pixels (H, W, 3), the video frame it pins, its strength."""
+class DecodedImage:
+    """A request's conditioning image after decoding: uint8 pixels (H, W, 3), the video frame it pins, its
+    strength. (The request schema's `ConditioningImage` is the same image still as a base64 file.)"""
 
     pixels: torch.Tensor
     frame: int
@@ -46,7 +45,7 @@ def decode_image(data: bytes) -> torch.Tensor:
     raise ValueError("cannot decode the conditioning image: no frames")
 
 
-def parse_images(images: Any, num_frames: int) -> list[ConditioningImage]:
+def parse_images(images: Any, num_frames: int) -> list[DecodedImage]:
     """Validate and decode the `images` job kwarg: a list of {"data": base64, "frame": int, "strength": float}."""
     if images is None:
         return []
@@ -70,7 +69,7 @@ def parse_images(images: Any, num_frames: int) -> list[ConditioningImage]:
             raise ValueError(f"images[{i}].data is not valid base64: {exc}") from exc
         if len(raw) > MAX_IMAGE_BYTES:
             raise ValueError(f"images[{i}] is {len(raw)} bytes, over the {MAX_IMAGE_BYTES} byte limit")
-        out.append(ConditioningImage(decode_image(raw), frame, strength))
+        out.append(DecodedImage(decode_image(raw), frame, strength))
     return out
 
 

@@ -1,0 +1,105 @@
+"""Loading checks shared by every runner: files that must exist, checkpoint metadata, and models that must
+come out of ltx-core's builders fully materialised.
+
+ltx-core's `SingleGPUModelBuilder` loads with `strict=False` and, when keys are missing, silently returns a
+model still on the meta device; `build_checked` turns that into a `RuntimeError` naming the file and the
+first missing tensors. Checkpoints written by our synthetic generator say `synthetic: "true"` in their
+safetensors metadata; `warn_if_synthetic` logs that once per setup, because anything rendered from them is
+noise (only their timings and memory are real).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "build_checked",
+    "build_sp_transformer",
+    "check_materialized",
+    "checkpoint_metadata",
+    "is_synthetic",
+    "require_file",
+    "warn_if_synthetic",
+]
+
+log = logging.getLogger("ltx_mgpu.runners")
+
+
+def require_file(path: str | Path, what: str) -> str:
+    """`str(path)` if it is a file, else `FileNotFoundError` naming `what`."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} not found: {p}")
+    return str(p)
+
+
+def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+    """The safetensors metadata of `path` with the `config` entry parsed (empty dict when absent)."""
+    from safetensors import safe_open
+
+    with safe_open(require_file(path, "checkpoint"), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    if "config" in meta:
+        meta["config"] = json.loads(meta["config"])
+    return meta
+
+
+def is_synthetic(metadata: dict[str, Any]) -> bool:
+    """True for checkpoints our generator wrote (seeded random weights)."""
+    return str(metadata.get("synthetic", "")).lower() == "true"
+
+
+def warn_if_synthetic(path: str | Path, *, announce: bool = True) -> bool:
+    """True if the checkpoint at `path` is synthetic; logs a warning once when `announce` (the driver)."""
+    synthetic = is_synthetic(checkpoint_metadata(path))
+    if synthetic and announce:
+        log.warning(
+            "%s holds SYNTHETIC weights (seeded random, written by ltx_mgpu.runners.ltx2.synthetic): renders "
+            "from synthetic weights are noise; only their timings and memory are real",
+            path,
+        )
+    return synthetic
+
+
+def check_materialized(model: torch.nn.Module, what: str) -> torch.nn.Module:
+    """Fail clearly if any parameter or buffer of `model` is still on meta; else eval() and no grad."""
+    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"{what}: {len(meta)} tensors are still on the meta device after loading (first: {meta[:3]}); the "
+            "checkpoint lacks them or has another key layout"
+        )
+    return model.eval().requires_grad_(False)
+
+
+def build_checked(builder: Any, device: torch.device, dtype: torch.dtype | None, what: str) -> torch.nn.Module:
+    """`builder.build(device, dtype)`, then `check_materialized` (naming the builder's file)."""
+    model = builder.build(device=torch.device(device), dtype=dtype)
+    return check_materialized(model, f"{what} ({builder.model_path})")
+
+
+def build_sp_transformer(
+    builder: Any, runner: Any, *, max_tokens: int, dtype: torch.dtype, backend: str, build_dtype: torch.dtype | None
+) -> tuple[Any, torch.nn.Module]:
+    """The `AttentionManager` sized from the transformer config of `builder` and the sequence-parallel
+    transformer built from it on `runner`'s device and transformer group (`build_dtype` None: keep the
+    checkpoint's dtypes, e.g. fp8 weights)."""
+    from ...parallel import AttentionManager, SequenceParallelBuilder
+
+    cfg = builder.model_config()["transformer"]
+    attention = AttentionManager(
+        int(max_tokens),
+        int(cfg["num_attention_heads"]),
+        int(cfg["attention_head_dim"]),
+        dtype,
+        runner.groups.transformer_group,
+        backend=backend,
+        device=runner.device,
+    )
+    model = SequenceParallelBuilder(builder, attention).build(device=runner.device, dtype=build_dtype)
+    return attention, model

@@ -1,0 +1,63 @@
+"""Per-stage wall time and peak accelerator memory of one job, for the driver's `output` event.
+
+`StageClock.stage(name)` brackets a stage: the device is synchronised before and after (so the seconds are
+the stage's own work, not queued kernels of the previous one or launches still running) and, on CUDA, the
+peak-memory counter is reset at the start and read at the end. `timings_s` is the driver's view (wall
+seconds per stage); `peak_report()` gathers every rank's peaks (a collective over the control group).
+
+Stage names used by the runners (the `output` event's `timings_s` keys): `encode`, `stage1`, `upsample`,
+`stage2` (ltx2) or `denoise` (smoke), `decode` (video), `audio_decode`, `mux`. A stage a runner does not
+have, or skipped for this job (no audio asked), is absent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StageClock"]
+
+
+class StageClock:
+    """Seconds and peak memory per stage of the current job on this rank; `reset()` at each job start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.timings_s: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.timings_s, self.peaks = {}, {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.timings_s[name] = round(time.perf_counter() - start, 6)
+        if self.device.type == "cuda":
+            self.peaks[name] = int(torch.cuda.max_memory_allocated(self.device))
+
+    def peak_report(self, world_size: int, group: Any) -> dict[str, list[int]] | None:
+        """Collective (every rank): per-stage peak memory of every rank, None on CPU fleets. Stages only
+        some ranks ran (the driver's audio decode and mux) report 0 for the others."""
+        if self.device.type != "cuda":
+            return None
+        gathered: list[Any] = [self.peaks]
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, self.peaks, group=group)
+        stages = list(dict.fromkeys(name for peaks in gathered for name in peaks))
+        return {stage: [int(peaks.get(stage, 0)) for peaks in gathered] for stage in stages}

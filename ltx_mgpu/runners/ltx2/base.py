@@ -1,0 +1,480 @@
+"""`Ltx2Runner`: what the two LTX-2 runners share (setup, the job's stages, events); see docs/runners.md.
+
+A job is a fixed sequence of stages, each a method a runner may override:
+
+    render(args):  _encode -> _stage1 -> _upsample -> _stage2 -> _decode_video -> _decode_audio -> _mux
+
+`Ltx2DistilledRunner` (distilled.py) and `Ltx2TwoStageRunner` (two_stage.py) override `_stage1` and
+`_stage2` (schedules, guidance, SP or TDP, audio handling) and a few setup hooks; everything else lives
+here. Every stage method is a generator: it yields its events (driver only) and *returns* its result, so
+`render` reads `result = yield from self._stage1(...)`. Each stage runs inside `self.clock.stage(name)`
+(wall seconds and CUDA peak memory between device synchronisations), reported in the `output` event.
+
+Setup kwargs (every rank): `checkpoint_path` (the LTX-2 monolith: transformer, video VAE, audio VAE
+decoder + vocoder, text projection), `spatial_upsampler_path`, `gemma_root`, `distilled_lora_path`
+(two-stage, required), `distilled_lora_strength`, `loras` ([(path, strength), ...] extra LoRAs),
+`quantization` (None, "fp8-cast", "fp8-scaled-mm": passed to the transformer builder, never ignored),
+`dtype`, `sp_max_tokens`, `sp_backend`, `tdp_tiles`/`tdp_overlap`, `vae_tiles`/`vae_overlap`/`vae_chunked`,
+`text_encoder` ("source" | "batch-parallel"), `text_encoder_rank`, `prompt_tokens`,
+`enhance_max_new_tokens`, `default_steps`, `max_steps`, `stage2_sigmas`, `stg_blocks`.
+
+Job kwargs: `common.args.RenderArgs` (worker/schema.py `RenderRequest` + `output_path`). Every request
+check runs on every rank before any collective and raises `ValueError` (a recoverable
+`SymmetricRunnerError`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import RunnerError
+from ...events import output_event, progress_event, stage_event
+from ...parallel import check_token_budget, padded_token_count
+from ...parallel.collectives import broadcast_tensor
+from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
+from ...parallel.tdp import BalancedTiling
+from ...parallel.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
+from ...parallel.vae_decode import DistributedDecoderBuilder, vae_tiles
+from ...runner import MGPURunner
+from ..common.args import RenderArgs, job_entry
+from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
+from ..common.media import AudioTrack, audio_fields, write_mp4
+from ..common.stages import StageClock
+from . import components as comp
+from .denoise import (
+    Geometry,
+    blend_clean,
+    build_conditionings,
+    encode_images,
+    image_latent_shape,
+    make_state,
+    upsample_latent,
+)
+from .images import DecodedImage, parse_images
+
+__all__ = ["Job", "Ltx2Runner", "Prompt"]
+
+Events = Generator[dict[str, Any], None, Any]  #: a stage: yields events, returns its result
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validated render on every rank: the request, its geometry, decoded images, stage-1 steps."""
+
+    args: RenderArgs
+    geo: Geometry
+    images: list[DecodedImage]
+    steps: int  #: stage-1 denoising steps
+    generator: torch.Generator  #: CPU noise: the same bits on every rank and device
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Encoded prompts: the text used (after enhancement), (video, audio) contexts, and the negative ones."""
+
+    text: str
+    positive: tuple[torch.Tensor, torch.Tensor]
+    negative: tuple[torch.Tensor, torch.Tensor] | None
+
+
+class Ltx2Runner(MGPURunner):
+    """The shared LTX-2 runner; subclasses set the stage-1/stage-2 behaviour (see the module docstring)."""
+
+    #: stage-1 steps accepted by `_validate` (ltx-core's LTX2Scheduler yields a NaN sigma for a single step)
+    min_steps = 1
+
+    # =====================================================================================================
+    # setup
+    # =====================================================================================================
+    def setup(
+        self,
+        *,
+        checkpoint_path: str,
+        spatial_upsampler_path: str,
+        gemma_root: str,
+        distilled_lora_path: str | None = None,
+        distilled_lora_strength: float = 1.0,
+        loras: list | tuple = (),
+        quantization: str | None = None,
+        dtype: str = "bfloat16",
+        sp_max_tokens: int = 32768,
+        sp_backend: str = "auto",
+        tdp_tiles: int | None = None,
+        tdp_overlap: int = 2,
+        vae_tiles: int | None = None,
+        vae_overlap: int = 1,
+        vae_chunked: bool = False,
+        text_encoder: str = "source",
+        text_encoder_rank: int = 0,
+        prompt_tokens: int = 1024,
+        enhance_max_new_tokens: int = 512,
+        default_steps: int | None = None,
+        max_steps: int = 100,
+        stage2_sigmas: list[float] | None = None,
+        stg_blocks: list[int] | None = None,
+    ) -> None:
+        self.dtype = comp.parse_dtype(dtype)
+        self.quantization_name = quantization
+        policy = comp.quantization_policy(quantization)
+        if policy is not None and self.dtype != torch.bfloat16:
+            raise ValueError("quantized transformers run in bfloat16: set dtype='bfloat16'")
+        if text_encoder not in ("source", "batch-parallel"):
+            raise ValueError(f"text_encoder must be 'source' or 'batch-parallel', got {text_encoder!r}")
+        from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP
+
+        self.base_loras = tuple(LoraSpec(str(p), float(s), LTXV_LORA_COMFY_RENAMING_MAP) for p, s in loras)
+        self.stage2_loras = self.base_loras + self._stage2_extra_loras(distilled_lora_path, distilled_lora_strength)
+        if self.stage2_loras and policy is None and self.dtype != torch.bfloat16:
+            raise ValueError("LoRA fusion (ltx-core apply_loras) needs bfloat16 or fp8 weights: set dtype='bfloat16'")
+        self.max_steps = int(max_steps)
+        self.sp_max_tokens = int(sp_max_tokens)
+        self.synthetic = warn_if_synthetic(checkpoint_path, announce=self.is_driver)
+        self.clock = StageClock(self.device)
+
+        # ---- transformer: one resident SP model per rank --------------------------------------------------
+        tb = comp.transformer_builder(checkpoint_path, quantization=policy)
+        tcfg = tb.model_config()["transformer"]
+        self.latent_channels = int(tcfg["in_channels"])
+        self.audio_channels = int(tcfg["audio_in_channels"])
+        self.num_layers = int(tcfg["num_layers"])
+        build_dtype = None if policy is not None else self.dtype  # quantized weights keep their fp8 dtype
+        self.attention, self.sp_model = build_sp_transformer(
+            tb, self, max_tokens=self.sp_max_tokens, dtype=self.dtype, backend=sp_backend, build_dtype=build_dtype
+        )
+        self._check_quantized(policy)
+        from ltx_core.model.transformer import X0Model
+
+        self.x0_sp = X0Model(self.sp_model)
+        self._setup_stage2(
+            tb,
+            tdp_tiles=tdp_tiles,
+            tdp_overlap=int(tdp_overlap),
+            checkpoint_path=checkpoint_path,
+            default_steps=default_steps,
+            stg_blocks=stg_blocks,
+        )
+        self.stage2_sigmas = tuple(float(s) for s in (stage2_sigmas or self._default_stage2_sigmas()))
+        if len(self.stage2_sigmas) < 2 or self.stage2_sigmas[-1] != 0.0:
+            raise ValueError(f"stage2_sigmas must have >= 2 values and end at 0.0, got {self.stage2_sigmas}")
+
+        # ---- LoRAs: the tracker keeps weights resident and swaps them in place ----------------------------
+        self.tracker = None
+        if self.stage2_loras:
+            self.tracker = LoraWeightTracker(self.groups.transformer_group)
+            self.tracker.attach(self.sp_model.model)
+            self.tracker.apply(self.base_loras)
+
+        # ---- VAE: decoder on every rank (tiles); encoder, upsampler, audio decoding on the driver ---------
+        from ltx_core.model.video_vae import TilingConfig
+
+        self.vae_tiling = BalancedTiling(max(1, int(vae_tiles or self.world_size)), overlap=int(vae_overlap))
+        self.decoder = DistributedDecoderBuilder(
+            comp.video_decoder_builder(checkpoint_path),
+            group=self.groups.vae_group,
+            tiling=self.vae_tiling,
+            chunk_tiling=TilingConfig.default() if vae_chunked else None,
+        ).build(self.device, self.dtype)
+        self.encoder = self.upsampler = None
+        self.audio: AudioDecoding | None = None
+        if self.is_driver:
+            self.encoder = build_checked(
+                comp.video_encoder_builder(checkpoint_path), self.device, self.dtype, "video encoder"
+            )
+            self.upsampler = build_checked(
+                comp.upsampler_builder(spatial_upsampler_path), self.device, self.dtype, "spatial upsampler"
+            )
+            # float32: the audio models are small (~0.1 B parameters) and bf16 would be audible in the waveform
+            self.audio = build_audio_decoding(checkpoint_path, self.device, torch.float32)
+
+        # ---- prompt encoder ------------------------------------------------------------------------------
+        from .text import build_gemma_prompt_encoder
+
+        def local_encoder() -> Any:
+            return build_gemma_prompt_encoder(
+                gemma_root,
+                checkpoint_path,
+                device=self.device,
+                dtype=self.dtype,
+                max_tokens=int(prompt_tokens),
+                enhance_max_new_tokens=int(enhance_max_new_tokens),
+            )
+
+        if text_encoder == "batch-parallel":
+            self.text = BatchParallelPromptEncoder(local_encoder(), group=self.groups.gemma_group, device=self.device)
+        else:
+            src = int(text_encoder_rank)
+            if not 0 <= src < self.world_size:
+                raise ValueError(f"text_encoder_rank {src} is outside the fleet (size {self.world_size})")
+            encoder = local_encoder() if self.rank == src else None
+            self.text = DistributedPromptEncoder(
+                encoder, group=self.groups.gemma_group, device=self.device, src_rank=src
+            )
+
+    # ---- hooks for the runners -------------------------------------------------------------------------
+    def _stage2_extra_loras(self, path: str | None, strength: float) -> tuple[LoraSpec, ...]:
+        """LoRAs fused for stage 2 on top of the base ones (the two-stage runner's distilled LoRA)."""
+        del path, strength
+        return ()
+
+    def _setup_stage2(self, tb: Any, **options: Any) -> None:
+        """Stage-2 models and runner options (the two-stage runner builds its TDP sibling here)."""
+        del tb, options
+
+    def _default_stage2_sigmas(self) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def _check_quantized(self, policy: Any) -> None:
+        """Prove the quantization policy took effect (the reference's CLIs silently dropped it)."""
+        if policy is None:
+            return
+        dtypes = {p.dtype for p in self.sp_model.model.parameters()}
+        if self.quantization_name == "fp8-cast" and torch.float8_e4m3fn not in dtypes:
+            raise RuntimeError("quantization 'fp8-cast' was requested but no transformer weight is float8")
+
+    # =====================================================================================================
+    # one job
+    # =====================================================================================================
+    __call__ = job_entry(RenderArgs)
+
+    def render(self, args: RenderArgs) -> Iterator[dict[str, Any]]:
+        """One job on every rank (SPMD); the driver yields the events and writes the file."""
+        job = self._job(args)
+        self.clock.reset()
+        prompt = yield from self._encode(job)
+        video1, audio1 = yield from self._stage1(job, prompt)
+        upscaled = yield from self._upsample(job, video1)
+        video2, audio2 = yield from self._stage2(job, prompt, upscaled, audio1)
+        if not bool(torch.isfinite(video2).all()):  # identical latents on every rank: a symmetric failure
+            raise RunnerError("the denoised video latent is not finite (NaN/inf); nothing was written")
+        frames = yield from self._decode_video(job, video2)
+        peaks = self.clock.peak_report(self.world_size, self.groups.control_group)  # last collective
+        if not self.is_driver:
+            return
+        track = yield from self._decode_audio(job, audio2)
+        size = yield from self._mux(job, frames, track)
+        extra: dict[str, Any] = {"seed": int(args.seed), "world_size": self.world_size, "prompt": prompt.text}
+        if self.synthetic:
+            extra["synthetic_weights"] = True  # renders from synthetic weights are noise
+        if peaks is not None:
+            for stage in ("audio_decode", "mux"):  # driver-only stages, after the gather
+                if stage in self.clock.peaks:
+                    peaks[stage] = [self.clock.peaks[stage]] + [0] * (self.world_size - 1)
+            extra["peak_memory_bytes"] = peaks
+        yield output_event(
+            os.fspath(args.output_path),
+            frames=int(frames.shape[0]),
+            fps=job.geo.frame_rate,
+            width=int(frames.shape[2]),
+            height=int(frames.shape[1]),
+            size_bytes=size,
+            **extra,
+            **audio_fields(track),
+            timings_s=dict(self.clock.timings_s),
+        )
+
+    def _job_steps(self, args: RenderArgs) -> int:
+        """Stage-1 steps for `args` (refuse fields the runner cannot use here, with `ValueError`)."""
+        raise NotImplementedError
+
+    def _job(self, args: RenderArgs) -> Job:
+        geo = Geometry(
+            int(args.width),
+            int(args.height),
+            int(args.num_frames),
+            float(args.frame_rate),
+            self.latent_channels,
+            self.audio_channels,
+        )
+        steps = self._job_steps(args)
+        images = parse_images(args.images, geo.num_frames)
+        self._validate(geo, steps, args.output_path)
+        return Job(args, geo, images, steps, torch.Generator().manual_seed(int(args.seed)))
+
+    def _validate(self, geo: Geometry, steps: int, output_path: str) -> None:  # every rank, before any collective
+        if geo.width % 64 or geo.height % 64 or geo.width <= 0 or geo.height <= 0:
+            raise ValueError(f"width and height must be positive multiples of 64, got {geo.width}x{geo.height}")
+        if geo.num_frames < 1 or (geo.num_frames - 1) % 8:
+            raise ValueError(f"num_frames must be 8k+1 (1, 9, 17, ...), got {geo.num_frames}")
+        if not geo.frame_rate > 0:
+            raise ValueError(f"frame_rate must be positive, got {geo.frame_rate}")
+        if not self.min_steps <= steps <= self.max_steps:
+            raise ValueError(f"steps must be in [{self.min_steps}, {self.max_steps}], got {steps}")
+        if not output_path:
+            raise ValueError("output_path is required")
+        # SP budget: the smallest forward (one row) of stage 1 must fit; guidance rows are batched only as far
+        # as the budget allows (see `_max_batch`). Stage 2's own limits: `_validate_stage2`.
+        check_token_budget(padded_token_count(geo.tokens(2), self.world_size), 1, self.sp_max_tokens)
+        self._validate_stage2(geo)
+        full = geo.video_tools(1).target_shape
+        vae_tiles((1, self.latent_channels, full.frames, full.height, full.width), self.vae_tiling)
+
+    def _validate_stage2(self, geo: Geometry) -> None:
+        raise NotImplementedError
+
+    # ---- the stages --------------------------------------------------------------------------------------
+    def _encode(self, job: Job) -> Events:
+        """Prompt (and the negative prompt, when `_negative_prompt` gives one) -> contexts on every rank."""
+        if self.is_driver:
+            yield stage_event("encode")
+        with self.clock.stage("encode"):
+            prompt = job.args.prompt
+            if job.args.enhance_prompt:
+                first = next((img.pixels for img in job.images if img.frame == 0), None)
+                prompt = self.text.enhance(prompt, image=first, seed=int(job.args.seed))
+            negative = self._negative_prompt(job)
+            encodings = self.text.encode([prompt] if negative is None else [prompt, negative])
+
+            def contexts(e: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+                return e["video"].to(self.dtype), e["audio"].to(self.dtype)
+
+            neg = contexts(encodings[1]) if negative is not None else None
+            return Prompt(prompt, contexts(encodings[0]), neg)
+
+    def _negative_prompt(self, job: Job) -> str | None:
+        """The unconditional prompt, or None for runners without CFG."""
+        del job
+        return None
+
+    def _stage1(self, job: Job, prompt: Prompt) -> Events:
+        """Half-resolution denoising of video and audio from noise with the base LoRAs; returns the
+        (video latent, audio latent), unpatchified. Runner specifics: `_stage1_sigmas`, `_stage1_step`."""
+        tools, audio_tools = job.geo.video_tools(2), job.geo.audio_tools()
+        sigmas = self._stage1_sigmas(job)
+        with self.clock.stage("stage1"):
+            self._use_loras(self.base_loras)
+            video = self._state(tools, job, conditionings=self._conditionings(job.images, tools), noise_scale=1.0)
+            audio = self._state(audio_tools, job, noise_scale=1.0)
+            tokens = int(video.latent.shape[1])
+            if self.is_driver:
+                yield stage_event("stage1", steps=len(sigmas) - 1, video_tokens=tokens, world_size=self.world_size)
+            step = self._stage1_step(job, prompt, self._max_batch(tokens))
+            video, audio = yield from self._denoise("stage1", step, sigmas, video, audio)
+            return (
+                tools.unpatchify(tools.clear_conditioning(video)).latent,
+                audio_tools.unpatchify(audio_tools.clear_conditioning(audio)).latent,
+            )
+
+    def _stage1_sigmas(self, job: Job) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _stage1_step(self, job: Job, prompt: Prompt, max_batch: int) -> Any:
+        """The stage-1 step function `(video_state, audio_state, sigma) -> (denoised video, denoised audio)`."""
+        raise NotImplementedError
+
+    def _upsample(self, job: Job, latent: torch.Tensor) -> Events:
+        """x2 latent upsampler on the driver, broadcast to every rank."""
+        if self.is_driver:
+            yield stage_event("upsample")
+        with self.clock.stage("upsample"):
+            up = upsample_latent(latent, self.encoder, self.upsampler) if self.is_driver else None
+            s2 = job.geo.video_tools(1).target_shape
+            return self._sync(up, (1, s2.channels, s2.frames, s2.height, s2.width))
+
+    def _stage2(self, job: Job, prompt: Prompt, upscaled: torch.Tensor, audio: torch.Tensor) -> Events:
+        """Full-resolution refinement of the upscaled latent (re-noised to the first stage-2 sigma) with the
+        stage-2 LoRAs; returns (video latent, audio latent). Runner specifics: `_stage2_step` (model, mode)
+        and `_stage2_audio` (what happens to stage 1's audio)."""
+        tools, audio_tools = job.geo.video_tools(1), job.geo.audio_tools()
+        sigmas = torch.tensor(self.stage2_sigmas, dtype=torch.float32)
+        sigma0 = float(sigmas[0])
+        with self.clock.stage("stage2"):
+            self._use_loras(self.stage2_loras)  # collective: sharded fusion + broadcast, in place
+            cond = self._conditionings(job.images, tools)
+            video = self._state(tools, job, conditionings=cond, noise_scale=sigma0, initial_latent=upscaled)
+            audio_state = self._stage2_audio(job, audio_tools, audio, sigma0)
+            step, mode = self._stage2_step(job, prompt, tools.target_shape)
+            if self.is_driver:
+                tokens = int(video.latent.shape[1])
+                yield stage_event("stage2", steps=len(sigmas) - 1, video_tokens=tokens, mode=mode)
+            video, audio_state = yield from self._denoise("stage2", step, sigmas, video, audio_state)
+            return (
+                tools.unpatchify(tools.clear_conditioning(video)).latent,
+                audio_tools.unpatchify(audio_tools.clear_conditioning(audio_state)).latent,
+            )
+
+    def _stage2_step(self, job: Job, prompt: Prompt, shape: Any) -> tuple[Any, str]:
+        """The stage-2 step function and its mode name ("sp" or "tdp") for the full-resolution `shape`."""
+        raise NotImplementedError
+
+    def _stage2_audio(self, job: Job, tools: Any, latent: torch.Tensor, sigma0: float) -> Any:
+        """Stage 2's audio state: stage 1's audio re-noised to `sigma0` and denoised again with the video."""
+        return self._state(tools, job, noise_scale=sigma0, initial_latent=latent)
+
+    def _decode_video(self, job: Job, latent: torch.Tensor) -> Events:
+        """Distributed VAE decode (tiles across ranks); uint8 frames on the driver, None elsewhere."""
+        if self.is_driver:
+            yield stage_event("decode")
+        with self.clock.stage("decode"):
+            return self.decoder.decode_uint8(latent, seed=int(job.args.seed))
+
+    def _decode_audio(self, job: Job, latent: torch.Tensor) -> Events:
+        """Driver only: audio latent -> stereo waveform fitted to the video's duration (None if not asked)."""
+        if not job.args.audio:
+            return None
+        assert self.audio is not None  # built on the driver
+        yield stage_event("audio_decode")
+        with self.clock.stage("audio_decode"):
+            return self.audio.decode(latent).fitted(job.args.duration_s)
+
+    def _mux(self, job: Job, frames: torch.Tensor, track: AudioTrack | None) -> Events:
+        """Driver only: H.264 (+ AAC) mp4 at the output path; returns its size in bytes."""
+        yield stage_event("mux")
+        with self.clock.stage("mux"):
+            return write_mp4(frames, job.args.output_path, job.geo.frame_rate, audio=track)
+
+    # =====================================================================================================
+    # helpers for the stages
+    # =====================================================================================================
+    def _sync(self, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rank 0's tensor on every rank (the driver computed it; others pass None)."""
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+        tensor = tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        return broadcast_tensor(tensor, 0, self.groups.transformer_group) if self.world_size > 1 else tensor
+
+    def _max_batch(self, tokens: int) -> int:
+        return max(1, self.sp_max_tokens // padded_token_count(tokens, self.world_size))
+
+    def _use_loras(self, loras: tuple[LoraSpec, ...]) -> None:
+        """Collective: fuse exactly `loras` into the resident weights (a no-op when already so)."""
+        if self.tracker is not None:
+            self.tracker.apply(loras)
+
+    def _conditionings(self, images: list[DecodedImage], tools: Any) -> list:
+        """Image latents encoded on the driver, broadcast, turned into conditioning items on every rank."""
+        if not images:
+            return []
+        latents = encode_images(images, tools, self.encoder) if self.is_driver else [None] * len(images)
+        shape = image_latent_shape(tools)
+        return build_conditionings(images, [self._sync(lat, shape) for lat in latents])
+
+    def _state(self, tools: Any, job: Job, **kwargs: Any) -> Any:
+        return make_state(tools, kwargs.pop("conditionings", []), generator=job.generator, device=self.device,
+                          dtype=self.dtype, **kwargs)  # fmt: skip
+
+    def _denoise(
+        self, stage: str, step_fn: Any, sigmas: torch.Tensor, video_state: Any, audio_state: Any
+    ) -> Generator[dict[str, Any], None, tuple[Any, Any]]:
+        """Euler loop with one cancellation check (collective) per step; yields progress on the driver and
+        returns the final (video_state, audio_state)."""
+        from dataclasses import replace
+
+        from ltx_core.components.diffusion_steps import EulerDiffusionStep
+
+        euler = EulerDiffusionStep()
+        total = len(sigmas) - 1
+        for i in range(total):
+            self.raise_if_cancelled()
+            dv, da = step_fn(video_state, audio_state, sigmas[i])
+            dv, da = blend_clean(dv, video_state), blend_clean(da, audio_state)
+            video_state = replace(video_state, latent=euler.step(video_state.latent, dv, sigmas, i))
+            audio_state = replace(audio_state, latent=euler.step(audio_state.latent, da, sigmas, i))
+            if self.is_driver:
+                yield progress_event(stage, i + 1, total)
+        return video_state, audio_state
