@@ -13,10 +13,11 @@ No root, no Docker, no GPU. In a private temporary directory it starts
    runner (the LTX-2 architecture at a tiny size with random weights);
 
 then submits `examples/prompt.json` through the producer CLI with `--watch`, prints the object URI, the
-presigned URL and a local copy (fetched by the producer, sha256 verified), decodes that copy with PyAV,
-and tears everything down in reverse order by pid (warm stop first, SIGKILL only as a last resort),
-checking that no process it started, directly or indirectly, is still alive. Ctrl+C at any point tears
-down the same way. Exit code 0 only if every step succeeded.
+presigned URL and a local copy (fetched by the producer, sha256 verified), decodes that copy with PyAV
+(video frames and the AAC audio track, whose codec, rate, layout and length it prints), and tears
+everything down in reverse order by pid (warm stop first, SIGKILL only as a last resort), checking that
+no process it started, directly or indirectly, is still alive. Ctrl+C at any point tears down the same way.
+Exit code 0 only if every step succeeded.
 
 (Owned by the producer engineer; it lives in `worker/` for the `ltx-demo` console script.)
 """
@@ -378,15 +379,22 @@ class Demo:
                 stream = container.streams.video[0]
                 frames = list(container.decode(stream))
                 codec, rate = stream.codec_context.name, stream.average_rate
+                sound = container.streams.audio[0].codec_context if container.streams.audio else None
+                samples = sum(f.samples for f in container.decode(audio=0)) if sound is not None else 0
         except (av.FFmpegError, IndexError) as exc:
             raise DemoError(f"{local} does not decode: {exc}") from None
         if not frames:
             raise DemoError(f"{local} has no video frames")
+        if sound is None or not samples:
+            raise DemoError(f"{local} has no audio track")
         self.say(f"object:     {uri} ({head['ContentLength']} bytes, in the bucket)")
         self.say(f"url:        {result.get('url')}")
         self.say(f"local copy: {local} (sha256 {result.get('sha256')} verified)")
         self.say(
             f"PyAV:       {len(frames)} frames {frames[0].width}x{frames[0].height} {codec} @ {rate} fps: playable"
+        )
+        self.say(
+            f"audio:      {sound.name} {sound.sample_rate} Hz {sound.layout.name}, {samples / sound.sample_rate:.2f} s"
         )
 
     # ---- teardown --------------------------------------------------------------------------------

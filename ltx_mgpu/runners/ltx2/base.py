@@ -4,19 +4,17 @@ A job is a fixed sequence of stages, each a method a runner may override:
 
     render(args):  _encode -> _stage1 -> _upsample -> _stage2 -> _decode_video -> _decode_audio -> _mux
 
-`Ltx2DistilledRunner` (distilled.py) and `Ltx2TwoStageRunner` (two_stage.py) override `_stage1` and
-`_stage2` (schedules, guidance, SP or TDP, audio handling) and a few setup hooks; everything else lives
-here. Every stage method is a generator: it yields its events (driver only) and *returns* its result, so
-`render` reads `result = yield from self._stage1(...)`. Each stage runs inside `self.clock.stage(name)`
-(wall seconds and CUDA peak memory between device synchronisations), reported in the `output` event.
+The stages are written once, here; `Ltx2DistilledRunner` (distilled.py) and `Ltx2TwoStageRunner`
+(two_stage.py) fill in what differs through small hooks: `_stage1_sigmas` / `_stage1_step` (schedule and
+step function: plain or guided), `_stage2_step` (SP or TDP model) / `_stage2_audio` (refine or keep stage
+1's audio), `_job_steps` / `_validate_stage2` / `_negative_prompt` (request handling) and the setup hooks
+`_stage2_extra_loras` / `_setup_stage2` / `_default_stage2_sigmas`. Every stage method is a generator: it
+yields its events (driver only) and *returns* its result, so `render` reads
+`result = yield from self._stage1(...)`. Each stage runs inside `self.clock.stage(name)` (wall seconds and
+CUDA peak memory between device synchronisations), reported in the `output` event.
 
-Setup kwargs (every rank): `checkpoint_path` (the LTX-2 monolith: transformer, video VAE, audio VAE
-decoder + vocoder, text projection), `spatial_upsampler_path`, `gemma_root`, `distilled_lora_path`
-(two-stage, required), `distilled_lora_strength`, `loras` ([(path, strength), ...] extra LoRAs),
-`quantization` (None, "fp8-cast", "fp8-scaled-mm": passed to the transformer builder, never ignored),
-`dtype`, `sp_max_tokens`, `sp_backend`, `tdp_tiles`/`tdp_overlap`, `vae_tiles`/`vae_overlap`/`vae_chunked`,
-`text_encoder` ("source" | "batch-parallel"), `text_encoder_rank`, `prompt_tokens`,
-`enhance_max_new_tokens`, `default_steps`, `max_steps`, `stage2_sigmas`, `stg_blocks`.
+Setup kwargs (every rank; the table is in docs/runners.md): `checkpoint_path` (the LTX-2 monolith),
+`spatial_upsampler_path`, `gemma_root`, `distilled_lora_path` (two-stage), and the tuning options of `setup`.
 
 Job kwargs: `common.args.RenderArgs` (worker/schema.py `RenderRequest` + `output_path`). Every request
 check runs on every rank before any collective and raises `ValueError` (a recoverable
@@ -38,8 +36,7 @@ from ...parallel import check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tdp import BalancedTiling
-from ...parallel.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
-from ...parallel.vae_decode import DistributedDecoderBuilder, vae_tiles
+from ...parallel.vae_decode import vae_tiles
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
@@ -120,12 +117,9 @@ class Ltx2Runner(MGPURunner):
         stg_blocks: list[int] | None = None,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
-        self.quantization_name = quantization
         policy = comp.quantization_policy(quantization)
         if policy is not None and self.dtype != torch.bfloat16:
             raise ValueError("quantized transformers run in bfloat16: set dtype='bfloat16'")
-        if text_encoder not in ("source", "batch-parallel"):
-            raise ValueError(f"text_encoder must be 'source' or 'batch-parallel', got {text_encoder!r}")
         from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP
 
         self.base_loras = tuple(LoraSpec(str(p), float(s), LTXV_LORA_COMFY_RENAMING_MAP) for p, s in loras)
@@ -147,18 +141,12 @@ class Ltx2Runner(MGPURunner):
         self.attention, self.sp_model = build_sp_transformer(
             tb, self, max_tokens=self.sp_max_tokens, dtype=self.dtype, backend=sp_backend, build_dtype=build_dtype
         )
-        self._check_quantized(policy)
+        comp.check_quantized(self.sp_model.model, quantization)
         from ltx_core.model.transformer import X0Model
 
         self.x0_sp = X0Model(self.sp_model)
-        self._setup_stage2(
-            tb,
-            tdp_tiles=tdp_tiles,
-            tdp_overlap=int(tdp_overlap),
-            checkpoint_path=checkpoint_path,
-            default_steps=default_steps,
-            stg_blocks=stg_blocks,
-        )
+        options = {"tdp_tiles": tdp_tiles, "tdp_overlap": int(tdp_overlap), "default_steps": default_steps}
+        self._setup_stage2(tb, checkpoint_path=checkpoint_path, stg_blocks=stg_blocks, **options)
         self.stage2_sigmas = tuple(float(s) for s in (stage2_sigmas or self._default_stage2_sigmas()))
         if len(self.stage2_sigmas) < 2 or self.stage2_sigmas[-1] != 0.0:
             raise ValueError(f"stage2_sigmas must have >= 2 values and end at 0.0, got {self.stage2_sigmas}")
@@ -171,15 +159,10 @@ class Ltx2Runner(MGPURunner):
             self.tracker.apply(self.base_loras)
 
         # ---- VAE: decoder on every rank (tiles); encoder, upsampler, audio decoding on the driver ---------
-        from ltx_core.model.video_vae import TilingConfig
-
         self.vae_tiling = BalancedTiling(max(1, int(vae_tiles or self.world_size)), overlap=int(vae_overlap))
-        self.decoder = DistributedDecoderBuilder(
-            comp.video_decoder_builder(checkpoint_path),
-            group=self.groups.vae_group,
-            tiling=self.vae_tiling,
-            chunk_tiling=TilingConfig.default() if vae_chunked else None,
-        ).build(self.device, self.dtype)
+        self.decoder = comp.distributed_video_decoder(
+            checkpoint_path, self.groups.vae_group, self.vae_tiling, vae_chunked, self.device, self.dtype
+        )
         self.encoder = self.upsampler = None
         self.audio: AudioDecoding | None = None
         if self.is_driver:
@@ -192,29 +175,19 @@ class Ltx2Runner(MGPURunner):
             # float32: the audio models are small (~0.1 B parameters) and bf16 would be audible in the waveform
             self.audio = build_audio_decoding(checkpoint_path, self.device, torch.float32)
 
-        # ---- prompt encoder ------------------------------------------------------------------------------
-        from .text import build_gemma_prompt_encoder
+        # ---- prompt encoder: Gemma on one rank (broadcast) or on every rank (batch-parallel) ------------
+        from .text import build_prompt_encoder
 
-        def local_encoder() -> Any:
-            return build_gemma_prompt_encoder(
-                gemma_root,
-                checkpoint_path,
-                device=self.device,
-                dtype=self.dtype,
-                max_tokens=int(prompt_tokens),
-                enhance_max_new_tokens=int(enhance_max_new_tokens),
-            )
-
-        if text_encoder == "batch-parallel":
-            self.text = BatchParallelPromptEncoder(local_encoder(), group=self.groups.gemma_group, device=self.device)
-        else:
-            src = int(text_encoder_rank)
-            if not 0 <= src < self.world_size:
-                raise ValueError(f"text_encoder_rank {src} is outside the fleet (size {self.world_size})")
-            encoder = local_encoder() if self.rank == src else None
-            self.text = DistributedPromptEncoder(
-                encoder, group=self.groups.gemma_group, device=self.device, src_rank=src
-            )
+        self.text = build_prompt_encoder(
+            self,
+            text_encoder,
+            text_encoder_rank,
+            gemma_root=gemma_root,
+            checkpoint=checkpoint_path,
+            dtype=self.dtype,
+            max_tokens=int(prompt_tokens),
+            enhance_max_new_tokens=int(enhance_max_new_tokens),
+        )
 
     # ---- hooks for the runners -------------------------------------------------------------------------
     def _stage2_extra_loras(self, path: str | None, strength: float) -> tuple[LoraSpec, ...]:
@@ -228,14 +201,6 @@ class Ltx2Runner(MGPURunner):
 
     def _default_stage2_sigmas(self) -> tuple[float, ...]:
         raise NotImplementedError
-
-    def _check_quantized(self, policy: Any) -> None:
-        """Prove the quantization policy took effect (the reference's CLIs silently dropped it)."""
-        if policy is None:
-            return
-        dtypes = {p.dtype for p in self.sp_model.model.parameters()}
-        if self.quantization_name == "fp8-cast" and torch.float8_e4m3fn not in dtypes:
-            raise RuntimeError("quantization 'fp8-cast' was requested but no transformer weight is float8")
 
     # =====================================================================================================
     # one job

@@ -20,6 +20,8 @@ from ..common.loading import require_file
 __all__ = [
     "DTYPES",
     "QUANTIZATIONS",
+    "check_quantized",
+    "distributed_video_decoder",
     "parse_dtype",
     "quantization_policy",
     "transformer_builder",
@@ -117,3 +119,26 @@ def upsampler_builder(path: str, *, registry: Any = None) -> Any:
         require_file(path, "spatial upsampler"),
         registry=registry or DummyRegistry(),
     )
+
+
+def check_quantized(model: torch.nn.Module, name: str | None) -> None:
+    """Prove a quantization policy took effect (the reference's CLIs silently dropped it)."""
+    if name == "fp8-cast" and torch.float8_e4m3fn not in {p.dtype for p in model.parameters()}:
+        raise RuntimeError("quantization 'fp8-cast' was requested but no transformer weight is float8")
+
+
+def distributed_video_decoder(
+    checkpoint: str, group: Any, tiling: Any, chunked: bool, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """The video VAE decoder of `checkpoint` on every rank of `group`, decoding spatial tiles across ranks
+    (`chunked`: each tile in ltx-core's default chunks, to bound memory)."""
+    from ltx_core.model.video_vae import TilingConfig
+
+    from ...parallel.vae_decode import DistributedDecoderBuilder
+
+    return DistributedDecoderBuilder(
+        video_decoder_builder(checkpoint),
+        group=group,
+        tiling=tiling,
+        chunk_tiling=TilingConfig.default() if chunked else None,
+    ).build(device, dtype)

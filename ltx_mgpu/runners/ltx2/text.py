@@ -34,6 +34,7 @@ __all__ = [
     "GemmaRootLoader",
     "GemmaTextEncoderFromConfig",
     "build_gemma_prompt_encoder",
+    "build_prompt_encoder",
     "embeddings_processor_builder",
     "gemma_builder",
 ]
@@ -326,3 +327,41 @@ def build_gemma_prompt_encoder(
     processor = embeddings_processor_builder(checkpoint, registry=registry).build(device=device, dtype=dtype)
     processor = check_materialized(processor, f"embeddings processor in {checkpoint}")
     return GemmaPromptEncoder(text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens)
+
+
+def build_prompt_encoder(
+    runner: Any,
+    mode: str,
+    source_rank: int,
+    *,
+    gemma_root: str | Path,
+    checkpoint: str,
+    dtype: torch.dtype,
+    max_tokens: int,
+    enhance_max_new_tokens: int,
+) -> Any:
+    """The fleet's prompt encoder for `runner`: "source" (Gemma on `source_rank`, embeddings broadcast) or
+    "batch-parallel" (Gemma on every rank, prompts split). Checks the options before loading anything."""
+    from ...parallel.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
+
+    if mode not in ("source", "batch-parallel"):
+        raise ValueError(f"text_encoder must be 'source' or 'batch-parallel', got {mode!r}")
+    src = int(source_rank)
+    if mode == "source" and not 0 <= src < runner.world_size:
+        raise ValueError(f"text_encoder_rank {src} is outside the fleet (size {runner.world_size})")
+
+    def local() -> GemmaPromptEncoder:
+        return build_gemma_prompt_encoder(
+            gemma_root,
+            checkpoint,
+            device=runner.device,
+            dtype=dtype,
+            max_tokens=max_tokens,
+            enhance_max_new_tokens=enhance_max_new_tokens,
+        )
+
+    group = runner.groups.gemma_group
+    if mode == "batch-parallel":
+        return BatchParallelPromptEncoder(local(), group=group, device=runner.device)
+    encoder = local() if runner.rank == src else None
+    return DistributedPromptEncoder(encoder, group=group, device=runner.device, src_rank=src)
