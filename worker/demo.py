@@ -379,6 +379,7 @@ class Demo:
                 stream = container.streams.video[0]
                 frames = list(container.decode(stream))
                 codec, rate = stream.codec_context.name, stream.average_rate
+            with av.open(str(local)) as container:  # a second pass: the first one consumed the demuxer
                 sound = container.streams.audio[0].codec_context if container.streams.audio else None
                 samples = sum(f.samples for f in container.decode(audio=0)) if sound is not None else 0
         except (av.FFmpegError, IndexError) as exc:
