@@ -379,9 +379,12 @@ class Demo:
                 stream = container.streams.video[0]
                 frames = list(container.decode(stream))
                 codec, rate = stream.codec_context.name, stream.average_rate
+            sound, samples = None, 0
             with av.open(str(local)) as container:  # a second pass: the first one consumed the demuxer
-                sound = container.streams.audio[0].codec_context if container.streams.audio else None
-                samples = sum(f.samples for f in container.decode(audio=0)) if sound is not None else 0
+                if container.streams.audio:
+                    ctx = container.streams.audio[0].codec_context
+                    sound = (ctx.name, int(ctx.sample_rate), ctx.layout.name)
+                    samples = sum(f.samples for f in container.decode(audio=0))
         except (av.FFmpegError, IndexError) as exc:
             raise DemoError(f"{local} does not decode: {exc}") from None
         if not frames:
@@ -394,9 +397,7 @@ class Demo:
         self.say(
             f"PyAV:       {len(frames)} frames {frames[0].width}x{frames[0].height} {codec} @ {rate} fps: playable"
         )
-        self.say(
-            f"audio:      {sound.name} {sound.sample_rate} Hz {sound.layout.name}, {samples / sound.sample_rate:.2f} s"
-        )
+        self.say(f"audio:      {sound[0]} {sound[1]} Hz {sound[2]}, {samples / sound[1]:.2f} s")
 
     # ---- teardown --------------------------------------------------------------------------------
     def teardown(self) -> None:
