@@ -42,6 +42,7 @@ from .all2all import (
     unregister_runtime,
 )
 from .collectives import collective_device
+from .hoist import capturing
 
 __all__ = ["DEFAULT_ALL2ALL_TIMEOUT_S", "All2AllAttention", "AttentionManager", "AudioAll2AllAttention"]
 
@@ -77,6 +78,8 @@ class AttentionManager:
         device: this rank's device. Defaults to the bound CUDA device for NCCL groups and the CPU
             otherwise; it is never derived from the rank number.
         timeout_s: the exchange barrier timeout handed to the backend (`all2all_timeout_seconds`).
+        local: a manager for this rank alone (world size 1, no group, no channels) whatever the process
+            group says: what a layout with S = 1 (guidance parallelism only) uses.
 
     Construction is collective (every rank, same order): `num_heads % world_size != 0` raises
     `ValueError` on every rank before any collective.
@@ -93,11 +96,16 @@ class AttentionManager:
         *,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_ALL2ALL_TIMEOUT_S,
+        local: bool = False,
     ) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         # Without a process group (a single process, e.g. a notebook) SP degenerates to world size 1.
-        rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+        rank, world_size = (0, 1)
+        if dist.is_initialized() and not local:
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if local:
+            group = None
         _check_heads(num_heads, world_size)
         _check_timeout(timeout_s)
         self.group = group
@@ -109,7 +117,7 @@ class AttentionManager:
         self.head_dim = int(head_dim)
         self.hidden_dim = self.num_heads * self.head_dim
         self.tensor_dtype = tensor_dtype
-        self.device = _default_device(group) if device is None else torch.device(device)
+        self.device = _default_device(group, local) if device is None else torch.device(device)
         self._timeout_s = float(timeout_s)
         self.backend_name = self._resolve_backend(backend)
         # Runtime state of the current forward (set by the SP wrapper on every rank).
@@ -175,16 +183,19 @@ class AttentionManager:
             dist.barrier(group=self.group)
 
     def key_padding_bias(self, total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """(1, 1, 1, total) additive bias that removes padded video keys, or None without padding."""
+        """(1, 1, 1, total) additive bias that removes padded video keys, or None without padding.
+
+        Kept between forwards of the same geometry; made afresh (in the graph's pool) under capture."""
         valid = self.valid_tokens
         if not self.mask_audio_padding or valid is None or valid >= total:
             return None
         key = (total, valid, dtype, device)
-        bias = self._key_bias_cache.get(key)
+        bias = None if capturing() else self._key_bias_cache.get(key)
         if bias is None:
             bias = torch.zeros((1, 1, 1, total), dtype=dtype, device=device)
             bias[..., valid:] = torch.finfo(dtype).min
-            self._key_bias_cache = {key: bias}  # one forward's geometry at a time
+            if not capturing():
+                self._key_bias_cache = {key: bias}  # one forward's geometry at a time
         return bias
 
     # ---- timeout -------------------------------------------------------------------------------------
@@ -223,7 +234,9 @@ def _check_timeout(seconds: float) -> None:
         raise ValueError(f"all2all timeout seconds must be finite and non-negative, got {seconds}")
 
 
-def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+def _default_device(group: dist.ProcessGroup | None, local: bool = False) -> torch.device:
+    if local:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if dist.is_initialized() and dist.get_backend(group) == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())  # the device the fleet bound
     return torch.device("cpu")
@@ -319,8 +332,9 @@ def _merge_key_masks(
     if mask is None:
         return padding_bias
     if mask.shape[-1] < total:
-        pad = torch.full((*mask.shape[:-1], total - mask.shape[-1]), torch.finfo(dtype).min, dtype=mask.dtype)
-        mask = torch.cat([mask, pad.to(mask.device)], dim=-1)
+        shape = (*mask.shape[:-1], total - mask.shape[-1])
+        pad = torch.full(shape, torch.finfo(dtype).min, dtype=mask.dtype, device=mask.device)  # no host copy
+        mask = torch.cat([mask, pad], dim=-1)
     if padding_bias is None:
         return mask
     return (mask + padding_bias.to(mask.dtype)).clamp(min=torch.finfo(mask.dtype).min)  # no -inf rows
