@@ -20,7 +20,10 @@ Setup kwargs (every rank): `checkpoint_path` (the LTX-2 monolith: transformer, V
 "fp8-cast", "fp8-scaled-mm": passed to the transformer builder, never ignored), `dtype`,
 `sp_max_tokens`, `sp_backend`, `tdp_tiles`/`tdp_overlap`, `vae_tiles`/`vae_overlap`/`vae_chunked`,
 `text_encoder` ("source" | "batch-parallel"), `text_encoder_rank`, `prompt_tokens`,
-`enhance_max_new_tokens`, `default_steps`, `max_steps`, `stage2_sigmas`, `stg_blocks`.
+`enhance_max_new_tokens`, `default_steps`, `max_steps`, `stage2_sigmas`, `stg_blocks`, `parallel_layout`
+(None/"auto": the cost model picks G guidance groups x S SP ranks per guided stage; "GxS" or
+{"stage1": "GxS"} overrides; see docs/sequence-parallel.md), `cuda_graphs` (capture the stage-1 forward
+per shape; a no-op on CPU).
 
 Job kwargs: worker/schema.py `RenderRequest.runner_kwargs()` + `output_path`. Every request check runs on
 every rank before any collective and raises `ValueError` (a recoverable `SymmetricRunnerError`).
@@ -41,7 +44,16 @@ import torch.distributed as dist
 
 from ...errors import RunnerError
 from ...events import output_event, progress_event, stage_event
-from ...parallel import AttentionManager, SequenceParallelBuilder, check_token_budget, padded_token_count
+from ...parallel import (
+    AttentionRouter,
+    CudaGraphForward,
+    GuidanceParallelPasses,
+    LayerDims,
+    LayoutPolicy,
+    SequenceParallelBuilder,
+    check_token_budget,
+    padded_token_count,
+)
 from ...parallel.builder import SP_MODULE_OPS_NAME
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
@@ -63,6 +75,7 @@ from .pipeline import (
     guided_denoise,
     image_latent_shape,
     make_state,
+    run_passes,
     simple_denoise,
     upsample_latent,
 )
@@ -109,6 +122,8 @@ class _Ltx2Runner(MGPURunner):
         max_steps: int = 100,
         stage2_sigmas: list[float] | None = None,
         stg_blocks: list[int] | None = None,
+        parallel_layout: str | dict[str, str] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
         self.quantization_name = quantization
@@ -132,14 +147,19 @@ class _Ltx2Runner(MGPURunner):
         self.latent_channels = int(tcfg["in_channels"])
         self.audio_channels = int(tcfg["audio_in_channels"])
         self.num_layers = int(tcfg["num_layers"])
-        self.attention = AttentionManager(
+        # ---- parallel layouts: groups and attention managers of every G x S layout, made once ----------
+        self.attention = AttentionRouter.build(
+            self.make_layout_groups(),
             self.sp_max_tokens,
             int(tcfg["num_attention_heads"]),
             int(tcfg["attention_head_dim"]),
             self.dtype,
-            groups.transformer_group,
             backend=sp_backend,
             device=self.device,
+            head_counts=(int(tcfg["audio_num_attention_heads"]),),
+        )
+        self.layout_policy = LayoutPolicy(
+            parallel_layout, world_size=self.world_size, dims=LayerDims.from_config(tcfg), layers=self.num_layers
         )
         build_dtype = None if policy is not None else self.dtype  # quantized weights keep their fp8 dtype
         self.sp_model = SequenceParallelBuilder(tb, self.attention).build(device=self.device, dtype=build_dtype)
@@ -147,6 +167,13 @@ class _Ltx2Runner(MGPURunner):
         from ltx_core.model.transformer import X0Model
 
         self.x0_sp = X0Model(self.sp_model)
+        self.x0_graphed = CudaGraphForward(
+            self.x0_sp,
+            enabled=bool(cuda_graphs),
+            key_fn=lambda: self.attention.active_layout,
+            capturable=self.attention.capture_blocker,
+            agree=self.attention.all_agree,
+        )
         self.tdp_model = None
         if self.two_stage:
             tiles = max(self.world_size, int(tdp_tiles or self.world_size))
@@ -395,23 +422,43 @@ class _Ltx2Runner(MGPURunner):
             probe = torch.empty((1, shape.channels, shape.frames, shape.height, shape.width), device="meta")
             sigmas1 = LTX2Scheduler().execute(steps=steps, latent=probe).to(torch.float32)
             cfg = 3.0 if guidance_scale is None else float(guidance_scale)
+            # ---- guidance parallelism: the stage's passes over G rank groups x S SP ranks ---------------
+            stage1_run = GuidanceParallelPasses(
+                self.groups.layouts,
+                self.attention,
+                run_passes,
+                choose=lambda tokens, passes: self.layout_policy.choose(
+                    "stage1",
+                    tokens=tokens,
+                    passes=passes,
+                    audio_tokens=int(audio_state.latent.shape[1]),
+                    context_tokens=int(pos[0].shape[1]),
+                    graphed=self.x0_graphed.enabled and self.device.type == "cuda",
+                ),
+                max_tokens=self.sp_max_tokens,
+                device=self.device,
+            )
             step_fn = guided_denoise(
-                self.x0_sp,
+                self.x0_graphed,
                 max_batch,
                 positive=pos,
                 negative=neg,
                 video=GuidanceParams(cfg, 1.0, self.stg_blocks, 0.7, 3.0),
                 audio=GuidanceParams(7.0, 1.0, self.stg_blocks, 0.7, 3.0),
+                run=stage1_run,
             )
+            layout = stage1_run.plan(int(video_state.latent.shape[1]), step_fn.passes).describe()
         else:
             sigmas1 = torch.tensor(DISTILLED_SIGMAS, dtype=torch.float32)
             step_fn = simple_denoise(self.x0_sp, max_batch, *pos)
+            layout = {"name": f"1x{self.world_size}", "guidance": 1, "sequence": self.world_size, "source": "sp"}
         if driver:
             yield stage_event(
                 "stage1",
                 steps=len(sigmas1) - 1,
                 video_tokens=int(video_state.latent.shape[1]),
                 world_size=self.world_size,
+                layout=layout,
             )
         for item in self._denoise(self.x0_sp, step_fn, sigmas1, video_state, audio_state, "stage1"):
             if isinstance(item, tuple):
