@@ -9,7 +9,8 @@ per-layer estimate captures in a few lines:
 
     rows      = ceil(P / G)                        passes one group runs, batched
     tokens    = ceil(T / S)                        video tokens per rank
-    gpu       = max(gpu_floor, rows * flop(T, S) / flops_per_s) + exchanges(rows, T, S)
+    rate      = flops_per_s * M / (M + half_rate_tokens),  M = rows * tokens   (small matmuls run slower)
+    gpu       = max(gpu_floor, rows * flop(T, S) / rate) + exchanges(rows, T, S)
     layer     = max(host, gpu)                     eager: the host issues work while the GPU runs it
     step      = layers * layer + gather(G)         one all-gather of the outputs per step when G > 1
 
@@ -118,10 +119,14 @@ EXCHANGES_PER_LAYER = 7  #: q, k, v, out (video self-attention) + k, v, out (aud
 class CostModel:
     """The constants of the layout cost model (milliseconds per layer unless stated)."""
 
-    flops_per_s: float = 400e12  #: achieved rate of a whole block at large batches (6,144 tokens: 9.0 ms/layer)
+    flops_per_s: float = 440e12  #: rate of a whole block at large batches (6,144 tokens x 3 passes: 26 ms/layer)
+    half_rate_tokens: float = 512.0  #: tokens per rank (rows x T/S) at which a block runs at half that rate
     gpu_floor_ms: float = 0.6  #: a forward of a layer never runs faster than this (latency-bound kernels)
-    host_ms_eager: float = 3.0  #: eager launch cost of one layer on one GPU (1,536 tokens: 3.0-5.6 ms)
-    host_ms_eager_sp: float = 4.5  #: eager launch cost of one layer with SP exchanges (35.9 ms / 8 layers)
+    #: eager launch cost of one layer in a fleet rank, host-bound: 1,536 tokens one pass took 38.2 ms (W=1)
+    #: and 35.9 ms (W=2, SP) for 8 layers, equal within the run-to-run spread; SP issues 7 more ops per
+    #: layer (the exchanges, ~0.03 ms of host time each), which is the difference kept here
+    host_ms_eager: float = 4.5
+    host_ms_eager_sp: float = 4.7
     host_ms_graphed: float = 0.02  #: replaying a captured layer
     exchange_ms: float = 0.03  #: fixed cost of one head exchange (ipc zero-copy, two H200s)
     link_bytes_per_s: float = 360e9  #: NVLink, one direction, both directions busy
@@ -145,7 +150,9 @@ class CostModel:
         if rows == 0:
             return 0.0
         flop = rows * dims.layer_flop(tokens, s, audio_tokens, context_tokens)
-        gpu = max(self.gpu_floor_ms, flop / self.flops_per_s * 1e3)
+        m = rows * math.ceil(tokens / s)
+        rate = self.flops_per_s * m / (m + self.half_rate_tokens)
+        gpu = max(self.gpu_floor_ms, flop / rate * 1e3)
         if s > 1:
             sent = rows * dims.exchange_bytes(tokens, s, audio_tokens, self.itemsize)
             gpu += EXCHANGES_PER_LAYER * self.exchange_ms + sent / self.link_bytes_per_s * 1e3
@@ -231,10 +238,14 @@ def choose_layout(
     graphed: bool = False,
     model: CostModel = DEFAULT_COST_MODEL,
 ) -> LayoutChoice:
-    """The valid layout with the smallest estimated step time (ties: fewer collectives, i.e. larger G)."""
-    candidates = valid_layouts(world_size, passes, dims)
-    if not candidates:
-        raise ValueError(f"no layout of {world_size} ranks fits heads {dims.video_heads}/{dims.audio_heads}")
+    """The valid layout with the smallest estimated step time (ties: fewer collectives, i.e. larger G).
+
+    When no layout keeps every group busy (a world whose size does not divide the head counts, e.g. 3
+    ranks for 32 heads, and fewer passes than ranks), layouts with idle groups are considered too (Wx1
+    always fits)."""
+    candidates = valid_layouts(world_size, passes, dims) or valid_layouts(
+        world_size, passes, dims, allow_idle_groups=True
+    )
     estimates = {
         str(layout): model.step_ms(
             layout,

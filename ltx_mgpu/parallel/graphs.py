@@ -137,6 +137,9 @@ class CudaGraphBackend:
     def on_stream(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
@@ -278,7 +281,7 @@ class CudaGraphForward:
             result = self.fn(statics[0], statics[1], perturbations)  # warm-up: a real forward, this call's answer
         for t in result:
             if t is not None:
-                t.record_stream(current)  # allocated on `side`, consumed on the caller's stream
+                backend.record_stream(t, current)  # allocated on `side`, consumed on the caller's stream
         graph = backend.new_graph()
         error: str | None = None
         outputs: Any = None
@@ -303,7 +306,7 @@ class CudaGraphForward:
             log.warning("CUDA graph capture failed, staying eager for this shape: %s", state.failed)
             self.last_path = f"eager: capture failed ({state.failed})"
             return result
-        state.entry = _Entry(graph, slots, tuple(outputs), (statics[0], statics[1]))
+        state.entry = _Entry(graph, slots, tuple(outputs))
         self.stats.captured += 1
         self.last_path = "graph: captured (this call ran the warm-up)"
         self._evict()

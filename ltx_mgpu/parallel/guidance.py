@@ -64,7 +64,7 @@ def _nbytes(spec: tuple[tuple[int, ...], torch.dtype] | None) -> int:
     if spec is None:
         return 0
     shape, dtype = spec
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def gather_pass_outputs(

@@ -132,13 +132,16 @@ class LayoutGroups:
         """Collective: make the groups of `layouts` (default: every layout of the world).
 
         Every rank must call it with the same arguments in the same place (setup). `world_group` (the
-        fleet's transformer group, spanning every rank) is reused where a layout needs the whole world.
+        fleet's transformer group, spanning every rank; None: the default group) is reused where a layout
+        needs the whole world.
         """
         chosen = sorted(set(layouts_for(world_size) if layouts is None else layouts))
         for layout in chosen:
             if layout.world_size != world_size:
                 raise ValueError(f"layout {layout} does not fit a fleet of {world_size} ranks")
         out = cls(world_size=world_size, rank=rank)
+        if world_group is None and world_size > 1:
+            world_group = dist.group.WORLD  # explicit: None in a LayoutRank means "no group" (size 1)
         for layout in chosen:  # same order on every rank: new_group is collective
             g, s = layout.position(rank)
             sp_group = _group_containing(layout.sequence, world_size, world_group, rank, backend, layout.sp_ranks)
