@@ -133,6 +133,17 @@ class CostModel:
     gather_ms: float = 0.05  #: fixed cost of the per-step all-gather of the pass outputs
     itemsize: int = 2  #: bf16 activations
 
+    def compute_ms(
+        self, layout: ParallelLayout, tokens: int, passes: int, dims: LayerDims, audio_tokens: int, context_tokens: int
+    ) -> float:
+        """GPU time of one layer's arithmetic on one rank (no floor, no exchanges, no host)."""
+        rows = math.ceil(passes / layout.guidance)
+        if rows == 0:
+            return 0.0
+        flop = rows * dims.layer_flop(tokens, layout.sequence, audio_tokens, context_tokens)
+        m = rows * math.ceil(tokens / layout.sequence)
+        return flop / (self.flops_per_s * m / (m + self.half_rate_tokens)) * 1e3
+
     def layer_ms(
         self,
         layout: ParallelLayout,
@@ -149,10 +160,7 @@ class CostModel:
         rows = math.ceil(passes / layout.guidance)
         if rows == 0:
             return 0.0
-        flop = rows * dims.layer_flop(tokens, s, audio_tokens, context_tokens)
-        m = rows * math.ceil(tokens / s)
-        rate = self.flops_per_s * m / (m + self.half_rate_tokens)
-        gpu = max(self.gpu_floor_ms, flop / rate * 1e3)
+        gpu = max(self.gpu_floor_ms, self.compute_ms(layout, tokens, passes, dims, audio_tokens, context_tokens))
         if s > 1:
             sent = rows * dims.exchange_bytes(tokens, s, audio_tokens, self.itemsize)
             gpu += EXCHANGES_PER_LAYER * self.exchange_ms + sent / self.link_bytes_per_s * 1e3
