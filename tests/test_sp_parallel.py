@@ -380,8 +380,14 @@ def _poisoned(ctx: WorldContext, path: str, scope: str) -> list[float]:
 
     class Poisoning(DistAll2All):
         last: torch.Tensor | None = None
+        views = False  # like the ipc backend: copies unless the caller opts into views
+
+        def set_zero_copy(self, enabled: bool) -> None:
+            self.views = enabled
 
         def _hand_out(self, out: torch.Tensor) -> torch.Tensor:
+            if not self.views:
+                return out
             for old in issued if scope == "any" else [self.last]:
                 if old is not None:
                     old.fill_(float("nan"))  # the next exchange overwrites the buffer the view showed
@@ -422,12 +428,32 @@ def _poisoned(ctx: WorldContext, path: str, scope: str) -> list[float]:
 def test_sp_survives_outputs_overwritten_at_next_exchange(worlds: dict, checkpoint: str) -> None:
     """The zero-copy contract of the ipc backend (`backends/ipc.py`): every exchange output is consumed
     before its role exchanges again. Poisoning each output at its role's next exchange changes nothing;
-    poisoning at any exchange (what a single shared buffer would do) gives NaN, so the check has teeth."""
+    poisoning at any exchange (what a single shared buffer would do) gives NaN, so the check has teeth, and
+    shows that AttentionManager opted its channels into views (the backend poisons nothing otherwise)."""
     world = _world(worlds, 2)
     for diffs in world.run(_poisoned, checkpoint, "role"):
         assert all(d <= TOL for d in diffs), diffs
     for diffs in world.run(_poisoned, checkpoint, "any"):
         assert all(d != d or d > 1.0 for d in diffs), diffs  # NaN (or garbage) everywhere
+
+
+def test_ipc_backend_copies_unless_asked_for_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ltx_mgpu.parallel.backends.ipc import ZERO_COPY_ENV, IpcBackend
+
+    class Instance:
+        rank, world_size = 0, 2
+
+        def send_recv_heads(self, x: torch.Tensor, *, copy_out: bool) -> bool:
+            return copy_out
+
+    backend = IpcBackend(Instance())
+    x = torch.zeros(1, 2, 2, 1)
+    assert backend.send_recv_heads(x) is True and not backend.zero_copy  # a direct caller keeps its outputs
+    backend.set_zero_copy(True)
+    assert backend.send_recv_heads(x) is False and backend.zero_copy
+    monkeypatch.setenv(ZERO_COPY_ENV, "0")
+    backend.set_zero_copy(True)
+    assert backend.send_recv_heads(x) is True  # the environment keeps copies everywhere
 
 
 def _plugin(ctx: WorldContext, path: str) -> dict[str, Any]:

@@ -80,6 +80,9 @@ class AttentionManager:
         timeout_s: the exchange barrier timeout handed to the backend (`all2all_timeout_seconds`).
         local: a manager for this rank alone (world size 1, no group, no channels) whatever the process
             group says: what a layout with S = 1 (guidance parallelism only) uses.
+        zero_copy: ask each channel for views of its exchange buffer instead of copies (backends with a
+            `set_zero_copy`; the ipc kernel). Safe here: the attention callables consume every output
+            before its role exchanges again (`backends/ipc.py`).
 
     Construction is collective (every rank, same order): `num_heads % world_size != 0` raises
     `ValueError` on every rank before any collective.
@@ -97,6 +100,7 @@ class AttentionManager:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_ALL2ALL_TIMEOUT_S,
         local: bool = False,
+        zero_copy: bool = True,
     ) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
@@ -139,6 +143,9 @@ class AttentionManager:
                     device=self.device,
                     timeout_s=self._timeout_s,
                 )
+                setter = getattr(inst, "set_zero_copy", None)
+                if setter is not None:
+                    setter(bool(zero_copy))
                 self._backends[role] = inst
                 self.comm_ids[role] = register_runtime(inst)
         self._barrier_after_tokens = any(
