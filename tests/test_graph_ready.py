@@ -218,3 +218,51 @@ def test_guidance_parallel_step_is_graph_ready(world: int, rank: int) -> None:
     assert set(res) == {"1x2", "2x1"} if world == 2 else {"1x4", "2x2", "4x1"}
     for layout, events in res.items():
         assert events == [], f"{layout}: {events}"
+
+
+def test_identity_cache_follows_the_inputs_lifetime_and_versions() -> None:
+    import gc
+
+    from ltx_mgpu.parallel.hoist import IdentityCache
+
+    cache = IdentityCache(capacity=4)
+    calls = []
+
+    def compute() -> int:
+        calls.append(1)
+        return len(calls)
+
+    base = torch.arange(12.0).reshape(1, 3, 4)
+    assert cache.get((base.expand(2, 3, 4),), "k", compute) == 1
+    assert cache.get((base.expand(2, 3, 4),), "k", compute) == 1  # a new view of the same memory: a hit
+    base.add_(1)  # in place: the version moved
+    assert cache.get((base.expand(2, 3, 4),), "k", compute) == 2
+    assert len(cache) == 1  # the new value replaced the stale one (same key)
+    del base
+    gc.collect()
+    assert len(cache) == 0  # the storage died: every entry on it left with it
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    cache.get((frozen,), "k", compute)
+    cache.get((frozen,), "k", compute)
+    assert len(calls) == 4 and len(cache) == 0  # inference tensors have no version: never cached
+
+
+def test_geometry_keeps_no_caller_tensor_alive() -> None:
+    import gc
+    import weakref
+
+    from ltx_mgpu.parallel.hoist import ForwardHoister
+
+    from .test_graphs import _inputs
+
+    model, t = _model()
+    model = model.to_empty(device="cpu")
+    hoister = ForwardHoister(model)
+    video, audio, _ = _inputs(t, 0)
+    geo = hoister.geometry("video", video)
+    alive = weakref.ref(video.positions._base)
+    assert geo.padded_positions is None and len(hoister.geometries) == 1
+    del video, audio
+    gc.collect()
+    assert alive() is None and len(hoister.geometries) == 0

@@ -16,10 +16,12 @@ What ltx-core's forward does on every call that a step loop does not need to red
 - SP padding: padded positions and the key mask rebuilt per forward. Here: part of the geometry.
 
 Caches are keyed by the *identity* of the input tensors (memory address, shape, strides, dtype, device)
-and hold a strong reference to them, so the address cannot be reused by another tensor while the entry
-lives; tensors that track versions (all tensors made outside `torch.inference_mode`) also must still have
-the version seen when the entry was made, so an in-place change invalidates it. Inference tensors carry no
-version counter, so they are never cached (computed every forward, still without syncs).
+and watch their storage through a weak reference to its base tensor: when the caller drops it (the stage
+or the job ends), the entry goes, so neither the address can be reused under a live entry nor the cache
+keep a finished job's memory. Cached values never alias the inputs (they hold their own copies). Tensors
+that track versions (everything made outside `torch.inference_mode`) must also still have the version
+seen when the entry was made, so an in-place change invalidates it; inference tensors carry no version
+counter and are never cached (computed every forward, still without syncs).
 
 During a CUDA-graph capture (`capture_scope()`, or any stream capture) every cache is bypassed: the
 graph computes positions, RoPE and masks from its own static input buffers into its own memory pool, so a
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -92,13 +95,19 @@ def _version(t: torch.Tensor | None) -> int | None:
 
 @dataclass
 class _Entry:
-    tensors: tuple[torch.Tensor | None, ...]  #: strong references: their memory cannot be reused meanwhile
+    roots: tuple[weakref.ref | None, ...]  #: the inputs' storage owners, watched, not kept alive
     versions: tuple[int | None, ...]
     value: Any
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns `t`'s storage (views keep it alive; when it dies the memory may be reused)."""
+    return t._base if t._base is not None else t
+
+
 class IdentityCache:
-    """Values computed from tensors, reused while the very same tensors come back unchanged (LRU)."""
+    """Values computed from tensors, reused while the very same tensors come back unchanged (LRU; an entry
+    leaves as soon as the storage of one of its inputs is freed)."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
@@ -112,13 +121,19 @@ class IdentityCache:
         key = (tuple(_identity(t) for t in tensors), extra)
         versions = tuple(_version(t) for t in tensors)
         entry = self._entries.get(key)
-        if entry is not None and entry.versions == versions:
+        if entry is not None and entry.versions == versions and all(r is None or r() is not None for r in entry.roots):
             self._entries.move_to_end(key)
             self.hits += 1
             return entry.value
         self.misses += 1
         value = compute()
-        self._entries[key] = _Entry(tensors, versions, value)
+        entries = self._entries
+
+        def forget(_: weakref.ref, key: Hashable = key) -> None:
+            entries.pop(key, None)
+
+        roots = tuple(None if t is None else weakref.ref(_root(t), forget) for t in tensors)
+        self._entries[key] = _Entry(roots, versions, value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -231,18 +246,33 @@ def cached_perturbations(perturbations: list[Any]) -> Any:
 
 @dataclass
 class ModalityGeometry:
-    """What one modality's positions and mask give this rank (constant over a denoising stage)."""
+    """What one modality's positions and mask give this rank (constant over a denoising stage). Holds no
+    view of the caller's tensors: without padding the model gets the step's own positions and mask."""
 
-    positions: torch.Tensor  #: what the model sees (this rank's slice for SP video)
-    attention_mask: torch.Tensor | None  #: what the model sees (padded / key-only mask for SP video)
-    pe: tuple[torch.Tensor, torch.Tensor]  #: RoPE (cos, sin) of `positions`
+    padded_positions: torch.Tensor | None  #: this rank's slice of the padded positions (None: no padding)
+    padded_mask: torch.Tensor | None  #: the padded or key-only mask (None: the step's own mask, if any)
+    positions_shape: tuple[int, ...]  #: shape of the positions the model sees on this rank
+    pe: tuple[torch.Tensor, torch.Tensor]  #: RoPE (cos, sin) of those positions
     cross_pe: tuple[torch.Tensor, torch.Tensor] | None  #: RoPE of the audio-video cross attention
-    self_attention_bias: torch.Tensor | None  #: additive bias from `attention_mask`
+    self_attention_bias: torch.Tensor | None  #: additive bias from the mask the model sees
     original_len: int  #: real tokens of the modality
     padded_len: int  #: tokens after padding to a multiple of the world size
     counts: list[int]  #: per-rank token counts (uniform)
     start: int  #: this rank's first token
     end: int
+
+    @property
+    def padded(self) -> bool:
+        return self.padded_len != self.original_len
+
+    def positions(self, modality: Any) -> torch.Tensor:
+        """The positions the model sees this step: the padded slice, or the step's own slice."""
+        if self.padded_positions is not None:
+            return self.padded_positions
+        return modality.positions.narrow(2, self.start, self.end - self.start)
+
+    def attention_mask(self, modality: Any) -> torch.Tensor | None:
+        return self.padded_mask if self.padded else modality.attention_mask
 
 
 class HoistedArgsPreprocessor:
@@ -262,7 +292,7 @@ class HoistedArgsPreprocessor:
 
     def prepare(self, modality: Any, cross_modality: Any = None) -> Any:
         geo = self.hoister.bound(self.role)
-        if geo is None or modality.positions is not geo.positions:
+        if geo is None or tuple(modality.positions.shape) != geo.positions_shape:
             return self.original.prepare(modality, cross_modality)
         from ltx_core.model.transformer.transformer_args import TransformerArgs
 
@@ -380,9 +410,11 @@ class ForwardHoister:
         padded_len = sum(counts)
         start = sum(counts[:rank])
         cross = pre.simple is not pre.original
+        padded = padded_len != original_len  # then tile's positions and mask are new tensors, not views
         return ModalityGeometry(
-            positions=tile.positions,
-            attention_mask=tile.attention_mask,
+            padded_positions=tile.positions if padded else None,
+            padded_mask=tile.attention_mask if padded else None,
+            positions_shape=tuple(tile.positions.shape),
             pe=pre.rope(tile.positions, dtype, cross=False),
             cross_pe=pre.rope(tile.positions, dtype, cross=True) if cross else None,
             self_attention_bias=self_attention_bias(tile.attention_mask, dtype),

@@ -98,8 +98,6 @@ class SequenceParallelModelWrapper(torch.nn.Module):
         vgeo = hoister.geometry("video", video, w, rank)
         tile = _tile(video, vgeo)
         ageo = hoister.geometry("audio", audio) if audio is not None else None
-        if ageo is not None:
-            audio = dataclasses.replace(audio, positions=ageo.positions)
         perturbations = hoister.perturbations(perturbations)
         if w > 1:
             mgr.set_rank_tokens(vgeo.counts, valid_tokens=vgeo.original_len)
@@ -133,14 +131,14 @@ class SequenceParallelModelWrapper(torch.nn.Module):
 
 
 def _tile(video: Any, geo: ModalityGeometry) -> Any:
-    """This step's video modality on this rank: per-token fields padded and sliced, the geometry's
-    positions and mask."""
+    """This step's video modality on this rank: per-token fields padded and sliced, positions and mask
+    from the geometry (padded) or the step's own (sliced)."""
     pad = geo.padded_len - geo.original_len
     total = video.latent.shape[1]
     changes: dict[str, Any] = {
         "latent": slice_tokens(video.latent, pad, geo.start, geo.end),
-        "positions": geo.positions,
-        "attention_mask": geo.attention_mask,
+        "positions": geo.positions(video),
+        "attention_mask": geo.attention_mask(video),
     }
     for name in ("timesteps", *OPTIONAL_TOKEN_FIELDS):
         value = getattr(video, name, None)
