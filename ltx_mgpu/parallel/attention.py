@@ -121,7 +121,8 @@ class AttentionManager:
         self.head_dim = int(head_dim)
         self.hidden_dim = self.num_heads * self.head_dim
         self.tensor_dtype = tensor_dtype
-        self.device = _default_device(group, local) if device is None else torch.device(device)
+        # (a local manager has group None: it follows the fleet's default group, as the world manager does)
+        self.device = _default_device(group) if device is None else torch.device(device)
         self._timeout_s = float(timeout_s)
         self.backend_name = self._resolve_backend(backend)
         # Runtime state of the current forward (set by the SP wrapper on every rank).
@@ -241,9 +242,7 @@ def _check_timeout(seconds: float) -> None:
         raise ValueError(f"all2all timeout seconds must be finite and non-negative, got {seconds}")
 
 
-def _default_device(group: dist.ProcessGroup | None, local: bool = False) -> torch.device:
-    if local:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.is_initialized() and dist.get_backend(group) == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())  # the device the fleet bound
     return torch.device("cpu")
