@@ -25,11 +25,12 @@ Falls back to eager, with the reason logged once and kept in `reasons`/`last_pat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,9 +147,19 @@ class CudaGraphBackend:
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
-    def capture(self, graph: Any, pool: Any, stream: Any) -> Any:
-        # thread_local: other threads of the rank (the NCCL watchdog, heartbeats) may touch CUDA meanwhile
-        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+    @contextlib.contextmanager
+    def capture(self, graph: Any, pool: Any, stream: Any) -> Iterator[None]:
+        """`torch.cuda.graph` on `stream`; whatever happens, the caller's current stream is current again
+        afterwards (`torch.cuda.graph` leaves the capture stream current when ending a broken capture
+        raises)."""
+        previous = torch.cuda.current_stream()
+        try:
+            # thread_local: other threads of the rank (the NCCL watchdog, heartbeats) may touch CUDA meanwhile
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                yield
+        finally:
+            if torch.cuda.current_stream() != previous:
+                torch.cuda.set_stream(previous)
 
 
 # =========================================================================================================
