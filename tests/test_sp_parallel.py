@@ -366,6 +366,96 @@ def test_over_budget_raises_on_every_rank_before_collectives(worlds: dict, check
         assert res["after"] <= TOL  # no rank was left inside a collective
 
 
+def _poisoned(ctx: WorldContext, path: str, scope: str) -> list[float]:
+    """SP with a backend whose outputs behave like the ipc kernel's zero-copy views: each output is
+    overwritten with NaN when the next exchange starts on the same role (scope "role"), or on any role
+    (scope "any": stricter than the kernel, a negative control)."""
+    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
+    from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
+
+    from ltx_mgpu.parallel import AttentionManager, SequenceParallelBuilder, register_backend
+    from ltx_mgpu.parallel.backends.dist import DistAll2All
+
+    issued: list[torch.Tensor] = []  # every output handed out by any role ("any" scope)
+
+    class Poisoning(DistAll2All):
+        last: torch.Tensor | None = None
+        views = False  # like the ipc backend: copies unless the caller opts into views
+
+        def set_zero_copy(self, enabled: bool) -> None:
+            self.views = enabled
+
+        def _hand_out(self, out: torch.Tensor) -> torch.Tensor:
+            if not self.views:
+                return out
+            for old in issued if scope == "any" else [self.last]:
+                if old is not None:
+                    old.fill_(float("nan"))  # the next exchange overwrites the buffer the view showed
+            self.last = out
+            issued.append(out)
+            return out
+
+        def send_recv_heads(self, x: torch.Tensor) -> torch.Tensor:
+            return self._hand_out(super().send_recv_heads(x))
+
+        def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+            return self._hand_out(super().gather_heads(x))
+
+        def all_gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+            return self._hand_out(super().all_gather_heads(x))
+
+    register_backend(f"poison-{scope}", Poisoning)
+    inner = SingleGPUModelBuilder(LTXModelConfigurator, path)
+    mgr = AttentionManager(4096, HEADS, 8, torch.float32, None, backend=f"poison-{scope}")
+    sp = SequenceParallelBuilder(inner, mgr).build(device=ctx.device)
+    reference = inner.build(device=ctx.device)
+    tcfg = {
+        "in_channels": reference.patchify_proj.in_features,
+        "audio_in_channels": reference.audio_patchify_proj.in_features,
+        "caption_channels": reference.caption_projection.linear_1.in_features,
+    }
+    diffs = []
+    for f, h, w, batch, user_mask in CASES[:3]:
+        video, audio, pert = _inputs(tcfg, f, h, w, batch, user_mask)
+        with torch.no_grad():
+            rv, ra = reference(video, audio, pert)
+            sv, sa = sp(video, audio, pert)
+        diffs.append(max((rv - sv).abs().max().item(), (ra - sa).abs().max().item()))
+    mgr.destroy()
+    return diffs
+
+
+def test_sp_survives_outputs_overwritten_at_next_exchange(worlds: dict, checkpoint: str) -> None:
+    """The zero-copy contract of the ipc backend (`backends/ipc.py`): every exchange output is consumed
+    before its role exchanges again. Poisoning each output at its role's next exchange changes nothing;
+    poisoning at any exchange (what a single shared buffer would do) gives NaN, so the check has teeth, and
+    shows that AttentionManager opted its channels into views (the backend poisons nothing otherwise)."""
+    world = _world(worlds, 2)
+    for diffs in world.run(_poisoned, checkpoint, "role"):
+        assert all(d <= TOL for d in diffs), diffs
+    for diffs in world.run(_poisoned, checkpoint, "any"):
+        assert all(d != d or d > 1.0 for d in diffs), diffs  # NaN (or garbage) everywhere
+
+
+def test_ipc_backend_copies_unless_asked_for_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ltx_mgpu.parallel.backends.ipc import ZERO_COPY_ENV, IpcBackend
+
+    class Instance:
+        rank, world_size = 0, 2
+
+        def send_recv_heads(self, x: torch.Tensor, *, copy_out: bool) -> bool:
+            return copy_out
+
+    backend = IpcBackend(Instance())
+    x = torch.zeros(1, 2, 2, 1)
+    assert backend.send_recv_heads(x) is True and not backend.zero_copy  # a direct caller keeps its outputs
+    backend.set_zero_copy(True)
+    assert backend.send_recv_heads(x) is False and backend.zero_copy
+    monkeypatch.setenv(ZERO_COPY_ENV, "0")
+    backend.set_zero_copy(True)
+    assert backend.send_recv_heads(x) is True  # the environment keeps copies everywhere
+
+
 def _plugin(ctx: WorldContext, path: str) -> dict[str, Any]:
     """A third-party backend registered by name is used by AttentionManager without touching callers."""
     from ltx_mgpu.parallel import AttentionManager, SequenceParallelBuilder, register_backend

@@ -7,6 +7,11 @@ Public API (see docs/sequence-parallel.md):
   custom ops `torch.ops.ltx_mgpu.{send_recv_heads,gather_heads,all_gather_heads}`
 - `AttentionManager`, `All2AllAttention`, `AudioAll2AllAttention`
 - `SequenceParallelModelWrapper`, `SequenceParallelBuilder`, `create_sp_module_ops`, `patch_sp_attention`
+- layouts (guidance groups x SP ranks): `ParallelLayout`, `LayoutGroups`, `AttentionRouter`,
+  `GuidanceParallelPasses`, `split_passes`; the cost model `CostModel`, `LayerDims`, `LayoutPolicy`,
+  `choose_layout`
+- graph-ready forward: `ForwardHoister` (hoisting caches), `CudaGraphForward` (capture/replay),
+  `HostSyncAudit` (finds host syncs and copies on CPU)
 
 Nothing here imports the CUDA kernel module eagerly: `AttentionManager(backend="auto")` imports it lazily,
 so this package imports (and its tests run) on CPU-only installs.
@@ -17,6 +22,12 @@ from __future__ import annotations
 from .all2all import All2AllBackend, available_backends, get_backend_factory, register_backend
 from .attention import DEFAULT_ALL2ALL_TIMEOUT_S, All2AllAttention, AttentionManager, AudioAll2AllAttention
 from .builder import SequenceParallelBuilder, create_sp_module_ops, patch_sp_attention
+from .cost_model import DEFAULT_COST_MODEL, CostModel, LayerDims, LayoutChoice, LayoutPolicy, choose_layout
+from .graph_audit import HostSyncAudit
+from .graphs import CudaGraphForward
+from .guidance import GuidanceParallelPasses, split_passes
+from .hoist import ForwardHoister
+from .layout import LayoutGroups, LayoutRank, ParallelLayout
 from .partition import (
     compute_sequence_offsets,
     compute_sequence_partition,
@@ -24,18 +35,33 @@ from .partition import (
     padded_token_count,
     tile_modality_for_rank,
 )
+from .router import AttentionRouter
 from .wrapper import SequenceParallelModelWrapper, check_token_budget
 
 __all__ = [
     "DEFAULT_ALL2ALL_TIMEOUT_S",
+    "DEFAULT_COST_MODEL",
     "All2AllAttention",
     "All2AllBackend",
     "AttentionManager",
+    "AttentionRouter",
     "AudioAll2AllAttention",
+    "CostModel",
+    "CudaGraphForward",
+    "ForwardHoister",
+    "GuidanceParallelPasses",
+    "HostSyncAudit",
+    "LayerDims",
+    "LayoutChoice",
+    "LayoutGroups",
+    "LayoutPolicy",
+    "LayoutRank",
+    "ParallelLayout",
     "SequenceParallelBuilder",
     "SequenceParallelModelWrapper",
     "available_backends",
     "check_token_budget",
+    "choose_layout",
     "compute_sequence_offsets",
     "compute_sequence_partition",
     "create_sp_module_ops",
@@ -44,5 +70,6 @@ __all__ = [
     "padded_token_count",
     "patch_sp_attention",
     "register_backend",
+    "split_passes",
     "tile_modality_for_rank",
 ]

@@ -34,6 +34,10 @@ Instance methods (x is always contiguous-able; outputs are fresh or backend-owne
 Optional instance attributes (looked up with getattr, absent means the default):
 
     set_timeout_seconds(s)                change the barrier timeout (validate first, then store)
+    set_zero_copy(enabled)                return views of a backend-owned buffer, valid until the next call on
+                                          the same instance, instead of fresh tensors; `AttentionManager`
+                                          enables it for its channels (their callers consume every output
+                                          before the role exchanges again)
     requires_barrier_after_set_tokens     bool, default False. True: `AttentionManager` runs one
                                           `dist.barrier(group)` after updating every role's token counts and
                                           before the first exchange of the forward (for kernels that read

@@ -42,6 +42,7 @@ from .all2all import (
     unregister_runtime,
 )
 from .collectives import collective_device
+from .hoist import capturing
 
 __all__ = ["DEFAULT_ALL2ALL_TIMEOUT_S", "All2AllAttention", "AttentionManager", "AudioAll2AllAttention"]
 
@@ -77,6 +78,11 @@ class AttentionManager:
         device: this rank's device. Defaults to the bound CUDA device for NCCL groups and the CPU
             otherwise; it is never derived from the rank number.
         timeout_s: the exchange barrier timeout handed to the backend (`all2all_timeout_seconds`).
+        local: a manager for this rank alone (world size 1, no group, no channels) whatever the process
+            group says: what a layout with S = 1 (guidance parallelism only) uses.
+        zero_copy: ask each channel for views of its exchange buffer instead of copies (backends with a
+            `set_zero_copy`; the ipc kernel). Safe here: the attention callables consume every output
+            before its role exchanges again (`backends/ipc.py`).
 
     Construction is collective (every rank, same order): `num_heads % world_size != 0` raises
     `ValueError` on every rank before any collective.
@@ -93,11 +99,17 @@ class AttentionManager:
         *,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_ALL2ALL_TIMEOUT_S,
+        local: bool = False,
+        zero_copy: bool = True,
     ) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         # Without a process group (a single process, e.g. a notebook) SP degenerates to world size 1.
-        rank, world_size = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+        rank, world_size = (0, 1)
+        if dist.is_initialized() and not local:
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if local:
+            group = None
         _check_heads(num_heads, world_size)
         _check_timeout(timeout_s)
         self.group = group
@@ -109,6 +121,7 @@ class AttentionManager:
         self.head_dim = int(head_dim)
         self.hidden_dim = self.num_heads * self.head_dim
         self.tensor_dtype = tensor_dtype
+        # (a local manager has group None: it follows the fleet's default group, as the world manager does)
         self.device = _default_device(group) if device is None else torch.device(device)
         self._timeout_s = float(timeout_s)
         self.backend_name = self._resolve_backend(backend)
@@ -131,6 +144,9 @@ class AttentionManager:
                     device=self.device,
                     timeout_s=self._timeout_s,
                 )
+                setter = getattr(inst, "set_zero_copy", None)
+                if setter is not None:
+                    setter(bool(zero_copy))
                 self._backends[role] = inst
                 self.comm_ids[role] = register_runtime(inst)
         self._barrier_after_tokens = any(
@@ -175,16 +191,19 @@ class AttentionManager:
             dist.barrier(group=self.group)
 
     def key_padding_bias(self, total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """(1, 1, 1, total) additive bias that removes padded video keys, or None without padding."""
+        """(1, 1, 1, total) additive bias that removes padded video keys, or None without padding.
+
+        Kept between forwards of the same geometry; made afresh (in the graph's pool) under capture."""
         valid = self.valid_tokens
         if not self.mask_audio_padding or valid is None or valid >= total:
             return None
         key = (total, valid, dtype, device)
-        bias = self._key_bias_cache.get(key)
+        bias = None if capturing() else self._key_bias_cache.get(key)
         if bias is None:
             bias = torch.zeros((1, 1, 1, total), dtype=dtype, device=device)
             bias[..., valid:] = torch.finfo(dtype).min
-            self._key_bias_cache = {key: bias}  # one forward's geometry at a time
+            if not capturing():
+                self._key_bias_cache = {key: bias}  # one forward's geometry at a time
         return bias
 
     # ---- timeout -------------------------------------------------------------------------------------
@@ -319,8 +338,9 @@ def _merge_key_masks(
     if mask is None:
         return padding_bias
     if mask.shape[-1] < total:
-        pad = torch.full((*mask.shape[:-1], total - mask.shape[-1]), torch.finfo(dtype).min, dtype=mask.dtype)
-        mask = torch.cat([mask, pad.to(mask.device)], dim=-1)
+        shape = (*mask.shape[:-1], total - mask.shape[-1])
+        pad = torch.full(shape, torch.finfo(dtype).min, dtype=mask.dtype, device=mask.device)  # no host copy
+        mask = torch.cat([mask, pad], dim=-1)
     if padding_bias is None:
         return mask
     return (mask + padding_bias.to(mask.dtype)).clamp(min=torch.finfo(mask.dtype).min)  # no -inf rows

@@ -22,10 +22,12 @@ __all__ = ["SP_MODULE_OPS_NAME", "SequenceParallelBuilder", "create_sp_module_op
 SP_MODULE_OPS_NAME = "video_self_attention_all2all"
 
 
-def _patch(attn: torch.nn.Module, cls: type, manager: AttentionManager) -> None:
+def _patch(attn: torch.nn.Module, cls: type, manager: AttentionManager | Any) -> None:
     heads = int(attn.heads)
-    if heads % manager.world_size:
-        raise ValueError(f"heads ({heads}) must be divisible by world_size ({manager.world_size})")
+    # An AttentionRouter runs the model under several SP sizes: the heads must divide by each of them.
+    for world_size in getattr(manager, "world_sizes", (manager.world_size,)):
+        if heads % world_size:
+            raise ValueError(f"heads ({heads}) must be divisible by world_size ({world_size})")
     if isinstance(attn.attention_function, All2AllAttention | AudioAll2AllAttention):
         return  # already patched (a module op applied twice must not nest exchanges)
     attn.attention_function = cls(manager, attn.attention_function)
@@ -34,8 +36,10 @@ def _patch(attn: torch.nn.Module, cls: type, manager: AttentionManager) -> None:
         attn.masked_attention_function = cls(manager, attn.masked_attention_function)
 
 
-def patch_sp_attention(model: torch.nn.Module, manager: AttentionManager) -> torch.nn.Module:
+def patch_sp_attention(model: torch.nn.Module, manager: AttentionManager | Any) -> torch.nn.Module:
     """Route every block's `attn1` and `video_to_audio_attn` through the all2all callables (in place).
+
+    `manager` is an `AttentionManager` or an `AttentionRouter` (the callables then follow its active layout).
 
     Raises `ValueError` (on every rank alike, before any collective) when a patched attention's head
     count does not divide by the world size.
@@ -51,7 +55,7 @@ def patch_sp_attention(model: torch.nn.Module, manager: AttentionManager) -> tor
     return model
 
 
-def create_sp_module_ops(manager: AttentionManager) -> Any:
+def create_sp_module_ops(manager: AttentionManager | Any) -> Any:
     """The `ModuleOps` that patches an `LTXModel` for SP (applied by ltx-core to the meta model)."""
     from ltx_core.loader.module_ops import ModuleOps
     from ltx_core.model.transformer.model import LTXModel
@@ -68,7 +72,8 @@ class SequenceParallelBuilder:
 
     Args:
         inner: the single-device builder (checkpoint, sd ops, module ops, LoRAs are all kept).
-        attn_mgr: the `AttentionManager` of the transformer group; its device is the default build device.
+        attn_mgr: the `AttentionManager` of the transformer group, or an `AttentionRouter` over the groups of
+            several layouts; its device is the default build device.
         registry: optional ltx-core state-dict registry to rebind the inner builder to (one per process
             lets several builders share loaded checkpoints).
         sync_audio: broadcast rank 0's audio output each forward (see `SequenceParallelModelWrapper`).
@@ -77,7 +82,7 @@ class SequenceParallelBuilder:
     def __init__(
         self,
         inner: Any,
-        attn_mgr: AttentionManager,
+        attn_mgr: AttentionManager | Any,
         *,
         registry: Any = None,
         sync_audio: bool = True,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "OPTIONAL_TOKEN_FIELDS",
     "compute_sequence_offsets",
     "compute_sequence_partition",
     "pad_modality_for_uniform_sharding",
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 # Optional per-token fields some ltx-core versions carry on Modality (padded with zeros, sliced per rank).
-_OPTIONAL_TOKEN_FIELDS = ("keyframes_mask", "segment_ids")
+OPTIONAL_TOKEN_FIELDS = ("keyframes_mask", "segment_ids")
 
 
 def padded_token_count(total_tokens: int, world_size: int) -> int:
@@ -84,7 +85,7 @@ def pad_modality_for_uniform_sharding(modality: Any, world_size: int) -> tuple[A
         "latent": _pad_dim(latent, 1, pad),
         "positions": _pad_dim(modality.positions, 2, pad),
     }
-    for name in ("timesteps", *_OPTIONAL_TOKEN_FIELDS):
+    for name in ("timesteps", *OPTIONAL_TOKEN_FIELDS):
         value = getattr(modality, name, None)
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == total:
             changes[name] = _pad_dim(value, 1, pad)  # per-token; a (B, 1) broadcast value stays as is
@@ -119,7 +120,7 @@ def tile_modality_for_rank(modality: Any, rank: int, world_size: int) -> tuple[A
         "latent": modality.latent[:, start:end],
         "positions": modality.positions[:, :, start:end],
     }
-    for name in ("timesteps", *_OPTIONAL_TOKEN_FIELDS):
+    for name in ("timesteps", *OPTIONAL_TOKEN_FIELDS):
         value = getattr(modality, name, None)
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == total:
             changes[name] = value[:, start:end]

@@ -30,7 +30,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["LocalWorld", "WorldContext", "WorldError", "free_port"]
+__all__ = ["LocalWorld", "WorldContext", "WorldError", "WorldPool", "free_port"]
 
 
 @dataclass(frozen=True)
@@ -213,3 +213,25 @@ class LocalWorld:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class WorldPool:
+    """One `LocalWorld` per world size, made on first use and remade when a failure closed it; a test
+    module keeps one pool and closes it at teardown (all worlds wind down concurrently)."""
+
+    def __init__(self, **world_kwargs: Any) -> None:
+        self.world_kwargs = world_kwargs
+        self._worlds: dict[int, LocalWorld] = {}
+
+    def get(self, size: int) -> LocalWorld:
+        world = self._worlds.get(size)
+        if world is None or not world.healthy:
+            world = self._worlds[size] = LocalWorld(size, **self.world_kwargs)
+        return world
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.begin_close()
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()

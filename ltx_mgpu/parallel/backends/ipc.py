@@ -8,13 +8,22 @@ says why not. The factory raises a RuntimeError naming the reason when asked for
 Semantics are those of `ltx_mgpu_kernels.IpcAll2All` (docs/kernels.md): one IPC buffer per instance (per
 tensor role), an entry handshake and an exit barrier inside every exchange, a barrier timeout that does not
 poison the CUDA context but raises `All2AllTimeoutError` (naming the rank that never arrived) from the next
-call or `synchronize()`. Outputs are fresh tensors (copied out of the exchange buffer), so the caller may
-keep them as long as it likes. `LTX_MGPU_IPC_ZERO_COPY=1` returns views of the exchange buffer instead
-(no local copy): a view stays valid until the next exchange on the same instance (tensor role) is
-enqueued, which holds for the SP attention path (each output is consumed before its role exchanges
-again) but is the caller's promise, not something the backend can check.
-No dist barrier is needed after `set_rank_tokens`: token counts are host
-state of each rank, and the kernel's entry handshake orders buffer reuse.
+call or `synchronize()`. No dist barrier is needed after `set_rank_tokens`: token counts are host state of
+each rank, and the kernel's entry handshake orders buffer reuse.
+
+Outputs: a fresh tensor by default (copied out of the exchange buffer), so a direct caller may keep them
+as long as it likes. `set_zero_copy(True)` (what `AttentionManager` does for its channels) returns views
+of the exchange buffer instead, valid until the next exchange on the same instance (tensor role) is
+enqueued. That is safe for the SP attention path, and it is what makes SP pay at small sizes (two H200s:
+1.31-1.52x NCCL `all_to_all_single` with views against 0.98-1.14x with a copy-out):
+- every output is consumed (attention reads q/k/v, `to_out` reads the gathered heads) before its role
+  exchanges again, in stream order on this rank, and no output is fed back into its own instance;
+- a peer writes into this rank's buffer only after this rank *entered* the next exchange on that role
+  (the kernel's entry handshake), which stream order places after those consumers;
+- under a CUDA graph the views are fixed addresses, like everything else the graph reads.
+`tests/test_sp_parallel.py::test_sp_survives_outputs_overwritten_at_next_exchange` proves the first point
+on CPU with a backend that poisons each role's previous output at its next exchange.
+`LTX_MGPU_IPC_ZERO_COPY=0` keeps every output copied out, whatever `set_zero_copy` asks.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ __all__ = ["IpcBackend", "create_ipc_backend", "is_available", "unavailable_reas
 
 _KERNELS_MODULE = "ltx_mgpu_kernels"
 DEFAULT_TIMEOUT_S = 10.0
-ZERO_COPY_ENV = "LTX_MGPU_IPC_ZERO_COPY"  #: "1" -> outputs are views of the exchange buffer (see above)
+ZERO_COPY_ENV = "LTX_MGPU_IPC_ZERO_COPY"  #: "0": always copy outputs out (set_zero_copy is ignored)
 
 
 def _kernels() -> tuple[ModuleType | None, str | None]:
@@ -81,7 +90,8 @@ class IpcBackend:
 
     def __init__(self, instance: Any, *, zero_copy: bool = False) -> None:
         self._inst = instance
-        self._copy_out = not zero_copy
+        self._copy_out = True
+        self.set_zero_copy(zero_copy)
         self.rank: int = instance.rank
         self.world_size: int = instance.world_size
 
@@ -95,6 +105,14 @@ class IpcBackend:
 
     def set_timeout_seconds(self, seconds: float) -> None:
         self._inst.set_timeout(seconds)
+
+    def set_zero_copy(self, enabled: bool) -> None:
+        """Views of the exchange buffer instead of copies (see the module docstring for when that is safe)."""
+        self._copy_out = not (enabled and os.environ.get(ZERO_COPY_ENV, "1") != "0")
+
+    @property
+    def zero_copy(self) -> bool:
+        return not self._copy_out
 
     def send_recv_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S_local, H, D) -> (B, S_total, H/w, D)."""
@@ -140,7 +158,7 @@ def create_ipc_backend(
         device=device,
         timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
     )
-    return IpcBackend(instance, zero_copy=os.environ.get(ZERO_COPY_ENV, "0") == "1")
+    return IpcBackend(instance)
 
 
 register_backend("ipc", create_ipc_backend)

@@ -84,22 +84,41 @@ def build_checked(builder: Any, device: torch.device, dtype: torch.dtype | None,
 
 
 def build_sp_transformer(
-    builder: Any, runner: Any, *, max_tokens: int, dtype: torch.dtype, backend: str, build_dtype: torch.dtype | None
+    builder: Any,
+    runner: Any,
+    *,
+    max_tokens: int,
+    dtype: torch.dtype,
+    backend: str,
+    build_dtype: torch.dtype | None,
+    layouts: bool = False,
 ) -> tuple[Any, torch.nn.Module]:
-    """The `AttentionManager` sized from the transformer config of `builder` and the sequence-parallel
+    """The attention manager sized from the transformer config of `builder` and the sequence-parallel
     transformer built from it on `runner`'s device and transformer group (`build_dtype` None: keep the
-    checkpoint's dtypes, e.g. fp8 weights)."""
-    from ...parallel import AttentionManager, SequenceParallelBuilder
+    checkpoint's dtypes, e.g. fp8 weights).
+
+    `layouts`: an `AttentionRouter` over every G x S layout of the fleet (collective: the layout groups are
+    made here, once) instead of one manager over the whole fleet, so guidance-parallel stages can run the
+    same resident model under smaller SP groups."""
+    from ...parallel import AttentionManager, AttentionRouter, SequenceParallelBuilder
 
     cfg = builder.model_config()["transformer"]
-    attention = AttentionManager(
-        int(max_tokens),
-        int(cfg["num_attention_heads"]),
-        int(cfg["attention_head_dim"]),
-        dtype,
-        runner.groups.transformer_group,
-        backend=backend,
-        device=runner.device,
-    )
+    heads, head_dim = int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])
+    if layouts:
+        attention: Any = AttentionRouter.build(
+            runner.make_layout_groups(),
+            int(max_tokens),
+            heads,
+            head_dim,
+            dtype,
+            backend=backend,
+            device=runner.device,
+            head_counts=(int(cfg.get("audio_num_attention_heads", 32)),),  # ltx-core's default
+        )
+    else:
+        attention = AttentionManager(
+            int(max_tokens), heads, head_dim, dtype, runner.groups.transformer_group, backend=backend,
+            device=runner.device,
+        )  # fmt: skip
     model = SequenceParallelBuilder(builder, attention).build(device=runner.device, dtype=build_dtype)
     return attention, model

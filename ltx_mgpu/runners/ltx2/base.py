@@ -32,7 +32,7 @@ import torch
 
 from ...errors import RunnerError
 from ...events import output_event, progress_event, stage_event
-from ...parallel import check_token_budget, padded_token_count
+from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tdp import BalancedTiling
@@ -115,6 +115,9 @@ class Ltx2Runner(MGPURunner):
         max_steps: int = 100,
         stage2_sigmas: list[float] | None = None,
         stg_blocks: list[int] | None = None,
+        stage1_guidance: dict[str, dict[str, float]] | None = None,
+        parallel_layout: str | dict[str, str] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
         policy = comp.quantization_policy(quantization)
@@ -138,14 +141,34 @@ class Ltx2Runner(MGPURunner):
         self.audio_channels = int(tcfg["audio_in_channels"])
         self.num_layers = int(tcfg["num_layers"])
         build_dtype = None if policy is not None else self.dtype  # quantized weights keep their fp8 dtype
+        # an AttentionRouter over every G x S layout (groups made once, here): guidance-parallel stages run
+        # the same resident model under smaller SP groups (docs/sequence-parallel.md, "Layouts")
         self.attention, self.sp_model = build_sp_transformer(
-            tb, self, max_tokens=self.sp_max_tokens, dtype=self.dtype, backend=sp_backend, build_dtype=build_dtype
-        )
+            tb, self, max_tokens=self.sp_max_tokens, dtype=self.dtype, backend=sp_backend, build_dtype=build_dtype,
+            layouts=True,
+        )  # fmt: skip
         comp.check_quantized(self.sp_model.model, quantization)
         from ltx_core.model.transformer import X0Model
 
         self.x0_sp = X0Model(self.sp_model)
-        options = {"tdp_tiles": tdp_tiles, "tdp_overlap": int(tdp_overlap), "default_steps": default_steps}
+        self.layout_policy = LayoutPolicy(
+            parallel_layout, world_size=self.world_size, dims=LayerDims.from_config(tcfg), layers=self.num_layers
+        )
+        # every SP forward of a denoising stage goes through the graph wrapper: captured per (layout, shape)
+        # on CUDA and replayed (eager on CPU, for shapes seen once, or where a capture fails)
+        self.x0_graphed = CudaGraphForward(
+            self.x0_sp,
+            enabled=bool(cuda_graphs),
+            key_fn=lambda: self.attention.active_layout,
+            capturable=self.attention.capture_blocker,
+            agree=self.attention.all_agree,
+        )
+        options = {
+            "tdp_tiles": tdp_tiles,
+            "tdp_overlap": int(tdp_overlap),
+            "default_steps": default_steps,
+            "stage1_guidance": stage1_guidance,
+        }
         self._setup_stage2(tb, checkpoint_path=checkpoint_path, stg_blocks=stg_blocks, **options)
         self.stage2_sigmas = tuple(float(s) for s in (stage2_sigmas or self._default_stage2_sigmas()))
         if len(self.stage2_sigmas) < 2 or self.stage2_sigmas[-1] != 0.0:
@@ -316,9 +339,16 @@ class Ltx2Runner(MGPURunner):
             video = self._state(tools, job, conditionings=self._conditionings(job.images, tools), noise_scale=1.0)
             audio = self._state(audio_tools, job, noise_scale=1.0)
             tokens = int(video.latent.shape[1])
+            step, layout = self._stage1_step(job, prompt, self._max_batch(tokens), video, audio)
             if self.is_driver:
-                yield stage_event("stage1", steps=len(sigmas) - 1, video_tokens=tokens, world_size=self.world_size)
-            step = self._stage1_step(job, prompt, self._max_batch(tokens))
+                yield stage_event(
+                    "stage1",
+                    steps=len(sigmas) - 1,
+                    video_tokens=tokens,
+                    world_size=self.world_size,
+                    passes=int(getattr(step, "passes", 1)),  # transformer passes per step (guidance)
+                    layout=layout,
+                )
             video, audio = yield from self._denoise("stage1", step, sigmas, video, audio)
             return (
                 tools.unpatchify(tools.clear_conditioning(video)).latent,
@@ -328,9 +358,17 @@ class Ltx2Runner(MGPURunner):
     def _stage1_sigmas(self, job: Job) -> torch.Tensor:
         raise NotImplementedError
 
-    def _stage1_step(self, job: Job, prompt: Prompt, max_batch: int) -> Any:
-        """The stage-1 step function `(video_state, audio_state, sigma) -> (denoised video, denoised audio)`."""
+    def _stage1_step(
+        self, job: Job, prompt: Prompt, max_batch: int, video: Any, audio: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """The stage-1 step function `(video_state, audio_state, sigma) -> (denoised video, denoised audio)`
+        for the stage's initial `video`/`audio` states, and the parallel layout it runs under (reported in the
+        stage event)."""
         raise NotImplementedError
+
+    def _sp_layout(self) -> dict[str, Any]:
+        """The layout report of a stage that runs plain SP over the whole fleet."""
+        return {"name": f"1x{self.world_size}", "guidance": 1, "sequence": self.world_size, "source": "sp"}
 
     def _upsample(self, job: Job, latent: torch.Tensor) -> Events:
         """x2 latent upsampler on the driver, broadcast to every rank."""

@@ -259,9 +259,13 @@ def guided_denoise(
     negative: tuple[torch.Tensor, torch.Tensor],
     video: GuidanceParams,
     audio: GuidanceParams,
+    run: Callable[..., list[tuple[torch.Tensor, torch.Tensor]]] = run_passes,
 ) -> Callable:
     """Multi-modal guidance: conditional, unconditional (negative prompt), STG-perturbed and
-    modality-isolated passes as needed, combined by ltx-core's `MultiModalGuider` per modality."""
+    modality-isolated passes as needed, combined by ltx-core's `MultiModalGuider` per modality.
+
+    `run` computes the passes (signature of `run_passes`); guidance parallelism passes
+    `ltx_mgpu.parallel.GuidanceParallelPasses`, which spreads them over rank groups."""
     from ltx_core.components.guiders import MultiModalGuider
     from ltx_core.guidance.perturbations import Perturbation, PerturbationConfig, PerturbationType
 
@@ -285,7 +289,7 @@ def guided_denoise(
     names = list(passes)
 
     def step(video_state: Any, audio_state: Any, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        outputs = run_passes(x0, video_state, audio_state, sigma, list(passes.values()), max_batch)
+        outputs = run(x0, video_state, audio_state, sigma, list(passes.values()), max_batch)
         results = dict(zip(names, outputs, strict=True))
         cv, ca = results["cond"]
 

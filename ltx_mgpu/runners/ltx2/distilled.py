@@ -43,10 +43,17 @@ class Ltx2DistilledRunner(Ltx2Runner):
         del job
         return torch.tensor(DISTILLED_SIGMAS, dtype=torch.float32)
 
-    def _stage1_step(self, job: Job, prompt: Prompt, max_batch: int) -> Any:
-        del job
-        return simple_denoise(self.x0_sp, max_batch, *prompt.positive)
+    def _setup_stage2(self, tb: Any, *, stage1_guidance: dict | None = None, **options: Any) -> None:
+        del tb, options
+        if stage1_guidance:
+            raise ValueError("the distilled runner runs without guidance: stage1_guidance does not apply")
+
+    def _stage1_step(
+        self, job: Job, prompt: Prompt, max_batch: int, video: Any, audio: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        del job, video, audio
+        return simple_denoise(self.x0_graphed, max_batch, *prompt.positive), self._sp_layout()
 
     def _stage2_step(self, job: Job, prompt: Prompt, shape: Any) -> tuple[Any, str]:
         del job, shape
-        return simple_denoise(self.x0_sp, 1, *prompt.positive), "sp"
+        return simple_denoise(self.x0_graphed, 1, *prompt.positive), "sp"

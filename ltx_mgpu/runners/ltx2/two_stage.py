@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...parallel import GuidanceParallelPasses
 from ...parallel.builder import SP_MODULE_OPS_NAME
 from ...parallel.lora_tracker import LoraSpec
 from ...parallel.tdp import BalancedTiling, TiledDataParallelBuilder
@@ -35,6 +36,7 @@ from .denoise import (
     Geometry,
     GuidanceParams,
     guided_denoise,
+    run_passes,
     simple_denoise,
 )
 
@@ -77,6 +79,7 @@ class Ltx2TwoStageRunner(Ltx2Runner):
         checkpoint_path: str,
         default_steps: int | None,
         stg_blocks: list[int] | None,
+        stage1_guidance: dict[str, dict[str, float]] | None,
     ) -> None:
         from ltx_core.model.transformer import X0Model
 
@@ -94,6 +97,7 @@ class Ltx2TwoStageRunner(Ltx2Runner):
         if any(not 0 <= int(b) < self.num_layers for b in blocks):
             raise ValueError(f"stg_blocks {blocks} outside the transformer's {self.num_layers} blocks")
         self.stg_blocks = tuple(int(b) for b in blocks)
+        self.stage1_guidance = stage1_guidance_params(stage1_guidance or {}, self.stg_blocks)
 
     def _default_stage2_sigmas(self) -> tuple[float, ...]:
         # tiles drift apart more the noisier they start: a lower first sigma when there really are tiles
@@ -119,21 +123,71 @@ class Ltx2TwoStageRunner(Ltx2Runner):
         probe = torch.empty((1, shape.channels, shape.frames, shape.height, shape.width), device="meta")
         return LTX2Scheduler().execute(steps=job.steps, latent=probe).to(torch.float32)
 
-    def _stage1_step(self, job: Job, prompt: Prompt, max_batch: int) -> Any:
-        """The guided stage-1 step: conditional, negative-prompt, STG-perturbed and modality-isolated passes,
-        batched `max_batch` rows per SP forward, combined per modality by ltx-core's guider."""
-        cfg = VIDEO_GUIDANCE.cfg_scale if job.args.guidance_scale is None else float(job.args.guidance_scale)
+    def _stage1_step(
+        self, job: Job, prompt: Prompt, max_batch: int, video: Any, audio: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """The guided stage-1 step: conditional, negative-prompt, STG-perturbed and modality-isolated passes
+        (as the guidance asks), spread over G rank groups x S SP ranks (guidance parallelism; the layout
+        from the cost model or the `parallel_layout` override), combined per modality by ltx-core's guider."""
+        video_guidance, audio_guidance = self.stage1_guidance
+        if job.args.guidance_scale is not None:  # the request's scale is the video CFG scale
+            video_guidance = dataclasses.replace(video_guidance, cfg_scale=float(job.args.guidance_scale))
         assert prompt.negative is not None  # `_negative_prompt` always gives one here
-        return guided_denoise(
-            self.x0_sp,
+        audio_tokens, context_tokens = int(audio.latent.shape[1]), int(prompt.positive[0].shape[1])
+        graphed = self.x0_graphed.enabled and self.device.type == "cuda"
+
+        def choose(tokens: int, passes: int) -> Any:
+            return self.layout_policy.choose(
+                "stage1",
+                tokens=tokens,
+                passes=passes,
+                audio_tokens=audio_tokens,
+                context_tokens=context_tokens,
+                graphed=graphed,
+            )
+
+        runner = GuidanceParallelPasses(
+            self.groups.layouts,
+            self.attention,
+            run_passes,
+            choose=choose,
+            max_tokens=self.sp_max_tokens,
+            device=self.device,
+        )
+        step = guided_denoise(
+            self.x0_graphed,
             max_batch,
             positive=prompt.positive,
             negative=prompt.negative,
-            video=dataclasses.replace(VIDEO_GUIDANCE, cfg_scale=cfg, stg_blocks=self.stg_blocks),
-            audio=dataclasses.replace(AUDIO_GUIDANCE, stg_blocks=self.stg_blocks),
+            video=video_guidance,
+            audio=audio_guidance,
+            run=runner,
         )
+        return step, runner.plan(int(video.latent.shape[1]), step.passes).describe()
 
     def _stage2_step(self, job: Job, prompt: Prompt, shape: Any) -> tuple[Any, str]:
         del job
         self.tdp_model.set_latent_shape(shape)
         return simple_denoise(self.x0_tdp, 1, *prompt.positive), "tdp"
+
+
+def stage1_guidance_params(
+    overrides: dict[str, dict[str, float]], stg_blocks: tuple[int, ...]
+) -> tuple[GuidanceParams, GuidanceParams]:
+    """Stage-1 guidance (video, audio): `VIDEO_GUIDANCE` / `AUDIO_GUIDANCE` on `stg_blocks`, with the setup
+    kwarg `stage1_guidance`'s fields per modality replacing them (e.g. CFG only, 2 passes a step:
+    `{"video": {"stg_scale": 0, "modality_scale": 1, "rescale_scale": 0}, "audio": {...}}`). Checked at
+    setup on every rank: unknown modalities or fields are a `ValueError`."""
+    defaults = {"video": VIDEO_GUIDANCE, "audio": AUDIO_GUIDANCE}
+    allowed = {f.name for f in dataclasses.fields(GuidanceParams)} - {"stg_blocks"}
+    if set(overrides) - set(defaults):
+        raise ValueError(f"stage1_guidance: keys must be 'video' and/or 'audio', got {sorted(overrides)}")
+    out = []
+    for name, base in defaults.items():
+        given = dict(overrides.get(name) or {})
+        unknown = set(given) - allowed
+        if unknown:
+            raise ValueError(f"stage1_guidance[{name!r}]: unknown fields {sorted(unknown)}; allowed {sorted(allowed)}")
+        fields = {k: float(v) for k, v in given.items()}
+        out.append(dataclasses.replace(base, stg_blocks=stg_blocks, **fields))
+    return out[0], out[1]
