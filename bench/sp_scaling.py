@@ -139,7 +139,7 @@ class ScalingRunner(MGPURunner):
     def _inputs(self, tokens: int, seed: int) -> tuple[Any, Any, tuple, tuple]:
         import dataclasses
 
-        from ltx_mgpu.runners.smoke.pipeline import SmokeGeometry
+        from ltx_mgpu.runners.smoke.denoise import SmokeGeometry
 
         f, h, w = _geometry(tokens)
         ch = self.cfg["in_channels"]
@@ -169,7 +169,7 @@ class ScalingRunner(MGPURunner):
         import torch.distributed as dist
 
         from ltx_mgpu.parallel import CudaGraphForward, GuidanceParallelPasses
-        from ltx_mgpu.runners.ltx2.pipeline import GuidanceParams, guided_denoise, run_passes
+        from ltx_mgpu.runners.ltx2.denoise import GuidanceParams, guided_denoise, run_passes
 
         vs, aus, pos, neg = self._inputs(tokens, seed=tokens + passes)
         cfg, stg, modality = GUIDANCE[passes]

@@ -143,7 +143,7 @@ def _guided_step_events(world: int, rank: int) -> dict[str, list[str]]:
         SequenceParallelModelWrapper,
         patch_sp_attention,
     )
-    from ltx_mgpu.runners.ltx2.pipeline import GuidanceParams, guided_denoise, run_passes
+    from ltx_mgpu.runners.ltx2.denoise import GuidanceParams, guided_denoise, run_passes
 
     _init_fake(world, rank)
     model, t = _model()

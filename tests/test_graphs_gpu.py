@@ -91,8 +91,8 @@ def _stage(ctx: WorldContext, path: str, backend: str, dtype_name: str) -> dict[
         LayoutGroups,
         SequenceParallelBuilder,
     )
-    from ltx_mgpu.runners.ltx2.pipeline import GuidanceParams, blend_clean, guided_denoise, run_passes
-    from ltx_mgpu.runners.smoke.pipeline import SmokeGeometry
+    from ltx_mgpu.runners.ltx2.denoise import GuidanceParams, blend_clean, guided_denoise, run_passes
+    from ltx_mgpu.runners.smoke.denoise import SmokeGeometry
 
     dtype = getattr(torch, dtype_name)
     device = ctx.device

@@ -89,7 +89,7 @@ def _setup(ctx: WorldContext, path: str, max_tokens: int = 4096) -> dict[str, An
 
 
 def _states(cfg: dict[str, Any], f: int, h: int, w: int, seed: int = 0) -> tuple[Any, Any, tuple, tuple]:
-    from ltx_mgpu.runners.smoke.pipeline import SmokeGeometry
+    from ltx_mgpu.runners.smoke.denoise import SmokeGeometry
 
     g = torch.Generator().manual_seed(seed)
     geo = SmokeGeometry(w * 32, h * 32, (f - 1) * 8 + 1, 24.0, cfg["in_channels"], cfg["audio_in_channels"])
@@ -107,7 +107,7 @@ def _denoise(step: Any, vs: Any, aus: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The runners' Euler loop (blend conditioned tokens, Euler step) for STEPS steps."""
     from ltx_core.components.diffusion_steps import EulerDiffusionStep
 
-    from ltx_mgpu.runners.ltx2.pipeline import blend_clean
+    from ltx_mgpu.runners.ltx2.denoise import blend_clean
 
     sigmas = torch.tensor([*torch.linspace(1.0, 0.0, STEPS + 1)[:-1].tolist(), 0.0], dtype=torch.float32)
     euler = EulerDiffusionStep()
@@ -120,7 +120,7 @@ def _denoise(step: Any, vs: Any, aus: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _step(x0: Any, passes: int, pos: tuple, neg: tuple, max_batch: int, run: Any = None) -> Any:
-    from ltx_mgpu.runners.ltx2.pipeline import GuidanceParams, guided_denoise, run_passes
+    from ltx_mgpu.runners.ltx2.denoise import GuidanceParams, guided_denoise, run_passes
 
     cfg, stg, modality = GUIDANCE[passes]
     video = GuidanceParams(cfg, stg, (1,), 0.7 if passes == 4 else 0.0, modality)
@@ -135,7 +135,7 @@ def _layouts_vs_reference(
 ) -> list[dict[str, Any]]:
     from ltx_mgpu.parallel import GuidanceParallelPasses, layout
     from ltx_mgpu.parallel import guidance as gmod
-    from ltx_mgpu.runners.ltx2.pipeline import run_passes
+    from ltx_mgpu.runners.ltx2.denoise import run_passes
 
     env = _setup(ctx, path)
     original_gather = gmod.gather_pass_outputs
@@ -176,7 +176,7 @@ def _budget(ctx: WorldContext, path: str) -> list[str]:
     """A step over budget raises the same ValueError on every rank before any collective, under every
     layout; the fleet is usable afterwards."""
     from ltx_mgpu.parallel import GuidanceParallelPasses, layout
-    from ltx_mgpu.runners.ltx2.pipeline import run_passes
+    from ltx_mgpu.runners.ltx2.denoise import run_passes
 
     env = _setup(ctx, path)
     messages = []
