@@ -33,6 +33,7 @@ from typing import Any
 
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.events import output_event, progress_event, stage_event
+from worker.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = {
@@ -247,21 +248,6 @@ def wait_ready(
 
     return wait_for(ready, timeout, f"{count} ready worker(s) {name_prefix}",
                     on_fail=worker.log_tail if worker else None)  # fmt: skip
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie still answers kill(0); treat it as dead
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 # ==== jobs ==============================================================================================
