@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from ltx_mgpu.parallel.testing import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -159,16 +160,10 @@ def test_loopback_cuda_graph_replays(kernels) -> None:
 # ==== several processes on one GPU (gloo handshake) =========================================================
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, scenario: str, tmp_path: Path, **kw: Any) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port = free_port()
     mp.start_processes(_worker, args=(world, port, scenario, str(tmp_path), kw), nprocs=world, start_method="spawn")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
