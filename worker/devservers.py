@@ -134,6 +134,8 @@ def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float) -> None:
 
 def pid_alive(pid: int) -> bool:
     """True if `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    if pid <= 0:  # kill(0) and kill(-1) address process groups, not a process
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
