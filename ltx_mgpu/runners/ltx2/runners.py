@@ -20,7 +20,9 @@ Setup kwargs (every rank): `checkpoint_path` (the LTX-2 monolith: transformer, V
 "fp8-cast", "fp8-scaled-mm": passed to the transformer builder, never ignored), `dtype`,
 `sp_max_tokens`, `sp_backend`, `tdp_tiles`/`tdp_overlap`, `vae_tiles`/`vae_overlap`/`vae_chunked`,
 `text_encoder` ("source" | "batch-parallel"), `text_encoder_rank`, `prompt_tokens`,
-`enhance_max_new_tokens`, `default_steps`, `max_steps`, `stage2_sigmas`, `stg_blocks`.
+`enhance_max_new_tokens`, `default_steps`, `max_steps`, `stage2_sigmas`, `stg_blocks`, `stage1_guidance`
+(two-stage: `{"video": {...}, "audio": {...}}` overriding the reference's stage-1 guidance, fields of
+`GuidanceParams`; e.g. CFG only, 2 passes a step: `stg_scale` 0, `modality_scale` 1, `rescale_scale` 0).
 
 Job kwargs: worker/schema.py `RenderRequest.runner_kwargs()` + `output_path`. Every request check runs on
 every rank before any collective and raises `ValueError` (a recoverable `SymmetricRunnerError`).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -109,6 +112,7 @@ class _Ltx2Runner(MGPURunner):
         max_steps: int = 100,
         stage2_sigmas: list[float] | None = None,
         stg_blocks: list[int] | None = None,
+        stage1_guidance: dict[str, dict[str, float]] | None = None,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
         self.quantization_name = quantization
@@ -227,6 +231,7 @@ class _Ltx2Runner(MGPURunner):
         if any(not 0 <= int(b) < self.num_layers for b in blocks):
             raise ValueError(f"stg_blocks {blocks} outside the transformer's {self.num_layers} blocks")
         self.stg_blocks = tuple(int(b) for b in blocks)
+        self.stage1_guidance = _stage1_guidance(stage1_guidance or {}, self.stg_blocks)
         self.peaks: dict[str, int] = {}
 
     def _check_quantized(self, policy: Any) -> None:
@@ -325,8 +330,6 @@ class _Ltx2Runner(MGPURunner):
     ) -> Iterator[Any]:
         """Euler loop with one cancellation check (collective) per step; yields progress on the driver and
         finally the (video_state, audio_state) pair as a tuple."""
-        from dataclasses import replace
-
         from ltx_core.components.diffusion_steps import EulerDiffusionStep
 
         euler = EulerDiffusionStep()
@@ -394,14 +397,11 @@ class _Ltx2Runner(MGPURunner):
             shape = tools1.target_shape
             probe = torch.empty((1, shape.channels, shape.frames, shape.height, shape.width), device="meta")
             sigmas1 = LTX2Scheduler().execute(steps=steps, latent=probe).to(torch.float32)
-            cfg = 3.0 if guidance_scale is None else float(guidance_scale)
+            video_guidance, audio_guidance = self.stage1_guidance
+            if guidance_scale is not None:  # the request's scale is the video CFG scale
+                video_guidance = replace(video_guidance, cfg_scale=float(guidance_scale))
             step_fn = guided_denoise(
-                self.x0_sp,
-                max_batch,
-                positive=pos,
-                negative=neg,
-                video=GuidanceParams(cfg, 1.0, self.stg_blocks, 0.7, 3.0),
-                audio=GuidanceParams(7.0, 1.0, self.stg_blocks, 0.7, 3.0),
+                self.x0_sp, max_batch, positive=pos, negative=neg, video=video_guidance, audio=audio_guidance
             )
         else:
             sigmas1 = torch.tensor(DISTILLED_SIGMAS, dtype=torch.float32)
@@ -412,6 +412,7 @@ class _Ltx2Runner(MGPURunner):
                 steps=len(sigmas1) - 1,
                 video_tokens=int(video_state.latent.shape[1]),
                 world_size=self.world_size,
+                passes=int(getattr(step_fn, "passes", 1)),  # transformer passes per step (guidance)
             )
         for item in self._denoise(self.x0_sp, step_fn, sigmas1, video_state, audio_state, "stage1"):
             if isinstance(item, tuple):
@@ -518,6 +519,32 @@ class _Ltx2Runner(MGPURunner):
             size_bytes=size,
             **extra,
         )
+
+
+def _stage1_guidance(
+    overrides: dict[str, dict[str, float]], stg_blocks: tuple[int, ...]
+) -> tuple[GuidanceParams, GuidanceParams]:
+    """The two-stage runner's stage-1 guidance: the reference's defaults (video CFG 3, audio CFG 7, STG 1,
+    rescale 0.7, modality 3) with the setup's overrides per modality; checked at setup on every rank."""
+    defaults = {
+        "video": GuidanceParams(
+            cfg_scale=3.0, stg_scale=1.0, stg_blocks=stg_blocks, rescale_scale=0.7, modality_scale=3.0
+        ),
+        "audio": GuidanceParams(
+            cfg_scale=7.0, stg_scale=1.0, stg_blocks=stg_blocks, rescale_scale=0.7, modality_scale=3.0
+        ),
+    }
+    allowed = {f.name for f in fields(GuidanceParams)} - {"stg_blocks"}
+    if set(overrides) - set(defaults):
+        raise ValueError(f"stage1_guidance: keys must be 'video' and/or 'audio', got {sorted(overrides)}")
+    out = []
+    for name, base in defaults.items():
+        given = dict(overrides.get(name) or {})
+        unknown = set(given) - allowed
+        if unknown:
+            raise ValueError(f"stage1_guidance[{name!r}]: unknown fields {sorted(unknown)}; allowed {sorted(allowed)}")
+        out.append(replace(base, **{k: float(v) for k, v in given.items()}))
+    return out[0], out[1]
 
 
 class Ltx2DistilledRunner(_Ltx2Runner):
