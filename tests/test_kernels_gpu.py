@@ -205,7 +205,7 @@ def _scenario_compare(rank: int, world: int, trials: int, burst: int) -> dict[st
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         kw = dict(group=dist.group.WORLD, max_tokens_per_rank=max_tokens, hidden_dim=hh_max * world * d, dtype=dtype)
         ipc = create_ipc_backend(**kw, device=torch.device("cuda"), timeout_s=120.0)  # index from the bound device
-        dst = create_dist_backend(**kw, device=torch.device("cuda", 0))
+        dst = create_dist_backend(**kw, device=torch.device("cuda", torch.cuda.current_device()))
         rng = random.Random(1234 + world)  # identical on every rank: shapes and counts agree
         gen = torch.Generator().manual_seed(rank * 1000 + world)  # data differs per rank
         for _ in range(trials):
