@@ -26,7 +26,7 @@ no modality guidance); `ltx2-distilled` 8 + 3. Synthetic weights (`--weights`, m
 `python -m ltx_mgpu.runners.ltx2.synthetic`) render noise: their timings and memory are real.
 
     python bench/e2e.py --profile tiny --groups cpu:2 --jobs 3                    # CPU, what CI runs
-    python bench/e2e.py --profile full --weights /dev/shm/ltx2 --plan gpu2 --out $OUT/e2e.jsonl
+    python bench/e2e.py --profile full --weights /dev/shm/ltx2 --plan gpu2 --only 0,1,2 --out $OUT/e2e-a.jsonl
     python bench/e2e.py --profile full --weights DIR --runner ltx2-distilled --groups 0,1 --groups '0;1'
 
 Every wait has a hard deadline; `--budget-s` skips the runs (in plan order, most important first) that
@@ -303,6 +303,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--weights", type=Path, default=None, help="checkpoint folder (full: required; tiny: made)")
     ap.add_argument("--setup-json", type=Path, default=None, help="runner setup kwargs naming the files instead")
     ap.add_argument("--plan", choices=sorted(PLANS), default=None, help="a preset list of runs (overrides below)")
+    ap.add_argument("--only", default=None, help="with --plan: run only these plan indices, e.g. 0,1,2")
     ap.add_argument("--runner", action="append", default=None, help="repeatable; default ltx2-distilled")
     ap.add_argument("--groups", action="append", default=None,
                     help="a layout, repeatable: '0,1' one fleet of two, '0;1' two fleets, 'cpu:2'")  # fmt: skip
@@ -328,7 +329,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def specs_from(args: argparse.Namespace) -> list[RunSpec]:
     if args.plan:
-        return PLANS[args.plan]
+        plan = PLANS[args.plan]
+        if args.only is None:
+            return plan
+        return [plan[int(i)] for i in args.only.split(",") if i.strip()]
     warm = args.jobs if args.warm is None else args.warm
     back = args.jobs if args.backlog is None else args.backlog
     specs = []
