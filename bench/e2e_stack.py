@@ -57,13 +57,20 @@ def rounded(value: float | None, digits: int = 3) -> float | None:
 
 
 def discover_weights(directory: Path) -> dict[str, str]:
-    """Setup kwargs for the checkpoint set in `directory`, found by content rather than by file name: the
-    monolith has `model.diffusion_model.*` keys, the LoRA `lora_A`/`lora_down` keys, the upsampler is the
-    remaining safetensors file with a config, and the Gemma root is a folder with a gemma `config.json`."""
+    """Setup kwargs for the checkpoint set in `directory` (files at its top level or one folder down), found
+    by content rather than by file name: the Gemma root is a folder with a gemma `config.json`; among the
+    other `.safetensors` files the monolith has `model.diffusion_model.*` keys, the LoRA `lora_A`/`lora_down`
+    keys, and the upsampler is the one left with a config in its metadata."""
     from safetensors import safe_open
 
     found: dict[str, str] = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for config in sorted([directory / "config.json", *directory.glob("*/config.json")]):
+        with contextlib.suppress(OSError, ValueError):
+            if str(json.loads(config.read_text()).get("model_type", "")).startswith("gemma"):
+                found.setdefault("gemma_root", str(config.parent))
+    gemma = Path(found["gemma_root"]) if "gemma_root" in found else None
+    candidates = [*directory.glob("*.safetensors"), *directory.glob("*/*.safetensors")]
+    for path in sorted(p for p in candidates if gemma is None or p.parent != gemma):
         with safe_open(str(path), framework="pt") as handle:
             keys = list(handle.keys())
             metadata = handle.metadata() or {}
@@ -73,10 +80,6 @@ def discover_weights(directory: Path) -> dict[str, str]:
             found.setdefault("checkpoint_path", str(path))
         elif "config" in metadata:
             found.setdefault("spatial_upsampler_path", str(path))
-    for config in sorted([directory / "config.json", *directory.glob("*/config.json")]):
-        with contextlib.suppress(OSError, ValueError):
-            if str(json.loads(config.read_text()).get("model_type", "")).startswith("gemma"):
-                found.setdefault("gemma_root", str(config.parent))
     missing = {"checkpoint_path", "spatial_upsampler_path", "gemma_root", "distilled_lora_path"} - set(found)
     if missing:
         raise SystemExit(f"--weights {directory}: no {sorted(missing)} found (pass --setup-json to name them)")

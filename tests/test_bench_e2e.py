@@ -67,17 +67,22 @@ def test_weights_are_found_by_content_not_by_name(tmp_path):
     from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
 
     tiny = ensure_tiny_ltx2()
-    renamed = {"a.safetensors": tiny.checkpoint, "b.safetensors": tiny.upsampler, "c.safetensors": tiny.distilled_lora}
+    (tmp_path / "loras").mkdir()
+    renamed = {
+        "a.safetensors": tiny.checkpoint,
+        "b.safetensors": tiny.upsampler,
+        "loras/c.safetensors": tiny.distilled_lora,
+    }
     for name, src in renamed.items():
         (tmp_path / name).symlink_to(src)
-    shutil.copytree(tiny.gemma_root, tmp_path / "text-encoder")
+    shutil.copytree(tiny.gemma_root, tmp_path / "text-encoder")  # its own model-*.safetensors are not candidates
     assert discover_weights(tmp_path) == {
         "checkpoint_path": str(tmp_path / "a.safetensors"),
         "spatial_upsampler_path": str(tmp_path / "b.safetensors"),
-        "distilled_lora_path": str(tmp_path / "c.safetensors"),
+        "distilled_lora_path": str(tmp_path / "loras" / "c.safetensors"),
         "gemma_root": str(tmp_path / "text-encoder"),
     }
-    (tmp_path / "c.safetensors").unlink()
+    (tmp_path / "loras" / "c.safetensors").unlink()
     with pytest.raises(SystemExit, match="distilled_lora_path"):
         discover_weights(tmp_path)
 
