@@ -95,6 +95,8 @@ class _FakeController:
         self.jobs = [*getattr(self, "jobs", []), kwargs]
         if kwargs.get("prompt") == "explode":
             raise RuntimeError("warm-up exploded")
+        if kwargs.get("prompt") == "interrupt":
+            raise KeyboardInterrupt  # a stop signal arriving during the warm-up
         Path(kwargs["output_path"]).write_bytes(b"x")
         time.sleep(0.05)
         yield {"type": "output", "path": kwargs["output_path"]}
@@ -166,6 +168,14 @@ def test_fleet_warm_up_failure_is_a_failed_build(tmp_path):
     with pytest.raises(FleetUnrecoverable, match="warm-up request 0 failed"):
         sup.start()
     assert all(c.shut for c in _FakeController.made) and len(_FakeController.made) == 2
+
+
+def test_fleet_stopped_during_warm_up_leaves_no_fleet_behind(tmp_path):
+    sup = _supervisor([True], warmup=[{"prompt": "interrupt"}], warmup_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        sup.start()
+    (ctl,) = _FakeController.made
+    assert ctl.shut and sup.controller is None and sup.build_failures == 0
 
 
 _STUBBORN = """

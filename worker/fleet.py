@@ -119,9 +119,11 @@ class FleetSupervisor:
                     ctl = self._make()
                     ctl.start(timeout=self.start_timeout, **self.setup_kwargs)
                     warmup_s = self._warm_up(ctl)
-                except Exception as exc:
+                except BaseException as exc:
                     if ctl is not None:  # a failed start or warm-up: nothing of it is trusted or kept
                         self._discard(ctl, 0)
+                    if not isinstance(exc, Exception):
+                        raise  # a signal-driven stop (the worker's startup interrupt) or an exit: not a failure
                     failures += 1
                     self.build_failures += 1
                     self.state = "failed"
