@@ -34,7 +34,10 @@ pytestmark = [
 _WORKER_SIDE = """
 import json, os, sys, pathlib, torch
 from worker.fleet import FleetSupervisor
+from worker.settings import load_settings, resolve_runner
 from tests.gpu_runners import DeviceProbeRunner, check_placement
+for name in ("smoke", "ltx2-distilled", "ltx2-two-stage"):  # import the real runners as a worker process does
+    resolve_runner(load_settings(runner=name))
 device, warm_dir = int(sys.argv[1]), pathlib.Path(sys.argv[2])
 sup = FleetSupervisor(DeviceProbeRunner, [device], warmup=[{"busy_s": 0.1}], warmup_dir=warm_dir, start_timeout=300)
 sup.start()
@@ -56,7 +59,7 @@ def test_worker_process_holds_no_cuda_context_and_ranks_stay_on_their_gpu(tmp_pa
     assert out.returncode == 0, out.stderr[-5000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     (report,) = result["reports"]
-    assert not result["cuda_initialized"]  # the worker side imported torch and ltx_mgpu, never CUDA
+    assert not result["cuda_initialized"]  # the worker side imported torch, the engine and the runners; no CUDA
     assert report["device"] == f"cuda:{device}" and report["current"] == device
     assert result["startup"]["warmup_jobs"] == 1 and result["startup"]["weight_load_s"] >= 0
     print(result["note"])
