@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -400,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         stack.stop()
         if out is not None:
             out.close()
+    if args.workdir is None and not failures:
+        shutil.rmtree(workdir, ignore_errors=True)  # servers' data, spool, logs (kept when a run failed)
+    elif failures:
+        say(f"logs kept in {workdir}")
     return 1 if failures or not runs else 0
 
 
