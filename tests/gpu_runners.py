@@ -75,17 +75,22 @@ class DeviceProbeRunner(MGPURunner):
         }
 
 
+def _smi(*query: str) -> list[list[str]]:
+    smi = shutil.which("nvidia-smi")
+    assert smi is not None
+    out = subprocess.run([smi, *query, "--format=csv,noheader"], capture_output=True, text=True, timeout=30,
+                         check=True).stdout  # fmt: skip
+    rows = [[part.strip() for part in line.split(",")] for line in out.strip().splitlines()]
+    return [row for row in rows if len(row) >= 2]  # ("No running processes found" has no comma)
+
+
 def gpu_processes() -> dict[str, set[int]] | None:
     """GPU UUID (lower case, no "GPU-" prefix) -> pids of compute processes on it, from nvidia-smi; None if
     nvidia-smi is missing. Asks from outside, so the caller never creates a CUDA context of its own."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
+    if shutil.which("nvidia-smi") is None:
         return None
-    out = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"], capture_output=True,
-                         text=True, timeout=30, check=True).stdout  # fmt: skip
-    found: dict[str, set[int]] = {}
-    for line in out.strip().splitlines():
-        pid, uuid = (part.strip() for part in line.split(","))
+    found: dict[str, set[int]] = {_uuid(uuid): set() for _index, uuid in _smi("--query-gpu=index,uuid")}
+    for pid, uuid in _smi("--query-compute-apps=pid,gpu_uuid"):
         found.setdefault(_uuid(uuid), set()).add(int(pid))
     return found
 
@@ -99,9 +104,13 @@ def check_placement(reports: list[dict[str, Any]], *, absent: list[int]) -> str:
     every = set().union(*listing.values()) if listing else set()
     if not any(r["pid"] in every for r in reports):
         return f"nvidia-smi lists none of the rank pids ({sorted(every)}): another pid namespace; not checked"
+    by_uuid = all(r["uuid"] in listing for r in reports)  # torch's UUID text matches nvidia-smi's
     for r in reports:
         where = sorted(u for u, pids in listing.items() if r["pid"] in pids)
-        assert where == [r["uuid"]], f"rank {r['rank']} (pid {r['pid']}) on {where}, expected only {r['uuid']}"
+        assert len(where) == 1, f"rank {r['rank']} (pid {r['pid']}) holds contexts on {where}"
+        assert where == [r["uuid"]] or not by_uuid, f"rank {r['rank']} on {where}, expected {r['uuid']}"
+    gpus = {r["device"]: next(u for u, pids in listing.items() if r["pid"] in pids) for r in reports}
+    assert len(set(gpus.values())) == len(gpus), f"ranks of different devices share a GPU: {gpus}"
     stray = {pid: sorted(u for u, pids in listing.items() if pid in pids) for pid in absent if pid in every}
     assert not stray, f"processes that must hold no CUDA context are on GPUs: {stray}"
-    return "placement checked with nvidia-smi"
+    return "placement checked with nvidia-smi" + ("" if by_uuid else " (by pid; UUID texts differ)")
