@@ -172,8 +172,8 @@ def backlog(client: Any, workers: Workers, workload: Workload, n: int, queue: st
 def rebuild(client: Any, workers: Workers, workload: Workload, args: Any, out: Any) -> dict[str, Any]:
     """Kill a rank while stage 1 runs; seconds until a job renders again, and the killed job's fate."""
     (job_id,) = submit(client, workload.request, workers.queue)
-    stage1 = wait_event(client, job_id, lambda e: e.type == "stage" and e.data.get("stage") == "stage1",
-                        args.job_timeout, workers)  # fmt: skip
+    wait_event(client, job_id, lambda e: e.type == "stage" and e.data.get("stage") == "stage1", args.job_timeout,
+               workers)  # fmt: skip
     worker = next(e.data["worker"] for e in client.events(job_id) if e.data.get("state") == "started")
     pid, killed_at = workers.kill_rank(worker)
     say(f"killed rank pid {pid} of {worker} during stage 1 of {job_id}")
@@ -189,7 +189,6 @@ def rebuild(client: Any, workers: Workers, workload: Workload, args: Any, out: A
         wait_terminal(client, [nxt], args.start_timeout + args.job_timeout, workers)
         again = [job_record(client, nxt)["rendering_at"]]
     fresh = workers.fresh_health(worker)
-    del stage1
     return {
         "rebuild_s": round(again[0] - killed_at, 3) if again and again[0] else None,
         "rebuild": {

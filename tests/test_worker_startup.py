@@ -65,7 +65,7 @@ def test_warm_up_runs_before_the_first_job_and_the_start_is_split_into_phases(wa
     assert startup["warmup_jobs"] == 1 and startup["warmup_s"] >= 2 * WARMUP_STEP_S, startup
     assert startup["weight_load_s"] >= SETUP_S and startup["process_start_s"] > 0, startup
     phases = startup["process_start_s"] + startup["weight_load_s"] + startup["warmup_s"]
-    assert startup["ready_s"] == pytest.approx(phases, abs=0.05), startup
+    assert startup["ready_s"] == pytest.approx(phases, abs=0.01), startup  # the phases add up (rounding only)
     assert w["t_launch"] - 0.05 <= info["process_started_at"] <= startup["started_at"] <= startup["ready_at"]
     assert [r["rank"] for r in startup["ranks"]] == [0, 1] and info["fleet"]["devices"] == ["cpu", "cpu"]
     # The warm-up request really rendered on the fleet, before it reported ready...

@@ -295,18 +295,19 @@ def _pids_on_gpus(pids: set[int]) -> set[int]:
 
 
 def _startup_report(ctl: Any, started_at: float, warmup_s: float, warmup_jobs: int) -> dict[str, Any]:
-    """The phases of one successful start (see the module docstring), JSON-safe."""
+    """The phases of one successful start (see the module docstring), JSON-safe. With the engine's per-rank
+    stamps the phases add up to `ready_s` by construction: `warmup_s` is everything after the last rank
+    loaded its weights (the warm-up renders and the ready handshake)."""
     ready_at = time.time()
     engine = getattr(ctl, "startup", None)
-    report: dict[str, Any] = {"started_at": started_at, "ready_at": ready_at}
+    report: dict[str, Any] = {"started_at": started_at}
     if engine is not None:
         report.update(engine.as_dict())
         report["started_at"] = started_at  # the build attempt began before the controller existed
         report["process_start_s"] = round(max(0.0, engine.setup_began_at - started_at), 3)
         report["weight_load_s"] = round(engine.weight_load_s, 3)
         report["loaded_at"] = engine.ready_at
-    report["ready_at"] = ready_at
-    report["warmup_s"] = round(warmup_s, 3)
-    report["warmup_jobs"] = warmup_jobs
-    report["ready_s"] = round(ready_at - started_at, 3)
+        warmup_s = max(0.0, ready_at - engine.ready_at)
+    report.update(ready_at=ready_at, warmup_s=round(warmup_s, 3), warmup_jobs=warmup_jobs,
+                  ready_s=round(ready_at - started_at, 3))  # fmt: skip
     return report
