@@ -22,6 +22,7 @@ run interrupted from its terminal takes its servers with it.
   `ltx_mgpu.parallel.testing`, since `ltx_mgpu` never imports `worker`).
 
 `worker.tcpproxy.TcpProxy` sits in front of either server to make it unreachable or slow on demand.
+(A little over 450 lines on purpose: the one place where every development server is started.)
 """
 
 from __future__ import annotations
