@@ -1,6 +1,7 @@
-"""Benchmark of the CUDA-IPC head exchange in loopback mode (W ranks' buffers on one GPU, one process).
+"""Benchmark of the CUDA-IPC head exchange: `--mode loopback` (default: W ranks' buffers on one GPU, one
+process) or `--mode cross` (one process per GPU over NVLink).
 
-What it measures, at the LTX-2 sequence-parallel message sizes (6k, 24k and 32k video tokens in total,
+Loopback measures, at the LTX-2 sequence-parallel message sizes (6k, 24k and 32k video tokens in total,
 4096 hidden = 32 heads x 128, bf16) for W = 2, 4, 8:
 - `send_recv_heads` and `gather_heads` (zero-copy outputs: the kernel alone) and `send_recv_heads` with
   copy-out (what the `ipc` backend returns), timed with CUDA events over replays of a CUDA graph holding
@@ -13,7 +14,14 @@ What it measures, at the LTX-2 sequence-parallel message sizes (6k, 24k and 32k 
   validation and launch cost, which is what graph capture removes).
 Each measurement is one JSON line on stdout (and in --out); the last line is `SUMMARY {...}`.
 
-Multi-GPU NVLink numbers need a multi-GPU machine; loopback measures the kernel's efficiency only.
+Loopback measures the kernel's efficiency only. `--mode cross` (needs `--worlds` GPUs, default 2) runs one
+rank per GPU in one NCCL process group and times, in the same run and on the same bytes, per total token
+count: `send_recv_heads` of the `ipc` kernel (zero-copy views and with copy-out), the `dist` backend
+(NCCL `all_to_all_single` plus the head permutes around it), a bare `torch.distributed.all_to_all_single`
+of the same bytes, and the link's P2P copy rate (a device-to-device copy of the bytes one rank sends to a
+peer, one way and all ranks at once). Times are per call, back-to-back eager launches (mean of `--iters`,
+the slowest rank, median of 5); outputs are checked byte-equal to the `dist` backend first. GB/s counts the
+bytes that leave one rank: (W-1)/W of its shard.
 """
 
 from __future__ import annotations
@@ -28,20 +36,31 @@ from typing import Any
 import torch
 
 
-def _time_ms(fn: Callable[[], Any], iters: int, warmup: int, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean time per call of `iters` back-to-back calls (CUDA events)."""
+def _time_ms(fn: Callable[[], Any], iters: int, warmup: int, repeats: int = 5, *, across_ranks: bool = False) -> float:
+    """Median over `repeats` of the mean time per call of `iters` back-to-back calls (CUDA events).
+
+    `across_ranks`: every rank of the default process group runs this at once; each sample starts after a
+    barrier and is the slowest rank's time (an exchange is done when its last rank is)."""
+    import torch.distributed as dist
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
+        if across_ranks:
+            torch.cuda.synchronize()
+            dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
             fn()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
+        sample = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+        if across_ranks:
+            dist.all_reduce(sample, op=dist.ReduceOp.MAX)
+        samples.append(float(sample.item()))
     return statistics.median(samples)
 
 
@@ -143,9 +162,99 @@ def _measure(
     torch.cuda.empty_cache()
 
 
+# ==== cross: one rank per GPU ===============================================================================
+
+
+def _cross_rank(ctx: Any, totals: list[int], hidden: int, head_dim: int, iters: int, warmup: int) -> list[dict]:
+    """Runs on every rank (one GPU each): every size in turn."""
+    rows = [_cross_size(ctx, total, hidden, head_dim, iters, warmup) for total in totals]
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _cross_size(ctx: Any, total: int, hidden: int, head_dim: int, iters: int, warmup: int) -> dict[str, Any]:
+    """One total token count: the exchanges (checked byte-equal first), then the P2P copy of the same bytes."""
+    import torch.distributed as dist
+
+    from ltx_mgpu.parallel.backends.dist import create_dist_backend
+    from ltx_mgpu.parallel.backends.ipc import IpcBackend, create_ipc_backend
+
+    dev, w = ctx.device, ctx.world_size
+    per = total // w
+    kw = dict(group=None, max_tokens_per_rank=per, hidden_dim=hidden, dtype=torch.bfloat16, device=dev)
+    ipc = create_ipc_backend(**kw, timeout_s=60.0)
+    zero_copy = IpcBackend(ipc.instance, zero_copy=True)
+    dst = create_dist_backend(**kw)
+    for backend in (ipc, dst):
+        backend.set_rank_tokens([per] * w)
+    x = torch.randn(1, per, hidden // head_dim, head_dim, device=dev, dtype=torch.bfloat16)
+    same = torch.equal(ipc.send_recv_heads(x).view(torch.int16), dst.send_recv_heads(x).view(torch.int16))
+    flat_in = x.reshape(-1).view(torch.int16)
+    flat_out = torch.empty_like(flat_in)
+    ops = {
+        "ipc_zero_copy": lambda: zero_copy.send_recv_heads(x),
+        "ipc": lambda: ipc.send_recv_heads(x),
+        "dist_backend": lambda: dst.send_recv_heads(x),
+        "nccl_all_to_all_single": lambda: dist.all_to_all_single(flat_out, flat_in),
+    }
+    times = {name: _time_ms(fn, iters, warmup, across_ranks=True) for name, fn in ops.items()}
+    ipc.synchronize()
+    ipc.destroy()
+    dst.destroy()
+    sent = per * hidden * 2 * (w - 1) // w  # bytes leaving this rank per exchange
+    peer = torch.device("cuda", (torch.cuda.current_device() + 1) % torch.cuda.device_count())
+    src = torch.empty(sent, dtype=torch.uint8, device=dev)
+    far = torch.empty(sent, dtype=torch.uint8, device=peer)  # (a context on the peer GPU: a benchmark's cost)
+    times["p2p_copy_all_ranks"] = _time_ms(lambda: far.copy_(src, non_blocking=True), iters, warmup, across_ranks=True)
+    times["p2p_copy_one_way"] = _time_ms(
+        lambda: far.copy_(src, non_blocking=True) if ctx.rank == 0 else None, iters, warmup, across_ranks=True
+    )
+    return {"tokens": total, "bytes_sent_per_rank": sent, "ipc_equals_dist": same, **times}
+
+
+def _cross(args: argparse.Namespace, out: Any) -> int:
+    from ltx_mgpu.parallel.testing import LocalWorld
+
+    world = int(args.worlds.split(",")[0]) if args.worlds != "2,4,8" else 2
+    if torch.cuda.device_count() < world:
+        print(
+            "SUMMARY "
+            + json.dumps({"mode": "cross", "error": f"needs {world} GPUs, found {torch.cuda.device_count()}"})
+        )
+        return 2
+    totals = [int(t) for t in args.tokens.split(",")]
+    rows: list[dict[str, Any]] = []
+    with LocalWorld(world, devices=[f"cuda:{i}" for i in range(world)], backend="nccl", timeout=600) as pool:
+        per_rank = pool.run(_cross_rank, totals, args.hidden, args.head_dim, args.iters, args.warmup)
+    for row in per_rank[0]:  # times are already the slowest rank's; rank 0 reports them
+        gbps = {k.removesuffix("_ms"): round(row["bytes_sent_per_rank"] / v / 1e6, 1)
+                for k, v in row.items() if isinstance(v, float)}  # fmt: skip
+        _emit(rows, out, kind="cross", world=world, hidden=args.hidden, **{
+            k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, gbps=gbps)  # fmt: skip
+    summary = {
+        "mode": "cross",
+        "world": world,
+        "ipc_equals_dist": all(r["ipc_equals_dist"] for r in rows),
+        "ipc_vs_nccl_a2a": {r["tokens"]: round(r["nccl_all_to_all_single"] / r["ipc"], 3) for r in rows},
+        "ipc_zero_copy_vs_nccl_a2a": {
+            r["tokens"]: round(r["nccl_all_to_all_single"] / r["ipc_zero_copy"], 3) for r in rows
+        },
+        "ipc_vs_dist_backend": {r["tokens"]: round(r["dist_backend"] / r["ipc"], 3) for r in rows},
+        "ipc_link_efficiency": {r["tokens"]: round(r["p2p_copy_all_ranks"] / r["ipc_zero_copy"], 3) for r in rows},
+        "p2p_gbps_one_way": {r["tokens"]: r["gbps"]["p2p_copy_one_way"] for r in rows},
+        "p2p_gbps_all_ranks": {r["tokens"]: r["gbps"]["p2p_copy_all_ranks"] for r in rows},
+    }
+    line = "SUMMARY " + json.dumps(summary)
+    print(line, flush=True)
+    if out is not None:
+        out.write(line + "\n")
+    return 0 if summary["ipc_equals_dist"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--mode", choices=("loopback", "cross"), default="loopback")
+    ap.add_argument("--worlds", default="2,4,8", help="loopback: world sizes; cross: GPUs (default 2)")
     ap.add_argument("--tokens", default="6144,24576,32768", help="total video tokens over all ranks")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -157,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("SUMMARY " + json.dumps({"error": "no CUDA device"}))
         return 2
+    if args.mode == "cross":
+        out = open(args.out, "w") if args.out else None
+        try:
+            return _cross(args, out)
+        finally:
+            if out is not None:
+                out.close()
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
     out = open(args.out, "w") if args.out else None

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.chaos.engine import Report, run_chaos
-from tests.servers import S3Server
+from worker.devservers import S3Server
 
 
 def main(argv: list[str] | None = None) -> int:

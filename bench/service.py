@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.servers import RedisServer, S3Server  # noqa: E402
+from worker.devservers import RedisServer, S3Server  # noqa: E402
 from worker.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key  # noqa: E402
 
 

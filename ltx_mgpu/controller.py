@@ -46,6 +46,7 @@ from .errors import (
 from .fleet import FleetChannels, RankBoot, check_job_kwargs, rank_main, ship_runner
 from .jobboard import cancel_key
 from .runner import MGPURunner
+from .startup import FleetStartup, RankStartup
 from .transport import Channel, Job, Result, split_tensors
 
 __all__ = ["MGPUController", "Stream"]
@@ -124,6 +125,7 @@ class MGPUController:
         self.world_size = 0
         self.devices: list[str] = []
         self.backend = ""
+        self.startup: FleetStartup | None = None  #: what the last successful `start()` took, per rank
 
     # ==== lifecycle =================================================================================
 
@@ -156,6 +158,8 @@ class MGPUController:
             self._fatal = None
             self._inflight = None
             self._stopping.clear()
+            self.startup = None
+            started_at = time.time()
             store = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
             )
@@ -182,7 +186,7 @@ class MGPUController:
             self._fleet = _Fleet(procs, channels, store)
             self._finalizer = weakref.finalize(self, _Fleet.terminate, self._fleet, 1.0)
         try:
-            self._await_ready(self._fleet, timeout_s)
+            ranks = self._await_ready(self._fleet, timeout_s)
         except BaseException:
             self.shutdown(graceful_timeout=0)
             raise
@@ -190,6 +194,7 @@ class MGPUController:
             target=self._monitor_loop, args=(self._fleet,), name="ltx-mgpu-monitor", daemon=True
         )
         self._monitor.start()
+        self.startup = FleetStartup(started_at, tuple(ranks))
         log.info("MGPU fleet ready (%d workers, %s, devices %s).", self.world_size, self.backend, devices)
 
     def _resolve_devices(self) -> list[str]:
@@ -200,16 +205,16 @@ class MGPUController:
             raise ValueError(f"No GPUs available: num_gpus={self._num_gpus}.")
         return [f"cuda:{i}" for i in range(count)]
 
-    def _await_ready(self, fleet: _Fleet, timeout_s: float) -> None:
+    def _await_ready(self, fleet: _Fleet, timeout_s: float) -> list[RankStartup]:
         """Wait for every rank's check-in, watching for crashes (exits) and wedges (the deadline)."""
         deadline = time.monotonic() + timeout_s
-        seen: set[int] = set()
+        seen: dict[int, RankStartup] = {}
         while len(seen) < self.world_size:
             failure = self._exited_rank_failure(fleet, during="startup")
             if failure is not None:
                 raise failure
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - seen)
+                missing = sorted(set(range(self.world_size)) - set(seen))
                 raise FleetTimeoutError(
                     f"MGPU startup: {len(seen)}/{self.world_size} workers ready after {timeout_s:.0f}s; "
                     f"ranks {missing} never checked in -- stuck in init_process_group / group creation / "
@@ -217,7 +222,9 @@ class MGPUController:
                     reason="timeout",
                 )
             with contextlib.suppress(queue.Empty):
-                seen.add(fleet.channels.ready.get(timeout=0.05))
+                stamp: RankStartup = fleet.channels.ready.get(timeout=0.05)
+                seen[stamp.rank] = stamp
+        return list(seen.values())
 
     def shutdown(self, *, graceful_timeout: float = 60.0) -> None:
         """Stop every rank: announce shutdown, wait up to `graceful_timeout` s, then SIGTERM/SIGKILL.

@@ -10,9 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["DeviceLike", "choose_backend", "normalize_devices", "parse_device_group"]
+__all__ = ["MULTICAST_OFF_ENV", "DeviceLike", "choose_backend", "normalize_devices", "parse_device_group"]
 
 DeviceLike = int | str  # 3, "cuda:3", "cpu"; torch.device also works (its str() is parsed)
+
+#: Set (unless already set) in every rank process before its process group exists. NVLink multicast
+#: (NVLS) in NCCL, PyTorch symmetric memory and NVSHMEM is a hazard on shared multi-GPU hosts (a program
+#: using it can take the host's GPUs out of service) and buys nothing here: the head exchange is an
+#: all-to-all (our kernel or NCCL's), not an all-reduce.
+MULTICAST_OFF_ENV: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def parse_device_group(spec: str) -> list[str]:

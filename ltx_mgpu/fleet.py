@@ -2,10 +2,11 @@
 beyond running one generator per announced job; classification lives in `controller.py`.
 
 Rank lifecycle (every rank, SPMD):
-  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog;
+  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep
+     NVLink multicast off (`devices.MULTICAST_OFF_ENV`) unless the environment says otherwise;
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
-  4. `runner.setup(**setup_kwargs)`, then report ready;
+  4. `runner.setup(**setup_kwargs)`, then report ready with its start timestamps (`startup.RankStartup`);
   5. loop: relay (rank 0) takes a job from the controller, posts it on the job board and broadcasts its
      top-level tensors; other ranks wait on the board outside collectives, then receive; everyone runs it;
   6. on the shutdown announcement: tear down the process group and exit 0.
@@ -25,6 +26,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,9 +37,11 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from .devices import MULTICAST_OFF_ENV
 from .errors import RunnerError
 from .jobboard import JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
+from .startup import RankStartup
 from .transport import Channel, Job, Result, TensorPlaceholder, fill_tensors
 
 __all__ = ["FleetChannels", "RankBoot", "ship_runner"]
@@ -53,7 +57,7 @@ class FleetChannels:
 
     jobs: Channel  #: controller → relay rank
     results: Channel  #: all ranks → controller (yields and terminals) + controller-local fatal wake-ups
-    ready: Channel  #: all ranks → controller: the rank number once `setup()` returned
+    ready: Channel  #: all ranks → controller: a `RankStartup` once `setup()` returned
     failures: Channel  #: all ranks → controller: (rank, pid, traceback) right before a rank exits 1
     tensors: list[Channel]  #: controller → rank r (CPU fleets only): (job_id, top-level tensors) by shared memory
 
@@ -102,10 +106,13 @@ def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
 
 def rank_main(boot: RankBoot) -> None:
     """Spawn target. Never returns normally on failure: reports, then `os._exit(1)`."""
+    booted_at = time.time()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for key, value in MULTICAST_OFF_ENV.items():  # before any communicator exists in this process
+        os.environ.setdefault(key, value)
     _start_parent_watchdog()
     try:
-        _run_rank(boot)
+        _run_rank(boot, booted_at)
     except BaseException:
         tb = traceback.format_exc()
         with contextlib.suppress(BaseException):
@@ -130,7 +137,7 @@ def _start_parent_watchdog() -> None:
     threading.Thread(target=watch, name="ltx-mgpu-parent-watchdog", daemon=True).start()
 
 
-def _run_rank(boot: RankBoot) -> None:
+def _run_rank(boot: RankBoot, booted_at: float) -> None:
     device = torch.device(boot.devices[boot.rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -160,8 +167,9 @@ def _run_rank(boot: RankBoot) -> None:
         )
         runner._groups = groups
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
+        setup_began_at = time.time()
         runner.setup(**boot.setup_kwargs)
-        boot.channels.ready.put(boot.rank)
+        boot.channels.ready.put(RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time()))
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)

@@ -1,6 +1,7 @@
 """Shared pytest fixtures: real Redis and real S3 (SeaweedFS) servers.
 
-The server classes live in `tests/servers.py` (importable without pytest). Fixtures here:
+The server classes live in the product (`worker.devservers`, `worker.tcpproxy`), shared with the demo and
+the benchmarks. Fixtures here:
 
 - `redis_server` (session): one redis-server without persistence; `redis_url`, `redis_client` on top.
   Tests isolate themselves with unique queue names / keys (`unique_name`), not FLUSHALL, so
@@ -25,13 +26,14 @@ from typing import Any
 
 import pytest
 
-# `tests` has no __init__.py; put the repository root on sys.path so `tests.servers` (and `bench/`) import
-# the same way from pytest, from benchmarks and from `python -c`.
+# Put the repository root on sys.path so `tests.*` helpers (and `bench/`) import the same way from pytest
+# and from `python -c`.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from tests.servers import RedisServer, S3Server, TcpProxy, find_redis_server, find_weed  # noqa: E402
+from worker.devservers import RedisServer, S3Server, find_redis_server, find_weed  # noqa: E402
+from worker.tcpproxy import TcpProxy  # noqa: E402
 
 
 def _missing(what: str) -> None:

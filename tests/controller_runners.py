@@ -17,7 +17,15 @@ from ltx_mgpu import MGPURunner, RunnerError
 class ScriptedRunner(MGPURunner):
     """Does what the job's `mode` says, so one warm fleet can exercise every contract."""
 
-    def setup(self, *, scale: float = 1.0, crash_on_rank: int | None = None, hang_on_rank: int | None = None) -> None:
+    def setup(
+        self,
+        *,
+        scale: float = 1.0,
+        crash_on_rank: int | None = None,
+        hang_on_rank: int | None = None,
+        sleep_s: float = 0.0,
+    ) -> None:
+        time.sleep(sleep_s)  # stands in for a model load
         if crash_on_rank == self.rank:
             raise RuntimeError(f"setup exploded on rank {self.rank}")
         if hang_on_rank == self.rank:
@@ -34,7 +42,11 @@ class ScriptedRunner(MGPURunner):
         target_rank: int = 1,
         sleep_s: float = 0.0,
         marker: str | None = None,
+        env: list[str] | None = None,
     ) -> Iterator[Any]:
+        if mode == "env":
+            yield {"rank": self.rank, "pid": os.getpid(), "env": {k: os.environ.get(k) for k in env or ()}}
+            return None
         if mode == "ok":
             for i in range(n):
                 yield {"rank": self.rank, "i": i}

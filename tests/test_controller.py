@@ -384,6 +384,53 @@ def test_shutdown_before_start_is_noop() -> None:
     MGPUController(ScriptedRunner, devices=["cpu"]).shutdown()
 
 
+def test_startup_reports_process_start_and_weight_load_per_rank() -> None:
+    ctl = MGPUController(ScriptedRunner, devices=["cpu", "cpu"])
+    assert ctl.startup is None
+    t0 = time.time()
+    ctl.start(timeout=START_TIMEOUT, sleep_s=0.6)
+    t1 = time.time()
+    try:
+        startup = ctl.startup
+        assert startup is not None
+        assert [r.rank for r in sorted(startup.ranks, key=lambda r: r.rank)] == [0, 1]
+        assert sorted(r.pid for r in startup.ranks) == sorted(ctl.pids)
+        for r in startup.ranks:
+            assert t0 <= startup.started_at <= r.booted_at <= r.setup_began_at <= r.ready_at <= t1
+            assert r.ready_at - r.setup_began_at >= 0.6  # the "model load" is counted as weight load
+        assert startup.weight_load_s >= 0.6 and startup.process_start_s > 0
+        assert startup.ready_s == pytest.approx(startup.process_start_s + startup.weight_load_s, abs=1e-6)
+        info = startup.as_dict()
+        assert info["weight_load_s"] >= 0.6 and [r["rank"] for r in info["ranks"]] == [0, 1]
+    finally:
+        ctl.shutdown(graceful_timeout=10)
+
+
+_MULTICAST = ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"]
+
+
+def test_ranks_keep_nvlink_multicast_off_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in _MULTICAST:
+        monkeypatch.delenv(key, raising=False)
+    ctl = _fresh(2)
+    try:
+        items = list(ctl.stream(mode="env", env=_MULTICAST))
+        assert len(items) == 2
+        for item in items:
+            assert item["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                   "NVSHMEM_DISABLE_NVLS": "1"}, item  # fmt: skip
+    finally:
+        ctl.shutdown(graceful_timeout=10)
+    assert all(os.environ.get(k) is None for k in _MULTICAST)  # the caller's own environment is untouched
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # an operator's explicit choice wins
+    ctl = _fresh(1)
+    try:
+        (item,) = ctl.stream(mode="env", env=["NCCL_NVLS_ENABLE"])
+        assert item["env"] == {"NCCL_NVLS_ENABLE": "1"}
+    finally:
+        ctl.shutdown(graceful_timeout=10)
+
+
 def test_ranks_ignore_sigint(fleet2: MGPUController) -> None:
     for pid in fleet2.pids:
         os.kill(pid, signal.SIGINT)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from ltx_mgpu.parallel.testing import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -159,16 +160,10 @@ def test_loopback_cuda_graph_replays(kernels) -> None:
 # ==== several processes on one GPU (gloo handshake) =========================================================
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, scenario: str, tmp_path: Path, **kw: Any) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port = free_port()
     mp.start_processes(_worker, args=(world, port, scenario, str(tmp_path), kw), nprocs=world, start_method="spawn")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -210,7 +205,7 @@ def _scenario_compare(rank: int, world: int, trials: int, burst: int) -> dict[st
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         kw = dict(group=dist.group.WORLD, max_tokens_per_rank=max_tokens, hidden_dim=hh_max * world * d, dtype=dtype)
         ipc = create_ipc_backend(**kw, device=torch.device("cuda"), timeout_s=120.0)  # index from the bound device
-        dst = create_dist_backend(**kw, device=torch.device("cuda", 0))
+        dst = create_dist_backend(**kw, device=torch.device("cuda", torch.cuda.current_device()))
         rng = random.Random(1234 + world)  # identical on every rank: shapes and counts agree
         gen = torch.Generator().manual_seed(rank * 1000 + world)  # data differs per rank
         for _ in range(trials):

@@ -118,6 +118,8 @@ def test_two_stage_renders_and_repeats_exactly(two_stage_fleet, tmp_path):
     stages = [e["stage"] for e in events if isinstance(e, dict) and e.get("type") == "stage"]
     assert stages == ["encode", "stage1", "upsample", "stage2", "decode", "audio_decode", "mux"]
     assert next(e for e in events if e.get("stage") == "stage2" and e["type"] == "stage")["mode"] == "tdp"
+    # the reference's stage-1 guidance: conditional, negative, STG-perturbed, modality-isolated passes
+    assert next(e for e in events if e.get("stage") == "stage1" and e["type"] == "stage")["passes"] == 4
     assert out["world_size"] == 2 and out["width"] == 128
     again, _, _ = render(two_stage_fleet, tmp_path / "b.mp4", seed=3)
     assert torch.equal(first, again)  # LoRA reset + re-apply restored the exact weights in between
@@ -190,6 +192,20 @@ def test_two_stage_single_process_with_fp8_quantization(tiny, tmp_path):
         weights = {p.dtype for p in local.runner.sp_model.model.parameters()}
         assert torch.float8_e4m3fn in weights  # the policy reached the loader
         render(_LocalCtl(local), tmp_path / "q.mp4")
+
+
+def test_two_stage_cfg_only_guidance_runs_two_passes_a_step(tiny, tmp_path):
+    """SGLang's published LTX-2 two-stage figure is plain CFG (2 passes a step); `stage1_guidance` sets it."""
+    cfg_only = {m: {"cfg_scale": 4.0, "stg_scale": 0.0, "rescale_scale": 0.0, "modality_scale": 1.0}
+                for m in ("video", "audio")}  # fmt: skip
+    with LocalRunner(Ltx2TwoStageRunner) as local:
+        local.start(**two_stage_setup(tiny, stage1_guidance=cfg_only))
+        _, _, events = render(_LocalCtl(local), tmp_path / "cfg.mp4", steps=2)
+    assert next(e for e in events if e.get("stage") == "stage1" and e["type"] == "stage")["passes"] == 2
+    with LocalRunner(Ltx2TwoStageRunner) as local, pytest.raises(ValueError, match="unknown fields"):
+        local.start(**two_stage_setup(tiny, stage1_guidance={"video": {"cfg": 4.0}}))
+    with LocalRunner(Ltx2TwoStageRunner) as local, pytest.raises(ValueError, match="'video' and/or 'audio'"):
+        local.start(**two_stage_setup(tiny, stage1_guidance={"text": {}}))
 
 
 def test_bad_setup_fails_loudly(tiny):

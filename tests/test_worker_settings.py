@@ -73,6 +73,8 @@ def test_environment_lists_and_types(monkeypatch):
         ({"LTX_PRESIGN_EXPIRY_S": "999999999"}, "presign_expiry_s (LTX_PRESIGN_EXPIRY_S)"),
         ({"LTX_S3_ENDPOINT_URL": "minio:9000"}, "s3_endpoint_url (LTX_S3_ENDPOINT_URL)"),
         ({"LTX_HEARTBEAT_INTERVAL": "40"}, "job_heartbeat_ttl (LTX_JOB_HEARTBEAT_TTL)"),
+        ({"LTX_WARMUP_REQUESTS": '[{"prompt": "x", "width": 100}]'}, "request 0: field 'width'"),
+        ({"LTX_WARMUP_REQUESTS": '[{"prompt": "x", "colour": 1}]'}, "warmup_requests (LTX_WARMUP_REQUESTS)"),
         ({"LTX_NOT_A_SETTING": "1"}, None),  # unknown LTX_ variables are ignored by pydantic-settings
     ],
 )
@@ -85,6 +87,14 @@ def test_invalid_settings_name_the_field(monkeypatch, env, needle):
     with pytest.raises(SettingsError) as info:
         load_settings()
     assert needle in str(info.value)
+
+
+def test_warmup_requests_become_runner_kwargs_like_jobs(monkeypatch):
+    monkeypatch.setenv("LTX_WARMUP_REQUESTS", '[{"prompt": "warm", "width": 768, "num_frames": 121}]')
+    (job,) = load_settings().warmup_jobs()
+    assert job["prompt"] == "warm" and job["width"] == 768 and job["num_frames"] == 121
+    assert job["height"] == 512 and "steps" not in job  # schema defaults filled, unset optionals left out
+    assert load_settings(warmup_requests=[]).warmup_jobs() == []
 
 
 def test_settings_files_json_and_toml_with_env_and_cli_precedence(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ from typing import Any
 
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.events import output_event, progress_event, stage_event
+from worker.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = {
@@ -57,10 +58,21 @@ def output_bytes(seed: int, size: int) -> bytes:
 class FaultRunner(MGPURunner):
     """A fast runner with injectable faults; see the module docstring."""
 
-    def setup(self, *, fail_if_exists: str | None = None, **_: Any) -> None:
-        """`fail_if_exists`: raise if that file exists (a test creates it to make *rebuilds* fail)."""
+    def setup(
+        self,
+        *,
+        fail_if_exists: str | None = None,
+        setup_s: float = 0.0,
+        slow_if_exists: str | None = None,
+        slow_s: float = 0.0,
+        **_: Any,
+    ) -> None:
+        """`fail_if_exists`: raise if that file exists (a test creates it to make *rebuilds* fail).
+        `setup_s`: sleep that long (a model load); `slow_if_exists`: sleep `slow_s` more if that file exists
+        (a test creates it to make *rebuilds* slow)."""
         if fail_if_exists and os.path.exists(fail_if_exists):
             raise RuntimeError(f"injected setup failure ({fail_if_exists} exists)")
+        time.sleep(setup_s + (slow_s if slow_if_exists and os.path.exists(slow_if_exists) else 0.0))
         self.pid = os.getpid()
 
     def __call__(
@@ -247,21 +259,6 @@ def wait_ready(
 
     return wait_for(ready, timeout, f"{count} ready worker(s) {name_prefix}",
                     on_fail=worker.log_tail if worker else None)  # fmt: skip
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie still answers kill(0); treat it as dead
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 # ==== jobs ==============================================================================================

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from worker.fleet import FleetSupervisor, FleetUnrecoverable
+from worker.fleet import FleetSupervisor, FleetUnrecoverable, await_released
 from worker.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
 from worker.relay import EventRelay
 from worker.supervisor import EXIT_CRASH_LOOP, Supervisor
@@ -63,6 +65,9 @@ def test_relay_eta_from_observed_step_rate(redis_client, unique_name):
 # ==== fleet supervision (logic) =========================================================================
 
 
+_NO_SUCH_PID = 2**30  # above any pid_max: "rank processes" that are already gone
+
+
 class _FakeController:
     """Stands in for MGPUController to drive FleetSupervisor's state machine deterministically."""
 
@@ -72,7 +77,7 @@ class _FakeController:
     def __init__(self, runner_cls, devices):
         self.devices = devices
         self.is_alive = False
-        self.pids = [len(self.made) * 10 + i for i in range(len(devices))]
+        self.pids = [_NO_SUCH_PID + len(self.made) * 10 + i for i in range(len(devices))]
         self.shut = False
         _FakeController.made.append(self)
 
@@ -84,6 +89,17 @@ class _FakeController:
     def shutdown(self, graceful_timeout):
         self.is_alive = False
         self.shut = True
+
+    def stream(self, timeout=None, **kwargs):
+        """A job: writes its output file, or raises if the request says so (warm-up tests)."""
+        self.jobs = [*getattr(self, "jobs", []), kwargs]
+        if kwargs.get("prompt") == "explode":
+            raise RuntimeError("warm-up exploded")
+        if kwargs.get("prompt") == "interrupt":
+            raise KeyboardInterrupt  # a stop signal arriving during the warm-up
+        Path(kwargs["output_path"]).write_bytes(b"x")
+        time.sleep(0.05)
+        yield {"type": "output", "path": kwargs["output_path"]}
 
 
 def _supervisor(plan: list[bool], **kw) -> FleetSupervisor:
@@ -128,6 +144,88 @@ def test_fleet_shutdown_interrupts_backoff():
     assert time.monotonic() - t0 < 5
     timer.join(5)
     assert sup.state == "stopped"
+
+
+def test_fleet_warms_up_after_every_start_and_reports_the_phases(tmp_path):
+    warm = [{"prompt": "warm a", "width": 64}, {"prompt": "warm b"}]
+    sup = _supervisor([True, True], warmup=warm, warmup_dir=tmp_path / "warm")
+    sup.start()
+    first = sup.controller
+    assert [j["prompt"] for j in first.jobs] == ["warm a", "warm b"]
+    assert all(Path(j["output_path"]).parent == tmp_path / "warm" for j in first.jobs)
+    assert not list((tmp_path / "warm").iterdir())  # outputs are discarded
+    report = sup.startup
+    assert report["warmup_jobs"] == 2 and report["warmup_s"] >= 0.1
+    assert report["started_at"] <= report["ready_at"] and report["ready_s"] >= report["warmup_s"]
+    assert sup.events[-1]["action"] == "started" and sup.events[-1]["startup"] == report
+    first.is_alive = False
+    assert sup.ensure_ready()  # a rebuild warms up again, before any job is taken
+    assert [j["prompt"] for j in sup.controller.jobs] == ["warm a", "warm b"]
+
+
+def test_fleet_warm_up_failure_is_a_failed_build(tmp_path):
+    sup = _supervisor([True, True], warmup=[{"prompt": "explode"}], warmup_dir=tmp_path, max_failures=2)
+    with pytest.raises(FleetUnrecoverable, match="warm-up request 0 failed"):
+        sup.start()
+    assert all(c.shut for c in _FakeController.made) and len(_FakeController.made) == 2
+
+
+def test_fleet_stopped_during_warm_up_leaves_no_fleet_behind(tmp_path):
+    sup = _supervisor([True], warmup=[{"prompt": "interrupt"}], warmup_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        sup.start()
+    (ctl,) = _FakeController.made
+    assert ctl.shut and sup.controller is None and sup.build_failures == 0
+
+
+_STUBBORN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("up", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_fleet_rebuild_waits_until_the_old_ranks_are_gone(tmp_path):
+    """At real size a fleet loading while the dead one still holds its GPU memory would run out of it: the
+    next build starts only once the old rank processes have exited (here: one that outlives shutdown)."""
+    rank = subprocess.Popen([sys.executable, "-c", _STUBBORN, "1.5"], stdout=subprocess.PIPE)
+    assert rank.stdout.readline() == b"up\n"
+    reaper = threading.Thread(target=rank.wait, daemon=True)  # reap it when it exits (as its parent would)
+    reaper.start()
+    sup = _supervisor([True, True])
+    sup.start()
+    sup.controller.pids = [rank.pid]  # its "rank" ignores SIGTERM, and this controller's shutdown kills nothing
+    sup.controller.is_alive = False
+    built_at: list[float] = []
+    original = _FakeController.start
+
+    def start(self, timeout, **kwargs):
+        built_at.append(time.monotonic())
+        original(self, timeout, **kwargs)
+
+    t0 = time.monotonic()
+    try:
+        _FakeController.start = start
+        assert sup.ensure_ready()
+    finally:
+        _FakeController.start = original
+    reaper.join(5)
+    assert rank.returncode == 0
+    assert built_at and built_at[0] - t0 >= 1.2, "the new fleet started while the old rank was still running"
+
+
+def test_await_released_gives_up_at_its_deadline():
+    rank = subprocess.Popen([sys.executable, "-c", _STUBBORN, "30"], stdout=subprocess.PIPE)
+    try:
+        assert rank.stdout.readline() == b"up\n"
+        t0 = time.monotonic()
+        assert not await_released([rank.pid], 0.5)
+        assert 0.5 <= time.monotonic() - t0 < 3
+        assert await_released([_NO_SUCH_PID], 0.5)
+    finally:
+        rank.kill()
+        rank.wait(10)
 
 
 # ==== process supervisor ================================================================================

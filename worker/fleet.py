@@ -1,11 +1,18 @@
 """Fleet supervision: one warm `MGPUController` per worker process, rebuilt whenever it is poisoned.
 
-Lifecycle: `start()` builds the controller and blocks until every rank ran `setup()` (the model is warm)
-before the worker takes its first job. After a `FleetFailure` the job that hit it fails (or is re-queued)
-and `ensure_ready()` — called before every dequeue — shuts the dead controller down (no rank survives)
-and starts a new one. Consecutive failed builds back off exponentially; after `max_failures` of them
+Lifecycle: `start()` builds the controller, blocks until every rank ran `setup()` (the model is loaded),
+then renders the configured warm-up requests once (`warmup`: compilation, allocator growth and caches
+for the sizes the service expects happen here, not in a client's first job) before the worker takes its
+first job. After a `FleetFailure` the job that hit it fails (or is re-queued) and `ensure_ready()` —
+called before every dequeue — shuts the dead controller down and starts a new one. Consecutive failed
+builds (a failed warm-up counts) back off exponentially; after `max_failures` of them
 `FleetUnrecoverable` is raised and the worker process exits non-zero instead of spinning, so its
 supervisor (or the orchestrator) sees a crash loop.
+
+Before a new fleet starts, the old one's rank processes must be gone and (where NVML can tell) listed on
+no GPU: at real size a new fleet loading while a dead one's memory is still held runs out of memory.
+`startup` describes the last successful start: process start, weight load and warm-up seconds (see
+`ltx_mgpu.startup`), which the worker publishes in its health snapshot and metrics.
 
 The controller is created through `factory` (default `ltx_mgpu.MGPUController`), imported lazily so this
 module can be imported without torch.
@@ -13,13 +20,18 @@ module can be imported without torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["FleetSupervisor", "FleetUnrecoverable"]
+from .devservers import pid_alive
+
+__all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
 
 log = logging.getLogger("worker.fleet")
 
@@ -45,6 +57,10 @@ class FleetSupervisor:
         backoff_s: float = 2.0,
         factory: Callable[..., Any] | None = None,
         on_event: EventFn | None = None,
+        warmup: Sequence[dict[str, Any]] = (),
+        warmup_dir: Path | None = None,
+        warmup_timeout: float = 3600.0,
+        release_timeout: float = 120.0,
     ) -> None:
         self.runner_cls = runner_cls
         self.devices = list(devices)
@@ -61,6 +77,11 @@ class FleetSupervisor:
         self.rebuilds = 0  #: successful builds after a failure
         self.build_failures = 0  #: failed build attempts, all time
         self.last_failure: dict[str, Any] | None = None
+        self.warmup = [dict(kwargs) for kwargs in warmup]  #: job kwargs (no output_path) run after each start
+        self.warmup_dir = warmup_dir
+        self.warmup_timeout = warmup_timeout
+        self.release_timeout = release_timeout
+        self.startup: dict[str, Any] | None = None  #: the last successful start: phases in seconds, stamps
         self._lock = threading.RLock()
         self._stopped = threading.Event()
 
@@ -92,10 +113,17 @@ class FleetSupervisor:
                 self.state = "starting"
                 self.on_event({"type": "fleet", "action": "rebuilding" if rebuild else "starting"})
                 t0 = time.monotonic()
+                started_at = time.time()
+                ctl = None
                 try:
                     ctl = self._make()
                     ctl.start(timeout=self.start_timeout, **self.setup_kwargs)
-                except Exception as exc:
+                    warmup_s = self._warm_up(ctl)
+                except BaseException as exc:
+                    if ctl is not None:  # a failed start or warm-up: nothing of it is trusted or kept
+                        self._discard(ctl, 0)
+                    if not isinstance(exc, Exception):
+                        raise  # a signal-driven stop (the worker's startup interrupt) or an exit: not a failure
                     failures += 1
                     self.build_failures += 1
                     self.state = "failed"
@@ -116,9 +144,11 @@ class FleetSupervisor:
                 if rebuild:
                     self.rebuilds += 1
                 seconds = round(time.monotonic() - t0, 3)
-                log.info("fleet ready on %s in %.2fs (pids %s)", self.devices, seconds, ctl.pids)
+                self.startup = _startup_report(ctl, started_at, warmup_s, len(self.warmup))
+                log.info("fleet ready on %s in %.2fs (pids %s): %s", self.devices, seconds, ctl.pids,
+                         {k: v for k, v in self.startup.items() if k.endswith("_s")})  # fmt: skip
                 self.on_event({"type": "fleet", "action": "rebuilt" if rebuild else "started",
-                               "seconds": seconds, "pids": list(ctl.pids)})  # fmt: skip
+                               "seconds": seconds, "pids": list(ctl.pids), "startup": self.startup})  # fmt: skip
                 return
             self.state = "stopped"
             raise FleetUnrecoverable("fleet start interrupted by shutdown")
@@ -175,6 +205,28 @@ class FleetSupervisor:
             ctl.shutdown(graceful_timeout=0)
 
     # ---- internals -----------------------------------------------------------------------------------
+    def _warm_up(self, ctl: Any) -> float:
+        """Render each warm-up request once on the new fleet (outputs discarded); returns the seconds."""
+        if not self.warmup:
+            return 0.0
+        t0 = time.monotonic()
+        directory = self.warmup_dir or Path("/tmp")
+        directory.mkdir(parents=True, exist_ok=True)
+        for i, kwargs in enumerate(self.warmup):
+            path = directory / f"warmup-{os.getpid()}-{i}.out"
+            try:
+                stream = ctl.stream(timeout=self.warmup_timeout, **kwargs, output_path=str(path))
+                for _ in stream:
+                    pass
+            except Exception as exc:
+                raise RuntimeError(f"warm-up request {i} failed: {type(exc).__name__}: {exc}") from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        seconds = time.monotonic() - t0
+        log.info("fleet on %s warmed up with %d request(s) in %.2fs", self.devices, len(self.warmup), seconds)
+        return seconds
+
     def _make(self) -> Any:
         factory = self._factory
         if factory is None:
@@ -186,5 +238,76 @@ class FleetSupervisor:
     def _teardown(self, graceful_timeout: float | None = None) -> None:
         ctl, self.controller = self.controller, None
         if ctl is not None:
-            timeout = self.shutdown_timeout if graceful_timeout is None else graceful_timeout
-            ctl.shutdown(graceful_timeout=timeout)
+            self._discard(ctl, self.shutdown_timeout if graceful_timeout is None else graceful_timeout)
+
+    def _discard(self, ctl: Any, graceful_timeout: float) -> None:
+        """Stop a controller and wait until its ranks have released their devices."""
+        pids = list(ctl.pids)
+        ctl.shutdown(graceful_timeout=graceful_timeout)
+        await_released(pids, self.release_timeout)
+
+
+def await_released(pids: Sequence[int], timeout: float) -> bool:
+    """Wait until none of `pids` runs and (where NVML answers) no GPU lists any of them; True if so.
+
+    A rank killed mid-job can take seconds to exit while the driver tears down a large context, and the
+    controller's shutdown does not wait forever; a fleet started meanwhile would find its GPUs still full.
+    NVML is optional (`nvidia-ml-py`): without it, or where it reports other pid namespaces' numbers,
+    only the processes themselves are awaited.
+    """
+    deadline = time.monotonic() + timeout
+    waiting = set(pids)
+    while True:
+        waiting = {pid for pid in waiting if pid_alive(pid)}
+        on_gpu = _pids_on_gpus(set(pids)) if not waiting else set()
+        if not waiting and not on_gpu:
+            return True
+        if time.monotonic() > deadline:
+            log.error("old fleet not released after %.0fs (running: %s, on a GPU: %s); starting anyway",
+                      timeout, sorted(waiting), sorted(on_gpu))  # fmt: skip
+            return False
+        time.sleep(0.05)
+
+
+def _pids_on_gpus(pids: set[int]) -> set[int]:
+    """Which of `pids` NVML lists as compute processes on any GPU (empty without NVML)."""
+    if not pids:
+        return set()
+    try:
+        import pynvml
+    except ImportError:
+        return set()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return set()
+    found: set[int] = set()
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            found |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)} & pids
+    except pynvml.NVMLError:
+        return found
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+    return found
+
+
+def _startup_report(ctl: Any, started_at: float, warmup_s: float, warmup_jobs: int) -> dict[str, Any]:
+    """The phases of one successful start (see the module docstring), JSON-safe. With the engine's per-rank
+    stamps the phases add up to `ready_s` by construction: `warmup_s` is everything after the last rank
+    loaded its weights (the warm-up renders and the ready handshake)."""
+    ready_at = time.time()
+    engine = getattr(ctl, "startup", None)
+    report: dict[str, Any] = {"started_at": started_at}
+    if engine is not None:
+        report.update(engine.as_dict())
+        report["started_at"] = started_at  # the build attempt began before the controller existed
+        report["process_start_s"] = round(max(0.0, engine.setup_began_at - started_at), 3)
+        report["weight_load_s"] = round(engine.weight_load_s, 3)
+        report["loaded_at"] = engine.ready_at
+        warmup_s = max(0.0, ready_at - engine.ready_at)
+    report.update(ready_at=ready_at, warmup_s=round(warmup_s, 3), warmup_jobs=warmup_jobs,
+                  ready_s=round(ready_at - started_at, 3))  # fmt: skip
+    return report

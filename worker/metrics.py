@@ -66,7 +66,17 @@ class WorkerMetrics:
                                   "taking a job", labels, registry=r)  # fmt: skip
         self.backpressure_seconds = Counter("ltx_worker_backpressure_seconds", "Time spent waiting for upload "
                                             "room before taking a job", labels, registry=r)  # fmt: skip
+        self.fleet_start_seconds = Gauge("ltx_worker_fleet_start_seconds", "Phases of the last fleet start: "
+                                         "process_start, weight_load, warmup, ready (their sum)",
+                                         [*labels, "phase"], registry=r)  # fmt: skip
         self.set_fleet_state("new", alive=False)
+
+    def set_fleet_startup(self, startup: dict[str, Any]) -> None:
+        """Publish the phases of a fleet start (`worker.fleet.FleetSupervisor.startup`)."""
+        for phase in ("process_start", "weight_load", "warmup", "ready"):
+            value = startup.get(f"{phase}_s")
+            if value is not None:
+                self.fleet_start_seconds.labels(self.group, phase).set(float(value))
 
     def set_fleet_state(self, state: str, *, alive: bool) -> None:
         for s in FLEET_STATES:

@@ -21,7 +21,7 @@ from typing import Any
 
 from .settings import SettingsError, WorkerSettings, resolve_runner
 
-__all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "run_worker"]
+__all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "process_started_at", "run_worker"]
 
 log = logging.getLogger("worker.process")
 
@@ -65,6 +65,8 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
 
     def fleet_event(event: dict[str, Any]) -> None:
         log.info("fleet %s: %s", group, event)
+        if isinstance(event.get("startup"), dict):
+            metrics.set_fleet_startup(event["startup"])
 
     fleet = FleetSupervisor(
         runner_cls,
@@ -76,11 +78,15 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         backoff_s=settings.rebuild_backoff_s,
         factory=controller_factory,
         on_event=fleet_event,
+        warmup=settings.warmup_jobs(),
+        warmup_dir=settings.spool_dir / ".warmup",
+        warmup_timeout=settings.render_timeout,
     )
     service = RenderService(
         settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool, metrics=metrics
     )
     service.set_storage_state(storage_error)
+    service.process_started_at = process_started_at()
     install_service(service)
     connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     return FleetWorker(settings.queues, connection=connection, service=service)
@@ -161,6 +167,21 @@ def run_worker(
             health.stop()
         log.info("worker exiting")
     return worker.exit_code
+
+
+def process_started_at(pid: int | None = None) -> float:
+    """When a process started (wall clock), from Linux /proc; now where /proc cannot tell."""
+    import os
+    import time
+    from pathlib import Path
+
+    try:
+        fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: seconds after boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])  # (btime is whole seconds: too coarse)
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def _watch_parent(parent_pid: int) -> None:

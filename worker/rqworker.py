@@ -114,7 +114,8 @@ class FleetWorker(SimpleWorker):
             "worker": self.name,
             "group": self.service.group,
             "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids,
-                      "builds": fleet.builds, "rebuilds": fleet.rebuilds, "last_failure": fleet.last_failure},
+                      "devices": [str(d) for d in fleet.devices], "builds": fleet.builds,
+                      "rebuilds": fleet.rebuilds, "last_failure": fleet.last_failure, "startup": fleet.startup},
             "current_job": cur.job_id if cur else None,
             "uploads": {**self.service.pipeline.snapshot(), "backpressure": self._backpressure,
                         "background": self.settings.upload_pipeline},
@@ -122,6 +123,7 @@ class FleetWorker(SimpleWorker):
             "jobs_done": self.service.jobs_done,
             "metrics_port": getattr(self, "metrics_port", None),
             "pid": self.pid,
+            "process_started_at": self.service.process_started_at,
             "ts": time.time(),
         }  # fmt: skip
         return live, fleet.is_alive, info
@@ -140,6 +142,26 @@ class FleetWorker(SimpleWorker):
                     self.service.cancel(job.id)
             except Exception:
                 log.warning("heartbeat failed", exc_info=True)
+
+    def _beat_while_rebuilding(self) -> threading.Event | None:
+        """Keep the worker's registration and health key alive while a fleet (re)builds (set the returned
+        event to stop). A large model can take longer to load than the registration lives (worker_ttl + 60
+        s): RQ's cleanup would then drop the worker from its registry for good, and the health key (with
+        the fleet state `starting`) would vanish exactly when an operator looks for it. During a job the
+        job's heartbeat thread does this already."""
+        if self._beat_thread is not None:
+            return None
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.settings.heartbeat_interval):
+                try:
+                    self.heartbeat()
+                except Exception:
+                    log.warning("heartbeat during fleet rebuild failed", exc_info=True)
+
+        threading.Thread(target=beat, name="ltx-rebuild-heartbeat", daemon=True).start()
+        return stop
 
     def _stop_beats(self) -> None:
         stop, thread = self._beat_stop, self._beat_thread
@@ -237,6 +259,7 @@ class FleetWorker(SimpleWorker):
     def _ensure_fleet(self) -> None:
         service = self.service
         self._rebuilding = True
+        beats = self._beat_while_rebuilding() if not service.fleet.is_alive else None
         try:
             rebuilt = service.fleet.ensure_ready()
         except FleetUnrecoverable as exc:
@@ -249,6 +272,8 @@ class FleetWorker(SimpleWorker):
             raise SystemExit(EXIT_FLEET_UNRECOVERABLE) from exc
         finally:
             self._rebuilding = False
+            if beats is not None:
+                beats.set()
         if rebuilt:
             service.metrics.fleet_rebuilds.labels(service.group, "ok").inc()
         service.metrics.set_fleet_state(service.fleet.state, alive=service.fleet.is_alive)

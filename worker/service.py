@@ -129,6 +129,7 @@ class RenderService:
         self.current: _Current | None = None
         self.jobs_done = 0
         self.storage_error: str | None = None  # set while storage is degraded (see set_storage_state)
+        self.process_started_at: float | None = None  #: wall clock when this worker process started
         self._lock = threading.Lock()
 
     # ==== control from other threads ==================================================================

@@ -135,6 +135,11 @@ class WorkerSettings(BaseSettings):
     )
     runner_setup: dict[str, Any] = Field(default_factory=dict, description="kwargs for the runner's setup()")
     fleet_start_timeout: float = Field(1800.0, gt=0, description="seconds for a fleet to start (model load)")
+    warmup_requests: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="requests (RenderRequest JSON) rendered once after every fleet start, before the first job "
+        "(compilation, allocator growth, caches for these sizes); their time is the warm-up of cold start",
+    )
     render_timeout: float = Field(3600.0, gt=0, description="seconds one render may take in the fleet")
     fleet_shutdown_timeout: float = Field(30.0, ge=0, description="graceful seconds when stopping a fleet")
     max_rebuild_failures: int = Field(
@@ -264,6 +269,20 @@ class WorkerSettings(BaseSettings):
     def _check_redis_url(cls, value: str) -> str:
         return check_redis_url(value)
 
+    @field_validator("warmup_requests")
+    @classmethod
+    def _check_warmup(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from .schema import RenderRequest
+
+        for i, request in enumerate(value):
+            try:
+                RenderRequest.model_validate(request)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err.get("loc", ())) or "(request)"
+                raise ValueError(f"request {i}: field {where!r}: {err.get('msg')}") from None
+        return value
+
     @field_validator("s3_endpoint_url", "s3_public_endpoint_url")
     @classmethod
     def _check_endpoint(cls, value: str | None) -> str | None:
@@ -343,6 +362,12 @@ class WorkerSettings(BaseSettings):
         """A unique RQ worker name: <prefix>.<group label>.<pid>."""
         prefix = self.worker_name or socket.gethostname()
         return f"{prefix}.{group_label(group)}.{os.getpid()}"
+
+    def warmup_jobs(self) -> list[dict[str, Any]]:
+        """The warm-up requests as runner job kwargs (unset fields left to the runner, like real jobs)."""
+        from .schema import RenderRequest
+
+        return [RenderRequest.model_validate(r).runner_kwargs() for r in self.warmup_requests]
 
     def metrics_port_for(self, index: int) -> int | None:
         if self.metrics_port is None:

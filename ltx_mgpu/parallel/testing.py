@@ -61,6 +61,10 @@ def _worker(
 
     import torch.distributed as dist
 
+    from ..devices import MULTICAST_OFF_ENV
+
+    for key, value in MULTICAST_OFF_ENV.items():  # as in fleet ranks: no NVLink multicast
+        os.environ.setdefault(key, value)
     torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

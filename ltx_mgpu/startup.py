@@ -1,0 +1,74 @@
+"""What a fleet start took: per-rank timestamps and the split an operator reads (`MGPUController.startup`).
+
+A cold start of a large model has three very different costs, and each has its own fix: spawning ranks
+and forming the process group (interpreter and import time, NCCL init), loading weights in `setup()`
+(storage and host-to-device bandwidth), and whatever warm-up the caller runs before the first job
+(compilation, allocator growth). Every rank stamps wall-clock times (`time.time()`, comparable across the
+processes of one machine) at the points below and sends them with its ready message; the controller
+keeps them with its own start time.
+
+    started_at ── spawn, imports, init_process_group ──▶ setup_began_at ── setup() ──▶ ready_at
+                 └────────────── process_start_s ──────┘                └─ weight_load_s ─┘
+
+The fleet-wide split uses the slowest rank at each point (the fleet is ready when its last rank is).
+Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["FleetStartup", "RankStartup"]
+
+
+@dataclass(frozen=True)
+class RankStartup:
+    """One rank's start, stamped by the rank itself (seconds since the epoch)."""
+
+    rank: int
+    pid: int
+    booted_at: float  #: the rank's entry point runs (interpreter up, torch and the engine imported)
+    setup_began_at: float  #: process group and component groups made; `setup()` is called
+    ready_at: float  #: `setup()` returned
+
+
+@dataclass(frozen=True)
+class FleetStartup:
+    """One fleet start: the controller's start time and every rank's stamps; see the module docstring."""
+
+    started_at: float  #: `MGPUController.start()` was called
+    ranks: tuple[RankStartup, ...]
+
+    @property
+    def setup_began_at(self) -> float:
+        return max(r.setup_began_at for r in self.ranks)
+
+    @property
+    def ready_at(self) -> float:
+        return max(r.ready_at for r in self.ranks)
+
+    @property
+    def process_start_s(self) -> float:
+        """Spawn to the slowest rank entering `setup()`: processes, imports, process groups."""
+        return max(0.0, self.setup_began_at - self.started_at)
+
+    @property
+    def weight_load_s(self) -> float:
+        """The slowest rank entering `setup()` to the slowest rank leaving it: model load."""
+        return max(0.0, self.ready_at - self.setup_began_at)
+
+    @property
+    def ready_s(self) -> float:
+        return max(0.0, self.ready_at - self.started_at)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe: the split (rounded to ms) plus the raw per-rank stamps."""
+        return {
+            "started_at": self.started_at,
+            "ready_at": self.ready_at,
+            "process_start_s": round(self.process_start_s, 3),
+            "weight_load_s": round(self.weight_load_s, 3),
+            "ready_s": round(self.ready_s, 3),
+            "ranks": [asdict(r) for r in sorted(self.ranks, key=lambda r: r.rank)],
+        }

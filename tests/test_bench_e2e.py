@@ -1,0 +1,131 @@
+"""`bench/e2e.py` on CPU, as CI runs it: the whole stack (Redis, SeaweedFS, `ltx-worker` with a CPU fleet of
+two ranks, the real LTX-2 distilled runner on tiny checkpoints) and every field of its SUMMARY filled, except
+what a CPU run cannot know (GPU memory). Plus the pieces of the benchmark that have logic of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.e2e import cold_ready, idle_gaps_ms
+from bench.e2e_stack import discover_weights, make_workload
+from worker.devservers import pid_alive
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRED = ["profile", "runner", "layout", "cold_ready_s", "e2e_p50_s", "e2e_p90_s", "stages_p50_s",
+            "videos_per_hour", "gpu_idle_p50_ms", "peak_mem_gib", "rebuild_s"]  # fmt: skip
+CPU_CANNOT_KNOW = {"peak_mem_gib", "gpu_mem_used_max_gib"}
+
+
+@pytest.mark.timeout(900)
+def test_cpu_run_fills_every_summary_field(tmp_path):
+    out = tmp_path / "e2e.jsonl"
+    cmd = [sys.executable, "bench/e2e.py", "--profile", "tiny", "--groups", "cpu:2", "--jobs", "3",
+           "--out", str(out), "--workdir", str(tmp_path / "work")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    lines = out.read_text().splitlines()
+    assert lines[-1].startswith("SUMMARY ") and proc.stdout.rstrip().splitlines()[-1] == lines[-1]
+    summary = json.loads(lines[-1].removeprefix("SUMMARY "))
+    for key in REQUIRED:
+        assert key in summary, key
+        assert summary[key] is not None or key in CPU_CANNOT_KNOW, (key, summary)
+    assert summary["profile"] == "tiny" and summary["runner"] == "ltx2-distilled" and summary["layout"] == "cpu:2"
+    assert summary["peak_mem_gib"] is None and summary["failures"] == [] and len(summary["runs"]) == 1
+
+    split = summary["cold_ready"]
+    assert all(split[k] > 0 for k in ("process_start_s", "weight_load_s", "warmup_s")), split
+    assert sum(split[k] for k in ("process_start_s", "weight_load_s", "warmup_s")) == pytest.approx(
+        summary["cold_ready_s"], abs=0.01
+    )
+    stages = summary["stages_p50_s"]
+    assert {"encode", "stage1", "upsample", "stage2", "decode", "mux", "queue_wait", "upload", "e2e"} <= set(stages)
+    assert all(v is not None and v >= 0 for v in stages.values()), stages
+    assert 0 < summary["e2e_p50_s"] <= summary["e2e_p90_s"]
+    assert summary["videos_per_hour"] > 0 and summary["gpu_idle_p50_ms"] >= 0
+    assert summary["passes_per_step"] == 1
+
+    jobs = [json.loads(line) for line in lines if line.startswith("{") and json.loads(line)["kind"] == "job"]
+    assert [j["phase"] for j in jobs] == ["warm"] * 3 + ["backlog"] * 3 + ["rebuild"]
+    assert all(j["state"] == "uploaded" and j["bytes"] > 0 for j in jobs), jobs
+    killed = summary["killed_job"]
+    assert killed["state"] == "uploaded" and killed["attempts"] == 2, killed  # retried once, then rendered
+    assert killed["first_failure"]["reason"] == "fleet_failure", killed
+    assert summary["rebuild_s"] >= summary["rebuild"]["fleet_startup"]["weight_load_s"]
+    # Nothing the benchmark started survives it: the killed rank, the rebuilt fleet's ranks.
+    pids = [summary["rebuild"]["killed_pid"], *(r["pid"] for r in summary["rebuild"]["fleet_startup"]["ranks"])]
+    assert not [p for p in pids if pid_alive(p)]
+
+
+def test_weights_are_found_by_content_not_by_name(tmp_path):
+    from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
+
+    tiny = ensure_tiny_ltx2()
+    (tmp_path / "loras").mkdir()
+    renamed = {
+        "a.safetensors": tiny.checkpoint,
+        "b.safetensors": tiny.upsampler,
+        "loras/c.safetensors": tiny.distilled_lora,
+    }
+    for name, src in renamed.items():
+        (tmp_path / name).symlink_to(src)
+    shutil.copytree(tiny.gemma_root, tmp_path / "text-encoder")  # its own model-*.safetensors are not candidates
+    assert discover_weights(tmp_path) == {
+        "checkpoint_path": str(tmp_path / "a.safetensors"),
+        "spatial_upsampler_path": str(tmp_path / "b.safetensors"),
+        "distilled_lora_path": str(tmp_path / "loras" / "c.safetensors"),
+        "gemma_root": str(tmp_path / "text-encoder"),
+    }
+    (tmp_path / "loras" / "c.safetensors").unlink()
+    with pytest.raises(SystemExit, match="distilled_lora_path"):
+        discover_weights(tmp_path)
+
+
+def test_workloads_are_the_published_requests():
+    weights = {"checkpoint_path": "c", "spatial_upsampler_path": "u", "gemma_root": "g", "distilled_lora_path": "l"}
+    distilled = make_workload("ltx2-distilled", "full", weights)
+    assert distilled.request["width"] == 768 and distilled.request["height"] == 512
+    assert distilled.request["num_frames"] == 121 and distilled.request["frame_rate"] == 24.0
+    assert "distilled_lora_path" not in distilled.setup and "steps" not in distilled.request  # 8 + 3, fixed
+    two = make_workload("ltx2-two-stage", "full", weights)
+    assert "steps" not in two.request  # the reference's default (40 for LTX-2.0 checkpoints)
+    assert len(two.setup["stage2_sigmas"]) == 4 and "stage1_guidance" not in two.setup  # 3 distilled sigmas
+    cfg = make_workload("ltx2-two-stage:cfg", "full", weights)
+    assert cfg.setup["stage1_guidance"]["video"] == {"cfg_scale": 4.0, "stg_scale": 0.0, "rescale_scale": 0.0,
+                                                      "modality_scale": 1.0}  # fmt: skip
+    from ltx_mgpu.runners.ltx2.pipeline import STAGE2_DISTILLED_SIGMAS
+
+    assert tuple(two.setup["stage2_sigmas"]) == STAGE2_DISTILLED_SIGMAS
+    with pytest.raises(SystemExit):
+        make_workload("ltx2-distilled:cfg", "full", weights)
+
+
+def test_idle_gaps_are_per_fleet_and_cold_ready_phases_add_up():
+    records = [
+        {"worker": "a", "busy": [10.0, 12.0]},
+        {"worker": "b", "busy": [10.5, 13.0]},
+        {"worker": "a", "busy": [12.02, 14.0]},
+        {"worker": "b", "busy": [13.1, 15.0]},
+        {"worker": "a", "busy": None},
+    ]
+    assert [round(g, 3) for g in sorted(idle_gaps_ms(records))] == [20.0, 100.0]
+
+    class W:
+        launched_at = 100.0
+
+    ready = [
+        {"process_started_at": 100.5, "fleet": {"startup": {"started_at": 101.0, "process_start_s": 4.0,
+                                                            "loaded_at": 110.0, "ready_at": 112.0}}},
+        {"process_started_at": 100.6, "fleet": {"startup": {"started_at": 101.0, "process_start_s": 5.0,
+                                                            "loaded_at": 111.0, "ready_at": 115.0}}},
+    ]  # fmt: skip
+    got = cold_ready(W(), ready)
+    assert got["cold_ready_s"] == 15.0
+    assert got["cold_ready"] == {"process_start_s": 6.0, "weight_load_s": 5.0, "warmup_s": 4.0,
+                                 "worker_process_s": 0.6}  # fmt: skip
