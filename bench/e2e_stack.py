@@ -31,7 +31,7 @@ from worker.settings import group_label
 
 ROOT = Path(__file__).resolve().parent.parent
 TERMINAL = {s.value for s in TERMINAL_STATES}
-#: Stage-2 refinement with the three distilled sigmas (ltx_mgpu.runners.ltx2.pipeline.STAGE2_DISTILLED_SIGMAS);
+#: Stage-2 refinement with the three distilled sigmas (ltx_mgpu.runners.ltx2.denoise.STAGE2_DISTILLED_SIGMAS);
 #: the two-stage runner would otherwise use its two-sigma tiled schedule on more than one rank.
 STAGE2_THREE_SIGMAS = [0.909375, 0.725, 0.421875, 0.0]
 #: Plain CFG, 2 passes a step: SGLang's `ltx_2_two_stage_t2v` case (LTX-2's sampling defaults there: CFG

@@ -99,7 +99,7 @@ def test_workloads_are_the_published_requests():
     cfg = make_workload("ltx2-two-stage:cfg", "full", weights)
     assert cfg.setup["stage1_guidance"]["video"] == {"cfg_scale": 4.0, "stg_scale": 0.0, "rescale_scale": 0.0,
                                                       "modality_scale": 1.0}  # fmt: skip
-    from ltx_mgpu.runners.ltx2.pipeline import STAGE2_DISTILLED_SIGMAS
+    from ltx_mgpu.runners.ltx2.denoise import STAGE2_DISTILLED_SIGMAS
 
     assert tuple(two.setup["stage2_sigmas"]) == STAGE2_DISTILLED_SIGMAS
     with pytest.raises(SystemExit):
