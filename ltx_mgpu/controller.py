@@ -46,13 +46,16 @@ from .errors import (
 from .fleet import FleetChannels, RankBoot, check_job_kwargs, rank_main, ship_runner
 from .jobboard import cancel_key
 from .runner import MGPURunner
-from .transport import Channel, Job, Result, split_tensors
+from .transport import ChannelClosed, ChannelTimeout, Job, MessageKind, Result, split_tensors
 
 __all__ = ["MGPUController", "Stream"]
 
 log = logging.getLogger("ltx_mgpu.controller")
 
 _MONITOR_POLL_S = 0.1
+# An idle relay reads the next job at once and a CPU rank reads its tensors as soon as the job is announced,
+# so a dispatch that finds no room in a pipe for this long means the fleet is wedged (it is poisoned).
+_DISPATCH_TIMEOUT_S = 60.0
 _DEAD_MESSAGE = "MGPUController is dead; create a new one."
 
 
@@ -159,9 +162,7 @@ class MGPUController:
             store = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
             )
-            channels = FleetChannels(
-                *(Channel(self._ctx) for _ in range(4)), tensors=[Channel(self._ctx) for _ in devices]
-            )
+            channels = FleetChannels.create(self._ctx, devices)
             payload = ship_runner(self._runner_cls)
             procs = []
             for rank in range(self.world_size):
@@ -239,16 +240,15 @@ class MGPUController:
                     terminate=False,
                 )
             with contextlib.suppress(Exception):
-                fleet.channels.jobs.put(None)
+                fleet.channels.jobs.put(None, timeout=1.0)
             deadline = time.monotonic() + max(0.0, graceful_timeout)
             while not fleet.all_exited() and time.monotonic() < deadline:
                 time.sleep(0.02)
             fleet.terminate()
             if self._monitor is not None and self._monitor is not threading.current_thread():
                 self._monitor.join(2.0)
-            for ch in [*vars(fleet.channels).values(), *fleet.channels.tensors]:
-                if isinstance(ch, Channel):
-                    ch.close()
+            for ch in fleet.channels.all():
+                ch.close()
             with self._lock:
                 self._fleet = None
                 self._monitor = None
@@ -284,11 +284,37 @@ class MGPUController:
             self._inflight = stream
             fleet = self._fleet
         skeleton, tensors = split_tensors(kwargs)
-        if tensors and self.devices[0] == "cpu":
-            for rank in range(1, self.world_size):  # see fleet._receive_shared
-                fleet.channels.tensors[rank].put((job_id, tensors))
-        fleet.channels.jobs.put(Job(job_id, skeleton, tensors))
+        try:
+            self._dispatch(fleet, Job(job_id=job_id, skeleton=skeleton, tensors=tensors))
+        except BaseException:
+            stream._finished = True
+            self._finish(stream)
+            raise
         return stream
+
+    def _dispatch(self, fleet: _Fleet, job: Job) -> None:
+        """Hand the job to the fleet: its top-level tensors to every CPU rank > 0 (see fleet.py), then the
+        job to the relay. Bounded: a poisoned fleet or a pipe nobody empties raises instead of blocking."""
+
+        def alive() -> bool:
+            return self._fatal is None and fleet is self._fleet
+
+        try:
+            if job.tensors:
+                for channel in fleet.channels.tensors.values():
+                    channel.put((job.job_id, job.tensors), alive=alive, timeout=_DISPATCH_TIMEOUT_S)
+            fleet.channels.jobs.put(job, alive=alive, timeout=_DISPATCH_TIMEOUT_S)
+        except (ChannelClosed, ChannelTimeout) as exc:
+            failure: FleetFailure
+            if isinstance(exc, ChannelTimeout):
+                failure = FleetTimeoutError(
+                    f"MGPU job {job.job_id}: the fleet took no input for {_DISPATCH_TIMEOUT_S:.0f}s ({exc})",
+                    reason="timeout",
+                )
+            else:
+                failure = FleetFailure(f"MGPU job {job.job_id} not dispatched: {exc}", reason="shutdown")
+            self._poison(fleet, failure, terminate=True)
+            raise (self._fatal or failure) from exc
 
     def _finish(self, stream: Stream) -> None:
         with self._lock:
@@ -311,7 +337,10 @@ class MGPUController:
                 log.error("MGPU fleet failed: %s", failure)
             if inflight is not None:
                 with contextlib.suppress(Exception):
-                    fleet.channels.results.put(Result("fatal", inflight.job_id, -1, None))
+                    # best effort and never blocking: if the pipe is full, the reader has data anyway and
+                    # checks the stored failure before every read
+                    wake = Result(kind=MessageKind.FATAL, job_id=inflight.job_id, rank=-1, value=None)
+                    fleet.channels.results.put(wake, timeout=0)
         if terminate:
             fleet.terminate()
 
@@ -380,12 +409,12 @@ class MGPUController:
             if self._fatal is not None and (fleet is self._fleet or self._fleet is None):
                 raise self._fatal
             try:
-                msg: Result = fleet.channels.results.get(timeout=0.25)
-            except (queue.Empty, OSError, EOFError):
+                msg: Result = fleet.channels.results.get(timeout=0.25, alive=lambda: self._fatal is None)
+            except (queue.Empty, OSError, EOFError):  # (ChannelClosed is an EOFError)
                 if fleet is not self._fleet and self._fatal is None:
                     raise FleetFailure(f"MGPU job {stream.job_id}: fleet is gone", reason="shutdown") from None
                 continue
-            if msg.kind == "fatal":
+            if msg.kind is MessageKind.FATAL:
                 continue  # wake-up only; the loop head raises the stored failure
             if msg.job_id != stream.job_id:
                 failure = FleetFailure(
@@ -442,9 +471,9 @@ class Stream(Iterator[Any]):
             except FleetFailure:
                 self._finished = True
                 raise
-            if msg.kind == "yield":
+            if msg.kind is MessageKind.YIELD:
                 return msg.value
-            self._terminals[msg.rank] = StopIteration(msg.value) if msg.kind == "done" else msg.value
+            self._terminals[msg.rank] = StopIteration(msg.value) if msg.kind is MessageKind.DONE else msg.value
             if len(self._terminals) == world:
                 self._finished = True
                 self._controller._finish(self)

@@ -6,11 +6,18 @@ Rank lifecycle (every rank, SPMD):
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
   4. `runner.setup(**setup_kwargs)`, then report ready;
-  5. loop: relay (rank 0) takes a job from the controller, posts it on the job board and broadcasts its
-     top-level tensors; other ranks wait on the board outside collectives, then receive; everyone runs it;
+  5. loop: relay (rank 0) takes a job from the controller and posts it on the job board; other ranks wait
+     on the board outside collectives; every rank gets the job's top-level tensors (below); everyone runs it;
   6. on the shutdown announcement: tear down the process group and exit 0.
 Any exception outside the runner's recoverable set is reported on the `failures` channel with its
 traceback, and the rank exits 1: a collective it may have left half-entered cannot be unwound.
+
+Top-level tensor kwargs, one path per device kind:
+- CPU fleets: the caller's tensors are in shared memory; rank 0 gets them inside the `Job`, rank r > 0 from
+  its own `tensors[r]` channel (the controller writes one message there per job that has tensors, and the
+  rank reads exactly that message once the job is announced). Every rank takes a private copy.
+- GPU fleets: rank 0 gets them by CUDA IPC inside the `Job` and broadcasts them over the transformer
+  backend (NCCL); no `tensors` channels exist.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch.distributed as dist
 from .errors import RunnerError
 from .jobboard import JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
-from .transport import Channel, Job, Result, TensorPlaceholder, fill_tensors
+from .transport import Channel, Job, MessageKind, Result, fill_tensors, placeholders
 
 __all__ = ["FleetChannels", "RankBoot", "ship_runner"]
 
@@ -55,7 +62,22 @@ class FleetChannels:
     results: Channel  #: all ranks → controller (yields and terminals) + controller-local fatal wake-ups
     ready: Channel  #: all ranks → controller: the rank number once `setup()` returned
     failures: Channel  #: all ranks → controller: (rank, pid, traceback) right before a rank exits 1
-    tensors: list[Channel]  #: controller → rank r (CPU fleets only): (job_id, top-level tensors) by shared memory
+    tensors: dict[int, Channel]  #: controller → rank r > 0 of a CPU fleet: (job_id, top-level tensors)
+
+    @classmethod
+    def create(cls, ctx: Any, devices: list[str]) -> FleetChannels:
+        """The channels for a fleet on `devices`; `tensors` only where that path is used (CPU, rank > 0)."""
+        cpu = devices[0] == "cpu"
+        return cls(
+            jobs=Channel(ctx),
+            results=Channel(ctx),
+            ready=Channel(ctx),
+            failures=Channel(ctx),
+            tensors={rank: Channel(ctx) for rank in range(1, len(devices))} if cpu else {},
+        )
+
+    def all(self) -> list[Channel]:
+        return [self.jobs, self.results, self.ready, self.failures, *self.tensors.values()]
 
 
 @dataclass
@@ -179,36 +201,58 @@ def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: tor
                 return
             board.post((job.job_id, job.skeleton))
             job_id, skeleton = job.job_id, job.skeleton
-            tensors = [t.to(device).contiguous() for t in job.tensors]
-            if boot.world_size > 1:
-                for t in tensors:
-                    dist.broadcast(t, src=RELAY_RANK)
+            tensors = _relay_tensors(boot, job.tensors, device)
         else:
             announcement = board.next()
             if announcement is None:
                 return
             job_id, skeleton = announcement
-            specs = sorted((v for v in skeleton.values() if isinstance(v, TensorPlaceholder)), key=lambda p: p.idx)
-            tensors = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in specs]
-            for t in tensors:
-                dist.broadcast(t, src=RELAY_RANK)
+            tensors = _receive_tensors(boot, job_id, skeleton, device)
         if is_relay:
             runner._cancel_probe = functools.partial(store.check, [cancel_key(job_id)])
         _run_job(runner, job_id, fill_tensors(skeleton, tensors), boot.rank, results)
         runner._cancel_probe = None
 
 
-def _receive_shared(channel: Channel, job_id: int) -> list[torch.Tensor]:
-    """CPU fleets: every rank maps the caller's shared-memory tensors and takes a private copy.
+def _relay_tensors(boot: RankBoot, shared: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Rank 0: a private copy of the caller's tensors (CPU), or the tensors broadcast to the others (GPU)."""
+    if device.type == "cpu":
+        return [_private(t) for t in shared]
+    tensors = [t.to(device).contiguous() for t in shared]
+    if boot.world_size > 1:
+        for t in tensors:
+            dist.broadcast(t, src=RELAY_RANK)
+    return tensors
 
-    Measured on the 2-core CI machine (bench/controller.py): relaying 256 MiB through rank 0 and a gloo
-    broadcast delivered at ~0.35x a plain broadcast; a memcpy from shared memory on every rank is faster
-    than any gloo broadcast, and the copy keeps ranks from seeing each other's in-place edits.
+
+def _receive_tensors(boot: RankBoot, job_id: int, skeleton: dict[str, Any], device: torch.device) -> list[torch.Tensor]:
+    """Rank r > 0: the job's top-level tensors, by the path of this device kind (module docstring)."""
+    specs = placeholders(skeleton)
+    if not specs:
+        return []  # the controller wrote nothing for this job
+    if device.type == "cpu":
+        return _receive_shared(boot.channels.tensors[boot.rank], job_id)
+    tensors = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in specs]
+    for t in tensors:
+        dist.broadcast(t, src=RELAY_RANK)
+    return tensors
+
+
+def _receive_shared(channel: Channel, job_id: int) -> list[torch.Tensor]:
+    """CPU fleets: map the caller's shared-memory tensors and take a private copy.
+
+    Measured on the 2-core CI machine (bench/controller.py): a memcpy from shared memory on every rank is
+    faster than relaying through rank 0 with a gloo broadcast, and the copy keeps ranks from seeing each
+    other's (or the caller's) in-place edits.
     """
     got_id, shared = channel.get()
     if got_id != job_id:
         raise RuntimeError(f"MGPU fleet desync: tensors for job {got_id} arrived during job {job_id}")
-    return [t.clone(memory_format=torch.contiguous_format) for t in shared]
+    return [_private(t) for t in shared]
+
+
+def _private(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _take_job(jobs: Channel) -> Job | None:
@@ -225,25 +269,29 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
     Argument binding and the generator check happen on every rank identically and before the runner
     touches any collective, so they are safe to report as `RunnerError` (symmetric) rather than fatal.
     """
+
+    def send(kind: MessageKind, value: Any) -> None:
+        results.put(Result(kind=kind, job_id=job_id, rank=rank, value=value))
+
     try:
         gen = runner(**kwargs)
     except (RunnerError, ValueError, TypeError) as err:
-        results.put(Result("error", job_id, rank, _as_runner_error(err)))
+        send(MessageKind.ERROR, _as_runner_error(err))
         return
     if not isinstance(gen, Iterator):
         msg = f"{type(runner).__name__}.__call__ must be a generator (got {type(gen).__name__})"
-        results.put(Result("error", job_id, rank, RunnerError(msg)))
+        send(MessageKind.ERROR, RunnerError(msg))
         return
     while True:
         try:
             value = next(gen)
         except StopIteration as stop:
-            results.put(Result("done", job_id, rank, stop.value))
+            send(MessageKind.DONE, stop.value)
             return
         except (RunnerError, ValueError) as err:
-            results.put(Result("error", job_id, rank, _as_runner_error(err)))
+            send(MessageKind.ERROR, _as_runner_error(err))
             return
-        results.put(Result("yield", job_id, rank, value))
+        send(MessageKind.YIELD, value)
 
 
 def _as_runner_error(err: BaseException) -> RunnerError:
