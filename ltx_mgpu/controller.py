@@ -13,6 +13,8 @@ Contract (written once here; docs/controller.md links to it):
   thread notices dead ranks and blown deadlines within ~0.1 s even while nobody iterates the stream.
 - `shutdown()` is safe from any thread at any time, idempotent, never raises, and leaves no rank alive;
   `start()` may be called again afterwards.
+- `add_failure_callback(fn)`: `fn(failure)` runs once per poisoned fleet, on the thread that noticed it
+  (usually the monitor, so also while the fleet is idle), e.g. to rebuild at once instead of at the next job.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -124,6 +126,7 @@ class MGPUController:
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()  # set while shutdown() tears the fleet down
         self._finalizer: weakref.finalize | None = None
+        self._failure_callbacks: list[Callable[[FleetFailure], None]] = []
         self.world_size = 0
         self.devices: list[str] = []
         self.backend = ""
@@ -139,6 +142,12 @@ class MGPUController:
     def pids(self) -> list[int]:
         fleet = self._fleet
         return [p.pid for p in fleet.procs] if fleet else []
+
+    def add_failure_callback(self, fn: Callable[[FleetFailure], None]) -> None:
+        """Call `fn(failure)` whenever this controller's fleet is poisoned (not on `shutdown()`): once per
+        fleet generation, from the thread that noticed it (the monitor for deaths and timeouts, even while
+        idle; the iterating thread for a desync). Keep it short and non-blocking; exceptions are logged."""
+        self._failure_callbacks.append(fn)
 
     def start(self, *, timeout: float | timedelta = 1800.0, **setup_kwargs: Any) -> None:
         """Spawn the ranks and block until every one has run `setup(**setup_kwargs)`.
@@ -335,6 +344,11 @@ class MGPUController:
         if first:
             if failure.reason != "shutdown":
                 log.error("MGPU fleet failed: %s", failure)
+                for fn in list(self._failure_callbacks):
+                    try:
+                        fn(failure)
+                    except Exception:
+                        log.exception("MGPU failure callback %r raised (ignored)", fn)
             if inflight is not None:
                 with contextlib.suppress(Exception):
                     # best effort and never blocking: if the pipe is full, the reader has data anyway and

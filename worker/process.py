@@ -131,6 +131,7 @@ def run_worker(
         from .fleet import FleetUnrecoverable
         from .rqworker import EXIT_FLEET_UNRECOVERABLE
 
+        worker.health.start()  # (the snapshot says "starting" while the fleet loads)
         # Recovery starts before the (possibly minutes-long) fleet start: renders a previous process left
         # in the spool upload meanwhile, and count against the back-pressure bound before the first job.
         worker.service.start_uploads(worker.connection)
@@ -138,6 +139,7 @@ def run_worker(
             worker.service.fleet.start()  # warm before the first job
         except FleetUnrecoverable as exc:
             log.critical("%s", exc)
+            worker.health.stop()
             return EXIT_FLEET_UNRECOVERABLE
         worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
         worker.service.update_spool_metrics()
@@ -145,6 +147,7 @@ def run_worker(
         log.info("stopped by %s during startup", exc)
         if worker is not None:
             worker.service.fleet.shutdown(0)
+            worker.health.stop()
         return EXIT_OK
     finally:
         signal.signal(signal.SIGTERM, old_term)

@@ -125,7 +125,7 @@ class EventRelay:
         also go into the summary."""
         summary: dict[str, Any] = {"state": state.value}
         if state is JobState.UPLOADED:
-            summary.update(percent=100.0, eta_s=0.0)
+            summary.update(percent=100.0, eta_s=0.0, error=None)  # earlier attempts stay in meta `attempts`
         for key in ("error", "result", "attempt", "worker", "fleet"):
             if key in extra:
                 summary[key] = extra[key]
