@@ -160,10 +160,16 @@ def submit(
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", job_id):
             raise UserError(f"--job-id {job_id!r}: use 1-128 letters, digits, _ or -", ExitCode.USAGE)
     if dry_run:
+        try:
+            with _client(ctx) as client:
+                _check_runner_limits(client, requests, queue)
+        except ServiceUnavailable as exc:
+            click.echo(f"producer: runner limits not checked ({exc}); the request file itself is valid", err=True)
         for loaded in requests:
             click.echo(json.dumps({"source": loaded.source, "valid": True}) if as_json else f"{loaded.source}: ok")
         return
     with _client(ctx) as client:
+        _check_runner_limits(client, requests, queue)
         submitted: list[str] = []
         for loaded in requests:
             try:
@@ -186,6 +192,20 @@ def submit(
                 code = _watch(client, submitted_id, as_json=as_json, timeout=None)
                 worst = code if code != ExitCode.OK and worst == ExitCode.OK else worst
             ctx.exit(int(worst))
+
+
+def _check_runner_limits(client: ProducerClient, requests: list[Any], queue: str | None) -> None:
+    """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.limits)."""
+    limits = client.runner_limits(queue)
+    name = client.queue(queue).name
+    if not limits:
+        click.echo(f"producer: no live worker on queue {name!r} publishes runner limits; only the request "
+                   "schema was checked", err=True)  # fmt: skip
+        return
+    for loaded in requests:
+        if violations := client.limit_violations(loaded.request, limits):
+            more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+            raise UserError(f"{loaded.source}: {violations[0].message()}{more}; nothing submitted", ExitCode.USAGE)
 
 
 # ==== status / watch ====================================================================================

@@ -47,6 +47,7 @@ from worker.keys import (
     events_key,
     worker_health_key,
 )
+from worker.limits import LimitViolation, RunnerLimits
 from worker.schema import RenderRequest
 
 __all__ = [
@@ -302,6 +303,30 @@ class ProducerClient:
             return enqueue_admitted(
                 q, job, policy=policy, counted_queues=counted, client=client, at_front=priority == "high"
             )
+
+    def runner_limits(self, queue: str | None = None) -> list[tuple[str, RunnerLimits]]:
+        """The request limits the live workers on `queue` publish (worker name, limits); see worker.limits."""
+        out: list[tuple[str, RunnerLimits]] = []
+        with _unavailable_on_error():
+            for worker in Worker.all(connection=self.connection, queue=self.queue(queue)):
+                raw = self.connection.get(worker_health_key(worker.name))
+                try:
+                    health = json.loads(raw) if raw else {}
+                except ValueError:
+                    continue
+                limits = RunnerLimits.from_json(health.get("limits")) if isinstance(health, dict) else None
+                if limits is not None:
+                    out.append((worker.name, limits))
+        return out
+
+    @staticmethod
+    def limit_violations(request: RenderRequest, limits: list[tuple[str, RunnerLimits]]) -> list[LimitViolation]:
+        """What any of these workers would reject in `request` (any of them may take the job)."""
+        seen: dict[tuple[str, str], LimitViolation] = {}
+        for _, published in limits:
+            for v in published.violations(request):
+                seen.setdefault((v.field, v.runner), v)
+        return list(seen.values())
 
     # ---- status ------------------------------------------------------------------------------------
     def job(self, job_id: str) -> Job:

@@ -41,6 +41,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
 
     from .fleet import FleetSupervisor
     from .job import install_service
+    from .limits import RunnerLimits
     from .metrics import WorkerMetrics
     from .rqworker import FleetWorker
     from .service import RenderService
@@ -62,6 +63,10 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         log.warning("storage degraded at start (renders wait in the spool, uploads retry): %s", exc)
     spool = Spool(settings.spool_dir)
     runner_cls = resolve_runner(settings)
+    try:
+        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"runner ({settings.runner!r}) request limits: {exc}") from exc
 
     def fleet_event(event: dict[str, Any]) -> None:
         log.info("fleet %s: %s", group, event)
@@ -77,9 +82,8 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         factory=controller_factory,
         on_event=fleet_event,
     )
-    service = RenderService(
-        settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool, metrics=metrics
-    )
+    service = RenderService(settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool,
+                            metrics=metrics, limits=limits)  # fmt: skip
     service.set_storage_state(storage_error)
     install_service(service)
     connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)

@@ -117,6 +117,9 @@ class FleetWorker(SimpleWorker):
         info = {
             "worker": self.name,
             "group": self.service.group,
+            "queues": self.queue_names(),
+            "runner": self.settings.runner,
+            "limits": self.service.limits.to_json(),  # checked by `producer submit` (worker.limits)
             "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids, "world_size": fleet.world_size,
                       "builds": fleet.builds, "rebuilds": fleet.rebuilds, "failures": fleet.failures,
                       "ready_at": fleet.ready_at, "last_failure": fleet.last_failure},

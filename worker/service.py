@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from . import rqcompat
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
+from .limits import RunnerLimits
 from .metrics import WorkerMetrics
 from .outcomes import JobOutcomes
 from .pipeline import PendingUpload, UploadPipeline
@@ -91,8 +92,10 @@ class RenderService:
         storage: Storage,
         spool: Spool,
         metrics: WorkerMetrics,
+        limits: RunnerLimits | None = None,
     ) -> None:
         self.settings = settings
+        self.limits = limits or RunnerLimits(settings.runner, {})  #: published in the health snapshot
         self.group = group
         self.worker_name = worker_name
         self.fleet = fleet
@@ -237,6 +240,10 @@ class RenderService:
                        f"field {field_name!r}: {err.get('msg')}", field=field_name,
                        errors=[{"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg")}
                                for e in exc.errors()])  # fmt: skip
+        if violations := self.limits.violations(req):  # (what `producer submit` checks at the edge)
+            first = violations[0]
+            self._fail(job, relay, FailureReason.INVALID_REQUEST, first.message(), field=first.field,
+                       errors=[{"field": v.field, "message": v.message()} for v in violations])  # fmt: skip
 
         # ---- render (unless a complete render of this job is already in the spool) ------------------
         entry = self.spool.load(job.id)
