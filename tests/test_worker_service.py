@@ -139,6 +139,9 @@ def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, 
         steps = [e["step"] for e in evts if e["type"] == "progress"]
         assert steps == [1, 2]
         assert [e["ts"] for e in evts] == sorted(e["ts"] for e in evts)
+        # the output event names the file, not the worker's local spool path (issue 16)
+        (output,) = [e for e in evts if e["type"] == "output"]
+        assert "path" not in output and output["file"] == "video.mp4" and str(f.spool) not in json.dumps(evts)
         # plain rq APIs see the summary and the result
         fetched = Job.fetch(job.id, connection=f.conn, serializer=JSONSerializer)
         meta = fetched.get_meta()

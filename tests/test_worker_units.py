@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 from worker.fleet import FleetSupervisor, FleetUnrecoverable
 from worker.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
 from worker.relay import EventRelay
-from worker.supervisor import EXIT_CRASH_LOOP, Supervisor
+from worker.supervisor import EXIT_BAD_CONFIG, EXIT_CRASH_LOOP, Supervisor
 
 # ==== relay =============================================================================================
 
@@ -138,6 +138,8 @@ out = pathlib.Path(sys.argv[1]); group = sys.argv[2]; mode = sys.argv[3]
 out.joinpath(f"start-{group}-{time.time_ns()}").touch()
 if mode == "crash":
     sys.exit(3)
+if mode == "config":
+    sys.exit(2)
 if mode == "exit-once" and not out.joinpath(f"exited-{group}").exists():
     out.joinpath(f"exited-{group}").touch(); sys.exit(1)
 def term(signum, frame):
@@ -195,6 +197,17 @@ def test_supervisor_second_signal_is_forwarded_as_cold_stop(tmp_path):
     threading.Thread(target=signals, daemon=True).start()
     assert sup.run() == 0
     assert len(list(tmp_path.glob("term-a0-*"))) == 2
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_does_not_restart_a_configuration_error(tmp_path):
+    """Issue 16: a worker exiting 2 (bad settings, storage credentials, a missing GPU) was restarted five
+    times before the supervisor gave up with 4; restarting cannot fix it."""
+    sup = Supervisor(["a", "b"], _command(tmp_path, "config"), backoff_s=0.01, poll_s=0.02)
+    t0 = time.monotonic()
+    assert sup.run() == EXIT_BAD_CONFIG
+    assert time.monotonic() - t0 < 10
+    assert all(c.restarts == 0 for c in sup.children)
 
 
 @pytest.mark.timeout(60)

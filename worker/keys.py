@@ -49,6 +49,7 @@ __all__ = [
     "check_redis_url",
     "derive_state",
     "events_key",
+    "safe_redis_url",
     "split_list",
     "worker_health_key",
 ]
@@ -198,6 +199,7 @@ SUMMARY_FIELDS = (
     "worker",  # RQ worker name that runs / ran the job
     "fleet",  # the device group, e.g. "cpu:2" or "0,1,2,3"
     "updated_at",  # worker wall-clock seconds of the last summary write
+    "ended_at",  # wall-clock seconds of the terminal state (the upload's end, not the render's)
     "error",  # the current failure {"reason", "message", "retryable", "attempts", ...}; None once uploaded
     "result",  # on success: the same JSON object as the RQ job result
     "retries",  # re-queues so far per failure reason: {"fleet_failure": 1, ...} (what the retry budgets count)
@@ -228,6 +230,14 @@ def check_queue_names(names: list[str]) -> list[str]:
         if not _QUEUE_NAME.fullmatch(name):
             raise ValueError(f"queue name {name!r} may only contain letters, digits and _.:-")
     return names
+
+
+def safe_redis_url(url: str) -> str:
+    """The Redis URL without its password, for messages and logs."""
+    if "@" in url:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
 
 
 def check_redis_url(url: str) -> str:

@@ -5,11 +5,17 @@ storage check (fail fast on a configuration error; an unreachable endpoint only 
 renders wait in the spool and uploads retry), spool, runner import,
 fleet start (blocks until the model is warm), then RQ's work loop — and returns the process exit code:
 
-| code | meaning                                                                |
-|------|------------------------------------------------------------------------|
-| 0    | stopped on request (SIGTERM/SIGINT), or burst/max-jobs finished         |
-| 2    | invalid settings or storage misconfigured at start (4xx, unwritable)    |
-| 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row |
+| code | meaning                                                                                     |
+|------|---------------------------------------------------------------------------------------------|
+| 0    | stopped on request (SIGTERM/SIGINT), or burst/max-jobs finished                              |
+| 2    | a configuration error: invalid settings, storage misconfigured (4xx, unwritable), Redis      |
+|      | refusing our credentials, a GPU group on a machine whose torch sees no such GPU              |
+| 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row                      |
+
+Configuration errors end the process at once with one line saying what to fix (and the supervisor does
+not restart a worker that exits 2). Transient ones wait: Redis not reachable yet (a start before the
+database) is retried with back-off, and the log says so each time; storage unreachable at start only
+marks storage degraded.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import signal
 from types import FrameType
 from typing import Any
 
+from .keys import safe_redis_url
 from .settings import SettingsError, WorkerSettings, resolve_runner
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "run_worker"]
@@ -31,6 +38,55 @@ EXIT_BAD_CONFIG = 2
 
 class _StartupInterrupted(BaseException):  # not an Exception: build-failure handlers must not catch it
     pass
+
+
+def wait_for_redis(url: str, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0) -> None:
+    """Return once Redis answers PING; while it is unreachable wait with back-off and say so (transient: it
+    may be starting). Refused credentials are a configuration error (`SettingsError`). A SIGTERM/SIGINT
+    during the wait ends it through the caller's startup handler."""
+    import time
+
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    delay, t0 = first_delay_s, time.monotonic()
+    try:
+        while True:
+            try:
+                client.ping()
+            except redis.AuthenticationError as exc:
+                raise SettingsError(
+                    f"Redis at {safe_redis_url(url)} refused our credentials (LTX_REDIS_URL): {exc}"
+                ) from exc
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("Redis at %s is not reachable (%s); waiting %.1fs before trying again (waited %.0fs)",
+                            safe_redis_url(url), exc, delay, time.monotonic() - t0)  # fmt: skip
+                time.sleep(delay)
+                delay = min(max_delay_s, delay * 2)
+                continue
+            except redis.ResponseError as exc:  # e.g. NOAUTH: a password is required
+                raise SettingsError(f"Redis at {safe_redis_url(url)} refused us (LTX_REDIS_URL): {exc}") from exc
+            if time.monotonic() - t0 > 1:
+                log.info("Redis at %s is reachable", safe_redis_url(url))
+            return
+    finally:
+        client.close()
+
+
+def check_devices(devices: list[str], group: str) -> None:
+    """A GPU group needs those GPUs: a configuration error (`SettingsError`) rather than ranks dying at
+    `set_device` over and over. Imports torch only for a GPU group."""
+    cuda = [d for d in devices if d.startswith("cuda:")]
+    if not cuda:
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [d for d in cuda if int(d.split(":")[1]) >= available]
+    if missing:
+        seen = f"{available} GPU(s)" if available else "no GPU (CPU-only torch or no driver)"
+        raise SettingsError(f"group {group!r} needs {', '.join(missing)}, but torch {torch.__version__} sees "
+                            f"{seen}; on a machine without GPUs use --group cpu:N")  # fmt: skip
 
 
 def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
@@ -48,6 +104,8 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     from .spool import Spool
     from .storage import StorageError, make_storage
 
+    devices = parse_device_group(group)
+    check_devices(devices, group)
     name = settings.worker_name_for(group)
     metrics = WorkerMetrics(group)
     storage = make_storage(settings)
@@ -73,7 +131,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
 
     fleet = FleetSupervisor(
         runner_cls,
-        parse_device_group(group),
+        devices,
         setup_kwargs=settings.runner_setup,
         start_timeout=settings.fleet_start_timeout,
         shutdown_timeout=settings.fleet_shutdown_timeout,
@@ -122,6 +180,7 @@ def run_worker(
     health = None
     try:
         try:
+            wait_for_redis(settings.redis_url)
             worker = build_worker(settings, group)
         except (SettingsError, StorageError) as exc:
             log.critical("cannot start: %s", exc)

@@ -317,7 +317,7 @@ class RenderService:
                     continue  # non-driver ranks or diagnostic yields: nothing a client needs
                 if item["type"] == "output":
                     output = item
-                relay.emit(item)
+                relay.emit(_public_output(item) if item["type"] == "output" else item)
         except JobCancelledError:
             self.spool.discard_incomplete(job.id)
             self._cancelled(job, relay)
@@ -463,6 +463,14 @@ class RenderService:
             },
             "attempt": attempt,
         }
+
+
+def _public_output(event: dict[str, Any]) -> dict[str, Any]:
+    """The runner's `output` event for clients: the file's name, not the worker's local spool path."""
+    public = {k: v for k, v in event.items() if k != "path"}
+    if event.get("path"):
+        public["file"] = str(event["path"]).rsplit("/", 1)[-1]
+    return public
 
 
 def _queue_wait(job: Any) -> float | None:
