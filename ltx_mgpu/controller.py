@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
-import queue
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -48,7 +49,7 @@ from .errors import (
 from .fleet import FleetChannels, RankBoot, check_job_kwargs, rank_main, ship_runner
 from .jobboard import cancel_key
 from .runner import MGPURunner
-from .transport import ChannelClosed, ChannelTimeout, Job, MessageKind, Result, split_tensors
+from .transport import ChannelClosed, ChannelTimeout, Job, MessageKind, Result, Waker, receive_any, split_tensors
 
 __all__ = ["MGPUController", "Stream"]
 
@@ -64,13 +65,16 @@ _DEAD_MESSAGE = "MGPUController is dead; create a new one."
 class _Fleet:
     """One generation of rank processes and their channels (replaced on every `start()`)."""
 
-    def __init__(self, procs: list[Any], channels: FleetChannels, store: dist.TCPStore) -> None:
+    def __init__(self, procs: list[Any], channels: FleetChannels, store: dist.TCPStore, scratch_dir: str) -> None:
         self.procs = procs
         self.channels = channels
         self.store = store
+        self.scratch_dir = scratch_dir  # the ranks' temporary files (rank_main points tempfile here)
+        self.waker = Waker()  # wakes the iterating thread when the fleet is poisoned
 
     def terminate(self, grace_s: float = 3.0) -> None:
-        """SIGTERM, wait, SIGKILL, reap. Idempotent, never raises."""
+        """SIGTERM, wait, SIGKILL, reap; then remove the ranks' scratch directory (a killed rank runs no exit
+        handlers, so its temporary files are only removed here). Idempotent, never raises."""
         for p in self.procs:
             with contextlib.suppress(Exception):
                 if p.is_alive():
@@ -84,6 +88,13 @@ class _Fleet:
                 if p.is_alive():
                     p.kill()
                 p.join(5.0)
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Close every pipe (after `terminate()`); idempotent."""
+        for channel in self.channels.all():
+            channel.close()
+        self.waker.close()
 
     def all_exited(self) -> bool:
         return all(p.exitcode is not None for p in self.procs)
@@ -172,6 +183,8 @@ class MGPUController:
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
             )
             channels = FleetChannels.create(self._ctx, devices)
+            # (a short name: unix sockets of the ranks' fd sharing live below it, and their paths are capped)
+            scratch_dir = tempfile.mkdtemp(prefix="ltxf-")
             payload = ship_runner(self._runner_cls)
             procs = []
             for rank in range(self.world_size):
@@ -184,12 +197,13 @@ class MGPUController:
                     timeout_s,
                     payload,
                     setup_kwargs,
-                    channels,
+                    channels.for_rank(rank),
+                    scratch_dir,
                 )
                 proc = self._ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
                 proc.start()
                 procs.append(proc)
-            self._fleet = _Fleet(procs, channels, store)
+            self._fleet = _Fleet(procs, channels, store, scratch_dir)
             self._finalizer = weakref.finalize(self, _Fleet.terminate, self._fleet, 1.0)
         try:
             self._await_ready(self._fleet, timeout_s)
@@ -226,8 +240,9 @@ class MGPUController:
                     "setup()? Check the worker logs.",
                     reason="timeout",
                 )
-            with contextlib.suppress(queue.Empty):
-                seen.add(fleet.channels.ready.get(timeout=0.05))
+            got = receive_any(fleet.channels.up, 0.05)
+            if got is not None and got[1].kind is MessageKind.READY:
+                seen.add(got[1].rank)
 
     def shutdown(self, *, graceful_timeout: float = 60.0) -> None:
         """Stop every rank: announce shutdown, wait up to `graceful_timeout` s, then SIGTERM/SIGKILL.
@@ -256,8 +271,7 @@ class MGPUController:
             fleet.terminate()
             if self._monitor is not None and self._monitor is not threading.current_thread():
                 self._monitor.join(2.0)
-            for ch in fleet.channels.all():
-                ch.close()
+            fleet.close()
             with self._lock:
                 self._fleet = None
                 self._monitor = None
@@ -350,11 +364,7 @@ class MGPUController:
                     except Exception:
                         log.exception("MGPU failure callback %r raised (ignored)", fn)
             if inflight is not None:
-                with contextlib.suppress(Exception):
-                    # best effort and never blocking: if the pipe is full, the reader has data anyway and
-                    # checks the stored failure before every read
-                    wake = Result(kind=MessageKind.FATAL, job_id=inflight.job_id, rank=-1, value=None)
-                    fleet.channels.results.put(wake, timeout=0)
+                fleet.waker.wake()  # the iterating thread raises the stored failure at once
         if terminate:
             fleet.terminate()
 
@@ -390,15 +400,12 @@ class MGPUController:
         tracebacks: dict[int, str] = {}
         # A crashing rank writes its traceback before exiting; collect what arrived (briefly).
         drain_until = time.monotonic() + 0.5
-        while time.monotonic() < drain_until:
-            try:
-                rank, _pid, tb = fleet.channels.failures.get(timeout=0.05)
-                tracebacks[rank] = tb
-            except queue.Empty:
-                if all(r in tracebacks for r, _ in exited):
-                    break
-                if tracebacks or time.monotonic() > drain_until - 0.4:
-                    break
+        while time.monotonic() < drain_until and not all(r in tracebacks for r, _ in exited):
+            got = receive_any([fleet.channels.failures[r] for r, _ in exited], 0.05)
+            if got is not None:
+                tracebacks[got[1].rank] = got[1].traceback
+            elif tracebacks or time.monotonic() > drain_until - 0.4:
+                break
         where = f" during {during}" if during else ""
         lines = [f"MGPU worker(s) failed{where}:"]
         for rank, proc in exited:
@@ -423,13 +430,14 @@ class MGPUController:
             if self._fatal is not None and (fleet is self._fleet or self._fleet is None):
                 raise self._fatal
             try:
-                msg: Result = fleet.channels.results.get(timeout=0.25, alive=lambda: self._fatal is None)
-            except (queue.Empty, OSError, EOFError):  # (ChannelClosed is an EOFError)
+                got = receive_any(fleet.channels.up, 0.25, alive=lambda: self._fatal is None, waker=fleet.waker)
+            except (OSError, EOFError, ValueError):  # (ChannelClosed is an EOFError; a closed fd a ValueError)
+                got = None
+            if got is None:
                 if fleet is not self._fleet and self._fatal is None:
                     raise FleetFailure(f"MGPU job {stream.job_id}: fleet is gone", reason="shutdown") from None
                 continue
-            if msg.kind is MessageKind.FATAL:
-                continue  # wake-up only; the loop head raises the stored failure
+            msg: Result = got[1]
             if msg.job_id != stream.job_id:
                 failure = FleetFailure(
                     f"MGPU fleet desync: rank {msg.rank} sent job {msg.job_id}, expected {stream.job_id}.",

@@ -29,8 +29,10 @@ import inspect
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import traceback
 from collections.abc import Iterator
@@ -45,9 +47,9 @@ import torch.distributed as dist
 from .errors import RunnerError
 from .jobboard import JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
-from .transport import Channel, Job, MessageKind, Result, fill_tensors, placeholders
+from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders
 
-__all__ = ["FleetChannels", "RankBoot", "ship_runner"]
+__all__ = ["FleetChannels", "RankBoot", "RankChannels", "ship_runner"]
 
 log = logging.getLogger("ltx_mgpu.fleet")
 
@@ -55,29 +57,41 @@ RELAY_RANK = 0
 
 
 @dataclass
+class RankChannels:
+    """One rank's ends: each channel has one writing process (no cross-process lock: see transport.py)."""
+
+    up: Channel  #: this rank → controller: READY once `setup()` returned, then its jobs' `Result`s
+    failures: Channel  #: this rank → controller: a `Failure` right before the rank exits 1
+    jobs: Channel | None  #: controller → relay rank (rank 0 only)
+    tensors: Channel | None  #: controller → this rank (CPU fleets, rank > 0): (job_id, top-level tensors)
+
+
+@dataclass
 class FleetChannels:
     """The pipes of one fleet generation (recreated on every `start()`)."""
 
     jobs: Channel  #: controller → relay rank
-    results: Channel  #: all ranks → controller (yields and terminals) + controller-local fatal wake-ups
-    ready: Channel  #: all ranks → controller: the rank number once `setup()` returned
-    failures: Channel  #: all ranks → controller: (rank, pid, traceback) right before a rank exits 1
-    tensors: dict[int, Channel]  #: controller → rank r > 0 of a CPU fleet: (job_id, top-level tensors)
+    up: list[Channel]  #: rank r → controller, by rank
+    failures: list[Channel]  #: rank r → controller, by rank
+    tensors: dict[int, Channel]  #: controller → rank r > 0 of a CPU fleet
 
     @classmethod
     def create(cls, ctx: Any, devices: list[str]) -> FleetChannels:
         """The channels for a fleet on `devices`; `tensors` only where that path is used (CPU, rank > 0)."""
-        cpu = devices[0] == "cpu"
+        world = len(devices)
         return cls(
             jobs=Channel(ctx),
-            results=Channel(ctx),
-            ready=Channel(ctx),
-            failures=Channel(ctx),
-            tensors={rank: Channel(ctx) for rank in range(1, len(devices))} if cpu else {},
+            up=[Channel(ctx) for _ in range(world)],
+            failures=[Channel(ctx) for _ in range(world)],
+            tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {},
         )
 
+    def for_rank(self, rank: int) -> RankChannels:
+        return RankChannels(up=self.up[rank], failures=self.failures[rank],
+                            jobs=self.jobs if rank == RELAY_RANK else None, tensors=self.tensors.get(rank))  # fmt: skip
+
     def all(self) -> list[Channel]:
-        return [self.jobs, self.results, self.ready, self.failures, *self.tensors.values()]
+        return [self.jobs, *self.up, *self.failures, *self.tensors.values()]
 
 
 @dataclass
@@ -92,7 +106,8 @@ class RankBoot:
     init_timeout_s: float
     runner_payload: bytes  #: the runner class, cloudpickled (by value unless it lives in ltx_mgpu)
     setup_kwargs: dict[str, Any]
-    channels: FleetChannels
+    channels: RankChannels
+    scratch_dir: str  #: the fleet's temporary directory, owned (and removed) by the controller
 
 
 def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
@@ -125,20 +140,25 @@ def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
 def rank_main(boot: RankBoot) -> None:
     """Spawn target. Never returns normally on failure: reports, then `os._exit(1)`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _start_parent_watchdog()
+    # Temporary files of this process (multiprocessing's `pymp-*` directory, made when a yielded tensor is
+    # shared by file descriptor) go into the fleet's scratch directory: a rank that is killed or exits
+    # with os._exit runs no exit handlers, and the controller removes the whole directory (issue 16).
+    tempfile.tempdir = boot.scratch_dir
+    _start_parent_watchdog(boot.scratch_dir)
     try:
         _run_rank(boot)
     except BaseException:
         tb = traceback.format_exc()
         with contextlib.suppress(BaseException):
-            boot.channels.failures.put((boot.rank, os.getpid(), tb))
+            boot.channels.failures.put(Failure(rank=boot.rank, pid=os.getpid(), traceback=tb), timeout=5)
         sys.stderr.write(f"[ltx_mgpu rank {boot.rank} pid {os.getpid()}] fatal:\n{tb}")
         sys.stderr.flush()
         os._exit(1)
 
 
-def _start_parent_watchdog() -> None:
-    """Exit when the controller process dies, so an orphaned fleet never holds GPUs."""
+def _start_parent_watchdog(scratch_dir: str) -> None:
+    """Exit when the controller process dies, so an orphaned fleet never holds GPUs; remove the fleet's
+    scratch directory on the way out (nobody else is left to)."""
     import multiprocessing
 
     parent = multiprocessing.parent_process()
@@ -147,6 +167,7 @@ def _start_parent_watchdog() -> None:
 
     def watch() -> None:
         parent.join()
+        shutil.rmtree(scratch_dir, ignore_errors=True)
         os._exit(0)
 
     threading.Thread(target=watch, name="ltx-mgpu-parent-watchdog", daemon=True).start()
@@ -183,7 +204,7 @@ def _run_rank(boot: RankBoot) -> None:
         runner._groups = groups
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
         runner.setup(**boot.setup_kwargs)
-        boot.channels.ready.put(boot.rank)
+        boot.channels.up.put(Result(kind=MessageKind.READY, job_id=-1, rank=boot.rank, value=None))
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)
@@ -191,10 +212,11 @@ def _run_rank(boot: RankBoot) -> None:
 
 def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: torch.device) -> None:
     board = JobBoard(store)
-    results = boot.channels.results
+    results = boot.channels.up
     is_relay = boot.rank == RELAY_RANK
     while True:
         if is_relay:
+            assert boot.channels.jobs is not None
             job: Job | None = _take_job(boot.channels.jobs)
             if job is None:
                 board.post(None)
@@ -231,7 +253,8 @@ def _receive_tensors(boot: RankBoot, job_id: int, skeleton: dict[str, Any], devi
     if not specs:
         return []  # the controller wrote nothing for this job
     if device.type == "cpu":
-        return _receive_shared(boot.channels.tensors[boot.rank], job_id)
+        assert boot.channels.tensors is not None
+        return _receive_shared(boot.channels.tensors, job_id)
     tensors = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in specs]
     for t in tensors:
         dist.broadcast(t, src=RELAY_RANK)

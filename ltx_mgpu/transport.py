@@ -10,18 +10,27 @@ bug left a channel nobody reads) would block a plain writer inside `write()` for
 nobody read jammed the controller after 176 jobs); a writer that died mid-message would block a plain
 reader the same way. `Channel.put`/`get` never block in the kernel: they wait in short slices and check
 the caller's liveness test and deadline between them, so a controller cannot hang on a pipe.
+
+Every channel has exactly one writing process (the controller, or one rank), so a thread lock orders
+frames; no cross-process lock is needed. That matters: a `multiprocessing` lock is a named POSIX semaphore
+in /dev/shm (`sem.mp-*`), removed only by its creator's exit handlers or, once every process holding it
+has exited, by the resource tracker; a SIGKILLed worker whose tracker was stopped too left them behind
+for good (issue 16). The controller wakes its own waiting thread with a `Waker` (a self-pipe), never by
+writing into a rank's channel.
 """
 
 from __future__ import annotations
 
 import io
+import multiprocessing.connection
 import os
 import pickle
 import queue
 import select
 import struct
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from multiprocessing.reduction import ForkingPickler
@@ -33,12 +42,15 @@ __all__ = [
     "Channel",
     "ChannelClosed",
     "ChannelTimeout",
+    "Failure",
     "Job",
     "MessageKind",
     "Result",
     "TensorPlaceholder",
+    "Waker",
     "fill_tensors",
     "placeholders",
+    "receive_any",
     "split_tensors",
 ]
 
@@ -55,20 +67,32 @@ class ChannelTimeout(TimeoutError):
 
 
 class Channel:
-    """Many-writer, one-reader message pipe with bounded reads and writes.
+    """One-writer-process, one-reader message pipe with bounded reads and writes.
 
     Both ends are non-blocking (the flag lives on the pipe's open file descriptions, which spawned ranks
     share), so every reader and writer goes through `get()`/`put()`. Frames are `multiprocessing`'s (`!i`
     length, or -1 then `!Q` above 2 GiB). After `ChannelClosed` or `ChannelTimeout` a frame may be half
     written or half read: the channel is unusable, and so is the fleet it belongs to (the controller
     poisons it). Frames under `PIPE_BUF` (4 KiB: every control message) are written all or nothing.
+    Threads of the writing process share it (a thread lock, recreated when the channel is unpickled).
     """
 
     def __init__(self, ctx: Any) -> None:
         self._reader, self._writer = ctx.Pipe(duplex=False)
         os.set_blocking(self._reader.fileno(), False)
         os.set_blocking(self._writer.fileno(), False)
-        self._wlock = ctx.Lock()  # frames of concurrent writers (ranks, the controller's threads) never mix
+        self._wlock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_reader": self._reader, "_writer": self._writer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._wlock = threading.Lock()
+
+    def fileno(self) -> int:
+        """The reading end (for `multiprocessing.connection.wait`)."""
+        return self._reader.fileno()
 
     def put(self, obj: object, *, alive: Callable[[], bool] | None = None, timeout: float | None = None) -> None:
         """Send one message. While the pipe is full (or another writer holds it), wait in short slices;
@@ -131,6 +155,60 @@ class Channel:
                 pass
 
 
+def receive_any(
+    channels: Sequence[Channel],
+    timeout: float | None,
+    *,
+    alive: Callable[[], bool] | None = None,
+    waker: Waker | None = None,
+) -> tuple[int, Any] | None:
+    """The next message from whichever of `channels` has one first: `(index, message)`; None when none
+    arrived within `timeout` or `waker` was woken. Messages of one channel keep their order."""
+    objects: list[Any] = [*channels, *([waker] if waker is not None else [])]
+    for ready in multiprocessing.connection.wait(objects, timeout):
+        if ready is waker:
+            waker.drain()  # type: ignore[union-attr]
+            return None
+    for index, channel in enumerate(channels):
+        try:
+            return index, channel.get(0, alive=alive)
+        except queue.Empty:
+            continue
+    return None
+
+
+class Waker:
+    """A self-pipe: `wake()` from any thread makes the owner's `receive_any` return at once."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def wake(self) -> None:
+        try:
+            os.write(self._w, b"!")
+        except (BlockingIOError, OSError):
+            pass  # already woken (pipe full) or closed: either way nobody waits for this byte
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def _ready(fd: int, event: int, timeout: float | None) -> bool:
     """Whether `fd` becomes readable/writable (`event`) within `timeout` seconds (None: no limit)."""
     poller = select.poll()
@@ -158,12 +236,12 @@ def _wait(
 
 
 class MessageKind(Enum):
-    """What a `Result` carries."""
+    """What a `Result` (rank → controller) carries."""
 
+    READY = "ready"  #: the rank's `setup()` returned (job_id -1, value None)
     YIELD = "yield"  #: value = one item the rank's generator yielded
     DONE = "done"  #: value = the generator's return value; the rank finished the job
     ERROR = "error"  #: value = a `RunnerError`; the rank finished the job with a recoverable error
-    FATAL = "fatal"  #: controller-local wake-up of the iterating thread; the stored `FleetFailure` is raised
 
 
 @dataclass
@@ -189,9 +267,18 @@ class Result:
     """Rank → controller: one message of one job (see `MessageKind` for what `value` is)."""
 
     kind: MessageKind
-    job_id: int  #: the job this message belongs to (-1 never comes from a rank)
-    rank: int  #: the sending rank; -1 for controller-local wake-ups
+    job_id: int  #: the job this message belongs to (-1: not a job's, i.e. READY)
+    rank: int  #: the sending rank
     value: Any
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Rank → controller, on its own channel: why the rank is about to exit 1."""
+
+    rank: int
+    pid: int
+    traceback: str
 
 
 # ==== top-level tensor kwargs =================================================================

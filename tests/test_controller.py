@@ -322,7 +322,7 @@ def test_desync_is_fatal() -> None:
         stream = ctl.stream(mode="sleep", sleep_s=0.5)
         # a message for another job (what a desynced rank would send)
         stale = Result(kind=MessageKind.YIELD, job_id=stream.job_id + 41, rank=1, value="stale")
-        ctl._fleet.channels.results.put(stale)
+        ctl._fleet.channels.up[1].put(stale)
         with pytest.raises(FleetFailure, match=rf"MGPU fleet desync: rank 1 sent job {stream.job_id + 41}, expected"):
             list(stream)
         assert not ctl.is_alive
