@@ -286,7 +286,7 @@ class FleetWorker(SimpleWorker):
         service = self.service
         self._rebuilding = True
         try:
-            rebuilt = service.fleet.ensure_ready()
+            rebuilt = service.fleet.ensure_ready(tick=self.heartbeat)  # (RQ's worker key stays alive meanwhile)
         except FleetUnrecoverable as exc:
             if self._stop_pending:
                 raise StopRequested() from exc  # a warm stop interrupted the rebuild back-off
