@@ -128,10 +128,19 @@ class MGPURunner(ABC):
 
     @classmethod
     def setup_default(cls, name: str, setup_kwargs: Mapping[str, Any]) -> Any:
-        """The value `setup()` would use for its keyword `name`: `setup_kwargs[name]`, else its default."""
+        """The value `setup()` would use for its keyword `name`: `setup_kwargs[name]`, else the default of
+        the nearest `setup` in the class hierarchy that declares it (a subclass's `setup(**kwargs)` that
+        passes the rest on does not hide its base's defaults)."""
         if name in setup_kwargs:
             return setup_kwargs[name]
-        return inspect.signature(cls.setup).parameters[name].default
+        for klass in cls.__mro__:
+            setup = vars(klass).get("setup")
+            if setup is None:
+                continue
+            parameter = inspect.signature(setup).parameters.get(name)
+            if parameter is not None and parameter.default is not inspect.Parameter.empty:
+                return parameter.default
+        raise TypeError(f"{cls.__name__}.setup() declares no default for {name!r}")
 
     @abstractmethod
     def setup(self, *args: Any, **kwargs: Any) -> None:

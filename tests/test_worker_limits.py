@@ -35,6 +35,17 @@ def test_smoke_runner_publishes_its_step_limit_from_its_setup_kwargs() -> None:
     assert RunnerLimits.from_json(limits.to_json()) == limits
 
 
+def test_a_subclass_that_passes_setup_kwargs_on_keeps_its_base_defaults() -> None:
+    """Found by the chaos CI: the chaos runner's `setup(*, exec_log_dir, **kwargs)` hid SmokeRunner's
+    `max_steps` default and every worker died at start."""
+    from tests.chaos.runner import ChaosRunner
+
+    assert RunnerLimits.of("chaos", ChaosRunner, {"exec_log_dir": "/x"}).ranges == {"steps": (1.0, 50.0)}
+    assert RunnerLimits.of("chaos", ChaosRunner, {"max_steps": 3}).ranges == {"steps": (1.0, 3.0)}
+    with pytest.raises(TypeError, match="declares no default for 'nope'"):
+        ChaosRunner.setup_default("nope", {})
+
+
 def test_limits_must_name_request_fields_and_bad_json_is_ignored() -> None:
     with pytest.raises(ValueError, match="'colour', which is not a request field"):
         RunnerLimits.of("odd", _Odd, {})

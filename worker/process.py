@@ -123,8 +123,8 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     runner_cls = resolve_runner(settings)
     try:
         limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup)
-    except (TypeError, ValueError) as exc:
-        raise SettingsError(f"runner ({settings.runner!r}) request limits: {exc}") from exc
+    except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
+        raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
 
     def fleet_event(event: dict[str, Any]) -> None:
         log.info("fleet %s: %s", group, event)
