@@ -223,7 +223,7 @@ def test_cancel_running_job_keeps_fleet_and_next_job_succeeds(fleet):
     queued = fleet.submit("t")  # waits behind the first; cancelled while queued
     wait_for(lambda: (job.get_meta(refresh=True).get("step") or 0) >= 2, 30, "progress", on_fail=fleet.proc.log_tail)
     assert cancel_job(fleet.conn, queued.id) == "cancelled"
-    assert cancel_job(fleet.conn, job.id) == "stopping"
+    assert cancel_job(fleet.conn, job.id) == "stop_requested"
     # a cancel is not a failure (issue 16): RQ records it like a cancelled queued job, in the canceled registry
     assert wait_rq_status(job, {JobStatus.CANCELED}, 30, fleet.proc)
     q = Queue(fleet.queue, connection=fleet.conn, serializer=JSONSerializer)
@@ -386,7 +386,7 @@ def test_cancel_right_after_start_is_honoured(fleet):
     job = fleet.submit("t step_s=0.3", steps=30)
     probe = Job(job.id, connection=fleet.conn, serializer=JSONSerializer)
     wait_for(lambda: probe.get_status(refresh=True) == JobStatus.STARTED, 20, "started", poll=0.005)
-    assert cancel_job(fleet.conn, job.id) == "stopping"
+    assert cancel_job(fleet.conn, job.id) == "stop_requested"
     # a cancel is not a failure (issue 16): RQ records it like a cancelled queued job, in the canceled registry
     assert wait_rq_status(job, {JobStatus.CANCELED}, 30, fleet.proc)
     q = Queue(fleet.queue, connection=fleet.conn, serializer=JSONSerializer)
