@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -501,7 +501,8 @@ class Stream(Iterator[Any]):
                 self._controller._finish(self)
                 self._classify()
 
-    def _classify(self) -> None:
+    def _classify(self) -> NoReturn:
+        """Raise how the job ended: `StopIteration(result)` when no rank raised, else the classified error."""
         terminals = [self._terminals[r] for r in range(len(self._terminals))]
         errors = [t for t in terminals if isinstance(t, RunnerError)]
         if not errors:

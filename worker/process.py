@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from .keys import safe_redis_url
 from .settings import SettingsError, WorkerSettings, resolve_runner
@@ -171,7 +171,7 @@ def run_worker(
     if parent_pid is not None:
         _watch_parent(parent_pid)
 
-    def interrupted(signum: int, frame: FrameType | None) -> None:
+    def interrupted(signum: int, frame: FrameType | None) -> NoReturn:
         raise _StartupInterrupted(signal.Signals(signum).name)
 
     old_term = signal.signal(signal.SIGTERM, interrupted)
