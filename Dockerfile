@@ -56,7 +56,7 @@ ENTRYPOINT ["ltx-worker"]
 FROM ${PYTHON_IMAGE} AS producer
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PYTHONPATH=/app
 # Exactly what the producer imports: no torch, no ltx_mgpu (a test checks this stays true).
-RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<3" "boto3>=1.36" "click>=8" "rich>=13"
+RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2.13" "boto3>=1.36" "click>=8" "rich>=13"
 WORKDIR /app
 COPY producer ./producer
 COPY worker/__init__.py worker/schema.py worker/keys.py ./worker/
@@ -69,8 +69,8 @@ CMD ["--help"]
 # ==== dashboard ========================================================================================
 FROM ${PYTHON_IMAGE} AS dashboard
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-# 0.9.0 was checked against rq 2.12 (queues.json/workers.json answer); keep rq below 3 like the service.
-RUN pip install "rq-dashboard==0.9.0" "rq>=2.12,<3"
+# 0.9.0 was checked against rq 2.12 (queues.json/workers.json answer); rq pinned to 2.12 like the service.
+RUN pip install "rq-dashboard==0.9.0" "rq>=2.12,<2.13"
 RUN useradd --create-home --uid 1000 ltx
 USER ltx
 EXPOSE 9181

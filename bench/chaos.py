@@ -1,25 +1,51 @@
 """The chaos soak: several seeds of `tests/chaos` runs, each on a fresh stack (Redis with AOF, a worker
 supervisor with cpu:2 + cpu:1 groups; one SeaweedFS shared by all seeds), many jobs and faults per seed.
 
-Prints one JSON line per event and per seed, then the total report line:
-`faults N, survived N, jobs M, lost 0, duplicated 0, corrupt 0, leaked processes 0, bad inputs K rejected K`.
-Exit code 0 only if every invariant held and every fault was survived.
+Prints one JSON line per seed (and per event with --verbose), then the total report line:
+`faults N, survived N, jobs M, unexpected 0, lost 0, duplicated 0, corrupt 0, leaked processes 0, bad inputs
+K rejected K, stalled 0`. Exit code 0 only if every seed held every invariant, every job ended as its fault
+(or none) predicts, every fault was survived and no step stalled; 1 otherwise.
 
-    .venv/bin/python bench/chaos.py --seeds 1,2,3,4 --jobs 55 --faults 14 --bad-inputs 30
+`--burner N` runs N CPU burners (`python -c 'while 1: pass'`, started and stopped by pid) beside the soak,
+so it runs on a loaded machine, as production does. `--plant retry0` is the negative control: every retry
+budget is set to 0, so fault jobs that should survive a retry end `failed` and the soak must exit 1.
+
+    .venv/bin/python bench/chaos.py --seeds 31,32,33,34 --jobs 50 --faults 14 --burner 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.chaos.engine import Report, run_chaos
 from worker.devservers import S3Server
+
+PLANTS = {"retry0": {f"retry_{r}": 0 for r in ("fleet_failure", "worker_lost", "upload_failed", "worker_shutdown")}}
+
+
+@contextlib.contextmanager
+def burners(count: int) -> Iterator[list[int]]:
+    """`count` busy-looping processes beside the soak; stopped by pid (never by name) at the end."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(count)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,35 +54,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=55, help="jobs per seed")
     ap.add_argument("--faults", type=int, default=14, help="faults per seed")
     ap.add_argument("--bad-inputs", type=int, default=30, help="generated bad requests per seed")
+    ap.add_argument("--burner", type=int, default=0, help="CPU burner processes beside the soak")
+    ap.add_argument("--plant", choices=sorted(PLANTS), default=None, help="negative control: plant a defect")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--verbose", action="store_true", help="print every fault event")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     total = Report(seed=-1)
+    failed_seeds: list[int] = []
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ltx-chaos-"))
+    overrides = PLANTS[args.plant] if args.plant else None
 
     def log(event: dict[str, object]) -> None:
         if args.verbose:
             print(json.dumps(event, default=str), flush=True)
 
-    with S3Server() as s3:
+    t0 = time.monotonic()
+    with S3Server() as s3, burners(args.burner) as burner_pids:
+        load = os.getloadavg()
         for seed in seeds:
-            report, verdict = run_chaos(workdir, seed=seed, jobs=args.jobs, faults=args.faults,
-                                        bad_inputs=args.bad_inputs, s3=s3, hard_redis=True, log=log)  # fmt: skip
+            report, _verdict = run_chaos(workdir, seed=seed, jobs=args.jobs, faults=args.faults,
+                                        bad_inputs=args.bad_inputs, s3=s3, hard_redis=True,
+                                        worker_settings=overrides, log=log)  # fmt: skip
             details = {k: v for k, v in report.details.items() if k != "log_tail" or not report.ok}
             print(json.dumps({"seed": seed, "ok": report.ok, "seconds": report.seconds, "line": report.line(),
-                              "unexpected": verdict.unexpected, **details}, default=str), flush=True)  # fmt: skip
-            for name in ("faults", "survived", "jobs", "lost", "duplicated", "corrupt", "leaked", "bad_inputs",
-                         "rejected", "seconds"):  # fmt: skip
-                setattr(total, name, getattr(total, name) + getattr(report, name))
-            total.details.setdefault("failed_seeds", [])
+                              "load_avg": os.getloadavg(), **details}, default=str), flush=True)  # fmt: skip
+            total.add(report)
             if not report.ok:
-                total.details["failed_seeds"].append(seed)
-    print(
-        json.dumps({"seeds": seeds, "seconds": round(total.seconds, 1), "failed_seeds": total.details["failed_seeds"]})
-    )
+                failed_seeds.append(seed)
+    print(json.dumps({"seeds": seeds, "seconds": round(time.monotonic() - t0, 1), "failed_seeds": failed_seeds,
+                      "burners": len(burner_pids), "load_avg_at_start": load, "plant": args.plant}))  # fmt: skip
     print(total.line())
-    return 0 if not total.details["failed_seeds"] else 1
+    return 1 if failed_seeds else 0
 
 
 if __name__ == "__main__":

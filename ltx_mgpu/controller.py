@@ -13,6 +13,8 @@ Contract (written once here; docs/controller.md links to it):
   thread notices dead ranks and blown deadlines within ~0.1 s even while nobody iterates the stream.
 - `shutdown()` is safe from any thread at any time, idempotent, never raises, and leaves no rank alive;
   `start()` may be called again afterwards.
+- `add_failure_callback(fn)`: `fn(failure)` runs once per poisoned fleet, on the thread that noticed it
+  (usually the monitor, so also while the fleet is idle), e.g. to rebuild at once instead of at the next job.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
-import queue
+import shutil
+import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,26 +50,32 @@ from .fleet import FleetChannels, RankBoot, check_job_kwargs, rank_main, ship_ru
 from .jobboard import cancel_key
 from .runner import MGPURunner
 from .startup import FleetStartup, RankStartup
-from .transport import Channel, Job, Result, split_tensors
+from .transport import ChannelClosed, ChannelTimeout, Job, MessageKind, Result, Waker, receive_any, split_tensors
 
 __all__ = ["MGPUController", "Stream"]
 
 log = logging.getLogger("ltx_mgpu.controller")
 
 _MONITOR_POLL_S = 0.1
+# An idle relay reads the next job at once and a CPU rank reads its tensors as soon as the job is announced,
+# so a dispatch that finds no room in a pipe for this long means the fleet is wedged (it is poisoned).
+_DISPATCH_TIMEOUT_S = 60.0
 _DEAD_MESSAGE = "MGPUController is dead; create a new one."
 
 
 class _Fleet:
     """One generation of rank processes and their channels (replaced on every `start()`)."""
 
-    def __init__(self, procs: list[Any], channels: FleetChannels, store: dist.TCPStore) -> None:
+    def __init__(self, procs: list[Any], channels: FleetChannels, store: dist.TCPStore, scratch_dir: str) -> None:
         self.procs = procs
         self.channels = channels
         self.store = store
+        self.scratch_dir = scratch_dir  # the ranks' temporary files (rank_main points tempfile here)
+        self.waker = Waker()  # wakes the iterating thread when the fleet is poisoned
 
     def terminate(self, grace_s: float = 3.0) -> None:
-        """SIGTERM, wait, SIGKILL, reap. Idempotent, never raises."""
+        """SIGTERM, wait, SIGKILL, reap; then remove the ranks' scratch directory (a killed rank runs no exit
+        handlers, so its temporary files are only removed here). Idempotent, never raises."""
         for p in self.procs:
             with contextlib.suppress(Exception):
                 if p.is_alive():
@@ -80,6 +89,13 @@ class _Fleet:
                 if p.is_alive():
                     p.kill()
                 p.join(5.0)
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Close every pipe (after `terminate()`); idempotent."""
+        for channel in self.channels.all():
+            channel.close()
+        self.waker.close()
 
     def all_exited(self) -> bool:
         return all(p.exitcode is not None for p in self.procs)
@@ -122,6 +138,7 @@ class MGPUController:
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()  # set while shutdown() tears the fleet down
         self._finalizer: weakref.finalize | None = None
+        self._failure_callbacks: list[Callable[[FleetFailure], None]] = []
         self.world_size = 0
         self.devices: list[str] = []
         self.backend = ""
@@ -138,6 +155,12 @@ class MGPUController:
     def pids(self) -> list[int]:
         fleet = self._fleet
         return [p.pid for p in fleet.procs] if fleet else []
+
+    def add_failure_callback(self, fn: Callable[[FleetFailure], None]) -> None:
+        """Call `fn(failure)` whenever this controller's fleet is poisoned (not on `shutdown()`): once per
+        fleet generation, from the thread that noticed it (the monitor for deaths and timeouts, even while
+        idle; the iterating thread for a desync). Keep it short and non-blocking; exceptions are logged."""
+        self._failure_callbacks.append(fn)
 
     def start(self, *, timeout: float | timedelta = 1800.0, **setup_kwargs: Any) -> None:
         """Spawn the ranks and block until every one has run `setup(**setup_kwargs)`.
@@ -163,9 +186,9 @@ class MGPUController:
             store = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
             )
-            channels = FleetChannels(
-                *(Channel(self._ctx) for _ in range(4)), tensors=[Channel(self._ctx) for _ in devices]
-            )
+            channels = FleetChannels.create(self._ctx, devices)
+            # (a short name: unix sockets of the ranks' fd sharing live below it, and their paths are capped)
+            scratch_dir = tempfile.mkdtemp(prefix="ltxf-")
             payload = ship_runner(self._runner_cls)
             procs = []
             for rank in range(self.world_size):
@@ -178,12 +201,13 @@ class MGPUController:
                     timeout_s,
                     payload,
                     setup_kwargs,
-                    channels,
+                    channels.for_rank(rank),
+                    scratch_dir,
                 )
                 proc = self._ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
                 proc.start()
                 procs.append(proc)
-            self._fleet = _Fleet(procs, channels, store)
+            self._fleet = _Fleet(procs, channels, store, scratch_dir)
             self._finalizer = weakref.finalize(self, _Fleet.terminate, self._fleet, 1.0)
         try:
             ranks = self._await_ready(self._fleet, timeout_s)
@@ -221,8 +245,9 @@ class MGPUController:
                     "setup()? Check the worker logs.",
                     reason="timeout",
                 )
-            with contextlib.suppress(queue.Empty):
-                stamp: RankStartup = fleet.channels.ready.get(timeout=0.05)
+            got = receive_any(fleet.channels.up, 0.05)
+            if got is not None and got[1].kind is MessageKind.READY:
+                stamp: RankStartup = got[1].value
                 seen[stamp.rank] = stamp
         return list(seen.values())
 
@@ -246,16 +271,14 @@ class MGPUController:
                     terminate=False,
                 )
             with contextlib.suppress(Exception):
-                fleet.channels.jobs.put(None)
+                fleet.channels.jobs.put(None, timeout=1.0)
             deadline = time.monotonic() + max(0.0, graceful_timeout)
             while not fleet.all_exited() and time.monotonic() < deadline:
                 time.sleep(0.02)
             fleet.terminate()
             if self._monitor is not None and self._monitor is not threading.current_thread():
                 self._monitor.join(2.0)
-            for ch in [*vars(fleet.channels).values(), *fleet.channels.tensors]:
-                if isinstance(ch, Channel):
-                    ch.close()
+            fleet.close()
             with self._lock:
                 self._fleet = None
                 self._monitor = None
@@ -291,11 +314,37 @@ class MGPUController:
             self._inflight = stream
             fleet = self._fleet
         skeleton, tensors = split_tensors(kwargs)
-        if tensors and self.devices[0] == "cpu":
-            for rank in range(1, self.world_size):  # see fleet._receive_shared
-                fleet.channels.tensors[rank].put((job_id, tensors))
-        fleet.channels.jobs.put(Job(job_id, skeleton, tensors))
+        try:
+            self._dispatch(fleet, Job(job_id=job_id, skeleton=skeleton, tensors=tensors))
+        except BaseException:
+            stream._finished = True
+            self._finish(stream)
+            raise
         return stream
+
+    def _dispatch(self, fleet: _Fleet, job: Job) -> None:
+        """Hand the job to the fleet: its top-level tensors to every CPU rank > 0 (see fleet.py), then the
+        job to the relay. Bounded: a poisoned fleet or a pipe nobody empties raises instead of blocking."""
+
+        def alive() -> bool:
+            return self._fatal is None and fleet is self._fleet
+
+        try:
+            if job.tensors:
+                for channel in fleet.channels.tensors.values():
+                    channel.put((job.job_id, job.tensors), alive=alive, timeout=_DISPATCH_TIMEOUT_S)
+            fleet.channels.jobs.put(job, alive=alive, timeout=_DISPATCH_TIMEOUT_S)
+        except (ChannelClosed, ChannelTimeout) as exc:
+            failure: FleetFailure
+            if isinstance(exc, ChannelTimeout):
+                failure = FleetTimeoutError(
+                    f"MGPU job {job.job_id}: the fleet took no input for {_DISPATCH_TIMEOUT_S:.0f}s ({exc})",
+                    reason="timeout",
+                )
+            else:
+                failure = FleetFailure(f"MGPU job {job.job_id} not dispatched: {exc}", reason="shutdown")
+            self._poison(fleet, failure, terminate=True)
+            raise (self._fatal or failure) from exc
 
     def _finish(self, stream: Stream) -> None:
         with self._lock:
@@ -316,9 +365,13 @@ class MGPUController:
         if first:
             if failure.reason != "shutdown":
                 log.error("MGPU fleet failed: %s", failure)
+                for fn in list(self._failure_callbacks):
+                    try:
+                        fn(failure)
+                    except Exception:
+                        log.exception("MGPU failure callback %r raised (ignored)", fn)
             if inflight is not None:
-                with contextlib.suppress(Exception):
-                    fleet.channels.results.put(Result("fatal", inflight.job_id, -1, None))
+                fleet.waker.wake()  # the iterating thread raises the stored failure at once
         if terminate:
             fleet.terminate()
 
@@ -354,15 +407,12 @@ class MGPUController:
         tracebacks: dict[int, str] = {}
         # A crashing rank writes its traceback before exiting; collect what arrived (briefly).
         drain_until = time.monotonic() + 0.5
-        while time.monotonic() < drain_until:
-            try:
-                rank, _pid, tb = fleet.channels.failures.get(timeout=0.05)
-                tracebacks[rank] = tb
-            except queue.Empty:
-                if all(r in tracebacks for r, _ in exited):
-                    break
-                if tracebacks or time.monotonic() > drain_until - 0.4:
-                    break
+        while time.monotonic() < drain_until and not all(r in tracebacks for r, _ in exited):
+            got = receive_any([fleet.channels.failures[r] for r, _ in exited], 0.05)
+            if got is not None:
+                tracebacks[got[1].rank] = got[1].traceback
+            elif tracebacks or time.monotonic() > drain_until - 0.4:
+                break
         where = f" during {during}" if during else ""
         lines = [f"MGPU worker(s) failed{where}:"]
         for rank, proc in exited:
@@ -387,13 +437,14 @@ class MGPUController:
             if self._fatal is not None and (fleet is self._fleet or self._fleet is None):
                 raise self._fatal
             try:
-                msg: Result = fleet.channels.results.get(timeout=0.25)
-            except (queue.Empty, OSError, EOFError):
+                got = receive_any(fleet.channels.up, 0.25, alive=lambda: self._fatal is None, waker=fleet.waker)
+            except (OSError, EOFError, ValueError):  # (ChannelClosed is an EOFError; a closed fd a ValueError)
+                got = None
+            if got is None:
                 if fleet is not self._fleet and self._fatal is None:
                     raise FleetFailure(f"MGPU job {stream.job_id}: fleet is gone", reason="shutdown") from None
                 continue
-            if msg.kind == "fatal":
-                continue  # wake-up only; the loop head raises the stored failure
+            msg: Result = got[1]
             if msg.job_id != stream.job_id:
                 failure = FleetFailure(
                     f"MGPU fleet desync: rank {msg.rank} sent job {msg.job_id}, expected {stream.job_id}.",
@@ -449,15 +500,16 @@ class Stream(Iterator[Any]):
             except FleetFailure:
                 self._finished = True
                 raise
-            if msg.kind == "yield":
+            if msg.kind is MessageKind.YIELD:
                 return msg.value
-            self._terminals[msg.rank] = StopIteration(msg.value) if msg.kind == "done" else msg.value
+            self._terminals[msg.rank] = StopIteration(msg.value) if msg.kind is MessageKind.DONE else msg.value
             if len(self._terminals) == world:
                 self._finished = True
                 self._controller._finish(self)
                 self._classify()
 
-    def _classify(self) -> None:
+    def _classify(self) -> NoReturn:
+        """Raise how the job ended: `StopIteration(result)` when no rank raised, else the classified error."""
         terminals = [self._terminals[r] for r in range(len(self._terminals))]
         errors = [t for t in terminals if isinstance(t, RunnerError)]
         if not errors:

@@ -7,11 +7,18 @@ Rank lifecycle (every rank, SPMD):
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
   4. `runner.setup(**setup_kwargs)`, then report ready with its start timestamps (`startup.RankStartup`);
-  5. loop: relay (rank 0) takes a job from the controller, posts it on the job board and broadcasts its
-     top-level tensors; other ranks wait on the board outside collectives, then receive; everyone runs it;
+  5. loop: relay (rank 0) takes a job from the controller and posts it on the job board; other ranks wait
+     on the board outside collectives; every rank gets the job's top-level tensors (below); everyone runs it;
   6. on the shutdown announcement: tear down the process group and exit 0.
 Any exception outside the runner's recoverable set is reported on the `failures` channel with its
 traceback, and the rank exits 1: a collective it may have left half-entered cannot be unwound.
+
+Top-level tensor kwargs, one path per device kind:
+- CPU fleets: the caller's tensors are in shared memory; rank 0 gets them inside the `Job`, rank r > 0 from
+  its own `tensors[r]` channel (the controller writes one message there per job that has tensors, and the
+  rank reads exactly that message once the job is announced). Every rank takes a private copy.
+- GPU fleets: rank 0 gets them by CUDA IPC inside the `Job` and broadcasts them over the transformer
+  backend (NCCL); no `tensors` channels exist.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ import inspect
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -42,9 +51,9 @@ from .errors import RunnerError
 from .jobboard import JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
-from .transport import Channel, Job, Result, TensorPlaceholder, fill_tensors
+from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders
 
-__all__ = ["FleetChannels", "RankBoot", "ship_runner"]
+__all__ = ["FleetChannels", "RankBoot", "RankChannels", "ship_runner"]
 
 log = logging.getLogger("ltx_mgpu.fleet")
 
@@ -52,14 +61,41 @@ RELAY_RANK = 0
 
 
 @dataclass
+class RankChannels:
+    """One rank's ends: each channel has one writing process (no cross-process lock: see transport.py)."""
+
+    up: Channel  #: this rank → controller: READY once `setup()` returned, then its jobs' `Result`s
+    failures: Channel  #: this rank → controller: a `Failure` right before the rank exits 1
+    jobs: Channel | None  #: controller → relay rank (rank 0 only)
+    tensors: Channel | None  #: controller → this rank (CPU fleets, rank > 0): (job_id, top-level tensors)
+
+
+@dataclass
 class FleetChannels:
     """The pipes of one fleet generation (recreated on every `start()`)."""
 
     jobs: Channel  #: controller → relay rank
-    results: Channel  #: all ranks → controller (yields and terminals) + controller-local fatal wake-ups
-    ready: Channel  #: all ranks → controller: a `RankStartup` once `setup()` returned
-    failures: Channel  #: all ranks → controller: (rank, pid, traceback) right before a rank exits 1
-    tensors: list[Channel]  #: controller → rank r (CPU fleets only): (job_id, top-level tensors) by shared memory
+    up: list[Channel]  #: rank r → controller, by rank
+    failures: list[Channel]  #: rank r → controller, by rank
+    tensors: dict[int, Channel]  #: controller → rank r > 0 of a CPU fleet
+
+    @classmethod
+    def create(cls, ctx: Any, devices: list[str]) -> FleetChannels:
+        """The channels for a fleet on `devices`; `tensors` only where that path is used (CPU, rank > 0)."""
+        world = len(devices)
+        return cls(
+            jobs=Channel(ctx),
+            up=[Channel(ctx) for _ in range(world)],
+            failures=[Channel(ctx) for _ in range(world)],
+            tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {},
+        )
+
+    def for_rank(self, rank: int) -> RankChannels:
+        return RankChannels(up=self.up[rank], failures=self.failures[rank],
+                            jobs=self.jobs if rank == RELAY_RANK else None, tensors=self.tensors.get(rank))  # fmt: skip
+
+    def all(self) -> list[Channel]:
+        return [self.jobs, *self.up, *self.failures, *self.tensors.values()]
 
 
 @dataclass
@@ -74,7 +110,8 @@ class RankBoot:
     init_timeout_s: float
     runner_payload: bytes  #: the runner class, cloudpickled (by value unless it lives in ltx_mgpu)
     setup_kwargs: dict[str, Any]
-    channels: FleetChannels
+    channels: RankChannels
+    scratch_dir: str  #: the fleet's temporary directory, owned (and removed) by the controller
 
 
 def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
@@ -110,20 +147,25 @@ def rank_main(boot: RankBoot) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for key, value in MULTICAST_OFF_ENV.items():  # before any communicator exists in this process
         os.environ.setdefault(key, value)
-    _start_parent_watchdog()
+    # Temporary files of this process (multiprocessing's `pymp-*` directory, made when a yielded tensor is
+    # shared by file descriptor) go into the fleet's scratch directory: a rank that is killed or exits
+    # with os._exit runs no exit handlers, and the controller removes the whole directory (issue 16).
+    tempfile.tempdir = boot.scratch_dir
+    _start_parent_watchdog(boot.scratch_dir)
     try:
         _run_rank(boot, booted_at)
     except BaseException:
         tb = traceback.format_exc()
         with contextlib.suppress(BaseException):
-            boot.channels.failures.put((boot.rank, os.getpid(), tb))
+            boot.channels.failures.put(Failure(rank=boot.rank, pid=os.getpid(), traceback=tb), timeout=5)
         sys.stderr.write(f"[ltx_mgpu rank {boot.rank} pid {os.getpid()}] fatal:\n{tb}")
         sys.stderr.flush()
         os._exit(1)
 
 
-def _start_parent_watchdog() -> None:
-    """Exit when the controller process dies, so an orphaned fleet never holds GPUs."""
+def _start_parent_watchdog(scratch_dir: str) -> None:
+    """Exit when the controller process dies, so an orphaned fleet never holds GPUs; remove the fleet's
+    scratch directory on the way out (nobody else is left to)."""
     import multiprocessing
 
     parent = multiprocessing.parent_process()
@@ -132,6 +174,7 @@ def _start_parent_watchdog() -> None:
 
     def watch() -> None:
         parent.join()
+        shutil.rmtree(scratch_dir, ignore_errors=True)
         os._exit(0)
 
     threading.Thread(target=watch, name="ltx-mgpu-parent-watchdog", daemon=True).start()
@@ -169,7 +212,8 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
         setup_began_at = time.time()
         runner.setup(**boot.setup_kwargs)
-        boot.channels.ready.put(RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time()))
+        stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time())
+        boot.channels.up.put(Result(kind=MessageKind.READY, job_id=-1, rank=boot.rank, value=stamp))
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)
@@ -177,46 +221,70 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
 
 def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: torch.device) -> None:
     board = JobBoard(store)
-    results = boot.channels.results
+    results = boot.channels.up
     is_relay = boot.rank == RELAY_RANK
     while True:
         if is_relay:
+            assert boot.channels.jobs is not None
             job: Job | None = _take_job(boot.channels.jobs)
             if job is None:
                 board.post(None)
                 return
             board.post((job.job_id, job.skeleton))
             job_id, skeleton = job.job_id, job.skeleton
-            tensors = [t.to(device).contiguous() for t in job.tensors]
-            if boot.world_size > 1:
-                for t in tensors:
-                    dist.broadcast(t, src=RELAY_RANK)
+            tensors = _relay_tensors(boot, job.tensors, device)
         else:
             announcement = board.next()
             if announcement is None:
                 return
             job_id, skeleton = announcement
-            specs = sorted((v for v in skeleton.values() if isinstance(v, TensorPlaceholder)), key=lambda p: p.idx)
-            tensors = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in specs]
-            for t in tensors:
-                dist.broadcast(t, src=RELAY_RANK)
+            tensors = _receive_tensors(boot, job_id, skeleton, device)
         if is_relay:
             runner._cancel_probe = functools.partial(store.check, [cancel_key(job_id)])
         _run_job(runner, job_id, fill_tensors(skeleton, tensors), boot.rank, results)
         runner._cancel_probe = None
 
 
-def _receive_shared(channel: Channel, job_id: int) -> list[torch.Tensor]:
-    """CPU fleets: every rank maps the caller's shared-memory tensors and takes a private copy.
+def _relay_tensors(boot: RankBoot, shared: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Rank 0: a private copy of the caller's tensors (CPU), or the tensors broadcast to the others (GPU)."""
+    if device.type == "cpu":
+        return [_private(t) for t in shared]
+    tensors = [t.to(device).contiguous() for t in shared]
+    if boot.world_size > 1:
+        for t in tensors:
+            dist.broadcast(t, src=RELAY_RANK)
+    return tensors
 
-    Measured on the 2-core CI machine (bench/controller.py): relaying 256 MiB through rank 0 and a gloo
-    broadcast delivered at ~0.35x a plain broadcast; a memcpy from shared memory on every rank is faster
-    than any gloo broadcast, and the copy keeps ranks from seeing each other's in-place edits.
+
+def _receive_tensors(boot: RankBoot, job_id: int, skeleton: dict[str, Any], device: torch.device) -> list[torch.Tensor]:
+    """Rank r > 0: the job's top-level tensors, by the path of this device kind (module docstring)."""
+    specs = placeholders(skeleton)
+    if not specs:
+        return []  # the controller wrote nothing for this job
+    if device.type == "cpu":
+        assert boot.channels.tensors is not None
+        return _receive_shared(boot.channels.tensors, job_id)
+    tensors = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in specs]
+    for t in tensors:
+        dist.broadcast(t, src=RELAY_RANK)
+    return tensors
+
+
+def _receive_shared(channel: Channel, job_id: int) -> list[torch.Tensor]:
+    """CPU fleets: map the caller's shared-memory tensors and take a private copy.
+
+    Measured on the 2-core CI machine (bench/controller.py): a memcpy from shared memory on every rank is
+    faster than relaying through rank 0 with a gloo broadcast, and the copy keeps ranks from seeing each
+    other's (or the caller's) in-place edits.
     """
     got_id, shared = channel.get()
     if got_id != job_id:
         raise RuntimeError(f"MGPU fleet desync: tensors for job {got_id} arrived during job {job_id}")
-    return [t.clone(memory_format=torch.contiguous_format) for t in shared]
+    return [_private(t) for t in shared]
+
+
+def _private(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _take_job(jobs: Channel) -> Job | None:
@@ -233,25 +301,29 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
     Argument binding and the generator check happen on every rank identically and before the runner
     touches any collective, so they are safe to report as `RunnerError` (symmetric) rather than fatal.
     """
+
+    def send(kind: MessageKind, value: Any) -> None:
+        results.put(Result(kind=kind, job_id=job_id, rank=rank, value=value))
+
     try:
         gen = runner(**kwargs)
     except (RunnerError, ValueError, TypeError) as err:
-        results.put(Result("error", job_id, rank, _as_runner_error(err)))
+        send(MessageKind.ERROR, _as_runner_error(err))
         return
     if not isinstance(gen, Iterator):
         msg = f"{type(runner).__name__}.__call__ must be a generator (got {type(gen).__name__})"
-        results.put(Result("error", job_id, rank, RunnerError(msg)))
+        send(MessageKind.ERROR, RunnerError(msg))
         return
     while True:
         try:
             value = next(gen)
         except StopIteration as stop:
-            results.put(Result("done", job_id, rank, stop.value))
+            send(MessageKind.DONE, stop.value)
             return
         except (RunnerError, ValueError) as err:
-            results.put(Result("error", job_id, rank, _as_runner_error(err)))
+            send(MessageKind.ERROR, _as_runner_error(err))
             return
-        results.put(Result("yield", job_id, rank, value))
+        send(MessageKind.YIELD, value)
 
 
 def _as_runner_error(err: BaseException) -> RunnerError:

@@ -11,13 +11,19 @@ rank yields it; yields are never gathered across ranks). The return value rides 
 Failures: raise `RunnerError` (or `ValueError`, converted) identically on every rank and outside any
 collective for a recoverable error; anything else kills the rank and poisons the controller, because a
 collective that some ranks entered and others did not cannot be unwound.
+
+Request limits: `request_limits(**setup_kwargs)` (a classmethod, so no fleet is needed) names the inclusive
+range of each job kwarg the runner accepts beyond what the caller's own schema checks, e.g.
+`{"steps": (1, 50)}`. A service publishes them where clients can check a request before submitting it;
+the runner still checks them itself (the same numbers), on every rank, before any collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +140,28 @@ class MGPURunner(ABC):
             raise JobCancelled("job cancelled")
 
     # ---- the contract ---------------------------------------------------------------------------------
+    @classmethod
+    def request_limits(cls, **setup_kwargs: Any) -> Mapping[str, tuple[float, float]]:
+        """Inclusive `(low, high)` per job kwarg that this runner, set up with `setup_kwargs`, accepts (none by
+        default). Must not need a fleet or a device: services call it on the class."""
+        return {}
+
+    @classmethod
+    def setup_default(cls, name: str, setup_kwargs: Mapping[str, Any]) -> Any:
+        """The value `setup()` would use for its keyword `name`: `setup_kwargs[name]`, else the default of
+        the nearest `setup` in the class hierarchy that declares it (a subclass's `setup(**kwargs)` that
+        passes the rest on does not hide its base's defaults)."""
+        if name in setup_kwargs:
+            return setup_kwargs[name]
+        for klass in cls.__mro__:
+            setup = vars(klass).get("setup")
+            if setup is None:
+                continue
+            parameter = inspect.signature(setup).parameters.get(name)
+            if parameter is not None and parameter.default is not inspect.Parameter.empty:
+                return parameter.default
+        raise TypeError(f"{cls.__name__}.setup() declares no default for {name!r}")
+
     @abstractmethod
     def setup(self, *args: Any, **kwargs: Any) -> None:
         """Load models once per rank. Runs on every rank; may use collectives."""

@@ -23,12 +23,12 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rq.exceptions import InvalidJobOperation
 
 from producer.admission import AdmissionRefused, DuplicateJobError
 from producer.backfill import Backfill, BackfillSummary, ManifestRecord, default_manifest_path
 from producer.client import (
     IntegrityError,
-    JobInfo,
     JobNotFound,
     JobNotReady,
     ProducerClient,
@@ -84,6 +84,8 @@ def _guard(fn: F) -> F:
             raise UserError(str(exc), ExitCode.UNAVAILABLE) from None
         except IntegrityError as exc:
             raise UserError(str(exc), ExitCode.INTEGRITY) from None
+        except InvalidJobOperation as exc:  # (cancel: taken by a worker that has not started it yet)
+            raise UserError(f"{exc}; try again in a moment", ExitCode.NOT_FINISHED) from None
         except KeyboardInterrupt:
             raise UserError("interrupted", ExitCode.INTERRUPTED) from None
 
@@ -160,10 +162,16 @@ def submit(
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", job_id):
             raise UserError(f"--job-id {job_id!r}: use 1-128 letters, digits, _ or -", ExitCode.USAGE)
     if dry_run:
+        try:
+            with _client(ctx) as client:
+                _check_runner_limits(client, requests, queue, say_if_unchecked=True)
+        except ServiceUnavailable as exc:
+            click.echo(f"producer: runner limits not checked ({exc}); the request file itself is valid", err=True)
         for loaded in requests:
             click.echo(json.dumps({"source": loaded.source, "valid": True}) if as_json else f"{loaded.source}: ok")
         return
     with _client(ctx) as client:
+        _check_runner_limits(client, requests, queue)
         submitted: list[str] = []
         for loaded in requests:
             try:
@@ -186,6 +194,22 @@ def submit(
                 code = _watch(client, submitted_id, as_json=as_json, timeout=None)
                 worst = code if code != ExitCode.OK and worst == ExitCode.OK else worst
             ctx.exit(int(worst))
+
+
+def _check_runner_limits(
+    client: ProducerClient, requests: list[Any], queue: str | None, *, say_if_unchecked: bool = False
+) -> None:
+    """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.limits)."""
+    limits = client.runner_limits(queue)
+    if not limits:
+        if say_if_unchecked:
+            click.echo(f"producer: no live worker on queue {client.queue(queue).name!r} publishes runner limits; "
+                       "only the request schema was checked", err=True)  # fmt: skip
+        return
+    for loaded in requests:
+        if violations := client.limit_violations(loaded.request, limits):
+            more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
+            raise UserError(f"{loaded.source}: {violations[0].message()}{more}; nothing submitted", ExitCode.USAGE)
 
 
 # ==== status / watch ====================================================================================
@@ -314,32 +338,15 @@ def fetch(ctx: click.Context, job_id: str, output: str | None, wait: bool, timeo
 def ls(ctx: click.Context, queues: tuple[str, ...], limit: int, as_json: bool) -> None:
     """List jobs: waiting, running, and recently ended."""
     with _client(ctx) as client:
-        names = list(queues) or client.settings.queues
-        sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
-        for name in names:
-            q = client.queue(name)
-            ids = {
-                "waiting": q.get_job_ids(0, limit - 1),
-                "running": q.started_job_registry.get_job_ids(0, limit - 1, cleanup=False),
-                "recently ended": [
-                    *q.finished_job_registry.get_job_ids(-limit, -1, cleanup=False),
-                    *q.failed_job_registry.get_job_ids(-limit, -1, cleanup=False),
-                    *q.canceled_job_registry.get_job_ids(-limit, -1, cleanup=False),
-                ],
-            }
-            for section, job_ids in ids.items():
-                for job_id in job_ids:
-                    with contextlib.suppress(JobNotFound):
-                        sections[section].append(client.status(job_id))
-        sections["recently ended"].sort(key=lambda i: i.ended_at.timestamp() if i.ended_at else 0.0, reverse=True)
-        if as_json:
-            for section, rows in sections.items():
-                for info in rows[:limit]:
-                    click.echo(json.dumps({"section": section, **info.as_json()}, default=str))
-            return
-        console = _console()
+        sections = client.list_jobs(list(queues) or client.settings.queues, limit)
+    if as_json:
         for section, rows in sections.items():
-            render_job_table(console, rows[:limit], f"{section} ({len(rows)})")
+            for info in rows:
+                click.echo(json.dumps({"section": section, **info.as_json()}, default=str))
+        return
+    console = _console()
+    for section, rows in sections.items():
+        render_job_table(console, rows, f"{section} ({len(rows)})")
 
 
 @cli.command(epilog=_EPILOG)
@@ -389,6 +396,10 @@ def backfill(
     Job ids derive from each request's content and seed, so a re-run skips what is done or still queued,
     and Ctrl+C loses nothing: run the same command again to resume. When the queue is full the backfill
     waits instead of failing. Exit code: 0 if every job was uploaded, 1 if any failed, 130 if interrupted.
+
+    The results manifest (one JSON line per job: id, state, key or error) is written next to the input,
+    as <file>.manifest.jsonl (e.g. prompts.manifest.jsonl; git ignores *.manifest.jsonl), unless
+    --manifest names another file.
     """
     requests = load_requests(requests_file)
     manifest_path = Path(manifest) if manifest else default_manifest_path(requests_file)

@@ -22,14 +22,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import redis
 from rq import Queue
-from rq.command import send_stop_job_command
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
@@ -37,6 +36,7 @@ from rq.worker import Worker
 
 from producer.admission import TERMINAL_STATUSES, AdmissionPolicy, client_key, enqueue_admitted
 from producer.settings import ProducerSettings
+from worker.control import cancel_job
 from worker.keys import (
     EVENT_FIELD_DATA,
     EVENT_FIELD_TYPE,
@@ -44,9 +44,12 @@ from worker.keys import (
     TERMINAL_STATES,
     EventType,
     JobState,
+    derive_state,
     events_key,
+    safe_redis_url,
     worker_health_key,
 )
+from worker.limits import LimitViolation, RunnerLimits
 from worker.schema import RenderRequest
 
 __all__ = [
@@ -65,17 +68,6 @@ __all__ = [
 ]
 
 _TERMINAL = {s.value for s in TERMINAL_STATES}
-_RUNNING = {JobState.STARTED.value, JobState.RENDERING.value, JobState.RENDERED.value, JobState.UPLOADING.value}
-# RQ statuses that end a job even if no worker wrote a service state (never ran, or its worker vanished).
-_RQ_TO_STATE = {
-    "queued": JobState.QUEUED.value,
-    "deferred": JobState.QUEUED.value,
-    "scheduled": JobState.QUEUED.value,
-    "started": JobState.STARTED.value,
-    "failed": JobState.FAILED.value,
-    "stopped": JobState.CANCELLED.value,
-    "canceled": JobState.CANCELLED.value,
-}
 
 
 class ServiceUnavailable(RuntimeError):
@@ -139,9 +131,10 @@ class JobInfo:
     result: dict[str, Any] | None
     error: dict[str, Any] | None
     request: dict[str, Any] | None
-    enqueued_at: datetime | None
-    started_at: datetime | None
-    ended_at: datetime | None
+    enqueued_at: datetime | None  #: first submission (a retry re-queues the job; see `requeued_at`)
+    started_at: datetime | None  #: start of the latest attempt
+    ended_at: datetime | None  #: when the job reached its terminal state (the upload's end, not the render's)
+    requeued_at: datetime | None = None  #: the latest re-queue after a failed attempt, if any
 
     @property
     def terminal(self) -> bool:
@@ -161,8 +154,10 @@ class JobInfo:
             "worker": self.meta.get("worker"),
             "fleet": self.meta.get("fleet"),
             "enqueued_at": iso(self.enqueued_at),
+            "requeued_at": iso(self.requeued_at),
             "started_at": iso(self.started_at),
             "ended_at": iso(self.ended_at),
+            "attempts": self.meta.get("attempts") or [],
             "error": self.error,
             "result": self.result,
             "request": self.request,
@@ -303,6 +298,30 @@ class ProducerClient:
                 q, job, policy=policy, counted_queues=counted, client=client, at_front=priority == "high"
             )
 
+    def runner_limits(self, queue: str | None = None) -> list[tuple[str, RunnerLimits]]:
+        """The request limits the live workers on `queue` publish (worker name, limits); see worker.limits."""
+        out: list[tuple[str, RunnerLimits]] = []
+        with _unavailable_on_error():
+            for worker in Worker.all(connection=self.connection, queue=self.queue(queue)):
+                raw = self.connection.get(worker_health_key(worker.name))
+                try:
+                    health = json.loads(raw) if raw else {}
+                except ValueError:
+                    continue
+                limits = RunnerLimits.from_json(health.get("limits")) if isinstance(health, dict) else None
+                if limits is not None:
+                    out.append((worker.name, limits))
+        return out
+
+    @staticmethod
+    def limit_violations(request: RenderRequest, limits: list[tuple[str, RunnerLimits]]) -> list[LimitViolation]:
+        """What any of these workers would reject in `request` (any of them may take the job)."""
+        seen: dict[tuple[str, str], LimitViolation] = {}
+        for _, published in limits:
+            for v in published.violations(request):
+                seen.setdefault((v.field, v.runner), v)
+        return list(seen.values())
+
     # ---- status ------------------------------------------------------------------------------------
     def job(self, job_id: str) -> Job:
         with _unavailable_on_error():
@@ -317,7 +336,7 @@ class ProducerClient:
             rq_status = job.get_status(refresh=False)
             rq_value = rq_status.value if rq_status is not None else None
             meta = dict(job.meta or {})
-            state = _derive_state(rq_value, meta)
+            state = derive_state(rq_value, meta).value
             result = meta.get("result")
             if result is None and rq_value == "finished":
                 with contextlib.suppress(Exception):
@@ -328,6 +347,9 @@ class ProducerClient:
             if error is None and state == JobState.FAILED.value:
                 error = {"reason": None, "message": _last_line(job.exc_info) or "failed (no details recorded)"}
             request = job.args[0] if job.args and isinstance(job.args[0], dict) else None
+            submitted = _utc(meta.get("submitted_at")) or job.created_at or job.enqueued_at
+            requeued = job.enqueued_at if job.enqueued_at and submitted and job.enqueued_at > submitted else None
+            ended = _utc(meta.get("ended_at")) if state in _TERMINAL else None
             return JobInfo(
                 job_id=job.id,
                 state=str(state),
@@ -337,10 +359,35 @@ class ProducerClient:
                 result=result if isinstance(result, dict) else None,
                 error=error,
                 request=request,
-                enqueued_at=job.enqueued_at,
+                enqueued_at=submitted,
                 started_at=job.started_at,
-                ended_at=job.ended_at,
+                ended_at=ended or (job.ended_at if state in _TERMINAL else None),
+                requeued_at=requeued,
             )
+
+    def list_jobs(self, queues: list[str], limit: int) -> dict[str, list[JobInfo]]:
+        """Up to `limit` jobs per section ("waiting", "running", "recently ended", newest first) of `queues`."""
+        sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
+        with _unavailable_on_error():
+            for name in queues:
+                q = self.queue(name)
+                ids = {
+                    "waiting": q.get_job_ids(0, limit - 1),
+                    # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135)
+                    "running": q.started_job_registry.get_job_ids(0, limit - 1, cleanup=False),
+                    "recently ended": [
+                        *q.finished_job_registry.get_job_ids(-limit, -1, cleanup=False),
+                        *q.failed_job_registry.get_job_ids(-limit, -1, cleanup=False),
+                        *q.canceled_job_registry.get_job_ids(-limit, -1, cleanup=False),
+                    ],
+                }
+                for section, job_ids in ids.items():
+                    for job_id in dict.fromkeys(job_ids):
+                        with contextlib.suppress(JobNotFound):
+                            sections[section].append(self.status(job_id))
+        ended = sections["recently ended"]
+        ended.sort(key=lambda i: i.ended_at.timestamp() if i.ended_at else 0.0, reverse=True)
+        return {section: rows[:limit] for section, rows in sections.items()}
 
     def peek_states(self, job_ids: list[str]) -> dict[str, str | None]:
         """The service state of many jobs in one round trip (None: no such job). Cheap enough to poll."""
@@ -361,7 +408,7 @@ class ProducerClient:
                 with contextlib.suppress(ValueError, TypeError):
                     loaded = JSONSerializer.loads(raw_meta)
                     meta = loaded if isinstance(loaded, dict) else {}
-            states[job_id] = _derive_state(raw_status.decode() if raw_status else None, meta)
+            states[job_id] = derive_state(raw_status.decode() if raw_status else None, meta).value
         return states
 
     # ---- events ------------------------------------------------------------------------------------
@@ -421,7 +468,7 @@ class ProducerClient:
                     down_since = down_since or now
                     if now - down_since > reconnect_window_s:
                         raise ServiceUnavailable(
-                            f"lost Redis at {_safe_url(self.settings.redis_url)} for more than "
+                            f"lost Redis at {safe_redis_url(self.settings.redis_url)} for more than "
                             f"{reconnect_window_s:.0f}s: {exc}"
                         ) from None
                     if on_reconnect is not None:
@@ -450,58 +497,14 @@ class ProducerClient:
 
     # ---- cancel ------------------------------------------------------------------------------------
     def cancel(self, job_id: str) -> str:
-        """Cancel a job. Returns what happened: "cancelled" (it was waiting and will never run),
-        "stop_requested" (it is running; the worker stops it cooperatively and keeps its fleet), or
-        "already_<state>" when it had ended."""
-        job = self.job(job_id)
-        with _unavailable_on_error(), self.connection.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(job.key)
-                    raw = pipe.hget(job.key, "status")
-                    status = raw.decode() if raw else None
-                    info = self.status(job_id)
-                    if info.terminal:
-                        pipe.reset()
-                        return f"already_{info.state}"
-                    if status in ("queued", "deferred", "scheduled"):
-                        pipe.multi()
-                        job.cancel(pipeline=pipe)
-                        pipe.execute()
-                        self._announce_cancelled(job)
-                        return "cancelled"
-                    pipe.reset()
-                    break
-                except redis.WatchError:
-                    continue
+        """Cancel a job (`worker.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
+        and will never run), "stop_requested" (it is running; the worker stops it cooperatively and keeps
+        its fleet), or "already_<state>" when it had ended."""
+        with _unavailable_on_error():
             try:
-                send_stop_job_command(self.connection, job_id, serializer=JSONSerializer)
-            except InvalidJobOperation:
-                # Between dequeue and start the job has no worker yet; it will pick up the stop shortly
-                # only if we retry, so wait briefly for it to start.
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    if self.status(job_id).terminal:
-                        return f"already_{self.status(job_id).state}"
-                    with contextlib.suppress(InvalidJobOperation):
-                        send_stop_job_command(self.connection, job_id, serializer=JSONSerializer)
-                        break
-            return "stop_requested"
-
-    def _announce_cancelled(self, job: Job) -> None:
-        """A job cancelled while queued has no worker to say so: write its terminal state ourselves, so
-        stream readers (watch, other clients) see the end and the meta summary agrees with RQ."""
-        event = {"type": EventType.STATE.value, "state": JobState.CANCELLED.value, "ts": time.time(),
-                 "by": "producer", "message": "cancelled while queued"}  # fmt: skip
-        key = events_key(job.id)
-        meta = dict(job.meta or {})
-        meta.update(state=JobState.CANCELLED.value, updated_at=event["ts"])
-        pipe = self.connection.pipeline()
-        pipe.xadd(key, {EVENT_FIELD_TYPE: EventType.STATE.value, EVENT_FIELD_DATA: json.dumps(event)})
-        pipe.expire(key, self.settings.failure_ttl)
-        pipe.hset(job.key, "meta", JSONSerializer.dumps(meta))
-        pipe.execute()
+                return cancel_job(self.connection, job_id, failure_ttl=self.settings.failure_ttl)
+            except NoSuchJobError:
+                raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)") from None
 
     # ---- fetch -------------------------------------------------------------------------------------
     def fetch(self, job_id: str, dest: Path, *, chunk: int = 1 << 20) -> FetchResult:
@@ -687,16 +690,11 @@ def _decode_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> JobEvent
     return JobEvent(id=ident, type=etype, data=data)
 
 
-def _derive_state(rq_status: str | None, meta: dict[str, Any]) -> str:
-    """The service state from the worker's summary, corrected by RQ's status where RQ knows better."""
-    state = meta.get("state") or _RQ_TO_STATE.get(rq_status or "", JobState.QUEUED.value)
-    if rq_status in ("failed", "stopped", "canceled") and state not in _TERMINAL:
-        # RQ ended the job but no worker said so (worker lost, cancelled while queued, ...).
-        state = _RQ_TO_STATE[rq_status]
-    elif rq_status in ("queued", "scheduled", "deferred") and state in _RUNNING:
-        # Re-queued after its worker vanished mid-job (RQ's abandoned-job retry): the summary is stale.
-        state = JobState.QUEUED.value
-    return str(state)
+def _utc(ts: Any) -> datetime | None:
+    """A wall-clock timestamp (seconds) from the meta summary as an aware datetime."""
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        return None
+    return datetime.fromtimestamp(ts, tz=UTC)
 
 
 def _looks_uploaded(result: dict[str, Any]) -> bool:
@@ -706,14 +704,6 @@ def _looks_uploaded(result: dict[str, Any]) -> bool:
 def _last_line(text: str | None) -> str:
     lines = [line for line in (text or "").strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
-
-
-def _safe_url(url: str) -> str:
-    """The Redis URL without a password, for messages."""
-    if "@" in url:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
 
 
 @contextlib.contextmanager

@@ -45,6 +45,11 @@ def _ago(value: datetime | None) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+def _count(n: object, noun: str) -> str:
+    """ "1 rank", "2 ranks" (and "? ranks" when unknown)."""
+    return f"{n} {noun}" if n == 1 else f"{n if n is not None else '?'} {noun}s"
+
+
 def _clock(ts: float | None) -> str:
     return datetime.fromtimestamp(ts if ts is not None else time.time()).strftime("%H:%M:%S")
 
@@ -58,7 +63,7 @@ def _state_line(data: dict[str, Any]) -> str:
             extra += f", waited {float(data['queue_wait_s']):.2f}s"
         return "started" + extra
     if state == JobState.RENDERING.value:
-        return f"rendering on {data.get('devices')} ({data.get('world_size')} ranks)"
+        return f"rendering on {data.get('devices')} ({_count(data.get('world_size'), 'rank')})"
     if state == JobState.RENDERED.value:
         extra = f" in {float(data['render_s']):.2f}s" if data.get("render_s") is not None else ""
         return f"rendered {human_bytes(data.get('bytes'))}{extra}"
@@ -170,7 +175,10 @@ class EventPrinter:
                 task = self._task("upload", float(total))
                 self.progress.update(task, completed=float(done or 0), total=float(total), refresh=True)
             elif total:
-                self._throttled("upload", f"{_clock(ts)} upload {human_bytes(done)}/{human_bytes(total)}")
+                # (throttled to one line a second, but the last one always shows: no "256 KiB/25 MiB" line
+                # right before "uploaded")
+                line = f"{_clock(ts)} upload {human_bytes(done)}/{human_bytes(total)}"
+                self._throttled("upload", line, force=bool(data.get("done")) or done == total)
             return
         if event.type == EventType.OUTPUT.value:
             self._line(
@@ -205,9 +213,9 @@ class EventPrinter:
                 self.progress.update(task_id, total=1, completed=1, eta="", counted=False)
                 self.progress.stop_task(task_id)
 
-    def _throttled(self, key: str, line: str, every_s: float = 1.0) -> None:
+    def _throttled(self, key: str, line: str, every_s: float = 1.0, *, force: bool = False) -> None:
         now = time.monotonic()
-        if now - self._last_plain.get(key, 0.0) >= every_s:
+        if force or now - self._last_plain.get(key, 0.0) >= every_s:
             self._last_plain[key] = now
             self._line(line)
 
@@ -233,6 +241,8 @@ def render_status(console: Console, info: JobInfo) -> None:
     if meta.get("worker"):
         _row(table, "worker", f"{meta.get('worker')} (fleet {meta.get('fleet')}, attempt {meta.get('attempt')})")
     _row(table, "enqueued", _ago(info.enqueued_at))
+    if info.requeued_at:
+        _row(table, "re-queued", _ago(info.requeued_at))
     if info.started_at:
         _row(table, "started", _ago(info.started_at))
     if info.ended_at:
@@ -247,6 +257,10 @@ def render_status(console: Console, info: JobInfo) -> None:
         )
     if info.error:
         _row(table, "error", f"{info.error.get('reason')}: {info.error.get('message')}")
+    attempts = info.meta.get("attempts") if isinstance(info.meta.get("attempts"), list) else []
+    for a in attempts:
+        if isinstance(a, dict):
+            _row(table, "attempt", f"{a.get('attempt')}: {a.get('outcome')}, {a.get('reason')} on {a.get('worker')}")
     if info.result:
         r = info.result
         _row(table, "object", f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else str(r.get("url")))
@@ -290,7 +304,7 @@ def render_stats(console: Console, stats: Stats) -> None:
         fleet = health.get("fleet") if isinstance(health.get("fleet"), dict) else {}
         fleet_text = w.fleet_state or "?"
         if fleet:
-            fleet_text += f" ({len(fleet.get('pids') or [])} ranks"
+            fleet_text += f" ({_count(len(fleet.get('pids') or []), 'rank')}"
             fleet_text += f", {fleet.get('rebuilds')} rebuilds)" if fleet.get("rebuilds") else ")"
         _row(workers, w.name, w.group or "?", w.state, fleet_text, w.current_job or "-",
                         str(health.get("jobs_done", "-")), _ago(w.last_heartbeat))  # fmt: skip

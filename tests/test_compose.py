@@ -235,3 +235,30 @@ def test_env_example_documents_what_compose_needs() -> None:
         if name.startswith("LTX_"):
             field = name.removeprefix("LTX_").lower()
             assert field in worker_fields | producer_fields, f".env.example: {name} is no settings field"
+
+
+def test_operations_recipe_without_docker_matches_compose():
+    """Issue 16: docs/operations.md's "Without Docker" covered Redis and the worker only (the SeaweedFS
+    command and its AWS_* identity had to be copied out of docker-compose.yml), and its public-endpoint
+    example broke presigned URLs when copied as is."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("Without Docker") :]
+    recipe = section[section.index("```bash") + 7 : section.index("```", section.index("```bash") + 7)]
+    commands = [line for line in recipe.replace("\\\n", " ").splitlines() if line and not line.startswith("#")]
+    weed = next(c for c in commands if " weed mini " in f" {c} ")
+    flags = {f.split("=")[0] for f in weed.split() if f.startswith("-")}
+    compose_flags = {str(a).split("=")[0] for a in SERVICES["s3"]["command"] if str(a).startswith("-")}
+    assert flags == compose_flags, (flags, compose_flags)
+    identity = dict(part.split("=", 1) for part in weed.split() if part.startswith("AWS_"))
+    assert set(identity) == set(SERVICES["s3"]["environment"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    exported = dict(part.split("=", 1) for c in commands if c.startswith("export") for part in c.split()[1:])
+    assert exported["LTX_S3_ACCESS_KEY_ID"] == identity["AWS_ACCESS_KEY_ID"]
+    assert exported["LTX_S3_SECRET_ACCESS_KEY"] == identity["AWS_SECRET_ACCESS_KEY"]
+    assert exported["LTX_S3_ENDPOINT_URL"].endswith(":8333")
+    for name in exported:
+        assert name.removeprefix("LTX_").lower() in WorkerSettings.model_fields, name
+    # whatever the recipe sets as it stands must be valid settings
+    load_worker_settings(**{k.removeprefix("LTX_").lower(): v for k, v in exported.items()})
+    # a public endpoint set as is must be the endpoint clients reach the same S3 API at (not a made-up host)
+    assert "LTX_S3_PUBLIC_ENDPOINT_URL" not in exported
+    assert "example.com" not in recipe

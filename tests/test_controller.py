@@ -23,7 +23,7 @@ from ltx_mgpu import (
     MGPUController,
     SymmetricRunnerError,
 )
-from ltx_mgpu.transport import Result
+from ltx_mgpu.transport import MessageKind, Result
 
 from .controller_runners import NotAGeneratorRunner, ScriptedRunner
 
@@ -321,7 +321,8 @@ def test_desync_is_fatal() -> None:
     try:
         stream = ctl.stream(mode="sleep", sleep_s=0.5)
         # a message for another job (what a desynced rank would send)
-        ctl._fleet.channels.results.put(Result("yield", stream.job_id + 41, 1, "stale"))
+        stale = Result(kind=MessageKind.YIELD, job_id=stream.job_id + 41, rank=1, value="stale")
+        ctl._fleet.channels.up[1].put(stale)
         with pytest.raises(FleetFailure, match=rf"MGPU fleet desync: rank 1 sent job {stream.job_id + 41}, expected"):
             list(stream)
         assert not ctl.is_alive

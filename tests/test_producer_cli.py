@@ -241,10 +241,24 @@ def test_unknown_job_and_unreachable_redis(env: dict[str, str]) -> None:
         code, _out, err = run(command, env)
         assert code == ExitCode.NOT_FOUND, command
         assert err.strip() == "producer: no job 'nope' (never submitted, or expired)"
+
+
+def test_every_command_says_one_line_when_redis_is_unreachable(tmp_path: Path, env: dict[str, str]) -> None:
+    """Issue 16: `producer ls` printed a Python traceback (exit 1) where every other command said one line
+    and exited 6."""
     dead = {**env, "LTX_REDIS_URL": "redis://127.0.0.1:1/0"}
-    code, _out, err = run(["status", "x"], dead)
-    assert code == ExitCode.UNAVAILABLE
-    assert err.count("\n") == 1 and err.startswith("producer: cannot reach Redis")
+    request = write(tmp_path, "p.json", '{"prompt": "x"}')
+    commands = [["status", "x"], ["watch", "x"], ["cancel", "x"], ["fetch", "x"], ["ls"], ["stats"],
+                ["submit", request]]  # fmt: skip
+    for command in commands:
+        result = CliRunner().invoke(cli, command, env=dead)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (command, result.exc_info)
+        assert result.exit_code == ExitCode.UNAVAILABLE, (command, result.output)
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("producer: cannot reach Redis"), command
+        assert "Traceback" not in result.output
+    # a dry run validates the file anyway and says the runner limits could not be checked
+    code, out, err = run(["submit", request, "--dry-run"], dead)
+    assert code == 0 and out.strip().endswith(": ok") and "runner limits not checked" in err
 
 
 def test_priority_high_goes_to_the_front(tmp_path: Path, env: dict[str, str], redis_client) -> None:
@@ -367,6 +381,42 @@ def test_watch_plain_lines_off_a_terminal() -> None:
     ]
     assert all(len(line) < 200 for line in lines)
     assert lines[-1] == "uploaded s3://b/k/v.mp4 (2.0 KiB, sha256 abababababababab…)"
+
+
+def test_watch_and_stats_small_print() -> None:
+    """Issue 16: the last upload line read "upload 256.0 KiB/25.3 MiB" right before "uploaded" (the final
+    progress line was throttled away), and a one-rank fleet was shown as "(1 ranks)"."""
+    import io
+    from datetime import UTC, datetime
+
+    from rich.console import Console
+
+    from producer.client import Stats, WorkerInfo
+    from producer.display import EventPrinter, render_stats
+
+    total = 25 * 2**20
+    events = _events(
+        ("state", {"state": "rendering", "devices": "cpu:1", "world_size": 1}),
+        ("upload", {"bytes": 2**18, "total": total}),
+        ("upload", {"bytes": total // 2, "total": total}),
+        ("upload", {"bytes": total, "total": total, "done": True}),
+        ("state", {"state": "uploaded", "result": {"bucket": "b", "key": "k", "size": total, "sha256": "ab" * 32}}),
+    )
+    buffer = io.StringIO()
+    with EventPrinter(Console(file=buffer, width=120), "job-1") as printer:
+        for event in events:  # all within one second: the middle line is throttled, the last one is not
+            printer.show(event)
+    lines = [line.split(" ", 1)[1] for line in buffer.getvalue().splitlines()]
+    assert lines[0] == "rendering on cpu:1 (1 rank)"
+    assert [x for x in lines if x.startswith("upload ")][-1] == "upload 25.0 MiB/25.0 MiB", lines
+    health = {"fleet": {"state": "ready", "pids": [11]}, "jobs_done": 3}
+    worker = WorkerInfo(name="w", state="idle", queues=["q"], current_job=None, group="cpu:1", fleet_state="ready",
+                        last_heartbeat=datetime.now(UTC), health=health)  # fmt: skip
+    stats = Stats(queues=[], workers=[worker], failures=[], max_queue_depth=0, client="c", client_quota=0,
+                  client_unfinished=0)  # fmt: skip
+    buffer = io.StringIO()
+    render_stats(Console(file=buffer, width=200), stats)
+    assert "ready (1 rank)" in buffer.getvalue() and "ranks" not in buffer.getvalue()
 
 
 def test_backfill_progress_bar_on_a_terminal() -> None:

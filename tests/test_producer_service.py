@@ -376,3 +376,26 @@ def test_backfill_rides_out_a_redis_outage(stack: Stack, tmp_path: Path, tcp_pro
     assert {r["state"] for r in records} == {"uploaded"}
     for record in records:
         assert started_count(redis_client, record["job_id"]) == 1
+
+
+def test_runner_limits_are_checked_at_the_edge(stack: Stack, tmp_path: Path, redis_client) -> None:
+    """Issue 16: `steps: 200` passed `--dry-run` and `submit` and failed in the worker with `runner_error`
+    (the smoke model takes at most 50 steps). The worker publishes its runner's limits; the producer checks
+    them before anything is submitted, in `--dry-run` too."""
+    over = tmp_path / "over.json"
+    over.write_text(json.dumps({"prompt": "too many steps", **TINY, "steps": 200}))
+    jobs_before = set(redis_client.scan_iter(match="rq:job:*"))
+    for extra in (["--dry-run"], []):
+        code, out, err = run(["submit", str(over), *extra], stack.env)
+        assert code == ExitCode.USAGE, (extra, out, err)
+        assert "steps: 200 is outside [1, 50] accepted by runner 'smoke'" in err and "nothing submitted" in err, err
+        assert "Traceback" not in err
+    assert set(redis_client.scan_iter(match="rq:job:*")) == jobs_before  # nothing enqueued
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps({"prompt": "fifty steps", **TINY, "steps": 50}))
+    code, out, err = run(["submit", str(ok), "--dry-run"], stack.env)
+    assert code == 0 and out.strip().endswith(": ok"), (out, err)
+    # what the worker published, read back through the client
+    with ProducerClient(load_settings(redis_url=stack.env["LTX_REDIS_URL"], queues=[stack.queue])) as client:
+        published = client.runner_limits()
+    assert published and all(limits.ranges == {"steps": (1.0, 50.0)} for _, limits in published)

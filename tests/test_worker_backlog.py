@@ -291,3 +291,21 @@ def test_pipeline_off_uploads_inside_the_job(tmp_path, redis_server, s3_server, 
         assert w.health()["uploads"]["background"] is False
     finally:
         assert w.stop() == 0, w.proc.log_tail()
+
+
+def test_health_snapshot_follows_the_upload_without_waiting_for_a_heartbeat(tmp_path, redis_server, s3_server, proxy):
+    """Issue 16: the snapshot in Redis was written at render end and then only with RQ's heartbeat, so
+    `producer stats` showed "jobs 0" after the first job and an upload still `pending` once it had finished.
+    With a long worker TTL (RQ beats rarely) it must still follow the upload at once."""
+    w = Worker(tmp_path, redis_server, s3_server, proxy, worker_ttl=300)
+    try:
+        job = w.submit("t bytes=50000", seed=41)
+        assert wait_state(job, {"uploaded", "failed"}, 60, w.proc) == "uploaded"
+
+        def caught_up() -> bool:
+            h = w.health()
+            return h["jobs_done"] == 1 and h["uploads"]["pending"] == 0 and h["current_job"] is None
+
+        wait_for(caught_up, 20, "health snapshot after the upload", on_fail=lambda: str(w.health()))
+    finally:
+        assert w.stop() == 0, w.proc.log_tail()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rq import Queue
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -138,6 +139,9 @@ def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, 
         steps = [e["step"] for e in evts if e["type"] == "progress"]
         assert steps == [1, 2]
         assert [e["ts"] for e in evts] == sorted(e["ts"] for e in evts)
+        # the output event names the file, not the worker's local spool path (issue 16)
+        (output,) = [e for e in evts if e["type"] == "output"]
+        assert "path" not in output and output["file"] == "video.mp4" and str(f.spool) not in json.dumps(evts)
         # plain rq APIs see the summary and the result
         fetched = Job.fetch(job.id, connection=f.conn, serializer=JSONSerializer)
         meta = fetched.get_meta()
@@ -219,8 +223,13 @@ def test_cancel_running_job_keeps_fleet_and_next_job_succeeds(fleet):
     queued = fleet.submit("t")  # waits behind the first; cancelled while queued
     wait_for(lambda: (job.get_meta(refresh=True).get("step") or 0) >= 2, 30, "progress", on_fail=fleet.proc.log_tail)
     assert cancel_job(fleet.conn, queued.id) == "cancelled"
-    assert cancel_job(fleet.conn, job.id) == "stopping"
-    assert wait_rq_status(job, {JobStatus.STOPPED}, 30, fleet.proc)
+    assert cancel_job(fleet.conn, job.id) == "stop_requested"
+    # a cancel is not a failure (issue 16): RQ records it like a cancelled queued job, in the canceled registry
+    assert wait_rq_status(job, {JobStatus.CANCELED}, 30, fleet.proc)
+    q = Queue(fleet.queue, connection=fleet.conn, serializer=JSONSerializer)
+    assert job.id in q.canceled_job_registry.get_job_ids(cleanup=False)
+    assert job.id not in q.failed_job_registry.get_job_ids(cleanup=False)
+    assert job.latest_result() is None  # no failure result either
     assert job.get_meta(refresh=True)["state"] == "cancelled"
     assert _types(events(fleet.conn, job.id))[-1] == "cancelled"
     assert queued.get_status(refresh=True) == JobStatus.CANCELED
@@ -254,19 +263,41 @@ def test_rank_killed_mid_job_fails_with_fleet_failure_rebuilds_and_next_job_succ
     assert wait_state(nxt, {"uploaded", "failed"}, 30, fleet.proc) == "uploaded"
 
 
-def test_rank_dying_while_idle_is_rebuilt_before_the_next_job_runs(fleet):
+def _metric(port: int, line_start: str) -> str | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return next((line for line in text.splitlines() if line.startswith(line_start)), None)
+
+
+def test_idle_fleet_death_is_reported_and_rebuilt_at_once_and_no_job_is_taken_before(fleet):
+    """Issue 16: a rank killed while the fleet was idle went unnoticed until the next job (health, metrics and
+    `producer stats` said "ready" for minutes), and the next job was dequeued first, then waited for the
+    rebuild. Now the controller's monitor reports it: health and metrics say so at once, the rebuild starts
+    at once, and a job submitted meanwhile is only started once the new fleet is warm."""
     import os
     import signal
 
     info = fleet.idle()
-    old_pids, rebuilds = info["fleet"]["pids"], info["fleet"]["rebuilds"]
+    old_pids, rebuilds, port = info["fleet"]["pids"], info["fleet"]["rebuilds"], info["metrics_port"]
     os.kill(old_pids[1], signal.SIGKILL)
-    time.sleep(0.5)  # the controller's monitor notices within ~0.1 s; the worker is blocked in BLMOVE
+    # reported without any job: the snapshot in Redis and /metrics say the fleet is down (bound generous for
+    # a loaded machine; before the fix they said "ready" until a job arrived)
+    wait_for(lambda: not fleet.health()["fleet"]["alive"], 10, "health snapshot: fleet down", poll=0.02,
+             on_fail=fleet.proc.log_tail)  # fmt: skip
+    assert _metric(port, 'ltx_worker_fleet_up{group="cpu:2"}') == 'ltx_worker_fleet_up{group="cpu:2"} 0.0'
+    assert fleet.health()["fleet"]["last_failure"]["fleet_reason"] == "rank_exited"
+    # a job submitted now waits in the queue until the rebuilt fleet is warm
     job = fleet.submit("t")
-    assert wait_state(job, {"uploaded", "failed"}, 90, fleet.proc) == "uploaded", job.get_meta(refresh=True)
-    assert job.get_meta(refresh=True)["attempt"] == 1  # not a failure: it waited for the rebuild
-    info = fleet.idle()
-    assert info["fleet"]["rebuilds"] == rebuilds + 1 and set(info["fleet"]["pids"]).isdisjoint(old_pids)
+    # rebuilt without being asked by a job
+    rebuilt = wait_for(lambda: (h := fleet.health())["fleet"]["rebuilds"] == rebuilds + 1 and h["fleet"]["alive"]
+                       and h, 90, "rebuilt fleet", on_fail=fleet.proc.log_tail)  # fmt: skip
+    assert set(rebuilt["fleet"]["pids"]).isdisjoint(old_pids)
+    assert wait_state(job, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded", job.get_meta(refresh=True)
+    started = next(e for e in events(fleet.conn, job.id) if e.get("state") == "started")
+    assert started["ts"] >= rebuilt["fleet"]["ready_at"], (started, rebuilt["fleet"])
+    assert job.get_meta(refresh=True)["attempt"] == 1  # it waited; no attempt was spent
+    assert _metric(port, 'ltx_worker_fleet_failures_total{group="cpu:2",reason="rank_exited"}') is not None
+    assert _metric(port, 'ltx_worker_fleet_up{group="cpu:2"}') == 'ltx_worker_fleet_up{group="cpu:2"} 1.0'
     wait_for(lambda: not any(pid_alive(p) for p in old_pids), 20, "old ranks gone")
 
 
@@ -355,7 +386,12 @@ def test_cancel_right_after_start_is_honoured(fleet):
     job = fleet.submit("t step_s=0.3", steps=30)
     probe = Job(job.id, connection=fleet.conn, serializer=JSONSerializer)
     wait_for(lambda: probe.get_status(refresh=True) == JobStatus.STARTED, 20, "started", poll=0.005)
-    assert cancel_job(fleet.conn, job.id) == "stopping"
-    assert wait_rq_status(job, {JobStatus.STOPPED}, 30, fleet.proc)
+    assert cancel_job(fleet.conn, job.id) == "stop_requested"
+    # a cancel is not a failure (issue 16): RQ records it like a cancelled queued job, in the canceled registry
+    assert wait_rq_status(job, {JobStatus.CANCELED}, 30, fleet.proc)
+    q = Queue(fleet.queue, connection=fleet.conn, serializer=JSONSerializer)
+    assert job.id in q.canceled_job_registry.get_job_ids(cleanup=False)
+    assert job.id not in q.failed_job_registry.get_job_ids(cleanup=False)
+    assert job.latest_result() is None  # no failure result either
     assert job.get_meta(refresh=True)["state"] == "cancelled"
     assert fleet.idle()["fleet"]["alive"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,40 @@ def test_every_setting_is_documented():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "worker.md").read_text()
     missing = [f"LTX_{name.upper()}" for name in WorkerSettings.model_fields if f"LTX_{name.upper()}" not in doc]
     assert not missing, f"settings missing from docs/worker.md: {missing}"
+
+
+def test_options_before_the_settings_subcommand_apply_to_it():
+    """Issue 16: `ltx-worker --group ... settings` showed groups ["cpu:1"] and the default Redis URL."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LTX_")}
+
+    def show(*args: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "worker", *args], env=env, capture_output=True, text=True,
+                             timeout=60, check=True)  # fmt: skip
+        return json.loads(out.stdout)
+
+    shown = show("--group", "cpu:2", "--group", "cpu:1", "--redis-url", "redis://r:7/1", "--queue", "a", "settings")
+    assert shown["groups"] == ["cpu:2", "cpu:1"] and shown["redis_url"] == "redis://r:7/1" and shown["queues"] == ["a"]
+    # the subcommand's own option wins over the one given before it
+    assert show("--redis-url", "redis://r:7/1", "settings", "--redis-url", "redis://own:1/0")["redis_url"] == (
+        "redis://own:1/0"
+    )
+
+
+def test_backfill_manifests_and_demo_output_are_ignored_and_the_help_says_where_the_manifest_goes():
+    """Issue 16: `producer backfill examples/prompts.jsonl` left an untracked, unignored manifest."""
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from producer.cli import cli
+
+    root = Path(__file__).resolve().parent.parent
+    for path in ("examples/prompts.manifest.jsonl", "ltx-demo-output/video.mp4", "0a1b2c.mp4"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=root, check=False).returncode == 0, path
+    help_text = " ".join(CliRunner().invoke(cli, ["backfill", "--help"]).output.split())
+    assert "<file>.manifest.jsonl next to the input" in help_text

@@ -134,3 +134,52 @@ def test_sigterm_during_fleet_start_stops_cleanly(tmp_path, redis_server, s3_ser
     proc.signal(signal.SIGTERM)
     assert proc.wait(60) == 0, proc.log_tail()
     assert "stopped by SIGTERM during startup" in proc.log_tail()
+
+
+# ==== errors that can never fix themselves, and those that do (issue 16) ================================
+
+
+def test_bad_s3_credentials_stop_the_supervisor_at_once_with_code_2(tmp_path, redis_server, s3_server):
+    """Each worker exits 2; the supervisor used to restart them 5 times and exit 4 after ~30 s."""
+    proc, conn, _, _ = _worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1", "--group", "cpu:1"],
+                               s3_secret_access_key="wrong-secret")  # fmt: skip
+    conn.close()
+    assert proc.wait(60) == 2, proc.log_tail()
+    log = proc.log_tail(20000)
+    assert "a configuration error" in log and "restarting in" not in log, log
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_group_on_a_machine_without_cuda_exits_2_with_one_line(tmp_path, redis_server, s3_server):
+    """Its ranks used to die with `module 'torch._C' has no attribute '_cuda_setDevice'`, again and again."""
+    proc, conn, _, _ = _worker(tmp_path, redis_server, s3_server, ["one", "--group", "0"])
+    conn.close()
+    assert proc.wait(60) == 2, proc.log_tail()
+    log = proc.log_tail()
+    assert "group '0' needs cuda:0, but torch" in log and "use --group cpu:N" in log, log
+    assert "_cuda_setDevice" not in log and "Traceback" not in log
+
+
+def test_worker_started_before_redis_waits_for_it_saying_so(tmp_path, s3_server):
+    """Redis not up yet is transient: wait with back-off and say so (it used to die with a raw traceback
+    from RQ's client_setname, be restarted 5 times, and make the supervisor exit 4)."""
+    from tests.servers import RedisServer, free_port
+
+    port = free_port()
+    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"w{uuid.uuid4().hex[:6]}"
+    env = worker_env(f"redis://127.0.0.1:{port}/0", s3_server, queue=queue, name=name, spool=tmp_path / "spool")
+    proc = WorkerProcess(["--group", "cpu:1"], env, tmp_path / "supervisor.log").start()
+    redis = RedisServer(port=port)
+    try:
+        wait_for(lambda: proc.log_tail().count("is not reachable") >= 2, 60, "the worker saying it waits",
+                 on_fail=proc.log_tail)  # fmt: skip
+        assert proc.proc is not None and proc.proc.poll() is None
+        redis.start()
+        conn = redis.client()
+        wait_ready(conn, name, 1, 120, proc)
+        conn.close()
+        log = proc.log_tail(20000)
+        assert "Traceback" not in log and "restarting in" not in log, log
+    finally:
+        assert proc.stop(90) == 0, proc.log_tail()
+        redis.cleanup()

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from rq.job import JobStatus
 
+from producer.client import ProducerClient
+from producer.settings import load_settings
 from tests.test_worker_support import (
     WorkerProcess,
     enqueue,
@@ -98,6 +100,14 @@ def test_worker_sigkilled_mid_job_is_rerun_once_not_lost(pair, tmp_path):
     assert [r.type.name for r in results] == ["SUCCESSFUL"], results
     meta = job.get_meta(refresh=True)
     assert meta["attempt"] == 2 and meta["retries"] == {"worker_lost": 1}
+    # issue 16: the current error is null once the job succeeded; the attempt history keeps the loss
+    assert meta["error"] is None, meta
+    assert [(a["attempt"], a["reason"], a["worker"]) for a in meta["attempts"]] == [(1, "worker_lost", victim_name)]
+    # and what `producer status` shows: first submission <= latest start <= the end (the upload's)
+    info = ProducerClient(load_settings(queues=[pair.queue]), connection=pair.conn).status(job.id)
+    assert info.error is None and info.enqueued_at <= info.started_at <= info.ended_at, info
+    uploaded_ts = next(e["ts"] for e in events(pair.conn, job.id) if e.get("state") == "uploaded")
+    assert info.ended_at.timestamp() >= uploaded_ts - 0.01 and info.requeued_at is not None
     kinds = [e.get("state") for e in events(pair.conn, job.id) if e["type"] == "state"]
     assert kinds.count("started") == 2 and "retrying" in kinds and kinds[-1] == "uploaded"
     # the supervisor restarted the killed worker: two live fleets again, one of them new

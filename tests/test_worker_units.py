@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 from worker.fleet import FleetSupervisor, FleetUnrecoverable, await_released
 from worker.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
 from worker.relay import EventRelay
-from worker.supervisor import EXIT_CRASH_LOOP, Supervisor
+from worker.supervisor import EXIT_BAD_CONFIG, EXIT_CRASH_LOOP, Supervisor
 
 # ==== relay =============================================================================================
 
@@ -236,6 +236,8 @@ out = pathlib.Path(sys.argv[1]); group = sys.argv[2]; mode = sys.argv[3]
 out.joinpath(f"start-{group}-{time.time_ns()}").touch()
 if mode == "crash":
     sys.exit(3)
+if mode == "config":
+    sys.exit(2)
 if mode == "exit-once" and not out.joinpath(f"exited-{group}").exists():
     out.joinpath(f"exited-{group}").touch(); sys.exit(1)
 def term(signum, frame):
@@ -296,6 +298,17 @@ def test_supervisor_second_signal_is_forwarded_as_cold_stop(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_supervisor_does_not_restart_a_configuration_error(tmp_path):
+    """Issue 16: a worker exiting 2 (bad settings, storage credentials, a missing GPU) was restarted five
+    times before the supervisor gave up with 4; restarting cannot fix it."""
+    sup = Supervisor(["a", "b"], _command(tmp_path, "config"), backoff_s=0.01, poll_s=0.02)
+    t0 = time.monotonic()
+    assert sup.run() == EXIT_BAD_CONFIG
+    assert time.monotonic() - t0 < 10
+    assert all(c.restarts == 0 for c in sup.children)
+
+
+@pytest.mark.timeout(60)
 def test_supervisor_gives_up_on_crash_loop(tmp_path):
     sup = Supervisor(["a", "b"], _command(tmp_path, "crash"), backoff_s=0.01, max_quick_exits=3, poll_s=0.02)
     t0 = time.monotonic()
@@ -307,32 +320,47 @@ def test_supervisor_gives_up_on_crash_loop(tmp_path):
 # ==== abandoned jobs (RQ's registry cleanup with the worker's handler) ==================================
 
 
-@pytest.mark.parametrize("retries_left", [0, 1])
-def test_abandoned_job_is_recorded_as_worker_lost(redis_client, unique_name, retries_left):
+@pytest.mark.parametrize("lost_before", [0, 1])
+def test_abandoned_job_is_recorded_as_worker_lost_with_the_budget_from_the_settings(
+    redis_client, unique_name, lost_before
+):
+    """The dead execution may never have written a retry budget into the job (issue 15: a job taken by a
+    worker that was SIGKILLed before it started the job ended `failed` although nothing was aimed at it):
+    the cleaning worker decides from its settings and the losses counted so far."""
     from rq.executions import Execution
     from rq.registry import StartedJobRegistry
 
+    from worker.outcomes import JobOutcomes
     from worker.rqworker import FleetWorker
     from worker.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
-    job = q.enqueue("worker.job.render", {"prompt": "x"}, meta={"state": "rendering", "worker": "gone.cpu1.1"})
+    meta = {"state": "rendering", "worker": "gone.cpu1.1", "attempt": 1 + lost_before}
+    if lost_before:
+        meta["retries"] = {"worker_lost": 1}
+    job = q.enqueue("worker.job.render", {"prompt": "x"}, meta=meta)
     q.remove(job.id)  # it was dequeued by the worker that then vanished
-    job.retries_left = retries_left
+    job.retries_left = 0  # nobody wrote a budget into the hash
     job.save()
     with redis_client.pipeline() as pipe:
         Execution.create(job, 5, pipeline=pipe, worker_name="gone.cpu1.1")
         pipe.execute()
-    worker = FleetWorker.__new__(FleetWorker)  # only the handler's state: connection and settings
-    worker.connection, worker.settings = redis_client, WorkerSettings()
+    worker = FleetWorker.__new__(FleetWorker)  # only the handler's state: connection, settings, outcomes
+    settings = WorkerSettings(retry_worker_lost=1)
+    worker.connection, worker.settings = redis_client, settings
+    worker.outcomes = JobOutcomes(settings, worker_name="cleaner.cpu1.2")
     registry = StartedJobRegistry(unique_name, connection=redis_client, serializer=JSONSerializer)
     registry.cleanup(timestamp=time.time() + 60, exception_handlers=[worker._abandoned_job_handler])
     meta = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).get_meta()
-    state = "retrying" if retries_left else "failed"
+    retrying = not lost_before
+    state = "retrying" if retrying else "failed"
     assert meta["state"] == state and meta["error"]["reason"] == "worker_lost", meta
-    assert meta["error"]["worker"] == "gone.cpu1.1" and meta["error"]["retryable"] is bool(retries_left)
+    assert meta["error"]["worker"] == "gone.cpu1.1" and meta["error"]["retryable"] is True
     _, fields = redis_client.xrevrange(events_key(job.id), count=1)[0]
     assert json.loads(fields[EVENT_FIELD_DATA.encode()])["state"] == state
-    assert (job.id in q.get_job_ids()) is bool(retries_left)  # re-queued only while the budget lasts
-    if retries_left:
-        assert meta["retries"] == {"worker_lost": 1}
+    assert (job.id in q.get_job_ids()) is retrying  # re-queued only while the budget lasts
+    assert meta["retries"] == {"worker_lost": 1}
+    # the attempt history names the attempt and the worker that vanished
+    assert meta["attempts"][-1]["worker"] == "gone.cpu1.1" and meta["attempts"][-1]["reason"] == "worker_lost"
+    if not retrying:
+        assert meta["error"]["attempts"] == meta["attempts"]

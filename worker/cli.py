@@ -87,7 +87,11 @@ def main(
     queues: tuple[str, ...],
     **flags: Any,
 ) -> None:
-    """Run one worker process per device group under a supervisor (default command)."""
+    """Run one worker process per device group under a supervisor (default command).
+
+    Options given before a subcommand apply to it too (`ltx-worker --group cpu:2 settings`); the
+    subcommand's own options win."""
+    ctx.obj = {"groups": groups, "settings_file": settings_file, "queues": queues, **flags}
     if ctx.invoked_subcommand is not None:
         return
     from .logs import setup_logging
@@ -100,15 +104,30 @@ def main(
     sys.exit(supervisor.run())
 
 
+def _inherit(
+    ctx: click.Context, settings_file: str | None, queues: tuple[str, ...], flags: dict[str, Any]
+) -> tuple[str | None, tuple[str, ...], dict[str, Any]]:
+    """Merge the options given before the subcommand (on `main`) under the subcommand's own."""
+    parent = ctx.obj or {}
+    merged = {k: v if v is not None else parent.get(k) for k, v in flags.items()}
+    return settings_file or parent.get("settings_file"), queues or tuple(parent.get("queues", ())), merged
+
+
+def _parent_groups(ctx: click.Context) -> tuple[str, ...]:
+    return tuple((ctx.obj or {}).get("groups", ()))
+
+
 @main.command("one")
-@click.option("--group", required=True, help="this worker's device group")
+@click.option("--group", default=None, help="this worker's device group (default: the one --group given before)")
 @click.option("--index", type=int, default=0, help="group index (metrics port offset)")
 @click.option("--burst", is_flag=True, help="exit when the queues are empty")
 @click.option("--max-jobs", type=int, default=None, help="exit after this many jobs")
 @click.option("--parent-pid", type=int, default=None, hidden=True, help="warm-stop when this process dies")
 @_common
+@click.pass_context
 def one(
-    group: str,
+    ctx: click.Context,
+    group: str | None,
     index: int,
     burst: bool,
     max_jobs: int | None,
@@ -121,6 +140,13 @@ def one(
     from .process import run_worker
     from .settings import validate_group
 
+    settings_file, queues, flags = _inherit(ctx, settings_file, queues, flags)
+    parent_groups = _parent_groups(ctx)
+    if group is None:
+        if len(parent_groups) != 1:
+            click.echo("ltx-worker one: give exactly one --group", err=True)
+            sys.exit(2)
+        group = parent_groups[0]
     settings = _load(settings_file, (), queues, **flags)
     try:
         group = validate_group(group)
@@ -150,7 +176,9 @@ def health(url: str | None, port: int, live: bool) -> None:
 
 @main.command("settings")
 @_common
-def show_settings(settings_file: str | None, queues: tuple[str, ...], **flags: Any) -> None:
+@click.pass_context
+def show_settings(ctx: click.Context, settings_file: str | None, queues: tuple[str, ...], **flags: Any) -> None:
     """Print the effective settings as JSON (secrets masked); exit 2 if they are invalid."""
-    settings = _load(settings_file, (), queues, **flags)
+    settings_file, queues, flags = _inherit(ctx, settings_file, queues, flags)
+    settings = _load(settings_file, _parent_groups(ctx), queues, **flags)
     click.echo(json.dumps(settings.public_dump(), indent=2, sort_keys=True))

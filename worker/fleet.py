@@ -1,18 +1,21 @@
 """Fleet supervision: one warm `MGPUController` per worker process, rebuilt whenever it is poisoned.
 
-Lifecycle: `start()` builds the controller, blocks until every rank ran `setup()` (the model is loaded),
-then renders the configured warm-up requests once (`warmup`: compilation, allocator growth and caches
-for the sizes the service expects happen here, not in a client's first job) before the worker takes its
-first job. After a `FleetFailure` the job that hit it fails (or is re-queued) and `ensure_ready()` —
-called before every dequeue — shuts the dead controller down and starts a new one. Consecutive failed
-builds (a failed warm-up counts) back off exponentially; after `max_failures` of them
-`FleetUnrecoverable` is raised and the worker process exits non-zero instead of spinning, so its
-supervisor (or the orchestrator) sees a crash loop.
+Lifecycle: `start()` builds the controller and blocks until every rank ran `setup()` (the model is warm)
+before the worker takes its first job. The controller's monitor reports a poisoned fleet at once, even
+while it is idle (a rank killed between jobs): `on_failure(info)` and `on_change()` fire from the monitor
+thread, the state turns `failed`, and `rebuild_soon()` starts the rebuild in a thread of its own. Before
+every dequeue the worker calls `ensure_ready()`, which waits for that rebuild (or runs one) so no job is
+taken until the fleet is warm again. Consecutive failed builds back off exponentially; after
+`max_failures` of them `FleetUnrecoverable` is raised (in the caller of `ensure_ready()`) and the worker
+process exits non-zero instead of spinning, so its supervisor (or the orchestrator) sees a crash loop.
 
-Before a new fleet starts, the old one's rank processes must be gone and (where NVML can tell) listed on
-no GPU: at real size a new fleet loading while a dead one's memory is still held runs out of memory.
-`startup` describes the last successful start: process start, weight load and warm-up seconds (see
-`ltx_mgpu.startup`), which the worker publishes in its health snapshot and metrics.
+A start is complete only after the configured warm-up requests rendered once (`warmup`: compilation,
+CUDA-graph capture, allocator growth and caches for the sizes the service expects happen here, not in a
+client's first job); a failed warm-up is a failed build. Before a new fleet starts, the old one's rank
+processes must be gone and (where NVML can tell) listed on no GPU: at real size a new fleet loading while a
+dead one's memory is still held runs out of memory. `startup` describes the last successful start: process
+start, weight load and warm-up seconds (see `ltx_mgpu.startup`), which the worker publishes in its health
+snapshot and metrics.
 
 The controller is created through `factory` (default `ltx_mgpu.MGPUController`), imported lazily so this
 module can be imported without torch.
@@ -21,6 +24,7 @@ module can be imported without torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -36,6 +40,7 @@ __all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
 log = logging.getLogger("worker.fleet")
 
 EventFn = Callable[[dict[str, Any]], None]
+FLEET_STATES = ("new", "starting", "ready", "failed", "stopped")
 
 
 class FleetUnrecoverable(RuntimeError):
@@ -57,6 +62,8 @@ class FleetSupervisor:
         backoff_s: float = 2.0,
         factory: Callable[..., Any] | None = None,
         on_event: EventFn | None = None,
+        on_failure: EventFn | None = None,
+        on_change: Callable[[], None] | None = None,
         warmup: Sequence[dict[str, Any]] = (),
         warmup_dir: Path | None = None,
         warmup_timeout: float = 3600.0,
@@ -71,21 +78,47 @@ class FleetSupervisor:
         self.backoff_s = backoff_s
         self._factory = factory
         self.on_event = on_event or (lambda _event: None)
+        self.on_failure = on_failure or (lambda _info: None)  #: a fleet was poisoned: info (monitor thread)
+        self.on_change = on_change or (lambda: None)  #: `state` or liveness changed (any thread)
         self.controller: Any = None
-        self.state = "new"  #: new → starting → ready → (failed → starting → ready)* → stopped
+        self._state = "new"  #: new → starting → ready → (failed → starting → ready)* → stopped
         self.builds = 0  #: successful builds (1 = the initial start)
         self.rebuilds = 0  #: successful builds after a failure
         self.build_failures = 0  #: failed build attempts, all time
         self.last_failure: dict[str, Any] | None = None
+        self.failures = 0  #: poisoned fleets, all time
+        self.ready_at: float | None = None  #: wall-clock time the current controller became warm
+        self._recorded_for: Any = None  # the controller whose failure was counted (monitor and job both report)
+        self._lock = threading.RLock()  # held for a whole (re)build
+        self._small_lock = threading.Lock()  # failure bookkeeping and the rebuild thread; never held long
+        self._stopped = threading.Event()
+        self._rebuild_thread: threading.Thread | None = None
+        self._building: Any = None  # the controller being started (shutdown()/kill() stop it without the lock)
+        self._rebuild_error: FleetUnrecoverable | None = None
         self.warmup = [dict(kwargs) for kwargs in warmup]  #: job kwargs (no output_path) run after each start
         self.warmup_dir = warmup_dir
         self.warmup_timeout = warmup_timeout
         self.release_timeout = release_timeout
         self.startup: dict[str, Any] | None = None  #: the last successful start: phases in seconds, stamps
-        self._lock = threading.RLock()
-        self._stopped = threading.Event()
 
     # ---- state ---------------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        changed = value != self._state
+        self._state = value
+        if changed:
+            self._notify()
+
+    def _notify(self) -> None:
+        try:
+            self.on_change()
+        except Exception:
+            log.warning("fleet on_change hook failed", exc_info=True)
+
     @property
     def is_alive(self) -> bool:
         ctl = self.controller
@@ -115,15 +148,20 @@ class FleetSupervisor:
                 t0 = time.monotonic()
                 started_at = time.time()
                 ctl = None
+                warmup_s = 0.0
                 try:
-                    ctl = self._make()
-                    ctl.start(timeout=self.start_timeout, **self.setup_kwargs)
-                    warmup_s = self._warm_up(ctl)
+                    ctl = self._building = self._make()
+                    if not self._stopped.is_set():  # (a shutdown stops `_building` from its own thread)
+                        ctl.start(timeout=self.start_timeout, **self.setup_kwargs)
+                        warmup_s = self._warm_up(ctl)
                 except BaseException as exc:
+                    self._building = None
                     if ctl is not None:  # a failed start or warm-up: nothing of it is trusted or kept
                         self._discard(ctl, 0)
                     if not isinstance(exc, Exception):
                         raise  # a signal-driven stop (the worker's startup interrupt) or an exit: not a failure
+                    if self._stopped.is_set():
+                        break
                     failures += 1
                     self.build_failures += 1
                     self.state = "failed"
@@ -138,7 +176,12 @@ class FleetSupervisor:
                     if self._stopped.wait(self.backoff_s * (2 ** (failures - 1))):
                         break
                     continue
+                self._building = None
+                if self._stopped.is_set():
+                    ctl.shutdown(graceful_timeout=0)
+                    break
                 self.controller = ctl
+                self.ready_at = time.time()
                 self.state = "ready"
                 self.builds += 1
                 if rebuild:
@@ -153,33 +196,95 @@ class FleetSupervisor:
             self.state = "stopped"
             raise FleetUnrecoverable("fleet start interrupted by shutdown")
 
-    def ensure_ready(self) -> bool:
-        """Rebuild the controller if it is dead or poisoned. Returns True if a rebuild happened."""
-        with self._lock:
-            if self.is_alive:
-                return False
-            if self.controller is not None:
-                log.warning("fleet on %s is not alive (%s); rebuilding", self.devices, self.last_failure)
-            self.start()
-            return True
+    def ensure_ready(self, *, tick: Callable[[], None] | None = None) -> bool:
+        """Make sure the controller is warm: if it is dead or poisoned, (re)build it in the rebuild thread
+        (or wait for the rebuild already running there), calling `tick()` about once a second meanwhile.
+        Returns True if a rebuild happened; raises `FleetUnrecoverable` if rebuilds gave up."""
+        if self.is_alive and self._rebuild_thread is None:
+            return False
+        if self.controller is not None and not self.is_alive:
+            log.warning("fleet on %s is not alive (%s); rebuilding", self.devices, self.last_failure)
+        self.rebuild_soon()
+        with self._small_lock:
+            thread = self._rebuild_thread
+        while thread is not None and thread.is_alive():
+            thread.join(1.0)
+            if tick is not None and thread.is_alive():
+                try:
+                    tick()
+                except Exception:
+                    log.debug("tick during a fleet rebuild failed", exc_info=True)
+        with self._small_lock:
+            error, self._rebuild_error = self._rebuild_error, None
+            if self._rebuild_thread is thread:
+                self._rebuild_thread = None
+        if error is not None:
+            raise error
+        if not self.is_alive:
+            raise FleetUnrecoverable("fleet rebuild ended without a live fleet (stopped meanwhile)")
+        return thread is not None
 
-    def record_failure(self, failure: BaseException) -> dict[str, Any]:
-        """Describe a FleetFailure (machine-readable) and mark the fleet for rebuild."""
-        info = {
+    def rebuild_soon(self) -> None:
+        """Start rebuilding in a thread of its own now (idempotent); `ensure_ready()` waits for it."""
+        with self._small_lock:
+            running = self._rebuild_thread is not None and self._rebuild_thread.is_alive()
+            if running or self._stopped.is_set():
+                return
+            self._rebuild_thread = threading.Thread(target=self._rebuild, name="ltx-fleet-rebuild", daemon=True)
+            self._rebuild_thread.start()
+
+    def _rebuild(self) -> None:
+        try:
+            self.start()
+        except FleetUnrecoverable as exc:
+            with self._small_lock:
+                self._rebuild_error = exc
+        except Exception as exc:  # a bug here must not leave ensure_ready() waiting or the fleet unreported
+            with self._small_lock:
+                self._rebuild_error = FleetUnrecoverable(f"fleet rebuild crashed: {type(exc).__name__}: {exc}")
+            log.exception("fleet rebuild crashed")
+
+    @staticmethod
+    def describe(failure: BaseException) -> dict[str, Any]:
+        """A FleetFailure, machine-readable."""
+        return {
             "fleet_reason": getattr(failure, "reason", None),
             "rank": getattr(failure, "rank", None),
             "pid": getattr(failure, "pid", None),
             "exitcode": getattr(failure, "exitcode", None),
             "message": str(failure),
         }
-        self.last_failure = info
+
+    def record_failure(self, failure: BaseException) -> dict[str, Any]:
+        """Count a poisoned fleet once per controller (its monitor's callback and the job that hit it both
+        report it), mark it for rebuild, tell `on_failure`. Returns the description."""
+        info = self.describe(failure)
+        with self._small_lock:
+            ctl = self.controller
+            first = ctl is None or self._recorded_for is not ctl
+            self._recorded_for = ctl
+        if first:
+            self.failures += 1
+            self.last_failure = info
+            self.on_event({"type": "fleet", "action": "failed", **info})
+            try:
+                self.on_failure(info)
+            except Exception:
+                log.warning("fleet on_failure hook failed", exc_info=True)
         self.state = "failed"
-        self.on_event({"type": "fleet", "action": "failed", **info})
         return info
 
+    def _controller_failed(self, controller: Any, failure: BaseException) -> None:
+        """The controller's monitor (or iterating thread) poisoned `controller`: record it, rebuild now."""
+        if controller is not self.controller:
+            return  # an old generation's late report
+        self.record_failure(failure)
+        self.rebuild_soon()
+
     def shutdown(self, graceful_timeout: float | None = None) -> None:
-        """Stop the fleet (every rank); idempotent. Interrupts a rebuild back-off."""
+        """Stop the fleet (every rank); idempotent. Interrupts a rebuild back-off or a start in progress."""
         self._stopped.set()
+        self._stop_building()
         with self._lock:
             self._teardown(graceful_timeout)
             self.state = "stopped"
@@ -200,6 +305,7 @@ class FleetSupervisor:
     def kill(self) -> None:
         """Cold stop: kill the ranks now, from any thread (does not wait for the lock holder)."""
         self._stopped.set()
+        self._stop_building()
         ctl = self.controller
         if ctl is not None:
             ctl.shutdown(graceful_timeout=0)
@@ -227,13 +333,22 @@ class FleetSupervisor:
         log.info("fleet on %s warmed up with %d request(s) in %.2fs", self.devices, len(self.warmup), seconds)
         return seconds
 
+    def _stop_building(self) -> None:
+        building = self._building
+        if building is not None:
+            building.shutdown(graceful_timeout=0)
+
     def _make(self) -> Any:
         factory = self._factory
         if factory is None:
             from ltx_mgpu import MGPUController
 
             factory = MGPUController
-        return factory(self.runner_cls, devices=self.devices)
+        ctl = factory(self.runner_cls, devices=self.devices)
+        register = getattr(ctl, "add_failure_callback", None)
+        if register is not None:
+            register(functools.partial(self._controller_failed, ctl))
+        return ctl
 
     def _teardown(self, graceful_timeout: float | None = None) -> None:
         ctl, self.controller = self.controller, None

@@ -35,7 +35,10 @@ __all__ = [
     "EVENT_FIELD_DATA",
     "EVENT_FIELD_TYPE",
     "KEY_PREFIX",
+    "RECORDED_END_STATES",
+    "RENDER_COMPLETE_STATES",
     "RENDER_FUNC",
+    "RUNNING_STATES",
     "SUMMARY_FIELDS",
     "TERMINAL_STATES",
     "WORKER_HEALTH_KEY_TEMPLATE",
@@ -44,7 +47,9 @@ __all__ = [
     "JobState",
     "check_queue_names",
     "check_redis_url",
+    "derive_state",
     "events_key",
+    "safe_redis_url",
     "split_list",
     "worker_health_key",
 ]
@@ -96,7 +101,44 @@ class JobState(StrEnum):
     CANCELLED = "cancelled"
 
 
+# ---- state sets: what each state means to whoever reads it (the only definitions; import them) -------
+
+#: The job ended for good: nothing will change it any more.
 TERMINAL_STATES = frozenset({JobState.UPLOADED, JobState.FAILED, JobState.CANCELLED})
+#: An execution owns the job: a worker took it and has not recorded an end (a state here with no live
+#: execution means that execution vanished).
+RUNNING_STATES = frozenset({JobState.STARTED, JobState.RENDERING, JobState.RENDERED, JobState.UPLOADING})
+#: The render is complete: the video is committed to a host's spool (or already in storage), so the job
+#: must never be rendered again; only its upload may be retried.
+RENDER_COMPLETE_STATES = frozenset({JobState.RENDERED, JobState.UPLOADING, JobState.UPLOADED})
+#: An execution recorded how it ended (terminally, or by re-queueing the job itself).
+RECORDED_END_STATES = TERMINAL_STATES | {JobState.RETRYING}
+
+#: RQ statuses that end a job even when no worker wrote a service state (it never ran, its worker
+#: vanished, or a client cancelled it while queued), and the service state each one means.
+_RQ_STATUS_STATE = {
+    "queued": JobState.QUEUED,
+    "deferred": JobState.QUEUED,
+    "scheduled": JobState.QUEUED,
+    "started": JobState.STARTED,
+    "failed": JobState.FAILED,
+    "stopped": JobState.CANCELLED,
+    "canceled": JobState.CANCELLED,
+}
+
+
+def derive_state(rq_status: str | None, meta: dict[str, Any]) -> JobState:
+    """A job's service state: the worker's summary (meta `state`), corrected by RQ's status where RQ knows
+    better (a job RQ ended that no worker recorded; a job RQ re-queued after its worker vanished)."""
+    try:
+        state = JobState(meta.get("state"))
+    except ValueError:
+        state = _RQ_STATUS_STATE.get(rq_status or "", JobState.QUEUED)
+    if rq_status in ("failed", "stopped", "canceled") and state not in TERMINAL_STATES:
+        state = _RQ_STATUS_STATE[rq_status]  # RQ ended it and no worker said so
+    elif rq_status in ("queued", "scheduled", "deferred") and state in RUNNING_STATES:
+        state = JobState.QUEUED  # re-queued after its worker vanished mid-job: the summary is stale
+    return state
 
 
 class EventType(StrEnum):
@@ -157,8 +199,11 @@ SUMMARY_FIELDS = (
     "worker",  # RQ worker name that runs / ran the job
     "fleet",  # the device group, e.g. "cpu:2" or "0,1,2,3"
     "updated_at",  # worker wall-clock seconds of the last summary write
-    "error",  # on failure: {"reason": FailureReason, "message": str, "retryable": bool, ...}
+    "ended_at",  # wall-clock seconds of the terminal state (the upload's end, not the render's)
+    "error",  # the current failure {"reason", "message", "retryable", "attempts", ...}; None once uploaded
     "result",  # on success: the same JSON object as the RQ job result
+    "retries",  # re-queues so far per failure reason: {"fleet_failure": 1, ...} (what the retry budgets count)
+    "attempts",  # how each attempt that did not succeed ended: [{"attempt", "worker", "outcome", "reason", ...}]
 )
 
 
@@ -185,6 +230,14 @@ def check_queue_names(names: list[str]) -> list[str]:
         if not _QUEUE_NAME.fullmatch(name):
             raise ValueError(f"queue name {name!r} may only contain letters, digits and _.:-")
     return names
+
+
+def safe_redis_url(url: str) -> str:
+    """The Redis URL without its password, for messages and logs."""
+    if "@" in url:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
 
 
 def check_redis_url(url: str) -> str:

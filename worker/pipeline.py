@@ -45,8 +45,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import rqcompat
 from .keys import FailureReason, JobState
 from .metrics import WorkerMetrics
+from .outcomes import JobOutcomes
 from .relay import EventRelay
 from .spool import Spool, SpoolEntry
 from .storage import StoredObject
@@ -66,7 +68,6 @@ class PendingUpload:
     entry: SpoolEntry
     job: Any | None  #: the RQ job; None when a recovered entry's job no longer exists in Redis
     relay: EventRelay | None
-    retries: dict[str, int] = field(default_factory=dict)
     attempt: int = 1
     queue_wait_s: float | None = None
     render_s: float = 0.0
@@ -97,10 +98,7 @@ class UploadPipeline:
         threads: int,
         max_pending: int,
         max_pending_bytes: int,
-        events_maxlen: int,
-        retry_budget: int,
-        result_ttl: Callable[[Any], int],
-        failure_ttl: Callable[[Any], int],
+        outcomes: JobOutcomes,
         make_result: ResultFn,
         stop: threading.Event,
         on_uploaded: Callable[[], None] | None = None,
@@ -113,13 +111,11 @@ class UploadPipeline:
         self.n_threads = threads
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
-        self.events_maxlen = events_maxlen
-        self.retry_budget = retry_budget
-        self.result_ttl = result_ttl
-        self.failure_ttl = failure_ttl
+        self.outcomes = outcomes
         self.make_result = make_result
         self.stop = stop
         self.on_uploaded = on_uploaded
+        self.on_change: Callable[[], None] = lambda: None  #: pending/in-flight counts changed (health)
         self._cond = threading.Condition()
         self._queue: deque[PendingUpload] = deque()
         self._pending: dict[str, PendingUpload] = {}  # queued or in flight, by job id
@@ -230,15 +226,10 @@ class UploadPipeline:
                 log.info("spool entry %s: job already recorded as uploaded; releasing the copy", entry.job_id)
                 self.spool.release(entry)
                 continue
-            relay = None
-            if job is not None:
-                relay = EventRelay(self.connection, job, maxlen=self.events_maxlen,
-                                   running_ttl=self.failure_ttl(job) + 3600)  # fmt: skip
             item = PendingUpload(
                 entry=entry,
                 job=job,
-                relay=relay,
-                retries=dict(meta.get("retries") or {}),
+                relay=self.outcomes.relay(job) if job is not None else None,
                 attempt=int(meta.get("attempt") or 1),
                 render_s=float(entry.info.get("render_s") or 0.0),
                 t0=entry.created_at,
@@ -354,10 +345,9 @@ class UploadPipeline:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
         result = self.make_result(item, stored, upload_s, wait_s)
-        ttl = self.result_ttl(job)
-        item.relay.state(JobState.UPLOADED, result=result, ttl=ttl)
-        _rq_record_success(job, result, ttl, self.worker_name, recovered=item.recovered)
-        self.metrics.job_outcome("uploaded")
+        self.outcomes.uploaded(job, item.relay, result)
+        rqcompat.record_success_after_return(job, result, self.outcomes.result_ttl(job), self.worker_name,
+                                             recovered=item.recovered)  # fmt: skip
         if self.on_uploaded is not None:
             self.on_uploaded()
         log.info("job %s uploaded (%.2fs after %.2fs in the queue)", item.job_id, upload_s, wait_s)
@@ -365,27 +355,18 @@ class UploadPipeline:
     def _record_failure(self, item: PendingUpload, exc: UploadFailed) -> None:
         self.failed += 1
         job, relay = item.job, item.relay
-        reason = FailureReason.UPLOAD_FAILED
-        used = item.retries.get(reason.value, 0)
-        retry = self.retry_budget > used and exc.retryable
-        error = {"reason": reason.value, "message": str(exc), "retryable": bool(exc.retryable),
-                 "spool_path": str(exc.entry.path), "attempts": exc.attempts}  # fmt: skip
         if job is None or relay is None:
             log.error("recovered render %s: %s", item.job_id, exc)
             return
+        reason = FailureReason.UPLOAD_FAILED
+        retry = self.outcomes.failed(job, reason, str(exc), relay=relay, retryable=exc.retryable,
+                                     spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
+        # RQ saw this job finish (it returned at `rendered`): move it back by hand
         if retry:
-            item.retries[reason.value] = used + 1
-            relay.update_summary(retries=item.retries)
-            relay.state(JobState.RETRYING, error=error, retry=used + 1, of=self.retry_budget)
-            self.metrics.job_outcome("retrying", reason.value)
-            _rq_requeue(job)
-            log.warning("job %s: %s; re-queued (retry %d of %d)", job.id, exc, used + 1, self.retry_budget)
+            rqcompat.requeue_after_return(job)
         else:
-            ttl = self.failure_ttl(job)
-            relay.state(JobState.FAILED, error=error, ttl=ttl)
-            self.metrics.job_outcome("failed", reason.value)
-            _rq_record_failure(job, f"JobFailed: {reason.value}: {exc}", ttl, self.worker_name)
-            log.error("job %s failed: %s", job.id, exc)
+            rqcompat.fail_after_return(job, f"JobFailed: {reason.value}: {exc}", self.outcomes.failure_ttl(job),
+                                       self.worker_name)  # fmt: skip
 
     # ---- helpers --------------------------------------------------------------------------------------
     def _event_fn(self, relay: EventRelay | None) -> Callable[[dict[str, Any]], None]:
@@ -405,6 +386,7 @@ class UploadPipeline:
             log.warning("could not write a job event", exc_info=True)
 
     def _publish(self) -> None:
+        self.on_change()
         snap = self.snapshot()
         self.metrics.upload_pending.labels(self.group).set(snap["pending"])
         self.metrics.upload_pending_bytes.labels(self.group).set(snap["pending_bytes"])
@@ -414,95 +396,3 @@ class UploadPipeline:
             return
         self.metrics.spool_entries.labels(self.group).set(entries)
         self.metrics.spool_bytes.labels(self.group).set(size)
-
-
-# ==== RQ bookkeeping after the job function returned =====================================================
-
-
-def _registries(job: Any) -> tuple[Any, Any, Any]:
-    from rq import Queue
-    from rq.registry import FailedJobRegistry, FinishedJobRegistry
-
-    kw = {"connection": job.connection, "serializer": job.serializer}
-    return (Queue(job.origin, **kw), FinishedJobRegistry(job.origin, **kw), FailedJobRegistry(job.origin, **kw))
-
-
-def _rq_record_success(job: Any, result: dict[str, Any], ttl: int, worker_name: str, *, recovered: bool) -> None:
-    """Record the full result as the job's RQ result, in place of the hand-off value (so `latest_result()`,
-    `return_value()` and `results()` look as if the job had returned it); a recovered job whose RQ status
-    is not `finished` (failed, or waiting for a retry) is moved there."""
-    from rq.job import JobStatus
-    from rq.results import Result
-
-    if not job.connection.exists(job.key):
-        log.info("job %s expired before its upload ended; result not recorded in RQ", job.id)
-        return
-    status = job.get_status(refresh=True)
-    with job.connection.pipeline() as pipe:
-        _drop_handoff(job, pipe)
-        Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name, pipeline=pipe)
-        if recovered and status != JobStatus.FINISHED:
-            # (`started` too: the worker died between `rendered` and RQ's own bookkeeping, so the job is
-            # still in the started registry; left there, RQ's abandoned-job cleanup would later mark the
-            # uploaded job failed. We hold the spool entry's lock, so no live execution owns the job.)
-            from rq.registry import StartedJobRegistry
-
-            queue, finished, failed = _registries(job)
-            _remove_started(job, StartedJobRegistry(job.origin, connection=job.connection), pipe)
-            pipe.lrem(queue.key, 0, job.id)
-            failed.remove(job, pipeline=pipe)
-            finished.add(job, ttl, pipeline=pipe)
-            job.set_status(JobStatus.FINISHED, pipeline=pipe)
-        if ttl > 0:
-            pipe.expire(job.key, ttl)
-        pipe.execute()
-
-
-def _remove_started(job: Any, registry: Any, pipe: Any) -> None:
-    """Take every execution of `job` out of RQ's started registry (entries are `<job_id>:<execution_id>`;
-    read from the registry itself, since a dead worker's execution records may have expired)."""
-    prefix = f"{job.id}:".encode()
-    entries = [e for e in job.connection.zrange(registry.key, 0, -1) if e.startswith(prefix) or e == job.id.encode()]
-    if entries:
-        pipe.zrem(registry.key, *entries)
-
-
-def _drop_handoff(job: Any, pipe: Any) -> None:
-    """Delete the hand-off value RQ stored as this execution's result: it stood in while the upload ran
-    and is replaced by the real outcome (one result per execution, as without the pipeline)."""
-    from rq.results import Result
-
-    latest = job.latest_result()
-    if latest is not None and isinstance(latest.return_value, dict) and latest.return_value.get("upload"):
-        pipe.xdel(Result.get_key(job.id), latest.id)
-
-
-def _rq_requeue(job: Any) -> None:
-    """Put a job RQ saw finish (it returned at `rendered`) back on its queue for another attempt."""
-    queue, finished, failed = _registries(job)
-    with job.connection.pipeline() as pipe:
-        _drop_handoff(job, pipe)
-        finished.remove(job, pipeline=pipe)
-        failed.remove(job, pipeline=pipe)
-        pipe.persist(job.key)
-        pipe.execute()
-    job.retries_left = 0
-    queue.enqueue_job(job)
-
-
-def _rq_record_failure(job: Any, message: str, ttl: int, worker_name: str) -> None:
-    """Mark a job RQ saw finish as failed (status, failed registry, a failure result)."""
-    from rq.job import JobStatus
-    from rq.results import Result
-
-    _, finished, failed = _registries(job)
-    with job.connection.pipeline() as pipe:
-        _drop_handoff(job, pipe)
-        finished.remove(job, pipeline=pipe)
-        job.set_status(JobStatus.FAILED, pipeline=pipe)
-        job.retries_left = 0
-        pipe.hset(job.key, "retries_left", 0)
-        failed.add(job, ttl=ttl, exc_string=message, pipeline=pipe)
-        Result.create_failure(job, ttl, exc_string=message, worker_name=worker_name, pipeline=pipe)
-        pipe.expire(job.key, ttl)
-        pipe.execute()

@@ -5,11 +5,17 @@ storage check (fail fast on a configuration error; an unreachable endpoint only 
 renders wait in the spool and uploads retry), spool, runner import,
 fleet start (blocks until the model is warm), then RQ's work loop — and returns the process exit code:
 
-| code | meaning                                                                |
-|------|------------------------------------------------------------------------|
-| 0    | stopped on request (SIGTERM/SIGINT), or burst/max-jobs finished         |
-| 2    | invalid settings or storage misconfigured at start (4xx, unwritable)    |
-| 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row |
+| code | meaning                                                                                     |
+|------|---------------------------------------------------------------------------------------------|
+| 0    | stopped on request (SIGTERM/SIGINT), or burst/max-jobs finished                              |
+| 2    | a configuration error: invalid settings, storage misconfigured (4xx, unwritable), Redis      |
+|      | refusing our credentials, a GPU group on a machine whose torch sees no such GPU              |
+| 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row                      |
+
+Configuration errors end the process at once with one line saying what to fix (and the supervisor does
+not restart a worker that exits 2). Transient ones wait: Redis not reachable yet (a start before the
+database) is retried with back-off, and the log says so each time; storage unreachable at start only
+marks storage degraded.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
+from .keys import safe_redis_url
 from .settings import SettingsError, WorkerSettings, resolve_runner
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "process_started_at", "run_worker"]
@@ -33,6 +40,55 @@ class _StartupInterrupted(BaseException):  # not an Exception: build-failure han
     pass
 
 
+def wait_for_redis(url: str, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0) -> None:
+    """Return once Redis answers PING; while it is unreachable wait with back-off and say so (transient: it
+    may be starting). Refused credentials are a configuration error (`SettingsError`). A SIGTERM/SIGINT
+    during the wait ends it through the caller's startup handler."""
+    import time
+
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    delay, t0 = first_delay_s, time.monotonic()
+    try:
+        while True:
+            try:
+                client.ping()
+            except redis.AuthenticationError as exc:
+                raise SettingsError(
+                    f"Redis at {safe_redis_url(url)} refused our credentials (LTX_REDIS_URL): {exc}"
+                ) from exc
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("Redis at %s is not reachable (%s); waiting %.1fs before trying again (waited %.0fs)",
+                            safe_redis_url(url), exc, delay, time.monotonic() - t0)  # fmt: skip
+                time.sleep(delay)
+                delay = min(max_delay_s, delay * 2)
+                continue
+            except redis.ResponseError as exc:  # e.g. NOAUTH: a password is required
+                raise SettingsError(f"Redis at {safe_redis_url(url)} refused us (LTX_REDIS_URL): {exc}") from exc
+            if time.monotonic() - t0 > 1:
+                log.info("Redis at %s is reachable", safe_redis_url(url))
+            return
+    finally:
+        client.close()
+
+
+def check_devices(devices: list[str], group: str) -> None:
+    """A GPU group needs those GPUs: a configuration error (`SettingsError`) rather than ranks dying at
+    `set_device` over and over. Imports torch only for a GPU group."""
+    cuda = [d for d in devices if d.startswith("cuda:")]
+    if not cuda:
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [d for d in cuda if int(d.split(":")[1]) >= available]
+    if missing:
+        seen = f"{available} GPU(s)" if available else "no GPU (CPU-only torch or no driver)"
+        raise SettingsError(f"group {group!r} needs {', '.join(missing)}, but torch {torch.__version__} sees "
+                            f"{seen}; on a machine without GPUs use --group cpu:N")  # fmt: skip
+
+
 def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
     """Build (but do not start) the `FleetWorker` for `group`, with its service, fleet and storage."""
     import redis
@@ -41,12 +97,15 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
 
     from .fleet import FleetSupervisor
     from .job import install_service
+    from .limits import RunnerLimits
     from .metrics import WorkerMetrics
     from .rqworker import FleetWorker
     from .service import RenderService
     from .spool import Spool
     from .storage import StorageError, make_storage
 
+    devices = parse_device_group(group)
+    check_devices(devices, group)
     name = settings.worker_name_for(group)
     metrics = WorkerMetrics(group)
     storage = make_storage(settings)
@@ -62,6 +121,10 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         log.warning("storage degraded at start (renders wait in the spool, uploads retry): %s", exc)
     spool = Spool(settings.spool_dir)
     runner_cls = resolve_runner(settings)
+    try:
+        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup)
+    except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
+        raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
 
     def fleet_event(event: dict[str, Any]) -> None:
         log.info("fleet %s: %s", group, event)
@@ -70,7 +133,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
 
     fleet = FleetSupervisor(
         runner_cls,
-        parse_device_group(group),
+        devices,
         setup_kwargs=settings.runner_setup,
         start_timeout=settings.fleet_start_timeout,
         shutdown_timeout=settings.fleet_shutdown_timeout,
@@ -82,9 +145,8 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         warmup_dir=settings.spool_dir / ".warmup",
         warmup_timeout=settings.render_timeout,
     )
-    service = RenderService(
-        settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool, metrics=metrics
-    )
+    service = RenderService(settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool,
+                            metrics=metrics, limits=limits)  # fmt: skip
     service.set_storage_state(storage_error)
     service.process_started_at = process_started_at()
     install_service(service)
@@ -115,7 +177,7 @@ def run_worker(
     if parent_pid is not None:
         _watch_parent(parent_pid)
 
-    def interrupted(signum: int, frame: FrameType | None) -> None:
+    def interrupted(signum: int, frame: FrameType | None) -> NoReturn:
         raise _StartupInterrupted(signal.Signals(signum).name)
 
     old_term = signal.signal(signal.SIGTERM, interrupted)
@@ -124,6 +186,7 @@ def run_worker(
     health = None
     try:
         try:
+            wait_for_redis(settings.redis_url)
             worker = build_worker(settings, group)
         except (SettingsError, StorageError) as exc:
             log.critical("cannot start: %s", exc)
@@ -137,6 +200,7 @@ def run_worker(
         from .fleet import FleetUnrecoverable
         from .rqworker import EXIT_FLEET_UNRECOVERABLE
 
+        worker.health.start()  # (the snapshot says "starting" while the fleet loads)
         # Recovery starts before the (possibly minutes-long) fleet start: renders a previous process left
         # in the spool upload meanwhile, and count against the back-pressure bound before the first job.
         worker.service.start_uploads(worker.connection)
@@ -144,6 +208,7 @@ def run_worker(
             worker.service.fleet.start()  # warm before the first job
         except FleetUnrecoverable as exc:
             log.critical("%s", exc)
+            worker.health.stop()
             return EXIT_FLEET_UNRECOVERABLE
         worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
         worker.service.update_spool_metrics()
@@ -151,6 +216,7 @@ def run_worker(
         log.info("stopped by %s during startup", exc)
         if worker is not None:
             worker.service.fleet.shutdown(0)
+            worker.health.stop()
         return EXIT_OK
     finally:
         signal.signal(signal.SIGTERM, old_term)

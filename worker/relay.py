@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, EventType, JobState, events_key
+from .keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, TERMINAL_STATES, EventType, JobState, events_key
 
 __all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
 
@@ -124,8 +124,10 @@ class EventRelay:
         """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`
         also go into the summary."""
         summary: dict[str, Any] = {"state": state.value}
+        if state in TERMINAL_STATES:
+            summary["ended_at"] = time.time()  # the job's end (with the pipeline: the upload's, not the render's)
         if state is JobState.UPLOADED:
-            summary.update(percent=100.0, eta_s=0.0)
+            summary.update(percent=100.0, eta_s=0.0, error=None)  # earlier attempts stay in meta `attempts`
         for key in ("error", "result", "attempt", "worker", "fleet"):
             if key in extra:
                 summary[key] = extra[key]

@@ -7,21 +7,20 @@ job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), and a hash 
 
 - only `worker.keys.RENDER_FUNC` is executed; any other function fails the job with `RefusedJob`;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
-- `fail_unreadable()` records a job that cannot even be loaded as failed (hash status, failed registry,
-  expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
+- `worker.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
+  failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from rq.job import Job
 
 from .keys import RENDER_FUNC
 
-__all__ = ["RefusedJob", "RenderJob", "fail_unreadable"]
+__all__ = ["RefusedJob", "RenderJob"]
 
 log = logging.getLogger("worker.rq")
 
@@ -44,20 +43,3 @@ class RenderJob(Job):
         if self.func_name != RENDER_FUNC:
             raise RefusedJob(f"this worker only runs {RENDER_FUNC}; refusing to run {self.func_name!r}")
         return super()._execute()
-
-
-def fail_unreadable(connection: Any, job_id: str, queue: Any, exc: BaseException, failure_ttl: int) -> None:
-    """Mark a dequeued job that RQ cannot load as failed (it was already popped from its queue)."""
-    from rq.utils import now, utcformat
-
-    message = f"unreadable job hash: {type(exc).__name__}: {exc}"[:2000]
-    key = Job.key_for(job_id)
-    with connection.pipeline() as pipe:
-        pipe.hset(key, mapping={"status": "failed", "ended_at": utcformat(now()), "exc_info": message})
-        pipe.expire(key, failure_ttl)
-        if queue is not None:
-            pipe.zadd(queue.failed_job_registry.key, {job_id: time.time() + failure_ttl})
-            # RQ moved it to the intermediate queue on dequeue; its cleanup would fetch it and crash again
-            pipe.lrem(queue.intermediate_queue_key, 0, job_id)
-        pipe.execute()
-    log.error("job %s failed without running: %s", job_id, message)

@@ -1,61 +1,70 @@
 """`FleetWorker`: an RQ `SimpleWorker` that runs jobs in-process next to its warm fleet.
 
-Why each override exists (measured behaviours, shared/reference/ecosystem.md §1):
+Why each override exists (measured behaviours, shared/reference/ecosystem.md §1). Everything that reaches
+into RQ's registries or private state lives in `worker.rqcompat`; how a job's attempt ends is decided and
+recorded by `worker.outcomes`.
 - `SimpleWorker`, never the forking `Worker`: the fleet's IPC handles and CUDA state cannot cross a fork,
   and the model must stay loaded between jobs.
 - JSON serializer: no pickle crosses Redis (job args, meta and results are JSON).
 - Heartbeat thread during a job: SimpleWorker never refreshes its heartbeat while a job runs, so a long
   render would look abandoned and could be run twice. The thread refreshes the worker key, the
-  execution's deadline in `rq:wip:<queue>` and the job heartbeat every `heartbeat_interval`, with a short
-  deadline (`job_heartbeat_ttl`) so a *dead* worker's job is detected quickly. It stops in
-  `handle_execution_ended`, before RQ removes the execution, so a late beat can never re-add a finished
-  job to the started registry.
+  execution's deadline in `rq:wip:<queue>` and the job heartbeat every `heartbeat_interval` on a Redis
+  connection of its own (with timeouts, so it never waits behind the main thread or on a dead socket),
+  retrying a failed beat after 0.5 s. The deadline is `job_heartbeat_ttl`, at least three intervals (the
+  settings check it). It stops in `handle_execution_ended`, before RQ removes the execution, so a late beat
+  can never re-add a finished job to the started registry.
 - `kill_horse()`: RQ's stop-job command lands here (on the pubsub thread) and would be a no-op for a
-  SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives and RQ
-  records the job as `stopped`. A client's `job.cancel()` on a *running* job is noticed by the heartbeat
-  thread and handled the same way.
+  SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives. A client's
+  `job.cancel()` on a *running* job is noticed by the heartbeat thread and handled the same way. RQ would
+  then record the job `stopped` in its *failed* registry; `handle_job_failure` records it `canceled` in
+  the canceled registry instead (a cancel is not a failure).
 - Warm stop (first SIGTERM/SIGINT): RQ finishes the job, then the loop ends and `teardown()` stops the
   fleet. Cold stop (second signal): the fleet is killed from a helper thread (never from inside the
   signal handler, which may have interrupted the controller) and `SystemExit` aborts the job, which is
   re-queued per `retry_worker_shutdown`.
-- Before every dequeue the fleet is rebuilt if it is poisoned, so a job is never taken by a worker
-  without a live fleet; `FleetUnrecoverable` ends the worker with a non-zero exit code.
+- No job is taken without a warm fleet: the dequeue blocks in slices of `_DEQUEUE_SLICE_S` and checks the
+  fleet before each; a fleet that died while idle is reported by its controller's monitor at once (metrics,
+  health) and rebuilt at once in the background (`FleetSupervisor.rebuild_soon`); the dequeue waits for
+  it, and a job dequeued in the slice during which the fleet died is given back untouched.
+  `FleetUnrecoverable` ends the worker with a non-zero exit code.
 - Back-pressure: before every dequeue the worker waits while the background uploader (`worker.pipeline`)
   is at its bound of pending uploads; after every job it tells the service that RQ's bookkeeping of the
   return is done (`job_returned`), so the uploader's `uploaded` record always lands after RQ's own.
   `teardown()` drains pending uploads on a warm stop (bounded), never on a cold one.
-- Abandoned jobs found by RQ's registry cleanup get a terminal (or retrying) `worker_lost` state event,
-  so a client watching the stream learns the outcome even though the worker that ran it is gone.
+- Jobs whose worker vanished (found by RQ's abandoned-job or intermediate-queue cleanup, run by any worker
+  on the queue) are recorded as `worker_lost` by `worker.outcomes` with the budget from the settings.
+- Health: `worker.health.HealthPublisher` writes the snapshot whenever something in it changes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from typing import Any
 
+import redis
 from rq.exceptions import AbandonedJobError, StopRequested
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
+from . import rqcompat
 from .fleet import FleetUnrecoverable
-from .keys import FailureReason, JobState, worker_health_key
+from .health import HealthPublisher
+from .keys import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, worker_health_key
 from .logs import bind_job
-from .relay import EventRelay
-from .renderjob import RefusedJob, RenderJob, fail_unreadable
-from .service import RenderService
+from .renderjob import RefusedJob, RenderJob
+from .service import JobCancelledByClient, JobFailed, RenderService
 
 __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
 
 log = logging.getLogger("worker.rq")
 
 EXIT_FLEET_UNRECOVERABLE = 3
-_STUCK_IN_INTERMEDIATE = "Job was stuck in intermediate queue"  # RQ's exc_string for it
-# states in which a job's render is complete (its video is committed to a spool, or already in storage)
-_RENDER_COMPLETE = frozenset({JobState.RENDERED.value, JobState.UPLOADING.value, JobState.UPLOADED.value})
+_DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
+_BEAT_RETRY_S = 0.5  # a failed beat is retried this soon (not a whole interval later)
+_SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
 
 
 class FleetWorker(SimpleWorker):
@@ -73,6 +82,7 @@ class FleetWorker(SimpleWorker):
         super().__init__(queues, **kwargs)
         self.service = service
         self.settings = settings
+        self.outcomes = service.outcomes
         self.exit_code = 0
         self._beat_stop: threading.Event | None = None
         self._beat_thread: threading.Thread | None = None
@@ -81,29 +91,23 @@ class FleetWorker(SimpleWorker):
         self._stop_pending = False  # a warm stop arrived during a rebuild
         self._backpressure = False  # True while waiting for upload room before a dequeue
         self.last_loop_beat = time.monotonic()
+        self.side_connection = _side_connection(self.connection)  # heartbeat thread and health writer
+        self.health = HealthPublisher(self.side_connection, worker_health_key(self.name),
+                                      lambda: self.health_snapshot()[2], ttl_s=settings.worker_ttl + 60)  # fmt: skip
+        fleet = service.fleet
+        fleet.on_failure = self._fleet_failed
+        fleet.on_change = self._fleet_changed
+        service.pipeline.on_change = self.health.notify
         self.push_exc_handler(self._abandoned_job_handler)
 
-    # ==== heartbeats ==================================================================================
-    def get_heartbeat_ttl(self, job: Any) -> int:
-        return int(self.settings.job_heartbeat_ttl)
-
+    # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         super().heartbeat(timeout, pipeline)
         self.last_loop_beat = time.monotonic()
-        if pipeline is None:
-            self.write_health()
 
     def write_health(self) -> None:
-        """Publish the health snapshot under `ltx:worker:<name>:health` (expires with the worker)."""
-        try:
-            _, _, info = self.health_snapshot()
-            self.connection.set(
-                worker_health_key(self.name), json.dumps(info, default=str), ex=self.settings.worker_ttl + 60
-            )
-        except StopRequested:
-            raise  # RQ's warm stop while idle arrives as this exception, wherever the main thread is
-        except Exception:
-            log.debug("could not write health key", exc_info=True)
+        """Publish the health snapshot under `ltx:worker:<name>:health` now (expires with the worker)."""
+        self.health.write_now()
 
     def health_snapshot(self) -> tuple[bool, bool, dict[str, Any]]:
         fleet = self.service.fleet
@@ -113,9 +117,13 @@ class FleetWorker(SimpleWorker):
         info = {
             "worker": self.name,
             "group": self.service.group,
-            "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids,
-                      "devices": [str(d) for d in fleet.devices], "builds": fleet.builds,
-                      "rebuilds": fleet.rebuilds, "last_failure": fleet.last_failure, "startup": fleet.startup},
+            "queues": self.queue_names(),
+            "runner": self.settings.runner,
+            "limits": self.service.limits.to_json(),  # checked by `producer submit` (worker.limits)
+            "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids, "world_size": fleet.world_size,
+                      "devices": [str(d) for d in fleet.devices], "builds": fleet.builds, "rebuilds": fleet.rebuilds,
+                      "failures": fleet.failures, "ready_at": fleet.ready_at, "last_failure": fleet.last_failure,
+                      "startup": fleet.startup},
             "current_job": cur.job_id if cur else None,
             "uploads": {**self.service.pipeline.snapshot(), "backpressure": self._backpressure,
                         "background": self.settings.upload_pipeline},
@@ -128,20 +136,45 @@ class FleetWorker(SimpleWorker):
         }  # fmt: skip
         return live, fleet.is_alive, info
 
+    def _fleet_failed(self, info: dict[str, Any]) -> None:
+        """The controller's monitor poisoned the fleet (any thread; maybe while idle): say so at once."""
+        service = self.service
+        service.metrics.fleet_failures.labels(service.group, str(info.get("fleet_reason"))).inc()
+        if service.current is None:
+            log.warning("fleet died while idle (%s, rank %s exit %s): rebuilding now; no job is taken until it "
+                        "is warm", info.get("fleet_reason"), info.get("rank"), info.get("exitcode"))  # fmt: skip
+
+    def _fleet_changed(self) -> None:
+        fleet = self.service.fleet
+        self.service.metrics.set_fleet_state(fleet.state, alive=fleet.is_alive)
+        self.health.notify()
+
+    # ==== heartbeats while a job runs ==================================================================
+    def get_heartbeat_ttl(self, job: Any) -> int:
+        return int(self.settings.job_heartbeat_ttl)
+
     def _beat_loop(self, job: Any, stop: threading.Event) -> None:
         interval = self.settings.heartbeat_interval
-        while not stop.wait(interval):
+        ttl = self.get_heartbeat_ttl(job)
+        wait = interval
+        while not stop.wait(wait):
             try:
-                self.maintain_heartbeats(job)
-                self.last_loop_beat = time.monotonic()
-                self.write_health()
-                status = job.get_status(refresh=True)
-                if status == JobStatus.CANCELED:
+                rqcompat.beat(self, job, self.side_connection, ttl)
+            except Exception as exc:
+                log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, _BEAT_RETRY_S)
+                wait = _BEAT_RETRY_S
+                continue
+            wait = interval
+            self.last_loop_beat = time.monotonic()
+            self.health.notify()
+            try:
+                raw = self.side_connection.hget(job.key, "status")
+                if raw is not None and raw.decode() == JobStatus.CANCELED.value:
                     log.info("job %s was cancelled in Redis while running; stopping it", job.id)
-                    self._stopped_job_id = job.id
+                    rqcompat.mark_stopped(self, job.id)
                     self.service.cancel(job.id)
             except Exception:
-                log.warning("heartbeat failed", exc_info=True)
+                log.debug("cancel check failed", exc_info=True)
 
     def _beat_while_rebuilding(self) -> threading.Event | None:
         """Keep the worker's registration and health key alive while a fleet (re)builds (set the returned
@@ -173,7 +206,7 @@ class FleetWorker(SimpleWorker):
 
     # ==== job execution ===============================================================================
     def execute_job(self, job: Any, queue: Any) -> None:
-        self._stopped_job_id = None
+        rqcompat.mark_stopped(self, None)
         self.prepare_execution(job)
         self._beat_stop = threading.Event()
         self._beat_thread = threading.Thread(
@@ -182,16 +215,17 @@ class FleetWorker(SimpleWorker):
         self._beat_thread.start()
         self.service.metrics.busy.labels(self.service.group).set(1)
         if not self.service.fleet.is_alive:
-            # The fleet died while we were blocked waiting for this job (a rank crashed while idle). Rebuild
-            # it while the heartbeat holds the job, rather than failing a job that never reached a fleet.
+            # The fleet died between the dequeue's check and here. Rebuild it while the heartbeat holds the
+            # job, rather than failing a job that never reached a fleet.
             try:
                 self._ensure_fleet()
             except SystemExit:
                 self._stop_beats()
-                self._give_back(job, queue)
+                rqcompat.give_back_started(self, job, queue)
                 raise
         try:
             with bind_job(job.id):
+                self.health.notify()
                 self.perform_job(job, queue)
         finally:
             self._stop_beats()
@@ -199,26 +233,38 @@ class FleetWorker(SimpleWorker):
             self.service.metrics.busy.labels(self.service.group).set(0)
             if not self.settings.upload_pipeline:
                 self.service.update_spool_metrics()  # (the pipeline publishes these from its own thread)
+            self.health.notify()
         self.set_state("idle")
-        if not self._stop_requested and not self._cold:
-            self._ensure_fleet()  # rebuild right away so the next job finds a warm fleet
-
-    def _give_back(self, job: Any, queue: Any) -> None:
-        """Return a job this worker took but never started to the front of its queue."""
-        with self.connection.pipeline() as pipe:
-            self.cleanup_execution(job, pipeline=pipe)
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            pipe.execute()
-        queue.enqueue_job(job, at_front=True)
-        log.warning("job %s given back to queue %s untouched", job.id, queue.name)
 
     def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
         self._stop_beats()
         super().handle_execution_ended(job, queue, heartbeat_ttl)
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        self._ensure_fleet()
-        self._wait_for_upload_room()
+        """RQ's dequeue in slices of at most `_DEQUEUE_SLICE_S`, with the fleet checked before each (and the
+        upload back-pressure); `timeout`/`max_idle_time` keep RQ's meaning (None: burst, one look)."""
+        idle_deadline = None if max_idle_time is None else time.monotonic() + max_idle_time
+        while True:
+            self._ensure_fleet()
+            self._wait_for_upload_room()
+            if timeout is None:
+                return self._dequeue(None, max_idle_time)
+            slice_s = _DEQUEUE_SLICE_S
+            if idle_deadline is not None:
+                left = idle_deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                slice_s = max(1, min(slice_s, int(left)))
+            result = self._dequeue(slice_s, slice_s)
+            if result is None:
+                continue
+            job, queue = result
+            if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
+                rqcompat.give_back_dequeued(job, queue)
+                continue
+            return result
+
+    def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:
         while True:
             try:
                 return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
@@ -228,7 +274,8 @@ class FleetWorker(SimpleWorker):
                 job_id = getattr(exc, "job_id", None)
                 if job_id is None:
                     raise
-                fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc, self.settings.failure_ttl)
+                rqcompat.fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc,
+                                         self.settings.failure_ttl)  # fmt: skip
 
     def _wait_for_upload_room(self) -> None:
         """Back-pressure: while the background uploader holds `max_pending_uploads` renders (or
@@ -242,18 +289,19 @@ class FleetWorker(SimpleWorker):
         metrics.backpressure.labels(group).set(1)
         t0 = last = time.monotonic()
         log.warning("back-pressure: %s; waiting for uploads before taking another job", pipeline.snapshot())
-        self.write_health()
+        self.health.notify()
         try:
             beat = max(1.0, min(10.0, self.settings.worker_ttl / 4))
             while not pipeline.wait_for_room(beat):
                 now = time.monotonic()
                 metrics.backpressure_seconds.labels(group).inc(now - last)
                 last = now
-                self.heartbeat()  # keeps the registration and the health key fresh
+                self.heartbeat()  # keeps the registration fresh
         finally:
             metrics.backpressure_seconds.labels(group).inc(time.monotonic() - last)
             metrics.backpressure.labels(group).set(0)
             self._backpressure = False
+            self.health.notify()
         log.info("back-pressure released after %.2fs", time.monotonic() - t0)
 
     def _ensure_fleet(self) -> None:
@@ -261,7 +309,7 @@ class FleetWorker(SimpleWorker):
         self._rebuilding = True
         beats = self._beat_while_rebuilding() if not service.fleet.is_alive else None
         try:
-            rebuilt = service.fleet.ensure_ready()
+            rebuilt = service.fleet.ensure_ready(tick=self.heartbeat)  # (RQ's worker key stays alive meanwhile)
         except FleetUnrecoverable as exc:
             if self._stop_pending:
                 raise StopRequested() from exc  # a warm stop interrupted the rebuild back-off
@@ -276,7 +324,6 @@ class FleetWorker(SimpleWorker):
                 beats.set()
         if rebuilt:
             service.metrics.fleet_rebuilds.labels(service.group, "ok").inc()
-        service.metrics.set_fleet_state(service.fleet.state, alive=service.fleet.is_alive)
         if self._stop_pending:
             raise StopRequested()
 
@@ -293,47 +340,63 @@ class FleetWorker(SimpleWorker):
             self.service.fleet.stop_retrying()
             log.info("warm stop requested during a fleet rebuild: stopping once this attempt ends")
 
+    # ==== how an execution ends ==========================================================================
     def handle_exception(self, job: Any, *exc_info: Any) -> None:
         """Expected outcomes (a failure with a reason, a cancel) get one log line, not a traceback."""
-        from .service import JobCancelledByClient, JobFailed
-
         exc = exc_info[1] if len(exc_info) > 1 else None
+        if isinstance(exc, JobCancelledByClient):
+            rqcompat.mark_stopped(self, job.id)  # however the cancel arrived: RQ must not retry or fail it
         if not isinstance(exc, JobFailed | JobCancelledByClient | AbandonedJobError):
             self._record_unrecorded_failure(job, exc)
         if isinstance(exc, JobFailed | JobCancelledByClient):
             log.info("job %s ended: %s", job.id, exc)
-            for handler in self._exc_handlers:
+            for handler in rqcompat.exception_handlers(self):
                 handler(job, *exc_info)
             return
         super().handle_exception(job, *exc_info)
+
+    def handle_job_failure(self, job: Any, queue: Any, started_job_registry: Any = None, exc_string: str = "") -> Any:
+        if rqcompat.stopped_job_id(self) == job.id:
+            # a cancel, not a failure: `canceled` in RQ's canceled registry (its default: failed registry)
+            rqcompat.record_cancelled_execution(self, job, self.outcomes.failure_ttl(job))
+            return None
+        if exc_string.startswith(rqcompat.STUCK_IN_INTERMEDIATE):
+            self._record_lost(job, "the worker that dequeued this job vanished before starting it")
+        return super().handle_job_failure(job, queue, started_job_registry, exc_string)
 
     def _record_unrecorded_failure(self, job: Any, exc: BaseException | None) -> None:
         """A job that failed before the service could record it (a refused function, arguments that do not
         fit `render(request)`) still gets a terminal `failed` state, so watchers never wait forever."""
         try:
-            raw = self.connection.hget(job.key, "meta")
-            state = json.loads(raw).get("state") if raw else None
-            if state in {s.value for s in (JobState.UPLOADED, JobState.FAILED, JobState.CANCELLED, JobState.RETRYING)}:
-                return
-            if job.get_status(refresh=False) != JobStatus.FAILED:
+            meta = job.meta if isinstance(job.meta, dict) else {}
+            state = meta.get("state")
+            if state in RECORDED_END_STATES or job.get_status(refresh=False) != JobStatus.FAILED:
                 return
             # a TypeError before the service started the job: arguments that do not fit render(request)
             refused = isinstance(exc, RefusedJob) or (isinstance(exc, TypeError) and state in (None, "queued"))
             reason = FailureReason.INVALID_REQUEST if refused else FailureReason.INTERNAL
-            if not isinstance(job.meta, dict):
-                job.meta = {}
-            relay = EventRelay(self.connection, job, maxlen=self.settings.events_maxlen, running_ttl=3600)
-            error = {"reason": reason.value, "message": f"{type(exc).__name__}: {exc}"[:2000], "retryable": False}
-            relay.state(JobState.FAILED, error=error, ttl=int(job.failure_ttl or self.settings.failure_ttl))
+            self.outcomes.failed(job, reason, f"{type(exc).__name__}: {exc}"[:2000], retryable=False)
         except StopRequested:
             raise
         except Exception:
             log.warning("could not record the failure of job %s", getattr(job, "id", "?"), exc_info=True)
 
+    def _record_lost(self, job: Any, message: str) -> None:
+        """The worker running (or holding) `job` vanished: re-queue within the `worker_lost` budget from
+        the settings (never from a value the dead execution may not have written), record it either way."""
+        try:
+            meta = job.meta if isinstance(job.meta, dict) else {}
+            worker = meta.get("worker") or job.worker_name or None  # (RQ's field: who dequeued it)
+            self.outcomes.failed(job, FailureReason.WORKER_LOST, message, worker=worker)
+        except StopRequested:
+            raise
+        except Exception:
+            log.warning("could not record the loss of job %s", getattr(job, "id", "?"), exc_info=True)
+
     # ==== cancellation and shutdown ===================================================================
     def kill_horse(self, sig: Any = None) -> None:
         """RQ's stop-job / kill-horse command: cancel the running render cooperatively."""
-        job_id = self._stopped_job_id
+        job_id = rqcompat.stopped_job_id(self)
         if not self.service.cancel(job_id):
             log.info("stop command for %s: no such job running here", job_id)
 
@@ -344,11 +407,8 @@ class FleetWorker(SimpleWorker):
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """Second signal: kill the fleet (from a helper thread) and abort the running job."""
-        if self._shutdown_requested_date is not None:
-            from rq.utils import now
-
-            if (now() - self._shutdown_requested_date).total_seconds() < 1:
-                return  # the same Ctrl+C delivered twice (e.g. supervisor + terminal)
+        if rqcompat.cold_stop_is_repeat(self):
+            return  # the same Ctrl+C delivered twice (e.g. supervisor + terminal)
         log.warning("cold shutdown: killing the fleet and aborting the running job")
         self._cold = True
         self.service.stop_uploads.set()
@@ -362,86 +422,36 @@ class FleetWorker(SimpleWorker):
             t0 = time.monotonic()
             self.service.fleet.shutdown(0 if self._cold else None)
             log.info("fleet stopped in %.2fs", time.monotonic() - t0)
-            self.service.metrics.set_fleet_state("stopped", alive=False)
             # Warm stop: let pending uploads finish (bounded); cold: leave them in the spool for the next start.
             drain_s = 0.0 if self._cold else self.settings.upload_drain_timeout_s
             self.service.pipeline.drain(drain_s)
-            try:
-                self.connection.delete(worker_health_key(self.name))
-            except Exception:
-                pass
-
-    # ==== jobs dequeued but never started (their worker died in between) ===========================
-    def handle_job_failure(self, job: Any, queue: Any, started_job_registry: Any = None, exc_string: str = "") -> Any:
-        if exc_string.startswith(_STUCK_IN_INTERMEDIATE):
-            self._record_stuck_job(job)
-        return super().handle_job_failure(job, queue, started_job_registry, exc_string)
-
-    def _record_stuck_job(self, job: Any) -> None:
-        """RQ's intermediate-queue cleanup fails a job whose worker died after dequeuing it and before
-        starting it, without our retry budget or a state event (found by the chaos suite: a retried job
-        stayed `retrying` forever while RQ said failed). Treat it as `worker_lost`: re-queue while that
-        budget lasts (RQ retries when `retries_left` > 0), and record the outcome for watchers."""
-        try:
-            meta = job.meta if isinstance(job.meta, dict) else {}
-            job.meta = meta
-            retries = dict(meta.get("retries") or {})
-            key = FailureReason.WORKER_LOST.value
-            retrying = retries.get(key, 0) < self.settings.retry_worker_lost
-            error = {"reason": key, "message": "the worker that dequeued this job vanished before starting it",
-                     "retryable": retrying}  # fmt: skip
-            relay = EventRelay(self.connection, job, maxlen=self.settings.events_maxlen, running_ttl=3600)
-            if retrying:
-                retries[key] = retries.get(key, 0) + 1
-                meta["retries"] = retries
-                job.retries_left = 1
-                job.retry_intervals = None
-                relay.state(JobState.RETRYING, error=error)
-            else:
-                job.retries_left = 0
-                relay.state(JobState.FAILED, error=error, ttl=int(job.failure_ttl or self.settings.failure_ttl))
-            log.warning("job %s was dequeued but never started: %s", job.id, "re-queued" if retrying else "failed")
-        except StopRequested:
-            raise
-        except Exception:
-            log.warning("could not record stuck job %s", getattr(job, "id", "?"), exc_info=True)
+            self.health.stop(delete=True)
 
     # ==== abandoned jobs (found by registry cleanup, possibly for another worker's job) ===============
     def _abandoned_job_handler(self, job: Any, exc_type: Any, exc_value: Any, tb: Any) -> bool:
         if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
             return True
-        try:
-            meta = job.meta if isinstance(job.meta, dict) else {}
-            job.meta = meta
-            state = meta.get("state")
-            if state in _RENDER_COMPLETE:
-                # The render is complete (found by the chaos suite: a worker SIGKILLed between `rendered`
-                # and RQ's own bookkeeping left the job in the started registry; its restart recovered the
-                # video from the spool and uploaded it, and this cleanup re-queued the job, which rendered
-                # and uploaded again: two terminal states). The committed video is in the host's spool
-                # (manifest written before `rendered`), and the next worker start there recovers it and
-                # records the outcome, moving RQ's status from `failed` to `finished`; an `uploaded` job is
-                # done. So: never re-run it (no retry: RQ only marks it failed for now) and write no event.
-                job.retries_left = 0
-                log.warning("abandoned job %s (worker %s) is already %s: not re-queued; the spool recovery "
-                            "uploads/records it", job.id, meta.get("worker"), state)  # fmt: skip
-                return True
-            retries = dict(meta.get("retries") or {})
-            key = FailureReason.WORKER_LOST.value
-            retrying = bool(job.retries_left and job.retries_left > 0)
-            error = {"reason": key, "message": "the worker running this job vanished (no heartbeat)",
-                     "retryable": retrying, "worker": meta.get("worker")}  # fmt: skip
-            relay = EventRelay(self.connection, job, maxlen=self.settings.events_maxlen, running_ttl=3600)
-            if retrying:
-                retries[key] = retries.get(key, 0) + 1
-                meta["retries"] = retries
-                relay.state(JobState.RETRYING, error=error)
-            else:
-                relay.state(JobState.FAILED, error=error, ttl=int(job.failure_ttl or self.settings.failure_ttl))
-            log.warning("abandoned job %s (worker %s): %s", job.id, meta.get("worker"),
-                        "re-queued" if retrying else "failed")  # fmt: skip
-        except StopRequested:
-            raise
-        except Exception:
-            log.warning("could not record abandoned job %s", getattr(job, "id", "?"), exc_info=True)
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        state = meta.get("state")
+        if state in RENDER_COMPLETE_STATES or state in TERMINAL_STATES:
+            # The render is complete (found by the chaos suite: a worker SIGKILLed between `rendered` and
+            # RQ's own bookkeeping left the job in the started registry; its restart recovered the video from
+            # the spool and uploaded it, and this cleanup re-queued the job, which rendered and uploaded
+            # again: two terminal states). The committed video is in the host's spool and the next worker
+            # start there recovers it and records the outcome, moving RQ's status from `failed` to
+            # `finished`; an `uploaded` job is done. So: never re-run it and write no event.
+            # (`failed`/`cancelled`: the execution recorded its end and vanished before RQ's bookkeeping.)
+            rqcompat.set_retry(job, False)
+            log.warning("abandoned job %s (worker %s) is already %s: not re-queued%s", job.id, meta.get("worker"),
+                        state, "; the spool recovery uploads/records it" if state in RENDER_COMPLETE_STATES
+                        else "")  # fmt: skip
+            return True
+        self._record_lost(job, "the worker running this job vanished (no heartbeat)")
         return True
+
+
+def _side_connection(connection: Any) -> Any:
+    """A client on the same server as `connection`, with its own pool and short timeouts."""
+    pool = connection.connection_pool
+    kwargs = {**pool.connection_kwargs, "socket_timeout": _SIDE_TIMEOUT_S, "socket_connect_timeout": _SIDE_TIMEOUT_S}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))

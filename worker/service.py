@@ -19,9 +19,9 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
 The service state in the job meta (and the event stream) is the source of truth for clients; RQ's
 `finished` only means "rendered" when the pipeline is on. See docs/worker.md, "Job lifecycle".
 
-Failures raise `JobFailed(reason, ...)` after the terminal (or `retrying`) state event is written. The
-worker, not the enqueuer, owns the retry policy: before raising, `job.retries_left` is set from the
-settings' budget for that reason, which RQ's failure handling then honours (0 = no retry).
+Failures raise `JobFailed(reason, ...)` after `worker.outcomes` recorded the attempt (a terminal or
+`retrying` state event) and set RQ's retry decision from the settings' budget for that reason, which RQ's
+failure handling then honours. The worker, not the enqueuer, owns the retry policy.
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from . import rqcompat
 from .fleet import FleetSupervisor
-from .keys import FailureReason, JobState
+from .keys import RUNNING_STATES, FailureReason, JobState
+from .limits import RunnerLimits
 from .metrics import WorkerMetrics
+from .outcomes import JobOutcomes
 from .pipeline import PendingUpload, UploadPipeline
 from .relay import EventRelay
 from .schema import RenderRequest
@@ -45,12 +48,10 @@ from .spool import Spool, SpoolEntry
 from .storage import Storage, StoredObject
 from .uploader import Uploader, UploadFailed
 
-__all__ = ["JobFailed", "RenderService"]
+__all__ = ["JobCancelledByClient", "JobFailed", "RenderService"]
 
 log = logging.getLogger("worker.service")
 
-_RUNNING_STATES = {JobState.STARTED.value, JobState.RENDERING.value, JobState.RENDERED.value,
-                   JobState.UPLOADING.value}  # fmt: skip
 _RQ_TIMEOUT_MARGIN_S = 30  # the fleet's own timeout fires this much before RQ's death penalty
 
 
@@ -91,14 +92,17 @@ class RenderService:
         storage: Storage,
         spool: Spool,
         metrics: WorkerMetrics,
+        limits: RunnerLimits | None = None,
     ) -> None:
         self.settings = settings
+        self.limits = limits or RunnerLimits(settings.runner, {})  #: published in the health snapshot
         self.group = group
         self.worker_name = worker_name
         self.fleet = fleet
         self.storage = storage
         self.spool = spool
         self.metrics = metrics
+        self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
         self.uploader = Uploader(
             storage,
             spool,
@@ -118,10 +122,7 @@ class RenderService:
             threads=settings.upload_threads,
             max_pending=settings.max_pending_uploads,
             max_pending_bytes=settings.max_pending_bytes,
-            events_maxlen=settings.events_maxlen,
-            retry_budget=settings.retry_upload_failed,
-            result_ttl=self._result_ttl,
-            failure_ttl=self._failure_ttl,
+            outcomes=self.outcomes,
             make_result=self._pipeline_result,
             stop=self.stop_uploads,
             on_uploaded=self._count_done,
@@ -201,13 +202,9 @@ class RenderService:
 
     def _run(self, job: Any, request: Any, cur: _Current, t0: float) -> dict[str, Any]:
         s = self.settings
-        meta = job.meta if isinstance(job.meta, dict) else {}
-        job.meta = meta
-        retries: dict[str, int] = dict(meta.get("retries") or {})
+        relay = self.outcomes.relay(job)
+        meta = relay.meta
         previous_state = meta.get("state")
-        lost_before = previous_state in _RUNNING_STATES  # an earlier execution vanished mid-job
-        if lost_before:
-            retries[FailureReason.WORKER_LOST.value] = retries.get(FailureReason.WORKER_LOST.value, 0) + 1
         if (
             previous_state == JobState.UPLOADED.value
             and isinstance(meta.get("result"), dict)
@@ -217,20 +214,14 @@ class RenderService:
             # Recovery (or a late registry cleanup) re-queued a job whose video is already in storage.
             log.info("job %s is already uploaded; returning its recorded result", job.id)
             return dict(meta["result"])
+        lost_before = previous_state in RUNNING_STATES  # an earlier execution vanished mid-job, unrecorded
+        if lost_before:
+            self.outcomes.lost_unrecorded(job, relay)
         attempt = int(meta.get("attempt") or 0) + 1
         queue_wait = _queue_wait(job)
         if queue_wait is not None:
             self.metrics.queue_wait_seconds.labels(self.group).observe(queue_wait)
-
-        running_ttl = max(int(job.timeout or 0), int(s.render_timeout)) + self._result_ttl(job) + 3600
-        relay = EventRelay(job.connection, job, maxlen=s.events_maxlen, running_ttl=running_ttl)
-        # Budget for "this worker vanishes mid-job": RQ's abandoned-job cleanup re-queues only while
-        # retries_left > 0, so the budget must be in Redis before anything can go wrong.
-        lost_left = max(0, s.retry_worker_lost - retries.get(FailureReason.WORKER_LOST.value, 0))
-        self._set_retries_left(job, lost_left)
-        if job.failure_ttl is None:
-            job.failure_ttl = s.failure_ttl
-            job.connection.hset(job.key, "failure_ttl", s.failure_ttl)
+        rqcompat.keep_failure_ttl(job, s.failure_ttl)
         relay.state(
             JobState.STARTED,
             attempt=attempt,
@@ -239,7 +230,6 @@ class RenderService:
             queue_wait_s=None if queue_wait is None else round(queue_wait, 4),
             **({"previous_attempt_lost": True} if lost_before else {}),
         )
-        relay.update_summary(retries=retries)
 
         # ---- validate -------------------------------------------------------------------------------
         try:
@@ -247,10 +237,14 @@ class RenderService:
         except ValidationError as exc:
             err = exc.errors()[0]
             field_name = ".".join(str(p) for p in err.get("loc", ())) or "(request)"
-            self._fail(job, relay, retries, FailureReason.INVALID_REQUEST,
+            self._fail(job, relay, FailureReason.INVALID_REQUEST,
                        f"field {field_name!r}: {err.get('msg')}", field=field_name,
                        errors=[{"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg")}
                                for e in exc.errors()])  # fmt: skip
+        if violations := self.limits.violations(req):  # (what `producer submit` checks at the edge)
+            first = violations[0]
+            self._fail(job, relay, FailureReason.INVALID_REQUEST, first.message(), field=first.field,
+                       errors=[{"field": v.field, "message": v.message()} for v in violations])  # fmt: skip
 
         # ---- render (unless a complete render of this job is already in the spool) ------------------
         entry = self.spool.load(job.id)
@@ -261,11 +255,11 @@ class RenderService:
                 return self._handoff(job, entry, render_s)
             relay.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256 or None, bytes=entry.size)
         else:
-            entry, render_s = self._render(job, req, relay, retries, cur)
+            entry, render_s = self._render(job, req, relay, cur)
 
         if s.upload_pipeline:
             # ---- hand over to the background uploader; the fleet takes the next job now ------------------
-            self.pipeline.submit(PendingUpload(entry=entry, job=job, relay=relay, retries=retries, attempt=attempt,
+            self.pipeline.submit(PendingUpload(entry=entry, job=job, relay=relay, attempt=attempt,
                                                queue_wait_s=queue_wait, render_s=render_s, t0=t0))  # fmt: skip
             return self._handoff(job, entry, render_s)
 
@@ -277,22 +271,19 @@ class RenderService:
             stored = self.uploader.upload(entry, on_event=self._upload_event(relay), stop=self.stop_uploads)
         except UploadFailed as exc:
             self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
-            self._fail(job, relay, retries, FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
-                       spool_path=str(exc.entry.path), attempts=exc.attempts)  # fmt: skip
+            self._fail(job, relay, FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
+                       spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
         upload_s = time.monotonic() - t_up
         self.metrics.upload_seconds.labels(self.group).observe(upload_s)
         self.metrics.upload_bytes.labels(self.group).inc(stored.size)
 
         result = self._result(job, entry, stored, t0, queue_wait, render_s, upload_s, attempt)
-        relay.state(JobState.UPLOADED, result=result, ttl=self._result_ttl(job))
-        self.metrics.job_outcome("uploaded")
+        self.outcomes.uploaded(job, relay, result)
         self._count_done()
         return result
 
     # ---- render ---------------------------------------------------------------------------------------
-    def _render(
-        self, job: Any, req: RenderRequest, relay: EventRelay, retries: dict[str, int], cur: _Current
-    ) -> tuple[SpoolEntry, float]:
+    def _render(self, job: Any, req: RenderRequest, relay: EventRelay, cur: _Current) -> tuple[SpoolEntry, float]:
         from ltx_mgpu import AsymmetricRunnerError, FleetFailure, JobCancelledError, SymmetricRunnerError
 
         s = self.settings
@@ -314,7 +305,7 @@ class RenderService:
             try:
                 stream = ctl.stream(timeout=timeout, **kwargs)
             except TypeError as exc:  # kwargs the runner does not accept: the request, not the fleet
-                self._fail(job, relay, retries, FailureReason.INVALID_REQUEST, str(exc), field="(runner kwargs)")
+                self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field="(runner kwargs)")
             except RuntimeError as exc:  # "MGPUController is dead": poisoned between jobs
                 cause = exc.__cause__ if isinstance(exc.__cause__, FleetFailure) else None
                 raise cause or FleetFailure(str(exc), reason="rank_exited") from exc
@@ -327,26 +318,22 @@ class RenderService:
                     continue  # non-driver ranks or diagnostic yields: nothing a client needs
                 if item["type"] == "output":
                     output = item
-                relay.emit(item)
+                relay.emit(_public_output(item) if item["type"] == "output" else item)
         except JobCancelledError:
             self.spool.discard_incomplete(job.id)
             self._cancelled(job, relay)
         except SymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
-            self._fail(job, relay, retries, FailureReason.RUNNER_ERROR, str(exc))
+            self._fail(job, relay, FailureReason.RUNNER_ERROR, str(exc))
         except AsymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
-            self._fail(job, relay, retries, FailureReason.ASYMMETRIC_RUNNER_ERROR, str(exc))
+            self._fail(job, relay, FailureReason.ASYMMETRIC_RUNNER_ERROR, str(exc))
         except FleetFailure as exc:
             self.spool.discard_incomplete(job.id)
-            info = self.fleet.record_failure(exc)
+            info = self.fleet.record_failure(exc)  # (counted once: the monitor may have reported it already)
             relay.emit({"type": "fleet", "action": "failed", **info})
-            self.metrics.fleet_failures.labels(self.group, str(info.get("fleet_reason"))).inc()
-            self.metrics.set_fleet_state("failed", alive=False)
             reason = FailureReason.FLEET_FAILURE
-            self._fail(
-                job, relay, retries, reason, info["message"], **{k: v for k, v in info.items() if k != "message"}
-            )
+            self._fail(job, relay, reason, info["message"], **{k: v for k, v in info.items() if k != "message"})
         except BaseException as exc:
             # RQ's death penalty (JobTimeoutException), a cold stop (SystemExit) or a bug: the fleet may be
             # mid-job, so it cannot be trusted with the next one. Kill it; it is rebuilt before the next job.
@@ -355,8 +342,8 @@ class RenderService:
                 self.fleet.kill_for_rebuild()
             reason = _reason_for(exc)
             if reason is FailureReason.WORKER_SHUTDOWN:
-                self._fail(job, relay, retries, reason, "worker stopped cold mid-job", reraise=exc)
-            self._fail(job, relay, retries, reason, f"{type(exc).__name__}: {exc}", reraise=exc)
+                self._fail(job, relay, reason, "worker stopped cold mid-job", reraise=exc)
+            self._fail(job, relay, reason, f"{type(exc).__name__}: {exc}", reraise=exc)
         finally:
             with self._lock:
                 cur.stream = None
@@ -365,7 +352,7 @@ class RenderService:
         if output is None or not output_path.exists():
             self.spool.discard_incomplete(job.id)
             message = f"the runner finished without writing {output_path.name} (output event: {output is not None})"
-            self._fail(job, relay, retries, FailureReason.NO_OUTPUT, message)
+            self._fail(job, relay, FailureReason.NO_OUTPUT, message)
         info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
         info["render_s"] = round(render_s, 4)
         entry = self.spool.commit(
@@ -381,58 +368,27 @@ class RenderService:
         relay.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
         return entry, render_s
 
-    # ---- outcomes -------------------------------------------------------------------------------------
-    def _cancelled(self, job: Any, relay: EventRelay) -> None:
-        self._set_retries_left(job, 0)
-        relay.state(JobState.CANCELLED, ttl=self._failure_ttl(job))
-        self.metrics.job_outcome("cancelled")
+    # ---- outcomes (recorded by worker.outcomes; these only raise what RQ's failure handling sees) -----
+    def _cancelled(self, job: Any, relay: EventRelay) -> NoReturn:
+        self.outcomes.cancelled(job, relay)
         raise JobCancelledByClient(f"job {job.id} cancelled")
 
     def _fail(
         self,
         job: Any,
         relay: EventRelay,
-        retries: dict[str, int],
         reason: FailureReason,
         message: str,
         *,
         retryable: bool | None = None,
         reraise: BaseException | None = None,
         **details: Any,
-    ) -> None:
-        """Write the failure (or retrying) state, set RQ's retry budget for it, and raise."""
-        budget = self._budget(reason)
-        used = retries.get(reason.value, 0)
-        retry = budget > used and retryable is not False
-        if retryable is None:
-            retryable = budget > 0
-        error = {"reason": reason.value, "message": message, "retryable": bool(retryable), **details}
-        if retry:
-            retries[reason.value] = used + 1
-            self._set_retries_left(job, 1)
-            job.retry_intervals = None
-            relay.update_summary(retries=retries)
-            relay.state(JobState.RETRYING, error=error, retry=used + 1, of=budget)
-            self.metrics.job_outcome("retrying", reason.value)
-            log.warning("job %s: %s; re-queued (retry %d of %d)", job.id, message, used + 1, budget)
-        else:
-            self._set_retries_left(job, 0)
-            relay.state(JobState.FAILED, error=error, ttl=self._failure_ttl(job))
-            self.metrics.job_outcome("failed", reason.value)
-            log.error("job %s failed: %s", job.id, message)
+    ) -> NoReturn:
+        """Record the failed attempt (retrying or terminal) and raise: `reraise` if given, else `JobFailed`."""
+        retry = self.outcomes.failed(job, reason, message, relay=relay, retryable=retryable, **details)
         if reraise is not None:
             raise reraise
         raise JobFailed(reason, message, retrying=retry, **details) from None
-
-    def _budget(self, reason: FailureReason) -> int:
-        s = self.settings
-        return {
-            FailureReason.FLEET_FAILURE: s.retry_fleet_failure,
-            FailureReason.WORKER_LOST: s.retry_worker_lost,
-            FailureReason.WORKER_SHUTDOWN: s.retry_worker_shutdown,
-            FailureReason.UPLOAD_FAILED: s.retry_upload_failed,
-            FailureReason.JOB_TIMEOUT: s.retry_job_timeout,
-        }.get(reason, 0)
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _upload_event(self, relay: EventRelay) -> Any:
@@ -469,18 +425,6 @@ class RenderService:
         if item.recovered:
             result["recovered"] = True
         return result
-
-    @staticmethod
-    def _set_retries_left(job: Any, value: int) -> None:
-        job.retries_left = value
-        job.connection.hset(job.key, "retries_left", value)
-
-    def _result_ttl(self, job: Any) -> int:
-        ttl = job.result_ttl if job.result_ttl is not None else self.settings.result_ttl
-        return int(ttl) if ttl and ttl > 0 else self.settings.failure_ttl
-
-    def _failure_ttl(self, job: Any) -> int:
-        return int(job.failure_ttl or self.settings.failure_ttl)
 
     def _result(
         self,
@@ -520,6 +464,14 @@ class RenderService:
             },
             "attempt": attempt,
         }
+
+
+def _public_output(event: dict[str, Any]) -> dict[str, Any]:
+    """The runner's `output` event for clients: the file's name, not the worker's local spool path."""
+    public = {k: v for k, v in event.items() if k != "path"}
+    if event.get("path"):
+        public["file"] = str(event["path"]).rsplit("/", 1)[-1]
+    return public
 
 
 def _queue_wait(job: Any) -> float | None:

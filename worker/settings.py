@@ -340,10 +340,11 @@ class WorkerSettings(BaseSettings):
                 f"s3_access_key_id / s3_secret_access_key ({ENV_PREFIX}S3_ACCESS_KEY_ID, "
                 f"{ENV_PREFIX}S3_SECRET_ACCESS_KEY): set both or neither"
             )
-        if self.job_heartbeat_ttl <= 2 * self.heartbeat_interval:
+        if self.job_heartbeat_ttl < 3 * self.heartbeat_interval:
+            # a running job is declared abandoned after this; two missed beats must never be enough
             raise ValueError(
-                f"job_heartbeat_ttl ({ENV_PREFIX}JOB_HEARTBEAT_TTL) must exceed twice heartbeat_interval "
-                f"({ENV_PREFIX}HEARTBEAT_INTERVAL)"
+                f"job_heartbeat_ttl ({ENV_PREFIX}JOB_HEARTBEAT_TTL) must be at least three times "
+                f"heartbeat_interval ({ENV_PREFIX}HEARTBEAT_INTERVAL)"
             )
         return self
 

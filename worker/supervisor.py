@@ -5,7 +5,9 @@ children (each in its own session, so a terminal's Ctrl+C reaches only the super
 it once), watches them, and restarts one that exits unexpectedly with exponential back-off. A group
 whose worker keeps dying young (`max_quick_exits` times in a row, each within `quick_exit_s` of its
 start; e.g. its fleet can never be built) makes the supervisor stop everything and exit non-zero, so
-the orchestrator sees the crash loop instead of a supervisor quietly spinning.
+the orchestrator sees the crash loop instead of a supervisor quietly spinning. A worker that exits 2 (a
+configuration error: settings, storage credentials, a missing GPU) is never restarted: restarting cannot
+fix it, so the supervisor stops the others and exits 2 at once.
 
 Signals: the first SIGTERM/SIGINT is forwarded to every child as SIGTERM (warm stop: running jobs
 finish, then fleets stop); a second one is forwarded again (cold stop: jobs are aborted and re-queued,
@@ -24,10 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-__all__ = ["EXIT_CRASH_LOOP", "Supervisor"]
+__all__ = ["EXIT_BAD_CONFIG", "EXIT_CRASH_LOOP", "Supervisor"]
 
 log = logging.getLogger("worker.supervisor")
 
+EXIT_BAD_CONFIG = 2  #: a worker's configuration error (worker.process); also the supervisor's code for it
 EXIT_CRASH_LOOP = 4
 
 
@@ -119,9 +122,9 @@ class Supervisor:
                         self._cold_at = None
                     time.sleep(self.poll_s)
                     continue
-                crash = self._check_children()
-                if crash:
-                    code = EXIT_CRASH_LOOP
+                fatal = self._check_children()
+                if fatal:
+                    code = fatal
                     self.signals_received = 2  # treat as a cold stop of the others
                     self._cold_at = time.monotonic()
                     self._forward(signal.SIGTERM)
@@ -139,8 +142,9 @@ class Supervisor:
                     log.warning("worker for group %s exited with %d on stop", child.group, rc)
         return code
 
-    def _check_children(self) -> bool:
-        """Restart exited workers (with back-off). Returns True when a group is crash-looping."""
+    def _check_children(self) -> int:
+        """Restart exited workers (with back-off). Returns the supervisor's exit code when one must not be
+        restarted (`EXIT_BAD_CONFIG`) or a group is crash-looping (`EXIT_CRASH_LOOP`), else 0."""
         now = time.monotonic()
         for child in self.children:
             proc = child.proc
@@ -154,17 +158,21 @@ class Supervisor:
             lived = now - child.started_at
             child.exit_codes.append(rc)
             child.proc = None
+            if rc == EXIT_BAD_CONFIG:
+                log.critical("worker for group %s exited %d: a configuration error (its log says which); "
+                             "restarting cannot fix it: stopping", child.group, rc)  # fmt: skip
+                return EXIT_BAD_CONFIG
             child.quick_exits = child.quick_exits + 1 if lived < self.quick_exit_s else 0
             if child.quick_exits >= self.max_quick_exits:
                 log.critical("worker for group %s exited %d times within %.0fs of starting (last code %d): "
                              "giving up", child.group, child.quick_exits, self.quick_exit_s, rc)  # fmt: skip
-                return True
+                return EXIT_CRASH_LOOP
             delay = min(self.backoff_max_s, self.backoff_s * (2 ** max(0, child.quick_exits - 1)))
             child.restarts += 1
             child.next_start = now + delay
             log.error("worker for group %s exited with code %d after %.1fs; restarting in %.1fs",
                       child.group, rc, lived, delay)  # fmt: skip
-        return False
+        return 0
 
 
 def child_command(group: str, index: int, extra: Sequence[str] = ()) -> list[str]:

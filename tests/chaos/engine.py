@@ -27,7 +27,7 @@ import random
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,8 @@ from producer.settings import ProducerSettings
 from tests.chaos.hostile import BadInput, canary_paths, generate_bad_inputs, raw_job_hashes, to_text
 from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
 from tests.chaos.stack import ChaosStack
-from tests.test_worker_support import enqueue, pid_alive, wait_for
+from tests.chaos.watchdog import Stalled, Watchdog
+from tests.test_worker_support import enqueue, wait_for
 from worker.schema import RenderRequest
 
 __all__ = ["FAULT_KINDS", "Report", "run_chaos"]
@@ -56,24 +57,35 @@ class Report:
     faults: int = 0
     survived: int = 0
     jobs: int = 0
+    unexpected: int = 0  #: jobs that ended, but not as their fault (or none) predicts
     lost: int = 0
     duplicated: int = 0
     corrupt: int = 0
     leaked: int = 0
     bad_inputs: int = 0
     rejected: int = 0
+    stalled: int = 0  #: steps that passed their deadline (the seed fails naming what it waited for)
     seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
-        return (f"faults {self.faults}, survived {self.survived}, jobs {self.jobs}, lost {self.lost}, "
-                f"duplicated {self.duplicated}, corrupt {self.corrupt}, leaked processes {self.leaked}, "
-                f"bad inputs {self.bad_inputs} rejected {self.rejected}")  # fmt: skip
+        return (
+            f"faults {self.faults}, survived {self.survived}, jobs {self.jobs}, unexpected {self.unexpected}, "
+            f"lost {self.lost}, duplicated {self.duplicated}, corrupt {self.corrupt}, leaked processes {self.leaked}, "
+            f"bad inputs {self.bad_inputs} rejected {self.rejected}, stalled {self.stalled}"
+        )
 
     @property
     def ok(self) -> bool:
-        return (self.lost == self.duplicated == self.corrupt == self.leaked == 0 and self.survived == self.faults
-                and self.rejected == self.bad_inputs and not self.details.get("memory"))  # fmt: skip
+        return (self.unexpected == self.lost == self.duplicated == self.corrupt == self.leaked == self.stalled == 0
+                and self.survived == self.faults and self.rejected == self.bad_inputs and self.jobs > 0
+                and not self.details.get("memory") and not self.details.get("error"))  # fmt: skip
+
+    def add(self, other: Report) -> None:
+        """Sum `other`'s counts into this one (the soak's total line)."""
+        for name in ("faults", "survived", "jobs", "unexpected", "lost", "duplicated", "corrupt", "leaked",
+                     "bad_inputs", "rejected", "stalled", "seconds"):  # fmt: skip
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class _NotInjected(Exception):
@@ -266,91 +278,112 @@ def _raw_render(conn: Any, queue: str, job_id: str, request_text: str) -> None:
     conn.sadd("rq:queues", f"rq:queue:{queue}")
 
 
-def _retry(fn: Callable[[], Any], attempts: int = 50) -> Any:
-    """Submits ride out a Redis restart (the producer raises ServiceUnavailable meanwhile)."""
-    for i in range(attempts):
+def _retry(fn: Callable[[], Any], deadline_s: float = 60.0) -> Any:
+    """Submits ride out a Redis restart (the producer raises ServiceUnavailable meanwhile), for a while."""
+    deadline = time.monotonic() + deadline_s
+    while True:
         try:
             return fn()
         except Exception:
-            if i == attempts - 1:
+            if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    return None
 
 
 def run_chaos(workdir: Path, *, seed: int, jobs: int, faults: int, bad_inputs: int, s3: Any = None,
-              hard_redis: bool = False, settle_timeout: float = 240.0,
+              hard_redis: bool = False, settle_timeout: float = 240.0, fault_kinds: Sequence[str] = FAULT_KINDS,
+              worker_settings: dict[str, Any] | None = None,
               log: Callable[[dict[str, Any]], None] = lambda _: None) -> tuple[Report, Verdict]:  # fmt: skip
     """Run one seeded chaos schedule; return the report and the checker's verdict (never raises on a
-    violated invariant: the caller decides)."""
+    violated invariant or a stalled step: the report says so and is not ok; the caller decides).
+
+    `fault_kinds`: the kinds to cycle through; `worker_settings`: overrides of the stack's worker settings
+    (the negative control plants a defect this way, e.g. `{"retry_fleet_failure": 0}`)."""
     t0 = time.monotonic()
     rng = random.Random(seed)
-    stack = ChaosStack(Path(workdir) / f"seed{seed}", s3=s3)
+    stack = ChaosStack(Path(workdir) / f"seed{seed}", s3=s3, overrides=worker_settings)
     report = Report(seed)
     verdict = Verdict()
+    dog = Watchdog()
     try:
-        stack.start()
-        conn = stack.conn
-        baseline_memory, baseline_keys = int(conn.info("memory")["used_memory"]), int(conn.dbsize())
-        run = _Run(stack, rng, log, hard_redis)
-        inputs = run.hostile(bad_inputs, seed)
-        kinds = [FAULT_KINDS[i % len(FAULT_KINDS)] for i in range(faults)]
-        rng.shuffle(kinds)
-        fault_jobs = sum(1 if k not in ("redis_restart", "s3_outage") else 3 for k in kinds)
-        normal_total = max(0, jobs - fault_jobs - 3)  # 3 = hostile probe + 2 final canaries
-        for i, kind in enumerate(kinds):
-            share = normal_total // max(1, faults) + (1 if i < normal_total % max(1, faults) else 0)
-            run.normal(share)
-            run.fault(kind)
-            time.sleep(rng.uniform(0.0, 0.5))
-        pending = [a.job_id for a in run.accepted]
-
-        def settled() -> bool:
-            return all(job_state(conn, j) in TERMINAL for j in pending)
-
-        with contextlib.suppress(AssertionError):
-            wait_for(settled, settle_timeout, "every job terminal", poll=0.2)
-        canaries = run.normal(2)
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: all(job_state(conn, j) in TERMINAL for j in canaries), 120, "canaries", poll=0.1)
-        # give in-flight background work (uploads, registry cleanup) a moment, then stop everything
-        rc = stack.stop()
-        log({"event": "stopped", "rc": rc})
-        report.leaked = len(leaked := stack.leaked(grace=20))
-        stack.kill_leftovers(leaked)
-        verdict = check(conn, stack.s3.client(), stack.exec_log_dir, run.accepted, baseline_memory=baseline_memory,
-                        baseline_keys=baseline_keys)  # fmt: skip
-        verdict.leaked = leaked
-        run.client.close()
-        survived = 0
-        canaries_ok = all(verdict.outcomes.get(c) == "uploaded" for c in canaries)
-        bad_ids = {
-            line.split(" ")[0] for line in verdict.unexpected + verdict.lost + verdict.duplicated + verdict.corrupt
-        }
-        for _, targets in run.fault_jobs:
-            if canaries_ok and not any(t in bad_ids for t in targets):
-                survived += 1
-        report.faults = len(run.fault_jobs)
-        report.survived = survived
-        report.jobs = len(run.accepted)
-        report.lost, report.duplicated, report.corrupt = (
-            len(verdict.lost),
-            len(verdict.duplicated),
-            len(verdict.corrupt),
-        )
-        report.bad_inputs = len(inputs)
-        report.rejected = sum(bool(b.rejected) for b in inputs)
-        report.details = {"lost": verdict.lost, "duplicated": verdict.duplicated, "corrupt": verdict.corrupt,
-                          "unexpected": verdict.unexpected, "memory": verdict.memory, "leaked": leaked,
-                          "supervisor_rc": rc, "stats": verdict.stats,
-                          "not_rejected": [(b.door, b.label, b.detail) for b in inputs if not b.rejected]}  # fmt: skip
+        with dog:
+            verdict = _run_steps(dog, stack, rng, report, seed=seed, jobs=jobs, faults=faults, bad_inputs=bad_inputs,
+                                 hard_redis=hard_redis, settle_timeout=settle_timeout, fault_kinds=fault_kinds,
+                                 log=log)  # fmt: skip
+    except Stalled as exc:
+        report.stalled += 1
+        report.details["stalled"] = {"what": exc.what, "seconds": exc.seconds, "stacks": exc.stacks}
+        log({"event": "stalled", "what": exc.what, "seconds": exc.seconds})
+    except Exception as exc:  # the run itself broke (e.g. a server did not start): a failed seed, with the cause
+        report.details["error"] = f"{type(exc).__name__}: {exc}"
+        log({"event": "error", "error": report.details["error"]})
     finally:
         report.seconds = round(time.monotonic() - t0, 1)
-        if report.details.get("lost") or report.details.get("unexpected") or not report.details:
+        if not report.ok:
             report.details["log_tail"] = stack.log_tail(4000)
-        stack.cleanup()
+        stack.cleanup()  # bounded by its own stop timeouts
     return report, verdict
 
 
-def pids_alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if pid_alive(p)]
+def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Report, *, seed: int, jobs: int,
+               faults: int, bad_inputs: int, hard_redis: bool, settle_timeout: float, fault_kinds: Sequence[str],
+               log: Callable[[dict[str, Any]], None]) -> Verdict:  # fmt: skip
+    """The run, one deadline per step (see watchdog.py)."""
+    with dog.step("stack start: Redis, S3 proxy, supervisor, both fleets ready", 300):
+        stack.start()
+    conn = stack.conn
+    baseline_memory, baseline_keys = int(conn.info("memory")["used_memory"]), int(conn.dbsize())
+    run = _Run(stack, rng, log, hard_redis)
+    with dog.step("hostile input through the CLI, RQ and raw job hashes, then a probe job", 420):
+        inputs = run.hostile(bad_inputs, seed)
+    report.bad_inputs = len(inputs)
+    report.rejected = sum(bool(b.rejected) for b in inputs)
+    kinds = [fault_kinds[i % len(fault_kinds)] for i in range(faults)]
+    rng.shuffle(kinds)
+    fault_jobs = sum(1 if k not in ("redis_restart", "s3_outage") else 3 for k in kinds)
+    normal_total = max(0, jobs - fault_jobs - 3)  # 3 = hostile probe + 2 final canaries
+    for i, kind in enumerate(kinds):
+        share = normal_total // max(1, faults) + (1 if i < normal_total % max(1, faults) else 0)
+        with dog.step(f"submitting {share} normal jobs before fault {i + 1}", 120):
+            run.normal(share)
+        with dog.step(f"fault {i + 1}/{len(kinds)}: {kind}", 180):
+            run.fault(kind)
+        time.sleep(rng.uniform(0.0, 0.5))
+    pending = [a.job_id for a in run.accepted]
+
+    def unsettled() -> list[str]:
+        return [f"{j}: {job_state(conn, j)}" for j in pending if job_state(conn, j) not in TERMINAL]
+
+    with dog.step(f"every job terminal ({len(pending)} jobs)", settle_timeout + 60):
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not unsettled(), settle_timeout, "every job terminal", poll=0.2)
+    if left := unsettled():
+        report.details["unsettled_after_s"] = {"seconds": settle_timeout, "jobs": left[:20]}
+        log({"event": "unsettled", "jobs": left[:20]})
+    with dog.step("two canary jobs after the faults", 180):
+        canaries = run.normal(2)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: all(job_state(conn, j) in TERMINAL for j in canaries), 120, "canaries", poll=0.1)
+    with dog.step("warm stop of the supervisor and its workers", 150):
+        rc = stack.stop()
+    log({"event": "stopped", "rc": rc})
+    with dog.step("leaked-process check", 60):
+        report.leaked = len(leaked := stack.leaked(grace=20))
+        stack.kill_leftovers(leaked)
+    with dog.step("invariant check (Redis, bucket, execution log)", 300):
+        verdict = check(conn, stack.s3.client(), stack.exec_log_dir, run.accepted,
+                        baseline_memory=baseline_memory, baseline_keys=baseline_keys)  # fmt: skip
+    verdict.leaked = leaked
+    run.client.close()
+    canaries_ok = all(verdict.outcomes.get(c) == "uploaded" for c in canaries)
+    bad_ids = {line.split(" ")[0] for line in verdict.unexpected + verdict.lost + verdict.duplicated + verdict.corrupt}
+    report.faults = len(run.fault_jobs)
+    report.survived = sum(canaries_ok and not any(t in bad_ids for t in targets) for _, targets in run.fault_jobs)
+    report.jobs = len(run.accepted)
+    report.unexpected = len(verdict.unexpected)
+    report.lost, report.duplicated, report.corrupt = len(verdict.lost), len(verdict.duplicated), len(verdict.corrupt)
+    report.details.update(lost=verdict.lost, duplicated=verdict.duplicated, corrupt=verdict.corrupt,
+                          unexpected=verdict.unexpected, memory=verdict.memory, leaked=leaked, supervisor_rc=rc,
+                          stats=verdict.stats, canaries_ok=canaries_ok,
+                          not_rejected=[(b.door, b.label, b.detail) for b in inputs if not b.rejected])  # fmt: skip
+    return verdict

@@ -66,7 +66,8 @@ class ChaosStack:
     """Servers + supervisor for one chaos run; `start()`, use, `stop()` (which never raises on leaks:
     the checker reads `pids_seen` and `marked_processes()`)."""
 
-    def __init__(self, workdir: Path, *, s3: S3Server | None = None, render_timeout: float = 12.0) -> None:
+    def __init__(self, workdir: Path, *, s3: S3Server | None = None, render_timeout: float = 12.0,
+                 overrides: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = uuid.uuid4().hex[:12]
@@ -80,6 +81,7 @@ class ChaosStack:
         self.proxy: TcpProxy | None = None
         self.supervisor: WorkerProcess | None = None
         self.render_timeout = render_timeout
+        self.overrides = dict(overrides or {})  # worker settings (e.g. a planted defect for the negative control)
         self.pids_seen: dict[int, str] = {}  # pid -> role (supervisor/worker/rank/child)
         self._watch_stop = threading.Event()
         self._watch_thread: threading.Thread | None = None
@@ -92,8 +94,7 @@ class ChaosStack:
             self.s3.start()
         self.proxy = TcpProxy(self.s3.s3_port).start()
         self._conn = self.redis.client(socket_timeout=10)
-        env = worker_env(
-            self.redis.url, self.s3, queue=self.queue, name=self.name, spool=self.spool, s3_url=self.proxy.url,
+        settings: dict[str, Any] = dict(
             runner=RUNNER_NAME,
             runners=json.dumps({**RUNNERS, RUNNER_NAME: RUNNER_PATH}),
             runner_setup=json.dumps({"exec_log_dir": str(self.exec_log_dir), "default_steps": 1}),
@@ -102,6 +103,9 @@ class ChaosStack:
             upload_attempts=40, upload_backoff_s=0.2, upload_backoff_max_s=0.5,
             rebuild_backoff_s=0.5, max_rebuild_failures=5, log_format="json",
         )  # fmt: skip
+        settings.update(self.overrides)
+        env = worker_env(self.redis.url, self.s3, queue=self.queue, name=self.name, spool=self.spool,
+                         s3_url=self.proxy.url, **settings)  # fmt: skip
         env[MARKER] = self.token
         self.supervisor = WorkerProcess(
             [f"--group={g}" for g in GROUPS] + ["--kill-after", "20"], env, self.workdir / "supervisor.log"

@@ -74,6 +74,11 @@ class SmokeArgs(RenderArgs):
 class SmokeRunner(MGPURunner):
     """Tiny LTX-2 text-to-video with sequence parallelism over the fleet; see the module docstring."""
 
+    @classmethod
+    def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
+        """`steps` in [1, max_steps] (what `_validate` enforces on every rank)."""
+        return {"steps": (1, int(cls.setup_default("max_steps", setup_kwargs)))}
+
     def setup(
         self,
         *,

@@ -1,0 +1,128 @@
+"""The controller's pipes: every tensor path is read, and no read or write can block the caller forever.
+
+Regression for issue 15: top-level tensor kwargs on a CPU fleet were written to a per-rank channel that no
+rank read, so the 64 KiB pipe filled after ~176 jobs and `stream()` blocked forever inside `write()`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+
+import pytest
+import torch
+
+from ltx_mgpu import MGPUController
+from ltx_mgpu.transport import Channel, ChannelClosed, ChannelTimeout
+
+from .controller_runners import ScriptedRunner
+
+JOBS = 1000
+
+
+def _run_jobs(ctl: MGPUController, world: int, progress: list[int], failures: list[str]) -> None:
+    for j in range(JOBS):
+        x = torch.full((4,), float(j))  # a fresh tensor per job: stale deliveries would show in the sum
+        nested = {"t": torch.full((5,), float(j % 7))}
+        items = list(ctl.stream(mode="tensors", x=x, nested=nested))
+        sums = sorted(item["x_sum_all_ranks"] for item in items)
+        nested_sums = sorted(item["nested_sum"] for item in items)
+        if sums != [world * 4.0 * j] * world or nested_sums != [5.0 * (j % 7)] * world:
+            failures.append(f"job {j}: x sums {sums}, nested sums {nested_sums}")
+            return
+        progress[0] = j + 1
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_thousand_jobs_with_tensor_kwargs_never_jam(world: int) -> None:
+    ctl = MGPUController(ScriptedRunner, devices=["cpu"] * world)
+    ctl.start(timeout=120)
+    progress, failures = [0], []
+    worker = threading.Thread(target=_run_jobs, args=(ctl, world, progress, failures), daemon=True)
+    try:
+        worker.start()
+        # Generous (a job takes ~5 ms here, ~60 ms on a loaded machine): the check is "it finishes", and a jam
+        # never finishes at all. Progress is checked so a stall is reported at once with where it stopped.
+        deadline = time.monotonic() + 420
+        last, last_move = -1, time.monotonic()
+        while worker.is_alive() and time.monotonic() < deadline:
+            worker.join(1.0)
+            if progress[0] != last:
+                last, last_move = progress[0], time.monotonic()
+            elif time.monotonic() - last_move > 90:
+                break
+        assert not worker.is_alive(), f"jammed: the caller is stuck after {progress[0]} of {JOBS} jobs"
+        assert not failures, failures
+        assert progress[0] == JOBS
+        assert ctl.is_alive
+    finally:
+        ctl.shutdown(graceful_timeout=5)  # also unblocks a stuck writer (its pipe breaks)
+
+
+# ==== Channel: bounded writes and reads ==========================================================
+
+
+@pytest.fixture
+def channel():
+    ch = Channel(multiprocessing.get_context("spawn"))
+    yield ch
+    ch.close()
+
+
+def _fill(ch: Channel) -> int:
+    """Write until the pipe is full; returns how many messages fit."""
+    n = 0
+    while True:
+        try:
+            ch.put(b"x" * 1000, timeout=0)
+        except ChannelTimeout:
+            return n
+        n += 1
+
+
+def test_put_on_a_pipe_nobody_reads_times_out(channel: Channel) -> None:
+    assert 10 < _fill(channel) < 200  # ~64 KiB of pipe
+    t0 = time.monotonic()
+    with pytest.raises(ChannelTimeout, match="room in the pipe"):
+        channel.put({"big": b"y" * 100_000}, timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 5
+
+
+def test_put_gives_up_when_the_reader_is_no_longer_alive(channel: Channel) -> None:
+    _fill(channel)
+    flag = threading.Event()
+    threading.Timer(0.2, flag.set).start()
+    with pytest.raises(ChannelClosed, match="no longer alive"):
+        channel.put(b"z", alive=lambda: not flag.is_set())
+
+
+def test_put_waits_for_a_reader_that_makes_room(channel: Channel) -> None:
+    n = _fill(channel)
+    got: list[object] = []
+
+    def drain() -> None:
+        time.sleep(0.2)
+        for _ in range(n + 1):
+            got.append(channel.get(timeout=5))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    channel.put(("last", torch.arange(3)), timeout=10)
+    reader.join(10)
+    assert got[-1][0] == "last" and got[-1][1].tolist() == [0, 1, 2]
+
+
+def test_get_of_a_half_written_message_gives_up_when_the_writer_is_dead(channel: Channel) -> None:
+    import os
+    import struct
+
+    os.write(channel._writer.fileno(), struct.pack("!i", 100) + b"only part of it")
+    dead = threading.Event()
+    threading.Timer(0.2, dead.set).start()
+    with pytest.raises(ChannelClosed, match="rest of a message"):
+        channel.get(timeout=1, alive=lambda: not dead.is_set())
+    with pytest.raises(queue.Empty):
+        Channel(multiprocessing.get_context("spawn")).get(timeout=0.05)

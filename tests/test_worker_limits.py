@@ -1,0 +1,54 @@
+"""Runner request limits (worker.limits): what a runner class publishes without a fleet, and the check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ltx_mgpu import MGPURunner
+from ltx_mgpu.runners.smoke import SmokeRunner
+from worker.limits import RunnerLimits
+from worker.schema import RenderRequest
+
+
+class _Odd(MGPURunner):
+    @classmethod
+    def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
+        return {"colour": (0, 1)}
+
+    def setup(self) -> None:
+        pass
+
+    def __call__(self) -> Iterator[Any]:
+        yield None
+
+
+def test_smoke_runner_publishes_its_step_limit_from_its_setup_kwargs() -> None:
+    assert RunnerLimits.of("smoke", SmokeRunner, {}).ranges == {"steps": (1.0, 50.0)}  # setup()'s default
+    limits = RunnerLimits.of("smoke", SmokeRunner, {"max_steps": 8})
+    assert limits.ranges == {"steps": (1.0, 8.0)}
+    bad = limits.violations(RenderRequest(prompt="x", steps=9))
+    assert [v.message() for v in bad] == ["steps: 9 is outside [1, 8] accepted by runner 'smoke'"]
+    assert limits.violations(RenderRequest(prompt="x")) == []  # unset: the runner's default applies
+    assert RunnerLimits.from_json(limits.to_json()) == limits
+
+
+def test_a_subclass_that_passes_setup_kwargs_on_keeps_its_base_defaults() -> None:
+    """Found by the chaos CI: the chaos runner's `setup(*, exec_log_dir, **kwargs)` hid SmokeRunner's
+    `max_steps` default and every worker died at start."""
+    from tests.chaos.runner import ChaosRunner
+
+    assert RunnerLimits.of("chaos", ChaosRunner, {"exec_log_dir": "/x"}).ranges == {"steps": (1.0, 50.0)}
+    assert RunnerLimits.of("chaos", ChaosRunner, {"max_steps": 3}).ranges == {"steps": (1.0, 3.0)}
+    with pytest.raises(TypeError, match="declares no default for 'nope'"):
+        ChaosRunner.setup_default("nope", {})
+
+
+def test_limits_must_name_request_fields_and_bad_json_is_ignored() -> None:
+    with pytest.raises(ValueError, match="'colour', which is not a request field"):
+        RunnerLimits.of("odd", _Odd, {})
+    assert RunnerLimits.of("base", MGPURunner, {}).ranges == {}
+    for junk in (None, {}, {"runner": "x"}, {"runner": "x", "ranges": {"steps": [1]}}, "text"):
+        assert RunnerLimits.from_json(junk) is None

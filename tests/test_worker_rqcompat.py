@@ -1,0 +1,71 @@
+"""`worker.rqcompat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
+and string it (and `FleetWorker`'s overrides) relies on. An RQ upgrade that changes one fails here, not in
+production (RQ's main branch already changed `perform_job`'s signature)."""
+
+from __future__ import annotations
+
+import inspect
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import rq
+from rq.executions import Execution
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+from rq.worker import SimpleWorker
+
+from worker import rqcompat
+from worker.rqworker import FleetWorker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _params(fn: object) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+
+def test_rq_is_the_pinned_minor_version() -> None:
+    major, minor = (int(x) for x in version("rq").split(".")[:2])
+    assert (major, minor) == rqcompat.RQ_MINOR
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"rq>={major}.{minor},<{major}.{minor + 1}"' in pyproject
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("execute_job", ["self", "job", "queue"]),
+        ("perform_job", ["self", "job", "queue"]),
+        ("prepare_execution", ["self", "job"]),
+        ("cleanup_execution", ["self", "job", "pipeline"]),
+        ("handle_job_failure", ["self", "job", "queue", "started_job_registry", "exc_string"]),
+        ("handle_execution_ended", ["self", "job", "queue", "heartbeat_ttl"]),
+        ("handle_exception", ["self", "job", "exc_info"]),
+        ("dequeue_job_and_maintain_ttl", ["self", "timeout", "max_idle_time"]),
+        ("heartbeat", ["self", "timeout", "pipeline"]),
+        ("get_heartbeat_ttl", ["self", "job"]),
+        ("request_stop", ["self", "signum", "frame"]),
+        ("request_force_stop", ["self", "signum", "frame"]),
+        ("kill_horse", ["self", "sig"]),
+        ("teardown", ["self"]),
+        ("serialize", ["self"]),
+    ],
+)
+def test_worker_methods_we_override_or_call_keep_their_signatures(name: str, params: list[str]) -> None:
+    assert _params(getattr(SimpleWorker, name)) == params
+    if name in vars(FleetWorker):  # our override accepts what RQ passes
+        assert _params(getattr(FleetWorker, name))[: len(params)] == params
+
+
+def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
+    worker = SimpleWorker(["q"], connection=redis_client)
+    for attribute in ("_stopped_job_id", "_shutdown_requested_date", "_exc_handlers", "execution", "key"):
+        assert hasattr(worker, attribute), attribute
+    assert _params(Execution.heartbeat) == ["self", "started_job_registry", "ttl", "pipeline"]
+    assert _params(Job.heartbeat) == ["self", "timestamp", "ttl", "pipeline", "xx"]
+    assert _params(StartedJobRegistry.cleanup) == ["self", "timestamp", "exception_handlers"]
+    assert _params(StartedJobRegistry.add_execution) == ["self", "execution", "pipeline", "ttl", "xx"]
+    # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
+    source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
+    assert f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}." in source

@@ -1,0 +1,246 @@
+"""Every place the worker reaches into RQ beyond the API a job function sees: registries, job-hash fields,
+worker attributes RQ keeps private, and the bookkeeping RQ does not offer (a job that returned before its
+upload ended, a job a worker took but never started, a running job a client cancelled).
+
+Written against rq 2.12 and pinned to that minor version (`pyproject.toml`): RQ changes these internals
+between minor versions (its main branch already changed `perform_job`'s signature), and
+`tests/test_worker_rqcompat.py` checks the signatures and attributes used here against the installed
+RQ, so an upgrade fails there rather than in production. Nothing else in `worker/` (or `producer/`)
+touches RQ's registries or private state; the `FleetWorker` subclass only overrides RQ's documented
+worker hooks and calls these functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result
+from rq.utils import now, utcformat
+
+__all__ = [
+    "RQ_MINOR",
+    "STUCK_IN_INTERMEDIATE",
+    "beat",
+    "cold_stop_is_repeat",
+    "exception_handlers",
+    "fail_after_return",
+    "fail_unreadable",
+    "give_back_dequeued",
+    "give_back_started",
+    "keep_failure_ttl",
+    "mark_stopped",
+    "record_cancelled_execution",
+    "record_success_after_return",
+    "requeue_after_return",
+    "set_retry",
+    "stopped_job_id",
+]
+
+log = logging.getLogger("worker.rq")
+
+RQ_MINOR = (2, 12)  #: the RQ minor version this module is written and tested against
+STUCK_IN_INTERMEDIATE = "Job was stuck in intermediate queue"  #: RQ's exc_string for that cleanup
+
+
+# ==== worker attributes RQ keeps private =================================================================
+
+
+def stopped_job_id(worker: Any) -> str | None:
+    """The job RQ's stop-job command (or our heartbeat's cancel check) marked as stopped, if any."""
+    return getattr(worker, "_stopped_job_id", None)
+
+
+def mark_stopped(worker: Any, job_id: str | None) -> None:
+    """Make RQ's failure handling treat `job_id` as stopped (not failed, not retried); None clears it."""
+    worker._stopped_job_id = job_id
+
+
+def cold_stop_is_repeat(worker: Any, within_s: float = 1.0) -> bool:
+    """True when the cold-stop signal arrived within `within_s` of the warm one (one Ctrl+C seen twice)."""
+    requested = getattr(worker, "_shutdown_requested_date", None)
+    return requested is not None and (now() - requested).total_seconds() < within_s
+
+
+def exception_handlers(worker: Any) -> list[Any]:
+    return list(worker._exc_handlers)
+
+
+def beat(worker: Any, job: Job, connection: Any, ttl: int) -> None:
+    """RQ's `maintain_heartbeats` on another connection: refresh the worker key, the execution's deadline in
+    the started registry (`ttl` from now) and the job's heartbeat in one round trip. The heartbeat thread
+    uses its own connection (with timeouts) so a beat never queues behind the main thread's commands."""
+    execution = worker.execution
+    if execution is None:
+        return
+    with connection.pipeline() as pipe:
+        worker.heartbeat(ttl + 60, pipeline=pipe)  # first command: the worker hash's HSET
+        execution.heartbeat(job.started_job_registry, ttl, pipeline=pipe)
+        job_index = len(pipe)
+        job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+        results = pipe.execute()
+    # (as RQ does) a HSET that created a key means the key had expired or been deleted meanwhile
+    if results[job_index] == 1:
+        connection.delete(job.key)
+    if results[0] == 1:
+        connection.hset(worker.key, mapping=worker.serialize())
+
+
+# ==== the job hash ========================================================================================
+
+
+def set_retry(job: Job, retry: bool) -> None:
+    """Decide whether RQ re-queues the job when it handles this failure (its `retries_left` on the job
+    object, which RQ's failure handling and abandoned-job cleanup read; at once, never scheduled)."""
+    job.retries_left = 1 if retry else 0
+    job.retry_intervals = None
+
+
+def keep_failure_ttl(job: Job, ttl: int) -> None:
+    """Give a job enqueued without `failure_ttl` ours (RQ's default keeps failures a year)."""
+    if job.failure_ttl is None:
+        job.failure_ttl = ttl
+        job.connection.hset(job.key, "failure_ttl", ttl)
+
+
+# ==== jobs taken but never started ========================================================================
+
+
+def give_back_dequeued(job: Job, queue: Queue) -> None:
+    """Return a job this worker dequeued (it sits in RQ's intermediate list) to the front of its queue, in
+    one transaction (a crash in between can neither lose it nor leave it in both lists)."""
+    with job.connection.pipeline() as pipe:
+        pipe.multi()
+        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        queue.enqueue_job(job, pipeline=pipe, at_front=True)
+        pipe.execute()
+    log.warning("job %s given back to queue %s untouched", job.id, queue.name)
+
+
+def give_back_started(worker: Any, job: Job, queue: Queue) -> None:
+    """Return a job whose execution was prepared (started registry) but never ran to its queue's front."""
+    with job.connection.pipeline() as pipe:
+        pipe.multi()
+        worker.cleanup_execution(job, pipeline=pipe)
+        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        queue.enqueue_job(job, pipeline=pipe, at_front=True)
+        pipe.execute()
+    log.warning("job %s given back to queue %s untouched", job.id, queue.name)
+
+
+def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: BaseException, failure_ttl: int) -> None:
+    """Mark a dequeued job that RQ cannot load as failed (it was already popped from its queue)."""
+    message = f"unreadable job hash: {type(exc).__name__}: {exc}"[:2000]
+    with connection.pipeline() as pipe:
+        pipe.hset(Job.key_for(job_id), mapping={"status": "failed", "ended_at": utcformat(now()), "exc_info": message})
+        pipe.expire(Job.key_for(job_id), failure_ttl)
+        if queue is not None:
+            pipe.zadd(queue.failed_job_registry.key, {job_id: time.time() + failure_ttl})
+            # RQ moved it to the intermediate list on dequeue; its cleanup would fetch it and crash again
+            pipe.lrem(queue.intermediate_queue_key, 0, job_id)
+        pipe.execute()
+    log.error("job %s failed without running: %s", job_id, message)
+
+
+# ==== a running job a client cancelled ====================================================================
+
+
+def record_cancelled_execution(worker: Any, job: Job, ttl: int) -> None:
+    """RQ's failure handling records a stopped job as `stopped` *and* adds it to the failed registry with
+    a failure result, so `rq info` and registry counts call a cancel a failure. Record it as RQ records a
+    cancelled queued job instead: status `canceled`, the canceled registry, no failure result."""
+    mark_stopped(worker, None)
+    with job.connection.pipeline() as pipe:
+        job.set_status(JobStatus.CANCELED, pipeline=pipe)
+        job.ended_at = now()
+        pipe.hset(job.key, "ended_at", utcformat(job.ended_at))
+        worker.cleanup_execution(job, pipeline=pipe)
+        CanceledJobRegistry(job.origin, connection=job.connection, serializer=job.serializer).add(
+            job, ttl=ttl, pipeline=pipe
+        )
+        pipe.expire(job.key, ttl)
+        pipe.execute()
+
+
+# ==== jobs that returned before their upload ended (the background uploader) =============================
+
+
+def _registries(job: Job) -> tuple[Queue, FinishedJobRegistry, FailedJobRegistry]:
+    kw = {"connection": job.connection, "serializer": job.serializer}
+    return Queue(job.origin, **kw), FinishedJobRegistry(job.origin, **kw), FailedJobRegistry(job.origin, **kw)
+
+
+def record_success_after_return(job: Job, result: dict[str, Any], ttl: int, worker_name: str, *,
+                                recovered: bool) -> None:  # fmt: skip
+    """Record the full result as the job's RQ result, in place of the hand-off value (so `latest_result()`,
+    `return_value()` and `results()` look as if the job had returned it); a recovered job whose RQ status
+    is not `finished` (failed, or waiting for a retry) is moved there."""
+    if not job.connection.exists(job.key):
+        log.info("job %s expired before its upload ended; result not recorded in RQ", job.id)
+        return
+    status = job.get_status(refresh=True)
+    with job.connection.pipeline() as pipe:
+        _drop_handoff(job, pipe)
+        Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name, pipeline=pipe)
+        if recovered and status != JobStatus.FINISHED:
+            # (`started` too: the worker died between `rendered` and RQ's own bookkeeping, so the job is
+            # still in the started registry; left there, RQ's abandoned-job cleanup would later mark the
+            # uploaded job failed. We hold the spool entry's lock, so no live execution owns the job.)
+            queue, finished, failed = _registries(job)
+            _remove_started(job, StartedJobRegistry(job.origin, connection=job.connection), pipe)
+            pipe.lrem(queue.key, 0, job.id)
+            failed.remove(job, pipeline=pipe)
+            finished.add(job, ttl, pipeline=pipe)
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+        if ttl > 0:
+            pipe.expire(job.key, ttl)
+        pipe.execute()
+
+
+def requeue_after_return(job: Job) -> None:
+    """Put a job RQ saw finish (it returned at `rendered`) back on its queue for another attempt."""
+    queue, finished, failed = _registries(job)
+    with job.connection.pipeline() as pipe:
+        _drop_handoff(job, pipe)
+        finished.remove(job, pipeline=pipe)
+        failed.remove(job, pipeline=pipe)
+        pipe.persist(job.key)
+        pipe.execute()
+    set_retry(job, False)
+    queue.enqueue_job(job)
+
+
+def fail_after_return(job: Job, message: str, ttl: int, worker_name: str) -> None:
+    """Mark a job RQ saw finish as failed (status, failed registry, a failure result)."""
+    _, finished, failed = _registries(job)
+    with job.connection.pipeline() as pipe:
+        _drop_handoff(job, pipe)
+        finished.remove(job, pipeline=pipe)
+        job.set_status(JobStatus.FAILED, pipeline=pipe)
+        set_retry(job, False)
+        pipe.hset(job.key, "retries_left", 0)
+        failed.add(job, ttl=ttl, exc_string=message, pipeline=pipe)
+        Result.create_failure(job, ttl, exc_string=message, worker_name=worker_name, pipeline=pipe)
+        pipe.expire(job.key, ttl)
+        pipe.execute()
+
+
+def _remove_started(job: Job, registry: StartedJobRegistry, pipe: Any) -> None:
+    """Take every execution of `job` out of RQ's started registry (entries are `<job_id>:<execution_id>`;
+    read from the registry itself, since a dead worker's execution records may have expired)."""
+    prefix = f"{job.id}:".encode()
+    entries = [e for e in job.connection.zrange(registry.key, 0, -1) if e.startswith(prefix) or e == job.id.encode()]
+    if entries:
+        pipe.zrem(registry.key, *entries)
+
+
+def _drop_handoff(job: Job, pipe: Any) -> None:
+    """Delete the hand-off value RQ stored as this execution's result: it stood in while the upload ran
+    and is replaced by the real outcome (one result per execution, as without the pipeline)."""
+    latest = job.latest_result()
+    if latest is not None and isinstance(latest.return_value, dict) and latest.return_value.get("upload"):
+        pipe.xdel(Result.get_key(job.id), latest.id)
