@@ -26,8 +26,10 @@ counter and are never cached (computed every forward, still without syncs).
 During a CUDA-graph capture (`capture_scope()`, or any stream capture) every cache is bypassed: the
 graph computes positions, RoPE and masks from its own static input buffers into its own memory pool, so a
 replay with new inputs (another job of the same shape, other positions) is correct, and nothing the graph
-reads can be evicted from under it. The only thing shared with the eager path is the device copy of the
-RoPE frequency grid, a constant that is never evicted (and is made by the first, eager, forward).
+reads can be evicted from under it. Shared with the eager path are only constants that are never evicted:
+the device copy of the RoPE frequency grid, and the perturbation masks of a configuration (functions of
+the configuration alone; ltx-core builds them with per-row scalar writes, host->device copies that capture
+refuses), both made by the eager forward that precedes every capture.
 """
 
 from __future__ import annotations
@@ -200,15 +202,16 @@ def _cached_perturbations_class() -> type:
     @dataclass(frozen=True)
     class CachedPerturbations(BatchedPerturbationConfig):
         """A `BatchedPerturbationConfig` that makes each per-block mask once (the block asks twice per
-        forward, with a Python loop over the batch each time). Bypassed under capture."""
+        forward, with a Python loop over the batch each time). Under capture it answers with the masks made
+        eagerly (constants of the configuration) and never makes one."""
 
         _cache: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
 
         def mask(self, perturbation_type: Any, block: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
-            if capturing():
-                return super().mask(perturbation_type, block, device, dtype)
             key = ("mask", perturbation_type, block, torch.device(device), dtype)
             out = self._cache.get(key)
+            if out is None and capturing():  # not made eagerly: ltx-core's own (uncapturable) construction
+                return super().mask(perturbation_type, block, device, dtype)
             if out is None:
                 out = self._cache[key] = super().mask(perturbation_type, block, device, dtype)
             return out
@@ -387,6 +390,9 @@ class ForwardHoister:
         self.geometries = IdentityCache(capacity)
         self._perturbations: OrderedDict[Hashable, Any] = OrderedDict()
         self.perturbation_capacity = 16
+        # configurations whose masks a captured graph reads (by address): never evicted, so a replay can
+        # never read freed memory; bounded by the graphs a wrapper keeps
+        self._captured_perturbations: dict[Hashable, Any] = {}
 
     # ---- geometry -----------------------------------------------------------------------------------
     def geometry(self, role: str, modality: Any, world_size: int = 1, rank: int = 0) -> ModalityGeometry:
@@ -441,10 +447,19 @@ class ForwardHoister:
     # ---- perturbations ------------------------------------------------------------------------------
     def perturbations(self, batched: Any) -> Any:
         """A mask-caching equivalent of `batched`, reused for every later call with the same configuration."""
-        if batched is None or capturing():
+        if batched is None:
             return batched
         key = perturbation_signature(batched)
-        cached = self._perturbations.get(key)
+        cached = self._perturbations.get(key) or self._captured_perturbations.get(key)
+        if capturing():
+            # The masks made by the eager warm-up forward of this very configuration are constants of the
+            # configuration: the graph reads them (ltx-core builds a mask with per-row scalar writes, a
+            # host->device copy that capture refuses). Without an eager forward before, ltx-core's path runs
+            # and the capture fails (the wrapper then stays eager for this shape).
+            if cached is None:
+                return batched
+            self._captured_perturbations[key] = cached
+            return cached
         if cached is None:
             cached = self._perturbations[key] = cached_perturbations(list(batched.perturbations))
             while len(self._perturbations) > self.perturbation_capacity:
