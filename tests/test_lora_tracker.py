@@ -165,3 +165,22 @@ def test_owner_assignment_is_deterministic_and_keeps_scales_together():
     assert owners == assign_owners(dict(reversed(list(sizes.items()))), 2)
     assert owners["a.weight"] == owners["a.weight_scale"] == 0
     assert owners["b.weight"] == owners["c.weight"] == 1
+
+
+def test_repeated_swaps_read_the_lora_files_once_and_stay_exact(files):
+    """The two-stage runner swaps the distilled LoRA in and out on every job: after the first fusion the
+    factors come from memory (no file read), and every swap still equals ltx-core's own fusion."""
+    model = builder(files["ckpt"]).build(device=torch.device("cpu"), dtype=torch.bfloat16)
+    tracker = LoraWeightTracker(None)
+    tracker.attach(model)
+    spec = [LoraSpec(files["a"], 1.0, _lora_ops())]
+    fused = reference_sd(files["ckpt"], [(files["a"], 1.0)])
+    clean = reference_sd(files["ckpt"], [])
+    read_after_first = None
+    for _ in range(3):
+        tracker.apply(spec)
+        assert all(torch.equal(v, fused[k]) for k, v in model.state_dict().items())
+        read_after_first = read_after_first or tracker.stats["lora_bytes_read"]
+        tracker.apply([])
+        assert all(torch.equal(v, clean[k]) for k, v in model.state_dict().items())
+    assert read_after_first > 0 and tracker.stats["lora_bytes_read"] == read_after_first

@@ -112,6 +112,9 @@ class LoraWeightTracker:
         backup_device: where the clean shards live (default: each weight's own device; "cpu" saves
             accelerator memory at the cost of slower swaps).
         lora_load_device: where LoRA tensors are read to (default CPU, as ltx-core's builder does).
+        keep_loras: keep the LoRA factors of this rank's keys on their weight's device after the first
+            fusion, so later swaps read nothing from disk (at real size, re-reading a rank's share of a
+            7 GB LoRA from the file per swap is most of a swap). Costs the owned share of the LoRA files.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class LoraWeightTracker:
         bucket_bytes: int = 256 << 20,
         backup_device: torch.device | str | None = None,
         lora_load_device: torch.device | str = "cpu",
+        keep_loras: bool = True,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be > 0")
@@ -136,7 +140,10 @@ class LoraWeightTracker:
         self._current: tuple[LoraSpec, ...] = ()
         self._touched_current: set[str] = set()
         self._staging: torch.Tensor | None = None
-        self.stats = {"swaps": 0, "bytes_broadcast": 0, "keys_fused": 0}
+        self.keep_loras = keep_loras
+        # LoRA identity -> {"<prefix>.lora_A.weight" / "...lora_B.weight": factor on the weight's device}
+        self._factors: dict[tuple[str, float, str], dict[str, torch.Tensor]] = {}
+        self.stats = {"swaps": 0, "bytes_broadcast": 0, "keys_fused": 0, "lora_bytes_read": 0}
 
     # ---- attach ----------------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
@@ -230,14 +237,25 @@ class LoraWeightTracker:
         lora_sds = []
         for spec, target in zip(specs, targets, strict=True):
             wanted = {k: target[k] for k in keys if k in target}
+            kept = self._factors.setdefault(spec.identity, {}) if self.keep_loras else {}
+            missing = {k: raw for k, raw in wanted.items() if f"{k[: -len('.weight')]}.lora_A.weight" not in kept}
+            if missing:
+                with safe_open(spec.path, framework="pt", device=str(self.lora_load_device)) as f:
+                    for key, (raw_a, raw_b) in missing.items():
+                        prefix = key[: -len(".weight")]
+                        device = self._working[key].device if self.keep_loras else self.lora_load_device
+                        for name, raw in ((f"{prefix}.lora_A.weight", raw_a), (f"{prefix}.lora_B.weight", raw_b)):
+                            value = self._mapped(spec, raw, f.get_tensor(raw)).to(device)
+                            kept[name] = value
+                            self.stats["lora_bytes_read"] += value.nbytes
             sd: dict[str, torch.Tensor] = {}
-            with safe_open(spec.path, framework="pt", device=str(self.lora_load_device)) as f:
-                for key, (raw_a, raw_b) in wanted.items():
-                    prefix = key[: -len(".weight")]
-                    sd[f"{prefix}.lora_A.weight"] = self._mapped(spec, raw_a, f.get_tensor(raw_a))
-                    sd[f"{prefix}.lora_B.weight"] = self._mapped(spec, raw_b, f.get_tensor(raw_b))
+            for key in wanted:
+                prefix = key[: -len(".weight")]
+                for name in (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"):
+                    sd[name] = kept[name]
             size = sum(t.nbytes for t in sd.values())
-            sd_obj = StateDict(sd, self.lora_load_device, size, {t.dtype for t in sd.values()})
+            where = next(iter(sd.values())).device if sd else self.lora_load_device
+            sd_obj = StateDict(sd, where, size, {t.dtype for t in sd.values()})
             lora_sds.append(LoraStateDictWithStrength(sd_obj, spec.strength))
         for key in keys:
             # One key at a time keeps the transient fp32/bf16 deltas to a single weight's size.
