@@ -73,7 +73,9 @@ def render(ctl, path, **job):
     assert frames.float().std() > 1.0  # not a blank video
     out = outputs[0]
     stages = [e["stage"] for e in events if isinstance(e, dict) and e.get("type") == "stage"]
-    assert set(out["timings_s"]) == set(stages) and out["synthetic_weights"] is True
+    swaps = {k for k in out["timings_s"] if k.startswith("lora_swap_")}  # timed, not announced as stages
+    assert set(out["timings_s"]) - swaps == set(stages) and out["synthetic_weights"] is True
+    assert swaps == ({"lora_swap_stage1", "lora_swap_stage2"} if "tdp" in str(events) else set())
     if job.get("audio", True):
         streams = probe_mp4(path)
         assert (streams.audio_codec, streams.audio_sample_rate, streams.audio_channels) == ("aac", 24000, 2)

@@ -6,7 +6,8 @@ peak-memory counter is reset at the start and read at the end. `timings_s` is th
 seconds per stage); `peak_report()` gathers every rank's peaks (a collective over the control group).
 
 Stage names used by the runners (the `output` event's `timings_s` keys): `encode`, `stage1`, `upsample`,
-`stage2` (ltx2) or `denoise` (smoke), `decode` (video), `audio_decode`, `mux`. A stage a runner does not
+`stage2` (ltx2) or `denoise` (smoke), `decode` (video), `audio_decode`, `mux`, and `lora_swap_stage1` /
+`lora_swap_stage2` where a runner fuses LoRAs per stage. A stage a runner does not
 have, or skipped for this job (no audio asked), is absent.
 """
 

@@ -334,8 +334,8 @@ class Ltx2Runner(MGPURunner):
         (video latent, audio latent), unpatchified. Runner specifics: `_stage1_sigmas`, `_stage1_step`."""
         tools, audio_tools = job.geo.video_tools(2), job.geo.audio_tools()
         sigmas = self._stage1_sigmas(job)
+        self._use_loras(self.base_loras, "lora_swap_stage1")
         with self.clock.stage("stage1"):
-            self._use_loras(self.base_loras)
             video = self._state(tools, job, conditionings=self._conditionings(job.images, tools), noise_scale=1.0)
             audio = self._state(audio_tools, job, noise_scale=1.0)
             tokens = int(video.latent.shape[1])
@@ -386,8 +386,8 @@ class Ltx2Runner(MGPURunner):
         tools, audio_tools = job.geo.video_tools(1), job.geo.audio_tools()
         sigmas = torch.tensor(self.stage2_sigmas, dtype=torch.float32)
         sigma0 = float(sigmas[0])
+        self._use_loras(self.stage2_loras, "lora_swap_stage2")  # collective: sharded fusion + broadcast, in place
         with self.clock.stage("stage2"):
-            self._use_loras(self.stage2_loras)  # collective: sharded fusion + broadcast, in place
             cond = self._conditionings(job.images, tools)
             video = self._state(tools, job, conditionings=cond, noise_scale=sigma0, initial_latent=upscaled)
             audio_state = self._stage2_audio(job, audio_tools, audio, sigma0)
@@ -444,10 +444,12 @@ class Ltx2Runner(MGPURunner):
     def _max_batch(self, tokens: int) -> int:
         return max(1, self.sp_max_tokens // padded_token_count(tokens, self.world_size))
 
-    def _use_loras(self, loras: tuple[LoraSpec, ...]) -> None:
-        """Collective: fuse exactly `loras` into the resident weights (a no-op when already so)."""
+    def _use_loras(self, loras: tuple[LoraSpec, ...], stage: str) -> None:
+        """Collective: fuse exactly `loras` into the resident weights (a no-op when already so), timed as
+        its own stage (the two-stage runner swaps twice a job)."""
         if self.tracker is not None:
-            self.tracker.apply(loras)
+            with self.clock.stage(stage):
+                self.tracker.apply(loras)
 
     def _conditionings(self, images: list[DecodedImage], tools: Any) -> list:
         """Image latents encoded on the driver, broadcast, turned into conditioning items on every rank."""
