@@ -108,7 +108,7 @@ class Ltx2Runner(MGPURunner):
         vae_overlap: int = 1,
         vae_chunked: bool = False,
         text_encoder: str = "source",
-        text_encoder_rank: int = 0,
+        text_encoder_rank: int | None = None,
         prompt_tokens: int = 1024,
         enhance_max_new_tokens: int = 512,
         default_steps: int | None = None,
