@@ -189,7 +189,7 @@ def _cross_size(ctx: Any, total: int, hidden: int, head_dim: int, iters: int, wa
         backend.set_rank_tokens([per] * w)
     x = torch.randn(1, per, hidden // head_dim, head_dim, device=dev, dtype=torch.bfloat16)
     same = torch.equal(ipc.send_recv_heads(x).view(torch.int16), dst.send_recv_heads(x).view(torch.int16))
-    flat_in = x.reshape(-1).view(torch.int16)
+    flat_in = x.reshape(-1)  # the same bytes as bf16 (NCCL has no 16-bit integer type)
     flat_out = torch.empty_like(flat_in)
     ops = {
         "ipc_zero_copy": lambda: zero_copy.send_recv_heads(x),
