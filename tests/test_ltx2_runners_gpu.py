@@ -1,15 +1,20 @@
-"""Both LTX-2 runners on tiny checkpoints with CUDA ranks, printing the peak GPU memory of every stage.
+"""Both LTX-2 runners on tiny checkpoints with CUDA ranks, printing the peak GPU memory and the wall time of
+every stage; every mp4 has its AAC track (audio decoded on the driver's GPU), as long as the video within
+0.1 s.
 
 Skipped without CUDA. Cases: one process on cuda:0 (LocalRunner), 2 and 4 ranks oversubscribed on GPU 0
 (gloo with host staging), 2 ranks with one GPU each over NCCL when the machine has 2+ GPUs, and the
-two-stage runner with fp8-cast quantization (the LoRA fusion then takes ltx-core's triton fp8 path).
+two-stage runner with fp8-cast quantization (the LoRA fusion then takes ltx-core's triton fp8 path). Plus
+the synthetic checkpoint generator on CUDA: the tiny profile generated on the GPU renders, and a full-size
+file (the 19B profile's upsampler) streams from the GPU and loads.
 
 Run on the GPU box (prints a table even without -s):
 
     pytest -q -m gpu tests/test_ltx2_runners_gpu.py
 
 Each row: runner, world, devices, stage -> peak `torch.cuda.max_memory_allocated` per rank in MiB (reset at
-the start of each stage; all ranks of an oversubscribed world share one GPU, so their peaks add up there).
+the start of each stage; all ranks of an oversubscribed world share one GPU, so their peaks add up there)
+and the driver's seconds per stage.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from ltx_mgpu import MGPUController
 from ltx_mgpu.runners.common.local import LocalRunner
-from ltx_mgpu.runners.common.media import read_mp4
+from ltx_mgpu.runners.common.media import probe_mp4, read_mp4
 from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
 
 pytestmark = [
@@ -52,16 +57,20 @@ def _setup(tiny, runner, **extra):
 def _report(capsys, name, world, devices, output, path):
     frames, fps = read_mp4(path)
     assert frames.shape == (JOB["num_frames"], JOB["height"], JOB["width"], 3) and fps == pytest.approx(8.0)
+    streams = probe_mp4(path)
+    assert (streams.audio_codec, streams.audio_sample_rate, streams.audio_channels) == ("aac", 24000, 2)
+    assert abs(streams.audio_duration_s - streams.video_duration_s) < 0.1 and output["audio"] is True
     peaks = output.get("peak_memory_bytes")
     assert peaks, output  # CUDA ranks report their per-stage peaks
+    assert set(peaks) == set(output["timings_s"]) >= {"encode", "stage1", "stage2", "decode", "audio_decode", "mux"}
     mib = {stage: [round(b / 2**20, 1) for b in per_rank] for stage, per_rank in peaks.items()}
-    row = {"runner": name, "world": world, "devices": devices, "peak_mib": mib}
+    row = {"runner": name, "world": world, "devices": devices, "peak_mib": mib, "timings_s": output["timings_s"]}
     with open(REPORT, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(row) + "\n")
     with capsys.disabled():
         print(f"\n[ltx2 gpu] {name} world={world} devices={devices}")
         for stage, mib in row["peak_mib"].items():
-            print(f"    {stage:<9} peak MiB per rank: {mib}")
+            print(f"    {stage:<12} {row['timings_s'][stage]:8.3f} s   peak MiB per rank: {mib}")
 
 
 RUNNERS = [("ltx2-distilled", Ltx2DistilledRunner), ("ltx2-two-stage", Ltx2TwoStageRunner)]
@@ -108,3 +117,36 @@ def test_two_stage_fp8_cast_on_shared_gpu(tiny, tmp_path, capsys):
         _report(capsys, "ltx2-two-stage fp8-cast", 2, [0, 0], output, tmp_path / "q.mp4")
     finally:
         ctl.shutdown(graceful_timeout=30)
+
+
+def test_synthetic_tiny_generated_on_cuda_renders(tmp_path, capsys):
+    from ltx_mgpu.runners.ltx2.synthetic import write_checkpoints
+
+    rows = []
+    files = write_checkpoints("tiny", tmp_path / "tiny", device="cuda", report=rows.append)
+    assert rows[-1]["event"] == "done" and rows[-1]["device"] == "cuda"
+    with LocalRunner(Ltx2DistilledRunner, device="cuda:0") as local:
+        kw = {**files.setup_kwargs(), **SETUP}
+        kw.pop("distilled_lora_path")
+        local.start(**kw)
+        events = local.run(output_path=str(tmp_path / "v.mp4"), **JOB)
+    output = next(e for e in events if e.get("type") == "output")
+    assert output["synthetic_weights"] is True
+    _report(capsys, "ltx2-distilled (tiny generated on cuda)", 1, ["cuda:0"], output, tmp_path / "v.mp4")
+
+
+def test_full_size_file_streams_from_the_gpu_and_loads(tmp_path, capsys):
+    """The 19B profile's upsampler (0.25 GB): generated on the GPU, staged through pinned buffers, loaded."""
+    from ltx_mgpu.runners.common.loading import build_checked
+    from ltx_mgpu.runners.ltx2.components import upsampler_builder
+    from ltx_mgpu.runners.ltx2.synthetic import plan_files, write_checkpoints
+
+    rows = []
+    files = write_checkpoints("full", tmp_path / "full", device="cuda", components=["upsampler"], report=rows.append)
+    model = build_checked(upsampler_builder(str(files.upsampler)), torch.device("cuda:0"), torch.bfloat16, "upsampler")
+    planned = plan_files("full", ["upsampler"])[0].nbytes  # tensor bytes; the file adds its header
+    assert rows[0]["bytes"] == files.upsampler.stat().st_size > planned
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == planned
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with capsys.disabled():
+        print(f"\n[synthetic gpu] {json.dumps(rows[0])}")

@@ -1,5 +1,6 @@
 """The smoke runner on CUDA under the real controller: one rank, and two ranks oversubscribed on one GPU
-(gloo). Skipped cleanly without CUDA. Run on the GPU machine:
+(gloo), each mp4 with its AAC track (decoded on the GPU; world 2's audio equals world 1's within float noise).
+Skipped cleanly without CUDA. Run on the GPU machine:
 
     pytest -m gpu tests/test_smoke_runner_gpu.py -v
 """
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController, SymmetricRunnerError
-from ltx_mgpu.runners.common.media import read_mp4
+from ltx_mgpu.runners.common.media import probe_mp4, read_audio, read_mp4
 from ltx_mgpu.runners.smoke import SmokeRunner
 
 pytestmark = [
@@ -25,7 +26,7 @@ JOB = {"prompt": "a red fox in the snow", "seed": 7, "width": 256, "height": 160
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smoke_render_on_one_gpu_world_1_and_2(tmp_path: Path, dtype: str) -> None:
-    frames = {}
+    frames, audio = {}, {}
     for world in (1, 2):
         ctl = MGPUController(SmokeRunner, devices=[0] * world, allow_shared_devices=world > 1)
         try:
@@ -37,6 +38,10 @@ def test_smoke_render_on_one_gpu_world_1_and_2(tmp_path: Path, dtype: str) -> No
             decoded, fps = read_mp4(out)
             assert decoded.shape == (25, 160, 256, 3) and fps == pytest.approx(24.0)
             frames[world] = decoded.float()
+            streams = probe_mp4(out)
+            assert (streams.audio_codec, streams.audio_sample_rate, streams.audio_channels) == ("aac", 24000, 2)
+            assert abs(streams.audio_duration_s - streams.video_duration_s) < 0.1
+            audio[world] = read_audio(out)[0]
             with pytest.raises(SymmetricRunnerError, match="Use a smaller resolution or fewer frames."):
                 list(ctl.stream(timeout=300, output_path=str(tmp_path / "big.mp4"), **{**JOB, "width": 2048}))
             assert ctl.is_alive
@@ -45,3 +50,5 @@ def test_smoke_render_on_one_gpu_world_1_and_2(tmp_path: Path, dtype: str) -> No
     diff = (frames[1] - frames[2]).abs()
     limit = 8 if dtype == "float32" else 48  # bf16 rounding differs with the row split; still the same video
     assert diff.mean() <= (0.5 if dtype == "float32" else 4.0) and diff.max() <= limit, (diff.mean(), diff.max())
+    rel = ((audio[1] - audio[2]).norm() / audio[1].norm()).item()
+    assert audio[1].shape == audio[2].shape and rel < (1e-2 if dtype == "float32" else 0.1), rel
