@@ -343,7 +343,7 @@ def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Rep
     report.rejected = sum(bool(b.rejected) for b in inputs)
     kinds = [fault_kinds[i % len(fault_kinds)] for i in range(faults)]
     rng.shuffle(kinds)
-    fault_jobs = sum(1 if k not in ("redis_restart", "s3_outage") else 3 for k in kinds)
+    fault_jobs = sum({"redis_restart": 3, "s3_outage": 2}.get(k, 1) for k in kinds)  # jobs each fault submits
     normal_total = max(0, jobs - fault_jobs - 3)  # 3 = hostile probe + 2 final canaries
     for i, kind in enumerate(kinds):
         share = normal_total // max(1, faults) + (1 if i < normal_total % max(1, faults) else 0)
