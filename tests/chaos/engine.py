@@ -101,6 +101,7 @@ class _Run:
         self.hard_redis = hard_redis
         self.accepted: list[Accepted] = []
         self.fault_jobs: list[tuple[str, list[str]]] = []  # (kind, job ids that must end as planned)
+        self.not_injected: list[str] = []  # kinds of faults whose target never reached the state to hit
         settings = ProducerSettings(redis_url=stack.redis.url, queues=[stack.queue], max_queue_depth=0,
                                     job_timeout=120, result_ttl=3600, failure_ttl=3600)  # fmt: skip
         self.client = ProducerClient(settings)
@@ -108,11 +109,11 @@ class _Run:
 
     # ---- submitting ------------------------------------------------------------------------------------
     def submit(self, kind: str = "normal", directives: str = "", *, steps: int = 1, expected: str = "uploaded",
-               reasons: tuple[str, ...] = ()) -> str:  # fmt: skip
+               reasons: tuple[str, ...] = (), priority: str = "normal") -> str:  # fmt: skip
         self.n += 1
         prompt = f"chaos job {self.n} {directives}".strip()
         request = RenderRequest(prompt=prompt, seed=self.rng.randrange(2**31), steps=steps, **TINY)
-        job = _retry(lambda: self.client.submit(request))
+        job = _retry(lambda: self.client.submit(request, priority=priority))
         self.accepted.append(Accepted(job.id, kind, expected, reasons))
         return job.id
 
@@ -132,15 +133,16 @@ class _Run:
             targets = [self.submit(kind, "fault=raise at=1", steps=2, expected="failed",
                                    reasons=("asymmetric_runner_error", "runner_error"))]  # fmt: skip
         elif kind == "kill_worker_render":
-            jid = self.submit(kind, "hold_s=0.5", steps=8)
+            # (at the front of the queue: it starts as soon as a worker is free, not behind the backlog)
+            jid = self.submit(kind, "hold_s=0.5", steps=8, priority="high")
             targets = [jid]
-            not_injected = self._try_kill(jid, {"rendering"})
+            not_injected = self._try_kill(jid, {"rendering"}, timeout=60)
         elif kind == "kill_worker_upload":
             self.stack.proxy.block()
             try:
-                jid = self.submit(kind)
+                jid = self.submit(kind, priority="high")
                 targets = [jid]
-                not_injected = self._try_kill(jid, {"uploading", "rendered"})
+                not_injected = self._try_kill(jid, {"uploading", "rendered"}, timeout=20)
                 time.sleep(1.0)
             finally:
                 self.stack.proxy.unblock()
@@ -168,19 +170,20 @@ class _Run:
         else:
             raise ValueError(kind)
         if not_injected:
+            self.not_injected.append(kind)
             return
         self.fault_jobs.append((kind, targets))
         self.log({"event": "fault", "kind": kind, "jobs": targets, "s": round(time.monotonic() - t0, 2)})
 
-    def _try_kill(self, job_id: str, states: set[str]) -> bool:
+    def _try_kill(self, job_id: str, states: set[str], *, timeout: float) -> bool:
         """True if the fault could not be injected."""
         try:
-            self._kill_worker_of(job_id, states)
+            self._kill_worker_of(job_id, states, timeout)
         except _NotInjected:
             return True
         return False
 
-    def _kill_worker_of(self, job_id: str, states: set[str], timeout: float = 20.0) -> None:
+    def _kill_worker_of(self, job_id: str, states: set[str], timeout: float) -> None:
         """SIGKILL the worker running `job_id` once it is in one of `states` (bounded: S3 may be blocked
         meanwhile, and a worker restarted during an S3 outage exits 2, see the report)."""
         conn = self.stack.conn
@@ -340,7 +343,7 @@ def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Rep
     report.rejected = sum(bool(b.rejected) for b in inputs)
     kinds = [fault_kinds[i % len(fault_kinds)] for i in range(faults)]
     rng.shuffle(kinds)
-    fault_jobs = sum(1 if k not in ("redis_restart", "s3_outage") else 3 for k in kinds)
+    fault_jobs = sum({"redis_restart": 3, "s3_outage": 2}.get(k, 1) for k in kinds)  # jobs each fault submits
     normal_total = max(0, jobs - fault_jobs - 3)  # 3 = hostile probe + 2 final canaries
     for i, kind in enumerate(kinds):
         share = normal_total // max(1, faults) + (1 if i < normal_total % max(1, faults) else 0)
@@ -384,6 +387,6 @@ def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Rep
     report.lost, report.duplicated, report.corrupt = len(verdict.lost), len(verdict.duplicated), len(verdict.corrupt)
     report.details.update(lost=verdict.lost, duplicated=verdict.duplicated, corrupt=verdict.corrupt,
                           unexpected=verdict.unexpected, memory=verdict.memory, leaked=leaked, supervisor_rc=rc,
-                          stats=verdict.stats, canaries_ok=canaries_ok,
+                          stats=verdict.stats, canaries_ok=canaries_ok, not_injected=run.not_injected,
                           not_rejected=[(b.door, b.label, b.detail) for b in inputs if not b.rejected])  # fmt: skip
     return verdict
