@@ -385,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:2000]}")
                 say(f"run {label} FAILED: {exc}")
                 continue
+            except KeyboardInterrupt:  # SIGINT (e.g. a time limit): its workers are stopped; report what ran
+                failures.append(f"{label}: interrupted")
+                skipped += [f"{s.runner} @ {s.layout}" for s in specs[i + 1 :]]
+                break
             runs.append(summary)
             emit(summary, out)
         final: dict[str, Any] = {**(runs[0] if runs else {"profile": args.profile})}

@@ -137,8 +137,11 @@ class Stack:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.redis = RedisServer(appendonly=True, appendfsync="everysec", directory=workdir / "redis")
-        self.s3 = S3Server(directory=workdir / "s3")
+        # Sessions of their own: a SIGINT to the benchmark's process group (Ctrl+C, `timeout -s INT`) must not
+        # stop them before the workers, which still need them to stop cleanly.
+        self.redis = RedisServer(appendonly=True, appendfsync="everysec", directory=workdir / "redis",
+                                 own_session=True)  # fmt: skip
+        self.s3 = S3Server(directory=workdir / "s3", own_session=True)
 
     def start(self) -> Stack:
         self.redis.start(timeout=30)

@@ -14,7 +14,9 @@
 # Phases (each fits one device call of at most 10 minutes; times are estimates for two H200s):
 #   check      versions, GPUs and link, every import the service needs, the server binaries     (~30 s)
 #   build      the CUDA-IPC kernel extension (kernels/), once per machine                        (~1 min)
-#   tests      every tests/*_gpu.py (one GPU and two-GPU cases), JUnit XML + log                  (~5-8 min)
+#   tests      every tests/*_gpu.py (one GPU and two-GPU cases), JUnit XML + log                  (~6-9 min)
+#              TESTS="tests/test_multi_gpu_gpu.py tests/test_worker_fleet_gpu.py" runs a subset (split the
+#              suite over two calls if it gets near the 10-minute limit of one call)
 #   all2all    bench/all2all.py --mode cross: the kernel across GPUs vs NCCL vs P2P copy          (~1 min)
 #   weights    full-size synthetic checkpoints into $WEIGHTS (python -m ltx_mgpu.runners.ltx2.synthetic)
 #   e2e-tiny   bench/e2e.py on tiny checkpoints, layouts 0 / 0,1 / 0;1: the GPU path end to end   (~3 min)
@@ -28,7 +30,7 @@ PHASE=${1:?usage: bash scripts/gpu_session.sh check|build|tests|all2all|weights|
 OUT=${OUT:-/tmp/ltx-out}
 SITE=${SITE:-/tmp/site}
 WEIGHTS=${WEIGHTS:-/dev/shm/ltx2-full}
-BUDGET=${BUDGET:-480}  # seconds of e2e runs started per call (the last run may run past it)
+BUDGET=${BUDGET:-360}  # no e2e run starts after this many seconds of a call (the last one may run past it)
 mkdir -p "$OUT"
 
 # NVLink multicast stays off in every process on shared multi-GPU hosts (the engine sets it in its ranks too).
@@ -61,7 +63,10 @@ e2e() {  # e2e <name> <bench args...>
   local work=/tmp/ltx-e2e-$name
   rm -rf "$work"
   set +e
-  "$PY" bench/e2e.py --workdir "$work" --out "$OUT/$name.jsonl" "$@" 2>"$OUT/$name.log"
+  # SIGINT at 480 s, well before the device call's 10-minute limit: the benchmark stops its workers (warm,
+  # then SIGKILL after --stop-timeout) and servers on the way out, so no fleet outlives the call
+  timeout -s INT -k 100 480 "$PY" bench/e2e.py --workdir "$work" --out "$OUT/$name.jsonl" --stop-timeout 60 "$@" \
+    2>"$OUT/$name.log"
   local rc=$?
   set -e
   keep_logs "$work" "$OUT/$name-logs"
@@ -95,8 +100,9 @@ PYCHECK
   tests)
     build
     set +e
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/*_gpu.py -rs --junitxml="$OUT/tests-gpu.xml" \
-      >"$OUT/tests-gpu.log" 2>&1
+    # shellcheck disable=SC2086  # TESTS is a list of paths
+    timeout 570 "$PY" -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/*_gpu.py} -rs \
+      --junitxml="$OUT/tests-gpu.xml" >"$OUT/tests-gpu.log" 2>&1
     rc=$?
     set -e
     tail -60 "$OUT/tests-gpu.log"
