@@ -93,7 +93,7 @@ PLANS: dict[str, list[RunSpec]] = {
         RunSpec("ltx2-two-stage:cfg", ("0,1",), warm=5, backlog=0, rebuild=False),
         RunSpec("ltx2-distilled", ("0", "1"), warm=0, backlog=8, rebuild=False),
         RunSpec("ltx2-two-stage", ("0,1",), warm=5, backlog=0, rebuild=False),
-        RunSpec("ltx2-two-stage", ("0", "1"), warm=0, backlog=8, rebuild=False),
+        RunSpec("ltx2-two-stage:cfg", ("0", "1"), warm=0, backlog=8, rebuild=False),
     ],
 }
 

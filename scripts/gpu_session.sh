@@ -22,7 +22,7 @@
 #   e2e-tiny   bench/e2e.py on tiny checkpoints, layouts 0 / 0,1 / 0;1: the GPU path end to end   (~3 min)
 #   e2e-a      bench/e2e.py --plan gpu2 runs 0-2 at real size (distilled 0,1 with rebuild; two-stage CFG-only
 #              on 0,1; distilled on two one-GPU fleets vs one alone)                             (~5-6 min)
-#   e2e-b      bench/e2e.py --plan gpu2 runs 3-4 (two-stage reference guidance on 0,1; on 0;1)     (~5 min)
+#   e2e-b      bench/e2e.py --plan gpu2 runs 3-4 (two-stage reference guidance on 0,1; CFG-only on 0;1)  (~5 min)
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
