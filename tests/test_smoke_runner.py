@@ -80,6 +80,26 @@ def test_renders_mp4_with_audio_at_world_1_and_2_and_they_match(fleets: dict, tm
     assert torch.equal(audio[1], audio[2])
 
 
+def test_one_step_renders_finite_video_and_audio(fleets: dict, tmp_path: Path) -> None:
+    """ltx-core's scheduler starts a 1-step schedule with NaN: the render was garbage and its audio made the
+    AAC encoder fail (seen in the chaos suite); one step is the plain [1, 0] schedule."""
+    out = tmp_path / "one.mp4"
+    output = _render(fleets[2], out, steps=1)[-1]
+    assert output["type"] == "output" and output["audio"] is True
+    decoded, _ = read_mp4(out)
+    wave, _ = read_audio(out)
+    assert decoded.float().std() > 5 and torch.isfinite(wave).all() and wave.std() > 1e-3
+
+
+def test_non_finite_latents_are_a_symmetric_error() -> None:
+    from ltx_mgpu.errors import RunnerError
+    from ltx_mgpu.runners.common.stages import check_finite
+
+    check_finite(video=torch.zeros(2), audio=torch.ones(2))
+    with pytest.raises(RunnerError, match="denoised audio latent is not finite"):
+        check_finite(video=torch.zeros(2), audio=torch.tensor([0.0, float("nan")]))
+
+
 def test_audio_false_writes_a_silent_mp4_and_skips_the_decode(fleets: dict, tmp_path: Path) -> None:
     out = tmp_path / "silent.mp4"
     events = _render(fleets[2], out, audio=False)

@@ -28,6 +28,7 @@ from ltx_mgpu.parallel.tdp import (
     trapezoid,
 )
 from ltx_mgpu.parallel.testing import LocalWorld
+from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
 
 GRID = (2, 8, 12)
 TILING_2x2 = TileCountConfig(height=DimensionTiling(2, 2), width=DimensionTiling(2, 2))
@@ -120,9 +121,10 @@ def inputs(amplitude: float, *, seed: int = 1, keyframe: bool = False):
     if keyframe:
         key = torch.randn(1, 16, 1, h, w, generator=gen)
         state = VideoConditionByKeyframeIndex(keyframes=key, frame_idx=8, strength=1.0).apply_to(state, tools)
-    ashape = AudioLatentShape(batch=1, channels=8, frames=5, mel_bins=4)
+    mel_bins = tiny_transformer_config()["transformer"]["audio_in_channels"] // 8  # 8 latent channels x mel bins
+    ashape = AudioLatentShape(batch=1, channels=8, frames=5, mel_bins=mel_bins)
     astate = AudioLatentTools(AudioPatchifier(1), ashape).create_initial_state(
-        "cpu", torch.float32, initial_latent=torch.randn(1, 8, 5, 4, generator=gen)
+        "cpu", torch.float32, initial_latent=torch.randn(1, 8, 5, mel_bins, generator=gen)
     )
     sigma = torch.full((1,), 0.6)
     ctx = torch.randn(1, 8, 32, generator=gen)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StageClock"]
+__all__ = ["StageClock", "check_finite", "ltx2_sigmas"]
 
 
 class StageClock:
@@ -62,3 +62,26 @@ class StageClock:
             dist.all_gather_object(gathered, self.peaks, group=group)
         stages = list(dict.fromkeys(name for peaks in gathered for name in peaks))
         return {stage: [int(peaks.get(stage, 0)) for peaks in gathered] for stage in stages}
+
+
+def ltx2_sigmas(steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+    """ltx-core's `LTX2Scheduler` schedule for `steps` steps over a latent of `latent_shape` (float32), with
+    one step meaning the plain [1, 0]: ltx-core's own answer for a single step starts with NaN, which
+    silently made every 1-step render noise-free garbage (and its audio unencodable)."""
+    from ltx_core.components.schedulers import LTX2Scheduler
+
+    if int(steps) == 1:
+        return torch.tensor([1.0, 0.0], dtype=torch.float32)
+    probe = torch.empty(tuple(latent_shape), device="meta")
+    return LTX2Scheduler().execute(steps=int(steps), latent=probe).to(torch.float32)
+
+
+def check_finite(**latents: torch.Tensor) -> None:
+    """Raise `RunnerError` naming the first latent that holds NaN/inf. The denoised latents are identical
+    on every rank, so every rank raises the same error: a recoverable symmetric failure, and nothing is
+    decoded or written from garbage."""
+    from ...errors import RunnerError
+
+    for name, latent in latents.items():
+        if not bool(torch.isfinite(latent).all()):
+            raise RunnerError(f"the denoised {name} latent is not finite (NaN/inf); nothing was written")

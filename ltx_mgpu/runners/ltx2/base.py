@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from ...errors import RunnerError
 from ...events import output_event, progress_event, stage_event
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
@@ -42,7 +41,7 @@ from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
 from ..common.media import AudioTrack, audio_fields, write_mp4
-from ..common.stages import StageClock
+from ..common.stages import StageClock, check_finite
 from . import components as comp
 from .denoise import (
     Geometry,
@@ -238,8 +237,7 @@ class Ltx2Runner(MGPURunner):
         video1, audio1 = yield from self._stage1(job, prompt)
         upscaled = yield from self._upsample(job, video1)
         video2, audio2 = yield from self._stage2(job, prompt, upscaled, audio1)
-        if not bool(torch.isfinite(video2).all()):  # identical latents on every rank: a symmetric failure
-            raise RunnerError("the denoised video latent is not finite (NaN/inf); nothing was written")
+        check_finite(video=video2, audio=audio2)  # identical latents on every rank: a symmetric failure
         frames = yield from self._decode_video(job, video2)
         peaks = self.clock.peak_report(self.world_size, self.groups.control_group)  # last collective
         if not self.is_driver:

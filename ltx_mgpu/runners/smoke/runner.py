@@ -53,7 +53,7 @@ from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.loading import build_checked, build_sp_transformer
 from ..common.media import audio_fields, write_mp4
-from ..common.stages import StageClock
+from ..common.stages import StageClock, check_finite, ltx2_sigmas
 from .checkpoint import ensure_smoke_checkpoint
 from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding
 
@@ -176,8 +176,6 @@ class SmokeRunner(MGPURunner):
 
     def render(self, args: SmokeArgs) -> Iterator[dict[str, Any]]:
         """One job on every rank (SPMD); the driver yields the events and writes the file."""
-        from ltx_core.components.schedulers import LTX2Scheduler
-
         steps = self.default_steps if args.steps is None else int(args.steps)
         scale = 1.0 if args.guidance_scale is None else float(args.guidance_scale)
         geo = SmokeGeometry(
@@ -203,7 +201,7 @@ class SmokeRunner(MGPURunner):
             context = torch.stack(rows).to(device=self.device, dtype=self.dtype)
             video_state, audio_state = initial_states(geo, args.seed, self.device, self.dtype)
         latent_shape = (1, geo.latent_channels, geo.latent_frames, geo.latent_height, geo.latent_width)
-        sigmas = LTX2Scheduler().execute(steps=steps, latent=torch.empty(latent_shape, device="meta"))
+        sigmas = ltx2_sigmas(steps, latent_shape)
 
         if driver:
             yield stage_event("denoise", steps=steps, video_tokens=geo.video_tokens, world_size=self.world_size)
@@ -213,6 +211,7 @@ class SmokeRunner(MGPURunner):
                 video_state, audio_state = denoise_step(self.x0, video_state, audio_state, sigmas, step, context, scale)
                 if driver:
                     yield progress_event("denoise", step + 1, steps)
+        check_finite(video=video_state.latent, audio=audio_state.latent)  # every rank: a symmetric failure
 
         if not driver:
             return None
