@@ -436,13 +436,15 @@ class MGPUController:
         while True:
             if self._fatal is not None and (fleet is self._fleet or self._fleet is None):
                 raise self._fatal
+            if fleet is not self._fleet:
+                # Its pipes are closed, and their descriptor numbers may already belong to a newer fleet's
+                # pipes: never read them (a READY stolen from a new fleet would wedge its start).
+                raise FleetFailure(f"MGPU job {stream.job_id}: fleet is gone", reason="shutdown")
             try:
                 got = receive_any(fleet.channels.up, 0.25, alive=lambda: self._fatal is None, waker=fleet.waker)
             except (OSError, EOFError, ValueError):  # (ChannelClosed is an EOFError; a closed fd a ValueError)
                 got = None
             if got is None:
-                if fleet is not self._fleet and self._fatal is None:
-                    raise FleetFailure(f"MGPU job {stream.job_id}: fleet is gone", reason="shutdown") from None
                 continue
             msg: Result = got[1]
             if msg.job_id != stream.job_id:

@@ -125,6 +125,22 @@ def test_fleet_rebuilds_after_failure_and_retries_failed_builds():
     assert actions == ["starting", "started", "failed", "rebuilding", "rebuild_failed", "rebuilding", "rebuilt"]
 
 
+def test_a_fleet_failure_reported_twice_is_counted_once():
+    """The controller's monitor and the job that hit the failure both report the same object, in either
+    order, and the background rebuild may already have replaced the controller in between."""
+    sup = _supervisor([True, True])
+    seen: list[dict] = []
+    sup.on_failure = seen.append
+    sup.start()
+    failure = type("F", (RuntimeError,), {"reason": "rank_exited", "rank": 1, "exitcode": 9})("x")
+    sup.controller.is_alive = False
+    sup.record_failure(failure)  # the monitor
+    assert sup.ensure_ready()  # rebuilt (a new controller) before the job thread got to it
+    sup.record_failure(failure)  # the job
+    assert sup.failures == 1 and len(seen) == 1 and sup.state == "ready" and sup.is_alive
+    assert [e["action"] for e in sup.events].count("failed") == 1
+
+
 def test_fleet_gives_up_after_max_consecutive_failures():
     sup = _supervisor([False, False], max_failures=2)
     with pytest.raises(FleetUnrecoverable, match="2 times in a row"):

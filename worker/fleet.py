@@ -88,7 +88,7 @@ class FleetSupervisor:
         self.last_failure: dict[str, Any] | None = None
         self.failures = 0  #: poisoned fleets, all time
         self.ready_at: float | None = None  #: wall-clock time the current controller became warm
-        self._recorded_for: Any = None  # the controller whose failure was counted (monitor and job both report)
+        self._recorded: list[BaseException] = []  # failures counted lately (the monitor and the job report each)
         self._lock = threading.RLock()  # held for a whole (re)build
         self._small_lock = threading.Lock()  # failure bookkeeping and the rebuild thread; never held long
         self._stopped = threading.Event()
@@ -256,13 +256,14 @@ class FleetSupervisor:
         }
 
     def record_failure(self, failure: BaseException) -> dict[str, Any]:
-        """Count a poisoned fleet once per controller (its monitor's callback and the job that hit it both
-        report it), mark it for rebuild, tell `on_failure`. Returns the description."""
+        """Count a poisoned fleet once (its monitor's callback and the job that hit it both report the same
+        failure object, in either order, maybe after a rebuild began), mark it for rebuild, tell
+        `on_failure`. Returns the description."""
         info = self.describe(failure)
         with self._small_lock:
-            ctl = self.controller
-            first = ctl is None or self._recorded_for is not ctl
-            self._recorded_for = ctl
+            first = not any(f is failure for f in self._recorded)
+            if first:
+                self._recorded = [*self._recorded[-7:], failure]
         if first:
             self.failures += 1
             self.last_failure = info
@@ -271,7 +272,7 @@ class FleetSupervisor:
                 self.on_failure(info)
             except Exception:
                 log.warning("fleet on_failure hook failed", exc_info=True)
-        self.state = "failed"
+            self.state = "failed"
         return info
 
     def _controller_failed(self, controller: Any, failure: BaseException) -> None:

@@ -300,8 +300,10 @@ class RenderService:
         stream = None
         try:
             ctl = self.fleet.controller
-            if ctl is None or not ctl.is_alive:
+            if ctl is None:
                 raise FleetFailure("fleet is not running", reason="rank_exited")
+            # (a poisoned controller's stream() raises "MGPUController is dead" caused by its own failure,
+            # the same object its monitor reported: counted once)
             try:
                 stream = ctl.stream(timeout=timeout, **kwargs)
             except TypeError as exc:  # kwargs the runner does not accept: the request, not the fleet

@@ -16,7 +16,8 @@ attempt number), so a retried job can succeed and the fault counts as survived.
 
 Execution log: one append-only JSON Lines file per job, `<exec_log_dir>/<job id>.jsonl`. Every rank
 appends `{"event": "start", "job", "attempt", "rank", "world", "pid", "t"}` when the render begins; the
-driver appends `{"event": "end", ...}` after the mp4 is written. The invariant checker reads it.
+driver appends `{"event": "end", ...}` after the mp4 is written; the raising rank appends
+`{"event": "fault", "kind": "raise", ...}` right before it raises. The invariant checker reads it.
 """
 
 from __future__ import annotations
@@ -119,7 +120,10 @@ class ChaosRunner(SmokeRunner):
         if raise_at_end:
             # After the last collective: the other ranks finish normally, so the controller sees one rank
             # raise and the others not (a RunnerError raised *inside* a collective leaves the others blocked
-            # in it until the render timeout poisons the fleet, which is the `hang` fault's path).
+            # in it until the render timeout poisons the fleet, which is the `hang` fault's path). The log
+            # says it fired: if this attempt is lost before (its worker killed by another fault), the retry
+            # renders without the fault and the job rightly ends uploaded (the checker reads this record).
+            append_record(log, {"event": "fault", "kind": "raise", **base, "t": time.time()})
             raise RunnerError(f"injected fault on rank {self.rank} only")
         if self.is_driver:
             append_record(log, {"event": "end", **base, "t": time.time()})

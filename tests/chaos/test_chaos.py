@@ -26,6 +26,10 @@ def test_chaos_ci(tmp_path: Any, s3_server: Any, redis_server: Any) -> None:
     report, verdict = run_chaos(tmp_path, seed=SEED, jobs=60, faults=2 * len(FAULT_KINDS), bad_inputs=30,
                                 s3=s3_server, settle_timeout=150, log=events.append)  # fmt: skip
     print(report.line(), f"({report.seconds}s)")
+    violations = {k: report.details.get(k) for k in ("unexpected", "lost", "duplicated", "corrupt", "leaked",
+                                                     "memory", "stalled", "error", "not_rejected", "unsettled_after_s")
+                  if report.details.get(k)}  # fmt: skip
+    print("violations:", json.dumps(violations, default=str)[:6000])  # (first: the summary below is long)
     summary = json.dumps({"details": report.details, "events": events}, default=str, indent=1)[:20000]
     assert report.faults >= len(FAULT_KINDS) and report.jobs >= 55, summary
     assert report.unexpected == 0 and not verdict.unexpected, summary
