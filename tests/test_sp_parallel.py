@@ -131,6 +131,15 @@ def _inputs(cfg: dict[str, Any], f: int, h: int, w: int, batch: int, user_mask: 
     return video, audio, BatchedPerturbationConfig.empty(batch)
 
 
+def _tcfg(model: Any) -> dict[str, int]:
+    """The input widths `_inputs` needs, read from a built model."""
+    return {
+        "in_channels": model.patchify_proj.in_features,
+        "audio_in_channels": model.audio_patchify_proj.in_features,
+        "caption_channels": model.caption_projection.linear_1.in_features,
+    }
+
+
 def _to(device: torch.device, *modalities: Any, dtype: torch.dtype = torch.float32) -> list[Any]:
     """Move every tensor to `device`; latent and context (the activations) also to `dtype`."""
     import dataclasses
@@ -163,11 +172,7 @@ def _run_numerics(
     reference, sp, mgr = _models(ctx, path, backend=backend, dtype=dtype)
     reference32 = _models(ctx, path, dtype="float32")[0] if dtype != "float32" else reference
     mgr.mask_audio_padding = mask_audio_padding
-    tcfg = {
-        "in_channels": reference.patchify_proj.in_features,
-        "audio_in_channels": reference.audio_patchify_proj.in_features,
-        "caption_channels": reference.caption_projection.linear_1.in_features,
-    }
+    tcfg = _tcfg(reference)
     # Instrument: what the model and the local attention really saw on this rank.
     seen: dict[str, list] = {"tile": [], "attn_tokens": [], "attn_heads": []}
     hook = sp.model.patchify_proj.register_forward_pre_hook(lambda _m, args: seen["tile"].append(args[0].shape[1]))
@@ -337,11 +342,7 @@ def test_heads_not_divisible(worlds: dict) -> None:
 
 def _budget(ctx: WorldContext, path: str) -> dict[str, Any]:
     reference, sp, _ = _models(ctx, path, max_tokens=16)
-    tcfg = {
-        "in_channels": reference.patchify_proj.in_features,
-        "audio_in_channels": reference.audio_patchify_proj.in_features,
-        "caption_channels": reference.caption_projection.linear_1.in_features,
-    }
+    tcfg = _tcfg(reference)
     out: dict[str, Any] = {}
     video, audio, pert = _inputs(tcfg, 5, 2, 2, 1, False)  # 20 tokens > 16
     try:
@@ -409,11 +410,7 @@ def _poisoned(ctx: WorldContext, path: str, scope: str) -> list[float]:
     mgr = AttentionManager(4096, HEADS, 8, torch.float32, None, backend=f"poison-{scope}")
     sp = SequenceParallelBuilder(inner, mgr).build(device=ctx.device)
     reference = inner.build(device=ctx.device)
-    tcfg = {
-        "in_channels": reference.patchify_proj.in_features,
-        "audio_in_channels": reference.audio_patchify_proj.in_features,
-        "caption_channels": reference.caption_projection.linear_1.in_features,
-    }
+    tcfg = _tcfg(reference)
     diffs = []
     for f, h, w, batch, user_mask in CASES[:3]:
         video, audio, pert = _inputs(tcfg, f, h, w, batch, user_mask)
@@ -495,11 +492,7 @@ def _plugin(ctx: WorldContext, path: str) -> dict[str, Any]:
     auto = AttentionManager(4096, HEADS, 8, torch.float32, None, backend="auto")
     sp = SequenceParallelBuilder(inner, mgr).build(device=ctx.device)
     reference = inner.build(device=ctx.device)
-    tcfg = {
-        "in_channels": reference.patchify_proj.in_features,
-        "audio_in_channels": reference.audio_patchify_proj.in_features,
-        "caption_channels": reference.caption_projection.linear_1.in_features,
-    }
+    tcfg = _tcfg(reference)
     video, audio, pert = _inputs(tcfg, 7, 1, 1, 1, False)
     with torch.no_grad():
         rv, _ = reference(video, audio, pert)
