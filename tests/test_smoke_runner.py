@@ -92,6 +92,17 @@ def test_audio_false_writes_a_silent_mp4_and_skips_the_decode(fleets: dict, tmp_
         _render(fleets[2], tmp_path / "x.mp4", audio="false")
 
 
+def test_one_step_renders_finite_audio_and_frames(fleets: dict, tmp_path: Path) -> None:
+    """ltx-core's LTX2Scheduler gives sigmas [nan, 0] for one step: the render was NaN (garbage frames, and the
+    AAC encoder refused the NaN samples). One step is now one Euler step from sigma 1 to 0."""
+    out = tmp_path / "one.mp4"
+    events = _render(fleets[2], out, steps=1, width=64, height=64, num_frames=9)
+    assert events[-1]["type"] == "output" and events[-1]["audio"] is True
+    wave, _ = read_audio(out)
+    assert torch.isfinite(wave).all() and wave.abs().max() > 0
+    assert read_mp4(out)[0].float().std() > 5  # a picture (the NaN latent decoded to a constant frame)
+
+
 def test_same_seed_same_frames_other_seed_differs(fleets: dict, tmp_path: Path) -> None:
     ctl = fleets[1]
     a, b, c = (tmp_path / n for n in ("a.mp4", "b.mp4", "c.mp4"))

@@ -215,8 +215,8 @@ class Ltx2Runner(MGPURunner):
         video1, audio1 = yield from self._stage1(job, prompt)
         upscaled = yield from self._upsample(job, video1)
         video2, audio2 = yield from self._stage2(job, prompt, upscaled, audio1)
-        if not bool(torch.isfinite(video2).all()):  # identical latents on every rank: a symmetric failure
-            raise RunnerError("the denoised video latent is not finite (NaN/inf); nothing was written")
+        if not bool(torch.isfinite(video2).all() and torch.isfinite(audio2).all()):  # the same on every rank
+            raise RunnerError("the denoised latents are not finite (NaN/inf); nothing was written")
         frames = yield from self._decode_video(job, video2)
         peaks = self.clock.peak_report(self.world_size, self.groups.control_group)  # last collective
         if not self.is_driver:

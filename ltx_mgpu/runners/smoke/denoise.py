@@ -25,6 +25,7 @@ __all__ = [
     "denoise_step",
     "initial_states",
     "prompt_embedding",
+    "sigma_schedule",
 ]
 
 PROMPT_TOKENS = 8  #: length of the hashed "text encoder" output
@@ -95,6 +96,16 @@ def prompt_embedding(prompt: str, channels: int, *, tokens: int = PROMPT_TOKENS)
     seed = int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:8], "little") & (2**63 - 1)
     gen = torch.Generator().manual_seed(seed)
     return torch.randn((tokens, channels), generator=gen)
+
+
+def sigma_schedule(steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+    """LTX-2's sigma schedule for `steps` steps (ltx-core's `LTX2Scheduler`); one step is one Euler step from
+    pure noise to the prediction, [1, 0] (the scheduler itself gives [nan, 0] for a single step)."""
+    from ltx_core.components.schedulers import LTX2Scheduler
+
+    if steps == 1:
+        return torch.tensor([1.0, 0.0], dtype=torch.float32)
+    return LTX2Scheduler().execute(steps=steps, latent=torch.empty(latent_shape, device="meta"))
 
 
 def initial_states(geometry: SmokeGeometry, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...errors import RunnerError
 from ...events import output_event, progress_event, stage_event
 from ...parallel import check_token_budget, padded_token_count
 from ...runner import MGPURunner
@@ -55,7 +56,15 @@ from ..common.loading import build_checked, build_sp_transformer
 from ..common.media import audio_fields, write_mp4
 from ..common.stages import StageClock
 from .checkpoint import ensure_smoke_checkpoint
-from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding
+from .denoise import (
+    SmokeGeometry,
+    audio_latent,
+    decode_frames,
+    denoise_step,
+    initial_states,
+    prompt_embedding,
+    sigma_schedule,
+)
 
 __all__ = ["SmokeArgs", "SmokeRunner"]
 
@@ -171,8 +180,6 @@ class SmokeRunner(MGPURunner):
 
     def render(self, args: SmokeArgs) -> Iterator[dict[str, Any]]:
         """One job on every rank (SPMD); the driver yields the events and writes the file."""
-        from ltx_core.components.schedulers import LTX2Scheduler
-
         steps = self.default_steps if args.steps is None else int(args.steps)
         scale = 1.0 if args.guidance_scale is None else float(args.guidance_scale)
         geo = SmokeGeometry(
@@ -198,7 +205,7 @@ class SmokeRunner(MGPURunner):
             context = torch.stack(rows).to(device=self.device, dtype=self.dtype)
             video_state, audio_state = initial_states(geo, args.seed, self.device, self.dtype)
         latent_shape = (1, geo.latent_channels, geo.latent_frames, geo.latent_height, geo.latent_width)
-        sigmas = LTX2Scheduler().execute(steps=steps, latent=torch.empty(latent_shape, device="meta"))
+        sigmas = sigma_schedule(steps, latent_shape)
 
         if driver:
             yield stage_event("denoise", steps=steps, video_tokens=geo.video_tokens, world_size=self.world_size)
@@ -209,6 +216,9 @@ class SmokeRunner(MGPURunner):
                 if driver:
                     yield progress_event("denoise", step + 1, steps)
 
+        finite = bool(torch.isfinite(video_state.latent).all() and torch.isfinite(audio_state.latent).all())
+        if not finite:  # the same latents on every rank: a symmetric, recoverable failure
+            raise RunnerError("the denoised latents are not finite (NaN/inf); nothing was written")
         if not driver:
             return None
         assert self.decoder is not None and self.audio is not None  # built on the driver
