@@ -88,12 +88,16 @@ def test_balanced_tiling_follows_the_aspect_ratio():
 
 
 # ---- a tiny real transformer and inputs ------------------------------------------------------------------
+def tiny_config() -> dict:
+    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
+
+    return tiny_transformer_config(audio_channels=32)  # audio latent 8 x 4 mel bins: what `inputs` builds
+
+
 def tiny_model(seed: int = 0) -> torch.nn.Module:
     from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 
-    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
-
-    model = LTXModelConfigurator.from_config(tiny_transformer_config()).to_empty(device="cpu")
+    model = LTXModelConfigurator.from_config(tiny_config()).to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
@@ -222,11 +226,9 @@ def test_shared_weights_model_aliases_storage(tmp_path):
     from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
     from safetensors.torch import save_file
 
-    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
-
     src = tiny_model(3)
     path = tmp_path / "t.safetensors"
-    meta = {"config": json.dumps(tiny_transformer_config())}
+    meta = {"config": json.dumps(tiny_config())}
     save_file({k: v.contiguous() for k, v in src.state_dict().items()}, path, meta)
     builder = SingleGPUModelBuilder(LTXModelConfigurator, str(path))
     built = builder.build(device=torch.device("cpu"))
