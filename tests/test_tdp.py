@@ -89,12 +89,16 @@ def test_balanced_tiling_follows_the_aspect_ratio():
 
 
 # ---- a tiny real transformer and inputs ------------------------------------------------------------------
+def tiny_config() -> dict:
+    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
+
+    return tiny_transformer_config(audio_channels=32)  # small audio latent: 8 channels x 4 mel bins
+
+
 def tiny_model(seed: int = 0) -> torch.nn.Module:
     from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 
-    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
-
-    model = LTXModelConfigurator.from_config(tiny_transformer_config()).to_empty(device="cpu")
+    model = LTXModelConfigurator.from_config(tiny_config()).to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
@@ -121,7 +125,7 @@ def inputs(amplitude: float, *, seed: int = 1, keyframe: bool = False):
     if keyframe:
         key = torch.randn(1, 16, 1, h, w, generator=gen)
         state = VideoConditionByKeyframeIndex(keyframes=key, frame_idx=8, strength=1.0).apply_to(state, tools)
-    mel_bins = tiny_transformer_config()["transformer"]["audio_in_channels"] // 8  # 8 latent channels x mel bins
+    mel_bins = tiny_config()["transformer"]["audio_in_channels"] // 8  # 8 latent channels x mel bins
     ashape = AudioLatentShape(batch=1, channels=8, frames=5, mel_bins=mel_bins)
     astate = AudioLatentTools(AudioPatchifier(1), ashape).create_initial_state(
         "cpu", torch.float32, initial_latent=torch.randn(1, 8, 5, mel_bins, generator=gen)
@@ -224,11 +228,9 @@ def test_shared_weights_model_aliases_storage(tmp_path):
     from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
     from safetensors.torch import save_file
 
-    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
-
     src = tiny_model(3)
     path = tmp_path / "t.safetensors"
-    meta = {"config": json.dumps(tiny_transformer_config())}
+    meta = {"config": json.dumps(tiny_config())}
     save_file({k: v.contiguous() for k, v in src.state_dict().items()}, path, meta)
     builder = SingleGPUModelBuilder(LTXModelConfigurator, str(path))
     built = builder.build(device=torch.device("cpu"))

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .loading import build_checked, require_file
+from .loading import build_checked, file_builder
 from .media import AudioTrack
 from .weights import TensorSpec, module_specs
 
@@ -94,16 +94,9 @@ def import_audio_vae() -> types.ModuleType:
 
 
 def _builder(configurator: str, sd_ops: str, checkpoint: str, what: str, registry: Any) -> Any:
-    from ltx_core.loader.registry import DummyRegistry
-    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
-
     audio_vae = import_audio_vae()
-    return SingleGPUModelBuilder(
-        getattr(audio_vae, configurator),
-        require_file(checkpoint, f"LTX-2 checkpoint ({what})"),
-        model_sd_ops=getattr(audio_vae, sd_ops),
-        registry=registry or DummyRegistry(),
-    )
+    return file_builder(getattr(audio_vae, configurator), checkpoint, f"LTX-2 checkpoint ({what})",
+                        sd_ops=getattr(audio_vae, sd_ops), registry=registry)  # fmt: skip
 
 
 def audio_decoder_builder(checkpoint: str, *, registry: Any = None) -> Any:

@@ -22,6 +22,7 @@ __all__ = [
     "build_sp_transformer",
     "check_materialized",
     "checkpoint_metadata",
+    "file_builder",
     "is_synthetic",
     "require_file",
     "warn_if_synthetic",
@@ -36,6 +37,23 @@ def require_file(path: str | Path, what: str) -> str:
     if not p.is_file():
         raise FileNotFoundError(f"{what} not found: {p}")
     return str(p)
+
+
+def file_builder(
+    configurator: Any, path: str | Path, what: str, *, sd_ops: Any = None, module_ops: Any = (), registry: Any = None
+) -> Any:
+    """ltx-core's `SingleGPUModelBuilder` for `configurator` over the safetensors file `path` (which must
+    exist: `FileNotFoundError` naming `what`), with the loader's key ops and module ops."""
+    from ltx_core.loader.registry import DummyRegistry
+    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
+
+    return SingleGPUModelBuilder(
+        configurator,
+        require_file(path, what),
+        model_sd_ops=sd_ops,
+        module_ops=tuple(module_ops),
+        registry=registry or DummyRegistry(),
+    )
 
 
 def checkpoint_metadata(path: str | Path) -> dict[str, Any]:

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from ..common.loading import require_file
+from ..common.loading import file_builder
+
+CHECKPOINT = "LTX-2 checkpoint"
 
 __all__ = [
     "DTYPES",
@@ -63,8 +65,6 @@ def transformer_builder(checkpoint: str, *, quantization: Any = None, registry: 
     """The AV transformer from an LTX-2 checkpoint ("model.diffusion_model." keys), with the quantization
     policy's sd ops chained after the key renaming and its module ops appended."""
     from ltx_core.loader import SDOps
-    from ltx_core.loader.registry import DummyRegistry
-    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
     from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModelConfigurator
 
     sd_ops = LTXV_MODEL_COMFY_RENAMING_MAP
@@ -74,51 +74,29 @@ def transformer_builder(checkpoint: str, *, quantization: Any = None, registry: 
             chained = (*sd_ops.mapping, *quantization.sd_ops.mapping)
             sd_ops = SDOps(name=f"{sd_ops.name}+{quantization.sd_ops.name}", mapping=chained)
         module_ops = tuple(quantization.module_ops)
-    return SingleGPUModelBuilder(
-        LTXModelConfigurator,
-        require_file(checkpoint, "LTX-2 checkpoint"),
-        model_sd_ops=sd_ops,
-        module_ops=module_ops,
-        registry=registry or DummyRegistry(),
+    return file_builder(
+        LTXModelConfigurator, checkpoint, CHECKPOINT, sd_ops=sd_ops, module_ops=module_ops, registry=registry
     )
 
 
 def video_decoder_builder(checkpoint: str, *, registry: Any = None) -> Any:
-    from ltx_core.loader.registry import DummyRegistry
-    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
     from ltx_core.model.video_vae import VAE_DECODER_COMFY_KEYS_FILTER, VideoDecoderConfigurator
 
-    return SingleGPUModelBuilder(
-        VideoDecoderConfigurator,
-        require_file(checkpoint, "LTX-2 checkpoint"),
-        model_sd_ops=VAE_DECODER_COMFY_KEYS_FILTER,
-        registry=registry or DummyRegistry(),
-    )
+    return file_builder(VideoDecoderConfigurator, checkpoint, CHECKPOINT, sd_ops=VAE_DECODER_COMFY_KEYS_FILTER,
+                        registry=registry)  # fmt: skip
 
 
 def video_encoder_builder(checkpoint: str, *, registry: Any = None) -> Any:
-    from ltx_core.loader.registry import DummyRegistry
-    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
     from ltx_core.model.video_vae import VAE_ENCODER_COMFY_KEYS_FILTER, VideoEncoderConfigurator
 
-    return SingleGPUModelBuilder(
-        VideoEncoderConfigurator,
-        require_file(checkpoint, "LTX-2 checkpoint"),
-        model_sd_ops=VAE_ENCODER_COMFY_KEYS_FILTER,
-        registry=registry or DummyRegistry(),
-    )
+    return file_builder(VideoEncoderConfigurator, checkpoint, CHECKPOINT, sd_ops=VAE_ENCODER_COMFY_KEYS_FILTER,
+                        registry=registry)  # fmt: skip
 
 
 def upsampler_builder(path: str, *, registry: Any = None) -> Any:
-    from ltx_core.loader.registry import DummyRegistry
-    from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
     from ltx_core.model.upsampler import LatentUpsamplerConfigurator
 
-    return SingleGPUModelBuilder(
-        LatentUpsamplerConfigurator,
-        require_file(path, "spatial upsampler"),
-        registry=registry or DummyRegistry(),
-    )
+    return file_builder(LatentUpsamplerConfigurator, path, "spatial upsampler", registry=registry)
 
 
 def check_quantized(model: torch.nn.Module, name: str | None) -> None:
