@@ -90,7 +90,6 @@ def test_balanced_tiling_follows_the_aspect_ratio():
 
 # ---- a tiny real transformer and inputs ------------------------------------------------------------------
 def tiny_config() -> dict:
-    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
 
     return tiny_transformer_config(audio_channels=32)  # small audio latent: 8 channels x 4 mel bins
 
