@@ -23,6 +23,7 @@
 #   e2e-a      bench/e2e.py --plan gpu2 runs 0-2 at real size (distilled 0,1 with rebuild; two-stage CFG-only
 #              on 0,1; distilled on two one-GPU fleets vs one alone)                             (~5-6 min)
 #   e2e-b      bench/e2e.py --plan gpu2 runs 3-4 (two-stage reference guidance on 0,1; CFG-only on 0;1)  (~5 min)
+#              ONLY="0,1" (a comma list of plan indices) picks other runs for either phase
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -124,11 +125,11 @@ PYCHECK
     ;;
   e2e-a)
     build
-    e2e e2e-a --profile full --weights "$WEIGHTS" --plan gpu2 --only 0,1,2 --budget-s "$BUDGET"
+    e2e e2e-a --profile full --weights "$WEIGHTS" --plan gpu2 --only "${ONLY:-0,1,2}" --budget-s "$BUDGET"
     ;;
   e2e-b)
     build
-    e2e e2e-b --profile full --weights "$WEIGHTS" --plan gpu2 --only 3,4 --budget-s "$BUDGET"
+    e2e e2e-b --profile full --weights "$WEIGHTS" --plan gpu2 --only "${ONLY:-3,4}" --budget-s "$BUDGET"
     ;;
   *)
     echo "unknown phase $PHASE" >&2
