@@ -50,6 +50,7 @@ def test_rq_is_the_pinned_minor_version() -> None:
         ("kill_horse", ["self", "sig"]),
         ("teardown", ["self"]),
         ("serialize", ["self"]),
+        ("clean_registries", ["self"]),
     ],
 )
 def test_worker_methods_we_override_or_call_keep_their_signatures(name: str, params: list[str]) -> None:
@@ -69,3 +70,44 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
     assert f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}." in source
+
+
+def test_rq_maintenance_steps_mirrored_by_rqcompat_exist() -> None:
+    """`rqcompat.clean_registries` repeats RQ's maintenance steps with its own lock: RQ's must still be these."""
+    from rq import worker_registration
+    from rq.intermediate_queue import IntermediateQueue
+    from rq.queue import Queue
+    from rq.registry import clean_registries
+
+    assert _params(clean_registries) == ["queue", "exception_handlers"]
+    assert _params(worker_registration.clean_worker_registry) == ["queue"]
+    assert _params(IntermediateQueue.cleanup) == ["self", "worker", "queue"]
+    assert isinstance(Queue.registry_cleaning_key, property) and callable(Queue.release_maintenance_lock)
+    source = inspect.getsource(SimpleWorker.clean_registries)
+    assert "ex=899" in (Path(rq.__file__).parent / "queue.py").read_text() and "acquire_maintenance_lock" in source
+
+
+def test_a_cleanup_lock_is_bounded_and_released_even_when_the_cleanup_fails(redis_client, monkeypatch) -> None:
+    """A worker killed mid-cleanup (or a Redis restart) left RQ's 899 s lock behind and stopped abandoned-job
+    recovery on the queue for 15 minutes. Ours lives `lock_ttl_s` and is released whatever happens."""
+    from rq.queue import Queue
+
+    from worker.rqworker import maintenance_lock_ttl
+
+    queue = Queue("cleanq", connection=redis_client)
+    worker = SimpleWorker([queue], connection=redis_client)
+    seen: list[int] = []
+
+    def failing_clean(q, handlers):
+        seen.append(redis_client.ttl(q.registry_cleaning_key))
+        raise ConnectionError("Redis went away mid-cleanup")
+
+    monkeypatch.setattr(rqcompat, "clean_queue_registries", failing_clean)
+    with pytest.raises(ConnectionError):
+        rqcompat.clean_registries(worker, lock_ttl_s=30)
+    assert 0 < seen[0] <= 30  # while held: bounded (RQ's own: 899)
+    assert not redis_client.exists(queue.registry_cleaning_key)  # released on the way out
+    monkeypatch.undo()
+    rqcompat.clean_registries(worker, lock_ttl_s=30)  # the real steps run and record the time
+    assert worker.last_cleaned_at is not None and not redis_client.exists(queue.registry_cleaning_key)
+    assert maintenance_lock_ttl(2) == 30 and maintenance_lock_ttl(60) == 180

@@ -12,13 +12,17 @@ worker hooks and calls these functions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
 
+import redis
+from rq import worker_registration
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.registry import clean_registries as clean_queue_registries
 from rq.results import Result
 from rq.utils import now, utcformat
 
@@ -26,6 +30,7 @@ __all__ = [
     "RQ_MINOR",
     "STUCK_IN_INTERMEDIATE",
     "beat",
+    "clean_registries",
     "cold_stop_is_repeat",
     "exception_handlers",
     "fail_after_return",
@@ -45,6 +50,32 @@ log = logging.getLogger("worker.rq")
 
 RQ_MINOR = (2, 12)  #: the RQ minor version this module is written and tested against
 STUCK_IN_INTERMEDIATE = "Job was stuck in intermediate queue"  #: RQ's exc_string for that cleanup
+
+
+# ==== registry maintenance ================================================================================
+
+
+def clean_registries(worker: Any, lock_ttl_s: int) -> None:
+    """RQ's `Worker.clean_registries` (the maintenance that finds abandoned jobs) with a maintenance lock
+    that expires after `lock_ttl_s` and is released however the cleanup ends.
+
+    RQ takes `rq:clean_registries:<queue>` for 899 s and releases it only when the cleanup returns. A worker
+    SIGKILLed while it holds the lock, or a cleanup cut short by a Redis restart (the lock survives in the
+    AOF), leaves it held: for 15 minutes no worker on the queue runs the cleanup, so a job whose worker
+    vanished stays `rendering` that long. Found by the chaos suite (two jobs of SIGKILLed workers never
+    re-queued). The steps are RQ 2.12's own, in its order."""
+    for queue in worker.queues:
+        if not queue.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl_s):
+            continue  # another worker is cleaning this queue
+        try:
+            worker.log.info("Worker %s: cleaning registries for queue: %s", worker.name, queue.name)
+            clean_queue_registries(queue, exception_handlers(worker))
+            worker_registration.clean_worker_registry(queue)
+            queue.intermediate_queue.cleanup(worker, queue)
+        finally:
+            with contextlib.suppress(redis.RedisError):  # (unreachable Redis: the lock expires on its own)
+                queue.release_maintenance_lock()
+    worker.last_cleaned_at = now()
 
 
 # ==== worker attributes RQ keeps private =================================================================

@@ -32,7 +32,9 @@ recorded by `worker.outcomes`.
   return is done (`job_returned`), so the uploader's `uploaded` record always lands after RQ's own.
   `teardown()` drains pending uploads on a warm stop (bounded), never on a cold one.
 - Jobs whose worker vanished (found by RQ's abandoned-job or intermediate-queue cleanup, run by any worker
-  on the queue) are recorded as `worker_lost` by `worker.outcomes` with the budget from the settings.
+  on the queue) are recorded as `worker_lost` by `worker.outcomes` with the budget from the settings. The
+  cleanup's lock expires after `maintenance_lock_ttl` (RQ's: 15 minutes, so one worker SIGKILLed mid-cleanup
+  stopped abandoned-job recovery on the whole queue for that long).
 - Health: `worker.health.HealthPublisher` writes the snapshot whenever something in it changes.
 """
 
@@ -428,6 +430,11 @@ class FleetWorker(SimpleWorker):
             self.health.stop(delete=True)
 
     # ==== abandoned jobs (found by registry cleanup, possibly for another worker's job) ===============
+    def clean_registries(self) -> None:
+        """RQ's registry maintenance under a lock that a dead holder keeps for at most three maintenance
+        intervals (RQ's keeps it 15 minutes: see `rqcompat.clean_registries`)."""
+        rqcompat.clean_registries(self, lock_ttl_s=maintenance_lock_ttl(self.settings.maintenance_interval))
+
     def _abandoned_job_handler(self, job: Any, exc_type: Any, exc_value: Any, tb: Any) -> bool:
         if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
             return True
@@ -448,6 +455,12 @@ class FleetWorker(SimpleWorker):
             return True
         self._record_lost(job, "the worker running this job vanished (no heartbeat)")
         return True
+
+
+def maintenance_lock_ttl(maintenance_interval: int) -> int:
+    """Seconds a registry-maintenance lock lives: long enough for any cleanup to finish, short enough that a
+    worker killed while holding it delays abandoned-job recovery by little more than its detection."""
+    return max(30, 3 * int(maintenance_interval))
 
 
 def _side_connection(connection: Any) -> Any:
