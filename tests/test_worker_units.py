@@ -380,3 +380,25 @@ def test_abandoned_job_is_recorded_as_worker_lost_with_the_budget_from_the_setti
     assert meta["attempts"][-1]["worker"] == "gone.cpu1.1" and meta["attempts"][-1]["reason"] == "worker_lost"
     if not retrying:
         assert meta["error"]["attempts"] == meta["attempts"]
+
+
+# ==== upload pipeline ===================================================================================
+
+
+def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
+    """Whoever sees `uploaded` must find the final result (bucket, key); it used to be written just after the
+    state, and a reader in between got RQ's placeholder from when the render returned (KeyError 'bucket')."""
+    from types import SimpleNamespace
+
+    from worker import pipeline as pipeline_module
+
+    order: list[str] = []
+    monkeypatch.setattr(pipeline_module.rqcompat, "record_success_after_return",
+                        lambda *a, **k: order.append("rq result"))  # fmt: skip
+    outcomes = SimpleNamespace(uploaded=lambda *a: order.append("uploaded state"), result_ttl=lambda job: 60)
+    up = pipeline_module.UploadPipeline.__new__(pipeline_module.UploadPipeline)
+    up.uploaded, up.outcomes, up.worker_name, up.on_uploaded = 0, outcomes, "w", None
+    up.make_result = lambda *a: {"bucket": "b", "key": "k"}
+    item = SimpleNamespace(job=object(), relay=object(), recovered=False, job_id="j")
+    up._record_success(item, SimpleNamespace(key="k"), 0.1, 0.0)
+    assert order == ["rq result", "uploaded state"]

@@ -345,9 +345,11 @@ class UploadPipeline:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
         result = self.make_result(item, stored, upload_s, wait_s)
-        self.outcomes.uploaded(job, item.relay, result)
+        # RQ's result first, then the `uploaded` state: whoever sees `uploaded` finds the final result (bucket,
+        # key, sha256), never the placeholder RQ wrote when the render returned
         rqcompat.record_success_after_return(job, result, self.outcomes.result_ttl(job), self.worker_name,
                                              recovered=item.recovered)  # fmt: skip
+        self.outcomes.uploaded(job, item.relay, result)
         if self.on_uploaded is not None:
             self.on_uploaded()
         log.info("job %s uploaded (%.2fs after %.2fs in the queue)", item.job_id, upload_s, wait_s)
