@@ -43,15 +43,19 @@ def file_builder(
     configurator: Any, path: str | Path, what: str, *, sd_ops: Any = None, module_ops: Any = (), registry: Any = None
 ) -> Any:
     """ltx-core's `SingleGPUModelBuilder` for `configurator` over the safetensors file `path` (which must
-    exist: `FileNotFoundError` naming `what`), with the loader's key ops and module ops."""
+    exist: `FileNotFoundError` naming `what`), with the loader's key ops and module ops; CUDA loads read
+    through `fastload.StagedSafetensorsLoader`."""
     from ltx_core.loader.registry import DummyRegistry
     from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
+
+    from .fastload import staged_model_loader
 
     return SingleGPUModelBuilder(
         configurator,
         require_file(path, what),
         model_sd_ops=sd_ops,
         module_ops=tuple(module_ops),
+        model_loader=staged_model_loader(),  # weights to the GPU through pinned buffers (see fastload)
         registry=registry or DummyRegistry(),
     )
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..common.fastload import StagedSafetensorsLoader
 from ..common.loading import check_materialized
 
 __all__ = [
@@ -181,7 +182,7 @@ def gemma_builder(gemma_root: str | Path, *, max_tokens: int = DEFAULT_PROMPT_TO
         GemmaTextEncoderFromConfig,
         shards,
         module_ops=gemma_module_ops(root, max_tokens=max_tokens),
-        model_loader=GemmaRootLoader(str(config)),
+        model_loader=GemmaRootLoader(str(config), weight_loader=StagedSafetensorsLoader()),
         registry=registry or DummyRegistry(),
     )
     meta_keys = set(base.meta_model(base.model_config(), ()).state_dict().keys())

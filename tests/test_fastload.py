@@ -1,0 +1,74 @@
+"""`StagedSafetensorsLoader`: the same state dict as ltx-core's loader (keys, dtypes, shapes, bytes, key ops),
+through many small chunks and several reader threads (CPU staging here; the CUDA path in
+tests/test_fastload_gpu.py), and a damaged file is an error, never a hang or a silent short tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ltx_mgpu.runners.common.fastload import StagedSafetensorsLoader, read_header
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        "model.diffusion_model.a.weight": torch.randn(37, 19, generator=gen).to(torch.bfloat16),
+        "model.diffusion_model.a.bias": torch.randn(37, generator=gen),
+        "model.diffusion_model.empty": torch.empty(0, 4),
+        "model.diffusion_model.mask": torch.rand(5, 3, generator=gen) > 0.5,
+        "model.diffusion_model.fp8": torch.randn(8, 8, generator=gen).to(torch.float8_e4m3fn),
+        "model.diffusion_model.idx": torch.arange(11, dtype=torch.int64),
+        "vae.decoder.w": torch.randn(3, 300, generator=gen).half(),
+        "vocoder.x": torch.randn(1000, generator=gen),
+    }
+
+
+@pytest.mark.parametrize(("chunk", "readers"), [(7, 3), (64, 1), (1 << 20, 4)])
+def test_same_tensors_as_safetensors_in_any_chunking(tmp_path, chunk: int, readers: int) -> None:
+    path = tmp_path / "c.safetensors"
+    save_file(_tensors(), str(path), {"config": '{"x": 1}'})
+    loader = StagedSafetensorsLoader(chunk_bytes=chunk, buffers=3, readers=readers, stage_cpu=True)
+    got = loader.load(str(path), None, torch.device("cpu")).sd
+    want = load_file(str(path))
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
+    assert loader.metadata(str(path)) == {"x": 1}
+    begins = [e.begin for e in read_header(str(path))[0]]
+    assert begins == sorted(begins)
+
+
+def test_key_ops_select_and_rename_like_ltx_core(tmp_path) -> None:
+    from ltx_core.loader.sft_loader import SafetensorsStateDictLoader
+    from ltx_core.model.transformer.model_configurator import LTXV_MODEL_COMFY_RENAMING_MAP
+
+    path = tmp_path / "c.safetensors"
+    save_file(_tensors(), str(path))
+    staged = StagedSafetensorsLoader(chunk_bytes=16, buffers=2, readers=2, stage_cpu=True)
+    got = staged.load([str(path)], LTXV_MODEL_COMFY_RENAMING_MAP, torch.device("cpu"))
+    want = SafetensorsStateDictLoader().load([str(path)], LTXV_MODEL_COMFY_RENAMING_MAP, torch.device("cpu"))
+    assert set(got.sd) == set(want.sd) and got.sd and "vae.decoder.w" not in got.sd
+    assert all(torch.equal(got.sd[k].view(torch.uint8), want.sd[k].view(torch.uint8)) for k in want.sd)
+    assert got.size == want.size and got.dtype == want.dtype
+
+
+def test_a_truncated_file_is_an_error_not_a_hang(tmp_path) -> None:
+    path = tmp_path / "c.safetensors"
+    save_file(_tensors(), str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 500])
+    with pytest.raises(OSError, match="short read"):
+        StagedSafetensorsLoader(chunk_bytes=32, buffers=2, readers=3, stage_cpu=True).load(str(path), None, "cpu")
+
+
+def test_cpu_destinations_use_ltx_cores_loader_unless_asked(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "c.safetensors"
+    save_file(_tensors(), str(path))
+    loader = StagedSafetensorsLoader()
+    monkeypatch.setattr(loader, "_copy", lambda *a: (_ for _ in ()).throw(AssertionError("staged on CPU")))
+    assert set(loader.load(str(path), None, torch.device("cpu")).sd) == set(_tensors())
