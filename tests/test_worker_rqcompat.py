@@ -111,3 +111,21 @@ def test_a_cleanup_lock_is_bounded_and_released_even_when_the_cleanup_fails(redi
     rqcompat.clean_registries(worker, lock_ttl_s=30)  # the real steps run and record the time
     assert worker.last_cleaned_at is not None and not redis_client.exists(queue.registry_cleaning_key)
     assert maintenance_lock_ttl(2) == 30 and maintenance_lock_ttl(60) == 180
+
+
+def test_an_upload_recorded_twice_leaves_one_uploaded_result(redis_client) -> None:
+    """A spool recovery can record an upload its first owner recorded already (a crash between RQ's result
+    and the `uploaded` state): RQ must still hold one `uploaded` result, which the chaos checker counts."""
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+
+    queue = Queue("twice", connection=redis_client, serializer=JSONSerializer)
+    job = queue.enqueue("worker.job.render", {"prompt": "x"})
+    result = {"state": "uploaded", "key": f"videos/{job.id}/video.mp4", "bucket": "b"}
+    for recovered in (False, True):
+        rqcompat.record_success_after_return(job, result, 60, "w", recovered=recovered)
+    uploads = [r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]
+    assert len(uploads) == 1 and uploads[0].return_value["bucket"] == "b"
+    other = {**result, "key": "videos/other/video.mp4"}  # a different object is a different upload
+    rqcompat.record_success_after_return(job, other, 60, "w", recovered=False)
+    assert len([r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]) == 2

@@ -214,9 +214,12 @@ def record_success_after_return(job: Job, result: dict[str, Any], ttl: int, work
         log.info("job %s expired before its upload ended; result not recorded in RQ", job.id)
         return
     status = job.get_status(refresh=True)
+    recorded = _uploaded_result_exists(job, result)
     with job.connection.pipeline() as pipe:
-        _drop_handoff(job, pipe)
-        Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name, pipeline=pipe)
+        if not recorded:  # (a spool recovery after a crash between this and the `uploaded` state: once only)
+            _drop_handoff(job, pipe)
+            Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name,
+                          pipeline=pipe)  # fmt: skip
         if recovered and status != JobStatus.FINISHED:
             # (`started` too: the worker died between `rendered` and RQ's own bookkeeping, so the job is
             # still in the started registry; left there, RQ's abandoned-job cleanup would later mark the
@@ -267,6 +270,16 @@ def _remove_started(job: Job, registry: StartedJobRegistry, pipe: Any) -> None:
     entries = [e for e in job.connection.zrange(registry.key, 0, -1) if e.startswith(prefix) or e == job.id.encode()]
     if entries:
         pipe.zrem(registry.key, *entries)
+
+
+def _uploaded_result_exists(job: Job, result: dict[str, Any]) -> bool:
+    """True if RQ already holds a successful `uploaded` result for the same object (one per upload)."""
+    for previous in job.results():
+        value = previous.return_value
+        if (previous.type == Result.Type.SUCCESSFUL and isinstance(value, dict)
+                and value.get("state") == "uploaded" and value.get("key") == result.get("key")):  # fmt: skip
+            return True
+    return False
 
 
 def _drop_handoff(job: Job, pipe: Any) -> None:
