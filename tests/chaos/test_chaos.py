@@ -4,7 +4,7 @@ processes, unbounded Redis memory), on a job that ended otherwise than its fault
 fault the service did not survive, on a bad input that was not rejected, or on a step that stalled.
 
 And the negative control: the same checker on a stack with a planted defect (no retry budget) must fail.
-The long soak is `bench/chaos.py`."""
+The long soak is `tests/chaos/soak.py`."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ thread checks the step's deadline and, when it passes, records what was awaited 
 stack, and interrupts the main thread (a real signal, so even a blocking socket read or a `sleep` is cut
 short) with `Stalled(what)`. The run catches it and fails the seed naming the step.
 
-The interrupt needs the run on the main thread (pytest and `bench/chaos.py` both do that); elsewhere the
+The interrupt needs the run on the main thread (pytest and `tests/chaos/soak.py` both do that); elsewhere the
 watchdog still records the stall and the step's own bounded waits end it.
 """
 

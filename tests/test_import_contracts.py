@@ -1,0 +1,157 @@
+"""The layering rules, held by imports in fresh interpreters (ARCHITECTURE.md, "Layers").
+
+`producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
+- producer never imports torch or ltx_mgpu (a light CLI);
+- ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
+- the control plane (controller, fleet, runner, transport, jobboard, devices, errors, events, startup)
+  never imports `ltx_mgpu.runners` (it is model-agnostic);
+- worker never imports producer;
+- no package, bench/ included, imports tests;
+- `import ltx_mgpu` and `import ltx_mgpu.devices` import no torch (the worker's settings use the parser).
+
+Each rule imports every module of its packages in a new interpreter (`sys.modules` starts empty, so an
+import done elsewhere in the test session cannot hide or fake one) and lists, per module, the forbidden
+modules that arrived with it. Each rule is also run on a copy of the tree with a planted violation and must
+fail there, so none of them can pass by checking nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs in the fresh interpreter: argv = root, forbidden prefixes (comma-separated), modules to import.
+_PROBE = r"""
+import importlib, json, sys
+root, forbidden, names = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+sys.path.insert(0, root)
+
+def hits():
+    return {m for m in sys.modules for f in forbidden if m == f or m.startswith(f + ".")}
+
+found, origins, seen = {}, {}, hits()
+for name in names:
+    module = importlib.import_module(name)
+    origins[name] = getattr(module, "__file__", None) or ""
+    new = hits() - seen
+    seen |= new
+    if new:
+        found[name] = sorted(new)
+print(json.dumps({"found": found, "origins": origins}))
+"""
+
+
+def modules_under(root: Path, *packages: str) -> list[str]:
+    """Every importable module of `packages` below `root` (entry points `__main__` excluded)."""
+    names = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__main__" or "__pycache__" in parts:
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            names.append(".".join(parts))
+    return names
+
+
+def forbidden_imports(root: Path, modules: list[str], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    """{module: forbidden modules that arrived with it}, importing `modules` in order in a new interpreter."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(root), ",".join(forbidden), *modules],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, f"import probe failed:\n{proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, origin in report["origins"].items():  # the modules under test are the ones at `root`
+        assert origin.startswith(str(root)), f"{name} imported from {origin}, not from {root}"
+    return report["found"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    packages: tuple[str, ...] = ()  #: every module of these packages is imported
+    modules: tuple[str, ...] = ()  #: and these, by name
+    forbidden: tuple[str, ...] = ()  #: module prefixes none of them may bring in
+    plant: tuple[str, str] = ("", "")  #: (file to append to, import line) that must break the rule
+
+    def check(self, root: Path) -> dict[str, list[str]]:
+        return forbidden_imports(root, [*modules_under(root, *self.packages), *self.modules], self.forbidden)
+
+
+CONTROL_PLANE = tuple(
+    f"ltx_mgpu.{m}"
+    for m in ("controller", "fleet", "runner", "transport", "jobboard", "devices", "errors", "events", "startup")
+)
+
+RULES = [
+    Rule("producer: no torch, no ltx_mgpu", packages=("producer",), forbidden=("torch", "ltx_mgpu", "tests"),
+         plant=("producer/display.py", "import ltx_mgpu.controller")),
+    Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
+         forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
+         plant=("ltx_mgpu/parallel/layout.py", "import redis")),
+    Rule("control plane: no runners", modules=CONTROL_PLANE, forbidden=("ltx_mgpu.runners",),
+         plant=("ltx_mgpu/jobboard.py", "import ltx_mgpu.runners.common.args")),
+    Rule("worker: no producer, no tests", packages=("worker",), forbidden=("producer", "tests"),
+         plant=("worker/keys.py", "import producer.exitcodes")),
+    Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
+         plant=("bench/controller.py", "import tests.chaos.invariants")),
+    Rule("ltx_mgpu and its device parser: no torch", modules=("ltx_mgpu", "ltx_mgpu.devices"), forbidden=("torch",),
+         plant=("ltx_mgpu/devices.py", "import torch")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_layering_rule_holds(rule: Rule):
+    assert rule.check(ROOT) == {}, f"{rule.name}: forbidden imports (module: what it brought in)"
+
+
+def _copy_tree(dest: Path) -> Path:
+    for package in ("producer", "worker", "ltx_mgpu", "bench", "tests"):
+        shutil.copytree(ROOT / package, dest / package, symlinks=True)  # with __pycache__: saves recompiling
+    return dest
+
+
+@pytest.fixture(scope="module")
+def planted_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the packages with every rule's violation planted (each in a file of its own rule's reach)."""
+    root = _copy_tree(tmp_path_factory.mktemp("planted"))
+    for rule in RULES:
+        path, line = rule.plant
+        with (root / path).open("a") as f:
+            f.write(f"\n{line}  # planted by tests/test_import_contracts.py\n")
+    return root
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_layering_rule_fails_on_a_planted_violation(rule: Rule, planted_tree: Path):
+    # The real tree passes (test above), so whatever turns up here came with a plant; this rule's own plant
+    # must be among it (other rules' plants may be reached too, and the module named is the first importer).
+    target = rule.plant[1].removeprefix("import ")
+    found = rule.check(planted_tree)
+    assert any(target in arrived for arrived in found.values()), f"{rule.name}: `{rule.plant[1]}` unnoticed"
+
+
+def test_lazy_engine_names_resolve():
+    """Every public name of the lazy `ltx_mgpu` resolves to its submodule's object, and nothing else does."""
+    import ltx_mgpu
+
+    for name in ltx_mgpu.__all__:
+        obj = getattr(ltx_mgpu, name)
+        assert getattr(sys.modules[obj.__module__], name) is obj
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = ltx_mgpu.nope
+    assert set(ltx_mgpu.__all__) == set(ltx_mgpu._EXPORTS)
