@@ -7,7 +7,8 @@
   never imports `ltx_mgpu.runners` (it is model-agnostic);
 - worker never imports producer;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu` and `import ltx_mgpu.devices` import no torch (the worker's settings use the parser).
+- `import ltx_mgpu`, `ltx_mgpu.devices` and `ltx_mgpu.ports` import no torch (the worker's settings and dev
+  servers use them).
 
 Each rule imports every module of its packages in a new interpreter (`sys.modules` starts empty, so an
 import done elsewhere in the test session cannot hide or fake one) and lists, per module, the forbidden
@@ -109,7 +110,8 @@ RULES = [
          plant=("worker/keys.py", "import producer.exitcodes")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
-    Rule("ltx_mgpu and its device parser: no torch", modules=("ltx_mgpu", "ltx_mgpu.devices"), forbidden=("torch",),
+    Rule("ltx_mgpu, its device parser and port picker: no torch",
+         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports"), forbidden=("torch",),
          plant=("ltx_mgpu/devices.py", "import torch")),
 ]  # fmt: skip
 

@@ -1,5 +1,5 @@
 """The producer CLI without a worker: request-file validation, admission control, cancel of a waiting job,
-exit codes, and the import-lightness rule. A real Redis (tests/servers.py); queues nobody consumes.
+exit codes, and the import-lightness rule. A real Redis (worker/devservers.py); queues nobody consumes.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from producer.cli import cli
 from producer.client import ProducerClient
 from producer.exitcodes import ExitCode
 from producer.settings import load_settings
-from tests.servers import RedisServer, S3Server
+from worker.devservers import RedisServer, S3Server
 from worker.keys import JobState, events_key, worker_health_key
 
 ROOT = Path(__file__).resolve().parents[1]

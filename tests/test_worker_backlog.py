@@ -104,7 +104,7 @@ def _first_ts(evts: list[dict[str, Any]], state: str) -> float:
 
 @pytest.fixture
 def proxy(s3_server: Any) -> Any:
-    from tests.servers import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     p = TcpProxy(s3_server.s3_port).start()
     try:

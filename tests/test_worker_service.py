@@ -86,7 +86,7 @@ def _start_worker(
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
-    from tests.servers import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     tmp = tmp_path_factory.mktemp("worker")
     proxy = TcpProxy(s3_server.s3_port).start()
@@ -119,7 +119,7 @@ def _check_object(s3_server: Any, result: dict[str, Any], expected: bytes) -> No
 
 
 def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, redis_server, s3_server):
-    from tests.servers import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     proxy = TcpProxy(s3_server.s3_port).start()
     f = _start_worker(tmp_path, redis_server, s3_server, proxy, "smoke", "cpu:2",
