@@ -1,4 +1,4 @@
-"""The layering rules, held by imports in fresh interpreters (ARCHITECTURE.md, "Layers").
+"""The layering rules, held by imports in fresh interpreters (README.md, "Layout": arrows point down only).
 
 `producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
 - producer never imports torch or ltx_mgpu (a light CLI);

@@ -160,16 +160,8 @@ def test_resolve_runner_imports_by_path():
         resolve_runner(s)
 
 
-def test_every_setting_is_documented():
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "worker.md").read_text()
-    missing = [f"LTX_{name.upper()}" for name in WorkerSettings.model_fields if f"LTX_{name.upper()}" not in doc]
-    assert not missing, f"settings missing from docs/worker.md: {missing}"
-
-
 def test_options_before_the_settings_subcommand_apply_to_it():
-    """Issue 16: `ltx-worker --group ... settings` showed groups ["cpu:1"] and the default Redis URL."""
+    """Regression: `ltx-worker --group ... settings` showed groups ["cpu:1"] and the default Redis URL."""
     import json
     import os
     import subprocess
@@ -191,7 +183,7 @@ def test_options_before_the_settings_subcommand_apply_to_it():
 
 
 def test_backfill_manifests_and_demo_output_are_ignored_and_the_help_says_where_the_manifest_goes():
-    """Issue 16: `producer backfill examples/prompts.jsonl` left an untracked, unignored manifest."""
+    """Regression: `producer backfill examples/prompts.jsonl` left an untracked, unignored manifest."""
     import subprocess
 
     from click.testing import CliRunner

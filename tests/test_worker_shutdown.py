@@ -136,7 +136,7 @@ def test_sigterm_during_fleet_start_stops_cleanly(tmp_path, redis_server, s3_ser
     assert "stopped by SIGTERM during startup" in proc.log_tail()
 
 
-# ==== errors that can never fix themselves, and those that do (issue 16) ================================
+# ==== errors that can never fix themselves, and those that do ======================================
 
 
 def test_bad_s3_credentials_stop_the_supervisor_at_once_with_code_2(tmp_path, redis_server, s3_server):

@@ -1,8 +1,9 @@
 """Upload a spooled render with retries and back-off; release the spool copy only once confirmed.
 
-`Uploader.upload(entry)` is synchronous: the job function calls it after the render (issue 5). It owns
-everything that must stay true whoever calls it, so the background uploader of issue 9 is a thread that
-feeds `upload()` from a queue (and from `Spool.pending()` at start) without changing this module:
+`Uploader.upload(entry)` is synchronous: the job function calls it after the render when
+`LTX_UPLOAD_PIPELINE=false`. It owns everything that must stay true whoever calls it, so the background
+uploader (`worker/pipeline.py`) is a thread that feeds `upload()` from a queue (and from `Spool.pending()` at
+start) without changing this module:
 
 - every attempt is recorded in the entry's manifest (`attempts`, `last_error`) before sleeping, so a
   crash mid-retry leaves an accurate spool behind;

@@ -1,6 +1,6 @@
 """Deadlines for every step of a chaos run, so a stall is a finding with a cause, never a silent hang.
 
-Issue 15: one soak run stopped moving for over three minutes until an outer timeout killed it, with nothing
+Why: one soak run stopped moving for over three minutes until an outer timeout killed it, with nothing
 saying what it waited for. Each step of a run now goes through `Watchdog.step(what, seconds)`; a monitor
 thread checks the step's deadline and, when it passes, records what was awaited with every thread's
 stack, and interrupts the main thread (a real signal, so even a blocking socket read or a `sleep` is cut
