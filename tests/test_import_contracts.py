@@ -157,3 +157,13 @@ def test_lazy_engine_names_resolve():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = ltx_mgpu.nope
     assert set(ltx_mgpu.__all__) == set(ltx_mgpu._EXPORTS)
+
+
+def test_runner_event_types_are_the_engines():
+    """The worker relays runner events under the engine's names; `worker.keys` (stdlib only, imported by
+    the producer) cannot import them, so this holds the two spellings together."""
+    from ltx_mgpu import events
+    from worker.keys import EventType
+
+    assert (EventType.STAGE, EventType.PROGRESS, EventType.OUTPUT) == (events.STAGE, events.PROGRESS, events.OUTPUT)
+    assert events.stage_event(events.Stage.MUX) == {"type": "stage", "stage": "mux"}

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...events import Stage
 from ...parallel import GuidanceParallelPasses
 from ...parallel.builder import SP_MODULE_OPS_NAME
 from ...parallel.lora_tracker import LoraSpec
@@ -138,7 +139,7 @@ class Ltx2TwoStageRunner(Ltx2Runner):
 
         def choose(tokens: int, passes: int) -> Any:
             return self.layout_policy.choose(
-                "stage1",
+                Stage.STAGE1,
                 tokens=tokens,
                 passes=passes,
                 audio_tokens=audio_tokens,
