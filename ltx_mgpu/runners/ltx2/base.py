@@ -34,7 +34,7 @@ from ...events import Stage, output_event, progress_event, stage_event
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
-from ...parallel.tdp import BalancedTiling
+from ...parallel.tiling import BalancedTiling
 from ...parallel.vae_decode import vae_tiles
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry

@@ -27,7 +27,8 @@ from ...events import Stage
 from ...parallel import GuidanceParallelPasses
 from ...parallel.builder import SP_MODULE_OPS_NAME
 from ...parallel.lora_tracker import LoraSpec
-from ...parallel.tdp import BalancedTiling, TiledDataParallelBuilder
+from ...parallel.tdp import TiledDataParallelBuilder
+from ...parallel.tiling import BalancedTiling
 from ..common.args import RenderArgs
 from ..common.loading import checkpoint_metadata
 from .base import Job, Ltx2Runner, Prompt
