@@ -19,6 +19,9 @@ Setup kwargs (every rank; the table is in docs/runners.md): `checkpoint_path` (t
 Job kwargs: `common.args.RenderArgs` (worker/schema.py `RenderRequest` + `output_path`). Every request
 check runs on every rank before any collective and raises `ValueError` (a recoverable
 `SymmetricRunnerError`).
+
+A little over 450 lines on purpose: one class, the stage skeleton and the setup both runners share, so the
+stage order and its hooks read in one place.
 """
 
 from __future__ import annotations
