@@ -5,7 +5,7 @@
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
 - the control plane (controller, fleet, runner, transport, jobboard, devices, errors, events, startup)
   never imports `ltx_mgpu.runners` (it is model-agnostic);
-- worker never imports producer;
+- worker never imports producer; kernels imports none of the packages above it;
 - no package, bench/ included, imports tests;
 - `import ltx_mgpu`, `ltx_mgpu.devices` and `ltx_mgpu.ports` import no torch (the worker's settings and dev
   servers use them).
@@ -108,6 +108,8 @@ RULES = [
          plant=("ltx_mgpu/jobboard.py", "import ltx_mgpu.runners.common.args")),
     Rule("worker: no producer, no tests", packages=("worker",), forbidden=("producer", "tests"),
          plant=("worker/keys.py", "import producer.exitcodes")),
+    Rule("kernels: the bottom layer", packages=("kernels",), forbidden=("ltx_mgpu", "worker", "producer", "tests"),
+         plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
     Rule("ltx_mgpu, its device parser and port picker: no torch",
@@ -122,7 +124,7 @@ def test_layering_rule_holds(rule: Rule):
 
 
 def _copy_tree(dest: Path) -> Path:
-    for package in ("producer", "worker", "ltx_mgpu", "bench", "tests"):
+    for package in ("producer", "worker", "ltx_mgpu", "kernels", "bench", "tests"):
         shutil.copytree(ROOT / package, dest / package, symlinks=True)  # with __pycache__: saves recompiling
     return dest
 
