@@ -19,9 +19,11 @@ fail there, so none of them can pass by checking nothing.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,11 +120,6 @@ RULES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
-def test_layering_rule_holds(rule: Rule):
-    assert rule.check(ROOT) == {}, f"{rule.name}: forbidden imports (module: what it brought in)"
-
-
 def _copy_tree(dest: Path) -> Path:
     for package in ("producer", "worker", "ltx_mgpu", "kernels", "bench", "tests"):
         shutil.copytree(ROOT / package, dest / package, symlinks=True)  # with __pycache__: saves recompiling
@@ -140,12 +137,29 @@ def planted_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def findings(planted_tree: Path) -> dict[tuple[str, str], dict[str, list[str]]]:
+    """Every rule checked on the real tree and on the planted one: {(rule, "real" | "planted"): found}.
+    Each check is its own interpreter; they run a few at a time (each spends seconds importing torch)."""
+    jobs = {
+        (rule.name, tree): (rule, root) for rule in RULES for tree, root in (("real", ROOT), ("planted", planted_tree))
+    }
+    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
+        futures = {key: pool.submit(rule.check, root) for key, (rule, root) in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
 @pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
-def test_layering_rule_fails_on_a_planted_violation(rule: Rule, planted_tree: Path):
+def test_layering_rule_holds(rule: Rule, findings: dict) -> None:
+    assert findings[rule.name, "real"] == {}, f"{rule.name}: forbidden imports (module: what it brought in)"
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_layering_rule_fails_on_a_planted_violation(rule: Rule, findings: dict) -> None:
     # The real tree passes (test above), so whatever turns up here came with a plant; this rule's own plant
     # must be among it (other rules' plants may be reached too, and the module named is the first importer).
     target = rule.plant[1].removeprefix("import ")
-    found = rule.check(planted_tree)
+    found = findings[rule.name, "planted"]
     assert any(target in arrived for arrived in found.values()), f"{rule.name}: `{rule.plant[1]}` unnoticed"
 
 
