@@ -1,4 +1,4 @@
-"""Throughput under a backlog (issue 9): does the fleet wait on uploads, Redis or bookkeeping between jobs?
+"""Throughput under a backlog: does the fleet wait on uploads, Redis or bookkeeping between jobs?
 
 One CPU fleet (`--group`, default cpu:1) drains `--jobs` (50) queued renders of the smoke runner, each
 video padded to a realistic size (`--pad-mb`, 50 MB: a trailing MP4 `free` box, so the file stays a valid

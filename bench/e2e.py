@@ -59,7 +59,6 @@ from bench.e2e_stack import (
     hardware,
     job_record,
     make_workload,
-    pct,
     rounded,
     submit,
     wait_event,
@@ -68,6 +67,14 @@ from bench.e2e_stack import (
 from worker.settings import validate_group
 
 GIB = 1024**3
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile (nearest rank on the sorted values); None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,6 @@ CFG_ONLY = {m: {"cfg_scale": 4.0, "stg_scale": 0.0, "rescale_scale": 0.0, "modal
 PROMPT = "A red fox trots through fresh snow at dawn, breath steaming, the camera tracking low beside it"
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile (nearest rank on the sorted values); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def rounded(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 

@@ -13,7 +13,7 @@ Prints one JSON line per measurement and a final summary line. In the same run:
   server, interleaved, same run. The sha256 of the file is computed when the render is committed to the
   spool, before the upload; its time is reported separately (`sha256_gbps`).
 
-Targets (issue 5): enqueue→start p50 < 50 ms, yield→stream p50 < 10 ms, upload >= 0.9x plain boto3.
+Targets: enqueue→start p50 < 50 ms, yield→stream p50 < 10 ms, upload >= 0.9x plain boto3.
 
 Usage: .venv/bin/python bench/service.py [--group cpu:1] [--latency-jobs 30] [--backlog 100]
                                          [--steps 200] [--upload-mib 256] [--upload-reps 3]

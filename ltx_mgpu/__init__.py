@@ -5,22 +5,52 @@ Public API:
 - `MGPURunner`, `ProcessGroups`, `RankContext`: what a pipeline implements and what it is given.
 - Errors: `RunnerError`, `JobCancelled`, `SymmetricRunnerError`, `JobCancelledError`,
   `AsymmetricRunnerError`, `ControllerBusyError`, `FleetFailure`, `FleetTimeoutError`.
-- `parse_device_group`: "0,1,2,3" / "cpu:2" → a device list.
+- `parse_device_group`, `canonical_group`: "0,1,2,3" / "cpu:2" → a device list / its canonical spec.
+
+Names load lazily (PEP 562): `import ltx_mgpu` and `import ltx_mgpu.devices` import no torch, so the
+worker's settings and supervisor can use the device-group parser without paying for (or needing) torch.
+Torch comes in when the controller or a runner is first touched.
+`tests/test_import_contracts.py` holds this and the other layering rules.
 """
 
-from .controller import MGPUController, Stream
-from .devices import parse_device_group
-from .errors import (
-    AsymmetricRunnerError,
-    ControllerBusyError,
-    FleetFailure,
-    FleetTimeoutError,
-    JobCancelled,
-    JobCancelledError,
-    RunnerError,
-    SymmetricRunnerError,
-)
-from .runner import MGPURunner, ProcessGroups, RankContext
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .controller import MGPUController, Stream
+    from .devices import canonical_group, parse_device_group
+    from .errors import (
+        AsymmetricRunnerError,
+        ControllerBusyError,
+        FleetFailure,
+        FleetTimeoutError,
+        JobCancelled,
+        JobCancelledError,
+        RunnerError,
+        SymmetricRunnerError,
+    )
+    from .runner import MGPURunner, ProcessGroups, RankContext
+
+#: public name → the submodule that defines it
+_EXPORTS: dict[str, str] = {
+    "MGPUController": "controller",
+    "Stream": "controller",
+    "canonical_group": "devices",
+    "parse_device_group": "devices",
+    "AsymmetricRunnerError": "errors",
+    "ControllerBusyError": "errors",
+    "FleetFailure": "errors",
+    "FleetTimeoutError": "errors",
+    "JobCancelled": "errors",
+    "JobCancelledError": "errors",
+    "RunnerError": "errors",
+    "SymmetricRunnerError": "errors",
+    "MGPURunner": "runner",
+    "ProcessGroups": "runner",
+    "RankContext": "runner",
+}
 
 __all__ = [
     "AsymmetricRunnerError",
@@ -36,5 +66,19 @@ __all__ = [
     "RunnerError",
     "Stream",
     "SymmetricRunnerError",
+    "canonical_group",
     "parse_device_group",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

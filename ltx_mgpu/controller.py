@@ -15,6 +15,10 @@ Contract (written once here; docs/controller.md links to it):
   `start()` may be called again afterwards.
 - `add_failure_callback(fn)`: `fn(failure)` runs once per poisoned fleet, on the thread that noticed it
   (usually the monitor, so also while the fleet is idle), e.g. to rebuild at once instead of at the next job.
+
+Over 450 lines on purpose: the caller's whole side (start, dispatch, the monitor, result collection and
+error classification) works under one lock on one fleet handle; split, the one-job invariant would be
+kept across modules. The rank side is `fleet.py`, the wire types `transport.py`.
 """
 
 from __future__ import annotations

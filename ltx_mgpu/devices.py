@@ -8,9 +8,17 @@ share one machine on disjoint GPUs (`[0, 1, 2, 3]` and `[4, 5, 6, 7]`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
-__all__ = ["MULTICAST_OFF_ENV", "DeviceLike", "choose_backend", "normalize_devices", "parse_device_group"]
+__all__ = [
+    "MULTICAST_OFF_ENV",
+    "DeviceLike",
+    "canonical_group",
+    "choose_backend",
+    "normalize_devices",
+    "parse_device_group",
+]
 
 DeviceLike = int | str  # 3, "cuda:3", "cpu"; torch.device also works (its str() is parsed)
 
@@ -25,18 +33,43 @@ MULTICAST_OFF_ENV: dict[str, str] = {
 }
 
 
+_CPU_GROUP = re.compile(r"^cpu(?::(\d+))?$")
+
+
 def parse_device_group(spec: str) -> list[str]:
-    """Parse a command-line group: "0,1,2,3" (CUDA indices), "cpu:2" (two CPU ranks), "cuda:0,cuda:1"."""
-    text = spec.strip()
+    """Parse a command-line group into one device per rank.
+
+    "0,1,2,3" or "cuda:0,cuda:1" (CUDA devices, each once), "cpu" (one CPU rank), "cpu:2" (two CPU ranks).
+    Spaces are ignored. Anything else ("cpu2", "cpu:0", "0,0", "0,cpu") is a `ValueError` naming the
+    group. The one parser for groups: the worker's settings validate with it (`canonical_group`) and the
+    fleet is built from it, so a group that passes validation is the group that runs.
+    """
+    text = spec.replace(" ", "")
     if not text:
-        raise ValueError("empty device group")
+        raise ValueError("empty device group: expected 'cpu', 'cpu:N' or comma-separated GPU indices")
     if text.startswith("cpu"):
-        _, _, count = text.partition(":")
-        n = int(count) if count else 1
+        match = _CPU_GROUP.match(text)
+        if match is None:
+            raise ValueError(f"group {spec!r}: expected 'cpu' or 'cpu:N' (N >= 1 CPU ranks)")
+        n = int(match.group(1)) if match.group(1) is not None else 1
         if n < 1:
-            raise ValueError(f"device group {spec!r}: need at least one CPU rank")
+            raise ValueError(f"group {spec!r}: need at least one CPU rank")
         return ["cpu"] * n
-    return normalize_devices([part.strip() for part in text.split(",")], allow_shared=False)
+    try:
+        devices = normalize_devices(text.split(","), allow_shared=True)
+    except ValueError as exc:
+        raise ValueError(f"group {spec!r}: {exc}") from None
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"group {spec!r}: a GPU appears twice")
+    return devices
+
+
+def canonical_group(spec: str) -> str:
+    """The canonical spelling of a group: "cpu", "cpu:N" or "i,j,..." (CUDA indices); `ValueError` if bad."""
+    devices = parse_device_group(spec)
+    if devices[0] == "cpu":
+        return "cpu" if spec.replace(" ", "") == "cpu" else f"cpu:{len(devices)}"
+    return ",".join(d.removeprefix("cuda:") for d in devices)
 
 
 def _normalize_one(device: object) -> str:

@@ -4,7 +4,7 @@ A runner yields these on the driver rank only (other ranks yield nothing), so a 
 once. Every event is a plain `dict` with a `type` key; values are JSON-serialisable so a service can put
 them into a Redis Stream unchanged.
 
-- `{"type": "stage", "stage": str}`: a new stage begins (e.g. "encode", "denoise", "decode", "mux").
+- `{"type": "stage", "stage": str}`: a new stage begins (a `Stage`: "encode", "denoise", "decode", "mux", ...).
 - `{"type": "progress", "stage": str, "step": int, "total": int}`: `step` of `total` done in `stage`.
 - `{"type": "output", "path": str, "frames": int, "fps": float, "width": int, "height": int,
    "bytes": int, "content_type": str}`: a finished file on the driver rank's filesystem.
@@ -12,17 +12,37 @@ them into a Redis Stream unchanged.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
-__all__ = ["output_event", "progress_event", "stage_event"]
+__all__ = ["OUTPUT", "PROGRESS", "STAGE", "Stage", "output_event", "progress_event", "stage_event"]
+
+#: The `type` of each runner event (the worker relays them under the same names: `worker.keys.EventType`).
+STAGE = "stage"
+PROGRESS = "progress"
+OUTPUT = "output"
+
+
+class Stage(StrEnum):
+    """The stages runners announce: `stage` and `progress` events and the keys of an output's `timings_s`.
+    A runner may announce others; these are the ones the built-in runners use."""
+
+    ENCODE = "encode"  #: text (and image) encoding
+    DENOISE = "denoise"  #: the denoising loop of a one-stage runner (smoke, noop)
+    STAGE1 = "stage1"  #: LTX-2 stage 1: denoising at half resolution
+    UPSAMPLE = "upsample"  #: LTX-2: the latent spatial upsampler between the stages
+    STAGE2 = "stage2"  #: LTX-2 stage 2: refinement at full resolution
+    DECODE = "decode"  #: the video VAE decode
+    AUDIO_DECODE = "audio_decode"  #: the audio VAE decode and vocoder
+    MUX = "mux"  #: writing the mp4 (video and audio tracks)
 
 
 def stage_event(stage: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "stage", "stage": stage, **extra}
+    return {"type": STAGE, "stage": stage, **extra}
 
 
 def progress_event(stage: str, step: int, total: int, **extra: Any) -> dict[str, Any]:
-    return {"type": "progress", "stage": stage, "step": int(step), "total": int(total), **extra}
+    return {"type": PROGRESS, "stage": stage, "step": int(step), "total": int(total), **extra}
 
 
 def output_event(
@@ -37,7 +57,7 @@ def output_event(
     **extra: Any,
 ) -> dict[str, Any]:
     return {
-        "type": "output",
+        "type": OUTPUT,
         "path": str(path),
         "frames": int(frames),
         "fps": float(fps),

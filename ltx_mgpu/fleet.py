@@ -149,7 +149,7 @@ def rank_main(boot: RankBoot) -> None:
         os.environ.setdefault(key, value)
     # Temporary files of this process (multiprocessing's `pymp-*` directory, made when a yielded tensor is
     # shared by file descriptor) go into the fleet's scratch directory: a rank that is killed or exits
-    # with os._exit runs no exit handlers, and the controller removes the whole directory (issue 16).
+    # with os._exit runs no exit handlers, and the controller removes the whole directory.
     tempfile.tempdir = boot.scratch_dir
     _start_parent_watchdog(boot.scratch_dir)
     try:

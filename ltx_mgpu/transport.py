@@ -6,7 +6,7 @@ own thread (unlike `multiprocessing.Queue`, whose feeder thread drops unpicklabl
 would leave the caller waiting for a message that never comes).
 
 Every wait on a channel is bounded. A pipe holds 64 KiB, and a reader that stopped reading (it died, or a
-bug left a channel nobody reads) would block a plain writer inside `write()` forever (issue 15: a channel
+bug left a channel nobody reads) would block a plain writer inside `write()` forever (once, a channel
 nobody read jammed the controller after 176 jobs); a writer that died mid-message would block a plain
 reader the same way. `Channel.put`/`get` never block in the kernel: they wait in short slices and check
 the caller's liveness test and deadline between them, so a controller cannot hang on a pipe.
@@ -15,7 +15,7 @@ Every channel has exactly one writing process (the controller, or one rank), so 
 frames; no cross-process lock is needed. That matters: a `multiprocessing` lock is a named POSIX semaphore
 in /dev/shm (`sem.mp-*`), removed only by its creator's exit handlers or, once every process holding it
 has exited, by the resource tracker; a SIGKILLed worker whose tracker was stopped too left them behind
-for good (issue 16). The controller wakes its own waiting thread with a `Waker` (a self-pipe), never by
+for good. The controller wakes its own waiting thread with a `Waker` (a self-pipe), never by
 writing into a rank's channel.
 """
 

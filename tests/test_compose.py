@@ -238,7 +238,7 @@ def test_env_example_documents_what_compose_needs() -> None:
 
 
 def test_operations_recipe_without_docker_matches_compose():
-    """Issue 16: docs/operations.md's "Without Docker" covered Redis and the worker only (the SeaweedFS
+    """Regression: docs/operations.md's "Without Docker" covered Redis and the worker only (the SeaweedFS
     command and its AWS_* identity had to be copied out of docker-compose.yml), and its public-endpoint
     example broke presigned URLs when copied as is."""
     text = (ROOT / "docs" / "operations.md").read_text()

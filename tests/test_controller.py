@@ -1,4 +1,7 @@
-"""Control-plane contracts on CPU ranks over gloo (reference §1.6-1.7 plus our additions)."""
+"""Control-plane contracts on CPU ranks over gloo: the controller's contract (`ltx_mgpu/controller.py`'s
+docstring: lifecycle, streaming, error classes, poisoning) plus our additions (cancellation, failure
+callbacks, devices maps). One module on purpose (a little over 450 lines): its tests share one warm
+two-rank fleet (`fleet2`), and a second module would spawn and load another."""
 
 from __future__ import annotations
 

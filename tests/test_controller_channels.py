@@ -1,6 +1,6 @@
 """The controller's pipes: every tensor path is read, and no read or write can block the caller forever.
 
-Regression for issue 15: top-level tensor kwargs on a CPU fleet were written to a per-rank channel that no
+Regression: top-level tensor kwargs on a CPU fleet were written to a per-rank channel that no
 rank read, so the 64 KiB pipe filled after ~176 jobs and `stream()` blocked forever inside `write()`.
 """
 

@@ -102,7 +102,7 @@ def _sp_forward_events(world: int, rank: int) -> dict[str, Any]:
     from ltx_core.model.transformer import X0Model
 
     from ltx_mgpu.parallel import AttentionManager, SequenceParallelModelWrapper, patch_sp_attention
-    from ltx_mgpu.parallel.hoist import capture_scope
+    from ltx_mgpu.parallel.capture_cache import capture_scope
 
     _init_fake(world, rank)
     out: dict[str, Any] = {}
@@ -223,7 +223,7 @@ def test_guidance_parallel_step_is_graph_ready(world: int, rank: int) -> None:
 def test_identity_cache_follows_the_inputs_lifetime_and_versions() -> None:
     import gc
 
-    from ltx_mgpu.parallel.hoist import IdentityCache
+    from ltx_mgpu.parallel.capture_cache import IdentityCache
 
     cache = IdentityCache(capacity=4)
     calls = []

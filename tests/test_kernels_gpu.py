@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from ltx_mgpu.parallel.testing import free_port
+from ltx_mgpu.ports import free_port
 
 pytestmark = pytest.mark.gpu
 

@@ -68,8 +68,8 @@ def test_cost_model_choices_are_valid(graphed: bool) -> None:
 @pytest.mark.parametrize("graphed", [False, True])
 def test_cost_model_picks_what_the_issue_measured(graphed: bool) -> None:
     """Two H200s: at stage-1 size (1,536 tokens) the second GPU takes whole passes; one pass at 6,144
-    tokens and three passes at 6,144 tokens split the tokens (issue 20's table). Three passes at 1,536
-    tokens are close either way (2x1 leaves one GPU a third idle), so that choice is not pinned here."""
+    tokens and three passes at 6,144 tokens split the tokens (as measured on two H200s). Three passes at
+    1,536 tokens are close either way (2x1 leaves one GPU a third idle), so that choice is not pinned here."""
 
     def pick(tokens: int, passes: int, world: int = 2) -> str:
         return str(choose_layout(world, tokens=tokens, passes=passes, dims=DIMS_19B, layers=48, graphed=graphed).layout)
@@ -81,9 +81,9 @@ def test_cost_model_picks_what_the_issue_measured(graphed: bool) -> None:
 
 
 def test_cost_model_estimates_match_issue_measurements_roughly() -> None:
-    """Eager W=1 and W=2 SP times of issue 20 (ms per layer) within 35%: the constants are fitted, not
+    """Eager W=1 and W=2 SP times measured on two H200s (ms per layer) within 35%: the constants are fitted, not
     invented."""
-    measured = {  # (tokens, passes, layout): ms per layer, 8 layers, 128 context tokens (the issue's bench)
+    measured = {  # (tokens, passes, layout): ms per layer, 8 layers, 128 context tokens (`bench/sp_scaling.py`)
         (6144, 1, "1x1"): 71.3 / 8,
         (6144, 3, "1x1"): 209.3 / 8,
         (6144, 1, "1x2"): 42.5 / 8,

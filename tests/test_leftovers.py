@@ -1,4 +1,4 @@
-"""Nothing left behind (issue 16: after the suite and the demo, /dev/shm/sem.mp-* semaphores and
+"""Nothing left behind (once, after the suite and the demo, /dev/shm/sem.mp-* semaphores and
 /tmp/pymp-* directories remained).
 
 Where they came from: each controller channel carried a `multiprocessing` lock, a named POSIX semaphore in

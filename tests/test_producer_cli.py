@@ -1,5 +1,5 @@
 """The producer CLI without a worker: request-file validation, admission control, cancel of a waiting job,
-exit codes, and the import-lightness rule. A real Redis (tests/servers.py); queues nobody consumes.
+exit codes, and the import-lightness rule. A real Redis (worker/devservers.py); queues nobody consumes.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def test_unknown_job_and_unreachable_redis(env: dict[str, str]) -> None:
 
 
 def test_every_command_says_one_line_when_redis_is_unreachable(tmp_path: Path, env: dict[str, str]) -> None:
-    """Issue 16: `producer ls` printed a Python traceback (exit 1) where every other command said one line
+    """Regression: `producer ls` printed a Python traceback (exit 1) where every other command said one line
     and exited 6."""
     dead = {**env, "LTX_REDIS_URL": "redis://127.0.0.1:1/0"}
     request = write(tmp_path, "p.json", '{"prompt": "x"}')
@@ -384,7 +384,7 @@ def test_watch_plain_lines_off_a_terminal() -> None:
 
 
 def test_watch_and_stats_small_print() -> None:
-    """Issue 16: the last upload line read "upload 256.0 KiB/25.3 MiB" right before "uploaded" (the final
+    """Regression: the last upload line read "upload 256.0 KiB/25.3 MiB" right before "uploaded" (the final
     progress line was throttled away), and a one-rank fleet was shown as "(1 ranks)"."""
     import io
     from datetime import UTC, datetime

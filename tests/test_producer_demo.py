@@ -45,7 +45,7 @@ def test_demo_renders_uploads_verifies_and_leaves_nothing_running(tmp_path: Path
     copy = re.search(r"local copy: (\S+\.mp4) \(sha256 ([0-9a-f]{64}) verified\)", log)
     assert copy and Path(copy.group(1)).is_file(), log[-3000:]
     # the demo is deterministic (seeded smoke model, fixed encoder settings): docs/producer.md shows its
-    # real output, so the sha256 a reader sees there is the one they get (issue 16: it was stale)
+    # real output, so the sha256 a reader sees there is the one they get (it was stale once)
     docs = (ROOT / "docs" / "producer.md").read_text()
     sha = copy.group(2)
     assert f"(sha256 {sha} verified)" in docs and f"sha256 {sha[:16]}…" in docs, (

@@ -31,7 +31,7 @@ from producer.cli import cli
 from producer.client import ProducerClient
 from producer.exitcodes import ExitCode
 from producer.settings import load_settings
-from tests.servers import RedisServer, S3Server
+from worker.devservers import RedisServer, S3Server
 from worker.keys import JobState, events_key, worker_health_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,7 +379,7 @@ def test_backfill_rides_out_a_redis_outage(stack: Stack, tmp_path: Path, tcp_pro
 
 
 def test_runner_limits_are_checked_at_the_edge(stack: Stack, tmp_path: Path, redis_client) -> None:
-    """Issue 16: `steps: 200` passed `--dry-run` and `submit` and failed in the worker with `runner_error`
+    """Regression: `steps: 200` passed `--dry-run` and `submit` and failed in the worker with `runner_error`
     (the smoke model takes at most 50 steps). The worker publishes its runner's limits; the producer checks
     them before anything is submitted, in `--dry-run` too."""
     over = tmp_path / "over.json"

@@ -5,7 +5,8 @@ Every rank builds the tiny LTX-2 AV transformer twice from the same safetensors 
 SP forward must match the reference within 1e-5 (fp32) for video and audio, for token counts divisible
 and not divisible by the world size, with and without a user mask, at batch 1 and 2.
 
-One `LocalWorld` per world size serves the whole module (spawning is the expensive part on CI).
+One `LocalWorld` per world size serves the whole module (spawning is the expensive part on CI), which is why
+the module is one file of over 450 lines: split, each part would spawn its worlds again.
 """
 
 from __future__ import annotations

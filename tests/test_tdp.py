@@ -16,18 +16,17 @@ import math
 import pytest
 import torch
 
-from ltx_mgpu.parallel.tdp import (
+from ltx_mgpu.parallel.tdp import TiledDataParallelModelWrapper, shared_weights_model
+from ltx_mgpu.parallel.testing import LocalWorld
+from ltx_mgpu.parallel.tiling import (
     BalancedTiling,
     DimensionTiling,
     TileCountConfig,
-    TiledDataParallelModelWrapper,
     blend_weights,
     build_tiles,
-    shared_weights_model,
     split_axis,
     trapezoid,
 )
-from ltx_mgpu.parallel.testing import LocalWorld
 from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
 
 GRID = (2, 8, 12)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltx_mgpu.parallel.tdp import BalancedTiling, DimensionTiling, TileCountConfig
 from ltx_mgpu.parallel.testing import LocalWorld
+from ltx_mgpu.parallel.tiling import BalancedTiling, DimensionTiling, TileCountConfig
 from ltx_mgpu.parallel.vae_decode import DistributedVideoDecoder, frames_to_uint8, vae_tiles
 
 LATENT_SHAPE = (1, 16, 2, 4, 6)

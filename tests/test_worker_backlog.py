@@ -1,4 +1,4 @@
-"""The background upload pipeline (issue 9) end to end: real Redis, real S3 (SeaweedFS) behind a `TcpProxy`
+"""The background upload pipeline (`worker/pipeline.py`) end to end: real Redis, real S3 (SeaweedFS) behind a `TcpProxy`
 that a test blocks to make storage unreachable, real `ltx-worker one` processes with CPU fleets running
 the fault-injection runner.
 
@@ -104,7 +104,7 @@ def _first_ts(evts: list[dict[str, Any]], state: str) -> float:
 
 @pytest.fixture
 def proxy(s3_server: Any) -> Any:
-    from tests.servers import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     p = TcpProxy(s3_server.s3_port).start()
     try:
@@ -296,7 +296,7 @@ def test_pipeline_off_uploads_inside_the_job(tmp_path, redis_server, s3_server, 
 
 
 def test_health_snapshot_follows_the_upload_without_waiting_for_a_heartbeat(tmp_path, redis_server, s3_server, proxy):
-    """Issue 16: the snapshot in Redis was written at render end and then only with RQ's heartbeat, so
+    """Regression: the snapshot in Redis was written at render end and then only with RQ's heartbeat, so
     `producer stats` showed "jobs 0" after the first job and an upload still `pending` once it had finished.
     With a long worker TTL (RQ beats rarely) it must still follow the upload at once."""
     w = Worker(tmp_path, redis_server, s3_server, proxy, worker_ttl=300)

@@ -7,7 +7,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from tests.servers import TcpProxy
+from worker.tcpproxy import TcpProxy
 
 
 def test_s3_roundtrip_presign_and_auth(s3_server, s3_client, unique_name):

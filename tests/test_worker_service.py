@@ -86,7 +86,7 @@ def _start_worker(
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
-    from tests.servers import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     tmp = tmp_path_factory.mktemp("worker")
     proxy = TcpProxy(s3_server.s3_port).start()
@@ -119,7 +119,7 @@ def _check_object(s3_server: Any, result: dict[str, Any], expected: bytes) -> No
 
 
 def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, redis_server, s3_server):
-    from tests.servers import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     proxy = TcpProxy(s3_server.s3_port).start()
     f = _start_worker(tmp_path, redis_server, s3_server, proxy, "smoke", "cpu:2",
@@ -139,7 +139,7 @@ def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, 
         steps = [e["step"] for e in evts if e["type"] == "progress"]
         assert steps == [1, 2]
         assert [e["ts"] for e in evts] == sorted(e["ts"] for e in evts)
-        # the output event names the file, not the worker's local spool path (issue 16)
+        # the output event names the file, not the worker's local spool path
         (output,) = [e for e in evts if e["type"] == "output"]
         assert "path" not in output and output["file"] == "video.mp4" and str(f.spool) not in json.dumps(evts)
         # plain rq APIs see the summary and the result
@@ -224,7 +224,7 @@ def test_cancel_running_job_keeps_fleet_and_next_job_succeeds(fleet):
     wait_for(lambda: (job.get_meta(refresh=True).get("step") or 0) >= 2, 30, "progress", on_fail=fleet.proc.log_tail)
     assert cancel_job(fleet.conn, queued.id) == "cancelled"
     assert cancel_job(fleet.conn, job.id) == "stop_requested"
-    # a cancel is not a failure (issue 16): RQ records it like a cancelled queued job, in the canceled registry
+    # a cancel is not a failure: RQ records it like a cancelled queued job, in the canceled registry
     assert wait_rq_status(job, {JobStatus.CANCELED}, 30, fleet.proc)
     q = Queue(fleet.queue, connection=fleet.conn, serializer=JSONSerializer)
     assert job.id in q.canceled_job_registry.get_job_ids(cleanup=False)
@@ -270,7 +270,7 @@ def _metric(port: int, line_start: str) -> str | None:
 
 
 def test_idle_fleet_death_is_reported_and_rebuilt_at_once_and_no_job_is_taken_before(fleet):
-    """Issue 16: a rank killed while the fleet was idle went unnoticed until the next job (health, metrics and
+    """Regression: a rank killed while the fleet was idle went unnoticed until the next job (health, metrics and
     `producer stats` said "ready" for minutes), and the next job was dequeued first, then waited for the
     rebuild. Now the controller's monitor reports it: health and metrics say so at once, the rebuild starts
     at once, and a job submitted meanwhile is only started once the new fleet is warm."""
@@ -387,7 +387,7 @@ def test_cancel_right_after_start_is_honoured(fleet):
     probe = Job(job.id, connection=fleet.conn, serializer=JSONSerializer)
     wait_for(lambda: probe.get_status(refresh=True) == JobStatus.STARTED, 20, "started", poll=0.005)
     assert cancel_job(fleet.conn, job.id) == "stop_requested"
-    # a cancel is not a failure (issue 16): RQ records it like a cancelled queued job, in the canceled registry
+    # a cancel is not a failure: RQ records it like a cancelled queued job, in the canceled registry
     assert wait_rq_status(job, {JobStatus.CANCELED}, 30, fleet.proc)
     q = Queue(fleet.queue, connection=fleet.conn, serializer=JSONSerializer)
     assert job.id in q.canceled_job_registry.get_job_ids(cleanup=False)

@@ -136,7 +136,7 @@ def test_sigterm_during_fleet_start_stops_cleanly(tmp_path, redis_server, s3_ser
     assert "stopped by SIGTERM during startup" in proc.log_tail()
 
 
-# ==== errors that can never fix themselves, and those that do (issue 16) ================================
+# ==== errors that can never fix themselves, and those that do ======================================
 
 
 def test_bad_s3_credentials_stop_the_supervisor_at_once_with_code_2(tmp_path, redis_server, s3_server):
@@ -163,7 +163,7 @@ def test_gpu_group_on_a_machine_without_cuda_exits_2_with_one_line(tmp_path, red
 def test_worker_started_before_redis_waits_for_it_saying_so(tmp_path, s3_server):
     """Redis not up yet is transient: wait with back-off and say so (it used to die with a raw traceback
     from RQ's client_setname, be restarted 5 times, and make the supervisor exit 4)."""
-    from tests.servers import RedisServer, free_port
+    from worker.devservers import RedisServer, free_port
 
     port = free_port()
     queue, name = f"q-{uuid.uuid4().hex[:8]}", f"w{uuid.uuid4().hex[:6]}"

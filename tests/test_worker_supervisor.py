@@ -104,7 +104,7 @@ def test_worker_sigkilled_mid_job_is_rerun_once_not_lost(pair, tmp_path):
     assert [r.type.name for r in results] == ["SUCCESSFUL"], results
     meta = job.get_meta(refresh=True)
     assert meta["attempt"] == 2 and meta["retries"] == {"worker_lost": 1}
-    # issue 16: the current error is null once the job succeeded; the attempt history keeps the loss
+    # the current error is null once the job succeeded; the attempt history keeps the loss
     assert meta["error"] is None, meta
     assert [(a["attempt"], a["reason"], a["worker"]) for a in meta["attempts"]] == [(1, "worker_lost", victim_name)]
     # and what `producer status` shows: first submission <= latest start <= the end (the upload's)

@@ -315,7 +315,7 @@ def test_supervisor_second_signal_is_forwarded_as_cold_stop(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_supervisor_does_not_restart_a_configuration_error(tmp_path):
-    """Issue 16: a worker exiting 2 (bad settings, storage credentials, a missing GPU) was restarted five
+    """Regression: a worker exiting 2 (bad settings, storage credentials, a missing GPU) was restarted five
     times before the supervisor gave up with 4; restarting cannot fix it."""
     sup = Supervisor(["a", "b"], _command(tmp_path, "config"), backoff_s=0.01, poll_s=0.02)
     t0 = time.monotonic()
@@ -340,7 +340,7 @@ def test_supervisor_gives_up_on_crash_loop(tmp_path):
 def test_abandoned_job_is_recorded_as_worker_lost_with_the_budget_from_the_settings(
     redis_client, unique_name, lost_before
 ):
-    """The dead execution may never have written a retry budget into the job (issue 15: a job taken by a
+    """The dead execution may never have written a retry budget into the job (found by the chaos soak: a job taken by a
     worker that was SIGKILLed before it started the job ended `failed` although nothing was aimed at it):
     the cleaning worker decides from its settings and the losses counted so far."""
     from rq.executions import Execution

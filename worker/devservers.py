@@ -18,11 +18,10 @@ run interrupted from its terminal takes its servers with it.
   one bucket created; ready means the bucket answers a signed request.
 - `pid_alive()`, `descendants()`, `stop_process()`: process helpers for whoever has to leave nothing
   running (the demo's teardown, the benchmarks, the tests).
-- `free_port()` / `free_ports()`: the service-side port picker (the engine has its own rendezvous one in
-  `ltx_mgpu.parallel.testing`, since `ltx_mgpu` never imports `worker`).
+- `free_port()` / `free_ports()`: re-exported from `ltx_mgpu.ports`, the one port picker (it sits in the
+  engine, which needs one too and never imports `worker`).
 
 `worker.tcpproxy.TcpProxy` sits in front of either server to make it unreachable or slow on demand.
-(A little over 450 lines on purpose: the one place where every development server is started.)
 """
 
 from __future__ import annotations
@@ -40,6 +39,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Self
 
+from ltx_mgpu.ports import LOOPBACK, free_port, free_ports
+
 __all__ = [
     "LOOPBACK",
     "RedisServer",
@@ -54,49 +55,12 @@ __all__ = [
     "stop_process",
 ]
 
-LOOPBACK = "127.0.0.1"
-
 
 class ServerError(RuntimeError):
     """A development server could not be started (missing binary, early exit, not ready in time)."""
 
 
 # ==== ports and processes ================================================================================
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the kernel picks it; racy, fine on one machine)."""
-    return free_ports(1)[0]
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((LOOPBACK, port))
-        except OSError:
-            return False
-        return True
-
-
-def free_ports(count: int, *, with_offset: int | None = None) -> list[int]:
-    """`count` distinct free ports; with `with_offset`, port+offset must be free as well (weed's admin
-    plugin dials admin.port + 10000)."""
-    chosen: list[int] = []
-    socks: list[socket.socket] = []
-    try:
-        while len(chosen) < count:
-            sock = socket.socket()
-            sock.bind((LOOPBACK, 0))
-            port = int(sock.getsockname()[1])
-            if with_offset is not None and (port + with_offset > 65535 or not _port_is_free(port + with_offset)):
-                sock.close()
-                continue
-            socks.append(sock)  # keep it bound so the next pick cannot return the same port
-            chosen.append(port)
-    finally:
-        for sock in socks:
-            sock.close()
-    return chosen
 
 
 def _tail(path: Path, limit: int = 3000) -> str:

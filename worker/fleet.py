@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from .devservers import pid_alive
+from .keys import EventType
 
 __all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
 
 log = logging.getLogger("worker.fleet")
 
 EventFn = Callable[[dict[str, Any]], None]
-FLEET_STATES = ("new", "starting", "ready", "failed", "stopped")
 
 
 class FleetUnrecoverable(RuntimeError):
@@ -144,7 +144,7 @@ class FleetSupervisor:
             while not self._stopped.is_set():
                 self._teardown()
                 self.state = "starting"
-                self.on_event({"type": "fleet", "action": "rebuilding" if rebuild else "starting"})
+                self.on_event({"type": EventType.FLEET, "action": "rebuilding" if rebuild else "starting"})
                 t0 = time.monotonic()
                 started_at = time.time()
                 ctl = None
@@ -166,7 +166,7 @@ class FleetSupervisor:
                     self.build_failures += 1
                     self.state = "failed"
                     log.error("fleet build failed (%d/%d): %s", failures, self.max_failures, exc, exc_info=True)
-                    self.on_event({"type": "fleet", "action": "rebuild_failed" if rebuild else "start_failed",
+                    self.on_event({"type": EventType.FLEET, "action": "rebuild_failed" if rebuild else "start_failed",
                                    "error": f"{type(exc).__name__}: {exc}", "attempt": failures})  # fmt: skip
                     if failures >= self.max_failures:
                         raise FleetUnrecoverable(
@@ -190,7 +190,7 @@ class FleetSupervisor:
                 self.startup = _startup_report(ctl, started_at, warmup_s, len(self.warmup))
                 log.info("fleet ready on %s in %.2fs (pids %s): %s", self.devices, seconds, ctl.pids,
                          {k: v for k, v in self.startup.items() if k.endswith("_s")})  # fmt: skip
-                self.on_event({"type": "fleet", "action": "rebuilt" if rebuild else "started",
+                self.on_event({"type": EventType.FLEET, "action": "rebuilt" if rebuild else "started",
                                "seconds": seconds, "pids": list(ctl.pids), "startup": self.startup})  # fmt: skip
                 return
             self.state = "stopped"
@@ -267,7 +267,7 @@ class FleetSupervisor:
         if first:
             self.failures += 1
             self.last_failure = info
-            self.on_event({"type": "fleet", "action": "failed", **info})
+            self.on_event({"type": EventType.FLEET, "action": "failed", **info})
             try:
                 self.on_failure(info)
             except Exception:

@@ -2,7 +2,7 @@
 
 The snapshot (`ltx:worker:<name>:health`, read by `producer stats` and dashboards) used to be written only
 with RQ's worker heartbeat, so it lagged by up to a dequeue timeout: "jobs 0" after a finished job, an
-upload still `pending` after it was confirmed, a dead fleet still "ready" (issue 16). Now every change
+upload still `pending` after it was confirmed, a dead fleet still "ready". Now every change
 (job start and end, upload queued and confirmed, fleet failed / starting / ready) calls `notify()`, from
 any thread and without blocking: a writer thread of its own coalesces the requests and writes the latest
 snapshot on a connection of its own with short timeouts (a Redis outage delays the next write; it never

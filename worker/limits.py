@@ -3,7 +3,7 @@
 
 The request schema (`worker.schema`) holds what any LTX-2 runner accepts; a runner narrows it (the smoke
 model takes at most 50 steps). Before, a request over such a limit passed `--dry-run` and `submit` and
-failed in the worker with `runner_error` (issue 16). Now the runner class states its limits
+failed in the worker with `runner_error`. Now the runner class states its limits
 (`MGPURunner.request_limits(**setup_kwargs)`, no fleet needed), the worker writes them into its health
 snapshot in Redis (`limits`, next to `queues` and `runner`; it expires with the worker), and the producer
 checks a request against every live worker on the target queue: any of them may take the job.

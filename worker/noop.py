@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ltx_mgpu import MGPURunner
-from ltx_mgpu.events import output_event, progress_event, stage_event
+from ltx_mgpu.events import Stage, output_event, progress_event, stage_event
 
 __all__ = ["NoopRunner"]
 
@@ -40,13 +40,13 @@ class NoopRunner(MGPURunner):
         **_ignored: Any,
     ) -> Iterator[dict[str, Any]]:
         if self.is_driver:
-            yield stage_event("denoise")
+            yield stage_event(Stage.DENOISE)
         for step in range(1, steps + 1):
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
             self.raise_if_cancelled()
             if self.is_driver:
-                yield progress_event("denoise", step, steps, t_yield=time.time())
+                yield progress_event(Stage.DENOISE, step, steps, t_yield=time.time())
         if self.is_driver:
             path = Path(output_path)
             path.parent.mkdir(parents=True, exist_ok=True)

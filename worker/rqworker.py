@@ -1,6 +1,6 @@
 """`FleetWorker`: an RQ `SimpleWorker` that runs jobs in-process next to its warm fleet.
 
-Why each override exists (measured behaviours, shared/reference/ecosystem.md §1). Everything that reaches
+Why each override exists (measured behaviours of rq 2.12). Everything that reaches
 into RQ's registries or private state lives in `worker.rqcompat`; how a job's attempt ends is decided and
 recorded by `worker.outcomes`.
 - `SimpleWorker`, never the forking `Worker`: the fleet's IPC handles and CUDA state cannot cross a fork,

@@ -31,6 +31,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from ltx_mgpu.devices import canonical_group
+
 from .keys import check_queue_names, check_redis_url, split_list
 
 __all__ = [
@@ -56,8 +58,6 @@ BUILTIN_RUNNERS: dict[str, str] = {
     "ltx2-two-stage": "ltx_mgpu.runners.ltx2.runners:Ltx2TwoStageRunner",
 }
 
-_GROUP_CPU = re.compile(r"^cpu(?::(\d+))?$")
-_GROUP_CUDA_ITEM = re.compile(r"^(?:cuda:)?(\d+)$")
 _MiB = 1024 * 1024
 
 
@@ -66,23 +66,11 @@ class SettingsError(ValueError):
 
 
 def validate_group(spec: str) -> str:
-    """Check a device group spec without importing torch: "cpu", "cpu:2", "0,1,2,3", "cuda:4,cuda:5"."""
-    text = spec.strip().replace(" ", "")
-    match = _GROUP_CPU.match(text)
-    if match:
-        if match.group(1) is not None and int(match.group(1)) < 1:
-            raise ValueError(f"group {spec!r}: need at least one CPU rank")
-        return text
-    items = text.split(",")
-    indices = []
-    for item in items:
-        m = _GROUP_CUDA_ITEM.match(item)
-        if not m:
-            raise ValueError(f"group {spec!r}: expected 'cpu', 'cpu:N' or comma-separated GPU indices")
-        indices.append(int(m.group(1)))
-    if len(set(indices)) != len(indices):
-        raise ValueError(f"group {spec!r}: a GPU appears twice")
-    return ",".join(str(i) for i in indices)
+    """Check a device group spec and return its canonical spelling ("cpu", "cpu:2", "0,1,2,3").
+
+    The engine's own parser (`ltx_mgpu.devices`, torch-free), so what passes here is what the fleet runs on.
+    """
+    return canonical_group(spec)
 
 
 def group_label(spec: str) -> str:

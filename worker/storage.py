@@ -6,7 +6,7 @@ the same object) and an object that already holds the same sha256 is not uploade
 *confirmed* only after the stored object has been read back (size and sha256 metadata match); the spool
 deletes its copy only after that.
 
-S3 notes (see shared/reference/ecosystem.md §3):
+S3 notes (measured against SeaweedFS, MinIO and AWS behaviour):
 - multipart above `upload_multipart_threshold`, parts of `upload_multipart_chunksize`, threads per file;
 - our own sha256 goes into the object metadata (`x-amz-meta-sha256`): multipart ETags are not MD5s;
 - for non-AWS endpoints boto3 >= 1.36's default CRC checksums are turned down to "when_required";

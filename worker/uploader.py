@@ -1,8 +1,9 @@
 """Upload a spooled render with retries and back-off; release the spool copy only once confirmed.
 
-`Uploader.upload(entry)` is synchronous: the job function calls it after the render (issue 5). It owns
-everything that must stay true whoever calls it, so the background uploader of issue 9 is a thread that
-feeds `upload()` from a queue (and from `Spool.pending()` at start) without changing this module:
+`Uploader.upload(entry)` is synchronous: the job function calls it after the render when
+`LTX_UPLOAD_PIPELINE=false`. It owns everything that must stay true whoever calls it, so the background
+uploader (`worker/pipeline.py`) is a thread that feeds `upload()` from a queue (and from `Spool.pending()` at
+start) without changing this module:
 
 - every attempt is recorded in the entry's manifest (`attempts`, `last_error`) before sleeping, so a
   crash mid-retry leaves an accurate spool behind;
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .keys import EventType
 from .spool import Spool, SpoolEntry
 from .storage import Storage, StorageError, StoredObject
 
@@ -94,11 +96,11 @@ class Uploader:
                 retryable = exc.retryable
                 entry = self.spool.update(entry, last_error=last_error)
                 if not retryable or attempt == self.attempts:
-                    emit({"type": "upload", "attempt": attempt, "error": last_error, "final": True})
+                    emit({"type": EventType.UPLOAD, "attempt": attempt, "error": last_error, "final": True})
                     log.error("upload of %s failed (attempt %d/%d): %s", entry.key, attempt, self.attempts, exc)
                     break
                 wait = self.backoff(attempt)
-                emit({"type": "upload", "attempt": attempt, "error": last_error, "retry_in_s": round(wait, 3)})
+                emit({"type": EventType.UPLOAD, "attempt": attempt, "error": last_error, "retry_in_s": round(wait, 3)})
                 log.warning(
                     "upload of %s failed (attempt %d/%d), retrying in %.1fs: %s",
                     entry.key, attempt, self.attempts, wait, exc,
@@ -142,7 +144,7 @@ class _Progress:
                 return
             self.last = now
             sent = self.sent
-        self.emit({"type": "upload", "bytes": sent, "total": self.total})
+        self.emit({"type": EventType.UPLOAD, "bytes": sent, "total": self.total})
 
     def finish(self) -> None:
-        self.emit({"type": "upload", "bytes": self.total, "total": self.total, "done": True})
+        self.emit({"type": EventType.UPLOAD, "bytes": self.total, "total": self.total, "done": True})

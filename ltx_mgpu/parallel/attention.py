@@ -41,8 +41,8 @@ from .all2all import (
     send_recv_heads,
     unregister_runtime,
 )
+from .capture_cache import capturing
 from .collectives import collective_device
-from .hoist import capturing
 
 __all__ = ["DEFAULT_ALL2ALL_TIMEOUT_S", "All2AllAttention", "AttentionManager", "AudioAll2AllAttention"]
 

@@ -16,7 +16,7 @@ per-layer estimate captures in a few lines:
 
 `flop` counts the matmuls of an LTX-2 block (video tokens per rank; the audio stream and the text
 context's key/value projections in full, since SP repeats them on every rank) plus attention. Every
-constant lives in `CostModel`; `DEFAULT_COST_MODEL` is fitted to the measurements of issue 20 (two
+constant lives in `CostModel`; `DEFAULT_COST_MODEL` is fitted to measurements on two
 H200s, 19B block dimensions, bf16) and `bench/sp_scaling.py` prints a re-fit (`"kind": "calibration"`).
 
 Valid layouts: G * S = W, S divides the video and audio head counts, and G <= P (a group without passes

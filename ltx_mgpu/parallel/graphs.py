@@ -12,7 +12,7 @@ the shapes/dtypes/broadcast pattern of every input tensor, the perturbation conf
 Captured with the graph: the exchange buffers and token tables of the SP attention (the ipc kernel bakes
 its per-rank counts and buffer pointers into the launch; `dist` bakes its split sizes), NCCL collectives
 (all-gather of the video tokens, audio broadcast), RoPE and masks computed from the static inputs (the
-hoisting caches are bypassed during capture: `hoist.capture_scope`). Outputs are cloned after a replay
+hoisting caches are bypassed during capture: `capture_cache.capture_scope`). Outputs are cloned after a replay
 (a later replay of the same graph would overwrite them; the clone is a few hundred KB).
 
 Falls back to eager, with the reason logged once and kept in `reasons`/`last_path`, never failing a job:
@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from .hoist import capture_scope, perturbation_signature
+from .capture_cache import capture_scope
+from .hoist import perturbation_signature
 
 __all__ = ["CudaGraphBackend", "CudaGraphForward", "GraphStats"]
 

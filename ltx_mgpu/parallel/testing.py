@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -30,7 +29,9 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["LocalWorld", "WorldContext", "WorldError", "WorldPool", "free_port"]
+from ..ports import free_port
+
+__all__ = ["LocalWorld", "WorldContext", "WorldError", "WorldPool"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,6 @@ class WorldContext:
 
 class WorldError(RuntimeError):
     """A rank raised (or died, or timed out) during `LocalWorld.run`."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import needs_host_staging
-from .tdp import AxisInterval, BalancedTiling, TileCountConfig, trapezoid
+from .tiling import AxisInterval, BalancedTiling, TileCountConfig, trapezoid
 
 __all__ = ["DistributedDecoderBuilder", "DistributedVideoDecoder", "VaeTile", "frames_to_uint8", "vae_tiles"]
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos.runner import RUNNER_NAME, RUNNER_PATH
-from tests.servers import RedisServer, S3Server, TcpProxy
 from tests.test_worker_support import RUNNERS, WorkerProcess, pid_alive, wait_for, worker_env, worker_health
+from worker.devservers import RedisServer, S3Server
+from worker.tcpproxy import TcpProxy
 
 __all__ = ["ChaosStack", "marked_processes"]
 

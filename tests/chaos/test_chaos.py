@@ -4,7 +4,7 @@ processes, unbounded Redis memory), on a job that ended otherwise than its fault
 fault the service did not survive, on a bad input that was not rejected, or on a step that stalled.
 
 And the negative control: the same checker on a stack with a planted defect (no retry budget) must fail.
-The long soak is `bench/chaos.py`."""
+The long soak is `tests/chaos/soak.py`."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_chaos_ci(tmp_path: Any, s3_server: Any, redis_server: Any) -> None:
 
 
 def test_chaos_checker_fails_on_a_planted_defect(tmp_path: Any, s3_server: Any, redis_server: Any) -> None:
-    """Negative control (issue 15: a report listing a job as `failed (expected uploaded)` still said ok).
+    """Negative control (a report once listing a job as `failed (expected uploaded)` still said ok).
     With every retry budget at 0, a rank killed mid-render fails its job for good: the checker must count
     it as unexpected, on the report line, and the seed must not be ok."""
     del redis_server

@@ -233,8 +233,8 @@ def test_worker_starting_while_s3_is_unreachable_serves_renders(
     """A worker restarting during an S3 outage used to exit 2 (as if misconfigured); the supervisor gave up
     after 5 quick exits and the service was down. Now it starts with storage `degraded` (health, metrics),
     renders into the spool while uploads retry, and the job is uploaded once S3 is back."""
-    from tests.servers import TcpProxy
     from tests.test_worker_support import worker_health
+    from worker.tcpproxy import TcpProxy
 
     proxy = TcpProxy(s3_server.s3_port).start()
     proxy.block()

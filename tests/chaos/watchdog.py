@@ -1,12 +1,12 @@
 """Deadlines for every step of a chaos run, so a stall is a finding with a cause, never a silent hang.
 
-Issue 15: one soak run stopped moving for over three minutes until an outer timeout killed it, with nothing
+Why: one soak run stopped moving for over three minutes until an outer timeout killed it, with nothing
 saying what it waited for. Each step of a run now goes through `Watchdog.step(what, seconds)`; a monitor
 thread checks the step's deadline and, when it passes, records what was awaited with every thread's
 stack, and interrupts the main thread (a real signal, so even a blocking socket read or a `sleep` is cut
 short) with `Stalled(what)`. The run catches it and fails the seed naming the step.
 
-The interrupt needs the run on the main thread (pytest and `bench/chaos.py` both do that); elsewhere the
+The interrupt needs the run on the main thread (pytest and `tests/chaos/soak.py` both do that); elsewhere the
 watchdog still records the stall and the step's own bounded waits end it.
 """
 

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ...ports import free_port
 from ...runner import MGPURunner, ProcessGroups, RankContext
 
 __all__ = ["LocalRunner"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalRunner:
@@ -36,7 +30,7 @@ class LocalRunner:
         self._owns_group = False
         if not dist.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
             dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
             self._owns_group = True
         if dist.get_world_size() != 1:

@@ -19,6 +19,9 @@ Setup kwargs (every rank; the table is in docs/runners.md): `checkpoint_path` (t
 Job kwargs: `common.args.RenderArgs` (worker/schema.py `RenderRequest` + `output_path`). Every request
 check runs on every rank before any collective and raises `ValueError` (a recoverable
 `SymmetricRunnerError`).
+
+A little over 450 lines on purpose: one class, the stage skeleton and the setup both runners share, so the
+stage order and its hooks read in one place.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from typing import Any
 
 import torch
 
-from ...events import output_event, progress_event, stage_event
+from ...events import Stage, output_event, progress_event, stage_event
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
-from ...parallel.tdp import BalancedTiling
+from ...parallel.tiling import BalancedTiling
 from ...parallel.vae_decode import vae_tiles
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
@@ -248,7 +251,7 @@ class Ltx2Runner(MGPURunner):
         if self.synthetic:
             extra["synthetic_weights"] = True  # renders from synthetic weights are noise
         if peaks is not None:
-            for stage in ("audio_decode", "mux"):  # driver-only stages, after the gather
+            for stage in (Stage.AUDIO_DECODE, Stage.MUX):  # driver-only stages, after the gather
                 if stage in self.clock.peaks:
                     peaks[stage] = [self.clock.peaks[stage]] + [0] * (self.world_size - 1)
             extra["peak_memory_bytes"] = peaks
@@ -307,8 +310,8 @@ class Ltx2Runner(MGPURunner):
     def _encode(self, job: Job) -> Events:
         """Prompt (and the negative prompt, when `_negative_prompt` gives one) -> contexts on every rank."""
         if self.is_driver:
-            yield stage_event("encode")
-        with self.clock.stage("encode"):
+            yield stage_event(Stage.ENCODE)
+        with self.clock.stage(Stage.ENCODE):
             prompt = job.args.prompt
             if job.args.enhance_prompt:
                 first = next((img.pixels for img in job.images if img.frame == 0), None)
@@ -333,21 +336,21 @@ class Ltx2Runner(MGPURunner):
         tools, audio_tools = job.geo.video_tools(2), job.geo.audio_tools()
         sigmas = self._stage1_sigmas(job)
         self._use_loras(self.base_loras, "lora_swap_stage1")
-        with self.clock.stage("stage1"):
+        with self.clock.stage(Stage.STAGE1):
             video = self._state(tools, job, conditionings=self._conditionings(job.images, tools), noise_scale=1.0)
             audio = self._state(audio_tools, job, noise_scale=1.0)
             tokens = int(video.latent.shape[1])
             step, layout = self._stage1_step(job, prompt, self._max_batch(tokens), video, audio)
             if self.is_driver:
                 yield stage_event(
-                    "stage1",
+                    Stage.STAGE1,
                     steps=len(sigmas) - 1,
                     video_tokens=tokens,
                     world_size=self.world_size,
                     passes=int(getattr(step, "passes", 1)),  # transformer passes per step (guidance)
                     layout=layout,
                 )
-            video, audio = yield from self._denoise("stage1", step, sigmas, video, audio)
+            video, audio = yield from self._denoise(Stage.STAGE1, step, sigmas, video, audio)
             return (
                 tools.unpatchify(tools.clear_conditioning(video)).latent,
                 audio_tools.unpatchify(audio_tools.clear_conditioning(audio)).latent,
@@ -371,8 +374,8 @@ class Ltx2Runner(MGPURunner):
     def _upsample(self, job: Job, latent: torch.Tensor) -> Events:
         """x2 latent upsampler on the driver, broadcast to every rank."""
         if self.is_driver:
-            yield stage_event("upsample")
-        with self.clock.stage("upsample"):
+            yield stage_event(Stage.UPSAMPLE)
+        with self.clock.stage(Stage.UPSAMPLE):
             up = upsample_latent(latent, self.encoder, self.upsampler) if self.is_driver else None
             s2 = job.geo.video_tools(1).target_shape
             return self._sync(up, (1, s2.channels, s2.frames, s2.height, s2.width))
@@ -385,15 +388,15 @@ class Ltx2Runner(MGPURunner):
         sigmas = torch.tensor(self.stage2_sigmas, dtype=torch.float32)
         sigma0 = float(sigmas[0])
         self._use_loras(self.stage2_loras, "lora_swap_stage2")  # collective: sharded fusion + broadcast, in place
-        with self.clock.stage("stage2"):
+        with self.clock.stage(Stage.STAGE2):
             cond = self._conditionings(job.images, tools)
             video = self._state(tools, job, conditionings=cond, noise_scale=sigma0, initial_latent=upscaled)
             audio_state = self._stage2_audio(job, audio_tools, audio, sigma0)
             step, mode = self._stage2_step(job, prompt, tools.target_shape)
             if self.is_driver:
                 tokens = int(video.latent.shape[1])
-                yield stage_event("stage2", steps=len(sigmas) - 1, video_tokens=tokens, mode=mode)
-            video, audio_state = yield from self._denoise("stage2", step, sigmas, video, audio_state)
+                yield stage_event(Stage.STAGE2, steps=len(sigmas) - 1, video_tokens=tokens, mode=mode)
+            video, audio_state = yield from self._denoise(Stage.STAGE2, step, sigmas, video, audio_state)
             return (
                 tools.unpatchify(tools.clear_conditioning(video)).latent,
                 audio_tools.unpatchify(audio_tools.clear_conditioning(audio_state)).latent,
@@ -410,8 +413,8 @@ class Ltx2Runner(MGPURunner):
     def _decode_video(self, job: Job, latent: torch.Tensor) -> Events:
         """Distributed VAE decode (tiles across ranks); uint8 frames on the driver, None elsewhere."""
         if self.is_driver:
-            yield stage_event("decode")
-        with self.clock.stage("decode"):
+            yield stage_event(Stage.DECODE)
+        with self.clock.stage(Stage.DECODE):
             return self.decoder.decode_uint8(latent, seed=int(job.args.seed))
 
     def _decode_audio(self, job: Job, latent: torch.Tensor) -> Events:
@@ -419,14 +422,14 @@ class Ltx2Runner(MGPURunner):
         if not job.args.audio:
             return None
         assert self.audio is not None  # built on the driver
-        yield stage_event("audio_decode")
-        with self.clock.stage("audio_decode"):
+        yield stage_event(Stage.AUDIO_DECODE)
+        with self.clock.stage(Stage.AUDIO_DECODE):
             return self.audio.decode(latent).fitted(job.args.duration_s)
 
     def _mux(self, job: Job, frames: torch.Tensor, track: AudioTrack | None) -> Events:
         """Driver only: H.264 (+ AAC) mp4 at the output path; returns its size in bytes."""
-        yield stage_event("mux")
-        with self.clock.stage("mux"):
+        yield stage_event(Stage.MUX)
+        with self.clock.stage(Stage.MUX):
             return write_mp4(frames, job.args.output_path, job.geo.frame_rate, audio=track)
 
     # =====================================================================================================

@@ -23,10 +23,12 @@ from typing import Any
 
 import torch
 
+from ...events import Stage
 from ...parallel import GuidanceParallelPasses
 from ...parallel.builder import SP_MODULE_OPS_NAME
 from ...parallel.lora_tracker import LoraSpec
-from ...parallel.tdp import BalancedTiling, TiledDataParallelBuilder
+from ...parallel.tdp import TiledDataParallelBuilder
+from ...parallel.tiling import BalancedTiling
 from ..common.args import RenderArgs
 from ..common.loading import checkpoint_metadata
 from .base import Job, Ltx2Runner, Prompt
@@ -138,7 +140,7 @@ class Ltx2TwoStageRunner(Ltx2Runner):
 
         def choose(tokens: int, passes: int) -> Any:
             return self.layout_policy.choose(
-                "stage1",
+                Stage.STAGE1,
                 tokens=tokens,
                 passes=passes,
                 audio_tokens=audio_tokens,

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...events import output_event, progress_event, stage_event
+from ...events import Stage, output_event, progress_event, stage_event
 from ...parallel import check_token_budget, padded_token_count
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
@@ -193,8 +193,8 @@ class SmokeRunner(MGPURunner):
         clock.reset()
 
         if driver:
-            yield stage_event("encode")
-        with clock.stage("encode"):
+            yield stage_event(Stage.ENCODE)
+        with clock.stage(Stage.ENCODE):
             rows = [prompt_embedding(args.prompt, self.caption_channels)]
             if scale > 1.0:
                 rows.append(prompt_embedding(args.negative_prompt, self.caption_channels))
@@ -204,28 +204,28 @@ class SmokeRunner(MGPURunner):
         sigmas = ltx2_sigmas(steps, latent_shape)
 
         if driver:
-            yield stage_event("denoise", steps=steps, video_tokens=geo.video_tokens, world_size=self.world_size)
-        with clock.stage("denoise"):
+            yield stage_event(Stage.DENOISE, steps=steps, video_tokens=geo.video_tokens, world_size=self.world_size)
+        with clock.stage(Stage.DENOISE):
             for step in range(steps):
                 self.raise_if_cancelled()  # collective: every rank takes the same branch
                 video_state, audio_state = denoise_step(self.x0, video_state, audio_state, sigmas, step, context, scale)
                 if driver:
-                    yield progress_event("denoise", step + 1, steps)
+                    yield progress_event(Stage.DENOISE, step + 1, steps)
         check_finite(video=video_state.latent, audio=audio_state.latent)  # every rank: a symmetric failure
 
         if not driver:
             return None
         assert self.decoder is not None and self.audio is not None  # built on the driver
-        yield stage_event("decode")
-        with clock.stage("decode"):
+        yield stage_event(Stage.DECODE)
+        with clock.stage(Stage.DECODE):
             frames = decode_frames(self.decoder, geo, video_state)
         track = None
         if args.audio:
-            yield stage_event("audio_decode")
-            with clock.stage("audio_decode"):
+            yield stage_event(Stage.AUDIO_DECODE)
+            with clock.stage(Stage.AUDIO_DECODE):
                 track = self.audio.decode(audio_latent(geo, audio_state)).fitted(args.duration_s)
-        yield stage_event("mux")
-        with clock.stage("mux"):
+        yield stage_event(Stage.MUX)
+        with clock.stage(Stage.MUX):
             size = write_mp4(frames, args.output_path, geo.frame_rate, crf=self.crf, audio=track)
         yield output_event(
             os.fspath(args.output_path),

@@ -1,4 +1,5 @@
-"""The chaos soak: several seeds of `tests/chaos` runs, each on a fresh stack (Redis with AOF, a worker
+"""The chaos soak (`python -m tests.chaos.soak`; it lives beside its engine because no package, bench/
+included, imports tests): several seeds of `tests/chaos` runs, each on a fresh stack (Redis with AOF, a worker
 supervisor with cpu:2 + cpu:1 groups; one SeaweedFS shared by all seeds), many jobs and faults per seed.
 
 Prints one JSON line per seed (and per event with --verbose), then the total report line:
@@ -10,7 +11,7 @@ K rejected K, stalled 0`. Exit code 0 only if every seed held every invariant, e
 so it runs on a loaded machine, as production does. `--plant retry0` is the negative control: every retry
 budget is set to 0, so fault jobs that should survive a retry end `failed` and the soak must exit 1.
 
-    .venv/bin/python bench/chaos.py --seeds 31,32,33,34 --jobs 50 --faults 14 --burner 2
+    .venv/bin/python -m tests.chaos.soak --seeds 31,32,33,34 --jobs 50 --faults 14 --burner 2
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.chaos.engine import Report, run_chaos
 from worker.devservers import S3Server
