@@ -11,7 +11,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -38,7 +37,7 @@ from producer.display import EventPrinter, human_bytes, render_job_table, render
 from producer.exitcodes import EXIT_CODE_HELP, ExitCode
 from producer.requestfile import RequestFileError, load_requests
 from producer.settings import SettingsError, load_settings
-from worker.keys import JobState
+from worker.keys import JobState, check_job_id
 
 __all__ = ["cli", "main"]
 
@@ -159,8 +158,10 @@ def submit(
     if job_id is not None:
         if len(requests) != 1:
             raise UserError(f"--job-id needs exactly one request; {request_file} has {len(requests)}", ExitCode.USAGE)
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", job_id):
-            raise UserError(f"--job-id {job_id!r}: use 1-128 letters, digits, _ or -", ExitCode.USAGE)
+        try:
+            check_job_id(job_id)
+        except ValueError as exc:
+            raise UserError(f"--job-id: {exc}", ExitCode.USAGE) from None
     if dry_run:
         try:
             with _client(ctx) as client:

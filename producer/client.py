@@ -44,6 +44,7 @@ from worker.keys import (
     TERMINAL_STATES,
     EventType,
     JobState,
+    check_job_id,
     derive_state,
     events_key,
     safe_redis_url,
@@ -271,10 +272,13 @@ class ProducerClient:
         """Enqueue one render under admission control; returns the RQ job.
 
         `priority="high"` puts the job at the front of its queue. Raises `AdmissionRefused` (queue full or
-        quota used up), `DuplicateJobError` (a `job_id` that exists), `ServiceUnavailable`.
+        quota used up), `DuplicateJobError` (a `job_id` that exists), `ServiceUnavailable`, ValueError (a
+        `job_id` that `worker.keys.check_job_id` refuses).
         """
         if priority not in ("normal", "high"):
             raise ValueError(f"priority must be 'normal' or 'high', got {priority!r}")
+        if job_id is not None:
+            check_job_id(job_id)  # (the worker refuses it too; RQ checks only the characters)
         s = self.settings
         client = client or s.client
         depth = s.max_queue_depth if max_queue_depth is None else max_queue_depth

@@ -30,7 +30,7 @@ from .keys import FailureReason, JobState
 from .relay import EventRelay
 from .settings import WorkerSettings
 
-__all__ = ["JobOutcomes"]
+__all__ = ["JobOutcomes", "attempt_count"]
 
 log = logging.getLogger("worker.outcomes")
 
@@ -56,7 +56,12 @@ class JobOutcomes:
             FailureReason.WORKER_SHUTDOWN: s.retry_worker_shutdown,
             FailureReason.UPLOAD_FAILED: s.retry_upload_failed,
             FailureReason.JOB_TIMEOUT: s.retry_job_timeout,
+            FailureReason.SPOOL_ERROR: s.retry_spool_error,
         }.get(reason, 0)
+
+    def attempts_left(self, job: Any) -> int:
+        """Executions the hard cap (`max_attempts`) still allows after the current one (meta `attempt`)."""
+        return max(0, self.settings.max_attempts - attempt_count(_meta(job)))
 
     def result_ttl(self, job: Any) -> int:
         ttl = job.result_ttl if job.result_ttl is not None else self.settings.result_ttl
@@ -89,13 +94,17 @@ class JobOutcomes:
     ) -> bool:
         """Record a failed attempt: `retrying` while the reason's budget lasts (unless `retryable` is False),
         else a terminal `failed` whose error lists every attempt. Sets RQ's retry decision on `job`.
-        Returns True when the job will be re-queued."""
+        Returns True when the job will be re-queued. Whatever the reason's budget, no job is re-queued once
+        it has had `max_attempts` executions (the hard cap: a loop of any kind ends in a recorded failure)."""
         relay = relay or self.relay(job)
         meta = relay.meta
         retries: dict[str, int] = dict(meta.get("retries") or {})
         budget = self.budget(reason)
         used = int(retries.get(reason.value, 0))
-        retry = used < budget and retryable is not False
+        capped = self.attempts_left(job) <= 0
+        retry = used < budget and retryable is not False and not capped
+        if capped and used < budget and retryable is not False:
+            details = {**details, "attempts_cap": self.settings.max_attempts}
         if retryable is None:
             retryable = budget > 0
         attempts = _history(meta, self._attempt_entry(job, meta, "retrying" if retry else "failed", reason,
@@ -153,6 +162,17 @@ class JobOutcomes:
     def _count(self, outcome: str, reason: FailureReason | None) -> None:
         if self.metrics is not None:
             self.metrics.job_outcome(outcome, reason.value if reason else "")
+
+
+def attempt_count(meta: dict[str, Any]) -> int:
+    """Meta `attempt` (executions so far) as an int; a value that is not one (a hand-written hash) counts
+    as the cap's worth rather than none, so junk can never reset the cap."""
+    value = meta.get("attempt")
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return 1 << 30
 
 
 def _meta(job: Any) -> dict[str, Any]:

@@ -5,7 +5,8 @@ job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), and a hash 
 (`created_at: "yesterday"`) or whose meta is not JSON made the worker process quit with its warm fleet
 (an unparseable meta even crashed the next worker's registry cleanup). So:
 
-- only `worker.keys.RENDER_FUNC` is executed; any other function fails the job with `RefusedJob`;
+- only `worker.keys.RENDER_FUNC` is executed; any other function, or a job id `worker.keys.check_job_id`
+  refuses (too long for the spool: issue 19), fails the job with `RefusedJob`;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
 - `worker.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
   failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
@@ -18,7 +19,7 @@ from typing import Any
 
 from rq.job import Job
 
-from .keys import RENDER_FUNC
+from .keys import RENDER_FUNC, check_job_id
 
 __all__ = ["RefusedJob", "RenderJob"]
 
@@ -42,4 +43,8 @@ class RenderJob(Job):
     def _execute(self) -> Any:
         if self.func_name != RENDER_FUNC:
             raise RefusedJob(f"this worker only runs {RENDER_FUNC}; refusing to run {self.func_name!r}")
+        try:
+            check_job_id(self.id)  # (RQ checks only the characters; a long id broke the spool, issue 19)
+        except ValueError as exc:
+            raise RefusedJob(str(exc)) from None
         return super()._execute()

@@ -369,10 +369,15 @@ class FleetWorker(SimpleWorker):
     def _record_unrecorded_failure(self, job: Any, exc: BaseException | None) -> None:
         """A job that failed before the service could record it (a refused function, arguments that do not
         fit `render(request)`) still gets a terminal `failed` state, so watchers never wait forever."""
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        state = meta.get("state")
+        if state in RECORDED_END_STATES:
+            return  # the service recorded it and set the retry decision
+        # Nobody decided: never re-queue on the `retries_left` the job hash came with (a client's or a
+        # stale one), even if recording below fails (issue 19: this path never spent a budget).
+        rqcompat.set_retry(job, False)
         try:
-            meta = job.meta if isinstance(job.meta, dict) else {}
-            state = meta.get("state")
-            if state in RECORDED_END_STATES or job.get_status(refresh=False) != JobStatus.FAILED:
+            if job.get_status(refresh=False) != JobStatus.FAILED:
                 return
             # a TypeError before the service started the job: arguments that do not fit render(request)
             refused = isinstance(exc, RefusedJob) or (isinstance(exc, TypeError) and state in (None, "queued"))

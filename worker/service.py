@@ -26,6 +26,7 @@ failure handling then honours. The worker, not the enqueuer, owns the retry poli
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
 from .limits import RunnerLimits
 from .metrics import WorkerMetrics
-from .outcomes import JobOutcomes
+from .outcomes import JobOutcomes, attempt_count
 from .pipeline import PendingUpload, UploadPipeline
 from .relay import EventRelay
 from .schema import RenderRequest
@@ -217,7 +218,7 @@ class RenderService:
         lost_before = previous_state in RUNNING_STATES  # an earlier execution vanished mid-job, unrecorded
         if lost_before:
             self.outcomes.lost_unrecorded(job, relay)
-        attempt = int(meta.get("attempt") or 0) + 1
+        attempt = attempt_count(meta) + 1
         queue_wait = _queue_wait(job)
         if queue_wait is not None:
             self.metrics.queue_wait_seconds.labels(self.group).observe(queue_wait)
@@ -230,6 +231,16 @@ class RenderService:
             queue_wait_s=None if queue_wait is None else round(queue_wait, 4),
             **({"previous_attempt_lost": True} if lost_before else {}),
         )
+        # ---- the hard cap: whatever re-queued it, a job runs at most `max_attempts` times ----------------
+        if attempt > s.max_attempts:
+            self._fail(job, relay, FailureReason.ATTEMPTS_EXHAUSTED,
+                       f"execution {attempt} exceeds the cap of {s.max_attempts} (LTX_MAX_ATTEMPTS)",
+                       retryable=False, attempts_cap=s.max_attempts)  # fmt: skip
+        lost = int((relay.meta.get("retries") or {}).get(FailureReason.WORKER_LOST.value, 0))
+        if lost_before and lost > self.outcomes.budget(FailureReason.WORKER_LOST):
+            # (executions that vanish unrecorded spend the worker_lost budget like recorded losses)
+            self._fail(job, relay, FailureReason.WORKER_LOST,
+                       f"{lost} executions vanished; the worker_lost budget is spent", retryable=False)  # fmt: skip
 
         # ---- validate -------------------------------------------------------------------------------
         try:
@@ -247,7 +258,10 @@ class RenderService:
                        errors=[{"field": v.field, "message": v.message()} for v in violations])  # fmt: skip
 
         # ---- render (unless a complete render of this job is already in the spool) ------------------
-        entry = self.spool.load(job.id)
+        try:
+            entry = self.spool.load(job.id)
+        except OSError as exc:
+            self._spool_failed(job, relay, exc)
         render_s = 0.0
         if entry is not None:
             log.info("job %s: complete render found in the spool; uploading it instead of rendering", job.id)
@@ -289,7 +303,10 @@ class RenderService:
         s = self.settings
         if cur.cancel.is_set():
             self._cancelled(job, relay)
-        output_path = self.spool.prepare(job.id, s.output_name)
+        try:
+            output_path = self.spool.prepare(job.id, s.output_name)
+        except OSError as exc:
+            self._spool_failed(job, relay, exc)
         kwargs = {**req.runner_kwargs(), "output_path": str(output_path)}
         timeout = float(s.render_timeout)
         if job.timeout and job.timeout > 0:
@@ -357,15 +374,19 @@ class RenderService:
             self._fail(job, relay, FailureReason.NO_OUTPUT, message)
         info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
         info["render_s"] = round(render_s, 4)
-        entry = self.spool.commit(
-            job.id,
-            file_name=output_path.name,
-            key=self.storage.key_for(job.id, output_path.name),
-            content_type=str(output.get("content_type") or "video/mp4"),
-            queue=job.origin,
-            info=info,
-            hash_now=not s.upload_pipeline,  # the pipeline hashes in its own thread, off the critical path
-        )
+        try:
+            entry = self.spool.commit(
+                job.id,
+                file_name=output_path.name,
+                key=self.storage.key_for(job.id, output_path.name),
+                content_type=str(output.get("content_type") or "video/mp4"),
+                queue=job.origin,
+                info=info,
+                hash_now=not s.upload_pipeline,  # the pipeline hashes in its own thread, off the critical path
+            )
+        except OSError as exc:
+            self.spool.discard_incomplete(job.id)
+            self._spool_failed(job, relay, exc)
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
         relay.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
         return entry, render_s
@@ -391,6 +412,14 @@ class RenderService:
         if reraise is not None:
             raise reraise
         raise JobFailed(reason, message, retrying=retry, **details) from None
+
+    def _spool_failed(self, job: Any, relay: EventRelay, exc: OSError) -> NoReturn:
+        """The spool could not hold this render (ENOSPC, EIO, ...): a failure with its reason and errno,
+        re-queued within `retry_spool_error` (another host may have room), never an unrecorded loop."""
+        code = errno.errorcode.get(exc.errno or 0)
+        message = f"spool: {exc.strerror or exc} ({code or type(exc).__name__})"
+        retryable = exc.errno != errno.ENAMETOOLONG
+        self._fail(job, relay, FailureReason.SPOOL_ERROR, message, errno=code, retryable=retryable)
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _upload_event(self, relay: EventRelay) -> Any:

@@ -153,6 +153,10 @@ class WorkerSettings(BaseSettings):
     retry_worker_shutdown: int = Field(1, ge=0, description="re-queues after a cold stop mid-job")
     retry_upload_failed: int = Field(1, ge=0, description="re-queues after all upload attempts failed")
     retry_job_timeout: int = Field(0, ge=0, description="re-queues after RQ's job_timeout fired")
+    retry_spool_error: int = Field(1, ge=0, description="re-queues after the spool could not hold the render")
+    max_attempts: int = Field(
+        5, ge=1, description="hard cap on executions of one job, whatever the reasons (bounds every retry path)"
+    )
 
     # ---- storage -------------------------------------------------------------------------------------
     storage_backend: Literal["s3", "local"] = Field("s3", description="where finished videos go")

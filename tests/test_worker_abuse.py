@@ -1,0 +1,171 @@
+"""A hostile or careless client against a real worker (issue 19): real Redis, real S3 (SeaweedFS), one
+`ltx-worker one` process with a CPU fleet running the fault-injection runner.
+
+Each test is one attack of the issue; it asserts the worker ends the job with a recorded outcome after a
+bounded number of attempts and stays up with its fleet warm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+import uuid
+import zlib
+from typing import Any
+
+import pytest
+from rq import Retry
+from rq.job import JobStatus
+
+from tests.test_worker_service import Fleet
+from tests.test_worker_support import (
+    WorkerProcess,
+    enqueue,
+    events,
+    wait_ready,
+    wait_rq_status,
+    worker_env,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Worker(Fleet):
+    """Handle on the module's worker (no S3 proxy)."""
+
+    tmpfs = False  #: the spool is a small tmpfs of its own (a test may fill it)
+
+    def enqueue(self, prompt: str = "t", **kwargs: Any) -> Any:
+        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9},
+                       **kwargs)  # fmt: skip
+
+    def metric(self, line_start: str) -> float:
+        port = self.health()["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
+    tmp = tmp_path_factory.mktemp("abuse")
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    name = f"t{uuid.uuid4().hex[:6]}"
+    spool = tmp / "spool"
+    spool.mkdir()
+    # A small tmpfs (if this user may mount one) lets a test fill the spool's disk for real.
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=400", "tmpfs", str(spool)]
+    tmpfs = os.geteuid() == 0 and subprocess.run(mount, check=False, capture_output=True).returncode == 0
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
+                     retry_fleet_failure=1, retry_upload_failed=1)  # fmt: skip
+    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
+    conn = redis_server.client()
+    wait_ready(conn, name, 1, 120, proc)
+    w = Worker(proc, conn, queue, name, None, spool)
+    w.tmpfs = tmpfs
+    try:
+        yield w
+    finally:
+        rc = proc.stop()
+        conn.close()
+        if tmpfs:
+            subprocess.run(["umount", str(spool)], check=False)
+        assert rc == 0, proc.log_tail()
+
+
+def _states(conn: Any, job_id: str) -> list[str]:
+    return [e["state"] for e in events(conn, job_id) if e["type"] == "state"]
+
+
+def _wait_failed(worker: Worker, job: Any, timeout: float = 30) -> dict[str, Any]:
+    wait_rq_status(job, {JobStatus.FAILED}, timeout, worker.proc)
+    time.sleep(1.0)  # long enough for an endless re-queue loop to show itself
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    meta = job.get_meta(refresh=True)
+    assert meta["state"] == "failed", meta
+    return meta
+
+
+# ==== item 1: every failure path ends in a recorded outcome, after a bounded number of attempts ==========
+
+
+def test_overlong_job_id_fails_once_with_a_reason_and_is_counted(worker):
+    worker.idle()
+    before = worker.metric('ltx_worker_jobs_total{group="cpu:1",outcome="failed",reason="invalid_request"}')
+    job = worker.enqueue(job_id="x" * 300)
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request", meta["error"]
+    assert "job id" in meta["error"]["message"]
+    assert _states(worker.conn, job.id).count("started") <= 1
+    assert "retrying" not in _states(worker.conn, job.id)
+    after = worker.metric('ltx_worker_jobs_total{group="cpu:1",outcome="failed",reason="invalid_request"}')
+    assert after == before + 1
+    worker.idle()
+
+
+def test_the_client_api_refuses_an_overlong_job_id_before_redis(worker, redis_server):
+    from producer.client import ProducerClient
+    from producer.settings import ProducerSettings
+    from worker.schema import RenderRequest
+
+    with ProducerClient(ProducerSettings(redis_url=redis_server.url, queues=[worker.queue])) as client:
+        for bad in ("x" * 129, "a/b", "x\nFAKE", ""):
+            with pytest.raises(ValueError, match="job id"):
+                client.submit(RenderRequest(prompt="t"), job_id=bad)
+    assert worker.conn.llen(f"rq:queue:{worker.queue}") == 0
+
+
+def test_a_spool_error_is_a_failure_with_its_errno_retried_within_its_budget(worker):
+    worker.idle()
+    job_id = f"spool-{uuid.uuid4().hex[:8]}"
+    worker.spool.mkdir(parents=True, exist_ok=True)
+    (worker.spool / job_id).write_text("not a directory")  # the job's spool directory cannot be made
+    try:
+        job = worker.enqueue(job_id=job_id)
+        meta = _wait_failed(worker, job)
+    finally:
+        (worker.spool / job_id).unlink()
+    assert meta["error"]["reason"] == "spool_error" and meta["error"]["errno"] == "EEXIST", meta["error"]
+    assert [a["reason"] for a in meta["attempts"]] == ["spool_error", "spool_error"]  # retry_spool_error=1
+    assert _states(worker.conn, job.id).count("started") == 2
+    assert worker.idle()["fleet"]["alive"]
+
+
+def test_a_full_spool_disk_fails_the_job_with_enospc_and_the_next_job_succeeds(worker):
+    if not worker.tmpfs:
+        pytest.skip("needs a tmpfs for the spool (mount: root only)")
+    worker.idle()
+    filler = worker.spool / "filler"
+    filler.mkdir()
+    try:
+        for i in range(10_000):  # use up the tmpfs's inodes: a new job directory cannot be created
+            try:
+                (filler / str(i)).touch()
+            except OSError:
+                break
+        job = worker.enqueue()
+        meta = _wait_failed(worker, job)
+    finally:
+        subprocess.run(["rm", "-rf", str(filler)], check=True)
+    assert meta["error"]["reason"] == "spool_error" and meta["error"]["errno"] == "ENOSPC", meta["error"]
+    assert len(meta["attempts"]) == 2
+    ok = worker.enqueue()
+    wait_rq_status(ok, {JobStatus.FINISHED}, 30, worker.proc)
+
+
+def test_the_hard_cap_on_attempts_holds_whatever_the_hash_says(worker):
+    """A hash that claims many executions (or a loop that re-queued it that often) is never run again,
+    and a client's `retries_left` never re-queues a job nobody decided to retry."""
+    worker.idle()
+    job = worker.enqueue(meta={"attempt": 5})  # the default cap: 5 executions
+    worker.conn.hset(job.key, "retries_left", 1_000_000)
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "attempts_exhausted" and meta["error"]["retryable"] is False, meta
+    junk = worker.enqueue(meta={"attempt": "many"})  # junk counts as the cap, never as zero
+    assert _wait_failed(worker, junk)["error"]["reason"] == "attempts_exhausted"
+    refused = enqueue(worker.conn, worker.queue, {"prompt": "t"}, retry=Retry(max=1000))  # and not the render
+    worker.conn.hset(refused.key, "data", zlib.compress(json.dumps(["os.getcwd", None, [], {}]).encode()))
+    assert _wait_failed(worker, refused)["error"]["reason"] == "invalid_request"
+    assert _states(worker.conn, refused.id) == ["failed"]
