@@ -53,7 +53,7 @@ class ProducerSettings(BaseSettings):
         0, ge=0, description="refuse a submit when the client has this many unfinished jobs (0: no quota)"
     )
     job_timeout: int = Field(
-        7200, ge=1, description="RQ job_timeout in seconds: a backstop above the worker's render timeout"
+        7200, ge=1, description="RQ job_timeout written at submit (the worker replaces it with its own)"
     )
     result_ttl: int = Field(86400, ge=-1, description="seconds a finished job and its result stay in Redis")
     failure_ttl: int = Field(7 * 86400, ge=1, description="seconds a failed job stays in Redis")

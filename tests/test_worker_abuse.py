@@ -79,6 +79,22 @@ def _states(conn: Any, job_id: str) -> list[str]:
     return [e["state"] for e in events(conn, job_id) if e["type"] == "state"]
 
 
+def _enqueue_edited(worker: Worker, fields: dict[str, Any], **kwargs: Any) -> Any:
+    """A job whose hash a client edited (as raw Redis access allows) before the worker can see it."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.keys import RENDER_FUNC
+
+    q = Queue(worker.queue, connection=worker.conn, serializer=JSONSerializer)
+    request = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}
+    job = q.create_job(RENDER_FUNC, args=(request,), timeout=600, result_ttl=3600, failure_ttl=3600, **kwargs)
+    job.save()
+    worker.conn.hset(job.key, mapping={"status": "queued", **fields})
+    q.push_job_id(job.id)
+    return job
+
+
 def _wait_failed(worker: Worker, job: Any, timeout: float = 30) -> dict[str, Any]:
     wait_rq_status(job, {JobStatus.FAILED}, timeout, worker.proc)
     time.sleep(1.0)  # long enough for an endless re-queue loop to show itself
@@ -159,13 +175,41 @@ def test_the_hard_cap_on_attempts_holds_whatever_the_hash_says(worker):
     """A hash that claims many executions (or a loop that re-queued it that often) is never run again,
     and a client's `retries_left` never re-queues a job nobody decided to retry."""
     worker.idle()
-    job = worker.enqueue(meta={"attempt": 5})  # the default cap: 5 executions
-    worker.conn.hset(job.key, "retries_left", 1_000_000)
+    job = _enqueue_edited(worker, {"retries_left": 1_000_000}, meta={"attempt": 5})  # the default cap: 5
     meta = _wait_failed(worker, job)
     assert meta["error"]["reason"] == "attempts_exhausted" and meta["error"]["retryable"] is False, meta
     junk = worker.enqueue(meta={"attempt": "many"})  # junk counts as the cap, never as zero
     assert _wait_failed(worker, junk)["error"]["reason"] == "attempts_exhausted"
-    refused = enqueue(worker.conn, worker.queue, {"prompt": "t"}, retry=Retry(max=1000))  # and not the render
-    worker.conn.hset(refused.key, "data", zlib.compress(json.dumps(["os.getcwd", None, [], {}]).encode()))
+    refused = _enqueue_edited(worker, {"data": zlib.compress(json.dumps(["os.getcwd", None, [], {}]).encode())},
+                              retry=Retry(max=1000))  # fmt: skip
     assert _wait_failed(worker, refused)["error"]["reason"] == "invalid_request"
     assert _states(worker.conn, refused.id) == ["failed"]
+
+
+# ==== item 2: the worker owns timeouts and TTLs =========================================================
+
+
+@pytest.mark.parametrize("job_timeout", [1, 31])
+def test_a_client_job_timeout_neither_times_out_the_job_nor_rebuilds_the_fleet(worker, job_timeout):
+    pids = worker.idle()["fleet"]["pids"]
+    job = worker.enqueue("t step_s=0.5", job_timeout=job_timeout)  # a 1 s render
+    wait_rq_status(job, {JobStatus.FINISHED, JobStatus.FAILED}, 60, worker.proc)
+    meta = job.get_meta(refresh=True)
+    assert job.get_status(refresh=True) == JobStatus.FINISHED, meta.get("error")
+    assert int(worker.conn.hget(job.key, "timeout")) == 3600 + 30  # the worker's render timeout + 30 s
+    assert worker.idle()["fleet"]["pids"] == pids  # no rebuild
+
+
+def test_client_ttls_are_capped_by_the_worker(worker):
+    worker.idle()
+    ok = worker.enqueue(result_ttl=10**9, failure_ttl=10**9)
+    wait_rq_status(ok, {JobStatus.FINISHED}, 60, worker.proc)
+    bad = worker.enqueue("t error=runner", result_ttl=-1, failure_ttl=10**9)
+    _wait_failed(worker, bad)
+    settle = time.monotonic() + 10
+    while time.monotonic() < settle and worker.conn.hget(ok.key, "meta") and "uploaded" not in str(
+            worker.conn.hget(ok.key, "meta")):  # fmt: skip
+        time.sleep(0.1)
+    assert 0 < worker.conn.ttl(ok.key) <= 86400  # LTX_RESULT_TTL's default
+    assert 0 < worker.conn.ttl(bad.key) <= 7 * 86400  # LTX_FAILURE_TTL's default
+    assert 0 < worker.conn.ttl(f"ltx:job:{bad.id}:events") <= 7 * 86400

@@ -209,6 +209,7 @@ class FleetWorker(SimpleWorker):
     # ==== job execution ===============================================================================
     def execute_job(self, job: Any, queue: Any) -> None:
         rqcompat.mark_stopped(self, None)
+        self.outcomes.own_limits(job)  # RQ's timeout and the TTLs from the settings, never the enqueuer's
         self.prepare_execution(job)
         self._beat_stop = threading.Event()
         self._beat_thread = threading.Thread(

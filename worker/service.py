@@ -3,8 +3,8 @@
 One instance per worker process (one fleet). `run_job()` is the body of the RQ job function
 (`worker.job.render`):
 
-1. bookkeeping: attempt counter, a retry budget for "the worker vanished" written to the RQ job (so RQ's
-   abandoned-job cleanup re-queues it at most that often), `failure_ttl`;
+1. bookkeeping: attempt counter (the hard cap `max_attempts`), the `worker_lost` budget of executions that
+   vanished unrecorded (RQ's timeout and the TTLs were set from the settings before, `JobOutcomes.own_limits`);
 2. validate the request (`RenderRequest`); a bad one fails at once naming the field, the fleet untouched;
 3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
@@ -35,7 +35,6 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from . import rqcompat
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
 from .limits import RunnerLimits
@@ -52,8 +51,6 @@ from .uploader import Uploader, UploadFailed
 __all__ = ["JobCancelledByClient", "JobFailed", "RenderService"]
 
 log = logging.getLogger("worker.service")
-
-_RQ_TIMEOUT_MARGIN_S = 30  # the fleet's own timeout fires this much before RQ's death penalty
 
 
 class JobFailed(Exception):
@@ -222,7 +219,6 @@ class RenderService:
         queue_wait = _queue_wait(job)
         if queue_wait is not None:
             self.metrics.queue_wait_seconds.labels(self.group).observe(queue_wait)
-        rqcompat.keep_failure_ttl(job, s.failure_ttl)
         relay.state(
             JobState.STARTED,
             attempt=attempt,
@@ -308,9 +304,7 @@ class RenderService:
         except OSError as exc:
             self._spool_failed(job, relay, exc)
         kwargs = {**req.runner_kwargs(), "output_path": str(output_path)}
-        timeout = float(s.render_timeout)
-        if job.timeout and job.timeout > 0:
-            timeout = max(1.0, min(timeout, float(job.timeout) - _RQ_TIMEOUT_MARGIN_S))
+        timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
         t_render = time.monotonic()
