@@ -27,6 +27,7 @@ from tests.test_worker_support import (
     events,
     wait_ready,
     wait_rq_status,
+    wait_state,
     worker_env,
 )
 
@@ -213,3 +214,26 @@ def test_client_ttls_are_capped_by_the_worker(worker):
     assert 0 < worker.conn.ttl(ok.key) <= 86400  # LTX_RESULT_TTL's default
     assert 0 < worker.conn.ttl(bad.key) <= 7 * 86400  # LTX_FAILURE_TTL's default
     assert 0 < worker.conn.ttl(f"ltx:job:{bad.id}:events") <= 7 * 86400
+
+
+# ==== item 3: RQ's pubsub shutdown command does not stop the service =====================================
+
+
+def test_rq_shutdown_commands_and_junk_on_pubsub_are_ignored_and_cancels_still_work(worker):
+    from rq.command import send_shutdown_command
+
+    from worker.control import cancel_job
+
+    pid = worker.idle()["pid"]
+    rq_name = worker.health()["worker"]
+    for _ in range(5):
+        send_shutdown_command(worker.conn, rq_name)
+    worker.conn.publish(f"rq:pubsub:{rq_name}", b"\x00not json")  # used to end RQ's pubsub thread
+    time.sleep(2)
+    assert worker.proc.proc.poll() is None and worker.idle()["pid"] == pid
+    assert worker.metric('ltx_worker_ignored_commands_total{command="shutdown"') == 5
+    assert worker.metric('ltx_worker_ignored_commands_total{command="invalid"') == 1
+    job = worker.enqueue("t step_s=0.5 steps=20")
+    wait_state(job, "rendering", 30, worker.proc)
+    assert cancel_job(worker.conn, job.id) == "stop_requested"  # (RQ's stop-job command over pubsub)
+    wait_state(job, "cancelled", 30, worker.proc)

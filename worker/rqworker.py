@@ -13,6 +13,8 @@ recorded by `worker.outcomes`.
   retrying a failed beat after 0.5 s. The deadline is `job_heartbeat_ttl`, at least three intervals (the
   settings check it). It stops in `handle_execution_ended`, before RQ removes the execution, so a late beat
   can never re-add a finished job to the started registry.
+- `handle_payload()`: RQ's pubsub `shutdown` command is refused (anyone who can PUBLISH could stop the
+  service); `stop-job`/`kill-horse` pass on.
 - `kill_horse()`: RQ's stop-job command lands here (on the pubsub thread) and would be a no-op for a
   SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives. A client's
   `job.cancel()` on a *running* job is noticed by the heartbeat thread and handled the same way. RQ would
@@ -46,6 +48,7 @@ import time
 from typing import Any
 
 import redis
+from rq.command import parse_payload
 from rq.exceptions import AbandonedJobError, StopRequested
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
@@ -402,6 +405,28 @@ class FleetWorker(SimpleWorker):
             log.warning("could not record the loss of job %s", getattr(job, "id", "?"), exc_info=True)
 
     # ==== cancellation and shutdown ===================================================================
+    def handle_payload(self, message: Any) -> None:
+        """RQ's pubsub commands (`rq:pubsub:<worker>`): `stop-job`/`kill-horse` cancel the running job (what
+        any client may do to a job), but `shutdown` is refused: anyone who can PUBLISH on this Redis could
+        stop every worker (five in a minute made the supervisor give up, issue 19). The operator stops a
+        worker with a signal. A payload that is not a command is logged and dropped (it used to end RQ's
+        pubsub thread, and with it cancels of running jobs)."""
+        try:
+            payload = parse_payload(message)
+            command = str(payload.get("command")) if isinstance(payload, dict) else None
+        except Exception:
+            command = None
+        label = command if command in ("shutdown", "stop-job", "kill-horse") else "invalid"
+        if label in ("shutdown", "invalid"):
+            self.service.metrics.ignored_commands.labels(self.service.group, label).inc()
+            log.warning("ignored RQ pubsub command %r on %s (stop workers with SIGTERM; docs/security.md)",
+                        command if label != "invalid" else str(message.get("data"))[:80], self.name)  # fmt: skip
+            return
+        try:
+            super().handle_payload(message)
+        except Exception:
+            log.warning("RQ pubsub command %r failed", command, exc_info=True)
+
     def kill_horse(self, sig: Any = None) -> None:
         """RQ's stop-job / kill-horse command: cancel the running render cooperatively."""
         job_id = rqcompat.stopped_job_id(self)
