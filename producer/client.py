@@ -51,6 +51,7 @@ from worker.keys import (
     worker_health_key,
 )
 from worker.limits import LimitViolation, RunnerLimits
+from worker.renderjob import RenderJob
 from worker.schema import RenderRequest
 
 __all__ = [
@@ -286,6 +287,8 @@ class ProducerClient:
         policy = AdmissionPolicy(max_queue_depth=depth or None, client_quota=quota or None)
         q = self.queue(queue)
         meta = {"state": JobState.QUEUED.value, "client": client, "submitted_at": time.time(), **(extra_meta or {})}
+        if len(json.dumps(meta)) > RenderJob.max_meta_bytes:  # (the worker refuses it too, per its settings)
+            raise ValueError(f"extra_meta: the job's meta would exceed {RenderJob.max_meta_bytes} bytes")
         with _unavailable_on_error():
             job = q.create_job(
                 RENDER_FUNC,

@@ -14,6 +14,7 @@ import time
 import urllib.request
 import uuid
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,7 +123,7 @@ def test_overlong_job_id_fails_once_with_a_reason_and_is_counted(worker):
     worker.idle()
 
 
-def test_the_client_api_refuses_an_overlong_job_id_before_redis(worker, redis_server):
+def test_the_client_api_refuses_an_overlong_job_id_or_meta_before_redis(worker, redis_server):
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
     from worker.schema import RenderRequest
@@ -131,6 +132,8 @@ def test_the_client_api_refuses_an_overlong_job_id_before_redis(worker, redis_se
         for bad in ("x" * 129, "a/b", "x\nFAKE", ""):
             with pytest.raises(ValueError, match="job id"):
                 client.submit(RenderRequest(prompt="t"), job_id=bad)
+        with pytest.raises(ValueError, match="meta"):
+            client.submit(RenderRequest(prompt="t"), extra_meta={"pad": "x" * (1 << 20)})
     assert worker.conn.llen(f"rq:queue:{worker.queue}") == 0
 
 
@@ -237,3 +240,50 @@ def test_rq_shutdown_commands_and_junk_on_pubsub_are_ignored_and_cancels_still_w
     wait_state(job, "rendering", 30, worker.proc)
     assert cancel_job(worker.conn, job.id) == "stop_requested"  # (RQ's stop-job command over pubsub)
     wait_state(job, "cancelled", 30, worker.proc)
+
+
+# ==== item 4: job-hash fields beyond the function name are not trusted ====================================
+
+
+def canary(job: Any, *args: Any) -> None:
+    """Named as a callback by a hostile hash: it must never run."""
+    Path(job.meta["canary"]).touch()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"failure_callback_name": "tests.test_worker_abuse.canary"},
+        {"success_callback_name": "tests.test_worker_abuse.canary"},
+        {"stopped_callback_name": "tests.test_worker_abuse.canary"},
+        {"repeats_left": 1000, "repeat_intervals": "[0]"},
+        {"webhooks": json.dumps([{"url": "http://127.0.0.1:9/x"}])},
+    ],
+    ids=["failure_callback", "success_callback", "stopped_callback", "repeats", "webhooks"],
+)
+def test_a_hash_with_callbacks_repeats_or_webhooks_is_refused_and_none_of_them_runs(worker, tmp_path, fields):
+    worker.idle()
+    target = tmp_path / "canary"
+    job = _enqueue_edited(worker, fields, meta={"canary": str(target)})
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request" and "never sets" in meta["error"]["message"], meta
+    time.sleep(0.5)
+    assert not target.exists()
+    assert _states(worker.conn, job.id) == ["failed"]  # refused before it ran, once
+
+
+def test_a_zlib_bomb_in_data_is_refused_without_inflating_it(worker):
+    worker.idle()
+    call = b'["worker.job.render", null, [{"prompt": "' + b"a" * (64 << 20) + b'"}], {}]'
+    bomb = zlib.compress(call, 9)  # ~64 KB that inflates to 64 MB
+    job = _enqueue_edited(worker, {"data": bomb})
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request" and "data exceeds" in meta["error"]["message"], meta
+
+
+def test_an_oversized_meta_is_refused_and_not_rewritten_on_every_event(worker):
+    worker.idle()
+    job = worker.enqueue(meta={"pad": "x" * (1 << 20)})
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request" and "meta" in meta["error"]["message"], meta
+    assert len(worker.conn.hget(job.key, "meta")) < 64 << 10

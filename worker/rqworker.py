@@ -78,7 +78,9 @@ class FleetWorker(SimpleWorker):
     def __init__(self, queues: Any, *, service: RenderService, **kwargs: Any) -> None:
         settings = service.settings
         kwargs.setdefault("serializer", JSONSerializer)
-        kwargs.setdefault("job_class", RenderJob)  # runs only the render function; survives hostile hashes
+        # runs only the render function, within the settings' size limits; survives hostile hashes
+        kwargs.setdefault("job_class", RenderJob.with_limits(max_data_bytes=settings.max_request_bytes,
+                                                             max_meta_bytes=settings.max_meta_bytes))  # fmt: skip
         kwargs.setdefault("default_result_ttl", settings.result_ttl)
         kwargs.setdefault("worker_ttl", settings.worker_ttl)
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)

@@ -120,6 +120,12 @@ class WorkerSettings(BaseSettings):
         60, ge=5, description="seconds without a heartbeat after which a running job counts as abandoned"
     )
     worker_ttl: int = Field(60, ge=20, description="seconds an idle worker's registration lives between beats")
+    max_request_bytes: int = Field(
+        1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"
+    )
+    max_meta_bytes: int = Field(
+        64 << 10, ge=4096, description="largest job meta (the producer's summary and extra meta); bigger is refused"
+    )
     maintenance_interval: int = Field(
         60, ge=1, description="seconds between RQ registry cleanups (abandoned-job detection latency)"
     )
