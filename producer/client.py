@@ -61,6 +61,7 @@ __all__ = [
     "JobInfo",
     "JobNotFound",
     "JobNotReady",
+    "JobUnreadable",
     "ProducerClient",
     "QueueStats",
     "ServiceUnavailable",
@@ -78,6 +79,15 @@ class ServiceUnavailable(RuntimeError):
 
 class JobNotFound(LookupError):
     """No job with this id (never submitted, or expired after its TTL)."""
+
+
+class JobUnreadable(JobNotFound):
+    """A job hash that cannot be read (written by hand, or by a broken client): `ls` and `stats` show it as
+    a note instead of failing for everyone (issue 19)."""
+
+    def __init__(self, job_id: str, exc: BaseException) -> None:
+        super().__init__(f"job {job_id!r} exists but cannot be read: {type(exc).__name__}: {str(exc)[:200]}")
+        self.job_id = job_id
 
 
 class JobNotReady(RuntimeError):
@@ -331,13 +341,27 @@ class ProducerClient:
 
     # ---- status ------------------------------------------------------------------------------------
     def job(self, job_id: str) -> Job:
+        """The RQ job (loaded as the worker loads it: `RenderJob` bounds what it decompresses)."""
         with _unavailable_on_error():
             try:
-                return Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+                return RenderJob.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
             except NoSuchJobError:
                 raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)") from None
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise
+            except Exception as exc:  # RQ's parse errors: DeserializationError, ValueError, TypeError, ...
+                raise JobUnreadable(job_id, exc) from None
 
     def status(self, job_id: str) -> JobInfo:
+        """The job's state and records. Raises JobNotFound, JobUnreadable (a hash that cannot be read)."""
+        try:
+            return self._status(job_id)
+        except (JobNotFound, ServiceUnavailable, redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as exc:  # (the request is deserialized lazily, after the fetch)
+            raise JobUnreadable(job_id, exc) from None
+
+    def _status(self, job_id: str) -> JobInfo:
         job = self.job(job_id)
         with _unavailable_on_error():
             rq_status = job.get_status(refresh=False)
@@ -390,8 +414,12 @@ class ProducerClient:
                 }
                 for section, job_ids in ids.items():
                     for job_id in dict.fromkeys(job_ids):
-                        with contextlib.suppress(JobNotFound):
+                        try:
                             sections[section].append(self.status(job_id))
+                        except JobUnreadable as exc:  # a note, never a crash of everyone's `ls`
+                            sections[section].append(_unreadable_info(job_id, name, exc))
+                        except JobNotFound:
+                            continue
         ended = sections["recently ended"]
         ended.sort(key=lambda i: i.ended_at.timestamp() if i.ended_at else 0.0, reverse=True)
         return {section: rows[:limit] for section, rows in sections.items()}
@@ -623,6 +651,10 @@ class ProducerClient:
             for name, job_id in failed_ids:
                 try:
                     info = self.status(job_id)
+                except JobUnreadable as exc:
+                    recent.append(FailureInfo(job_id=job_id, queue=name, reason="unreadable", message=str(exc),
+                                              ended_at=None))  # fmt: skip
+                    continue
                 except JobNotFound:
                     continue
                 error = info.error or {}
@@ -695,6 +727,16 @@ def _decode_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> JobEvent
         data = {"value": data}
     etype = decoded.get(EVENT_FIELD_TYPE) or str(data.get("type") or EventType.OTHER.value)
     return JobEvent(id=ident, type=etype, data=data)
+
+
+#: The `state` of a row standing for a job hash that cannot be read (not a `JobState`: no worker wrote it).
+UNREADABLE = "unreadable"
+
+
+def _unreadable_info(job_id: str, queue: str, exc: JobUnreadable) -> JobInfo:
+    return JobInfo(job_id=job_id, state=UNREADABLE, rq_status=None, queue=queue, meta={}, result=None,
+                   error={"reason": UNREADABLE, "message": str(exc)}, request=None, enqueued_at=None,
+                   started_at=None, ended_at=None)  # fmt: skip
 
 
 def _utc(ts: Any) -> datetime | None:

@@ -280,6 +280,8 @@ def render_job_table(console: Console, rows: list[JobInfo], title: str) -> None:
         live = not info.terminal
         progress = f"{meta.get('step')}/{meta.get('total')}" if meta.get("total") and live else ""
         prompt = str((info.request or {}).get("prompt", ""))[:40]
+        if info.request is None and info.error and info.error.get("reason") == "unreadable":
+            prompt = f"(skipped: {info.error.get('message')})"
         stage = str(meta.get("stage") or "") if live else ""
         fleet = str(meta.get("fleet") or "")
         _row(table, info.job_id, info.state, stage, progress, fleet, _ago(info.enqueued_at), prompt)

@@ -1,0 +1,64 @@
+"""The producer's tools against hostile or broken Redis contents and input files (issue 19): one bad job
+must not break `ls`/`stats` for everyone, and no input crashes the producer with a traceback.
+Real Redis; the CLI through click's runner."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from producer.exitcodes import ExitCode
+from tests.test_producer_cli import env, run  # noqa: F401  (the `env` fixture)
+
+
+def _poison(redis_client, queue: str) -> list[str]:
+    """Job hashes RQ cannot load, in the failed registry and the queue (as raw Redis access allows)."""
+    q = Queue(queue, connection=redis_client, serializer=JSONSerializer)
+    bad = {
+        "bad-date": {"data": b"x", "created_at": "yesterday", "status": "failed", "origin": queue},
+        "bad-data": {"data": b"\x00\xffnot zlib, not json", "status": "failed", "origin": queue},
+        "bad-meta": {
+            "data": json.dumps(["worker.job.render", None, [{}], {}]),
+            "status": "failed",
+            "origin": queue,
+            "meta": "{not json",
+            "enqueued_at": "never",
+        },
+    }
+    for job_id, fields in bad.items():
+        redis_client.hset(f"rq:job:{job_id}", mapping=fields)
+        redis_client.zadd(q.failed_job_registry.key, {job_id: time.time() + 3600})
+    redis_client.rpush(q.key, "bad-date")
+    return list(bad)
+
+
+def test_ls_and_stats_skip_unreadable_jobs_with_a_note(env, redis_client):  # noqa: F811
+    queue = env["LTX_QUEUES"]
+    ids = _poison(redis_client, queue)
+    code, out, err = run(["ls"], env)
+    assert code == 0, err
+    assert out.count("unreadable") >= len(ids) and "skipped" in out
+    code, out, err = run(["ls", "--json"], env)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {r["job_id"] for r in rows if r["state"] == "unreadable"} == set(ids)
+    code, out, err = run(["stats", "--failures", "5"], env)
+    assert code == 0, err
+    assert "unreadable" in out
+    code, out, err = run(["status", "bad-date"], env)
+    assert code == ExitCode.NOT_FOUND and "cannot be read" in err, (out, err)
+
+
+def test_a_deeply_nested_request_file_is_a_clear_error(env, tmp_path: Path):  # noqa: F811
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    code, out, err = run(["submit", str(path)], env)
+    assert code == ExitCode.USAGE and "nested too deeply" in err and "Traceback" not in err, (out, err)
+    lines = tmp_path / "deep.jsonl"
+    lines.write_text('{"prompt": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
+    code, out, err = run(["submit", str(lines)], env)
+    assert code == ExitCode.USAGE and "nested too deeply" in err, (out, err)
