@@ -33,7 +33,7 @@ from producer.client import (
     ProducerClient,
     ServiceUnavailable,
 )
-from producer.display import EventPrinter, human_bytes, render_job_table, render_stats, render_status
+from producer.display import EventPrinter, human_bytes, printable, render_job_table, render_stats, render_status
 from producer.exitcodes import EXIT_CODE_HELP, ExitCode
 from producer.requestfile import RequestFileError, load_requests
 from producer.settings import SettingsError, load_settings
@@ -276,13 +276,12 @@ def _watch(client: ProducerClient, job_id: str, *, as_json: bool, timeout: float
     elif info.state == JobState.UPLOADED.value and info.result:
         r = info.result
         where = f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else r.get("url")
-        console.print(f"done: {where}", markup=False, soft_wrap=True)
+        console.print(printable(f"done: {where}"), markup=False, soft_wrap=True)
         if r.get("url"):
-            console.print(f"url:  {r['url']}", markup=False, soft_wrap=True)
+            console.print(printable(f"url:  {r['url']}"), markup=False, soft_wrap=True)
     elif info.error:
-        console.print(
-            f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}", markup=False, soft_wrap=True
-        )
+        line = f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}"
+        console.print(printable(line), markup=False, soft_wrap=True)
     return _STATE_EXIT.get(info.state, ExitCode.JOB_FAILED)
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -611,14 +612,29 @@ class ProducerClient:
             return f"s3://{bucket}/{key}", body
         url = result.get("url") or result.get("presigned_url")
         if url:
+            url = str(url)
+            self._check_fetch_url(url)
             try:
-                return url.split("?", 1)[0], urllib.request.urlopen(url, timeout=60)
+                return url.split("?", 1)[0], _NO_REDIRECTS.open(url, timeout=60)
             except (urllib.error.URLError, OSError) as exc:
                 raise ServiceUnavailable(f"cannot download {url.split('?', 1)[0]}: {exc}") from None
         path = result.get("path")
         if path and Path(path).is_file():
             return f"file://{path}", Path(path).open("rb")
         raise ServiceUnavailable("the job result names no reachable object (no S3 credentials and no URL)")
+
+    def _check_fetch_url(self, url: str) -> None:
+        """A URL from job meta (anyone with Redis access can write it) is fetched only over http(s) from the
+        configured endpoint: `file://` read local files, any other host made the producer a proxy."""
+        parts = urllib.parse.urlsplit(url)
+        s = self.settings
+        allowed = {_origin(e) for e in (s.s3_public_endpoint_url, s.s3_endpoint_url) if e}
+        if parts.scheme in ("http", "https") and parts.hostname:
+            if _origin(url) in allowed or (not allowed and parts.hostname.endswith(".amazonaws.com")):
+                return
+        where = ", ".join(sorted(allowed)) or "AWS S3 (*.amazonaws.com)"
+        raise IntegrityError(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
+                             "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL)")  # fmt: skip
 
     # ---- stats -------------------------------------------------------------------------------------
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
@@ -737,6 +753,22 @@ def _unreadable_info(job_id: str, queue: str, exc: JobUnreadable) -> JobInfo:
     return JobInfo(job_id=job_id, state=UNREADABLE, rq_status=None, queue=queue, meta={}, result=None,
                    error={"reason": UNREADABLE, "message": str(exc)}, request=None, enqueued_at=None,
                    started_at=None, ended_at=None)  # fmt: skip
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A presigned GET never redirects; following one would leave the checked endpoint."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl[:200]} refused", headers, fp)
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
+
+
+def _origin(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
 
 
 def _utc(ts: Any) -> datetime | None:

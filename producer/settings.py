@@ -59,6 +59,11 @@ class ProducerSettings(BaseSettings):
     failure_ttl: int = Field(7 * 86400, ge=1, description="seconds a failed job stays in Redis")
 
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint for `fetch` (unset: AWS)")
+    s3_public_endpoint_url: str | None = Field(
+        None,
+        description="where the workers' presigned URLs point (their LTX_S3_PUBLIC_ENDPOINT_URL); `fetch` "
+        "downloads a URL only from this or s3_endpoint_url (neither set: AWS S3), over http(s)",
+    )
     s3_region: str = "us-east-1"
     s3_access_key_id: SecretStr | None = None
     s3_secret_access_key: SecretStr | None = None

@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
@@ -62,3 +63,38 @@ def test_a_deeply_nested_request_file_is_a_clear_error(env, tmp_path: Path):  # 
     lines.write_text('{"prompt": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
     code, out, err = run(["submit", str(lines)], env)
     assert code == ExitCode.USAGE and "nested too deeply" in err, (out, err)
+
+
+def _uploaded_job(redis_client, queue: str, result: dict) -> str:
+    q = Queue(queue, connection=redis_client, serializer=JSONSerializer)
+    job = q.create_job("worker.job.render", args=({"prompt": "t"},), meta={"state": "uploaded", "result": result})
+    job.save()
+    return job.id
+
+
+def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_client, tmp_path):  # noqa: F811
+    from producer.client import IntegrityError, ProducerClient
+    from producer.settings import load_settings
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("local file")
+    settings = load_settings(redis_url=env["LTX_REDIS_URL"], s3_endpoint_url="http://127.0.0.1:8333")
+    with ProducerClient(settings) as client:
+        for url in (secret.as_uri(), "http://169.254.169.254/latest/meta-data?X-Amz-Signature=x",
+                    "ftp://127.0.0.1:8333/x", "http://127.0.0.1:8334/videos/x"):  # fmt: skip
+            job_id = _uploaded_job(redis_client, env["LTX_QUEUES"], {"url": url, "sha256": "0" * 64, "key": "k"})
+            with pytest.raises(IntegrityError, match="refusing to fetch"):
+                client.fetch(job_id, tmp_path / "out.mp4")
+    assert not (tmp_path / "out.mp4").exists()
+
+
+def test_control_characters_from_other_clients_never_reach_the_terminal_raw(env, redis_client):  # noqa: F811
+    hostile = "\x1b]0;pwned\x07\x1b[2Jfox\r\u202e"
+    q = Queue(env["LTX_QUEUES"], connection=redis_client, serializer=JSONSerializer)
+    meta = {"state": "failed", "fleet": "\x1b[31m", "error": {"reason": "x\x1b[5m", "message": hostile}}
+    job = q.enqueue("worker.job.render", {"prompt": hostile}, meta=meta)
+    for command in (["ls"], ["status", job.id], ["stats"]):
+        _, out, _ = run(command, env)
+        assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out, (command, out)
+    _, out, _ = run(["ls"], env)
+    assert "\\x1b" in out

@@ -31,7 +31,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from .keys import check_queue_names, check_redis_url, split_list
+from .keys import check_queue_names, check_redis_url, safe_redis_url, split_list
 
 __all__ = [
     "BUILTIN_RUNNERS",
@@ -220,7 +220,9 @@ class WorkerSettings(BaseSettings):
         le=65535,
         description="Prometheus /metrics and /healthz port of group 0 (group i: +i); 0 = any free port, unset = off",
     )
-    metrics_host: str = Field("0.0.0.0")
+    metrics_host: str = Field(
+        "127.0.0.1", description="address /metrics and /healthz listen on (loopback; compose sets 0.0.0.0)"
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
 
@@ -391,6 +393,7 @@ class WorkerSettings(BaseSettings):
         for key in ("s3_access_key_id", "s3_secret_access_key"):
             if data.get(key) is not None:
                 data[key] = "**********"
+        data["redis_url"] = safe_redis_url(self.redis_url)  # (its password: issue 19)
         return data
 
 
