@@ -287,3 +287,26 @@ def test_an_oversized_meta_is_refused_and_not_rewritten_on_every_event(worker):
     meta = _wait_failed(worker, job)
     assert meta["error"]["reason"] == "invalid_request" and "meta" in meta["error"]["message"], meta
     assert len(worker.conn.hget(job.key, "meta")) < 64 << 10
+
+
+# ==== item 7 (inputs): image dimensions are checked before anything decodes the image =====================
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares this size (its pixel data is never reached: only the header is read)."""
+    import struct
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+
+
+def test_an_image_declaring_huge_dimensions_is_refused_before_decoding(worker):
+    import base64
+
+    worker.idle()
+    image = {"data": base64.b64encode(_png_header(16000, 16000) + b"\x00" * 64).decode(), "frame": 0}
+    job = enqueue(worker.conn, worker.queue, {"prompt": "t", "width": 64, "height": 64, "num_frames": 9,
+                                              "images": [image]})  # fmt: skip
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request" and meta["error"]["field"] == "images.0.data", meta
+    assert "16000x16000" in meta["error"]["message"]
