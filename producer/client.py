@@ -611,30 +611,39 @@ class ProducerClient:
                 raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {exc}") from None
             return f"s3://{bucket}/{key}", body
         url = result.get("url") or result.get("presigned_url")
+        if not url and result.get("path"):
+            url = Path(str(result["path"])).absolute().as_uri()
         if url:
             url = str(url)
-            self._check_fetch_url(url)
+            local = self._check_fetch_url(url)
             try:
+                if local is not None:
+                    return url, local.open("rb")
                 return url.split("?", 1)[0], _NO_REDIRECTS.open(url, timeout=60)
             except (urllib.error.URLError, OSError) as exc:
                 raise ServiceUnavailable(f"cannot download {url.split('?', 1)[0]}: {exc}") from None
-        path = result.get("path")
-        if path and Path(path).is_file():
-            return f"file://{path}", Path(path).open("rb")
         raise ServiceUnavailable("the job result names no reachable object (no S3 credentials and no URL)")
 
-    def _check_fetch_url(self, url: str) -> None:
+    def _check_fetch_url(self, url: str) -> Path | None:
         """A URL from job meta (anyone with Redis access can write it) is fetched only over http(s) from the
-        configured endpoint: `file://` read local files, any other host made the producer a proxy."""
+        configured endpoint, or as a file under `local_storage_dir` (the worker's local backend on this
+        machine): `file://` URLs read any local file before, any other host made the producer a proxy.
+        Returns the local file for a `file://` URL, None for an http(s) one; raises IntegrityError."""
         parts = urllib.parse.urlsplit(url)
         s = self.settings
+        if parts.scheme == "file" and s.local_storage_dir is not None and parts.netloc in ("", "localhost"):
+            path = Path(urllib.request.url2pathname(parts.path)).resolve()
+            if path.is_relative_to(Path(s.local_storage_dir).resolve()):
+                return path
         allowed = {_origin(e) for e in (s.s3_public_endpoint_url, s.s3_endpoint_url) if e}
         if parts.scheme in ("http", "https") and parts.hostname:
             if _origin(url) in allowed or (not allowed and parts.hostname.endswith(".amazonaws.com")):
-                return
+                return None
         where = ", ".join(sorted(allowed)) or "AWS S3 (*.amazonaws.com)"
+        if s.local_storage_dir is not None:
+            where += f", or files under {s.local_storage_dir}"
         raise IntegrityError(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
-                             "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL)")  # fmt: skip
+                             "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL / LTX_LOCAL_STORAGE_DIR)")  # fmt: skip
 
     # ---- stats -------------------------------------------------------------------------------------
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import getpass
 import re
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -63,6 +64,11 @@ class ProducerSettings(BaseSettings):
         None,
         description="where the workers' presigned URLs point (their LTX_S3_PUBLIC_ENDPOINT_URL); `fetch` "
         "downloads a URL only from this or s3_endpoint_url (neither set: AWS S3), over http(s)",
+    )
+    local_storage_dir: Path | None = Field(
+        None,
+        description="the worker's local storage directory (storage_backend=local on this machine): `fetch` "
+        "copies a file:// result only from under it",
     )
     s3_region: str = "us-east-1"
     s3_access_key_id: SecretStr | None = None

@@ -4,6 +4,7 @@ Real Redis; the CLI through click's runner."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -86,6 +87,22 @@ def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_
             with pytest.raises(IntegrityError, match="refusing to fetch"):
                 client.fetch(job_id, tmp_path / "out.mp4")
     assert not (tmp_path / "out.mp4").exists()
+    # the local storage backend: file:// results are copied only from under LTX_LOCAL_STORAGE_DIR
+    store = tmp_path / "store" / "videos" / "j"
+    store.mkdir(parents=True)
+    (store / "video.mp4").write_bytes(b"video")
+    sha = hashlib.sha256(b"video").hexdigest()
+    local = load_settings(redis_url=env["LTX_REDIS_URL"], local_storage_dir=str(tmp_path / "store"))
+    with ProducerClient(local) as client:
+        ok = _uploaded_job(redis_client, env["LTX_QUEUES"], {"url": (store / "video.mp4").as_uri(), "sha256": sha})
+        assert client.fetch(ok, tmp_path / "got.mp4").sha256 == sha
+        for outside in (secret.as_uri(), (store / ".." / ".." / ".." / "secret.txt").as_uri()):
+            bad = _uploaded_job(redis_client, env["LTX_QUEUES"], {"url": outside, "sha256": sha})
+            with pytest.raises(IntegrityError, match="refusing to fetch"):
+                client.fetch(bad, tmp_path / "out.mp4")
+        bad = _uploaded_job(redis_client, env["LTX_QUEUES"], {"path": str(secret), "sha256": sha})
+        with pytest.raises(IntegrityError, match="refusing to fetch"):
+            client.fetch(bad, tmp_path / "out.mp4")
 
 
 def test_control_characters_from_other_clients_never_reach_the_terminal_raw(env, redis_client):  # noqa: F811
