@@ -310,3 +310,17 @@ def test_an_image_declaring_huge_dimensions_is_refused_before_decoding(worker):
     meta = _wait_failed(worker, job)
     assert meta["error"]["reason"] == "invalid_request" and meta["error"]["field"] == "images.0.data", meta
     assert "16000x16000" in meta["error"]["message"]
+
+
+# ==== item 6 (tenancy): a presigned URL never outlives the result it is recorded in =========================
+
+
+@pytest.mark.parametrize(("result_ttl", "kept"), [(600, 600), (10**9, 86400)])  # (capped: LTX_RESULT_TTL)
+def test_presigned_urls_expire_with_the_result(worker, s3_server, result_ttl, kept):
+    worker.idle()
+    job = worker.enqueue(result_ttl=result_ttl)
+    wait_state(job, "uploaded", 60, worker.proc)
+    result = job.get_meta(refresh=True)["result"]
+    assert f"X-Amz-Expires={kept}" in result["url"], result["url"]
+    assert result["url_expires_at"] <= time.time() + kept
+    assert s3_server.http_get(result["url"])  # still a working URL

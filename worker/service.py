@@ -462,6 +462,12 @@ class RenderService:
         upload_s: float,
         attempt: int,
     ) -> dict[str, Any]:
+        url, url_expires_at = stored.url, stored.url_expires_at
+        kept = self.outcomes.kept_result_ttl(job)
+        if url_expires_at is not None and kept > 0 and url_expires_at > time.time() + kept:
+            # a URL must not outlive the result it is recorded in: once the job expired its id can be reused,
+            # and the old URL would serve the new owner's video (issue 19)
+            url, url_expires_at = self.storage.url_for(stored.key, expiry_s=kept)
         return {
             "job_id": job.id,
             "state": JobState.UPLOADED.value,
@@ -471,8 +477,8 @@ class RenderService:
             "size": stored.size,
             "sha256": stored.sha256,
             "content_type": stored.content_type,
-            "url": stored.url,
-            "url_expires_at": stored.url_expires_at,
+            "url": url,
+            "url_expires_at": url_expires_at,
             "reused_object": stored.reused,
             "output": {k: v for k, v in entry.info.items() if k in ("frames", "fps", "width", "height")},
             "timings": {
