@@ -35,7 +35,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from producer.admission import TERMINAL_STATUSES, AdmissionPolicy, client_key, enqueue_admitted
+from producer.admission import TERMINAL_STATUSES, AdmissionPolicy, check_client_name, client_key, enqueue_admitted
 from producer.settings import ProducerSettings
 from worker.control import cancel_job
 from worker.keys import (
@@ -292,7 +292,7 @@ class ProducerClient:
         if job_id is not None:
             check_job_id(job_id)  # (the worker refuses it too; RQ checks only the characters)
         s = self.settings
-        client = client or s.client
+        client = check_client_name(client or s.client)
         depth = s.max_queue_depth if max_queue_depth is None else max_queue_depth
         quota = s.client_quota if client_quota is None else client_quota
         policy = AdmissionPolicy(max_queue_depth=depth or None, client_quota=quota or None)
@@ -354,7 +354,22 @@ class ProducerClient:
                 raise JobUnreadable(job_id, exc) from None
 
     def status(self, job_id: str) -> JobInfo:
-        """The job's state and records. Raises JobNotFound, JobUnreadable (a hash that cannot be read)."""
+        """The job's state and records. Raises JobNotFound (also for another client's job, unless this
+        client is an operator), JobUnreadable (a hash that cannot be read)."""
+        info = self._read(job_id)
+        if not self._visible(info):
+            raise JobNotFound(f"no job {job_id!r} of client {self.settings.client!r} (another client's job; "
+                              "operators, LTX_OPERATOR=true, see every job)")  # fmt: skip
+        return info
+
+    def _visible(self, info: JobInfo) -> bool:
+        """Tenancy, as far as a client can enforce it: a job is this client's if its meta names this client
+        or no client (enqueued without the producer); operators see every job. (Anyone with raw Redis
+        access can read every hash anyway: docs/security.md.)"""
+        owner = info.meta.get("client")
+        return self.settings.operator or owner is None or owner == self.settings.client
+
+    def _read(self, job_id: str) -> JobInfo:
         try:
             return self._status(job_id)
         except (JobNotFound, ServiceUnavailable, redis.ConnectionError, redis.TimeoutError):
@@ -398,7 +413,8 @@ class ProducerClient:
             )
 
     def list_jobs(self, queues: list[str], limit: int) -> dict[str, list[JobInfo]]:
-        """Up to `limit` jobs per section ("waiting", "running", "recently ended", newest first) of `queues`."""
+        """Up to `limit` jobs per section ("waiting", "running", "recently ended", newest first) of `queues`:
+        this client's and unowned ones (every client's for an operator)."""
         sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
         with _unavailable_on_error():
             for name in queues:
@@ -416,7 +432,9 @@ class ProducerClient:
                 for section, job_ids in ids.items():
                     for job_id in dict.fromkeys(job_ids):
                         try:
-                            sections[section].append(self.status(job_id))
+                            info = self._read(job_id)
+                            if self._visible(info):
+                                sections[section].append(info)
                         except JobUnreadable as exc:  # a note, never a crash of everyone's `ls`
                             sections[section].append(_unreadable_info(job_id, name, exc))
                         except JobNotFound:
@@ -471,7 +489,7 @@ class ProducerClient:
         last = after
         down_since: float | None = None
         backoff = 0.1
-        self.job(job_id)  # JobNotFound before the first block
+        self.status(job_id)  # JobNotFound (also for another client's job) before the first block
         reader = redis.Redis.from_url(
             self.settings.redis_url, socket_connect_timeout=5, socket_timeout=block_ms / 1000 + 10
         )
@@ -536,6 +554,7 @@ class ProducerClient:
         """Cancel a job (`worker.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
         and will never run), "stop_requested" (it is running; the worker stops it cooperatively and keeps
         its fleet), or "already_<state>" when it had ended."""
+        self.status(job_id)  # JobNotFound for another client's job (unless an operator)
         with _unavailable_on_error():
             try:
                 return cancel_job(self.connection, job_id, failure_ttl=self.settings.failure_ttl)
@@ -675,7 +694,9 @@ class ProducerClient:
             recent = []
             for name, job_id in failed_ids:
                 try:
-                    info = self.status(job_id)
+                    info = self._read(job_id)
+                    if not self._visible(info):
+                        continue
                 except JobUnreadable as exc:
                     recent.append(FailureInfo(job_id=job_id, queue=name, reason="unreadable", message=str(exc),
                                               ended_at=None))  # fmt: skip

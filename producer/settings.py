@@ -11,13 +11,13 @@ the worker's variables can live in the same file. Credentials are `SecretStr` an
 from __future__ import annotations
 
 import getpass
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from producer.admission import check_client_name
 from worker.keys import check_queue_names, check_redis_url, split_list
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
@@ -47,6 +47,11 @@ class ProducerSettings(BaseSettings):
         description="the worker's queues; `submit` uses the first unless --queue is given",
     )
     client: str = Field(default_factory=_default_client, description="name per-client quotas count under")
+    operator: bool = Field(
+        False,
+        description="see and act on every client's jobs (ls, status, watch, cancel, fetch, stats' failures); "
+        "otherwise only this client's own (and unowned) jobs",
+    )
     max_queue_depth: int = Field(
         200, ge=0, description="refuse a submit when this many jobs wait in the queue (0: no cap)"
     )
@@ -92,9 +97,7 @@ class ProducerSettings(BaseSettings):
     @field_validator("client")
     @classmethod
     def _check_client(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", value):
-            raise ValueError("may only contain letters, digits and _.@- (at most 64)")
-        return value
+        return check_client_name(value)
 
     @property
     def default_queue(self) -> str:

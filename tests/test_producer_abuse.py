@@ -115,3 +115,35 @@ def test_control_characters_from_other_clients_never_reach_the_terminal_raw(env,
         assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out, (command, out)
     _, out, _ = run(["ls"], env)
     assert "\\x1b" in out
+
+
+def test_clients_see_and_act_on_their_own_jobs_and_operators_on_all(env, tmp_path):  # noqa: F811
+    request = tmp_path / "r.json"
+    request.write_text(json.dumps({"prompt": "alice's secret prompt", "width": 64, "height": 64, "num_frames": 9}))
+    alice, bob = {**env, "LTX_CLIENT": "alice"}, {**env, "LTX_CLIENT": "bob"}
+    code, out, err = run(["submit", str(request)], alice)
+    assert code == 0, err
+    job_id = out.strip()
+    code, out, _ = run(["ls"], bob)
+    assert code == 0 and job_id not in out and "secret" not in out
+    for command in (["status", job_id], ["cancel", job_id], ["fetch", job_id, "-o", str(tmp_path / "x.mp4")],
+                    ["watch", job_id]):  # fmt: skip
+        code, out, err = run(command, bob)
+        assert code == ExitCode.NOT_FOUND and "another client" in err, (command, out, err)
+    code, out, _ = run(["ls"], alice)
+    assert job_id in out
+    code, out, _ = run(["ls"], {**bob, "LTX_OPERATOR": "true"})
+    assert job_id in out
+    code, out, err = run(["cancel", job_id], {**bob, "LTX_OPERATOR": "true"})
+    assert code == 0, err
+
+
+def test_the_client_name_is_checked_at_the_api(env):  # noqa: F811
+    from producer.client import ProducerClient
+    from producer.settings import load_settings
+    from worker.schema import RenderRequest
+
+    with ProducerClient(load_settings(redis_url=env["LTX_REDIS_URL"], queues=[env["LTX_QUEUES"]])) as client:
+        for bad in ("x" * 10_000, "x:*\nFAKE", "a b"):
+            with pytest.raises(ValueError, match="client name"):
+                client.submit(RenderRequest(prompt="t"), client=bad)
