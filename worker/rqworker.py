@@ -30,8 +30,9 @@ recorded by `worker.outcomes`.
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
 - Back-pressure: before every dequeue the worker waits while the background uploader (`worker.pipeline`)
-  is at its bound of pending uploads; after every job it tells the service that RQ's bookkeeping of the
-  return is done (`job_returned`), so the uploader's `uploaded` record always lands after RQ's own.
+  is at its bound of pending uploads, or the spool's disk is nearly full; after every job it tells the
+  service that RQ's bookkeeping of the return is done (`job_returned`), so the uploader's `uploaded` record
+  always lands after RQ's own.
   `teardown()` drains pending uploads on a warm stop (bounded), never on a cold one.
 - Jobs whose worker vanished (found by RQ's abandoned-job or intermediate-queue cleanup, run by any worker
   on the queue) are recorded as `worker_lost` by `worker.outcomes` with the budget from the settings. The
@@ -69,6 +70,7 @@ log = logging.getLogger("worker.rq")
 EXIT_FLEET_UNRECOVERABLE = 3
 _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
 _BEAT_RETRY_S = 0.5  # a failed beat is retried this soon (not a whole interval later)
+_SPOOL_MIN_FREE_INODES = 16  # a job needs a directory, the video, a manifest and a lock file
 _SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
 
 
@@ -287,20 +289,27 @@ class FleetWorker(SimpleWorker):
 
     def _wait_for_upload_room(self) -> None:
         """Back-pressure: while the background uploader holds `max_pending_uploads` renders (or
-        `max_pending_bytes`), take no job. The worker stays registered (heartbeats), idle (a warm stop
-        interrupts the wait like an idle dequeue) and says so in metrics, health and the log."""
+        `max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
+        `_SPOOL_MIN_FREE_INODES` inodes: issue 19, a full spool used to fail every job), take no job. The
+        worker stays registered (heartbeats), idle (a warm stop interrupts the wait like an idle dequeue)
+        and says so in metrics, health and the log."""
         pipeline = self.service.pipeline
-        if not pipeline.full():
+        why = self._backpressure_reason()
+        if why is None:
             return
         metrics, group = self.service.metrics, self.service.group
         self._backpressure = True
         metrics.backpressure.labels(group).set(1)
         t0 = last = time.monotonic()
-        log.warning("back-pressure: %s; waiting for uploads before taking another job", pipeline.snapshot())
+        log.warning("back-pressure: %s; waiting before taking another job", why)
         self.health.notify()
         try:
             beat = max(1.0, min(10.0, self.settings.worker_ttl / 4))
-            while not pipeline.wait_for_room(beat):
+            while self._backpressure_reason() is not None:
+                if pipeline.full():
+                    pipeline.wait_for_room(beat)
+                else:
+                    time.sleep(min(beat, 1.0))  # (disk space comes back through uploads or the operator)
                 now = time.monotonic()
                 metrics.backpressure_seconds.labels(group).inc(now - last)
                 last = now
@@ -311,6 +320,18 @@ class FleetWorker(SimpleWorker):
             self._backpressure = False
             self.health.notify()
         log.info("back-pressure released after %.2fs", time.monotonic() - t0)
+
+    def _backpressure_reason(self) -> str | None:
+        pipeline = self.service.pipeline
+        if pipeline.full():
+            return f"uploads pending: {pipeline.snapshot()}"
+        try:
+            free_bytes, free_inodes = self.service.spool.free()
+        except OSError as exc:
+            return f"spool unusable: {exc}"
+        if free_bytes < self.settings.spool_min_free_bytes or free_inodes < _SPOOL_MIN_FREE_INODES:
+            return f"spool disk nearly full: {free_bytes} bytes, {free_inodes} inodes free"
+        return None
 
     def _ensure_fleet(self) -> None:
         service = self.service

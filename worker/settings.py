@@ -197,6 +197,11 @@ class WorkerSettings(BaseSettings):
         default_factory=lambda: Path(tempfile.gettempdir()) / "ltx-spool",
         description="local directory where renders wait until their upload is confirmed",
     )
+    spool_min_free_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="free bytes the spool's disk must keep; below, the worker takes no job (back-pressure)",
+    )
     upload_pipeline: bool = Field(
         True,
         description="upload in a background thread so the fleet takes the next job at once (false: the "
