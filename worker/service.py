@@ -124,6 +124,7 @@ class RenderService:
             make_result=self._pipeline_result,
             stop=self.stop_uploads,
             on_uploaded=self._count_done,
+            on_upload_failed=self._upload_failed,
         )
         self.current: _Current | None = None
         self.jobs_done = 0
@@ -164,6 +165,12 @@ class RenderService:
         self.jobs_done += 1
         if self.storage_error is not None:
             self.set_storage_state(None)  # a confirmed upload: storage is reachable again
+
+    def _upload_failed(self, exc: UploadFailed) -> None:
+        """Every attempt of an upload failed: storage is degraded (health, `ltx_worker_storage_up`) until
+        an upload is confirmed again (it said `ok` all through an S3 outage after a good start, issue 19)."""
+        if exc.retryable:
+            self.set_storage_state(f"uploads failing: {str(exc)[:300]}")
 
     def set_storage_state(self, error: str | None) -> None:
         """`error`: why storage is degraded (unreachable at start), or None once it is usable. A degraded
@@ -281,6 +288,7 @@ class RenderService:
             stored = self.uploader.upload(entry, on_event=self._upload_event(relay), stop=self.stop_uploads)
         except UploadFailed as exc:
             self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
+            self._upload_failed(exc)
             self._fail(job, relay, FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
                        spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
         upload_s = time.monotonic() - t_up
