@@ -15,6 +15,7 @@ so no worker cooperation is needed and a crashed producer never leaks quota for 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +30,7 @@ __all__ = [
     "AdmissionRefused",
     "DuplicateJobError",
     "Refusal",
+    "check_client_name",
     "client_key",
     "enqueue_admitted",
 ]
@@ -37,6 +39,17 @@ CLIENT_KEY_PREFIX = "ltx:producer:client:"  # + <client> + ":jobs" (sorted set o
 CLIENT_KEY_TTL_S = 7 * 24 * 3600  # idle clients' sets disappear on their own
 TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
 _MAX_ATTEMPTS = 50
+
+
+_CLIENT_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def check_client_name(client: str) -> str:
+    """`client` if it is 1-64 letters, digits or `_.@-` (it becomes part of a Redis key and is shown to
+    operators); else ValueError (a 10k-character name and `"x:*\\nFAKE"` passed the API before, issue 19)."""
+    if not isinstance(client, str) or not _CLIENT_NAME.fullmatch(client):
+        raise ValueError(f"client name {str(client)[:40]!r}: use 1-64 letters, digits or _.@-")
+    return client
 
 
 def client_key(client: str) -> str:

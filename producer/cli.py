@@ -11,7 +11,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -34,11 +33,11 @@ from producer.client import (
     ProducerClient,
     ServiceUnavailable,
 )
-from producer.display import EventPrinter, human_bytes, render_job_table, render_stats, render_status
+from producer.display import EventPrinter, human_bytes, printable, render_job_table, render_stats, render_status
 from producer.exitcodes import EXIT_CODE_HELP, ExitCode
 from producer.requestfile import RequestFileError, load_requests
 from producer.settings import SettingsError, load_settings
-from worker.keys import JobState
+from worker.keys import JobState, check_job_id
 
 __all__ = ["cli", "main"]
 
@@ -159,8 +158,10 @@ def submit(
     if job_id is not None:
         if len(requests) != 1:
             raise UserError(f"--job-id needs exactly one request; {request_file} has {len(requests)}", ExitCode.USAGE)
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", job_id):
-            raise UserError(f"--job-id {job_id!r}: use 1-128 letters, digits, _ or -", ExitCode.USAGE)
+        try:
+            check_job_id(job_id)
+        except ValueError as exc:
+            raise UserError(f"--job-id: {exc}", ExitCode.USAGE) from None
     if dry_run:
         try:
             with _client(ctx) as client:
@@ -275,13 +276,12 @@ def _watch(client: ProducerClient, job_id: str, *, as_json: bool, timeout: float
     elif info.state == JobState.UPLOADED.value and info.result:
         r = info.result
         where = f"s3://{r.get('bucket')}/{r.get('key')}" if r.get("bucket") else r.get("url")
-        console.print(f"done: {where}", markup=False, soft_wrap=True)
+        console.print(printable(f"done: {where}"), markup=False, soft_wrap=True)
         if r.get("url"):
-            console.print(f"url:  {r['url']}", markup=False, soft_wrap=True)
+            console.print(printable(f"url:  {r['url']}"), markup=False, soft_wrap=True)
     elif info.error:
-        console.print(
-            f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}", markup=False, soft_wrap=True
-        )
+        line = f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}"
+        console.print(printable(line), markup=False, soft_wrap=True)
     return _STATE_EXIT.get(info.state, ExitCode.JOB_FAILED)
 
 

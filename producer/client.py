@@ -19,6 +19,7 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from producer.admission import TERMINAL_STATUSES, AdmissionPolicy, client_key, enqueue_admitted
+from producer.admission import TERMINAL_STATUSES, AdmissionPolicy, check_client_name, client_key, enqueue_admitted
 from producer.settings import ProducerSettings
 from worker.control import cancel_job
 from worker.keys import (
@@ -44,12 +45,14 @@ from worker.keys import (
     TERMINAL_STATES,
     EventType,
     JobState,
+    check_job_id,
     derive_state,
     events_key,
     safe_redis_url,
     worker_health_key,
 )
 from worker.limits import LimitViolation, RunnerLimits
+from worker.renderjob import RenderJob
 from worker.schema import RenderRequest
 
 __all__ = [
@@ -59,6 +62,7 @@ __all__ = [
     "JobInfo",
     "JobNotFound",
     "JobNotReady",
+    "JobUnreadable",
     "ProducerClient",
     "QueueStats",
     "ServiceUnavailable",
@@ -76,6 +80,15 @@ class ServiceUnavailable(RuntimeError):
 
 class JobNotFound(LookupError):
     """No job with this id (never submitted, or expired after its TTL)."""
+
+
+class JobUnreadable(JobNotFound):
+    """A job hash that cannot be read (written by hand, or by a broken client): `ls` and `stats` show it as
+    a note instead of failing for everyone (issue 19)."""
+
+    def __init__(self, job_id: str, exc: BaseException) -> None:
+        super().__init__(f"job {job_id!r} exists but cannot be read: {type(exc).__name__}: {str(exc)[:200]}")
+        self.job_id = job_id
 
 
 class JobNotReady(RuntimeError):
@@ -271,17 +284,22 @@ class ProducerClient:
         """Enqueue one render under admission control; returns the RQ job.
 
         `priority="high"` puts the job at the front of its queue. Raises `AdmissionRefused` (queue full or
-        quota used up), `DuplicateJobError` (a `job_id` that exists), `ServiceUnavailable`.
+        quota used up), `DuplicateJobError` (a `job_id` that exists), `ServiceUnavailable`, ValueError (a
+        `job_id` that `worker.keys.check_job_id` refuses).
         """
         if priority not in ("normal", "high"):
             raise ValueError(f"priority must be 'normal' or 'high', got {priority!r}")
+        if job_id is not None:
+            check_job_id(job_id)  # (the worker refuses it too; RQ checks only the characters)
         s = self.settings
-        client = client or s.client
+        client = check_client_name(client or s.client)
         depth = s.max_queue_depth if max_queue_depth is None else max_queue_depth
         quota = s.client_quota if client_quota is None else client_quota
         policy = AdmissionPolicy(max_queue_depth=depth or None, client_quota=quota or None)
         q = self.queue(queue)
         meta = {"state": JobState.QUEUED.value, "client": client, "submitted_at": time.time(), **(extra_meta or {})}
+        if len(json.dumps(meta)) > RenderJob.max_meta_bytes:  # (the worker refuses it too, per its settings)
+            raise ValueError(f"extra_meta: the job's meta would exceed {RenderJob.max_meta_bytes} bytes")
         with _unavailable_on_error():
             job = q.create_job(
                 RENDER_FUNC,
@@ -324,13 +342,42 @@ class ProducerClient:
 
     # ---- status ------------------------------------------------------------------------------------
     def job(self, job_id: str) -> Job:
+        """The RQ job (loaded as the worker loads it: `RenderJob` bounds what it decompresses)."""
         with _unavailable_on_error():
             try:
-                return Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+                return RenderJob.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
             except NoSuchJobError:
                 raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)") from None
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise
+            except Exception as exc:  # RQ's parse errors: DeserializationError, ValueError, TypeError, ...
+                raise JobUnreadable(job_id, exc) from None
 
     def status(self, job_id: str) -> JobInfo:
+        """The job's state and records. Raises JobNotFound (also for another client's job, unless this
+        client is an operator), JobUnreadable (a hash that cannot be read)."""
+        info = self._read(job_id)
+        if not self._visible(info):
+            raise JobNotFound(f"no job {job_id!r} of client {self.settings.client!r} (another client's job; "
+                              "operators, LTX_OPERATOR=true, see every job)")  # fmt: skip
+        return info
+
+    def _visible(self, info: JobInfo) -> bool:
+        """Tenancy, as far as a client can enforce it: a job is this client's if its meta names this client
+        or no client (enqueued without the producer); operators see every job. (Anyone with raw Redis
+        access can read every hash anyway: docs/security.md.)"""
+        owner = info.meta.get("client")
+        return self.settings.operator or owner is None or owner == self.settings.client
+
+    def _read(self, job_id: str) -> JobInfo:
+        try:
+            return self._status(job_id)
+        except (JobNotFound, ServiceUnavailable, redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as exc:  # (the request is deserialized lazily, after the fetch)
+            raise JobUnreadable(job_id, exc) from None
+
+    def _status(self, job_id: str) -> JobInfo:
         job = self.job(job_id)
         with _unavailable_on_error():
             rq_status = job.get_status(refresh=False)
@@ -366,7 +413,8 @@ class ProducerClient:
             )
 
     def list_jobs(self, queues: list[str], limit: int) -> dict[str, list[JobInfo]]:
-        """Up to `limit` jobs per section ("waiting", "running", "recently ended", newest first) of `queues`."""
+        """Up to `limit` jobs per section ("waiting", "running", "recently ended", newest first) of `queues`:
+        this client's and unowned ones (every client's for an operator)."""
         sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
         with _unavailable_on_error():
             for name in queues:
@@ -383,8 +431,14 @@ class ProducerClient:
                 }
                 for section, job_ids in ids.items():
                     for job_id in dict.fromkeys(job_ids):
-                        with contextlib.suppress(JobNotFound):
-                            sections[section].append(self.status(job_id))
+                        try:
+                            info = self._read(job_id)
+                            if self._visible(info):
+                                sections[section].append(info)
+                        except JobUnreadable as exc:  # a note, never a crash of everyone's `ls`
+                            sections[section].append(_unreadable_info(job_id, name, exc))
+                        except JobNotFound:
+                            continue
         ended = sections["recently ended"]
         ended.sort(key=lambda i: i.ended_at.timestamp() if i.ended_at else 0.0, reverse=True)
         return {section: rows[:limit] for section, rows in sections.items()}
@@ -435,7 +489,7 @@ class ProducerClient:
         last = after
         down_since: float | None = None
         backoff = 0.1
-        self.job(job_id)  # JobNotFound before the first block
+        self.status(job_id)  # JobNotFound (also for another client's job) before the first block
         reader = redis.Redis.from_url(
             self.settings.redis_url, socket_connect_timeout=5, socket_timeout=block_ms / 1000 + 10
         )
@@ -500,6 +554,7 @@ class ProducerClient:
         """Cancel a job (`worker.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
         and will never run), "stop_requested" (it is running; the worker stops it cooperatively and keeps
         its fleet), or "already_<state>" when it had ended."""
+        self.status(job_id)  # JobNotFound for another client's job (unless an operator)
         with _unavailable_on_error():
             try:
                 return cancel_job(self.connection, job_id, failure_ttl=self.settings.failure_ttl)
@@ -575,15 +630,39 @@ class ProducerClient:
                 raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {exc}") from None
             return f"s3://{bucket}/{key}", body
         url = result.get("url") or result.get("presigned_url")
+        if not url and result.get("path"):
+            url = Path(str(result["path"])).absolute().as_uri()
         if url:
+            url = str(url)
+            local = self._check_fetch_url(url)
             try:
-                return url.split("?", 1)[0], urllib.request.urlopen(url, timeout=60)
+                if local is not None:
+                    return url, local.open("rb")
+                return url.split("?", 1)[0], _NO_REDIRECTS.open(url, timeout=60)
             except (urllib.error.URLError, OSError) as exc:
                 raise ServiceUnavailable(f"cannot download {url.split('?', 1)[0]}: {exc}") from None
-        path = result.get("path")
-        if path and Path(path).is_file():
-            return f"file://{path}", Path(path).open("rb")
         raise ServiceUnavailable("the job result names no reachable object (no S3 credentials and no URL)")
+
+    def _check_fetch_url(self, url: str) -> Path | None:
+        """A URL from job meta (anyone with Redis access can write it) is fetched only over http(s) from the
+        configured endpoint, or as a file under `local_storage_dir` (the worker's local backend on this
+        machine): `file://` URLs read any local file before, any other host made the producer a proxy.
+        Returns the local file for a `file://` URL, None for an http(s) one; raises IntegrityError."""
+        parts = urllib.parse.urlsplit(url)
+        s = self.settings
+        if parts.scheme == "file" and s.local_storage_dir is not None and parts.netloc in ("", "localhost"):
+            path = Path(urllib.request.url2pathname(parts.path)).resolve()
+            if path.is_relative_to(Path(s.local_storage_dir).resolve()):
+                return path
+        allowed = {_origin(e) for e in (s.s3_public_endpoint_url, s.s3_endpoint_url) if e}
+        if parts.scheme in ("http", "https") and parts.hostname:
+            if _origin(url) in allowed or (not allowed and parts.hostname.endswith(".amazonaws.com")):
+                return None
+        where = ", ".join(sorted(allowed)) or "AWS S3 (*.amazonaws.com)"
+        if s.local_storage_dir is not None:
+            where += f", or files under {s.local_storage_dir}"
+        raise IntegrityError(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
+                             "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL / LTX_LOCAL_STORAGE_DIR)")  # fmt: skip
 
     # ---- stats -------------------------------------------------------------------------------------
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
@@ -615,7 +694,13 @@ class ProducerClient:
             recent = []
             for name, job_id in failed_ids:
                 try:
-                    info = self.status(job_id)
+                    info = self._read(job_id)
+                    if not self._visible(info):
+                        continue
+                except JobUnreadable as exc:
+                    recent.append(FailureInfo(job_id=job_id, queue=name, reason="unreadable", message=str(exc),
+                                              ended_at=None))  # fmt: skip
+                    continue
                 except JobNotFound:
                     continue
                 error = info.error or {}
@@ -688,6 +773,32 @@ def _decode_entry(entry_id: bytes | str, fields: dict[bytes, bytes]) -> JobEvent
         data = {"value": data}
     etype = decoded.get(EVENT_FIELD_TYPE) or str(data.get("type") or EventType.OTHER.value)
     return JobEvent(id=ident, type=etype, data=data)
+
+
+#: The `state` of a row standing for a job hash that cannot be read (not a `JobState`: no worker wrote it).
+UNREADABLE = "unreadable"
+
+
+def _unreadable_info(job_id: str, queue: str, exc: JobUnreadable) -> JobInfo:
+    return JobInfo(job_id=job_id, state=UNREADABLE, rq_status=None, queue=queue, meta={}, result=None,
+                   error={"reason": UNREADABLE, "message": str(exc)}, request=None, enqueued_at=None,
+                   started_at=None, ended_at=None)  # fmt: skip
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A presigned GET never redirects; following one would leave the checked endpoint."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl[:200]} refused", headers, fp)
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
+
+
+def _origin(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
 
 
 def _utc(ts: Any) -> datetime | None:

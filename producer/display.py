@@ -19,7 +19,7 @@ from rich.text import Text
 from producer.client import JobEvent, JobInfo, Stats
 from worker.keys import EventType, JobState
 
-__all__ = ["EventPrinter", "human_bytes", "render_job_table", "render_stats", "render_status"]
+__all__ = ["EventPrinter", "human_bytes", "printable", "render_job_table", "render_stats", "render_status"]
 
 
 def human_bytes(size: float | None) -> str:
@@ -127,7 +127,7 @@ class EventPrinter:
 
     def _line(self, text: str) -> None:
         """One plain line: no markup (event data may contain brackets), no highlighting, no folding."""
-        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        self.console.print(printable(text), markup=False, highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
         """A line outside the event stream (reconnects, hints)."""
@@ -220,9 +220,20 @@ class EventPrinter:
             self._line(line)
 
 
+def printable(text: object) -> str:
+    """`text` with control and format characters (terminal escape sequences, newlines, bidi overrides)
+    written as `\\x1b`-style escapes: prompts, errors and names come from other clients, and must never
+    drive the reader's terminal (issue 19)."""
+    value = str(text)
+    if value.isprintable():
+        return value
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in value)
+
+
 def _row(table: Table, *cells: object) -> None:
-    """Add a row of plain text: worker names, prompts and error messages may contain [brackets]."""
-    table.add_row(*(Text(str(cell)) for cell in cells))
+    """Add a row of plain text: worker names, prompts and error messages may contain [brackets] and
+    control characters (escaped)."""
+    table.add_row(*(Text(printable(cell)) for cell in cells))
 
 
 def render_status(console: Console, info: JobInfo) -> None:
@@ -280,6 +291,8 @@ def render_job_table(console: Console, rows: list[JobInfo], title: str) -> None:
         live = not info.terminal
         progress = f"{meta.get('step')}/{meta.get('total')}" if meta.get("total") and live else ""
         prompt = str((info.request or {}).get("prompt", ""))[:40]
+        if info.request is None and info.error and info.error.get("reason") == "unreadable":
+            prompt = f"(skipped: {info.error.get('message')})"
         stage = str(meta.get("stage") or "") if live else ""
         fleet = str(meta.get("fleet") or "")
         _row(table, info.job_id, info.state, stage, progress, fleet, _ago(info.enqueued_at), prompt)

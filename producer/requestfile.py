@@ -47,6 +47,13 @@ def load_requests(path: str | Path) -> list[LoadedRequest]:
     """
     name = str(path)
     text = _read(name)
+    try:
+        return _load(text, name)
+    except RecursionError:  # (json and pydantic recurse per level: a 200k-level document)
+        raise RequestFileError(f"{name}: nested too deeply to be a request") from None
+
+
+def _load(text: str, name: str) -> list[LoadedRequest]:
     if not text.strip():
         raise RequestFileError(f"{name}: no requests (the file is empty)")
     if not name.endswith(JSON_LINES_SUFFIXES):

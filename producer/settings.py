@@ -11,12 +11,13 @@ the worker's variables can live in the same file. Credentials are `SecretStr` an
 from __future__ import annotations
 
 import getpass
-import re
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from producer.admission import check_client_name
 from worker.keys import check_queue_names, check_redis_url, split_list
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
@@ -46,6 +47,11 @@ class ProducerSettings(BaseSettings):
         description="the worker's queues; `submit` uses the first unless --queue is given",
     )
     client: str = Field(default_factory=_default_client, description="name per-client quotas count under")
+    operator: bool = Field(
+        False,
+        description="see and act on every client's jobs (ls, status, watch, cancel, fetch, stats' failures); "
+        "otherwise only this client's own (and unowned) jobs",
+    )
     max_queue_depth: int = Field(
         200, ge=0, description="refuse a submit when this many jobs wait in the queue (0: no cap)"
     )
@@ -53,12 +59,22 @@ class ProducerSettings(BaseSettings):
         0, ge=0, description="refuse a submit when the client has this many unfinished jobs (0: no quota)"
     )
     job_timeout: int = Field(
-        7200, ge=1, description="RQ job_timeout in seconds: a backstop above the worker's render timeout"
+        7200, ge=1, description="RQ job_timeout written at submit (the worker replaces it with its own)"
     )
     result_ttl: int = Field(86400, ge=-1, description="seconds a finished job and its result stay in Redis")
     failure_ttl: int = Field(7 * 86400, ge=1, description="seconds a failed job stays in Redis")
 
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint for `fetch` (unset: AWS)")
+    s3_public_endpoint_url: str | None = Field(
+        None,
+        description="where the workers' presigned URLs point (their LTX_S3_PUBLIC_ENDPOINT_URL); `fetch` "
+        "downloads a URL only from this or s3_endpoint_url (neither set: AWS S3), over http(s)",
+    )
+    local_storage_dir: Path | None = Field(
+        None,
+        description="the worker's local storage directory (storage_backend=local on this machine): `fetch` "
+        "copies a file:// result only from under it",
+    )
     s3_region: str = "us-east-1"
     s3_access_key_id: SecretStr | None = None
     s3_secret_access_key: SecretStr | None = None
@@ -81,9 +97,7 @@ class ProducerSettings(BaseSettings):
     @field_validator("client")
     @classmethod
     def _check_client(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", value):
-            raise ValueError("may only contain letters, digits and _.@- (at most 64)")
-        return value
+        return check_client_name(value)
 
     @property
     def default_queue(self) -> str:

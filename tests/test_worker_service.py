@@ -326,6 +326,9 @@ def test_s3_down_for_good_keeps_video_in_spool_and_fails_retryable(fleet, tmp_pa
     try:
         job = fleet.submit(f"t bytes=30000 record={record}", seed=13)
         wait_rq_status(job, {JobStatus.FAILED}, 90, fleet.proc)
+        storage = fleet.health()["storage"]  # (issue 19: it said `ok` all through the outage)
+        assert storage["state"] == "degraded" and "uploads failing" in storage["error"], storage
+        assert str(_metric(fleet.health()["metrics_port"], "ltx_worker_storage_up{")).endswith(" 0.0")
     finally:
         fleet.proxy.unblock()
     meta = job.get_meta(refresh=True)
@@ -340,6 +343,9 @@ def test_s3_down_for_good_keeps_video_in_spool_and_fails_retryable(fleet, tmp_pa
     assert hashlib.sha256(video.read_bytes()).hexdigest() == manifest["sha256"]
     assert manifest["sha256"] == hashlib.sha256(output_bytes(13, 30000)).hexdigest()
     assert manifest["attempts"] == 6  # 3 attempts per execution, both recorded in the manifest
+    ok = fleet.submit("t", seed=14)  # storage back: the next confirmed upload clears the degraded state
+    assert wait_state(ok, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded"
+    wait_for(lambda: fleet.health()["storage"]["state"] == "ok", 10, "storage ok again")
 
 
 def test_heartbeats_keep_long_job_from_being_abandoned(fleet, tmp_path):

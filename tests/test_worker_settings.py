@@ -195,3 +195,27 @@ def test_backfill_manifests_and_demo_output_are_ignored_and_the_help_says_where_
         assert subprocess.run(["git", "check-ignore", "-q", path], cwd=root, check=False).returncode == 0, path
     help_text = " ".join(CliRunner().invoke(cli, ["backfill", "--help"]).output.split())
     assert "<file>.manifest.jsonl next to the input" in help_text
+
+
+def test_settings_output_masks_every_secret_and_metrics_listen_on_loopback(monkeypatch, tmp_path):
+    """Issue 19: `ltx-worker settings` printed the Redis password; /metrics listened on all interfaces
+    outside compose (compose sets 0.0.0.0 inside the container and publishes on the host's loopback)."""
+    from click.testing import CliRunner
+
+    from worker.cli import main
+
+    monkeypatch.setenv("LTX_REDIS_URL", "redis://ltx:hunter2-redis@redis.internal:6379/0")
+    monkeypatch.setenv("LTX_S3_ACCESS_KEY_ID", "AKIA-not-shown")
+    monkeypatch.setenv("LTX_S3_SECRET_ACCESS_KEY", "hunter2-s3")
+    result = CliRunner().invoke(main, ["settings"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "hunter2" not in result.output and "AKIA-not-shown" not in result.output
+    shown = json.loads(result.stdout)
+    assert shown["redis_url"] == "redis://***@redis.internal:6379/0"
+    assert shown["metrics_host"] == "127.0.0.1"
+    import yaml
+
+    compose = yaml.safe_load((Path(__file__).resolve().parent.parent / "docker-compose.yml").read_text())
+    worker = compose["services"]["worker"]
+    assert worker["environment"]["LTX_METRICS_HOST"] == "0.0.0.0"
+    assert all(str(p).startswith("127.0.0.1:") for p in worker["ports"])

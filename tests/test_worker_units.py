@@ -254,6 +254,8 @@ if mode == "crash":
     sys.exit(3)
 if mode == "config":
     sys.exit(2)
+if mode == "clean":
+    sys.exit(0)
 if mode == "exit-once" and not out.joinpath(f"exited-{group}").exists():
     out.joinpath(f"exited-{group}").touch(); sys.exit(1)
 def term(signum, frame):
@@ -331,6 +333,25 @@ def test_supervisor_gives_up_on_crash_loop(tmp_path):
     assert sup.run() == EXIT_CRASH_LOOP
     assert time.monotonic() - t0 < 30
     assert any(c.exit_codes[-3:] == [3, 3, 3] for c in sup.children)
+
+
+@pytest.mark.timeout(60)
+def test_supervisor_restarts_unasked_clean_exits_and_never_gives_up_on_them(tmp_path):
+    """Issue 19: five RQ `shutdown` PUBLISHes (each worker exits 0) made the supervisor give up."""
+    import os
+
+    sup = Supervisor(["a"], _command(tmp_path, "clean"), backoff_s=0.01, backoff_max_s=0.05, max_quick_exits=3,
+                     poll_s=0.02)  # fmt: skip
+
+    def stop_later():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(list(tmp_path.glob("start-*"))) < 8:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_later, daemon=True).start()
+    assert sup.run() == 0
+    assert len(list(tmp_path.glob("start-a0-*"))) >= 8 and sup.children[0].restarts >= 7
 
 
 # ==== abandoned jobs (RQ's registry cleanup with the worker's handler) ==================================

@@ -34,6 +34,7 @@ __all__ = [
     "EVENTS_KEY_TEMPLATE",
     "EVENT_FIELD_DATA",
     "EVENT_FIELD_TYPE",
+    "JOB_ID_MAX_LEN",
     "KEY_PREFIX",
     "RECORDED_END_STATES",
     "RENDER_COMPLETE_STATES",
@@ -45,6 +46,7 @@ __all__ = [
     "EventType",
     "FailureReason",
     "JobState",
+    "check_job_id",
     "check_queue_names",
     "check_redis_url",
     "derive_state",
@@ -61,6 +63,24 @@ KEY_PREFIX = "ltx"
 RENDER_FUNC = "worker.job.render"
 
 EVENTS_KEY_TEMPLATE = KEY_PREFIX + ":job:{job_id}:events"
+
+#: Longest job id accepted (by the producer at submit and by the worker before it runs a job). An id names
+#: a spool directory, an S3 key and Redis keys, and tags every log line of its job: an unbounded one broke
+#: the spool (`File name too long`) and flooded the log (issue 19).
+JOB_ID_MAX_LEN = 128
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_job_id(job_id: str) -> str:
+    """`job_id` if it is 1-`JOB_ID_MAX_LEN` letters, digits, `_` or `-`; else ValueError (never echoes more
+    than the start of a long id)."""
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= JOB_ID_MAX_LEN or not _JOB_ID.fullmatch(job_id):
+        shown = repr(job_id[:40]) + ("..." if len(job_id) > 40 else "") if isinstance(job_id, str) else repr(job_id)
+        raise ValueError(f"job id {shown} ({len(job_id) if isinstance(job_id, str) else '?'} characters): "
+                         f"use 1-{JOB_ID_MAX_LEN} letters, digits, _ or -")  # fmt: skip
+    return job_id
+
+
 WORKER_HEALTH_KEY_TEMPLATE = KEY_PREFIX + ":worker:{name}:health"
 
 #: Stream entry fields: `type` (an `EventType` value, for cheap filtering) and `data` (the whole event as
@@ -182,6 +202,12 @@ class FailureReason(StrEnum):
     WORKER_LOST = "worker_lost"
     #: RQ's job_timeout fired before the fleet's own timeout (the fleet is rebuilt).
     JOB_TIMEOUT = "job_timeout"
+    #: The worker's spool could not hold the render (disk full, I/O error): `error.errno` says which.
+    #: Retried per settings (another host may have room); the fleet is untouched.
+    SPOOL_ERROR = "spool_error"
+    #: The job reached the worker's hard cap on executions (`max_attempts`), whatever the reasons. Never
+    #: retried: it bounds any loop the per-reason budgets do not (e.g. executions that vanish unrecorded).
+    ATTEMPTS_EXHAUSTED = "attempts_exhausted"
     #: A bug in the worker itself.
     INTERNAL = "internal"
 

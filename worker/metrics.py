@@ -41,6 +41,9 @@ class WorkerMetrics:
                                         labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
         self.upload_bytes = Counter("ltx_worker_upload_bytes", "Bytes confirmed in storage", labels, registry=r)
         self.upload_retries = Counter("ltx_worker_upload_retries", "Failed upload attempts", labels, registry=r)
+        self.ignored_commands = Counter("ltx_worker_ignored_commands", "RQ pubsub commands refused (shutdown: "
+                                        "anyone who can PUBLISH could stop the service; junk)", [*labels, "command"],
+                                        registry=r)  # fmt: skip
         self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
                                             labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
         self.fleet_up = Gauge("ltx_worker_fleet_up", "1 while the fleet is warm and not poisoned", labels,

@@ -15,13 +15,16 @@ handler (a job that failed before the service saw it). Each calls `JobOutcomes`,
 - tells RQ through `rqcompat.set_retry` (RQ's own failure handling and cleanup then re-queue or fail it);
 - counts it in the metrics.
 
-TTLs (result, failure, the running stream's) are computed here too, and `uploaded`/`cancelled` are
+The limits the worker owns are applied here (`own_limits`): RQ's `job_timeout` comes from the settings and
+the result/failure TTLs are capped by them, whatever the enqueuer wrote. TTLs (result, failure, the
+running stream's) are computed here too, and `uploaded`/`cancelled` are
 recorded here. RQ's registries are touched only by `worker.rqcompat`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -30,11 +33,12 @@ from .keys import FailureReason, JobState
 from .relay import EventRelay
 from .settings import WorkerSettings
 
-__all__ = ["JobOutcomes"]
+__all__ = ["RQ_TIMEOUT_MARGIN_S", "JobOutcomes", "attempt_count"]
 
 log = logging.getLogger("worker.outcomes")
 
 _MESSAGE_IN_HISTORY = 300  # characters of each failed attempt's message kept in meta `attempts`
+RQ_TIMEOUT_MARGIN_S = 30  #: RQ's death penalty fires this long after the fleet's own render timeout
 _HISTORY_LEN = 20  # attempts kept (budgets are small; this only bounds a hostile or buggy loop)
 
 
@@ -56,20 +60,54 @@ class JobOutcomes:
             FailureReason.WORKER_SHUTDOWN: s.retry_worker_shutdown,
             FailureReason.UPLOAD_FAILED: s.retry_upload_failed,
             FailureReason.JOB_TIMEOUT: s.retry_job_timeout,
+            FailureReason.SPOOL_ERROR: s.retry_spool_error,
         }.get(reason, 0)
 
+    def attempts_left(self, job: Any) -> int:
+        """Executions the hard cap (`max_attempts`) still allows after the current one (meta `attempt`)."""
+        return max(0, self.settings.max_attempts - attempt_count(_meta(job)))
+
+    # ==== limits the worker owns (issue 19: never the enqueuer's) ======================================
+    def rq_timeout(self) -> int:
+        """RQ's death penalty for one execution (its `job_timeout`): the render timeout plus a margin, so
+        the fleet's own timeout, which is recoverable, always fires first; with synchronous uploads the job
+        function uploads too, so it gets as long again. An enqueuer's `job_timeout` is ignored: a small one
+        raised RQ's JobTimeoutException mid-render and rebuilt the fleet."""
+        render = math.ceil(self.settings.render_timeout) + RQ_TIMEOUT_MARGIN_S
+        return render if self.settings.upload_pipeline else 2 * render
+
+    def kept_result_ttl(self, job: Any) -> int:
+        """The job's `result_ttl` in RQ's meaning (-1: forever, 0: not kept), capped by the settings'."""
+        cap, ttl = self.settings.result_ttl, job.result_ttl
+        if ttl is None or (cap >= 0 and (ttl < 0 or ttl > cap)):
+            return cap
+        return int(ttl)
+
     def result_ttl(self, job: Any) -> int:
-        ttl = job.result_ttl if job.result_ttl is not None else self.settings.result_ttl
-        return int(ttl) if ttl and ttl > 0 else self.settings.failure_ttl
+        """Seconds a successful job's records (stream, result) live: the kept result TTL, or the failure
+        TTL when the result is kept forever or not at all (its events still need an expiry)."""
+        ttl = self.kept_result_ttl(job)
+        return ttl if ttl > 0 else self.settings.failure_ttl
 
     def failure_ttl(self, job: Any) -> int:
-        return int(job.failure_ttl or self.settings.failure_ttl)
+        """The job's `failure_ttl` capped by the settings' (a client asked for 10^9 s)."""
+        cap, ttl = self.settings.failure_ttl, job.failure_ttl
+        return min(int(ttl), cap) if ttl and ttl > 0 else cap
+
+    def own_limits(self, job: Any) -> None:
+        """Before an execution: RQ's timeout from the settings and the TTLs capped, on the job object (RQ's
+        death penalty and its success/failure handling read them there) and in the hash (the cleanups and
+        tools of other processes read them there)."""
+        job.timeout = self.rq_timeout()
+        job.result_ttl = self.kept_result_ttl(job)
+        job.failure_ttl = self.failure_ttl(job)
+        job.connection.hset(job.key, mapping={"timeout": job.timeout, "result_ttl": job.result_ttl,
+                                              "failure_ttl": job.failure_ttl})  # fmt: skip
 
     def running_ttl(self, job: Any) -> int:
         """The event stream's expiry while the job is not finished: outlives the longest run, then the
         longest of the TTLs a terminal state will set."""
-        longest_run = max(int(job.timeout or 0), int(self.settings.render_timeout))
-        return longest_run + max(self.result_ttl(job), self.failure_ttl(job)) + 3600
+        return self.rq_timeout() + max(self.result_ttl(job), self.failure_ttl(job)) + 3600
 
     def relay(self, job: Any) -> EventRelay:
         meta = _meta(job)
@@ -89,13 +127,17 @@ class JobOutcomes:
     ) -> bool:
         """Record a failed attempt: `retrying` while the reason's budget lasts (unless `retryable` is False),
         else a terminal `failed` whose error lists every attempt. Sets RQ's retry decision on `job`.
-        Returns True when the job will be re-queued."""
+        Returns True when the job will be re-queued. Whatever the reason's budget, no job is re-queued once
+        it has had `max_attempts` executions (the hard cap: a loop of any kind ends in a recorded failure)."""
         relay = relay or self.relay(job)
         meta = relay.meta
         retries: dict[str, int] = dict(meta.get("retries") or {})
         budget = self.budget(reason)
         used = int(retries.get(reason.value, 0))
-        retry = used < budget and retryable is not False
+        capped = self.attempts_left(job) <= 0
+        retry = used < budget and retryable is not False and not capped
+        if capped and used < budget and retryable is not False:
+            details = {**details, "attempts_cap": self.settings.max_attempts}
         if retryable is None:
             retryable = budget > 0
         attempts = _history(meta, self._attempt_entry(job, meta, "retrying" if retry else "failed", reason,
@@ -153,6 +195,17 @@ class JobOutcomes:
     def _count(self, outcome: str, reason: FailureReason | None) -> None:
         if self.metrics is not None:
             self.metrics.job_outcome(outcome, reason.value if reason else "")
+
+
+def attempt_count(meta: dict[str, Any]) -> int:
+    """Meta `attempt` (executions so far) as an int; a value that is not one (a hand-written hash) counts
+    as the cap's worth rather than none, so junk can never reset the cap."""
+    value = meta.get("attempt")
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return 1 << 30
 
 
 def _meta(job: Any) -> dict[str, Any]:

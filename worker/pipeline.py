@@ -102,6 +102,7 @@ class UploadPipeline:
         make_result: ResultFn,
         stop: threading.Event,
         on_uploaded: Callable[[], None] | None = None,
+        on_upload_failed: Callable[[UploadFailed], None] | None = None,
     ) -> None:
         self.uploader = uploader
         self.spool = spool
@@ -115,6 +116,7 @@ class UploadPipeline:
         self.make_result = make_result
         self.stop = stop
         self.on_uploaded = on_uploaded
+        self.on_upload_failed = on_upload_failed  #: told of every upload that failed all its attempts
         self.on_change: Callable[[], None] = lambda: None  #: pending/in-flight counts changed (health)
         self._cond = threading.Condition()
         self._queue: deque[PendingUpload] = deque()
@@ -327,6 +329,8 @@ class UploadPipeline:
             if self.stop.is_set():
                 log.warning("job %s: upload interrupted by shutdown; left in the spool", item.job_id)
                 return
+            if self.on_upload_failed is not None:
+                self.on_upload_failed(exc)
             item.released.wait(_RELEASE_WAIT_S)
             self._record_failure(item, exc)
             return

@@ -1,45 +1,113 @@
 """`RenderJob`: the RQ job class of render workers, hardened against what anyone with Redis access can push.
 
-Found by the chaos suite (tests/chaos): a plain RQ worker executes *any* importable function named in a
-job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), and a hash RQ cannot parse
-(`created_at: "yesterday"`) or whose meta is not JSON made the worker process quit with its warm fleet
-(an unparseable meta even crashed the next worker's registry cleanup). So:
+Found by the chaos suite (tests/chaos) and the abuse review (issue 19): a plain RQ worker executes *any*
+importable function named in a job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), calls
+any module attribute named as a success/failure/stopped callback, re-runs a job as often as its
+`repeats_left` says, posts to its webhooks, decompresses its `data` without a bound (a 1.4 MB zlib bomb
+took a worker to 3.3 GB), and rewrites a meta of any size on every event. A hash RQ cannot parse
+(`created_at: "yesterday"`) or whose meta is not JSON made the worker process quit with its warm fleet. So:
 
-- only `worker.keys.RENDER_FUNC` is executed; any other function fails the job with `RefusedJob`;
+- only `worker.keys.RENDER_FUNC` is executed; any other function, a job id `worker.keys.check_job_id`
+  refuses, or a hash carrying fields this service never writes (callbacks, repeats, dependencies,
+  webhooks) fails the job with `RefusedJob` (recorded as `invalid_request`); those fields are dropped on
+  load, so RQ never acts on them (RQ calls a failure callback even for a refused job);
+- `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
+  replaced by an empty one and refused the same way;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
 - `worker.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
   failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
+
+The limits come from the worker's settings through `RenderJob.with_limits()`, a subclass per worker.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import zlib
 from typing import Any
 
 from rq.job import Job
+from rq.utils import decode_redis_hash
 
-from .keys import RENDER_FUNC
+from .keys import RENDER_FUNC, check_job_id
 
-__all__ = ["RefusedJob", "RenderJob"]
+__all__ = ["REFUSED_HASH_FIELDS", "RefusedJob", "RenderJob"]
 
 log = logging.getLogger("worker.rq")
 
+#: Job-hash fields the producer never writes and RQ would act on: refused, and dropped before RQ sees them.
+REFUSED_HASH_FIELDS = (
+    "success_callback_name",
+    "failure_callback_name",
+    "stopped_callback_name",
+    "repeats_left",
+    "repeat_intervals",
+    "dependency_ids",
+    "dependency_id",
+    "webhooks",
+)
+_CALL_PLACEHOLDER = zlib.compress(json.dumps([RENDER_FUNC, None, [], {}]).encode())  # never run: refused
+
 
 class RefusedJob(RuntimeError):
-    """The job names a function other than the render function: never executed."""
+    """The job hash is not one this service runs (another function, a bad id, refused fields): never executed."""
 
 
 class RenderJob(Job):
     """See the module docstring."""
 
+    max_data_bytes: int = 1 << 20  #: decompressed `data` (the call and its request) accepted
+    max_meta_bytes: int = 64 << 10  #: serialized meta accepted
+
+    @classmethod
+    def with_limits(cls, *, max_data_bytes: int, max_meta_bytes: int) -> type[RenderJob]:
+        """A subclass with these limits (one per worker, from its settings)."""
+        return type("RenderJob", (cls,), {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes})
+
     def restore(self, raw_data: Any) -> Any:
-        out = super().restore(raw_data)
-        meta = self.meta
-        if isinstance(meta, dict) and isinstance(meta.get("unserialized"), bytes):
-            self.meta = {"unserialized": meta["unserialized"].decode("utf-8", "replace")}
+        obj = decode_redis_hash(raw_data)
+        refusals: list[str] = []
+        present = [name for name in REFUSED_HASH_FIELDS if obj.get(name) not in (None, b"", b"[]")]
+        if present:
+            refusals.append(f"the job hash carries {', '.join(present)}, which this service never sets")
+        for name in REFUSED_HASH_FIELDS:
+            obj.pop(name, None)
+        data = obj.get("data")
+        if isinstance(data, bytes):
+            size = _decompressed_size(data, self.max_data_bytes)
+            if size > self.max_data_bytes:
+                refusals.append(f"the job's data exceeds {self.max_data_bytes} bytes")
+                obj["data"] = _CALL_PLACEHOLDER
+        meta = obj.get("meta")
+        if isinstance(meta, bytes) and len(meta) > self.max_meta_bytes:
+            refusals.append(f"the job's meta has {len(meta)} bytes, over {self.max_meta_bytes}")
+            obj["meta"] = b"{}"
+        out = super().restore(obj)
+        meta_now = self.meta
+        if isinstance(meta_now, dict) and isinstance(meta_now.get("unserialized"), bytes):
+            self.meta = {"unserialized": meta_now["unserialized"].decode("utf-8", "replace")}
+        # (kept across refreshes: a refresh after RQ re-saved the cleaned hash must not forget them)
+        self._refusals = list(dict.fromkeys([*getattr(self, "_refusals", []), *refusals]))
         return out
 
     def _execute(self) -> Any:
         if self.func_name != RENDER_FUNC:
             raise RefusedJob(f"this worker only runs {RENDER_FUNC}; refusing to run {self.func_name!r}")
+        try:
+            check_job_id(self.id)  # (RQ checks only the characters; a long id broke the spool, issue 19)
+        except ValueError as exc:
+            raise RefusedJob(str(exc)) from None
+        if getattr(self, "_refusals", None):
+            raise RefusedJob("; ".join(self._refusals))
         return super()._execute()
+
+
+def _decompressed_size(data: bytes, limit: int) -> int:
+    """How many bytes `data` holds once decompressed, counting at most `limit + 1` (RQ stores it with zlib;
+    data that is not zlib is taken as is, as RQ does)."""
+    try:
+        out = zlib.decompressobj().decompress(data, limit + 1)
+    except zlib.error:
+        return len(data)
+    return len(out)

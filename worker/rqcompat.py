@@ -37,7 +37,6 @@ __all__ = [
     "fail_unreadable",
     "give_back_dequeued",
     "give_back_started",
-    "keep_failure_ttl",
     "mark_stopped",
     "record_cancelled_execution",
     "record_success_after_return",
@@ -129,13 +128,6 @@ def set_retry(job: Job, retry: bool) -> None:
     object, which RQ's failure handling and abandoned-job cleanup read; at once, never scheduled)."""
     job.retries_left = 1 if retry else 0
     job.retry_intervals = None
-
-
-def keep_failure_ttl(job: Job, ttl: int) -> None:
-    """Give a job enqueued without `failure_ttl` ours (RQ's default keeps failures a year)."""
-    if job.failure_ttl is None:
-        job.failure_ttl = ttl
-        job.connection.hset(job.key, "failure_ttl", ttl)
 
 
 # ==== jobs taken but never started ========================================================================

@@ -13,6 +13,8 @@ recorded by `worker.outcomes`.
   retrying a failed beat after 0.5 s. The deadline is `job_heartbeat_ttl`, at least three intervals (the
   settings check it). It stops in `handle_execution_ended`, before RQ removes the execution, so a late beat
   can never re-add a finished job to the started registry.
+- `handle_payload()`: RQ's pubsub `shutdown` command is refused (anyone who can PUBLISH could stop the
+  service); `stop-job`/`kill-horse` pass on.
 - `kill_horse()`: RQ's stop-job command lands here (on the pubsub thread) and would be a no-op for a
   SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives. A client's
   `job.cancel()` on a *running* job is noticed by the heartbeat thread and handled the same way. RQ would
@@ -28,8 +30,9 @@ recorded by `worker.outcomes`.
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
 - Back-pressure: before every dequeue the worker waits while the background uploader (`worker.pipeline`)
-  is at its bound of pending uploads; after every job it tells the service that RQ's bookkeeping of the
-  return is done (`job_returned`), so the uploader's `uploaded` record always lands after RQ's own.
+  is at its bound of pending uploads, or the spool's disk is nearly full; after every job it tells the
+  service that RQ's bookkeeping of the return is done (`job_returned`), so the uploader's `uploaded` record
+  always lands after RQ's own.
   `teardown()` drains pending uploads on a warm stop (bounded), never on a cold one.
 - Jobs whose worker vanished (found by RQ's abandoned-job or intermediate-queue cleanup, run by any worker
   on the queue) are recorded as `worker_lost` by `worker.outcomes` with the budget from the settings. The
@@ -46,6 +49,7 @@ import time
 from typing import Any
 
 import redis
+from rq.command import parse_payload
 from rq.exceptions import AbandonedJobError, StopRequested
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
@@ -66,6 +70,7 @@ log = logging.getLogger("worker.rq")
 EXIT_FLEET_UNRECOVERABLE = 3
 _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
 _BEAT_RETRY_S = 0.5  # a failed beat is retried this soon (not a whole interval later)
+_SPOOL_MIN_FREE_INODES = 16  # a job needs a directory, the video, a manifest and a lock file
 _SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
 
 
@@ -75,7 +80,9 @@ class FleetWorker(SimpleWorker):
     def __init__(self, queues: Any, *, service: RenderService, **kwargs: Any) -> None:
         settings = service.settings
         kwargs.setdefault("serializer", JSONSerializer)
-        kwargs.setdefault("job_class", RenderJob)  # runs only the render function; survives hostile hashes
+        # runs only the render function, within the settings' size limits; survives hostile hashes
+        kwargs.setdefault("job_class", RenderJob.with_limits(max_data_bytes=settings.max_request_bytes,
+                                                             max_meta_bytes=settings.max_meta_bytes))  # fmt: skip
         kwargs.setdefault("default_result_ttl", settings.result_ttl)
         kwargs.setdefault("worker_ttl", settings.worker_ttl)
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
@@ -209,6 +216,7 @@ class FleetWorker(SimpleWorker):
     # ==== job execution ===============================================================================
     def execute_job(self, job: Any, queue: Any) -> None:
         rqcompat.mark_stopped(self, None)
+        self.outcomes.own_limits(job)  # RQ's timeout and the TTLs from the settings, never the enqueuer's
         self.prepare_execution(job)
         self._beat_stop = threading.Event()
         self._beat_thread = threading.Thread(
@@ -281,20 +289,27 @@ class FleetWorker(SimpleWorker):
 
     def _wait_for_upload_room(self) -> None:
         """Back-pressure: while the background uploader holds `max_pending_uploads` renders (or
-        `max_pending_bytes`), take no job. The worker stays registered (heartbeats), idle (a warm stop
-        interrupts the wait like an idle dequeue) and says so in metrics, health and the log."""
+        `max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
+        `_SPOOL_MIN_FREE_INODES` inodes: issue 19, a full spool used to fail every job), take no job. The
+        worker stays registered (heartbeats), idle (a warm stop interrupts the wait like an idle dequeue)
+        and says so in metrics, health and the log."""
         pipeline = self.service.pipeline
-        if not pipeline.full():
+        why = self._backpressure_reason()
+        if why is None:
             return
         metrics, group = self.service.metrics, self.service.group
         self._backpressure = True
         metrics.backpressure.labels(group).set(1)
         t0 = last = time.monotonic()
-        log.warning("back-pressure: %s; waiting for uploads before taking another job", pipeline.snapshot())
+        log.warning("back-pressure: %s; waiting before taking another job", why)
         self.health.notify()
         try:
             beat = max(1.0, min(10.0, self.settings.worker_ttl / 4))
-            while not pipeline.wait_for_room(beat):
+            while self._backpressure_reason() is not None:
+                if pipeline.full():
+                    pipeline.wait_for_room(beat)
+                else:
+                    time.sleep(min(beat, 1.0))  # (disk space comes back through uploads or the operator)
                 now = time.monotonic()
                 metrics.backpressure_seconds.labels(group).inc(now - last)
                 last = now
@@ -305,6 +320,18 @@ class FleetWorker(SimpleWorker):
             self._backpressure = False
             self.health.notify()
         log.info("back-pressure released after %.2fs", time.monotonic() - t0)
+
+    def _backpressure_reason(self) -> str | None:
+        pipeline = self.service.pipeline
+        if pipeline.full():
+            return f"uploads pending: {pipeline.snapshot()}"
+        try:
+            free_bytes, free_inodes = self.service.spool.free()
+        except OSError as exc:
+            return f"spool unusable: {exc}"
+        if free_bytes < self.settings.spool_min_free_bytes or free_inodes < _SPOOL_MIN_FREE_INODES:
+            return f"spool disk nearly full: {free_bytes} bytes, {free_inodes} inodes free"
+        return None
 
     def _ensure_fleet(self) -> None:
         service = self.service
@@ -369,10 +396,15 @@ class FleetWorker(SimpleWorker):
     def _record_unrecorded_failure(self, job: Any, exc: BaseException | None) -> None:
         """A job that failed before the service could record it (a refused function, arguments that do not
         fit `render(request)`) still gets a terminal `failed` state, so watchers never wait forever."""
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        state = meta.get("state")
+        if state in RECORDED_END_STATES:
+            return  # the service recorded it and set the retry decision
+        # Nobody decided: never re-queue on the `retries_left` the job hash came with (a client's or a
+        # stale one), even if recording below fails (issue 19: this path never spent a budget).
+        rqcompat.set_retry(job, False)
         try:
-            meta = job.meta if isinstance(job.meta, dict) else {}
-            state = meta.get("state")
-            if state in RECORDED_END_STATES or job.get_status(refresh=False) != JobStatus.FAILED:
+            if job.get_status(refresh=False) != JobStatus.FAILED:
                 return
             # a TypeError before the service started the job: arguments that do not fit render(request)
             refused = isinstance(exc, RefusedJob) or (isinstance(exc, TypeError) and state in (None, "queued"))
@@ -396,6 +428,28 @@ class FleetWorker(SimpleWorker):
             log.warning("could not record the loss of job %s", getattr(job, "id", "?"), exc_info=True)
 
     # ==== cancellation and shutdown ===================================================================
+    def handle_payload(self, message: Any) -> None:
+        """RQ's pubsub commands (`rq:pubsub:<worker>`): `stop-job`/`kill-horse` cancel the running job (what
+        any client may do to a job), but `shutdown` is refused: anyone who can PUBLISH on this Redis could
+        stop every worker (five in a minute made the supervisor give up, issue 19). The operator stops a
+        worker with a signal. A payload that is not a command is logged and dropped (it used to end RQ's
+        pubsub thread, and with it cancels of running jobs)."""
+        try:
+            payload = parse_payload(message)
+            command = str(payload.get("command")) if isinstance(payload, dict) else None
+        except Exception:
+            command = None
+        label = command if command in ("shutdown", "stop-job", "kill-horse") else "invalid"
+        if label in ("shutdown", "invalid"):
+            self.service.metrics.ignored_commands.labels(self.service.group, label).inc()
+            log.warning("ignored RQ pubsub command %r on %s (stop workers with SIGTERM; docs/security.md)",
+                        command if label != "invalid" else str(message.get("data"))[:80], self.name)  # fmt: skip
+            return
+        try:
+            super().handle_payload(message)
+        except Exception:
+            log.warning("RQ pubsub command %r failed", command, exc_info=True)
+
     def kill_horse(self, sig: Any = None) -> None:
         """RQ's stop-job / kill-horse command: cancel the running render cooperatively."""
         job_id = rqcompat.stopped_job_id(self)

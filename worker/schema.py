@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .imagesize import MAX_IMAGE_SIDE, image_size
+
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
 MAX_PROMPT_CHARS = 4000
@@ -44,6 +46,9 @@ class ConditioningImage(BaseModel):
             raise ValueError(f"must be base64-encoded image bytes: {exc}") from exc
         if len(raw) > MAX_IMAGE_BYTES:
             raise ValueError(f"image is {len(raw)} bytes, over the {MAX_IMAGE_BYTES} byte limit")
+        size = image_size(raw)  # (from the header: nothing is decoded here)
+        if size is not None and max(size[1], size[2]) > MAX_IMAGE_SIDE:
+            raise ValueError(f"{size[0]} image of {size[1]}x{size[2]} pixels; at most {MAX_IMAGE_SIDE} per side")
         return value
 
     @field_validator("frame")

@@ -3,8 +3,8 @@
 One instance per worker process (one fleet). `run_job()` is the body of the RQ job function
 (`worker.job.render`):
 
-1. bookkeeping: attempt counter, a retry budget for "the worker vanished" written to the RQ job (so RQ's
-   abandoned-job cleanup re-queues it at most that often), `failure_ttl`;
+1. bookkeeping: attempt counter (the hard cap `max_attempts`), the `worker_lost` budget of executions that
+   vanished unrecorded (RQ's timeout and the TTLs were set from the settings before, `JobOutcomes.own_limits`);
 2. validate the request (`RenderRequest`); a bad one fails at once naming the field, the fleet untouched;
 3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
@@ -26,6 +26,7 @@ failure handling then honours. The worker, not the enqueuer, owns the retry poli
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -34,12 +35,11 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from . import rqcompat
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
 from .limits import RunnerLimits
 from .metrics import WorkerMetrics
-from .outcomes import JobOutcomes
+from .outcomes import JobOutcomes, attempt_count
 from .pipeline import PendingUpload, UploadPipeline
 from .relay import EventRelay
 from .schema import RenderRequest
@@ -51,8 +51,6 @@ from .uploader import Uploader, UploadFailed
 __all__ = ["JobCancelledByClient", "JobFailed", "RenderService"]
 
 log = logging.getLogger("worker.service")
-
-_RQ_TIMEOUT_MARGIN_S = 30  # the fleet's own timeout fires this much before RQ's death penalty
 
 
 class JobFailed(Exception):
@@ -126,6 +124,7 @@ class RenderService:
             make_result=self._pipeline_result,
             stop=self.stop_uploads,
             on_uploaded=self._count_done,
+            on_upload_failed=self._upload_failed,
         )
         self.current: _Current | None = None
         self.jobs_done = 0
@@ -166,6 +165,12 @@ class RenderService:
         self.jobs_done += 1
         if self.storage_error is not None:
             self.set_storage_state(None)  # a confirmed upload: storage is reachable again
+
+    def _upload_failed(self, exc: UploadFailed) -> None:
+        """Every attempt of an upload failed: storage is degraded (health, `ltx_worker_storage_up`) until
+        an upload is confirmed again (it said `ok` all through an S3 outage after a good start, issue 19)."""
+        if exc.retryable:
+            self.set_storage_state(f"uploads failing: {str(exc)[:300]}")
 
     def set_storage_state(self, error: str | None) -> None:
         """`error`: why storage is degraded (unreachable at start), or None once it is usable. A degraded
@@ -217,11 +222,10 @@ class RenderService:
         lost_before = previous_state in RUNNING_STATES  # an earlier execution vanished mid-job, unrecorded
         if lost_before:
             self.outcomes.lost_unrecorded(job, relay)
-        attempt = int(meta.get("attempt") or 0) + 1
+        attempt = attempt_count(meta) + 1
         queue_wait = _queue_wait(job)
         if queue_wait is not None:
             self.metrics.queue_wait_seconds.labels(self.group).observe(queue_wait)
-        rqcompat.keep_failure_ttl(job, s.failure_ttl)
         relay.state(
             JobState.STARTED,
             attempt=attempt,
@@ -230,6 +234,16 @@ class RenderService:
             queue_wait_s=None if queue_wait is None else round(queue_wait, 4),
             **({"previous_attempt_lost": True} if lost_before else {}),
         )
+        # ---- the hard cap: whatever re-queued it, a job runs at most `max_attempts` times ----------------
+        if attempt > s.max_attempts:
+            self._fail(job, relay, FailureReason.ATTEMPTS_EXHAUSTED,
+                       f"execution {attempt} exceeds the cap of {s.max_attempts} (LTX_MAX_ATTEMPTS)",
+                       retryable=False, attempts_cap=s.max_attempts)  # fmt: skip
+        lost = int((relay.meta.get("retries") or {}).get(FailureReason.WORKER_LOST.value, 0))
+        if lost_before and lost > self.outcomes.budget(FailureReason.WORKER_LOST):
+            # (executions that vanish unrecorded spend the worker_lost budget like recorded losses)
+            self._fail(job, relay, FailureReason.WORKER_LOST,
+                       f"{lost} executions vanished; the worker_lost budget is spent", retryable=False)  # fmt: skip
 
         # ---- validate -------------------------------------------------------------------------------
         try:
@@ -247,7 +261,10 @@ class RenderService:
                        errors=[{"field": v.field, "message": v.message()} for v in violations])  # fmt: skip
 
         # ---- render (unless a complete render of this job is already in the spool) ------------------
-        entry = self.spool.load(job.id)
+        try:
+            entry = self.spool.load(job.id)
+        except OSError as exc:
+            self._spool_failed(job, relay, exc)
         render_s = 0.0
         if entry is not None:
             log.info("job %s: complete render found in the spool; uploading it instead of rendering", job.id)
@@ -271,6 +288,7 @@ class RenderService:
             stored = self.uploader.upload(entry, on_event=self._upload_event(relay), stop=self.stop_uploads)
         except UploadFailed as exc:
             self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
+            self._upload_failed(exc)
             self._fail(job, relay, FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
                        spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
         upload_s = time.monotonic() - t_up
@@ -289,11 +307,12 @@ class RenderService:
         s = self.settings
         if cur.cancel.is_set():
             self._cancelled(job, relay)
-        output_path = self.spool.prepare(job.id, s.output_name)
+        try:
+            output_path = self.spool.prepare(job.id, s.output_name)
+        except OSError as exc:
+            self._spool_failed(job, relay, exc)
         kwargs = {**req.runner_kwargs(), "output_path": str(output_path)}
-        timeout = float(s.render_timeout)
-        if job.timeout and job.timeout > 0:
-            timeout = max(1.0, min(timeout, float(job.timeout) - _RQ_TIMEOUT_MARGIN_S))
+        timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
         t_render = time.monotonic()
@@ -357,15 +376,19 @@ class RenderService:
             self._fail(job, relay, FailureReason.NO_OUTPUT, message)
         info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
         info["render_s"] = round(render_s, 4)
-        entry = self.spool.commit(
-            job.id,
-            file_name=output_path.name,
-            key=self.storage.key_for(job.id, output_path.name),
-            content_type=str(output.get("content_type") or "video/mp4"),
-            queue=job.origin,
-            info=info,
-            hash_now=not s.upload_pipeline,  # the pipeline hashes in its own thread, off the critical path
-        )
+        try:
+            entry = self.spool.commit(
+                job.id,
+                file_name=output_path.name,
+                key=self.storage.key_for(job.id, output_path.name),
+                content_type=str(output.get("content_type") or "video/mp4"),
+                queue=job.origin,
+                info=info,
+                hash_now=not s.upload_pipeline,  # the pipeline hashes in its own thread, off the critical path
+            )
+        except OSError as exc:
+            self.spool.discard_incomplete(job.id)
+            self._spool_failed(job, relay, exc)
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
         relay.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
         return entry, render_s
@@ -391,6 +414,14 @@ class RenderService:
         if reraise is not None:
             raise reraise
         raise JobFailed(reason, message, retrying=retry, **details) from None
+
+    def _spool_failed(self, job: Any, relay: EventRelay, exc: OSError) -> NoReturn:
+        """The spool could not hold this render (ENOSPC, EIO, ...): a failure with its reason and errno,
+        re-queued within `retry_spool_error` (another host may have room), never an unrecorded loop."""
+        code = errno.errorcode.get(exc.errno or 0)
+        message = f"spool: {exc.strerror or exc} ({code or type(exc).__name__})"
+        retryable = exc.errno != errno.ENAMETOOLONG
+        self._fail(job, relay, FailureReason.SPOOL_ERROR, message, errno=code, retryable=retryable)
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _upload_event(self, relay: EventRelay) -> Any:
@@ -439,6 +470,12 @@ class RenderService:
         upload_s: float,
         attempt: int,
     ) -> dict[str, Any]:
+        url, url_expires_at = stored.url, stored.url_expires_at
+        kept = self.outcomes.kept_result_ttl(job)
+        if url_expires_at is not None and kept > 0 and url_expires_at > time.time() + kept:
+            # a URL must not outlive the result it is recorded in: once the job expired its id can be reused,
+            # and the old URL would serve the new owner's video (issue 19)
+            url, url_expires_at = self.storage.url_for(stored.key, expiry_s=kept)
         return {
             "job_id": job.id,
             "state": JobState.UPLOADED.value,
@@ -448,8 +485,8 @@ class RenderService:
             "size": stored.size,
             "sha256": stored.sha256,
             "content_type": stored.content_type,
-            "url": stored.url,
-            "url_expires_at": stored.url_expires_at,
+            "url": url,
+            "url_expires_at": url_expires_at,
             "reused_object": stored.reused,
             "output": {k: v for k, v in entry.info.items() if k in ("frames", "fps", "width", "height")},
             "timings": {

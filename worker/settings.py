@@ -33,7 +33,7 @@ from pydantic_settings import (
 
 from ltx_mgpu.devices import canonical_group
 
-from .keys import check_queue_names, check_redis_url, split_list
+from .keys import check_queue_names, check_redis_url, safe_redis_url, split_list
 
 __all__ = [
     "BUILTIN_RUNNERS",
@@ -108,6 +108,12 @@ class WorkerSettings(BaseSettings):
         60, ge=5, description="seconds without a heartbeat after which a running job counts as abandoned"
     )
     worker_ttl: int = Field(60, ge=20, description="seconds an idle worker's registration lives between beats")
+    max_request_bytes: int = Field(
+        1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"
+    )
+    max_meta_bytes: int = Field(
+        64 << 10, ge=4096, description="largest job meta (the producer's summary and extra meta); bigger is refused"
+    )
     maintenance_interval: int = Field(
         60, ge=1, description="seconds between RQ registry cleanups (abandoned-job detection latency)"
     )
@@ -141,6 +147,10 @@ class WorkerSettings(BaseSettings):
     retry_worker_shutdown: int = Field(1, ge=0, description="re-queues after a cold stop mid-job")
     retry_upload_failed: int = Field(1, ge=0, description="re-queues after all upload attempts failed")
     retry_job_timeout: int = Field(0, ge=0, description="re-queues after RQ's job_timeout fired")
+    retry_spool_error: int = Field(1, ge=0, description="re-queues after the spool could not hold the render")
+    max_attempts: int = Field(
+        5, ge=1, description="hard cap on executions of one job, whatever the reasons (bounds every retry path)"
+    )
 
     # ---- storage -------------------------------------------------------------------------------------
     storage_backend: Literal["s3", "local"] = Field("s3", description="where finished videos go")
@@ -175,6 +185,11 @@ class WorkerSettings(BaseSettings):
         default_factory=lambda: Path(tempfile.gettempdir()) / "ltx-spool",
         description="local directory where renders wait until their upload is confirmed",
     )
+    spool_min_free_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="free bytes the spool's disk must keep; below, the worker takes no job (back-pressure)",
+    )
     upload_pipeline: bool = Field(
         True,
         description="upload in a background thread so the fleet takes the next job at once (false: the "
@@ -198,7 +213,9 @@ class WorkerSettings(BaseSettings):
         le=65535,
         description="Prometheus /metrics and /healthz port of group 0 (group i: +i); 0 = any free port, unset = off",
     )
-    metrics_host: str = Field("0.0.0.0")
+    metrics_host: str = Field(
+        "127.0.0.1", description="address /metrics and /healthz listen on (loopback; compose sets 0.0.0.0)"
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
 
@@ -369,6 +386,7 @@ class WorkerSettings(BaseSettings):
         for key in ("s3_access_key_id", "s3_secret_access_key"):
             if data.get(key) is not None:
                 data[key] = "**********"
+        data["redis_url"] = safe_redis_url(self.redis_url)  # (its password: issue 19)
         return data
 
 

@@ -189,6 +189,11 @@ class Spool:
         with contextlib.suppress(OSError):
             os.close(fd)
 
+    def free(self) -> tuple[int, int]:
+        """Bytes and inodes an unprivileged writer can still use on the spool's file system."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize, st.f_favail if st.f_files else 1 << 30  # (some file systems: no inodes)
+
     # ---- removal -------------------------------------------------------------------------------------
     def release(self, entry: SpoolEntry) -> None:
         """Delete a render whose upload storage has confirmed. Only call it after confirmation."""

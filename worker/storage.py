@@ -71,7 +71,9 @@ class Storage(Protocol):
     def put(self, entry: SpoolEntry, progress: ProgressFn | None = None) -> StoredObject:
         """One idempotent upload attempt, confirmed by reading the object back. Raises StorageError."""
 
-    def url_for(self, key: str) -> tuple[str, float | None]: ...
+    def url_for(self, key: str, expiry_s: int | None = None) -> tuple[str, float | None]:
+        """A URL clients can read the object at and when it expires (None: never); `expiry_s` shortens a
+        presigned URL's life below `presign_expiry_s` (never lengthens it)."""
 
 
 def make_storage(settings: WorkerSettings) -> Storage:
@@ -204,8 +206,10 @@ class S3Storage:
         return StoredObject("s3", self.bucket, entry.key, entry.size, entry.sha256, entry.content_type, url,
                             expires, reused)  # fmt: skip
 
-    def url_for(self, key: str) -> tuple[str, float | None]:
+    def url_for(self, key: str, expiry_s: int | None = None) -> tuple[str, float | None]:
         expiry = self.settings.presign_expiry_s
+        if expiry_s is not None and 0 < expiry_s < expiry:
+            expiry = int(expiry_s)
         url = self.presign_client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expiry
         )
@@ -261,5 +265,5 @@ class LocalStorage:
         return StoredObject("local", None, entry.key, entry.size, entry.sha256, entry.content_type, url,
                             expires, reused)  # fmt: skip
 
-    def url_for(self, key: str) -> tuple[str, float | None]:
+    def url_for(self, key: str, expiry_s: int | None = None) -> tuple[str, float | None]:
         return (self.root / key).resolve().as_uri(), None

@@ -7,7 +7,9 @@ whose worker keeps dying young (`max_quick_exits` times in a row, each within `q
 start; e.g. its fleet can never be built) makes the supervisor stop everything and exit non-zero, so
 the orchestrator sees the crash loop instead of a supervisor quietly spinning. A worker that exits 2 (a
 configuration error: settings, storage credentials, a missing GPU) is never restarted: restarting cannot
-fix it, so the supervisor stops the others and exits 2 at once.
+fix it, so the supervisor stops the others and exits 2 at once. A worker that exits 0 unasked is restarted
+with back-off but never counts towards a crash loop (a clean exit is not a crash, and Redis pubsub must
+not be a way to stop the service).
 
 Signals: the first SIGTERM/SIGINT is forwarded to every child as SIGTERM (warm stop: running jobs
 finish, then fleets stop); a second one is forwarded again (cold stop: jobs are aborted and re-queued,
@@ -41,6 +43,7 @@ class _Child:
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     quick_exits: int = 0
+    clean_exits: int = 0  #: unasked exits with code 0 in a row (back-off only: never a crash loop)
     restarts: int = 0
     next_start: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
@@ -162,6 +165,17 @@ class Supervisor:
                 log.critical("worker for group %s exited %d: a configuration error (its log says which); "
                              "restarting cannot fix it: stopping", child.group, rc)  # fmt: skip
                 return EXIT_BAD_CONFIG
+            if rc == 0:
+                # A clean exit nobody asked for (the workers refuse RQ's pubsub shutdown command, so an older
+                # worker or something else told it to): restarted with back-off, never a crash loop, or anyone
+                # who can PUBLISH on Redis could end the service (issue 19).
+                child.clean_exits = child.clean_exits + 1 if lived < self.quick_exit_s else 0
+                delay = min(self.backoff_max_s, self.backoff_s * (2 ** max(0, child.clean_exits - 1)))
+                child.restarts += 1
+                child.next_start = now + delay
+                log.warning("worker for group %s exited 0 unasked after %.1fs; restarting in %.1fs",
+                            child.group, lived, delay)  # fmt: skip
+                continue
             child.quick_exits = child.quick_exits + 1 if lived < self.quick_exit_s else 0
             if child.quick_exits >= self.max_quick_exits:
                 log.critical("worker for group %s exited %d times within %.0fs of starting (last code %d): "
