@@ -46,7 +46,7 @@ _CLIENT_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 def check_client_name(client: str) -> str:
     """`client` if it is 1-64 letters, digits or `_.@-` (it becomes part of a Redis key and is shown to
-    operators); else ValueError (a 10k-character name and `"x:*\\nFAKE"` passed the API before, issue 19)."""
+    operators); else ValueError (a 10k-character name and `"x:*\\nFAKE"` passed the API before)."""
     if not isinstance(client, str) or not _CLIENT_NAME.fullmatch(client):
         raise ValueError(f"client name {str(client)[:40]!r}: use 1-64 letters, digits or _.@-")
     return client

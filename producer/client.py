@@ -84,7 +84,7 @@ class JobNotFound(LookupError):
 
 class JobUnreadable(JobNotFound):
     """A job hash that cannot be read (written by hand, or by a broken client): `ls` and `stats` show it as
-    a note instead of failing for everyone (issue 19)."""
+    a note instead of failing for everyone."""
 
     def __init__(self, job_id: str, exc: BaseException) -> None:
         super().__init__(f"job {job_id!r} exists but cannot be read: {type(exc).__name__}: {str(exc)[:200]}")

@@ -223,7 +223,7 @@ class EventPrinter:
 def printable(text: object) -> str:
     """`text` with control and format characters (terminal escape sequences, newlines, bidi overrides)
     written as `\\x1b`-style escapes: prompts, errors and names come from other clients, and must never
-    drive the reader's terminal (issue 19)."""
+    drive the reader's terminal."""
     value = str(text)
     if value.isprintable():
         return value

@@ -1,4 +1,4 @@
-"""The producer's tools against hostile or broken Redis contents and input files (issue 19): one bad job
+"""The producer's tools against hostile or broken Redis contents and input files: one bad job
 must not break `ls`/`stats` for everyone, and no input crashes the producer with a traceback.
 Real Redis; the CLI through click's runner."""
 

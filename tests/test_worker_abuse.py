@@ -1,4 +1,4 @@
-"""A hostile or careless client against a real worker (issue 19): real Redis, real S3 (SeaweedFS), one
+"""A hostile or careless client against a real worker: real Redis, real S3 (SeaweedFS), one
 `ltx-worker one` process with a CPU fleet running the fault-injection runner.
 
 Each test is one attack of the issue; it asserts the worker ends the job with a recorded outcome after a
@@ -155,7 +155,7 @@ def test_a_spool_error_is_a_failure_with_its_errno_retried_within_its_budget(wor
 
 
 def test_a_full_spool_disk_engages_back_pressure_until_space_comes_back(worker):
-    """Issue 19: a full spool disk failed every job (`No space left on device`, re-queued without end)."""
+    """A full spool disk failed every job (`No space left on device`, re-queued without end)."""
     if not worker.tmpfs:
         pytest.skip("needs a tmpfs for the spool (mount: root only)")
     worker.idle()

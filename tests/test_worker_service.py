@@ -326,7 +326,7 @@ def test_s3_down_for_good_keeps_video_in_spool_and_fails_retryable(fleet, tmp_pa
     try:
         job = fleet.submit(f"t bytes=30000 record={record}", seed=13)
         wait_rq_status(job, {JobStatus.FAILED}, 90, fleet.proc)
-        storage = fleet.health()["storage"]  # (issue 19: it said `ok` all through the outage)
+        storage = fleet.health()["storage"]  # (it said `ok` all through the outage)
         assert storage["state"] == "degraded" and "uploads failing" in storage["error"], storage
         assert str(_metric(fleet.health()["metrics_port"], "ltx_worker_storage_up{")).endswith(" 0.0")
     finally:

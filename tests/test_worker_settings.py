@@ -198,7 +198,7 @@ def test_backfill_manifests_and_demo_output_are_ignored_and_the_help_says_where_
 
 
 def test_settings_output_masks_every_secret_and_metrics_listen_on_loopback(monkeypatch, tmp_path):
-    """Issue 19: `ltx-worker settings` printed the Redis password; /metrics listened on all interfaces
+    """`ltx-worker settings` printed the Redis password; /metrics listened on all interfaces
     outside compose (compose sets 0.0.0.0 inside the container and publishes on the host's loopback)."""
     from click.testing import CliRunner
 

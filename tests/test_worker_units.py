@@ -337,7 +337,7 @@ def test_supervisor_gives_up_on_crash_loop(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_supervisor_restarts_unasked_clean_exits_and_never_gives_up_on_them(tmp_path):
-    """Issue 19: five RQ `shutdown` PUBLISHes (each worker exits 0) made the supervisor give up."""
+    """Five RQ `shutdown` PUBLISHes (each worker exits 0) made the supervisor give up."""
     import os
 
     sup = Supervisor(["a"], _command(tmp_path, "clean"), backoff_s=0.01, backoff_max_s=0.05, max_quick_exits=3,

@@ -1,7 +1,7 @@
 """An image file's pixel size read from its header, without decoding it (standard library only).
 
 Why: a conditioning image is decoded on every rank of the fleet; a 0.75 MB PNG declaring 16000x16000
-pixels decoded to a 0.77 GB tensor per rank before anything looked at its size (issue 19). The request
+pixels decoded to a 0.77 GB tensor per rank before anything looked at its size. The request
 check (`worker.schema`, run by the producer and again by the worker) reads the declared size from the
 header of the formats below and refuses an image over `MAX_IMAGE_SIDE` before any decoder sees it.
 Formats not listed here are left to the runner's decoder (the size check cannot see them).

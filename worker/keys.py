@@ -66,7 +66,7 @@ EVENTS_KEY_TEMPLATE = KEY_PREFIX + ":job:{job_id}:events"
 
 #: Longest job id accepted (by the producer at submit and by the worker before it runs a job). An id names
 #: a spool directory, an S3 key and Redis keys, and tags every log line of its job: an unbounded one broke
-#: the spool (`File name too long`) and flooded the log (issue 19).
+#: the spool (`File name too long`) and flooded the log.
 JOB_ID_MAX_LEN = 128
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]+")
 

@@ -67,7 +67,7 @@ class JobOutcomes:
         """Executions the hard cap (`max_attempts`) still allows after the current one (meta `attempt`)."""
         return max(0, self.settings.max_attempts - attempt_count(_meta(job)))
 
-    # ==== limits the worker owns (issue 19: never the enqueuer's) ======================================
+    # ==== limits the worker owns (never the enqueuer's) ======================================
     def rq_timeout(self) -> int:
         """RQ's death penalty for one execution (its `job_timeout`): the render timeout plus a margin, so
         the fleet's own timeout, which is recoverable, always fires first; with synchronous uploads the job

@@ -1,6 +1,6 @@
 """`RenderJob`: the RQ job class of render workers, hardened against what anyone with Redis access can push.
 
-Found by the chaos suite (tests/chaos) and the abuse review (issue 19): a plain RQ worker executes *any*
+Found by the chaos suite (tests/chaos) and the abuse review: a plain RQ worker executes *any*
 importable function named in a job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), calls
 any module attribute named as a success/failure/stopped callback, re-runs a job as often as its
 `repeats_left` says, posts to its webhooks, decompresses its `data` without a bound (a 1.4 MB zlib bomb
@@ -95,7 +95,7 @@ class RenderJob(Job):
         if self.func_name != RENDER_FUNC:
             raise RefusedJob(f"this worker only runs {RENDER_FUNC}; refusing to run {self.func_name!r}")
         try:
-            check_job_id(self.id)  # (RQ checks only the characters; a long id broke the spool, issue 19)
+            check_job_id(self.id)  # (RQ checks only the characters; a long id broke the spool)
         except ValueError as exc:
             raise RefusedJob(str(exc)) from None
         if getattr(self, "_refusals", None):

@@ -290,7 +290,7 @@ class FleetWorker(SimpleWorker):
     def _wait_for_upload_room(self) -> None:
         """Back-pressure: while the background uploader holds `max_pending_uploads` renders (or
         `max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
-        `_SPOOL_MIN_FREE_INODES` inodes: issue 19, a full spool used to fail every job), take no job. The
+        `_SPOOL_MIN_FREE_INODES` inodes: a full spool used to fail every job), take no job. The
         worker stays registered (heartbeats), idle (a warm stop interrupts the wait like an idle dequeue)
         and says so in metrics, health and the log."""
         pipeline = self.service.pipeline
@@ -401,7 +401,7 @@ class FleetWorker(SimpleWorker):
         if state in RECORDED_END_STATES:
             return  # the service recorded it and set the retry decision
         # Nobody decided: never re-queue on the `retries_left` the job hash came with (a client's or a
-        # stale one), even if recording below fails (issue 19: this path never spent a budget).
+        # stale one), even if recording below fails (this path never spent a budget).
         rqcompat.set_retry(job, False)
         try:
             if job.get_status(refresh=False) != JobStatus.FAILED:
@@ -431,7 +431,7 @@ class FleetWorker(SimpleWorker):
     def handle_payload(self, message: Any) -> None:
         """RQ's pubsub commands (`rq:pubsub:<worker>`): `stop-job`/`kill-horse` cancel the running job (what
         any client may do to a job), but `shutdown` is refused: anyone who can PUBLISH on this Redis could
-        stop every worker (five in a minute made the supervisor give up, issue 19). The operator stops a
+        stop every worker (five in a minute made the supervisor give up). The operator stops a
         worker with a signal. A payload that is not a command is logged and dropped (it used to end RQ's
         pubsub thread, and with it cancels of running jobs)."""
         try:

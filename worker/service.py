@@ -168,7 +168,7 @@ class RenderService:
 
     def _upload_failed(self, exc: UploadFailed) -> None:
         """Every attempt of an upload failed: storage is degraded (health, `ltx_worker_storage_up`) until
-        an upload is confirmed again (it said `ok` all through an S3 outage after a good start, issue 19)."""
+        an upload is confirmed again (it said `ok` all through an S3 outage after a good start)."""
         if exc.retryable:
             self.set_storage_state(f"uploads failing: {str(exc)[:300]}")
 
@@ -474,7 +474,7 @@ class RenderService:
         kept = self.outcomes.kept_result_ttl(job)
         if url_expires_at is not None and kept > 0 and url_expires_at > time.time() + kept:
             # a URL must not outlive the result it is recorded in: once the job expired its id can be reused,
-            # and the old URL would serve the new owner's video (issue 19)
+            # and the old URL would serve the new owner's video
             url, url_expires_at = self.storage.url_for(stored.key, expiry_s=kept)
         return {
             "job_id": job.id,

@@ -168,7 +168,7 @@ class Supervisor:
             if rc == 0:
                 # A clean exit nobody asked for (the workers refuse RQ's pubsub shutdown command, so an older
                 # worker or something else told it to): restarted with back-off, never a crash loop, or anyone
-                # who can PUBLISH on Redis could end the service (issue 19).
+                # who can PUBLISH on Redis could end the service.
                 child.clean_exits = child.clean_exits + 1 if lived < self.quick_exit_s else 0
                 delay = min(self.backoff_max_s, self.backoff_s * (2 ** max(0, child.clean_exits - 1)))
                 child.restarts += 1
