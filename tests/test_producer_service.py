@@ -331,7 +331,7 @@ def test_cancel_running_job_keeps_the_fleet(stack: Stack, tmp_path: Path) -> Non
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps({"prompt": "long one", **TINY, "steps": 40}))
     job_id = run(["submit", str(slow), "--max-queue-depth", "0"], stack.env)[1].strip()
-    owner = stack.env["LTX_CLIENT"]  # (a client sees its own jobs only: issue 19)
+    owner = stack.env["LTX_CLIENT"]  # (a client sees its own jobs only)
     client = ProducerClient(load_settings(redis_url=stack.redis.url, queues=[stack.queue], client=owner))
     _wait(lambda: (client.status(job_id).meta.get("step") or 0) >= 1, 120, "the render to make progress")
     code, out, _ = run(["cancel", job_id], stack.env)
