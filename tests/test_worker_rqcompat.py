@@ -129,3 +129,31 @@ def test_an_upload_recorded_twice_leaves_one_uploaded_result(redis_client) -> No
     other = {**result, "key": "videos/other/video.mp4"}  # a different object is a different upload
     rqcompat.record_success_after_return(job, other, 60, "w", recovered=False)
     assert len([r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]) == 2
+
+
+def test_a_stale_intermediate_entry_does_not_queue_a_job_twice(redis_client, monkeypatch) -> None:
+    """A worker SIGKILLed between taking a job and starting it leaves the id in RQ's intermediate list. When
+    the job has been queued again meanwhile (the abandoned-job cleanup), RQ's intermediate cleanup used to
+    re-queue it a second time, and it rendered twice (chaos suite). Only a job absent from its queue is lost."""
+    from rq.intermediate_queue import IntermediateQueue
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+    from rq.utils import now
+
+    queue = Queue("stale", connection=redis_client, serializer=JSONSerializer)
+    waiting = queue.enqueue("worker.job.render", {"prompt": "x"})  # queued again: in the queue list
+    stuck = queue.create_job("worker.job.render", args=({"prompt": "y"},))  # queued, but in no list
+    stuck.save()
+    intermediate = IntermediateQueue(queue.key, connection=redis_client)
+    for job in (waiting, stuck):
+        redis_client.rpush(intermediate.key, job.id)
+        redis_client.set(intermediate.get_first_seen_key(job.id), now().timestamp() - 600)
+    worker = FleetWorker.__new__(FleetWorker)
+    lost: list[str] = []
+    monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
+    monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
+    intermediate.cleanup(worker, queue)
+    assert lost == [stuck.id]  # the really stuck one is recorded lost (and re-queued by its budget)
+    assert redis_client.lrange(queue.key, 0, -1).count(waiting.id.encode()) == 1
+    assert intermediate.get_job_ids() == []
+    assert rqcompat.stale_intermediate_entry(waiting, queue) and not rqcompat.stale_intermediate_entry(stuck, queue)

@@ -42,6 +42,7 @@ __all__ = [
     "record_success_after_return",
     "requeue_after_return",
     "set_retry",
+    "stale_intermediate_entry",
     "stopped_job_id",
 ]
 
@@ -272,6 +273,17 @@ def _uploaded_result_exists(job: Job, result: dict[str, Any]) -> bool:
                 and value.get("state") == "uploaded" and value.get("key") == result.get("key")):  # fmt: skip
             return True
     return False
+
+
+def stale_intermediate_entry(job: Job, queue: Queue) -> bool:
+    """True if a job RQ's intermediate-queue cleanup calls stuck has in fact moved on: it is back in its
+    queue, running, or ended. A worker SIGKILLed between taking a job and starting it leaves the id in the
+    intermediate list; the abandoned-job cleanup may re-queue the job meanwhile, and RQ's cleanup, finding
+    the old entry a minute later, would queue it a second time (the chaos suite saw the job render twice).
+    Only a job still `queued` but absent from its queue is really stuck."""
+    if job.get_status(refresh=True) != JobStatus.QUEUED:
+        return True
+    return job.connection.lpos(queue.key, job.id) is not None
 
 
 def _drop_handoff(job: Job, pipe: Any) -> None:

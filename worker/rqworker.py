@@ -390,6 +390,10 @@ class FleetWorker(SimpleWorker):
             rqcompat.record_cancelled_execution(self, job, self.outcomes.failure_ttl(job))
             return None
         if exc_string.startswith(rqcompat.STUCK_IN_INTERMEDIATE):
+            if rqcompat.stale_intermediate_entry(job, queue):  # RQ drops the entry after this returns
+                log.info("job %s: stale intermediate-queue entry dropped (the job is %s)", job.id,
+                         job.get_status(refresh=False))  # fmt: skip
+                return None
             self._record_lost(job, "the worker that dequeued this job vanished before starting it")
         return super().handle_job_failure(job, queue, started_job_registry, exc_string)
 
