@@ -1,0 +1,232 @@
+"""What the producer's client returns and raises: job views, events, stats rows, errors, and the small
+decoders that build them from Redis (a job hash that cannot be read becomes an `unreadable` row)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from worker.keys import (
+    EVENT_FIELD_DATA,
+    EVENT_FIELD_TYPE,
+    TERMINAL_STATES,
+    EventType,
+)
+from worker.schema import RenderRequest
+
+#: The terminal service states as plain strings (what meta and events carry).
+TERMINAL_VALUES = {s.value for s in TERMINAL_STATES}
+
+
+class ServiceUnavailable(RuntimeError):
+    """Redis (or storage) cannot be reached."""
+
+
+class JobNotFound(LookupError):
+    """No job with this id (never submitted, or expired after its TTL)."""
+
+
+class JobUnreadable(JobNotFound):
+    """A job hash that cannot be read (written by hand, or by a broken client): `ls` and `stats` show it as
+    a note instead of failing for everyone."""
+
+    def __init__(self, job_id: str, exc: BaseException) -> None:
+        super().__init__(f"job {job_id!r} exists but cannot be read: {type(exc).__name__}: {str(exc)[:200]}")
+        self.job_id = job_id
+
+
+class JobNotReady(RuntimeError):
+    """`fetch` on a job whose video is not in storage (yet, or ever: see `state`)."""
+
+    def __init__(self, job_id: str, state: str) -> None:
+        super().__init__(f"job {job_id} has no video to fetch: state is {state!r}")
+        self.state = state
+
+
+class IntegrityError(RuntimeError):
+    """Downloaded bytes do not hash to the sha256 the worker recorded."""
+
+
+def content_job_id(request: RenderRequest, *, prefix: str = "bf") -> str:
+    """A job id derived from the request's content (prompt, sizes, seed, ...): same request, same id.
+
+    The canonical JSON includes defaults, so `{"prompt": "x"}` and `{"prompt": "x", "seed": 42}` are one
+    job. RQ job ids may only contain letters, digits, `_` and `-`.
+    """
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return f"{prefix}-{hashlib.sha256(canonical.encode()).hexdigest()[:32]}"
+
+
+# ==== data returned to callers ==========================================================================
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One entry of a job's event stream."""
+
+    id: str  #: the Redis Stream entry id ("<ms>-<seq>"); resume after it
+    type: str  #: a `worker.keys.EventType` value
+    data: dict[str, Any]  #: the whole event (includes `type` and the worker's `ts`)
+
+    @property
+    def terminal_state(self) -> str | None:
+        """The terminal state this event announces, if any."""
+        if self.type == EventType.STATE.value and self.data.get("state") in TERMINAL_VALUES:
+            return str(self.data["state"])
+        return None
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """Everything `status` shows about one job."""
+
+    job_id: str
+    state: str  #: service state (`worker.keys.JobState` value)
+    rq_status: str | None  #: RQ's own status
+    queue: str | None
+    meta: dict[str, Any]
+    result: dict[str, Any] | None
+    error: dict[str, Any] | None
+    request: dict[str, Any] | None
+    enqueued_at: datetime | None  #: first submission (a retry re-queues the job; see `requeued_at`)
+    started_at: datetime | None  #: start of the latest attempt
+    ended_at: datetime | None  #: when the job reached its terminal state (the upload's end, not the render's)
+    requeued_at: datetime | None = None  #: the latest re-queue after a failed attempt, if any
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_VALUES
+
+    def as_json(self) -> dict[str, Any]:
+        def iso(value: datetime | None) -> str | None:
+            return value.isoformat() if value else None
+
+        summary = {k: self.meta.get(k) for k in ("stage", "step", "total", "percent", "eta_s", "attempt")}
+        return {
+            "job_id": self.job_id,
+            "state": self.state,
+            "rq_status": self.rq_status,
+            "queue": self.queue,
+            **summary,
+            "worker": self.meta.get("worker"),
+            "fleet": self.meta.get("fleet"),
+            "enqueued_at": iso(self.enqueued_at),
+            "requeued_at": iso(self.requeued_at),
+            "started_at": iso(self.started_at),
+            "ended_at": iso(self.ended_at),
+            "attempts": self.meta.get("attempts") or [],
+            "error": self.error,
+            "result": self.result,
+            "request": self.request,
+        }
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    path: Path
+    size: int
+    sha256: str
+    source: str  #: where the bytes came from (s3://bucket/key or the URL without its signature)
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    name: str
+    queued: int
+    started: int
+    finished: int
+    failed: int
+    canceled: int
+    deferred: int
+    scheduled: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    name: str
+    state: str  #: RQ worker state (idle, busy, ...)
+    queues: list[str]
+    current_job: str | None
+    group: str | None  #: the device group from the worker's health snapshot
+    fleet_state: str | None
+    last_heartbeat: datetime | None
+    health: dict[str, Any] | None  #: the worker's whole health snapshot, if it wrote one
+
+
+@dataclass(frozen=True)
+class FailureInfo:
+    job_id: str
+    queue: str
+    reason: str | None
+    message: str
+    ended_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Stats:
+    queues: list[QueueStats]
+    workers: list[WorkerInfo]
+    failures: list[FailureInfo]
+    max_queue_depth: int
+    client: str
+    client_quota: int
+    client_unfinished: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        def plain(obj: Any) -> Any:
+            if isinstance(obj, datetime):
+                return obj.isoformat()
+            if isinstance(obj, list):
+                return [plain(o) for o in obj]
+            if isinstance(obj, dict):
+                return {k: plain(v) for k, v in obj.items()}
+            if hasattr(obj, "__dataclass_fields__"):
+                return {k: plain(getattr(obj, k)) for k in obj.__dataclass_fields__}
+            return obj
+
+        return plain(self)
+
+
+def decode_event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> JobEvent:
+    ident = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    decoded = {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in fields.items()
+    }
+    data: dict[str, Any]
+    try:
+        data = json.loads(decoded.get(EVENT_FIELD_DATA, "{}"))
+    except ValueError:
+        data = {"raw": decoded.get(EVENT_FIELD_DATA)}
+    if not isinstance(data, dict):
+        data = {"value": data}
+    etype = decoded.get(EVENT_FIELD_TYPE) or str(data.get("type") or EventType.OTHER.value)
+    return JobEvent(id=ident, type=etype, data=data)
+
+
+#: The `state` of a row standing for a job hash that cannot be read (not a `JobState`: no worker wrote it).
+UNREADABLE = "unreadable"
+
+
+def unreadable_info(job_id: str, queue: str, exc: JobUnreadable) -> JobInfo:
+    return JobInfo(job_id=job_id, state=UNREADABLE, rq_status=None, queue=queue, meta={}, result=None,
+                   error={"reason": UNREADABLE, "message": str(exc)}, request=None, enqueued_at=None,
+                   started_at=None, ended_at=None)  # fmt: skip
+
+
+@contextlib.contextmanager
+def unavailable_on_error() -> Iterator[None]:
+    """Redis connection and timeout errors as `ServiceUnavailable` (one line for the CLI, exit 6)."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise ServiceUnavailable(f"cannot reach Redis: {exc}") from None

@@ -1,0 +1,121 @@
+"""`StatsQueries`: the client's `stats`: queue and registry counts, live workers with their health
+snapshot, the caller's recent failures and its admission usage. Reads only: it never triggers RQ's
+registry maintenance."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from producer.admission import TERMINAL_STATUSES, client_key
+from producer.models import (
+    FailureInfo,
+    JobNotFound,
+    JobUnreadable,
+    QueueStats,
+    Stats,
+    WorkerInfo,
+    unavailable_on_error,
+)
+from worker.keys import (
+    worker_health_key,
+)
+
+
+class StatsQueries:
+    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `_read`, `_visible`)."""
+
+    # ---- stats -------------------------------------------------------------------------------------
+    def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
+        names = list(dict.fromkeys(queues or self.settings.queues))
+        with unavailable_on_error():
+            qstats = []
+            failed_ids: list[tuple[str, str]] = []
+            for name in names:
+                q = self.queue(name)
+                # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135).
+                qstats.append(
+                    QueueStats(
+                        name=name,
+                        queued=q.count,
+                        started=q.started_job_registry.get_job_count(cleanup=False),
+                        finished=q.finished_job_registry.get_job_count(cleanup=False),
+                        failed=q.failed_job_registry.get_job_count(cleanup=False),
+                        canceled=q.canceled_job_registry.get_job_count(cleanup=False),
+                        deferred=q.deferred_job_registry.get_job_count(cleanup=False),
+                        scheduled=q.scheduled_job_registry.get_job_count(cleanup=False),
+                    )
+                )
+                registry = FailedJobRegistry(name, connection=self.connection, serializer=JSONSerializer)
+                # Newest last in the registry (scored by expiry); take the tail.
+                for job_id in registry.get_job_ids(-failures, -1, cleanup=False):
+                    failed_ids.append((name, job_id))
+            workers = [self._worker_info(w) for w in Worker.all(connection=self.connection)]
+            workers = [w for w in workers if not names or set(w.queues) & set(names)]
+            recent = []
+            for name, job_id in failed_ids:
+                try:
+                    info = self._read(job_id)
+                    if not self._visible(info):
+                        continue
+                except JobUnreadable as exc:
+                    recent.append(FailureInfo(job_id=job_id, queue=name, reason="unreadable", message=str(exc),
+                                              ended_at=None))  # fmt: skip
+                    continue
+                except JobNotFound:
+                    continue
+                error = info.error or {}
+                recent.append(
+                    FailureInfo(
+                        job_id=job_id,
+                        queue=name,
+                        reason=error.get("reason"),
+                        message=str(error.get("message") or ""),
+                        ended_at=info.ended_at,
+                    )
+                )
+            recent.sort(key=lambda f: f.ended_at.timestamp() if f.ended_at else 0.0, reverse=True)
+            return Stats(
+                queues=qstats,
+                workers=sorted(workers, key=lambda w: w.name),
+                failures=recent[:failures],
+                max_queue_depth=self.settings.max_queue_depth,
+                client=self.settings.client,
+                client_quota=self.settings.client_quota,
+                client_unfinished=self._client_unfinished(self.settings.client),
+            )
+
+    def _worker_info(self, worker: Worker) -> WorkerInfo:
+        health = None
+        raw = self.connection.get(worker_health_key(worker.name))
+        if raw:
+            with contextlib.suppress(ValueError):
+                health = json.loads(raw)
+        fleet = health.get("fleet") if isinstance(health, dict) else None
+        fleet_state = fleet.get("state") if isinstance(fleet, dict) else (fleet if isinstance(fleet, str) else None)
+        group = None
+        if isinstance(health, dict):
+            group = health.get("group") or (fleet.get("group") if isinstance(fleet, dict) else None)
+        return WorkerInfo(
+            name=worker.name,
+            state=str(worker.get_state()),
+            queues=worker.queue_names(),
+            current_job=worker.get_current_job_id(),
+            group=str(group) if group is not None else None,
+            fleet_state=str(fleet_state) if fleet_state is not None else None,
+            last_heartbeat=worker.last_heartbeat,
+            health=health if isinstance(health, dict) else None,
+        )
+
+    def _client_unfinished(self, client: str) -> int:
+        live = 0
+        for member in self.connection.zrange(client_key(client), 0, -1):
+            status = self.connection.hget(Job.key_for(member.decode()), "status")
+            if status is not None and status.decode() not in TERMINAL_STATUSES:
+                live += 1
+        return live
