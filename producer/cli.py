@@ -3,6 +3,9 @@ backfill). A thin layer over `producer.client`; see docs/producer.md.
 
 User errors (bad files, bad values, refused submits, unknown jobs) end with one line on stderr and a
 documented exit code (`producer.exitcodes`), never a traceback.
+
+Over 450 lines on purpose: eight short click commands sharing one group, its options and the error guard;
+their logic lives in `producer.client`, `producer.backfill` and `producer.display`.
 """
 
 from __future__ import annotations

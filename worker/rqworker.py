@@ -39,6 +39,10 @@ recorded by `worker.outcomes`.
   cleanup's lock expires after `maintenance_lock_ttl` (RQ's: 15 minutes, so one worker SIGKILLed mid-cleanup
   stopped abandoned-job recovery on the whole queue for that long).
 - Health: `worker.health.HealthPublisher` writes the snapshot whenever something in it changes.
+
+Over 450 lines on purpose: one class whose overrides of RQ's hooks share its state (the heartbeat thread,
+the stop flags, a rebuild in progress); RQ's internals are in `worker.rqcompat`, the outcomes in
+`worker.outcomes`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ The service state in the job meta (and the event stream) is the source of truth 
 Failures raise `JobFailed(reason, ...)` after `worker.outcomes` recorded the attempt (a terminal or
 `retrying` state event) and set RQ's retry decision from the settings' budget for that reason, which RQ's
 failure handling then honours. The worker, not the enqueuer, owns the retry policy.
+
+Over 450 lines on purpose: one class, the steps of one job in order; the upload pipeline, the outcomes,
+the spool and the event relay are already modules of their own.
 """
 
 from __future__ import annotations
