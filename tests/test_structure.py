@@ -11,8 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 450
-#: Over the limit, to be split or given a reason once the branch editing them has landed (the
-#: producer client is to split into models, queries, download and stats). Remove an entry when it is done.
+#: Over the limit while a branch editing them lands, to be split or given a reason then (none now).
 PENDING: set[str] = set()
 
 
