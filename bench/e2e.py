@@ -137,7 +137,22 @@ def cold_ready(workers: Workers, ready: list[dict[str, Any]]) -> dict[str, Any]:
             "warmup_s": round(ready_at - loaded, 3),  # the warm-up render (the first job's extra work)
             "worker_process_s": round(max(h["process_started_at"] for h in ready) - t0, 3),
         },
+        "cold_ready_ranks": [rank_split(s) for s in starts],
     }
+
+
+def rank_split(start: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per rank of one fleet: interpreter and imports, process groups, then each timed part of setup()."""
+    out = []
+    for r in start.get("ranks", []):
+        out.append({
+            "rank": r["rank"],
+            "boot_s": round(r["booted_at"] - start["started_at"], 3),
+            "groups_s": round(r["setup_began_at"] - r["booted_at"], 3),
+            "setup_s": round(r["ready_at"] - r["setup_began_at"], 3),
+            "setup_phases_s": r.get("setup_phases_s", {}),
+        })  # fmt: skip
+    return out
 
 
 def idle_gaps_ms(records: list[dict[str, Any]]) -> list[float]:

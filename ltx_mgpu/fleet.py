@@ -212,11 +212,19 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
         setup_began_at = time.time()
         runner.setup(**boot.setup_kwargs)
-        stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time())
+        stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner))
         boot.channels.up.put(Result(kind=MessageKind.READY, job_id=-1, rank=boot.rank, value=stamp))
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)
+
+
+def _setup_phases(runner: MGPURunner) -> dict[str, float]:
+    """The runner's optional per-part setup timings (`setup_phases_s`), kept only if JSON-safe."""
+    phases = getattr(runner, "setup_phases_s", None)
+    if not isinstance(phases, dict):
+        return {}
+    return {str(k): round(float(v), 3) for k, v in phases.items() if isinstance(v, int | float)}
 
 
 def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: torch.device) -> None:

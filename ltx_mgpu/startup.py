@@ -16,7 +16,7 @@ Imports only the standard library.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["FleetStartup", "RankStartup"]
@@ -31,6 +31,10 @@ class RankStartup:
     booted_at: float  #: the rank's entry point runs (interpreter up, torch and the engine imported)
     setup_began_at: float  #: process group and component groups made; `setup()` is called
     ready_at: float  #: `setup()` returned
+    #: seconds per named part of `setup()` on this rank, where the runner times them (`setup_phases_s`):
+    #: a cold start's cost is spread over model build, weights, decoders and the text encoder, and only
+    #: the slowest rank's split says which part to speed up
+    setup_phases_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

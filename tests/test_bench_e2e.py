@@ -44,6 +44,15 @@ def test_cpu_run_fills_every_summary_field(tmp_path):
     assert sum(split[k] for k in ("process_start_s", "weight_load_s", "warmup_s")) == pytest.approx(
         summary["cold_ready_s"], abs=0.01
     )
+    # where each rank's start went: the setup parts of the LTX-2 runner, timed on every rank
+    (ranks,) = summary["cold_ready_ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["boot_s"] > 0 and r["groups_s"] >= 0 and r["setup_s"] > 0, r
+        phases = r["setup_phases_s"]
+        assert {"prepare", "sp_attention", "transformer", "video_decoder", "text_encoder"} <= set(phases), r
+        assert sum(phases.values()) == pytest.approx(r["setup_s"], abs=0.5), r
+    assert "driver_models" in ranks[0]["setup_phases_s"] and "driver_models" not in ranks[1]["setup_phases_s"]
     stages = summary["stages_p50_s"]
     assert {"encode", "stage1", "upsample", "stage2", "decode", "mux", "queue_wait", "upload", "e2e"} <= set(stages)
     assert all(v is not None and v >= 0 for v in stages.values()), stages

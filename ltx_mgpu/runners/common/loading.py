@@ -114,6 +114,7 @@ def build_sp_transformer(
     backend: str,
     build_dtype: torch.dtype | None,
     layouts: bool = False,
+    laps: Any = None,
 ) -> tuple[Any, torch.nn.Module]:
     """The attention manager sized from the transformer config of `builder` and the sequence-parallel
     transformer built from it on `runner`'s device and transformer group (`build_dtype` None: keep the
@@ -121,7 +122,8 @@ def build_sp_transformer(
 
     `layouts`: an `AttentionRouter` over every G x S layout of the fleet (collective: the layout groups are
     made here, once) instead of one manager over the whole fleet, so guidance-parallel stages can run the
-    same resident model under smaller SP groups."""
+    same resident model under smaller SP groups. `laps` (a `SetupLaps`): time the attention set-up (groups,
+    exchange buffers) and the model build (weights) apart."""
     from ...parallel import AttentionManager, AttentionRouter, SequenceParallelBuilder
 
     cfg = builder.model_config()["transformer"]
@@ -142,5 +144,9 @@ def build_sp_transformer(
             int(max_tokens), heads, head_dim, dtype, runner.groups.transformer_group, backend=backend,
             device=runner.device,
         )  # fmt: skip
+    if laps is not None:
+        laps.lap("sp_attention")
     model = SequenceParallelBuilder(builder, attention).build(device=runner.device, dtype=build_dtype)
+    if laps is not None:
+        laps.lap("transformer")
     return attention, model

@@ -21,7 +21,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StageClock", "check_finite", "ltx2_sigmas"]
+__all__ = ["SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
+
+
+class SetupLaps:
+    """Seconds per part of a runner's `setup()`, lap by lap (`lap(name)` closes the part that just ran).
+
+    The device is synchronised at each lap so a part's asynchronous copies are charged to it. The result
+    (`phases_s`) travels with the rank's ready message (`ltx_mgpu.startup.RankStartup.setup_phases_s`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.phases_s: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases_s[name] = round(self.phases_s.get(name, 0.0) + now - self._last, 3)
+        self._last = now
 
 
 class StageClock:

@@ -44,7 +44,7 @@ from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
 from ..common.media import AudioTrack, audio_fields, write_mp4
-from ..common.stages import StageClock, check_finite
+from ..common.stages import SetupLaps, StageClock, check_finite
 from . import components as comp
 from .denoise import (
     Geometry,
@@ -135,8 +135,10 @@ class Ltx2Runner(MGPURunner):
         self.sp_max_tokens = int(sp_max_tokens)
         self.synthetic = warn_if_synthetic(checkpoint_path, announce=self.is_driver)
         self.clock = StageClock(self.device)
+        laps = SetupLaps(self.device)
 
         # ---- transformer: one resident SP model per rank --------------------------------------------------
+        laps.lap("prepare")
         tb = comp.transformer_builder(checkpoint_path, quantization=policy)
         tcfg = tb.model_config()["transformer"]
         self.latent_channels = int(tcfg["in_channels"])
@@ -147,7 +149,7 @@ class Ltx2Runner(MGPURunner):
         # the same resident model under smaller SP groups (docs/sequence-parallel.md, "Layouts")
         self.attention, self.sp_model = build_sp_transformer(
             tb, self, max_tokens=self.sp_max_tokens, dtype=self.dtype, backend=sp_backend, build_dtype=build_dtype,
-            layouts=True,
+            layouts=True, laps=laps,
         )  # fmt: skip
         comp.check_quantized(self.sp_model.model, quantization)
         from ltx_core.model.transformer import X0Model
@@ -172,6 +174,7 @@ class Ltx2Runner(MGPURunner):
             "stage1_guidance": stage1_guidance,
         }
         self._setup_stage2(tb, checkpoint_path=checkpoint_path, stg_blocks=stg_blocks, **options)
+        laps.lap("stage2_models")
         self.stage2_sigmas = tuple(float(s) for s in (stage2_sigmas or self._default_stage2_sigmas()))
         if len(self.stage2_sigmas) < 2 or self.stage2_sigmas[-1] != 0.0:
             raise ValueError(f"stage2_sigmas must have >= 2 values and end at 0.0, got {self.stage2_sigmas}")
@@ -182,12 +185,14 @@ class Ltx2Runner(MGPURunner):
             self.tracker = LoraWeightTracker(self.groups.transformer_group)
             self.tracker.attach(self.sp_model.model)
             self.tracker.apply(self.base_loras)
+        laps.lap("loras")
 
         # ---- VAE: decoder on every rank (tiles); encoder, upsampler, audio decoding on the driver ---------
         self.vae_tiling = BalancedTiling(max(1, int(vae_tiles or self.world_size)), overlap=int(vae_overlap))
         self.decoder = comp.distributed_video_decoder(
             checkpoint_path, self.groups.vae_group, self.vae_tiling, vae_chunked, self.device, self.dtype
         )
+        laps.lap("video_decoder")
         self.encoder = self.upsampler = None
         self.audio: AudioDecoding | None = None
         if self.is_driver:
@@ -199,6 +204,7 @@ class Ltx2Runner(MGPURunner):
             )
             # float32: the audio models are small (~0.1 B parameters) and bf16 would be audible in the waveform
             self.audio = build_audio_decoding(checkpoint_path, self.device, torch.float32)
+            laps.lap("driver_models")
 
         # ---- prompt encoder: Gemma on one rank (broadcast) or on every rank (batch-parallel) ------------
         from .text import build_prompt_encoder
@@ -213,6 +219,8 @@ class Ltx2Runner(MGPURunner):
             max_tokens=int(prompt_tokens),
             enhance_max_new_tokens=int(enhance_max_new_tokens),
         )
+        laps.lap("text_encoder")
+        self.setup_phases_s = laps.phases_s
 
     # ---- hooks for the runners -------------------------------------------------------------------------
     def _stage2_extra_loras(self, path: str | None, strength: float) -> tuple[LoraSpec, ...]:
