@@ -190,6 +190,7 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // boot.world_size))
     runner_cls = cloudpickle.loads(boot.runner_payload)
     runner: MGPURunner = runner_cls()
+    runner.start_background_imports()  # overlap setup()'s slow late imports with what follows
 
     timeout = timedelta(seconds=boot.init_timeout_s)
     store = dist.TCPStore("127.0.0.1", boot.store_port, is_master=False, timeout=timeout)

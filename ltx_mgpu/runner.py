@@ -16,16 +16,24 @@ Request limits: `request_limits(**setup_kwargs)` (a classmethod, so no fleet is 
 range of each job kwarg the runner accepts beyond what the caller's own schema checks, e.g.
 `{"steps": (1, 50)}`. A service publishes them where clients can check a request before submitting it;
 the runner still checks them itself (the same numbers), on every rank, before any collective.
+
+Slow imports: `background_imports` names modules `setup()` will need late (e.g. a Hugging Face text
+encoder's modeling code, ~10 s of imports on a busy host). Each rank starts importing them on a side thread
+as soon as it exists, so they overlap forming the process group and loading the first weights;
+`setup()` calls `await_background_imports()` before it uses them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
+import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import JobCancelled
 
@@ -36,6 +44,8 @@ if TYPE_CHECKING:
     from .parallel.layout import LayoutGroups
 
 __all__ = ["MGPURunner", "ProcessGroups", "RankContext"]
+
+log = logging.getLogger("ltx_mgpu.runner")
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,32 @@ class MGPURunner(ABC):
     _groups: ProcessGroups | None = None
     _ctx: RankContext | None = None
     _cancel_probe: Any = None  # callable() -> bool on rank 0, injected by the fleet; one read per decision
+    _import_thread: threading.Thread | None = None
+
+    #: modules setup() imports late and slowly, imported on a side thread from the rank's start (see the
+    #: module docstring); an import that fails there is simply retried, and raises, where setup() needs it
+    background_imports: ClassVar[tuple[str, ...]] = ()
+
+    def start_background_imports(self) -> None:
+        """Called by the fleet on each rank before the process group forms; a no-op without imports."""
+        if not self.background_imports or self._import_thread is not None:
+            return
+
+        def work() -> None:
+            for name in self.background_imports:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # setup() imports it again and reports the real error there
+                    log.debug("background import of %s failed", name, exc_info=True)
+
+        self._import_thread = threading.Thread(target=work, name="ltx-mgpu-imports", daemon=True)
+        self._import_thread.start()
+
+    def await_background_imports(self) -> None:
+        """Block until the side-thread imports are done, so this thread never imports the same packages at
+        the same time as the side thread (two threads importing one package graph can deadlock)."""
+        if self._import_thread is not None:
+            self._import_thread.join()
 
     # ---- injected state ------------------------------------------------------------------------------
     @property

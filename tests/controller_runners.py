@@ -14,6 +14,27 @@ import torch.distributed as dist
 from ltx_mgpu import MGPURunner, RunnerError
 
 
+class ImportingRunner(MGPURunner):
+    """Declares a slow import plus one that does not exist; its setup "loads weights" first, then waits for
+    the side thread and reports (as setup phases) which thread imported the probe and when."""
+
+    background_imports = ("tests.slow_import_probe", "tests.no_such_module_here")
+
+    def setup(self, *, load_s: float = 0.8) -> None:
+        began = time.time()
+        time.sleep(load_s)  # the weight load the import overlaps with
+        self.await_background_imports()
+        import tests.slow_import_probe as probe
+
+        self.setup_phases_s = {
+            "on_side_thread": float(probe.IMPORTED_BY == "ltx-mgpu-imports"),
+            "imported_after_setup_began_s": probe.IMPORTED_AT - began,
+        }
+
+    def __call__(self) -> Iterator[Any]:
+        yield self.rank
+
+
 class ScriptedRunner(MGPURunner):
     """Does what the job's `mode` says, so one warm fleet can exercise every contract."""
 

@@ -28,7 +28,7 @@ from ltx_mgpu import (
 )
 from ltx_mgpu.transport import MessageKind, Result
 
-from .controller_runners import NotAGeneratorRunner, ScriptedRunner
+from .controller_runners import ImportingRunner, NotAGeneratorRunner, ScriptedRunner
 
 START_TIMEOUT = 120
 
@@ -406,6 +406,23 @@ def test_startup_reports_process_start_and_weight_load_per_rank() -> None:
         assert startup.ready_s == pytest.approx(startup.process_start_s + startup.weight_load_s, abs=1e-6)
         info = startup.as_dict()
         assert info["weight_load_s"] >= 0.6 and [r["rank"] for r in info["ranks"]] == [0, 1]
+    finally:
+        ctl.shutdown(graceful_timeout=10)
+
+
+def test_background_imports_run_beside_setup_and_a_missing_module_is_left_to_setup() -> None:
+    """A runner's slow late imports start on a side thread when the rank starts, so by the time setup() has
+    "loaded its weights" (0.8 s) the probe (0.5 s to import) is in already; the module that does not exist
+    is ignored there (setup() would raise its ImportError itself if it needed it)."""
+    ctl = MGPUController(ImportingRunner, devices=["cpu", "cpu"])
+    ctl.start(timeout=START_TIMEOUT, load_s=0.8)
+    try:
+        assert ctl.startup is not None
+        for r in ctl.startup.ranks:
+            phases = r.setup_phases_s
+            assert phases["on_side_thread"] == 1.0, phases
+            assert phases["imported_after_setup_began_s"] < 0.8, phases  # finished while setup() slept
+        assert sorted(ctl.stream()) == [0, 1]  # and the fleet serves jobs
     finally:
         ctl.shutdown(graceful_timeout=10)
 
