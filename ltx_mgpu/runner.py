@@ -29,7 +29,6 @@ import dataclasses
 import importlib
 import inspect
 import logging
-import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["MGPURunner", "ProcessGroups", "RankContext"]
 
 log = logging.getLogger("ltx_mgpu.runner")
-_IMPORT_SWITCH_INTERVAL_S = 0.0005  # GIL switch interval while background imports run (CPython's default: 5 ms)
 
 
 @dataclass(frozen=True)
@@ -97,19 +95,11 @@ class MGPURunner(ABC):
             return
 
         def work() -> None:
-            # Imports hold the GIL for long stretches; the weight loader on the main thread needs it back
-            # between its (GIL-free) reads and copies, and waits up to one switch interval each time. A
-            # shorter interval while the imports run keeps the loader from stalling behind them.
-            interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(interval, _IMPORT_SWITCH_INTERVAL_S))
-            try:
-                for name in self.background_imports:
-                    try:
-                        importlib.import_module(name)
-                    except Exception:  # setup() imports it again and reports the real error there
-                        log.debug("background import of %s failed", name, exc_info=True)
-            finally:
-                sys.setswitchinterval(interval)
+            for name in self.background_imports:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # setup() imports it again and reports the real error there
+                    log.debug("background import of %s failed", name, exc_info=True)
 
         self._import_thread = threading.Thread(target=work, name="ltx-mgpu-imports", daemon=True)
         self._import_thread.start()
