@@ -315,6 +315,22 @@ def test_an_image_declaring_huge_dimensions_is_refused_before_decoding(worker):
     assert "16000x16000" in meta["error"]["message"]
 
 
+def test_an_image_format_that_cannot_be_sized_is_refused_and_the_fleet_stays_warm(worker):
+    """Regression: formats `worker.imagesize` cannot read (TIFF here) reached the runner's decoder unchecked."""
+    import base64
+
+    tiff = b"II*\x00" + b"\x08\x00\x00\x00" + b"\x00" * 64  # a TIFF header: no size the check can read
+    pids = worker.idle()["fleet"]["pids"]
+    image = {"data": base64.b64encode(tiff).decode(), "frame": 0}
+    job = enqueue(worker.conn, worker.queue, {"prompt": "t", "width": 64, "height": 64, "num_frames": 9,
+                                              "images": [image]})  # fmt: skip
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request" and meta["error"]["field"] == "images.0.data", meta
+    assert "not a PNG, JPEG, WebP, GIF or BMP file" in meta["error"]["message"]
+    assert meta["error"]["retryable"] is False and len(meta["attempts"]) == 1
+    assert worker.idle()["fleet"]["pids"] == pids  # the fleet never saw it: no rebuild
+
+
 # ==== item 6 (tenancy): a presigned URL never outlives the result it is recorded in =========================
 
 
