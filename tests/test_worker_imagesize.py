@@ -68,7 +68,7 @@ def test_the_request_check_refuses_an_oversized_image_and_keeps_a_normal_one():
 
 @pytest.mark.parametrize(("codec", "pix_fmt"), [("tiff", "rgb24"), ("qoi", "rgb24")])
 def test_formats_that_cannot_be_sized_before_decoding_are_refused_on_both_sides(codec, pix_fmt):
-    """Regression (issue 19, item 7): a TIFF (or any format `image_size` cannot read) passed the request
+    """Regression: a TIFF (or any format `image_size` cannot read) passed the request
     check unsized and reached the runner's FFmpeg decoder, which decodes it whatever its size."""
     from ltx_mgpu.runners.ltx2.images import decode_image
 
