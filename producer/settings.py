@@ -2,8 +2,9 @@
 
 One `.env` (or compose `environment:` block) configures both sides: `LTX_REDIS_URL`, `LTX_QUEUES` (the
 first queue is where `submit` puts jobs), `LTX_RESULT_TTL`/`LTX_FAILURE_TTL`, and the `LTX_S3_*` storage
-variables (used by `fetch` when credentials are present; otherwise `fetch` downloads the presigned URL
-from the job result). Producer-only knobs: `LTX_CLIENT` (the name quotas are counted under),
+variables (used by `fetch` when credentials are present, plain or through `LTX_S3_ACCESS_KEY_ID_FILE` /
+`LTX_S3_SECRET_ACCESS_KEY_FILE`: in compose the producer's key can only read; otherwise `fetch` downloads
+the presigned URL from the job result). Producer-only knobs: `LTX_CLIENT` (the name quotas are counted under),
 `LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`. Unknown `LTX_*` variables are ignored, so
 the worker's variables can live in the same file. Credentials are `SecretStr` and never printed.
 """
@@ -14,11 +15,11 @@ import getpass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.admission import check_client_name
-from worker.keys import check_queue_names, check_redis_url, split_list
+from worker.keys import S3_SECRET_FILE_FIELDS, check_queue_names, check_redis_url, read_secret_file, split_list
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
 
@@ -78,6 +79,8 @@ class ProducerSettings(BaseSettings):
     s3_region: str = "us-east-1"
     s3_access_key_id: SecretStr | None = None
     s3_secret_access_key: SecretStr | None = None
+    s3_access_key_id_file: Path | None = Field(None, description="read the access key id from this file")
+    s3_secret_access_key_file: Path | None = Field(None, description="read the secret key from this file")
 
     @field_validator("queues", mode="before")
     @classmethod
@@ -98,6 +101,15 @@ class ProducerSettings(BaseSettings):
     @classmethod
     def _check_client(cls, value: str) -> str:
         return check_client_name(value)
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> ProducerSettings:
+        """`*_FILE` variables (compose secrets: the producer's read-only S3 key) win over the plain ones."""
+        for secret, file_field in S3_SECRET_FILE_FIELDS:
+            path = getattr(self, file_field)
+            if path is not None:
+                object.__setattr__(self, secret, SecretStr(read_secret_file(path, file_field)))
+        return self
 
     @property
     def default_queue(self) -> str:

@@ -88,19 +88,57 @@ def test_redis_keeps_jobs_aof_and_noeviction() -> None:
     assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", image), image
 
 
-def test_s3_is_pinned_and_creates_its_bucket() -> None:
+def test_s3_is_pinned_and_binds_only_its_api_beyond_loopback() -> None:
     s3 = SERVICES["s3"]
     image = s3["image"]
     assert not image.endswith(":latest") and re.search(r":\d", image), f"pin the S3 image: {image}"
     if "minio" in image:  # MinIO community images stopped in 2025: only a dated release tag is acceptable
         assert re.search(r":RELEASE\.\d{4}-\d{2}-\d{2}", image), image
     command = [substitute(str(c)) for c in s3["command"]]
-    assert "mini" in command and "-bucket=videos" in command
-    bucket = environment("worker")["LTX_S3_BUCKET"]
-    assert f"-bucket={bucket}" in command
-    # the S3 identity is the one the worker and producer sign with
-    assert substitute(s3["environment"]["AWS_ACCESS_KEY_ID"]) == environment("worker")["LTX_S3_ACCESS_KEY_ID"]
+    # `weed server` (mini has no separate S3 bind): internals on loopback, the S3 API on every interface of
+    # the container (published on the host's loopback only); the real weed's listeners: test_s3_gateway.py
+    assert command[:1] == ["server"] and "-s3" in command
+    assert "-ip.bind=127.0.0.1" in command and "-ip=127.0.0.1" in command and "-s3.ip.bind=0.0.0.0" in command
+    assert "-s3.port.iceberg=0" in command and "-s3.port.lance=0" in command  # they would bind with the S3 API
+    assert not any(c.startswith(("-master.ip.bind", "-volume.ip.bind", "-filer.ip.bind")) for c in command)
+    assert s3["ports"] == ["127.0.0.1:8333:8333"]
+    # the entrypoint builds the identities from secret files: no AWS_* fallback identity, no secret literal
+    assert s3["entrypoint"] == ["/bin/sh", "/ltx/s3-start.sh"]
+    assert "./scripts/s3-start.sh:/ltx/s3-start.sh:ro" in s3["volumes"]
+    assert not any(name.startswith("AWS_") or "SECRET" in name for name in s3["environment"])
+    assert set(s3["secrets"]) == set(COMPOSE["secrets"])
+    # the bucket is the worker's to create (weed server has no -bucket; the worker identity may)
+    assert environment("s3")["LTX_S3_BUCKET"] == environment("worker")["LTX_S3_BUCKET"]
+    assert environment("worker")["LTX_S3_CREATE_BUCKET"] == "true"
     assert "healthz" in " ".join(s3["healthcheck"]["test"])
+
+
+def test_s3_keys_come_from_secret_files_and_the_producer_gets_the_read_only_one(tmp_path: Path) -> None:
+    shared = COMPOSE["x-ltx-shared"]
+    assert not any("ACCESS_KEY" in name or "SECRET" in name for name in shared), "no S3 key in the shared block"
+    for service, who in (("worker", "worker"), ("producer", "producer")):
+        env = environment(service)
+        assert "LTX_S3_ACCESS_KEY_ID" not in env and "LTX_S3_SECRET_ACCESS_KEY" not in env, service
+        names = {env["LTX_S3_ACCESS_KEY_ID_FILE"], env["LTX_S3_SECRET_ACCESS_KEY_FILE"]}
+        expected = {f"s3_{who}_access_key", f"s3_{who}_secret_key"}
+        assert names == {f"/run/secrets/{n}" for n in expected}, service
+        assert set(SERVICES[service]["secrets"]) == expected, service  # and no other service's key
+    # every secret compose mounts is a file scripts/s3-secrets.sh makes
+    from worker.s3gateway import make_secrets
+
+    made = {p.name for p in make_secrets(tmp_path / "secrets").iterdir()}
+    assert {Path(spec["file"]).name for spec in COMPOSE["secrets"].values()} == made
+    assert all(spec["file"].startswith("./secrets/") for spec in COMPOSE["secrets"].values())
+    assert "/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def _with_secret_files(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """`env` with /run/secrets/<name> paths pointing at files scripts/s3-secrets.sh made in `tmp_path`."""
+    from worker.s3gateway import make_secrets
+
+    secrets = make_secrets(tmp_path / "secrets")
+    return {k: str(secrets / v.removeprefix("/run/secrets/")) if v.startswith("/run/secrets/") else v
+            for k, v in env.items()}  # fmt: skip
 
 
 # ==== the worker: settings fields, GPUs, groups =========================================================
@@ -115,11 +153,11 @@ def test_every_worker_variable_is_a_settings_field() -> None:
         assert name.removeprefix("LTX_").lower() in fields, f"{name} is not a WorkerSettings field"
 
 
-def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in list(os.environ):
         if name.startswith("LTX_"):
             monkeypatch.delenv(name)
-    for name, value in environment("worker").items():
+    for name, value in _with_secret_files(environment("worker"), tmp_path).items():
         monkeypatch.setenv(name, value)
     settings = load_worker_settings()
     assert settings.groups == ["0,1,2,3", "4,5,6,7"]  # two groups, from the environment
@@ -127,6 +165,7 @@ def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch) -> 
     assert settings.s3_endpoint_url == "http://s3:8333"
     assert settings.metrics_port == 9400
     assert str(settings.spool_dir) == "/spool"
+    assert settings.s3_access_key_id is not None and settings.s3_secret_access_key is not None
 
 
 def test_worker_reserves_gpus_and_stops_warm() -> None:
@@ -145,7 +184,7 @@ def test_worker_reserves_gpus_and_stops_warm() -> None:
     assert result.exit_code == 0, result.output
 
 
-def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     env = environment("producer")
     fields = set(ProducerSettings.model_fields)
     for name in env:
@@ -153,7 +192,7 @@ def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch)
     for name in list(os.environ):
         if name.startswith("LTX_"):
             monkeypatch.delenv(name)
-    for name, value in env.items():
+    for name, value in _with_secret_files(env, tmp_path).items():
         monkeypatch.setenv(name, value)
     settings = load_producer_settings()
     assert (settings.max_queue_depth, settings.client_quota, settings.client) == (200, 0, "compose")
@@ -237,7 +276,7 @@ def test_env_example_documents_what_compose_needs() -> None:
             assert field in worker_fields | producer_fields, f".env.example: {name} is no settings field"
 
 
-def test_operations_recipe_without_docker_matches_compose():
+def test_operations_recipe_without_docker_matches_compose(tmp_path: Path) -> None:
     """Regression: docs/operations.md's "Without Docker" covered Redis and the worker only (the SeaweedFS
     command and its AWS_* identity had to be copied out of docker-compose.yml), and its public-endpoint
     example broke presigned URLs when copied as is."""
@@ -245,19 +284,26 @@ def test_operations_recipe_without_docker_matches_compose():
     section = text[text.index("Without Docker") :]
     recipe = section[section.index("```bash") + 7 : section.index("```", section.index("```bash") + 7)]
     commands = [line for line in recipe.replace("\\\n", " ").splitlines() if line and not line.startswith("#")]
-    weed = next(c for c in commands if " weed mini " in f" {c} ")
-    flags = {f.split("=")[0] for f in weed.split() if f.startswith("-")}
-    compose_flags = {str(a).split("=")[0] for a in SERVICES["s3"]["command"] if str(a).startswith("-")}
-    assert flags == compose_flags, (flags, compose_flags)
-    identity = dict(part.split("=", 1) for part in weed.split() if part.startswith("AWS_"))
-    assert set(identity) == set(SERVICES["s3"]["environment"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    start = next(c for c in commands if "scripts/s3-start.sh" in c)
+    weed_args = start.split()[start.split().index("scripts/s3-start.sh") + 1 :]
+    compose_args = [str(a) for a in SERVICES["s3"]["command"]]
+    flag = lambda a: a.split("=")[0]  # noqa: E731
+    assert [flag(a) for a in weed_args] == [flag(a) for a in compose_args], (weed_args, compose_args)
+    assert [a for a in weed_args if not a.startswith("-dir=")] == [a for a in compose_args if not a.startswith("-dir=")]
+    settings_of_start = dict(part.split("=", 1) for part in start.split() if "=" in part and not part.startswith("-"))
+    secrets_dir = settings_of_start["LTX_S3_SECRETS"]
+    assert any(c.startswith("scripts/s3-secrets.sh " + secrets_dir) for c in commands)
     exported = dict(part.split("=", 1) for c in commands if c.startswith("export") for part in c.split()[1:])
-    assert exported["LTX_S3_ACCESS_KEY_ID"] == identity["AWS_ACCESS_KEY_ID"]
-    assert exported["LTX_S3_SECRET_ACCESS_KEY"] == identity["AWS_SECRET_ACCESS_KEY"]
+    assert exported["LTX_S3_ACCESS_KEY_ID_FILE"] == f"{secrets_dir}/s3_worker_access_key"
+    assert exported["LTX_S3_SECRET_ACCESS_KEY_FILE"] == f"{secrets_dir}/s3_worker_secret_key"
     assert exported["LTX_S3_ENDPOINT_URL"].endswith(":8333")
     for name in exported:
         assert name.removeprefix("LTX_").lower() in WorkerSettings.model_fields, name
-    # whatever the recipe sets as it stands must be valid settings
+    # whatever the recipe sets as it stands must be valid settings (with the secret files made)
+    from worker.s3gateway import make_secrets
+
+    made = make_secrets(tmp_path / "secrets")
+    exported = {k: v.replace(secrets_dir, str(made)) for k, v in exported.items()}
     load_worker_settings(**{k.removeprefix("LTX_").lower(): v for k, v in exported.items()})
     # a public endpoint set as is must be the endpoint clients reach the same S3 API at (not a made-up host)
     assert "LTX_S3_PUBLIC_ENDPOINT_URL" not in exported

@@ -63,12 +63,18 @@ def test_images_round_trip_from_request_to_runner():
     assert "images" not in RenderRequest(prompt="x").runner_kwargs()  # unset: runners without images work
 
 
+#: a PNG header declaring 48x40 pixels: all the request check reads (nothing decodes it there)
+_PNG_HEADER = base64.b64encode(
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR" + (48).to_bytes(4, "big") + (40).to_bytes(4, "big")
+).decode()
+
+
 @pytest.mark.parametrize(
     ("image", "message"),
     [
         ({"data": "not base64!"}, "base64"),
         ({"data": base64.b64encode(b"abcd").decode(), "frame": 4}, "multiple of 8"),
-        ({"data": base64.b64encode(b"abcd").decode(), "frame": 24}, "past the last frame"),
+        ({"data": _PNG_HEADER, "frame": 24}, "past the last frame"),  # (a sized image: this check runs last)
         ({"data": base64.b64encode(b"abcd").decode(), "strength": 1.5}, "less than or equal to 1"),
         ({"data": base64.b64encode(b"abcd").decode(), "path": "/etc/passwd"}, "Extra inputs"),
     ],

@@ -147,3 +147,19 @@ def test_the_client_name_is_checked_at_the_api(env):  # noqa: F811
         for bad in ("x" * 10_000, "x:*\nFAKE", "a b"):
             with pytest.raises(ValueError, match="client name"):
                 client.submit(RenderRequest(prompt="t"), client=bad)
+
+
+def test_an_image_format_that_cannot_be_sized_is_refused_at_submit(env, redis_client, tmp_path: Path):  # noqa: F811
+    """The edge half of the image-format check (the worker's: tests/test_worker_abuse.py): nothing enqueued."""
+    import base64
+
+    tiff = b"II*\x00\x08\x00\x00\x00" + b"\x00" * 64
+    request = {"prompt": "t", "images": [{"data": base64.b64encode(tiff).decode()}]}
+    path = tmp_path / "tiff.json"
+    path.write_text(json.dumps(request))
+    queue = Queue(env["LTX_QUEUES"], connection=redis_client, serializer=JSONSerializer)
+    before = queue.count
+    code, out, err = run(["submit", str(path)], env)
+    assert code == ExitCode.USAGE, (out, err)
+    assert "not a PNG, JPEG, WebP, GIF or BMP file" in err and "Traceback" not in err, err
+    assert queue.count == before

@@ -315,7 +315,47 @@ def test_an_image_declaring_huge_dimensions_is_refused_before_decoding(worker):
     assert "16000x16000" in meta["error"]["message"]
 
 
+def test_an_image_format_that_cannot_be_sized_is_refused_and_the_fleet_stays_warm(worker):
+    """Regression: formats `worker.imagesize` cannot read (TIFF here) reached the runner's decoder unchecked."""
+    import base64
+
+    tiff = b"II*\x00" + b"\x08\x00\x00\x00" + b"\x00" * 64  # a TIFF header: no size the check can read
+    pids = worker.idle()["fleet"]["pids"]
+    image = {"data": base64.b64encode(tiff).decode(), "frame": 0}
+    job = enqueue(worker.conn, worker.queue, {"prompt": "t", "width": 64, "height": 64, "num_frames": 9,
+                                              "images": [image]})  # fmt: skip
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request" and meta["error"]["field"] == "images.0.data", meta
+    assert "not a PNG, JPEG, WebP, GIF or BMP file" in meta["error"]["message"]
+    assert meta["error"]["retryable"] is False and len(meta["attempts"]) == 1
+    assert worker.idle()["fleet"]["pids"] == pids  # the fleet never saw it: no rebuild
+
+
 # ==== item 6 (tenancy): a presigned URL never outlives the result it is recorded in =========================
+
+
+def test_a_reused_job_id_gets_its_own_object_and_the_first_stays_unchanged(worker, s3_server):
+    """Regression: keys were `videos/<id>/video.mp4`, so a job id reused after the first job expired (or was
+    deleted) overwrote the first submission's video under the first owner's still-valid URL."""
+    import hashlib
+
+    worker.idle()
+    job_id = f"reused-{uuid.uuid4().hex[:8]}"
+    request = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}
+    first = enqueue(worker.conn, worker.queue, {**request, "seed": 1}, job_id=job_id)
+    wait_state(first, "uploaded", 60, worker.proc)
+    one = first.get_meta(refresh=True)["result"]
+    s3 = s3_server.client()
+    first.delete()  # (what expiry does to the hash; the id is free again)
+    second = enqueue(worker.conn, worker.queue, {**request, "seed": 2}, job_id=job_id)
+    wait_state(second, "uploaded", 60, worker.proc)
+    two = second.get_meta(refresh=True)["result"]
+    assert one["sha256"] != two["sha256"]  # two different videos ...
+    assert one["key"] != two["key"] and one["key"].startswith(f"videos/{job_id}/"), (one["key"], two["key"])
+    for result in (one, two):  # ... each whole under its own key
+        body = s3.get_object(Bucket=result["bucket"], Key=result["key"])["Body"].read()
+        assert hashlib.sha256(body).hexdigest() == result["sha256"]
+    assert hashlib.sha256(s3_server.http_get(one["url"])).hexdigest() == one["sha256"]  # the first owner's URL
 
 
 @pytest.mark.parametrize(("result_ttl", "kept"), [(600, 600), (10**9, 86400)])  # (capped: LTX_RESULT_TTL)

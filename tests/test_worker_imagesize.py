@@ -61,3 +61,34 @@ def test_the_request_check_refuses_an_oversized_image_and_keeps_a_normal_one():
         RenderRequest(prompt="x", images=[{"data": base64.b64encode(big).decode()}])
     ok = _encode("png", 64, 48)
     assert RenderRequest(prompt="x", images=[{"data": base64.b64encode(ok).decode()}]).images
+
+
+# ==== formats the size check cannot read are refused on both sides ======================================
+
+
+@pytest.mark.parametrize(("codec", "pix_fmt"), [("tiff", "rgb24"), ("qoi", "rgb24")])
+def test_formats_that_cannot_be_sized_before_decoding_are_refused_on_both_sides(codec, pix_fmt):
+    """Regression: a TIFF (or any format `image_size` cannot read) passed the request
+    check unsized and reached the runner's FFmpeg decoder, which decodes it whatever its size."""
+    from ltx_mgpu.runners.ltx2.images import decode_image
+
+    try:
+        data = _encode(codec, 48, 40, pix_fmt)
+    except (av.FFmpegError, ValueError) as exc:
+        pytest.skip(f"{codec}: {exc}")
+    assert image_size(data) is None
+    with pytest.raises(ValidationError, match="not a PNG, JPEG, WebP, GIF or BMP file"):
+        RenderRequest(prompt="x", images=[{"data": base64.b64encode(data).decode()}])
+    with pytest.raises(ValueError, match="images are not accepted"):  # the runner's own check (never imports worker)
+        decode_image(data)
+
+
+def test_the_runner_decoder_checks_the_size_before_decoding():
+    from ltx_mgpu.runners.ltx2.images import MAX_IMAGE_SIDE as RUNNER_MAX_SIDE
+    from ltx_mgpu.runners.ltx2.images import decode_image
+
+    assert RUNNER_MAX_SIDE == MAX_IMAGE_SIDE  # the same rule on both sides
+    big = _encode("png", MAX_IMAGE_SIDE + 32, 8)
+    with pytest.raises(ValueError, match=f"{MAX_IMAGE_SIDE + 32}x8 pixels"):
+        decode_image(big)
+    assert decode_image(_encode("png", 48, 40)).shape == (40, 48, 3)

@@ -82,10 +82,10 @@ def test_s3_put_small_and_multipart_with_sha256_and_idempotent_reuse(tmp_path, s
     spool = Spool(tmp_path)
     for job_id, size in (("small", 1000), ("big", 12 * MiB)):
         data = os.urandom(size)
-        entry = _render(spool, job_id, data, storage.key_for(job_id, "video.mp4"))
+        entry = _render(spool, job_id, data, storage.key_for(job_id, "r1", "video.mp4"))
         progress: list[int] = []
         stored = storage.put(entry, progress=progress.append)
-        assert stored.key == f"{unique_name}/{job_id}/video.mp4" and not stored.reused
+        assert stored.key == f"{unique_name}/{job_id}/r1/video.mp4" and not stored.reused
         assert stored.sha256 == hashlib.sha256(data).hexdigest() and sum(progress) == size
         head = s3_client.head_object(Bucket=s3_server.bucket, Key=stored.key)
         assert head["Metadata"] == {"sha256": stored.sha256, "job-id": job_id}
@@ -99,7 +99,7 @@ def test_s3_put_small_and_multipart_with_sha256_and_idempotent_reuse(tmp_path, s
 def test_s3_presigned_url_is_signed_for_the_public_endpoint(tmp_path, s3_server, tcp_proxy_factory, unique_name):
     public = tcp_proxy_factory(s3_server.s3_port)  # what clients outside the service network would use
     storage = S3Storage(_settings(s3_server, s3_public_endpoint_url=public.url, s3_prefix=f"{unique_name}/"))
-    entry = _render(Spool(tmp_path), "j", b"public bytes", storage.key_for("j", "video.mp4"))
+    entry = _render(Spool(tmp_path), "j", b"public bytes", storage.key_for("j", "r1", "video.mp4"))
     stored = storage.put(entry)
     assert stored.url.startswith(public.url + "/")
     assert s3_server.http_get(stored.url) == b"public bytes"  # the signature matches the public host
@@ -117,7 +117,7 @@ def test_s3_check_reports_missing_bucket_or_creates_it(s3_server, unique_name):
 def test_local_storage_put_is_atomic_and_idempotent(tmp_path):
     storage = LocalStorage(tmp_path / "store")
     storage.check()
-    entry = _render(Spool(tmp_path / "spool"), "j", b"local video", storage.key_for("j", "video.mp4"))
+    entry = _render(Spool(tmp_path / "spool"), "j", b"local video", storage.key_for("j", "r1", "video.mp4"))
     stored = storage.put(entry)
     assert (tmp_path / "store" / stored.key).read_bytes() == b"local video"
     assert stored.url.startswith("file://") and not stored.reused
@@ -132,7 +132,7 @@ def test_uploader_retries_while_s3_is_unreachable_then_releases_spool(tmp_path, 
     proxy = tcp_proxy_factory(s3_server.s3_port)
     storage = S3Storage(_settings(s3_server, endpoint=proxy.url, s3_prefix=f"{unique_name}/"))
     spool = Spool(tmp_path)
-    entry = _render(spool, "j", os.urandom(50_000), storage.key_for("j", "video.mp4"))
+    entry = _render(spool, "j", os.urandom(50_000), storage.key_for("j", "r1", "video.mp4"))
     uploader = Uploader(storage, spool, attempts=10, backoff_s=0.2, backoff_max_s=0.5)
     events: list[dict] = []
     proxy.block()
@@ -151,7 +151,7 @@ def test_uploader_gives_up_keeping_the_video_and_honours_stop(tmp_path, s3_serve
     proxy = tcp_proxy_factory(s3_server.s3_port)
     storage = S3Storage(_settings(s3_server, endpoint=proxy.url))
     spool = Spool(tmp_path)
-    entry = _render(spool, "j", b"keep me", storage.key_for("j", "video.mp4"))
+    entry = _render(spool, "j", b"keep me", storage.key_for("j", "r1", "video.mp4"))
     proxy.block()
     uploader = Uploader(storage, spool, attempts=3, backoff_s=0.05, backoff_max_s=0.1)
     with pytest.raises(UploadFailed) as info:

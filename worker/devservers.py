@@ -52,6 +52,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "pid_alive",
+    "s3_client",
     "stop_process",
 ]
 
@@ -405,26 +406,7 @@ class S3Server(_ServerProcess):
 
     def client(self, endpoint_url: str | None = None) -> Any:
         """A boto3 S3 client configured for this server (path style, checksums only when required)."""
-        import boto3
-        from botocore.config import Config
-
-        config = Config(
-            signature_version="s3v4",
-            s3={"addressing_style": "path"},
-            retries={"mode": "standard", "max_attempts": 2},
-            connect_timeout=2,
-            read_timeout=30,
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint_url or self.url,
-            region_name=self.region,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            config=config,
-        )
+        return s3_client(endpoint_url or self.url, self.region, self.access_key, self.secret_key)
 
     def http_get(self, url: str, timeout: float = 30.0) -> bytes:
         """GET a (presigned) URL with plain urllib, as a client outside the service would."""
@@ -440,3 +422,21 @@ class S3Server(_ServerProcess):
             "LTX_S3_SECRET_ACCESS_KEY": self.secret_key,
             "LTX_S3_REGION": self.region,
         }
+
+
+def s3_client(endpoint_url: str, region: str, access_key: str, secret_key: str) -> Any:
+    """A boto3 S3 client for a development server: path style, checksums only when required, few retries."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        signature_version="s3v4",
+        s3={"addressing_style": "path"},
+        retries={"mode": "standard", "max_attempts": 2},
+        connect_timeout=2,
+        read_timeout=30,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region, aws_access_key_id=access_key,
+                        aws_secret_access_key=secret_key, config=config)  # fmt: skip

@@ -3,13 +3,17 @@
 Why: a conditioning image is decoded on every rank of the fleet; a 0.75 MB PNG declaring 16000x16000
 pixels decoded to a 0.77 GB tensor per rank before anything looked at its size. The request
 check (`worker.schema`, run by the producer and again by the worker) reads the declared size from the
-header of the formats below and refuses an image over `MAX_IMAGE_SIDE` before any decoder sees it.
-Formats not listed here are left to the runner's decoder (the size check cannot see them).
+header of the formats below and refuses an image over `MAX_IMAGE_SIDE` before any decoder sees it, and
+refuses every other format (its size cannot be read here, and the runner's FFmpeg decoder would take TIFF,
+EXR, JPEG 2000, ... unchecked). The runner's decoder keeps the same allow-list on its side
+(`ltx_mgpu/runners/ltx2/images.py`).
 """
 
 from __future__ import annotations
 
-__all__ = ["MAX_IMAGE_SIDE", "image_size"]
+__all__ = ["IMAGE_FORMATS", "MAX_IMAGE_SIDE", "image_size"]
+
+IMAGE_FORMATS = "PNG, JPEG, WebP, GIF or BMP"  #: the formats accepted (for messages)
 
 MAX_IMAGE_SIDE = 4096  #: pixels per side of a conditioning image (the video is at most 2048 per side)
 

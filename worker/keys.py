@@ -40,6 +40,7 @@ __all__ = [
     "RENDER_COMPLETE_STATES",
     "RENDER_FUNC",
     "RUNNING_STATES",
+    "S3_SECRET_FILE_FIELDS",
     "SUMMARY_FIELDS",
     "TERMINAL_STATES",
     "WORKER_HEALTH_KEY_TEMPLATE",
@@ -51,6 +52,7 @@ __all__ = [
     "check_redis_url",
     "derive_state",
     "events_key",
+    "read_secret_file",
     "safe_redis_url",
     "split_list",
     "worker_health_key",
@@ -264,6 +266,24 @@ def safe_redis_url(url: str) -> str:
         scheme, _, rest = url.partition("://")
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
+
+
+#: (secret field, field naming a file that holds it): the S3 key pairs both settings classes read from files
+#: (`LTX_S3_ACCESS_KEY_ID_FILE`, ...: compose secrets); a file wins over the plain variable.
+S3_SECRET_FILE_FIELDS = (
+    ("s3_access_key_id", "s3_access_key_id_file"),
+    ("s3_secret_access_key", "s3_secret_access_key_file"),
+)
+
+
+def read_secret_file(path: Any, file_field: str) -> str:
+    """The stripped contents of a secret file; ValueError naming the setting (never the contents)."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{file_field} (LTX_{file_field.upper()}): cannot read {path}: {exc.strerror}") from None
 
 
 def check_redis_url(url: str) -> str:

@@ -22,9 +22,10 @@ Waiting for `released` before writing the outcome keeps RQ's own success bookkee
 registries) from landing after ours.
 
 Recovery: `recover()` (at start, before the first job) queues every complete render the spool still
-holds. Its job is updated as above; one already recorded as `uploaded` for the same key is only released.
-Uploads are idempotent: the key depends only on the job id and `Storage.put` skips an object that
-already holds the same sha256, so a crash between confirmation and the record costs one HEAD request.
+holds. Its job is updated as above; a job already recorded as `uploaded` (by this render, or by another
+render of it that finished elsewhere) only has the copy released. Uploads are idempotent: the key is fixed
+in the manifest (job id + render id, see `worker.storage`) and `Storage.put` skips an object that already
+holds the same sha256, so a crash between confirmation and the record costs one HEAD request.
 
 Bounds: `full()` is true while `max_pending_uploads` renders or `max_pending_bytes` bytes are pending
 (queued or in flight); the worker does not take another job meanwhile (back-pressure, see
@@ -224,8 +225,11 @@ class UploadPipeline:
                 job = None
             meta = job.meta if job is not None else {}
             result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
-            if meta.get("state") == JobState.UPLOADED.value and result.get("key") == entry.key:
-                log.info("spool entry %s: job already recorded as uploaded; releasing the copy", entry.job_id)
+            if meta.get("state") == JobState.UPLOADED.value and result.get("key"):
+                # (its key may differ: another render of the job, e.g. re-run elsewhere after this host
+                # vanished, was recorded first; recording this one too would end the job twice)
+                log.info("spool entry %s: job already recorded as uploaded (%s); releasing the copy",
+                         entry.job_id, result.get("key"))  # fmt: skip
                 self.spool.release(entry)
                 continue
             item = PendingUpload(

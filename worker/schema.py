@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .imagesize import MAX_IMAGE_SIDE, image_size
+from .imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
 
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
@@ -27,7 +27,9 @@ MAX_IMAGE_BYTES = 8 << 20  #: decoded size of one image file (the request travel
 class ConditioningImage(BaseModel):
     """An image the video is conditioned on, carried inline so the request never names a worker path.
 
-    `data` is a base64-encoded image file (PNG, JPEG, WebP, ...); `frame` the video frame it pins (0, or a
+    `data` is a base64-encoded PNG, JPEG, WebP, GIF or BMP file (`worker.imagesize` reads its size from the
+    header; any other format is refused, since its size could not be checked before decoding); `frame` the
+    video frame it pins (0, or a
     multiple of 8: one latent frame); `strength` how strongly (1.0 = keep the image exactly).
     """
 
@@ -47,7 +49,9 @@ class ConditioningImage(BaseModel):
         if len(raw) > MAX_IMAGE_BYTES:
             raise ValueError(f"image is {len(raw)} bytes, over the {MAX_IMAGE_BYTES} byte limit")
         size = image_size(raw)  # (from the header: nothing is decoded here)
-        if size is not None and max(size[1], size[2]) > MAX_IMAGE_SIDE:
+        if size is None:  # a format the size check cannot read would reach the decoder unchecked: refuse it
+            raise ValueError(f"not a {IMAGE_FORMATS} file (the formats whose size is checked before decoding)")
+        if max(size[1], size[2]) > MAX_IMAGE_SIDE:
             raise ValueError(f"{size[0]} image of {size[1]}x{size[2]} pixels; at most {MAX_IMAGE_SIDE} per side")
         return value
 

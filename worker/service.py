@@ -48,7 +48,7 @@ from .relay import EventRelay
 from .schema import RenderRequest
 from .settings import WorkerSettings
 from .spool import Spool, SpoolEntry
-from .storage import Storage, StoredObject
+from .storage import Storage, StoredObject, new_render_id
 from .uploader import Uploader, UploadFailed
 
 __all__ = ["JobCancelledByClient", "JobFailed", "RenderService"]
@@ -383,7 +383,7 @@ class RenderService:
             entry = self.spool.commit(
                 job.id,
                 file_name=output_path.name,
-                key=self.storage.key_for(job.id, output_path.name),
+                key=self.storage.key_for(job.id, new_render_id(), output_path.name),  # (one object per render)
                 content_type=str(output.get("content_type") or "video/mp4"),
                 queue=job.origin,
                 info=info,

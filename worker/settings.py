@@ -36,7 +36,14 @@ from pydantic_settings import (
 
 from ltx_mgpu.devices import canonical_group
 
-from .keys import check_queue_names, check_redis_url, safe_redis_url, split_list
+from .keys import (
+    S3_SECRET_FILE_FIELDS,
+    check_queue_names,
+    check_redis_url,
+    read_secret_file,
+    safe_redis_url,
+    split_list,
+)
 
 __all__ = [
     "BUILTIN_RUNNERS",
@@ -330,19 +337,10 @@ class WorkerSettings(BaseSettings):
             raise ValueError(
                 f"local_storage_dir ({ENV_PREFIX}LOCAL_STORAGE_DIR) is required when storage_backend='local'"
             )
-        for secret, file_field in (
-            ("s3_access_key_id", "s3_access_key_id_file"),
-            ("s3_secret_access_key", "s3_secret_access_key_file"),
-        ):
+        for secret, file_field in S3_SECRET_FILE_FIELDS:
             path = getattr(self, file_field)
             if path is not None:
-                try:
-                    text = Path(path).read_text().strip()
-                except OSError as exc:
-                    raise ValueError(
-                        f"{file_field} ({ENV_PREFIX}{file_field.upper()}): cannot read {path}: {exc.strerror}"
-                    ) from None
-                object.__setattr__(self, secret, SecretStr(text))
+                object.__setattr__(self, secret, SecretStr(read_secret_file(path, file_field)))
         if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
             raise ValueError(
                 f"s3_access_key_id / s3_secret_access_key ({ENV_PREFIX}S3_ACCESS_KEY_ID, "

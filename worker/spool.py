@@ -50,7 +50,7 @@ class SpoolEntry:
     size: int  #: bytes
     sha256: str  #: hex digest of the file, computed once (at commit, or by the background uploader: "" until then)
     content_type: str
-    key: str  #: storage key (derived from the job id, so retries overwrite the same object)
+    key: str  #: storage key, fixed at commit (job id + a random render id): every upload attempt writes it
     created_at: float  #: wall-clock seconds at commit
     queue: str | None = None  #: the RQ queue the job came from (recovery updates the job there)
     info: dict[str, Any] = field(default_factory=dict)  #: output facts (frames, fps, size) and render timings

@@ -1,8 +1,17 @@
 """Where finished videos go: an S3-compatible bucket (boto3 managed transfer) or a local directory.
 
 A storage backend does one *attempt* per `put()`; retries with back-off live in `worker/uploader.py`, so
-both backends share them. Every put is idempotent: the key is derived from the job id (a retry overwrites
-the same object) and an object that already holds the same sha256 is not uploaded again. A put is
+both backends share them. Every put is idempotent: the key is fixed when the render is committed to the
+spool and recorded in its manifest (every attempt, and a re-upload after a restart, writes the same object),
+and an object that already holds the same sha256 is not uploaded again.
+
+Object keys are `<prefix><job id>/<render id>/<file>`, the render id a random token the worker draws when it
+commits a render (`new_render_id`). Why not per job id alone: a job id reused after the first job expired
+overwrote the first submission's video. Why not an id from Redis (a token kept in the job's meta, or RQ's
+`created_at`): whoever enqueues writes the job hash, so a hostile client could copy another submission's
+value there and steer its render onto that submission's object. The render id never leaves the worker
+before the object exists (it is in the local spool manifest, then in the result), so no client can choose
+it. A re-render (the spool copy lost with its host) gets a new key: its bytes differ anyway. A put is
 *confirmed* only after the stored object has been read back (size and sha256 metadata match); the spool
 deletes its copy only after that.
 
@@ -17,6 +26,7 @@ S3 notes (measured against SeaweedFS, MinIO and AWS behaviour):
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -27,7 +37,7 @@ from typing import Any, Protocol
 from .settings import WorkerSettings
 from .spool import SpoolEntry, sha256_file
 
-__all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject", "make_storage"]
+__all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject", "make_storage", "new_render_id"]
 
 ProgressFn = Callable[[int], None]  # called with byte increments, from transfer threads
 
@@ -58,10 +68,20 @@ class StoredObject:
         return asdict(self)
 
 
+def new_render_id() -> str:
+    """A fresh render id for an object key: 64 random bits from the OS (see the module docstring)."""
+    return secrets.token_hex(8)
+
+
+def _key(prefix: str, job_id: str, render_id: str, file_name: str) -> str:
+    return f"{prefix}{job_id}/{render_id}/{file_name}"
+
+
 class Storage(Protocol):
     name: str
 
-    def key_for(self, job_id: str, file_name: str) -> str: ...
+    def key_for(self, job_id: str, render_id: str, file_name: str) -> str:
+        """The object key of one render of a job (`render_id`: from `new_render_id()`)."""
 
     def check(self) -> None:
         """Fail fast at start if the destination is unusable (bucket missing, directory unwritable).
@@ -137,8 +157,8 @@ class S3Storage:
             preferred_transfer_client="classic",
         )
 
-    def key_for(self, job_id: str, file_name: str) -> str:
-        return f"{self.prefix}{job_id}/{file_name}"
+    def key_for(self, job_id: str, render_id: str, file_name: str) -> str:
+        return _key(self.prefix, job_id, render_id, file_name)
 
     def check(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -232,8 +252,8 @@ class LocalStorage:
         self.root = Path(root)
         self.prefix = prefix
 
-    def key_for(self, job_id: str, file_name: str) -> str:
-        return f"{self.prefix}{job_id}/{file_name}"
+    def key_for(self, job_id: str, render_id: str, file_name: str) -> str:
+        return _key(self.prefix, job_id, render_id, file_name)
 
     def check(self) -> None:
         try:

@@ -1,8 +1,11 @@
 """Conditioning images in: decoded with PyAV and torch only (no pillow or torchvision needed).
 
-Images arrive in the job kwargs as base64-encoded files (PNG, JPEG, WebP, ... anything FFmpeg decodes), so a
-request is self-contained and never names a path on the worker. Decoding runs on every rank from the same
-bytes, so a bad image raises the same `ValueError` everywhere (a recoverable, symmetric failure).
+Images arrive in the job kwargs as base64-encoded PNG, JPEG, WebP, GIF or BMP files, so a request is
+self-contained and never names a path on the worker. The request check (`worker.schema`, at the producer and
+in the worker) refuses other formats and sizes over 4096 pixels per side from the header; this decoder keeps
+the same rules on its own (it never imports `worker`): the codec FFmpeg detects must be one of those five and
+the size it parsed from the header is checked before any frame is decoded. Decoding runs on every rank from
+the same bytes, so a bad image raises the same `ValueError` everywhere (a recoverable, symmetric failure).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import torch
 __all__ = ["DecodedImage", "decode_image", "parse_images", "to_model_input"]
 
 MAX_IMAGE_BYTES = 16 << 20
+MAX_IMAGE_SIDE = 4096  #: pixels per side (the request check's `worker.imagesize.MAX_IMAGE_SIDE`)
+#: FFmpeg decoders of the formats the request check can size from the header (PNG, JPEG, WebP, GIF, BMP)
+IMAGE_CODECS = frozenset({"png", "mjpeg", "webp", "gif", "bmp"})
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,13 @@ def decode_image(data: bytes) -> torch.Tensor:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
                 raise ValueError("no picture stream")
+            stream = container.streams.video[0]
+            codec = stream.codec_context.name
+            if codec not in IMAGE_CODECS:
+                raise ValueError(f"{codec} images are not accepted (PNG, JPEG, WebP, GIF or BMP only)")
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if max(width, height) > MAX_IMAGE_SIDE:
+                raise ValueError(f"{width}x{height} pixels; at most {MAX_IMAGE_SIDE} per side")
             for frame in container.decode(video=0):
                 return torch.from_numpy(frame.to_ndarray(format="rgb24")).contiguous()
     except (av.FFmpegError, OSError) as exc:  # FFmpeg's errors are OSError subclasses too

