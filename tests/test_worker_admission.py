@@ -1,4 +1,4 @@
-"""Worker-side admission (`worker/admission.py`, issue 19 item 2): the queue-depth cap and the per-client
+"""Worker-side admission (`worker/admission.py`): the queue-depth cap and the per-client
 quota hold whatever a client wrote.
 
 Unit tests of the decision (`plan`), then one real `ltx-worker one` (CPU fleet, fault runner, real Redis and

@@ -37,8 +37,9 @@ them, and jobs further back are judged once they move up.
 failed registry and a failure result, `ltx_worker_jobs{outcome="failed",reason}`) in batches by one worker
 at a time, idempotently: a worker killed in between leaves them for the next pass, never queued again.
 
-**Cost** (measured in `bench/admission.py`): a pass reads `QUOTA_WINDOW` ids and, for each, its status and
-meta length in one pipelined round trip; metas are read once per job (owners are cached). A depth trim
+**Cost** (measured in `bench/admission.py`): with the quota on, a pass reads the first `QUOTA_WINDOW` waiting
+ids (or as many as the depth cap, if smaller) and each one's status in one pipelined round trip; metas are
+read once per job (owners are cached). Without the quota, a pass is one round trip of LLENs. A depth trim
 moves its excess in one transaction, O(excess). Nothing here is O(queue length) per dequeue.
 """
 
@@ -216,6 +217,12 @@ class Admission:
         self._owners: OrderedDict[str, Owner] = OrderedDict()  # job id -> owner, read once per job
 
     @property
+    def window(self) -> int:
+        """Waiting jobs whose owners a pass reads: `QUOTA_WINDOW`, or the depth cap if smaller (jobs
+        past the cap are trimmed anyway)."""
+        return min(QUOTA_WINDOW, self.depth_cap) if self.depth_cap is not None else QUOTA_WINDOW
+
+    @property
     def enabled(self) -> bool:
         return self.depth_cap is not None or self.quota is not None
 
@@ -256,7 +263,7 @@ class Admission:
                     pipe.watch(*keys, *started)
                     lengths = [int(pipe.llen(k)) for k in keys]
                     windows: list[list[str]] = []
-                    budget = QUOTA_WINDOW if self.quota is not None else 0
+                    budget = self.window if self.quota is not None else 0
                     for key, length in zip(keys, lengths, strict=True):
                         n = min(length, budget)
                         windows.append([i.decode() for i in pipe.lrange(key, 0, n - 1)] if n else [])
@@ -320,12 +327,14 @@ class Admission:
         for job_id in unique:
             key = self.job_class.key_for(job_id)
             pipe.hget(key, "status")
-            pipe.hstrlen(key, "meta")
-        replies = pipe.execute()
+            if job_id not in self._owners:
+                pipe.hstrlen(key, "meta")
+        replies = iter(pipe.execute())
         out: dict[str, Owner] = {}
         fetch: list[str] = []
-        for n, job_id in enumerate(unique):
-            status, meta_len = replies[2 * n], int(replies[2 * n + 1] or 0)
+        for job_id in unique:
+            status = next(replies)
+            meta_len = int(next(replies) or 0) if job_id not in self._owners else 0
             if status is None or status.decode() in RQ_ENDED_STATUSES:
                 out[job_id] = STALE
             elif job_id in self._owners:
@@ -398,7 +407,7 @@ class Admission:
         error = meta.get("error") if isinstance(meta.get("error"), dict) else {}
         message = refusal.message()
         if not (meta.get("state") == JobState.FAILED.value and error.get("reason") == refusal.reason.value):
-            self.outcomes.failed(job, refusal.reason, message, retryable=False, **refusal.details)
+            self.outcomes.failed(job, refusal.reason, message, retryable=False, quiet=True, **refusal.details)
         rqcompat.fail_unstarted(job, message, self.outcomes.failure_ttl(job), self.worker_name)
 
 
