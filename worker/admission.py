@@ -38,9 +38,10 @@ failed registry and a failure result, `ltx_worker_jobs{outcome="failed",reason}`
 at a time, idempotently: a worker killed in between leaves them for the next pass, never queued again.
 
 **Cost** (measured in `bench/admission.py`): with the quota on, a pass reads the first `QUOTA_WINDOW` waiting
-ids (or as many as the depth cap, if smaller) and each one's status in one pipelined round trip; metas are
-read once per job (owners are cached). Without the quota, a pass is one round trip of LLENs. A depth trim
-moves its excess in one transaction, O(excess). Nothing here is O(queue length) per dequeue.
+ids and each one's status in one pipelined round trip (with a depth cap, a queue holds no more than the cap
+once trimmed, so that is the cap's worth in steady state); metas are read once per job (owners cached).
+Without the quota, a pass is one round trip of LLENs. A depth trim moves its excess in one transaction,
+O(excess). Nothing here is O(queue length) per dequeue.
 """
 
 from __future__ import annotations
@@ -217,12 +218,6 @@ class Admission:
         self._owners: OrderedDict[str, Owner] = OrderedDict()  # job id -> owner, read once per job
 
     @property
-    def window(self) -> int:
-        """Waiting jobs whose owners a pass reads: `QUOTA_WINDOW`, or the depth cap if smaller (jobs
-        past the cap are trimmed anyway)."""
-        return min(QUOTA_WINDOW, self.depth_cap) if self.depth_cap is not None else QUOTA_WINDOW
-
-    @property
     def enabled(self) -> bool:
         return self.depth_cap is not None or self.quota is not None
 
@@ -263,7 +258,7 @@ class Admission:
                     pipe.watch(*keys, *started)
                     lengths = [int(pipe.llen(k)) for k in keys]
                     windows: list[list[str]] = []
-                    budget = self.window if self.quota is not None else 0
+                    budget = QUOTA_WINDOW if self.quota is not None else 0
                     for key, length in zip(keys, lengths, strict=True):
                         n = min(length, budget)
                         windows.append([i.decode() for i in pipe.lrange(key, 0, n - 1)] if n else [])
