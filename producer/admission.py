@@ -15,7 +15,6 @@ so no worker cooperation is needed and a crashed producer never leaks quota for 
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -23,6 +22,8 @@ from typing import Literal
 import redis
 from rq import Queue
 from rq.job import Job
+
+from worker.keys import RQ_ENDED_STATUSES, check_client_name
 
 __all__ = [
     "TERMINAL_STATUSES",
@@ -37,19 +38,8 @@ __all__ = [
 
 CLIENT_KEY_PREFIX = "ltx:producer:client:"  # + <client> + ":jobs" (sorted set of job ids, score = submit time)
 CLIENT_KEY_TTL_S = 7 * 24 * 3600  # idle clients' sets disappear on their own
-TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
+TERMINAL_STATUSES = RQ_ENDED_STATUSES  # (one definition: the worker counts unfinished jobs the same way)
 _MAX_ATTEMPTS = 50
-
-
-_CLIENT_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
-
-
-def check_client_name(client: str) -> str:
-    """`client` if it is 1-64 letters, digits or `_.@-` (it becomes part of a Redis key and is shown to
-    operators); else ValueError (a 10k-character name and `"x:*\\nFAKE"` passed the API before)."""
-    if not isinstance(client, str) or not _CLIENT_NAME.fullmatch(client):
-        raise ValueError(f"client name {str(client)[:40]!r}: use 1-64 letters, digits or _.@-")
-    return client
 
 
 def client_key(client: str) -> str:

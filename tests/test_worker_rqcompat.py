@@ -67,6 +67,8 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     assert _params(Job.heartbeat) == ["self", "timestamp", "ttl", "pipeline", "xx"]
     assert _params(StartedJobRegistry.cleanup) == ["self", "timestamp", "exception_handlers"]
     assert _params(StartedJobRegistry.add_execution) == ["self", "execution", "pipeline", "ttl", "xx"]
+    # worker.admission reads running job ids from started-registry members `<job id>:<execution id>`
+    assert Execution(id="e1", job_id="j1", connection=redis_client).composite_key == "j1:e1"
     # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
     assert f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}." in source

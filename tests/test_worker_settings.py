@@ -78,6 +78,9 @@ def test_environment_lists_and_types(monkeypatch):
         ({"LTX_HEARTBEAT_INTERVAL": "40"}, "job_heartbeat_ttl (LTX_JOB_HEARTBEAT_TTL)"),
         ({"LTX_WARMUP_REQUESTS": '[{"prompt": "x", "width": 100}]'}, "request 0: field 'width'"),
         ({"LTX_WARMUP_REQUESTS": '[{"prompt": "x", "colour": 1}]'}, "warmup_requests (LTX_WARMUP_REQUESTS)"),
+        ({"LTX_MAX_QUEUE_DEPTH": "-1"}, "max_queue_depth (LTX_MAX_QUEUE_DEPTH)"),
+        ({"LTX_CLIENT_QUOTA": "many"}, "client_quota (LTX_CLIENT_QUOTA)"),
+        ({"LTX_CLIENT_QUOTA": "1000001"}, "client_quota (LTX_CLIENT_QUOTA)"),
         ({"LTX_NOT_A_SETTING": "1"}, None),  # unknown LTX_ variables are ignored by pydantic-settings
     ],
 )
@@ -90,6 +93,17 @@ def test_invalid_settings_name_the_field(monkeypatch, env, needle):
     with pytest.raises(SettingsError) as info:
         load_settings()
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, None), ("0", None), ("off", None), ("", None), ("200", 200)])
+def test_admission_limits_are_off_when_unset_or_zero_as_for_the_producer(monkeypatch, value, expected):
+    for var in ("LTX_MAX_QUEUE_DEPTH", "LTX_CLIENT_QUOTA"):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    s = load_settings()
+    assert (s.depth_cap, s.quota) == (expected, expected)
 
 
 def test_warmup_requests_become_runner_kwargs_like_jobs(monkeypatch):

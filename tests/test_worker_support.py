@@ -13,6 +13,7 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | error=runner    | raise RunnerError on every rank (recoverable, the fleet survives)        |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | no_output=1     | finish without writing a file                                            |
+| hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
 
 No test functions here: pytest collects the module and finds none.
 """
@@ -98,6 +99,11 @@ class FaultRunner(MGPURunner):
             raise RunnerError("injected runner error")
         if self.is_driver:
             yield stage_event("denoise")
+        if d.get("hold"):  # a test holds the fleet busy until it creates this file
+            deadline = time.monotonic() + 120
+            while not os.path.exists(d["hold"]) and time.monotonic() < deadline:
+                self.raise_if_cancelled()
+                time.sleep(0.05)
         exit_rank = int(d["exit_rank"]) if "exit_rank" in d else None
         exit_step = int(d.get("exit_step", 2))
         for step in range(1, steps + 1):

@@ -31,14 +31,17 @@ from enum import StrEnum
 from typing import Any
 
 __all__ = [
+    "ANONYMOUS_CLIENT",
     "EVENTS_KEY_TEMPLATE",
     "EVENT_FIELD_DATA",
     "EVENT_FIELD_TYPE",
     "JOB_ID_MAX_LEN",
     "KEY_PREFIX",
     "RECORDED_END_STATES",
+    "REFUSALS_KEY",
     "RENDER_COMPLETE_STATES",
     "RENDER_FUNC",
+    "RQ_ENDED_STATUSES",
     "RUNNING_STATES",
     "S3_SECRET_FILE_FIELDS",
     "SUMMARY_FIELDS",
@@ -47,11 +50,13 @@ __all__ = [
     "EventType",
     "FailureReason",
     "JobState",
+    "check_client_name",
     "check_job_id",
     "check_queue_names",
     "check_redis_url",
     "derive_state",
     "events_key",
+    "job_owner",
     "read_secret_file",
     "safe_redis_url",
     "split_list",
@@ -84,6 +89,35 @@ def check_job_id(job_id: str) -> str:
 
 
 WORKER_HEALTH_KEY_TEMPLATE = KEY_PREFIX + ":worker:{name}:health"
+
+#: Jobs a worker took out of its queues without running them (over the depth cap or a client's quota),
+#: waiting to be recorded as failed (`worker.admission`): a list of JSON objects.
+REFUSALS_KEY = KEY_PREFIX + ":worker:refusals"
+
+# ==== job owners (the client a job counts against; checked by the producer and by the worker) =========
+
+#: The owner of a job whose meta names no `client` (enqueued without the producer).
+ANONYMOUS_CLIENT = "anonymous"
+_CLIENT_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+#: RQ statuses after which a job no longer counts as unfinished (for quotas, on both sides).
+RQ_ENDED_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
+
+
+def check_client_name(client: str) -> str:
+    """`client` if it is 1-64 letters, digits or `_.@-` (it becomes part of a Redis key and is shown to
+    operators); else ValueError (a 10k-character name and `"x:*\\nFAKE"` passed the API before)."""
+    if not isinstance(client, str) or not _CLIENT_NAME.fullmatch(client):
+        raise ValueError(f"client name {str(client)[:40]!r}: use 1-64 letters, digits or _.@-")
+    return client
+
+
+def job_owner(meta: Any) -> str:
+    """The client a job counts against: its meta `client` (written by the producer), checked by
+    `check_client_name` (ValueError if malformed); a job whose meta names none is `ANONYMOUS_CLIENT`'s."""
+    client = meta.get("client") if isinstance(meta, dict) else None
+    return ANONYMOUS_CLIENT if client is None else check_client_name(client)
+
 
 #: Stream entry fields: `type` (an `EventType` value, for cheap filtering) and `data` (the whole event as
 #: a JSON object, which repeats `type` and adds `ts`, the worker's wall-clock time in seconds).
@@ -210,6 +244,12 @@ class FailureReason(StrEnum):
     #: The job reached the worker's hard cap on executions (`max_attempts`), whatever the reasons. Never
     #: retried: it bounds any loop the per-reason budgets do not (e.g. executions that vanish unrecorded).
     ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+    #: Taken out of the queue without running: more than `LTX_MAX_QUEUE_DEPTH` jobs were waiting and this
+    #: was among the newest (`error.depth`, `error.cap`). Never retried.
+    QUEUE_FULL = "queue_full"
+    #: Not run: its owner (meta `client`; none: `anonymous`) had `LTX_CLIENT_QUOTA` unfinished jobs ahead of
+    #: it (`error.client`, `error.unfinished`, `error.quota`). Never retried.
+    QUOTA_EXCEEDED = "quota_exceeded"
     #: A bug in the worker itself.
     INTERNAL = "internal"
 

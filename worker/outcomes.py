@@ -123,12 +123,14 @@ class JobOutcomes:
         *,
         relay: EventRelay | None = None,
         retryable: bool | None = None,
+        quiet: bool = False,
         **details: Any,
     ) -> bool:
         """Record a failed attempt: `retrying` while the reason's budget lasts (unless `retryable` is False),
         else a terminal `failed` whose error lists every attempt. Sets RQ's retry decision on `job`.
         Returns True when the job will be re-queued. Whatever the reason's budget, no job is re-queued once
-        it has had `max_attempts` executions (the hard cap: a loop of any kind ends in a recorded failure)."""
+        it has had `max_attempts` executions (the hard cap: a loop of any kind ends in a recorded failure).
+        `quiet`: log at DEBUG (the caller logs one line for many, e.g. a flood refused by admission)."""
         relay = relay or self.relay(job)
         meta = relay.meta
         retries: dict[str, int] = dict(meta.get("retries") or {})
@@ -155,7 +157,8 @@ class JobOutcomes:
             relay.update_summary(attempts=attempts)
             relay.state(JobState.FAILED, error=error, ttl=self.failure_ttl(job))
             self._count("failed", reason)
-            log.error("job %s failed: %s (%s)", job.id, message, _attempts_text(attempts))
+            log.log(logging.DEBUG if quiet else logging.ERROR, "job %s failed: %s (%s)", job.id, message,
+                    _attempts_text(attempts))  # fmt: skip
         return retry
 
     def lost_unrecorded(self, job: Any, relay: EventRelay) -> None:

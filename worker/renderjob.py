@@ -8,9 +8,10 @@ took a worker to 3.3 GB), and rewrites a meta of any size on every event. A hash
 (`created_at: "yesterday"`) or whose meta is not JSON made the worker process quit with its warm fleet. So:
 
 - only `worker.keys.RENDER_FUNC` is executed; any other function, a job id `worker.keys.check_job_id`
-  refuses, or a hash carrying fields this service never writes (callbacks, repeats, dependencies,
-  webhooks) fails the job with `RefusedJob` (recorded as `invalid_request`); those fields are dropped on
-  load, so RQ never acts on them (RQ calls a failure callback even for a refused job);
+  refuses, an owner (meta `client`) that `worker.keys.check_client_name` refuses, or a hash carrying
+  fields this service never writes (callbacks, repeats, dependencies, webhooks) fails the job with
+  `RefusedJob` (recorded as `invalid_request`); those fields are dropped on load, so RQ never acts on
+  them (RQ calls a failure callback even for a refused job);
 - `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
   replaced by an empty one and refused the same way;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
@@ -30,7 +31,7 @@ from typing import Any
 from rq.job import Job
 from rq.utils import decode_redis_hash
 
-from .keys import RENDER_FUNC, check_job_id
+from .keys import RENDER_FUNC, check_job_id, job_owner
 
 __all__ = ["REFUSED_HASH_FIELDS", "RefusedJob", "RenderJob"]
 
@@ -98,6 +99,10 @@ class RenderJob(Job):
             check_job_id(self.id)  # (RQ checks only the characters; a long id broke the spool)
         except ValueError as exc:
             raise RefusedJob(str(exc)) from None
+        try:
+            job_owner(self.meta)  # (quotas count against it; a name RQ keys and operators' tables cannot hold)
+        except ValueError as exc:
+            raise RefusedJob(f"owner: {exc}") from None
         if getattr(self, "_refusals", None):
             raise RefusedJob("; ".join(self._refusals))
         return super()._execute()

@@ -35,6 +35,7 @@ __all__ = [
     "exception_handlers",
     "fail_after_return",
     "fail_unreadable",
+    "fail_unstarted",
     "give_back_dequeued",
     "give_back_started",
     "mark_stopped",
@@ -168,6 +169,22 @@ def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: Base
             pipe.lrem(queue.intermediate_queue_key, 0, job_id)
         pipe.execute()
     log.error("job %s failed without running: %s", job_id, message)
+
+
+def fail_unstarted(job: Job, message: str, ttl: int, worker_name: str) -> None:
+    """Mark a job that never started as failed as RQ would have: status, `ended_at`, the failed registry of
+    its queue, a failure result, the hash's expiry (admission refused it: `worker.admission`). The job is no
+    longer in any queue list (the refusal took it out); it may still be in an intermediate list."""
+    queue = Queue(job.origin, connection=job.connection, serializer=job.serializer)
+    with job.connection.pipeline() as pipe:
+        job.set_status(JobStatus.FAILED, pipeline=pipe)
+        job.ended_at = now()
+        pipe.hset(job.key, mapping={"ended_at": utcformat(job.ended_at), "retries_left": 0})
+        pipe.lrem(queue.intermediate_queue_key, 0, job.id)
+        queue.failed_job_registry.add(job, ttl=ttl, exc_string=message, pipeline=pipe)
+        Result.create_failure(job, ttl, exc_string=message, worker_name=worker_name, pipeline=pipe)
+        pipe.expire(job.key, ttl)
+        pipe.execute()
 
 
 # ==== a running job a client cancelled ====================================================================

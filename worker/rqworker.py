@@ -29,6 +29,9 @@ recorded by `worker.outcomes`.
   health) and rebuilt at once in the background (`FleetSupervisor.rebuild_soon`); the dequeue waits for
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
+- Admission (`worker.admission`): before and right after every dequeue the worker ends, without running
+  them, the jobs past `LTX_MAX_QUEUE_DEPTH` waiting jobs and past a client's `LTX_CLIENT_QUOTA`
+  unfinished jobs, whoever enqueued them (the producer's own check is only the early answer).
 - Back-pressure: before every dequeue the worker waits while the background uploader (`worker.pipeline`)
   is at its bound of pending uploads, or the spool's disk is nearly full; after every job it tells the
   service that RQ's bookkeeping of the return is done (`job_returned`), so the uploader's `uploaded` record
@@ -60,6 +63,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
 from . import rqcompat
+from .admission import Admission
 from .fleet import FleetUnrecoverable
 from .health import HealthPublisher
 from .keys import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, worker_health_key
@@ -112,6 +116,9 @@ class FleetWorker(SimpleWorker):
         fleet.on_change = self._fleet_changed
         service.pipeline.on_change = self.health.notify
         self.push_exc_handler(self._abandoned_job_handler)
+        self.admission = Admission(self.connection, self.queues, depth_cap=settings.depth_cap, quota=settings.quota,
+                                   outcomes=self.outcomes, job_class=self.job_class, worker_name=self.name,
+                                   max_meta_bytes=settings.max_meta_bytes)  # fmt: skip
 
     # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -261,8 +268,12 @@ class FleetWorker(SimpleWorker):
         while True:
             self._ensure_fleet()
             self._wait_for_upload_room()
+            self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.admission)
             if timeout is None:
-                return self._dequeue(None, max_idle_time)
+                result = self._dequeue(None, max_idle_time)
+                if result is None or self.admission.admit(*result, tick=self.heartbeat):
+                    return result
+                continue
             slice_s = _DEQUEUE_SLICE_S
             if idle_deadline is not None:
                 left = idle_deadline - time.monotonic()
@@ -276,6 +287,8 @@ class FleetWorker(SimpleWorker):
             if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
                 rqcompat.give_back_dequeued(job, queue)
                 continue
+            if not self.admission.admit(job, queue, tick=self.heartbeat):
+                continue  # past the depth cap or its client's quota: ended without running
             return result
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:

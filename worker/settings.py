@@ -128,6 +128,22 @@ class WorkerSettings(BaseSettings):
         60, ge=1, description="seconds between RQ registry cleanups (abandoned-job detection latency)"
     )
 
+    # ---- admission (the producer's caps, held by the worker too: worker.admission) -------------------
+    max_queue_depth: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="jobs that may wait in `queues` together; the newest beyond are ended as queue_full "
+        "without running (unset or 0: no cap; the producer reads the same variable)",
+    )
+    client_quota: int | None = Field(
+        None,
+        ge=0,
+        le=100_000,
+        description="unfinished jobs of one client (meta `client`; none: anonymous); a job with this many of "
+        "its client's ahead of it is ended as quota_exceeded (unset or 0: none; the producer reads it too)",
+    )
+
     # ---- fleets --------------------------------------------------------------------------------------
     groups: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["cpu:1"],
@@ -256,6 +272,13 @@ class WorkerSettings(BaseSettings):
     def _parse_groups(cls, value: Any) -> Any:
         return split_list(value, ";")
 
+    @field_validator("max_queue_depth", "client_quota", mode="before")
+    @classmethod
+    def _limit_off(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "off", "none"):
+            return None
+        return value
+
     @field_validator("metrics_port", mode="before")
     @classmethod
     def _metrics_off(cls, value: Any) -> Any:
@@ -358,6 +381,16 @@ class WorkerSettings(BaseSettings):
     @property
     def runner_registry(self) -> dict[str, str]:
         return {**BUILTIN_RUNNERS, **self.runners}
+
+    @property
+    def depth_cap(self) -> int | None:
+        """`max_queue_depth`, None when off (0 means off, as for the producer)."""
+        return self.max_queue_depth or None
+
+    @property
+    def quota(self) -> int | None:
+        """`client_quota`, None when off (0 means off, as for the producer)."""
+        return self.client_quota or None
 
     @property
     def checksum_when_required(self) -> bool:
