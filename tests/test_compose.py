@@ -166,6 +166,10 @@ def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch, tmp
     assert settings.metrics_port == 9400
     assert str(settings.spool_dir) == "/spool"
     assert settings.s3_access_key_id is not None and settings.s3_secret_access_key is not None
+    # the worker holds the admission limits itself, with the same values the producer checks early
+    assert settings.depth_cap == 200 and settings.quota is None
+    for name in ("LTX_MAX_QUEUE_DEPTH", "LTX_CLIENT_QUOTA"):
+        assert environment("worker")[name] == environment("producer")[name]
 
 
 def test_worker_reserves_gpus_and_stops_warm() -> None:
