@@ -4,8 +4,10 @@ One `.env` (or compose `environment:` block) configures both sides: `LTX_REDIS_U
 first queue is where `submit` puts jobs), `LTX_RESULT_TTL`/`LTX_FAILURE_TTL`, and the `LTX_S3_*` storage
 variables (used by `fetch` when credentials are present; otherwise `fetch` downloads the presigned URL
 from the job result). Producer-only knobs: `LTX_CLIENT` (the name quotas are counted under),
-`LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`. Unknown `LTX_*` variables are ignored, so
-the worker's variables can live in the same file. Credentials are `SecretStr` and never printed.
+`LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`, `LTX_TENANT_IDS`. Redis credentials and TLS:
+`LTX_REDIS_USERNAME`, `LTX_REDIS_PASSWORD(_FILE)`, `LTX_REDIS_CA_FILE` (`worker.redisconn`). Unknown
+`LTX_*` variables are ignored, so the worker's variables can live in the same file. Credentials are
+`SecretStr` and never printed.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import getpass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.admission import check_client_name
-from worker.keys import check_queue_names, check_redis_url, split_list
+from worker.keys import check_queue_names, check_redis_url, check_tenant_name, split_list
+from worker.redisconn import RedisAccess
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
 
@@ -36,10 +39,16 @@ def _default_client() -> str:
         return "anonymous"
 
 
-class ProducerSettings(BaseSettings):
-    """Field `x` is environment variable `LTX_X`; CLI flags override."""
+class ProducerSettings(RedisAccess, BaseSettings):
+    """Field `x` is environment variable `LTX_X`; CLI flags override. The `redis_*` credential and TLS
+    fields come from `worker.redisconn.RedisAccess` (shared with the worker)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", case_sensitive=False)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="ignore",
+        case_sensitive=False,
+        hide_input_in_errors=True,  # (secrets)
+    )
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the service's Redis")
     queues: Annotated[list[str], NoDecode] = Field(
@@ -51,6 +60,12 @@ class ProducerSettings(BaseSettings):
         False,
         description="see and act on every client's jobs (ls, status, watch, cancel, fetch, stats' failures); "
         "otherwise only this client's own (and unowned) jobs",
+    )
+    tenant_ids: bool | None = Field(
+        None,
+        description="prefix every job id with '<client>-' (what a tenant Redis user may write); unset: on when "
+        "redis_username is set and operator is off. The client name then defaults to redis_username and must "
+        "be 1-32 letters, digits or _",
     )
     max_queue_depth: int = Field(
         200, ge=0, description="refuse a submit when this many jobs wait in the queue (0: no cap)"
@@ -98,6 +113,16 @@ class ProducerSettings(BaseSettings):
     @classmethod
     def _check_client(cls, value: str) -> str:
         return check_client_name(value)
+
+    @model_validator(mode="after")
+    def _tenant_defaults(self) -> ProducerSettings:
+        if self.tenant_ids is None:
+            object.__setattr__(self, "tenant_ids", self.redis_username is not None and not self.operator)
+        if self.tenant_ids:
+            if "client" not in self.model_fields_set and self.redis_username is not None:
+                object.__setattr__(self, "client", self.redis_username)
+            check_tenant_name(self.client)
+        return self
 
     @property
     def default_queue(self) -> str:

@@ -62,7 +62,14 @@ from rq.worker import SimpleWorker
 from . import rqcompat
 from .fleet import FleetUnrecoverable
 from .health import HealthPublisher
-from .keys import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, worker_health_key
+from .keys import (
+    RECORDED_END_STATES,
+    RENDER_COMPLETE_STATES,
+    TERMINAL_STATES,
+    FailureReason,
+    JobState,
+    worker_health_key,
+)
 from .logs import bind_job
 from .renderjob import RefusedJob, RenderJob
 from .service import JobCancelledByClient, JobFailed, RenderService
@@ -86,7 +93,8 @@ class FleetWorker(SimpleWorker):
         kwargs.setdefault("serializer", JSONSerializer)
         # runs only the render function, within the settings' size limits; survives hostile hashes
         kwargs.setdefault("job_class", RenderJob.with_limits(max_data_bytes=settings.max_request_bytes,
-                                                             max_meta_bytes=settings.max_meta_bytes))  # fmt: skip
+                                                             max_meta_bytes=settings.max_meta_bytes,
+                                                             tenant_ids=settings.tenant_ids))  # fmt: skip
         kwargs.setdefault("default_result_ttl", settings.result_ttl)
         kwargs.setdefault("worker_ttl", settings.worker_ttl)
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
@@ -181,8 +189,7 @@ class FleetWorker(SimpleWorker):
             self.last_loop_beat = time.monotonic()
             self.health.notify()
             try:
-                raw = self.side_connection.hget(job.key, "status")
-                if raw is not None and raw.decode() == JobStatus.CANCELED.value:
+                if rqcompat.cancel_requested(self.side_connection, job):
                     log.info("job %s was cancelled in Redis while running; stopping it", job.id)
                     rqcompat.mark_stopped(self, job.id)
                     self.service.cancel(job.id)
@@ -276,7 +283,21 @@ class FleetWorker(SimpleWorker):
             if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
                 rqcompat.give_back_dequeued(job, queue)
                 continue
+            if rqcompat.cancel_requested(self.connection, job):
+                self._skip_cancelled(job, queue)
+                continue
             return result
+
+    def _skip_cancelled(self, job: Any, queue: Any) -> None:
+        """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
+        take it out of the shared queue: `worker.control`): record it cancelled, never run it."""
+        rqcompat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job))
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        if meta.get("state") == JobState.CANCELLED.value:  # the client recorded it already
+            self.service.metrics.job_outcome("cancelled", "")
+        else:
+            self.outcomes.cancelled(job, by="client", message="cancelled while queued; skipped when dequeued")
+        log.info("job %s was cancelled while queued: skipped", job.id)
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:
         while True:
