@@ -8,7 +8,8 @@ job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redi
 | `default`     | nothing (off): every client must log in                                              |
 | worker        | every command on `rq:*` and `ltx:*` keys and RQ's `rq:*` pubsub channels, except the  |
 |               | `@dangerous` ones (FLUSHALL/FLUSHDB, CONFIG, SHUTDOWN, DEBUG, ACL, MODULE, REPLICAOF, |
-|               | KEYS, MONITOR, ...); `INFO` is allowed back (RQ reads the server version)              |
+|               | KEYS, MONITOR, ...); `INFO` and `CLIENT LIST` are allowed back (RQ reads the server   |
+|               | version and its own address)                                                         |
 | a tenant `t`  | read the service's keys (`ls`, `status`, `watch`, `stats`, `fetch`); write only its    |
 |               | own: job hashes `rq:job:t-*`, event streams `ltx:job:t-*`, its admission set          |
 |               | `ltx:producer:client:t:jobs`; append to queues (`RPUSH`/`LPUSH` on `rq:queue:*`,      |
@@ -45,7 +46,8 @@ _USER = re.compile(r"[A-Za-z0-9_]{1,32}")
 
 def worker_rules() -> str:
     """ACL rules of the worker user (and of operators' tools: `producer` with `LTX_OPERATOR=true`)."""
-    return f"resetkeys resetchannels ~rq:* ~{KEY_PREFIX}:* &rq:* -@all +@all -@dangerous +info"
+    # INFO: RQ reads the server version; CLIENT LIST: RQ finds its own address at start (`rq info` shows it)
+    return f"resetkeys resetchannels ~rq:* ~{KEY_PREFIX}:* &rq:* -@all +@all -@dangerous +info +client|list"
 
 
 def tenant_rules(tenant: str) -> str:
@@ -71,12 +73,12 @@ class AclUsers:
     ping_user: str | None = None
 
     def __post_init__(self) -> None:
+        for tenant in self.tenants:
+            check_tenant_name(tenant)
         names = [self.worker, *self.tenants, *([self.ping_user] if self.ping_user else [])]
         for name in names:
             if not _USER.fullmatch(name) or name == "default":
                 raise ValueError(f"user name {name[:40]!r}: use 1-32 letters, digits or _ (not 'default')")
-        for tenant in self.tenants:
-            check_tenant_name(tenant)
         if len(set(names)) != len(names):
             raise ValueError(f"user names must differ: {names}")
 
