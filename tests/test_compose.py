@@ -59,6 +59,32 @@ def environment(service: str) -> dict[str, str]:
     return {k: str(substitute(v)) for k, v in env.items()}
 
 
+def mounted_secrets(service: str, root: Path) -> dict[str, Path]:
+    """The service's secrets as compose mounts them (`/run/secrets/<target>`), written under `root` with a
+    password each: {container path: file here}."""
+    out = {}
+    for entry in SERVICES[service].get("secrets", []):
+        source, target = (entry, entry) if isinstance(entry, str) else (entry["source"], entry.get("target"))
+        target = substitute(target or source)
+        assert source in COMPOSE["secrets"], f"{service}: secret {source} is not declared"
+        path = root / service / target
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{source}-0123456789abcdef\n")
+        out[f"/run/secrets/{target}"] = path
+    return out
+
+
+def service_env_here(service: str, root: Path) -> dict[str, str]:
+    """The service's environment with its secret files' container paths mapped to files here."""
+    files = mounted_secrets(service, root)
+    env = environment(service)
+    for name, value in env.items():
+        if name.endswith("_FILE") and value.startswith("/run/secrets/"):
+            assert value in files, f"{service}: {name}={value} is not one of its mounted secrets"
+            env[name] = str(files[value])
+    return env
+
+
 def stages() -> set[str]:
     return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE, re.M | re.I))
 
@@ -88,6 +114,48 @@ def test_redis_keeps_jobs_aof_and_noeviction() -> None:
     assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", image), image
 
 
+def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: Path) -> None:
+    """Redis loads the users file the `redis-acl` one-shot writes from the password secrets; `default` is off;
+    the worker and the producer log in as users of that file with their password files; no password is
+    in any environment block; `maxmemory` is set with `noeviction`."""
+    from worker.redisacl import command as redis_acl
+
+    redis = SERVICES["redis"]
+    command = [substitute(str(c)) for c in redis["command"]]
+    aclfile = command[command.index("--aclfile") + 1]
+    assert re.fullmatch(r"\d+[kmg]b", command[command.index("--maxmemory") + 1]), command
+    init = SERVICES["redis-acl"]
+    assert redis["depends_on"]["redis-acl"]["condition"] == "service_completed_successfully"
+    volume = next(v for v in init["volumes"] if v.endswith(":/acl"))
+    assert f"{volume.split(':')[0]}:/acl:ro" in redis["volumes"] and aclfile.startswith("/acl/")
+    assert init["build"]["target"] == "producer" and "worker/redisacl.py" in stage_text("producer")
+    assert init["entrypoint"] == ["python", "-m", "worker.redisacl"]
+    # run the one-shot's command here, with its secrets as compose mounts them
+    args = [substitute(str(a)) for a in init["command"]]
+    files = mounted_secrets("redis-acl", tmp_path)
+    assert args[args.index("--password-dir") + 1] == "/run/secrets" and args[args.index("--output") + 1] == aclfile
+    args[args.index("--password-dir") + 1] = str(tmp_path / "redis-acl")
+    args[args.index("--output") + 1] = str(tmp_path / "users.acl")
+    assert {Path(p).name for p in files} == {"worker", environment("producer")["LTX_CLIENT"]}
+    result = CliRunner().invoke(redis_acl, args)
+    assert result.exit_code == 0, result.output
+    users = {line.split()[1]: line for line in (tmp_path / "users.acl").read_text().splitlines()}
+    assert users["default"].startswith("user default off")
+    for service in ("worker", "producer"):
+        env = environment(service)
+        assert env["LTX_REDIS_USERNAME"] in users, f"{service} logs in as a user the file does not have"
+        assert "LTX_REDIS_PASSWORD" not in env and "@" not in env["LTX_REDIS_URL"], f"{service}: password in env"
+        assert env["LTX_REDIS_PASSWORD_FILE"] in mounted_secrets(service, tmp_path / "m")
+    assert environment("worker")["LTX_TENANT_IDS"] == "true"
+    assert "-@dangerous" in users[environment("worker")["LTX_REDIS_USERNAME"]]
+    assert "%R~rq:*" in users[environment("producer")["LTX_REDIS_USERNAME"]]  # a tenant, not the worker
+    health = redis["healthcheck"]["test"]
+    assert health[health.index("--user") + 1] in users and users[health[health.index("--user") + 1]].endswith("+ping")
+    for service in SERVICES.values():  # passwords only as files
+        for name in service.get("environment") or {}:
+            assert "PASSWORD" not in name or name.endswith("_FILE"), name
+
+
 def test_s3_is_pinned_and_creates_its_bucket() -> None:
     s3 = SERVICES["s3"]
     image = s3["image"]
@@ -115,11 +183,11 @@ def test_every_worker_variable_is_a_settings_field() -> None:
         assert name.removeprefix("LTX_").lower() in fields, f"{name} is not a WorkerSettings field"
 
 
-def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in list(os.environ):
         if name.startswith("LTX_"):
             monkeypatch.delenv(name)
-    for name, value in environment("worker").items():
+    for name, value in service_env_here("worker", tmp_path).items():
         monkeypatch.setenv(name, value)
     settings = load_worker_settings()
     assert settings.groups == ["0,1,2,3", "4,5,6,7"]  # two groups, from the environment
@@ -145,7 +213,7 @@ def test_worker_reserves_gpus_and_stops_warm() -> None:
     assert result.exit_code == 0, result.output
 
 
-def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     env = environment("producer")
     fields = set(ProducerSettings.model_fields)
     for name in env:
@@ -153,10 +221,11 @@ def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch)
     for name in list(os.environ):
         if name.startswith("LTX_"):
             monkeypatch.delenv(name)
-    for name, value in env.items():
+    for name, value in service_env_here("producer", tmp_path).items():
         monkeypatch.setenv(name, value)
     settings = load_producer_settings()
     assert (settings.max_queue_depth, settings.client_quota, settings.client) == (200, 0, "compose")
+    assert settings.tenant_ids and settings.redis_username == "compose"  # a tenant user: ids compose-<id>
     assert settings.has_s3_credentials  # fetch reads from s3:8333 inside compose, not the public URL
 
 
@@ -211,8 +280,12 @@ def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "sys.path = [p for p in sys.path if 'site-packages' in p or p.endswith('.zip') or 'lib/python' in p]\n"
+        # the editable install's finder would serve any module the image lacks from the checkout
+        "sys.meta_path = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from producer.cli import cli\nimport producer.client, producer.backfill\n"
+        "from producer.cli import cli\nimport producer.client, producer.backfill, worker.redisacl\n"
+        "assert all(m.__file__.startswith(sys.path[0]) for n, m in sys.modules.items() if n.startswith('worker')), "
+        "[m.__file__ for n, m in sys.modules.items() if n.startswith('worker')]\n"
         "assert producer.client.__file__.startswith(sys.path[0]), producer.client.__file__\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu'))\n"
         "print(bad)\n"

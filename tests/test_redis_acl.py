@@ -1,4 +1,4 @@
-"""Redis ACL users, secrets from files and TLS (issue 19, items 3 and 4): the generator's rules, then a real
+"""Redis ACL users, secrets from files and TLS: the generator's rules, then a real
 stack with them on.
 
 The stack: one redis-server with the ACL file `ltx-worker redis-acl` writes (users `worker`, `alice`, `bob`;

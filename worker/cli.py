@@ -185,40 +185,10 @@ def show_settings(ctx: click.Context, settings_file: str | None, queues: tuple[s
     click.echo(json.dumps(settings.public_dump(), indent=2, sort_keys=True))
 
 
-@main.command("redis-acl")
-@click.option("--worker-user", default="worker", show_default=True, help="the workers' (and operators') user")
-@click.option("--tenant", "tenants", multiple=True, help="a producer user per tenant (1-32 letters, digits, _)")
-@click.option("--ping-user", default=None, help="also a password-less user that can only PING (health checks)")
-@click.option(
-    "--password-dir",
-    type=click.Path(file_okay=False, exists=True),
-    default=None,
-    help="directory with one password file per user, named after it (e.g. /run/secrets)",
-)
-@click.option("--output", type=click.Path(dir_okay=False), default=None, help="write here (default: stdout)")
-def redis_acl(worker_user: str, tenants: tuple[str, ...], ping_user: str | None, password_dir: str | None,
-              output: str | None) -> None:  # fmt: skip
-    """Print a Redis ACL file (`redis-server --aclfile`) for the worker and one user per tenant.
+def _add_redis_acl() -> None:
+    from .redisacl import command  # (light: the producer image runs it as `python -m worker.redisacl`)
 
-    Passwords come from <password-dir>/<user> or LTX_REDIS_ACL_PASSWORD_<USER>, never from the command
-    line; only their sha256 is written. See worker/redisacl.py and docs/operations.md."""
-    import os
-    from pathlib import Path
+    main.add_command(command, "redis-acl")
 
-    from .redisacl import AclUsers, generate
 
-    try:
-        users = AclUsers(worker=worker_user, tenants=tuple(tenants), ping_user=ping_user)
-        text = generate(users, password_dir=Path(password_dir) if password_dir else None)
-    except ValueError as exc:
-        click.echo(f"ltx-worker redis-acl: {exc}", err=True)
-        sys.exit(2)
-    if output is None:
-        click.echo(text, nl=False)
-        return
-    tmp = Path(output).with_name(Path(output).name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)  # (sha256 digests only; redis-server runs as another user in its container)
-    os.replace(tmp, output)
-    click.echo(f"wrote {output}: users {', '.join([worker_user, *tenants, *([ping_user] if ping_user else [])])}",
-               err=True)  # fmt: skip
+_add_redis_acl()

@@ -22,6 +22,9 @@ with no `-` in a name, `alice-*` never matches another tenant's keys. What each 
 `MONITOR` while the producer submitted, cancelled and fetched, and is held by `tests/test_redis_acl.py`
 (every command of the end-to-end run passes the ACL; each attack is refused).
 
+Run as `ltx-worker redis-acl` or, where only the producer's files are installed (its image, compose's
+`redis-acl` service), `python -m worker.redisacl`; it imports click and `worker.keys` only.
+
 Passwords never appear on the command line: each user's password is read from `<password-dir>/<user>`
 (docker or k8s secrets) or from the environment variable `LTX_REDIS_ACL_PASSWORD_<USER>`; only their
 sha256 reaches the file.
@@ -32,13 +35,25 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
+
 from .keys import KEY_PREFIX, check_tenant_name
 
-__all__ = ["ACL_PASSWORD_ENV_PREFIX", "AclUsers", "password_for", "render_acl", "tenant_rules", "worker_rules"]
+__all__ = [
+    "ACL_PASSWORD_ENV_PREFIX",
+    "AclUsers",
+    "command",
+    "generate",
+    "password_for",
+    "render_acl",
+    "tenant_rules",
+    "worker_rules",
+]
 
 ACL_PASSWORD_ENV_PREFIX = "LTX_REDIS_ACL_PASSWORD_"
 _USER = re.compile(r"[A-Za-z0-9_]{1,32}")
@@ -122,3 +137,37 @@ def generate(users: AclUsers, *, password_dir: Path | None, environ: Mapping[str
     """Read every user's password (files, then environment) and render the ACL file."""
     names: Iterable[str] = [users.worker, *users.tenants]
     return render_acl(users, {name: password_for(name, password_dir=password_dir, environ=environ) for name in names})
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--worker-user", default="worker", show_default=True, help="the workers' (and operators') user")
+@click.option("--tenant", "tenants", multiple=True, help="a producer user per tenant (1-32 letters, digits, _)")
+@click.option("--ping-user", default=None, help="also a password-less user that can only PING (health checks)")
+@click.option("--password-dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="directory with one password file per user, named after it (e.g. /run/secrets)")  # fmt: skip
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="write here (default: stdout)")
+def command(worker_user: str, tenants: tuple[str, ...], ping_user: str | None, password_dir: str | None,
+            output: str | None) -> None:  # fmt: skip
+    """Print a Redis ACL file (`redis-server --aclfile`) for the worker and one user per tenant.
+
+    Passwords come from <password-dir>/<user> or LTX_REDIS_ACL_PASSWORD_<USER>, never from the command
+    line; only their sha256 is written. See docs/operations.md ("Redis users, passwords and TLS")."""
+    try:
+        users = AclUsers(worker=worker_user, tenants=tuple(tenants), ping_user=ping_user)
+        text = generate(users, password_dir=Path(password_dir) if password_dir else None)
+    except ValueError as exc:
+        click.echo(f"redis-acl: {exc}", err=True)
+        sys.exit(2)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    tmp = Path(output).with_name(Path(output).name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o644)  # (sha256 digests only; redis-server runs as another user in its container)
+    os.replace(tmp, output)
+    names = [worker_user, *tenants, *([ping_user] if ping_user else [])]
+    click.echo(f"wrote {output}: users {', '.join(names)} (default: off)", err=True)
+
+
+if __name__ == "__main__":
+    command()
