@@ -376,6 +376,23 @@ def test_without_credentials_or_tls_redis_refuses(stack: Stack) -> None:
         untrusted.ping()
 
 
+def test_a_worker_with_an_untrusted_certificate_or_a_wrong_password_stops_with_a_clear_error(stack: Stack) -> None:
+    """Configuration errors, not an endless wait for Redis: the worker process exits 2 with one line."""
+    from worker.process import wait_for_redis
+    from worker.settings import SettingsError, WorkerSettings
+
+    url, ca = stack.server.url, stack.server.ca_file
+    with pytest.raises(SettingsError, match="TLS certificate not trusted"):
+        wait_for_redis(
+            WorkerSettings(redis_url=url, redis_username="worker", redis_password_file=stack.secrets / "worker")
+        )
+    with pytest.raises(SettingsError, match="refused our credentials") as err:
+        wait_for_redis(
+            WorkerSettings(redis_url=url, redis_username="worker", redis_password="wrong-pw-0123", redis_ca_file=ca)
+        )
+    assert "wrong-pw" not in str(err.value)
+
+
 def test_a_tenant_job_under_another_clients_name_is_refused(stack: Stack) -> None:
     """alice may write `rq:job:alice-*` and so could record bob as the owner (his quota, his `ls`): the
     worker (tenant ids on) refuses it, and stays warm."""
