@@ -248,6 +248,8 @@ def test_a_tenant_submits_watches_lists_and_fetches_its_job_over_tls(stack: Stac
         assert info.state == "uploaded" and info.meta["client"] == "alice"
         listed = alice.list_jobs([stack.queue], 20)
         assert "alice-first" in [i.job_id for i in listed["recently ended"]]
+        stats = alice.stats(queues=[stack.queue])
+        assert [w.name for w in stats.workers] and stats.queues[0].name == stack.queue
         fetched = alice.fetch("first", tmp_path / "v.mp4")
         assert (tmp_path / "v.mp4").read_bytes() == output_bytes(7, 4096) and fetched.sha256 == info.result["sha256"]
     with stack.producer("bob") as bob:  # the producer's own-jobs rule on top: bob does not see alice's job

@@ -9,6 +9,7 @@ JSON too):
 | key                              | type   | written by | what                                           |
 |----------------------------------|--------|------------|------------------------------------------------|
 | `rq:job:<id>` field `meta`       | hash   | worker     | JSON summary: see `SUMMARY_FIELDS`             |
+| `rq:job:<id>` field `ltx_cancel_requested` | hash | a client | a cancel without PUBLISH (`CANCEL_REQUESTED_FIELD`) |
 | `ltx:job:<id>:events`            | stream | worker     | one entry per event (fields `type`, `data`)    |
 | `ltx:worker:<name>:health`       | string | worker     | JSON health snapshot, expires with the worker  |
 

@@ -17,7 +17,9 @@ recorded by `worker.outcomes`.
   service); `stop-job`/`kill-horse` pass on.
 - `kill_horse()`: RQ's stop-job command lands here (on the pubsub thread) and would be a no-op for a
   SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives. A client's
-  `job.cancel()` on a *running* job is noticed by the heartbeat thread and handled the same way. RQ would
+  `job.cancel()` on a *running* job is noticed by the heartbeat thread and handled the same way, and so
+  is the cancel field a client without `PUBLISH` rights sets (a tenant's Redis user: `worker.control`); a
+  job that carries it when dequeued is recorded `cancelled` and never runs (`_skip_cancelled`). RQ would
   then record the job `stopped` in its *failed* registry; `handle_job_failure` records it `canceled` in
   the canceled registry instead (a cancel is not a failure).
 - Warm stop (first SIGTERM/SIGINT): RQ finishes the job, then the loop ends and `teardown()` stops the
