@@ -282,7 +282,7 @@ class Backfill:
         with contextlib.suppress(JobNotFound):
             job = self.client.job(job_id)
             job.delete()
-        self.client.connection.delete(events_key(job_id))
+        self.client.connection.delete(events_key(self.client.own_job_id(job_id)))
 
     def _record(self, out: Any, item: _Item, *, expired: bool) -> None:
         if expired:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -60,9 +61,11 @@ from worker.keys import (
     derive_state,
     events_key,
     safe_redis_url,
+    tenant_job_id,
     worker_health_key,
 )
 from worker.limits import LimitViolation, RunnerLimits
+from worker.redisconn import connect
 from worker.renderjob import RenderJob
 from worker.schema import RenderRequest
 
@@ -89,8 +92,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
     def __init__(self, settings: ProducerSettings, *, connection: redis.Redis | None = None) -> None:
         self.settings = settings
-        self.connection = connection or redis.Redis.from_url(
-            settings.redis_url, socket_connect_timeout=5, socket_timeout=30, health_check_interval=15
+        self.connection = connection or connect(
+            settings, socket_connect_timeout=5, socket_timeout=30, health_check_interval=15
         )
 
     def close(self) -> None:
@@ -126,10 +129,14 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """
         if priority not in ("normal", "high"):
             raise ValueError(f"priority must be 'normal' or 'high', got {priority!r}")
-        if job_id is not None:
-            check_job_id(job_id)  # (the worker refuses it too; RQ checks only the characters)
         s = self.settings
         client = check_client_name(client or s.client)
+        if s.tenant_ids:
+            if client != s.client:
+                raise ValueError(f"client {client!r}: a tenant (LTX_TENANT_IDS) submits only as itself ({s.client!r})")
+            job_id = tenant_job_id(client, job_id or uuid.uuid4().hex)
+        if job_id is not None:
+            check_job_id(job_id)  # (the worker refuses it too; RQ checks only the characters)
         depth = s.max_queue_depth if max_queue_depth is None else max_queue_depth
         quota = s.client_quota if client_quota is None else client_quota
         policy = AdmissionPolicy(max_queue_depth=depth or None, client_quota=quota or None)
@@ -178,8 +185,14 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         return list(seen.values())
 
     # ---- status ------------------------------------------------------------------------------------
+    def own_job_id(self, job_id: str) -> str:
+        """`job_id` as this client names it in Redis: with tenant ids on (`LTX_TENANT_IDS`), `<client>-<id>`
+        (the prefix is added when missing, so `status 42` and `status alice-42` are the same job)."""
+        return tenant_job_id(self.settings.client, job_id) if self.settings.tenant_ids else job_id
+
     def job(self, job_id: str) -> Job:
         """The RQ job (loaded as the worker loads it: `RenderJob` bounds what it decompresses)."""
+        job_id = self.own_job_id(job_id)
         with unavailable_on_error():
             try:
                 return RenderJob.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
@@ -287,7 +300,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         with unavailable_on_error():
             pipe = self.connection.pipeline(transaction=False)
             for job_id in job_ids:
-                pipe.hmget(Job.key_for(job_id), "status", "meta")
+                pipe.hmget(Job.key_for(self.own_job_id(job_id)), "status", "meta")
             rows = pipe.execute()
         states: dict[str, str | None] = {}
         for job_id, (raw_status, raw_meta) in zip(job_ids, rows, strict=True):
@@ -322,14 +335,12 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         (expired, or the job ended without a worker), once the job's status is terminal and the stream is
         drained. `deadline` (time.monotonic) makes it return early; the caller checks the status.
         """
-        key = events_key(job_id)
+        key = events_key(self.own_job_id(job_id))
         last = after
         down_since: float | None = None
         backoff = 0.1
         self.status(job_id)  # JobNotFound (also for another client's job) before the first block
-        reader = redis.Redis.from_url(
-            self.settings.redis_url, socket_connect_timeout=5, socket_timeout=block_ms / 1000 + 10
-        )
+        reader = connect(self.settings, socket_connect_timeout=5, socket_timeout=block_ms / 1000 + 10)
         try:
             while True:
                 if deadline is not None and time.monotonic() >= deadline:
@@ -373,7 +384,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """The events recorded so far (no blocking)."""
         with unavailable_on_error():
             entries = self.connection.xrange(
-                events_key(job_id), min=f"({after}" if after != "0-0" else "-", count=count
+                events_key(self.own_job_id(job_id)), min=f"({after}" if after != "0-0" else "-", count=count
             )
         return [decode_event(entry_id, fields) for entry_id, fields in entries]
 
@@ -391,7 +402,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """Cancel a job (`worker.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
         and will never run), "stop_requested" (it is running; the worker stops it cooperatively and keeps
         its fleet), or "already_<state>" when it had ended."""
-        self.status(job_id)  # JobNotFound for another client's job (unless an operator)
+        job_id = self.status(job_id).job_id  # JobNotFound for another client's job (unless an operator)
         with unavailable_on_error():
             try:
                 return cancel_job(self.connection, job_id, failure_ttl=self.settings.failure_ttl)

@@ -5,8 +5,10 @@ first queue is where `submit` puts jobs), `LTX_RESULT_TTL`/`LTX_FAILURE_TTL`, an
 variables (used by `fetch` when credentials are present, plain or through `LTX_S3_ACCESS_KEY_ID_FILE` /
 `LTX_S3_SECRET_ACCESS_KEY_FILE`: in compose the producer's key can only read; otherwise `fetch` downloads
 the presigned URL from the job result). Producer-only knobs: `LTX_CLIENT` (the name quotas are counted under),
-`LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`. Unknown `LTX_*` variables are ignored, so
-the worker's variables can live in the same file. Credentials are `SecretStr` and never printed.
+`LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`, `LTX_TENANT_IDS`. Redis credentials and TLS:
+`LTX_REDIS_USERNAME`, `LTX_REDIS_PASSWORD(_FILE)`, `LTX_REDIS_CA_FILE` (`worker.redisconn`). Unknown
+`LTX_*` variables are ignored, so the worker's variables can live in the same file. Credentials are
+`SecretStr` and never printed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.admission import check_client_name
-from worker.keys import S3_SECRET_FILE_FIELDS, check_queue_names, check_redis_url, read_secret_file, split_list
+from worker.keys import (
+    S3_SECRET_FILE_FIELDS,
+    check_queue_names,
+    check_redis_url,
+    check_tenant_name,
+    read_secret_file,
+    split_list,
+)
+from worker.redisconn import RedisAccess
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
 
@@ -37,10 +47,16 @@ def _default_client() -> str:
         return "anonymous"
 
 
-class ProducerSettings(BaseSettings):
-    """Field `x` is environment variable `LTX_X`; CLI flags override."""
+class ProducerSettings(RedisAccess, BaseSettings):
+    """Field `x` is environment variable `LTX_X`; CLI flags override. The `redis_*` credential and TLS
+    fields come from `worker.redisconn.RedisAccess` (shared with the worker)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", case_sensitive=False)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="ignore",
+        case_sensitive=False,
+        hide_input_in_errors=True,  # (secrets)
+    )
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the service's Redis")
     queues: Annotated[list[str], NoDecode] = Field(
@@ -52,6 +68,12 @@ class ProducerSettings(BaseSettings):
         False,
         description="see and act on every client's jobs (ls, status, watch, cancel, fetch, stats' failures); "
         "otherwise only this client's own (and unowned) jobs",
+    )
+    tenant_ids: bool | None = Field(
+        None,
+        description="prefix every job id with '<client>-' (what a tenant Redis user may write); unset: on when "
+        "redis_username is set and operator is off. The client name then defaults to redis_username and must "
+        "be 1-32 letters, digits or _",
     )
     max_queue_depth: int = Field(
         200, ge=0, description="refuse a submit when this many jobs wait in the queue (0: no cap)"
@@ -109,6 +131,16 @@ class ProducerSettings(BaseSettings):
             path = getattr(self, file_field)
             if path is not None:
                 object.__setattr__(self, secret, SecretStr(read_secret_file(path, file_field)))
+        return self
+
+    @model_validator(mode="after")
+    def _tenant_defaults(self) -> ProducerSettings:
+        if self.tenant_ids is None:
+            object.__setattr__(self, "tenant_ids", self.redis_username is not None and not self.operator)
+        if self.tenant_ids:
+            if "client" not in self.model_fields_set and self.redis_username is not None:
+                object.__setattr__(self, "client", self.redis_username)
+            check_tenant_name(self.client)
         return self
 
     @property

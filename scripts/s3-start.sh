@@ -9,7 +9,7 @@
 # - producer identity (s3_producer_access_key/_secret_key): Read on the bucket only (GET/HEAD of objects:
 #   `producer fetch`); presigned URLs are signed by the worker, so the producer needs nothing more;
 # - the S3 gateway's gRPC port requires a client certificate nobody can make (s3_grpc_*; see
-#   scripts/s3-secrets.sh), through a security.toml in the working directory, where weed looks first.
+#   scripts/secrets.sh), through a security.toml in the working directory, where weed looks first.
 #
 # The secrets are never on a command line or in the environment: they go from the files into the identity
 # file, in a private directory (LTX_S3_CONF_DIR, default a fresh temporary one).
@@ -24,7 +24,7 @@ read_key() {
     value=$(tr -d ' \r\n' < "$secrets/$1")
     case "$value" in
         '' | *[!A-Za-z0-9_+/=-]*)
-            echo "s3-start: $secrets/$1 must hold one key of letters, digits and _+/=- (scripts/s3-secrets.sh)" >&2
+            echo "s3-start: $secrets/$1 must hold one key of letters, digits and _+/=- (scripts/secrets.sh)" >&2
             exit 2 ;;
     esac
     printf '%s' "$value"
@@ -33,7 +33,7 @@ case "$bucket" in
     '' | *[!a-z0-9.-]*) echo "s3-start: bucket name '$bucket' is not a plain S3 bucket name" >&2; exit 2 ;;
 esac
 for f in s3_grpc_ca s3_grpc_cert s3_grpc_key; do
-    [ -s "$secrets/$f" ] || { echo "s3-start: $secrets/$f missing (run scripts/s3-secrets.sh)" >&2; exit 2; }
+    [ -s "$secrets/$f" ] || { echo "s3-start: $secrets/$f missing (run scripts/secrets.sh)" >&2; exit 2; }
 done
 
 printf '{"identities": [

@@ -59,6 +59,32 @@ def environment(service: str) -> dict[str, str]:
     return {k: str(substitute(v)) for k, v in env.items()}
 
 
+def mounted_secrets(service: str, root: Path) -> dict[str, Path]:
+    """The service's secrets as compose mounts them (`/run/secrets/<target>`), written under `root` with a
+    password each: {container path: file here}."""
+    out = {}
+    for entry in SERVICES[service].get("secrets", []):
+        source, target = (entry, entry) if isinstance(entry, str) else (entry["source"], entry.get("target"))
+        target = substitute(target or source)
+        assert source in COMPOSE["secrets"], f"{service}: secret {source} is not declared"
+        path = root / service / target
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{source}-0123456789abcdef\n")
+        out[f"/run/secrets/{target}"] = path
+    return out
+
+
+def service_env_here(service: str, root: Path) -> dict[str, str]:
+    """The service's environment with its secret files' container paths mapped to files here."""
+    files = mounted_secrets(service, root)
+    env = environment(service)
+    for name, value in env.items():
+        if name.endswith("_FILE") and value.startswith("/run/secrets/"):
+            assert value in files, f"{service}: {name}={value} is not one of its mounted secrets"
+            env[name] = str(files[value])
+    return env
+
+
 def stages() -> set[str]:
     return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE, re.M | re.I))
 
@@ -88,6 +114,48 @@ def test_redis_keeps_jobs_aof_and_noeviction() -> None:
     assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", image), image
 
 
+def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: Path) -> None:
+    """Redis loads the users file the `redis-acl` one-shot writes from the password secrets; `default` is off;
+    the worker and the producer log in as users of that file with their password files; no password is
+    in any environment block; `maxmemory` is set with `noeviction`."""
+    from worker.redisacl import command as redis_acl
+
+    redis = SERVICES["redis"]
+    command = [substitute(str(c)) for c in redis["command"]]
+    aclfile = command[command.index("--aclfile") + 1]
+    assert re.fullmatch(r"\d+[kmg]b", command[command.index("--maxmemory") + 1]), command
+    init = SERVICES["redis-acl"]
+    assert redis["depends_on"]["redis-acl"]["condition"] == "service_completed_successfully"
+    volume = next(v for v in init["volumes"] if v.endswith(":/acl"))
+    assert f"{volume.split(':')[0]}:/acl:ro" in redis["volumes"] and aclfile.startswith("/acl/")
+    assert init["build"]["target"] == "producer" and "worker/redisacl.py" in stage_text("producer")
+    assert init["entrypoint"] == ["python", "-m", "worker.redisacl"]
+    # run the one-shot's command here, with its secrets as compose mounts them
+    args = [substitute(str(a)) for a in init["command"]]
+    files = mounted_secrets("redis-acl", tmp_path)
+    assert args[args.index("--password-dir") + 1] == "/run/secrets" and args[args.index("--output") + 1] == aclfile
+    args[args.index("--password-dir") + 1] = str(tmp_path / "redis-acl")
+    args[args.index("--output") + 1] = str(tmp_path / "users.acl")
+    assert {Path(p).name for p in files} == {"worker", environment("producer")["LTX_CLIENT"]}
+    result = CliRunner().invoke(redis_acl, args)
+    assert result.exit_code == 0, result.output
+    users = {line.split()[1]: line for line in (tmp_path / "users.acl").read_text().splitlines()}
+    assert users["default"].startswith("user default off")
+    for service in ("worker", "producer"):
+        env = environment(service)
+        assert env["LTX_REDIS_USERNAME"] in users, f"{service} logs in as a user the file does not have"
+        assert "LTX_REDIS_PASSWORD" not in env and "@" not in env["LTX_REDIS_URL"], f"{service}: password in env"
+        assert env["LTX_REDIS_PASSWORD_FILE"] in mounted_secrets(service, tmp_path / "m")
+    assert environment("worker")["LTX_TENANT_IDS"] == "true"
+    assert "-@dangerous" in users[environment("worker")["LTX_REDIS_USERNAME"]]
+    assert "%R~rq:*" in users[environment("producer")["LTX_REDIS_USERNAME"]]  # a tenant, not the worker
+    health = redis["healthcheck"]["test"]
+    assert health[health.index("--user") + 1] in users and users[health[health.index("--user") + 1]].endswith("+ping")
+    for service in SERVICES.values():  # passwords only as files
+        for name in service.get("environment") or {}:
+            assert "PASSWORD" not in name or name.endswith("_FILE"), name
+
+
 def test_s3_is_pinned_and_binds_only_its_api_beyond_loopback() -> None:
     s3 = SERVICES["s3"]
     image = s3["image"]
@@ -106,7 +174,7 @@ def test_s3_is_pinned_and_binds_only_its_api_beyond_loopback() -> None:
     assert s3["entrypoint"] == ["/bin/sh", "/ltx/s3-start.sh"]
     assert "./scripts/s3-start.sh:/ltx/s3-start.sh:ro" in s3["volumes"]
     assert not any(name.startswith("AWS_") or "SECRET" in name for name in s3["environment"])
-    assert set(s3["secrets"]) == set(COMPOSE["secrets"])
+    assert set(s3["secrets"]) == {name for name in COMPOSE["secrets"] if name.startswith("s3_")}
     # the bucket is the worker's to create (weed server has no -bucket; the worker identity may)
     assert environment("s3")["LTX_S3_BUCKET"] == environment("worker")["LTX_S3_BUCKET"]
     assert environment("worker")["LTX_S3_CREATE_BUCKET"] == "true"
@@ -122,23 +190,15 @@ def test_s3_keys_come_from_secret_files_and_the_producer_gets_the_read_only_one(
         names = {env["LTX_S3_ACCESS_KEY_ID_FILE"], env["LTX_S3_SECRET_ACCESS_KEY_FILE"]}
         expected = {f"s3_{who}_access_key", f"s3_{who}_secret_key"}
         assert names == {f"/run/secrets/{n}" for n in expected}, service
-        assert set(SERVICES[service]["secrets"]) == expected, service  # and no other service's key
-    # every secret compose mounts is a file scripts/s3-secrets.sh makes
+        s3_secrets = {e if isinstance(e, str) else e["source"] for e in SERVICES[service]["secrets"]}
+        assert {n for n in s3_secrets if n.startswith("s3_")} == expected, service  # and no other service's key
+    # every secret compose mounts is a file scripts/secrets.sh makes
     from worker.s3gateway import make_secrets
 
     made = {p.name for p in make_secrets(tmp_path / "secrets").iterdir()}
     assert {Path(spec["file"]).name for spec in COMPOSE["secrets"].values()} == made
     assert all(spec["file"].startswith("./secrets/") for spec in COMPOSE["secrets"].values())
     assert "/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
-
-
-def _with_secret_files(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    """`env` with /run/secrets/<name> paths pointing at files scripts/s3-secrets.sh made in `tmp_path`."""
-    from worker.s3gateway import make_secrets
-
-    secrets = make_secrets(tmp_path / "secrets")
-    return {k: str(secrets / v.removeprefix("/run/secrets/")) if v.startswith("/run/secrets/") else v
-            for k, v in env.items()}  # fmt: skip
 
 
 # ==== the worker: settings fields, GPUs, groups =========================================================
@@ -157,7 +217,7 @@ def test_worker_defaults_are_valid_settings(monkeypatch: pytest.MonkeyPatch, tmp
     for name in list(os.environ):
         if name.startswith("LTX_"):
             monkeypatch.delenv(name)
-    for name, value in _with_secret_files(environment("worker"), tmp_path).items():
+    for name, value in service_env_here("worker", tmp_path).items():
         monkeypatch.setenv(name, value)
     settings = load_worker_settings()
     assert settings.groups == ["0,1,2,3", "4,5,6,7"]  # two groups, from the environment
@@ -196,10 +256,11 @@ def test_producer_variables_are_settings_fields(monkeypatch: pytest.MonkeyPatch,
     for name in list(os.environ):
         if name.startswith("LTX_"):
             monkeypatch.delenv(name)
-    for name, value in _with_secret_files(env, tmp_path).items():
+    for name, value in service_env_here("producer", tmp_path).items():
         monkeypatch.setenv(name, value)
     settings = load_producer_settings()
     assert (settings.max_queue_depth, settings.client_quota, settings.client) == (200, 0, "compose")
+    assert settings.tenant_ids and settings.redis_username == "compose"  # a tenant user: ids compose-<id>
     assert settings.has_s3_credentials  # fetch reads from s3:8333 inside compose, not the public URL
 
 
@@ -226,7 +287,13 @@ def test_entrypoints_are_real_commands() -> None:
     assert (ROOT / "producer" / "__main__.py").is_file()
     dashboard = stage_text("dashboard")
     assert re.search(r"rq-dashboard==\d", dashboard) and '["rq-dashboard"]' in dashboard
-    assert SERVICES["dashboard"]["environment"]["RQ_DASHBOARD_REDIS_URL"] == "redis://redis:6379/0"
+    # the dashboard logs in as the worker user, its password read from the secret file at start
+    dash = SERVICES["dashboard"]
+    assert "environment" not in dash or "RQ_DASHBOARD_REDIS_URL" not in dash["environment"]
+    script = dash["entrypoint"][-1]
+    assert dash["entrypoint"][:2] == ["/bin/sh", "-c"] and script.endswith("exec rq-dashboard")
+    assert 'redis://worker:$$(cat /run/secrets/redis_password)@redis:6379/0"' in script
+    assert {"source": "redis_worker_password", "target": "redis_password"} in dash["secrets"]
 
 
 def test_bind_mounts_exist() -> None:
@@ -254,8 +321,12 @@ def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "sys.path = [p for p in sys.path if 'site-packages' in p or p.endswith('.zip') or 'lib/python' in p]\n"
+        # the editable install's finder would serve any module the image lacks from the checkout
+        "sys.meta_path = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from producer.cli import cli\nimport producer.client, producer.backfill\n"
+        "from producer.cli import cli\nimport producer.client, producer.backfill, worker.redisacl\n"
+        "assert all(m.__file__.startswith(sys.path[0]) for n, m in sys.modules.items() if n.startswith('worker')), "
+        "[m.__file__ for n, m in sys.modules.items() if n.startswith('worker')]\n"
         "assert producer.client.__file__.startswith(sys.path[0]), producer.client.__file__\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu'))\n"
         "print(bad)\n"
@@ -296,7 +367,7 @@ def test_operations_recipe_without_docker_matches_compose(tmp_path: Path) -> Non
     assert [a for a in weed_args if not a.startswith("-dir=")] == [a for a in compose_args if not a.startswith("-dir=")]
     settings_of_start = dict(part.split("=", 1) for part in start.split() if "=" in part and not part.startswith("-"))
     secrets_dir = settings_of_start["LTX_S3_SECRETS"]
-    assert any(c.startswith("scripts/s3-secrets.sh " + secrets_dir) for c in commands)
+    assert any(c.startswith("scripts/secrets.sh " + secrets_dir) for c in commands)
     exported = dict(part.split("=", 1) for c in commands if c.startswith("export") for part in c.split()[1:])
     assert exported["LTX_S3_ACCESS_KEY_ID_FILE"] == f"{secrets_dir}/s3_worker_access_key"
     assert exported["LTX_S3_SECRET_ACCESS_KEY_FILE"] == f"{secrets_dir}/s3_worker_secret_key"

@@ -1,5 +1,5 @@
 """The compose S3 service against the real `weed`: started with the compose file's own command through
-its entrypoint (`scripts/s3-start.sh`) and secrets (`scripts/s3-secrets.sh`), checked for
+its entrypoint (`scripts/s3-start.sh`) and secrets (`scripts/secrets.sh`), checked for
 
 - binding: master, volume, filer and their gRPC ports on 127.0.0.1 only; the S3 API on `-s3.ip.bind`;
 - the gRPC lock: the S3 gateway's gRPC port (which shares the S3 API's address and, unlocked, accepts

@@ -8,6 +8,7 @@ producer) while a held job keeps its fleet busy, so the whole flood is waiting w
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +26,7 @@ from tests.test_worker_support import (
     wait_state,
     worker_env,
 )
-from worker.admission import STALE, Waiting, plan
+from worker.admission import STALE, Admission, Waiting, plan
 from worker.keys import FailureReason
 
 pytestmark = pytest.mark.timeout(240)
@@ -84,6 +85,26 @@ def test_plan_ignores_stale_jobs_and_counts_malformed_owners_for_nobody():
     out = plan([STALE, None], ("a0", "q", "a"), [q], depth_cap=None, quota=1)
     assert _ids(out.refused[0]) == [("a1", "quota_exceeded")]
     assert plan([], ("m0", "q", None), [], depth_cap=None, quota=1).taken is None  # refused as invalid_request
+
+
+def test_with_tenant_ids_a_forged_owner_counts_for_nobody(redis_client):
+    """A tenant can create only `<tenant>-*` hashes but writes their meta itself: a job `mallory-*` that
+    names `alice` as its client must not fill alice's quota (it is refused when taken, as invalid_request)."""
+    tag = uuid.uuid4().hex[:8]
+    forged, own, anon = f"mallory{tag}-1", f"alice{tag}-1", f"alice{tag}-2"
+    for job_id, meta in ((forged, {"client": f"alice{tag}"}), (own, {"client": f"alice{tag}"}), (anon, {})):
+        redis_client.hset(f"rq:job:{job_id}", mapping={"status": "queued", "meta": json.dumps(meta)})
+
+    class JobClass:
+        key_for = staticmethod(lambda job_id: f"rq:job:{job_id}")
+
+    def owners(tenant_ids: bool) -> dict[str, Any]:
+        admission = Admission(redis_client, [], depth_cap=None, quota=1, outcomes=None, job_class=JobClass,
+                              worker_name="w", max_meta_bytes=1 << 16, tenant_ids=tenant_ids)  # fmt: skip
+        return admission._owners_of([forged, own, anon])
+
+    assert owners(True) == {forged: None, own: f"alice{tag}", anon: None}
+    assert owners(False) == {forged: f"alice{tag}", own: f"alice{tag}", anon: "anonymous"}
 
 
 def test_plan_without_limits_refuses_nothing():

@@ -10,7 +10,8 @@ started registries, then MULTI/EXEC for what it changes) and lists the unfinishe
 order: the running ones (started registries of the worker's queues), then the job this worker just took
 (if any), then the waiting ones (queues in priority order, each from head to tail). Walking that order,
 a job is admitted unless
-- its owner (meta `client`; none: `anonymous`, see `worker.keys.job_owner`) already has `quota` admitted
+- its owner (meta `client`; none: `anonymous`, see `worker.keys.job_owner`; with tenant job ids, only a
+  client that is also the id's tenant prefix: a tenant cannot spend another's quota) already has `quota` admitted
   jobs before it (`quota_exceeded`), or
 - `max_queue_depth` waiting jobs are already admitted before it (`queue_full`: the newest plain enqueues).
 Running jobs are always admitted (they count, they are never stopped). A job whose hash is gone or ended
@@ -60,7 +61,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from . import rqcompat
-from .keys import REFUSALS_KEY, RQ_ENDED_STATUSES, FailureReason, JobState, job_owner
+from .keys import REFUSALS_KEY, RQ_ENDED_STATUSES, FailureReason, JobState, job_owner, job_tenant
 from .outcomes import JobOutcomes
 
 __all__ = ["QUOTA_WINDOW", "STALE", "Admission", "Plan", "Refusal", "Waiting", "plan"]
@@ -206,6 +207,7 @@ class Admission:
         job_class: Any,
         worker_name: str,
         max_meta_bytes: int,
+        tenant_ids: bool = False,
     ) -> None:
         self.connection = connection
         self.queues = list(queues)
@@ -215,6 +217,7 @@ class Admission:
         self.job_class = job_class
         self.worker_name = worker_name
         self.max_meta_bytes = max_meta_bytes
+        self.tenant_ids = tenant_ids  # owners must match the id's tenant prefix (LTX_TENANT_IDS)
         self._owners: OrderedDict[str, Owner] = OrderedDict()  # job id -> owner, read once per job
 
     @property
@@ -347,7 +350,7 @@ class Admission:
                     meta = json.loads(raw) if raw else {}
                 except ValueError:
                     meta = {}  # (RQ keeps it as text: no `client` in it)
-                owner = _owner_of_meta(meta)
+                owner = _owner_of_meta(meta, job_id if self.tenant_ids else None)
                 out[job_id] = self._owners[job_id] = owner
         while len(self._owners) > _OWNER_CACHE:
             self._owners.popitem(last=False)
@@ -406,8 +409,15 @@ class Admission:
         rqcompat.fail_unstarted(job, message, self.outcomes.failure_ttl(job), self.worker_name)
 
 
-def _owner_of_meta(meta: Any) -> Owner:
+def _owner_of_meta(meta: Any, tenant_job_id: str | None = None) -> Owner:
+    """The owner a job counts against, or None (counts for nobody): a malformed one, or, with tenant ids
+    (`tenant_job_id` given), a recorded client that is not the id's tenant. Both are refused as
+    invalid_request when taken (`worker.renderjob`); until then a forged owner must not fill another
+    client's quota (a tenant can create only its own ids, but writes the meta itself)."""
     try:
-        return job_owner(meta)
+        owner = job_owner(meta)
     except ValueError:
-        return None  # malformed: refused as invalid_request when taken (worker.renderjob)
+        return None
+    if tenant_job_id is not None and job_tenant(tenant_job_id) != owner:
+        return None
+    return owner

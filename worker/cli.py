@@ -5,6 +5,7 @@
     ltx-worker one --group 0,1                      # a single worker in this process (no supervisor)
     ltx-worker health --port 9400                   # probe a worker's /readyz (exit 0 when ready)
     ltx-worker settings                             # print the effective settings (secrets masked)
+    ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/redisacl.py)
 
 Every setting is an environment variable (`LTX_<FIELD>`) or a settings-file entry (`--settings FILE` /
 `LTX_SETTINGS_FILE`); the flags below override the most common ones. See docs/worker.md.
@@ -182,3 +183,12 @@ def show_settings(ctx: click.Context, settings_file: str | None, queues: tuple[s
     settings_file, queues, flags = _inherit(ctx, settings_file, queues, flags)
     settings = _load(settings_file, _parent_groups(ctx), queues, **flags)
     click.echo(json.dumps(settings.public_dump(), indent=2, sort_keys=True))
+
+
+def _add_redis_acl() -> None:
+    from .redisacl import command  # (light: the producer image runs it as `python -m worker.redisacl`)
+
+    main.add_command(command, "redis-acl")
+
+
+_add_redis_acl()

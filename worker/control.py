@@ -8,12 +8,19 @@ Cancellation has two paths because RQ has two:
   the render at the next denoising step (the fleet survives) and records it: `cancelled` state event, RQ
   status `canceled` in the canceled registry (`worker.outcomes`, `worker.rqcompat`).
 
+A tenant's Redis user (`worker.redisacl`) may do neither: RQ's cancel removes the id from the shared queue
+list and registries, and the stop-job command is a `PUBLISH`. When Redis answers NOPERM the cancel is
+written into the job's own hash instead (`CANCEL_REQUESTED_FIELD`, and for a waiting job status
+`canceled` plus its `cancelled` state): a worker that dequeues such a job records it cancelled and never
+runs it, and a running one stops it at its next heartbeat (`worker.rqworker`).
+
 Imports rq and redis but neither torch nor the fleet, so light clients can use it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -21,8 +28,9 @@ from rq.command import send_stop_job_command
 from rq.exceptions import InvalidJobOperation
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.utils import now, utcformat
 
-from .keys import TERMINAL_STATES, JobState, derive_state
+from .keys import CANCEL_REQUESTED_FIELD, TERMINAL_STATES, JobState, derive_state
 from .relay import EventRelay
 
 __all__ = ["CANCELLED", "STOP_REQUESTED", "cancel_job"]
@@ -38,33 +46,28 @@ def cancel_job(connection: Any, job_id: str, *, failure_ttl: int = 7 * 86400) ->
 
     Raises rq's `NoSuchJobError` for an unknown job and redis' connection errors as they come."""
     job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-    with connection.pipeline() as pipe:
-        while True:
-            try:
-                pipe.watch(job.key)
-                raw_status, raw_meta = pipe.hmget(job.key, "status", "meta")
-                status = raw_status.decode() if raw_status else None
-                state = derive_state(status, _meta(raw_meta))
-                if state in TERMINAL_STATES:
-                    pipe.reset()
-                    return f"already_{state.value}"
-                if status in _WAITING:
-                    pipe.multi()
-                    job.cancel(pipeline=pipe)
-                    pipe.execute()
-                    ttl = int(job.failure_ttl or failure_ttl)
-                    EventRelay(connection, job, maxlen=1000, running_ttl=ttl).state(
-                        JobState.CANCELLED, ttl=ttl, by="client", message="cancelled while queued"
-                    )
-                    return CANCELLED
-                pipe.reset()
-                break
-            except redis.WatchError:
-                continue
+    try:
+        return _cancel_through_rq(connection, job, failure_ttl)
+    except redis.exceptions.NoPermissionError:  # a tenant's user: no PUBLISH, no shared queue writes
+        return _cancel_in_own_hash(connection, job, failure_ttl)
+
+
+def _cancel_through_rq(connection: Any, job: Job, failure_ttl: int) -> str:
+    def write(pipe: Any, status: str | None) -> str | None:
+        if status not in _WAITING:
+            return None  # running (or between dequeue and start): its worker stops it
+        job.cancel(pipeline=pipe)
+        return CANCELLED
+
+    answer = _transact(connection, job, write)
+    if answer == CANCELLED:
+        _record_queued_cancel(connection, job, failure_ttl, "cancelled while queued")
+    if answer is not None:
+        return answer
     deadline = time.monotonic() + _START_WAIT_S
     while True:
         try:
-            send_stop_job_command(connection, job_id, serializer=JSONSerializer)
+            send_stop_job_command(connection, job.id, serializer=JSONSerializer)
             return STOP_REQUESTED
         except InvalidJobOperation:
             # Between dequeue and start RQ has no worker to address yet: retry until it starts or ends.
@@ -75,6 +78,55 @@ def cancel_job(connection: Any, job_id: str, *, failure_ttl: int = 7 * 86400) ->
             state = derive_state(raw_status.decode() if raw_status else None, _meta(raw_meta))
             if state in TERMINAL_STATES:
                 return f"already_{state.value}"
+
+
+def _cancel_in_own_hash(connection: Any, job: Job, failure_ttl: int) -> str:
+    """Cancel through the job's own hash only (see the module docstring)."""
+    ttl = int(job.failure_ttl or failure_ttl)
+
+    def write(pipe: Any, status: str | None) -> str:
+        pipe.hset(job.key, CANCEL_REQUESTED_FIELD, str(time.time()))
+        if status not in _WAITING:
+            return STOP_REQUESTED  # its worker sees the field at its next heartbeat
+        # RQ's own status too: `rq info`, quotas and every reader see it ended
+        pipe.hset(job.key, mapping={"status": "canceled", "ended_at": utcformat(now())})
+        pipe.expire(job.key, ttl)
+        return CANCELLED
+
+    answer = _transact(connection, job, write)
+    if answer == CANCELLED:
+        _record_queued_cancel(connection, job, failure_ttl, "cancelled while queued (skipped when dequeued)")
+    return str(answer)
+
+
+def _transact(connection: Any, job: Job, write: Callable[[Any, str | None], str | None]) -> str | None:
+    """One optimistic transaction on the job's hash: "already_<state>" if the job had ended (nothing
+    written), else what `write(pipe, rq_status)` answers after the commands it queued ran atomically (a
+    worker taking or ending the job in between makes it start over)."""
+    with connection.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(job.key)
+                raw_status, raw_meta = pipe.hmget(job.key, "status", "meta")
+                status = raw_status.decode() if raw_status else None
+                state = derive_state(status, _meta(raw_meta))
+                if state in TERMINAL_STATES:
+                    pipe.reset()
+                    return f"already_{state.value}"
+                pipe.multi()
+                answer = write(pipe, status)
+                pipe.execute()
+                return answer
+            except redis.WatchError:
+                continue
+
+
+def _record_queued_cancel(connection: Any, job: Job, failure_ttl: int, message: str) -> None:
+    """The terminal `cancelled` state of a job that never ran (no worker will write it)."""
+    ttl = int(job.failure_ttl or failure_ttl)
+    EventRelay(connection, job, maxlen=1000, running_ttl=ttl).state(
+        JobState.CANCELLED, ttl=ttl, by="client", message=message
+    )
 
 
 def _meta(raw: bytes | None) -> dict[str, Any]:

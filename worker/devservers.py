@@ -276,16 +276,21 @@ class RedisServer(_ServerProcess):
             args += ["--appendonly", "yes", "--appendfsync", self.appendfsync]
         else:
             args += ["--appendonly", "no"]
+        args += self.extra_args()  # (later directives win: a subclass may replace --port)
         self.proc = _spawn(args, self.log_path, cwd=self.dir, own_session=self.own_session)
         _wait_port(self.port, self.proc, timeout, self.kind, self.log_path)
         self._wait_ping(timeout)
         return self
 
+    def extra_args(self) -> list[str]:
+        """More redis-server arguments (`worker.devsecure`: ACL file, TLS)."""
+        return []
+
     def _wait_ping(self, timeout: float) -> None:
         import redis
 
         deadline = time.monotonic() + timeout
-        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        client = self.client(socket_timeout=1)
         try:
             while True:
                 try:

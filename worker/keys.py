@@ -9,6 +9,7 @@ JSON too):
 | key                              | type   | written by | what                                           |
 |----------------------------------|--------|------------|------------------------------------------------|
 | `rq:job:<id>` field `meta`       | hash   | worker     | JSON summary: see `SUMMARY_FIELDS`             |
+| `rq:job:<id>` field `ltx_cancel_requested` | hash | a client | a cancel without PUBLISH (`CANCEL_REQUESTED_FIELD`) |
 | `ltx:job:<id>:events`            | stream | worker     | one entry per event (fields `type`, `data`)    |
 | `ltx:worker:<name>:health`       | string | worker     | JSON health snapshot, expires with the worker  |
 
@@ -32,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "ANONYMOUS_CLIENT",
+    "CANCEL_REQUESTED_FIELD",
     "EVENTS_KEY_TEMPLATE",
     "EVENT_FIELD_DATA",
     "EVENT_FIELD_TYPE",
@@ -54,12 +56,15 @@ __all__ = [
     "check_job_id",
     "check_queue_names",
     "check_redis_url",
+    "check_tenant_name",
     "derive_state",
     "events_key",
     "job_owner",
+    "job_tenant",
     "read_secret_file",
     "safe_redis_url",
     "split_list",
+    "tenant_job_id",
     "worker_health_key",
 ]
 
@@ -87,6 +92,37 @@ def check_job_id(job_id: str) -> str:
                          f"use 1-{JOB_ID_MAX_LEN} letters, digits, _ or -")  # fmt: skip
     return job_id
 
+
+# ==== tenant job ids (`<tenant>-<id>`): Redis ACL users own their keys by this prefix ==================
+
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+def check_tenant_name(name: str) -> str:
+    """`name` if it can own Redis keys by prefix (job ids `<name>-<id>`, ACL key patterns
+    `rq:job:<name>-*`): 1-32 letters, digits or `_`. No `-` and no `.`, so tenant `alice`'s `alice-*` never
+    matches another tenant's keys (`alice_x-1`); else ValueError."""
+    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
+        raise ValueError(f"tenant name {str(name)[:40]!r}: use 1-32 letters, digits or _ (no - or .)")
+    return name
+
+
+def tenant_job_id(tenant: str, job_id: str) -> str:
+    """`job_id` in `tenant`'s namespace: `<tenant>-<job_id>`, unless it already starts with `<tenant>-`."""
+    prefix = check_tenant_name(tenant) + "-"
+    return job_id if job_id.startswith(prefix) else prefix + job_id
+
+
+def job_tenant(job_id: str) -> str | None:
+    """The tenant a tenant-namespaced job id belongs to (its part before the first `-`), or None."""
+    head, sep, rest = job_id.partition("-")
+    return head if sep and rest and _TENANT_NAME.fullmatch(head) else None
+
+
+#: Job-hash field a client sets to cancel a job without `PUBLISH` or access to the shared queue list (a
+#: tenant's Redis user: `worker.control`). Workers skip a dequeued job that carries it and stop a running
+#: one at the next heartbeat. Neither RQ nor the worker ever writes or clears it, so no save can undo it.
+CANCEL_REQUESTED_FIELD = KEY_PREFIX + "_cancel_requested"
 
 WORKER_HEALTH_KEY_TEMPLATE = KEY_PREFIX + ":worker:{name}:health"
 

@@ -40,25 +40,31 @@ class _StartupInterrupted(BaseException):  # not an Exception: build-failure han
     pass
 
 
-def wait_for_redis(url: str, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0) -> None:
+def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0) -> None:
     """Return once Redis answers PING; while it is unreachable wait with back-off and say so (transient: it
-    may be starting). Refused credentials are a configuration error (`SettingsError`). A SIGTERM/SIGINT
-    during the wait ends it through the caller's startup handler."""
+    may be starting). Refused credentials (or a TLS certificate that does not verify) are a configuration
+    error (`SettingsError`). A SIGTERM/SIGINT during the wait ends it through the caller's startup handler."""
+    import ssl
     import time
 
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    from .redisconn import connect
+
+    url = settings.redis_url
+    client = connect(settings, socket_connect_timeout=3, socket_timeout=3)
     delay, t0 = first_delay_s, time.monotonic()
     try:
         while True:
             try:
                 client.ping()
             except redis.AuthenticationError as exc:
-                raise SettingsError(
-                    f"Redis at {safe_redis_url(url)} refused our credentials (LTX_REDIS_URL): {exc}"
-                ) from exc
+                raise SettingsError(f"Redis at {safe_redis_url(url)} refused our credentials (LTX_REDIS_URL, "
+                                    f"LTX_REDIS_USERNAME, LTX_REDIS_PASSWORD_FILE): {exc}") from exc  # fmt: skip
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if isinstance(exc.__context__, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                    raise SettingsError(f"Redis at {safe_redis_url(url)}: TLS certificate not trusted "
+                                        f"(LTX_REDIS_CA_FILE): {exc}") from exc  # fmt: skip
                 log.warning("Redis at %s is not reachable (%s); waiting %.1fs before trying again (waited %.0fs)",
                             safe_redis_url(url), exc, delay, time.monotonic() - t0)  # fmt: skip
                 time.sleep(delay)
@@ -91,14 +97,13 @@ def check_devices(devices: list[str], group: str) -> None:
 
 def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
     """Build (but do not start) the `FleetWorker` for `group`, with its service, fleet and storage."""
-    import redis
-
     from ltx_mgpu.devices import parse_device_group
 
     from .fleet import FleetSupervisor
     from .job import install_service
     from .limits import RunnerLimits
     from .metrics import WorkerMetrics
+    from .redisconn import connect
     from .rqworker import FleetWorker
     from .service import RenderService
     from .spool import Spool
@@ -150,7 +155,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     service.set_storage_state(storage_error)
     service.process_started_at = process_started_at()
     install_service(service)
-    connection = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    connection = connect(settings, health_check_interval=30)
     return FleetWorker(settings.queues, connection=connection, service=service)
 
 
@@ -186,7 +191,7 @@ def run_worker(
     health = None
     try:
         try:
-            wait_for_redis(settings.redis_url)
+            wait_for_redis(settings)
             worker = build_worker(settings, group)
         except (SettingsError, StorageError) as exc:
             log.critical("cannot start: %s", exc)

@@ -12,6 +12,9 @@ took a worker to 3.3 GB), and rewrites a meta of any size on every event. A hash
   fields this service never writes (callbacks, repeats, dependencies, webhooks) fails the job with
   `RefusedJob` (recorded as `invalid_request`); those fields are dropped on load, so RQ never acts on
   them (RQ calls a failure callback even for a refused job);
+- with tenant job ids on (`LTX_TENANT_IDS`: tenants' Redis users can write only `rq:job:<tenant>-*`), a job
+  whose meta `client` is not its id's tenant prefix is refused the same way (`check_job_owner`), so a
+  tenant cannot submit under another tenant's name (their quota, their `ls`);
 - `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
   replaced by an empty one and refused the same way;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
@@ -31,9 +34,9 @@ from typing import Any
 from rq.job import Job
 from rq.utils import decode_redis_hash
 
-from .keys import RENDER_FUNC, check_job_id, job_owner
+from .keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
 
-__all__ = ["REFUSED_HASH_FIELDS", "RefusedJob", "RenderJob"]
+__all__ = ["REFUSED_HASH_FIELDS", "RefusedJob", "RenderJob", "check_job_owner"]
 
 log = logging.getLogger("worker.rq")
 
@@ -60,11 +63,13 @@ class RenderJob(Job):
 
     max_data_bytes: int = 1 << 20  #: decompressed `data` (the call and its request) accepted
     max_meta_bytes: int = 64 << 10  #: serialized meta accepted
+    tenant_ids: bool = False  #: job ids are `<client>-<id>`: the owner must match (`check_job_owner`)
 
     @classmethod
-    def with_limits(cls, *, max_data_bytes: int, max_meta_bytes: int) -> type[RenderJob]:
+    def with_limits(cls, *, max_data_bytes: int, max_meta_bytes: int, tenant_ids: bool = False) -> type[RenderJob]:
         """A subclass with these limits (one per worker, from its settings)."""
-        return type("RenderJob", (cls,), {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes})
+        return type("RenderJob", (cls,), {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes,
+                                          "tenant_ids": tenant_ids})  # fmt: skip
 
     def restore(self, raw_data: Any) -> Any:
         obj = decode_redis_hash(raw_data)
@@ -105,7 +110,19 @@ class RenderJob(Job):
             raise RefusedJob(f"owner: {exc}") from None
         if getattr(self, "_refusals", None):
             raise RefusedJob("; ".join(self._refusals))
+        if self.tenant_ids:
+            check_job_owner(self.id, self.meta)
         return super()._execute()
+
+
+def check_job_owner(job_id: str, meta: Any) -> None:
+    """With tenant job ids, `job_id`'s tenant prefix must be the client recorded in its meta; else
+    `RefusedJob`. A tenant's Redis user can create only its own ids, but writes the meta itself."""
+    owner = meta.get("client") if isinstance(meta, dict) else None
+    tenant = job_tenant(job_id)
+    if tenant is None or owner != tenant:
+        raise RefusedJob(f"job {job_id[:60]!r} is not a tenant job of its recorded client {str(owner)[:40]!r} "
+                         "(tenant ids: the id must be '<client>-<id>')")  # fmt: skip
 
 
 def _decompressed_size(data: bytes, limit: int) -> int:

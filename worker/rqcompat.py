@@ -26,12 +26,16 @@ from rq.registry import clean_registries as clean_queue_registries
 from rq.results import Result
 from rq.utils import now, utcformat
 
+from .keys import CANCEL_REQUESTED_FIELD
+
 __all__ = [
     "RQ_MINOR",
     "STUCK_IN_INTERMEDIATE",
     "beat",
+    "cancel_requested",
     "clean_registries",
     "cold_stop_is_repeat",
+    "drop_cancelled_dequeued",
     "exception_handlers",
     "fail_after_return",
     "fail_unreadable",
@@ -187,7 +191,30 @@ def fail_unstarted(job: Job, message: str, ttl: int, worker_name: str) -> None:
         pipe.execute()
 
 
-# ==== a running job a client cancelled ====================================================================
+# ==== a job a client cancelled ==============================================================================
+
+
+def cancel_requested(connection: Any, job: Job) -> bool:
+    """True if a client cancelled `job` in Redis: RQ status `canceled`, or the cancel field a client without
+    RQ's cancel rights sets (`worker.control`). One round trip; read fresh, never from the loaded job."""
+    status, flag = connection.hmget(job.key, "status", CANCEL_REQUESTED_FIELD)
+    return flag is not None or (status is not None and status.decode() == JobStatus.CANCELED.value)
+
+
+def drop_cancelled_dequeued(job: Job, queue: Queue, ttl: int) -> None:
+    """A job this worker dequeued (RQ's intermediate list) that a client cancelled while it waited: record it
+    as RQ records a cancelled queued job (status `canceled`, the canceled registry, the job's expiry) and
+    drop it from the intermediate list, in one transaction; it never runs."""
+    with job.connection.pipeline() as pipe:
+        pipe.multi()
+        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        job.set_status(JobStatus.CANCELED, pipeline=pipe)
+        pipe.hset(job.key, "ended_at", utcformat(now()))
+        CanceledJobRegistry(job.origin, connection=job.connection, serializer=job.serializer).add(
+            job, ttl=ttl, pipeline=pipe
+        )
+        pipe.expire(job.key, ttl)
+        pipe.execute()
 
 
 def record_cancelled_execution(worker: Any, job: Job, ttl: int) -> None:

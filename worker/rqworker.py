@@ -17,7 +17,9 @@ recorded by `worker.outcomes`.
   service); `stop-job`/`kill-horse` pass on.
 - `kill_horse()`: RQ's stop-job command lands here (on the pubsub thread) and would be a no-op for a
   SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives. A client's
-  `job.cancel()` on a *running* job is noticed by the heartbeat thread and handled the same way. RQ would
+  `job.cancel()` on a *running* job is noticed by the heartbeat thread and handled the same way, and so
+  is the cancel field a client without `PUBLISH` rights sets (a tenant's Redis user: `worker.control`); a
+  job that carries it when dequeued is recorded `cancelled` and never runs (`_skip_cancelled`). RQ would
   then record the job `stopped` in its *failed* registry; `handle_job_failure` records it `canceled` in
   the canceled registry instead (a cancel is not a failure).
 - Warm stop (first SIGTERM/SIGINT): RQ finishes the job, then the loop ends and `teardown()` stops the
@@ -66,7 +68,14 @@ from . import rqcompat
 from .admission import Admission
 from .fleet import FleetUnrecoverable
 from .health import HealthPublisher
-from .keys import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, worker_health_key
+from .keys import (
+    RECORDED_END_STATES,
+    RENDER_COMPLETE_STATES,
+    TERMINAL_STATES,
+    FailureReason,
+    JobState,
+    worker_health_key,
+)
 from .logs import bind_job
 from .renderjob import RefusedJob, RenderJob
 from .service import JobCancelledByClient, JobFailed, RenderService
@@ -90,7 +99,8 @@ class FleetWorker(SimpleWorker):
         kwargs.setdefault("serializer", JSONSerializer)
         # runs only the render function, within the settings' size limits; survives hostile hashes
         kwargs.setdefault("job_class", RenderJob.with_limits(max_data_bytes=settings.max_request_bytes,
-                                                             max_meta_bytes=settings.max_meta_bytes))  # fmt: skip
+                                                             max_meta_bytes=settings.max_meta_bytes,
+                                                             tenant_ids=settings.tenant_ids))  # fmt: skip
         kwargs.setdefault("default_result_ttl", settings.result_ttl)
         kwargs.setdefault("worker_ttl", settings.worker_ttl)
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
@@ -118,7 +128,7 @@ class FleetWorker(SimpleWorker):
         self.push_exc_handler(self._abandoned_job_handler)
         self.admission = Admission(self.connection, self.queues, depth_cap=settings.depth_cap, quota=settings.quota,
                                    outcomes=self.outcomes, job_class=self.job_class, worker_name=self.name,
-                                   max_meta_bytes=settings.max_meta_bytes)  # fmt: skip
+                                   max_meta_bytes=settings.max_meta_bytes, tenant_ids=settings.tenant_ids)  # fmt: skip
 
     # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -188,8 +198,7 @@ class FleetWorker(SimpleWorker):
             self.last_loop_beat = time.monotonic()
             self.health.notify()
             try:
-                raw = self.side_connection.hget(job.key, "status")
-                if raw is not None and raw.decode() == JobStatus.CANCELED.value:
+                if rqcompat.cancel_requested(self.side_connection, job):
                     log.info("job %s was cancelled in Redis while running; stopping it", job.id)
                     rqcompat.mark_stopped(self, job.id)
                     self.service.cancel(job.id)
@@ -287,9 +296,23 @@ class FleetWorker(SimpleWorker):
             if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
                 rqcompat.give_back_dequeued(job, queue)
                 continue
+            if rqcompat.cancel_requested(self.connection, job):
+                self._skip_cancelled(job, queue)
+                continue
             if not self.admission.admit(job, queue, tick=self.heartbeat):
                 continue  # past the depth cap or its client's quota: ended without running
             return result
+
+    def _skip_cancelled(self, job: Any, queue: Any) -> None:
+        """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
+        take it out of the shared queue: `worker.control`): record it cancelled, never run it."""
+        rqcompat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job))
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        if meta.get("state") == JobState.CANCELLED.value:  # the client recorded it already
+            self.service.metrics.job_outcome("cancelled", "")
+        else:
+            self.outcomes.cancelled(job, by="client", message="cancelled while queued; skipped when dequeued")
+        log.info("job %s was cancelled while queued: skipped", job.id)
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:
         while True:

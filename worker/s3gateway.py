@@ -5,7 +5,7 @@ loopback). This one starts `weed` through `scripts/s3-start.sh`, the compose S3 
 with the weed arguments a caller gives (the tests pass the compose file's `command:` as is), so what is
 tested is what compose runs:
 
-- two identities built from secret files (`scripts/s3-secrets.sh` makes them): the worker's (read, write,
+- two identities built from secret files (`scripts/secrets.sh` makes them): the worker's (read, write,
   list, admin on the bucket) and the producer's (read only);
 - the S3 gateway's gRPC port locked by a client certificate nobody can make;
 - master, volume and filer (and their gRPC ports) on 127.0.0.1; only the S3 gateway on `-s3.ip.bind`.
@@ -39,7 +39,7 @@ __all__ = ["PORT_FLAGS", "S3Gateway", "listening_addresses", "make_secrets"]
 
 ROOT = Path(__file__).resolve().parents[1]
 START_SCRIPT = ROOT / "scripts" / "s3-start.sh"
-SECRETS_SCRIPT = ROOT / "scripts" / "s3-secrets.sh"
+SECRETS_SCRIPT = ROOT / "scripts" / "secrets.sh"
 
 #: The listening ports `weed server -s3` opens, as flags; each gets a free port here.
 PORT_FLAGS = (
@@ -49,10 +49,10 @@ PORT_FLAGS = (
 
 
 def make_secrets(directory: Path) -> Path:
-    """Run `scripts/s3-secrets.sh` into `directory` (the real script compose users run); returns it."""
+    """Run `scripts/secrets.sh` into `directory` (the real script compose users run); returns it."""
     out = subprocess.run(["sh", str(SECRETS_SCRIPT), str(directory)], capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise ServerError(f"s3-secrets.sh failed ({out.returncode}): {out.stderr.strip()}")
+        raise ServerError(f"secrets.sh failed ({out.returncode}): {out.stderr.strip()}")
     return directory
 
 

@@ -44,6 +44,7 @@ from .keys import (
     safe_redis_url,
     split_list,
 )
+from .redisconn import RedisAccess
 
 __all__ = [
     "BUILTIN_RUNNERS",
@@ -91,14 +92,16 @@ def group_label(spec: str) -> str:
     return "g" + text.replace(",", "-")
 
 
-class WorkerSettings(BaseSettings):
-    """Every knob of a worker process. Field `x` is environment variable `LTX_X` (case-insensitive)."""
+class WorkerSettings(RedisAccess, BaseSettings):
+    """Every knob of a worker process. Field `x` is environment variable `LTX_X` (case-insensitive); the
+    `redis_*` credential and TLS fields come from `worker.redisconn.RedisAccess`."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
         extra="forbid",
         validate_default=True,
         case_sensitive=False,
+        hide_input_in_errors=True,  # a validation error must never print the Redis or S3 secrets
     )
 
     # ---- Redis / RQ ---------------------------------------------------------------------------------
@@ -118,6 +121,11 @@ class WorkerSettings(BaseSettings):
         60, ge=5, description="seconds without a heartbeat after which a running job counts as abandoned"
     )
     worker_ttl: int = Field(60, ge=20, description="seconds an idle worker's registration lives between beats")
+    tenant_ids: bool = Field(
+        False,
+        description="job ids are '<client>-<id>' (tenant Redis users, `ltx-worker redis-acl`): a job whose meta "
+        "client is not its id's prefix is refused as invalid_request",
+    )
     max_request_bytes: int = Field(
         1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"
     )
@@ -417,7 +425,7 @@ class WorkerSettings(BaseSettings):
     def public_dump(self) -> dict[str, Any]:
         """JSON-safe settings with secrets masked (for logs and `ltx-worker settings`)."""
         data = self.model_dump(mode="json")
-        for key in ("s3_access_key_id", "s3_secret_access_key"):
+        for key in ("s3_access_key_id", "s3_secret_access_key", "redis_password"):
             if data.get(key) is not None:
                 data[key] = "**********"
         data["redis_url"] = safe_redis_url(self.redis_url)  # (its password)

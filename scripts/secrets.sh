@@ -1,8 +1,10 @@
 #!/bin/sh
-# Create the secret files the compose S3 service, the worker and the producer read (docker-compose.yml,
-# `secrets:`), in DIR (default ./secrets next to docker-compose.yml). Existing files are kept, so running it
+# Create the secret files the compose Redis and S3 services, the worker, the producer and the dashboard read
+# (docker-compose.yml, `secrets:`), in DIR (default ./secrets next to docker-compose.yml). Existing files are kept, so running it
 # again never rotates a key under a running service; delete a file to rotate that one.
 #
+#   redis_worker_password                            the Redis `worker` user (workers, the dashboard)
+#   redis_tenant_password                            the Redis user of the producer's tenant (LTX_CLIENT)
 #   s3_worker_access_key / s3_worker_secret_key      the worker's S3 identity: read and write the bucket
 #   s3_producer_access_key / s3_producer_secret_key  the producer's identity: read objects only
 #   s3_grpc_ca, s3_grpc_cert, s3_grpc_key            a lock on the S3 gateway's gRPC port (see below)
@@ -26,6 +28,8 @@ secret() { # name bytes
         echo "created $dir/$1"
     fi
 }
+secret redis_worker_password 24
+secret redis_tenant_password 24
 secret s3_worker_access_key 10
 secret s3_worker_secret_key 24
 secret s3_producer_access_key 10
@@ -46,4 +50,4 @@ if [ ! -s "$dir/s3_grpc_cert" ] || [ ! -s "$dir/s3_grpc_key" ] || [ ! -s "$dir/s
     echo "created $dir/s3_grpc_ca, $dir/s3_grpc_cert, $dir/s3_grpc_key"
 fi
 # Readable inside the containers (they run as other users); the directory itself stays private (0700).
-chmod 644 "$dir"/s3_*
+chmod 644 "$dir"/s3_* "$dir"/redis_*

@@ -1,0 +1,431 @@
+"""Redis ACL users, secrets from files and TLS: the generator's rules, then a real
+stack with them on.
+
+The stack: one redis-server with the ACL file `ltx-worker redis-acl` writes (users `worker`, `alice`, `bob`;
+`default` off), listening on TLS only with a throwaway CA (`worker.devsecure`); one `ltx-worker one` (CPU
+fleet, fault runner) logged in as `worker` over `rediss://` with its password from a file and tenant ids
+on; real SeaweedFS. Tenants use `ProducerClient` (and the CLI) as their own users: submit, watch, ls,
+status, cancel (queued and running) and fetch work end to end; each attack a tenant could make with raw
+Redis access is refused by Redis itself. The last test reads Redis's `ACL LOG`: the worker needed nothing
+it was denied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from tests.test_worker_support import WorkerProcess, events, output_bytes, wait_for, wait_ready, worker_env
+from worker.keys import check_tenant_name, job_tenant, tenant_job_id
+from worker.redisacl import ACL_PASSWORD_ENV_PREFIX, AclUsers, generate, password_for, render_acl
+from worker.renderjob import RefusedJob, check_job_owner
+
+USERS = ("worker", "alice", "bob")
+
+
+def _passwords(directory: Path) -> dict[str, str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for user in USERS:
+        out[user] = secrets.token_urlsafe(24)
+        (directory / user).write_text(out[user] + "\n")
+    return out
+
+
+# ==== the generator (no server) =========================================================================
+
+
+def test_acl_file_turns_default_off_and_holds_only_password_hashes(tmp_path: Path) -> None:
+    pw = _passwords(tmp_path / "secrets")
+    text = generate(AclUsers(tenants=("alice", "bob"), ping_user="health"), password_dir=tmp_path / "secrets")
+    lines = text.splitlines()
+    assert lines[0].startswith("user default off ") and "-@all" in lines[0]
+    by_user = {line.split()[1]: line for line in lines}
+    assert set(by_user) == {"default", "worker", "alice", "bob", "health"}
+    for user in USERS:
+        assert pw[user] not in text
+        assert f"#{hashlib.sha256(pw[user].encode()).hexdigest()}" in by_user[user]
+    assert "-@dangerous" in by_user["worker"] and "&rq:*" in by_user["worker"]
+    alice = by_user["alice"]
+    assert "~rq:job:alice-*" in alice and "~ltx:job:alice-*" in alice and "~ltx:producer:client:alice:jobs" in alice
+    assert "&" not in alice.replace("&rq", "") and "resetchannels" in alice  # no pubsub channel at all
+    assert "(+rpush +lpush %W~rq:queue:*)" in alice and "+publish" not in alice
+    assert by_user["health"].endswith("nopass resetkeys resetchannels -@all +ping")
+
+
+def test_generator_refuses_names_that_could_share_keys_or_clash() -> None:
+    for bad in ("alice-x", "a.b", "x" * 33, "", "a*"):
+        with pytest.raises(ValueError, match="tenant name|user name"):
+            AclUsers(tenants=(bad,))
+    with pytest.raises(ValueError, match="differ"):
+        AclUsers(worker="alice", tenants=("alice",))
+    with pytest.raises(ValueError, match="default"):
+        AclUsers(worker="default")
+    assert check_tenant_name("alice_2") == "alice_2"
+
+
+def test_passwords_come_from_files_then_environment_never_short(tmp_path: Path) -> None:
+    (tmp_path / "alice").write_text("from-the-file-0123456789\n")
+    env = {f"{ACL_PASSWORD_ENV_PREFIX}BOB": "from-the-env-0123456789", f"{ACL_PASSWORD_ENV_PREFIX}ALICE": "ignored"}
+    assert password_for("alice", password_dir=tmp_path, environ=env) == "from-the-file-0123456789"
+    assert password_for("bob", password_dir=tmp_path, environ=env) == "from-the-env-0123456789"
+    with pytest.raises(ValueError, match="no password for Redis user 'carol'"):
+        password_for("carol", password_dir=tmp_path, environ=env)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        password_for("empty", password_dir=tmp_path, environ={})
+    with pytest.raises(ValueError, match="shorter than 16"):
+        render_acl(AclUsers(), {"worker": "short"})
+
+
+def test_cli_writes_the_file_and_takes_no_password_argument(tmp_path: Path) -> None:
+    from worker.cli import main
+
+    pw = _passwords(tmp_path / "secrets")
+    out = tmp_path / "users.acl"
+    args = ["redis-acl", "--tenant", "alice", "--tenant", "bob", "--password-dir", str(tmp_path / "secrets")]
+    result = CliRunner().invoke(main, [*args, "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_text().count("\nuser ") == 3 and pw["alice"] not in out.read_text()
+    assert oct(out.stat().st_mode & 0o777) == "0o644"
+    help_text = CliRunner().invoke(main, ["redis-acl", "--help"]).output
+    assert "--password " not in help_text and "--password=" not in help_text
+    bad = CliRunner().invoke(main, ["redis-acl", "--tenant", "alice-x", "--password-dir", str(tmp_path / "secrets")])
+    assert bad.exit_code == 2 and "tenant name" in bad.output
+
+
+def test_tenant_ids_and_owner_check() -> None:
+    assert tenant_job_id("alice", "42") == "alice-42" and tenant_job_id("alice", "alice-42") == "alice-42"
+    assert job_tenant("alice-42") == "alice" and job_tenant("42") is None and job_tenant("a.b-1") is None
+    check_job_owner("alice-42", {"client": "alice"})
+    for job_id, meta in (("alice-42", {"client": "bob"}), ("alice-42", {}), ("42", {"client": "alice"})):
+        with pytest.raises(RefusedJob, match="tenant"):
+            check_job_owner(job_id, meta)
+
+
+# ==== settings: user, password file, TLS files ===========================================================
+
+
+def test_settings_read_the_password_file_and_never_show_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from producer.settings import ProducerSettings
+    from worker.cli import main
+    from worker.redisconn import connection_kwargs
+    from worker.settings import WorkerSettings
+
+    for name in ("LTX_REDIS_URL", "LTX_REDIS_PASSWORD", "LTX_CLIENT", "LTX_OPERATOR", "LTX_TENANT_IDS"):
+        monkeypatch.delenv(name, raising=False)
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-from-a-file\n")
+    monkeypatch.setenv("LTX_REDIS_USERNAME", "alice")
+    monkeypatch.setenv("LTX_REDIS_PASSWORD_FILE", str(secret))
+    worker = WorkerSettings()
+    assert connection_kwargs(worker) == {"username": "alice", "password": "s3cret-from-a-file"}
+    shown = CliRunner().invoke(main, ["settings"])
+    assert shown.exit_code == 0 and "s3cret" not in shown.output
+    assert json.loads(shown.output)["redis_password"] == "**********"
+    producer = ProducerSettings()
+    assert (producer.client, producer.tenant_ids) == ("alice", True)  # implied by the Redis user
+    assert ProducerSettings(operator=True).tenant_ids is False
+    with pytest.raises(ValueError, match="tenant name"):
+        ProducerSettings(client="alice.smith")
+    monkeypatch.setenv("LTX_REDIS_URL", "redis://u:pw-in-url@r:6379/0")
+    with pytest.raises(ValueError, match="both in LTX_REDIS_URL") as err:
+        WorkerSettings()
+    assert "s3cret" not in str(err.value) and "pw-in-url" not in str(err.value)  # (inputs hidden in errors)
+
+
+def test_tls_files_need_rediss_and_become_ssl_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.redisconn import connection_kwargs
+    from worker.settings import WorkerSettings
+
+    for name in ("LTX_REDIS_URL", "LTX_REDIS_USERNAME", "LTX_REDIS_PASSWORD", "LTX_REDIS_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    ca = tmp_path / "ca.crt"
+    ca.write_text("x")
+    with pytest.raises(ValueError, match="rediss://"):
+        WorkerSettings(redis_ca_file=ca)
+    with pytest.raises(ValueError, match="not a readable file"):
+        WorkerSettings(redis_url="rediss://r:6380/0", redis_ca_file=tmp_path / "missing.crt")
+    with pytest.raises(ValueError, match="set both or neither"):
+        WorkerSettings(redis_url="rediss://r:6380/0", redis_cert_file=ca)
+    kwargs = connection_kwargs(WorkerSettings(redis_url="rediss://r:6380/0", redis_ca_file=ca))
+    assert kwargs["ssl_ca_certs"] == str(ca) and kwargs["ssl_cert_reqs"].name == "CERT_REQUIRED"
+
+
+# ==== the stack: TLS + ACL Redis, a worker as `worker`, tenants as themselves ==============================
+
+
+class Stack:
+    def __init__(self, server: Any, s3: Any, worker: WorkerProcess, queue: str, name: str, secrets_dir: Path) -> None:
+        self.server, self.s3, self.worker, self.queue, self.name = server, s3, worker, queue, name
+        self.secrets = secrets_dir
+        self.admin = server.client()
+
+    def settings(self, user: str, **extra: Any) -> Any:
+        from producer.settings import ProducerSettings
+
+        return ProducerSettings(redis_url=self.server.url, redis_username=user, redis_password_file=self.secrets / user,
+                                redis_ca_file=self.server.ca_file, queues=[self.queue], s3_endpoint_url=self.s3.url,
+                                **extra)  # fmt: skip
+
+    def producer(self, user: str) -> Any:
+        from producer.client import ProducerClient
+
+        return ProducerClient(self.settings(user))
+
+    def raw(self, user: str) -> Any:
+        """What a tenant can do with its credentials and no producer."""
+        return self.server.user_client(user, (self.secrets / user).read_text().strip(), socket_timeout=5)
+
+    def fleet_alive(self) -> bool:
+        return bool(wait_ready(self.admin, self.name, 1, 30, self.worker))
+
+    def acl_denials(self, user: str) -> list[str]:
+        def text(value: Any) -> str:
+            return value.decode() if isinstance(value, bytes) else str(value)
+
+        return [f"{text(e['reason'])}: {text(e['object'])}" for e in self.admin.acl_log(128)
+                if text(e["username"]) == user]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
+    from worker.devsecure import SecureRedisServer
+    from worker.devservers import find_redis_server
+
+    if find_redis_server() is None:
+        pytest.skip("redis-server not found")
+    tmp = tmp_path_factory.mktemp("acl")
+    secrets_dir = tmp / "secrets"
+    _passwords(secrets_dir)
+    acl = generate(AclUsers(tenants=("alice", "bob")), password_dir=secrets_dir)
+    server = SecureRedisServer(acl=acl, tls=True).start()
+    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"t{uuid.uuid4().hex[:6]}"
+    spool = tmp / "spool"
+    spool.mkdir()
+    env = worker_env(server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
+                     redis_username="worker", redis_password_file=secrets_dir / "worker",
+                     redis_ca_file=server.ca_file, tenant_ids="true")  # fmt: skip
+    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
+    st = Stack(server, s3_server, proc, queue, name, secrets_dir)
+    try:
+        wait_ready(st.admin, name, 1, 120, proc)
+        yield st
+    finally:
+        rc = proc.stop()
+        st.admin.close()
+        server.cleanup()
+        assert rc == 0, proc.log_tail()
+
+
+def _request(prompt: str = "t", **kwargs: Any) -> Any:
+    from worker.schema import RenderRequest
+
+    return RenderRequest(prompt=prompt, width=64, height=64, num_frames=9, **kwargs)
+
+
+def _wait_state(client: Any, job_id: str, states: set[str], stack: Stack, timeout: float = 60) -> Any:
+    return wait_for(lambda: (i := client.status(job_id)).state in states and i, timeout,
+                    f"{job_id} in {states}", on_fail=stack.worker.log_tail)  # fmt: skip
+
+
+def test_a_tenant_submits_watches_lists_and_fetches_its_job_over_tls(stack: Stack, tmp_path: Path) -> None:
+    with stack.producer("alice") as alice:
+        job = alice.submit(_request(seed=7), job_id="first")
+        assert job.id == "alice-first"
+        seen = [e.type for e in alice.follow("first", deadline=time.monotonic() + 60)]
+        assert "progress" in seen and seen[-1] == "state"
+        info = alice.status("alice-first")
+        assert info.state == "uploaded" and info.meta["client"] == "alice"
+        listed = alice.list_jobs([stack.queue], 20)
+        assert "alice-first" in [i.job_id for i in listed["recently ended"]]
+        stats = alice.stats(queues=[stack.queue])
+        assert [w.name for w in stats.workers] and stats.queues[0].name == stack.queue
+        fetched = alice.fetch("first", tmp_path / "v.mp4")
+        assert (tmp_path / "v.mp4").read_bytes() == output_bytes(7, 4096) and fetched.sha256 == info.result["sha256"]
+    with stack.producer("bob") as bob:  # the producer's own-jobs rule on top: bob does not see alice's job
+        from producer.client import JobNotFound
+
+        with pytest.raises(JobNotFound):
+            bob.status("alice-first")
+
+
+def test_the_cli_runs_as_a_tenant_from_environment_settings(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    from producer.cli import cli
+
+    for key, value in {"LTX_REDIS_URL": stack.server.url, "LTX_REDIS_USERNAME": "bob", "LTX_QUEUES": stack.queue,
+                       "LTX_REDIS_PASSWORD_FILE": str(stack.secrets / "bob"),
+                       "LTX_REDIS_CA_FILE": str(stack.server.ca_file)}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LTX_CLIENT", raising=False)
+    monkeypatch.delenv("LTX_OPERATOR", raising=False)
+    with stack.producer("bob") as bob:
+        bob.submit(_request(), job_id="cli")
+        _wait_state(bob, "cli", {"uploaded"}, stack)
+    result = CliRunner().invoke(cli, ["status", "cli", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["job_id"] == "bob-cli"
+
+
+def test_a_tenant_cancels_its_queued_job_without_publish_or_queue_writes(stack: Stack) -> None:
+    with stack.producer("alice") as alice:
+        alice.submit(_request("t step_s=0.3", steps=12), job_id="busy")
+        _wait_state(alice, "busy", {"rendering"}, stack)
+        alice.submit(_request(), job_id="waiting")
+        assert alice.cancel("waiting") == "cancelled"
+        assert alice.status("waiting").state == "cancelled"
+        _wait_state(alice, "busy", {"uploaded"}, stack)
+        # the worker dequeued it after `busy`, recorded it and never ran it
+        wait_for(lambda: stack.admin.lpos(f"rq:queue:{stack.queue}", "alice-waiting") is None, 30, "dequeued")
+        time.sleep(0.5)
+        states = [e["state"] for e in events(stack.admin, "alice-waiting") if e["type"] == "state"]
+        assert "started" not in states and states.count("cancelled") == 1, states
+        assert stack.admin.zscore(f"rq:canceled:{stack.queue}", "alice-waiting") is not None
+        assert stack.admin.llen(f"rq:queue:{stack.queue}:intermediate") == 0
+        assert stack.admin.hget("rq:job:alice-waiting", "status") == b"canceled"
+    assert stack.fleet_alive()
+
+
+def test_a_tenant_cancels_its_running_job_and_the_fleet_survives(stack: Stack) -> None:
+    with stack.producer("alice") as alice:
+        alice.submit(_request("t step_s=0.3", steps=40), job_id="long")
+        _wait_state(alice, "long", {"rendering"}, stack)
+        assert alice.cancel("long") == "stop_requested"
+        info = _wait_state(alice, "long", {"cancelled"}, stack, timeout=30)
+        assert info.rq_status == "canceled"
+        states = [e["state"] for e in events(stack.admin, "alice-long") if e["type"] == "state"]
+        assert "uploaded" not in states
+    assert stack.fleet_alive()
+
+
+# ---- attacks: one per way a tenant with raw Redis access used to hurt others -----------------------------
+
+
+def test_a_tenant_cannot_publish_rq_commands(stack: Stack) -> None:
+    alice = stack.raw("alice")
+    channel = f"rq:pubsub:{wait_ready(stack.admin, stack.name, 1, 30)[0]['worker']}"
+    for payload in ({"command": "shutdown"}, {"command": "stop-job", "job_id": "bob-x"}):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            alice.publish(channel, json.dumps(payload))
+    with pytest.raises(redis.exceptions.NoPermissionError):  # (nor listen to others' commands)
+        stack.raw("alice").execute_command("SUBSCRIBE", channel)
+    assert stack.fleet_alive()
+
+
+def test_a_tenant_cannot_edit_or_delete_another_tenants_job_or_events(stack: Stack) -> None:
+    with stack.producer("bob") as bob:
+        bob.submit(_request(), job_id="mine")
+        _wait_state(bob, "mine", {"uploaded"}, stack)
+    alice = stack.raw("alice")
+    attacks = [
+        lambda: alice.hset("rq:job:bob-mine", "meta", "{}"),
+        lambda: alice.hset("rq:job:bob-mine", "ltx_cancel_requested", "1"),
+        lambda: alice.delete("rq:job:bob-mine"),
+        lambda: alice.expire("rq:job:bob-mine", 1),
+        lambda: alice.xadd("ltx:job:bob-mine:events", {"type": "state"}),
+        lambda: alice.delete("ltx:job:bob-mine:events"),
+        lambda: alice.hset("rq:job:bob-new", "status", "queued"),  # no job under bob's name either
+        lambda: alice.zadd("ltx:producer:client:bob:jobs", {"x": 1}),
+        lambda: alice.rename("rq:job:bob-mine", "rq:job:alice-stolen"),
+    ]
+    for attack in attacks:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attack()
+    assert stack.admin.hget("rq:job:bob-mine", "status") == b"finished"
+
+
+def test_a_tenant_cannot_remove_trim_or_steal_from_a_queue(stack: Stack) -> None:
+    key = f"rq:queue:{stack.queue}"
+    alice = stack.raw("alice")
+    for attack in (lambda: alice.delete(key), lambda: alice.lrem(key, 0, "bob-x"), lambda: alice.ltrim(key, 0, 0),
+                   lambda: alice.lpop(key), lambda: alice.lmove(key, "rq:queue:mine"), lambda: alice.lset(key, 0, "x"),
+                   lambda: alice.srem("rq:queues", key), lambda: alice.delete("rq:queues")):  # fmt: skip
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attack()
+
+
+def test_neither_a_tenant_nor_the_worker_can_run_admin_commands(stack: Stack) -> None:
+    attacks = [("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "maxmemory", "1"), ("CONFIG", "GET", "*"),
+               ("SHUTDOWN", "NOSAVE"), ("DEBUG", "SLEEP", "0"), ("ACL", "LIST"), ("KEYS", "*"),
+               ("REPLICAOF", "NO", "ONE")]  # fmt: skip
+    for user in ("alice", "worker"):
+        conn = stack.raw(user)
+        for attack in attacks:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                conn.execute_command(*attack)
+    assert stack.admin.ping()
+
+
+def test_without_credentials_or_tls_redis_refuses(stack: Stack) -> None:
+    anonymous = redis.Redis(host="127.0.0.1", port=stack.server.port, ssl=True, ssl_ca_certs=str(stack.server.ca_file))
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        anonymous.ping()
+    plain = redis.Redis(host="127.0.0.1", port=stack.server.port, socket_timeout=3, username="alice",
+                        password=(stack.secrets / "alice").read_text().strip())  # fmt: skip
+    with pytest.raises(redis.exceptions.ConnectionError):
+        plain.ping()
+    untrusted = redis.Redis.from_url(stack.server.url, socket_timeout=3)  # the system CAs: not ours
+    with pytest.raises(redis.exceptions.ConnectionError, match="certificate verify failed"):
+        untrusted.ping()
+
+
+def test_a_worker_with_an_untrusted_certificate_or_a_wrong_password_stops_with_a_clear_error(stack: Stack) -> None:
+    """Configuration errors, not an endless wait for Redis: the worker process exits 2 with one line."""
+    from worker.process import wait_for_redis
+    from worker.settings import SettingsError, WorkerSettings
+
+    url, ca = stack.server.url, stack.server.ca_file
+    with pytest.raises(SettingsError, match="TLS certificate not trusted"):
+        wait_for_redis(
+            WorkerSettings(redis_url=url, redis_username="worker", redis_password_file=stack.secrets / "worker")
+        )
+    with pytest.raises(SettingsError, match="refused our credentials") as err:
+        wait_for_redis(
+            WorkerSettings(redis_url=url, redis_username="worker", redis_password="wrong-pw-0123", redis_ca_file=ca)
+        )
+    assert "wrong-pw" not in str(err.value)
+
+
+def test_a_tenant_job_under_another_clients_name_is_refused(stack: Stack) -> None:
+    """alice may write `rq:job:alice-*` and so could record bob as the owner (his quota, his `ls`): the
+    worker (tenant ids on) refuses it, and stays warm."""
+    from tests.test_worker_support import enqueue
+
+    job = enqueue(stack.raw("alice"), stack.queue, {"prompt": "t", "width": 64, "height": 64, "num_frames": 9},
+                  job_id="alice-forged", meta={"client": "bob"})  # fmt: skip
+    wait_for(lambda: (job.get_meta(refresh=True) or {}).get("state") == "failed", 30, "refused",
+             on_fail=stack.worker.log_tail)  # fmt: skip
+    error = job.get_meta(refresh=True)["error"]
+    assert error["reason"] == "invalid_request" and "tenant" in error["message"]
+    assert stack.fleet_alive()
+
+
+def test_zz_the_worker_was_never_denied_a_command(stack: Stack) -> None:
+    """Runs last: everything the worker did in this module (render, upload records, cancels, refusals,
+    heartbeats, registry cleanup) passed its ACL."""
+    denied = [d for d in stack.acl_denials("worker") if not d.startswith("auth:")]  # (the wrong-password test)
+    assert sorted(denied) == sorted(
+        [
+            "command: flushall",
+            "command: flushdb",
+            "command: config|set",
+            "command: config|get",
+            "command: shutdown",
+            "command: debug",
+            "command: acl|list",
+            "command: keys",
+            "command: replicaof",
+        ]
+    )  # fmt: skip (exactly the admin attacks of test_neither_a_tenant_nor_the_worker_can_run_admin_commands)
+    # bob only used the producer (submit, status, the CLI): denied nothing but RQ's server-version probe at
+    # enqueue (INFO, which RQ answers itself with a fallback; tenants get no server statistics)
+    assert set(stack.acl_denials("bob")) <= {"command: info"}
