@@ -358,6 +358,30 @@ def test_a_reused_job_id_gets_its_own_object_and_the_first_stays_unchanged(worke
     assert hashlib.sha256(s3_server.http_get(one["url"])).hexdigest() == one["sha256"]  # the first owner's URL
 
 
+def test_a_reused_job_id_never_takes_over_an_earlier_submissions_render_left_in_the_spool(worker):
+    """Regression: the spool is keyed by job id, so a render an earlier submission left there (its upload
+    failed for good; the job has since expired) was uploaded as the video of a new job reusing the id."""
+    import hashlib
+
+    from worker.spool import Spool
+
+    worker.idle()
+    job_id = f"reused-{uuid.uuid4().hex[:8]}"
+    spool = Spool(worker.spool)
+    stale = b"a video of an earlier submission" * 100
+    spool.prepare(job_id, "video.mp4").write_bytes(stale)
+    spool.commit(job_id, file_name="video.mp4", key=f"videos/{job_id}/0123456789abcdef/video.mp4",
+                 content_type="video/mp4", submission="2020-01-01T00:00:00.000000Z")  # fmt: skip
+    job = enqueue(worker.conn, worker.queue, {"prompt": "t", "width": 64, "height": 64, "num_frames": 9},
+                  job_id=job_id)  # fmt: skip
+    wait_state(job, "uploaded", 60, worker.proc)
+    result = job.get_meta(refresh=True)["result"]
+    assert result["sha256"] != hashlib.sha256(stale).hexdigest()  # rendered for this job, not taken over
+    rendered = [e for e in events(worker.conn, job_id) if e["type"] == "state" and e["state"] == "rendered"]
+    assert rendered and not any(e.get("resumed_from_spool") for e in rendered), rendered
+    wait_for(lambda: spool.load(job_id) is None, 10, "the spool released after the upload")  # stale one gone
+
+
 @pytest.mark.parametrize(("result_ttl", "kept"), [(600, 600), (10**9, 86400)])  # (capped: LTX_RESULT_TTL)
 def test_presigned_urls_expire_with_the_result(worker, s3_server, result_ttl, kept):
     worker.idle()

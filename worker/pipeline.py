@@ -223,6 +223,12 @@ class UploadPipeline:
                 log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
                             entry.job_id, type(exc).__name__)  # fmt: skip
                 job = None
+            if job is not None and not entry.belongs_to(rqcompat.submission_of(job)):
+                # the id was submitted again after this render's job expired: upload it as an orphan
+                # (its object key is its own), never into the new job
+                log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
+                            "without recording it into the current job", entry.job_id)  # fmt: skip
+                job = None
             meta = job.meta if job is not None else {}
             result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
             if meta.get("state") == JobState.UPLOADED.value and result.get("key"):

@@ -129,6 +129,13 @@ def beat(worker: Any, job: Job, connection: Any, ttl: int) -> None:
 # ==== the job hash ========================================================================================
 
 
+def submission_of(job: Any) -> str | None:
+    """Which submission a job hash is: its RQ `created_at` (set when the job is created, kept by re-queues
+    and retries; a new job with a reused id gets its own). None when the hash has none."""
+    created = getattr(job, "created_at", None)
+    return utcformat(created) if created is not None else None
+
+
 def set_retry(job: Job, retry: bool) -> None:
     """Decide whether RQ re-queues the job when it handles this failure (its `retries_left` on the job
     object, which RQ's failure handling and abandoned-job cleanup read; at once, never scheduled)."""

@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from . import rqcompat
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
 from .limits import RunnerLimits
@@ -268,6 +269,12 @@ class RenderService:
             entry = self.spool.load(job.id)
         except OSError as exc:
             self._spool_failed(job, relay, exc)
+        if entry is not None and not entry.belongs_to(rqcompat.submission_of(job)):
+            # an earlier submission of this id (its job long expired) left its render here: not this job's video
+            log.warning("job %s: the spool holds a render of an earlier submission with this id (%s); "
+                        "discarding it and rendering this one", job.id, entry.submission)  # fmt: skip
+            self.spool.release(entry)
+            entry = None
         render_s = 0.0
         if entry is not None:
             log.info("job %s: complete render found in the spool; uploading it instead of rendering", job.id)
@@ -388,6 +395,7 @@ class RenderService:
                 queue=job.origin,
                 info=info,
                 hash_now=not s.upload_pipeline,  # the pipeline hashes in its own thread, off the critical path
+                submission=rqcompat.submission_of(job),
             )
         except OSError as exc:
             self.spool.discard_incomplete(job.id)

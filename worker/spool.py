@@ -57,6 +57,14 @@ class SpoolEntry:
     attempts: int = 0  #: upload attempts so far (across workers)
     last_error: str | None = None
     directory: str = ""  #: absolute job directory (filled in on load; not trusted from the file)
+    #: which submission of `job_id` rendered it (the job hash's RQ `created_at`, kept across re-queues and
+    #: retries of that job): a later submission that reuses the id is another job and must not take this
+    #: video over (`belongs_to`); None in manifests written before it was recorded
+    submission: str | None = None
+
+    def belongs_to(self, submission: str | None) -> bool:
+        """True unless both submissions are known and differ."""
+        return self.submission is None or submission is None or self.submission == submission
 
     @property
     def path(self) -> Path:
@@ -106,6 +114,7 @@ class Spool:
         queue: str | None = None,
         info: dict[str, Any] | None = None,
         hash_now: bool = True,
+        submission: str | None = None,
     ) -> SpoolEntry:
         """Record a finished render: hash it and write the manifest atomically. Returns the entry.
 
@@ -126,6 +135,7 @@ class Spool:
             queue=queue,
             info=dict(info or {}),
             directory=str(directory),
+            submission=submission,
         )
         self._write_manifest(entry)
         return entry
