@@ -1,8 +1,9 @@
 """Free loopback TCP ports: the one port picker of the repository (stdlib only; imports no torch).
 
-The engine needs one for a single-process rendezvous (`LocalRunner`, `parallel.testing.LocalWorld`); the
-service's development servers (`worker.devservers`: Redis, SeaweedFS, `TcpProxy`) need several at once.
-It lives in the engine because `ltx_mgpu` never imports `worker`; `worker.devservers` re-exports it.
+The service's development servers (`worker.devservers`: Redis, SeaweedFS, `TcpProxy`) and the benchmarks
+need several at once; it lives in the engine because `ltx_mgpu` never imports `worker`. The engine's own
+rendezvous does not use it: its stores are bound by the parent before any rank starts (port 0), so no
+other process can take the port in between.
 A picked port was free a moment ago: the kernel chose it, and it is handed out unbound, so another
 process can take it before the caller binds (racy, fine for development servers on one machine).
 """

@@ -25,8 +25,6 @@ from typing import Any
 import pytest
 import torch
 
-from ltx_mgpu.ports import free_port
-
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
@@ -161,10 +159,14 @@ def test_loopback_cuda_graph_replays(kernels) -> None:
 
 
 def _run(world: int, scenario: str, tmp_path: Path, **kw: Any) -> list[dict[str, Any]]:
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    port = free_port()
+    # the rendezvous store is bound here before the ranks start, so its port cannot be taken in between
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    port = int(store.port)
     mp.start_processes(_worker, args=(world, port, scenario, str(tmp_path), kw), nprocs=world, start_method="spawn")
+    del store
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -172,9 +174,8 @@ def _worker(rank: int, world: int, port: int, scenario: str, out_dir: str, kw: d
     import torch.distributed as dist
 
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
-    )
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     torch.cuda.set_device(0)  # every rank on cuda:0: the device never follows the rank number
     try:
         result = {"compare": _scenario_compare, "timeout": _scenario_timeout}[scenario](rank, world, **kw)

@@ -16,6 +16,7 @@ and must be recreated (`LocalWorld.healthy` says whether it can still be used).
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import sys
@@ -27,9 +28,8 @@ from typing import Any
 
 import cloudpickle
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from ..ports import free_port
 
 __all__ = ["LocalWorld", "WorldContext", "WorldError", "WorldPool"]
 
@@ -52,22 +52,18 @@ class WorldError(RuntimeError):
 def _worker(
     rank: int, world_size: int, device: str, backend: str, port: int, jobs: Any, results: Any, threads: int
 ) -> None:  # child process entry point
-    import datetime
-
-    import torch.distributed as dist
-
     from ..devices import MULTICAST_OFF_ENV
 
     for key, value in MULTICAST_OFF_ENV.items():  # as in fleet ranks: no NVLink multicast
         os.environ.setdefault(key, value)
     torch.set_num_threads(threads)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        timeout = datetime.timedelta(seconds=120)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # held by the parent
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         results.put((rank, "ready", None))
     except Exception:
         results.put((rank, "error", traceback.format_exc()))
@@ -113,7 +109,13 @@ class LocalWorld:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        # The rendezvous store lives in this process, bound before any rank starts (as the controller's
+        # does): a port picked free and bound later by rank 0 can be taken in between (seen on a GPU host,
+        # where NCCL opens ephemeral sockets: EADDRINUSE in init_process_group).
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+        )
+        port = int(self._store.port)
         self._procs = [
             ctx.Process(
                 target=_worker,

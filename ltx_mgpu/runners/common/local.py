@@ -9,14 +9,12 @@ and destroys it again on `close()`.
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ...ports import free_port
 from ...runner import MGPURunner, ProcessGroups, RankContext
 
 __all__ = ["LocalRunner"]
@@ -29,9 +27,9 @@ class LocalRunner:
         self.device = torch.device(device)
         self._owns_group = False
         if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(free_port())
-            dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+            # a world of one needs no port: an in-process store (no race for a free port)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=120))  # fmt: skip
             self._owns_group = True
         if dist.get_world_size() != 1:
             raise RuntimeError("LocalRunner needs a world of one (a process group of size 1 or none)")
