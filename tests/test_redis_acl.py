@@ -295,6 +295,28 @@ def test_a_tenant_cancels_its_queued_job_without_publish_or_queue_writes(stack: 
     assert stack.fleet_alive()
 
 
+def test_a_tenant_backfill_re_runs_its_cancelled_job_under_the_same_id(stack: Stack, tmp_path: Path) -> None:
+    """`producer backfill` forgets an ended job before enqueueing it again; RQ's `job.delete()` also edits the
+    shared registries, which a tenant may not write: the tenant path deletes only its own keys."""
+    from producer.backfill import Backfill
+    from producer.models import content_job_id
+    from producer.requestfile import LoadedRequest
+
+    request = _request(f"t backfill {uuid.uuid4().hex[:6]}")
+    job_id = content_job_id(request)
+    with stack.producer("alice") as alice:
+        alice.submit(_request("t step_s=0.3", steps=12), job_id="busy-bf")
+        _wait_state(alice, "busy-bf", {"rendering"}, stack)
+        alice.submit(request, job_id=job_id)
+        assert alice.cancel(job_id) == "cancelled"
+        _wait_state(alice, "busy-bf", {"uploaded"}, stack)
+        run = Backfill(alice, [LoadedRequest(request, "f:1", 0)], manifest=tmp_path / "m.jsonl", concurrency=1)
+        summary = run.run()
+        assert (summary.enqueued, summary.uploaded, summary.failed) == (1, 1, 0), summary
+        assert alice.status(job_id).state == "uploaded"
+    assert stack.fleet_alive()
+
+
 def test_a_tenant_cancels_its_running_job_and_the_fleet_survives(stack: Stack) -> None:
     with stack.producer("alice") as alice:
         alice.submit(_request("t step_s=0.3", steps=40), job_id="long")
