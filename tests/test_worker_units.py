@@ -423,3 +423,17 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     item = SimpleNamespace(job=object(), relay=object(), recovered=False, job_id="j")
     up._record_success(item, SimpleNamespace(key="k"), 0.1, 0.0)
     assert order == ["rq result", "uploaded state"]
+
+
+def test_upload_progress_reports_completion_once():
+    """The transfer callback's last increment and `finish()` both said "all bytes sent": watchers printed
+    the final upload line twice."""
+    from worker.uploader import _Progress
+
+    events: list[dict] = []
+    progress = _Progress(100, events.append, interval_s=0.0)
+    for _ in range(4):
+        progress(25)
+    progress.finish()
+    assert [e["bytes"] for e in events] == [25, 50, 75, 100]
+    assert [e.get("done", False) for e in events] == [False, False, False, True]

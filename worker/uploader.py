@@ -140,8 +140,8 @@ class _Progress:
         with self.lock:
             self.sent += increment
             now = time.monotonic()
-            if now - self.last < self.interval_s:
-                return
+            if self.sent >= self.total or now - self.last < self.interval_s:
+                return  # (all sent: `finish()` reports it once, marked done)
             self.last = now
             sent = self.sent
         self.emit({"type": EventType.UPLOAD, "bytes": sent, "total": self.total})
