@@ -212,10 +212,15 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                               "operators, LTX_OPERATOR=true, see every job)")  # fmt: skip
         return info
 
+    def _may_read(self, job_id: str) -> bool:
+        """Whether this client reads `job_id`'s hash at all when listing: a tenant (`LTX_TENANT_IDS`) only
+        its own `<client>-*` ids, whose keys are the only job keys its Redis user may read."""
+        return not self.settings.tenant_ids or self.settings.operator or job_id.startswith(f"{self.settings.client}-")
+
     def _visible(self, info: JobInfo) -> bool:
         """Tenancy, as far as a client can enforce it: a job is this client's if its meta names this client
-        or no client (enqueued without the producer); operators see every job. (Anyone with raw Redis
-        access can read every hash anyway: docs/security.md.)"""
+        or no client (enqueued without the producer); operators see every job. (Without Redis ACL users,
+        anyone with raw Redis access can read every hash anyway: docs/security.md.)"""
         owner = info.meta.get("client")
         return self.settings.operator or owner is None or owner == self.settings.client
 
@@ -281,6 +286,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                 }
                 for section, job_ids in ids.items():
                     for job_id in dict.fromkeys(job_ids):
+                        if not self._may_read(job_id):
+                            continue
                         try:
                             info = self._read(job_id)
                             if self._visible(info):

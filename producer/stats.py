@@ -28,7 +28,8 @@ from worker.keys import (
 
 
 class StatsQueries:
-    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `_read`, `_visible`)."""
+    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `_read`, `_visible`,
+    `_may_read`)."""
 
     # ---- stats -------------------------------------------------------------------------------------
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
@@ -54,7 +55,8 @@ class StatsQueries:
                 registry = FailedJobRegistry(name, connection=self.connection, serializer=JSONSerializer)
                 # Newest last in the registry (scored by expiry); take the tail.
                 for job_id in registry.get_job_ids(-failures, -1, cleanup=False):
-                    failed_ids.append((name, job_id))
+                    if self._may_read(job_id):
+                        failed_ids.append((name, job_id))
             workers = [self._worker_info(w) for w in Worker.all(connection=self.connection)]
             workers = [w for w in workers if not names or set(w.queues) & set(names)]
             recent = []

@@ -148,7 +148,7 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
         assert env["LTX_REDIS_PASSWORD_FILE"] in mounted_secrets(service, tmp_path / "m")
     assert environment("worker")["LTX_TENANT_IDS"] == "true"
     assert "-@dangerous" in users[environment("worker")["LTX_REDIS_USERNAME"]]
-    assert "%R~rq:*" in users[environment("producer")["LTX_REDIS_USERNAME"]]  # a tenant, not the worker
+    assert "%R~rq:queue:*" in users[environment("producer")["LTX_REDIS_USERNAME"]]  # a tenant, not the worker
     health = redis["healthcheck"]["test"]
     assert health[health.index("--user") + 1] in users and users[health[health.index("--user") + 1]].endswith("+ping")
     for service in SERVICES.values():  # passwords only as files

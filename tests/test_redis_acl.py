@@ -25,7 +25,7 @@ import redis
 from click.testing import CliRunner
 
 from tests.test_worker_support import WorkerProcess, events, output_bytes, wait_for, wait_ready, worker_env
-from worker.keys import check_tenant_name, job_tenant, tenant_job_id
+from worker.keys import REFUSALS_KEY, check_tenant_name, job_tenant, tenant_job_id
 from worker.redisacl import ACL_PASSWORD_ENV_PREFIX, AclUsers, generate, password_for, render_acl
 from worker.renderjob import RefusedJob, check_job_owner
 
@@ -363,6 +363,34 @@ def test_a_tenant_cannot_edit_or_delete_another_tenants_job_or_events(stack: Sta
         with pytest.raises(redis.exceptions.NoPermissionError):
             attack()
     assert stack.admin.hget("rq:job:bob-mine", "status") == b"finished"
+
+
+def test_a_tenant_cannot_read_another_tenants_prompt_result_or_events(stack: Stack) -> None:
+    """Reads were open to every tenant (`ls` and `stats` read shared registries), so any tenant could read
+    every other tenant's prompts, results and presigned URLs; now only ids and counts are shared, and the
+    producer's own listing never asks for another tenant's hash."""
+    with stack.producer("bob") as bob:
+        bob.submit(_request("bob's secret prompt"), job_id="private")
+        _wait_state(bob, "private", {"uploaded"}, stack)
+    alice = stack.raw("alice")
+    reads = [
+        lambda: alice.hgetall("rq:job:bob-private"),
+        lambda: alice.hget("rq:job:bob-private", "meta"),
+        lambda: alice.hget("rq:job:bob-private", "data"),
+        lambda: alice.xrange("ltx:job:bob-private:events"),
+        lambda: alice.xrevrange("rq:results:bob-private"),
+        lambda: alice.zrange("ltx:producer:client:bob:jobs", 0, -1),
+        lambda: alice.lrange(REFUSALS_KEY, 0, -1),
+    ]
+    for read in reads:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            read()
+    # what alice still sees: that a job exists, not what it is
+    assert b"bob-private" in alice.zrange(f"rq:finished:{stack.queue}", 0, -1)
+    with stack.producer("alice") as client:
+        listed = [i.job_id for rows in client.list_jobs([stack.queue], 50).values() for i in rows]
+        assert "bob-private" not in listed
+        assert client.stats(queues=[stack.queue]).queues
 
 
 def test_a_tenant_cannot_remove_trim_or_steal_from_a_queue(stack: Stack) -> None:

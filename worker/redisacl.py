@@ -10,10 +10,12 @@ job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redi
 |               | `@dangerous` ones (FLUSHALL/FLUSHDB, CONFIG, SHUTDOWN, DEBUG, ACL, MODULE, REPLICAOF, |
 |               | KEYS, MONITOR, ...); `INFO` and `CLIENT LIST` are allowed back (RQ reads the server   |
 |               | version and its own address)                                                         |
-| a tenant `t`  | read the service's keys (`ls`, `status`, `watch`, `stats`, `fetch`); write only its    |
-|               | own: job hashes `rq:job:t-*`, event streams `ltx:job:t-*`, its admission set          |
-|               | `ltx:producer:client:t:jobs`; append to queues (`RPUSH`/`LPUSH` on `rq:queue:*`,      |
-|               | `SADD rq:queues`, through ACL selectors); no pubsub at all, no admin command          |
+| a tenant `t`  | read and write only its own jobs: job hashes `rq:job:t-*`, event streams             |
+|               | `ltx:job:t-*`, its admission set `ltx:producer:client:t:jobs` (and read its RQ results |
+|               | `rq:results:t-*`); read the shared structure `ls`/`stats` need (queue lists, RQ's     |
+|               | registries and worker keys, workers' health snapshots: job ids and counts, no job     |
+|               | content); append to queues (`RPUSH`/`LPUSH` on `rq:queue:*`, `SADD rq:queues`,        |
+|               | through ACL selectors); no pubsub at all, no admin command                            |
 | a ping user   | (optional, for container health checks) `PING` only, no password                     |
 
 A tenant's job ids therefore start with `t-` (`LTX_TENANT_IDS`, implied for the producer by
@@ -69,7 +71,11 @@ def tenant_rules(tenant: str) -> str:
     """ACL rules of tenant `tenant`'s producer user: see the module docstring."""
     t = check_tenant_name(tenant)
     own = f"~rq:job:{t}-* ~{KEY_PREFIX}:job:{t}-* ~{KEY_PREFIX}:producer:client:{t}:jobs"
-    reads = f"%R~rq:* %R~{KEY_PREFIX}:*"
+    # Shared structure only: ids and counts, never another tenant's prompts, results, URLs or events.
+    shared = ("rq:queue:*", "rq:queues", "rq:wip:*", "rq:finished:*", "rq:failed:*", "rq:canceled:*",
+              "rq:deferred:*", "rq:scheduled:*", "rq:workers", "rq:workers:*", "rq:worker:*",
+              f"{KEY_PREFIX}:worker:*:health")  # fmt: skip
+    reads = " ".join([f"%R~rq:results:{t}-*", *(f"%R~{pattern}" for pattern in shared)])
     commands = ("-@all +@read -@dangerous +@connection -client +client|setname +client|getname +client|id "
                 "+multi +exec +discard +watch +unwatch +hset +hsetnx +hdel +expire +pexpire +persist +del +unlink "
                 "+xadd +xtrim +zadd +zrem +zremrangebyscore")  # fmt: skip
