@@ -1,5 +1,5 @@
-"""Redis ACL users, secrets from files and TLS: the generator's rules, then a real
-stack with them on.
+"""Redis ACL users, secrets from files and TLS on a real stack (the generator's rules without a server:
+`tests/test_redis_acl_rules.py`).
 
 The stack: one redis-server with the ACL file `ltx-worker redis-acl` writes (users `worker`, `alice`, `bob`;
 `default` off), listening on TLS only with a throwaway CA (`worker.devsecure`); one `ltx-worker one` (CPU
@@ -12,9 +12,7 @@ it was denied.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import secrets
 import time
 import uuid
 from pathlib import Path
@@ -24,142 +22,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from tests.test_redis_acl_rules import _passwords
 from tests.test_worker_support import WorkerProcess, events, output_bytes, wait_for, wait_ready, worker_env
-from worker.keys import REFUSALS_KEY, check_tenant_name, job_tenant, tenant_job_id
-from worker.redisacl import ACL_PASSWORD_ENV_PREFIX, AclUsers, generate, password_for, render_acl
-from worker.renderjob import RefusedJob, check_job_owner
-
-USERS = ("worker", "alice", "bob")
-
-
-def _passwords(directory: Path) -> dict[str, str]:
-    directory.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for user in USERS:
-        out[user] = secrets.token_urlsafe(24)
-        (directory / user).write_text(out[user] + "\n")
-    return out
-
-
-# ==== the generator (no server) =========================================================================
-
-
-def test_acl_file_turns_default_off_and_holds_only_password_hashes(tmp_path: Path) -> None:
-    pw = _passwords(tmp_path / "secrets")
-    text = generate(AclUsers(tenants=("alice", "bob"), ping_user="health"), password_dir=tmp_path / "secrets")
-    lines = text.splitlines()
-    assert lines[0].startswith("user default off ") and "-@all" in lines[0]
-    by_user = {line.split()[1]: line for line in lines}
-    assert set(by_user) == {"default", "worker", "alice", "bob", "health"}
-    for user in USERS:
-        assert pw[user] not in text
-        assert f"#{hashlib.sha256(pw[user].encode()).hexdigest()}" in by_user[user]
-    assert "-@dangerous" in by_user["worker"] and "&rq:*" in by_user["worker"]
-    alice = by_user["alice"]
-    assert "~rq:job:alice-*" in alice and "~ltx:job:alice-*" in alice and "~ltx:producer:client:alice:jobs" in alice
-    assert "&" not in alice.replace("&rq", "") and "resetchannels" in alice  # no pubsub channel at all
-    assert "(+rpush +lpush %W~rq:queue:*)" in alice and "+publish" not in alice
-    assert by_user["health"].endswith("nopass resetkeys resetchannels -@all +ping")
-
-
-def test_generator_refuses_names_that_could_share_keys_or_clash() -> None:
-    for bad in ("alice-x", "a.b", "x" * 33, "", "a*"):
-        with pytest.raises(ValueError, match="tenant name|user name"):
-            AclUsers(tenants=(bad,))
-    with pytest.raises(ValueError, match="differ"):
-        AclUsers(worker="alice", tenants=("alice",))
-    with pytest.raises(ValueError, match="default"):
-        AclUsers(worker="default")
-    assert check_tenant_name("alice_2") == "alice_2"
-
-
-def test_passwords_come_from_files_then_environment_never_short(tmp_path: Path) -> None:
-    (tmp_path / "alice").write_text("from-the-file-0123456789\n")
-    env = {f"{ACL_PASSWORD_ENV_PREFIX}BOB": "from-the-env-0123456789", f"{ACL_PASSWORD_ENV_PREFIX}ALICE": "ignored"}
-    assert password_for("alice", password_dir=tmp_path, environ=env) == "from-the-file-0123456789"
-    assert password_for("bob", password_dir=tmp_path, environ=env) == "from-the-env-0123456789"
-    with pytest.raises(ValueError, match="no password for Redis user 'carol'"):
-        password_for("carol", password_dir=tmp_path, environ=env)
-    (tmp_path / "empty").write_text("\n")
-    with pytest.raises(ValueError, match="empty"):
-        password_for("empty", password_dir=tmp_path, environ={})
-    with pytest.raises(ValueError, match="shorter than 16"):
-        render_acl(AclUsers(), {"worker": "short"})
-
-
-def test_cli_writes_the_file_and_takes_no_password_argument(tmp_path: Path) -> None:
-    from worker.cli import main
-
-    pw = _passwords(tmp_path / "secrets")
-    out = tmp_path / "users.acl"
-    args = ["redis-acl", "--tenant", "alice", "--tenant", "bob", "--password-dir", str(tmp_path / "secrets")]
-    result = CliRunner().invoke(main, [*args, "--output", str(out)])
-    assert result.exit_code == 0, result.output
-    assert out.read_text().count("\nuser ") == 3 and pw["alice"] not in out.read_text()
-    assert oct(out.stat().st_mode & 0o777) == "0o644"
-    help_text = CliRunner().invoke(main, ["redis-acl", "--help"]).output
-    assert "--password " not in help_text and "--password=" not in help_text
-    bad = CliRunner().invoke(main, ["redis-acl", "--tenant", "alice-x", "--password-dir", str(tmp_path / "secrets")])
-    assert bad.exit_code == 2 and "tenant name" in bad.output
-
-
-def test_tenant_ids_and_owner_check() -> None:
-    assert tenant_job_id("alice", "42") == "alice-42" and tenant_job_id("alice", "alice-42") == "alice-42"
-    assert job_tenant("alice-42") == "alice" and job_tenant("42") is None and job_tenant("a.b-1") is None
-    check_job_owner("alice-42", {"client": "alice"})
-    for job_id, meta in (("alice-42", {"client": "bob"}), ("alice-42", {}), ("42", {"client": "alice"})):
-        with pytest.raises(RefusedJob, match="tenant"):
-            check_job_owner(job_id, meta)
-
-
-# ==== settings: user, password file, TLS files ===========================================================
-
-
-def test_settings_read_the_password_file_and_never_show_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from producer.settings import ProducerSettings
-    from worker.cli import main
-    from worker.redisconn import connection_kwargs
-    from worker.settings import WorkerSettings
-
-    for name in ("LTX_REDIS_URL", "LTX_REDIS_PASSWORD", "LTX_CLIENT", "LTX_OPERATOR", "LTX_TENANT_IDS"):
-        monkeypatch.delenv(name, raising=False)
-    secret = tmp_path / "pw"
-    secret.write_text("s3cret-from-a-file\n")
-    monkeypatch.setenv("LTX_REDIS_USERNAME", "alice")
-    monkeypatch.setenv("LTX_REDIS_PASSWORD_FILE", str(secret))
-    worker = WorkerSettings()
-    assert connection_kwargs(worker) == {"username": "alice", "password": "s3cret-from-a-file"}
-    shown = CliRunner().invoke(main, ["settings"])
-    assert shown.exit_code == 0 and "s3cret" not in shown.output
-    assert json.loads(shown.output)["redis_password"] == "**********"
-    producer = ProducerSettings()
-    assert (producer.client, producer.tenant_ids) == ("alice", True)  # implied by the Redis user
-    assert ProducerSettings(operator=True).tenant_ids is False
-    with pytest.raises(ValueError, match="tenant name"):
-        ProducerSettings(client="alice.smith")
-    monkeypatch.setenv("LTX_REDIS_URL", "redis://u:pw-in-url@r:6379/0")
-    with pytest.raises(ValueError, match="both in LTX_REDIS_URL") as err:
-        WorkerSettings()
-    assert "s3cret" not in str(err.value) and "pw-in-url" not in str(err.value)  # (inputs hidden in errors)
-
-
-def test_tls_files_need_rediss_and_become_ssl_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.redisconn import connection_kwargs
-    from worker.settings import WorkerSettings
-
-    for name in ("LTX_REDIS_URL", "LTX_REDIS_USERNAME", "LTX_REDIS_PASSWORD", "LTX_REDIS_PASSWORD_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    ca = tmp_path / "ca.crt"
-    ca.write_text("x")
-    with pytest.raises(ValueError, match="rediss://"):
-        WorkerSettings(redis_ca_file=ca)
-    with pytest.raises(ValueError, match="not a readable file"):
-        WorkerSettings(redis_url="rediss://r:6380/0", redis_ca_file=tmp_path / "missing.crt")
-    with pytest.raises(ValueError, match="set both or neither"):
-        WorkerSettings(redis_url="rediss://r:6380/0", redis_cert_file=ca)
-    kwargs = connection_kwargs(WorkerSettings(redis_url="rediss://r:6380/0", redis_ca_file=ca))
-    assert kwargs["ssl_ca_certs"] == str(ca) and kwargs["ssl_cert_reqs"].name == "CERT_REQUIRED"
-
+from worker.keys import REFUSALS_KEY
+from worker.redisacl import AclUsers, generate
 
 # ==== the stack: TLS + ACL Redis, a worker as `worker`, tenants as themselves ==============================
 
