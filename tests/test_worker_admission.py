@@ -18,13 +18,11 @@ import pytest
 from rq.job import JobStatus
 
 from tests.test_worker_abuse import Worker as AbuseWorker
+from tests.test_worker_service import running_worker
 from tests.test_worker_support import (
-    WorkerProcess,
     events,
     wait_for,
-    wait_ready,
     wait_state,
-    worker_env,
 )
 from worker.admission import STALE, Admission, Waiting, plan
 from worker.keys import FailureReason
@@ -107,6 +105,32 @@ def test_with_tenant_ids_a_forged_owner_counts_for_nobody(redis_client):
     assert owners(False) == {forged: f"alice{tag}", own: f"alice{tag}", anon: "anonymous"}
 
 
+def test_with_tenant_ids_a_forged_taken_job_does_not_spend_its_named_owners_quota(redis_client):
+    """The job just taken is counted too: forged (`mallory-*` naming alice), it must not push alice's own
+    waiting job past her quota of 1 (the forged one is refused as invalid_request when it runs)."""
+    from types import SimpleNamespace
+
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.keys import REFUSALS_KEY
+
+    tag = uuid.uuid4().hex[:8]
+    alice, own, forged = f"alice{tag}", f"alice{tag}-1", f"mallory{tag}-1"
+    q = Queue(f"q-{tag}", connection=redis_client, serializer=JSONSerializer)
+    redis_client.hset(f"rq:job:{own}", mapping={"status": "queued", "meta": json.dumps({"client": alice})})
+    redis_client.rpush(q.key, own)
+
+    class JobClass:
+        key_for = staticmethod(lambda job_id: f"rq:job:{job_id}")
+
+    admission = Admission(redis_client, [q], depth_cap=None, quota=1, outcomes=None, job_class=JobClass,
+                          worker_name="w", max_meta_bytes=1 << 16, tenant_ids=True)  # fmt: skip
+    assert admission.police((SimpleNamespace(id=forged, meta={"client": alice}), q)) is True
+    assert redis_client.lrange(q.key, 0, -1) == [own.encode()]  # alice's job still waits ...
+    assert not any(own in r.decode() for r in redis_client.lrange(REFUSALS_KEY, 0, -1))  # ... unrefused
+
+
 def test_plan_without_limits_refuses_nothing():
     out = plan(["a"] * 5, ("a", "q", "a"), [Waiting("q", 10**6, [("a1", "a")])], depth_cap=None, quota=None)
     assert out.taken is None and out.refused == [[]] and out.cuts == [10**6]
@@ -127,21 +151,9 @@ class Worker(AbuseWorker):
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
     tmp = tmp_path_factory.mktemp("admission")
-    queue = f"q-{uuid.uuid4().hex[:8]}"
-    name = f"a{uuid.uuid4().hex[:6]}"
-    spool = tmp / "spool"
-    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
-                     max_queue_depth=DEPTH, client_quota=QUOTA)  # fmt: skip
-    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
-    conn = redis_server.client()
-    wait_ready(conn, name, 1, 120, proc)
-    w = Worker(proc, conn, queue, name, None, spool)
-    try:
+    with running_worker(tmp, redis_server, s3_server, handle=Worker, max_queue_depth=DEPTH,
+                        client_quota=QUOTA) as w:  # fmt: skip
         yield w
-    finally:
-        rc = proc.stop()
-        conn.close()
-        assert rc == 0, proc.log_tail()
 
 
 class Held:

@@ -275,7 +275,8 @@ class Admission:
                     owners = self._owners_of([*running, *(i for w in windows for i in w)])
                     taken_arg = None
                     if taken is not None:
-                        taken_arg = (taken_id, taken[1].name, _owner_of_meta(taken[0].meta))
+                        owner = _owner_of_meta(taken[0].meta, taken_id if self.tenant_ids else None)
+                        taken_arg = (taken_id, taken[1].name, owner)
                     decided = plan([owners[i] for i in running], taken_arg,
                                    [Waiting(q.name, n, [(i, owners[i]) for i in w])
                                     for q, n, w in zip(self.queues, lengths, windows, strict=True)],
