@@ -21,16 +21,13 @@ import pytest
 from rq import Retry
 from rq.job import JobStatus
 
-from tests.test_worker_service import Fleet
+from tests.test_worker_service import Fleet, running_worker
 from tests.test_worker_support import (
-    WorkerProcess,
     enqueue,
     events,
     wait_for,
-    wait_ready,
     wait_rq_status,
     wait_state,
-    worker_env,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,28 +51,19 @@ class Worker(Fleet):
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
     tmp = tmp_path_factory.mktemp("abuse")
-    queue = f"q-{uuid.uuid4().hex[:8]}"
-    name = f"t{uuid.uuid4().hex[:6]}"
     spool = tmp / "spool"
     spool.mkdir()
     # A small tmpfs (if this user may mount one) lets a test fill the spool's disk for real.
     mount = ["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=400", "tmpfs", str(spool)]
     tmpfs = os.geteuid() == 0 and subprocess.run(mount, check=False, capture_output=True).returncode == 0
-    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
-                     retry_fleet_failure=1, retry_upload_failed=1, spool_min_free_bytes=1 << 20)  # fmt: skip
-    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
-    conn = redis_server.client()
-    wait_ready(conn, name, 1, 120, proc)
-    w = Worker(proc, conn, queue, name, None, spool)
-    w.tmpfs = tmpfs
     try:
-        yield w
+        with running_worker(tmp, redis_server, s3_server, handle=Worker, retry_fleet_failure=1,
+                            retry_upload_failed=1, spool_min_free_bytes=1 << 20) as w:  # fmt: skip
+            w.tmpfs = tmpfs
+            yield w
     finally:
-        rc = proc.stop()
-        conn.close()
         if tmpfs:
             subprocess.run(["umount", "-l", str(spool)], check=False)  # (lazy: never leave a mount behind)
-        assert rc == 0, proc.log_tail()
 
 
 def _states(conn: Any, job_id: str) -> list[str]:

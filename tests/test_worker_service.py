@@ -16,6 +16,8 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +74,35 @@ class Fleet:
 
 
 def _start_worker(
-    tmp: Path, redis_server: Any, s3_server: Any, proxy: Any, runner: str, group: str, **extra: Any
-) -> Fleet:
+    tmp: Path, redis_server: Any, s3_server: Any, proxy: Any, runner: str, group: str, *,
+    handle: type[Fleet] = Fleet, **extra: Any
+) -> Fleet:  # fmt: skip
+    """An `ltx-worker one` on its own queue, ready (its fleet warm); S3 through `proxy` unless None."""
     queue = f"q-{uuid.uuid4().hex[:8]}"
     name = f"t{uuid.uuid4().hex[:6]}"
     spool = tmp / "spool"
-    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=spool, s3_url=proxy.url,
-                     runner=runner, **extra)  # fmt: skip
+    spool.mkdir(exist_ok=True)
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=spool,
+                     s3_url=proxy.url if proxy is not None else None, runner=runner, **extra)  # fmt: skip
     proc = WorkerProcess(["one", "--group", group], env, tmp / "worker.log").start()
     conn = redis_server.client()
     wait_ready(conn, name, 1, 120, proc)
-    return Fleet(proc, conn, queue, name, proxy, spool)
+    return handle(proc, conn, queue, name, proxy, spool)
+
+
+@contextmanager
+def running_worker(
+    tmp: Path, redis_server: Any, s3_server: Any, *, handle: type[Fleet] = Fleet, runner: str = "fault",
+    group: str = "cpu:1", **extra: Any
+) -> Iterator[Fleet]:  # fmt: skip
+    """`_start_worker` (straight to S3) for a module's tests; stopped at the end, which must exit 0."""
+    f = _start_worker(tmp, redis_server, s3_server, None, runner, group, handle=handle, **extra)
+    try:
+        yield f
+    finally:
+        rc = f.proc.stop()
+        f.conn.close()
+        assert rc == 0, f.proc.log_tail()
 
 
 @pytest.fixture(scope="module")

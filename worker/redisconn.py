@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
-from .keys import safe_redis_url
+from .keys import read_secret_file, safe_redis_url
 
 __all__ = ["RedisAccess", "connect", "connection_kwargs"]
 
@@ -48,11 +48,7 @@ class RedisAccess(BaseModel):
     def _check_redis_access(self) -> RedisAccess:
         url: str = getattr(self, "redis_url", "")
         if self.redis_password_file is not None:
-            try:
-                text = Path(self.redis_password_file).read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"redis_password_file (LTX_REDIS_PASSWORD_FILE): cannot read "
-                                 f"{self.redis_password_file}: {exc.strerror}") from None  # fmt: skip
+            text = read_secret_file(self.redis_password_file, "redis_password_file")
             if not text:
                 raise ValueError(f"redis_password_file (LTX_REDIS_PASSWORD_FILE): {self.redis_password_file} is empty")
             object.__setattr__(self, "redis_password", SecretStr(text))

@@ -280,7 +280,7 @@ class FleetWorker(SimpleWorker):
             self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.admission)
             if timeout is None:
                 result = self._dequeue(None, max_idle_time)
-                if result is None or self.admission.admit(*result, tick=self.heartbeat):
+                if result is None or self._accept(*result):
                     return result
                 continue
             slice_s = _DEQUEUE_SLICE_S
@@ -296,12 +296,16 @@ class FleetWorker(SimpleWorker):
             if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
                 rqcompat.give_back_dequeued(job, queue)
                 continue
-            if rqcompat.cancel_requested(self.connection, job):
-                self._skip_cancelled(job, queue)
-                continue
-            if not self.admission.admit(job, queue, tick=self.heartbeat):
-                continue  # past the depth cap or its client's quota: ended without running
-            return result
+            if self._accept(job, queue):
+                return result
+
+    def _accept(self, job: Any, queue: Any) -> bool:
+        """Whether a dequeued job runs now: not if a client cancelled it while it waited, nor if it is past
+        the depth cap or its client's quota (both end it without running; burst mode included)."""
+        if rqcompat.cancel_requested(self.connection, job):
+            self._skip_cancelled(job, queue)
+            return False
+        return self.admission.admit(job, queue, tick=self.heartbeat)
 
     def _skip_cancelled(self, job: Any, queue: Any) -> None:
         """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
