@@ -59,7 +59,9 @@ class SpoolEntry:
     directory: str = ""  #: absolute job directory (filled in on load; not trusted from the file)
     #: which submission of `job_id` rendered it (the job hash's RQ `created_at`, kept across re-queues and
     #: retries of that job): a later submission that reuses the id is another job and must not take this
-    #: video over (`belongs_to`); None in manifests written before it was recorded
+    #: video over (`belongs_to`); None in manifests written before it was recorded. It guards against an
+    #: id reused by accident; copying it on purpose needs the old hash, which with tenant ACLs only the
+    #: id's own tenant could read or create
     submission: str | None = None
 
     def belongs_to(self, submission: str | None) -> bool:
