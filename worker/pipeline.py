@@ -46,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from . import rqcompat
 from .keys import FailureReason, JobState
 from .metrics import WorkerMetrics
@@ -58,6 +60,7 @@ from .uploader import Uploader, UploadFailed
 __all__ = ["PendingUpload", "UploadPipeline"]
 
 log = logging.getLogger("worker.pipeline")
+_RECOVERY_REDIS_WAIT_S = 300.0  # how long recovery waits for Redis before leaving a render in the spool
 
 _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
 
@@ -216,9 +219,16 @@ class UploadPipeline:
                 continue
             job = None
             try:
-                job = Job.fetch(entry.job_id, connection=self.connection, serializer=JSONSerializer)
+                job = self._fetch_when_redis_answers(
+                    lambda e=entry: Job.fetch(e.job_id, connection=self.connection, serializer=JSONSerializer)
+                )
                 if not isinstance(job.meta, dict):
                     job.meta = {}
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # not "the job is gone": leave the render in the spool for the next start's recovery
+                log.error("spool entry %s: Redis unreachable for %.0fs (%s); left in the spool", entry.job_id,
+                          _RECOVERY_REDIS_WAIT_S, type(exc).__name__)  # fmt: skip
+                continue
             except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
                 log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
                             entry.job_id, type(exc).__name__)  # fmt: skip
@@ -253,6 +263,21 @@ class UploadPipeline:
         if queued:
             log.info("recovery: %d render(s) from the spool queued for upload", queued)
         return queued
+
+    def _fetch_when_redis_answers(self, fetch: Callable[[], Any]) -> Any:
+        """`fetch()`, retried while Redis does not answer (a restart of Redis while this worker started:
+        taking the connection error for a vanished job uploaded live jobs' renders as orphans and left the
+        jobs `rendered` for good). Raises the connection error after `_RECOVERY_REDIS_WAIT_S`."""
+        deadline = time.monotonic() + _RECOVERY_REDIS_WAIT_S
+        delay = 0.2
+        while True:
+            try:
+                return fetch()
+            except (redis.ConnectionError, redis.TimeoutError):
+                if time.monotonic() + delay > deadline or self.stop.is_set():
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     # ==== back-pressure ===============================================================================
     def is_pending(self, job_id: str) -> bool:
