@@ -210,6 +210,7 @@ def _budget(ctx: WorldContext, path: str) -> list[str]:
 # =========================================================================================================
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_layout_matches_single_process(checkpoint: str, worlds: WorldPool, world_size: int) -> None:
     per_rank = _world(world_size).run(_layouts_vs_reference, checkpoint, TOKENS)
@@ -227,6 +228,7 @@ def test_every_layout_matches_single_process(checkpoint: str, worlds: WorldPool,
         assert len({r[i]["audio_bytes"] for r in per_rank}) == 1, per_rank[0][i]["layout"]
 
 
+@pytest.mark.numerics
 def test_planted_defect_fails_the_comparison(checkpoint: str, worlds: WorldPool) -> None:
     """Negative control: outputs gathered in the wrong pass order are far outside the tolerance for every
     guidance-parallel layout with several passes (the SP-only layout never gathers and stays exact)."""

@@ -164,6 +164,7 @@ def test_request_errors_are_symmetric_and_the_fleet_survives(two_stage_fleet, di
     render(distilled_fleet, tmp_path / "ok.mp4")  # still alive
 
 
+@pytest.mark.numerics
 def test_distilled_one_process_matches_two_ranks(distilled_fleet, tiny, tmp_path):
     two, _, events = render(distilled_fleet, tmp_path / "two.mp4", seed=9)
     assert next(e for e in events if e.get("stage") == "stage2" and e["type"] == "stage")["mode"] == "sp"

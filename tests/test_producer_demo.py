@@ -44,13 +44,12 @@ def test_demo_renders_uploads_verifies_and_leaves_nothing_running(tmp_path: Path
     assert re.search(r"object:\s+s3://videos/\S+ \(\d+ bytes, in the bucket\)", log)
     copy = re.search(r"local copy: (\S+\.mp4) \(sha256 ([0-9a-f]{64}) verified\)", log)
     assert copy and Path(copy.group(1)).is_file(), log[-3000:]
-    # the demo is deterministic (seeded smoke model, fixed encoder settings): docs/producer.md shows its
-    # real output, so the sha256 a reader sees there is the one they get (it was stale once)
+    # docs/producer.md shows these lines with the hash left out: the bytes depend on the CPU's float kernels
+    # and thread counts (its "Reproducible renders"), so a pinned sha256 held on one machine only. The
+    # lines themselves are kept in step: the demo's output has the shape the docs show.
     docs = (ROOT / "docs" / "producer.md").read_text()
-    sha = copy.group(2)
-    assert f"(sha256 {sha} verified)" in docs and f"sha256 {sha[:16]}…" in docs, (
-        f"update the examples in docs/producer.md: the demo produced sha256 {sha}"
-    )
+    assert "(sha256 <64 hex digits> verified)" in docs and "sha256 <first 16 hex digits>…)" in docs
+    assert re.search(r"uploaded s3://videos/\S+ \([^)]+, sha256 [0-9a-f]{16}…\)", log), log[-3000:]
     assert "PyAV:       17 frames 128x96 h264" in log
     assert re.search(r"audio:      aac 24000 Hz stereo, \d+\.\d\d s", log), log[-3000:]  # the mp4 has its sound
     # nothing left behind (the demo tracks every descendant and says so)

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.numerics
 def test_cpu_mode_reports_every_layout_and_mode() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sp_scaling.py"), "--device", "cpu", "--dims", "tiny"],

@@ -52,6 +52,7 @@ def test_split_axis_covers_with_exact_overlaps(length, n, overlap):
     torch.testing.assert_close(total, torch.ones(length))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "tiling",
     [
@@ -182,6 +183,7 @@ def model():
     return tiny_model()
 
 
+@pytest.mark.numerics
 def test_pointwise_model_is_reproduced_exactly_with_conditioning_tokens():
     ref_v, ref_a = run_untiled(Pointwise(), 0.5, keyframe=True)
     tiling = TileCountConfig(DimensionTiling(2, 0), DimensionTiling(2, 2))
@@ -191,6 +193,7 @@ def test_pointwise_model_is_reproduced_exactly_with_conditioning_tokens():
     torch.testing.assert_close(out_a, ref_a, rtol=0, atol=1e-6)  # audio: average of identical outputs
 
 
+@pytest.mark.numerics
 def test_constant_input_matches_untiled(model):
     ref_v, ref_a = run_untiled(model, 0.0)
     out_v, out_a = run_tdp(model, TILING_2x2, 0.0)
@@ -198,6 +201,7 @@ def test_constant_input_matches_untiled(model):
     torch.testing.assert_close(out_a, ref_a, rtol=0, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_smooth_input_matches_untiled_within_tolerance(model):
     ref_v, _ = run_untiled(model, 0.05)
     out_v, _ = run_tdp(model, TILING_2x2, 0.05)
@@ -262,6 +266,7 @@ def world():
         yield w
 
 
+@pytest.mark.numerics
 def test_two_ranks_match_one_process(world, model):
     tiling = TileCountConfig(height=DimensionTiling(2, 2), width=DimensionTiling(3, 1))  # 6 tiles over 2 ranks
     single_v, single_a = run_tdp(model, tiling, 0.3, keyframe=True)

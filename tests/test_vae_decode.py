@@ -64,6 +64,7 @@ class NearestDecoder(torch.nn.Module):
 
 
 # ---- one process -------------------------------------------------------------------------------------------
+@pytest.mark.numerics
 def test_one_tile_is_the_plain_decode():
     dec = tiny_decoder()
     x = latent()
@@ -74,6 +75,7 @@ def test_one_tile_is_the_plain_decode():
     assert torch.equal(out, ref.float())
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("tiling", [GRID_2x2, TileCountConfig(width=DimensionTiling(3, 1)), BalancedTiling(4, 1)])
 def test_token_local_decoder_is_reproduced_exactly(tiling):
     dec = NearestDecoder()
@@ -124,6 +126,7 @@ def world():
         yield w
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("tiling", "timestep_conditioning", "seed"),
     [
