@@ -19,6 +19,11 @@ import torch
 from ltx_mgpu.parallel.testing import LocalWorld, WorldContext
 from ltx_mgpu.runners.smoke.checkpoint import ensure_smoke_checkpoint, tiny_transformer_config
 
+# SP changes only the order of fp32 sums (unit roundoff u = 6e-8): each rank multiplies T/S rows, so MKL
+# may pick another kernel and blocking, and padded keys add exact zeros. A sum of n terms moves by about
+# sqrt(n) * u * |terms| (n * u at worst); the tiny model's longest sums are n = 384 (FFN) over 2 layers with
+# outputs of magnitude ~1, so ~1e-6, and 1e-5 is ten times that. Real defects (a missed mask) move outputs
+# by > 1e-3 (test_audio_padding_mask_matters). scripts/test-numerics.sh checks it on other CPU paths.
 TOL = 1e-5
 HEADS = 12  # divisible by 2, 3 and 4
 
