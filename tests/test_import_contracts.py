@@ -31,24 +31,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Runs in one fresh interpreter: reads a list of checks (JSON on stdin) and runs each in a forked child, so
-# every check starts from the parent's `sys.modules`: the standard library, plus `preload` (third-party
-# modules none of that batch's checks forbids: importing torch once instead of once per check is what
-# makes this cheap). A child first proves that nothing it forbids is loaded yet, then imports its modules
-# in order from its own root and lists what each brought in. Prints {check key: result} as JSON.
+# Runs in one fresh interpreter: reads a tree of checks (JSON on stdin, see `_preload_tree`). Each node is
+# a forked process that imports its `preload` (third-party modules none of the checks below it forbids:
+# importing torch, redis and the like once instead of once per check is what makes this cheap), then forks
+# one process per check and one per child node, so every check starts from the standard library plus what
+# the nodes above it preloaded. A check first proves that nothing it forbids is loaded yet, then imports
+# its modules in order from its own root and lists what each brought in. Prints {check key: result}.
 _PROBE = r"""
 import importlib, json, os, sys
 
-def run(check):
-    forbidden = check["forbidden"]
+def check(spec):
+    forbidden = spec["forbidden"]
     def hits():
         return {m for m in sys.modules for f in forbidden if m == f or m.startswith(f + ".")}
     preloaded = sorted(hits())
     if preloaded:
         return {"error": f"forbidden modules loaded before the check: {preloaded}"}
-    sys.path.insert(0, check["root"])
+    sys.path.insert(0, spec["root"])
     found, origins, seen = {}, {}, set()
-    for name in check["modules"]:
+    for name in spec["modules"]:
         module = importlib.import_module(name)
         origins[name] = getattr(module, "__file__", None) or ""
         new = hits() - seen
@@ -57,13 +58,23 @@ def run(check):
             found[name] = sorted(new)
     return {"found": found, "origins": origins}
 
-def fork(check):
+def node(spec):
+    for name in spec["preload"]:
+        importlib.import_module(name)
+    running = [fork(check, c) for c in spec["checks"]] + [fork(node, n) for n in spec["children"]]
+    results = {}
+    for proc, key in zip(running, [c["key"] for c in spec["checks"]] + [None] * len(spec["children"])):
+        result = collect(*proc)
+        results.update({key: result} if key else result)
+    return results
+
+def fork(fn, spec):
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read)
         try:
-            result = run(check)
+            result = fn(spec)
         except BaseException as exc:
             result = {"error": f"{type(exc).__name__}: {exc}"}
         with os.fdopen(write, "w") as out:
@@ -76,20 +87,18 @@ def collect(pid, read):
     with os.fdopen(read) as f:
         text = f.read()
     os.waitpid(pid, 0)
-    return json.loads(text) if text else {"error": "the check's process died"}
+    return json.loads(text) if text else {"error": "the process died"}
 
-batches, results = json.load(sys.stdin), {}
-for batch in batches:
-    for name in batch["preload"]:
-        importlib.import_module(name)
-    running = [(check["key"], *fork(check)) for check in batch["checks"]]  # all at once: they mostly wait on disk
-    for key, pid, read in running:
-        results[key] = collect(pid, read)
+results = node(json.load(sys.stdin))
 print(json.dumps(results))
 """
 
-# Imported once per batch before the checks fork (never forbidden to the batch that preloads them).
-PRELOAD = ("torch", "numpy", "safetensors", "av", "cloudpickle", "einops")
+# The third-party modules the packages import that take time (torch alone takes seconds). A check preloads
+# those it does not forbid; a check whose preload would bring in something it forbids says so and fails.
+PRELOAD = (
+    "torch", "numpy", "safetensors", "av", "cloudpickle", "einops", "redis", "rq", "boto3", "botocore",
+    "pydantic", "pydantic_settings", "rich", "click", "prometheus_client",
+)  # fmt: skip
 
 
 def modules_under(root: Path, *packages: str) -> list[str]:
@@ -106,17 +115,34 @@ def modules_under(root: Path, *packages: str) -> list[str]:
     return names
 
 
+def _allowed(spec: dict) -> set[str]:
+    return {p for p in PRELOAD if not any(p == f or p.startswith(f + ".") for f in spec["forbidden"])}
+
+
+def _preload_tree(specs: list[dict], loaded: set[str]) -> dict:
+    """The probe's plan: a node imports what all its checks may preload (beyond `loaded`, what its parent
+    holds), runs the checks that may preload nothing more, and hands the others to child nodes split on the
+    next module some of them may preload, so each module is imported once per branch, not once per check."""
+    here = loaded | set.intersection(*(_allowed(s) for s in specs))
+    node: dict = {"preload": [p for p in PRELOAD if p in here - loaded], "checks": [], "children": []}
+    rest = []
+    for spec in specs:
+        (node["checks"] if _allowed(spec) == here else rest).append(spec)
+    while rest:
+        extra = next(p for p in PRELOAD if any(p in _allowed(s) - here for s in rest))
+        node["children"].append(_preload_tree([s for s in rest if extra in _allowed(s)], here))
+        rest = [s for s in rest if extra not in _allowed(s)]
+    return node
+
+
 def run_checks(checks: dict[str, tuple[Path, list[str], tuple[str, ...]]]) -> dict[str, dict[str, list[str]]]:
     """{key: {module: forbidden modules that arrived with it}} for checks {key: (root, modules, forbidden)},
-    all in one new interpreter (see `_PROBE`): checks that forbid nothing in `PRELOAD` share a batch that
-    preloads it, the others a batch that preloads nothing."""
-    batches: list[dict] = [{"preload": [], "checks": []}, {"preload": list(PRELOAD), "checks": []}]
-    for key, (root, modules, forbidden) in checks.items():
-        clean = not any(p == f or p.startswith(f + ".") for p in PRELOAD for f in forbidden)
-        batches[clean]["checks"].append({"key": key, "root": str(root), "modules": modules, "forbidden": forbidden})
+    all in one new interpreter (see `_PROBE` and `_preload_tree`)."""
+    specs = [{"key": key, "root": str(root), "modules": modules, "forbidden": forbidden}
+             for key, (root, modules, forbidden) in checks.items()]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE],
-        input=json.dumps(batches),
+        input=json.dumps(_preload_tree(specs, set())),
         cwd=ROOT,
         capture_output=True,
         text=True,
