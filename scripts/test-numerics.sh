@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the numerics-sensitive tests (`-m numerics`) the way other machines would compute them, so that a
 # tolerance tuned to this CPU fails here first instead of on a newcomer's machine. Extra arguments go to
-# pytest. Settings (each a full run of the marked tests; ~N min on 2 cores, see docs/operations.md):
+# pytest. Settings (each a full run of the 31 marked tests: 9 min at 1 thread on 2 heavily shared cores):
 #   ATEN_CPU_CAPABILITY=default + MKL_CBWR=COMPATIBLE: ATen's scalar kernels and MKL's oldest GEMM path,
 #       i.e. a summation order unlike any vector unit's;
 #   ATEN_CPU_CAPABILITY=avx2: ATen's AVX2 kernels (what a CPU without AVX-512 runs);
@@ -21,8 +21,12 @@ for setting in $SETTINGS; do
   cbwr=AUTO
   [ "$cap" = default ] && cbwr=COMPATIBLE
   echo "== ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr OMP_NUM_THREADS=$threads"
-  ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads \
-    "$PY" -m pytest -q -p no:cacheprovider -m numerics "$@"
+  # More threads than cores (worlds of 3 and 4 ranks at 2 threads each): OpenMP threads that spin at every
+  # collective turn that into minutes, so they wait passively, and the per-test limit grows with the
+  # oversubscription. Neither changes a single float.
+  timeout=$((300 * threads))
+  ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE \
+    "$PY" -m pytest -q -p no:cacheprovider -m numerics -o timeout=$timeout "$@"
   rc=$?
   if [ "$rc" -ne 0 ]; then
     failed+=("$setting (pytest exit $rc)")
