@@ -98,6 +98,9 @@ def stage_text(name: str) -> str:
 # ==== the file and the services =========================================================================
 
 
+VERIFIED_REDIS_SERIES = "7.0"  # Debian's redis-server 7.0.15, what tests/test_redis_restart.py runs on
+
+
 def test_compose_parses_and_has_the_services() -> None:
     assert set(SERVICES) >= {"redis", "s3", "worker", "dashboard", "producer"}
     for name, service in SERVICES.items():
@@ -112,6 +115,16 @@ def test_redis_keeps_jobs_aof_and_noeviction() -> None:
     assert any(v.endswith(":/data") for v in SERVICES["redis"]["volumes"])
     image = SERVICES["redis"]["image"]
     assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", image), image
+
+
+def test_redis_image_is_the_series_the_restart_test_passed_on() -> None:
+    """Regression: Redis replays the AOF as `default`, and the users file once made every MULTI/EXEC fail that
+    replay (queued jobs lost on restart). tests/test_redis_restart.py passed on Redis 7.0.15 (and valkey
+    9.1.2): compose runs that series, and docs/security.md names the versions."""
+    version = SERVICES["redis"]["image"].split(":")[1].split("-")[0]
+    assert version.startswith(VERIFIED_REDIS_SERIES + "."), version
+    security = (ROOT / "docs" / "security.md").read_text()
+    assert f"Redis {version}" in security and "tests/test_redis_restart.py" in security
 
 
 def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: Path) -> None:

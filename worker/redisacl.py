@@ -5,7 +5,8 @@ job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redi
 
 | user          | may                                                                                  |
 |---------------|--------------------------------------------------------------------------------------|
-| `default`     | nothing (off): every client must log in                                              |
+| `default`     | nothing (off, no password): every client must log in; it keeps all permissions only  |
+|               | for the append-only file's replay at start (see `DEFAULT_USER_RULE`)                 |
 | worker        | every command on `rq:*` and `ltx:*` keys and RQ's `rq:*` pubsub channels, except the  |
 |               | `@dangerous` ones (FLUSHALL/FLUSHDB, CONFIG, SHUTDOWN, DEBUG, ACL, MODULE, REPLICAOF, |
 |               | KEYS, MONITOR, ...); `INFO` and `CLIENT LIST` are allowed back (RQ reads the server   |
@@ -48,6 +49,7 @@ from .keys import KEY_PREFIX, check_tenant_name
 
 __all__ = [
     "ACL_PASSWORD_ENV_PREFIX",
+    "DEFAULT_USER_RULE",
     "AclUsers",
     "command",
     "generate",
@@ -59,6 +61,13 @@ __all__ = [
 
 ACL_PASSWORD_ENV_PREFIX = "LTX_REDIS_ACL_PASSWORD_"
 _USER = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+# `default` is off and has no password (and no `nopass`): no client can log in as it (AUTH and HELLO
+# answer WRONGPASS, commands before AUTH NOAUTH). It still holds every permission because Redis and Valkey
+# replay the append-only file as `default` and EXEC re-checks its ACL: with `-@all` every MULTI/EXEC that
+# RQ wrote (each enqueue, each status change) is dropped on restart and queued jobs vanish (redis/redis#14541,
+# valkey#3983). Held by tests/test_redis_restart.py on a real restart.
+DEFAULT_USER_RULE = "user default off resetpass resetkeys resetchannels ~* &* +@all"
 
 
 def worker_rules() -> str:
@@ -131,7 +140,7 @@ def render_acl(users: AclUsers, passwords: Mapping[str, str]) -> str:
             raise ValueError(f"the password of Redis user {name!r} is shorter than 16 characters")
         return "#" + hashlib.sha256(password.encode()).hexdigest()
 
-    lines = ["user default off resetkeys resetchannels -@all"]
+    lines = [DEFAULT_USER_RULE]
     lines.append(f"user {users.worker} on {secret(users.worker)} {worker_rules()}")
     lines.extend(f"user {t} on {secret(t)} {tenant_rules(t)}" for t in users.tenants)
     if users.ping_user:
