@@ -304,7 +304,7 @@ def test_entrypoints_are_real_commands() -> None:
     dash = SERVICES["dashboard"]
     assert "environment" not in dash or "RQ_DASHBOARD_REDIS_URL" not in dash["environment"]
     script = dash["entrypoint"][-1]
-    assert dash["entrypoint"][:2] == ["/bin/sh", "-c"] and script.endswith("exec rq-dashboard")
+    assert dash["entrypoint"][:2] == ["/bin/sh", "-c"] and script.endswith("exec rq-dashboard --json")
     assert 'redis://worker:$$(cat /run/secrets/redis_password)@redis:6379/0"' in script
     assert {"source": "redis_worker_password", "target": "redis_password"} in dash["secrets"]
 
