@@ -149,7 +149,7 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     assert args[args.index("--password-dir") + 1] == "/run/secrets" and args[args.index("--output") + 1] == aclfile
     args[args.index("--password-dir") + 1] = str(tmp_path / "redis-acl")
     args[args.index("--output") + 1] = str(tmp_path / "users.acl")
-    assert {Path(p).name for p in files} == {"worker", environment("producer")["LTX_CLIENT"]}
+    assert {Path(p).name for p in files} == {"worker", "admin", environment("producer")["LTX_CLIENT"]}
     result = CliRunner().invoke(redis_acl, args)
     assert result.exit_code == 0, result.output
     users = {line.split()[1]: line for line in (tmp_path / "users.acl").read_text().splitlines()}
@@ -162,6 +162,9 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     assert environment("worker")["LTX_TENANT_IDS"] == "true"
     assert "-@dangerous" in users[environment("worker")["LTX_REDIS_USERNAME"]]
     assert "%R~rq:queue:*" in users[environment("producer")["LTX_REDIS_USERNAME"]]  # a tenant, not the worker
+    assert users["admin"].startswith("user admin on #") and "+acl|load" in users["admin"]
+    assert {"source": "redis_admin_password", "target": "admin"} in init["secrets"]
+    assert "redis_admin_password" in redis["secrets"]  # (operators: ACL LOAD from inside the container)
     health = redis["healthcheck"]["test"]
     assert health[health.index("--user") + 1] in users and users[health[health.index("--user") + 1]].endswith("+ping")
     for service in SERVICES.values():  # passwords only as files

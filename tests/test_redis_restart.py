@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from click.testing import CliRunner
 
 from tests.test_redis_acl_rules import _passwords
@@ -71,7 +72,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     tmp = tmp_path_factory.mktemp("restart")
     secrets = tmp / "secrets"
     _passwords(secrets)
-    acl = generate(AclUsers(tenants=("alice", "bob")), password_dir=secrets)
+    (secrets / "ops").write_text(uuid.uuid4().hex)
+    acl = generate(AclUsers(tenants=("alice", "bob"), admin="ops"), password_dir=secrets)
     server = SecureRedisServer(acl=acl, binary=binary, appendonly=True, appendfsync="always").start()
     queue, name = f"q-{uuid.uuid4().hex[:8]}", f"r{uuid.uuid4().hex[:6]}"
     spool = tmp / "spool"
@@ -195,3 +197,29 @@ def test_nobody_can_log_in_as_default_or_run_a_command_without_logging_in(stack:
         assert reply.startswith(expected), (command, reply)
     rule = stack.admin.acl_getuser("default")
     assert "off" in rule["flags"] and "nopass" not in rule["flags"] and not rule["passwords"]
+
+
+def test_the_admin_user_reloads_the_acls_without_a_restart_and_reads_no_data(stack: Stack) -> None:
+    """docs/operations.md: add a tenant by writing the file again and `ACL LOAD` as the admin user."""
+    ops = stack.server.user_client("ops", (stack.secrets / "ops").read_text(), socket_timeout=5)
+    carol_pw = uuid.uuid4().hex
+    (stack.secrets / "carol").write_text(carol_pw)
+    carol = stack.server.user_client("carol", carol_pw, socket_timeout=5)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        carol.ping()
+    assert ops.acl_whoami() == "ops" and isinstance(ops.acl_log(10), list)
+    for user in ("alice", "worker"):  # nobody else may reload the users
+        other = stack.server.user_client(user, (stack.secrets / user).read_text().strip(), socket_timeout=5)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            other.execute_command("ACL", "LOAD")
+        other.close()
+    stack.server.acl = generate(AclUsers(tenants=("alice", "bob", "carol"), admin="ops"), password_dir=stack.secrets)
+    stack.server.extra_args()  # (writes the users file again, with the test server's own admin line)
+    assert ops.execute_command("ACL", "LOAD") in (b"OK", "OK", True)
+    assert carol.ping() and carol.hset("rq:job:carol-1", "status", "queued") == 1
+    for attack in (("GET", "rq:queues"), ("HGETALL", "rq:job:carol-1"), ("FLUSHALL",), ("CONFIG", "SET", "save", ""),
+                   ("ACL", "SETUSER", "ops", "+@all"), ("SHUTDOWN",), ("PUBLISH", "rq:pubsub:x", "{}")):  # fmt: skip
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            ops.execute_command(*attack)
+    ops.close()
+    carol.close()
