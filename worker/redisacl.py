@@ -74,17 +74,17 @@ _USER = re.compile(r"[A-Za-z0-9_]{1,32}")
 DEFAULT_USER_RULE = "user default off resetpass resetkeys resetchannels ~* &* +@all"
 
 
-def worker_rules() -> str:
-    """ACL rules of the worker user (and of operators' tools: `producer` with `LTX_OPERATOR=true`)."""
-    # INFO: RQ reads the server version; CLIENT LIST: RQ finds its own address at start (`rq info` shows it)
-    return f"resetkeys resetchannels ~rq:* ~{KEY_PREFIX}:* &rq:* -@all +@all -@dangerous +info +client|list"
-
-
 def admin_rules() -> str:
     """ACL rules of the admin user: reload and inspect the ACLs, read server state; no data, no other admin
     command (`ACL SETUSER` would let it grant itself anything: users change through the file)."""
     return ("resetkeys resetchannels -@all +@connection -client +client|list +client|id +client|setname "
             "+info +slowlog|get +acl|load +acl|log +acl|list +acl|users +acl|getuser +acl|whoami")  # fmt: skip
+
+
+def worker_rules() -> str:
+    """ACL rules of the worker user (and of operators' tools: `producer` with `LTX_OPERATOR=true`)."""
+    # INFO: RQ reads the server version; CLIENT LIST: RQ finds its own address at start (`rq info` shows it)
+    return f"resetkeys resetchannels ~rq:* ~{KEY_PREFIX}:* &rq:* -@all +@all -@dangerous +info +client|list"
 
 
 def tenant_rules(tenant: str) -> str:
