@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_worker_support import ROOT, WorkerProcess, wait_ready, worker_env
+from tests.test_redis_restart import wait_listening
+from tests.test_worker_support import ROOT, WorkerProcess, worker_env
 
 DOCS = ROOT / "docs"
 DOC_REDIS, DOC_S3 = "redis://127.0.0.1:6379/0", "http://127.0.0.1:8333"
@@ -47,7 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Iterator[
     env = worker_env(server.url, s3_server, queue=queue, name=f"d{uuid.uuid4().hex[:6]}", spool=spool)
     worker = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
     try:
-        wait_ready(server.client(), env["LTX_WORKER_NAME"], 1, 120, worker)
+        wait_listening(server.client(), env["LTX_WORKER_NAME"], worker)
         yield server, worker
     finally:
         rc = worker.stop()

@@ -49,6 +49,19 @@ def _redis_server() -> str | None:
     return found if found and Path(found).name == "redis-server" else None
 
 
+def wait_listening(conn: Any, name: str, worker: WorkerProcess, timeout: float = 120) -> None:
+    """Ready, and RQ's loop running (its worker hash says `idle`): `ltx-worker one` restores the default
+    SIGTERM action after its startup and RQ installs its own only after registering, so a SIGTERM in
+    between (a short test module's teardown) ends the worker with -15 instead of a warm stop."""
+    wait_ready(conn, name, 1, timeout, worker)
+
+    def idle() -> bool:
+        keys = [k for k in conn.smembers("rq:workers") if k.decode().startswith(f"rq:worker:{name}")]
+        return any(conn.hget(k, "state") == b"idle" for k in keys)
+
+    wait_for(idle, timeout, f"RQ loop of {name}", on_fail=worker.log_tail)
+
+
 class Stack:
     def __init__(self, server: Any, worker: WorkerProcess, queue: str, secrets: Path) -> None:
         self.server, self.worker, self.queue, self.secrets = server, worker, queue, secrets
@@ -83,7 +96,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
     st = Stack(server, proc, queue, secrets)
     try:
-        wait_ready(st.admin, name, 1, 120, proc)
+        wait_listening(st.admin, name, proc)
         yield st
     finally:
         rc = proc.stop()
@@ -191,12 +204,18 @@ def test_nobody_can_log_in_as_default_or_run_a_command_without_logging_in(stack:
     for password in ("x", "", "nopass", "*"):
         attempts += [("AUTH", "default", password), ("HELLO", "3", "AUTH", "default", password), ("AUTH", password)]
     attempts.append(("PING",))
-    replies = _raw(stack.server.port, *attempts)
-    for command, reply in zip(attempts, replies, strict=True):
-        expected = "-WRONGPASS" if command[0] in ("AUTH", "HELLO") else "-NOAUTH"
-        assert reply.startswith(expected), (command, reply)
     rule = stack.admin.acl_getuser("default")
     assert "off" in rule["flags"] and "nopass" not in rule["flags"] and not rule["passwords"]
+    for switched_on in (False, True):  # (no password, no `nopass`: even switched on by mistake it stays shut)
+        if switched_on:
+            stack.admin.acl_setuser("default", enabled=True, reset_passwords=False)
+        try:
+            replies = _raw(stack.server.port, *attempts)
+        finally:
+            stack.admin.execute_command("ACL", "SETUSER", "default", "off")
+        for command, reply in zip(attempts, replies, strict=True):
+            expected = "-WRONGPASS" if command[0] in ("AUTH", "HELLO") else "-NOAUTH"
+            assert reply.startswith(expected), (switched_on, command, reply)
 
 
 def test_the_admin_user_reloads_the_acls_without_a_restart_and_reads_no_data(stack: Stack) -> None:
