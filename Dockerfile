@@ -69,8 +69,9 @@ CMD ["--help"]
 # ==== dashboard ========================================================================================
 FROM ${PYTHON_IMAGE} AS dashboard
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-# 0.9.0 was checked against rq 2.12 (queues.json/workers.json answer); rq pinned to 2.12 like the service.
-RUN pip install "rq-dashboard==0.9.0" "rq>=2.12,<2.13"
+# 0.9.0 was checked against rq 2.12 (tests/test_dashboard.py: its pages on our JSON jobs); rq pinned to 2.12
+# like the service. It imports `six` without declaring it: without six it stops at start.
+RUN pip install "rq-dashboard==0.9.0" "six==1.17.0" "rq>=2.12,<2.13"
 RUN useradd --create-home --uid 1000 ltx
 USER ltx
 EXPOSE 9181
