@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,13 +59,40 @@ def _load(text: str, name: str) -> list[LoadedRequest]:
         raise RequestFileError(f"{name}: no requests (the file is empty)")
     if not name.endswith(JSON_LINES_SUFFIXES):
         try:
-            document = json.loads(text)
+            document = _parse_json(text, name)
         except json.JSONDecodeError as exc:
             if exc.msg != "Extra data":
                 raise RequestFileError(f"{name}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
         else:
             return [_validate(document, text, name, first_line=1, index=0)]
     return list(_load_lines(text, name))
+
+
+#: Longest integer literal read (no request field takes more than 10 digits). Python refuses to convert one
+#: of over 4300 digits with a ValueError that escaped as a traceback (issue 26, finding 8).
+MAX_INTEGER_DIGITS = 100
+
+
+class _LongInteger(ValueError):
+    pass
+
+
+def _parse_json(text: str, name: str, *, first_line: int = 1) -> Any:
+    """`json.loads`, refusing an integer literal longer than `MAX_INTEGER_DIGITS` with its position."""
+
+    def bounded_int(literal: str) -> int:
+        if len(literal.lstrip("-")) > MAX_INTEGER_DIGITS:
+            raise _LongInteger(literal)
+        return int(literal)
+
+    try:
+        return json.loads(text, parse_int=bounded_int)
+    except _LongInteger:
+        found = re.search(rf"-?\d{{{MAX_INTEGER_DIGITS + 1},}}", text)
+        where = f":{position_at(text, found.start(), first_line=first_line)}" if found else ""
+        digits = len(found.group().lstrip("-")) if found else MAX_INTEGER_DIGITS + 1
+        raise RequestFileError(f"{name}{where}: an integer of {digits} digits; no request field takes one "
+                               f"longer than {MAX_INTEGER_DIGITS}") from None  # fmt: skip
 
 
 def validate_request(data: Any, *, source: str = "<request>") -> RenderRequest:
@@ -93,7 +121,7 @@ def _load_lines(text: str, name: str) -> Iterator[LoadedRequest]:
         if not line.strip():
             continue
         try:
-            document = json.loads(line)
+            document = _parse_json(line, name, first_line=number)
         except json.JSONDecodeError as exc:
             where = f"{name}:{number}:{exc.colno}"
             hint = " (JSON Lines needs one complete object per line)" if exc.msg.startswith("Expecting") else ""
