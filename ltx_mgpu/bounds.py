@@ -6,7 +6,7 @@ here, so the edge, the worker and a rank refuse the same requests.
 Stdlib only: the producer imports this module (the one exception to "producer never imports ltx_mgpu",
 held by tests/test_import_contracts.py), so it must never bring in torch.
 
-Why each bound is what it is (a request outside one cost a fleet before: issue 26, finding 1):
+Why each bound is what it is (a request outside one cost a fleet before; docs/security.md):
 - `frame_rate` in [1, 120] fps. LTX-2 was trained on real video (24 to 50 fps); its RoPE time positions
   are frame index / fps, and the audio track is num_frames / fps seconds long. At 1e-300 fps the audio
   length overflowed (OverflowError on a rank: the rank died); at 1e-6 fps it asked for 225 M audio latents

@@ -69,7 +69,7 @@ def _load(text: str, name: str) -> list[LoadedRequest]:
 
 
 #: Longest integer literal read (no request field takes more than 10 digits). Python refuses to convert one
-#: of over 4300 digits with a ValueError that escaped as a traceback (issue 26, finding 8).
+#: of over 4300 digits with a ValueError that escaped as a traceback.
 MAX_INTEGER_DIGITS = 100
 
 

@@ -1,4 +1,4 @@
-"""What a render's unexpected errors do to a fleet (issue 26, finding 1; issue 30, item 4 on CPU ranks).
+"""What a render's unexpected errors do to a fleet (on CPU ranks).
 
 Before, only `RunnerError`/`ValueError` raised in a render were recoverable: an `OverflowError` (a request at
 1e-300 fps), a `TypeError`, a `RuntimeError` or `torch.OutOfMemoryError` killed the rank and the fleet was

@@ -1,6 +1,6 @@
-"""The producer refuses what the runners cannot do, with one line and no traceback (issue 26, findings 1
-and 8): `frame_rate: 1e-300` passed `--dry-run` and `submit`, then killed a rank on every attempt; a
-5000-digit integer in a request file and a fetch URL whose port is not a number gave tracebacks.
+"""The producer refuses what the runners cannot do, with one line and no traceback (docs/security.md):
+`frame_rate: 1e-300` passed `--dry-run` and `submit`, then killed a rank on every attempt; a 5000-digit
+integer in a request file and a fetch URL whose port is not a number gave tracebacks.
 Real Redis; the CLI through click's runner (the worker's side: tests/test_worker_bounds.py)."""
 
 from __future__ import annotations

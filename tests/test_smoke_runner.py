@@ -152,7 +152,7 @@ def test_over_max_tokens_is_symmetric_and_the_fleet_serves_the_next_job(fleets: 
         ({"num_frames": 10}, "num_frames must be 8k+1"),
         ({"steps": 51}, "steps must be in [1, 50]"),
         ({"guidance_scale": 0.5}, "guidance_scale must be in [1, 20], got 0.5"),
-        # issue 26, finding 1: these killed the rank (OverflowError; a 115 GB allocation) on every attempt
+        # a security review: these killed the rank (OverflowError; a 115 GB allocation) on every attempt
         ({"frame_rate": 1e-300}, "frame_rate must be in [1, 120], got 1e-300"),
         ({"frame_rate": 1e-6}, "frame_rate must be in [1, 120], got 1e-06"),
         ({"frame_rate": float("nan")}, "frame_rate must be finite, got nan"),

@@ -1,5 +1,5 @@
 """Requests and renders that used to cost a fleet, against a real worker (`ltx-worker one --group cpu:1`,
-real Redis, real S3): issue 26, finding 1, and issue 30, item 4 on CPU ranks.
+real Redis, real S3); the attacks of docs/security.md and out-of-memory errors on CPU ranks.
 
 - `frame_rate: 1e-300` (an OverflowError on the rank) or `1e-6` (a 115 GB allocation) killed the rank on
   every attempt: now refused as a request error naming the field, with no rebuild (the producer refuses it

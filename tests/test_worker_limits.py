@@ -47,7 +47,7 @@ def test_a_subclass_that_passes_setup_kwargs_on_keeps_its_base_defaults() -> Non
 
 
 def test_the_audio_length_is_checked_against_the_runners_token_budget() -> None:
-    """Issue 26, finding 1: the audio track (num_frames / frame_rate x 25 latents) was never checked; a
+    """A security review: the audio track (num_frames / frame_rate x 25 latents) was never checked; a
     request may be within every field's range and still too long for the runner's budget."""
     limits = RunnerLimits.of("smoke", SmokeRunner, {"max_tokens": 4096})
     assert limits.ranges["audio_latents"] == (1.0, 4096.0)

@@ -1,5 +1,5 @@
 """Job ids whose renders poisoned a fleet, remembered by the workers so that re-pushing one cannot make a
-fleet rebuild again and again (issue 26, finding 1: a request re-pushed by id crashed the fleet three more
+fleet rebuild again and again (a security review: a request re-pushed by id crashed the fleet three more
 times; each rebuild costs every GPU of the group 33-46 s at real size).
 
 The record is a worker-owned key, `ltx:worker:poisoned:<job id>` (tenants' Redis users may not write, nor
