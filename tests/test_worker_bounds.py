@@ -22,7 +22,7 @@ from rq.serializers import JSONSerializer
 
 from tests.test_worker_abuse import Worker
 from tests.test_worker_service import running_worker
-from tests.test_worker_support import enqueue, events, wait_rq_status, wait_state
+from tests.test_worker_support import enqueue, events, wait_for, wait_rq_status, wait_state
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -101,3 +101,22 @@ def test_a_job_that_poisoned_the_fleet_twice_is_not_retried_nor_rendered_when_re
     assert meta["state"] == "failed" and meta["error"].get("poisoned") is True, meta["error"]
     assert "render" not in [e.get("state") for e in events(worker.conn, job.id)][-3:]
     _renders_on_the_same_fleet(worker, rebuilds)
+
+
+def test_an_error_on_one_rank_while_the_other_waits_is_one_rebuild_and_never_rendered_again(tmp_path, redis_server,
+                                                                                            s3_server):  # fmt: skip
+    """The raising rank cannot be waited for: after the settle time the fleet is rebuilt, and the job is
+    not retried (the same request would do it again) nor rendered when its id is pushed again."""
+    with running_worker(tmp_path, redis_server, s3_server, handle=Worker, group="cpu:2", retry_fleet_failure=1,
+                        fleet_error_settle_s=2) as worker:  # fmt: skip
+        job = worker.enqueue("t error=oom error_rank=1")
+        meta = _failed(worker, job, timeout=120)
+        assert meta["error"]["reason"] == "fleet_failure" and meta["error"]["fleet_reason"] == "split", meta["error"]
+        assert "for a cause a retry would meet again (split)" in meta["error"]["message"]
+        assert len(meta["attempts"]) == 1
+        worker.idle(timeout=120)
+        assert worker.metric(REBUILDS) == 1
+        job.set_status(JobStatus.QUEUED)
+        Queue(worker.queue, connection=worker.conn, serializer=JSONSerializer).push_job_id(job.id)
+        wait_for(lambda: job.get_meta(refresh=True)["error"].get("poisoned"), 60, "the re-push refused")
+        _renders_on_the_same_fleet(worker, 1)

@@ -13,6 +13,7 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | error=runner    | raise RunnerError on every rank (recoverable, the fleet survives)        |
 | error=oom       | raise torch.OutOfMemoryError on every rank after one yield (job ends)    |
 | error=type      | the same with TypeError (`runtime`: RuntimeError); the fleet survives    |
+| error_rank=R    | with error=...: only rank R raises; the others wait in a collective      |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.events import output_event, progress_event, stage_event
@@ -106,7 +108,9 @@ class FaultRunner(MGPURunner):
             raise RunnerError("injected runner error")
         if d.get("error") in _INJECTED:
             yield progress_event("denoise", 0, steps) if self.is_driver else {}
-            raise _INJECTED[d["error"]](f"injected {d['error']} error")
+            if "error_rank" not in d or int(d["error_rank"]) == self.rank:
+                raise _INJECTED[d["error"]](f"injected {d['error']} error")
+            dist.all_reduce(torch.ones(1), group=self.groups.transformer_group)  # the raising rank never comes
         if self.is_driver:
             yield stage_event("denoise")
         if d.get("hold"):  # a test holds the fleet busy until it creates this file
