@@ -108,7 +108,7 @@ class ScriptedRunner(MGPURunner):
             yield "before"
             if raise_on is None or self.rank in raise_on:
                 raise _INJECTED[error](f"injected {error} on rank {self.rank}")
-            if self.world_size > 1:  # the others enter a collective the raising ranks never reach
+            if self.world_size > 1 and n:  # the others enter a collective the raising ranks never reach (n=0: not)
                 dist.all_reduce(torch.ones(1), group=self.groups.transformer_group)
             return self.rank
         if mode == "hog":  # holds memory in its frame, then runs out of it: the next job must get it back

@@ -14,7 +14,14 @@ import time
 
 import pytest
 
-from ltx_mgpu import FleetFailure, MGPUController, RenderFault, RenderOutOfMemory, SymmetricRunnerError
+from ltx_mgpu import (
+    AsymmetricRunnerError,
+    FleetFailure,
+    MGPUController,
+    RenderFault,
+    RenderOutOfMemory,
+    SymmetricRunnerError,
+)
 
 from .controller_runners import ScriptedRunner
 
@@ -68,6 +75,16 @@ def test_an_out_of_memory_job_gives_its_memory_back(fleet):
     # The frames of the failed render (its traceback) no longer hold the tensor: the memory is back.
     assert _rss_mb(pids[0]) - before < 200, (before, _rss_mb(pids[0]))
     assert list(fleet.stream(mode="ok", n=1)) and fleet.pids == pids
+
+
+def test_an_error_on_one_rank_while_the_other_finishes_is_asymmetric_and_the_fleet_stays(fleet):
+    pids = fleet.pids
+    with pytest.raises(AsymmetricRunnerError) as info:
+        list(fleet.stream(mode="raise", error="type", raise_on=[1], n=0))
+    assert isinstance(info.value.terminals[1], RenderFault) and isinstance(info.value.terminals[0], StopIteration)
+    time.sleep(SETTLE_S + 0.5)  # (the job has ended: the settle time must not poison it afterwards)
+    assert fleet.is_alive and fleet.pids == pids
+    assert list(fleet.stream(mode="ok", n=1))
 
 
 def test_an_error_on_one_rank_while_the_other_waits_in_a_collective_poisons_after_the_settle_time():
