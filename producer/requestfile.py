@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import sys
 from collections.abc import Iterator
@@ -171,8 +172,17 @@ def _describe(error: dict[str, Any]) -> str:
     message = str(error["msg"])
     message = message.removeprefix("Value error, ")
     message = message[:1].lower() + message[1:]
-    shown = repr(error.get("input"))
+    shown = _shown(error.get("input"))
     if len(shown) > 60:
         shown = shown[:57] + "..."
     got = "" if "got" in message else f" (got {shown})"
     return f"{field}: {message}{got}"
+
+
+def _shown(value: Any) -> str:
+    """repr() of a refused value; an integer too long for Python to print (the API path: no file to parse)
+    is described by its size instead of raising."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"an integer of about {int(math.log10(abs(value))) + 1} digits" if isinstance(value, int) else "?"

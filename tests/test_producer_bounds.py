@@ -51,6 +51,12 @@ def test_a_5000_digit_integer_in_a_request_file_is_one_clear_line(tmp_path, env)
     assert code == ExitCode.USAGE, (out, err)
     _one_line(err)
     assert f"{lines}:2:26: an integer of 5000 digits" in err
+    # the Python API (no file to parse) says the same without a traceback
+    from producer.requestfile import RequestFileError, validate_request
+
+    with pytest.raises(RequestFileError, match="seed: input should be less than or equal to 4294967295 "
+                                               r"\(got an integer of about 5001 digits\)"):  # fmt: skip
+        validate_request({"prompt": "a", "seed": 10**5000})
     # (a long integer that Python can still convert is refused by its field's range, as before)
     path = write(tmp_path, "long.json", '{"prompt": "a", "seed": ' + "9" * 60 + "}")
     code, out, err = run(["submit", "--dry-run", path], env)

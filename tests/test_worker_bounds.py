@@ -13,6 +13,7 @@ real Redis, real S3); the attacks of docs/security.md and out-of-memory errors o
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from tests.test_worker_abuse import Worker
+from worker.keys import RENDER_FUNC
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, events, wait_for, wait_rq_status, wait_state
 
@@ -58,6 +60,20 @@ def test_a_frame_rate_the_runner_cannot_do_is_a_request_error_and_no_rebuild(wor
     meta = _failed(worker, job)
     assert meta["error"]["reason"] == "invalid_request" and meta["error"]["field"] == "frame_rate", meta["error"]
     assert len(meta["attempts"]) == 1
+    _renders_on_the_same_fleet(worker, rebuilds)
+
+
+def test_a_5000_digit_integer_pushed_raw_fails_the_job_and_nothing_else(worker):
+    worker.idle()
+    rebuilds = worker.metric(REBUILDS)
+    q = Queue(worker.queue, connection=worker.conn, serializer=JSONSerializer)
+    job = q.create_job(RENDER_FUNC, args=({"prompt": "t"},), timeout=600, result_ttl=3600, failure_ttl=3600)
+    job.save()
+    call = '["%s", null, [{"prompt": "t", "seed": %s}], {}]' % (RENDER_FUNC, "9" * 5000)  # noqa: UP031
+    worker.conn.hset(job.key, mapping={"data": zlib.compress(call.encode()), "status": "queued"})
+    q.push_job_id(job.id)
+    wait_rq_status(job, {JobStatus.FAILED}, 60, worker.proc)
+    assert worker.proc.proc.poll() is None
     _renders_on_the_same_fleet(worker, rebuilds)
 
 
