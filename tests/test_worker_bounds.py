@@ -22,9 +22,9 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from tests.test_worker_abuse import Worker
-from worker.keys import RENDER_FUNC
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, events, wait_for, wait_rq_status, wait_state
+from worker.keys import RENDER_FUNC
 
 pytestmark = pytest.mark.timeout(240)
 
