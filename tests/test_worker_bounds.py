@@ -136,3 +136,21 @@ def test_an_error_on_one_rank_while_the_other_waits_is_one_rebuild_and_never_ren
         Queue(worker.queue, connection=worker.conn, serializer=JSONSerializer).push_job_id(job.id)
         wait_for(lambda: job.get_meta(refresh=True)["error"].get("poisoned"), 60, "the re-push refused")
         _renders_on_the_same_fleet(worker, 1)
+
+
+def test_the_poisoned_record_follows_the_budget_and_a_lasting_cause_counts_at_once(redis_client):
+    from worker import poison
+
+    job_id = f"p-{time.time_ns()}"
+    assert poison.refusal(redis_client, job_id, 2) is None
+    for n in (1, 2):
+        reasons = poison.record(redis_client, job_id, "rank_exited", ttl=60)
+        assert poison.refusal(redis_client, job_id, 2, reasons) is None, n  # (the budget allows two retries)
+    poison.record(redis_client, job_id, "timeout", ttl=60)
+    assert "poisoned a fleet 3 times" in poison.refusal(redis_client, job_id, 2)
+    assert 0 < redis_client.ttl(poison.poisoned_key(job_id)) <= 60
+    other = f"{job_id}-split"
+    poison.record(redis_client, other, "split", ttl=60)
+    assert "a retry would meet again (split)" in poison.refusal(redis_client, other, 5)
+    redis_client.set(poison.poisoned_key(f"{job_id}-junk"), "not json")  # (only workers write it)
+    assert poison.refusal(redis_client, f"{job_id}-junk", 5) is not None

@@ -7,11 +7,13 @@ read, `ltx:worker:*` beyond the health snapshots; a job's own hash and meta are 
 count cannot live there). It holds a JSON list of the fleet reasons, one per poisoning, and expires with
 the failure TTL.
 
-Policy (`refusal`): a job is not rendered again once its renders poisoned a fleet twice, or once for a
+Policy (`refusal`): a job is not rendered again once its renders poisoned a fleet more often than the
+`fleet_failure` budget allows (`LTX_RETRY_FLEET_FAILURE` + 1 poisonings: twice by default), or once for a
 cause that a retry on the same fleet would meet again: `split` (the render raised on some ranks while the
-others waited in a collective: the request's own fault, not a transient one). A rank that died without
-a word or a collective that timed out may be transient (the host's OOM killer, a slow peer), so the job
-keeps its one retry (`retry_fleet_failure`) for those.
+others waited in a collective: the request's own fault, not a transient one). A rank that died without a
+word or a collective that timed out may be transient (the host's OOM killer, an operator, a slow peer),
+so the job keeps its retries for those. Unlike the budget in the job's meta, this record holds when the
+id is pushed again or the meta rewritten.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ log = logging.getLogger("worker.poison")
 POISONED_KEY_TEMPLATE = KEY_PREFIX + ":worker:poisoned:{job_id}"
 #: Fleet failure reasons (`FleetFailure.reason`) that a retry on the same fleet would meet again.
 NON_TRANSIENT = frozenset({"split"})
-_MAX_POISONINGS = 2
-_KEPT = 8  # reasons kept per job (the refusal comes at two; this only bounds a loop that ignores it)
+_KEPT = 16  # reasons kept per job (the refusal comes at the budget; this only bounds a loop that ignores it)
 
 
 def poisoned_key(job_id: str) -> str:
@@ -45,12 +46,12 @@ def record(conn: Any, job_id: str, fleet_reason: str | None, ttl: int) -> list[s
     return reasons
 
 
-def refusal(conn: Any, job_id: str, reasons: list[str] | None = None) -> str | None:
-    """Why `job_id` must not be rendered again (None: it may be). `reasons`: what `record` returned, or
-    read from Redis."""
+def refusal(conn: Any, job_id: str, budget: int, reasons: list[str] | None = None) -> str | None:
+    """Why `job_id` must not be rendered again (None: it may be), given the `fleet_failure` retry budget.
+    `reasons`: what `record` returned, or read from Redis."""
     reasons = _reasons(conn, poisoned_key(job_id)) if reasons is None else reasons
     lasting = [r for r in reasons if r in NON_TRANSIENT]
-    if len(reasons) >= _MAX_POISONINGS or lasting:
+    if len(reasons) > max(0, budget) or lasting:
         why = f"for a cause a retry would meet again ({lasting[0]})" if lasting else f"{len(reasons)} times"
         return (f"this job's render poisoned a fleet {why}: it is not rendered again "
                 f"(fleet reasons: {', '.join(reasons)})")  # fmt: skip
@@ -66,6 +67,6 @@ def _reasons(conn: Any, key: str) -> list[str]:
     except (TypeError, ValueError):
         value = None
     if not isinstance(value, list):  # (only workers write it; junk still counts as poisoned, never as clean)
-        log.warning("unreadable poisoned-job record %s; taking it as two poisonings", key)
-        return ["unknown", "unknown"]
+        log.warning("unreadable poisoned-job record %s; taking it as a lasting cause", key)
+        return ["split"]
     return [str(v)[:40] for v in value]

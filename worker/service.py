@@ -250,7 +250,7 @@ class RenderService:
                        f"{lost} executions vanished; the worker_lost budget is spent", retryable=False)  # fmt: skip
 
         # ---- a job whose renders poisoned fleets is not rendered again (re-pushed by id: worker.poison) ----
-        if refused := poison.refusal(job.connection, job.id):
+        if refused := poison.refusal(job.connection, job.id, s.retry_fleet_failure):
             self._fail(job, relay, FailureReason.FLEET_FAILURE, refused, retryable=False, poisoned=True)
 
         # ---- validate -------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ class RenderService:
             info = self.fleet.record_failure(exc)  # (counted once: the monitor may have reported it already)
             relay.emit({"type": "fleet", "action": "failed", **info})
             reasons = poison.record(job.connection, job.id, info.get("fleet_reason"), self.outcomes.failure_ttl(job))
-            refused = poison.refusal(job.connection, job.id, reasons)
+            refused = poison.refusal(job.connection, job.id, self.settings.retry_fleet_failure, reasons)
             self._fail(job, relay, FailureReason.FLEET_FAILURE, info["message"] + (f" ({refused})" if refused else ""),
                        retryable=False if refused else None,
                        **{k: v for k, v in info.items() if k != "message"})  # fmt: skip
