@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from ltx_mgpu import (
     AsymmetricRunnerError,
@@ -22,6 +24,7 @@ from ltx_mgpu import (
     RenderOutOfMemory,
     SymmetricRunnerError,
 )
+from ltx_mgpu.fleet import _fleet_fault
 
 from .controller_runners import ScriptedRunner
 
@@ -101,3 +104,28 @@ def test_an_error_on_one_rank_while_the_other_waits_in_a_collective_poisons_afte
         assert not ctl.is_alive
     finally:
         ctl.shutdown(graceful_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("error", "fatal"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 115.00 GiB"), False),
+        (TypeError("unsupported operand"), False),
+        (OverflowError("cannot convert float infinity to integer"), False),
+        (RuntimeError("shape mismatch"), False),
+        (KeyError("x"), False),
+        (ValueError("NCCL in a ValueError is still the request's"), False),
+        (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
+        (RuntimeError("CUDA error: device-side assert triggered"), True),
+        (dist.DistBackendError("NCCL communicator was aborted"), True),
+        (dist.DistNetworkError("Connection reset by peer"), True),
+        (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"), True),
+        (SystemExit(1), True),
+        (KeyboardInterrupt(), True),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_which_errors_are_fleet_level_faults(error, fatal):
+    """Sticky device errors and broken communicators end the rank (the fleet is rebuilt); everything else
+    a render raises ends only the job."""
+    assert _fleet_fault(error) is fatal
