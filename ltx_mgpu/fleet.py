@@ -344,7 +344,7 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
                 break
             send(MessageKind.YIELD, value)
         del gen  # (finished: its frame, and the tensors it held, go with it)
-    kwargs.clear()  # the job's own tensors too (the caller's dict: rank_main keeps no other reference)
+    kwargs.clear()  # the job's own tensors too (a dict `_job_loop` built for this call alone)
     if isinstance(error, RenderFault):
         _release_memory(runner)
     send(MessageKind.ERROR, error)
@@ -386,7 +386,10 @@ def _job_error(err: BaseException, rank: int, job_id: int) -> RunnerError:
     elif isinstance(err, ValueError):
         error = RunnerError(_text(err))
     else:
-        tb = "".join(traceback.format_exception(err))
+        try:
+            tb = "".join(traceback.format_exception(err))
+        except Exception:  # (a message that cannot be printed)
+            tb = f"{type(err).__name__} (unprintable)\n"
         sys.stderr.write(f"[ltx_mgpu rank {rank} pid {os.getpid()}] job {job_id} ended by {type(err).__name__} "
                          f"(the fleet stays up):\n{tb}")  # fmt: skip
         sys.stderr.flush()
