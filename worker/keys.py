@@ -268,8 +268,8 @@ class FailureReason(StrEnum):
     #: A rank died, the job timed out in the fleet, the fleet desynced, or the render raised on some ranks
     #: while the others waited in a collective: `error.rank`, `error.exitcode`, `error.fleet_reason` say
     #: which. The fleet is rebuilt before the next job. Retried per settings, but never once the job's
-    #: renders poisoned a fleet more often than that allows or once for a lasting cause (`worker.poison`; `error.poisoned` when
-    #: refused without rendering).
+    #: renders poisoned a fleet more often than that allows or once for a lasting cause (`worker.poison`;
+    #: `error.poisoned` when refused without rendering).
     FLEET_FAILURE = "fleet_failure"
     #: The render finished but the upload failed after all attempts; the file stays in the spool.
     UPLOAD_FAILED = "upload_failed"
