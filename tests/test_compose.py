@@ -114,6 +114,23 @@ def test_redis_keeps_jobs_aof_and_noeviction() -> None:
     assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", image), image
 
 
+def test_redis_memory_flags_match_the_dev_servers_and_the_recipes() -> None:
+    """The output-buffer and bulk caps in compose, the dev servers and both of
+    docs/operations.md's command lines: the same flags, the same values."""
+    from worker.redisacl import REDIS_MEMORY_ARGS
+
+    command = [str(c) for c in SERVICES["redis"]["command"]]
+    pairs = list(zip(REDIS_MEMORY_ARGS[::2], REDIS_MEMORY_ARGS[1::2], strict=True))
+    for flag, value in pairs:
+        assert command[command.index(flag) + 1] == value, (flag, command)
+    text = (ROOT / "docs" / "operations.md").read_text()
+    recipes = re.findall(r"^redis-server (?:.*\\\n)*.*$", text, flags=re.M)  # command lines, with continuations
+    assert len(recipes) >= 2
+    for text in recipes:
+        for flag, value in pairs:
+            assert f"{flag} {value}" in text or f"{flag} '{value}'" in text, (flag, text)
+
+
 def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: Path) -> None:
     """Redis loads the users file the `redis-acl` one-shot writes from the password secrets; `default` is off;
     the worker and the producer log in as users of that file with their password files; no password is

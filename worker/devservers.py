@@ -41,6 +41,8 @@ from typing import Any, Self
 
 from ltx_mgpu.ports import LOOPBACK, free_port, free_ports
 
+from .redisacl import REDIS_MEMORY_ARGS
+
 __all__ = [
     "LOOPBACK",
     "RedisServer",
@@ -271,6 +273,7 @@ class RedisServer(_ServerProcess):
             "--save", "",
             "--daemonize", "no",
             "--maxmemory-policy", "noeviction",
+            *REDIS_MEMORY_ARGS,
         ]  # fmt: skip
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", self.appendfsync]

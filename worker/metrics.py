@@ -56,6 +56,10 @@ class WorkerMetrics:
                                       [*labels, "reason"], registry=r)  # fmt: skip
         self.storage_up = Gauge("ltx_worker_storage_up", "0 while storage is degraded (unreachable at start, "
                                 "not yet confirmed by an upload), else 1", labels, registry=r)  # fmt: skip
+        self.redis_up = Gauge("ltx_worker_redis_up", "0 while Redis refuses the worker's commands (out of memory, "
+                              "read-only, loading, unreachable): no job is taken until it clears", labels,
+                              registry=r)  # fmt: skip
+        self.redis_up.labels(group).set(1)
         self.busy = Gauge("ltx_worker_busy", "1 while a job runs", labels, registry=r)
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
                                    registry=r)  # fmt: skip

@@ -1,0 +1,101 @@
+"""Redis memory under a hostile client, against real redis-servers started with the
+service's memory flags (`worker.devservers.REDIS_MEMORY_ARGS`) and a small `maxmemory`.
+
+- a client that sends `HGETALL`s of a big hash and never reads the replies is disconnected, and the memory
+  its output buffer held comes back (it used to stay past `maxmemory`, failing every write);
+- no single value can exceed the bulk cap;
+- a worker whose Redis refuses every write (OOM) stays up, says so on `/healthz` and `/readyz`, and
+  renders again once memory is freed (it used to quit, and crash-loop at registration).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import redis
+
+from tests.test_worker_service import running_worker
+from tests.test_worker_support import enqueue, wait_for, wait_state
+
+pytestmark = pytest.mark.timeout(240)
+
+MB = 1 << 20
+
+
+def _used(client: Any) -> int:
+    return int(client.info("memory")["used_memory"])
+
+
+def _fill_past_maxmemory(client: Any, prefix: str, n: int = 8) -> int:
+    """`n` MB of strings, then `maxmemory` set below what is used: every write that needs memory is refused
+    (filling up to the limit is not enough: the refused write's own buffer is freed and small writes fit)."""
+    for i in range(n):
+        client.set(f"{prefix}{i}", b"x" * MB)
+    client.config_set("maxmemory", _used(client) - 4 * MB)  # (idle clients' query buffers shrink later)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        client.set(f"{prefix}probe", b"x")
+    return n
+
+
+def test_a_client_that_does_not_read_its_replies_is_disconnected(redis_server_factory: Any) -> None:
+    server = redis_server_factory()
+    client = server.client()
+    payload = {f"f{i}": b"y" * (3 * MB) for i in range(10)}  # 30 MB in one hash, every value under the cap
+    for field, value in payload.items():
+        client.hset("rq:job:alice-big", field, value)
+    limit = _used(client) + 40 * MB
+    client.config_set("maxmemory", limit)
+    raw = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.sendall(b"HGETALL rq:job:alice-big\r\n" * 3)  # ~90 MB of replies, none read
+
+        def dropped() -> bool:
+            names = [c for c in client.client_list() if c.get("cmd") == "hgetall"]
+            return not names and _used(client) < limit
+
+        wait_for(dropped, 20, "the raw client dropped and its output buffer freed")
+        client.set("ltx:probe", b"ok")  # writes work again
+    finally:
+        raw.close()
+    # no single value past the bulk cap (4 MB)
+    with pytest.raises(redis.RedisError):
+        client.hset("rq:job:alice-big", "huge", b"z" * (5 * MB))
+    client.close()
+
+
+def _http(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_worker_waits_out_redis_refusing_writes_and_renders_after(tmp_path, redis_server_factory, s3_server):
+    server = redis_server_factory()
+    with running_worker(tmp_path, server, s3_server) as w:
+        port = w.health()["metrics_port"]
+        filler = server.client()
+        n = _fill_past_maxmemory(filler, "filler:")
+        refused = wait_for(lambda: (s := _http(port, "/readyz"))[0] == 503 and not s[1]["redis"]["up"] and s, 30,
+                           "/readyz saying Redis refuses the worker", on_fail=w.proc.log_tail)  # fmt: skip
+        assert "OutOfMemoryError" in refused[1]["redis"]["reason"]
+        time.sleep(6)  # several back-off rounds, maintenance and heartbeats all refused
+        assert w.proc.proc.poll() is None, w.proc.log_tail()
+        status, info = _http(port, "/healthz")
+        assert status == 200 and info["live"] and not info["redis"]["up"], info
+        log = w.proc.log_tail(200_000)
+        assert "unhandled exception" not in log and log.count("Redis refuses the worker") == 1, log[-4000:]
+        filler.delete(*[f"filler:{i}" for i in range(n)])
+        job = enqueue(w.conn, w.queue, {"prompt": "after the outage", "width": 64, "height": 64, "num_frames": 9})
+        assert wait_state(job, {"uploaded", "failed"}, 90, w.proc) == "uploaded", job.get_meta()
+        status, info = _http(port, "/readyz")
+        assert status == 200 and info["redis"]["up"] and info["redis"]["outages"] == 1, info
+        filler.close()
