@@ -69,6 +69,7 @@ from rq.worker import SimpleWorker
 
 from . import rqcompat
 from .admission import Admission
+from .exitcodes import EXIT_FLEET_UNRECOVERABLE
 from .fleet import FleetUnrecoverable
 from .health import HealthPublisher
 from .keys import (
@@ -88,7 +89,6 @@ __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
 
 log = logging.getLogger("worker.rq")
 
-EXIT_FLEET_UNRECOVERABLE = 3
 _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
 _BEAT_RETRY_S = 0.5  # a failed beat is retried this soon (not a whole interval later)
 _SPOOL_MIN_FREE_INODES = 16  # a job needs a directory, the video, a manifest and a lock file
