@@ -276,19 +276,24 @@ def _command(tmp, mode):
     return lambda group, index: [sys.executable, "-c", _CHILD, str(tmp), f"{group}{index}", mode]
 
 
+def _sigterm_after_starts(tmp, starts: int, settle_s: float) -> None:
+    """SIGTERM this process (the supervisor under test) once its children started `starts` times."""
+    import os
+
+    def stop() -> None:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and len(list(tmp.glob("start-*"))) < starts:
+            time.sleep(0.05)
+        time.sleep(settle_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+
+
 @pytest.mark.timeout(60)
 def test_supervisor_restarts_exited_worker_and_warm_stops_all(tmp_path):
     sup = Supervisor(["a", "b"], _command(tmp_path, "exit-once"), backoff_s=0.05, poll_s=0.02)
-    import os
-
-    def stop_later():
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and len(list(tmp_path.glob("start-*"))) < 4:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_later, daemon=True).start()
+    _sigterm_after_starts(tmp_path, 4, settle_s=0.3)
     rc = sup.run()
     assert rc == 0
     assert len(list(tmp_path.glob("start-a0-*"))) == 2 and len(list(tmp_path.glob("start-b1-*"))) == 2
@@ -334,19 +339,9 @@ def test_supervisor_never_gives_up_on_a_worker_that_keeps_dying_young(tmp_path):
     then the supervisor gave up (exit 4) and the service stayed down after Redis had memory again. Now
     the back-off grows (to its cap) past any number of quick exits, and the worker runs once the cause
     clears."""
-    import os
-
     sup = Supervisor(["a"], _command(tmp_path, "transient"), backoff_s=0.02, backoff_max_s=0.3, max_quick_exits=3,
                      poll_s=0.01)  # fmt: skip
-
-    def stop_once_up():
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and len(list(tmp_path.glob("start-a0-*"))) < 9:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_once_up, daemon=True).start()
+    _sigterm_after_starts(tmp_path, 9, settle_s=0.5)
     assert sup.run() == 0
     child = sup.children[0]
     assert child.exit_codes == [1] * 8 and child.restarts == 8  # (the 9th was stopped by the signal)
@@ -357,18 +352,9 @@ def test_supervisor_never_gives_up_on_a_worker_that_keeps_dying_young(tmp_path):
 @pytest.mark.timeout(60)
 def test_supervisor_restarts_unasked_clean_exits_and_never_gives_up_on_them(tmp_path):
     """Five RQ `shutdown` PUBLISHes (each worker exits 0) made the supervisor give up."""
-    import os
-
     sup = Supervisor(["a"], _command(tmp_path, "clean"), backoff_s=0.01, backoff_max_s=0.05, max_quick_exits=3,
                      poll_s=0.02)  # fmt: skip
-
-    def stop_later():
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and len(list(tmp_path.glob("start-*"))) < 8:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=stop_later, daemon=True).start()
+    _sigterm_after_starts(tmp_path, 8, settle_s=0)
     assert sup.run() == 0
     assert len(list(tmp_path.glob("start-a0-*"))) >= 8 and sup.children[0].restarts >= 7
 
