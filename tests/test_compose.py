@@ -208,6 +208,10 @@ def test_s3_keys_come_from_secret_files_and_the_producer_gets_the_read_only_one(
         expected = {f"s3_{who}_access_key", f"s3_{who}_secret_key"}
         assert names == {f"/run/secrets/{n}" for n in expected}, service
         s3_secrets = {e if isinstance(e, str) else e["source"] for e in SERVICES[service]["secrets"]}
+        if service == "worker":  # and the producers' read-only key, to sign result URLs with (not its own id)
+            presign = {env["LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE"], env["LTX_S3_PRESIGN_SECRET_ACCESS_KEY_FILE"]}
+            assert presign == {"/run/secrets/s3_producer_access_key", "/run/secrets/s3_producer_secret_key"}
+            expected |= {"s3_producer_access_key", "s3_producer_secret_key"}
         assert {n for n in s3_secrets if n.startswith("s3_")} == expected, service  # and no other service's key
     # every secret compose mounts is a file scripts/secrets.sh makes
     from worker.s3gateway import make_secrets

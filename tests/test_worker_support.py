@@ -97,6 +97,8 @@ class FaultRunner(MGPURunner):
             _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job})
         if d.get("error") == "runner":
             raise RunnerError("injected runner error")
+        if d.get("error") == "crash":  # not a RunnerError: a traceback, with the request's text in its message
+            raise RuntimeError(f"injected crash for {prompt!r}")
         if self.is_driver:
             yield stage_event("denoise")
         if d.get("hold"):  # a test holds the fleet busy until it creates this file
