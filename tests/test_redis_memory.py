@@ -99,3 +99,22 @@ def test_a_worker_waits_out_redis_refusing_writes_and_renders_after(tmp_path, re
         status, info = _http(port, "/readyz")
         assert status == 200 and info["redis"]["up"] and info["redis"]["outages"] == 1, info
         filler.close()
+
+
+def test_a_submit_to_a_redis_out_of_memory_is_one_line_and_exit_6(redis_server_factory, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from producer.cli import cli
+    from producer.exitcodes import ExitCode
+
+    server = redis_server_factory()
+    filler = server.client()
+    _fill_past_maxmemory(filler, "filler:")
+    request = tmp_path / "fox.json"
+    request.write_text(json.dumps({"prompt": "a fox", "width": 64, "height": 64, "num_frames": 9}))
+    env = {"LTX_REDIS_URL": server.url, "LTX_QUEUES": "q-oom", "LTX_CLIENT": "bob"}
+    result = CliRunner().invoke(cli, ["submit", str(request)], env=env, catch_exceptions=False)
+    assert result.exit_code == ExitCode.UNAVAILABLE, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and "out of memory" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    filler.close()
