@@ -82,7 +82,7 @@ from .keys import (
 )
 from .logs import bind_job
 from .redisoutage import RedisOutage
-from .renderjob import RefusedJob, RenderJob
+from .renderjob import OversizedJob, RefusedJob, RenderJob
 from .service import JobCancelledByClient, JobFailed, RenderService
 
 __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
@@ -181,6 +181,9 @@ class FleetWorker(SimpleWorker):
     def run_maintenance_tasks(self) -> None:
         try:
             super().run_maintenance_tasks()
+        except OversizedJob as exc:  # a hash grown past any job's size after it was taken (RQ's cleanup read it)
+            self.connection.delete(self.job_class.key_for(exc.job_id))
+            rqcompat.fail_unreadable(self.connection, exc.job_id, None, exc, self.settings.failure_ttl)
         except Exception as exc:
             if self.redis_outage.refused(exc, "maintenance") is None:
                 raise
@@ -408,6 +411,8 @@ class FleetWorker(SimpleWorker):
                 job_id = getattr(exc, "job_id", None)
                 if job_id is None:
                     raise
+                if isinstance(exc, OversizedJob):
+                    self.connection.delete(self.job_class.key_for(job_id))  # (the failure record replaces it)
                 rqcompat.fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc,
                                          self.settings.failure_ttl)  # fmt: skip
 
