@@ -5,7 +5,9 @@ service's memory flags (`worker.devservers.REDIS_MEMORY_ARGS`) and a small `maxm
   its output buffer held comes back (it used to stay past `maxmemory`, failing every write);
 - no single value can exceed the bulk cap;
 - a worker whose Redis refuses every write (OOM) stays up, says so on `/healthz` and `/readyz`, and
-  renders again once memory is freed (it used to quit, and crash-loop at registration).
+  renders again once memory is freed (it used to quit, and crash-loop at registration); when a tenant's
+  oversized job hash is what fills Redis, the worker drops it and recovers by itself;
+- a submit to a Redis out of memory is one line and exit 6.
 """
 
 from __future__ import annotations
@@ -98,6 +100,18 @@ def test_a_worker_waits_out_redis_refusing_writes_and_renders_after(tmp_path, re
         assert wait_state(job, {"uploaded", "failed"}, 90, w.proc) == "uploaded", job.get_meta()
         status, info = _http(port, "/readyz")
         assert status == 200 and info["redis"]["up"] and info["redis"]["outages"] == 1, info
+        # A tenant fills Redis through her own job hash (never queued): the worker, refused for memory,
+        # drops hashes no job of this service can fill, and comes back without an operator.
+        filler.config_set("maxmemory", 0)
+        bloat = "rq:job:alice-bloat"
+        for i in range(4):
+            filler.hset(bloat, f"pad{i}", b"y" * (3 * MB))
+        filler.config_set("maxmemory", _used(filler) - 4 * MB)
+        wait_for(lambda: _http(port, "/readyz")[0] == 503, 30, "Redis refusing the worker again")
+        wait_for(lambda: _http(port, "/readyz")[0] == 200, 60, "recovered by itself", on_fail=w.proc.log_tail)
+        assert filler.hget(bloat, "pad0") is None and filler.hget(bloat, "status") == b"failed"
+        job = enqueue(w.conn, w.queue, {"prompt": "after the sweep", "width": 64, "height": 64, "num_frames": 9})
+        assert wait_state(job, {"uploaded", "failed"}, 90, w.proc) == "uploaded", job.get_meta()
         filler.close()
 
 

@@ -55,7 +55,8 @@ class ProbeServer:
         self.timeout_s = timeout_s
         self.listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
         self.listener.setblocking(False)
-        self.port = int(self.listener.getsockname()[1])
+        _host, port_bound = self.listener.getsockname()[:2]  # (port 0: the kernel chose; we keep listening)
+        self.port = int(port_bound)
         self.served = 0
         self.evicted = 0
         self.expired = 0

@@ -93,6 +93,7 @@ _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked aga
 _BEAT_RETRY_S = 0.5  # a failed beat is retried this soon (not a whole interval later)
 _SPOOL_MIN_FREE_INODES = 16  # a job needs a directory, the video, a manifest and a lock file
 _SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
+_SWEEP_EVERY_S = 30.0  # while Redis is out of memory, how often job hashes are scanned for oversized ones
 
 
 class FleetWorker(SimpleWorker):
@@ -123,6 +124,7 @@ class FleetWorker(SimpleWorker):
         self._backpressure = False  # True while waiting for upload room before a dequeue
         self.last_loop_beat = time.monotonic()
         self.redis_outage = RedisOutage(self._redis_changed)
+        self._next_sweep = 0.0
         self.side_connection = _side_connection(self.connection)  # heartbeat thread and health writer
         self.health = HealthPublisher(self.side_connection, worker_health_key(self.name),
                                       lambda: self.health_snapshot()[2], ttl_s=settings.worker_ttl + 60)  # fmt: skip
@@ -148,11 +150,18 @@ class FleetWorker(SimpleWorker):
 
     # ==== Redis refusing us (worker.redisoutage): wait it out, never quit ===============================
     def _wait_out_redis(self, exc: BaseException, where: str) -> bool:
-        """If `exc` is a Redis outage: wait its back-off (a stop signal interrupts it) and return True."""
+        """If `exc` is a Redis outage: wait its back-off (a stop signal interrupts it) and return True. Out of
+        memory, first drop job hashes no job of this service can fill (`sweep_oversized`)."""
         delay = self.redis_outage.refused(exc, where)
         if delay is None:
             return False
         self.last_loop_beat = time.monotonic()
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) and time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
+            try:
+                rqcompat.sweep_oversized(self.connection, self.job_class.max_hash_bytes(), self.settings.failure_ttl)
+            except Exception:
+                log.warning("sweep of oversized job hashes failed", exc_info=True)
         time.sleep(delay)
         return True
 
@@ -182,8 +191,7 @@ class FleetWorker(SimpleWorker):
         try:
             super().run_maintenance_tasks()
         except OversizedJob as exc:  # a hash grown past any job's size after it was taken (RQ's cleanup read it)
-            self.connection.delete(self.job_class.key_for(exc.job_id))
-            rqcompat.fail_unreadable(self.connection, exc.job_id, None, exc, self.settings.failure_ttl)
+            rqcompat.drop_oversized(self.connection, exc.job_id, exc, self.settings.failure_ttl)
         except Exception as exc:
             if self.redis_outage.refused(exc, "maintenance") is None:
                 raise
@@ -412,7 +420,9 @@ class FleetWorker(SimpleWorker):
                 if job_id is None:
                     raise
                 if isinstance(exc, OversizedJob):
-                    self.connection.delete(self.job_class.key_for(job_id))  # (the failure record replaces it)
+                    rqcompat.drop_oversized(self.connection, job_id, exc, self.settings.failure_ttl,
+                                            getattr(exc, "queue", None))  # fmt: skip
+                    continue
                 rqcompat.fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc,
                                          self.settings.failure_ttl)  # fmt: skip
 
