@@ -132,3 +132,21 @@ def test_a_submit_to_a_redis_out_of_memory_is_one_line_and_exit_6(redis_server_f
     assert result.stderr.count("\n") == 1 and "out of memory" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
     filler.close()
+
+
+def test_event_writes_wait_out_a_short_out_of_memory_spell(redis_server_factory) -> None:
+    """A render's events (`worker.relay`) retried only connection errors: one OOM failed the job."""
+    import threading
+
+    from worker.relay import with_redis_retry
+
+    server = redis_server_factory()
+    client = server.client()
+    n = _fill_past_maxmemory(client, "filler:")
+    threading.Timer(1.0, lambda: server.client().delete(*[f"filler:{i}" for i in range(n)])).start()
+    t0 = time.monotonic()
+    assert with_redis_retry(lambda: client.xadd("ltx:job:x:events", {"type": "progress"}), outage_s=20)
+    assert 0.9 < time.monotonic() - t0 < 15
+    with pytest.raises(redis.ResponseError):  # anything else still raises at once
+        with_redis_retry(lambda: client.execute_command("HSET", "k"), outage_s=20)
+    client.close()
