@@ -145,7 +145,8 @@ class FleetWorker(SimpleWorker):
             if self.redis_outage.refused(exc, "heartbeat") is None:
                 raise
         else:
-            self.redis_outage.cleared()
+            if pipeline is None:  # (queued on a caller's pipeline: its execute() tells)
+                self.redis_outage.cleared()
         self.last_loop_beat = time.monotonic()  # (the loop turns, whether or not Redis took the beat)
 
     # ==== Redis refusing us (worker.redisoutage): wait it out, never quit ===============================
@@ -260,9 +261,12 @@ class FleetWorker(SimpleWorker):
             try:
                 rqcompat.beat(self, job, self.side_connection, ttl)
             except Exception as exc:
-                log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, _BEAT_RETRY_S)
+                if self.redis_outage.refused(exc, "job heartbeat") is None:  # (an outage is logged once)
+                    log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc,
+                                _BEAT_RETRY_S)  # fmt: skip
                 wait = _BEAT_RETRY_S
                 continue
+            self.redis_outage.cleared()
             wait = interval
             self.last_loop_beat = time.monotonic()
             self.health.notify()
