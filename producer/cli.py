@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from redis.exceptions import OutOfMemoryError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rq.exceptions import InvalidJobOperation
@@ -84,6 +85,9 @@ def _guard(fn: F) -> F:
             raise UserError(str(exc), code) from None
         except ServiceUnavailable as exc:
             raise UserError(str(exc), ExitCode.UNAVAILABLE) from None
+        except OutOfMemoryError:  # (a tenant filled it, or the queue outgrew maxmemory; docs/security.md)
+            raise UserError("Redis is out of memory (maxmemory reached): it takes no new job now; try again "
+                            "later, or ask the operator", ExitCode.UNAVAILABLE) from None  # fmt: skip
         except IntegrityError as exc:
             raise UserError(str(exc), ExitCode.INTEGRITY) from None
         except InvalidJobOperation as exc:  # (cancel: taken by a worker that has not started it yet)

@@ -106,6 +106,8 @@ class FaultRunner(MGPURunner):
             _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job})
         if d.get("error") == "runner":
             raise RunnerError("injected runner error")
+        if d.get("error") == "crash":  # a fleet-level fault (sticky CUDA error): the rank dies with a traceback
+            raise RuntimeError(f"CUDA error: an illegal memory access (injected crash for {prompt!r})")
         if d.get("error") in _INJECTED:
             yield progress_event("denoise", 0, steps) if self.is_driver else {}
             if "error_rank" not in d or int(d["error_rank"]) == self.rank:

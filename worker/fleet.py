@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .devservers import pid_alive
+from .errorids import public_message
 from .keys import EventType
 
 __all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
@@ -248,14 +249,26 @@ class FleetSupervisor:
 
     @staticmethod
     def describe(failure: BaseException) -> dict[str, Any]:
-        """A FleetFailure, machine-readable."""
-        return {
+        """A FleetFailure, machine-readable, with a one-line message (health snapshots and job errors are
+        read by tenants: the ranks' tracebacks stay in the worker log under `error_id`; `worker.errorids`).
+        The same failure object is described once (its monitor and the job that hit it both report it)."""
+        cached = getattr(failure, "_ltx_description", None)
+        if isinstance(cached, dict):
+            return dict(cached)
+        message, error_id = public_message(str(failure), context="fleet failure")
+        info = {
             "fleet_reason": getattr(failure, "reason", None),
             "rank": getattr(failure, "rank", None),
             "pid": getattr(failure, "pid", None),
             "exitcode": getattr(failure, "exitcode", None),
-            "message": str(failure),
+            "message": message,
+            "error_id": error_id,
         }
+        try:
+            failure._ltx_description = dict(info)  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        return info
 
     def record_failure(self, failure: BaseException) -> dict[str, Any]:
         """Count a poisoned fleet once (its monitor's callback and the job that hit it both report the same

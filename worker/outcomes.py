@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from . import rqcompat
+from .errorids import public_message
 from .keys import FailureReason, JobState
 from .relay import EventRelay
 from .settings import WorkerSettings
@@ -135,6 +136,9 @@ class JobOutcomes:
         it has had `max_attempts` executions (the hard cap: a loop of any kind ends in a recorded failure).
         `quiet`: log at DEBUG (the caller logs one line for many, e.g. a flood refused by admission)."""
         relay = relay or self.relay(job)
+        message, error_id = public_message(message, context=f"job {job.id}")  # (no traceback reaches Redis)
+        if error_id is not None:
+            details = {**details, "error_id": error_id}
         meta = relay.meta
         retries: dict[str, int] = dict(meta.get("retries") or {})
         budget = self.budget(reason)

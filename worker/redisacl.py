@@ -53,6 +53,7 @@ from .keys import KEY_PREFIX, check_tenant_name
 __all__ = [
     "ACL_PASSWORD_ENV_PREFIX",
     "DEFAULT_USER_RULE",
+    "REDIS_MEMORY_ARGS",
     "AclUsers",
     "admin_rules",
     "command",
@@ -64,6 +65,14 @@ __all__ = [
 ]
 
 ACL_PASSWORD_ENV_PREFIX = "LTX_REDIS_ACL_PASSWORD_"
+
+#: Memory limits every Redis of the service runs with, next to its users (docker-compose.yml and
+#: docs/operations.md repeat them; tests/test_compose.py keeps the three in step; `worker.devservers` starts
+#: every development Redis with them). A client that asks for replies and does not read them (three
+#: `HGETALL`s of a 90 MB hash on a raw socket held 476 MB against a 300 MB `maxmemory`, and every write
+#: failed) is disconnected once its output buffer passes 32 MB, or 8 MB for 10 s; no single value (a hash
+#: field, a string) can exceed 4 MB, four times the largest request the worker accepts.
+REDIS_MEMORY_ARGS = ("--client-output-buffer-limit", "normal 32mb 8mb 10", "--proto-max-bulk-len", "4mb")
 _USER = re.compile(r"[A-Za-z0-9_]{1,32}")
 
 # `default` is off and has no password (and no `nopass`): no client can log in as it (AUTH and HELLO

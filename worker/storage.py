@@ -149,6 +149,14 @@ class S3Storage:
             if public != settings.s3_endpoint_url
             else self.client
         )
+        if settings.s3_presign_access_key_id is not None and settings.s3_presign_secret_access_key is not None:
+            # URLs signed with a read-only key: the worker's (write) key id never reaches Redis or clients
+            presign = boto3.session.Session(
+                region_name=settings.s3_region,
+                aws_access_key_id=settings.s3_presign_access_key_id.get_secret_value(),
+                aws_secret_access_key=settings.s3_presign_secret_access_key.get_secret_value(),
+            )
+            self.presign_client = presign.client("s3", endpoint_url=public, config=_client_config(settings))
         self.transfer_config = TransferConfig(
             multipart_threshold=settings.upload_multipart_threshold,
             multipart_chunksize=settings.upload_multipart_chunksize,

@@ -11,8 +11,9 @@ Doors:
 - `enqueue`: straight into RQ with the JSON serializer, bypassing the producer: the worker must fail the
   job with `invalid_request` and leave its fleet alone;
 - `raw`: hand-written `rq:job:<id>` hashes pushed onto the queue list (garbage data, a function other
-  than the render function, wrong arguments, missing fields): no worker may die, nothing but the render
-  function may run (a canary directory shows it), and the job must not stay queued or started.
+  than the render function, wrong arguments, missing fields, a hash bigger than any job): no worker may
+  die, nothing but the render function may run (a canary directory shows it), and the job must not stay
+  queued or started.
 """
 
 from __future__ import annotations
@@ -201,6 +202,8 @@ def raw_job_hashes(queue: str, canary_dir: Path) -> list[tuple[str, str, dict[st
         ("missing data field", jid(), fields(None)),
         ("corrupt meta", jid(), fields(data(RENDER_FUNC, [{**VALID, "width": 65}]), meta=b"\x00not json")),
         ("bad timestamps", jid(), fields(data(RENDER_FUNC, [{**VALID, "width": -1}]), created_at="yesterday")),
+        # bigger than any job can be (each value under Redis's 4 MB bulk cap): refused unread and deleted
+        ("9 MB job hash", jid(), fields(data(RENDER_FUNC, [VALID]), **{f"pad{i}": b"y" * (3 << 20) for i in range(3)})),
     ]
 
 
