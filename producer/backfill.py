@@ -174,7 +174,11 @@ class Backfill:
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> BackfillSummary:
+        """Render every item; returns the summary. Redis must be usable at the start (ServiceUnavailable at
+        once: a wrong URL or password is no outage to wait out); an outage later is waited out for
+        `unavailable_window_s`."""
         stop = stop or threading.Event()
+        self.client.check_connection()
         done = read_manifest(self.manifest)
         pending: deque[_Item] = deque()
         for item in self.items:
