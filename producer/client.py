@@ -382,7 +382,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                 if deadline is not None and time.monotonic() >= deadline:
                     return
                 try:
-                    response = reader.xread({key: last}, count=200, block=block_ms)
+                    with unavailable_on_error(self.settings.redis_url):
+                        response = reader.xread({key: last}, count=200, block=block_ms)
                     idle = not response
                     for _stream, entries in response or []:
                         for entry_id, fields in entries:
@@ -393,7 +394,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                                 return
                     if idle and self.status(job_id).terminal:
                         # One more non-blocking read: the terminal event may have landed just now.
-                        tail = reader.xread({key: last}, count=200)
+                        with unavailable_on_error(self.settings.redis_url):
+                            tail = reader.xread({key: last}, count=200)
                         for _stream, entries in tail or []:
                             for entry_id, fields in entries:
                                 event = decode_event(entry_id, fields)
@@ -402,6 +404,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                         return
                     down_since, backoff = None, 0.1
                 except (redis.ConnectionError, redis.TimeoutError, ServiceUnavailable) as exc:
+                    if isinstance(exc, ServiceUnavailable) and exc.misconfigured:
+                        raise  # (refused, not dropped: no reconnect will help)
                     now = time.monotonic()
                     down_since = down_since or now
                     if now - down_since > reconnect_window_s:

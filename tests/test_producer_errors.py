@@ -241,3 +241,46 @@ def test_messages_render_as_text(redis_url: str, unique_name: str) -> None:
 
     text = event_text({"type": EventType.FLEET, "action": "failed", "reason": "rank_died", "pids": [1, 2]})
     assert text == "failed reason=rank_died pids=[1, 2]"
+
+
+def test_a_refusal_mid_run_ends_watch_and_backfill_at_once(redis_server_factory, tmp_path: Path, unique_name: str):
+    """A user whose rights are revoked mid-run (NOPERM) is no outage to wait out: `watch` (which retries a
+    dropped connection for a minute) and `backfill` (five minutes) end at once with one line and exit 6.
+    Before: `watch` printed a traceback; `backfill` retried for five minutes."""
+    server = redis_server_factory()
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "tenant", "on", f">{PASSWORD}", "~*", "&*", "+@all")
+    queue = f"q-{unique_name}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LTX_QUEUES": queue, "LTX_MAX_QUEUE_DEPTH": "0",
+           "LTX_REDIS_URL": f"redis://127.0.0.1:{server.port}/0", "LTX_REDIS_USERNAME": "tenant",
+           "LTX_REDIS_PASSWORD": PASSWORD, "LTX_TENANT_IDS": "false"}  # fmt: skip
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    cmd = [sys.executable, "-m", "producer"]
+    job_id = subprocess.run([*cmd, "submit", str(prompts)], env=env, capture_output=True, text=True, check=True,
+                            timeout=60).stdout.strip()  # fmt: skip
+    procs = {
+        "watch": subprocess.Popen([*cmd, "watch", job_id], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True),
+        "backfill": subprocess.Popen([*cmd, "backfill", str(prompts), "-n", "1", "-m", str(tmp_path / "m.jsonl")],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+    }  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while admin.llen(f"rq:queue:{queue}") < 2:  # (the backfill has enqueued its job)
+            assert time.monotonic() < deadline, "the backfill never enqueued"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        admin.execute_command("ACL", "SETUSER", "tenant", "-@all")
+        for name, proc in procs.items():
+            _out, err = proc.communicate(timeout=30)
+            assert proc.returncode == ExitCode.UNAVAILABLE, (name, proc.returncode, err)
+            last = err.strip().splitlines()[-1]  # (backfill's progress lines go to stderr before it)
+            assert "Traceback" not in err and last.startswith("producer: ") and "NOPERM" in last, (name, err)
+            assert name == "backfill" or one_line(err) == last
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        admin.close()

@@ -11,8 +11,9 @@ Heavy load (one loss was once seen at load average 30-90 on two cores, and never
 `--burners N` runs N CPU burners (`python -c 'while 1: pass'`, started and stopped by pid) beside the soak;
 `--io-burners N` runs N writers that fsync a 64 KiB file in a loop (Redis fsyncs every write: disk contention
 is load too); `--nice K` lowers every process of the stack (Redis, supervisor, workers, ranks) to niceness K,
-so the burners win the CPU. No cgroups needed. E.g. `--burners 32 --nice 10` keeps a two-core machine at a
-load average above 30 with the service getting the scraps.
+so the burners win the CPU; `--burner-nice B` lowers the burners too (a shared machine: other users keep
+most of their share while the stack, at K > B, still gets the scraps). No cgroups needed. E.g.
+`--burners 32 --nice 10` keeps a two-core machine at a load average above 30 with the service starved.
 
 Every lost, duplicated, corrupt or unexpected job leaves an evidence folder (tests/chaos/evidence.py: its
 events, hash, registries, the faults around it, the worker log); the seed's line names it and the last line
@@ -60,12 +61,17 @@ while True:
 
 
 @contextlib.contextmanager
-def burners(count: int, io_count: int = 0, io_dir: Path | None = None) -> Iterator[list[int]]:
-    """`count` busy-looping processes and `io_count` fsync loops (each on its own file in `io_dir`) beside
-    the soak; stopped by pid (never by name) at the end."""
+def burners(count: int, io_count: int = 0, io_dir: Path | None = None, nice: int = 0) -> Iterator[list[int]]:
+    """`count` busy-looping processes and `io_count` fsync loops (each on its own file in `io_dir`), at
+    niceness `nice`, beside the soak; stopped by pid (never by name) at the end."""
     procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(count)]
     procs += [subprocess.Popen([sys.executable, "-c", _IO_BURNER, str(Path(io_dir or ".") / f"io-burner-{i}")])
               for i in range(io_count)]  # fmt: skip
+    for p in procs:
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, p.pid, nice)
+    if io_dir is not None:  # (so whoever must stop a soak killed before its cleanup knows exactly which pids)
+        (Path(io_dir) / "burners.pids").write_text("".join(f"{p.pid}\n" for p in procs))
     try:
         yield [p.pid for p in procs]
     finally:
@@ -85,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU burner processes beside the soak")  # fmt: skip
     ap.add_argument("--io-burners", type=int, default=0, help="fsync-loop writer processes beside the soak")
     ap.add_argument("--nice", type=int, default=0, help="niceness of every process of the stack (0-19)")
+    ap.add_argument("--burner-nice", type=int, default=0,
+                    help="niceness of the burners (on a shared machine: below --nice, so the stack still starves "
+                         "while other users' processes keep most of their share)")  # fmt: skip
     ap.add_argument("--plant", choices=sorted(PLANTS), default=None, help="negative control: plant a defect")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--verbose", action="store_true", help="print every fault event")
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
-    with S3Server() as s3, burners(args.burners, args.io_burners, workdir) as burner_pids:
+    with S3Server() as s3, burners(args.burners, args.io_burners, workdir, args.burner_nice) as burner_pids:
         load = os.getloadavg()
         for seed in seeds:
             report, _verdict = run_chaos(workdir, seed=seed, jobs=args.jobs, faults=args.faults,
