@@ -111,16 +111,13 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """Open a connection now (connect, TLS, AUTH, SELECT), so a wrong URL, password or database is one
         `ServiceUnavailable` before any command, not an error halfway through one. No command is sent: any
         ACL user passes."""
-        pool = self.connection.connection_pool
-        with unavailable_on_error(self.settings.redis_url):
-            try:
-                conn = pool.get_connection()
-            except redis.RedisError as exc:  # (a refused handshake is a Redis problem, whatever its class)
-                problem = redis_problem(exc, self.settings.redis_url)
-                message, bad = problem or (f"Redis at {safe_redis_url(self.settings.redis_url)} refused the "
-                                           f"connection: {' '.join(str(exc).split())[:300]}", True)  # fmt: skip
-                raise ServiceUnavailable(message, misconfigured=bad) from None
-            pool.release(conn)
+        pool, url = self.connection.connection_pool, self.settings.redis_url
+        try:
+            pool.release(pool.get_connection())
+        except redis.RedisError as exc:  # (a refused handshake is a Redis problem, whatever its class)
+            message, bad = redis_problem(exc, url) or (f"Redis at {safe_redis_url(url)} refused the connection: "
+                                                       f"{' '.join(str(exc).split())[:300]}", True)  # fmt: skip
+            raise ServiceUnavailable(message, misconfigured=bad) from None
 
     def __enter__(self) -> ProducerClient:
         return self
@@ -234,7 +231,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
     def status(self, job_id: str) -> JobInfo:
         """The job's state and records. Raises JobNotFound (also for another client's job, unless this
-        client is an operator), JobUnreadable (a hash that cannot be read)."""
+        client is an operator), JobUnreadable (a hash that cannot be read), InvalidJobId."""
+        self.own_job_id(job_id)  # (a malformed id is the caller's error; one listed from Redis is a note: _read)
         info = self._read(job_id)
         if not self._visible(info):
             raise JobNotFound(f"no job {job_id!r} of client {self.settings.client!r} (another client's job; "
@@ -256,7 +254,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
     def _read(self, job_id: str) -> JobInfo:
         try:
             return self._status(job_id)
-        except (JobNotFound, ServiceUnavailable, InvalidJobId):
+        except (JobNotFound, ServiceUnavailable):
             raise
         except Exception as exc:  # (the request is deserialized lazily, after the fetch)
             raise JobUnreadable(job_id, exc) from None

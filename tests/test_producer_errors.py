@@ -170,6 +170,17 @@ def test_an_invalid_job_id_is_a_usage_error_for_every_command(tmp_path: Path, un
         assert "invalid job id" in one_line(err) or "--job-id: job id" in err, err
 
 
+def test_a_malformed_id_in_a_queue_is_a_note_in_ls_not_an_error(redis_url: str, redis_client, unique_name: str):
+    """The id check is for what a user types: an id another client pushed onto the queue by hand must not
+    make everyone's `ls` exit 2 (it is listed as unreadable, as before)."""
+    queue = f"q-{unique_name}"
+    redis_client.rpush(f"rq:queue:{queue}", "bad id!")
+    code, out, err = run(["ls", "--json"], {"LTX_REDIS_URL": redis_url, "LTX_QUEUES": queue, "LTX_OPERATOR": "true"})
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["job_id"], r["state"]) for r in rows] == [("bad id!", "unreadable")], rows
+
+
 def _planted(redis_url: str, queue: str, **meta: Any) -> str:
     """A job enqueued on a queue nobody consumes, its meta then set as a worker would have left it."""
     client = ProducerClient(load_settings(redis_url=redis_url, queues=[queue], client="planter"))
