@@ -337,6 +337,7 @@ def _retry(fn: Callable[[], Any], deadline_s: float = 60.0) -> Any:
 def run_chaos(workdir: Path, *, seed: int, jobs: int, faults: int, bad_inputs: int, s3: Any = None,
               hard_redis: bool = False, settle_timeout: float = 240.0, fault_kinds: Sequence[str] = FAULT_KINDS,
               worker_settings: dict[str, Any] | None = None, plant: str | None = None, nice: int = 0,
+              render_timeout: float = 12.0,
               log: Callable[[dict[str, Any]], None] = lambda _: None) -> tuple[Report, Verdict]:  # fmt: skip
     """Run one seeded chaos schedule; return the report and the checker's verdict (never raises on a
     violated invariant or a stalled step: the report says so and is not ok; the caller decides).
@@ -344,12 +345,14 @@ def run_chaos(workdir: Path, *, seed: int, jobs: int, faults: int, bad_inputs: i
     `fault_kinds`: the kinds to cycle through; `worker_settings`: overrides of the stack's worker settings
     (the negative control plants a defect this way, e.g. `{"retry_fleet_failure": 0}`); `plant="lost"`: one
     job taken out of its queue (the evidence's negative control); `nice`: the niceness of every process the
-    stack starts (Redis, supervisor, workers, ranks), so CPU burners beside it starve it."""
+    stack starts, so CPU burners beside it starve it; `render_timeout`: the fleet's (raise it under heavy
+    load: a starved 64x64 render outlasts 12 s, and fault-free jobs then fail like `hang`s)."""
     t0 = time.monotonic()
     rng = random.Random(seed)
     if plant not in (None, "lost"):
         raise ValueError(f"plant: {plant!r}")
-    stack = ChaosStack(Path(workdir) / f"seed{seed}", s3=s3, overrides=worker_settings, nice=nice)
+    stack = ChaosStack(Path(workdir) / f"seed{seed}", s3=s3, overrides=worker_settings, nice=nice,
+                       render_timeout=render_timeout)  # fmt: skip
     report = Report(seed)
     verdict = Verdict()
     dog = Watchdog()

@@ -94,6 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burner-nice", type=int, default=0,
                     help="niceness of the burners (on a shared machine: below --nice, so the stack still starves "
                          "while other users' processes keep most of their share)")  # fmt: skip
+    ap.add_argument("--render-timeout", type=float, default=12.0,
+                    help="the fleet's render timeout (heavy load: raise it, or starved fault-free renders time out "
+                         "and fail like the hang fault's)")  # fmt: skip
+    ap.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=240.0,
+        help="how long to wait for every job to end before checking (what has not ended is lost)",
+    )
     ap.add_argument("--plant", choices=sorted(PLANTS), default=None, help="negative control: plant a defect")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--verbose", action="store_true", help="print every fault event")
@@ -117,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             report, _verdict = run_chaos(workdir, seed=seed, jobs=args.jobs, faults=args.faults,
                                         bad_inputs=args.bad_inputs, s3=s3, hard_redis=True,
-                                        worker_settings=overrides, plant=plant, nice=args.nice, log=log)  # fmt: skip
+                                        worker_settings=overrides, plant=plant, nice=args.nice,
+                                        render_timeout=args.render_timeout, settle_timeout=args.settle_timeout,
+                                        log=log)  # fmt: skip
             details = {k: v for k, v in report.details.items() if k != "log_tail" or not report.ok}
             print(json.dumps({"seed": seed, "ok": report.ok, "seconds": report.seconds, "line": report.line(),
                               "load_avg": os.getloadavg(), **details}, default=str), flush=True)  # fmt: skip
