@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.models import (
+    FetchRefused,
     FetchResult,
     IntegrityError,
     JobNotReady,
@@ -93,7 +94,9 @@ class ObjectDownloads:
             try:
                 body = client.get_object(Bucket=bucket, Key=key)["Body"]
             except (BotoCoreError, ClientError) as exc:
-                raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {exc}") from None
+                from worker.s3errors import s3_error_text
+
+                raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {s3_error_text(exc)}") from None
             return f"s3://{bucket}/{key}", body
         url = result.get("url") or result.get("presigned_url")
         if not url and result.get("path"):
@@ -113,7 +116,7 @@ class ObjectDownloads:
         """A URL from job meta (anyone with Redis access can write it) is fetched only over http(s) from the
         configured endpoint, or as a file under `local_storage_dir` (the worker's local backend on this
         machine): `file://` URLs read any local file before, any other host made the producer a proxy.
-        Returns the local file for a `file://` URL, None for an http(s) one; raises IntegrityError."""
+        Returns the local file for a `file://` URL, None for an http(s) one; raises FetchRefused."""
         parts = urllib.parse.urlsplit(url)
         s = self.settings
         if parts.scheme == "file" and s.local_storage_dir is not None and parts.netloc in ("", "localhost"):
@@ -127,7 +130,7 @@ class ObjectDownloads:
         where = ", ".join(sorted(allowed)) or "AWS S3 (*.amazonaws.com)"
         if s.local_storage_dir is not None:
             where += f", or files under {s.local_storage_dir}"
-        raise IntegrityError(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
+        raise FetchRefused(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
                              "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL / LTX_LOCAL_STORAGE_DIR)")  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 from .exitcodes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
 from .keys import safe_redis_url
+from .logs import event_text
 from .settings import SettingsError, WorkerSettings, resolve_runner
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "process_started_at", "run_worker"]
@@ -132,7 +133,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
 
     def fleet_event(event: dict[str, Any]) -> None:
-        log.info("fleet %s: %s", group, event)
+        log.info("fleet %s: %s", group, event_text(event))
         if isinstance(event.get("startup"), dict):
             metrics.set_fleet_startup(event["startup"])
 

@@ -34,10 +34,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from .s3errors import s3_error_text
 from .settings import WorkerSettings
 from .spool import SpoolEntry, sha256_file
 
 __all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject", "make_storage", "new_render_id"]
+
 
 ProgressFn = Callable[[int], None]  # called with byte increments, from transfer threads
 
@@ -190,7 +192,7 @@ class S3Storage:
                 except BotoCoreError as create_exc:
                     raise StorageError(f"{where}: unreachable: {create_exc}", retryable=True) from create_exc
                 return
-            raise StorageError(f"{where}: {exc}", retryable=not (400 <= status < 500)) from exc
+            raise StorageError(f"{where}: {s3_error_text(exc)}", retryable=not (400 <= status < 500)) from exc
         except BotoCoreError as exc:
             message = f"S3 endpoint {self.settings.s3_endpoint_url} unreachable: {exc}"
             raise StorageError(message, retryable=True) from exc
