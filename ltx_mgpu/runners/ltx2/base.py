@@ -329,7 +329,8 @@ class Ltx2Runner(MGPURunner):
                 first = next((img.pixels for img in job.images if img.frame == 0), None)
                 prompt = self.text.enhance(prompt, image=first, seed=int(job.args.seed))
             negative = self._negative_prompt(job)
-            encodings = self.text.encode([prompt] if negative is None else [prompt, negative])
+            # the negative prompt repeats from job to job (the runner's default): cached on every rank
+            encodings = self.text.encode([prompt] if negative is None else [prompt, negative], cacheable=(False, True))
 
             def contexts(e: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
                 return e["video"].to(self.dtype), e["audio"].to(self.dtype)
