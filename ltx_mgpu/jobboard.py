@@ -6,7 +6,8 @@ rank writes each job's skeleton under a sequence-numbered key of the rendezvous 
 block in `store.wait` on the next key (event-driven on the store server: no polling). Only once a job
 exists do they enter the tensor broadcast for it.
 
-The controller owns the store server (it outlives any rank), and also uses it for cancellation flags.
+The controller owns the store server (it outlives any rank), and also uses it for cancellation flags;
+`CancelPoints` turns a flag into one decision that every rank takes at the same step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["JobBoard", "cancel_key"]
+__all__ = ["CancelPoints", "JobBoard", "cancel_key"]
 
 _IDLE_WAIT = timedelta(hours=12)  # re-armed forever; a rank whose parent dies is ended by its watchdog
 
@@ -53,3 +54,54 @@ class JobBoard:
                 continue
         self._seq += 1
         return pickle.loads(self._store.get(key))
+
+
+class CancelPoints:
+    """Cooperative cancellation decided at the same call on every rank, without a collective.
+
+    Every rank calls `check()` at the same points of a job (e.g. once per denoising step). Every `every`-th
+    call is a decision: rank 0 reads the caller's flag (`probe`) and writes its answer under a key of the
+    job; the other ranks read that key, waiting in the store only if rank 0 has not got there yet. So rank 0
+    never waits for anybody, and the others never run more than `every` calls ahead of it; the gloo
+    broadcast this replaces made every rank wait for every other at every step. A world of one reads the
+    flag and writes nothing.
+
+    Keys are deleted when the next job starts (`cleanup`): the controller dispatches a job only after the
+    previous one ended on every rank, so by then every rank has read them (the JobBoard's argument).
+    """
+
+    def __init__(
+        self, store: dist.Store, job_id: int, *, rank: int, world_size: int, probe: Any = None, every: int = 1
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self._store = store
+        self._job_id = int(job_id)
+        self._rank = int(rank)
+        self._world_size = int(world_size)
+        self._probe = probe  # callable() -> bool, rank 0 only
+        self.every = int(every)
+        self._calls = 0
+        self._written: list[str] = []
+
+    def check(self) -> bool:
+        """True on every rank alike iff rank 0 saw the flag at this decision point."""
+        call = self._calls
+        self._calls += 1
+        if call % self.every:
+            return False
+        seen = self._rank == 0 and self._probe is not None and bool(self._probe())
+        if self._world_size == 1:
+            return seen
+        key = f"{cancel_key(self._job_id)}/at/{call}"
+        if self._rank == 0:
+            self._store.set(key, b"1" if seen else b"0")
+            self._written.append(key)
+            return seen
+        return self._store.get(key) == b"1"  # waits for rank 0 (bounded by the store's timeout)
+
+    def cleanup(self) -> None:
+        """Rank 0, once every rank is past this job: drop the decision keys."""
+        for key in self._written:
+            self._store.delete_key(key)
+        self._written.clear()

@@ -480,7 +480,7 @@ class Ltx2Runner(MGPURunner):
     def _denoise(
         self, stage: str, step_fn: Any, sigmas: torch.Tensor, video_state: Any, audio_state: Any
     ) -> Generator[dict[str, Any], None, tuple[Any, Any]]:
-        """Euler loop with one cancellation check (collective) per step; yields progress on the driver and
+        """Euler loop with one cancellation check (no collective) per step; yields progress on the driver and
         returns the final (video_state, audio_state)."""
         from dataclasses import replace
 
