@@ -86,6 +86,7 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
                 f"{self.world_size}. Raise the tile counts."
             )
         self._grid: tuple[int, int, int] | None = None
+        self._cached_plan: _Plan | None = None
 
     # ---- geometry of the current stage -------------------------------------------------------------
     def set_latent_shape(self, shape: Any) -> None:
@@ -96,6 +97,7 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             f, h, w = (int(x) for x in shape)
             self._grid = (f, h, w)
         self.tiles_for(self._grid)  # validate now, on every rank alike
+        self._cached_plan = None  # a new job: its positions are a new tensor anyway; free the old plan
 
     @contextlib.contextmanager
     def latent_shape(self, shape: Any) -> Iterator[TiledDataParallelModelWrapper]:
@@ -128,22 +130,15 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         total = int(video.latent.shape[1])
         if total < n_gen:
             raise ValueError(f"video has {total} tokens, fewer than the declared {grid} grid ({n_gen})")
-        tiles = self.tiles_for(grid)
-        device = video.latent.device
-        keep, counts = self._conditioning_plan(video.positions, grid, tiles, n_gen, total)
-
+        plan = self._plan(video.positions, grid, total, video.latent.device)
         b, _, c = video.latent.shape
-        acc_v = torch.zeros((b, total, c), dtype=torch.float32, device=device)
+        acc_v = torch.zeros((b, total, c), dtype=torch.float32, device=video.latent.device)
         # Every rank owns >= 1 tile (checked above), so every rank produces an audio output iff audio is given:
         # the flat buffer has the same size everywhere.
         acc_a: torch.Tensor | None = None
-        for tile in tiles[self.rank :: self.world_size]:
-            gen_idx = tile.token_indices(grid, device)
-            cond_idx = keep[tile.index].to(device) + n_gen
-            idx = torch.cat([gen_idx, cond_idx])
-            weights = torch.cat([tile.mask(device), 1.0 / counts[keep[tile.index]].to(device)])
-            vx, ax = self.model(self._slice(video, idx, total, tile, grid), audio, perturbations)
-            acc_v.index_add_(1, idx, vx.float() * weights[None, :, None])
+        for owned in plan.tiles:
+            vx, ax = self.model(self._slice(video, owned, total), audio, perturbations)
+            acc_v.index_add_(1, owned.idx, vx.float() * owned.weights[None, :, None])
             if ax is not None:
                 acc_a = ax.float() if acc_a is None else acc_a + ax.float()
         flat = acc_v.reshape(-1) if acc_a is None else torch.cat([acc_v.reshape(-1), acc_a.reshape(-1)])
@@ -151,8 +146,35 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         vx_out = flat[: acc_v.numel()].view_as(acc_v).to(video.latent.dtype)
         ax_out = None
         if acc_a is not None:
-            ax_out = (flat[acc_v.numel() :].view_as(acc_a) / len(tiles)).to(audio.latent.dtype)
+            ax_out = (flat[acc_v.numel() :].view_as(acc_a) / plan.num_tiles).to(audio.latent.dtype)
         return vx_out, ax_out
+
+    def _plan(self, positions: torch.Tensor, grid: tuple[int, int, int], total: int, device: torch.device) -> _Plan:
+        """This rank's tiles with their token indices, blend weights and (normalised) positions on `device`,
+        made once per geometry and positions tensor: the steps of a stage reuse them, so a step makes no
+        host->device copy and, with conditioning tokens, no device->host read of the positions (the plan
+        holds a reference to them, so their memory cannot be reused by another tensor while it is cached)."""
+        key = (grid, total, str(device), positions.data_ptr(), tuple(positions.shape), tuple(positions.stride()))
+        cached = self._cached_plan
+        if cached is not None and cached.key == key and cached.positions is positions:
+            return cached
+        tiles = self.tiles_for(grid)
+        n_gen = grid[0] * grid[1] * grid[2]
+        keep, counts = self._conditioning_plan(positions, grid, tiles, n_gen, total)
+        owned = []
+        for tile in tiles[self.rank :: self.world_size]:
+            idx = torch.cat([tile.token_indices(grid), keep[tile.index] + n_gen]).to(device)
+            weights = torch.cat([tile.mask(), 1.0 / counts[keep[tile.index]]]).to(device)
+            tile_positions = positions[:, :, idx]
+            if self.normalize_positions:
+                gen = positions[:, :, :n_gen]
+                gen = gen.reshape(gen.shape[0], gen.shape[1], *grid, gen.shape[-1])
+                f, h, w = (slice(a.start, a.end) for a in tile.axes)
+                origin = gen[:, :, f, h, w, 0].amin(dim=(2, 3, 4))  # (B, 3): the tile's start per axis
+                tile_positions = tile_positions - origin[:, :, None, None].to(positions.dtype)
+            owned.append(_OwnedTile(tile, idx, weights, tile_positions))
+        self._cached_plan = _Plan(key, positions, owned, len(tiles))
+        return self._cached_plan
 
     def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
@@ -167,17 +189,17 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         positions: torch.Tensor, grid: Sequence[int], tiles: list[TdpTile], n_gen: int, total: int
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """Which conditioning tokens each tile keeps (indices relative to `n_gen`) and how many tiles keep
-        each. Positions of batch row 0 decide (every row of a batch shares positions)."""
+        each (host tensors). Positions of batch row 0 decide (every row of a batch shares positions); only
+        a video with conditioning tokens reads them back from the device."""
         n_cond = total - n_gen
+        if n_cond == 0:
+            return {tile.index: torch.zeros(0, dtype=torch.long) for tile in tiles}, torch.ones(0)
         pos = positions[0].float().cpu()  # (3, T, 2): [start, end) per axis
         gen = pos[:, :n_gen].reshape(3, *(int(g) for g in grid), 2)
         cond = pos[:, n_gen:]  # (3, n_cond, 2)
         keep: dict[int, torch.Tensor] = {}
         counts = torch.zeros(n_cond, dtype=torch.float32)
         for tile in tiles:
-            if n_cond == 0:
-                keep[tile.index] = torch.zeros(0, dtype=torch.long)
-                continue
             box = _tile_box(gen, tile)  # (3, 2)
             overlaps = ((cond[..., 0] < box[:, 1:2]) & (cond[..., 1] > box[:, 0:1])).all(dim=0)
             kept = overlaps | (cond[0, :, 0] < 0)
@@ -185,16 +207,9 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             counts += kept.float()
         return keep, counts.clamp(min=1.0)
 
-    def _slice(self, video: Any, idx: torch.Tensor, total: int, tile: TdpTile, grid: Sequence[int]) -> Any:
-        changes: dict[str, Any] = {"latent": video.latent[:, idx]}
-        positions = video.positions[:, :, idx]
-        if self.normalize_positions:
-            gen = video.positions[:, :, : grid[0] * grid[1] * grid[2]]
-            gen = gen.reshape(gen.shape[0], gen.shape[1], *(int(g) for g in grid), gen.shape[-1])
-            f, h, w = (slice(a.start, a.end) for a in tile.axes)
-            origin = gen[:, :, f, h, w, 0].amin(dim=(2, 3, 4))  # (B, 3): the tile's start per axis
-            positions = positions - origin[:, :, None, None].to(positions.dtype)
-        changes["positions"] = positions
+    def _slice(self, video: Any, owned: _OwnedTile, total: int) -> Any:
+        idx = owned.idx
+        changes: dict[str, Any] = {"latent": video.latent[:, idx], "positions": owned.positions}
         for name in ("timesteps", "keyframes_mask", "segment_ids"):
             value = getattr(video, name, None)
             if _tokenwise(value, total):
@@ -206,6 +221,24 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             else:
                 raise ValueError(f"TDP expects a (B, {total}, {total}) attention mask, got {tuple(mask.shape)}")
         return dataclasses.replace(video, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnedTile:
+    """A tile this rank runs, with what its forward needs on the device."""
+
+    tile: TdpTile
+    idx: torch.Tensor  #: token indices into the full video: generated, then kept conditioning tokens
+    weights: torch.Tensor  #: float32 blend weight per index
+    positions: torch.Tensor  #: the tile's positions (normalised when the wrapper says so)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    key: tuple[Any, ...]
+    positions: torch.Tensor  #: held so the memory behind `key`'s data pointer stays this tensor's
+    tiles: list[_OwnedTile]
+    num_tiles: int
 
 
 def _tile_box(gen: torch.Tensor, tile: TdpTile) -> torch.Tensor:
