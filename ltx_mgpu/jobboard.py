@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pickle
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
@@ -66,9 +66,15 @@ class CancelPoints:
     broadcast this replaces made every rank wait for every other at every step. A world of one reads the
     flag and writes nothing.
 
-    Keys are deleted when the next job starts (`cleanup`): the controller dispatches a job only after the
-    previous one ended on every rank, so by then every rank has read them (the JobBoard's argument).
+    Keys stay bounded however many calls a job makes (a runner may poll in a tight loop): every `ACK_EVERY`
+    decisions each other rank adds to a counter of the decisions it has read, and rank 0, every
+    `ACK_EVERY` decisions, deletes the keys every rank has read (one `add(key, 0)` per rank: reads that
+    never wait). The rest go when the next job starts (`cleanup`): the controller dispatches a job only
+    after the previous one ended on every rank, so by then every rank has read them (the JobBoard's
+    argument).
     """
+
+    ACK_EVERY: ClassVar[int] = 64  #: decisions between a rank's read report and between rank 0's deletions
 
     def __init__(
         self, store: dist.Store, job_id: int, *, rank: int, world_size: int, probe: Any = None, every: int = 1
@@ -82,7 +88,8 @@ class CancelPoints:
         self._probe = probe  # callable() -> bool, rank 0 only
         self.every = int(every)
         self._calls = 0
-        self._written: list[str] = []
+        self._decisions = 0  # decisions taken so far (this rank)
+        self._written: dict[int, str] = {}  # rank 0: decision number -> key not deleted yet
 
     def check(self) -> bool:
         """True on every rank alike iff rank 0 saw the flag at this decision point."""
@@ -93,15 +100,34 @@ class CancelPoints:
         seen = self._rank == 0 and self._probe is not None and bool(self._probe())
         if self._world_size == 1:
             return seen
-        key = f"{cancel_key(self._job_id)}/at/{call}"
+        decision = self._decisions
+        self._decisions += 1
+        key = f"{cancel_key(self._job_id)}/at/{decision}"
         if self._rank == 0:
             self._store.set(key, b"1" if seen else b"0")
-            self._written.append(key)
+            self._written[decision] = key
+            if self._decisions % self.ACK_EVERY == 0:
+                self._drop_read()
             return seen
-        return self._store.get(key) == b"1"  # waits for rank 0 (bounded by the store's timeout)
+        answer = self._store.get(key) == b"1"  # waits for rank 0 (bounded by the store's timeout)
+        if self._decisions % self.ACK_EVERY == 0:
+            self._store.add(self._ack_key(self._rank), self.ACK_EVERY)
+        return answer
+
+    def _ack_key(self, rank: int) -> str:
+        return f"{cancel_key(self._job_id)}/read/{rank}"
+
+    def _drop_read(self) -> None:
+        """Rank 0: delete the decision keys that every other rank has reported read."""
+        read = min(self._store.add(self._ack_key(r), 0) for r in range(1, self._world_size))
+        for decision in [d for d in self._written if d < read]:
+            self._store.delete_key(self._written.pop(decision))
 
     def cleanup(self) -> None:
-        """Rank 0, once every rank is past this job: drop the decision keys."""
-        for key in self._written:
+        """Rank 0, once every rank is past this job: drop the decision keys and the read counters."""
+        for key in self._written.values():
             self._store.delete_key(key)
         self._written.clear()
+        if self._rank == 0:
+            for r in range(1, self._world_size):
+                self._store.delete_key(self._ack_key(r))

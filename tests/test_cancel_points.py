@@ -42,8 +42,28 @@ def test_only_every_nth_call_decides(store: dist.TCPStore) -> None:
     other = CancelPoints(store, 8, rank=1, world_size=2, every=3)
     assert [driver.check() for _ in range(4)] == [True, False, False, True]
     assert [other.check() for _ in range(4)] == [True, False, False, True]
-    assert store.check([f"{cancel_key(8)}/at/0"]) and not store.check([f"{cancel_key(8)}/at/1"])
+    # two decisions (calls 0 and 3), so two keys
+    assert store.check([f"{cancel_key(8)}/at/1"]) and not store.check([f"{cancel_key(8)}/at/2"])
     driver.cleanup()
+
+
+def test_keys_stay_bounded_when_a_job_polls_in_a_tight_loop(store: dist.TCPStore) -> None:
+    """Thousands of decisions in one job (a runner polling in a loop): rank 0 deletes what every rank has
+    read, so the store never holds more than a few batches of keys; the next job's cleanup takes the rest."""
+    own = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    n = 20 * CancelPoints.ACK_EVERY
+    driver = CancelPoints(store, 10, rank=0, world_size=2, probe=lambda: False)
+    other = CancelPoints(own, 10, rank=1, world_size=2)
+    most, batch = 0, 100  # rank 0 runs a batch ahead, then the other rank catches up: deterministic
+    for _ in range(n // batch):
+        assert not any(driver.check() for _ in range(batch))
+        most = max(most, store.num_keys())
+        assert not any(other.check() for _ in range(batch))
+    # never n keys: what both had read was deleted along the way (at most a batch plus two report periods)
+    assert most <= batch + 2 * CancelPoints.ACK_EVERY + 2, most
+    driver.cleanup()
+    assert not any(store.check([f"{cancel_key(10)}/at/{i}"]) for i in range(n))
+    assert not store.check([f"{cancel_key(10)}/read/1"])
 
 
 def test_a_rank_that_arrives_first_waits_for_the_driver_only(store: dist.TCPStore) -> None:
