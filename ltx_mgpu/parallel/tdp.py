@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import needs_host_staging
+from .hoist import ForwardHoister
 from .tiling import BalancedTiling, TdpTile, TileCountConfig, Tiling, build_tiles
 
 __all__ = ["TiledDataParallelBuilder", "TiledDataParallelModelWrapper", "shared_weights_model"]
@@ -87,6 +88,9 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             )
         self._grid: tuple[int, int, int] | None = None
         self._cached_plan: _Plan | None = None
+        # ltx-core's preprocessors rebuild RoPE tables (host->device copies) and masks every forward: the
+        # hoister takes them out, per tile and job (a model without them, e.g. a test double, is left alone)
+        self.hoister = ForwardHoister(model) if hasattr(model, "video_args_preprocessor") else None
 
     # ---- geometry of the current stage -------------------------------------------------------------
     def set_latent_shape(self, shape: Any) -> None:
@@ -130,14 +134,22 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         total = int(video.latent.shape[1])
         if total < n_gen:
             raise ValueError(f"video has {total} tokens, fewer than the declared {grid} grid ({n_gen})")
-        plan = self._plan(video.positions, grid, total, video.latent.device)
+        plan = self._plan(video, audio, grid, total)
         b, _, c = video.latent.shape
         acc_v = torch.zeros((b, total, c), dtype=torch.float32, device=video.latent.device)
         # Every rank owns >= 1 tile (checked above), so every rank produces an audio output iff audio is given:
         # the flat buffer has the same size everywhere.
         acc_a: torch.Tensor | None = None
+        if self.hoister is not None:
+            perturbations = self.hoister.perturbations(perturbations)
         for owned in plan.tiles:
-            vx, ax = self.model(self._slice(video, owned, total), audio, perturbations)
+            tile_video = self._slice(video, owned, total)
+            if owned.geometry is None:
+                vx, ax = self.model(tile_video, audio, perturbations)
+            else:  # RoPE, masks and their host->device copies made once per job (parallel/hoist.py)
+                assert self.hoister is not None
+                with self.hoister.bind(video=owned.geometry, audio=plan.audio_geometry):
+                    vx, ax = self.model(tile_video, audio, perturbations)
             acc_v.index_add_(1, owned.idx, vx.float() * owned.weights[None, :, None])
             if ax is not None:
                 acc_a = ax.float() if acc_a is None else acc_a + ax.float()
@@ -149,18 +161,24 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             ax_out = (flat[acc_v.numel() :].view_as(acc_a) / plan.num_tiles).to(audio.latent.dtype)
         return vx_out, ax_out
 
-    def _plan(self, positions: torch.Tensor, grid: tuple[int, int, int], total: int, device: torch.device) -> _Plan:
-        """This rank's tiles with their token indices, blend weights and (normalised) positions on `device`,
-        made once per geometry and positions tensor: the steps of a stage reuse them, so a step makes no
-        host->device copy and, with conditioning tokens, no device->host read of the positions (the plan
-        holds a reference to them, so their memory cannot be reused by another tensor while it is cached)."""
-        key = (grid, total, str(device), positions.data_ptr(), tuple(positions.shape), tuple(positions.stride()))
+    def _plan(self, video: Any, audio: Any | None, grid: tuple[int, int, int], total: int) -> _Plan:
+        """This rank's tiles with their token indices, blend weights, (normalised) positions, attention masks
+        and hoisted geometry (RoPE tables, mask bias) on the device, made once per geometry and input tensors:
+        the steps of a stage reuse them, so a step makes no host->device copy and, with conditioning tokens,
+        no device->host read of the positions. The plan holds the tensors its key names by address, so their
+        memory cannot be reused by another tensor while it is cached."""
+        positions, mask = video.positions, getattr(video, "attention_mask", None)
+        audio_positions = None if audio is None else audio.positions
+        held = (positions, mask, audio_positions)
+        key = (grid, total, str(video.latent.device), video.latent.dtype,
+               *((None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()))) for t in held))  # fmt: skip
         cached = self._cached_plan
-        if cached is not None and cached.key == key and cached.positions is positions:
+        if cached is not None and cached.key == key and all(a is b for a, b in zip(cached.held, held, strict=True)):
             return cached
         tiles = self.tiles_for(grid)
         n_gen = grid[0] * grid[1] * grid[2]
         keep, counts = self._conditioning_plan(positions, grid, tiles, n_gen, total)
+        device = video.latent.device
         owned = []
         for tile in tiles[self.rank :: self.world_size]:
             idx = torch.cat([tile.token_indices(grid), keep[tile.index] + n_gen]).to(device)
@@ -172,8 +190,22 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
                 f, h, w = (slice(a.start, a.end) for a in tile.axes)
                 origin = gen[:, :, f, h, w, 0].amin(dim=(2, 3, 4))  # (B, 3): the tile's start per axis
                 tile_positions = tile_positions - origin[:, :, None, None].to(positions.dtype)
-            owned.append(_OwnedTile(tile, idx, weights, tile_positions))
-        self._cached_plan = _Plan(key, positions, owned, len(tiles))
+            tile_mask = None
+            if isinstance(mask, torch.Tensor):
+                if not (mask.dim() == 3 and mask.shape[-1] == total and mask.shape[-2] == total):
+                    raise ValueError(f"TDP expects a (B, {total}, {total}) attention mask, got {tuple(mask.shape)}")
+                tile_mask = mask[:, idx][:, :, idx]
+            geometry = None
+            if self.hoister is not None and "video" in self.hoister.preprocessors:
+                probe = dataclasses.replace(
+                    video, latent=video.latent[:, idx], positions=tile_positions, attention_mask=tile_mask
+                )
+                geometry = self.hoister.compute_geometry("video", probe)
+            owned.append(_OwnedTile(tile, idx, weights, tile_positions, tile_mask, geometry))
+        audio_geometry = None
+        if audio is not None and self.hoister is not None and "audio" in self.hoister.preprocessors:
+            audio_geometry = self.hoister.compute_geometry("audio", audio)
+        self._cached_plan = _Plan(key, held, owned, len(tiles), audio_geometry)
         return self._cached_plan
 
     def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
@@ -214,12 +246,8 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             value = getattr(video, name, None)
             if _tokenwise(value, total):
                 changes[name] = value[:, idx]
-        mask = getattr(video, "attention_mask", None)
-        if isinstance(mask, torch.Tensor):
-            if mask.dim() == 3 and mask.shape[-1] == total and mask.shape[-2] == total:
-                changes["attention_mask"] = mask[:, idx][:, :, idx]
-            else:
-                raise ValueError(f"TDP expects a (B, {total}, {total}) attention mask, got {tuple(mask.shape)}")
+        if isinstance(getattr(video, "attention_mask", None), torch.Tensor):
+            changes["attention_mask"] = owned.attention_mask
         return dataclasses.replace(video, **changes)
 
 
@@ -231,14 +259,17 @@ class _OwnedTile:
     idx: torch.Tensor  #: token indices into the full video: generated, then kept conditioning tokens
     weights: torch.Tensor  #: float32 blend weight per index
     positions: torch.Tensor  #: the tile's positions (normalised when the wrapper says so)
+    attention_mask: torch.Tensor | None  #: the tile's (B, t, t) mask, when the video has one
+    geometry: Any  #: the tile's `hoist.ModalityGeometry` (None for a model without ltx-core preprocessors)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     key: tuple[Any, ...]
-    positions: torch.Tensor  #: held so the memory behind `key`'s data pointer stays this tensor's
+    held: tuple[torch.Tensor | None, ...]  #: held so the memory behind `key`'s data pointers stays theirs
     tiles: list[_OwnedTile]
     num_tiles: int
+    audio_geometry: Any  #: the audio's `hoist.ModalityGeometry`, or None
 
 
 def _tile_box(gen: torch.Tensor, tile: TdpTile) -> torch.Tensor:
