@@ -22,7 +22,13 @@ Contract (per forward, every rank of `group`, same order):
    every axis (extents preserved): each tile looks like a small video of its own.
 4. Generated outputs are weighted by the tile's separable trapezoidal mask (masks of all tiles sum to one
    at every token: `blend_weights` proves it), conditioning outputs by 1 / (number of tiles keeping that
-   token); a float32 accumulator is all-reduced once (audio rides in the same buffer).
+   token); a float32 accumulator is all-reduced once (audio rides in the same buffer). At 768x512x121 the
+   stage-2 latent is 6,144 tokens x 128 channels: 3 MB in float32, a few microseconds over NVLink, so the
+   exact float32 sum is kept.
+5. Per job, not per step: what a tile needs besides its latent (token indices, blend weights, positions,
+   attention mask, and through `hoist.ForwardHoister` its RoPE tables and mask bias) is made on the first
+   step and reused while the inputs are the same tensors, so a later step makes no host sync and no
+   host->device copy (tests/test_tdp_gpu.py checks it with `set_sync_debug_mode("error")`).
 
 Errors are raised identically on every rank before any collective (symmetric, recoverable under the
 controller): too few tiles for the ranks, a tile count an axis cannot hold, overlaps that would make three
