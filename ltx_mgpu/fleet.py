@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from .devices import MULTICAST_OFF_ENV
 from .errors import RenderFault, RenderOutOfMemory, RunnerError
-from .jobboard import JobBoard, cancel_key
+from .jobboard import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
 from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders
@@ -253,10 +253,13 @@ def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: tor
                 return
             job_id, skeleton = announcement
             tensors = _receive_tensors(boot, job_id, skeleton, device)
-        if is_relay:
-            runner._cancel_probe = functools.partial(store.check, [cancel_key(job_id)])
+        if runner._cancel_points is not None:
+            runner._cancel_points.cleanup()  # the previous job's keys: every rank is past it by now
+        probe = functools.partial(store.check, [cancel_key(job_id)]) if is_relay else None
+        runner._cancel_points = CancelPoints(
+            store, job_id, rank=boot.rank, world_size=boot.world_size, probe=probe, every=runner.cancel_every
+        )
         _run_job(runner, job_id, fill_tensors(skeleton, tensors), boot.rank, results)
-        runner._cancel_probe = None
 
 
 def _relay_tensors(boot: RankBoot, shared: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

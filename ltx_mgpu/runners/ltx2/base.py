@@ -334,7 +334,8 @@ class Ltx2Runner(MGPURunner):
                 first = next((img.pixels for img in job.images if img.frame == 0), None)
                 prompt = self.text.enhance(prompt, image=first, seed=int(job.args.seed))
             negative = self._negative_prompt(job)
-            encodings = self.text.encode([prompt] if negative is None else [prompt, negative])
+            # the negative prompt repeats from job to job (the runner's default): cached on every rank
+            encodings = self.text.encode([prompt] if negative is None else [prompt, negative], cacheable=(False, True))
 
             def contexts(e: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
                 return e["video"].to(self.dtype), e["audio"].to(self.dtype)
@@ -484,7 +485,7 @@ class Ltx2Runner(MGPURunner):
     def _denoise(
         self, stage: str, step_fn: Any, sigmas: torch.Tensor, video_state: Any, audio_state: Any
     ) -> Generator[dict[str, Any], None, tuple[Any, Any]]:
-        """Euler loop with one cancellation check (collective) per step; yields progress on the driver and
+        """Euler loop with one cancellation check (no collective) per step; yields progress on the driver and
         returns the final (video_state, audio_state)."""
         from dataclasses import replace
 

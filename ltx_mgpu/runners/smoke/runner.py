@@ -209,7 +209,7 @@ class SmokeRunner(MGPURunner):
             yield stage_event(Stage.DENOISE, steps=steps, video_tokens=geo.video_tokens, world_size=self.world_size)
         with clock.stage(Stage.DENOISE):
             for step in range(steps):
-                self.raise_if_cancelled()  # collective: every rank takes the same branch
+                self.raise_if_cancelled()  # every rank takes the same branch at the same call
                 video_state, audio_state = denoise_step(self.x0, video_state, audio_state, sigmas, step, context, scale)
                 if driver:
                     yield progress_event(Stage.DENOISE, step + 1, steps)
