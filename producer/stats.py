@@ -34,7 +34,7 @@ class StatsQueries:
     # ---- stats -------------------------------------------------------------------------------------
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
         names = list(dict.fromkeys(queues or self.settings.queues))
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             qstats = []
             failed_ids: list[tuple[str, str]] = []
             for name in names:

@@ -1,14 +1,15 @@
 """The layering rules, held by imports in fresh interpreters (README.md, "Layout": arrows point down only).
 
 `producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
-- producer never imports torch or ltx_mgpu (a light CLI);
+- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds and image
+  parser (`ltx_mgpu.bounds`, `ltx_mgpu.imagesize`, shared by the request schema and the runners);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
 - the control plane (controller, fleet, runner, transport, jobboard, devices, errors, events, startup)
   never imports `ltx_mgpu.runners` (it is model-agnostic);
 - worker never imports producer; kernels imports none of the packages above it;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu`, `ltx_mgpu.devices` and `ltx_mgpu.ports` import no torch (the worker's settings and dev
-  servers use them).
+- `import ltx_mgpu`, `ltx_mgpu.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds` and `ltx_mgpu.imagesize` import
+  no torch (the worker's settings and dev servers and the producer use them).
 
 Each rule imports every module of its packages in a process of its own, forked from one new interpreter
 (its `sys.modules` holds only the standard library and third-party modules the rule does not forbid, so an
@@ -41,9 +42,10 @@ _PROBE = r"""
 import importlib, json, os, sys
 
 def check(spec):
-    forbidden = spec["forbidden"]
+    forbidden = [f for f in spec["forbidden"] if not f.startswith("!")]
+    allowed = {f[1:] for f in spec["forbidden"] if f.startswith("!")}  # exact module names exempt from the prefixes
     def hits():
-        return {m for m in sys.modules for f in forbidden if m == f or m.startswith(f + ".")}
+        return {m for m in sys.modules for f in forbidden if (m == f or m.startswith(f + ".")) and m not in allowed}
     preloaded = sorted(hits())
     if preloaded:
         return {"error": f"forbidden modules loaded before the check: {preloaded}"}
@@ -116,7 +118,8 @@ def modules_under(root: Path, *packages: str) -> list[str]:
 
 
 def _allowed(spec: dict) -> set[str]:
-    return {p for p in PRELOAD if not any(p == f or p.startswith(f + ".") for f in spec["forbidden"])}
+    prefixes = [f for f in spec["forbidden"] if not f.startswith("!")]  # "!name": exempt, see RULES
+    return {p for p in PRELOAD if not any(p == f or p.startswith(f + ".") for f in prefixes)}
 
 
 def _preload_tree(specs: list[dict], loaded: set[str]) -> dict:
@@ -180,7 +183,9 @@ CONTROL_PLANE = tuple(
 )
 
 RULES = [
-    Rule("producer: no torch, no ltx_mgpu", packages=("producer",), forbidden=("torch", "ltx_mgpu", "tests"),
+    # (but the request bounds and the image parser: stdlib only, shared by the schema and the runners)
+    Rule("producer: no torch, no ltx_mgpu", packages=("producer",),
+         forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.imagesize", "tests"),
          plant=("producer/display.py", "import ltx_mgpu.controller")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
@@ -193,8 +198,9 @@ RULES = [
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
-    Rule("ltx_mgpu, its device parser and port picker: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports"), forbidden=("torch",),
+    Rule("ltx_mgpu, its device parser, port picker, request bounds and image parser: no torch",
+         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.imagesize"),
+         forbidden=("torch",),
          plant=("ltx_mgpu/devices.py", "import torch")),
 ]  # fmt: skip
 
