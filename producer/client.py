@@ -29,7 +29,6 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.worker import Worker
 
 from producer.admission import AdmissionPolicy, check_client_name, enqueue_admitted
 from producer.download import ObjectDownloads
@@ -62,11 +61,13 @@ from worker.keys import (
     events_key,
     safe_redis_url,
     tenant_job_id,
+    tenant_queue,
     worker_health_key,
 )
 from worker.limits import LimitViolation, RunnerLimits
 from worker.redisconn import connect
 from worker.renderjob import RenderJob
+from worker.rqcompat import live_workers
 from worker.schema import RenderRequest
 
 __all__ = [
@@ -107,7 +108,13 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
     # ---- submit ------------------------------------------------------------------------------------
     def queue(self, name: str | None = None) -> Queue:
-        return Queue(name or self.settings.default_queue, connection=self.connection, serializer=JSONSerializer)
+        """The RQ queue this client writes and reads for `name` (default: the first of `LTX_QUEUES`): a
+        tenant's own `<name>:t:<client>` (the only queue its Redis user may push to, and the only one whose
+        depth counts against it: `worker.tenantqueues`), the shared queue otherwise."""
+        name = name or self.settings.default_queue
+        if self.settings.tenant_ids and not self.settings.operator:
+            name = tenant_queue(name, self.settings.client)
+        return Queue(name, connection=self.connection, serializer=JSONSerializer)
 
     def submit(
         self,
@@ -155,7 +162,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                 description=f"render {request.prompt[:60]!r}",
                 meta=meta,
             )
-            counted = [self.queue(name) for name in dict.fromkeys([*s.queues, q.name])]
+            counted = list({c.name: c for c in (self.queue(name) for name in [*s.queues, q.name])}.values())
             return enqueue_admitted(
                 q, job, policy=policy, counted_queues=counted, client=client, at_front=priority == "high"
             )
@@ -164,7 +171,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """The request limits the live workers on `queue` publish (worker name, limits); see worker.limits."""
         out: list[tuple[str, RunnerLimits]] = []
         with unavailable_on_error():
-            for worker in Worker.all(connection=self.connection, queue=self.queue(queue)):
+            for worker in live_workers(self.connection, queue=self.queue(queue)):
                 raw = self.connection.get(worker_health_key(worker.name))
                 try:
                     health = json.loads(raw) if raw else {}

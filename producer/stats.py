@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
-from rq.worker import Worker
 
 from producer.admission import TERMINAL_STATUSES, client_key
 from producer.models import (
@@ -22,9 +22,8 @@ from producer.models import (
     WorkerInfo,
     unavailable_on_error,
 )
-from worker.keys import (
-    worker_health_key,
-)
+from worker.keys import worker_health_key
+from worker.rqcompat import live_workers
 
 
 class StatsQueries:
@@ -37,8 +36,8 @@ class StatsQueries:
         with unavailable_on_error():
             qstats = []
             failed_ids: list[tuple[str, str]] = []
-            for name in names:
-                q = self.queue(name)
+            for q in (self.queue(name) for name in names):
+                name = q.name
                 # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135).
                 qstats.append(
                     QueueStats(
@@ -57,8 +56,9 @@ class StatsQueries:
                 for job_id in registry.get_job_ids(-failures, -1, cleanup=False):
                     if self._may_read(job_id):
                         failed_ids.append((name, job_id))
-            workers = [self._worker_info(w) for w in Worker.all(connection=self.connection)]
-            workers = [w for w in workers if not names or set(w.queues) & set(names)]
+            served = {self.queue(name).name for name in names}
+            workers = [self._worker_info(w) for w in live_workers(self.connection)]  # (Worker.all() writes)
+            workers = [w for w in workers if not names or set(w.queues) & served]
             recent = []
             for name, job_id in failed_ids:
                 try:
@@ -92,7 +92,7 @@ class StatsQueries:
                 client_unfinished=self._client_unfinished(self.settings.client),
             )
 
-    def _worker_info(self, worker: Worker) -> WorkerInfo:
+    def _worker_info(self, worker: Any) -> WorkerInfo:
         health = None
         raw = self.connection.get(worker_health_key(worker.name))
         if raw:

@@ -41,8 +41,10 @@ at a time, idempotently: a worker killed in between leaves them for the next pas
 **Cost** (measured in `bench/admission.py`): with the quota on, a pass reads the first `QUOTA_WINDOW` waiting
 ids and each one's status in one pipelined round trip (with a depth cap, a queue holds no more than the cap
 once trimmed, so that is the cap's worth in steady state); metas are read once per job (owners cached).
-Without the quota, a pass is one round trip of LLENs. A depth trim moves its excess in one transaction,
-O(excess). Nothing here is O(queue length) per dequeue.
+Without the quota, a pass is one round trip of LLENs. A depth trim removes its excess in one transaction
+and records at most `_TRIM_RECORDED` of the ids past the window (the rest are dropped unread: only raw
+pushes put them there). Nothing here is O(queue length) per dequeue. With tenant queues
+(`worker.tenantqueues`) each tenant's queues get a pass of their own.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ _DRAIN_AFTER_TAKE = 1000  # refusals recorded before a taken job starts (the res
 _LOCK_KEY = REFUSALS_KEY + ":lock"  # one drainer at a time
 _LOCK_TTL_S = 60
 _OWNER_CACHE = 4 * QUOTA_WINDOW
+#: Ids past the window that one trim records as refused; the rest it drops unread (no producer ever puts
+#: them there: 100k raw pushes cost the worker ~13 s of recording and stalled every tenant, issue 26).
+_TRIM_RECORDED = QUOTA_WINDOW
 
 Owner = str | None  # a client name, None for a malformed one, or STALE
 
@@ -284,8 +289,8 @@ class Admission:
                     trimmed: list[Refusal] = []
                     for q, key, n, w, cut in zip(self.queues, keys, lengths, windows, decided.cuts, strict=True):
                         start = max(cut, len(w))
-                        if start < n:  # ids past the window that the cut trims
-                            extra = pipe.lrange(key, start, -1)
+                        if start < n:  # ids past the window that the cut trims (the first _TRIM_RECORDED)
+                            extra = pipe.lrange(key, start, start + _TRIM_RECORDED - 1)
                             details = {"depth": sum(lengths), "cap": self.depth_cap}
                             trimmed += [Refusal(i.decode(), q.name, FailureReason.QUEUE_FULL, details) for i in extra]
                     refusals = [r for rs in decided.refused for r in rs] + trimmed

@@ -65,7 +65,6 @@ from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
 from . import rqcompat
-from .admission import Admission
 from .fleet import FleetUnrecoverable
 from .health import HealthPublisher
 from .keys import (
@@ -79,6 +78,7 @@ from .keys import (
 from .logs import bind_job
 from .renderjob import RefusedJob, RenderJob
 from .service import JobCancelledByClient, JobFailed, RenderService
+from .tenantqueues import TakingQueue, TenantAdmissions, rotate, served_queue_names
 
 __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
 
@@ -106,6 +106,10 @@ class FleetWorker(SimpleWorker):
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
         kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
         kwargs.setdefault("name", service.worker_name)
+        # checked, bounded dequeues over the shared queues and every tenant's own (worker.tenantqueues)
+        kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry))
+        if isinstance(queues, list | tuple) and all(isinstance(q, str) for q in queues):
+            queues = served_queue_names(queues, settings.tenants)
         super().__init__(queues, **kwargs)
         self.service = service
         self.settings = settings
@@ -126,9 +130,24 @@ class FleetWorker(SimpleWorker):
         fleet.on_change = self._fleet_changed
         service.pipeline.on_change = self.health.notify
         self.push_exc_handler(self._abandoned_job_handler)
-        self.admission = Admission(self.connection, self.queues, depth_cap=settings.depth_cap, quota=settings.quota,
-                                   outcomes=self.outcomes, job_class=self.job_class, worker_name=self.name,
-                                   max_meta_bytes=settings.max_meta_bytes, tenant_ids=settings.tenant_ids)  # fmt: skip
+        self.admission = TenantAdmissions(self.connection, self.queues, depth_cap=settings.depth_cap,
+                                          quota=settings.quota, outcomes=self.outcomes, job_class=self.job_class,
+                                          worker_name=self.name, max_meta_bytes=settings.max_meta_bytes,
+                                          tenant_ids=settings.tenant_ids)  # fmt: skip
+        rqcompat.register_queues(self.connection, self.queues)  # (tenants may not: worker.redisacl)
+
+    def _dropped_entry(self, queue: str, job_id: str, reason: str) -> None:
+        self.service.metrics.dropped_queue_entries.labels(self.service.group, reason).inc()
+        log.warning("dropped queue entry %r from %s without counting or running it: %s", job_id, queue, reason)
+
+    def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+        """RQ removes the id from the intermediate list only when a worker serves one queue (its multi-queue
+        dequeue never put it there); ours always does (worker.tenantqueues)."""
+        super().prepare_job_execution(job, True)
+
+    def reorder_queues(self, reference_queue: Any) -> None:
+        """Tenants in turn within each priority (worker.tenantqueues.rotate)."""
+        self._ordered_queues = rotate(self._ordered_queues, reference_queue, lambda q: q.name)
 
     # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
