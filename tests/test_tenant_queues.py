@@ -1,0 +1,173 @@
+"""Issue 26's queue attacks, rerun on a real stack: redis-server with the ACL users `ltx-worker redis-acl`
+writes (`worker`, `alice`, `bob`), one `ltx-worker one` on a CPU rank serving both tenants' queues
+(`LTX_TENANTS`) with `LTX_MAX_QUEUE_DEPTH=5`, real SeaweedFS. alice attacks with raw Redis; bob only uses
+the producer. Each test failed before tenant queues (`worker.tenantqueues`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from tests.test_redis_acl import Stack, _request, _wait_state, tenant_enqueue
+from tests.test_redis_acl_rules import _passwords
+from tests.test_worker_support import WorkerProcess, events, wait_for, wait_ready, worker_env
+from worker.redisacl import AclUsers, generate
+
+DEPTH = 5
+_REQUEST = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
+    from worker.devsecure import SecureRedisServer
+    from worker.devservers import find_redis_server
+
+    if find_redis_server() is None:
+        pytest.skip("redis-server not found")
+    tmp = tmp_path_factory.mktemp("tq")
+    secrets_dir = tmp / "secrets"
+    _passwords(secrets_dir)
+    server = SecureRedisServer(acl=generate(AclUsers(tenants=("alice", "bob")), password_dir=secrets_dir)).start()
+    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"t{uuid.uuid4().hex[:6]}"
+    spool = tmp / "spool"
+    spool.mkdir()
+    env = worker_env(server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
+                     redis_username="worker", redis_password_file=secrets_dir / "worker", tenant_ids="true",
+                     tenants="alice,bob", max_queue_depth=str(DEPTH))  # fmt: skip
+    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
+    st = Stack(server, s3_server, proc, queue, name, secrets_dir)
+    try:
+        wait_ready(st.admin, name, 1, 120, proc)
+        yield st
+    finally:
+        rc = proc.stop()
+        st.admin.close()
+        server.cleanup()
+        assert rc == 0, proc.log_tail()
+
+
+def _bob(stack: Stack) -> Any:
+    from producer.client import ProducerClient
+
+    return ProducerClient(stack.settings("bob", max_queue_depth=DEPTH))
+
+
+def _started(stack: Stack, job_id: str) -> int:
+    return sum(1 for e in events(stack.admin, job_id) if e["type"] == "state" and e["state"] == "started")
+
+
+def _worker_log_has(stack: Stack, text: str) -> bool:
+    return text in stack.worker.log_tail(1 << 24)
+
+
+def test_bogus_ids_and_forged_owners_do_not_make_bobs_jobs_queue_full(stack: Stack) -> None:
+    """alice LPUSHed 5 bogus ids (or 5 hashes of her own naming bob as owner) onto the shared queue: all of
+    bob's admitted jobs ended queue_full and his next submit was refused ("8/5"). Now she can only push onto
+    her own queue, whose entries count against nobody else."""
+    alice, shared = stack.raw("alice"), f"rq:queue:{stack.queue}"
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        alice.lpush(shared, *[f"bogus-{i}" for i in range(DEPTH)])
+    with _bob(stack) as bob:
+        bob.submit(_request("t step_s=0.3", steps=10), job_id="slow")  # keeps the worker busy meanwhile
+        _wait_state(bob, "slow", {"rendering"}, stack)
+        alice.lpush(f"{shared}:t:alice", *[f"alice-bogus{i}" for i in range(DEPTH)])
+        for i in range(DEPTH):
+            tenant_enqueue(alice, f"{stack.queue}:t:alice", _REQUEST, job_id=f"alice-forged{i}", meta={"client": "bob"})
+        ids = [bob.submit(_request(f"t n={i}"), job_id=f"mine{i}").id for i in range(3)]  # (the producer admits)
+        for job_id in ["bob-slow", *ids]:
+            info = _wait_state(bob, job_id, {"uploaded", "failed"}, stack, timeout=120)
+            assert info.state == "uploaded", (job_id, info.error)
+        bob.submit(_request("t again"), job_id="next")  # not refused: alice's entries are not in bob's count
+        assert _wait_state(bob, "next", {"uploaded", "failed"}, stack, timeout=120).state == "uploaded"
+    wait_for(lambda: stack.admin.llen(f"{shared}:t:alice") == 0, 60, "alice's queue emptied")
+    assert _worker_log_has(stack, "no_job")  # the bogus ids were dropped uncounted (and counted in the metric)
+    assert stack.fleet_alive()
+
+
+def test_100k_bogus_ids_on_a_tenants_queue_neither_refuse_nor_stall_another(stack: Stack) -> None:
+    """100k bogus ids took 0.1 s to push, refused every producer for ~25 s and stalled the worker ~13 s.
+    Now they sit on alice's own queue: bob's submit is admitted at once, and his job waits at most a
+    bounded share of each dequeue (100 drops per queue), not for the whole pile to be cleaned."""
+    alice, key = stack.raw("alice"), f"rq:queue:{stack.queue}:t:alice"
+    with _bob(stack) as bob:
+        t0 = time.monotonic()
+        bob.submit(_request("t base"), job_id="base")
+        assert _wait_state(bob, "base", {"uploaded", "failed"}, stack, timeout=120).state == "uploaded"
+        baseline = time.monotonic() - t0  # what one small job takes on this machine right now
+        with alice.pipeline(transaction=False) as pipe:
+            for chunk in range(10):
+                pipe.rpush(key, *[f"alice-bogus{chunk}x{i}" for i in range(10_000)])
+            pipe.execute()
+        t1 = time.monotonic()
+        bob.submit(_request("t after the flood"), job_id="after")  # admitted: his depth is his own
+        info = _wait_state(bob, "after", {"uploaded", "failed"}, stack, timeout=120)
+        took = time.monotonic() - t1
+        assert info.state == "uploaded", info.error
+    # Cleaning 100k ids one dequeue at a time would take far longer than a job: bob's job did not wait for it.
+    assert took < 3 * baseline + 5, (took, baseline)
+    wait_for(lambda: stack.admin.llen(key) == 0, 300, "alice's queue cleaned", on_fail=stack.worker.log_tail)
+    assert stack.fleet_alive()
+
+
+def test_ended_jobs_pushed_again_never_re_run(stack: Stack) -> None:
+    """`RPUSH rq:queue:<q> bob-<failed id>` rendered bob's job again. Now: NOPERM on the shared queue and
+    on bob's; on alice's own queue another tenant's id is dropped (wrong tenant), and so is alice's own
+    ended job (not queued): neither renders."""
+    with _bob(stack) as bob:
+        bob.submit(_request("t error=runner"), job_id="broken")
+        assert _wait_state(bob, "broken", {"uploaded", "failed"}, stack).state == "failed"
+    with stack.producer("alice") as client:
+        client.submit(_request("t mine"), job_id="done")
+        assert _wait_state(client, "done", {"uploaded", "failed"}, stack).state == "uploaded"
+    alice, shared = stack.raw("alice"), f"rq:queue:{stack.queue}"
+    for key in (shared, f"{shared}:t:bob", f"{shared}:intermediate"):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            alice.rpush(key, "bob-broken")
+    alice.rpush(f"{shared}:t:alice", "bob-broken", "alice-done", "alice-done")
+    wait_for(lambda: stack.admin.llen(f"{shared}:t:alice") == 0, 30, "dequeued", on_fail=stack.worker.log_tail)
+    with stack.producer("alice") as client:  # a job after them: once it ran, the pushed ids were judged
+        client.submit(_request("t later"), job_id="later")
+        assert _wait_state(client, "later", {"uploaded", "failed"}, stack).state == "uploaded"
+    assert _started(stack, "bob-broken") == 1 and _started(stack, "alice-done") == 1
+    assert stack.admin.hget("rq:job:bob-broken", "status") == b"failed"
+    assert stack.admin.hget("rq:job:alice-done", "status") == b"finished"
+    assert _worker_log_has(stack, "wrong_tenant") and _worker_log_has(stack, "not_queued")
+    assert stack.admin.llen(f"{shared}:t:alice:intermediate") == 0
+
+
+def test_a_stale_worker_entry_does_not_crash_tenant_commands(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RQ's `Worker.all()` removes dead workers with SREM, which a tenant may not do: `submit`, `submit
+    --dry-run` and `stats` exited 1 with a traceback after any worker death. Now the producer only reads."""
+    from producer.cli import cli
+
+    ghost = "rq:worker:ghost-1"  # a worker SIGKILLed before its registration expired leaves exactly this
+    tenant_queue = f"{stack.queue}:t:bob"
+    try:
+        for key, value in {"LTX_REDIS_URL": stack.server.url, "LTX_REDIS_USERNAME": "bob", "LTX_QUEUES": stack.queue,
+                           "LTX_REDIS_PASSWORD_FILE": str(stack.secrets / "bob")}.items():  # fmt: skip
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("LTX_CLIENT", raising=False)
+        monkeypatch.delenv("LTX_OPERATOR", raising=False)
+        request = Path(stack.secrets.parent / "req.json")
+        request.write_text('{"prompt": "t", "width": 64, "height": 64, "num_frames": 9}')
+        for args in (["submit", str(request), "--dry-run"], ["stats", "--json"], ["submit", str(request)]):
+            stack.admin.sadd("rq:workers", ghost)  # (again: the worker's own maintenance removes it)
+            stack.admin.sadd(f"rq:workers:{tenant_queue}", ghost)
+            result = CliRunner().invoke(cli, args)
+            assert result.exit_code == 0, (args, result.output, result.exception)
+        stack.admin.sadd("rq:workers", ghost)
+        stack.admin.sadd(f"rq:workers:{tenant_queue}", ghost)
+        with _bob(stack) as bob:
+            assert [w.name for w in bob.stats().workers] == [wait_ready(stack.admin, stack.name, 1, 30)[0]["worker"]]
+            assert bob.runner_limits()  # the live worker's limits, the ghost skipped
+        assert not [d for d in stack.acl_denials("bob") if "srem" in d or "sadd" in d]
+    finally:
+        stack.admin.srem("rq:workers", ghost)
+        stack.admin.srem(f"rq:workers:{tenant_queue}", ghost)
