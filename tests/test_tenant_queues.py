@@ -124,20 +124,20 @@ def test_ended_jobs_pushed_again_never_re_run(stack: Stack) -> None:
         bob.submit(_request("t error=runner"), job_id="broken")
         assert _wait_state(bob, "broken", {"uploaded", "failed"}, stack).state == "failed"
     with stack.producer("alice") as client:
-        client.submit(_request("t mine"), job_id="done")
-        assert _wait_state(client, "done", {"uploaded", "failed"}, stack).state == "uploaded"
+        client.submit(_request("t error=runner mine"), job_id="done")
+        assert _wait_state(client, "done", {"uploaded", "failed"}, stack).state == "failed"
     alice, shared = stack.raw("alice"), f"rq:queue:{stack.queue}"
     for key in (shared, f"{shared}:t:bob", f"{shared}:intermediate"):
         with pytest.raises(redis.exceptions.NoPermissionError):
             alice.rpush(key, "bob-broken")
-    alice.rpush(f"{shared}:t:alice", "bob-broken", "alice-done", "alice-done")
+    alice.rpush(f"{shared}:t:alice", "bob-broken", "alice-done", "alice-done")  # (both failed: a re-run renders)
     wait_for(lambda: stack.admin.llen(f"{shared}:t:alice") == 0, 30, "dequeued", on_fail=stack.worker.log_tail)
     with stack.producer("alice") as client:  # a job after them: once it ran, the pushed ids were judged
         client.submit(_request("t later"), job_id="later")
         assert _wait_state(client, "later", {"uploaded", "failed"}, stack).state == "uploaded"
     assert _started(stack, "bob-broken") == 1 and _started(stack, "alice-done") == 1
     assert stack.admin.hget("rq:job:bob-broken", "status") == b"failed"
-    assert stack.admin.hget("rq:job:alice-done", "status") == b"finished"
+    assert stack.admin.hget("rq:job:alice-done", "status") == b"failed"
     assert _worker_log_has(stack, "wrong_tenant") and _worker_log_has(stack, "not_queued")
     assert stack.admin.llen(f"{shared}:t:alice:intermediate") == 0
 
