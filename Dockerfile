@@ -59,7 +59,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PYTHON
 RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2.13" "boto3>=1.36" "click>=8" "rich>=13"
 WORKDIR /app
 COPY producer ./producer
-COPY worker/__init__.py worker/schema.py worker/keys.py worker/imagesize.py worker/limits.py worker/control.py worker/relay.py worker/renderjob.py worker/redisconn.py worker/redisacl.py ./worker/
+COPY worker/__init__.py worker/schema.py worker/keys.py worker/imagesize.py worker/limits.py worker/control.py worker/relay.py worker/renderjob.py worker/redisconn.py worker/redisacl.py worker/rqcompat.py ./worker/
 COPY examples ./examples
 RUN useradd --create-home --uid 1000 ltx
 USER ltx

@@ -287,7 +287,7 @@ def test_a_tenant_cannot_remove_trim_or_steal_from_a_queue(stack: Stack) -> None
 
 
 def test_a_tenant_pushes_only_onto_its_own_queue_and_stays_in_database_0(stack: Stack) -> None:
-    """Issue 26: tenants could push any id onto the shared queue (and RQ's intermediate list), add names to
+    """A security review found that tenants could push any id onto the shared queue (and RQ's intermediate list), add names to
     `rq:queues` without bound and `SELECT` databases 1-15. Now: only `<queue>:t:<self>`; workers register
     the queues they serve."""
     alice, shared = stack.raw("alice"), f"rq:queue:{stack.queue}"

@@ -1,4 +1,4 @@
-"""Issue 26's queue attacks, rerun on a real stack: redis-server with the ACL users `ltx-worker redis-acl`
+"""A security review's queue attacks (tenants pushing onto shared queues), rerun on a real stack: redis-server with the ACL users `ltx-worker redis-acl`
 writes (`worker`, `alice`, `bob`), one `ltx-worker one` on a CPU rank serving both tenants' queues
 (`LTX_TENANTS`) with `LTX_MAX_QUEUE_DEPTH=5`, real SeaweedFS. alice attacks with raw Redis; bob only uses
 the producer. Each test failed before tenant queues (`worker.tenantqueues`).

@@ -79,7 +79,7 @@ _LOCK_KEY = REFUSALS_KEY + ":lock"  # one drainer at a time
 _LOCK_TTL_S = 60
 _OWNER_CACHE = 4 * QUOTA_WINDOW
 #: Ids past the window that one trim records as refused; the rest it drops unread (no producer ever puts
-#: them there: 100k raw pushes cost the worker ~13 s of recording and stalled every tenant, issue 26).
+#: them there: 100k raw pushes cost the worker ~13 s of recording and stalled every tenant).
 _TRIM_RECORDED = QUOTA_WINDOW
 
 Owner = str | None  # a client name, None for a malformed one, or STALE

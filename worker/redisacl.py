@@ -77,7 +77,7 @@ def tenant_rules(tenant: str) -> str:
               f"{KEY_PREFIX}:worker:*:health")  # fmt: skip
     reads = " ".join([f"%R~rq:results:{t}-*", *(f"%R~{pattern}" for pattern in shared)])
     # No SELECT: key patterns hold in every database, so databases 1-15 would give a tenant keyspaces that
-    # no worker serves or cleans (issue 26); clients stay in the database of their URL (0 in compose).
+    # no worker serves or cleans; clients stay in the database of their URL (0 in compose).
     commands = ("-@all +@read -@dangerous +@connection -select -client +client|setname +client|getname +client|id "
                 "+multi +exec +discard +watch +unwatch +hset +hsetnx +hdel +expire +pexpire +persist +del +unlink "
                 "+xadd +xtrim +zadd +zrem +zremrangebyscore")  # fmt: skip

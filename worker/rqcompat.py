@@ -106,7 +106,7 @@ def register_queues(connection: Any, queues: list[Queue]) -> None:
 def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any = None) -> list[Any]:
     """RQ's `Worker.all()` without its writes: RQ removes a dead worker's entry from `rq:workers` with SREM
     while listing, which a tenant's Redis user may not do (every `producer submit` and `stats` crashed after
-    a worker died: issue 26). Entries whose key is gone are skipped; the workers' own cleanup removes them."""
+    a worker died). Entries whose key is gone are skipped; the workers' own cleanup removes them."""
     from rq.worker import Worker
 
     keys = [

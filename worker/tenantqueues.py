@@ -1,6 +1,6 @@
 """Tenant queues: what a tenant pushes lands where only its own jobs count, and no id runs unchecked.
 
-Why (issue 26, a review on a live stack with tenant Redis users): tenants could push any string onto the
+Why (a security review on a live stack with tenant Redis users): tenants could push any string onto the
 shared queue list. Five bogus ids (or five hashes of one's own naming another client as owner) made every
 job of another tenant end `queue_full` and refused its next submit; 100k bogus ids took 0.1 s to push,
 refused every producer for ~25 s and stalled the worker ~13 s; and re-pushing another tenant's failed id
