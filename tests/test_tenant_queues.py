@@ -1,7 +1,8 @@
-"""A security review's queue attacks (tenants pushing onto shared queues), rerun on a real stack: redis-server with the ACL users `ltx-worker redis-acl`
-writes (`worker`, `alice`, `bob`), one `ltx-worker one` on a CPU rank serving both tenants' queues
-(`LTX_TENANTS`) with `LTX_MAX_QUEUE_DEPTH=5`, real SeaweedFS. alice attacks with raw Redis; bob only uses
-the producer. Each test failed before tenant queues (`worker.tenantqueues`).
+"""A security review's queue attacks (tenants pushing onto shared queues), rerun on a real stack:
+redis-server with the ACL users `ltx-worker redis-acl` writes (`worker`, `alice`, `bob`), one
+`ltx-worker one` on a CPU rank serving both tenants' queues (`LTX_TENANTS`) with `LTX_MAX_QUEUE_DEPTH=5`,
+real SeaweedFS. alice attacks with raw Redis; bob only uses the producer. Each attack's test failed before
+tenant queues (`worker.tenantqueues`); the last two check the pieces on a plain Redis.
 """
 
 from __future__ import annotations
@@ -171,3 +172,45 @@ def test_a_stale_worker_entry_does_not_crash_tenant_commands(stack: Stack, monke
     finally:
         stack.admin.srem("rq:workers", ghost)
         stack.admin.srem(f"rq:workers:{tenant_queue}", ghost)
+
+
+# ---- the pieces, against a plain real Redis (no worker) ----------------------------------------------------
+
+
+def test_tenants_take_turns_within_a_priority_never_across() -> None:
+    from worker.tenantqueues import rotate, served_queue_names
+
+    names = served_queue_names(["hi", "lo"], ["alice", "bob"])
+    assert names == ["hi", "hi:t:alice", "hi:t:bob", "lo", "lo:t:alice", "lo:t:bob"]
+    assert rotate(names, "hi:t:alice") == ["hi:t:bob", "hi", "hi:t:alice", "lo", "lo:t:alice", "lo:t:bob"]
+    assert rotate(names, "lo:t:bob") == names  # (the last of its priority: the order it started with)
+    assert rotate(names, "lo") == [*names[:3], "lo:t:alice", "lo:t:bob", "lo"]
+
+
+def test_one_dequeue_drops_a_bounded_number_of_junk_ids_and_reaches_the_next_tenant(redis_server: Any) -> None:
+    """Without a depth cap nothing trims alice's 100k bogus ids: each dequeue drops at most JUNK_PER_QUEUE of
+    them (counted), then takes bob's job. RQ's own dequeue skipped missing ids in one loop over the queue."""
+    from rq.serializers import JSONSerializer
+
+    from worker.renderjob import RenderJob
+    from worker.tenantqueues import JUNK_PER_QUEUE, TakingQueue
+
+    conn = redis_server.client()
+    base = f"q-{uuid.uuid4().hex[:6]}"
+    dropped: list[tuple[str, str, str]] = []
+    cls = TakingQueue.with_hook(lambda q, j, r: dropped.append((q, j, r)))
+    qa, qb = (cls(f"{base}:t:{t}", connection=conn, serializer=JSONSerializer) for t in ("alice", "bob"))
+    with conn.pipeline(transaction=False) as pipe:
+        for chunk in range(10):
+            pipe.rpush(qa.key, *[f"alice-x{chunk}-{i}" for i in range(10_000)])
+        pipe.execute()
+    job = tenant_enqueue(conn, qb.name, _REQUEST, job_id="bob-real", meta={"client": "bob"})
+    taken = cls.dequeue_any([qa, qb], 1, connection=conn, job_class=RenderJob, serializer=JSONSerializer)
+    assert taken is not None and taken[0].id == job.id and taken[1].name == qb.name
+    assert len(dropped) == JUNK_PER_QUEUE and {r for _, _, r in dropped} == {"no_job"}
+    assert conn.llen(qa.key) == 100_000 - JUNK_PER_QUEUE and conn.llen(f"{qa.key}:intermediate") == 0
+    assert conn.lrange(f"{qb.key}:intermediate", 0, -1) == [b"bob-real"]  # (RQ's cleanup finds it if we die)
+    # junk only: an empty hand at once (the worker's loop beats and comes back), never a block or a full scan
+    assert cls.dequeue_any([qa], 1, connection=conn, job_class=RenderJob, serializer=JSONSerializer) is None
+    assert len(dropped) == 2 * JUNK_PER_QUEUE
+    conn.delete(qa.key, f"{qb.key}:intermediate", job.key)
