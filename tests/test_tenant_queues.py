@@ -213,4 +213,11 @@ def test_one_dequeue_drops_a_bounded_number_of_junk_ids_and_reaches_the_next_ten
     # junk only: an empty hand at once (the worker's loop beats and comes back), never a block or a full scan
     assert cls.dequeue_any([qa], 1, connection=conn, job_class=RenderJob, serializer=JSONSerializer) is None
     assert len(dropped) == 2 * JUNK_PER_QUEUE
-    conn.delete(qa.key, f"{qb.key}:intermediate", job.key)
+    # a burst worker (timeout None) goes on through the junk: it must not stop while a job waits behind it
+    conn.delete(qa.key)
+    conn.rpush(qa.key, *[f"alice-y{i}" for i in range(2 * JUNK_PER_QUEUE + 5)])
+    later = tenant_enqueue(conn, qa.name, _REQUEST, job_id="alice-real", meta={"client": "alice"})
+    assert cls.dequeue_any([qa], 1, connection=conn, job_class=RenderJob, serializer=JSONSerializer) is None
+    taken = cls.dequeue_any([qa], None, connection=conn, job_class=RenderJob, serializer=JSONSerializer)
+    assert taken is not None and taken[0].id == later.id
+    conn.delete(qa.key, f"{qa.key}:intermediate", f"{qb.key}:intermediate", job.key, later.key)

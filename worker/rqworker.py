@@ -31,6 +31,10 @@ recorded by `worker.outcomes`.
   health) and rebuilt at once in the background (`FleetSupervisor.rebuild_soon`); the dequeue waits for
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
+- Dequeue (`worker.tenantqueues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
+  tenants in turn within a priority (`reorder_queues`); each id is checked (hash, `queued` status, origin,
+  tenant) before it counts or runs, junk is dropped at a bounded rate per dequeue, and every taken id sits
+  in its queue's intermediate list until it starts (`prepare_job_execution`).
 - Admission (`worker.admission`): before and right after every dequeue the worker ends, without running
   them, the jobs past `LTX_MAX_QUEUE_DEPTH` waiting jobs and past a client's `LTX_CLIENT_QUOTA`
   unfinished jobs, whoever enqueued them (the producer's own check is only the early answer).
@@ -135,6 +139,9 @@ class FleetWorker(SimpleWorker):
                                           worker_name=self.name, max_meta_bytes=settings.max_meta_bytes,
                                           tenant_ids=settings.tenant_ids)  # fmt: skip
         rqcompat.register_queues(self.connection, self.queues)  # (tenants may not: worker.redisacl)
+        if settings.tenant_ids and not settings.tenants:
+            log.warning("LTX_TENANT_IDS without LTX_TENANTS: tenants' own queues ('<queue>:t:<tenant>', where their "
+                        "producers submit) are not served by this worker")  # fmt: skip
 
     def _dropped_entry(self, queue: str, job_id: str, reason: str) -> None:
         self.service.metrics.dropped_queue_entries.labels(self.service.group, reason).inc()

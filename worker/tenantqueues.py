@@ -112,24 +112,35 @@ class TakingQueue(Queue):
         DequeueTimeout as RQ's when there is none."""
         queues = list(queues)
         job_cls = job_class or cls.job_class
-        pending = False  # junk left behind in some queue: do not block, come back at once
-        for queue in queues:
-            for _ in range(JUNK_PER_QUEUE):
-                raw = connection.lmove(queue.key, IntermediateQueue.get_intermediate_queue_key(queue.key))
-                if raw is None:
-                    break
-                taken = cls._checked(queue, raw, connection, job_cls, serializer)
-                if taken is not None:
-                    return taken
-            else:
-                pending = True
-        if timeout is None or pending:
+        while True:
+            pending = False  # junk left behind in some queue: do not block, come back at once
+            for queue in queues:
+                for _ in range(JUNK_PER_QUEUE):
+                    raw = connection.lmove(queue.key, IntermediateQueue.get_intermediate_queue_key(queue.key))
+                    if raw is None:
+                        break
+                    taken = cls._checked(queue, raw, connection, job_cls, serializer)
+                    if taken is not None:
+                        return taken
+                else:
+                    pending = True
+            if not pending:
+                break
+            if timeout is not None:
+                return None  # (a burst worker, timeout None, goes on: it stops only once the queues are empty)
+        if timeout is None:
             return None
-        # Every queue was empty: wait for a push on any of them (BLPOP has no multi-key move; the id goes to
-        # the intermediate list at once, as RQ's multi-queue dequeue never did).
-        result = connection.blpop([q.key for q in queues], timeout)
+        keys = [q.key for q in queues]
+        if len(queues) == 1:  # RQ's own blocking move, atomic
+            raw = connection.blmove(keys[0], IntermediateQueue.get_intermediate_queue_key(keys[0]), timeout)
+            if raw is None:
+                raise DequeueTimeout(timeout, keys[0])
+            return cls._checked(queues[0], raw, connection, job_cls, serializer)
+        # Every queue was empty: wait for a push on any of them. BLPOP has no multi-key move: the id goes to
+        # the intermediate list right after (RQ's multi-queue dequeue never put it there at all).
+        result = connection.blpop(keys, timeout)
         if result is None:
-            raise DequeueTimeout(timeout, [q.key for q in queues])
+            raise DequeueTimeout(timeout, keys)
         key, raw = result
         key = key.decode() if isinstance(key, bytes) else key
         queue = next(q for q in queues if q.key == key)
