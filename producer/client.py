@@ -56,9 +56,11 @@ from worker.control import cancel_job
 from worker.keys import (
     RENDER_FUNC,
     JobState,
+    base_queue,
     check_job_id,
     derive_state,
     events_key,
+    queue_tenant,
     safe_redis_url,
     tenant_job_id,
     tenant_queue,
@@ -115,6 +117,16 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         if self.settings.tenant_ids and not self.settings.operator:
             name = tenant_queue(name, self.settings.client)
         return Queue(name, connection=self.connection, serializer=JSONSerializer)
+
+    def view_queues(self, names: list[str]) -> list[Queue]:
+        """The queues `ls` and `stats` show for the configured `names`: a tenant's own; for everyone else
+        the shared ones plus every tenant queue of them that workers serve (they register it in
+        `rq:queues`, which tenants cannot write, so the set stays bounded)."""
+        shown = [self.queue(name) for name in dict.fromkeys(names)]
+        if self.settings.tenant_ids and not self.settings.operator:
+            return shown
+        registered = sorted(k.decode().removeprefix("rq:queue:") for k in self.connection.smembers("rq:queues"))
+        return shown + [self.queue(n) for n in registered if queue_tenant(n) and base_queue(n) in names]
 
     def submit(
         self,
@@ -279,8 +291,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         this client's and unowned ones (every client's for an operator)."""
         sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
         with unavailable_on_error():
-            for name in queues:
-                q = self.queue(name)
+            for q in self.view_queues(queues):
+                name = q.name
                 ids = {
                     "waiting": q.get_job_ids(0, limit - 1),
                     # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135)

@@ -27,7 +27,7 @@ from worker.rqcompat import live_workers
 
 
 class StatsQueries:
-    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `_read`, `_visible`,
+    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `view_queues`, `_read`, `_visible`,
     `_may_read`)."""
 
     # ---- stats -------------------------------------------------------------------------------------
@@ -36,7 +36,8 @@ class StatsQueries:
         with unavailable_on_error():
             qstats = []
             failed_ids: list[tuple[str, str]] = []
-            for q in (self.queue(name) for name in names):
+            shown = self.view_queues(names)
+            for q in shown:
                 name = q.name
                 # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135).
                 qstats.append(
@@ -56,7 +57,7 @@ class StatsQueries:
                 for job_id in registry.get_job_ids(-failures, -1, cleanup=False):
                     if self._may_read(job_id):
                         failed_ids.append((name, job_id))
-            served = {self.queue(name).name for name in names}
+            served = {q.name for q in shown}
             workers = [self._worker_info(w) for w in live_workers(self.connection)]  # (Worker.all() writes)
             workers = [w for w in workers if not names or set(w.queues) & served]
             recent = []

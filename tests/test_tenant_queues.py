@@ -174,6 +174,22 @@ def test_a_stale_worker_entry_does_not_crash_tenant_commands(stack: Stack, monke
         stack.admin.srem(f"rq:workers:{tenant_queue}", ghost)
 
 
+def test_an_operator_sees_every_tenant_queue_the_workers_serve(stack: Stack) -> None:
+    """Tenants see their own queue; an operator (the worker user) sees the shared queue and every tenant
+    queue workers registered, so depths and jobs of all tenants stay visible."""
+    from producer.client import ProducerClient
+
+    with stack.producer("bob") as bob:
+        bob.submit(_request("t seen"), job_id="seen")
+        _wait_state(bob, "seen", {"uploaded"}, stack)
+        assert [q.name for q in bob.stats(queues=[stack.queue]).queues] == [f"{stack.queue}:t:bob"]
+    with ProducerClient(stack.settings("worker", operator=True)) as operator:
+        names = [q.name for q in operator.stats(queues=[stack.queue]).queues]
+        assert names == [stack.queue, f"{stack.queue}:t:alice", f"{stack.queue}:t:bob"]
+        ended = operator.list_jobs([stack.queue], 200)["recently ended"]
+        assert "bob-seen" in [i.job_id for i in ended]
+
+
 # ---- the pieces, against a plain real Redis (no worker) ----------------------------------------------------
 
 
