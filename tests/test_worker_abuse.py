@@ -181,10 +181,6 @@ def test_the_hard_cap_on_attempts_holds_whatever_the_hash_says(worker):
     assert _states(worker.conn, refused.id) == ["failed"]
 
 
-# ==== item 2: the worker owns timeouts and TTLs =========================================================
-
-
-@pytest.mark.parametrize("job_timeout", [1, 31])
 def test_an_ended_job_pushed_again_never_re_runs_and_junk_ids_count_for_nobody(worker):
     """Without tenant users anyone may push ids: a failed job's id pushed again rendered it again (RQ's
     dequeue never looks at the status). The worker drops it (`not_queued`) and ids without a hash
@@ -202,6 +198,10 @@ def test_an_ended_job_pushed_again_never_re_runs_and_junk_ids_count_for_nobody(w
     assert worker.conn.llen(f"rq:queue:{worker.queue}:intermediate") == 0
 
 
+# ==== item 2: the worker owns timeouts and TTLs =========================================================
+
+
+@pytest.mark.parametrize("job_timeout", [1, 31])
 def test_a_client_job_timeout_neither_times_out_the_job_nor_rebuilds_the_fleet(worker, job_timeout):
     pids = worker.idle()["fleet"]["pids"]
     job = worker.enqueue("t step_s=0.5", job_timeout=job_timeout)  # a 1 s render
