@@ -238,6 +238,11 @@ class _Run:
                     conn.hset(f"rq:job:{bad.job_id}", mapping=bad.payload)
                     conn.rpush(f"rq:queue:{stack.queue}", bad.job_id)
                     conn.sadd("rq:queues", f"rq:queue:{stack.queue}")
+        # ids without a hash, pushed raw ahead of the probe: dropped when taken (worker.tenantqueues), never
+        # counted or run, and without stalling the probe behind them
+        nohash = [f"hostile-nohash-{rng_seed}-{i}" for i in range(2000)]
+        conn.rpush(f"rq:queue:{stack.queue}", *nohash)
+        inputs.append(BadInput("raw", {}, f"{len(nohash)} ids without a hash", job_id=nohash[-1]))
         # a valid job behind them proves the workers still render, then judge each bad input
         probe = self.submit("hostile_probe")
         wait_for(lambda: job_state(conn, probe) in TERMINAL, 120, "probe after hostile input", poll=0.1,
