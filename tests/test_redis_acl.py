@@ -55,12 +55,22 @@ class Stack:
     def fleet_alive(self) -> bool:
         return bool(wait_ready(self.admin, self.name, 1, 30, self.worker))
 
-    def acl_denials(self, user: str) -> list[str]:
-        def text(value: Any) -> str:
-            return value.decode() if isinstance(value, bytes) else str(value)
+    def denial_counts(self, user: str) -> dict[str, int]:
+        """What `user` was denied so far, with how often (Redis aggregates repeats within 60 s into one entry)."""
+        counts: dict[str, int] = {}
+        for e in self.admin.acl_log(128):
+            if _text(e["username"]) == user:
+                what = f"{_text(e['reason'])}: {_text(e['object'])}"
+                counts[what] = counts.get(what, 0) + int(e["count"])
+        return counts
 
-        return [f"{text(e['reason'])}: {text(e['object'])}" for e in self.admin.acl_log(128)
-                if text(e["username"]) == user]  # fmt: skip
+    def acl_denials(self, user: str) -> list[str]:
+        return [f"{_text(e['reason'])}: {_text(e['object'])}" for e in self.admin.acl_log(128)
+                if _text(e["username"]) == user]  # fmt: skip
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +204,10 @@ def test_a_tenant_backfill_re_runs_its_cancelled_job_under_the_same_id(stack: St
         assert alice.cancel(job_id) == "cancelled"
         _wait_state(alice, "busy-bf", {"uploaded"}, stack)
         run = Backfill(alice, [LoadedRequest(request, "f:1", 0)], manifest=tmp_path / "m.jsonl", concurrency=1)
+        denied = stack.denial_counts("alice")
         summary = run.run()
+        new = {d: n - denied.get(d, 0) for d, n in stack.denial_counts("alice").items() if n != denied.get(d)}
+        assert set(new) <= {"command: info"}, new  # it tried no write on shared keys (RQ's job.delete did)
         assert (summary.enqueued, summary.uploaded, summary.failed) == (1, 1, 0), summary
         assert alice.status(job_id).state == "uploaded"
     assert stack.fleet_alive()
@@ -287,9 +300,9 @@ def test_a_tenant_cannot_remove_trim_or_steal_from_a_queue(stack: Stack) -> None
 
 
 def test_a_tenant_pushes_only_onto_its_own_queue_and_stays_in_database_0(stack: Stack) -> None:
-    """A security review found that tenants could push any id onto the shared queue (and RQ's intermediate list), add names to
-    `rq:queues` without bound and `SELECT` databases 1-15. Now: only `<queue>:t:<self>`; workers register
-    the queues they serve."""
+    """A security review found that tenants could push any id onto the shared queue (and RQ's intermediate
+    list), add names to `rq:queues` without bound and `SELECT` databases 1-15. Now: only
+    `<queue>:t:<self>`; workers register the queues they serve."""
     alice, shared = stack.raw("alice"), f"rq:queue:{stack.queue}"
     for attack in (lambda: alice.rpush(shared, "bob-x"), lambda: alice.lpush(shared, "bob-x"),
                    lambda: alice.rpush(f"{shared}:intermediate", "x"), lambda: alice.rpush(f"{shared}:t:bob", "x"),
