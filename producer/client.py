@@ -56,11 +56,9 @@ from worker.control import cancel_job
 from worker.keys import (
     RENDER_FUNC,
     JobState,
-    base_queue,
     check_job_id,
     derive_state,
     events_key,
-    queue_tenant,
     safe_redis_url,
     tenant_job_id,
     tenant_queue,
@@ -117,16 +115,6 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         if self.settings.tenant_ids and not self.settings.operator:
             name = tenant_queue(name, self.settings.client)
         return Queue(name, connection=self.connection, serializer=JSONSerializer)
-
-    def view_queues(self, names: list[str]) -> list[Queue]:
-        """The queues `ls` and `stats` show for the configured `names`: a tenant's own; for everyone else
-        the shared ones plus every tenant queue of them that workers serve (they register it in
-        `rq:queues`, which tenants cannot write, so the set stays bounded)."""
-        shown = [self.queue(name) for name in dict.fromkeys(names)]
-        if self.settings.tenant_ids and not self.settings.operator:
-            return shown
-        registered = sorted(k.decode().removeprefix("rq:queue:") for k in self.connection.smembers("rq:queues"))
-        return shown + [self.queue(n) for n in registered if queue_tenant(n) and base_queue(n) in names]
 
     def submit(
         self,

@@ -22,15 +22,25 @@ from producer.models import (
     WorkerInfo,
     unavailable_on_error,
 )
-from worker.keys import worker_health_key
+from worker.keys import base_queue, queue_tenant, worker_health_key
 from worker.rqcompat import live_workers
 
 
 class StatsQueries:
-    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `view_queues`, `_read`, `_visible`,
-    `_may_read`)."""
+    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `_read`, `_visible`,
+    `_may_read`; `view_queues` serves its `ls` too)."""
 
     # ---- stats -------------------------------------------------------------------------------------
+    def view_queues(self, names: list[str]) -> list[Any]:
+        """The queues `ls` and `stats` show for the configured `names`: a tenant's own; for everyone else
+        the shared ones plus every tenant queue of them that workers serve (they register it in
+        `rq:queues`, which tenants cannot write, so the set stays bounded)."""
+        shown = [self.queue(name) for name in dict.fromkeys(names)]
+        if self.settings.tenant_ids and not self.settings.operator:
+            return shown
+        registered = sorted(k.decode().removeprefix("rq:queue:") for k in self.connection.smembers("rq:queues"))
+        return shown + [self.queue(n) for n in registered if queue_tenant(n) and base_queue(n) in names]
+
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
         names = list(dict.fromkeys(queues or self.settings.queues))
         with unavailable_on_error():
