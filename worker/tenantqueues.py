@@ -20,8 +20,9 @@ the worker's own re-queues of jobs enqueued there) and every tenant's queue, and
   queue's to record);
 - **bounds the work of one dequeue** (`TakingQueue.dequeue_any`): at most `JUNK_PER_QUEUE` entries are
   dropped from one queue per dequeue before the next queue is looked at; a dequeue that found only junk
-  returns empty-handed (the worker's loop beats, checks its fleet and comes back). RQ's own dequeue skipped
-  missing ids in one unbounded loop, over the whole queue;
+  returns empty-handed (the worker's loop beats, checks its fleet and comes back; a burst worker goes on
+  until the queues are empty). RQ's own dequeue skipped missing ids in one unbounded loop, over the whole
+  queue;
 - **counts each tenant on its own** (`TenantAdmissions`): `LTX_MAX_QUEUE_DEPTH` and `LTX_CLIENT_QUOTA` hold
   per tenant over its own queues (and, for the shared queues, over them together), each by its own
   `worker.admission.Admission` pass; nothing one tenant pushes is in another's count, and the producer counts
@@ -76,7 +77,7 @@ def rotate(ordered: Sequence[Any], taken: Any, name: Callable[[Any], str] = str)
 
 def entry_problem(connection: Any, queue_name: str, raw_id: bytes | str, job_key: Callable[[str], str]) -> str | None:
     """Why the id `raw_id` taken from queue `queue_name` must not run or count (a drop reason), or None.
-    One round trip; reads two fields of the hash only."""
+    One round trip; reads three short fields of the hash only."""
     try:  # (an id `check_job_id` refuses but with a queued hash runs into the worker's refusal, recorded)
         job_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
     except UnicodeDecodeError:
