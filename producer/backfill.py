@@ -174,7 +174,11 @@ class Backfill:
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> BackfillSummary:
+        """Render every item; returns the summary. Redis must be usable at the start (ServiceUnavailable at
+        once: a wrong URL or password is no outage to wait out); an outage later is waited out for
+        `unavailable_window_s`."""
         stop = stop or threading.Event()
+        self.client.check_connection()
         done = read_manifest(self.manifest)
         pending: deque[_Item] = deque()
         for item in self.items:
@@ -196,9 +200,12 @@ class Backfill:
                     if down_since is not None:
                         down_since = None
                         self.on_change(self.summary, "reconnected")
-                except (ServiceUnavailable, redis.ConnectionError, redis.TimeoutError):
+                except (ServiceUnavailable, redis.ConnectionError, redis.TimeoutError) as exc:
                     # A Redis outage is waited out like a full queue: content-derived ids make a retried
-                    # submit safe (an enqueue that did land is adopted, not duplicated).
+                    # submit safe (an enqueue that did land is adopted, not duplicated). A refusal (ACL,
+                    # credentials) is no outage: it ends the run at once.
+                    if isinstance(exc, ServiceUnavailable) and exc.misconfigured:
+                        raise
                     now = time.monotonic()
                     down_since = down_since or now
                     if now - down_since > self.unavailable_window_s:

@@ -8,6 +8,7 @@ import contextlib
 import json
 from typing import Any
 
+from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
@@ -22,15 +23,24 @@ from producer.models import (
     WorkerInfo,
     unavailable_on_error,
 )
-from worker.keys import base_queue, queue_tenant, worker_health_key
+from worker.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
 from worker.rqcompat import live_workers
 
 
 class StatsQueries:
-    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `_read`, `_visible`,
-    `_may_read`; `view_queues` serves its `ls` too)."""
+    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `_read`, `_visible`, `_may_read`;
+    `queue` and `view_queues`, the queue layout a client sees, serve its `submit` and `ls` too)."""
 
     # ---- stats -------------------------------------------------------------------------------------
+    def queue(self, name: str | None = None) -> Any:
+        """The RQ queue this client writes and reads for `name` (default: the first of `LTX_QUEUES`): a
+        tenant's own `<name>:t:<client>` (the only queue its Redis user may push to, and the only one whose
+        depth counts against it: `worker.tenantqueues`), the shared queue otherwise."""
+        name = name or self.settings.default_queue
+        if self.settings.tenant_ids and not self.settings.operator:
+            name = tenant_queue(name, self.settings.client)
+        return Queue(name, connection=self.connection, serializer=JSONSerializer)
+
     def view_queues(self, names: list[str]) -> list[Any]:
         """The queues `ls` and `stats` show for the configured `names`: a tenant's own; for everyone else
         the shared ones plus every tenant queue of them that workers serve (they register it in
@@ -43,7 +53,7 @@ class StatsQueries:
 
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
         names = list(dict.fromkeys(queues or self.settings.queues))
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             qstats = []
             failed_ids: list[tuple[str, str]] = []
             shown = self.view_queues(names)

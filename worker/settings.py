@@ -73,6 +73,12 @@ BUILTIN_RUNNERS: dict[str, str] = {
 _MiB = 1024 * 1024
 
 
+_PRESIGN_FILE_FIELDS = (
+    ("s3_presign_access_key_id", "s3_presign_access_key_id_file"),
+    ("s3_presign_secret_access_key", "s3_presign_secret_access_key_file"),
+)
+
+
 class SettingsError(ValueError):
     """Settings are invalid; the message names each offending field and its environment variable."""
 
@@ -176,6 +182,10 @@ class WorkerSettings(RedisAccess, BaseSettings):
     )
     render_timeout: float = Field(3600.0, gt=0, description="seconds one render may take in the fleet")
     fleet_shutdown_timeout: float = Field(30.0, ge=0, description="graceful seconds when stopping a fleet")
+    fleet_error_settle_s: float = Field(
+        30.0, gt=0, description="once some ranks ended a job with an error, seconds the others get to end it too "
+        "before the fleet is taken to be stuck in a collective and rebuilt"
+    )  # fmt: skip
     max_rebuild_failures: int = Field(
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"
     )
@@ -206,6 +216,13 @@ class WorkerSettings(RedisAccess, BaseSettings):
     s3_secret_access_key: SecretStr | None = None
     s3_access_key_id_file: Path | None = Field(None, description="read the access key id from this file")
     s3_secret_access_key_file: Path | None = Field(None, description="read the secret key from this file")
+    s3_presign_access_key_id: SecretStr | None = Field(
+        None, description="sign result URLs with this read-only key (unset: the worker's key, whose id then "
+        "appears in every URL stored in Redis)"
+    )  # fmt: skip
+    s3_presign_secret_access_key: SecretStr | None = None
+    s3_presign_access_key_id_file: Path | None = Field(None, description="read the presign key id from this file")
+    s3_presign_secret_access_key_file: Path | None = Field(None, description="read the presign secret from this file")
     s3_checksum_when_required: bool | None = Field(
         None, description="send CRC checksums only when required (default: on for custom endpoints)"
     )
@@ -384,15 +401,15 @@ class WorkerSettings(RedisAccess, BaseSettings):
             raise ValueError(
                 f"local_storage_dir ({ENV_PREFIX}LOCAL_STORAGE_DIR) is required when storage_backend='local'"
             )
-        for secret, file_field in S3_SECRET_FILE_FIELDS:
+        for secret, file_field in (*S3_SECRET_FILE_FIELDS, *_PRESIGN_FILE_FIELDS):
             path = getattr(self, file_field)
             if path is not None:
                 object.__setattr__(self, secret, SecretStr(read_secret_file(path, file_field)))
-        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
-            raise ValueError(
-                f"s3_access_key_id / s3_secret_access_key ({ENV_PREFIX}S3_ACCESS_KEY_ID, "
-                f"{ENV_PREFIX}S3_SECRET_ACCESS_KEY): set both or neither"
-            )
+        for key_id, secret in (("s3_access_key_id", "s3_secret_access_key"),
+                               ("s3_presign_access_key_id", "s3_presign_secret_access_key")):  # fmt: skip
+            if (getattr(self, key_id) is None) != (getattr(self, secret) is None):
+                raise ValueError(f"{key_id} / {secret} ({ENV_PREFIX}{key_id.upper()}, {ENV_PREFIX}{secret.upper()}): "
+                                 "set both or neither")  # fmt: skip
         if self.tenants and not self.tenant_ids:
             raise ValueError(f"tenants ({ENV_PREFIX}TENANTS) need tenant_ids ({ENV_PREFIX}TENANT_IDS=true): a "
                              "tenant queue holds only ids with its tenant's prefix")  # fmt: skip
@@ -444,7 +461,8 @@ class WorkerSettings(RedisAccess, BaseSettings):
     def public_dump(self) -> dict[str, Any]:
         """JSON-safe settings with secrets masked (for logs and `ltx-worker settings`)."""
         data = self.model_dump(mode="json")
-        for key in ("s3_access_key_id", "s3_secret_access_key", "redis_password"):
+        for key in ("s3_access_key_id", "s3_secret_access_key", "s3_presign_access_key_id",
+                    "s3_presign_secret_access_key", "redis_password"):  # fmt: skip
             if data.get(key) is not None:
                 data[key] = "**********"
         data["redis_url"] = safe_redis_url(self.redis_url)  # (its password)
