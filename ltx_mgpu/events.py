@@ -35,6 +35,7 @@ class Stage(StrEnum):
     DECODE = "decode"  #: the video VAE decode
     AUDIO_DECODE = "audio_decode"  #: the audio VAE decode and vocoder
     MUX = "mux"  #: writing the mp4 (video and audio tracks)
+    HANDOFF = "handoff"  #: yuv420p frames converted on the device and copied out for an encoder beside the fleet
 
 
 def stage_event(stage: str, **extra: Any) -> dict[str, Any]:
