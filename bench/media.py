@@ -1,6 +1,6 @@
 """The mp4 encode of one rendered video, old path against new, in the same run (CPU only; CI runs `--quick`).
 
-- old: what the runner's driver rank did before issue 27: per frame `VideoFrame.from_ndarray(rgb24)`,
+- old: what the runner's driver rank did before the hand-off: per frame `VideoFrame.from_ndarray(rgb24)`,
   swscale to yuv420p inside the encoder call, x264 `veryfast` at crf 18 with PyAV's default sliced threads;
 - new: `ltx_mgpu.runners.common.media`: RGB -> yuv420p with torch ops (timed separately: on a GPU fleet it
   runs on the device, here on the CPU), then `write_mp4_yuv` (x264 frame threads on every core, the
@@ -61,7 +61,7 @@ def content_clip(frames: int, width: int, height: int) -> torch.Tensor:
 
 
 def old_encode(frames: torch.Tensor, path: Path, fps: float = 24.0, crf: int = 18) -> int:
-    """The pre-issue-27 runner path, kept verbatim in behaviour (rgb24 frames, swscale, sliced threads)."""
+    """The runner path before the hand-off, kept verbatim in behaviour (rgb24 frames, swscale, sliced threads)."""
     import av
 
     with av.open(str(path), mode="w", format="mp4") as container:

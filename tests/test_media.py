@@ -1,4 +1,4 @@
-"""The fast encode path (issue 27): RGB -> yuv420p with torch ops, x264 with frame threads, and `bench/media.py`.
+"""The fast encode path: RGB -> yuv420p with torch ops, x264 with frame threads, and `bench/media.py`.
 
 Colours are checked end to end: encode, decode with PyAV (FFmpeg's BT.601 default for the tagged stream),
 compare with the input within a tolerance derived from the arithmetic (below), so a wrong matrix (BT.709

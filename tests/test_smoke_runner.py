@@ -81,7 +81,7 @@ def test_renders_mp4_with_audio_at_world_1_and_2_and_they_match(fleets: dict, tm
 
 
 def test_media_frames_hands_off_yuv_and_audio_and_encodes_to_the_same_video(fleets: dict, tmp_path: Path) -> None:
-    """`media="frames"` (the worker's path, issue 27): no mux stage and no file; a `media` event carries
+    """`media="frames"` (the worker's path): no mux stage and no file; a `media` event carries
     yuv420p frames and the waveform through the controller's tensor path, and encoding them beside the fleet
     gives the very video the fleet's own mp4 path writes. The output event carries the device-busy clock."""
     from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, write_mp4_yuv

@@ -1,4 +1,4 @@
-"""The end of a render on the driver rank: the video leaves the fleet, as an mp4 or as frames (issue 27).
+"""The end of a render on the driver rank: the video leaves the fleet, as an mp4 or as frames.
 
 Why two ways: a fleet that encodes its own mp4 holds every GPU of the group for the whole encode (1.3 s of
 a 4.1 s distilled render at 768x512 on one H200, 3.1 s at 1536x1024), and H100/H200 have no NVENC. With

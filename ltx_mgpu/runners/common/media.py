@@ -10,7 +10,7 @@ never sees half a video.
 AAC adds an encoder delay ("priming", 1024 samples here) that the mp4 records in its edit list; a decoder
 that honours it (FFmpeg, PyAV, browsers) returns the input's samples padded up to a whole AAC frame.
 
-The fast path (issue 27): RGB becomes yuv420p with torch ops on the device that decoded it
+The fast path: RGB becomes yuv420p with torch ops on the device that decoded it
 (`rgb_to_yuv420p`: BT.601 limited range, 2x2 chroma averaging: what swscale's default rgb24 -> yuv420p did
 for untagged input, and the stream is tagged BT.601 so players do not guess BT.709 for HD sizes), so half
 the bytes cross to the host and no swscale runs; x264 then encodes with frame threads on every core
@@ -27,6 +27,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
+
+from ...events import MEDIA
 
 __all__ = [
     "MEDIA",
@@ -45,7 +47,6 @@ __all__ = [
 ]
 
 AAC_BITRATE = 192_000  #: stereo AAC-LC at 192 kb/s: transparent for generated audio
-MEDIA = "media"  #: the `type` of the hand-off event (frames and audio, not JSON: never relayed to clients)
 _CONVERT_CHUNK = 16  #: frames converted at once (bounds the int32 working set: ~300 MB at 1536x1024)
 #: x264 VUI: BT.601 (smpte170m) primaries, transfer and matrix, limited range, matching the conversion
 _X264_COLOUR = "colorprim=smpte170m:transfer=smpte170m:colormatrix=smpte170m:range=tv"

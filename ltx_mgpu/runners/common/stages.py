@@ -11,7 +11,7 @@ Stage names used by the runners (the `output` event's `timings_s` keys): `encode
 `lora_swap_stage2` where a runner fuses LoRAs per stage. A stage a runner does not
 have, or skipped for this job (no audio asked), is absent.
 
-The honest clock (issue 27): `gpu_report()` gives the job's device-busy seconds (every stage but the
+The honest clock: `gpu_report()` gives the job's device-busy seconds (every stage but the
 CPU-only `mux`) and the wall-clock window from the start of its first stage to the end of its last device
 stage, so a service can measure fleet idle from the last device work of one job to the first of the next
 instead of from event gaps (which hid a whole mp4 encode per video).
