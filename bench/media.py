@@ -3,7 +3,8 @@
 - old: what the runner's driver rank did before the hand-off: per frame `VideoFrame.from_ndarray(rgb24)`,
   swscale to yuv420p inside the encoder call, x264 `veryfast` at crf 18 with PyAV's default sliced threads;
 - new: `ltx_mgpu.runners.common.media`: RGB -> yuv420p with torch ops (timed separately: on a GPU fleet it
-  runs on the device, here on the CPU), then `write_mp4_yuv` (x264 frame threads on every core, the
+  runs on the device; with CUDA `fleet_handoff_cuda_s` is that conversion plus the one copy into shared
+  memory, what the fleet pays instead of the encode), then `write_mp4_yuv` (x264 frame threads on every core, the
   worker's default `EncodeOptions`; `--preset`/`--crf`/`--threads` override).
 
 Clips (121 frames by default, at 768x512 and 1536x1024): `noise` (uniform random pixels: the worst case,
@@ -35,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ltx_mgpu.runners.common.media import EncodeOptions, rgb_to_yuv420p, write_mp4_yuv
+from ltx_mgpu.runners.common.media import EncodeOptions, rgb_to_yuv420p, shared_host_copy, write_mp4_yuv
 
 
 def noise_clip(frames: int, width: int, height: int, seed: int = 0) -> torch.Tensor:
@@ -88,6 +89,18 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
     frames = noise_clip(args.frames, width, height) if clip == "noise" else content_clip(args.frames, width, height)
     old_s, old_bytes = timed(lambda: old_encode(frames, workdir / "old.mp4", crf=args.crf), args.repeats)
     convert_s, yuv = timed(lambda: rgb_to_yuv420p(frames), args.repeats)
+    handoff_s = None
+    if args.device == "cuda":  # what the fleet pays instead of the encode: convert there, one copy out
+        on_device = frames.cuda()
+
+        def handoff() -> torch.Tensor:
+            out = shared_host_copy(rgb_to_yuv420p(on_device))
+            torch.cuda.synchronize()
+            return out
+
+        handoff()  # (warm-up: the first call pays CUDA's lazy initialisation)
+        handoff_s, from_device = timed(handoff, args.repeats)
+        assert torch.equal(from_device, yuv), "the device conversion differs from the CPU one"
     new_s, new_bytes = timed(lambda: write_mp4_yuv(yuv, workdir / "new.mp4", 24.0, width=width, options=options),
                              args.repeats)  # fmt: skip
     return {
@@ -99,6 +112,7 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
         "new_encode_s": round(new_s, 4),
         "new_convert_cpu_s": round(convert_s, 4),
         "new_total_cpu_s": round(new_s + convert_s, 4),
+        "fleet_handoff_cuda_s": None if handoff_s is None else round(handoff_s, 4),
         "speedup_encode": round(old_s / new_s, 3) if new_s else None,
         "speedup_with_cpu_convert": round(old_s / (new_s + convert_s), 3),
         "old_bytes": old_bytes,
@@ -117,8 +131,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--crf", type=int, default=EncodeOptions.crf)
     ap.add_argument("--preset", default=EncodeOptions.preset)
     ap.add_argument("--threads", type=int, default=0, help="x264 frame threads of the new path (0: every core)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="also time the fleet's hand-off on CUDA (auto: if there is one)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     args = ap.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.frames, args.sizes, args.repeats = 9, "256x160", 1
     return args
@@ -143,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "crf": options.crf,
         "preset": options.preset,
         "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "cases": cases,
     }
     lines.append("SUMMARY " + json.dumps(summary))
