@@ -4,8 +4,9 @@
   swscale to yuv420p inside the encoder call, x264 `veryfast` at crf 18 with PyAV's default sliced threads;
 - new: `ltx_mgpu.runners.common.media`: RGB -> yuv420p with torch ops (timed separately: on a GPU fleet it
   runs on the device; with CUDA `fleet_handoff_cuda_s` is that conversion plus the one copy into shared
-  memory, what the fleet pays instead of the encode), then `write_mp4_yuv` (x264 frame threads on every core, the
-  worker's default `EncodeOptions`; `--preset`/`--crf`/`--threads` override).
+  memory, what the fleet pays instead of the encode), then `write_mp4_yuv` (parallel x264 segments with
+  frame threads on every core, the worker's default `EncodeOptions`; `--preset`/`--crf`/`--threads`/
+  `--segments` override).
 
 Clips (121 frames by default, at 768x512 and 1536x1024): `noise` (uniform random pixels: the worst case,
 and what synthetic weights render) and `content` (smooth moving shapes over gradients: a stand-in for real
@@ -130,7 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--crf", type=int, default=EncodeOptions.crf)
     ap.add_argument("--preset", default=EncodeOptions.preset)
-    ap.add_argument("--threads", type=int, default=0, help="x264 frame threads of the new path (0: every core)")
+    ap.add_argument("--threads", type=int, default=0, help="x264 threads of the new path (0: every core)")
+    ap.add_argument("--segments", type=int, default=0, help="parallel x264 segments (0: one per 4 threads)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="also time the fleet's hand-off on CUDA (auto: if there is one)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
@@ -144,7 +146,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    options = EncodeOptions(crf=args.crf, preset=args.preset, threads=args.threads)
+    options = EncodeOptions(crf=args.crf, preset=args.preset, threads=args.threads, segments=args.segments)
     lines: list[str] = []
     cases = []
     with tempfile.TemporaryDirectory(prefix="bench-media-") as tmp:
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "cores": os.cpu_count(),
         "threads": options.thread_count,
+        "segments_at_121_frames": options.segment_count(121),
         "crf": options.crf,
         "preset": options.preset,
         "torch_threads": torch.get_num_threads(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import pairwise
 from pathlib import Path
 
 import av
@@ -82,6 +83,31 @@ def test_conversion_refuses_odd_sizes_and_wrong_dtypes() -> None:
 def test_encoder_threads_default_to_every_core_of_this_machine() -> None:
     assert EncodeOptions().thread_count == max(1, os.cpu_count() or 1)
     assert EncodeOptions(threads=3).thread_count == 3
+    assert EncodeOptions(threads=16).segment_count(121) == 4 and EncodeOptions(threads=2).segment_count(121) == 1
+    assert EncodeOptions(threads=16).segment_count(17) == 1  # runs shorter than 16 frames are not worth an IDR
+
+
+def test_segments_joined_by_the_muxer_are_one_seamless_video(tmp_path: Path) -> None:
+    """Three x264 encoders on three runs of frames, one mp4: lossless, it decodes to exactly what one encoder
+    gives; lossy (B-frames), every frame is there once and decode timestamps keep increasing across the joins."""
+    from bench.media import content_clip
+
+    frames = content_clip(50, 128, 96)
+    yuv = rgb_to_yuv420p(frames)
+    one, three = tmp_path / "one.mp4", tmp_path / "three.mp4"
+    write_mp4_yuv(yuv, one, 24.0, width=128, options=EncodeOptions(crf=0, threads=3, segments=1))
+    write_mp4_yuv(yuv, three, 24.0, width=128, options=EncodeOptions(crf=0, threads=3, segments=3))
+    assert torch.equal(read_mp4(one)[0], read_mp4(three)[0])
+    lossy = tmp_path / "lossy.mp4"
+    write_mp4_yuv(yuv, lossy, 24.0, width=128, options=EncodeOptions(crf=18, threads=3, segments=3))
+    with av.open(str(lossy)) as container:
+        stream = container.streams.video[0]
+        packets = [(p.pts, p.dts) for p in container.demux(stream) if p.pts is not None]
+    ticks = sorted(pts for pts, _ in packets)
+    assert len(ticks) == 50 and len({b - a for a, b in pairwise(ticks)}) == 1  # every frame once, evenly spaced
+    assert all(a[1] < b[1] for a, b in pairwise(packets))
+    decoded, _ = read_mp4(lossy)
+    assert decoded.shape == frames.shape and float((decoded.float() - frames.float()).abs().mean()) < 6
 
 
 def test_bench_media_quick_reports_old_and_new_per_case(tmp_path: Path) -> None:
