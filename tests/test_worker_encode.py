@@ -105,3 +105,14 @@ def test_a_worker_killed_mid_encode_loses_no_job(tmp_path, redis_server, s3_serv
         if again is not None:
             assert again.stop() == 0, again.log_tail()
         f.conn.close()
+
+
+def test_with_the_upload_pipeline_off_the_job_encodes_and_uploads_before_it_returns(tmp_path, redis_server,
+                                                                                     s3_server):  # fmt: skip
+    with running_worker(tmp_path, redis_server, s3_server, upload_pipeline="false") as f:
+        a = f.submit("t yuv=9", seed=4, **SIZE)
+        assert wait_state(a, {"uploaded", "failed"}, 120, f.proc) == "uploaded", a.get_meta()
+        result = a.latest_result().return_value
+        assert result["state"] == "uploaded"  # the job's own return value: no hand-off placeholder
+        assert probe_mp4(_stored_video(s3_server, result, tmp_path)).frames == 9
+        assert not (f.spool / a.id).exists()

@@ -140,7 +140,12 @@ class EncodeStage:
     def encode_now(self, item: PendingEncode) -> SpoolEntry:
         """Encode and commit in the caller's thread; returns the committed entry (raises on failure)."""
         item.released.set()
-        return self._encode_and_commit(item, hash_now=True)
+        try:
+            return self._encode_and_commit(item, hash_now=True)
+        finally:  # the caller uploads it (or fails the job) itself; nothing here owns the entry any more
+            if item.claim is not None:
+                self.spool.unclaim(item.claim)
+                item.claim = None
 
     # ---- the encoder thread ---------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
