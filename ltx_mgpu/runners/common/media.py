@@ -57,11 +57,10 @@ _X264_COLOUR = "colorprim=smpte170m:transfer=smpte170m:colormatrix=smpte170m:ran
 class EncodeOptions:
     """H.264 settings: `crf` (quality, 0 = lossless), `preset` (x264 speed/size trade-off), `threads`
     (x264 threads in all; 0 = every core of this machine, `os.cpu_count()`: 16 on the GPU hosts, 2 in CI)
-    and `segments`: the video is cut into that many runs of frames, each encoded by its own x264 (each
-    starting with an IDR frame) on `threads / segments` frame threads, and the packets joined by the muxer.
-    Why: x264's frame threads stop scaling near 4-6 threads (each frame waits for rows of the previous one),
-    so one encoder on 16 cores was only 1.5x faster than the old sliced path; 0 = one segment per 4 threads
-    of at least `_MIN_SEGMENT_FRAMES` frames."""
+    and `segments`: the video is cut into that many runs of frames, each encoded by its own x264 in a pool
+    process (`x264segments`) on `threads / segments` frame threads, the packets joined by the muxer. Why:
+    one x264 on 16 cores was only 1.5x faster than the old sliced path; 0 = one segment per 4 threads, runs
+    of at least `_MIN_SEGMENT_FRAMES` frames (so 1 on 2 cores: no pool at all)."""
 
     crf: int = 18
     preset: str = "veryfast"
@@ -255,7 +254,10 @@ def write_mp4_yuv(
                     container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="yuv420p")))
                 container.mux(video.encode())
             else:  # the stream's own encoder (same settings: the same SPS/PPS) only writes the header
-                for packet in _encode_segments(frames, int(width), height, fps, options, segments):
+                from .x264segments import encode_segments
+
+                settings = {"options": _x264_options(options), "threads": max(1, options.thread_count // segments)}
+                for packet in encode_segments(frames, int(width), height, _rate(fps), settings, segments):
                     packet.stream = video
                     container.mux(packet)
             if sound is not None and audio is not None:
@@ -270,44 +272,11 @@ def write_mp4_yuv(
 def _configure(ctx: object, width: int, height: int, options: EncodeOptions, threads: int) -> None:
     ctx.width, ctx.height, ctx.pix_fmt = width, height, "yuv420p"  # type: ignore[attr-defined]
     ctx.thread_type, ctx.thread_count = "FRAME", threads  # type: ignore[attr-defined]
-    ctx.options = {"crf": str(options.crf), "preset": options.preset, "x264-params": _X264_COLOUR}  # type: ignore[attr-defined]
+    ctx.options = _x264_options(options)  # type: ignore[attr-defined]
 
 
-def _encode_segments(frames: object, width: int, height: int, fps: float, options: EncodeOptions,
-                     segments: int) -> list:  # fmt: skip
-    """Encode `segments` contiguous runs of `frames` in parallel, each with its own x264; the packets in
-    decode order. Every run has the same frame count give or take one and the same B-frame delay, so the
-    decode timestamps stay increasing across the joins."""
-    import av
-    from av.codec.context import Flags
-
-    bounds = [round(i * len(frames) / segments) for i in range(segments + 1)]  # type: ignore[arg-type]
-    out: list[list] = [[] for _ in range(segments)]
-    errors: list[BaseException] = []
-    per_segment = max(1, options.thread_count // segments)
-
-    def encode(k: int) -> None:
-        try:
-            ctx = av.CodecContext.create("libx264", "w")
-            ctx.framerate, ctx.time_base = _rate(fps), 1 / _rate(fps)
-            ctx.flags |= int(Flags.global_header)  # as the mp4 stream's encoder: SPS/PPS out of band
-            _configure(ctx, width, height, options, per_segment)
-            for i in range(bounds[k], bounds[k + 1]):
-                frame = av.VideoFrame.from_ndarray(frames[i], format="yuv420p")  # type: ignore[index]
-                frame.pts, frame.time_base = i, ctx.time_base
-                out[k].extend(ctx.encode(frame))
-            out[k].extend(ctx.encode(None))
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=encode, args=(k,), name=f"x264-segment-{k}") for k in range(segments)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [packet for run in out for packet in run]
+def _x264_options(options: EncodeOptions) -> dict[str, str]:
+    return {"crf": str(options.crf), "preset": options.preset, "x264-params": _X264_COLOUR}
 
 
 def _encode_audio(container: object, stream: object, audio: AudioTrack) -> None:
