@@ -132,7 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--crf", type=int, default=EncodeOptions.crf)
     ap.add_argument("--preset", default=EncodeOptions.preset)
     ap.add_argument("--threads", type=int, default=0, help="x264 threads of the new path (0: every core)")
-    ap.add_argument("--segments", type=int, default=0, help="parallel x264 segments (0: one per 4 threads)")
+    ap.add_argument("--segments", type=int, default=EncodeOptions.segments,
+                    help="x264 segments in a process pool (0: one per 4 threads)")  # fmt: skip
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="also time the fleet's hand-off on CUDA (auto: if there is one)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")

@@ -83,8 +83,10 @@ def test_conversion_refuses_odd_sizes_and_wrong_dtypes() -> None:
 def test_encoder_threads_default_to_every_core_of_this_machine() -> None:
     assert EncodeOptions().thread_count == max(1, os.cpu_count() or 1)
     assert EncodeOptions(threads=3).thread_count == 3
-    assert EncodeOptions(threads=16).segment_count(121) == 4 and EncodeOptions(threads=2).segment_count(121) == 1
-    assert EncodeOptions(threads=16).segment_count(17) == 1  # runs shorter than 16 frames are not worth an IDR
+    assert EncodeOptions().segment_count(121) == 1  # one x264 unless asked (segments measured no faster)
+    auto = EncodeOptions(threads=16, segments=0)
+    assert auto.segment_count(121) == 4 and EncodeOptions(threads=2, segments=0).segment_count(121) == 1
+    assert auto.segment_count(17) == 1  # runs shorter than 16 frames are not worth an IDR
 
 
 def test_segments_joined_by_the_muxer_are_one_seamless_video(tmp_path: Path) -> None:

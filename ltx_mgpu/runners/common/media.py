@@ -58,14 +58,14 @@ class EncodeOptions:
     """H.264 settings: `crf` (quality, 0 = lossless), `preset` (x264 speed/size trade-off), `threads`
     (x264 threads in all; 0 = every core of this machine, `os.cpu_count()`: 16 on the GPU hosts, 2 in CI)
     and `segments`: the video is cut into that many runs of frames, each encoded by its own x264 in a pool
-    process (`x264segments`) on `threads / segments` frame threads, the packets joined by the muxer. Why:
-    one x264 on 16 cores was only 1.5x faster than the old sliced path; 0 = one segment per 4 threads, runs
-    of at least `_MIN_SEGMENT_FRAMES` frames (so 1 on 2 cores: no pool at all)."""
+    process (`x264segments`) on `threads / segments` frame threads, the packets joined by the muxer; 0 = one
+    segment per 4 threads, runs of at least `_MIN_SEGMENT_FRAMES` frames. Default 1 (one x264): on the GPU
+    host's 16 cores 4 segments were no faster (1536x1024 noise: 2.5 s against 2.1 s, docs/performance.md)."""
 
     crf: int = 18
     preset: str = "veryfast"
     threads: int = 0
-    segments: int = 0
+    segments: int = 1
 
     @property
     def thread_count(self) -> int:
