@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ltx_mgpu.runners.common.media import EncodeOptions, rgb_to_yuv420p, shared_host_copy, write_mp4_yuv
+from ltx_mgpu.runners.common.media import EncodeOptions, rgb_to_yuv420p, shared_host_copy, to_yuv420p, write_mp4_yuv
 
 
 def noise_clip(frames: int, width: int, height: int, seed: int = 0) -> torch.Tensor:
@@ -89,7 +89,7 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
              workdir: Path) -> dict[str, Any]:  # fmt: skip
     frames = noise_clip(args.frames, width, height) if clip == "noise" else content_clip(args.frames, width, height)
     old_s, old_bytes = timed(lambda: old_encode(frames, workdir / "old.mp4", crf=args.crf), args.repeats)
-    convert_s, yuv = timed(lambda: rgb_to_yuv420p(frames), args.repeats)
+    convert_s, yuv = timed(lambda: to_yuv420p(frames), args.repeats)  # (swscale on the CPU, as a CPU rank does)
     handoff_s = None
     if args.device == "cuda":  # what the fleet pays instead of the encode: convert there, one copy out
         on_device = frames.cuda()
@@ -101,7 +101,7 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
 
         handoff()  # (warm-up: the first call pays CUDA's lazy initialisation)
         handoff_s, from_device = timed(handoff, args.repeats)
-        assert torch.equal(from_device, yuv), "the device conversion differs from the CPU one"
+        assert torch.equal(from_device, rgb_to_yuv420p(frames)), "the device conversion differs from torch's on CPU"
     new_s, new_bytes = timed(lambda: write_mp4_yuv(yuv, workdir / "new.mp4", 24.0, width=width, options=options),
                              args.repeats)  # fmt: skip
     return {
