@@ -118,7 +118,7 @@ class FaultRunner(MGPURunner):
         if self.is_driver and media == "frames" and "yuv" in d:
             yield _noise_media(int(d["yuv"]), width, height, frame_rate, seed)
             yield output_event(output_path, frames=int(d["yuv"]), fps=frame_rate, width=width, height=height,
-                               size_bytes=0, media="frames", gpu_busy_s=0.0)  # fmt: skip
+                               size_bytes=0, media="frames", gpu_busy_s=0.25)  # fmt: skip
         elif self.is_driver:
             if d.get("no_output") != "1":
                 data = output_bytes(seed, int(d.get("bytes", 4096)))
