@@ -121,3 +121,44 @@ def test_with_the_upload_pipeline_off_the_job_encodes_and_uploads_before_it_retu
         assert result["state"] == "uploaded"  # the job's own return value: no hand-off placeholder
         assert probe_mp4(_stored_video(s3_server, result, tmp_path)).frames == 9
         assert not (f.spool / a.id).exists()
+
+
+def test_recovery_leaves_a_job_killed_before_rq_recorded_its_return_to_the_abandoned_job_cleanup(
+    redis_server, tmp_path
+):  # fmt: skip
+    """A worker SIGKILLed between the job function's return and RQ's bookkeeping leaves the job `started` in
+    RQ's registry: the abandoned-job cleanup re-queues it. Recovery re-queuing it too would run it twice, so
+    it only drops the marker."""
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from rq import Queue
+    from rq.job import JobStatus
+    from rq.serializers import JSONSerializer
+
+    from worker.encoder import MARKER_NAME, EncodeStage
+    from worker.keys import RENDER_FUNC
+    from worker.pipeline import UploadPipeline
+    from worker.rqcompat import submission_of
+    from worker.spool import Spool
+
+    conn = redis_server.client()
+    queue = Queue(f"q-{uuid.uuid4().hex[:6]}", connection=conn, serializer=JSONSerializer)
+    job = queue.enqueue(RENDER_FUNC, {"prompt": "t"})
+    queue.remove(job)
+    job.meta["state"] = "rendering"
+    job.save_meta()
+    job.set_status(JobStatus.STARTED)
+    spool = Spool(tmp_path / "spool")
+    spool.prepare(job.id, "video.mp4")
+    (spool.job_dir(job.id) / MARKER_NAME).write_text(json.dumps({"job_id": job.id, "submission": submission_of(job)}))
+    never = SimpleNamespace(relay=lambda j: pytest.fail("recorded"), failed=lambda *a, **k: pytest.fail("recorded"))
+    pipeline = UploadPipeline(uploader=None, spool=spool, metrics=None, group="g", worker_name="w", threads=1,
+                              max_pending=4, max_pending_bytes=1 << 20, outcomes=never, make_result=None,
+                              stop=threading.Event())  # fmt: skip
+    settings = SimpleNamespace(max_pending_encodes=2)
+    stage = EncodeStage(spool=spool, pipeline=pipeline, settings=settings, metrics=None, group="g")
+    assert stage.recover(conn) == 0
+    assert not spool.job_dir(job.id).exists()  # the marker is gone; the job is the cleanup's
+    assert job.get_status(refresh=True) == JobStatus.STARTED and queue.count == 0

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from . import rqcompat
 from .keys import FailureReason, JobState
 from .pipeline import PendingUpload, UploadPipeline
@@ -224,7 +226,7 @@ class EncodeStage:
     # ---- recovery (at start) ---------------------------------------------------------------------------
     def recover(self, connection: Any) -> int:
         """Re-queue the jobs whose worker died mid-encode (marker, no manifest, lock free). Returns how many."""
-        from rq.job import Job
+        from rq.job import Job, JobStatus
         from rq.serializers import JSONSerializer
 
         found = 0
@@ -237,13 +239,21 @@ class EncodeStage:
                 continue
             try:
                 info = json.loads(marker.read_text())
-                job = Job.fetch(directory.name, connection=connection, serializer=JSONSerializer)
+                job = self.pipeline._fetch_when_redis_answers(  # (Redis restarting: wait, never drop the job)
+                    lambda d=directory.name: Job.fetch(d, connection=connection, serializer=JSONSerializer)
+                )
                 state = (job.meta or {}).get("state")
-                if rqcompat.submission_of(job) == info.get("submission") and state == JobState.RENDERING.value:
+                # only a job whose return RQ recorded (`finished`): one killed before that is still in RQ's
+                # started registry, and the abandoned-job cleanup re-queues it (twice would run it twice)
+                returned = job.get_status(refresh=False) == JobStatus.FINISHED
+                if returned and rqcompat.submission_of(job) == info.get("submission") and state == JobState.RENDERING:
                     relay = self.pipeline.outcomes.relay(job)
                     _record_lost(self.pipeline, job, relay, FailureReason.WORKER_LOST,
                                  "the worker stopped while encoding the video; it renders again")  # fmt: skip
                     found += 1
+            except (redis.ConnectionError, redis.TimeoutError):
+                log.error("encode marker %s: Redis unreachable; kept for the next start", directory.name)
+                continue  # (the lock is released by `finally`)
             except Exception:
                 log.warning("encode marker %s: job not recoverable; dropping the marker", directory.name,
                             exc_info=True)  # fmt: skip
