@@ -55,10 +55,12 @@ ENTRYPOINT ["ltx-worker"]
 # ==== producer =========================================================================================
 FROM ${PYTHON_IMAGE} AS producer
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PYTHONPATH=/app
-# Exactly what the producer imports: no torch, no ltx_mgpu (a test checks this stays true).
+# Exactly what the producer imports: no torch, and of ltx_mgpu only its stdlib-only request bounds and image
+# parser, shared with the runners (a test checks this stays true).
 RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2.13" "boto3>=1.36" "click>=8" "rich>=13"
 WORKDIR /app
 COPY producer ./producer
+COPY ltx_mgpu/__init__.py ltx_mgpu/bounds.py ltx_mgpu/imagesize.py ./ltx_mgpu/
 COPY worker/__init__.py worker/schema.py worker/keys.py worker/imagesize.py worker/limits.py worker/control.py worker/relay.py worker/renderjob.py worker/redisconn.py worker/redisacl.py ./worker/
 COPY examples ./examples
 RUN useradd --create-home --uid 1000 ltx
@@ -69,8 +71,9 @@ CMD ["--help"]
 # ==== dashboard ========================================================================================
 FROM ${PYTHON_IMAGE} AS dashboard
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-# 0.9.0 was checked against rq 2.12 (queues.json/workers.json answer); rq pinned to 2.12 like the service.
-RUN pip install "rq-dashboard==0.9.0" "rq>=2.12,<2.13"
+# 0.9.0 was checked against rq 2.12 (tests/test_dashboard.py: its pages on our JSON jobs); rq pinned to 2.12
+# like the service. It imports `six` without declaring it: without six it stops at start.
+RUN pip install "rq-dashboard==0.9.0" "six==1.17.0" "rq>=2.12,<2.13"
 RUN useradd --create-home --uid 1000 ltx
 USER ltx
 EXPOSE 9181

@@ -121,8 +121,8 @@ class ObjectDownloads:
             if path.is_relative_to(Path(s.local_storage_dir).resolve()):
                 return path
         allowed = {_origin(e) for e in (s.s3_public_endpoint_url, s.s3_endpoint_url) if e}
-        if parts.scheme in ("http", "https") and parts.hostname:
-            if _origin(url) in allowed or (not allowed and parts.hostname.endswith(".amazonaws.com")):
+        if parts.scheme in ("http", "https") and parts.hostname and (origin := _origin(url)) is not None:
+            if origin in allowed or (not allowed and parts.hostname.endswith(".amazonaws.com")):
                 return None
         where = ", ".join(sorted(allowed)) or "AWS S3 (*.amazonaws.com)"
         if s.local_storage_dir is not None:
@@ -141,7 +141,12 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
 _NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
 
 
-def _origin(url: str) -> str:
+def _origin(url: str) -> str | None:
+    """scheme://host:port of `url`; None when its port is not a number (`http://127.0.0.1:9000.nip.io/x`:
+    urllib raises ValueError reading it, which escaped as a traceback)."""
     parts = urllib.parse.urlsplit(url)
-    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
     return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"

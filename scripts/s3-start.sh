@@ -12,13 +12,24 @@
 #   scripts/secrets.sh), through a security.toml in the working directory, where weed looks first.
 #
 # The secrets are never on a command line or in the environment: they go from the files into the identity
-# file, in a private directory (LTX_S3_CONF_DIR, default a fresh temporary one).
+# file, in a private directory (LTX_S3_CONF_DIR, default a fresh temporary one). weed reads that file
+# more than once while it starts (a named pipe does not do), so a watcher beside weed deletes it as soon
+# as the S3 API answers /healthz (the identities are loaded by then), and the whole directory if it is a
+# temporary one; if weed exits first, the watcher deletes them then. It needs wget or curl (the SeaweedFS
+# image has wget); without either the file stays, with a warning. tests/test_s3_gateway.py checks that
+# nothing is left and that the identities and the gRPC lock still hold.
 set -eu
 secrets=${LTX_S3_SECRETS:-/run/secrets}
 bucket=${LTX_S3_BUCKET:-videos}
-conf=${LTX_S3_CONF_DIR:-$(mktemp -d)}
 umask 077
-mkdir -p "$conf"
+if [ -n "${LTX_S3_CONF_DIR:-}" ]; then
+    conf=$LTX_S3_CONF_DIR
+    own_conf=
+    mkdir -p "$conf"
+else
+    conf=$(mktemp -d)
+    own_conf=1
+fi
 
 read_key() {
     value=$(tr -d ' \r\n' < "$secrets/$1")
@@ -48,6 +59,35 @@ printf '{"identities": [
 
 printf '[grpc]\nca = "%s"\n\n[grpc.s3]\ncert = "%s"\nkey = "%s"\n' \
     "$secrets/s3_grpc_ca" "$secrets/s3_grpc_cert" "$secrets/s3_grpc_key" > "$conf/security.toml"
+
+# Where the S3 API answers: -s3.port (default 8333) on -s3.ip.bind (every interface: loopback).
+port=8333
+host=127.0.0.1
+for arg in "$@"; do
+    case "$arg" in
+        -s3.port=*) port=${arg#-s3.port=} ;;
+        -s3.ip.bind=*) host=${arg#-s3.ip.bind=} ;;
+    esac
+done
+case "$host" in '' | 0.0.0.0 | ::) host=127.0.0.1 ;; esac
+if command -v wget > /dev/null 2>&1; then
+    probe="wget -q -T 2 -O /dev/null"
+elif command -v curl > /dev/null 2>&1; then
+    probe="curl -fsS -m 2 -o /dev/null"
+else
+    probe=
+    echo "s3-start: neither wget nor curl: $conf/identities.json (the S3 keys) stays until you delete it" >&2
+fi
+if [ -n "$probe" ]; then
+    weed_pid=$$  # (after `exec`, this shell's pid is weed's)
+    (
+        while kill -0 "$weed_pid" 2> /dev/null && ! $probe "http://$host:$port/healthz" 2> /dev/null; do
+            sleep 0.2
+        done
+        rm -f "$conf/identities.json"
+        if [ -n "$own_conf" ]; then rm -rf "$conf"; fi
+    ) < /dev/null > /dev/null 2>&1 &
+fi
 
 cd "$conf"
 exec "${WEED:-weed}" "$@" -s3.config="$conf/identities.json"

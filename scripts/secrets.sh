@@ -5,6 +5,7 @@
 #
 #   redis_worker_password                            the Redis `worker` user (workers, the dashboard)
 #   redis_tenant_password                            the Redis user of the producer's tenant (LTX_CLIENT)
+#   redis_admin_password                             the Redis `admin` user: ACL LOAD, ACL LOG (operators)
 #   s3_worker_access_key / s3_worker_secret_key      the worker's S3 identity: read and write the bucket
 #   s3_producer_access_key / s3_producer_secret_key  the producer's identity: read objects only
 #   s3_grpc_ca, s3_grpc_cert, s3_grpc_key            a lock on the S3 gateway's gRPC port (see below)
@@ -30,6 +31,7 @@ secret() { # name bytes
 }
 secret redis_worker_password 24
 secret redis_tenant_password 24
+secret redis_admin_password 24
 secret s3_worker_access_key 10
 secret s3_worker_secret_key 24
 secret s3_producer_access_key 10

@@ -56,6 +56,26 @@ def settings_drift(page: str, heading: str, fields: set[str]) -> list[str]:
     return drift(documented, {f"LTX_{name.upper()}" for name in fields}, f"{heading} table")
 
 
+_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def settings_defaults_drift(page: str, heading: str, fields: dict[str, object]) -> list[str]:
+    """Every numeric default the table shows (`10`, `16 MiB`; a row naming several fields lists theirs in
+    order, `5, 60`) is the field's default."""
+    out = []
+    for row in table_rows(section(page, heading)):
+        names = re.findall(r"`(LTX_\w+)`", row[0])
+        shown = [re.fullmatch(r"(\d+(?:\.\d+)?) ?(KiB|MiB|GiB)?", v.strip(" `")) for v in row[2].split(",")]
+        if len(shown) != len(names) or not all(shown):
+            continue  # not a number (a path, a list, "-"): nothing to compare
+        for name, match in zip(names, shown, strict=True):
+            default = getattr(fields.get(name.removeprefix("LTX_").lower()), "default", None)
+            value = float(match.group(1)) * _UNITS[match.group(2) or ""]
+            if isinstance(default, int | float) and not isinstance(default, bool) and value != default:
+                out.append(f"{heading} table: {name} defaults to {default}, the docs say {row[2]}")
+    return out
+
+
 def metrics_drift(page: str) -> list[str]:
     """The metric names in "Observability" are the families `WorkerMetrics` registers (counters `_total`)."""
     metrics = WorkerMetrics("g")
@@ -99,6 +119,10 @@ def request_fields_drift(page: str) -> list[str]:
 
 CHECKS: dict[str, tuple[str, Callable[[str], list[str]]]] = {
     "worker settings": ("worker.md", lambda p: settings_drift(p, "Settings", set(WorkerSettings.model_fields))),
+    "worker settings defaults": (
+        "worker.md",
+        lambda p: settings_defaults_drift(p, "Settings", dict(WorkerSettings.model_fields)),
+    ),
     "producer settings": ("producer.md", lambda p: settings_drift(p, "Settings", set(ProducerSettings.model_fields))),
     "metrics": ("worker.md", metrics_drift),
     "built-in runners": ("worker.md", runners_drift),
@@ -110,6 +134,10 @@ PLANTS: dict[str, list[tuple[str, str]]] = {
     "worker settings": [
         ("| `LTX_UPLOAD_THREADS` |", "| `LTX_UPLOAD_THREDS` |"),  # a renamed field: both directions
         ("| `LTX_REDIS_URL` |", "| `LTX_NOT_A_SETTING` | str | - | - |\n| `LTX_REDIS_URL` |"),
+    ],
+    "worker settings defaults": [  # (the spool's free-space floor was documented at half its value)
+        ("| `LTX_SPOOL_MIN_FREE_BYTES` | int | 1 GiB |", "| `LTX_SPOOL_MIN_FREE_BYTES` | int | 536870912 |"),
+        ("| `LTX_RENDER_TIMEOUT` | float s | 3600 |", "| `LTX_RENDER_TIMEOUT` | float s | 360 |"),
     ],
     "producer settings": [("| `LTX_CLIENT_QUOTA` |", "| `LTX_CLIENT_QUOTAS` |")],
     "metrics": [("`ltx_worker_storage_up`", "`storage_up`"), ("`ltx_worker_busy`", "`ltx_worker_bizy`")],

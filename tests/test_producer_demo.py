@@ -26,7 +26,9 @@ def test_demo_renders_uploads_verifies_and_leaves_nothing_running(tmp_path: Path
         pytest.skip("git not available")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
-    env = {**os.environ, "PYTHONPATH": str(clone)}
+    tmpdir = tmp_path / "tmpdir"  # (everything the demo and its servers write to TMPDIR must be gone after)
+    tmpdir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(clone), "TMPDIR": str(tmpdir)}
     env.pop("LTX_REDIS_URL", None)
     work = tmp_path / "cwd"
     work.mkdir()
@@ -44,6 +46,16 @@ def test_demo_renders_uploads_verifies_and_leaves_nothing_running(tmp_path: Path
     assert re.search(r"object:\s+s3://videos/\S+ \(\d+ bytes, in the bucket\)", log)
     copy = re.search(r"local copy: (\S+\.mp4) \(sha256 ([0-9a-f]{64}) verified\)", log)
     assert copy and Path(copy.group(1)).is_file(), log[-3000:]
+    assert "PyAV:       17 frames 128x96 h264" in log
+    assert re.search(r"audio:      aac 24000 Hz stereo, \d+\.\d\d s", log), log[-3000:]  # the mp4 has its sound
+    # nothing left behind (the demo tracks every descendant and says so)
+    assert re.search(r"all \d+ processes stopped", log), log[-3000:]
+    assert "WARNING" not in log
+    # ... and nothing left in TMPDIR: weed's logs and sockets used to stay (they now go to the server's folder)
+    assert not any(tmpdir.iterdir()), sorted(str(p.relative_to(tmpdir)) for p in tmpdir.rglob("*"))
+    stopped = {m.group(1): float(m.group(2)) for m in re.finditer(r"stopped (\w+) in ([\d.]+)s", log)}
+    assert stopped.get("s3", 99) < 8, log[-2000:]  # (the demo used to wait up to 15 s for weed)
+    assert elapsed < 180, f"the demo took {elapsed:.0f}s (budget: 3 minutes on 2 cores)"
     # the demo is deterministic (seeded smoke model, fixed encoder settings): docs/producer.md shows its
     # real output, so the sha256 a reader sees there is the one they get (it was stale once)
     docs = (ROOT / "docs" / "producer.md").read_text()
@@ -51,9 +63,3 @@ def test_demo_renders_uploads_verifies_and_leaves_nothing_running(tmp_path: Path
     assert f"(sha256 {sha} verified)" in docs and f"sha256 {sha[:16]}…" in docs, (
         f"update the examples in docs/producer.md: the demo produced sha256 {sha}"
     )
-    assert "PyAV:       17 frames 128x96 h264" in log
-    assert re.search(r"audio:      aac 24000 Hz stereo, \d+\.\d\d s", log), log[-3000:]  # the mp4 has its sound
-    # nothing left behind (the demo tracks every descendant and says so)
-    assert re.search(r"all \d+ processes stopped", log), log[-3000:]
-    assert "WARNING" not in log
-    assert elapsed < 180, f"the demo took {elapsed:.0f}s (budget: 3 minutes on 2 cores)"

@@ -37,7 +37,9 @@ def test_acl_file_turns_default_off_and_holds_only_password_hashes(tmp_path: Pat
     pw = _passwords(tmp_path / "secrets")
     text = generate(AclUsers(tenants=("alice", "bob"), ping_user="health"), password_dir=tmp_path / "secrets")
     lines = text.splitlines()
-    assert lines[0].startswith("user default off ") and "-@all" in lines[0]
+    # off with no password: no client logs in as `default` (its permissions are for the AOF replay only,
+    # tests/test_redis_restart.py)
+    assert lines[0].startswith("user default off resetpass ") and "nopass" not in lines[0] and ">" not in lines[0]
     by_user = {line.split()[1]: line for line in lines}
     assert set(by_user) == {"default", "worker", "alice", "bob", "health"}
     for user in USERS:
@@ -49,6 +51,14 @@ def test_acl_file_turns_default_off_and_holds_only_password_hashes(tmp_path: Pat
     assert "&" not in alice.replace("&rq", "") and "resetchannels" in alice  # no pubsub channel at all
     assert "(+rpush +lpush %W~rq:queue:*)" in alice and "+publish" not in alice
     assert by_user["health"].endswith("nopass resetkeys resetchannels -@all +ping")
+    assert "admin" not in by_user  # (only when asked for: the CLI asks by default)
+
+
+def test_the_admin_user_reloads_and_reads_the_acls_and_touches_no_data() -> None:
+    rules = render_acl(AclUsers(admin="ops"), {"worker": "w" * 16, "ops": "o" * 16}).splitlines()[-1]
+    assert rules.startswith(f"user ops on #{hashlib.sha256(b'o' * 16).hexdigest()} resetkeys resetchannels -@all ")
+    assert {"+acl|load", "+acl|log"} <= set(rules.split())
+    assert "~" not in rules and "&" not in rules and "+acl " not in rules and "+acl|setuser" not in rules
 
 
 def test_generator_refuses_names_that_could_share_keys_or_clash() -> None:
@@ -82,9 +92,15 @@ def test_cli_writes_the_file_and_takes_no_password_argument(tmp_path: Path) -> N
     pw = _passwords(tmp_path / "secrets")
     out = tmp_path / "users.acl"
     args = ["redis-acl", "--tenant", "alice", "--tenant", "bob", "--password-dir", str(tmp_path / "secrets")]
+    missing = CliRunner().invoke(main, [*args, "--output", str(out)])  # the admin user is on by default
+    assert missing.exit_code == 2 and "no password for Redis user 'admin'" in missing.output
+    (tmp_path / "secrets" / "admin").write_text(secrets.token_urlsafe(24))
     result = CliRunner().invoke(main, [*args, "--output", str(out)])
     assert result.exit_code == 0, result.output
-    assert out.read_text().count("\nuser ") == 3 and pw["alice"] not in out.read_text()
+    assert out.read_text().count("\nuser ") == 4 and pw["alice"] not in out.read_text()
+    assert out.read_text().splitlines()[-1].startswith("user admin on #") and "+acl|load" in out.read_text()
+    without = CliRunner().invoke(main, [*args, "--admin-user", ""])
+    assert without.exit_code == 0 and "user admin" not in without.output and without.output.count("\nuser ") == 3
     assert oct(out.stat().st_mode & 0o777) == "0o644"
     help_text = CliRunner().invoke(main, ["redis-acl", "--help"]).output
     assert "--password " not in help_text and "--password=" not in help_text

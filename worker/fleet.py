@@ -58,6 +58,7 @@ class FleetSupervisor:
         setup_kwargs: dict[str, Any] | None = None,
         start_timeout: float = 1800.0,
         shutdown_timeout: float = 30.0,
+        error_settle_s: float | None = None,
         max_failures: int = 3,
         backoff_s: float = 2.0,
         factory: Callable[..., Any] | None = None,
@@ -74,6 +75,7 @@ class FleetSupervisor:
         self.setup_kwargs = dict(setup_kwargs or {})
         self.start_timeout = start_timeout
         self.shutdown_timeout = shutdown_timeout
+        self.error_settle_s = error_settle_s  # (MGPUController's; None: its default)
         self.max_failures = max_failures
         self.backoff_s = backoff_s
         self._factory = factory
@@ -345,7 +347,8 @@ class FleetSupervisor:
             from ltx_mgpu import MGPUController
 
             factory = MGPUController
-        ctl = factory(self.runner_cls, devices=self.devices)
+        extra = {} if self.error_settle_s is None else {"error_settle_s": self.error_settle_s}
+        ctl = factory(self.runner_cls, devices=self.devices, **extra)
         register = getattr(ctl, "add_failure_callback", None)
         if register is not None:
             register(functools.partial(self._controller_failed, ctl))

@@ -257,12 +257,19 @@ class FailureReason(StrEnum):
 
     #: The request failed validation; `error.field` names the offending field. Never retried.
     INVALID_REQUEST = "invalid_request"
-    #: The runner rejected the job on every rank (e.g. over its token budget). Never retried.
+    #: The runner rejected the job on every rank (e.g. over its token budget), or its render raised an
+    #: unexpected error on every rank (`error.message` starts with the type, e.g. "TypeError: ..."; the fleet
+    #: stays up). Never retried.
     RUNNER_ERROR = "runner_error"
     #: Some ranks raised a RunnerError and others did not: a runner bug. Not retried.
     ASYMMETRIC_RUNNER_ERROR = "asymmetric_runner_error"
-    #: A rank died, the job timed out in the fleet, or the fleet desynced: `error.rank`, `error.exitcode`,
-    #: `error.fleet_reason` say which. The fleet is rebuilt before the next job. Retried per settings.
+    #: A rank ran out of memory mid-render; it freed what the job held and the fleet stays up. Retried once.
+    OUT_OF_MEMORY = "out_of_memory"
+    #: A rank died, the job timed out in the fleet, the fleet desynced, or the render raised on some ranks
+    #: while the others waited in a collective: `error.rank`, `error.exitcode`, `error.fleet_reason` say
+    #: which. The fleet is rebuilt before the next job. Retried per settings, but never once the job's
+    #: renders poisoned a fleet more often than that allows or once for a lasting cause (`worker.poison`;
+    #: `error.poisoned` when refused without rendering).
     FLEET_FAILURE = "fleet_failure"
     #: The render finished but the upload failed after all attempts; the file stays in the spool.
     UPLOAD_FAILED = "upload_failed"

@@ -61,6 +61,9 @@ class JobOutcomes:
             FailureReason.UPLOAD_FAILED: s.retry_upload_failed,
             FailureReason.JOB_TIMEOUT: s.retry_job_timeout,
             FailureReason.SPOOL_ERROR: s.retry_spool_error,
+            # Once: the ranks freed what the job held, so a retry may fit (another job's memory, fragmentation);
+            # a second out-of-memory error says the request does not fit this fleet.
+            FailureReason.OUT_OF_MEMORY: 1,
         }.get(reason, 0)
 
     def attempts_left(self, job: Any) -> int:

@@ -1,11 +1,12 @@
 """Redis ACL users for the render service: a generator of the `users.acl` file (`ltx-worker redis-acl`).
 
 Without ACLs anyone who can reach Redis is an operator: `PUBLISH`es RQ's commands, edits or deletes any
-job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redis 7 three kinds of user:
+job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redis 7 these users:
 
 | user          | may                                                                                  |
 |---------------|--------------------------------------------------------------------------------------|
-| `default`     | nothing (off): every client must log in                                              |
+| `default`     | nothing (off, no password): every client must log in; it keeps all permissions only  |
+|               | for the append-only file's replay at start (see `DEFAULT_USER_RULE`)                 |
 | worker        | every command on `rq:*` and `ltx:*` keys and RQ's `rq:*` pubsub channels, except the  |
 |               | `@dangerous` ones (FLUSHALL/FLUSHDB, CONFIG, SHUTDOWN, DEBUG, ACL, MODULE, REPLICAOF, |
 |               | KEYS, MONITOR, ...); `INFO` and `CLIENT LIST` are allowed back (RQ reads the server   |
@@ -17,6 +18,9 @@ job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redi
 |               | content); append to queues (`RPUSH`/`LPUSH` on `rq:queue:*`, `SADD rq:queues`,        |
 |               | through ACL selectors); no pubsub at all, no admin command                            |
 | a ping user   | (optional, for container health checks) `PING` only, no password                     |
+| an admin user | (`--admin-user`, `admin` by default) what operators need without a restart: `ACL LOAD`|
+|               | (after the file was written again), `ACL LOG`, `ACL LIST`/`USERS`/`GETUSER`/`WHOAMI`, |
+|               | `INFO`, `CLIENT LIST`, `SLOWLOG GET`; no key, no channel, no other admin command      |
 
 A tenant's job ids therefore start with `t-` (`LTX_TENANT_IDS`, implied for the producer by
 `LTX_REDIS_USERNAME`), and tenant names are 1-32 letters, digits or `_` (`worker.keys.check_tenant_name`):
@@ -48,7 +52,9 @@ from .keys import KEY_PREFIX, check_tenant_name
 
 __all__ = [
     "ACL_PASSWORD_ENV_PREFIX",
+    "DEFAULT_USER_RULE",
     "AclUsers",
+    "admin_rules",
     "command",
     "generate",
     "password_for",
@@ -59,6 +65,20 @@ __all__ = [
 
 ACL_PASSWORD_ENV_PREFIX = "LTX_REDIS_ACL_PASSWORD_"
 _USER = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+# `default` is off and has no password (and no `nopass`): no client can log in as it (AUTH and HELLO
+# answer WRONGPASS, commands before AUTH NOAUTH). It still holds every permission because Redis and Valkey
+# replay the append-only file as `default` and EXEC re-checks its ACL: with `-@all` every MULTI/EXEC that
+# RQ wrote (each enqueue, each status change) is dropped on restart and queued jobs vanish (redis/redis#14541,
+# valkey#3983). Held by tests/test_redis_restart.py on a real restart.
+DEFAULT_USER_RULE = "user default off resetpass resetkeys resetchannels ~* &* +@all"
+
+
+def admin_rules() -> str:
+    """ACL rules of the admin user: reload and inspect the ACLs, read server state; no data, no other admin
+    command (`ACL SETUSER` would let it grant itself anything: users change through the file)."""
+    return ("resetkeys resetchannels -@all +@connection -client +client|list +client|id +client|setname "
+            "+info +slowlog|get +acl|load +acl|log +acl|list +acl|users +acl|getuser +acl|whoami")  # fmt: skip
 
 
 def worker_rules() -> str:
@@ -87,16 +107,19 @@ def tenant_rules(tenant: str) -> str:
 @dataclass(frozen=True)
 class AclUsers:
     """Who gets a Redis user: the worker's user name, the tenants (one producer user each), an optional
-    password-less user that can only `PING` (container health checks)."""
+    password-less user that can only `PING` (container health checks), an optional admin user (`ACL LOAD`,
+    `ACL LOG`: the CLI adds `admin` unless told otherwise)."""
 
     worker: str = "worker"
     tenants: tuple[str, ...] = ()
     ping_user: str | None = None
+    admin: str | None = None
 
     def __post_init__(self) -> None:
         for tenant in self.tenants:
             check_tenant_name(tenant)
         names = [self.worker, *self.tenants, *([self.ping_user] if self.ping_user else [])]
+        names += [self.admin] if self.admin else []
         for name in names:
             if not _USER.fullmatch(name) or name == "default":
                 raise ValueError(f"user name {name[:40]!r}: use 1-32 letters, digits or _ (not 'default')")
@@ -131,17 +154,19 @@ def render_acl(users: AclUsers, passwords: Mapping[str, str]) -> str:
             raise ValueError(f"the password of Redis user {name!r} is shorter than 16 characters")
         return "#" + hashlib.sha256(password.encode()).hexdigest()
 
-    lines = ["user default off resetkeys resetchannels -@all"]
+    lines = [DEFAULT_USER_RULE]
     lines.append(f"user {users.worker} on {secret(users.worker)} {worker_rules()}")
     lines.extend(f"user {t} on {secret(t)} {tenant_rules(t)}" for t in users.tenants)
     if users.ping_user:
         lines.append(f"user {users.ping_user} on nopass resetkeys resetchannels -@all +ping")
+    if users.admin:
+        lines.append(f"user {users.admin} on {secret(users.admin)} {admin_rules()}")
     return "\n".join(lines) + "\n"
 
 
 def generate(users: AclUsers, *, password_dir: Path | None, environ: Mapping[str, str] | None = None) -> str:
     """Read every user's password (files, then environment) and render the ACL file."""
-    names: Iterable[str] = [users.worker, *users.tenants]
+    names: Iterable[str] = [users.worker, *users.tenants, *([users.admin] if users.admin else [])]
     return render_acl(users, {name: password_for(name, password_dir=password_dir, environ=environ) for name in names})
 
 
@@ -149,17 +174,19 @@ def generate(users: AclUsers, *, password_dir: Path | None, environ: Mapping[str
 @click.option("--worker-user", default="worker", show_default=True, help="the workers' (and operators') user")
 @click.option("--tenant", "tenants", multiple=True, help="a producer user per tenant (1-32 letters, digits, _)")
 @click.option("--ping-user", default=None, help="also a password-less user that can only PING (health checks)")
+@click.option("--admin-user", default="admin", show_default=True,
+              help="the user for ACL LOAD / ACL LOG (operators); '' for none")  # fmt: skip
 @click.option("--password-dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="directory with one password file per user, named after it (e.g. /run/secrets)")  # fmt: skip
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="write here (default: stdout)")
-def command(worker_user: str, tenants: tuple[str, ...], ping_user: str | None, password_dir: str | None,
-            output: str | None) -> None:  # fmt: skip
+def command(worker_user: str, tenants: tuple[str, ...], ping_user: str | None, admin_user: str,
+            password_dir: str | None, output: str | None) -> None:  # fmt: skip
     """Print a Redis ACL file (`redis-server --aclfile`) for the worker and one user per tenant.
 
     Passwords come from <password-dir>/<user> or LTX_REDIS_ACL_PASSWORD_<USER>, never from the command
     line; only their sha256 is written. See docs/operations.md ("Redis users, passwords and TLS")."""
     try:
-        users = AclUsers(worker=worker_user, tenants=tuple(tenants), ping_user=ping_user)
+        users = AclUsers(worker=worker_user, tenants=tuple(tenants), ping_user=ping_user, admin=admin_user or None)
         text = generate(users, password_dir=Path(password_dir) if password_dir else None)
     except ValueError as exc:
         click.echo(f"redis-acl: {exc}", err=True)
@@ -171,7 +198,7 @@ def command(worker_user: str, tenants: tuple[str, ...], ping_user: str | None, p
     tmp.write_text(text)
     tmp.chmod(0o644)  # (sha256 digests only; redis-server runs as another user in its container)
     os.replace(tmp, output)
-    names = [worker_user, *tenants, *([ping_user] if ping_user else [])]
+    names = [worker_user, *tenants, *([ping_user] if ping_user else []), *([admin_user] if admin_user else [])]
     click.echo(f"wrote {output}: users {', '.join(names)} (default: off)", err=True)
 
 

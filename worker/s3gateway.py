@@ -32,6 +32,7 @@ from .devservers import (
     _wait_port,
     find_weed,
     free_ports,
+    remove_weed_sockets,
     s3_client,
 )
 
@@ -99,9 +100,13 @@ def _address(hex_address: str) -> str:
 
 
 class S3Gateway(_ServerProcess):
-    """`weed <args>` through the compose entrypoint with split identities; see the module docstring."""
+    """`weed <args>` through the compose entrypoint with split identities; see the module docstring.
 
-    _stop_timeout = 15.0
+    `stop()`: SIGTERM, then SIGKILL after 3 s: `weed server`'s graceful stop is 25 s of fixed timers (a
+    15 s gRPC drain, then 10 s of volume-server heartbeat silence meant for a separate master), and what
+    it acknowledged is in the OS's files already; then the sockets it leaves in /tmp are removed."""
+
+    _stop_timeout = 3.0
 
     def __init__(
         self,
@@ -113,8 +118,10 @@ class S3Gateway(_ServerProcess):
         binary: str | None = None,
         directory: Path | None = None,
         own_session: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         super().__init__(directory, "ltx-weedgw-", "weed.log", own_session=own_session)
+        self.extra_env = dict(env or {})  # (e.g. LTX_S3_CONF_DIR="" for the script's own temporary directory)
         self.weed_args = list(weed_args)
         self.secrets_dir = Path(secrets_dir)
         self.bucket = bucket
@@ -144,7 +151,12 @@ class S3Gateway(_ServerProcess):
         data = self.dir / "data"
         data.mkdir(exist_ok=True)
         args = [a for a in self.weed_args if not a.startswith(("-dir=", *(f"{f}=" for f in PORT_FLAGS)))]
-        return [*args, f"-dir={data}", *(f"{flag}={port}" for flag, port in self.ports.items())]
+        # (weed's logs into this directory, not $TMPDIR; a global flag, before the command)
+        return [f"-logdir={self.dir}", *args, f"-dir={data}", *(f"{flag}={port}" for flag, port in self.ports.items())]
+
+    def stop(self, timeout: float | None = None) -> None:
+        super().stop(timeout)
+        remove_weed_sockets(set(self.ports.values()))
 
     def start(self, timeout: float = 60.0) -> Self:
         if self.binary is None:
@@ -153,6 +165,7 @@ class S3Gateway(_ServerProcess):
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # no fallback identity
         env.update(LTX_S3_SECRETS=str(self.secrets_dir), LTX_S3_BUCKET=self.bucket, WEED=self.binary,
                    LTX_S3_CONF_DIR=str(self.dir / "conf"))  # fmt: skip
+        env.update(self.extra_env)
         self.proc = _spawn(["sh", str(START_SCRIPT), *self.command()], self.log_path, cwd=self.dir,
                            own_session=self.own_session, env=env)  # fmt: skip
         _wait_port(self.ports["-s3.port"], self.proc, timeout, "weed (s3-start.sh)", self.log_path)

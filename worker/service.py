@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from . import rqcompat
+from . import poison, rqcompat
 from .encoder import EncodeStage, PendingEncode
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
@@ -259,6 +259,10 @@ class RenderService:
             self._fail(job, relay, FailureReason.WORKER_LOST,
                        f"{lost} executions vanished; the worker_lost budget is spent", retryable=False)  # fmt: skip
 
+        # ---- a job whose renders poisoned fleets is not rendered again (re-pushed by id: worker.poison) ----
+        if refused := poison.refusal(job.connection, job.id, s.retry_fleet_failure):
+            self._fail(job, relay, FailureReason.FLEET_FAILURE, refused, retryable=False, poisoned=True)
+
         # ---- validate -------------------------------------------------------------------------------
         try:
             req = RenderRequest.model_validate(request)
@@ -380,6 +384,8 @@ class RenderService:
             self._cancelled(job, relay)
         except SymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
+            if exc.out_of_memory:  # (the ranks freed what it held; no lower-memory plan exists yet to retry with)
+                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, str(exc))
             self._fail(job, relay, FailureReason.RUNNER_ERROR, str(exc))
         except AsymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
@@ -388,8 +394,11 @@ class RenderService:
             self.spool.discard_incomplete(job.id)
             info = self.fleet.record_failure(exc)  # (counted once: the monitor may have reported it already)
             relay.emit({"type": "fleet", "action": "failed", **info})
-            reason = FailureReason.FLEET_FAILURE
-            self._fail(job, relay, reason, info["message"], **{k: v for k, v in info.items() if k != "message"})
+            reasons = poison.record(job.connection, job.id, info.get("fleet_reason"), self.outcomes.failure_ttl(job))
+            refused = poison.refusal(job.connection, job.id, self.settings.retry_fleet_failure, reasons)
+            self._fail(job, relay, FailureReason.FLEET_FAILURE, info["message"] + (f" ({refused})" if refused else ""),
+                       retryable=False if refused else None,
+                       **{k: v for k, v in info.items() if k != "message"})  # fmt: skip
         except BaseException as exc:
             # RQ's death penalty (JobTimeoutException), a cold stop (SystemExit) or a bug: the fleet may be
             # mid-job, so it cannot be trusted with the next one. Kill it; it is rebuilt before the next job.

@@ -170,6 +170,10 @@ class WorkerSettings(RedisAccess, BaseSettings):
     )
     render_timeout: float = Field(3600.0, gt=0, description="seconds one render may take in the fleet")
     fleet_shutdown_timeout: float = Field(30.0, ge=0, description="graceful seconds when stopping a fleet")
+    fleet_error_settle_s: float = Field(
+        30.0, gt=0, description="once some ranks ended a job with an error, seconds the others get to end it too "
+        "before the fleet is taken to be stuck in a collective and rebuilt"
+    )  # fmt: skip
     max_rebuild_failures: int = Field(
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"
     )

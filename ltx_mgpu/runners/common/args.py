@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ...bounds import RANGES, check_numbers
+
 __all__ = ["RenderArgs", "job_entry", "job_signature"]
 
 
@@ -51,6 +53,8 @@ class RenderArgs:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.media not in ("mp4", "frames"):
             raise ValueError(f"media must be 'mp4' or 'frames', got {self.media!r}")
+        # Every number inside the service's ranges (`ltx_mgpu.bounds`): finite, of its type, bounded.
+        check_numbers(**{name: getattr(self, name) for name in RANGES if hasattr(self, name)})
 
     @property
     def duration_s(self) -> float:

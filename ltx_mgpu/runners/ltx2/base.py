@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ...bounds import check_audio_budget
 from ...events import Stage, output_event, progress_event, stage_event
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
@@ -91,6 +92,11 @@ class Ltx2Runner(MGPURunner):
     #: Gemma's modeling code (transformers pulls in its generation utilities and torch._dynamo): 7-13 s of
     #: imports measured on the rank that holds the text encoder, now overlapped with the transformer load
     background_imports = ("transformers.models.gemma3.modeling_gemma3", "ltx_core.text_encoders.gemma")
+
+    @classmethod
+    def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
+        """The audio length within the SP token budget (what `_validate` enforces on every rank)."""
+        return {"audio_latents": (1, int(cls.setup_default("sp_max_tokens", setup_kwargs)))}
 
     # =====================================================================================================
     # setup
@@ -305,8 +311,7 @@ class Ltx2Runner(MGPURunner):
             raise ValueError(f"width and height must be positive multiples of 64, got {geo.width}x{geo.height}")
         if geo.num_frames < 1 or (geo.num_frames - 1) % 8:
             raise ValueError(f"num_frames must be 8k+1 (1, 9, 17, ...), got {geo.num_frames}")
-        if not geo.frame_rate > 0:
-            raise ValueError(f"frame_rate must be positive, got {geo.frame_rate}")
+        check_audio_budget(geo.num_frames, geo.frame_rate, self.sp_max_tokens)
         if not self.min_steps <= steps <= self.max_steps:
             raise ValueError(f"steps must be in [{self.min_steps}, {self.max_steps}], got {steps}")
         if not output_path:

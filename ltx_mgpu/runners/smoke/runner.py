@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...bounds import check_audio_budget
 from ...events import Stage, output_event, progress_event, stage_event
 from ...parallel import check_token_budget, padded_token_count
 from ...runner import MGPURunner
@@ -78,8 +79,10 @@ class SmokeRunner(MGPURunner):
 
     @classmethod
     def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
-        """`steps` in [1, max_steps] (what `_validate` enforces on every rank)."""
-        return {"steps": (1, int(cls.setup_default("max_steps", setup_kwargs)))}
+        """`steps` in [1, max_steps] and the audio length within the token budget (what `_validate`
+        enforces on every rank)."""
+        return {"steps": (1, int(cls.setup_default("max_steps", setup_kwargs))),
+                "audio_latents": (1, int(cls.setup_default("max_tokens", setup_kwargs)))}  # fmt: skip
 
     def setup(
         self,
@@ -162,8 +165,7 @@ class SmokeRunner(MGPURunner):
             raise ValueError(f"width and height must be positive multiples of 32, got {geo.width}x{geo.height}")
         if geo.num_frames < 1 or (geo.num_frames - 1) % 8:
             raise ValueError(f"num_frames must be 8k+1 (1, 9, 17, ...), got {geo.num_frames}")
-        if not geo.frame_rate > 0:
-            raise ValueError(f"frame_rate must be positive, got {geo.frame_rate}")
+        check_audio_budget(geo.num_frames, geo.frame_rate, self.max_tokens)
         if not 1 <= steps <= self.max_steps:
             raise ValueError(f"steps must be in [1, {self.max_steps}] for the smoke model, got {steps}")
         if guidance_scale < 1.0:

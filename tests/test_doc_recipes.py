@@ -1,0 +1,121 @@
+"""docs/operations.md's "Redis users, passwords and TLS" recipes, run as written with bash: the users file
+and a tenant's submit, adding a tenant with `ACL LOAD` as the admin user, and the TLS certificates with
+Redis restarted on TLS only. Only what cannot be used here is moved: `/etc/ltx` and `/var/lib/ltx-redis`
+into a test folder, and `redis-server` / `redis-cli` get a free port (a shell function adds it and runs
+the server in the background; it is stopped by pid).
+
+Regressions: the recipe wrote Redis's AOF into the secrets folder (it `cd`ed there), a `--dir` folder
+that did not exist stopped Redis, and the TLS paragraph had no way to make its certificates.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ltx_mgpu.ports import free_port
+from tests.test_docs_sync import DOCS, section
+from tests.test_worker_support import ROOT
+
+_SERVER = """
+set -euo pipefail
+redis-server() {
+    local where=(--port "$PORT")
+    case " $* " in *" --tls-port "*) where=(--tls-port "$PORT");; esac
+    command redis-server "$@" "${where[@]}" --bind 127.0.0.1 >> "$WORK/redis.log" 2>&1 &
+    echo $! > "$WORK/redis.pid"
+    for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && return; sleep 0.05; done
+    echo "redis-server did not start: $(tail -5 "$WORK/redis.log")" >&2; return 1
+}
+redis-cli() { command redis-cli -p "$PORT" "$@"; }
+"""
+
+
+def recipes() -> list[str]:
+    text = section((DOCS / "operations.md").read_text(), "Redis users, passwords and TLS")
+    return re.findall(r"```bash\n(.*?)```", text, re.S)
+
+
+def run(recipe: str, work: Path, port: int) -> str:
+    script = recipe.replace("/etc/ltx", str(work / "etc")).replace("/var/lib/ltx-redis", str(work / "data"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LTX_", "REDISCLI"))}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+               PYTHONPATH=str(ROOT), WORK=str(work), PORT=str(port),
+               LTX_REDIS_URL=f"redis://127.0.0.1:{port}/0")  # (the recipe's Redis is the local default)  # fmt: skip
+    out = subprocess.run(["bash", "-c", _SERVER + script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120, check=False)  # fmt: skip
+    assert out.returncode == 0, f"{script}\n--- stdout\n{out.stdout[-3000:]}\n--- stderr\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def stop(work: Path) -> None:
+    pid = int((work / "redis.pid").read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
+def user(work: Path, port: int, name: str, **kwargs: Any) -> Any:
+    password = (work / "etc" / "redis-secrets" / name).read_text().strip()
+    return redis.Redis(host="127.0.0.1", port=port, username=name, password=password, socket_timeout=5, **kwargs)
+
+
+def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path) -> None:
+    from worker.devservers import find_redis_server
+
+    if find_redis_server() is None or Path(find_redis_server() or "").name != "redis-server":
+        pytest.skip("redis-server and redis-cli not found (apt-get install -y redis-server)")
+    acl, reload, tls = recipes()
+    port = free_port()
+    try:
+        run(acl, tmp_path, port)
+        secrets = tmp_path / "etc" / "redis-secrets"
+        assert sorted(p.name for p in secrets.iterdir()) == ["admin", "alice", "bob", "worker"]  # no AOF here
+        assert any((tmp_path / "data").glob("appendonlydir/*.aof"))
+        worker = user(tmp_path, port, "worker")
+        (job_id,) = [j.decode() for j in worker.lrange("rq:queue:ltx-render", 0, -1)]
+        assert job_id.startswith("alice-") and worker.hget(f"rq:job:{job_id}", "status") == b"queued"
+
+        run(reload, tmp_path, port)  # a new tenant, no restart
+        assert user(tmp_path, port, "carol").hset("rq:job:carol-1", "status", "queued") == 1
+
+        stop(tmp_path)
+        run(tls, tmp_path, port)  # the same data, TLS only: the job survived the restart
+        ca = tmp_path / "etc" / "redis-tls" / "ca.crt"
+        alice = user(tmp_path, port, "alice", ssl=True, ssl_ca_certs=str(ca))
+        assert alice.hget(f"rq:job:{job_id}", "status") == b"queued"
+        with pytest.raises(redis.exceptions.ConnectionError):
+            user(tmp_path, port, "alice").ping()  # no plain-text port
+        assert oct((tmp_path / "etc" / "redis-tls" / "ca.key").stat().st_mode & 0o777) == "0o600"
+    finally:
+        if (tmp_path / "redis.pid").exists():
+            stop(tmp_path)
+
+
+def test_every_documented_redis_dir_is_made_first() -> None:
+    """`redis-server --dir D` stops at once when D does not exist: the page makes it in a recipe before."""
+    for page in ("operations.md", "worker.md", "producer.md", "security.md"):
+        text = (DOCS / page).read_text()
+        blocks = [(m.start(), m.group(1)) for m in re.finditer(r"```bash\n(.*?)```", text, re.S)]
+        for start, block in blocks:
+            for match in re.finditer(r"redis-server\b[^\n]*?--dir (\S+)", block.replace("\\\n", " ")):
+                before = "".join(b for s, b in blocks if s < start) + block.replace("\\\n", " ")[: match.start()]
+                assert f"mkdir -p {match.group(1)}" in before, f"docs/{page}: --dir {match.group(1)} is never made"
