@@ -66,6 +66,13 @@ class WorkerMetrics:
                               registry=r)  # fmt: skip
         self.redis_up.labels(group).set(1)
         self.busy = Gauge("ltx_worker_busy", "1 while a job runs", labels, registry=r)
+        self.fleet_busy_seconds = Counter("ltx_worker_fleet_busy_seconds", "Device-busy seconds of the fleet (the "
+                                          "runner's device stages between syncs, not its CPU tail)", labels,
+                                          registry=r)  # fmt: skip
+        self.encode_seconds = Histogram("ltx_worker_encode_seconds", "mp4 encode time per video in the worker",
+                                        labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
+        self.encode_pending = Gauge("ltx_worker_encode_pending", "Videos waiting for or in the worker's encoder",
+                                    labels, registry=r)  # fmt: skip
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
                                    registry=r)  # fmt: skip
         self.spool_bytes = Gauge("ltx_worker_spool_bytes", "Bytes of renders waiting for upload", labels,

@@ -259,6 +259,19 @@ class WorkerSettings(RedisAccess, BaseSettings):
     max_pending_bytes: int = Field(
         20 * 1024 * _MiB, ge=_MiB, description="bytes waiting for upload before the worker stops taking jobs"
     )
+    encode_in_worker: bool = Field(
+        True,
+        description="the fleet hands yuv420p frames and audio off and the worker encodes the mp4 beside the next "
+        "job (false: the fleet's driver rank encodes before it is free, the old path)",
+    )
+    encode_crf: int = Field(18, ge=0, le=51, description="H.264 quality of the mp4 (x264 crf; 0 = lossless)")
+    encode_preset: Literal[
+        "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"
+    ] = Field("veryfast", description="x264 preset (speed against size): ultrafast ... placebo")
+    encode_threads: int = Field(0, ge=0, le=256, description="x264 frame threads; 0 = every core of the host")
+    max_pending_encodes: int = Field(
+        2, ge=1, le=64, description="videos waiting for (or in) the worker's encoder before it stops taking jobs"
+    )
     upload_drain_timeout_s: float = Field(
         600.0, ge=0, description="seconds a warm stop waits for pending uploads before leaving them in the spool"
     )

@@ -39,12 +39,13 @@ from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_b
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tiling import BalancedTiling
-from ...parallel.vae_decode import vae_tiles
+from ...parallel.vae_decode import frames_to_uint8, vae_tiles
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.handoff import deliver_video
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
-from ..common.media import AudioTrack, audio_fields, write_mp4
+from ..common.media import AudioTrack, audio_fields
 from ..common.stages import SetupLaps, StageClock, check_finite
 from . import components as comp
 from .denoise import (
@@ -269,7 +270,7 @@ class Ltx2Runner(MGPURunner):
         if self.synthetic:
             extra["synthetic_weights"] = True  # renders from synthetic weights are noise
         if peaks is not None:
-            for stage in (Stage.AUDIO_DECODE, Stage.MUX):  # driver-only stages, after the gather
+            for stage in (Stage.AUDIO_DECODE, Stage.MUX, Stage.HANDOFF):  # driver-only stages, after the gather
                 if stage in self.clock.peaks:
                     peaks[stage] = [self.clock.peaks[stage]] + [0] * (self.world_size - 1)
             extra["peak_memory_bytes"] = peaks
@@ -282,7 +283,9 @@ class Ltx2Runner(MGPURunner):
             size_bytes=size,
             **extra,
             **audio_fields(track),
+            **({"media": "frames"} if args.media == "frames" else {}),
             timings_s=dict(self.clock.timings_s),
+            **self.clock.gpu_report(),
         )
 
     def _job_steps(self, args: RenderArgs) -> int:
@@ -429,11 +432,12 @@ class Ltx2Runner(MGPURunner):
         return self._state(tools, job, noise_scale=sigma0, initial_latent=latent)
 
     def _decode_video(self, job: Job, latent: torch.Tensor) -> Events:
-        """Distributed VAE decode (tiles across ranks); uint8 frames on the driver, None elsewhere."""
+        """Distributed VAE decode (tiles across ranks); uint8 frames on the driver's device, None elsewhere."""
         if self.is_driver:
             yield stage_event(Stage.DECODE)
         with self.clock.stage(Stage.DECODE):
-            return self.decoder.decode_uint8(latent, seed=int(job.args.seed))
+            video = self.decoder.decode(latent, seed=int(job.args.seed))
+            return None if video is None else frames_to_uint8(video)  # on the device: yuv420p is made there
 
     def _decode_audio(self, job: Job, latent: torch.Tensor) -> Events:
         """Driver only: audio latent -> stereo waveform fitted to the video's duration (None if not asked)."""
@@ -445,10 +449,9 @@ class Ltx2Runner(MGPURunner):
             return self.audio.decode(latent).fitted(job.args.duration_s)
 
     def _mux(self, job: Job, frames: torch.Tensor, track: AudioTrack | None) -> Events:
-        """Driver only: H.264 (+ AAC) mp4 at the output path; returns its size in bytes."""
-        yield stage_event(Stage.MUX)
-        with self.clock.stage(Stage.MUX):
-            return write_mp4(frames, job.args.output_path, job.geo.frame_rate, audio=track)
+        """Driver only: H.264 (+ AAC) mp4 at the output path, or the frames handed off (`media="frames"`,
+        `common.handoff`); returns the file's size in bytes (0 for a hand-off)."""
+        return (yield from deliver_video(self.clock, job.args, frames, job.geo.frame_rate, track))
 
     # =====================================================================================================
     # helpers for the stages

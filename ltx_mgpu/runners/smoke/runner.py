@@ -31,9 +31,10 @@ audio-video attention); the driver decodes it (audio VAE decoder + vocoder, no t
 fits it to the video's duration.
 
 Events (driver rank only): stage encode / denoise, one progress per step, stage decode, stage
-audio_decode (when audio is on), stage mux, output (with `audio`, `audio_sample_rate`, `audio_duration_s`
-and `timings_s`). Limits are checked on every rank before any collective and raise `ValueError` (a
-recoverable `SymmetricRunnerError` for the caller).
+audio_decode (when audio is on), stage mux (or, with `media="frames"`, a `media` hand-off event and no
+file: `common.handoff`), output (with `audio`, `audio_sample_rate`, `audio_duration_s`, `timings_s` and the
+device-busy clock `gpu_busy_s`, `gpu_started_at`, `gpu_ended_at`). Limits are checked on every rank
+before any collective and raise `ValueError` (a recoverable `SymmetricRunnerError` for the caller).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ from ...parallel import check_token_budget, padded_token_count
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.handoff import deliver_video
 from ..common.loading import build_checked, build_sp_transformer
-from ..common.media import audio_fields, write_mp4
+from ..common.media import EncodeOptions, audio_fields
 from ..common.stages import StageClock, check_finite, ltx2_sigmas
 from .checkpoint import ensure_smoke_checkpoint
 from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding
@@ -226,9 +228,7 @@ class SmokeRunner(MGPURunner):
             yield stage_event(Stage.AUDIO_DECODE)
             with clock.stage(Stage.AUDIO_DECODE):
                 track = self.audio.decode(audio_latent(geo, audio_state)).fitted(args.duration_s)
-        yield stage_event(Stage.MUX)
-        with clock.stage(Stage.MUX):
-            size = write_mp4(frames, args.output_path, geo.frame_rate, crf=self.crf, audio=track)
+        size = yield from deliver_video(clock, args, frames, geo.frame_rate, track, EncodeOptions(crf=self.crf))
         yield output_event(
             os.fspath(args.output_path),
             frames=int(frames.shape[0]),
@@ -240,6 +240,8 @@ class SmokeRunner(MGPURunner):
             steps=steps,
             world_size=self.world_size,
             **audio_fields(track),
+            **({"media": "frames"} if args.media == "frames" else {}),
             timings_s=dict(clock.timings_s),
+            **clock.gpu_report(),
         )
         return None
