@@ -45,6 +45,10 @@ class WorkerMetrics:
         self.ignored_commands = Counter("ltx_worker_ignored_commands", "RQ pubsub commands refused (shutdown: "
                                         "anyone who can PUBLISH could stop the service; junk)", [*labels, "command"],
                                         registry=r)  # fmt: skip
+        self.dropped_queue_entries = Counter("ltx_worker_dropped_queue_entries", "Queue entries dropped without "
+                                             "counting or running (no such job, ended, another tenant's, another "
+                                             "queue's, malformed; worker.tenantqueues)", [*labels, "reason"],
+                                             registry=r)  # fmt: skip
         self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
                                             labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
         self.fleet_up = Gauge("ltx_worker_fleet_up", "1 while the fleet is warm and not poisoned", labels,

@@ -40,6 +40,7 @@ from .keys import (
     S3_SECRET_FILE_FIELDS,
     check_queue_names,
     check_redis_url,
+    check_tenant_name,
     read_secret_file,
     safe_redis_url,
     split_list,
@@ -131,6 +132,11 @@ class WorkerSettings(RedisAccess, BaseSettings):
         False,
         description="job ids are '<client>-<id>' (tenant Redis users, `ltx-worker redis-acl`): a job whose meta "
         "client is not its id's prefix is refused as invalid_request",
+    )
+    tenants: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="tenants (the `--tenant`s of `ltx-worker redis-acl`) whose own queues '<queue>:t:<tenant>' "
+        "this worker serves next to the shared queues, in turn; needs tenant_ids (comma-separated or JSON)",
     )
     max_request_bytes: int = Field(
         1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"
@@ -324,6 +330,16 @@ class WorkerSettings(RedisAccess, BaseSettings):
             return None
         return value
 
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _parse_tenants(cls, value: Any) -> Any:
+        return split_list(value, ",")
+
+    @field_validator("tenants")
+    @classmethod
+    def _check_tenants(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(check_tenant_name(t) for t in value))
+
     @field_validator("queues")
     @classmethod
     def _check_queues(cls, value: list[str]) -> list[str]:
@@ -407,6 +423,9 @@ class WorkerSettings(RedisAccess, BaseSettings):
             if (getattr(self, key_id) is None) != (getattr(self, secret) is None):
                 raise ValueError(f"{key_id} / {secret} ({ENV_PREFIX}{key_id.upper()}, {ENV_PREFIX}{secret.upper()}): "
                                  "set both or neither")  # fmt: skip
+        if self.tenants and not self.tenant_ids:
+            raise ValueError(f"tenants ({ENV_PREFIX}TENANTS) need tenant_ids ({ENV_PREFIX}TENANT_IDS=true): a "
+                             "tenant queue holds only ids with its tenant's prefix")  # fmt: skip
         if self.job_heartbeat_ttl < 3 * self.heartbeat_interval:
             # a running job is declared abandoned after this; two missed beats must never be enough
             raise ValueError(
