@@ -63,7 +63,8 @@ def test_worker_methods_we_override_or_call_keep_their_signatures(name: str, par
 
 def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     worker = SimpleWorker(["q"], connection=redis_client)
-    for attribute in ("_stopped_job_id", "_shutdown_requested_date", "_exc_handlers", "execution", "key"):
+    for attribute in ("_stopped_job_id", "_shutdown_requested_date", "_exc_handlers", "execution", "key",
+                      "_stop_requested"):  # fmt: skip
         assert hasattr(worker, attribute), attribute
     assert _params(Execution.heartbeat) == ["self", "started_job_registry", "ttl", "pipeline"]
     assert _params(Job.heartbeat) == ["self", "timestamp", "ttl", "pipeline", "xx"]

@@ -51,6 +51,8 @@ __all__ = [
     "requeue_after_return",
     "set_retry",
     "stale_intermediate_entry",
+    "stop_at_first_turn",
+    "stop_requested",
     "stopped_job_id",
 ]
 
@@ -141,6 +143,16 @@ def cold_stop_is_repeat(worker: Any, within_s: float = 1.0) -> bool:
     """True when the cold-stop signal arrived within `within_s` of the warm one (one Ctrl+C seen twice)."""
     requested = getattr(worker, "_shutdown_requested_date", None)
     return requested is not None and (now() - requested).total_seconds() < within_s
+
+
+def stop_requested(worker: Any) -> bool:
+    return bool(worker._stop_requested)
+
+
+def stop_at_first_turn(worker: Any) -> None:
+    """Ask RQ's work loop to stop when it first checks for a stop: what a signal between the end of our
+    startup and RQ installing its own handlers (after it registers the worker) must do."""
+    worker._stop_requested = True
 
 
 def exception_handlers(worker: Any) -> list[Any]:

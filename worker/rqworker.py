@@ -145,7 +145,6 @@ class FleetWorker(SimpleWorker):
                                           quota=settings.quota, outcomes=self.outcomes, job_class=self.job_class,
                                           worker_name=self.name, max_meta_bytes=settings.max_meta_bytes,
                                           tenant_ids=settings.tenant_ids)  # fmt: skip
-        rqcompat.register_queues(self.connection, self.queues)  # (tenants may not: worker.redisacl)
         if settings.tenant_ids and not settings.tenants:
             log.warning("LTX_TENANT_IDS without LTX_TENANTS: tenants' own queues ('<queue>:t:<tenant>', where their "
                         "producers submit) are not served by this worker")  # fmt: skip
@@ -200,12 +199,30 @@ class FleetWorker(SimpleWorker):
         while True:
             try:
                 super().register_birth()
+                # The queues this worker serves, registered with it (tenants may not: worker.redisacl), inside the
+                # outage handling: a worker started against a Redis over `maxmemory` waits, it does not crash.
+                rqcompat.register_queues(self.connection, self.queues)
             except Exception as exc:
+                if rqcompat.stop_requested(self):  # (before RQ's loop: a stop signal only sets the flag)
+                    raise StopRequested() from exc
                 if not self._wait_out_redis(exc, "registration"):
                     raise
                 continue
             self.redis_outage.cleared()
             return
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        """RQ writes the state straight away in `bootstrap` (after `register_birth`): an outage there is waited
+        out like the registration's, not a crash (found: a Redis over `maxmemory` at start)."""
+        while True:
+            try:
+                super().set_state(state, pipeline=pipeline)
+                return
+            except Exception as exc:
+                if pipeline is None and rqcompat.stop_requested(self):
+                    raise StopRequested() from exc
+                if pipeline is not None or not self._wait_out_redis(exc, "state"):
+                    raise
 
     def register_death(self) -> None:
         try:
