@@ -114,8 +114,8 @@ RULES = [
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
-    Rule("ltx_mgpu, its device parser and port picker: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports"), forbidden=("torch",),
+    Rule("ltx_mgpu, its device parser, port picker and LoRA file check: no torch",
+         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports", "ltx_mgpu.lorafile"), forbidden=("torch",),
          plant=("ltx_mgpu/devices.py", "import torch")),
 ]  # fmt: skip
 
