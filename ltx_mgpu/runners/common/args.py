@@ -38,6 +38,7 @@ class RenderArgs:
     images: list | None = None  #: conditioning images [{"data": base64, "frame", "strength"}], ltx2 runners
     enhance_prompt: bool = False
     audio: bool = True  #: decode and mux the audio track; False = a silent mp4 and no audio decode
+    loras: list | None = None  #: [{"path", "strength"}]: request LoRAs the worker resolved and checked
 
     def __post_init__(self) -> None:
         # The request schema validated these at the edge; a job that reached a rank another way is checked
