@@ -10,16 +10,19 @@ import math
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from pydantic import ValidationError
 from rq import Queue
 from rq.worker import Worker
 
-from producer.cli import cli
 from producer.exitcodes import ExitCode
 from worker.keys import worker_health_key
 from worker.lorarefs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed
 from worker.schema import RenderRequest
+
+from . import test_producer_cli
+
+env = test_producer_cli.env  #: the CLI tests' fixture: this test's own queue and client on the real Redis
+run = test_producer_cli.run
 
 
 def request(**loras_field: object) -> RenderRequest:
@@ -77,16 +80,6 @@ def test_lora_option_syntax_and_prefixes() -> None:
 
 
 # ==== producer submit --lora / --dry-run ================================================================
-
-
-@pytest.fixture
-def env(redis_url: str, unique_name: str) -> dict[str, str]:
-    return {"LTX_REDIS_URL": redis_url, "LTX_QUEUES": f"q-{unique_name}", "LTX_CLIENT": f"c-{unique_name}"}
-
-
-def run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, args, env=env, catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def publish(redis_client, env: dict[str, str], offer: dict) -> Worker:
