@@ -57,6 +57,12 @@ class WorkerMetrics:
         self.storage_up = Gauge("ltx_worker_storage_up", "0 while storage is degraded (unreachable at start, "
                                 "not yet confirmed by an upload), else 1", labels, registry=r)  # fmt: skip
         self.busy = Gauge("ltx_worker_busy", "1 while a job runs", labels, registry=r)
+        self.lora_cache = Counter("ltx_worker_lora_cache", "Request LoRAs by cache result (hit, miss)",
+                                  [*labels, "result"], registry=r)  # fmt: skip
+        self.lora_fetch_bytes = Counter("ltx_worker_lora_fetch_bytes", "LoRA bytes fetched into the cache", labels,
+                                        registry=r)  # fmt: skip
+        self.lora_fetch_seconds = Histogram("ltx_worker_lora_fetch_seconds", "Fetch + check time of a LoRA miss",
+                                            labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
                                    registry=r)  # fmt: skip
         self.spool_bytes = Gauge("ltx_worker_spool_bytes", "Bytes of renders waiting for upload", labels,

@@ -42,6 +42,7 @@ from . import rqcompat
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
 from .limits import RunnerLimits
+from .loras import LoraRefused, LoraResolver
 from .metrics import WorkerMetrics
 from .outcomes import JobOutcomes, attempt_count
 from .pipeline import PendingUpload, UploadPipeline
@@ -105,6 +106,8 @@ class RenderService:
         self.spool = spool
         self.metrics = metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
+        #: request LoRAs: fetched, cached and checked before the fleet sees them (worker.loras)
+        self.loras = LoraResolver(settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics)
         self.uploader = Uploader(
             storage,
             spool,
@@ -317,11 +320,15 @@ class RenderService:
         s = self.settings
         if cur.cancel.is_set():
             self._cancelled(job, relay)
+        try:  # a bad LoRA ends the job here, as a request error: it never reaches the fleet's weights
+            loras = {"loras": self.loras.for_job(req.loras, relay)} if req.loras else {}
+        except LoraRefused as exc:
+            self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=exc.field)
         try:
             output_path = self.spool.prepare(job.id, s.output_name)
         except OSError as exc:
             self._spool_failed(job, relay, exc)
-        kwargs = {**req.runner_kwargs(), "output_path": str(output_path)}
+        kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
         timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
