@@ -41,6 +41,9 @@ _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 _LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _LORA_PREFIX = "diffusion_model."  #: what LTXV_LORA_COMFY_RENAMING_MAP strips
 _MODEL_PREFIX = "model.diffusion_model."  #: the transformer's keys in an LTX-2 checkpoint
+#: under the transformer's prefix in the checkpoint, but loaded by the text encoder's embeddings processor
+#: (ltx-core EMBEDDINGS_PROCESSOR_KEY_OPS): no transformer LoRA can change them
+_TEXT_CONNECTORS = ("embeddings_connector.", "video_embeddings_connector.", "audio_embeddings_connector.")
 
 
 class LoraFileError(ValueError):
@@ -147,13 +150,15 @@ def transformer_targets(
 ) -> dict[str, tuple[int, int]]:
     """The LoRA-able weights of an LTX-2 checkpoint's transformer: model key -> (out_features, in_features).
 
-    2-D floating `*.weight` tensors under `model.diffusion_model.`, named as the model names them (the
-    prefix stripped, as `LTXV_MODEL_COMFY_RENAMING_MAP` does): the keys `LoraWeightTracker` tracks."""
+    2-D floating `*.weight` tensors under `model.diffusion_model.` but for the text connectors, named as the
+    model names them (the prefix stripped, as `LTXV_MODEL_COMFY_RENAMING_MAP` does): the keys
+    `LoraWeightTracker` tracks."""
     header = read_header(checkpoint_path, max_file_bytes=1 << 62, max_header_bytes=max_header_bytes)
     return {
         key[len(_MODEL_PREFIX) :]: (entry["shape"][0], entry["shape"][1])
         for key, entry in header.items()
         if key.startswith(_MODEL_PREFIX)
+        and not key[len(_MODEL_PREFIX) :].startswith(_TEXT_CONNECTORS)
         and key.endswith(".weight")
         and isinstance(entry, dict)
         and entry.get("dtype") in _FLOAT_DTYPES
