@@ -13,18 +13,11 @@ import torch
 from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ltx_mgpu.runners.common.job_loras import job_lora_specs, model_targets
 
-from .test_lora_tracker import _lora_ops, builder, write_checkpoint, write_lora
+from . import test_lora_tracker
+from .test_lora_tracker import _lora_ops, builder
 
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("job-lora-units")
-    ckpt = write_checkpoint(root / "transformer.safetensors")
-    return {
-        "ckpt": str(ckpt),
-        "request": str(write_lora(root / "request.safetensors", ckpt, seed=1, every=2)),
-        "distilled": str(write_lora(root / "distilled.safetensors", ckpt, seed=2, every=3)),  # overlaps every 6th
-    }
+#: the tracker tests' files: a checkpoint, "a" over every 2nd linear weight, "b" over every 3rd (they overlap)
+files = test_lora_tracker.files
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +28,15 @@ def model(files):
 def test_job_kwarg_is_checked_on_the_rank(files, model) -> None:
     targets = model_targets(model)
     assert job_lora_specs(None, None) == () and job_lora_specs([], targets) == ()
-    (spec,) = job_lora_specs([{"path": files["request"], "strength": 0.5}], targets)
-    assert (spec.path, spec.strength, spec.sd_ops.name) == (files["request"], 0.5, _lora_ops().name)
+    (spec,) = job_lora_specs([{"path": files["a"], "strength": 0.5}], targets)
+    assert (spec.path, spec.strength, spec.sd_ops.name) == (files["a"], 0.5, _lora_ops().name)
     bad = [
         ([{"name": "dolly", "strength": 1.0}], None, "set up without LoRA fusion"),
         ([{"name": "dolly", "strength": 1.0}], targets, r"must be \{'path', 'strength'\}"),
-        ([{"path": files["request"], "strength": math.inf}], targets, "strength must be finite"),
-        ([{"path": files["request"], "strength": True}], targets, "strength a number"),
+        ([{"path": files["a"], "strength": math.inf}], targets, "strength must be finite"),
+        ([{"path": files["a"], "strength": True}], targets, "strength a number"),
         ([{"path": files["ckpt"], "strength": 1.0}], targets, r"loras\[0\]: .*not a LoRA factor"),
-        ([{"path": files["request"] + ".gone", "strength": 1.0}], targets, "cannot read"),
+        ([{"path": files["a"] + ".gone", "strength": 1.0}], targets, "cannot read"),
     ]
     for loras, tg, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -54,7 +47,7 @@ def test_drop_factors_frees_past_jobs_loras(files) -> None:
     model = builder(files["ckpt"]).build(device=torch.device("cpu"), dtype=torch.bfloat16)
     tracker = LoraWeightTracker()
     tracker.attach(model)
-    distilled, request = LoraSpec(files["distilled"], 1.0, _lora_ops()), LoraSpec(files["request"], 0.8, _lora_ops())
+    distilled, request = LoraSpec(files["b"], 1.0, _lora_ops()), LoraSpec(files["a"], 0.8, _lora_ops())
     tracker.apply([distilled, request])
     assert len(tracker._factors) == 2
     tracker.drop_factors([distilled])
@@ -72,15 +65,15 @@ def test_overlapping_request_and_distilled_loras_stay_within_the_derived_bound(f
     tracked = builder(files["ckpt"]).build(device=torch.device("cpu"), dtype=torch.bfloat16)
     t1 = LoraWeightTracker()
     t1.attach(tracked)
-    t1.apply([LoraSpec(files["request"], 0.8, ops), LoraSpec(files["distilled"], 1.0, ops)])
-    merged = builder(files["ckpt"], [(files["request"], 0.8)]).build(device=torch.device("cpu"), dtype=torch.bfloat16)
+    t1.apply([LoraSpec(files["a"], 0.8, ops), LoraSpec(files["b"], 1.0, ops)])
+    merged = builder(files["ckpt"], [(files["a"], 0.8)]).build(device=torch.device("cpu"), dtype=torch.bfloat16)
     wm = {k: v.clone() for k, v in merged.state_dict().items()}
     t2 = LoraWeightTracker()
     t2.attach(merged)
-    t2.apply([LoraSpec(files["distilled"], 1.0, ops)])
+    t2.apply([LoraSpec(files["b"], 1.0, ops)])
     from safetensors.torch import load_file
 
-    req, dist = load_file(files["request"]), load_file(files["distilled"])
+    req, dist = load_file(files["a"]), load_file(files["b"])
 
     def delta(sd: dict, key: str, coef: float) -> torch.Tensor | None:
         prefix = "diffusion_model." + key[: -len(".weight")]
