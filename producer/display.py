@@ -270,6 +270,8 @@ def render_status(console: Console, info: JobInfo) -> None:
         if isinstance(used, dict):  # (worker.loras: the request's LoRAs as this job used them)
             how = "cached" if used.get("cached") else f"fetched {human_bytes(used.get('fetch_bytes'))}"
             _row(table, "lora", f"{used.get('lora')} x{used.get('strength')} ({how})")
+    if meta.get("lora_swap_s") is not None:
+        _row(table, "lora swap", f"{meta['lora_swap_s']} s")
     if info.error:
         _row(table, "error", f"{info.error.get('reason')}: {info.error.get('message')}")
     attempts = info.meta.get("attempts") if isinstance(info.meta.get("attempts"), list) else []

@@ -10,6 +10,7 @@ import json
 import pickle
 import re
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -110,5 +111,15 @@ def test_each_bad_lora_fails_its_job_and_good_ones_render_on_the_same_fleet(work
         assert [u["lora"] for u in used] == [loras[0].get("name") or loras[0]["uri"]]
         status = CliRunner().invoke(cli, ["status", job.id], env={"LTX_REDIS_URL": worker.redis_url})
         assert f"{used[0]['lora']} x{used[0]['strength']}" in status.stdout, status.stdout  # producer status
+        assert job.get_meta(refresh=True)["lora_swap_s"] > 0 and "lora swap" in status.stdout
+    port = worker.health()["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    lines = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("ltx_worker_lora")]
+    samples = {name: float(value) for name, value in lines}
+    group = 'group="cpu:2"'
+    # "good" is fetched once (with the first bad job) and hit by every later one; the S3 LoRA is one more miss
+    assert samples[f'ltx_worker_lora_cache_total{{{group},result="miss"}}'] == 2, samples
+    assert samples[f'ltx_worker_lora_cache_total{{{group},result="hit"}}'] >= len(BAD) - 1, samples
+    assert samples[f"ltx_worker_lora_swap_seconds_count{{{group}}}"] == 2, samples
     after = worker.idle()["fleet"]
     assert (after["pids"], after["builds"], after["rebuilds"]) == (before["pids"], before["builds"], before["rebuilds"])

@@ -211,6 +211,16 @@ class LoraResolver:
         relay.update_summary(loras=[r.summary() for r in resolved])
         return [r.job_kwarg() for r in resolved]
 
+    def record_swap(self, output: dict[str, Any], relay: Any) -> float:
+        """The seconds the fleet spent swapping LoRAs in this job (the runner's `lora_swap_*` timings), into
+        the job's summary (`lora_swap_s`) and `ltx_worker_lora_swap_seconds`."""
+        timings = output.get("timings_s") if isinstance(output.get("timings_s"), dict) else {}
+        seconds = sum(float(v) for k, v in timings.items() if str(k).startswith("lora_swap") and v is not None)
+        relay.update_summary(lora_swap_s=round(seconds, 4))
+        if self.metrics is not None:
+            self.metrics.lora_swap_seconds.labels(self.group).observe(seconds)
+        return seconds
+
     def targets(self, field: str) -> dict[str, tuple[int, int]]:
         """The LoRA-able weights of the runner's transformer (read once from its checkpoint's header)."""
         if self._targets is None:

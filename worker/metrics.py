@@ -61,6 +61,8 @@ class WorkerMetrics:
                                   [*labels, "result"], registry=r)  # fmt: skip
         self.lora_fetch_bytes = Counter("ltx_worker_lora_fetch_bytes", "LoRA bytes fetched into the cache", labels,
                                         registry=r)  # fmt: skip
+        self.lora_swap_seconds = Histogram("ltx_worker_lora_swap_seconds", "Fleet LoRA swap time of a job with "
+                                           "request LoRAs", labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
         self.lora_fetch_seconds = Histogram("ltx_worker_lora_fetch_seconds", "Fetch + check time of a LoRA miss",
                                             labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,

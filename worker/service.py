@@ -387,6 +387,8 @@ class RenderService:
                 cur.stream = None
         render_s = time.monotonic() - t_render
         self.metrics.render_seconds.labels(self.group).observe(render_s)
+        if loras and output is not None:
+            self.loras.record_swap(output, relay)  # (the fleet's swap seconds for this job: status, metrics)
         if output is None or not output_path.exists():
             self.spool.discard_incomplete(job.id)
             message = f"the runner finished without writing {output_path.name} (output event: {output is not None})"
