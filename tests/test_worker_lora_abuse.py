@@ -92,7 +92,16 @@ BAD = [
 
 
 def test_each_bad_lora_fails_its_job_and_good_ones_render_on_the_same_fleet(worker) -> None:
-    before = worker.idle(300)["fleet"]
+    health = worker.idle(300)
+    before = health["fleet"]
+    offer = health["loras"]  # what `producer submit --dry-run` checks a request against
+    assert "good" in offer["names"] and offer["max_per_request"] == 4, offer
+    env = {"LTX_REDIS_URL": worker.redis_url, "LTX_QUEUES": worker.queue}
+    request = Path(worker.spool).parent / "request.json"
+    request.write_text(json.dumps(JOB))
+    dry = CliRunner().invoke(cli, ["submit", str(request), "--lora", "crane", "--dry-run"], env=env)
+    assert dry.exit_code == 2 and "'crane' is not in the worker's catalogue" in dry.stderr, dry.output
+    assert CliRunner().invoke(cli, ["submit", str(request), "--lora", "good:0.5", "--dry-run"], env=env).exit_code == 0
     for bad, message in BAD:
         lora = {k: v.format(bucket=worker.bucket) for k, v in bad.items()}
         job = enqueue(worker.conn, worker.queue, {**JOB, "loras": [{"name": "good"}, lora]})
