@@ -94,3 +94,21 @@ def test_overlapping_request_and_distilled_loras_stay_within_the_derived_bound(f
         diff = (w1[key].float() - w2[key].float()).abs()
         assert (diff <= bound).all(), (key, (diff - bound).max().item())
     assert overlapping >= 2
+
+
+def test_synthetic_user_loras_pass_the_check_against_their_checkpoint(tmp_path) -> None:
+    """The generator's user LoRAs (attention projections, ranks 32 and 128) are LoRAs of the synthetic
+    transformer: the worker's header check accepts them with the rank they were written at."""
+    from ltx_mgpu.lorafile import LoraLimits, check_lora, transformer_targets
+    from ltx_mgpu.runners.ltx2.synthetic.profiles import profile
+    from ltx_mgpu.runners.ltx2.synthetic.user_loras import main, user_lora_plan
+    from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
+
+    main(["--profile", "tiny", "--out", str(tmp_path), "--ranks", "32,128"])
+    targets = transformer_targets(ensure_tiny_ltx2().setup_kwargs()["checkpoint_path"])
+    for rank in (32, 128):
+        checked = check_lora(tmp_path / f"user_lora_r{rank}.safetensors", targets, LoraLimits(max_rank=128))
+        assert set(checked.ranks.values()) == {rank}
+        assert checked.ranks and all(k.rsplit(".", 2)[-2] in ("to_q", "to_k", "to_v", "0") for k in checked.ranks)
+    full = user_lora_plan(profile("full"), 128)  # (sizes only: nothing is written)
+    assert len(full.specs) == 2304 and full.nbytes == 1711276032
