@@ -3,7 +3,8 @@
 Public API:
 - `MGPUController`, `Stream`: the persistent one-job-at-a-time fleet (see `controller.py` for the contract).
 - `MGPURunner`, `ProcessGroups`, `RankContext`: what a pipeline implements and what it is given.
-- Errors: `RunnerError`, `JobCancelled`, `SymmetricRunnerError`, `JobCancelledError`,
+- Errors: `RunnerError`, `RenderFault`, `RenderOutOfMemory`, `JobCancelled`, `SymmetricRunnerError`,
+  `JobCancelledError`,
   `AsymmetricRunnerError`, `ControllerBusyError`, `FleetFailure`, `FleetTimeoutError`.
 - `parse_device_group`, `canonical_group`: "0,1,2,3" / "cpu:2" → a device list / its canonical spec.
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
         FleetTimeoutError,
         JobCancelled,
         JobCancelledError,
+        RenderFault,
+        RenderOutOfMemory,
         RunnerError,
         SymmetricRunnerError,
     )
@@ -45,6 +48,8 @@ _EXPORTS: dict[str, str] = {
     "FleetTimeoutError": "errors",
     "JobCancelled": "errors",
     "JobCancelledError": "errors",
+    "RenderFault": "errors",
+    "RenderOutOfMemory": "errors",
     "RunnerError": "errors",
     "SymmetricRunnerError": "errors",
     "MGPURunner": "runner",
@@ -63,6 +68,8 @@ __all__ = [
     "MGPURunner",
     "ProcessGroups",
     "RankContext",
+    "RenderFault",
+    "RenderOutOfMemory",
     "RunnerError",
     "Stream",
     "SymmetricRunnerError",

@@ -6,10 +6,14 @@ Contract (written once here; docs/controller.md links to it):
 - `stream(**kwargs)` dispatches a job and returns a `Stream` at once; iterating it yields every rank's
   yields in arrival order and ends when every rank has finished. A job belongs to its dispatching thread;
   another `stream()` while one is in flight raises `ControllerBusyError`.
-- Recoverable: `RunnerError`/`ValueError` on every rank → `SymmetricRunnerError` (cancelled →
-  `JobCancelledError`); on some ranks → `AsymmetricRunnerError`. The fleet stays alive.
-- Fatal (`FleetFailure`, the controller is poisoned): a rank raised anything else or exited, a job
-  exceeded its timeout, a result arrived for the wrong job (desync), or `shutdown()` ran mid-job. A monitor
+- Recoverable: any error a render raises that is not a fleet-level fault (`fleet._fleet_fault`) ends the
+  job: `RunnerError`/`ValueError` as they are, others as `RenderFault` (`RenderOutOfMemory`). On every rank →
+  `SymmetricRunnerError` (cancelled → `JobCancelledError`); on some ranks, the others finishing →
+  `AsymmetricRunnerError`. The fleet stays alive.
+- Fatal (`FleetFailure`, the controller is poisoned): a rank hit a fleet-level fault or exited, a job
+  exceeded its timeout, some ranks ended a job with an error and the others did not end it within
+  `error_settle_s` ("split": blocked in a collective), a result arrived for the wrong job (desync), or
+  `shutdown()` ran mid-job. A monitor
   thread notices dead ranks and blown deadlines within ~0.1 s even while nobody iterates the stream.
 - `shutdown()` is safe from any thread at any time, idempotent, never raises, and leaves no rank alive;
   `start()` may be called again afterwards.
@@ -120,6 +124,7 @@ class MGPUController:
         devices: Sequence[int | str | torch.device] | None = None,
         allow_shared_devices: bool = False,
         backend: str | None = None,
+        error_settle_s: float = 30.0,
     ) -> None:
         if num_gpus is not None and devices is not None:
             raise ValueError("Pass either num_gpus or devices, not both.")
@@ -133,6 +138,9 @@ class MGPUController:
         if backend not in (None, "nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl', 'gloo' or None (auto), got {backend!r}")
         self._backend_override = backend
+        # Once a rank ended a job with an error, the others get this long to end it too; after that they
+        # are taken to be blocked in a collective the raising ranks left, and the fleet is poisoned.
+        self._error_settle_s = float(error_settle_s)
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()  # guards the in-flight check-and-set and the lifecycle fields
         self._next_job_id = 0  # monotonic over the controller's life (desync detection)
@@ -393,6 +401,9 @@ class MGPUController:
                 self._poison(fleet, failure, terminate=True)
                 return
             inflight = self._inflight
+            if inflight is not None and not inflight._finished and (split := inflight._split_failure()):
+                self._poison(fleet, split, terminate=True)
+                return
             if inflight is not None and inflight._deadline is not None and not inflight._finished:
                 if time.monotonic() > inflight._deadline:
                     self._poison(
@@ -485,6 +496,7 @@ class Stream(Iterator[Any]):
         self._deadline = deadline
         self._timeout = timeout
         self._terminals: dict[int, BaseException | StopIteration] = {}
+        self._settle_deadline: float | None = None  # set by the first error terminal (`_split_failure`)
         self._finished = False
         self.result: list[Any] | None = None  #: per-rank return values once the job ended cleanly
 
@@ -509,6 +521,8 @@ class Stream(Iterator[Any]):
             if msg.kind is MessageKind.YIELD:
                 return msg.value
             self._terminals[msg.rank] = StopIteration(msg.value) if msg.kind is MessageKind.DONE else msg.value
+            if msg.kind is not MessageKind.DONE and self._settle_deadline is None:
+                self._settle_deadline = time.monotonic() + self._controller._error_settle_s
             if len(self._terminals) == world:
                 self._finished = True
                 self._controller._finish(self)
@@ -527,6 +541,27 @@ class Stream(Iterator[Any]):
             raise SymmetricRunnerError(errors)
         log.error("asymmetric RunnerError across ranks: %r", terminals)
         raise AsymmetricRunnerError(terminals)
+
+    def _split_failure(self) -> FleetFailure | None:
+        """(monitor) Some ranks ended the job with an error and the others have not ended it within the
+        settle time: they are blocked in a collective the raising ranks left, and only killing them
+        unblocks them. The fleet-level failure to poison with, or None."""
+        deadline = self._settle_deadline
+        if deadline is None or time.monotonic() <= deadline:
+            return None
+        terminals = dict(self._terminals)
+        raised = {r: t for r, t in terminals.items() if not isinstance(t, StopIteration)}
+        pending = [r for r in range(self._controller.world_size) if r not in terminals]
+        if not raised or not pending:
+            return None
+        first = next(iter(raised.values()))
+        return FleetFailure(
+            f"MGPU job {self.job_id}: rank(s) {sorted(raised)} ended it with an error ({first}) and rank(s) "
+            f"{pending} did not end it within {self._controller._error_settle_s:g}s (blocked in a collective "
+            "the others left); the fleet is poisoned",
+            reason="split",
+            rank=pending[0],
+        )
 
     def drain(self) -> None:
         """Consume to the end, discarding yields and recoverable errors; fatal errors propagate."""

@@ -2,6 +2,9 @@
 
 How each error tells the caller to recover:
 - `RunnerError` (raised inside a runner): a recoverable failure; raise it on every rank, outside collectives.
+- `RenderFault` (a `RunnerError`): a rank's render raised something else that is not a fleet-level fault
+  (a bug, an overflow: `TypeError`, `RuntimeError`, ...); the rank ended the job and stays in the fleet.
+  `RenderOutOfMemory`: the same for `torch.OutOfMemoryError`, after the rank released what the job held.
 - `SymmetricRunnerError`: every rank ended the job with a `RunnerError`. Fleet alive: fix the input, retry.
 - `JobCancelledError`: the job was cancelled cooperatively on every rank. Fleet alive.
 - `AsymmetricRunnerError`: some ranks raised `RunnerError`, others finished. Fleet alive, but treat it as a
@@ -21,6 +24,8 @@ __all__ = [
     "FleetTimeoutError",
     "JobCancelled",
     "JobCancelledError",
+    "RenderFault",
+    "RenderOutOfMemory",
     "RunnerError",
     "SymmetricRunnerError",
 ]
@@ -37,6 +42,28 @@ class RunnerError(Exception):
         return (type(self), (self.message,))
 
 
+class RenderFault(RunnerError):
+    """A render raised `exc_type` (not a `RunnerError`/`ValueError`, not a fleet-level fault) on one rank.
+
+    The rank reported it as the job's end and took the next job; its traceback went to the rank's log only
+    (a job's error is read by its client, a traceback may hold another job's data). Raised on every rank it
+    is a `SymmetricRunnerError` like any other; on some ranks only, the controller gives the others
+    `MGPUController(error_settle_s=...)` to end the job too, else it poisons the fleet (they may be blocked
+    in a collective the raising ranks left)."""
+
+    def __init__(self, message: str, exc_type: str = "Exception") -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # type: ignore[override]
+        return (type(self), (self.message, self.exc_type))
+
+
+class RenderOutOfMemory(RenderFault):
+    """A render ran out of device (or host) memory on a rank; the rank dropped the job's references and
+    emptied its allocator cache before reporting, so the fleet can take the next job."""
+
+
 class JobCancelled(RunnerError):
     """Raised on every rank by `MGPURunner.raise_if_cancelled()` once the rank-0 decision says so."""
 
@@ -47,6 +74,11 @@ class SymmetricRunnerError(Exception):
     def __init__(self, errors: list[RunnerError]) -> None:
         self.errors = errors
         super().__init__(errors[0].message if errors else "runner error")
+
+    @property
+    def out_of_memory(self) -> bool:
+        """A rank ran out of memory (a retry may fit once the memory is free; the request itself is valid)."""
+        return any(isinstance(e, RenderOutOfMemory) for e in self.errors)
 
 
 class JobCancelledError(SymmetricRunnerError):
@@ -75,7 +107,8 @@ class FleetFailure(RuntimeError):
 
     The controller is poisoned: every later `stream()` raises "MGPUController is dead; create a new one.".
     `rank`, `pid` and `exitcode` name the first failed rank when one is known; `reason` is a short
-    machine-readable tag: "rank_failed", "rank_exited", "timeout", "desync" or "shutdown".
+    machine-readable tag: "rank_failed", "rank_exited", "timeout", "desync", "split" (some ranks ended a
+    job with an error, the others did not end it within the settle time) or "shutdown".
     """
 
     def __init__(

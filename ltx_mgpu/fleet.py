@@ -10,8 +10,12 @@ Rank lifecycle (every rank, SPMD):
   5. loop: relay (rank 0) takes a job from the controller and posts it on the job board; other ranks wait
      on the board outside collectives; every rank gets the job's top-level tensors (below); everyone runs it;
   6. on the shutdown announcement: tear down the process group and exit 0.
-Any exception outside the runner's recoverable set is reported on the `failures` channel with its
-traceback, and the rank exits 1: a collective it may have left half-entered cannot be unwound.
+An exception a render raises ends the job, not the rank (`_run_job`): `RunnerError`/`ValueError` as they are,
+anything else as a `RenderFault` (its traceback in this rank's log; an out-of-memory error as a
+`RenderOutOfMemory`, after the job's memory was released). A fleet-level fault (`_fleet_fault`: a
+`torch.distributed` error, CUDA context loss, SystemExit) and anything outside a job is reported on the
+`failures` channel with its traceback, and the rank exits 1: a collective it may have left half-entered
+cannot be unwound.
 
 Top-level tensor kwargs, one path per device kind:
 - CPU fleets: the caller's tensors are in shared memory; rank 0 gets them inside the `Job`, rank r > 0 from
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib.util
 import inspect
 import logging
@@ -47,8 +52,8 @@ import torch
 import torch.distributed as dist
 
 from .devices import MULTICAST_OFF_ENV
-from .errors import RunnerError
-from .jobboard import JobBoard, cancel_key
+from .errors import RenderFault, RenderOutOfMemory, RunnerError
+from .jobboard import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
 from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders
@@ -248,10 +253,13 @@ def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: tor
                 return
             job_id, skeleton = announcement
             tensors = _receive_tensors(boot, job_id, skeleton, device)
-        if is_relay:
-            runner._cancel_probe = functools.partial(store.check, [cancel_key(job_id)])
+        if runner._cancel_points is not None:
+            runner._cancel_points.cleanup()  # the previous job's keys: every rank is past it by now
+        probe = functools.partial(store.check, [cancel_key(job_id)]) if is_relay else None
+        runner._cancel_points = CancelPoints(
+            store, job_id, rank=boot.rank, world_size=boot.world_size, probe=probe, every=runner.cancel_every
+        )
         _run_job(runner, job_id, fill_tensors(skeleton, tensors), boot.rank, results)
-        runner._cancel_probe = None
 
 
 def _relay_tensors(boot: RankBoot, shared: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -305,7 +313,8 @@ def _take_job(jobs: Channel) -> Job | None:
 
 
 def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int, results: Channel) -> None:
-    """Advance the runner's generator, forwarding yields; recoverable errors become terminals.
+    """Advance the runner's generator, forwarding yields; whatever the render raises ends the job (a
+    terminal `RunnerError`), unless it is a fleet-level fault (`_fleet_fault`), which ends the rank.
 
     Argument binding and the generator check happen on every rank identically and before the runner
     touches any collective, so they are safe to report as `RunnerError` (symmetric) rather than fatal.
@@ -316,29 +325,99 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
 
     try:
         gen = runner(**kwargs)
-    except (RunnerError, ValueError, TypeError) as err:
-        send(MessageKind.ERROR, _as_runner_error(err))
-        return
-    if not isinstance(gen, Iterator):
-        msg = f"{type(runner).__name__}.__call__ must be a generator (got {type(gen).__name__})"
-        send(MessageKind.ERROR, RunnerError(msg))
-        return
-    while True:
-        try:
-            value = next(gen)
-        except StopIteration as stop:
-            send(MessageKind.DONE, stop.value)
+    except BaseException as err:
+        if _fleet_fault(err):
+            raise
+        error = _job_error(err, rank, job_id)
+    else:
+        if not isinstance(gen, Iterator):
+            msg = f"{type(runner).__name__}.__call__ must be a generator (got {type(gen).__name__})"
+            send(MessageKind.ERROR, RunnerError(msg))
             return
-        except (RunnerError, ValueError) as err:
-            send(MessageKind.ERROR, _as_runner_error(err))
-            return
-        send(MessageKind.YIELD, value)
+        while True:
+            try:
+                value = next(gen)
+            except StopIteration as stop:
+                send(MessageKind.DONE, stop.value)
+                return
+            except BaseException as err:
+                if _fleet_fault(err):
+                    raise
+                error = _job_error(err, rank, job_id)
+                break
+            send(MessageKind.YIELD, value)
+        del gen  # (finished: its frame, and the tensors it held, go with it)
+    kwargs.clear()  # the job's own tensors too (a dict `_job_loop` built for this call alone)
+    if isinstance(error, RenderFault):
+        _release_memory(runner)
+    send(MessageKind.ERROR, error)
 
 
-def _as_runner_error(err: BaseException) -> RunnerError:
+#: Exception text of faults that leave a rank's device or its process group unusable (sticky CUDA errors,
+#: a communicator that failed or timed out): the rank exits and the fleet is rebuilt.
+_FLEET_FAULT_TEXT = ("CUDA error", "illegal memory access", "device-side assert", "NCCL", "CUBLAS_STATUS",
+                     "cuDNN error", "Connection closed by peer", "Connection reset by peer", "gloo")  # fmt: skip
+
+
+def _fleet_fault(err: BaseException) -> bool:
+    """Whether `err` means this rank (or its process group) can no longer be trusted with a job: anything
+    that is not an `Exception` (SystemExit, KeyboardInterrupt), a `torch.distributed` error (a collective
+    timed out, a peer vanished), CUDA context loss (`torch.AcceleratorError`), or a `RuntimeError` carrying
+    such a fault's text. An out-of-memory error is not one: the allocator recovers once the job is dropped."""
+    if isinstance(err, RunnerError | ValueError):
+        return False
+    if not isinstance(err, Exception) or isinstance(err, dist.DistError):
+        return True
+    if isinstance(err, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(err, accelerator_error):
+        return True
+    text = _text(err)
+    return isinstance(err, RuntimeError) and any(marker in text for marker in _FLEET_FAULT_TEXT)
+
+
+_MESSAGE_CHARS = 500  # of an unexpected error's message in the job's error (the traceback stays in the log)
+
+
+def _job_error(err: BaseException, rank: int, job_id: int) -> RunnerError:
+    """The terminal a rank reports for an error that ends the job but not the fleet. Unexpected ones are
+    logged with their traceback here (the rank's log) and travel as `RenderFault` without it; the
+    traceback's frames are cleared so the tensors they hold can be freed."""
     if isinstance(err, RunnerError):
-        return err
-    return RunnerError(f"{type(err).__name__}: {err}" if isinstance(err, TypeError) else str(err))
+        error: RunnerError = err
+    elif isinstance(err, ValueError):
+        error = RunnerError(_text(err))
+    else:
+        try:
+            tb = "".join(traceback.format_exception(err))
+        except Exception:  # (a message that cannot be printed)
+            tb = f"{type(err).__name__} (unprintable)\n"
+        sys.stderr.write(f"[ltx_mgpu rank {rank} pid {os.getpid()}] job {job_id} ended by {type(err).__name__} "
+                         f"(the fleet stays up):\n{tb}")  # fmt: skip
+        sys.stderr.flush()
+        message = f"{type(err).__name__}: {_text(err)}"[:_MESSAGE_CHARS]
+        kind = RenderOutOfMemory if isinstance(err, torch.OutOfMemoryError | MemoryError) else RenderFault
+        error = kind(message, type(err).__name__)
+    if err.__traceback__ is not None:
+        traceback.clear_frames(err.__traceback__)
+    return error
+
+
+def _release_memory(runner: MGPURunner) -> None:
+    """After a job that raised: collect what its frames held and hand cached device memory back, so an
+    out-of-memory job leaves the next one the memory it had."""
+    gc.collect()
+    with contextlib.suppress(Exception):
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _text(err: BaseException) -> str:
+    try:
+        return str(err)
+    except Exception:  # (an exception whose __str__ raises, e.g. on a 5000-digit int)
+        return repr(type(err))
 
 
 def _teardown(device: torch.device) -> None:

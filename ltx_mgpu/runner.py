@@ -82,7 +82,7 @@ class MGPURunner(ABC):
 
     _groups: ProcessGroups | None = None
     _ctx: RankContext | None = None
-    _cancel_probe: Any = None  # callable() -> bool on rank 0, injected by the fleet; one read per decision
+    _cancel_points: Any = None  # jobboard.CancelPoints of the current job, injected by the fleet on every rank
     _import_thread: threading.Thread | None = None
 
     #: modules setup() imports late and slowly, imported on a side thread from the rank's start (see the
@@ -153,25 +153,23 @@ class MGPURunner(ABC):
         return self.groups.layouts
 
     # ---- cooperative cancellation --------------------------------------------------------------------
+    #: every how many `cancel_requested()` calls the ranks decide (1: every call); a runner whose steps are
+    #: short can decide less often (a cancel then takes up to that many steps to land)
+    cancel_every: ClassVar[int] = 1
+
     def cancel_requested(self) -> bool:
-        """Collective: True on every rank iff the caller cancelled the current job.
+        """True on every rank iff the caller cancelled the current job.
 
-        Rank 0 reads the flag once and broadcasts its answer over the gloo control group, so every rank
-        takes the same branch even if the flag flips between their reads. Call it at the same safe point
-        on every rank (e.g. once per denoising step).
+        Call it at the same safe points on every rank (e.g. once per denoising step). Every `cancel_every`-th
+        call, rank 0 reads the caller's flag once and leaves its answer in the fleet's store for the others
+        (`jobboard.CancelPoints`): every rank takes the same branch even if the flag flips between reads, and
+        no rank waits for any other rank but rank 0 (no collective, no host rendezvous of the group).
         """
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.zeros(1, dtype=torch.int32)
-        if self.context.rank == 0 and self._cancel_probe is not None and self._cancel_probe():
-            flag[0] = 1
-        if self.context.world_size > 1:
-            dist.broadcast(flag, src=0, group=self.groups.control_group)
-        return bool(flag.item())
+        points = self._cancel_points
+        return bool(points is not None and points.check())
 
     def raise_if_cancelled(self) -> None:
-        """Collective: raise `JobCancelled` on every rank if the job was cancelled (see `cancel_requested`)."""
+        """Raise `JobCancelled` on every rank alike if the job was cancelled (see `cancel_requested`)."""
         if self.cancel_requested():
             raise JobCancelled("job cancelled")
 

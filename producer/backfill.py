@@ -174,7 +174,11 @@ class Backfill:
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> BackfillSummary:
+        """Render every item; returns the summary. Redis must be usable at the start (ServiceUnavailable at
+        once: a wrong URL or password is no outage to wait out); an outage later is waited out for
+        `unavailable_window_s`."""
         stop = stop or threading.Event()
+        self.client.check_connection()
         done = read_manifest(self.manifest)
         pending: deque[_Item] = deque()
         for item in self.items:
@@ -196,9 +200,12 @@ class Backfill:
                     if down_since is not None:
                         down_since = None
                         self.on_change(self.summary, "reconnected")
-                except (ServiceUnavailable, redis.ConnectionError, redis.TimeoutError):
+                except (ServiceUnavailable, redis.ConnectionError, redis.TimeoutError) as exc:
                     # A Redis outage is waited out like a full queue: content-derived ids make a retried
-                    # submit safe (an enqueue that did land is adopted, not duplicated).
+                    # submit safe (an enqueue that did land is adopted, not duplicated). A refusal (ACL,
+                    # credentials) is no outage: it ends the run at once.
+                    if isinstance(exc, ServiceUnavailable) and exc.misconfigured:
+                        raise
                     now = time.monotonic()
                     down_since = down_since or now
                     if now - down_since > self.unavailable_window_s:
@@ -280,15 +287,20 @@ class Backfill:
         """Remove an ended job (and its event stream) so the same id can be enqueued again: a new watcher
         must not see the old attempt's terminal event.
 
-        RQ's `job.delete()` also takes the id out of the shared queue and registries, which a tenant's Redis
-        user may not write (NOPERM): a tenant deletes only its own keys, and the stale registry entry expires
-        with the registry's TTL (meanwhile it names the new job, which `ls` shows as it is)."""
+        RQ's `job.delete()` also takes the id out of the queue and registries, which a tenant's Redis user
+        may not write: a tenant deletes only its own keys (never trying the rest: its commands write nothing
+        shared), and the stale registry entry expires with the registry's TTL (meanwhile it names the new
+        job, which `ls` shows as it is)."""
+        settings = self.client.settings
         with contextlib.suppress(JobNotFound):
             job = self.client.job(job_id)
-            try:
-                job.delete()
-            except redis.exceptions.NoPermissionError:
+            if settings.tenant_ids and not settings.operator:
                 self.client.connection.delete(job.key, job.dependents_key)
+            else:
+                try:
+                    job.delete()
+                except redis.exceptions.NoPermissionError:  # (a tenant user with LTX_TENANT_IDS=false)
+                    self.client.connection.delete(job.key, job.dependents_key)
         self.client.connection.delete(events_key(self.client.own_job_id(job_id)))
 
     def _record(self, out: Any, item: _Item, *, expired: bool) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from redis.exceptions import OutOfMemoryError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rq.exceptions import InvalidJobOperation
@@ -30,7 +31,9 @@ from rq.exceptions import InvalidJobOperation
 from producer.admission import AdmissionRefused, DuplicateJobError
 from producer.backfill import Backfill, BackfillSummary, ManifestRecord, default_manifest_path
 from producer.client import (
+    FetchRefused,
     IntegrityError,
+    InvalidJobId,
     JobNotFound,
     JobNotReady,
     ProducerClient,
@@ -62,7 +65,7 @@ class UserError(click.ClickException):
         self.exit_code = int(code)
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"producer: {self.message}", err=True)
+        click.echo(f"producer: {' '.join(self.message.split())}", err=True)  # (one line, whatever it quotes)
 
 
 def _guard(fn: F) -> F:
@@ -72,7 +75,7 @@ def _guard(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (RequestFileError, SettingsError) as exc:
+        except (RequestFileError, SettingsError, InvalidJobId, FetchRefused) as exc:
             raise UserError(str(exc), ExitCode.USAGE) from None
         except AdmissionRefused as exc:
             raise UserError(f"refused: {exc}", ExitCode.REFUSED) from None
@@ -85,6 +88,9 @@ def _guard(fn: F) -> F:
             raise UserError(str(exc), code) from None
         except ServiceUnavailable as exc:
             raise UserError(str(exc), ExitCode.UNAVAILABLE) from None
+        except OutOfMemoryError:  # (a tenant filled it, or the queue outgrew maxmemory; docs/security.md)
+            raise UserError("Redis is out of memory (maxmemory reached): it takes no new job now; try again "
+                            "later, or ask the operator", ExitCode.UNAVAILABLE) from None  # fmt: skip
         except IntegrityError as exc:
             raise UserError(str(exc), ExitCode.INTEGRITY) from None
         except InvalidJobOperation as exc:  # (cancel: taken by a worker that has not started it yet)
@@ -96,8 +102,25 @@ def _guard(fn: F) -> F:
 
 
 def _client(ctx: click.Context, **overrides: Any) -> ProducerClient:
+    """A client whose connection is already open: a wrong URL, password or database is one line and exit 6
+    before any command runs (and `backfill` fails at once instead of waiting out an "outage")."""
     settings = load_settings(**{**ctx.obj, **overrides})
-    return ProducerClient(settings)
+    client = ProducerClient(settings)
+    try:
+        client.check_connection()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _job_id(job_id: str) -> str:
+    """A job id argument, checked before anything connects: a malformed id is a usage error (exit 2, as for
+    `submit --job-id`), never "no such job" or a Redis error."""
+    try:
+        return check_job_id(job_id)
+    except ValueError as exc:
+        raise UserError(f"invalid {exc}", ExitCode.USAGE) from None
 
 
 def _console(*, stderr: bool = False) -> Console:
@@ -178,6 +201,8 @@ def submit(
             with _client(ctx) as client:
                 _check_runner_limits(client, requests, queue, say_if_unchecked=True)
         except ServiceUnavailable as exc:
+            if exc.misconfigured:  # (Redis answered and refused us: the settings are wrong, say so)
+                raise
             click.echo(f"producer: runner limits not checked ({exc}); the request file itself is valid", err=True)
         for loaded in requests:
             click.echo(json.dumps({"source": loaded.source, "valid": True}) if as_json else f"{loaded.source}: ok")
@@ -236,6 +261,7 @@ def _check_runner_limits(
 @_guard
 def status(ctx: click.Context, job_id: str, as_json: bool) -> None:
     """Show a job's state, progress, worker and result."""
+    _job_id(job_id)
     with _client(ctx) as client:
         info = client.status(job_id)
     if as_json:
@@ -253,6 +279,7 @@ def status(ctx: click.Context, job_id: str, as_json: bool) -> None:
 def watch(ctx: click.Context, job_id: str, as_json: bool, timeout: float | None) -> None:
     """Follow a job's events until it ends; the exit code is its final state (0 uploaded, 1 failed,
     4 cancelled). A lost Redis connection is retried and resumes at the last event seen."""
+    _job_id(job_id)
     with _client(ctx) as client:
         ctx.exit(int(_watch(client, job_id, as_json=as_json, timeout=timeout)))
 
@@ -307,6 +334,7 @@ def _watch(client: ProducerClient, job_id: str, *, as_json: bool, timeout: float
 @_guard
 def cancel(ctx: click.Context, job_id: str) -> None:
     """Cancel a job: a waiting one never runs; a running one stops at its next step (its fleet survives)."""
+    _job_id(job_id)
     with _client(ctx) as client:
         outcome = client.cancel(job_id)
     messages = {
@@ -329,7 +357,7 @@ def cancel(ctx: click.Context, job_id: str) -> None:
 @_guard
 def fetch(ctx: click.Context, job_id: str, output: str | None, wait: bool, timeout: float | None) -> None:
     """Download a finished job's video and verify its sha256 (nothing is written on a mismatch)."""
-    dest = Path(output or f"{job_id}.mp4")
+    dest = Path(output or f"{_job_id(job_id)}.mp4")
     with _client(ctx) as client:
         if wait:
             client.wait(job_id, timeout=timeout)

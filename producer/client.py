@@ -21,22 +21,21 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.worker import Worker
 
 from producer.admission import AdmissionPolicy, check_client_name, enqueue_admitted
 from producer.download import ObjectDownloads
 from producer.models import (  # (the views and errors are re-exported: `from producer.client import JobInfo`)
     TERMINAL_VALUES,
+    FetchRefused,
     FetchResult,
     IntegrityError,
+    InvalidJobId,
     JobEvent,
     JobInfo,
     JobNotFound,
@@ -48,8 +47,13 @@ from producer.models import (  # (the views and errors are re-exported: `from pr
     WorkerInfo,
     content_job_id,
     decode_event,
+    last_line,
+    looks_uploaded,
+    redis_problem,
+    requeued_at,
     unavailable_on_error,
     unreadable_info,
+    utc_from,
 )
 from producer.settings import ProducerSettings
 from producer.stats import StatsQueries
@@ -67,11 +71,14 @@ from worker.keys import (
 from worker.limits import LimitViolation, RunnerLimits
 from worker.redisconn import connect
 from worker.renderjob import RenderJob
+from worker.rqcompat import live_workers
 from worker.schema import RenderRequest
 
 __all__ = [
+    "FetchRefused",
     "FetchResult",
     "IntegrityError",
+    "InvalidJobId",
     "JobEvent",
     "JobInfo",
     "JobNotFound",
@@ -99,6 +106,18 @@ class ProducerClient(ObjectDownloads, StatsQueries):
     def close(self) -> None:
         self.connection.close()
 
+    def check_connection(self) -> None:
+        """Open a connection now (connect, TLS, AUTH, SELECT), so a wrong URL, password or database is one
+        `ServiceUnavailable` before any command, not an error halfway through one. No command is sent: any
+        ACL user passes."""
+        pool, url = self.connection.connection_pool, self.settings.redis_url
+        try:
+            pool.release(pool.get_connection())
+        except redis.RedisError as exc:  # (a refused handshake is a Redis problem, whatever its class)
+            message, bad = redis_problem(exc, url) or (f"Redis at {safe_redis_url(url)} refused the connection: "
+                                                       f"{' '.join(str(exc).split())[:300]}", True)  # fmt: skip
+            raise ServiceUnavailable(message, misconfigured=bad) from None
+
     def __enter__(self) -> ProducerClient:
         return self
 
@@ -106,9 +125,6 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         self.close()
 
     # ---- submit ------------------------------------------------------------------------------------
-    def queue(self, name: str | None = None) -> Queue:
-        return Queue(name or self.settings.default_queue, connection=self.connection, serializer=JSONSerializer)
-
     def submit(
         self,
         request: RenderRequest,
@@ -144,7 +160,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         meta = {"state": JobState.QUEUED.value, "client": client, "submitted_at": time.time(), **(extra_meta or {})}
         if len(json.dumps(meta)) > RenderJob.max_meta_bytes:  # (the worker refuses it too, per its settings)
             raise ValueError(f"extra_meta: the job's meta would exceed {RenderJob.max_meta_bytes} bytes")
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             job = q.create_job(
                 RENDER_FUNC,
                 args=(request.model_dump(mode="json"),),
@@ -155,7 +171,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                 description=f"render {request.prompt[:60]!r}",
                 meta=meta,
             )
-            counted = [self.queue(name) for name in dict.fromkeys([*s.queues, q.name])]
+            counted = list({c.name: c for c in (self.queue(name) for name in [*s.queues, q.name])}.values())
             return enqueue_admitted(
                 q, job, policy=policy, counted_queues=counted, client=client, at_front=priority == "high"
             )
@@ -163,8 +179,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
     def runner_limits(self, queue: str | None = None) -> list[tuple[str, RunnerLimits]]:
         """The request limits the live workers on `queue` publish (worker name, limits); see worker.limits."""
         out: list[tuple[str, RunnerLimits]] = []
-        with unavailable_on_error():
-            for worker in Worker.all(connection=self.connection, queue=self.queue(queue)):
+        with unavailable_on_error(self.settings.redis_url):
+            for worker in live_workers(self.connection, queue=self.queue(queue)):
                 raw = self.connection.get(worker_health_key(worker.name))
                 try:
                     health = json.loads(raw) if raw else {}
@@ -188,24 +204,31 @@ class ProducerClient(ObjectDownloads, StatsQueries):
     def own_job_id(self, job_id: str) -> str:
         """`job_id` as this client names it in Redis: with tenant ids on (`LTX_TENANT_IDS`), `<client>-<id>`
         (the prefix is added when missing, so `status 42` and `status alice-42` are the same job)."""
-        return tenant_job_id(self.settings.client, job_id) if self.settings.tenant_ids else job_id
+        own = tenant_job_id(self.settings.client, job_id) if self.settings.tenant_ids else job_id
+        try:
+            return check_job_id(own)
+        except ValueError as exc:
+            raise InvalidJobId(f"invalid {exc}") from None
 
     def job(self, job_id: str) -> Job:
         """The RQ job (loaded as the worker loads it: `RenderJob` bounds what it decompresses)."""
         job_id = self.own_job_id(job_id)
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             try:
                 return RenderJob.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
             except NoSuchJobError:
                 raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)") from None
-            except (redis.ConnectionError, redis.TimeoutError):
-                raise
+            except redis.RedisError as exc:
+                if redis_problem(exc) is not None:
+                    raise  # (unavailable_on_error: Redis cannot be used, whichever job this is)
+                raise JobUnreadable(job_id, exc) from None  # (WRONGTYPE: a key of another type at this name)
             except Exception as exc:  # RQ's parse errors: DeserializationError, ValueError, TypeError, ...
                 raise JobUnreadable(job_id, exc) from None
 
     def status(self, job_id: str) -> JobInfo:
         """The job's state and records. Raises JobNotFound (also for another client's job, unless this
-        client is an operator), JobUnreadable (a hash that cannot be read)."""
+        client is an operator), JobUnreadable (a hash that cannot be read), InvalidJobId."""
+        self.own_job_id(job_id)  # (a malformed id is the caller's error; one listed from Redis is a note: _read)
         info = self._read(job_id)
         if not self._visible(info):
             raise JobNotFound(f"no job {job_id!r} of client {self.settings.client!r} (another client's job; "
@@ -227,14 +250,14 @@ class ProducerClient(ObjectDownloads, StatsQueries):
     def _read(self, job_id: str) -> JobInfo:
         try:
             return self._status(job_id)
-        except (JobNotFound, ServiceUnavailable, redis.ConnectionError, redis.TimeoutError):
+        except (JobNotFound, ServiceUnavailable):
             raise
         except Exception as exc:  # (the request is deserialized lazily, after the fetch)
             raise JobUnreadable(job_id, exc) from None
 
     def _status(self, job_id: str) -> JobInfo:
         job = self.job(job_id)
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             rq_status = job.get_status(refresh=False)
             rq_value = rq_status.value if rq_status is not None else None
             meta = dict(job.meta or {})
@@ -243,15 +266,15 @@ class ProducerClient(ObjectDownloads, StatsQueries):
             if result is None and rq_value == "finished":
                 with contextlib.suppress(Exception):
                     result = job.return_value()
-                if state not in TERMINAL_VALUES and isinstance(result, dict) and _looks_uploaded(result):
+                if state not in TERMINAL_VALUES and isinstance(result, dict) and looks_uploaded(result):
                     state = JobState.UPLOADED.value
             error = meta.get("error")
             if error is None and state == JobState.FAILED.value:
-                error = {"reason": None, "message": _last_line(job.exc_info) or "failed (no details recorded)"}
+                error = {"reason": None, "message": last_line(job.exc_info) or "failed (no details recorded)"}
             request = job.args[0] if job.args and isinstance(job.args[0], dict) else None
-            submitted = _utc(meta.get("submitted_at")) or job.created_at or job.enqueued_at
-            requeued = job.enqueued_at if job.enqueued_at and submitted and job.enqueued_at > submitted else None
-            ended = _utc(meta.get("ended_at")) if state in TERMINAL_VALUES else None
+            submitted = utc_from(meta.get("submitted_at")) or job.created_at or job.enqueued_at
+            requeued = requeued_at(job.enqueued_at, job.started_at, meta)
+            ended = utc_from(meta.get("ended_at")) if state in TERMINAL_VALUES else None
             return JobInfo(
                 job_id=job.id,
                 state=str(state),
@@ -271,9 +294,9 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """Up to `limit` jobs per section ("waiting", "running", "recently ended", newest first) of `queues`:
         this client's and unowned ones (every client's for an operator)."""
         sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
-        with unavailable_on_error():
-            for name in queues:
-                q = self.queue(name)
+        with unavailable_on_error(self.settings.redis_url):
+            for q in self.view_queues(queues):
+                name = q.name
                 ids = {
                     "waiting": q.get_job_ids(0, limit - 1),
                     # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135)
@@ -304,7 +327,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """The service state of many jobs in one round trip (None: no such job). Cheap enough to poll."""
         if not job_ids:
             return {}
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             pipe = self.connection.pipeline(transaction=False)
             for job_id in job_ids:
                 pipe.hmget(Job.key_for(self.own_job_id(job_id)), "status", "meta")
@@ -353,7 +376,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                 if deadline is not None and time.monotonic() >= deadline:
                     return
                 try:
-                    response = reader.xread({key: last}, count=200, block=block_ms)
+                    with unavailable_on_error(self.settings.redis_url):
+                        response = reader.xread({key: last}, count=200, block=block_ms)
                     idle = not response
                     for _stream, entries in response or []:
                         for entry_id, fields in entries:
@@ -364,7 +388,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                                 return
                     if idle and self.status(job_id).terminal:
                         # One more non-blocking read: the terminal event may have landed just now.
-                        tail = reader.xread({key: last}, count=200)
+                        with unavailable_on_error(self.settings.redis_url):
+                            tail = reader.xread({key: last}, count=200)
                         for _stream, entries in tail or []:
                             for entry_id, fields in entries:
                                 event = decode_event(entry_id, fields)
@@ -373,6 +398,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                         return
                     down_since, backoff = None, 0.1
                 except (redis.ConnectionError, redis.TimeoutError, ServiceUnavailable) as exc:
+                    if isinstance(exc, ServiceUnavailable) and exc.misconfigured:
+                        raise  # (refused, not dropped: no reconnect will help)
                     now = time.monotonic()
                     down_since = down_since or now
                     if now - down_since > reconnect_window_s:
@@ -389,7 +416,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
     def events(self, job_id: str, *, after: str = "0-0", count: int = 1000) -> list[JobEvent]:
         """The events recorded so far (no blocking)."""
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             entries = self.connection.xrange(
                 events_key(self.own_job_id(job_id)), min=f"({after}" if after != "0-0" else "-", count=count
             )
@@ -410,27 +437,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         and will never run), "stop_requested" (it is running; the worker stops it cooperatively and keeps
         its fleet), or "already_<state>" when it had ended."""
         job_id = self.status(job_id).job_id  # JobNotFound for another client's job (unless an operator)
-        with unavailable_on_error():
+        with unavailable_on_error(self.settings.redis_url):
             try:
                 return cancel_job(self.connection, job_id, failure_ttl=self.settings.failure_ttl)
             except NoSuchJobError:
                 raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)") from None
-
-
-# ==== helpers ===========================================================================================
-
-
-def _utc(ts: Any) -> datetime | None:
-    """A wall-clock timestamp (seconds) from the meta summary as an aware datetime."""
-    if isinstance(ts, bool) or not isinstance(ts, int | float):
-        return None
-    return datetime.fromtimestamp(ts, tz=UTC)
-
-
-def _looks_uploaded(result: dict[str, Any]) -> bool:
-    return bool(result.get("sha256")) and bool(result.get("key") or result.get("url") or result.get("path"))
-
-
-def _last_line(text: str | None) -> str:
-    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""

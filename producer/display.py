@@ -221,13 +221,14 @@ class EventPrinter:
 
 
 def printable(text: object) -> str:
-    """`text` with control and format characters (terminal escape sequences, newlines, bidi overrides)
-    written as `\\x1b`-style escapes: prompts, errors and names come from other clients, and must never
-    drive the reader's terminal."""
-    value = str(text)
+    """`text` with control and format characters (terminal escape sequences, carriage returns, bidi
+    overrides) written as `\\x1b`-style escapes: prompts, errors and names come from other clients, and must
+    never drive the reader's terminal. Line breaks and tabs stay text (a multi-line error reads as lines,
+    not as `\\n`): they move the cursor only forward, so they cannot hide or rewrite what was printed."""
+    value = str(text).replace("\r\n", "\n").replace("\t", "    ")
     if value.isprintable():
         return value
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in value)
+    return "".join(ch if ch.isprintable() or ch == "\n" else ascii(ch)[1:-1] for ch in value).rstrip("\n")
 
 
 def _row(table: Table, *cells: object) -> None:
@@ -264,7 +265,7 @@ def render_status(console: Console, info: JobInfo) -> None:
             table,
             "request",
             f"{req.get('width')}x{req.get('height')}, {req.get('num_frames')} frames, seed {req.get('seed')}: "
-            f"{str(req.get('prompt'))[:60]!r}",
+            f'"{str(req.get("prompt"))[:60]}"',  # (quoted as text: a repr showed escapes)
         )
     for used in meta["loras"] if isinstance(meta.get("loras"), list) else []:
         if isinstance(used, dict):  # (worker.loras: the request's LoRAs as this job used them)

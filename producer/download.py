@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.models import (
+    FetchRefused,
     FetchResult,
     IntegrityError,
     JobNotReady,
@@ -93,7 +94,9 @@ class ObjectDownloads:
             try:
                 body = client.get_object(Bucket=bucket, Key=key)["Body"]
             except (BotoCoreError, ClientError) as exc:
-                raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {exc}") from None
+                from worker.s3errors import s3_error_text
+
+                raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {s3_error_text(exc)}") from None
             return f"s3://{bucket}/{key}", body
         url = result.get("url") or result.get("presigned_url")
         if not url and result.get("path"):
@@ -113,7 +116,7 @@ class ObjectDownloads:
         """A URL from job meta (anyone with Redis access can write it) is fetched only over http(s) from the
         configured endpoint, or as a file under `local_storage_dir` (the worker's local backend on this
         machine): `file://` URLs read any local file before, any other host made the producer a proxy.
-        Returns the local file for a `file://` URL, None for an http(s) one; raises IntegrityError."""
+        Returns the local file for a `file://` URL, None for an http(s) one; raises FetchRefused."""
         parts = urllib.parse.urlsplit(url)
         s = self.settings
         if parts.scheme == "file" and s.local_storage_dir is not None and parts.netloc in ("", "localhost"):
@@ -121,13 +124,13 @@ class ObjectDownloads:
             if path.is_relative_to(Path(s.local_storage_dir).resolve()):
                 return path
         allowed = {_origin(e) for e in (s.s3_public_endpoint_url, s.s3_endpoint_url) if e}
-        if parts.scheme in ("http", "https") and parts.hostname:
-            if _origin(url) in allowed or (not allowed and parts.hostname.endswith(".amazonaws.com")):
+        if parts.scheme in ("http", "https") and parts.hostname and (origin := _origin(url)) is not None:
+            if origin in allowed or (not allowed and parts.hostname.endswith(".amazonaws.com")):
                 return None
         where = ", ".join(sorted(allowed)) or "AWS S3 (*.amazonaws.com)"
         if s.local_storage_dir is not None:
             where += f", or files under {s.local_storage_dir}"
-        raise IntegrityError(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
+        raise FetchRefused(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
                              "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL / LTX_LOCAL_STORAGE_DIR)")  # fmt: skip
 
 
@@ -141,7 +144,12 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
 _NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
 
 
-def _origin(url: str) -> str:
+def _origin(url: str) -> str | None:
+    """scheme://host:port of `url`; None when its port is not a number (`http://127.0.0.1:9000.nip.io/x`:
+    urllib raises ValueError reading it, which escaped as a traceback)."""
     parts = urllib.parse.urlsplit(url)
-    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
     return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"

@@ -8,9 +8,10 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -19,6 +20,7 @@ from worker.keys import (
     EVENT_FIELD_TYPE,
     TERMINAL_STATES,
     EventType,
+    safe_redis_url,
 )
 from worker.schema import RenderRequest
 
@@ -27,7 +29,23 @@ TERMINAL_VALUES = {s.value for s in TERMINAL_STATES}
 
 
 class ServiceUnavailable(RuntimeError):
-    """Redis (or storage) cannot be reached."""
+    """Redis (or storage) cannot be reached or used.
+
+    `misconfigured`: the server answered and refused us (credentials, ACL, no such database, not Redis at
+    all, TLS): the settings are wrong, so waiting or working offline (`submit --dry-run`) does not help."""
+
+    def __init__(self, message: str, *, misconfigured: bool = False) -> None:
+        super().__init__(message)
+        self.misconfigured = misconfigured
+
+
+class InvalidJobId(ValueError):
+    """A job id no job can have (`worker.keys.check_job_id`): a usage error, never a lookup."""
+
+
+class FetchRefused(RuntimeError):
+    """`fetch` will not download from where the job's result points (not the configured endpoint): a
+    configuration question, not a failed integrity check."""
 
 
 class JobNotFound(LookupError):
@@ -224,9 +242,78 @@ def unreadable_info(job_id: str, queue: str, exc: JobUnreadable) -> JobInfo:
 
 
 @contextlib.contextmanager
-def unavailable_on_error() -> Iterator[None]:
-    """Redis connection and timeout errors as `ServiceUnavailable` (one line for the CLI, exit 6)."""
+def unavailable_on_error(redis_url: str | None = None) -> Iterator[None]:
+    """Errors that say Redis itself cannot be used (`redis_problem`) as `ServiceUnavailable` (one line for
+    the CLI, exit 6); other Redis errors (about the data: WRONGTYPE, ...) pass through."""
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise ServiceUnavailable(f"cannot reach Redis: {exc}") from None
+    except redis.RedisError as exc:
+        problem = redis_problem(exc, redis_url)
+        if problem is None:
+            raise
+        raise ServiceUnavailable(problem[0], misconfigured=problem[1]) from None
+
+
+def redis_problem(exc: BaseException, redis_url: str | None = None) -> tuple[str, bool] | None:
+    """(one line saying what is wrong, whether the settings are) if `exc` says Redis cannot be used at all:
+    unreachable, too slow, refused credentials (WRONGPASS, NOAUTH) or command (NOPERM), no such database,
+    not speaking the Redis protocol, or a failed TLS handshake. None for errors about the data, which
+    belong to the job or the command."""
+    where = f" at {safe_redis_url(redis_url)}" if redis_url else ""
+    text = " ".join(str(exc).split())[:300]  # (one line, whatever the server sent)
+    if isinstance(exc, redis.AuthenticationError):
+        if "required" in text.lower():
+            return (f"Redis{where} requires authentication (NOAUTH): set LTX_REDIS_USERNAME and "
+                    "LTX_REDIS_PASSWORD_FILE (or the password in the URL)", True)  # fmt: skip
+        return (f"Redis authentication failed{where} (WRONGPASS: {text}): check LTX_REDIS_USERNAME and "
+                "LTX_REDIS_PASSWORD(_FILE)", True)  # fmt: skip
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (f"Redis{where} refused a command to this user (NOPERM: {text}): the ACL (`ltx-worker "
+                "redis-acl`) does not allow it", True)  # fmt: skip
+    if isinstance(exc, redis.ResponseError) and "db index" in text.lower():
+        db = urlsplit(redis_url).path.strip("/") if redis_url else "?"
+        return f"Redis{where} has no database {db} ({text}): fix the /N at the end of LTX_REDIS_URL", True
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return (f"the server{where} does not speak the Redis protocol ({text}): does LTX_REDIS_URL name "
+                "another service's port?", True)  # fmt: skip
+    if isinstance(exc, redis.TimeoutError):
+        return f"Redis{where} did not answer in time ({text})", False
+    if isinstance(exc, redis.ConnectionError):
+        if "ssl" in text.lower() or "certificate" in text.lower() or "tls" in text.lower():
+            return (f"TLS with Redis{where} failed ({text}): check LTX_REDIS_CA_FILE / LTX_REDIS_CERT_FILE "
+                    "and the rediss:// URL", True)  # fmt: skip
+        return f"cannot reach Redis{where}: {text}", False
+    return None
+
+
+# ==== helpers of the client's views =====================================================================
+
+
+def utc_from(ts: Any) -> datetime | None:
+    """A wall-clock timestamp (seconds) from the meta summary as an aware datetime."""
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        return None
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+def requeued_at(enqueued: datetime | None, started: datetime | None, meta: dict[str, Any]) -> datetime | None:
+    """RQ's `enqueued_at` if it is a re-queue: later than the end of an attempt recorded in meta `attempts`
+    (a retry) or than the latest start (RQ's cleanup re-queued a job whose worker vanished). Comparing it
+    with `submitted_at` alone called every job re-queued: the producer stamps `submitted_at` just before
+    RQ stamps `enqueued_at`."""
+    if enqueued is None:
+        return None
+    attempts = meta.get("attempts")
+    ends = [utc_from(a.get("at")) for a in attempts if isinstance(a, dict)] if isinstance(attempts, list) else []
+    if any(end is not None and end <= enqueued for end in ends):
+        return enqueued
+    return enqueued if started is not None and started < enqueued else None
+
+
+def looks_uploaded(result: dict[str, Any]) -> bool:
+    return bool(result.get("sha256")) and bool(result.get("key") or result.get("url") or result.get("path"))
+
+
+def last_line(text: str | None) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,13 +60,40 @@ def _load(text: str, name: str) -> list[LoadedRequest]:
         raise RequestFileError(f"{name}: no requests (the file is empty)")
     if not name.endswith(JSON_LINES_SUFFIXES):
         try:
-            document = json.loads(text)
+            document = _parse_json(text, name)
         except json.JSONDecodeError as exc:
             if exc.msg != "Extra data":
                 raise RequestFileError(f"{name}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
         else:
             return [_validate(document, text, name, first_line=1, index=0)]
     return list(_load_lines(text, name))
+
+
+#: Longest integer literal read (no request field takes more than 10 digits). Python refuses to convert one
+#: of over 4300 digits with a ValueError that escaped as a traceback.
+MAX_INTEGER_DIGITS = 100
+
+
+class _LongInteger(ValueError):
+    pass
+
+
+def _parse_json(text: str, name: str, *, first_line: int = 1) -> Any:
+    """`json.loads`, refusing an integer literal longer than `MAX_INTEGER_DIGITS` with its position."""
+
+    def bounded_int(literal: str) -> int:
+        if len(literal.lstrip("-")) > MAX_INTEGER_DIGITS:
+            raise _LongInteger(literal)
+        return int(literal)
+
+    try:
+        return json.loads(text, parse_int=bounded_int)
+    except _LongInteger:
+        found = re.search(rf"-?\d{{{MAX_INTEGER_DIGITS + 1},}}", text)
+        where = f":{position_at(text, found.start(), first_line=first_line)}" if found else ""
+        digits = len(found.group().lstrip("-")) if found else MAX_INTEGER_DIGITS + 1
+        raise RequestFileError(f"{name}{where}: an integer of {digits} digits; no request field takes one "
+                               f"longer than {MAX_INTEGER_DIGITS}") from None  # fmt: skip
 
 
 def validate_request(data: Any, *, source: str = "<request>") -> RenderRequest:
@@ -93,7 +122,7 @@ def _load_lines(text: str, name: str) -> Iterator[LoadedRequest]:
         if not line.strip():
             continue
         try:
-            document = json.loads(line)
+            document = _parse_json(line, name, first_line=number)
         except json.JSONDecodeError as exc:
             where = f"{name}:{number}:{exc.colno}"
             hint = " (JSON Lines needs one complete object per line)" if exc.msg.startswith("Expecting") else ""
@@ -143,8 +172,17 @@ def _describe(error: dict[str, Any]) -> str:
     message = str(error["msg"])
     message = message.removeprefix("Value error, ")
     message = message[:1].lower() + message[1:]
-    shown = repr(error.get("input"))
+    shown = _shown(error.get("input"))
     if len(shown) > 60:
         shown = shown[:57] + "..."
     got = "" if "got" in message else f" (got {shown})"
     return f"{field}: {message}{got}"
+
+
+def _shown(value: Any) -> str:
+    """repr() of a refused value; an integer too long for Python to print (the API path: no file to parse)
+    is described by its size instead of raising."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"an integer of about {int(math.log10(abs(value))) + 1} digits" if isinstance(value, int) else "?"

@@ -6,8 +6,11 @@
 #
 # - worker identity (s3_worker_access_key/_secret_key): Read, Write, List and Admin on the bucket only
 #   (Admin lets the worker create the bucket at start, LTX_S3_CREATE_BUCKET; Write covers multipart);
-# - producer identity (s3_producer_access_key/_secret_key): Read on the bucket only (GET/HEAD of objects:
-#   `producer fetch`); presigned URLs are signed by the worker, so the producer needs nothing more;
+# - producer identity (s3_producer_access_key/_secret_key): Read on the bucket's objects only (GET/HEAD:
+#   `producer fetch`, and the result URLs the worker signs with this key). `Read:<bucket>/*`, not
+#   `Read:<bucket>`: SeaweedFS counts ListMultipartUploads as Read, and on the whole bucket it listed every
+#   upload in progress (its key names the job and render id) and its upload id (ListParts needs one);
+#   scoped to the objects, the bucket-level listing is denied;
 # - the S3 gateway's gRPC port requires a client certificate nobody can make (s3_grpc_*; see
 #   scripts/secrets.sh), through a security.toml in the working directory, where weed looks first.
 #
@@ -51,7 +54,7 @@ printf '{"identities": [
   {"name": "ltx-worker", "credentials": [{"accessKey": "%s", "secretKey": "%s"}],
    "actions": ["Read:%s", "Write:%s", "List:%s", "Admin:%s"]},
   {"name": "ltx-producer", "credentials": [{"accessKey": "%s", "secretKey": "%s"}],
-   "actions": ["Read:%s"]}
+   "actions": ["Read:%s/*"]}
 ]}\n' "$(read_key s3_worker_access_key)" "$(read_key s3_worker_secret_key)" \
     "$bucket" "$bucket" "$bucket" "$bucket" \
     "$(read_key s3_producer_access_key)" "$(read_key s3_producer_secret_key)" "$bucket" \

@@ -64,6 +64,9 @@ class ScriptedRunner(MGPURunner):
         sleep_s: float = 0.0,
         marker: str | None = None,
         env: list[str] | None = None,
+        error: str = "oom",
+        raise_on: list[int] | None = None,
+        hog_mb: int = 64,
     ) -> Iterator[Any]:
         if mode == "env":
             yield {"rank": self.rank, "pid": os.getpid(), "env": {k: os.environ.get(k) for k in env or ()}}
@@ -95,12 +98,24 @@ class ScriptedRunner(MGPURunner):
                 raise RunnerError("only one rank objects")
             yield "fine"
             return None
-        if mode == "crash":
+        if mode == "crash":  # a fleet-level fault (sticky CUDA error text): the rank exits
             yield "before"
             if self.rank == target_rank:
-                raise KeyError("boom")
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
             time.sleep(30)
             return None
+        if mode == "raise":  # an unexpected error in a render, on `raise_on` ranks (all when None)
+            yield "before"
+            if raise_on is None or self.rank in raise_on:
+                raise _INJECTED[error](f"injected {error} on rank {self.rank}")
+            if self.world_size > 1 and n:  # the others enter a collective the raising ranks never reach (n=0: not)
+                dist.all_reduce(torch.ones(1), group=self.groups.transformer_group)
+            return self.rank
+        if mode == "hog":  # holds memory in its frame, then runs out of it: the next job must get it back
+            held = torch.ones(hog_mb << 18)  # (float32: hog_mb MiB)
+            yield {"rank": self.rank, "held": held.numel()}
+            time.sleep(sleep_s)  # (the test reads the rank's memory use meanwhile)
+            raise torch.OutOfMemoryError(f"injected: tried to allocate more on rank {self.rank}")
         if mode == "exit":
             if self.rank == target_rank:
                 if marker:
@@ -122,6 +137,15 @@ class ScriptedRunner(MGPURunner):
         if mode == "not_generator":
             return None
         raise RunnerError(f"unknown mode {mode}")
+
+
+#: what `mode="raise"` raises, by name
+_INJECTED: dict[str, type[BaseException]] = {
+    "oom": torch.OutOfMemoryError,
+    "type": TypeError,
+    "runtime": RuntimeError,
+    "overflow": OverflowError,
+}
 
 
 class NotAGeneratorRunner(MGPURunner):

@@ -127,6 +127,23 @@ def test_redis_image_is_the_series_the_restart_test_passed_on() -> None:
     assert f"Redis {version}" in security and "tests/test_redis_restart.py" in security
 
 
+def test_redis_memory_flags_match_the_dev_servers_and_the_recipes() -> None:
+    """The output-buffer and bulk caps in compose, the dev servers and both of
+    docs/operations.md's command lines: the same flags, the same values."""
+    from worker.redisacl import REDIS_MEMORY_ARGS
+
+    command = [str(c) for c in SERVICES["redis"]["command"]]
+    pairs = list(zip(REDIS_MEMORY_ARGS[::2], REDIS_MEMORY_ARGS[1::2], strict=True))
+    for flag, value in pairs:
+        assert command[command.index(flag) + 1] == value, (flag, command)
+    text = (ROOT / "docs" / "operations.md").read_text()
+    recipes = re.findall(r"^redis-server (?:.*\\\n)*.*$", text, flags=re.M)  # command lines, with continuations
+    assert len(recipes) >= 2
+    for text in recipes:
+        for flag, value in pairs:
+            assert f"{flag} {value}" in text or f"{flag} '{value}'" in text, (flag, text)
+
+
 def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: Path) -> None:
     """Redis loads the users file the `redis-acl` one-shot writes from the password secrets; `default` is off;
     the worker and the producer log in as users of that file with their password files; no password is
@@ -207,6 +224,10 @@ def test_s3_keys_come_from_secret_files_and_the_producer_gets_the_read_only_one(
         expected = {f"s3_{who}_access_key", f"s3_{who}_secret_key"}
         assert names == {f"/run/secrets/{n}" for n in expected}, service
         s3_secrets = {e if isinstance(e, str) else e["source"] for e in SERVICES[service]["secrets"]}
+        if service == "worker":  # and the producers' read-only key, to sign result URLs with (not its own id)
+            presign = {env["LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE"], env["LTX_S3_PRESIGN_SECRET_ACCESS_KEY_FILE"]}
+            assert presign == {"/run/secrets/s3_producer_access_key", "/run/secrets/s3_producer_secret_key"}
+            expected |= {"s3_producer_access_key", "s3_producer_secret_key"}
         assert {n for n in s3_secrets if n.startswith("s3_")} == expected, service  # and no other service's key
     # every secret compose mounts is a file scripts/secrets.sh makes
     from worker.s3gateway import make_secrets
@@ -323,7 +344,7 @@ def test_bind_mounts_exist() -> None:
 
 def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
     """Copy exactly what the producer stage copies into an empty directory and import the CLI from there:
-    it must work and pull in neither torch nor ltx_mgpu."""
+    it must work and pull in neither torch nor ltx_mgpu's engine."""
     for line in re.findall(r"^COPY\s+(.+)$", stage_text("producer"), re.M):
         *sources, dest = line.split()
         for source in sources:
@@ -344,7 +365,8 @@ def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
         "assert all(m.__file__.startswith(sys.path[0]) for n, m in sys.modules.items() if n.startswith('worker')), "
         "[m.__file__ for n, m in sys.modules.items() if n.startswith('worker')]\n"
         "assert producer.client.__file__.startswith(sys.path[0]), producer.client.__file__\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu'))\n"
+        "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize'}  # (stdlib only, shared with the runners)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu') and m not in shared)\n"
         "print(bad)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False)

@@ -275,7 +275,7 @@ def test_rank_exception_poisons_with_traceback() -> None:
         msg = str(info.value)
         assert msg.startswith("MGPU worker(s) failed:")
         assert f"rank 1 (pid {pids[1]}) exit 1:" in msg
-        assert "KeyError: 'boom'" in msg
+        assert "RuntimeError: CUDA error: an illegal memory access was encountered (injected)" in msg
         assert info.value.reason == "rank_failed" and info.value.rank == 1 and info.value.exitcode == 1
         assert not ctl.is_alive
         with pytest.raises(RuntimeError, match="MGPUController is dead; create a new one."):

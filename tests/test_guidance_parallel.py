@@ -247,3 +247,31 @@ def test_budget_error_is_identical_on_every_rank(checkpoint: str, worlds: WorldP
     for message in errors:
         assert "exceeds attention_manager max_tokens (8). Use a smaller resolution or fewer frames." in message
     assert per_rank[0][-1] == "after: (1, 12, 16)"
+
+
+def _gather_twice(ctx: WorldContext) -> dict[str, Any]:
+    """P=3 over G=2 (rank 1 sends a spare row), two steps through one reused send buffer."""
+    import torch.distributed as dist
+
+    from ltx_mgpu.parallel.guidance import gather_pass_outputs, split_passes
+
+    shares = split_passes(3, 2)
+    specs = [((1, 4, 3), torch.float32), ((1, 2, 3), torch.float32)]
+    buffers: dict = {}
+    steps, pointers = [], []
+    for step in range(2):
+        mine = [
+            (torch.full((1, 4, 3), 100.0 * step + p), torch.full((1, 2, 3), -100.0 * step - p))
+            for p in shares[ctx.rank]
+        ]
+        out = gather_pass_outputs(mine, shares, ctx.rank, specs, dist.group.WORLD, ctx.device, buffers)
+        steps.append([(float(v.mean()), float(a.mean())) for v, a in out])
+        pointers.append([b.data_ptr() for b in buffers.values()])
+    return {"steps": steps, "pointers": pointers}
+
+
+def test_guidance_gather_reuses_its_send_buffer(worlds: WorldPool) -> None:
+    for res in _world(2).run(_gather_twice):
+        for step, got in enumerate(res["steps"]):
+            assert got == [(100.0 * step + p, -100.0 * step - p) for p in range(3)]
+        assert len(res["pointers"][0]) == 1 and res["pointers"][0] == res["pointers"][1]

@@ -1,14 +1,15 @@
 """The layering rules, held by imports in fresh interpreters (README.md, "Layout": arrows point down only).
 
 `producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
-- producer never imports torch or ltx_mgpu (a light CLI);
+- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds and image
+  parser (`ltx_mgpu.bounds`, `ltx_mgpu.imagesize`, shared by the request schema and the runners);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
 - the control plane (controller, fleet, runner, transport, jobboard, devices, errors, events, startup)
   never imports `ltx_mgpu.runners` (it is model-agnostic);
 - worker never imports producer; kernels imports none of the packages above it;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu`, `ltx_mgpu.devices` and `ltx_mgpu.ports` import no torch (the worker's settings and dev
-  servers use them).
+- `import ltx_mgpu`, `ltx_mgpu.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds` and `ltx_mgpu.imagesize` import
+  no torch (the worker's settings and dev servers and the producer use them).
 
 Each rule imports every module of its packages in a new interpreter (`sys.modules` starts empty, so an
 import done elsewhere in the test session cannot hide or fake one) and lists, per module, the forbidden
@@ -35,10 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 _PROBE = r"""
 import importlib, json, sys
 root, forbidden, names = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+allowed = {f[1:] for f in forbidden if f.startswith("!")}  # exact module names exempt from the prefixes
 sys.path.insert(0, root)
 
 def hits():
-    return {m for m in sys.modules for f in forbidden if m == f or m.startswith(f + ".")}
+    return {m for m in sys.modules for f in forbidden if (m == f or m.startswith(f + ".")) and m not in allowed}
 
 found, origins, seen = {}, {}, hits()
 for name in names:
@@ -101,7 +103,9 @@ CONTROL_PLANE = tuple(
 )
 
 RULES = [
-    Rule("producer: no torch, no ltx_mgpu", packages=("producer",), forbidden=("torch", "ltx_mgpu", "tests"),
+    # (but the request bounds and the image parser: stdlib only, shared by the schema and the runners)
+    Rule("producer: no torch, no ltx_mgpu", packages=("producer",),
+         forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.imagesize", "tests"),
          plant=("producer/display.py", "import ltx_mgpu.controller")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
@@ -114,8 +118,10 @@ RULES = [
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
-    Rule("ltx_mgpu, its device parser, port picker and LoRA file check: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports", "ltx_mgpu.lorafile"), forbidden=("torch",),
+    Rule("ltx_mgpu, its device parser, port picker, request bounds, image parser and LoRA file check: no torch",
+         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.imagesize",
+                  "ltx_mgpu.lorafile"),
+         forbidden=("torch",),
          plant=("ltx_mgpu/devices.py", "import torch")),
 ]  # fmt: skip
 

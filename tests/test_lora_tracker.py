@@ -178,9 +178,12 @@ def test_repeated_swaps_read_the_lora_files_once_and_stay_exact(files):
     clean = reference_sd(files["ckpt"], [])
     read_after_first = None
     for _ in range(3):
+        restored = tracker.stats["keys_restored"]
         tracker.apply(spec)
         assert all(torch.equal(v, fused[k]) for k, v in model.state_dict().items())
+        assert tracker.stats["keys_restored"] == restored  # fusing into clean weights copies nothing back first
         read_after_first = read_after_first or tracker.stats["lora_bytes_read"]
         tracker.apply([])
         assert all(torch.equal(v, clean[k]) for k, v in model.state_dict().items())
+        assert tracker.stats["keys_restored"] > restored  # the un-fuse restores the fused keys
     assert read_after_first > 0 and tracker.stats["lora_bytes_read"] == read_after_first

@@ -153,10 +153,12 @@ def test_request_errors_are_symmetric_and_the_fleet_survives(two_stage_fleet, di
         (two_stage_fleet, {"num_frames": 10}, "8k\\+1"),
         (two_stage_fleet, {"steps": 1}, "steps must be in \\[2, "),
         (two_stage_fleet, {"images": [{"data": "!!!"}]}, "base64"),
-        (two_stage_fleet, {"images": [{"data": base64.b64encode(b"nope").decode()}]}, "cannot decode"),
+        (two_stage_fleet, {"images": [{"data": base64.b64encode(b"nope").decode()}]}, "not a PNG, JPEG, WebP"),
         (distilled_fleet, {"steps": 4}, "fixed schedule"),
         (distilled_fleet, {"negative_prompt": "ugly"}, "no negative prompt"),
-        (distilled_fleet, {"width": 128 * 64, "height": 128 * 64}, "Use a smaller resolution or fewer frames"),
+        (distilled_fleet, {"width": 2048, "height": 2048, "num_frames": 257}, "Use a smaller resolution or fewer"),
+        (distilled_fleet, {"width": 128 * 64}, "width must be in \\[32, 2048\\], got 8192"),
+        (distilled_fleet, {"frame_rate": 1e-300}, "frame_rate must be in \\[1, 120\\], got 1e-300"),
     ]
     for ctl, job, message in cases:
         with pytest.raises(SymmetricRunnerError, match=message):

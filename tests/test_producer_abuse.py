@@ -74,7 +74,7 @@ def _uploaded_job(redis_client, queue: str, result: dict) -> str:
 
 
 def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_client, tmp_path):  # noqa: F811
-    from producer.client import IntegrityError, ProducerClient
+    from producer.client import FetchRefused, ProducerClient
     from producer.settings import load_settings
 
     secret = tmp_path / "secret.txt"
@@ -84,7 +84,7 @@ def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_
         for url in (secret.as_uri(), "http://169.254.169.254/latest/meta-data?X-Amz-Signature=x",
                     "ftp://127.0.0.1:8333/x", "http://127.0.0.1:8334/videos/x"):  # fmt: skip
             job_id = _uploaded_job(redis_client, env["LTX_QUEUES"], {"url": url, "sha256": "0" * 64, "key": "k"})
-            with pytest.raises(IntegrityError, match="refusing to fetch"):
+            with pytest.raises(FetchRefused, match="refusing to fetch"):
                 client.fetch(job_id, tmp_path / "out.mp4")
     assert not (tmp_path / "out.mp4").exists()
     # the local storage backend: file:// results are copied only from under LTX_LOCAL_STORAGE_DIR
@@ -98,10 +98,10 @@ def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_
         assert client.fetch(ok, tmp_path / "got.mp4").sha256 == sha
         for outside in (secret.as_uri(), (store / ".." / ".." / ".." / "secret.txt").as_uri()):
             bad = _uploaded_job(redis_client, env["LTX_QUEUES"], {"url": outside, "sha256": sha})
-            with pytest.raises(IntegrityError, match="refusing to fetch"):
+            with pytest.raises(FetchRefused, match="refusing to fetch"):
                 client.fetch(bad, tmp_path / "out.mp4")
         bad = _uploaded_job(redis_client, env["LTX_QUEUES"], {"path": str(secret), "sha256": sha})
-        with pytest.raises(IntegrityError, match="refusing to fetch"):
+        with pytest.raises(FetchRefused, match="refusing to fetch"):
             client.fetch(bad, tmp_path / "out.mp4")
 
 

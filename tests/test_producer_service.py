@@ -399,4 +399,12 @@ def test_runner_limits_are_checked_at_the_edge(stack: Stack, tmp_path: Path, red
     # what the worker published, read back through the client
     with ProducerClient(load_settings(redis_url=stack.env["LTX_REDIS_URL"], queues=[stack.queue])) as client:
         published = client.runner_limits()
-    assert published and all(limits.ranges == {"steps": (1.0, 50.0)} for _, limits in published)
+    assert published and all(limits.ranges == {"steps": (1.0, 50.0), "audio_latents": (1.0, 6144.0)}
+                             for _, limits in published)  # fmt: skip
+    # the audio track against the runner's token budget: 257 frames at 1 fps is 6425 audio latents
+    long_audio = tmp_path / "long-audio.json"
+    long_audio.write_text(json.dumps({"prompt": "slow", **TINY, "num_frames": 257, "frame_rate": 1.0}))
+    for extra in (["--dry-run"], []):
+        code, out, err = run(["submit", str(long_audio), *extra], stack.env)
+        assert code == ExitCode.USAGE and "audio_latents" in err and "6425 is outside [1, 6144]" in err, (out, err)
+    assert set(redis_client.scan_iter(match="rq:job:*")) == jobs_before

@@ -6,8 +6,8 @@ its entrypoint (`scripts/s3-start.sh`) and secrets (`scripts/secrets.sh`), check
   identity updates from anyone: measured by hand with grpcio's PutIdentity on weed 4.48) speaks only
   mutual TLS, so a client without a certificate gets nothing;
 - identities: the worker's key uploads through the real uploader (and creates the bucket); the producer's
-  key reads (GET, HEAD, `producer fetch`) and cannot put, overwrite, delete, copy or start a multipart
-  upload (AccessDenied).
+  key reads (GET, HEAD, `producer fetch`) and cannot put, overwrite, delete, copy, start a multipart
+  upload or list the uploads in progress (AccessDenied).
 """
 
 from __future__ import annotations
@@ -119,6 +119,9 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
                                                     "upload_multipart_chunksize": 5 * 1024 * 1024}))  # fmt: skip
     stored = Uploader(storage, spool, attempts=1, backoff_s=0.1, backoff_max_s=0.1).upload(entry)
     assert stored.sha256 == hashlib.sha256(data).hexdigest() and stored.size == len(data)
+    # an upload in progress (its key names a job and a render id) that the read-only key must not list
+    writer = gateway.client(*gateway.worker_keys)
+    writer.create_multipart_upload(Bucket=gateway.bucket, Key="gw/in-progress/r1/video.mp4")
 
     reader = gateway.client(*gateway.producer_keys)
     bucket = gateway.bucket
@@ -131,6 +134,7 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
         "multipart": lambda: reader.create_multipart_upload(Bucket=bucket, Key="gw/mp/video.mp4"),
         "copy": lambda: reader.copy_object(Bucket=bucket, Key="gw/copy.mp4", CopySource={"Bucket": bucket, "Key": key}),
         "list": lambda: reader.list_objects_v2(Bucket=bucket),
+        "list uploads in progress": lambda: reader.list_multipart_uploads(Bucket=bucket),
         "delete bucket": lambda: reader.delete_bucket(Bucket=bucket),
     }
     for name, attempt in attempts.items():
@@ -138,7 +142,6 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
             attempt()
         assert _code(exc) == "AccessDenied", name
     # nothing changed: the object is the worker's, whole
-    writer = gateway.client(*gateway.worker_keys)
     head = writer.head_object(Bucket=bucket, Key=key)
     assert head["Metadata"]["sha256"] == stored.sha256 and int(head["ContentLength"]) == len(data)
     # the read-only key cannot be used to sign a URL that writes either (the server checks the identity)

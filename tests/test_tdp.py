@@ -240,6 +240,52 @@ def test_shared_weights_model_aliases_storage(tmp_path):
     assert torch.equal(twin.proj_out.weight, built.proj_out.weight)
 
 
+@pytest.mark.parametrize("keyframe", [False, True])
+def test_the_steps_of_a_stage_reuse_one_plan_without_host_reads(model, monkeypatch, keyframe):
+    """Three steps with the same positions: the tile plan (indices, weights, positions) is made on the first
+    step and reused, so later steps read nothing back from the device (no `.cpu()`; a GPU sync each step
+    before) and copy no index or mask to it; a video without conditioning tokens reads nothing at all. The
+    outputs are the bits a fresh wrapper gives at every step; a new job (`set_latent_shape`) plans again."""
+    from ltx_core.guidance.perturbations import BatchedPerturbationConfig
+
+    from ltx_mgpu.parallel import tiling as tiling_mod
+
+    shape, video, audio = inputs(0.3, keyframe=keyframe)
+    tiling = TileCountConfig(DimensionTiling(2, 0), DimensionTiling(2, 2))
+    none = BatchedPerturbationConfig.empty(1)
+    with torch.no_grad():
+        fresh = []
+        for _ in range(3):
+            one = TiledDataParallelModelWrapper(model, tiling=tiling)
+            one.set_latent_shape(shape)
+            fresh.append(one(video, audio, none))
+        counts = {"cpu": 0, "mask": 0}
+        real_cpu, real_mask = torch.Tensor.cpu, tiling_mod.TdpTile.mask
+
+        def counting(name, real):
+            def wrapped(*a, **kw):
+                counts[name] += 1
+                return real(*a, **kw)
+
+            return wrapped
+
+        monkeypatch.setattr(torch.Tensor, "cpu", counting("cpu", real_cpu))
+        monkeypatch.setattr(tiling_mod.TdpTile, "mask", counting("mask", real_mask))
+        wrapper = TiledDataParallelModelWrapper(model, tiling=tiling)
+        wrapper.set_latent_shape(shape)
+        per_step = []
+        for i in range(3):
+            before = dict(counts)
+            out = wrapper(video, audio, none)
+            per_step.append({k: counts[k] - before[k] for k in counts})
+            assert torch.equal(out[0], fresh[i][0]) and torch.equal(out[1], fresh[i][1])
+        assert per_step[0] == {"cpu": 1 if keyframe else 0, "mask": 4}
+        assert per_step[1] == per_step[2] == {"cpu": 0, "mask": 0}
+        wrapper.set_latent_shape(shape)
+        wrapper(video, audio, none)
+        assert counts["mask"] == 8  # planned again for the new job
+
+
 # ---- two CPU ranks -----------------------------------------------------------------------------------------
 def _rank_tdp(ctx, tiling, amplitude, keyframe):
     import torch.distributed as dist

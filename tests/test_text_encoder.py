@@ -106,3 +106,92 @@ def test_encoder_failure_is_symmetric(world, tiny):
     messages = world.run(_rank_source, tiny, True)
     assert messages[0] == messages[1]
     assert "text encoder failed on rank 0: ValueError: cannot tokenize" in messages[0]
+
+
+# ==== one batched forward, the cached negative prompt, two collectives ================================
+
+
+def test_batched_forward_matches_one_prompt_at_a_time(tiny):
+    """Both prompts through Gemma at once == each alone, up to reduction order: every prompt is padded to
+    the same length and masked, so the rows cannot see each other. The bound: fp32 rounding of a sum of K
+    products is at most ~K*eps relative to the magnitudes; 8*eps*K_max times the output's scale (K_max: the
+    widest reduction in the encoder, its MLP's intermediate size) is far below any real difference."""
+    enc = local_encoder(tiny)
+    batched = enc.encode(PROMPTS)
+    alone = [enc.encode([p])[0] for p in PROMPTS]
+    config = enc.text_encoder.model.config.get_text_config()
+    k_max = max(int(config.hidden_size), int(config.intermediate_size), TOKENS)
+    for got, want in zip(batched, alone, strict=True):
+        assert torch.equal(got["mask"], want["mask"])
+        for key in ("video", "audio"):
+            scale = float(want[key].abs().max())
+            tol = 8 * torch.finfo(torch.float32).eps * k_max * scale
+            assert float((got[key] - want[key]).abs().max()) <= tol, key
+    # and the rows really differ (the bound is not vacuous): the two prompts' embeddings are far apart
+    assert float((batched[0]["video"] - batched[1]["video"]).abs().max()) > 1000 * tol
+
+
+class Counting:
+    """A local encoder that records the prompts it is asked for (and has an identity that can change)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[list[str]] = []
+        self.identity = "weights-a"
+
+    def encode(self, prompts):
+        self.calls.append(list(prompts))
+        return self.inner.encode(prompts)
+
+    def enhance(self, prompt, *, image=None, seed=42):
+        return prompt
+
+
+def _rank_cached(ctx, tiny):
+    import torch.distributed as dist
+
+    counting = Counting(local_encoder(tiny)) if ctx.rank == 0 else None
+    dpe = DistributedPromptEncoder(counting, group=dist.group.WORLD, device=ctx.device)
+    calls = {"object": 0, "tensor": 0}
+    real_obj, real_tensor = dist.broadcast_object_list, dist.broadcast
+
+    def count(kind, real):
+        def wrapped(*a, **kw):
+            calls[kind] += 1
+            return real(*a, **kw)
+
+        return wrapped
+
+    dist.broadcast_object_list, dist.broadcast = count("object", real_obj), count("tensor", real_tensor)
+    try:
+        first = dpe.encode(PROMPTS, cacheable=(False, True))
+        per_job = dict(calls)
+        second = dpe.encode(["a dog runs", PROMPTS[1]], cacheable=(False, True))
+        if counting is not None:
+            counting.identity = "weights-b"  # the encoder changed: the cached negative must go
+        third = dpe.encode(PROMPTS, cacheable=(False, True))
+    finally:
+        dist.broadcast_object_list, dist.broadcast = real_obj, real_tensor
+    return {
+        "first": first, "second": second, "third": third, "per_job": per_job,
+        "calls": None if counting is None else counting.calls, "hits": dpe.cache.hits,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_negative_prompt_is_cached_per_worker_and_dropped_when_the_encoder_changes(tiny, reference, size, world):
+    if size == 1:
+        with LocalWorld(1) as one:
+            results = one.run(_rank_cached, tiny)
+    else:
+        results = world.run(_rank_cached, tiny)
+    for r in results:
+        _assert_same(r["first"], reference)
+        _assert_same(r["third"], reference)
+        assert torch.equal(r["second"][1]["video"], reference[1]["video"])  # from the cache, bit for bit
+        assert r["hits"] == 1
+    calls = results[0]["calls"]
+    # the negative is encoded once, skipped while cached, encoded again under the new identity
+    assert calls == [PROMPTS, ["a dog runs"], PROMPTS]
+    if size == 2:  # one object broadcast + one tensor broadcast per encode, whatever the tensor count
+        assert all(r["per_job"] == {"object": 1, "tensor": 1} for r in results)

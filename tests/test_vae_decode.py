@@ -74,6 +74,25 @@ def test_one_tile_is_the_plain_decode():
     assert torch.equal(out, ref.float())
 
 
+def test_one_tile_makes_no_float32_accumulator(monkeypatch):
+    """A fleet of one decodes one tile without ramps: its blend is x * 1 / 1, so the decoder's output is taken
+    as it is (same bits, pinned above) and no float32 buffer of the whole video is allocated and summed."""
+    from ltx_mgpu.parallel import vae_decode
+
+    shapes = []
+    real_zeros = torch.zeros
+
+    def zeros(*size, **kwargs):
+        shapes.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], tuple) else size)
+        return real_zeros(*size, **kwargs)
+
+    monkeypatch.setattr(vae_decode.torch, "zeros", zeros)
+    DistributedVideoDecoder(NearestDecoder(), tiling=TileCountConfig()).decode(latent())
+    assert not [s for s in shapes if len(s) == 5], shapes
+    DistributedVideoDecoder(NearestDecoder(), tiling=GRID_2x2).decode(latent())  # tiles do blend
+    assert [s for s in shapes if len(s) == 5] == [(1, 3, 9, 128, 192)]
+
+
 @pytest.mark.parametrize("tiling", [GRID_2x2, TileCountConfig(width=DimensionTiling(3, 1)), BalancedTiling(4, 1)])
 def test_token_local_decoder_is_reproduced_exactly(tiling):
     dec = NearestDecoder()

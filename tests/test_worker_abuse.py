@@ -181,6 +181,23 @@ def test_the_hard_cap_on_attempts_holds_whatever_the_hash_says(worker):
     assert _states(worker.conn, refused.id) == ["failed"]
 
 
+def test_an_ended_job_pushed_again_never_re_runs_and_junk_ids_count_for_nobody(worker):
+    """Without tenant users anyone may push ids: a failed job's id pushed again rendered it again (RQ's
+    dequeue never looks at the status). The worker drops it (`not_queued`) and ids without a hash
+    (`no_job`), uncounted, and says so in its metrics."""
+    worker.idle()
+    metric = 'ltx_worker_dropped_queue_entries_total{group="cpu:1",reason="%s"}'
+    before = {r: worker.metric(metric % r) for r in ("not_queued", "no_job")}
+    job = worker.enqueue("t error=runner")
+    _wait_failed(worker, job)
+    worker.conn.rpush(f"rq:queue:{worker.queue}", job.id, job.id, "no-such-job")
+    probe = worker.enqueue("t")
+    wait_state(probe, "uploaded", 60, worker.proc)
+    assert _states(worker.conn, job.id).count("started") == 1 and job.get_status(refresh=True) == JobStatus.FAILED
+    assert {r: worker.metric(metric % r) - n for r, n in before.items()} == {"not_queued": 2, "no_job": 1}
+    assert worker.conn.llen(f"rq:queue:{worker.queue}:intermediate") == 0
+
+
 # ==== item 2: the worker owns timeouts and TTLs =========================================================
 
 
@@ -278,6 +295,17 @@ def test_an_oversized_meta_is_refused_and_not_rewritten_on_every_event(worker):
     meta = _wait_failed(worker, job)
     assert meta["error"]["reason"] == "invalid_request" and "meta" in meta["error"]["message"], meta
     assert len(worker.conn.hget(job.key, "meta")) < 64 << 10
+
+
+def test_an_oversized_job_hash_is_refused_unread_and_its_memory_freed(worker):
+    """A tenant may write what she likes into her own job hash (here 9 MB; each value under Redis's 4 MB
+    bulk cap): the worker refuses it by its size in Redis, without reading it, and deletes it."""
+    worker.idle()
+    job = _enqueue_edited(worker, {f"pad{i}": b"y" * (3 << 20) for i in range(3)})
+    wait_rq_status(job, {JobStatus.FAILED}, 30, worker.proc)
+    assert worker.conn.hget(job.key, "pad0") is None and worker.conn.memory_usage(job.key, samples=0) < 64 << 10
+    assert b"over" in worker.conn.hget(job.key, "exc_info")
+    assert wait_state(worker.enqueue("after an oversized hash"), {"uploaded", "failed"}, 60, worker.proc) == "uploaded"
 
 
 # ==== item 7 (inputs): image dimensions are checked before anything decodes the image =====================

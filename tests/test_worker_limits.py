@@ -26,9 +26,9 @@ class _Odd(MGPURunner):
 
 
 def test_smoke_runner_publishes_its_step_limit_from_its_setup_kwargs() -> None:
-    assert RunnerLimits.of("smoke", SmokeRunner, {}).ranges == {"steps": (1.0, 50.0)}  # setup()'s default
+    assert RunnerLimits.of("smoke", SmokeRunner, {}).ranges == {"steps": (1.0, 50.0), "audio_latents": (1.0, 6144.0)}
     limits = RunnerLimits.of("smoke", SmokeRunner, {"max_steps": 8})
-    assert limits.ranges == {"steps": (1.0, 8.0)}
+    assert limits.ranges == {"steps": (1.0, 8.0), "audio_latents": (1.0, 6144.0)}
     bad = limits.violations(RenderRequest(prompt="x", steps=9))
     assert [v.message() for v in bad] == ["steps: 9 is outside [1, 8] accepted by runner 'smoke'"]
     assert limits.violations(RenderRequest(prompt="x")) == []  # unset: the runner's default applies
@@ -40,10 +40,22 @@ def test_a_subclass_that_passes_setup_kwargs_on_keeps_its_base_defaults() -> Non
     `max_steps` default and every worker died at start."""
     from tests.chaos.runner import ChaosRunner
 
-    assert RunnerLimits.of("chaos", ChaosRunner, {"exec_log_dir": "/x"}).ranges == {"steps": (1.0, 50.0)}
-    assert RunnerLimits.of("chaos", ChaosRunner, {"max_steps": 3}).ranges == {"steps": (1.0, 3.0)}
+    assert RunnerLimits.of("chaos", ChaosRunner, {"exec_log_dir": "/x"}).ranges["steps"] == (1.0, 50.0)
+    assert RunnerLimits.of("chaos", ChaosRunner, {"max_steps": 3}).ranges["steps"] == (1.0, 3.0)
     with pytest.raises(TypeError, match="declares no default for 'nope'"):
         ChaosRunner.setup_default("nope", {})
+
+
+def test_the_audio_length_is_checked_against_the_runners_token_budget() -> None:
+    """A security review: the audio track (num_frames / frame_rate x 25 latents) was never checked; a
+    request may be within every field's range and still too long for the runner's budget."""
+    limits = RunnerLimits.of("smoke", SmokeRunner, {"max_tokens": 4096})
+    assert limits.ranges["audio_latents"] == (1.0, 4096.0)
+    assert limits.violations(RenderRequest(prompt="x", num_frames=257, frame_rate=24.0)) == []
+    bad = limits.violations(RenderRequest(prompt="x", num_frames=257, frame_rate=1.5))
+    assert [v.message() for v in bad] == ["audio_latents (the audio length in latents: num_frames / frame_rate x 25): "
+                                          "4283 is outside [1, 4096] accepted by runner 'smoke'"]  # fmt: skip
+    assert RunnerLimits.from_json(limits.to_json()) == limits
 
 
 def test_limits_must_name_request_fields_and_bad_json_is_ignored() -> None:

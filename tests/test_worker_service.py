@@ -152,7 +152,8 @@ def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, 
         kinds = _types(evts)
         assert kinds[:2] == ["started", "rendering"]
         assert kinds[-1] == "uploaded"
-        order = ["started", "rendering", "encode", "denoise", "decode", "mux", "output", "rendered", "uploading",
+        # the fleet hands the frames off (its output event), then the worker encodes (`mux`) and commits
+        order = ["started", "rendering", "encode", "denoise", "decode", "output", "mux", "rendered", "uploading",
                  "uploaded"]  # fmt: skip
         seen = [e.get("stage", e.get("state", e["type"])) for e in evts]
         positions = [seen.index(x) for x in order]

@@ -114,6 +114,14 @@ def test_s3_check_reports_missing_bucket_or_creates_it(s3_server, unique_name):
     S3Storage(missing).check()  # exists now
 
 
+def test_s3_check_says_a_wrong_key_is_wrong(s3_server):
+    """Regression: HeadBucket's 403 has no body, so the worker's start-up check said only "Forbidden"."""
+    wrong = WorkerSettings(**{**_settings(s3_server).model_dump(), "s3_secret_access_key": "not-the-key"})
+    with pytest.raises(StorageError, match="the endpoint refused the S3 key: check LTX_S3_ACCESS_KEY_ID") as info:
+        S3Storage(wrong).check()
+    assert "HeadBucket" in str(info.value) and not info.value.retryable and "not-the-key" not in str(info.value)
+
+
 def test_local_storage_put_is_atomic_and_idempotent(tmp_path):
     storage = LocalStorage(tmp_path / "store")
     storage.check()

@@ -11,9 +11,13 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | bytes=N         | size of the output file (default 4096), content derived from the seed    |
 | record=PATH     | the driver appends {"event": "start"/"end", "pid", "t", "job"} lines     |
 | error=runner    | raise RunnerError on every rank (recoverable, the fleet survives)        |
+| error=oom       | raise torch.OutOfMemoryError on every rank after one yield (job ends)    |
+| error=type      | the same with TypeError (`runtime`: RuntimeError); the fleet survives    |
+| error_rank=R    | with error=...: only rank R raises; the others wait in a collective      |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
+| yuv=N           | with `media="frames"`: yield N noise frames (width x height) as a `media` event, no file |
 
 No test functions here: pytest collects the module and finds none.
 """
@@ -31,6 +35,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.events import output_event, progress_event, stage_event
@@ -54,6 +61,9 @@ def output_bytes(seed: int, size: int) -> bytes:
     while len(out) < size:
         out += block
     return bytes(out[:size])
+
+
+_INJECTED: dict[str, type[Exception]] = {"oom": torch.OutOfMemoryError, "type": TypeError, "runtime": RuntimeError}
 
 
 class FaultRunner(MGPURunner):
@@ -87,6 +97,7 @@ class FaultRunner(MGPURunner):
         height: int = 64,
         num_frames: int = 9,
         frame_rate: float = 24.0,
+        media: str = "mp4",
         **_ignored: Any,
     ) -> Iterator[dict[str, Any]]:
         d = directives(prompt)
@@ -97,6 +108,13 @@ class FaultRunner(MGPURunner):
             _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job})
         if d.get("error") == "runner":
             raise RunnerError("injected runner error")
+        if d.get("error") == "crash":  # a fleet-level fault (sticky CUDA error): the rank dies with a traceback
+            raise RuntimeError(f"CUDA error: an illegal memory access (injected crash for {prompt!r})")
+        if d.get("error") in _INJECTED:
+            yield progress_event("denoise", 0, steps) if self.is_driver else {}
+            if "error_rank" not in d or int(d["error_rank"]) == self.rank:
+                raise _INJECTED[d["error"]](f"injected {d['error']} error")
+            dist.all_reduce(torch.ones(1), group=self.groups.transformer_group)  # the raising rank never comes
         if self.is_driver:
             yield stage_event("denoise")
         if d.get("hold"):  # a test holds the fleet busy until it creates this file
@@ -113,7 +131,11 @@ class FaultRunner(MGPURunner):
             self.raise_if_cancelled()
             if self.is_driver:
                 yield progress_event("denoise", step, steps)
-        if self.is_driver:
+        if self.is_driver and media == "frames" and "yuv" in d:
+            yield _noise_media(int(d["yuv"]), width, height, frame_rate, seed)
+            yield output_event(output_path, frames=int(d["yuv"]), fps=frame_rate, width=width, height=height,
+                               size_bytes=0, media="frames", gpu_busy_s=0.25)  # fmt: skip
+        elif self.is_driver:
             if d.get("no_output") != "1":
                 data = output_bytes(seed, int(d.get("bytes", 4096)))
                 Path(output_path).write_bytes(data)
@@ -121,6 +143,17 @@ class FaultRunner(MGPURunner):
                                    size_bytes=len(data))  # fmt: skip
             if record:
                 _append(record, {"event": "end", "pid": os.getpid(), "t": time.time(), "job": job})
+
+
+def _noise_media(frames: int, width: int, height: int, fps: float, seed: int) -> dict[str, Any]:
+    """A `media` hand-off of uniform noise (the encoder's worst case: slow enough to watch it run)."""
+    import torch
+
+    from ltx_mgpu.runners.common.media import media_event, shared_host_copy
+
+    gen = torch.Generator().manual_seed(seed)
+    yuv = torch.randint(0, 256, (frames, height * 3 // 2, width), generator=gen, dtype=torch.uint8)
+    return media_event(shared_host_copy(yuv), width=width, height=height, fps=fps, audio=None)
 
 
 class BrokenSetupRunner(MGPURunner):

@@ -16,12 +16,9 @@ so a test run interrupted from its terminal takes its servers with it.
 - `S3Server`: `weed mini` (master + volume + filer + S3 in one process) with SigV4 credentials checked and
   one bucket created; ready means the bucket answers a signed request.
 - `pid_alive()`, `descendants()`, `stop_process()`: process helpers for whoever has to leave nothing
-  running (the demo's teardown, the benchmarks, the tests).
-- `free_port()` / `free_ports()`: re-exported from `ltx_mgpu.ports`, the one port picker (it sits in the
-  engine, which needs one too and never imports `worker`).
+  running; `free_port()` / `free_ports()` re-exported from `ltx_mgpu.ports`, the one port picker.
 
-`worker.tcpproxy.TcpProxy` sits in front of either server to make it unreachable or slow on demand.
-"""
+`worker.tcpproxy.TcpProxy` sits in front of either server to make it unreachable or slow on demand."""
 
 from __future__ import annotations
 
@@ -39,6 +36,8 @@ from pathlib import Path
 from typing import Any, Self
 
 from ltx_mgpu.ports import LOOPBACK, free_port, free_ports
+
+from .redisacl import REDIS_MEMORY_ARGS
 
 __all__ = ["LOOPBACK", "RedisServer", "S3Server", "ServerError", "descendants", "find_redis_server", "find_weed",
            "free_port", "free_ports", "pid_alive", "remove_weed_sockets", "s3_client", "stop_process"]  # fmt: skip
@@ -267,6 +266,7 @@ class RedisServer(_ServerProcess):
             "--save", "",
             "--daemonize", "no",
             "--maxmemory-policy", "noeviction",
+            *REDIS_MEMORY_ARGS,
         ]  # fmt: skip
         if self.appendonly:
             args += ["--appendonly", "yes", "--appendfsync", self.appendfsync]

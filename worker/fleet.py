@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .devservers import pid_alive
+from .errorids import public_message
 from .keys import EventType
 
 __all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
@@ -58,6 +59,7 @@ class FleetSupervisor:
         setup_kwargs: dict[str, Any] | None = None,
         start_timeout: float = 1800.0,
         shutdown_timeout: float = 30.0,
+        error_settle_s: float | None = None,
         max_failures: int = 3,
         backoff_s: float = 2.0,
         factory: Callable[..., Any] | None = None,
@@ -74,6 +76,7 @@ class FleetSupervisor:
         self.setup_kwargs = dict(setup_kwargs or {})
         self.start_timeout = start_timeout
         self.shutdown_timeout = shutdown_timeout
+        self.error_settle_s = error_settle_s  # (MGPUController's; None: its default)
         self.max_failures = max_failures
         self.backoff_s = backoff_s
         self._factory = factory
@@ -246,14 +249,26 @@ class FleetSupervisor:
 
     @staticmethod
     def describe(failure: BaseException) -> dict[str, Any]:
-        """A FleetFailure, machine-readable."""
-        return {
+        """A FleetFailure, machine-readable, with a one-line message (health snapshots and job errors are
+        read by tenants: the ranks' tracebacks stay in the worker log under `error_id`; `worker.errorids`).
+        The same failure object is described once (its monitor and the job that hit it both report it)."""
+        cached = getattr(failure, "_ltx_description", None)
+        if isinstance(cached, dict):
+            return dict(cached)
+        message, error_id = public_message(str(failure), context="fleet failure")
+        info = {
             "fleet_reason": getattr(failure, "reason", None),
             "rank": getattr(failure, "rank", None),
             "pid": getattr(failure, "pid", None),
             "exitcode": getattr(failure, "exitcode", None),
-            "message": str(failure),
+            "message": message,
+            "error_id": error_id,
         }
+        try:
+            failure._ltx_description = dict(info)  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        return info
 
     def record_failure(self, failure: BaseException) -> dict[str, Any]:
         """Count a poisoned fleet once (its monitor's callback and the job that hit it both report the same
@@ -345,7 +360,8 @@ class FleetSupervisor:
             from ltx_mgpu import MGPUController
 
             factory = MGPUController
-        ctl = factory(self.runner_cls, devices=self.devices)
+        extra = {} if self.error_settle_s is None else {"error_settle_s": self.error_settle_s}
+        ctl = factory(self.runner_cls, devices=self.devices, **extra)
         register = getattr(ctl, "add_failure_callback", None)
         if register is not None:
             register(functools.partial(self._controller_failed, ctl))

@@ -17,9 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ltx_mgpu.bounds import audio_latents
+
 from .schema import RenderRequest
 
-__all__ = ["LimitViolation", "RunnerLimits"]
+__all__ = ["DERIVED", "LimitViolation", "RunnerLimits"]
+
+#: Limits on quantities derived from several fields (a runner may publish these names too), with what they are.
+DERIVED = {
+    "audio_latents": ("the audio length in latents: num_frames / frame_rate x 25",
+                      lambda r: audio_latents(r.num_frames, r.frame_rate)),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -33,8 +41,9 @@ class LimitViolation:
     runner: str
 
     def message(self) -> str:
-        return f"{self.field}: {_num(self.value)} is outside [{_num(self.low)}, {_num(self.high)}] accepted by " \
-               f"runner {self.runner!r}"  # fmt: skip
+        what = f" ({DERIVED[self.field][0]})" if self.field in DERIVED else ""
+        return f"{self.field}{what}: {_num(self.value)} is outside [{_num(self.low)}, {_num(self.high)}] " \
+               f"accepted by runner {self.runner!r}"  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,7 @@ class RunnerLimits:
         raw = dict(publish(**setup_kwargs)) if publish is not None else {}
         ranges: dict[str, tuple[float, float]] = {}
         for field, bounds in raw.items():
-            if field not in RenderRequest.model_fields:
+            if field not in RenderRequest.model_fields and field not in DERIVED:
                 raise ValueError(f"runner {name!r} publishes a limit for {field!r}, which is not a request field")
             low, high = (float(b) for b in bounds)
             if low > high:
@@ -75,7 +84,7 @@ class RunnerLimits:
         """The fields of `request` outside this runner's ranges (unset fields take the runner's default)."""
         out = []
         for field, (low, high) in self.ranges.items():
-            value = getattr(request, field, None)
+            value = DERIVED[field][1](request) if field in DERIVED else getattr(request, field, None)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             if not low <= value <= high:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["bind_job", "current_job_id", "setup_logging"]
+__all__ = ["bind_job", "current_job_id", "event_text", "setup_logging"]
 
 _job_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("ltx_job_id", default=None)
 _static: dict[str, str] = {}
@@ -32,6 +32,14 @@ def bind_job(job_id: str) -> Iterator[None]:
         yield
     finally:
         _job_id.reset(token)
+
+
+def event_text(event: dict[str, object]) -> str:
+    """An event dict as `action key=value ...` for a log line: `%s` of the dict printed enum reprs
+    (`{'type': <EventType.FLEET: 'fleet'>, ...}`) and quoted every string."""
+    fields = " ".join(f"{k}={json.dumps(v, default=str) if isinstance(v, dict | list) else v}"
+                      for k, v in event.items() if k not in ("type", "action"))  # fmt: skip
+    return f"{event.get('action', event.get('type'))} {fields}".strip()
 
 
 class _ContextFilter(logging.Filter):

@@ -4,19 +4,20 @@
   processes on one machine never mix their numbers; each has its own port: metrics_port + group index).
 - `GET /healthz`: liveness, 200 while the work loop has beaten recently; 503 otherwise.
 - `GET /readyz`: readiness, 200 only while the fleet is up (warm and not poisoned); 503 otherwise.
-Both return the JSON health snapshot (group, fleet state, pids, current job, counters).
+Both return the JSON health snapshot (group, fleet state, pids, current job, counters). Served by
+`worker.probeserver` (one thread, bounded connections, a deadline per connection).
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .probeserver import ProbeServer, Reply
 
 __all__ = ["HealthServer", "WorkerMetrics"]
 
@@ -44,6 +45,10 @@ class WorkerMetrics:
         self.ignored_commands = Counter("ltx_worker_ignored_commands", "RQ pubsub commands refused (shutdown: "
                                         "anyone who can PUBLISH could stop the service; junk)", [*labels, "command"],
                                         registry=r)  # fmt: skip
+        self.dropped_queue_entries = Counter("ltx_worker_dropped_queue_entries", "Queue entries dropped without "
+                                             "counting or running (no such job, ended, another tenant's, another "
+                                             "queue's, malformed; worker.tenantqueues)", [*labels, "reason"],
+                                             registry=r)  # fmt: skip
         self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
                                             labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
         self.fleet_up = Gauge("ltx_worker_fleet_up", "1 while the fleet is warm and not poisoned", labels,
@@ -56,7 +61,18 @@ class WorkerMetrics:
                                       [*labels, "reason"], registry=r)  # fmt: skip
         self.storage_up = Gauge("ltx_worker_storage_up", "0 while storage is degraded (unreachable at start, "
                                 "not yet confirmed by an upload), else 1", labels, registry=r)  # fmt: skip
+        self.redis_up = Gauge("ltx_worker_redis_up", "0 while Redis refuses the worker's commands (out of memory, "
+                              "read-only, loading, unreachable): no job is taken until it clears", labels,
+                              registry=r)  # fmt: skip
+        self.redis_up.labels(group).set(1)
         self.busy = Gauge("ltx_worker_busy", "1 while a job runs", labels, registry=r)
+        self.fleet_busy_seconds = Counter("ltx_worker_fleet_busy_seconds", "Device-busy seconds of the fleet (the "
+                                          "runner's device stages between syncs, not its CPU tail)", labels,
+                                          registry=r)  # fmt: skip
+        self.encode_seconds = Histogram("ltx_worker_encode_seconds", "mp4 encode time per video in the worker",
+                                        labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
+        self.encode_pending = Gauge("ltx_worker_encode_pending", "Videos waiting for or in the worker's encoder",
+                                    labels, registry=r)  # fmt: skip
         self.lora_cache = Counter("ltx_worker_lora_cache", "Request LoRAs by cache result (hit, miss)",
                                   [*labels, "result"], registry=r)  # fmt: skip
         self.lora_fetch_bytes = Counter("ltx_worker_lora_fetch_bytes", "LoRA bytes fetched into the cache", labels,
@@ -102,7 +118,8 @@ class WorkerMetrics:
 
 
 class HealthServer:
-    """`/metrics`, `/healthz`, `/readyz` on a daemon thread. `snapshot()` returns (live, ready, info)."""
+    """`/metrics`, `/healthz`, `/readyz` on one bounded thread (`worker.probeserver`: a flood of slow or
+    half-open connections costs sockets, never threads). `snapshot()` returns (live, ready, info)."""
 
     def __init__(
         self,
@@ -111,40 +128,25 @@ class HealthServer:
         *,
         host: str = "0.0.0.0",
         port: int = 0,
+        max_connections: int = 256,
+        timeout_s: float = 5.0,
     ) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    body = metrics.exposition()
-                    self._reply(200, body, CONTENT_TYPE_LATEST)
-                elif path in ("/healthz", "/readyz", "/"):
-                    live, ready, info = snapshot()
-                    ok = live if path != "/readyz" else ready
-                    body = json.dumps({"live": live, "ready": ready, **info}, default=str).encode()
-                    self._reply(200 if ok else 503, body, "application/json")
-                else:
-                    self._reply(404, b"not found\n", "text/plain")
+        def route(path: str) -> Reply:
+            if path == "/metrics":
+                return 200, metrics.exposition(), CONTENT_TYPE_LATEST
+            if path in ("/healthz", "/readyz", "/"):
+                live, ready, info = snapshot()
+                ok = live if path != "/readyz" else ready
+                body = json.dumps({"live": live, "ready": ready, **info}, default=str).encode()
+                return (200 if ok else 503), body, "application/json"
+            return 404, b"not found\n", "text/plain"
 
-            def _reply(self, status: int, body: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                return
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.port = int(self.server.server_address[1])
-        self._thread = threading.Thread(target=self.server.serve_forever, name="ltx-health", daemon=True)
+        self.server = ProbeServer(route, host=host, port=port, max_connections=max_connections, timeout_s=timeout_s)
+        self.port = self.server.port
 
     def start(self) -> HealthServer:
-        self._thread.start()
+        self.server.start()
         return self
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from . import rqcompat
+from .errorids import public_message
 from .keys import FailureReason, JobState
 from .relay import EventRelay
 from .settings import WorkerSettings
@@ -61,6 +62,9 @@ class JobOutcomes:
             FailureReason.UPLOAD_FAILED: s.retry_upload_failed,
             FailureReason.JOB_TIMEOUT: s.retry_job_timeout,
             FailureReason.SPOOL_ERROR: s.retry_spool_error,
+            # Once: the ranks freed what the job held, so a retry may fit (another job's memory, fragmentation);
+            # a second out-of-memory error says the request does not fit this fleet.
+            FailureReason.OUT_OF_MEMORY: 1,
         }.get(reason, 0)
 
     def attempts_left(self, job: Any) -> int:
@@ -132,6 +136,9 @@ class JobOutcomes:
         it has had `max_attempts` executions (the hard cap: a loop of any kind ends in a recorded failure).
         `quiet`: log at DEBUG (the caller logs one line for many, e.g. a flood refused by admission)."""
         relay = relay or self.relay(job)
+        message, error_id = public_message(message, context=f"job {job.id}")  # (no traceback reaches Redis)
+        if error_id is not None:
+            details = {**details, "error_id": error_id}
         meta = relay.meta
         retries: dict[str, int] = dict(meta.get("retries") or {})
         budget = self.budget(reason)

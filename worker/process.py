@@ -12,6 +12,8 @@ fleet start (blocks until the model is warm), then RQ's work loop — and return
 |      | refusing our credentials, a GPU group on a machine whose torch sees no such GPU              |
 | 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row                      |
 
+(`worker.exitcodes` holds them; the supervisor restarts every exit but 2, with back-off, and never gives up.)
+
 Configuration errors end the process at once with one line saying what to fix (and the supervisor does
 not restart a worker that exits 2). Transient ones wait: Redis not reachable yet (a start before the
 database) is retried with back-off, and the log says so each time; storage unreachable at start only
@@ -25,15 +27,14 @@ import signal
 from types import FrameType
 from typing import Any, NoReturn
 
+from .exitcodes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
 from .keys import safe_redis_url
+from .logs import event_text
 from .settings import SettingsError, WorkerSettings, resolve_runner
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "process_started_at", "run_worker"]
 
 log = logging.getLogger("worker.process")
-
-EXIT_OK = 0
-EXIT_BAD_CONFIG = 2
 
 
 class _StartupInterrupted(BaseException):  # not an Exception: build-failure handlers must not catch it
@@ -132,7 +133,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
 
     def fleet_event(event: dict[str, Any]) -> None:
-        log.info("fleet %s: %s", group, event)
+        log.info("fleet %s: %s", group, event_text(event))
         if isinstance(event.get("startup"), dict):
             metrics.set_fleet_startup(event["startup"])
 
@@ -142,6 +143,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         setup_kwargs=settings.runner_setup,
         start_timeout=settings.fleet_start_timeout,
         shutdown_timeout=settings.fleet_shutdown_timeout,
+        error_settle_s=settings.fleet_error_settle_s,
         max_failures=settings.max_rebuild_failures,
         backoff_s=settings.rebuild_backoff_s,
         factory=controller_factory,
@@ -203,7 +205,6 @@ def run_worker(
             worker.metrics_port = health.port
             log.info("metrics and health on port %d", health.port)
         from .fleet import FleetUnrecoverable
-        from .rqworker import EXIT_FLEET_UNRECOVERABLE
 
         worker.health.start()  # (the snapshot says "starting" while the fleet loads)
         # Recovery starts before the (possibly minutes-long) fleet start: renders a previous process left

@@ -15,8 +15,8 @@ job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redi
 |               | `ltx:job:t-*`, its admission set `ltx:producer:client:t:jobs` (and read its RQ results |
 |               | `rq:results:t-*`); read the shared structure `ls`/`stats` need (queue lists, RQ's     |
 |               | registries and worker keys, workers' health snapshots: job ids and counts, no job     |
-|               | content); append to queues (`RPUSH`/`LPUSH` on `rq:queue:*`, `SADD rq:queues`,        |
-|               | through ACL selectors); no pubsub at all, no admin command                            |
+|               | content); append to its own queues only (`RPUSH`/`LPUSH` on `rq:queue:*:t:t`, an ACL  |
+|               | selector): not the shared queue, not `rq:queues`; no `SELECT`, no pubsub, no admin    |
 | a ping user   | (optional, for container health checks) `PING` only, no password                     |
 | an admin user | (`--admin-user`, `admin` by default) what operators need without a restart: `ACL LOAD`|
 |               | (after the file was written again), `ACL LOG`, `ACL LIST`/`USERS`/`GETUSER`/`WHOAMI`, |
@@ -48,11 +48,12 @@ from pathlib import Path
 
 import click
 
-from .keys import KEY_PREFIX, check_tenant_name
+from .keys import KEY_PREFIX, TENANT_QUEUE_INFIX, check_tenant_name
 
 __all__ = [
     "ACL_PASSWORD_ENV_PREFIX",
     "DEFAULT_USER_RULE",
+    "REDIS_MEMORY_ARGS",
     "AclUsers",
     "admin_rules",
     "command",
@@ -64,6 +65,14 @@ __all__ = [
 ]
 
 ACL_PASSWORD_ENV_PREFIX = "LTX_REDIS_ACL_PASSWORD_"
+
+#: Memory limits every Redis of the service runs with, next to its users (docker-compose.yml and
+#: docs/operations.md repeat them; tests/test_compose.py keeps the three in step; `worker.devservers` starts
+#: every development Redis with them). A client that asks for replies and does not read them (three
+#: `HGETALL`s of a 90 MB hash on a raw socket held 476 MB against a 300 MB `maxmemory`, and every write
+#: failed) is disconnected once its output buffer passes 32 MB, or 8 MB for 10 s; no single value (a hash
+#: field, a string) can exceed 4 MB, four times the largest request the worker accepts.
+REDIS_MEMORY_ARGS = ("--client-output-buffer-limit", "normal 32mb 8mb 10", "--proto-max-bulk-len", "4mb")
 _USER = re.compile(r"[A-Za-z0-9_]{1,32}")
 
 # `default` is off and has no password (and no `nopass`): no client can log in as it (AUTH and HELLO
@@ -96,11 +105,15 @@ def tenant_rules(tenant: str) -> str:
               "rq:deferred:*", "rq:scheduled:*", "rq:workers", "rq:workers:*", "rq:worker:*",
               f"{KEY_PREFIX}:worker:*:health")  # fmt: skip
     reads = " ".join([f"%R~rq:results:{t}-*", *(f"%R~{pattern}" for pattern in shared)])
-    commands = ("-@all +@read -@dangerous +@connection -client +client|setname +client|getname +client|id "
+    # No SELECT: key patterns hold in every database, so databases 1-15 would give a tenant keyspaces that
+    # no worker serves or cleans; clients stay in the database of their URL (0 in compose).
+    commands = ("-@all +@read -@dangerous +@connection -select -client +client|setname +client|getname +client|id "
                 "+multi +exec +discard +watch +unwatch +hset +hsetnx +hdel +expire +pexpire +persist +del +unlink "
                 "+xadd +xtrim +zadd +zrem +zremrangebyscore")  # fmt: skip
-    # Selectors: queue lists may only be appended to (RQ's push and its set of queues), never trimmed.
-    selectors = "(+rpush +lpush %W~rq:queue:*) (+sadd %W~rq:queues)"
+    # Selector: the tenant's own queues (`<queue>:t:<t>`, worker.keys.tenant_queue) may only be appended to;
+    # never the shared queue, RQ's intermediate lists (`...:t:<t>:intermediate` does not match) or the set
+    # of queues (workers register the queues they serve: a tenant could add names without bound).
+    selectors = f"(+rpush +lpush %W~rq:queue:*{TENANT_QUEUE_INFIX}{t})"
     return f"resetkeys resetchannels {own} {reads} {commands} {selectors}"
 
 

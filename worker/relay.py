@@ -31,17 +31,18 @@ REDIS_OUTAGE_S = 30.0  #: how long relay writes keep retrying while Redis is unr
 
 
 def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S) -> Any:
-    """Call `fn` (one Redis write), retrying connection errors with back-off for up to `outage_s` seconds."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
+    """Call `fn` (one Redis write), retrying with back-off for up to `outage_s` seconds while Redis refuses
+    for a reason that clears by itself: unreachable, out of memory, read-only, loading
+    (`worker.redisoutage.outage_reason`; a render's events used to fail the job on the first OOM)."""
+    from .redisoutage import outage_reason
 
     deadline = time.monotonic() + outage_s
     delay = 0.05
     while True:
         try:
             return fn()
-        except (RedisConnectionError, RedisTimeoutError):
-            if time.monotonic() + delay > deadline:
+        except Exception as exc:
+            if outage_reason(exc) is None or time.monotonic() + delay > deadline:
                 raise
             time.sleep(delay)
             delay = min(1.0, delay * 2)

@@ -17,6 +17,10 @@ took a worker to 3.3 GB), and rewrites a meta of any size on every event. A hash
   tenant cannot submit under another tenant's name (their quota, their `ls`);
 - `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
   replaced by an empty one and refused the same way;
+- a hash bigger in Redis than a job of this service can be (`max_hash_bytes()`: twice the request and
+  meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `OversizedJob`, and the worker
+  deletes it and records the failure (`FleetWorker.drop_oversized`): a tenant who wrote 90 MB into her own
+  job hash spent the service's memory, and every read of it copied the 90 MB again;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
 - `worker.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
   failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
@@ -36,7 +40,7 @@ from rq.utils import decode_redis_hash
 
 from .keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
 
-__all__ = ["REFUSED_HASH_FIELDS", "RefusedJob", "RenderJob", "check_job_owner"]
+__all__ = ["REFUSED_HASH_FIELDS", "OversizedJob", "RefusedJob", "RenderJob", "check_job_owner"]
 
 log = logging.getLogger("worker.rq")
 
@@ -58,12 +62,32 @@ class RefusedJob(RuntimeError):
     """The job hash is not one this service runs (another function, a bad id, refused fields): never executed."""
 
 
+class OversizedJob(RuntimeError):
+    """The job hash takes more memory than any job of this service: refused without reading it."""
+
+    def __init__(self, job_id: str, size: int, cap: int) -> None:
+        super().__init__(f"the job hash takes {size} bytes in Redis, over {cap}: refused without reading it")
+        self.job_id = job_id
+
+
 class RenderJob(Job):
     """See the module docstring."""
 
     max_data_bytes: int = 1 << 20  #: decompressed `data` (the call and its request) accepted
     max_meta_bytes: int = 64 << 10  #: serialized meta accepted
     tenant_ids: bool = False  #: job ids are `<client>-<id>`: the owner must match (`check_job_owner`)
+
+    @classmethod
+    def max_hash_bytes(cls) -> int:
+        """The most memory a job hash of this service takes: its request and meta at their bounds, twice
+        (Redis's own overhead; a hash re-saved mid-update), plus RQ's fields and a failure record."""
+        return 2 * (cls.max_data_bytes + cls.max_meta_bytes) + (256 << 10)
+
+    def refresh(self) -> None:
+        size = self.connection.memory_usage(self.key, samples=0)
+        if size is not None and size > self.max_hash_bytes():
+            raise OversizedJob(self.id, int(size), self.max_hash_bytes())
+        super().refresh()
 
     @classmethod
     def with_limits(cls, *, max_data_bytes: int, max_meta_bytes: int, tenant_ids: bool = False) -> type[RenderJob]:

@@ -36,15 +36,18 @@ __all__ = [
     "clean_registries",
     "cold_stop_is_repeat",
     "drop_cancelled_dequeued",
+    "enqueue_unregistered",
     "exception_handlers",
     "fail_after_return",
     "fail_unreadable",
     "fail_unstarted",
     "give_back_dequeued",
     "give_back_started",
+    "live_workers",
     "mark_stopped",
     "record_cancelled_execution",
     "record_success_after_return",
+    "register_queues",
     "requeue_after_return",
     "set_retry",
     "stale_intermediate_entry",
@@ -81,6 +84,44 @@ def clean_registries(worker: Any, lock_ttl_s: int) -> None:
             with contextlib.suppress(redis.RedisError):  # (unreachable Redis: the lock expires on its own)
                 queue.release_maintenance_lock()
     worker.last_cleaned_at = now()
+
+
+# ==== queues and workers as clients see them ==============================================================
+
+
+def enqueue_unregistered(queue: Queue, job: Job, *, pipeline: Any, at_front: bool = False) -> Job:
+    """RQ's `Queue.enqueue_job` for a job without dependencies, minus its `SADD rq:queues`: a tenant's Redis
+    user may not add names to that set (it could add them without bound); workers register the queues they
+    serve (`register_queues`). The job hash and the push are RQ's own."""
+    job.origin = queue.name
+    return queue._enqueue_job(job, pipeline=pipeline, at_front=at_front)
+
+
+def register_queues(connection: Any, queues: list[Queue]) -> None:
+    """Put `queues` in RQ's set of queues (`rq:queues`, what `rq info` and dashboards list)."""
+    if queues:
+        connection.sadd(Queue.redis_queues_keys, *[q.key for q in queues])
+
+
+def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any = None) -> list[Any]:
+    """RQ's `Worker.all()` without its writes: RQ removes a dead worker's entry from `rq:workers` with SREM
+    while listing, which a tenant's Redis user may not do (every `producer submit` and `stats` crashed after
+    a worker died). Entries whose key is gone are skipped; the workers' own cleanup removes them."""
+    from rq.worker import Worker
+
+    keys = [
+        k.decode() if isinstance(k, bytes) else k
+        for k in worker_registration.get_keys(queue=queue, connection=connection)
+    ]
+    prefix = Worker.redis_worker_namespace_prefix
+    out = []
+    for key in sorted(keys):
+        if not key.startswith(prefix) or not connection.exists(key):
+            continue
+        worker = Worker([], key[len(prefix) :], connection=connection, prepare_for_work=False, serializer=serializer)
+        worker.refresh()  # (reads the hash; a key that vanished meanwhile leaves the defaults)
+        out.append(worker)
+    return out
 
 
 # ==== worker attributes RQ keeps private =================================================================
@@ -180,6 +221,31 @@ def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: Base
             pipe.lrem(queue.intermediate_queue_key, 0, job_id)
         pipe.execute()
     log.error("job %s failed without running: %s", job_id, message)
+
+
+def drop_oversized(connection: Any, job_id: str, exc: BaseException, failure_ttl: int, queue: Queue | None = None
+                   ) -> None:  # fmt: skip
+    """A job hash bigger than any job of this service (`worker.renderjob.OversizedJob`): deleted (its
+    memory is the service's), then recorded failed like an unreadable one."""
+    connection.delete(Job.key_for(job_id))
+    fail_unreadable(connection, job_id, queue, exc, failure_ttl)
+
+
+def sweep_oversized(connection: Any, cap: int, failure_ttl: int) -> int:
+    """Drop every job hash over `cap` bytes in Redis, queued or not (a tenant filling Redis through her own
+    job hashes; run while Redis is out of memory: SCAN, MEMORY USAGE and DEL need none). Returns how many."""
+    from .renderjob import OversizedJob
+
+    dropped = 0
+    for key in connection.scan_iter(match=f"{Job.redis_job_namespace_prefix}*", count=1000, _type="HASH"):
+        size = connection.memory_usage(key, samples=0)
+        if size is not None and size > cap:
+            job_id = key.decode(errors="replace").removeprefix(Job.redis_job_namespace_prefix)
+            drop_oversized(connection, job_id, OversizedJob(job_id, int(size), cap), failure_ttl)
+            dropped += 1
+    if dropped:
+        log.warning("dropped %d job hash(es) over %d bytes to give Redis its memory back", dropped, cap)
+    return dropped
 
 
 def fail_unstarted(job: Job, message: str, ttl: int, worker_name: str) -> None:

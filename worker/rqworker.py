@@ -31,6 +31,10 @@ recorded by `worker.outcomes`.
   health) and rebuilt at once in the background (`FleetSupervisor.rebuild_soon`); the dequeue waits for
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
+- Dequeue (`worker.tenantqueues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
+  tenants in turn within a priority (`reorder_queues`); each id is checked (hash, `queued` status, origin,
+  tenant) before it counts or runs, junk is dropped at a bounded rate per dequeue, and every taken id sits
+  in its queue's intermediate list until it starts (`prepare_job_execution`).
 - Admission (`worker.admission`): before and right after every dequeue the worker ends, without running
   them, the jobs past `LTX_MAX_QUEUE_DEPTH` waiting jobs and past a client's `LTX_CLIENT_QUOTA`
   unfinished jobs, whoever enqueued them (the producer's own check is only the early answer).
@@ -44,6 +48,9 @@ recorded by `worker.outcomes`.
   cleanup's lock expires after `maintenance_lock_ttl` (RQ's: 15 minutes, so one worker SIGKILLed mid-cleanup
   stopped abandoned-job recovery on the whole queue for that long).
 - Health: `worker.health.HealthPublisher` writes the snapshot whenever something in it changes.
+- Redis refusing us (out of memory, read-only, loading, unreachable: `worker.redisoutage`): registration,
+  maintenance, the dequeue with its admission, the bookkeeping around a job and heartbeats wait it out with
+  back-off and report it (health, `ltx_worker_redis_up`); RQ's work loop would quit on the first one.
 
 Over 450 lines on purpose: one class whose overrides of RQ's hooks share its state (the heartbeat thread,
 the stop flags, a rebuild in progress); RQ's internals are in `worker.rqcompat`, the outcomes in
@@ -65,7 +72,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
 from . import rqcompat
-from .admission import Admission
+from .exitcodes import EXIT_FLEET_UNRECOVERABLE
 from .fleet import FleetUnrecoverable
 from .health import HealthPublisher
 from .keys import (
@@ -77,18 +84,20 @@ from .keys import (
     worker_health_key,
 )
 from .logs import bind_job
-from .renderjob import RefusedJob, RenderJob
+from .redisoutage import RedisOutage
+from .renderjob import OversizedJob, RefusedJob, RenderJob
 from .service import JobCancelledByClient, JobFailed, RenderService
+from .tenantqueues import TakingQueue, TenantAdmissions, rotate, served_queue_names
 
 __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
 
 log = logging.getLogger("worker.rq")
 
-EXIT_FLEET_UNRECOVERABLE = 3
 _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
 _BEAT_RETRY_S = 0.5  # a failed beat is retried this soon (not a whole interval later)
 _SPOOL_MIN_FREE_INODES = 16  # a job needs a directory, the video, a manifest and a lock file
 _SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
+_SWEEP_EVERY_S = 30.0  # while Redis is out of memory, how often job hashes are scanned for oversized ones
 
 
 class FleetWorker(SimpleWorker):
@@ -106,6 +115,10 @@ class FleetWorker(SimpleWorker):
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
         kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
         kwargs.setdefault("name", service.worker_name)
+        # checked, bounded dequeues over the shared queues and every tenant's own (worker.tenantqueues)
+        kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry))
+        if isinstance(queues, list | tuple) and all(isinstance(q, str) for q in queues):
+            queues = served_queue_names(queues, settings.tenants)
         super().__init__(queues, **kwargs)
         self.service = service
         self.settings = settings
@@ -118,6 +131,8 @@ class FleetWorker(SimpleWorker):
         self._stop_pending = False  # a warm stop arrived during a rebuild
         self._backpressure = False  # True while waiting for upload room before a dequeue
         self.last_loop_beat = time.monotonic()
+        self.redis_outage = RedisOutage(self._redis_changed)
+        self._next_sweep = 0.0
         self.side_connection = _side_connection(self.connection)  # heartbeat thread and health writer
         self.health = HealthPublisher(self.side_connection, worker_health_key(self.name),
                                       lambda: self.health_snapshot()[2], ttl_s=settings.worker_ttl + 60)  # fmt: skip
@@ -126,14 +141,94 @@ class FleetWorker(SimpleWorker):
         fleet.on_change = self._fleet_changed
         service.pipeline.on_change = self.health.notify
         self.push_exc_handler(self._abandoned_job_handler)
-        self.admission = Admission(self.connection, self.queues, depth_cap=settings.depth_cap, quota=settings.quota,
-                                   outcomes=self.outcomes, job_class=self.job_class, worker_name=self.name,
-                                   max_meta_bytes=settings.max_meta_bytes, tenant_ids=settings.tenant_ids)  # fmt: skip
+        self.admission = TenantAdmissions(self.connection, self.queues, depth_cap=settings.depth_cap,
+                                          quota=settings.quota, outcomes=self.outcomes, job_class=self.job_class,
+                                          worker_name=self.name, max_meta_bytes=settings.max_meta_bytes,
+                                          tenant_ids=settings.tenant_ids)  # fmt: skip
+        rqcompat.register_queues(self.connection, self.queues)  # (tenants may not: worker.redisacl)
+        if settings.tenant_ids and not settings.tenants:
+            log.warning("LTX_TENANT_IDS without LTX_TENANTS: tenants' own queues ('<queue>:t:<tenant>', where their "
+                        "producers submit) are not served by this worker")  # fmt: skip
+
+    def _dropped_entry(self, queue: str, job_id: str, reason: str) -> None:
+        self.service.metrics.dropped_queue_entries.labels(self.service.group, reason).inc()
+        log.warning("dropped queue entry %r from %s without counting or running it: %s", job_id, queue, reason)
+
+    def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+        """RQ removes the id from the intermediate list only when a worker serves one queue (its multi-queue
+        dequeue never put it there); ours always does (worker.tenantqueues)."""
+        super().prepare_job_execution(job, True)
+
+    def reorder_queues(self, reference_queue: Any) -> None:
+        """Tenants in turn within each priority (worker.tenantqueues.rotate)."""
+        self._ordered_queues = rotate(self._ordered_queues, reference_queue, lambda q: q.name)
 
     # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        super().heartbeat(timeout, pipeline)
+        try:
+            super().heartbeat(timeout, pipeline)
+        except Exception as exc:
+            if self.redis_outage.refused(exc, "heartbeat") is None:
+                raise
+        else:
+            if pipeline is None:  # (queued on a caller's pipeline: its execute() tells)
+                self.redis_outage.cleared()
+        self.last_loop_beat = time.monotonic()  # (the loop turns, whether or not Redis took the beat)
+
+    # ==== Redis refusing us (worker.redisoutage): wait it out, never quit ===============================
+    def _wait_out_redis(self, exc: BaseException, where: str) -> bool:
+        """If `exc` is a Redis outage: wait its back-off (a stop signal interrupts it) and return True. Out of
+        memory, first drop job hashes no job of this service can fill (`sweep_oversized`)."""
+        delay = self.redis_outage.refused(exc, where)
+        if delay is None:
+            return False
         self.last_loop_beat = time.monotonic()
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) and time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
+            try:
+                rqcompat.sweep_oversized(self.connection, self.job_class.max_hash_bytes(), self.settings.failure_ttl)
+            except Exception:
+                log.warning("sweep of oversized job hashes failed", exc_info=True)
+        time.sleep(delay)
+        return True
+
+    def _redis_changed(self, up: bool) -> None:
+        self.service.metrics.redis_up.labels(self.service.group).set(1 if up else 0)
+        self.health.notify()
+
+    def register_birth(self) -> None:
+        while True:
+            try:
+                super().register_birth()
+            except Exception as exc:
+                if not self._wait_out_redis(exc, "registration"):
+                    raise
+                continue
+            self.redis_outage.cleared()
+            return
+
+    def register_death(self) -> None:
+        try:
+            super().register_death()
+        except Exception as exc:
+            if self.redis_outage.refused(exc, "deregistration") is None:
+                raise  # (an outage: the registration expires by itself)
+
+    def run_maintenance_tasks(self) -> None:
+        try:
+            super().run_maintenance_tasks()
+        except OversizedJob as exc:  # a hash grown past any job's size after it was taken (RQ's cleanup read it)
+            rqcompat.drop_oversized(self.connection, exc.job_id, exc, self.settings.failure_ttl)
+        except Exception as exc:
+            if self.redis_outage.refused(exc, "maintenance") is None:
+                raise
+
+    def check_for_suspension(self, burst: bool) -> None:
+        try:
+            super().check_for_suspension(burst)
+        except Exception as exc:
+            if not self._wait_out_redis(exc, "suspension check"):
+                raise
 
     def write_health(self) -> None:
         """Publish the health snapshot under `ltx:worker:<name>:health` now (expires with the worker)."""
@@ -159,13 +254,14 @@ class FleetWorker(SimpleWorker):
             "uploads": {**self.service.pipeline.snapshot(), "backpressure": self._backpressure,
                         "background": self.settings.upload_pipeline},
             "storage": self.service.storage_state,
+            "redis": self.redis_outage.snapshot(),
             "jobs_done": self.service.jobs_done,
             "metrics_port": getattr(self, "metrics_port", None),
             "pid": self.pid,
             "process_started_at": self.service.process_started_at,
             "ts": time.time(),
         }  # fmt: skip
-        return live, fleet.is_alive, info
+        return live, fleet.is_alive and self.redis_outage.up, info
 
     def _fleet_failed(self, info: dict[str, Any]) -> None:
         """The controller's monitor poisoned the fleet (any thread; maybe while idle): say so at once."""
@@ -192,9 +288,12 @@ class FleetWorker(SimpleWorker):
             try:
                 rqcompat.beat(self, job, self.side_connection, ttl)
             except Exception as exc:
-                log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, _BEAT_RETRY_S)
+                if self.redis_outage.refused(exc, "job heartbeat") is None:  # (an outage is logged once)
+                    log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc,
+                                _BEAT_RETRY_S)  # fmt: skip
                 wait = _BEAT_RETRY_S
                 continue
+            self.redis_outage.cleared()
             wait = interval
             self.last_loop_beat = time.monotonic()
             self.health.notify()
@@ -236,6 +335,19 @@ class FleetWorker(SimpleWorker):
 
     # ==== job execution ===============================================================================
     def execute_job(self, job: Any, queue: Any) -> None:
+        try:
+            self._execute_job(job, queue)
+        except Exception as exc:
+            if self.redis_outage.refused(exc, f"job {job.id}") is None:
+                raise
+            self._stop_beats()
+            # The job is in RQ's started registry (or still in its queue's intermediate list) with our name;
+            # once Redis takes writes again RQ's cleanup finds it and `worker_lost` decides (its budget).
+            log.error("job %s: Redis refused its bookkeeping (%s); left for RQ's cleanup of abandoned jobs",
+                      job.id, self.redis_outage.reason)  # fmt: skip
+            self.set_state("idle")
+
+    def _execute_job(self, job: Any, queue: Any) -> None:
         rqcompat.mark_stopped(self, None)
         self.outcomes.own_limits(job)  # RQ's timeout and the TTLs from the settings, never the enqueuer's
         self.prepare_execution(job)
@@ -276,29 +388,38 @@ class FleetWorker(SimpleWorker):
         upload back-pressure); `timeout`/`max_idle_time` keep RQ's meaning (None: burst, one look)."""
         idle_deadline = None if max_idle_time is None else time.monotonic() + max_idle_time
         while True:
-            self._ensure_fleet()
-            self._wait_for_upload_room()
-            self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.admission)
-            if timeout is None:
-                result = self._dequeue(None, max_idle_time)
-                if result is None or self._accept(*result):
-                    return result
+            try:
+                done, result = self._dequeue_slice(timeout, max_idle_time, idle_deadline)
+            except Exception as exc:
+                if not self._wait_out_redis(exc, "dequeue"):
+                    raise
                 continue
-            slice_s = _DEQUEUE_SLICE_S
-            if idle_deadline is not None:
-                left = idle_deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                slice_s = max(1, min(slice_s, int(left)))
-            result = self._dequeue(slice_s, slice_s)
-            if result is None:
-                continue
-            job, queue = result
-            if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
-                rqcompat.give_back_dequeued(job, queue)
-                continue
-            if self._accept(job, queue):
+            if done:  # (the outage ends with a write that went through: `heartbeat`, at every slice)
                 return result
+
+    def _dequeue_slice(self, timeout: int | None, max_idle_time: int | None, idle_deadline: float | None
+                       ) -> tuple[bool, Any]:  # fmt: skip
+        """One slice of the dequeue: (True, result) to return `result`, (False, None) to look again."""
+        self._ensure_fleet()
+        self._wait_for_upload_room()
+        self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.admission)
+        if timeout is None:
+            result = self._dequeue(None, max_idle_time)
+            return (result is None or self._accept(*result)), result
+        slice_s = _DEQUEUE_SLICE_S
+        if idle_deadline is not None:
+            left = idle_deadline - time.monotonic()
+            if left <= 0:
+                return True, None
+            slice_s = max(1, min(slice_s, int(left)))
+        result = self._dequeue(slice_s, slice_s)
+        if result is None:
+            return False, None
+        job, queue = result
+        if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
+            rqcompat.give_back_dequeued(job, queue)
+            return False, None
+        return self._accept(job, queue), result
 
     def _accept(self, job: Any, queue: Any) -> bool:
         """Whether a dequeued job runs now: not if a client cancelled it while it waited, nor if it is past
@@ -329,6 +450,10 @@ class FleetWorker(SimpleWorker):
                 job_id = getattr(exc, "job_id", None)
                 if job_id is None:
                     raise
+                if isinstance(exc, OversizedJob):
+                    rqcompat.drop_oversized(self.connection, job_id, exc, self.settings.failure_ttl,
+                                            getattr(exc, "queue", None))  # fmt: skip
+                    continue
                 rqcompat.fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc,
                                          self.settings.failure_ttl)  # fmt: skip
 

@@ -1,8 +1,10 @@
 """The render request: one validated pydantic model shared by the producer (edge) and the worker (job).
 
-Imports neither torch nor ltx_mgpu, so the producer CLI stays light. Limits here are structural (what any
-LTX-2 runner accepts); per-runner limits (e.g. a token budget) are checked again in the runner, identically
-on every rank, so a request that slips past the edge still fails cleanly without hurting the fleet.
+Imports no torch, so the producer CLI stays light; of the engine only `ltx_mgpu.bounds` (stdlib only), where
+the numeric ranges live that the runners check again on every rank. Limits here are structural (what any
+LTX-2 runner accepts); per-runner limits (steps, the audio length against a token budget) are published by
+each worker (`worker.limits`) and checked again in the runner, identically on every rank, so a request that
+slips past the edge still fails cleanly without hurting the fleet.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import binascii
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ltx_mgpu.bounds import FLOAT_FIELDS, RANGES
 
 from .imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
 from .lorarefs import MAX_LORAS, LoraRef
@@ -23,6 +27,15 @@ SPATIAL_MULTIPLE = 32  # the video VAE downsamples height and width by 32
 TEMPORAL_MULTIPLE = 8  # ... and time by 8 (after the first frame): num_frames = 8k + 1
 MAX_IMAGES = 4  #: conditioning images per request
 MAX_IMAGE_BYTES = 8 << 20  #: decoded size of one image file (the request travels through Redis as JSON)
+
+
+def _bounds(name: str) -> dict[str, Any]:
+    """Field constraints from `ltx_mgpu.bounds` (the runners check the same ranges on every rank); floats
+    must be finite (JSON files may say `NaN` or `Infinity`)."""
+    low, high = RANGES[name]
+    if name in FLOAT_FIELDS:
+        return {"ge": low, "le": high, "allow_inf_nan": False}
+    return {"ge": int(low), "le": int(high)}
 
 
 class ConditioningImage(BaseModel):
@@ -37,8 +50,8 @@ class ConditioningImage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     data: str = Field(min_length=4, max_length=4 * ((MAX_IMAGE_BYTES + 2) // 3), repr=False)
-    frame: int = Field(default=0, ge=0, le=256)
-    strength: float = Field(default=1.0, ge=0.0, le=1.0)
+    frame: int = Field(default=0, **_bounds("frame"))
+    strength: float = Field(default=1.0, **_bounds("strength"))
 
     @field_validator("data")
     @classmethod
@@ -71,13 +84,13 @@ class RenderRequest(BaseModel):
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     negative_prompt: str = Field(default="", max_length=MAX_PROMPT_CHARS)
-    seed: int = Field(default=42, ge=0, le=2**32 - 1)
-    width: int = Field(default=768, ge=32, le=2048)
-    height: int = Field(default=512, ge=32, le=2048)
-    num_frames: int = Field(default=121, ge=1, le=257)
-    frame_rate: float = Field(default=24.0, gt=0, le=120)
-    steps: int | None = Field(default=None, ge=1, le=200, description="denoising steps; runner default if unset")
-    guidance_scale: float | None = Field(default=None, ge=1.0, le=20.0)
+    seed: int = Field(default=42, **_bounds("seed"))
+    width: int = Field(default=768, **_bounds("width"))
+    height: int = Field(default=512, **_bounds("height"))
+    num_frames: int = Field(default=121, **_bounds("num_frames"))
+    frame_rate: float = Field(default=24.0, **_bounds("frame_rate"), description="frames per second, 1 to 120")
+    steps: int | None = Field(default=None, **_bounds("steps"), description="denoising steps; runner default if unset")
+    guidance_scale: float | None = Field(default=None, **_bounds("guidance_scale"))
     enhance_prompt: bool = False
     images: list[ConditioningImage] | None = Field(
         default=None, max_length=MAX_IMAGES, description="image conditioning (ltx2 runners); None = text only"

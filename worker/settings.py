@@ -40,6 +40,7 @@ from .keys import (
     S3_SECRET_FILE_FIELDS,
     check_queue_names,
     check_redis_url,
+    check_tenant_name,
     read_secret_file,
     safe_redis_url,
     split_list,
@@ -70,6 +71,12 @@ BUILTIN_RUNNERS: dict[str, str] = {
 }
 
 _MiB = 1024 * 1024
+
+
+_PRESIGN_FILE_FIELDS = (
+    ("s3_presign_access_key_id", "s3_presign_access_key_id_file"),
+    ("s3_presign_secret_access_key", "s3_presign_secret_access_key_file"),
+)
 
 
 class SettingsError(ValueError):
@@ -126,6 +133,11 @@ class WorkerSettings(RedisAccess, BaseSettings):
         description="job ids are '<client>-<id>' (tenant Redis users, `ltx-worker redis-acl`): a job whose meta "
         "client is not its id's prefix is refused as invalid_request",
     )
+    tenants: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="tenants (the `--tenant`s of `ltx-worker redis-acl`) whose own queues '<queue>:t:<tenant>' "
+        "this worker serves next to the shared queues, in turn; needs tenant_ids (comma-separated or JSON)",
+    )
     max_request_bytes: int = Field(
         1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"
     )
@@ -170,6 +182,10 @@ class WorkerSettings(RedisAccess, BaseSettings):
     )
     render_timeout: float = Field(3600.0, gt=0, description="seconds one render may take in the fleet")
     fleet_shutdown_timeout: float = Field(30.0, ge=0, description="graceful seconds when stopping a fleet")
+    fleet_error_settle_s: float = Field(
+        30.0, gt=0, description="once some ranks ended a job with an error, seconds the others get to end it too "
+        "before the fleet is taken to be stuck in a collective and rebuilt"
+    )  # fmt: skip
     max_rebuild_failures: int = Field(
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"
     )
@@ -200,6 +216,13 @@ class WorkerSettings(RedisAccess, BaseSettings):
     s3_secret_access_key: SecretStr | None = None
     s3_access_key_id_file: Path | None = Field(None, description="read the access key id from this file")
     s3_secret_access_key_file: Path | None = Field(None, description="read the secret key from this file")
+    s3_presign_access_key_id: SecretStr | None = Field(
+        None, description="sign result URLs with this read-only key (unset: the worker's key, whose id then "
+        "appears in every URL stored in Redis)"
+    )  # fmt: skip
+    s3_presign_secret_access_key: SecretStr | None = None
+    s3_presign_access_key_id_file: Path | None = Field(None, description="read the presign key id from this file")
+    s3_presign_secret_access_key_file: Path | None = Field(None, description="read the presign secret from this file")
     s3_checksum_when_required: bool | None = Field(
         None, description="send CRC checksums only when required (default: on for custom endpoints)"
     )
@@ -235,6 +258,19 @@ class WorkerSettings(RedisAccess, BaseSettings):
     )
     max_pending_bytes: int = Field(
         20 * 1024 * _MiB, ge=_MiB, description="bytes waiting for upload before the worker stops taking jobs"
+    )
+    encode_in_worker: bool = Field(
+        True,
+        description="the fleet hands yuv420p frames and audio off and the worker encodes the mp4 beside the next "
+        "job (false: the fleet's driver rank encodes before it is free, the old path)",
+    )
+    encode_crf: int = Field(18, ge=0, le=51, description="H.264 quality of the mp4 (x264 crf; 0 = lossless)")
+    encode_preset: Literal[
+        "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"
+    ] = Field("veryfast", description="x264 preset (speed against size): ultrafast ... placebo")
+    encode_threads: int = Field(0, ge=0, le=256, description="x264 frame threads; 0 = every core of the host")
+    max_pending_encodes: int = Field(
+        2, ge=1, le=64, description="videos waiting for (or in) the worker's encoder before it stops taking jobs"
     )
     upload_drain_timeout_s: float = Field(
         600.0, ge=0, description="seconds a warm stop waits for pending uploads before leaving them in the spool"
@@ -316,6 +352,16 @@ class WorkerSettings(RedisAccess, BaseSettings):
             return None
         return value
 
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _parse_tenants(cls, value: Any) -> Any:
+        return split_list(value, ",")
+
+    @field_validator("tenants")
+    @classmethod
+    def _check_tenants(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(check_tenant_name(t) for t in value))
+
     @field_validator("queues")
     @classmethod
     def _check_queues(cls, value: list[str]) -> list[str]:
@@ -390,15 +436,18 @@ class WorkerSettings(RedisAccess, BaseSettings):
             raise ValueError(
                 f"local_storage_dir ({ENV_PREFIX}LOCAL_STORAGE_DIR) is required when storage_backend='local'"
             )
-        for secret, file_field in S3_SECRET_FILE_FIELDS:
+        for secret, file_field in (*S3_SECRET_FILE_FIELDS, *_PRESIGN_FILE_FIELDS):
             path = getattr(self, file_field)
             if path is not None:
                 object.__setattr__(self, secret, SecretStr(read_secret_file(path, file_field)))
-        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
-            raise ValueError(
-                f"s3_access_key_id / s3_secret_access_key ({ENV_PREFIX}S3_ACCESS_KEY_ID, "
-                f"{ENV_PREFIX}S3_SECRET_ACCESS_KEY): set both or neither"
-            )
+        for key_id, secret in (("s3_access_key_id", "s3_secret_access_key"),
+                               ("s3_presign_access_key_id", "s3_presign_secret_access_key")):  # fmt: skip
+            if (getattr(self, key_id) is None) != (getattr(self, secret) is None):
+                raise ValueError(f"{key_id} / {secret} ({ENV_PREFIX}{key_id.upper()}, {ENV_PREFIX}{secret.upper()}): "
+                                 "set both or neither")  # fmt: skip
+        if self.tenants and not self.tenant_ids:
+            raise ValueError(f"tenants ({ENV_PREFIX}TENANTS) need tenant_ids ({ENV_PREFIX}TENANT_IDS=true): a "
+                             "tenant queue holds only ids with its tenant's prefix")  # fmt: skip
         if self.job_heartbeat_ttl < 3 * self.heartbeat_interval:
             # a running job is declared abandoned after this; two missed beats must never be enough
             raise ValueError(
@@ -447,7 +496,8 @@ class WorkerSettings(RedisAccess, BaseSettings):
     def public_dump(self) -> dict[str, Any]:
         """JSON-safe settings with secrets masked (for logs and `ltx-worker settings`)."""
         data = self.model_dump(mode="json")
-        for key in ("s3_access_key_id", "s3_secret_access_key", "redis_password"):
+        for key in ("s3_access_key_id", "s3_secret_access_key", "s3_presign_access_key_id",
+                    "s3_presign_secret_access_key", "redis_password"):  # fmt: skip
             if data.get(key) is not None:
                 data[key] = "**********"
         data["redis_url"] = safe_redis_url(self.redis_url)  # (its password)

@@ -34,10 +34,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from .s3errors import s3_error_text
 from .settings import WorkerSettings
 from .spool import SpoolEntry, sha256_file
 
 __all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject", "make_storage", "new_render_id"]
+
 
 ProgressFn = Callable[[int], None]  # called with byte increments, from transfer threads
 
@@ -149,6 +151,14 @@ class S3Storage:
             if public != settings.s3_endpoint_url
             else self.client
         )
+        if settings.s3_presign_access_key_id is not None and settings.s3_presign_secret_access_key is not None:
+            # URLs signed with a read-only key: the worker's (write) key id never reaches Redis or clients
+            presign = boto3.session.Session(
+                region_name=settings.s3_region,
+                aws_access_key_id=settings.s3_presign_access_key_id.get_secret_value(),
+                aws_secret_access_key=settings.s3_presign_secret_access_key.get_secret_value(),
+            )
+            self.presign_client = presign.client("s3", endpoint_url=public, config=_client_config(settings))
         self.transfer_config = TransferConfig(
             multipart_threshold=settings.upload_multipart_threshold,
             multipart_chunksize=settings.upload_multipart_chunksize,
@@ -182,7 +192,7 @@ class S3Storage:
                 except BotoCoreError as create_exc:
                     raise StorageError(f"{where}: unreachable: {create_exc}", retryable=True) from create_exc
                 return
-            raise StorageError(f"{where}: {exc}", retryable=not (400 <= status < 500)) from exc
+            raise StorageError(f"{where}: {s3_error_text(exc)}", retryable=not (400 <= status < 500)) from exc
         except BotoCoreError as exc:
             message = f"S3 endpoint {self.settings.s3_endpoint_url} unreachable: {exc}"
             raise StorageError(message, retryable=True) from exc

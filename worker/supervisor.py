@@ -2,14 +2,16 @@
 
 It never imports torch or touches a GPU: it only starts `python -m worker one --group G --index I`
 children (each in its own session, so a terminal's Ctrl+C reaches only the supervisor, which forwards
-it once), watches them, and restarts one that exits unexpectedly with exponential back-off. A group
-whose worker keeps dying young (`max_quick_exits` times in a row, each within `quick_exit_s` of its
-start; e.g. its fleet can never be built) makes the supervisor stop everything and exit non-zero, so
-the orchestrator sees the crash loop instead of a supervisor quietly spinning. A worker that exits 2 (a
-configuration error: settings, storage credentials, a missing GPU) is never restarted: restarting cannot
-fix it, so the supervisor stops the others and exits 2 at once. A worker that exits 0 unasked is restarted
-with back-off but never counts towards a crash loop (a clean exit is not a crash, and Redis pubsub must
-not be a way to stop the service).
+it once), watches them, and restarts one that exits unexpectedly with exponential back-off (`backoff_s`
+doubling per exit within `quick_exit_s` of its start, capped at `backoff_max_s`). It never gives up on a
+worker that keeps dying young: the cause may clear by itself (Redis out of memory or read-only, a GPU held
+by another process, storage down), and a supervisor that exited after five quick exits left the service
+down once Redis had memory again. It says so loudly instead (a critical log line at `max_quick_exits`
+exits in a row, and again at every multiple). A worker whose exit code is permanent
+(`worker.exitcodes.PERMANENT_EXITS`: 2, a configuration error: settings, storage credentials, a missing
+GPU) is never restarted: restarting cannot fix it, so the supervisor stops the others and exits 2 at once.
+A worker that exits 0 unasked is restarted the same way (Redis pubsub must not be a way to stop the
+service).
 
 Signals: the first SIGTERM/SIGINT is forwarded to every child as SIGTERM (warm stop: running jobs
 finish, then fleets stop); a second one is forwarded again (cold stop: jobs are aborted and re-queued,
@@ -28,12 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-__all__ = ["EXIT_BAD_CONFIG", "EXIT_CRASH_LOOP", "Supervisor"]
+from .exitcodes import EXIT_BAD_CONFIG, PERMANENT_EXITS
+
+__all__ = ["EXIT_BAD_CONFIG", "Supervisor"]
 
 log = logging.getLogger("worker.supervisor")
-
-EXIT_BAD_CONFIG = 2  #: a worker's configuration error (worker.process); also the supervisor's code for it
-EXIT_CRASH_LOOP = 4
 
 
 @dataclass
@@ -43,7 +44,7 @@ class _Child:
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     quick_exits: int = 0
-    clean_exits: int = 0  #: unasked exits with code 0 in a row (back-off only: never a crash loop)
+    clean_exits: int = 0  #: unasked exits with code 0 in a row, each soon after its start (back-off)
     restarts: int = 0
     next_start: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
@@ -108,7 +109,8 @@ class Supervisor:
         return [c.proc.pid for c in self.children if c.proc is not None and c.proc.poll() is None]
 
     def run(self) -> int:
-        """Supervise until stopped (exit code 0 if every worker stopped cleanly) or a crash loop (4)."""
+        """Supervise until stopped (exit code 0 if every worker stopped cleanly) or a worker exits with a
+        permanent code (the supervisor exits with it)."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         code = 0
         try:
@@ -147,7 +149,7 @@ class Supervisor:
 
     def _check_children(self) -> int:
         """Restart exited workers (with back-off). Returns the supervisor's exit code when one must not be
-        restarted (`EXIT_BAD_CONFIG`) or a group is crash-looping (`EXIT_CRASH_LOOP`), else 0."""
+        restarted (a permanent exit code: `EXIT_BAD_CONFIG`), else 0."""
         now = time.monotonic()
         for child in self.children:
             proc = child.proc
@@ -161,32 +163,36 @@ class Supervisor:
             lived = now - child.started_at
             child.exit_codes.append(rc)
             child.proc = None
-            if rc == EXIT_BAD_CONFIG:
+            if rc in PERMANENT_EXITS:
                 log.critical("worker for group %s exited %d: a configuration error (its log says which); "
                              "restarting cannot fix it: stopping", child.group, rc)  # fmt: skip
-                return EXIT_BAD_CONFIG
+                return rc
             if rc == 0:
                 # A clean exit nobody asked for (the workers refuse RQ's pubsub shutdown command, so an older
                 # worker or something else told it to): restarted with back-off, never a crash loop, or anyone
                 # who can PUBLISH on Redis could end the service.
                 child.clean_exits = child.clean_exits + 1 if lived < self.quick_exit_s else 0
-                delay = min(self.backoff_max_s, self.backoff_s * (2 ** max(0, child.clean_exits - 1)))
+                delay = self._backoff(child.clean_exits)
                 child.restarts += 1
                 child.next_start = now + delay
                 log.warning("worker for group %s exited 0 unasked after %.1fs; restarting in %.1fs",
                             child.group, lived, delay)  # fmt: skip
                 continue
             child.quick_exits = child.quick_exits + 1 if lived < self.quick_exit_s else 0
-            if child.quick_exits >= self.max_quick_exits:
-                log.critical("worker for group %s exited %d times within %.0fs of starting (last code %d): "
-                             "giving up", child.group, child.quick_exits, self.quick_exit_s, rc)  # fmt: skip
-                return EXIT_CRASH_LOOP
-            delay = min(self.backoff_max_s, self.backoff_s * (2 ** max(0, child.quick_exits - 1)))
+            delay = self._backoff(child.quick_exits)
             child.restarts += 1
             child.next_start = now + delay
+            if child.quick_exits and child.quick_exits % self.max_quick_exits == 0:
+                log.critical("worker for group %s exited %d times in a row within %.0fs of starting (last code "
+                             "%d): still restarting, every %.0fs at most; its log says why", child.group,
+                             child.quick_exits, self.quick_exit_s, rc, self.backoff_max_s)  # fmt: skip
+                continue
             log.error("worker for group %s exited with code %d after %.1fs; restarting in %.1fs",
                       child.group, rc, lived, delay)  # fmt: skip
         return 0
+
+    def _backoff(self, exits_in_a_row: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * 2 ** min(30, max(0, exits_in_a_row - 1)))
 
 
 def child_command(group: str, index: int, extra: Sequence[str] = ()) -> list[str]:

@@ -21,7 +21,7 @@ class SumRunner(MGPURunner):
         if steps < 1:
             raise ValueError("steps must be >= 1")  # same on every rank → SymmetricRunnerError, fleet lives
         for step in range(steps):
-            self.raise_if_cancelled()  # collective: every rank agrees
+            self.raise_if_cancelled()  # every rank takes the same decision at the same call
             total = (x * self.scale).sum().reshape(1)
             dist.all_reduce(total, group=self.groups.transformer_group)
             if self.is_driver:

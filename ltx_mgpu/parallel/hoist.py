@@ -302,6 +302,11 @@ class ForwardHoister:
             lambda: self._compute(role, modality, world_size, rank),
         )
 
+    def compute_geometry(self, role: str, modality: Any) -> ModalityGeometry:
+        """The unsliced geometry of `modality`, not cached here: for a caller that keeps its own (the tiled
+        wrapper makes one per tile and job)."""
+        return self._compute(role, modality, 1, 0)
+
     def _compute(self, role: str, modality: Any, world_size: int, rank: int) -> ModalityGeometry:
         pre = self.preprocessors[role]
         dtype = modality.latent.dtype

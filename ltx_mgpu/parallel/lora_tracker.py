@@ -12,11 +12,12 @@ How (every rank of `group`, same order):
   rank: it depends only on names and sizes). Each rank clones only the weights it owns: the clean backup
   costs ~1/W of the model per rank.
 - `apply(loras)` (collective): the keys touched by the previous or the requested LoRAs are the affected
-  set (known on every rank from the LoRA files' headers). Each owner restores its affected keys from the
-  clean backup and fuses the requested LoRAs into them with ltx-core's own `apply_loras` (so the result is
-  bit-identical to a single-process `SingleGPUModelBuilder(...).lora(...).build()`), then every owner's
-  affected tensors are broadcast to all ranks through one bucketed uint8 staging buffer, written into
-  the parameters in place (addresses never change). Requesting the current set is a no-op.
+  set (known on every rank from the LoRA files' headers). Each owner restores those of its affected keys
+  that a LoRA is fused into now from the clean backup (the others hold their clean bytes already) and
+  fuses the requested LoRAs into them with ltx-core's own `apply_loras` (so the result is bit-identical
+  to a single-process `SingleGPUModelBuilder(...).lora(...).build()`), then every owner's affected
+  tensors are broadcast to all ranks through one bucketed uint8 staging buffer, written into the
+  parameters in place (addresses never change). Requesting the current set is a no-op.
 - `reset()` (collective) is `apply(())`: the affected keys get their exact clean bytes back.
 
 LoRA identity is the set of (path, strength, sd-ops name) with non-zero strength, order-insensitive.
@@ -143,7 +144,7 @@ class LoraWeightTracker:
         self.keep_loras = keep_loras
         # LoRA identity -> {"<prefix>.lora_A.weight" / "...lora_B.weight": factor on the weight's device}
         self._factors: dict[tuple[str, float, str], dict[str, torch.Tensor]] = {}
-        self.stats = {"swaps": 0, "bytes_broadcast": 0, "keys_fused": 0, "lora_bytes_read": 0}
+        self.stats = {"swaps": 0, "bytes_broadcast": 0, "keys_fused": 0, "keys_restored": 0, "lora_bytes_read": 0}
 
     # ---- attach ----------------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
@@ -216,9 +217,13 @@ class LoraWeightTracker:
             )
         affected = self._with_scales(touched_new | self._touched_current)
         mine = sorted(k for k in affected if self._owners[k] == self.rank)
+        # Only keys a LoRA is fused into now differ from their clean bytes: the others (all of them after a
+        # reset, i.e. the two-stage runner's stage-2 swap) already hold them and need no copy.
+        dirty = self._with_scales(self._touched_current)
         with torch.no_grad():
-            for key in mine:  # restore clean first: fusion always starts from the clean bytes
+            for key in (k for k in mine if k in dirty):  # restore clean first: fusion starts from clean bytes
                 self._working[key].copy_(self._clean[key])
+                self.stats["keys_restored"] += 1
             self._fuse(sorted(k for k in mine if k in touched_new), specs, targets)
             self._broadcast(sorted(affected))
         self._current = specs

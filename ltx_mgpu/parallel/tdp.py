@@ -22,7 +22,13 @@ Contract (per forward, every rank of `group`, same order):
    every axis (extents preserved): each tile looks like a small video of its own.
 4. Generated outputs are weighted by the tile's separable trapezoidal mask (masks of all tiles sum to one
    at every token: `blend_weights` proves it), conditioning outputs by 1 / (number of tiles keeping that
-   token); a float32 accumulator is all-reduced once (audio rides in the same buffer).
+   token); a float32 accumulator is all-reduced once (audio rides in the same buffer). At 768x512x121 the
+   stage-2 latent is 6,144 tokens x 128 channels: 3 MB in float32, a few microseconds over NVLink, so the
+   exact float32 sum is kept.
+5. Per job, not per step: what a tile needs besides its latent (token indices, blend weights, positions,
+   attention mask, and through `hoist.ForwardHoister` its RoPE tables and mask bias) is made on the first
+   step and reused while the inputs are the same tensors, so a later step makes no host sync and no
+   host->device copy (tests/test_tdp_gpu.py checks it with `set_sync_debug_mode("error")`).
 
 Errors are raised identically on every rank before any collective (symmetric, recoverable under the
 controller): too few tiles for the ranks, a tile count an axis cannot hold, overlaps that would make three
@@ -40,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import needs_host_staging
+from .hoist import ForwardHoister
 from .tiling import BalancedTiling, TdpTile, TileCountConfig, Tiling, build_tiles
 
 __all__ = ["TiledDataParallelBuilder", "TiledDataParallelModelWrapper", "shared_weights_model"]
@@ -86,6 +93,10 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
                 f"{self.world_size}. Raise the tile counts."
             )
         self._grid: tuple[int, int, int] | None = None
+        self._cached_plan: _Plan | None = None
+        # ltx-core's preprocessors rebuild RoPE tables (host->device copies) and masks every forward: the
+        # hoister takes them out, per tile and job (a model without them, e.g. a test double, is left alone)
+        self.hoister = ForwardHoister(model) if hasattr(model, "video_args_preprocessor") else None
 
     # ---- geometry of the current stage -------------------------------------------------------------
     def set_latent_shape(self, shape: Any) -> None:
@@ -96,6 +107,7 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             f, h, w = (int(x) for x in shape)
             self._grid = (f, h, w)
         self.tiles_for(self._grid)  # validate now, on every rank alike
+        self._cached_plan = None  # a new job: its positions are a new tensor anyway; free the old plan
 
     @contextlib.contextmanager
     def latent_shape(self, shape: Any) -> Iterator[TiledDataParallelModelWrapper]:
@@ -128,22 +140,23 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         total = int(video.latent.shape[1])
         if total < n_gen:
             raise ValueError(f"video has {total} tokens, fewer than the declared {grid} grid ({n_gen})")
-        tiles = self.tiles_for(grid)
-        device = video.latent.device
-        keep, counts = self._conditioning_plan(video.positions, grid, tiles, n_gen, total)
-
+        plan = self._plan(video, audio, grid, total)
         b, _, c = video.latent.shape
-        acc_v = torch.zeros((b, total, c), dtype=torch.float32, device=device)
+        acc_v = torch.zeros((b, total, c), dtype=torch.float32, device=video.latent.device)
         # Every rank owns >= 1 tile (checked above), so every rank produces an audio output iff audio is given:
         # the flat buffer has the same size everywhere.
         acc_a: torch.Tensor | None = None
-        for tile in tiles[self.rank :: self.world_size]:
-            gen_idx = tile.token_indices(grid, device)
-            cond_idx = keep[tile.index].to(device) + n_gen
-            idx = torch.cat([gen_idx, cond_idx])
-            weights = torch.cat([tile.mask(device), 1.0 / counts[keep[tile.index]].to(device)])
-            vx, ax = self.model(self._slice(video, idx, total, tile, grid), audio, perturbations)
-            acc_v.index_add_(1, idx, vx.float() * weights[None, :, None])
+        if self.hoister is not None:
+            perturbations = self.hoister.perturbations(perturbations)
+        for owned in plan.tiles:
+            tile_video = self._slice(video, owned, total)
+            if owned.geometry is None:
+                vx, ax = self.model(tile_video, audio, perturbations)
+            else:  # RoPE, masks and their host->device copies made once per job (parallel/hoist.py)
+                assert self.hoister is not None
+                with self.hoister.bind(video=owned.geometry, audio=plan.audio_geometry):
+                    vx, ax = self.model(tile_video, audio, perturbations)
+            acc_v.index_add_(1, owned.idx, vx.float() * owned.weights[None, :, None])
             if ax is not None:
                 acc_a = ax.float() if acc_a is None else acc_a + ax.float()
         flat = acc_v.reshape(-1) if acc_a is None else torch.cat([acc_v.reshape(-1), acc_a.reshape(-1)])
@@ -151,8 +164,55 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         vx_out = flat[: acc_v.numel()].view_as(acc_v).to(video.latent.dtype)
         ax_out = None
         if acc_a is not None:
-            ax_out = (flat[acc_v.numel() :].view_as(acc_a) / len(tiles)).to(audio.latent.dtype)
+            ax_out = (flat[acc_v.numel() :].view_as(acc_a) / plan.num_tiles).to(audio.latent.dtype)
         return vx_out, ax_out
+
+    def _plan(self, video: Any, audio: Any | None, grid: tuple[int, int, int], total: int) -> _Plan:
+        """This rank's tiles with their token indices, blend weights, (normalised) positions, attention masks
+        and hoisted geometry (RoPE tables, mask bias) on the device, made once per geometry and input tensors:
+        the steps of a stage reuse them, so a step makes no host->device copy and, with conditioning tokens,
+        no device->host read of the positions. The plan holds the tensors its key names by address, so their
+        memory cannot be reused by another tensor while it is cached."""
+        positions, mask = video.positions, getattr(video, "attention_mask", None)
+        audio_positions = None if audio is None else audio.positions
+        held = (positions, mask, audio_positions)
+        key = (grid, total, str(video.latent.device), video.latent.dtype,
+               *((None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()))) for t in held))  # fmt: skip
+        cached = self._cached_plan
+        if cached is not None and cached.key == key and all(a is b for a, b in zip(cached.held, held, strict=True)):
+            return cached
+        tiles = self.tiles_for(grid)
+        n_gen = grid[0] * grid[1] * grid[2]
+        keep, counts = self._conditioning_plan(positions, grid, tiles, n_gen, total)
+        device = video.latent.device
+        owned = []
+        for tile in tiles[self.rank :: self.world_size]:
+            idx = torch.cat([tile.token_indices(grid), keep[tile.index] + n_gen]).to(device)
+            weights = torch.cat([tile.mask(), 1.0 / counts[keep[tile.index]]]).to(device)
+            tile_positions = positions[:, :, idx]
+            if self.normalize_positions:
+                gen = positions[:, :, :n_gen]
+                gen = gen.reshape(gen.shape[0], gen.shape[1], *grid, gen.shape[-1])
+                f, h, w = (slice(a.start, a.end) for a in tile.axes)
+                origin = gen[:, :, f, h, w, 0].amin(dim=(2, 3, 4))  # (B, 3): the tile's start per axis
+                tile_positions = tile_positions - origin[:, :, None, None].to(positions.dtype)
+            tile_mask = None
+            if isinstance(mask, torch.Tensor):
+                if not (mask.dim() == 3 and mask.shape[-1] == total and mask.shape[-2] == total):
+                    raise ValueError(f"TDP expects a (B, {total}, {total}) attention mask, got {tuple(mask.shape)}")
+                tile_mask = mask[:, idx][:, :, idx]
+            geometry = None
+            if self.hoister is not None and "video" in self.hoister.preprocessors:
+                probe = dataclasses.replace(
+                    video, latent=video.latent[:, idx], positions=tile_positions, attention_mask=tile_mask
+                )
+                geometry = self.hoister.compute_geometry("video", probe)
+            owned.append(_OwnedTile(tile, idx, weights, tile_positions, tile_mask, geometry))
+        audio_geometry = None
+        if audio is not None and self.hoister is not None and "audio" in self.hoister.preprocessors:
+            audio_geometry = self.hoister.compute_geometry("audio", audio)
+        self._cached_plan = _Plan(key, held, owned, len(tiles), audio_geometry)
+        return self._cached_plan
 
     def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
@@ -167,17 +227,17 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         positions: torch.Tensor, grid: Sequence[int], tiles: list[TdpTile], n_gen: int, total: int
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """Which conditioning tokens each tile keeps (indices relative to `n_gen`) and how many tiles keep
-        each. Positions of batch row 0 decide (every row of a batch shares positions)."""
+        each (host tensors). Positions of batch row 0 decide (every row of a batch shares positions); only
+        a video with conditioning tokens reads them back from the device."""
         n_cond = total - n_gen
+        if n_cond == 0:
+            return {tile.index: torch.zeros(0, dtype=torch.long) for tile in tiles}, torch.ones(0)
         pos = positions[0].float().cpu()  # (3, T, 2): [start, end) per axis
         gen = pos[:, :n_gen].reshape(3, *(int(g) for g in grid), 2)
         cond = pos[:, n_gen:]  # (3, n_cond, 2)
         keep: dict[int, torch.Tensor] = {}
         counts = torch.zeros(n_cond, dtype=torch.float32)
         for tile in tiles:
-            if n_cond == 0:
-                keep[tile.index] = torch.zeros(0, dtype=torch.long)
-                continue
             box = _tile_box(gen, tile)  # (3, 2)
             overlaps = ((cond[..., 0] < box[:, 1:2]) & (cond[..., 1] > box[:, 0:1])).all(dim=0)
             kept = overlaps | (cond[0, :, 0] < 0)
@@ -185,27 +245,37 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             counts += kept.float()
         return keep, counts.clamp(min=1.0)
 
-    def _slice(self, video: Any, idx: torch.Tensor, total: int, tile: TdpTile, grid: Sequence[int]) -> Any:
-        changes: dict[str, Any] = {"latent": video.latent[:, idx]}
-        positions = video.positions[:, :, idx]
-        if self.normalize_positions:
-            gen = video.positions[:, :, : grid[0] * grid[1] * grid[2]]
-            gen = gen.reshape(gen.shape[0], gen.shape[1], *(int(g) for g in grid), gen.shape[-1])
-            f, h, w = (slice(a.start, a.end) for a in tile.axes)
-            origin = gen[:, :, f, h, w, 0].amin(dim=(2, 3, 4))  # (B, 3): the tile's start per axis
-            positions = positions - origin[:, :, None, None].to(positions.dtype)
-        changes["positions"] = positions
+    def _slice(self, video: Any, owned: _OwnedTile, total: int) -> Any:
+        idx = owned.idx
+        changes: dict[str, Any] = {"latent": video.latent[:, idx], "positions": owned.positions}
         for name in ("timesteps", "keyframes_mask", "segment_ids"):
             value = getattr(video, name, None)
             if _tokenwise(value, total):
                 changes[name] = value[:, idx]
-        mask = getattr(video, "attention_mask", None)
-        if isinstance(mask, torch.Tensor):
-            if mask.dim() == 3 and mask.shape[-1] == total and mask.shape[-2] == total:
-                changes["attention_mask"] = mask[:, idx][:, :, idx]
-            else:
-                raise ValueError(f"TDP expects a (B, {total}, {total}) attention mask, got {tuple(mask.shape)}")
+        if isinstance(getattr(video, "attention_mask", None), torch.Tensor):
+            changes["attention_mask"] = owned.attention_mask
         return dataclasses.replace(video, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnedTile:
+    """A tile this rank runs, with what its forward needs on the device."""
+
+    tile: TdpTile
+    idx: torch.Tensor  #: token indices into the full video: generated, then kept conditioning tokens
+    weights: torch.Tensor  #: float32 blend weight per index
+    positions: torch.Tensor  #: the tile's positions (normalised when the wrapper says so)
+    attention_mask: torch.Tensor | None  #: the tile's (B, t, t) mask, when the video has one
+    geometry: Any  #: the tile's `hoist.ModalityGeometry` (None for a model without ltx-core preprocessors)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    key: tuple[Any, ...]
+    held: tuple[torch.Tensor | None, ...]  #: held so the memory behind `key`'s data pointers stays theirs
+    tiles: list[_OwnedTile]
+    num_tiles: int
+    audio_geometry: Any  #: the audio's `hoist.ModalityGeometry`, or None
 
 
 def _tile_box(gen: torch.Tensor, tile: TdpTile) -> torch.Tensor:

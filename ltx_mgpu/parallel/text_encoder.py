@@ -24,7 +24,13 @@ import torch.distributed as dist
 from ..errors import RunnerError
 from .collectives import needs_host_staging
 
-__all__ = ["BatchParallelPromptEncoder", "DistributedPromptEncoder", "LocalPromptEncoder", "broadcast_encodings"]
+__all__ = [
+    "BatchParallelPromptEncoder",
+    "DistributedPromptEncoder",
+    "EncodingCache",
+    "LocalPromptEncoder",
+    "broadcast_encodings",
+]
 
 Encoding = dict[str, torch.Tensor | None]
 
@@ -33,6 +39,8 @@ class LocalPromptEncoder(Protocol):
     """What a rank-local encoder provides."""
 
     def encode(self, prompts: Sequence[str]) -> list[Encoding]: ...
+
+    # optional: `identity` (str), what the outputs depend on; without it nothing is cached
 
     def enhance(self, prompt: str, *, image: Any = None, seed: int = 42) -> str: ...
 
@@ -44,6 +52,13 @@ def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
+_ALIGN = 64  #: byte alignment of each tensor in the packed wire buffer (any dtype's view stays aligned)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 def broadcast_encodings(
     encodings: list[Encoding] | None,
     error: str | None,
@@ -51,47 +66,106 @@ def broadcast_encodings(
     src: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    extra: dict[str, Any] | None = None,
+    _meta_out: list[Any] | None = None,
 ) -> list[Encoding]:
     """Collective: rank `src` (group rank) sends `encodings` (or an `error`), every rank returns them on
-    `device`. Metadata (names, shapes, dtypes, or the error) goes first as one object broadcast."""
+    `device`. Two collectives whatever the count: the metadata (names, shapes, dtypes, byte offsets, or the
+    error, plus `extra` from the source) as one object broadcast, then every tensor packed into one byte
+    buffer as one tensor broadcast (each a rendezvous of the group: the text encoder used to pay one per
+    tensor). `_meta_out`, if given, receives the metadata (its `extra`) on every rank."""
     me = dist.get_rank(group)
     header: list[Any] = [None]
     if me == src:
         if error is not None:
-            header[0] = {"error": error}
+            header[0] = {"error": error, "extra": extra}
         else:
             assert encodings is not None
-            header[0] = {
-                "items": [
-                    {k: (None if v is None else (tuple(v.shape), str(v.dtype))) for k, v in enc.items()}
-                    for enc in encodings
-                ]
-            }
+            items, offset = [], 0
+            for enc in encodings:
+                item: dict[str, Any] = {}
+                for k, v in enc.items():
+                    if v is None:
+                        item[k] = None
+                        continue
+                    nbytes = v.numel() * v.element_size()
+                    item[k] = (tuple(v.shape), str(v.dtype), offset, nbytes)
+                    offset += _aligned(nbytes)
+                items.append(item)
+            header[0] = {"items": items, "bytes": offset, "extra": extra}
     dist.broadcast_object_list(header, src=_global(group, src), group=group)
     meta = header[0]
+    if _meta_out is not None:
+        _meta_out.append(meta.get("extra"))
     if "error" in meta:
         raise RunnerError(f"text encoder failed on rank {src}: {meta['error']}")
     staged = needs_host_staging(group, device)
+    wire_device = torch.device("cpu") if staged else device
+    wire = torch.empty(int(meta["bytes"]), dtype=torch.uint8, device=wire_device)
+    if me == src:
+        assert encodings is not None
+        for enc, item in zip(encodings, meta["items"], strict=True):
+            for name, spec in item.items():
+                if spec is not None:
+                    value = enc[name]
+                    assert value is not None
+                    _, _, offset, nbytes = spec
+                    raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
+                    wire[offset : offset + nbytes].copy_(raw)
+    if wire.numel():
+        dist.broadcast(wire, src=_global(group, src), group=group)
+    if staged:
+        wire = wire.to(device)
     out: list[Encoding] = []
-    for i, item in enumerate(meta["items"]):
+    for item in meta["items"]:
         enc: Encoding = {}
         for name, spec in item.items():
             if spec is None:
                 enc[name] = None
                 continue
-            shape, dtype = spec
-            if me == src:
-                assert encodings is not None
-                value = encodings[i][name]
-                assert value is not None
-                buf = value.detach().to(device).contiguous()
-                wire = buf.cpu() if staged else buf.clone()
-            else:
-                wire = torch.empty(shape, dtype=_DTYPES[dtype], device="cpu" if staged else device)
-            dist.broadcast(wire, src=_global(group, src), group=group)
-            enc[name] = wire.to(device) if staged else wire
+            shape, dtype, offset, nbytes = spec
+            enc[name] = wire[offset : offset + nbytes].view(_DTYPES[dtype]).view(shape)
         out.append(enc)
     return out
+
+
+class EncodingCache:
+    """Per-rank embeddings of prompts that repeat (the constant default negative prompt), keyed by the prompt
+    text under one encoder identity: a different identity (another encoder, changed weights) empties it.
+
+    Every rank of a `DistributedPromptEncoder` makes the same calls in the same order (the source rank's
+    decisions travel in the metadata), so the caches of all ranks hold the same keys. Bounded: least
+    recently used entries go first."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = int(capacity)
+        self.identity: str | None = None
+        self._entries: dict[str, Encoding] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def bind(self, identity: str | None) -> None:
+        """Use `identity`'s entries from now on (dropping everything if it changed)."""
+        if identity != self.identity:
+            self._entries.clear()
+            self.identity = identity
+
+    def get(self, text: str) -> Encoding | None:
+        enc = self._entries.pop(text, None)
+        if enc is not None:
+            self._entries[text] = enc  # most recent last
+        return enc
+
+    def __contains__(self, text: str) -> bool:
+        return text in self._entries
+
+    def put(self, text: str, enc: Encoding) -> None:
+        if self.identity is None or self.capacity <= 0:
+            return  # an encoder without an identity cannot be told apart from its replacement: no caching
+        # own storage: a view into the packed wire buffer would keep the whole buffer alive
+        self._entries[text] = {k: None if v is None else v.clone() for k, v in enc.items()}
+        while len(self._entries) > self.capacity:
+            self._entries.pop(next(iter(self._entries)))
 
 
 def _broadcast_text(text: str | None, error: str | None, *, src: int, group: dist.ProcessGroup | None) -> str:
@@ -134,20 +208,56 @@ class DistributedPromptEncoder:
         if (self.rank == src_rank) != (encoder is not None):
             raise ValueError("the encoder must be given on the source rank and only there")
         self.encoder = encoder
+        self.cache = EncodingCache()
 
-    def encode(self, prompts: Sequence[str]) -> list[Encoding]:
-        """Collective: one encoding per prompt, identical on every rank."""
-        encodings, error = None, None
+    def encode(self, prompts: Sequence[str], *, cacheable: Sequence[bool] = ()) -> list[Encoding]:
+        """Collective: one encoding per prompt, identical on every rank. Prompts flagged in `cacheable` (e.g.
+        the default negative prompt) are taken from every rank's `cache` when there; the source rank decides
+        and the others follow its decision, so nothing but the missing prompts is encoded or sent."""
+        prompts = list(prompts)
+        flags = [bool(f) for f in cacheable] + [False] * (len(prompts) - len(cacheable))
+        encodings, error, hits = None, None, []
         if self.encoder is not None:
+            self.cache.bind(getattr(self.encoder, "identity", None))
+            hits = [i for i, p in enumerate(prompts) if flags[i] and p in self.cache]
+            todo = [p for i, p in enumerate(prompts) if i not in hits]
             try:
-                encodings = self.encoder.encode(list(prompts))
+                encodings = self.encoder.encode(todo) if todo else []
             except Exception as exc:  # announced to every rank below: symmetric failure
                 error = _describe(exc)
         if self.world_size == 1:
             if error is not None:
                 raise RunnerError(f"text encoder failed on rank {self.src_rank}: {error}")
-            return [{k: None if v is None else v.to(self.device) for k, v in e.items()} for e in encodings or []]
-        return broadcast_encodings(encodings, error, src=self.src_rank, group=self.group, device=self.device)
+            fresh = [{k: None if v is None else v.to(self.device) for k, v in e.items()} for e in encodings or []]
+            return self._merge(prompts, flags, hits, fresh)
+        meta: list[Any] = []
+        extra = {"identity": self.cache.identity, "hits": hits}
+        fresh = broadcast_encodings(
+            encodings, error, src=self.src_rank, group=self.group, device=self.device, extra=extra, _meta_out=meta
+        )
+        if self.encoder is None:
+            self.cache.bind(meta[0]["identity"])
+            hits = list(meta[0]["hits"])
+        return self._merge(prompts, flags, hits, fresh)
+
+    def _merge(self, prompts: list[str], flags: list[bool], hits: list[int], fresh: list[Encoding]) -> list[Encoding]:
+        """The cached encodings at `hits` and the `fresh` ones elsewhere, in prompt order; caches the fresh
+        cacheable ones (every rank alike)."""
+        out: list[Encoding] = []
+        new = iter(fresh)
+        for i, prompt in enumerate(prompts):
+            if i in hits:
+                enc = self.cache.get(prompt)
+                if enc is None:  # the source's cache and ours disagree: a bug, not a request error
+                    raise RuntimeError(f"prompt cache out of step with rank {self.src_rank} for prompt {i}")
+                self.cache.hits += 1
+            else:
+                enc = next(new)
+                if flags[i]:
+                    self.cache.misses += 1
+                    self.cache.put(prompt, enc)
+            out.append(enc)
+        return out
 
     def enhance(self, prompt: str, *, image: Any = None, seed: int = 42) -> str:
         """Collective: the source rank rewrites the prompt (sampling), every rank gets the same string."""
@@ -180,7 +290,8 @@ class BatchParallelPromptEncoder:
         self.world_size = dist.get_world_size(group)
         self.device = torch.device(device)
 
-    def encode(self, prompts: Sequence[str]) -> list[Encoding]:
+    def encode(self, prompts: Sequence[str], *, cacheable: Sequence[bool] = ()) -> list[Encoding]:
+        del cacheable  # every rank holds an encoder and encodes its share at once: nothing to save by caching
         prompts = list(prompts)
         mine = [i for i in range(len(prompts)) if i % self.world_size == self.rank]
         local: dict[int, Encoding] = {}

@@ -16,6 +16,10 @@ job in flight across it did, and the service still rendered the final canary job
 
 Hostile requests (see hostile.py) go first, while nothing else is in flight, so "no worker died and no
 fleet was rebuilt" can be checked exactly.
+
+Every job the checker flags gets an evidence folder (evidence.py) before the stack is torn down; the
+report's line names it. `plant="lost"` is the evidence's negative control: one accepted job is taken out
+of its queue before a worker takes it, so the run must report it lost and keep its evidence.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from click.testing import CliRunner
 from producer.cli import cli as producer_cli
 from producer.client import ProducerClient
 from producer.settings import ProducerSettings
+from tests.chaos.evidence import keep_evidence
 from tests.chaos.hostile import BadInput, canary_paths, generate_bad_inputs, raw_job_hashes, to_text
 from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
 from tests.chaos.stack import ChaosStack
@@ -69,10 +74,12 @@ class Report:
     details: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:
+        evidence = self.details.get("evidence")
         return (
             f"faults {self.faults}, survived {self.survived}, jobs {self.jobs}, unexpected {self.unexpected}, "
             f"lost {self.lost}, duplicated {self.duplicated}, corrupt {self.corrupt}, leaked processes {self.leaked}, "
             f"bad inputs {self.bad_inputs} rejected {self.rejected}, stalled {self.stalled}"
+            + (f"; evidence of {len(evidence['jobs'])} jobs in {evidence['folder']}" if evidence else "")
         )
 
     @property
@@ -102,10 +109,40 @@ class _Run:
         self.accepted: list[Accepted] = []
         self.fault_jobs: list[tuple[str, list[str]]] = []  # (kind, job ids that must end as planned)
         self.not_injected: list[str] = []  # kinds of faults whose target never reached the state to hit
+        self.planted: list[str] = []  # jobs `plant_lost` took out of the queue (not waited for; must be flagged)
+        self.timeline: list[dict[str, Any]] = []  # every logged event with its wall-clock time (the evidence's)
+        self.evidence: dict[str, Path] = {}  # job id -> its evidence folder
+        self.submitted_at: dict[str, float] = {}  # job id -> wall-clock time of its submit
         settings = ProducerSettings(redis_url=stack.redis.url, queues=[stack.queue], max_queue_depth=0,
                                     job_timeout=120, result_ttl=3600, failure_ttl=3600)  # fmt: skip
         self.client = ProducerClient(settings)
         self.n = 0
+
+    def note(self, event: dict[str, Any]) -> None:
+        """Log `event` and keep it, stamped, for the evidence of any job flagged later."""
+        event = {"t": round(time.time(), 3), **event}
+        self.timeline.append(event)
+        self.log(event)
+
+    def keep(self, why: dict[str, list[str]]) -> None:
+        """Evidence for each flagged job (job id -> the checker's lines), while Redis and the logs are there."""
+        st = self.stack
+        for job_id, lines in why.items():
+            self.evidence[job_id] = keep_evidence(
+                st.workdir / "evidence", st.conn, job_id, why=lines, exec_log_dir=st.exec_log_dir,
+                timeline=self.timeline, submitted_at=self.submitted_at.get(job_id),
+                worker_log=st.workdir / "supervisor.log", redis_log=st.redis.log_path)  # fmt: skip
+
+    def plant_lost(self) -> None:
+        """The evidence's negative control: an accepted job removed from its queue before any worker took
+        it (what a Redis that drops a queued job does). A worker that took it first renders it normally."""
+        for _ in range(20):
+            job_id = self.submit("planted_lost")
+            if self.stack.conn.lrem(f"rq:queue:{self.stack.queue}", 0, job_id):
+                self.planted.append(job_id)
+                self.note({"event": "planted_lost", "job": job_id})
+                return
+        raise RuntimeError("could not plant a lost job: a worker took each one at once")
 
     # ---- submitting ------------------------------------------------------------------------------------
     def submit(self, kind: str = "normal", directives: str = "", *, steps: int = 1, expected: str = "uploaded",
@@ -115,6 +152,7 @@ class _Run:
         request = RenderRequest(prompt=prompt, seed=self.rng.randrange(2**31), steps=steps, **TINY)
         job = _retry(lambda: self.client.submit(request, priority=priority))
         self.accepted.append(Accepted(job.id, kind, expected, reasons))
+        self.submitted_at[job.id] = time.time()
         return job.id
 
     def normal(self, count: int) -> list[str]:
@@ -123,6 +161,7 @@ class _Run:
     # ---- faults ----------------------------------------------------------------------------------------
     def fault(self, kind: str) -> None:
         t0 = time.monotonic()
+        self.note({"event": "fault_start", "kind": kind})
         targets: list[str] = []
         not_injected = False
         if kind == "kill_rank":
@@ -157,8 +196,10 @@ class _Run:
             else:
                 self.stack.redis.restart()
                 how = "SIGTERM"
+            self.stack.renice(self.stack.redis.proc.pid if self.stack.redis.proc is not None else None)
             missing = [j for j in waiting if not self.stack.conn.exists(f"rq:job:{j}")]
-            self.log({"event": "redis_restart", "how": how, "in_flight": len(waiting), "missing_after": missing})
+            self.note({"event": "redis_restart", "how": how, "in_flight": len(waiting), "missing_after": missing})
+            self.keep({j: [f"{j}: job hash gone after a Redis restart ({how})"] for j in missing})
             assert not missing, f"jobs lost by a Redis restart (AOF): {missing}"
         elif kind == "s3_outage":
             self.stack.proxy.block()
@@ -173,7 +214,7 @@ class _Run:
             self.not_injected.append(kind)
             return
         self.fault_jobs.append((kind, targets))
-        self.log({"event": "fault", "kind": kind, "jobs": targets, "s": round(time.monotonic() - t0, 2)})
+        self.note({"event": "fault", "kind": kind, "jobs": targets, "s": round(time.monotonic() - t0, 2)})
 
     def _try_kill(self, job_id: str, states: set[str], *, timeout: float) -> bool:
         """True if the fault could not be injected."""
@@ -192,13 +233,13 @@ class _Run:
         except AssertionError:
             # e.g. the workers hold back (upload back-pressure) or are restarting: the job stays accepted
             # and checked, but this fault was not injected and is not counted
-            self.log({"event": "fault_not_injected", "job": job_id, "state": job_state(conn, job_id)})
+            self.note({"event": "fault_not_injected", "job": job_id, "state": job_state(conn, job_id)})
             raise _NotInjected() from None
         meta = json.loads(conn.hget(f"rq:job:{job_id}", "meta"))
         victim = next(h for h in self.stack.live_workers() if h["worker"] == meta["worker"])
         self.stack.pids_seen.setdefault(int(victim["pid"]), "worker")
         os.kill(int(victim["pid"]), signal.SIGKILL)
-        self.log({"event": "sigkill_worker", "pid": victim["pid"], "job": job_id, "state": job_state(conn, job_id)})
+        self.note({"event": "sigkill_worker", "pid": victim["pid"], "job": job_id, "state": job_state(conn, job_id)})
 
     # ---- hostile input ---------------------------------------------------------------------------------
     def hostile(self, count: int, rng_seed: int) -> list[BadInput]:
@@ -263,10 +304,10 @@ class _Run:
             for bad in inputs:
                 if bad.door == "raw":
                     bad.rejected = False
-            self.log({"event": "hostile_damage", "canaries": [str(c) for c in canaries], "before": before,
-                      "after": after})  # fmt: skip
-        self.log({"event": "hostile", "inputs": len(inputs), "rejected": sum(bool(b.rejected) for b in inputs),
-                  "not_rejected": [(b.door, b.label, b.detail) for b in inputs if not b.rejected]})  # fmt: skip
+            self.note({"event": "hostile_damage", "canaries": [str(c) for c in canaries], "before": before,
+                       "after": after})  # fmt: skip
+        self.note({"event": "hostile", "inputs": len(inputs), "rejected": sum(bool(b.rejected) for b in inputs),
+                   "not_rejected": [(b.door, b.label, b.detail) for b in inputs if not b.rejected]})  # fmt: skip
         return inputs
 
 
@@ -295,16 +336,23 @@ def _retry(fn: Callable[[], Any], deadline_s: float = 60.0) -> Any:
 
 def run_chaos(workdir: Path, *, seed: int, jobs: int, faults: int, bad_inputs: int, s3: Any = None,
               hard_redis: bool = False, settle_timeout: float = 240.0, fault_kinds: Sequence[str] = FAULT_KINDS,
-              worker_settings: dict[str, Any] | None = None,
+              worker_settings: dict[str, Any] | None = None, plant: str | None = None, nice: int = 0,
+              render_timeout: float = 12.0,
               log: Callable[[dict[str, Any]], None] = lambda _: None) -> tuple[Report, Verdict]:  # fmt: skip
     """Run one seeded chaos schedule; return the report and the checker's verdict (never raises on a
     violated invariant or a stalled step: the report says so and is not ok; the caller decides).
 
     `fault_kinds`: the kinds to cycle through; `worker_settings`: overrides of the stack's worker settings
-    (the negative control plants a defect this way, e.g. `{"retry_fleet_failure": 0}`)."""
+    (the negative control plants a defect this way, e.g. `{"retry_fleet_failure": 0}`); `plant="lost"`: one
+    job taken out of its queue (the evidence's negative control); `nice`: the niceness of every process the
+    stack starts, so CPU burners beside it starve it; `render_timeout`: the fleet's (raise it under heavy
+    load: a starved 64x64 render outlasts 12 s, and fault-free jobs then fail like `hang`s)."""
     t0 = time.monotonic()
     rng = random.Random(seed)
-    stack = ChaosStack(Path(workdir) / f"seed{seed}", s3=s3, overrides=worker_settings)
+    if plant not in (None, "lost"):
+        raise ValueError(f"plant: {plant!r}")
+    stack = ChaosStack(Path(workdir) / f"seed{seed}", s3=s3, overrides=worker_settings, nice=nice,
+                       render_timeout=render_timeout)  # fmt: skip
     report = Report(seed)
     verdict = Verdict()
     dog = Watchdog()
@@ -312,7 +360,7 @@ def run_chaos(workdir: Path, *, seed: int, jobs: int, faults: int, bad_inputs: i
         with dog:
             verdict = _run_steps(dog, stack, rng, report, seed=seed, jobs=jobs, faults=faults, bad_inputs=bad_inputs,
                                  hard_redis=hard_redis, settle_timeout=settle_timeout, fault_kinds=fault_kinds,
-                                 log=log)  # fmt: skip
+                                 plant=plant, log=log)  # fmt: skip
     except Stalled as exc:
         report.stalled += 1
         report.details["stalled"] = {"what": exc.what, "seconds": exc.seconds, "stacks": exc.stacks}
@@ -330,7 +378,7 @@ def run_chaos(workdir: Path, *, seed: int, jobs: int, faults: int, bad_inputs: i
 
 def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Report, *, seed: int, jobs: int,
                faults: int, bad_inputs: int, hard_redis: bool, settle_timeout: float, fault_kinds: Sequence[str],
-               log: Callable[[dict[str, Any]], None]) -> Verdict:  # fmt: skip
+               plant: str | None, log: Callable[[dict[str, Any]], None]) -> Verdict:  # fmt: skip
     """The run, one deadline per step (see watchdog.py)."""
     with dog.step("stack start: Redis, S3 proxy, supervisor, both fleets ready", 300):
         stack.start()
@@ -351,8 +399,11 @@ def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Rep
             run.normal(share)
         with dog.step(f"fault {i + 1}/{len(kinds)}: {kind}", 180):
             run.fault(kind)
+        if plant == "lost" and i == len(kinds) // 2:
+            with dog.step("planting a lost job", 60):
+                run.plant_lost()
         time.sleep(rng.uniform(0.0, 0.5))
-    pending = [a.job_id for a in run.accepted]
+    pending = [a.job_id for a in run.accepted if a.job_id not in run.planted]
 
     def unsettled() -> list[str]:
         return [f"{j}: {job_state(conn, j)}" for j in pending if job_state(conn, j) not in TERMINAL]
@@ -362,14 +413,14 @@ def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Rep
             wait_for(lambda: not unsettled(), settle_timeout, "every job terminal", poll=0.2)
     if left := unsettled():
         report.details["unsettled_after_s"] = {"seconds": settle_timeout, "jobs": left[:20]}
-        log({"event": "unsettled", "jobs": left[:20]})
+        run.note({"event": "unsettled", "jobs": left[:20]})
     with dog.step("two canary jobs after the faults", 180):
         canaries = run.normal(2)
         with contextlib.suppress(AssertionError):
             wait_for(lambda: all(job_state(conn, j) in TERMINAL for j in canaries), 120, "canaries", poll=0.1)
     with dog.step("warm stop of the supervisor and its workers", 150):
         rc = stack.stop()
-    log({"event": "stopped", "rc": rc})
+    run.note({"event": "stopped", "rc": rc})
     with dog.step("leaked-process check", 60):
         report.leaked = len(leaked := stack.leaked(grace=20))
         stack.kill_leftovers(leaked)
@@ -377,9 +428,16 @@ def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Rep
         verdict = check(conn, stack.s3.client(), stack.exec_log_dir, run.accepted,
                         baseline_memory=baseline_memory, baseline_keys=baseline_keys)  # fmt: skip
     verdict.leaked = leaked
+    why: dict[str, list[str]] = {}
+    for line in verdict.lost + verdict.duplicated + verdict.corrupt + verdict.unexpected:
+        why.setdefault(line.split(" ")[0].rstrip(":"), []).append(line)
+    with dog.step(f"keeping the evidence of {len(why)} flagged jobs", 120):
+        run.keep(why)
+    if run.evidence:
+        report.details["evidence"] = {"folder": str(stack.workdir / "evidence"), "jobs": sorted(run.evidence)}
     run.client.close()
     canaries_ok = all(verdict.outcomes.get(c) == "uploaded" for c in canaries)
-    bad_ids = {line.split(" ")[0] for line in verdict.unexpected + verdict.lost + verdict.duplicated + verdict.corrupt}
+    bad_ids = set(why)
     report.faults = len(run.fault_jobs)
     report.survived = sum(canaries_ok and not any(t in bad_ids for t in targets) for _, targets in run.fault_jobs)
     report.jobs = len(run.accepted)

@@ -11,12 +11,14 @@ Doors:
 - `enqueue`: straight into RQ with the JSON serializer, bypassing the producer: the worker must fail the
   job with `invalid_request` and leave its fleet alone;
 - `raw`: hand-written `rq:job:<id>` hashes pushed onto the queue list (garbage data, a function other
-  than the render function, wrong arguments, missing fields): no worker may die, nothing but the render
-  function may run (a canary directory shows it), and the job must not stay queued or started.
+  than the render function, wrong arguments, missing fields, a hash bigger than any job): no worker may
+  die, nothing but the render function may run (a canary directory shows it), and the job must not stay
+  queued or started.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import uuid
@@ -69,6 +71,20 @@ _requests = st.one_of(
 )
 
 
+def _lying_webp() -> str:
+    """A WebP whose VP8X canvas (16x16) hides the size its VP8L bitstream declares (16000x16000)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return kind + len(data).to_bytes(4, "little") + data
+
+    vp8l = b"\x2f" + (15999 | 15999 << 14).to_bytes(4, "little") + b"\0" * 8
+    body = b"WEBP" + chunk(b"VP8X", b"\0" * 4 + (15).to_bytes(3, "little") * 2) + chunk(b"VP8L", vp8l)
+    return base64.b64encode(b"RIFF" + len(body).to_bytes(4, "little") + body).decode()
+
+
+_LYING_WEBP = _lying_webp()
+
+
 def _classics() -> list[Any]:
     return [
         {"prompt": "x" * 1_000_000},
@@ -83,6 +99,9 @@ def _classics() -> list[Any]:
         {**VALID, "output_path": "/etc/passwd"},
         {**VALID, "__class__": "os.system"},
         {**VALID, "frame_rate": math.inf},
+        {**VALID, "frame_rate": 1e-300},  # killed a rank on every attempt (an OverflowError)
+        {**VALID, "frame_rate": 1e-6},  # a 115 GB allocation
+        {**VALID, "images": [{"data": _LYING_WEBP}]},  # a 16x16 canvas around a 16000x16000 bitstream
         ["prompt", "a list, not an object"],
         "just a string",
         None,
@@ -183,6 +202,8 @@ def raw_job_hashes(queue: str, canary_dir: Path) -> list[tuple[str, str, dict[st
         ("missing data field", jid(), fields(None)),
         ("corrupt meta", jid(), fields(data(RENDER_FUNC, [{**VALID, "width": 65}]), meta=b"\x00not json")),
         ("bad timestamps", jid(), fields(data(RENDER_FUNC, [{**VALID, "width": -1}]), created_at="yesterday")),
+        # bigger than any job can be (each value under Redis's 4 MB bulk cap): refused unread and deleted
+        ("9 MB job hash", jid(), fields(data(RENDER_FUNC, [VALID]), **{f"pad{i}": b"y" * (3 << 20) for i in range(3)})),
     ]
 
 

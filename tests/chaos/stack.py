@@ -68,7 +68,7 @@ class ChaosStack:
     the checker reads `pids_seen` and `marked_processes()`)."""
 
     def __init__(self, workdir: Path, *, s3: S3Server | None = None, render_timeout: float = 12.0,
-                 overrides: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 overrides: dict[str, Any] | None = None, nice: int = 0) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = uuid.uuid4().hex[:12]
@@ -84,6 +84,8 @@ class ChaosStack:
         self.render_timeout = render_timeout
         self.overrides = dict(overrides or {})  # worker settings (e.g. a planted defect for the negative control)
         self.pids_seen: dict[int, str] = {}  # pid -> role (supervisor/worker/rank/child)
+        self.nice = nice  # niceness of every process the stack starts (the soak's heavy-load mode)
+        self._niced: set[int] = set()
         self._watch_stop = threading.Event()
         self._watch_thread: threading.Thread | None = None
         self._conn: Any = None
@@ -91,6 +93,7 @@ class ChaosStack:
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> ChaosStack:
         self.redis.start()
+        self.renice(self.redis.proc.pid if self.redis.proc is not None else None)
         if self._own_s3:
             self.s3.start()
         self.proxy = TcpProxy(self.s3.s3_port).start()
@@ -113,6 +116,7 @@ class ChaosStack:
         )
         self.supervisor.start()
         self.pids_seen[self.supervisor.pid] = "supervisor"
+        self.renice(self.supervisor.pid)
         self._watch_thread = threading.Thread(target=self._watch, name="chaos-pid-watch", daemon=True)
         self._watch_thread.start()
         self.wait_ready(240)
@@ -156,8 +160,18 @@ class ChaosStack:
         while not self._watch_stop.wait(0.25):
             for pid in descendants(root):
                 self.pids_seen.setdefault(pid, "child")
+                self.renice(pid)
             with contextlib.suppress(Exception):
                 self.health()
+
+    def renice(self, pid: int | None) -> None:
+        """Lower `pid`'s priority to `nice` (children inherit it; the watcher catches those started before).
+        By pid, once each; a process that already exited is skipped."""
+        if not self.nice or pid is None or pid in self._niced:
+            return
+        self._niced.add(pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, pid, self.nice)
 
     def stop(self) -> int | None:
         """Warm-stop the supervisor (SIGTERM; it forwards to the workers) and wait for it."""

@@ -33,18 +33,20 @@ from typing import Any
 
 import torch
 
+from ...bounds import check_audio_budget
 from ...events import Stage, output_event, progress_event, stage_event
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tiling import BalancedTiling
-from ...parallel.vae_decode import vae_tiles
+from ...parallel.vae_decode import frames_to_uint8, vae_tiles
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.handoff import deliver_video
 from ..common.job_loras import job_lora_specs, model_targets
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
-from ..common.media import AudioTrack, audio_fields, write_mp4
+from ..common.media import AudioTrack, audio_fields
 from ..common.stages import SetupLaps, StageClock, check_finite
 from . import components as comp
 from .denoise import (
@@ -92,6 +94,11 @@ class Ltx2Runner(MGPURunner):
     #: Gemma's modeling code (transformers pulls in its generation utilities and torch._dynamo): 7-13 s of
     #: imports measured on the rank that holds the text encoder, now overlapped with the transformer load
     background_imports = ("transformers.models.gemma3.modeling_gemma3", "ltx_core.text_encoders.gemma")
+
+    @classmethod
+    def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
+        """The audio length within the SP token budget (what `_validate` enforces on every rank)."""
+        return {"audio_latents": (1, int(cls.setup_default("sp_max_tokens", setup_kwargs)))}
 
     # =====================================================================================================
     # setup
@@ -268,7 +275,7 @@ class Ltx2Runner(MGPURunner):
         if self.synthetic:
             extra["synthetic_weights"] = True  # renders from synthetic weights are noise
         if peaks is not None:
-            for stage in (Stage.AUDIO_DECODE, Stage.MUX):  # driver-only stages, after the gather
+            for stage in (Stage.AUDIO_DECODE, Stage.MUX, Stage.HANDOFF):  # driver-only stages, after the gather
                 if stage in self.clock.peaks:
                     peaks[stage] = [self.clock.peaks[stage]] + [0] * (self.world_size - 1)
             extra["peak_memory_bytes"] = peaks
@@ -281,7 +288,9 @@ class Ltx2Runner(MGPURunner):
             size_bytes=size,
             **extra,
             **audio_fields(track),
+            **({"media": "frames"} if args.media == "frames" else {}),
             timings_s=dict(self.clock.timings_s),
+            **self.clock.gpu_report(),
         )
 
     def _job_steps(self, args: RenderArgs) -> int:
@@ -308,8 +317,7 @@ class Ltx2Runner(MGPURunner):
             raise ValueError(f"width and height must be positive multiples of 64, got {geo.width}x{geo.height}")
         if geo.num_frames < 1 or (geo.num_frames - 1) % 8:
             raise ValueError(f"num_frames must be 8k+1 (1, 9, 17, ...), got {geo.num_frames}")
-        if not geo.frame_rate > 0:
-            raise ValueError(f"frame_rate must be positive, got {geo.frame_rate}")
+        check_audio_budget(geo.num_frames, geo.frame_rate, self.sp_max_tokens)
         if not self.min_steps <= steps <= self.max_steps:
             raise ValueError(f"steps must be in [{self.min_steps}, {self.max_steps}], got {steps}")
         if not output_path:
@@ -335,7 +343,8 @@ class Ltx2Runner(MGPURunner):
                 first = next((img.pixels for img in job.images if img.frame == 0), None)
                 prompt = self.text.enhance(prompt, image=first, seed=int(job.args.seed))
             negative = self._negative_prompt(job)
-            encodings = self.text.encode([prompt] if negative is None else [prompt, negative])
+            # the negative prompt repeats from job to job (the runner's default): cached on every rank
+            encodings = self.text.encode([prompt] if negative is None else [prompt, negative], cacheable=(False, True))
 
             def contexts(e: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
                 return e["video"].to(self.dtype), e["audio"].to(self.dtype)
@@ -429,11 +438,12 @@ class Ltx2Runner(MGPURunner):
         return self._state(tools, job, noise_scale=sigma0, initial_latent=latent)
 
     def _decode_video(self, job: Job, latent: torch.Tensor) -> Events:
-        """Distributed VAE decode (tiles across ranks); uint8 frames on the driver, None elsewhere."""
+        """Distributed VAE decode (tiles across ranks); uint8 frames on the driver's device, None elsewhere."""
         if self.is_driver:
             yield stage_event(Stage.DECODE)
         with self.clock.stage(Stage.DECODE):
-            return self.decoder.decode_uint8(latent, seed=int(job.args.seed))
+            video = self.decoder.decode(latent, seed=int(job.args.seed))
+            return None if video is None else frames_to_uint8(video)  # on the device: yuv420p is made there
 
     def _decode_audio(self, job: Job, latent: torch.Tensor) -> Events:
         """Driver only: audio latent -> stereo waveform fitted to the video's duration (None if not asked)."""
@@ -445,10 +455,9 @@ class Ltx2Runner(MGPURunner):
             return self.audio.decode(latent).fitted(job.args.duration_s)
 
     def _mux(self, job: Job, frames: torch.Tensor, track: AudioTrack | None) -> Events:
-        """Driver only: H.264 (+ AAC) mp4 at the output path; returns its size in bytes."""
-        yield stage_event(Stage.MUX)
-        with self.clock.stage(Stage.MUX):
-            return write_mp4(frames, job.args.output_path, job.geo.frame_rate, audio=track)
+        """Driver only: H.264 (+ AAC) mp4 at the output path, or the frames handed off (`media="frames"`,
+        `common.handoff`); returns the file's size in bytes (0 for a hand-off)."""
+        return (yield from deliver_video(self.clock, job.args, frames, job.geo.frame_rate, track))
 
     # =====================================================================================================
     # helpers for the stages
@@ -486,7 +495,7 @@ class Ltx2Runner(MGPURunner):
     def _denoise(
         self, stage: str, step_fn: Any, sigmas: torch.Tensor, video_state: Any, audio_state: Any
     ) -> Generator[dict[str, Any], None, tuple[Any, Any]]:
-        """Euler loop with one cancellation check (collective) per step; yields progress on the driver and
+        """Euler loop with one cancellation check (no collective) per step; yields progress on the driver and
         returns the final (video_state, audio_state)."""
         from dataclasses import replace
 

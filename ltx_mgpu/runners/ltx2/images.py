@@ -2,9 +2,10 @@
 
 Images arrive in the job kwargs as base64-encoded PNG, JPEG, WebP, GIF or BMP files, so a request is
 self-contained and never names a path on the worker. The request check (`worker.schema`, at the producer and
-in the worker) refuses other formats and sizes over 4096 pixels per side from the header; this decoder keeps
-the same rules on its own (it never imports `worker`): the codec FFmpeg detects must be one of those five and
-the size it parsed from the header is checked before any frame is decoded. Decoding runs on every rank from
+in the worker) and this decoder read the same container parser (`ltx_mgpu.imagesize`): other formats, sizes
+over 4096 pixels per side and containers whose parts disagree are refused before FFmpeg opens the file (it
+decodes while it probes); the codec FFmpeg detects must be one of the five, and the decoded picture must be
+the size the container declared. Decoding runs on every rank from
 the same bytes, so a bad image raises the same `ValueError` everywhere (a recoverable, symmetric failure).
 """
 
@@ -18,10 +19,11 @@ from typing import Any
 
 import torch
 
+from ...imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
+
 __all__ = ["DecodedImage", "decode_image", "parse_images", "to_model_input"]
 
 MAX_IMAGE_BYTES = 16 << 20
-MAX_IMAGE_SIDE = 4096  #: pixels per side (the request check's `worker.imagesize.MAX_IMAGE_SIDE`)
 #: FFmpeg decoders of the formats the request check can size from the header (PNG, JPEG, WebP, GIF, BMP)
 IMAGE_CODECS = frozenset({"png", "mjpeg", "webp", "gif", "bmp"})
 
@@ -37,9 +39,17 @@ class DecodedImage:
 
 
 def decode_image(data: bytes) -> torch.Tensor:
-    """uint8 (H, W, 3) RGB pixels of the first picture in `data`; `ValueError` if it is not an image."""
+    """uint8 (H, W, 3) RGB pixels of the first picture in `data`; `ValueError` if it is not an image, if its
+    container declares more than the budget or contradicts itself (`ltx_mgpu.imagesize`, read before FFmpeg
+    sees a byte: FFmpeg decodes while it probes), or if the decoded picture is not the size declared."""
     import av
 
+    declared = image_size(data)  # (ImageRefused is a ValueError)
+    if declared is None:
+        raise ValueError(f"not a {IMAGE_FORMATS} file (the formats whose size is checked before decoding)")
+    name, width, height = declared
+    if max(width, height) > MAX_IMAGE_SIDE:
+        raise ValueError(f"{name} image of {width}x{height} pixels; at most {MAX_IMAGE_SIDE} per side")
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
@@ -48,10 +58,10 @@ def decode_image(data: bytes) -> torch.Tensor:
             codec = stream.codec_context.name
             if codec not in IMAGE_CODECS:
                 raise ValueError(f"{codec} images are not accepted (PNG, JPEG, WebP, GIF or BMP only)")
-            width, height = stream.codec_context.width, stream.codec_context.height
-            if max(width, height) > MAX_IMAGE_SIDE:
-                raise ValueError(f"{width}x{height} pixels; at most {MAX_IMAGE_SIDE} per side")
             for frame in container.decode(video=0):
+                if (frame.width, frame.height) != (width, height):
+                    raise ValueError(f"the {name} header declares {width}x{height} pixels, the picture decoded "
+                                     f"to {frame.width}x{frame.height}")  # fmt: skip
                 return torch.from_numpy(frame.to_ndarray(format="rgb24")).contiguous()
     except (av.FFmpegError, OSError) as exc:  # FFmpeg's errors are OSError subclasses too
         raise ValueError(f"cannot decode the conditioning image: {exc}") from exc

@@ -38,6 +38,7 @@ __all__ = [
     "build_prompt_encoder",
     "embeddings_processor_builder",
     "gemma_builder",
+    "weights_fingerprint",
 ]
 
 DEFAULT_PROMPT_TOKENS = 1024  #: ltx-core pads every prompt to 1024 Gemma tokens
@@ -262,21 +263,56 @@ def _clean_enhanced(text: str) -> str:
 
 
 class GemmaPromptEncoder:
-    """Gemma hidden states -> LTX-2 embeddings, one prompt at a time (the connectors' register
-    substitution works per sequence). Encodings: {"video": (1, T, D), "audio": (1, T, Da) | None,
-    "mask": (1, T) int64}."""
+    """Gemma hidden states -> LTX-2 embeddings. Encodings: {"video": (1, T, D), "audio": (1, T, Da) | None,
+    "mask": (1, T) int64}.
 
-    def __init__(self, text_encoder: Any, embeddings_processor: Any, *, enhance_max_new_tokens: int = 512) -> None:
+    Several prompts (CFG's positive and negative) go through Gemma in ONE batched forward: every prompt is
+    padded to the same `max_tokens` and Gemma masks the padding, so each row equals its own forward up to
+    reduction order (tests/test_text_encoder.py bounds the difference). The embeddings processor then runs
+    one prompt at a time, as before: its connectors substitute registers per sequence.
+
+    `identity`: what the encoder's outputs depend on (the weight files, dtype, token count) plus a counter
+    that `weights_changed()` bumps; cached embeddings keyed by it are dropped when it changes."""
+
+    def __init__(
+        self,
+        text_encoder: Any,
+        embeddings_processor: Any,
+        *,
+        enhance_max_new_tokens: int = 512,
+        fingerprint: str | None = None,
+    ) -> None:
         self.text_encoder = text_encoder
         self.embeddings_processor = embeddings_processor
         self.enhance_max_new_tokens = int(enhance_max_new_tokens)
+        self._fingerprint = fingerprint or f"object-{id(self)}"
+        self._version = 0
+
+    @property
+    def identity(self) -> str:
+        return f"{self._fingerprint}#{self._version}"
+
+    def weights_changed(self) -> None:
+        """Call after changing the encoder's weights in place: embeddings cached under the old identity go."""
+        self._version += 1
 
     def encode(self, prompts: Sequence[str]) -> list[dict[str, torch.Tensor | None]]:
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        te = self.text_encoder
+        device = te.model.device
+        pairs = [te.tokenizer.tokenize_with_weights(p)["gemma"] for p in prompts]
+        input_ids = torch.tensor([[t[0] for t in row] for row in pairs], device=device)
+        attention_mask = torch.tensor([[t[1] for t in row] for row in pairs], device=device)
         out = []
         with torch.inference_mode():
-            for prompt in prompts:
-                hidden, mask = self.text_encoder.encode(prompt)
-                video, audio, binary = self.embeddings_processor.process_hidden_states(hidden, mask)
+            hidden = te.model.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            states = hidden.hidden_states
+            del hidden
+            for i in range(len(prompts)):
+                row = tuple(h[i : i + 1] for h in states)
+                video, audio, binary = self.embeddings_processor.process_hidden_states(row, attention_mask[i : i + 1])
                 out.append({"video": video, "audio": audio, "mask": binary.to(torch.int64)})
         return out
 
@@ -327,7 +363,24 @@ def build_gemma_prompt_encoder(
     text_encoder = check_materialized(text_encoder, f"Gemma at {gemma_root}")
     processor = embeddings_processor_builder(checkpoint, registry=registry).build(device=device, dtype=dtype)
     processor = check_materialized(processor, f"embeddings processor in {checkpoint}")
-    return GemmaPromptEncoder(text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens)
+    fingerprint = weights_fingerprint([*sorted(Path(gemma_root).rglob("*.safetensors")), Path(checkpoint)],
+                                      dtype=str(dtype), max_tokens=int(max_tokens))  # fmt: skip
+    return GemmaPromptEncoder(
+        text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens, fingerprint=fingerprint
+    )
+
+
+def weights_fingerprint(files: Sequence[Path], **options: Any) -> str:
+    """A short digest of the weight files (path, size, mtime) and `options`: two encoders with the same
+    fingerprint produce the same embeddings, so cached ones stay valid (hashing 24 GB would not pay)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(json.dumps(options, sort_keys=True).encode())
+    return h.hexdigest()[:16]
 
 
 def build_prompt_encoder(

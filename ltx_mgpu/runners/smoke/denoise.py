@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ...bounds import AUDIO_LATENTS_PER_SECOND, audio_latents
+
 __all__ = [
     "AUDIO_LATENTS_PER_SECOND",
     "PROMPT_TOKENS",
@@ -28,7 +30,6 @@ __all__ = [
 ]
 
 PROMPT_TOKENS = 8  #: length of the hashed "text encoder" output
-AUDIO_LATENTS_PER_SECOND = 25  #: LTX-2's audio latent rate (16 kHz, hop 160, x4 downsampling)
 _AUDIO_LATENT_CHANNELS = 8
 
 
@@ -61,7 +62,7 @@ class SmokeGeometry:
 
     @property
     def audio_tokens(self) -> int:
-        return max(1, round(self.num_frames / self.frame_rate * AUDIO_LATENTS_PER_SECOND))
+        return audio_latents(self.num_frames, self.frame_rate)
 
     def video_tools(self, batch: int) -> Any:
         from ltx_core.components.patchifiers import VideoLatentPatchifier
@@ -183,14 +184,14 @@ def denoise_step(
 
 def decode_frames(decoder: torch.nn.Module, geometry: SmokeGeometry, video_state: Any) -> torch.Tensor:
     """Unpatchify the final video latent and decode it with the ltx-core video VAE decoder:
-    uint8 frames (F, H, W, 3)."""
+    uint8 frames (F, H, W, 3) on the decoder's device (converted to yuv420p there: `common.handoff`)."""
     from ltx_core.model.video_vae.video_vae import decode_video
 
     latent = geometry.video_tools(1).unpatchify(video_state).latent
     dtype = next(decoder.parameters()).dtype
     with torch.no_grad():
         chunks = list(decode_video(latent.to(dtype), decoder))
-    return torch.cat(chunks, dim=0).cpu()
+    return torch.cat(chunks, dim=0)
 
 
 def audio_latent(geometry: SmokeGeometry, audio_state: Any) -> torch.Tensor:

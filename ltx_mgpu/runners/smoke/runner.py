@@ -32,9 +32,10 @@ audio-video attention); the driver decodes it (audio VAE decoder + vocoder, no t
 fits it to the video's duration.
 
 Events (driver rank only): stage encode / denoise, one progress per step, stage decode, stage
-audio_decode (when audio is on), stage mux, output (with `audio`, `audio_sample_rate`, `audio_duration_s`
-and `timings_s`). Limits are checked on every rank before any collective and raise `ValueError` (a
-recoverable `SymmetricRunnerError` for the caller).
+audio_decode (when audio is on), stage mux (or, with `media="frames"`, a `media` hand-off event and no
+file: `common.handoff`), output (with `audio`, `audio_sample_rate`, `audio_duration_s`, `timings_s` and the
+device-busy clock `gpu_busy_s`, `gpu_started_at`, `gpu_ended_at`). Limits are checked on every rank
+before any collective and raise `ValueError` (a recoverable `SymmetricRunnerError` for the caller).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...bounds import check_audio_budget
 from ...events import Stage, output_event, progress_event, stage_event
 from ...parallel import check_token_budget, padded_token_count
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.handoff import deliver_video
 from ..common.loading import build_checked, build_sp_transformer
-from ..common.media import audio_fields, write_mp4
+from ..common.media import EncodeOptions, audio_fields
 from ..common.stages import StageClock, check_finite, ltx2_sigmas
 from .checkpoint import ensure_smoke_checkpoint
 from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding
@@ -77,8 +80,10 @@ class SmokeRunner(MGPURunner):
 
     @classmethod
     def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
-        """`steps` in [1, max_steps] (what `_validate` enforces on every rank)."""
-        return {"steps": (1, int(cls.setup_default("max_steps", setup_kwargs)))}
+        """`steps` in [1, max_steps] and the audio length within the token budget (what `_validate`
+        enforces on every rank)."""
+        return {"steps": (1, int(cls.setup_default("max_steps", setup_kwargs))),
+                "audio_latents": (1, int(cls.setup_default("max_tokens", setup_kwargs)))}  # fmt: skip
 
     def setup(
         self,
@@ -161,8 +166,7 @@ class SmokeRunner(MGPURunner):
             raise ValueError(f"width and height must be positive multiples of 32, got {geo.width}x{geo.height}")
         if geo.num_frames < 1 or (geo.num_frames - 1) % 8:
             raise ValueError(f"num_frames must be 8k+1 (1, 9, 17, ...), got {geo.num_frames}")
-        if not geo.frame_rate > 0:
-            raise ValueError(f"frame_rate must be positive, got {geo.frame_rate}")
+        check_audio_budget(geo.num_frames, geo.frame_rate, self.max_tokens)
         if not 1 <= steps <= self.max_steps:
             raise ValueError(f"steps must be in [1, {self.max_steps}] for the smoke model, got {steps}")
         if guidance_scale < 1.0:
@@ -210,7 +214,7 @@ class SmokeRunner(MGPURunner):
             yield stage_event(Stage.DENOISE, steps=steps, video_tokens=geo.video_tokens, world_size=self.world_size)
         with clock.stage(Stage.DENOISE):
             for step in range(steps):
-                self.raise_if_cancelled()  # collective: every rank takes the same branch
+                self.raise_if_cancelled()  # every rank takes the same branch at the same call
                 video_state, audio_state = denoise_step(self.x0, video_state, audio_state, sigmas, step, context, scale)
                 if driver:
                     yield progress_event(Stage.DENOISE, step + 1, steps)
@@ -227,9 +231,7 @@ class SmokeRunner(MGPURunner):
             yield stage_event(Stage.AUDIO_DECODE)
             with clock.stage(Stage.AUDIO_DECODE):
                 track = self.audio.decode(audio_latent(geo, audio_state)).fitted(args.duration_s)
-        yield stage_event(Stage.MUX)
-        with clock.stage(Stage.MUX):
-            size = write_mp4(frames, args.output_path, geo.frame_rate, crf=self.crf, audio=track)
+        size = yield from deliver_video(clock, args, frames, geo.frame_rate, track, EncodeOptions(crf=self.crf))
         yield output_event(
             os.fspath(args.output_path),
             frames=int(frames.shape[0]),
@@ -241,6 +243,8 @@ class SmokeRunner(MGPURunner):
             steps=steps,
             world_size=self.world_size,
             **audio_fields(track),
+            **({"media": "frames"} if args.media == "frames" else {}),
             timings_s=dict(clock.timings_s),
+            **clock.gpu_report(),
         )
         return None
