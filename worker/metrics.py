@@ -73,6 +73,14 @@ class WorkerMetrics:
                                         labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
         self.encode_pending = Gauge("ltx_worker_encode_pending", "Videos waiting for or in the worker's encoder",
                                     labels, registry=r)  # fmt: skip
+        self.lora_cache = Counter("ltx_worker_lora_cache", "Request LoRAs by cache result (hit, miss)",
+                                  [*labels, "result"], registry=r)  # fmt: skip
+        self.lora_fetch_bytes = Counter("ltx_worker_lora_fetch_bytes", "LoRA bytes fetched into the cache", labels,
+                                        registry=r)  # fmt: skip
+        self.lora_swap_seconds = Histogram("ltx_worker_lora_swap_seconds", "Fleet LoRA swap time of a job with "
+                                           "request LoRAs", labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
+        self.lora_fetch_seconds = Histogram("ltx_worker_lora_fetch_seconds", "Fetch + check time of a LoRA miss",
+                                            labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
                                    registry=r)  # fmt: skip
         self.spool_bytes = Gauge("ltx_worker_spool_bytes", "Bytes of renders waiting for upload", labels,

@@ -262,6 +262,7 @@ class FleetWorker(SimpleWorker):
             "queues": self.queue_names(),
             "runner": self.settings.runner,
             "limits": self.service.limits.to_json(),  # checked by `producer submit` (worker.limits)
+            "loras": self.service.loras.published(),  # catalogue names, S3 prefixes, count (producer.loras)
             "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids, "world_size": fleet.world_size,
                       "devices": [str(d) for d in fleet.devices], "builds": fleet.builds, "rebuilds": fleet.rebuilds,
                       "failures": fleet.failures, "ready_at": fleet.ready_at, "last_failure": fleet.last_failure,

@@ -46,6 +46,7 @@ from .encoder import EncodeStage, PendingEncode
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
 from .limits import RunnerLimits
+from .loras import LoraRefused, LoraResolver
 from .metrics import WorkerMetrics
 from .outcomes import JobOutcomes, attempt_count
 from .pipeline import PendingUpload, UploadPipeline
@@ -110,6 +111,8 @@ class RenderService:
         self.spool = spool
         self.metrics = metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
+        #: request LoRAs: fetched, cached and checked before the fleet sees them (worker.loras)
+        self.loras = LoraResolver(settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics)
         self.uploader = Uploader(
             storage,
             spool,
@@ -339,11 +342,15 @@ class RenderService:
         s = self.settings
         if cur.cancel.is_set():
             self._cancelled(job, relay)
+        try:  # a bad LoRA ends the job here, as a request error: it never reaches the fleet's weights
+            loras = {"loras": self.loras.for_job(req.loras, relay)} if req.loras else {}
+        except LoraRefused as exc:
+            self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=exc.field)
         try:
             output_path = self.spool.prepare(job.id, s.output_name)
         except OSError as exc:
             self._spool_failed(job, relay, exc)
-        kwargs = {**req.runner_kwargs(), "output_path": str(output_path)}
+        kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
         if self.hand_off_media:
             kwargs["media"] = "frames"
         timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
@@ -414,6 +421,8 @@ class RenderService:
                 cur.stream = None
         render_s = time.monotonic() - t_render
         self.metrics.render_seconds.labels(self.group).observe(render_s)
+        if loras and output is not None:
+            self.loras.record_swap(output, relay)  # (the fleet's swap seconds for this job: status, metrics)
         if output is None or (media is None and not output_path.exists()):
             self.spool.discard_incomplete(job.id)
             message = f"the runner finished without writing {output_path.name} (output event: {output is not None})"

@@ -276,6 +276,28 @@ class WorkerSettings(RedisAccess, BaseSettings):
         600.0, ge=0, description="seconds a warm stop waits for pending uploads before leaving them in the spool"
     )
 
+    # ---- per-request LoRAs (worker.loras) ------------------------------------------------------------
+    lora_catalogue: Path | None = Field(
+        None, description="folder of <name>.safetensors a request may name (`loras[].name`); unset: none"
+    )
+    lora_s3_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="`bucket/prefix` entries a request's `loras[].uri` must fall under"
+    )
+    lora_max_per_request: int = Field(4, ge=0, le=8, description="LoRAs one request may ask for (0: none)")
+    lora_max_file_bytes: int = Field(4 * 1024 * _MiB, ge=1, description="largest LoRA file fetched or fused")
+    lora_max_header_bytes: int = Field(16 * _MiB, ge=1024, description="largest safetensors header read")
+    lora_max_rank: int = Field(256, ge=1, description="highest LoRA rank fused")
+    lora_cache_dir: Path = Field(
+        default_factory=lambda: Path(tempfile.gettempdir()) / "ltx-lora-cache",
+        description="checked LoRA files, by content; shared by the worker's fleets",
+    )
+    lora_cache_bytes: int = Field(16 * 1024 * _MiB, ge=_MiB, description="size cap of lora_cache_dir (LRU)")
+
+    @field_validator("lora_s3_prefixes", mode="before")
+    @classmethod
+    def _parse_lora_prefixes(cls, value: Any) -> Any:
+        return split_list(value, ",")
+
     # ---- observability -------------------------------------------------------------------------------
     metrics_port: int | None = Field(
         9400,

@@ -44,6 +44,7 @@ class RenderArgs:
     #: and the waveform, `common.media.media_event`) instead and writes nothing, so the caller encodes them
     #: while the fleet takes its next job (the worker's default; not a request field: the worker sets it)
     media: str = "mp4"
+    loras: list | None = None  #: [{"path", "strength"}]: request LoRAs the worker resolved and checked
 
     def __post_init__(self) -> None:
         # The request schema validated these at the edge; a job that reached a rank another way is checked

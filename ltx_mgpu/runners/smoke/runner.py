@@ -22,6 +22,7 @@ does with them:
 | steps            | denoising steps (default: setup's `default_steps`) |
 | guidance_scale   | CFG scale (default 1.0: no guidance, batch 1; > 1 runs a batch of 2 through SP) |
 | images           | refused (`ValueError`): the smoke model takes no conditioning images |
+| loras            | refused (`ValueError`): the smoke model takes no LoRAs |
 | enhance_prompt   | accepted and ignored (no prompt-enhancer model in the smoke setup) |
 | audio            | decode the denoised audio latent and mux it as AAC (default); False: a silent mp4 |
 | output_path      | where the driver rank writes the mp4 |
@@ -192,6 +193,8 @@ class SmokeRunner(MGPURunner):
         )
         if args.images:
             raise ValueError("the smoke runner takes no conditioning images")
+        if args.loras:
+            raise ValueError("the smoke runner takes no LoRAs")
         self._validate(geo, steps, scale, args.output_path)
         driver, clock = self.is_driver, self.clock
         clock.reset()
