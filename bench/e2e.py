@@ -10,8 +10,11 @@ through the producer's Python client and reads every job back from its Redis Str
 - per run: cold ready (launch to every fleet warm, split into process start / weight load / warm-up from
   the worker's health snapshot: the warm-up is the workload request itself, `LTX_WARMUP_REQUESTS`), warm
   end-to-end p50/p90 (jobs one at a time), videos per hour under a backlog (all jobs queued at once),
-  GPU idle between backlog jobs (per fleet: the runner's output event of one job to its first event of
-  the next), peak memory per GPU (the runner's allocator peaks per rank, and `nvidia-smi` memory.used of
+  the fleet's GPU-busy ratio under that backlog (the runner's device-busy seconds, measured between device
+  syncs, over the span from the first job's first device work to the last job's last) and its idle between
+  jobs (per fleet: the last device work of one job to the first of the next; `event_gap_*` is the old,
+  looser figure: output event to the next job's first event, blind to an encode on the fleet), peak memory
+  per GPU (the runner's allocator peaks per rank, and `nvidia-smi` memory.used of
   the whole GPU), and rebuild after a rank is SIGKILLed mid-job (seconds until a job renders again, and
   what happened to the killed job);
 - with two or more groups, a backlog on one fleet alone first (each worker serves its own queue first),
@@ -29,6 +32,10 @@ no modality guidance); `ltx2-distilled` 8 + 3. Synthetic weights (`--weights`, m
     python bench/e2e.py --profile full --weights /dev/shm/ltx2 --plan gpu2 --only 0,1,2 --out $OUT/e2e-a.jsonl
     python bench/e2e.py --profile full --weights DIR --runner ltx2-distilled --groups 0,1 --groups '0;1'
 
+`--encode worker` (default) runs the worker's encoder (the fleet hands frames off), `--encode fleet` the
+old path (`LTX_ENCODE_IN_WORKER=false`: the driver rank encodes before the fleet is free), `--encode both`
+each run twice, worker first, and the summary's `ratios` compares them.
+
 Every wait has a hard deadline; `--budget-s` skips the runs (in plan order, most important first) that
 would start after it is spent, and the summary lists them.
 """
@@ -36,6 +43,7 @@ would start after it is spent, and the summary lists them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
@@ -43,12 +51,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.e2e_clock import gpu_busy_ratio, idle_gaps_ms, pct
 from bench.e2e_stack import (
     STAGES,
     GpuMemory,
@@ -69,14 +77,6 @@ from worker.settings import validate_group
 GIB = 1024**3
 
 
-def pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile (nearest rank on the sorted values); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 @dataclass(frozen=True)
 class RunSpec:
     """One worker start: a workload on a layout, and what to measure there."""
@@ -86,6 +86,7 @@ class RunSpec:
     warm: int  #: jobs one at a time (latency)
     backlog: int  #: jobs queued at once (throughput, idle gap)
     rebuild: bool  #: kill a rank mid-job and time the recovery
+    encode: str = "worker"  #: "worker": the worker encodes beside the next job; "fleet": the driver rank does
 
     @property
     def layout(self) -> str:
@@ -155,19 +156,6 @@ def rank_split(start: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def idle_gaps_ms(records: list[dict[str, Any]]) -> list[float]:
-    """Per fleet (worker), the gaps between one job's output and the next job's first runner event."""
-    by_worker: dict[str, list[list[float]]] = {}
-    for rec in records:
-        if rec["busy"] and rec["worker"]:
-            by_worker.setdefault(rec["worker"], []).append(rec["busy"])
-    gaps = []
-    for windows in by_worker.values():
-        windows.sort()
-        gaps += [(nxt[0] - prev[1]) * 1000 for prev, nxt in pairwise(windows)]
-    return gaps
-
-
 def backlog(client: Any, workers: Workers, workload: Workload, n: int, queue: str, args: Any, phase: str,
             out: Any) -> dict[str, Any]:  # fmt: skip
     """Queue `n` jobs at once; throughput from the first submit to the last upload, idle gaps per fleet."""
@@ -179,14 +167,17 @@ def backlog(client: Any, workers: Workers, workload: Workload, n: int, queue: st
     for rec in records:
         emit({"kind": "job", "phase": phase, "runner": workload.label, "layout": ";".join(workers.groups), **rec}, out)
     done = [r["uploaded_at"] for r in records if r["state"] == "uploaded"]
-    gaps = idle_gaps_ms(records)
+    gaps, idle = idle_gaps_ms(records), idle_gaps_ms(records, "gpu_window")
     return {
         "jobs": n,
         "failed": sum(r["state"] != "uploaded" for r in records),
         "videos_per_hour": round(3600 * len(done) / (max(done) - t0), 2) if done else None,
-        "gpu_idle_p50_ms": rounded(pct(gaps, 50), 2),
-        "gpu_idle_p90_ms": rounded(pct(gaps, 90), 2),
-        "gpu_idle_max_ms": rounded(max(gaps), 2) if gaps else None,
+        "gpu_busy_ratio": gpu_busy_ratio(records),
+        "fleet_idle_p50_ms": rounded(pct(idle, 50), 2),
+        "fleet_idle_p90_ms": rounded(pct(idle, 90), 2),
+        "fleet_idle_max_ms": rounded(max(idle), 2) if idle else None,
+        "event_gap_p50_ms": rounded(pct(gaps, 50), 2),
+        "event_gap_p90_ms": rounded(pct(gaps, 90), 2),
         "records": records,
     }
 
@@ -255,13 +246,15 @@ def peak_memory(records: list[dict[str, Any]], devices_of: dict[str, list[str]])
 def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir: Path, gpu: GpuMemory,
         out: Any) -> dict[str, Any]:  # fmt: skip
     workload = make_workload(spec.runner, args.profile, weights)
-    workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup)
+    encode_env = {"LTX_ENCODE_IN_WORKER": "true" if spec.encode == "worker" else "false"}
+    workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup, extra_env=encode_env)
     summary: dict[str, Any] = {
         "kind": "run",
         "profile": args.profile,
         "runner": workload.runner,
         "variant": workload.variant,
         "layout": spec.layout,
+        "encode": spec.encode,
         "request": workload.request,
     }
     say(f"run {workload.label} on layout {spec.layout}: starting workers")
@@ -295,8 +288,8 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
             say(f"backlog of {spec.backlog} on {len(spec.groups)} fleet(s)")
             both = backlog(client, workers, workload, spec.backlog, workers.queue, args, "backlog", out)
             records += both.pop("records")
-            summary.update(videos_per_hour=both["videos_per_hour"], gpu_idle_p50_ms=both["gpu_idle_p50_ms"],
-                           gpu_idle_p90_ms=both["gpu_idle_p90_ms"], backlog=both)  # fmt: skip
+            summary.update({k: both[k] for k in ("videos_per_hour", "gpu_busy_ratio", "fleet_idle_p50_ms",
+                                                 "fleet_idle_p90_ms", "event_gap_p50_ms")}, backlog=both)  # fmt: skip
             if "alone" in summary and summary["alone"]["videos_per_hour"] and both["videos_per_hour"]:
                 summary["throughput_ratio_to_one_fleet"] = round(
                     both["videos_per_hour"] / summary["alone"]["videos_per_hour"], 3
@@ -311,7 +304,7 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
     finally:
         client.close()
         workers.stop(args.stop_timeout)
-    for key in ("e2e_p50_s", "e2e_p90_s", "videos_per_hour", "gpu_idle_p50_ms", "rebuild_s"):
+    for key in ("e2e_p50_s", "e2e_p90_s", "videos_per_hour", "gpu_busy_ratio", "fleet_idle_p50_ms", "rebuild_s"):
         summary.setdefault(key, None)
     return summary
 
@@ -333,6 +326,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warm", type=int, default=None, help="warm jobs per run (default --jobs)")
     ap.add_argument("--backlog", type=int, default=None, help="backlog jobs per run (default --jobs)")
     ap.add_argument("--no-rebuild", action="store_true", help="skip the rank-kill phase")
+    ap.add_argument("--encode", choices=("worker", "fleet", "both"), default="worker",
+                    help="who encodes the mp4: the worker beside the next job, the fleet (old), or both")  # fmt: skip
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up request at fleet start")
     ap.add_argument("--start-timeout", type=float, default=None, help="s for every fleet to be warm")
     ap.add_argument("--job-timeout", type=float, default=None, help="s per job")
@@ -350,6 +345,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def specs_from(args: argparse.Namespace) -> list[RunSpec]:
+    specs = _specs(args)
+    if args.encode == "worker":
+        return specs
+    if args.encode == "fleet":
+        return [dataclasses.replace(s, encode="fleet") for s in specs]
+    return [v for s in specs for v in (s, dataclasses.replace(s, encode="fleet"))]
+
+
+def _specs(args: argparse.Namespace) -> list[RunSpec]:
     if args.plan:
         plan = PLANS[args.plan]
         if args.only is None:
@@ -368,6 +372,14 @@ def specs_from(args: argparse.Namespace) -> list[RunSpec]:
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Cross-run ratios measured in this run: one fleet of N GPUs against one GPU, per runner."""
     out: dict[str, Any] = {}
+    fleet_encoded = {(r["runner"], r["variant"], r["layout"]): r for r in runs if r.get("encode") == "fleet"}
+    for r in runs:
+        old = fleet_encoded.get((r["runner"], r["variant"], r["layout"]))
+        if r.get("encode") == "worker" and old is not None:
+            name = f"{r['runner']}:{r['variant']} {r['layout']} worker encode vs fleet encode"
+            for key in ("e2e_p50_s", "videos_per_hour", "gpu_busy_ratio"):
+                if r.get(key) and old.get(key):
+                    out[f"{name}: {key}"] = round(r[key] / old[key], 3)
     for r in runs:
         if r.get("throughput_ratio_to_one_fleet") is not None:
             out[f"{r['runner']}:{r['variant']} {r['layout']} throughput vs one fleet alone"] = r[

@@ -328,7 +328,7 @@ def wait_event(client: ProducerClient, job_id: str, predicate: Any, timeout: flo
 
 
 #: The runner's stages in order, as the output event's `timings_s` names them.
-STAGES = ("encode", "stage1", "upsample", "stage2", "decode", "audio_decode", "mux")
+STAGES = ("encode", "stage1", "upsample", "stage2", "decode", "audio_decode", "mux", "handoff")
 
 
 def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
@@ -336,7 +336,8 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
 
     Stage seconds come from the runner's `timings_s` (measured between device synchronisations) when the
     output event carries them, else from the gaps between its `stage` events as the worker relayed them.
-    `busy` is the fleet's working window: the runner's first event to its output event.
+    `busy`: the runner's first to output event; `gpu_window` / `gpu_busy_s`: its own device clock
+    (`bench/e2e_clock.py`); `worker_encode`: the worker's mp4 encode (`rendered`'s `encode_s`), off the fleet.
     """
     info = client.status(job_id)
     events = client.events(job_id)
@@ -355,6 +356,9 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     result = info.result or {}
     submitted = info.meta.get("submitted_at")
     stage1 = next((e.data for e in stages if e.data.get("stage") == "stage1"), {})
+    rendered = next((e.data for e in attempt if e.type == "state" and e.data.get("state") == "rendered"), {})
+    timings.update({"worker_encode": float(rendered["encode_s"])} if rendered.get("encode_s") is not None else {})
+    gpu = output or {}
     return {
         "job_id": job_id,
         "state": info.state,
@@ -370,6 +374,8 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
         "rendering_at": state_ts.get("rendering"),
         "uploaded_at": state_ts.get("uploaded"),
         "submitted_at": submitted,
+        "gpu_busy_s": gpu.get("gpu_busy_s"),
+        "gpu_window": [gpu["gpu_started_at"], gpu["gpu_ended_at"]] if gpu.get("gpu_started_at") else None,
         "peak_memory_bytes": (output or {}).get("peak_memory_bytes"),
         "passes": stage1.get("passes"),
         "video_tokens": stage1.get("video_tokens"),

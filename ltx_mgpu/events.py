@@ -8,6 +8,8 @@ them into a Redis Stream unchanged.
 - `{"type": "progress", "stage": str, "step": int, "total": int}`: `step` of `total` done in `stage`.
 - `{"type": "output", "path": str, "frames": int, "fps": float, "width": int, "height": int,
    "bytes": int, "content_type": str}`: a finished file on the driver rank's filesystem.
+- `{"type": "media", "video": uint8 tensor, ...}`: with `media="frames"`, the frames to encode (not JSON:
+  the caller consumes it; `ltx_mgpu.runners.common.media.media_event`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["OUTPUT", "PROGRESS", "STAGE", "Stage", "output_event", "progress_event", "stage_event"]
+__all__ = ["MEDIA", "OUTPUT", "PROGRESS", "STAGE", "Stage", "output_event", "progress_event", "stage_event"]
 
 #: The `type` of each runner event (the worker relays them under the same names: `worker.keys.EventType`).
 STAGE = "stage"
 PROGRESS = "progress"
 OUTPUT = "output"
+#: frames and audio handed off for encoding outside the fleet (tensors: never relayed; see runners.common.handoff)
+MEDIA = "media"
 
 
 class Stage(StrEnum):
@@ -35,6 +39,7 @@ class Stage(StrEnum):
     DECODE = "decode"  #: the video VAE decode
     AUDIO_DECODE = "audio_decode"  #: the audio VAE decode and vocoder
     MUX = "mux"  #: writing the mp4 (video and audio tracks)
+    HANDOFF = "handoff"  #: yuv420p frames converted on the device and copied out for an encoder beside the fleet
 
 
 def stage_event(stage: str, **extra: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from rq import Queue
 from rq.job import Job
 
 from worker.keys import RQ_ENDED_STATUSES, check_client_name
+from worker.rqcompat import enqueue_unregistered
 
 __all__ = [
     "TERMINAL_STATUSES",
@@ -134,7 +135,7 @@ def enqueue_admitted(
                 pipe.multi()
                 if stale and ckey:
                     pipe.zrem(ckey, *stale)
-                queue.enqueue_job(job, pipeline=pipe, at_front=at_front)
+                enqueue_unregistered(queue, job, pipeline=pipe, at_front=at_front)  # (workers register queues)
                 if ckey:
                     pipe.zadd(ckey, {job.id: time.time()})
                     pipe.expire(ckey, CLIENT_KEY_TTL_S)

@@ -287,15 +287,20 @@ class Backfill:
         """Remove an ended job (and its event stream) so the same id can be enqueued again: a new watcher
         must not see the old attempt's terminal event.
 
-        RQ's `job.delete()` also takes the id out of the shared queue and registries, which a tenant's Redis
-        user may not write (NOPERM): a tenant deletes only its own keys, and the stale registry entry expires
-        with the registry's TTL (meanwhile it names the new job, which `ls` shows as it is)."""
+        RQ's `job.delete()` also takes the id out of the queue and registries, which a tenant's Redis user
+        may not write: a tenant deletes only its own keys (never trying the rest: its commands write nothing
+        shared), and the stale registry entry expires with the registry's TTL (meanwhile it names the new
+        job, which `ls` shows as it is)."""
+        settings = self.client.settings
         with contextlib.suppress(JobNotFound):
             job = self.client.job(job_id)
-            try:
-                job.delete()
-            except redis.exceptions.NoPermissionError:
+            if settings.tenant_ids and not settings.operator:
                 self.client.connection.delete(job.key, job.dependents_key)
+            else:
+                try:
+                    job.delete()
+                except redis.exceptions.NoPermissionError:  # (a tenant user with LTX_TENANT_IDS=false)
+                    self.client.connection.delete(job.key, job.dependents_key)
         self.client.connection.delete(events_key(self.client.own_job_id(job_id)))
 
     def _record(self, out: Any, item: _Item, *, expired: bool) -> None:

@@ -41,6 +41,7 @@ from producer.client import (
 )
 from producer.display import EventPrinter, human_bytes, printable, render_job_table, render_stats, render_status
 from producer.exitcodes import EXIT_CODE_HELP, ExitCode
+from producer.loras import first_lora_problem, with_lora_options
 from producer.requestfile import RequestFileError, load_requests
 from producer.settings import SettingsError, load_settings
 from worker.keys import JobState, check_job_id
@@ -161,6 +162,8 @@ def cli(ctx: click.Context, redis_url: str | None, client_name: str | None) -> N
 @click.option("--client-quota", type=click.IntRange(min=0), help="override the per-client quota (0: none)")
 @click.option("--job-id", help="choose the job id (letters, digits, _ and -; one request only); exit 2 if it exists")
 @click.option("--dry-run", is_flag=True, help="validate only; submit nothing")
+@click.option("--lora", "lora_options", multiple=True, metavar="NAME[:STRENGTH]",
+              help="add a LoRA (catalogue name or s3://bucket/key) to every request; repeatable")  # fmt: skip
 @click.pass_context
 @_guard
 def submit(
@@ -174,6 +177,7 @@ def submit(
     client_quota: int | None,
     job_id: str | None,
     dry_run: bool,
+    lora_options: tuple[str, ...] = (),
 ) -> None:
     """Validate REQUEST_FILE (a JSON object, or JSON Lines of several; - for stdin) and submit it.
 
@@ -181,6 +185,10 @@ def submit(
     stops the command with FILE:LINE:COLUMN and the field.
     """
     requests = load_requests(request_file)
+    try:
+        requests = with_lora_options(requests, lora_options)
+    except ValueError as exc:
+        raise UserError(str(exc), ExitCode.USAGE) from None
     if job_id is not None:
         if len(requests) != 1:
             raise UserError(f"--job-id needs exactly one request; {request_file} has {len(requests)}", ExitCode.USAGE)
@@ -229,6 +237,8 @@ def _check_runner_limits(
     client: ProducerClient, requests: list[Any], queue: str | None, *, say_if_unchecked: bool = False
 ) -> None:
     """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.limits)."""
+    if refused := first_lora_problem(client.connection, client.queue(queue), requests):
+        raise UserError(f"{refused}; nothing submitted", ExitCode.USAGE)
     limits = client.runner_limits(queue)
     if not limits:
         if say_if_unchecked:

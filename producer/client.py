@@ -24,11 +24,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
-from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.worker import Worker
 
 from producer.admission import AdmissionPolicy, check_client_name, enqueue_admitted
 from producer.download import ObjectDownloads
@@ -73,6 +71,7 @@ from worker.keys import (
 from worker.limits import LimitViolation, RunnerLimits
 from worker.redisconn import connect
 from worker.renderjob import RenderJob
+from worker.rqcompat import live_workers
 from worker.schema import RenderRequest
 
 __all__ = [
@@ -126,9 +125,6 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         self.close()
 
     # ---- submit ------------------------------------------------------------------------------------
-    def queue(self, name: str | None = None) -> Queue:
-        return Queue(name or self.settings.default_queue, connection=self.connection, serializer=JSONSerializer)
-
     def submit(
         self,
         request: RenderRequest,
@@ -175,7 +171,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
                 description=f"render {request.prompt[:60]!r}",
                 meta=meta,
             )
-            counted = [self.queue(name) for name in dict.fromkeys([*s.queues, q.name])]
+            counted = list({c.name: c for c in (self.queue(name) for name in [*s.queues, q.name])}.values())
             return enqueue_admitted(
                 q, job, policy=policy, counted_queues=counted, client=client, at_front=priority == "high"
             )
@@ -184,7 +180,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """The request limits the live workers on `queue` publish (worker name, limits); see worker.limits."""
         out: list[tuple[str, RunnerLimits]] = []
         with unavailable_on_error(self.settings.redis_url):
-            for worker in Worker.all(connection=self.connection, queue=self.queue(queue)):
+            for worker in live_workers(self.connection, queue=self.queue(queue)):
                 raw = self.connection.get(worker_health_key(worker.name))
                 try:
                     health = json.loads(raw) if raw else {}
@@ -299,8 +295,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         this client's and unowned ones (every client's for an operator)."""
         sections: dict[str, list[JobInfo]] = {"waiting": [], "running": [], "recently ended": []}
         with unavailable_on_error(self.settings.redis_url):
-            for name in queues:
-                q = self.queue(name)
+            for q in self.view_queues(queues):
+                name = q.name
                 ids = {
                     "waiting": q.get_job_ids(0, limit - 1),
                     # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135)

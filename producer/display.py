@@ -267,6 +267,12 @@ def render_status(console: Console, info: JobInfo) -> None:
             f"{req.get('width')}x{req.get('height')}, {req.get('num_frames')} frames, seed {req.get('seed')}: "
             f'"{str(req.get("prompt"))[:60]}"',  # (quoted as text: a repr showed escapes)
         )
+    for used in meta["loras"] if isinstance(meta.get("loras"), list) else []:
+        if isinstance(used, dict):  # (worker.loras: the request's LoRAs as this job used them)
+            how = "cached" if used.get("cached") else f"fetched {human_bytes(used.get('fetch_bytes'))}"
+            _row(table, "lora", f"{used.get('lora')} x{used.get('strength')} ({how})")
+    if meta.get("lora_swap_s") is not None:
+        _row(table, "lora swap", f"{meta['lora_swap_s']} s")
     if info.error:
         _row(table, "error", f"{info.error.get('reason')}: {info.error.get('message')}")
     attempts = info.meta.get("attempts") if isinstance(info.meta.get("attempts"), list) else []

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+from typing import Any
 
+from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
-from rq.worker import Worker
 
 from producer.admission import TERMINAL_STATUSES, client_key
 from producer.models import (
@@ -22,23 +23,42 @@ from producer.models import (
     WorkerInfo,
     unavailable_on_error,
 )
-from worker.keys import (
-    worker_health_key,
-)
+from worker.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
+from worker.rqcompat import live_workers
 
 
 class StatsQueries:
-    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `queue`, `_read`, `_visible`,
-    `_may_read`)."""
+    """Mixed into `ProducerClient` (uses its `settings`, `connection`, `_read`, `_visible`, `_may_read`;
+    `queue` and `view_queues`, the queue layout a client sees, serve its `submit` and `ls` too)."""
 
     # ---- stats -------------------------------------------------------------------------------------
+    def queue(self, name: str | None = None) -> Any:
+        """The RQ queue this client writes and reads for `name` (default: the first of `LTX_QUEUES`): a
+        tenant's own `<name>:t:<client>` (the only queue its Redis user may push to, and the only one whose
+        depth counts against it: `worker.tenantqueues`), the shared queue otherwise."""
+        name = name or self.settings.default_queue
+        if self.settings.tenant_ids and not self.settings.operator:
+            name = tenant_queue(name, self.settings.client)
+        return Queue(name, connection=self.connection, serializer=JSONSerializer)
+
+    def view_queues(self, names: list[str]) -> list[Any]:
+        """The queues `ls` and `stats` show for the configured `names`: a tenant's own; for everyone else
+        the shared ones plus every tenant queue of them that workers serve (they register it in
+        `rq:queues`, which tenants cannot write, so the set stays bounded)."""
+        shown = [self.queue(name) for name in dict.fromkeys(names)]
+        if self.settings.tenant_ids and not self.settings.operator:
+            return shown
+        registered = sorted(k.decode().removeprefix("rq:queue:") for k in self.connection.smembers("rq:queues"))
+        return shown + [self.queue(n) for n in registered if queue_tenant(n) and base_queue(n) in names]
+
     def stats(self, *, queues: list[str] | None = None, failures: int = 5) -> Stats:
         names = list(dict.fromkeys(queues or self.settings.queues))
         with unavailable_on_error(self.settings.redis_url):
             qstats = []
             failed_ids: list[tuple[str, str]] = []
-            for name in names:
-                q = self.queue(name)
+            shown = self.view_queues(names)
+            for q in shown:
+                name = q.name
                 # cleanup=False: reading must never trigger RQ's registry maintenance (rq#2135).
                 qstats.append(
                     QueueStats(
@@ -57,8 +77,9 @@ class StatsQueries:
                 for job_id in registry.get_job_ids(-failures, -1, cleanup=False):
                     if self._may_read(job_id):
                         failed_ids.append((name, job_id))
-            workers = [self._worker_info(w) for w in Worker.all(connection=self.connection)]
-            workers = [w for w in workers if not names or set(w.queues) & set(names)]
+            served = {q.name for q in shown}
+            workers = [self._worker_info(w) for w in live_workers(self.connection)]  # (Worker.all() writes)
+            workers = [w for w in workers if not names or set(w.queues) & served]
             recent = []
             for name, job_id in failed_ids:
                 try:
@@ -92,7 +113,7 @@ class StatsQueries:
                 client_unfinished=self._client_unfinished(self.settings.client),
             )
 
-    def _worker_info(self, worker: Worker) -> WorkerInfo:
+    def _worker_info(self, worker: Any) -> WorkerInfo:
         health = None
         raw = self.connection.get(worker_health_key(worker.name))
         if raw:

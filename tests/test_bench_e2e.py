@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import cold_ready, idle_gaps_ms
+from bench.e2e import cold_ready, idle_gaps_ms, ratios
+from bench.e2e_clock import gpu_busy_ratio
 from bench.e2e_stack import discover_weights, make_workload
 from worker.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ["profile", "runner", "layout", "cold_ready_s", "e2e_p50_s", "e2e_p90_s", "stages_p50_s",
-            "videos_per_hour", "gpu_idle_p50_ms", "peak_mem_gib", "rebuild_s"]  # fmt: skip
+            "videos_per_hour", "gpu_busy_ratio", "fleet_idle_p50_ms", "peak_mem_gib", "rebuild_s"]  # fmt: skip
 CPU_CANNOT_KNOW = {"peak_mem_gib", "gpu_mem_used_max_gib"}
 
 
@@ -54,10 +55,13 @@ def test_cpu_run_fills_every_summary_field(tmp_path):
         assert sum(phases.values()) == pytest.approx(r["setup_s"], abs=0.5), r
     assert "driver_models" in ranks[0]["setup_phases_s"] and "driver_models" not in ranks[1]["setup_phases_s"]
     stages = summary["stages_p50_s"]
-    assert {"encode", "stage1", "upsample", "stage2", "decode", "mux", "queue_wait", "upload", "e2e"} <= set(stages)
+    # the worker encodes (the default): the fleet's last stage is the hand-off, the mp4 is the worker's
+    assert {"encode", "stage1", "upsample", "stage2", "decode", "handoff", "worker_encode", "queue_wait", "upload",
+            "e2e"} <= set(stages) and "mux" not in stages  # fmt: skip
     assert all(v is not None and v >= 0 for v in stages.values()), stages
     assert 0 < summary["e2e_p50_s"] <= summary["e2e_p90_s"]
-    assert summary["videos_per_hour"] > 0 and summary["gpu_idle_p50_ms"] >= 0
+    assert summary["videos_per_hour"] > 0 and summary["fleet_idle_p50_ms"] >= 0 and summary["event_gap_p50_ms"] >= 0
+    assert 0 < summary["gpu_busy_ratio"] <= 1
     assert summary["passes_per_step"] == 1
 
     jobs = [json.loads(line) for line in lines if line.startswith("{") and json.loads(line)["kind"] == "job"]
@@ -125,6 +129,12 @@ def test_idle_gaps_are_per_fleet_and_cold_ready_phases_add_up():
     ]
     assert [round(g, 3) for g in sorted(idle_gaps_ms(records))] == [20.0, 100.0]
 
+    # the device clock: a fleet busy 2 + 1.5 s of the 4 s from its first device work to its last
+    clocked = [{"worker": "a", "gpu_window": [10.0, 12.0], "gpu_busy_s": 2.0},
+               {"worker": "a", "gpu_window": [12.5, 14.0], "gpu_busy_s": 1.5},
+               {"worker": "b", "gpu_window": None, "gpu_busy_s": None}]  # fmt: skip
+    assert gpu_busy_ratio(clocked) == 0.875 and idle_gaps_ms(clocked, "gpu_window") == [500.0]
+
     class W:
         launched_at = 100.0
 
@@ -138,3 +148,19 @@ def test_idle_gaps_are_per_fleet_and_cold_ready_phases_add_up():
     assert got["cold_ready_s"] == 15.0
     assert got["cold_ready"] == {"process_start_s": 6.0, "weight_load_s": 5.0, "warmup_s": 4.0,
                                  "worker_process_s": 0.6}  # fmt: skip
+
+
+def test_encode_both_compares_the_worker_encode_with_the_fleet_encode():
+    from bench.e2e import parse_args, specs_from
+
+    specs = specs_from(parse_args(["--encode", "both", "--groups", "0", "--profile", "tiny"]))
+    assert [(s.groups, s.encode) for s in specs] == [(("0",), "worker"), (("0",), "fleet")]
+    run = {"runner": "ltx2-distilled", "variant": "", "layout": "0"}
+    got = ratios(
+        [
+            {**run, "encode": "worker", "e2e_p50_s": 3.0, "videos_per_hour": 1200.0, "gpu_busy_ratio": 0.96},
+            {**run, "encode": "fleet", "e2e_p50_s": 4.0, "videos_per_hour": 800.0, "gpu_busy_ratio": 0.64},
+        ]
+    )
+    name = "ltx2-distilled: 0 worker encode vs fleet encode"
+    assert got == {f"{name}: e2e_p50_s": 0.75, f"{name}: videos_per_hour": 1.5, f"{name}: gpu_busy_ratio": 1.5}

@@ -198,8 +198,9 @@ RULES = [
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
-    Rule("ltx_mgpu, its device parser, port picker, request bounds and image parser: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.imagesize"),
+    Rule("ltx_mgpu, its device parser, port picker, request bounds, image parser and LoRA file check: no torch",
+         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.imagesize",
+                  "ltx_mgpu.lorafile"),
          forbidden=("torch",),
          plant=("ltx_mgpu/devices.py", "import torch")),
 ]  # fmt: skip

@@ -1,7 +1,7 @@
 """The request schema and the runners agree: the job arguments are declared once (`RenderArgs`) and equal
-`RenderRequest`'s fields (+ `output_path`) with the same defaults; every runner's `__call__` exposes exactly
-them to the controller's kwarg binding; conditioning images validated at the edge decode in the runner (and
-bad ones never reach it)."""
+`RenderRequest`'s fields (+ `output_path` and `media`, which the worker sets) with the same defaults; every
+runner's `__call__` exposes exactly them to the controller's kwarg binding; conditioning images validated
+at the edge decode in the runner (and bad ones never reach it)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_render_args_are_the_request_fields():
     from ltx_mgpu.runners.common.args import RenderArgs
 
     args = {f.name: f for f in dataclasses.fields(RenderArgs)}
-    assert set(args) == set(RenderRequest.model_fields) | {"output_path"}
+    assert set(args) == set(RenderRequest.model_fields) | {"output_path", "media"}
     for name, field in RenderRequest.model_fields.items():
         if field.is_required():
             assert args[name].default is dataclasses.MISSING, name

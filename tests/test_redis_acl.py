@@ -55,12 +55,22 @@ class Stack:
     def fleet_alive(self) -> bool:
         return bool(wait_ready(self.admin, self.name, 1, 30, self.worker))
 
-    def acl_denials(self, user: str) -> list[str]:
-        def text(value: Any) -> str:
-            return value.decode() if isinstance(value, bytes) else str(value)
+    def denial_counts(self, user: str) -> dict[str, int]:
+        """What `user` was denied so far, with how often (Redis aggregates repeats within 60 s into one entry)."""
+        counts: dict[str, int] = {}
+        for e in self.admin.acl_log(128):
+            if _text(e["username"]) == user:
+                what = f"{_text(e['reason'])}: {_text(e['object'])}"
+                counts[what] = counts.get(what, 0) + int(e["count"])
+        return counts
 
-        return [f"{text(e['reason'])}: {text(e['object'])}" for e in self.admin.acl_log(128)
-                if text(e["username"]) == user]  # fmt: skip
+    def acl_denials(self, user: str) -> list[str]:
+        return [f"{_text(e['reason'])}: {_text(e['object'])}" for e in self.admin.acl_log(128)
+                if _text(e["username"]) == user]  # fmt: skip
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +90,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
     spool.mkdir()
     env = worker_env(server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
                      redis_username="worker", redis_password_file=secrets_dir / "worker",
-                     redis_ca_file=server.ca_file, tenant_ids="true")  # fmt: skip
+                     redis_ca_file=server.ca_file, tenant_ids="true", tenants="alice,bob")  # fmt: skip
     proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
     st = Stack(server, s3_server, proc, queue, name, secrets_dir)
     try:
@@ -99,6 +109,23 @@ def _request(prompt: str = "t", **kwargs: Any) -> Any:
     return RenderRequest(prompt=prompt, width=64, height=64, num_frames=9, **kwargs)
 
 
+def tenant_enqueue(conn: Any, queue: str, request: dict[str, Any], *, job_id: str, meta: dict[str, Any]) -> Any:
+    """What a tenant can enqueue with raw Redis: RQ's job hash and push, on its own queue (no `rq:queues`)."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.keys import RENDER_FUNC
+    from worker.rqcompat import enqueue_unregistered
+
+    q = Queue(queue, connection=conn, serializer=JSONSerializer)
+    job = q.create_job(RENDER_FUNC, args=(request,), job_id=job_id, meta=meta, timeout=600, result_ttl=3600,
+                       failure_ttl=3600)  # fmt: skip
+    with conn.pipeline() as pipe:
+        enqueue_unregistered(q, job, pipeline=pipe)
+        pipe.execute()
+    return job
+
+
 def _wait_state(client: Any, job_id: str, states: set[str], stack: Stack, timeout: float = 60) -> Any:
     return wait_for(lambda: (i := client.status(job_id)).state in states and i, timeout,
                     f"{job_id} in {states}", on_fail=stack.worker.log_tail)  # fmt: skip
@@ -115,7 +142,7 @@ def test_a_tenant_submits_watches_lists_and_fetches_its_job_over_tls(stack: Stac
         listed = alice.list_jobs([stack.queue], 20)
         assert "alice-first" in [i.job_id for i in listed["recently ended"]]
         stats = alice.stats(queues=[stack.queue])
-        assert [w.name for w in stats.workers] and stats.queues[0].name == stack.queue
+        assert [w.name for w in stats.workers] and stats.queues[0].name == f"{stack.queue}:t:alice"
         fetched = alice.fetch("first", tmp_path / "v.mp4")
         assert (tmp_path / "v.mp4").read_bytes() == output_bytes(7, 4096) and fetched.sha256 == info.result["sha256"]
     with stack.producer("bob") as bob:  # the producer's own-jobs rule on top: bob does not see alice's job
@@ -151,12 +178,12 @@ def test_a_tenant_cancels_its_queued_job_without_publish_or_queue_writes(stack: 
         assert alice.status("waiting").state == "cancelled"
         _wait_state(alice, "busy", {"uploaded"}, stack)
         # the worker dequeued it after `busy`, recorded it and never ran it
-        wait_for(lambda: stack.admin.lpos(f"rq:queue:{stack.queue}", "alice-waiting") is None, 30, "dequeued")
+        wait_for(lambda: stack.admin.lpos(f"rq:queue:{stack.queue}:t:alice", "alice-waiting") is None, 30, "dequeued")
         time.sleep(0.5)
         states = [e["state"] for e in events(stack.admin, "alice-waiting") if e["type"] == "state"]
         assert "started" not in states and states.count("cancelled") == 1, states
-        assert stack.admin.zscore(f"rq:canceled:{stack.queue}", "alice-waiting") is not None
-        assert stack.admin.llen(f"rq:queue:{stack.queue}:intermediate") == 0
+        assert stack.admin.zscore(f"rq:canceled:{stack.queue}:t:alice", "alice-waiting") is not None
+        assert stack.admin.llen(f"rq:queue:{stack.queue}:t:alice:intermediate") == 0
         assert stack.admin.hget("rq:job:alice-waiting", "status") == b"canceled"
     assert stack.fleet_alive()
 
@@ -177,7 +204,10 @@ def test_a_tenant_backfill_re_runs_its_cancelled_job_under_the_same_id(stack: St
         assert alice.cancel(job_id) == "cancelled"
         _wait_state(alice, "busy-bf", {"uploaded"}, stack)
         run = Backfill(alice, [LoadedRequest(request, "f:1", 0)], manifest=tmp_path / "m.jsonl", concurrency=1)
+        denied = stack.denial_counts("alice")
         summary = run.run()
+        new = {d: n - denied.get(d, 0) for d, n in stack.denial_counts("alice").items() if n != denied.get(d)}
+        assert set(new) <= {"command: info"}, new  # it tried no write on shared keys (RQ's job.delete did)
         assert (summary.enqueued, summary.uploaded, summary.failed) == (1, 1, 0), summary
         assert alice.status(job_id).state == "uploaded"
     assert stack.fleet_alive()
@@ -252,7 +282,7 @@ def test_a_tenant_cannot_read_another_tenants_prompt_result_or_events(stack: Sta
         with pytest.raises(redis.exceptions.NoPermissionError):
             read()
     # what alice still sees: that a job exists, not what it is
-    assert b"bob-private" in alice.zrange(f"rq:finished:{stack.queue}", 0, -1)
+    assert b"bob-private" in alice.zrange(f"rq:finished:{stack.queue}:t:bob", 0, -1)
     with stack.producer("alice") as client:
         listed = [i.job_id for rows in client.list_jobs([stack.queue], 50).values() for i in rows]
         assert "bob-private" not in listed
@@ -267,6 +297,23 @@ def test_a_tenant_cannot_remove_trim_or_steal_from_a_queue(stack: Stack) -> None
                    lambda: alice.srem("rq:queues", key), lambda: alice.delete("rq:queues")):  # fmt: skip
         with pytest.raises(redis.exceptions.NoPermissionError):
             attack()
+
+
+def test_a_tenant_pushes_only_onto_its_own_queue_and_stays_in_database_0(stack: Stack) -> None:
+    """A security review found that tenants could push any id onto the shared queue (and RQ's intermediate
+    list), add names to `rq:queues` without bound and `SELECT` databases 1-15. Now: only
+    `<queue>:t:<self>`; workers register the queues they serve."""
+    alice, shared = stack.raw("alice"), f"rq:queue:{stack.queue}"
+    for attack in (lambda: alice.rpush(shared, "bob-x"), lambda: alice.lpush(shared, "bob-x"),
+                   lambda: alice.rpush(f"{shared}:intermediate", "x"), lambda: alice.rpush(f"{shared}:t:bob", "x"),
+                   lambda: alice.rpush(f"{shared}:t:alice:intermediate", "x"),
+                   lambda: alice.sadd("rq:queues", "rq:queue:junk"), lambda: alice.execute_command("SELECT", "1"),
+                   lambda: alice.execute_command("SWAPDB", "0", "1")):  # fmt: skip
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attack()
+    assert alice.rpush(f"{shared}:t:alice", "alice-junk") == 1  # (dropped by the worker: test_tenant_queues.py)
+    registered = {m.decode() for m in stack.admin.smembers("rq:queues")}
+    assert {shared, f"{shared}:t:alice", f"{shared}:t:bob"} <= registered and "rq:queue:junk" not in registered
 
 
 def test_neither_a_tenant_nor_the_worker_can_run_admin_commands(stack: Stack) -> None:
@@ -314,10 +361,9 @@ def test_a_worker_with_an_untrusted_certificate_or_a_wrong_password_stops_with_a
 def test_a_tenant_job_under_another_clients_name_is_refused(stack: Stack) -> None:
     """alice may write `rq:job:alice-*` and so could record bob as the owner (his quota, his `ls`): the
     worker (tenant ids on) refuses it, and stays warm."""
-    from tests.test_worker_support import enqueue
-
-    job = enqueue(stack.raw("alice"), stack.queue, {"prompt": "t", "width": 64, "height": 64, "num_frames": 9},
-                  job_id="alice-forged", meta={"client": "bob"})  # fmt: skip
+    job = tenant_enqueue(stack.raw("alice"), f"{stack.queue}:t:alice",
+                         {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}, job_id="alice-forged",
+                         meta={"client": "bob"})  # fmt: skip
     wait_for(lambda: (job.get_meta(refresh=True) or {}).get("state") == "failed", 30, "refused",
              on_fail=stack.worker.log_tail)  # fmt: skip
     error = job.get_meta(refresh=True)["error"]

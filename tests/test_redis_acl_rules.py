@@ -49,7 +49,9 @@ def test_acl_file_turns_default_off_and_holds_only_password_hashes(tmp_path: Pat
     alice = by_user["alice"]
     assert "~rq:job:alice-*" in alice and "~ltx:job:alice-*" in alice and "~ltx:producer:client:alice:jobs" in alice
     assert "&" not in alice.replace("&rq", "") and "resetchannels" in alice  # no pubsub channel at all
-    assert "(+rpush +lpush %W~rq:queue:*)" in alice and "+publish" not in alice
+    # only its own queues, never `rq:queues` (the workers register what they serve), no other database
+    assert "(+rpush +lpush %W~rq:queue:*:t:alice)" in alice and "+publish" not in alice and "+sadd" not in alice
+    assert "-select" in alice
     assert by_user["health"].endswith("nopass resetkeys resetchannels -@all +ping")
     assert "admin" not in by_user  # (only when asked for: the CLI asks by default)
 

@@ -13,6 +13,8 @@ service's memory flags (`worker.devservers.REDIS_MEMORY_ARGS`) and a small `maxm
 from __future__ import annotations
 
 import json
+import re
+import signal
 import socket
 import time
 import urllib.error
@@ -150,3 +152,29 @@ def test_event_writes_wait_out_a_short_out_of_memory_spell(redis_server_factory)
     with pytest.raises(redis.ResponseError):  # anything else still raises at once
         with_redis_retry(lambda: client.execute_command("HSET", "k"), outage_s=20)
     client.close()
+
+
+def test_a_sigterm_while_the_worker_waits_to_register_is_a_warm_stop(tmp_path, redis_server_factory, s3_server):
+    """RQ installs its signal handlers only once its loop starts, after registering the worker. A SIGTERM in
+    between took the default action (exit -15, found when a test's teardown met a worker still
+    registering). A Redis over `maxmemory` holds the worker in exactly that window (registration waits the
+    outage out), so the signal lands there every time: the worker must stop warm, exit 0, and leave no rank."""
+    from tests.test_worker_support import WorkerProcess, pid_alive, worker_env
+
+    server = redis_server_factory()
+    filler = server.client()
+    _fill_past_maxmemory(filler, "filler:")
+    env = worker_env(server.url, s3_server, queue="q-window", name="window", spool=tmp_path / "spool")
+    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp_path / "window.log").start()
+    try:
+        wait_for(lambda: "Redis refuses the worker" in proc.log_tail(), 90, "registration waiting out the outage",
+                 on_fail=proc.log_tail)  # fmt: skip
+        ranks = [int(p) for p in re.findall(r"pids=\[(\d+)", proc.log_tail(200_000))]
+        proc.signal(signal.SIGTERM)
+        # (the outage back-off sleeps at most 10 s between attempts; the fleet's shutdown takes a few more)
+        assert proc.wait(60) == 0, proc.log_tail()
+        assert "Traceback" not in proc.log_tail(200_000), proc.log_tail()
+        assert ranks and not any(pid_alive(p) for p in ranks), ranks
+    finally:
+        proc.stop()
+        filler.close()

@@ -142,6 +142,35 @@ def test_renders_mp4_with_audio_at_world_1_and_2_and_they_match(
     assert wdiff <= 1e-4, wdiff
 
 
+def test_media_frames_hands_off_yuv_and_audio_and_encodes_to_the_same_video(fleets: dict, tmp_path: Path) -> None:
+    """`media="frames"` (the worker's path): no mux stage and no file; a `media` event carries
+    yuv420p frames and the waveform through the controller's tensor path, and encoding them beside the fleet
+    gives the very video the fleet's own mp4 path writes. The output event carries the device-busy clock."""
+    from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, write_mp4_yuv
+
+    ctl = fleets[2]
+    on_fleet = tmp_path / "fleet.mp4"
+    _render(ctl, on_fleet)
+    out = tmp_path / "never.mp4"
+    events = _render(ctl, out, media="frames")
+    assert not out.exists()
+    assert [e["stage"] for e in events if e["type"] == "stage"] == ["encode", "denoise", "decode", "audio_decode"]
+    (media,) = [e for e in events if e["type"] == "media"]
+    output = events[-1]
+    assert output["type"] == "output" and output["media"] == "frames" and output["bytes"] == 0
+    assert set(output["timings_s"]) == {"encode", "denoise", "decode", "audio_decode", "handoff"}
+    assert output["gpu_busy_s"] == pytest.approx(sum(output["timings_s"].values()), abs=1e-5)
+    assert output["gpu_started_at"] <= output["gpu_ended_at"]
+    yuv = media["video"]
+    assert yuv.dtype == torch.uint8 and tuple(yuv.shape) == (17, 96 * 3 // 2, 128) and yuv.is_shared()
+    assert (media["width"], media["height"], media["fps"], media["audio_sample_rate"]) == (128, 96, 24.0, 24000)
+    track = AudioTrack(media["audio"], media["audio_sample_rate"])
+    beside = tmp_path / "beside.mp4"
+    write_mp4_yuv(yuv, beside, media["fps"], width=media["width"], audio=track, options=EncodeOptions(crf=18))
+    assert torch.equal(read_mp4(beside)[0], read_mp4(on_fleet)[0])
+    assert torch.equal(read_audio(beside)[0], read_audio(on_fleet)[0])
+
+
 def test_one_step_renders_finite_video_and_audio(fleets: dict, tmp_path: Path) -> None:
     """ltx-core's scheduler starts a 1-step schedule with NaN: the render was garbage and its audio made the
     AAC encoder fail (seen in the chaos suite); one step is the plain [1, 0] schedule."""

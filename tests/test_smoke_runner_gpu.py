@@ -56,3 +56,27 @@ def test_smoke_render_on_one_gpu_world_1_and_2(tmp_path: Path, dtype: str) -> No
     # path (another latent, a dropped channel, silence) is ~1.0 or more.
     rel = ((audio[1] - audio[2]).norm() / audio[1].norm()).item()
     assert audio[1].shape == audio[2].shape and rel < 0.15, rel
+
+
+def test_media_frames_hand_off_from_the_gpu_matches_the_fleets_own_mp4(tmp_path: Path) -> None:
+    """`media="frames"` on CUDA: yuv420p made on the device and copied once into shared memory; encoded
+    beside the fleet it is the video the fleet's own mp4 path writes (both lossless here)."""
+    from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, write_mp4_yuv
+
+    ctl = MGPUController(SmokeRunner, devices=[0])
+    try:
+        ctl.start(timeout=300, checkpoint_dir=str(tmp_path / "ckpt"), max_tokens=1024, crf=0)
+        on_fleet = tmp_path / "fleet.mp4"
+        list(ctl.stream(timeout=300, output_path=str(on_fleet), **JOB))
+        events = list(ctl.stream(timeout=300, output_path=str(tmp_path / "never.mp4"), media="frames", **JOB))
+    finally:
+        ctl.shutdown(graceful_timeout=30)
+    (media,) = [e for e in events if e["type"] == "media"]
+    output = events[-1]
+    assert output["timings_s"]["handoff"] > 0 and output["gpu_started_at"] < output["gpu_ended_at"]
+    yuv = media["video"]
+    assert yuv.device.type == "cpu" and yuv.is_shared() and tuple(yuv.shape) == (25, 240, 256)
+    beside = tmp_path / "beside.mp4"
+    track = AudioTrack(media["audio"], media["audio_sample_rate"])
+    write_mp4_yuv(yuv, beside, media["fps"], width=media["width"], audio=track, options=EncodeOptions(crf=0))
+    assert torch.equal(read_mp4(beside)[0], read_mp4(on_fleet)[0])

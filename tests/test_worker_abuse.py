@@ -181,6 +181,23 @@ def test_the_hard_cap_on_attempts_holds_whatever_the_hash_says(worker):
     assert _states(worker.conn, refused.id) == ["failed"]
 
 
+def test_an_ended_job_pushed_again_never_re_runs_and_junk_ids_count_for_nobody(worker):
+    """Without tenant users anyone may push ids: a failed job's id pushed again rendered it again (RQ's
+    dequeue never looks at the status). The worker drops it (`not_queued`) and ids without a hash
+    (`no_job`), uncounted, and says so in its metrics."""
+    worker.idle()
+    metric = 'ltx_worker_dropped_queue_entries_total{group="cpu:1",reason="%s"}'
+    before = {r: worker.metric(metric % r) for r in ("not_queued", "no_job")}
+    job = worker.enqueue("t error=runner")
+    _wait_failed(worker, job)
+    worker.conn.rpush(f"rq:queue:{worker.queue}", job.id, job.id, "no-such-job")
+    probe = worker.enqueue("t")
+    wait_state(probe, "uploaded", 60, worker.proc)
+    assert _states(worker.conn, job.id).count("started") == 1 and job.get_status(refresh=True) == JobStatus.FAILED
+    assert {r: worker.metric(metric % r) - n for r, n in before.items()} == {"not_queued": 2, "no_job": 1}
+    assert worker.conn.llen(f"rq:queue:{worker.queue}:intermediate") == 0
+
+
 # ==== item 2: the worker owns timeouts and TTLs =========================================================
 
 

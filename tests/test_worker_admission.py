@@ -131,6 +131,31 @@ def test_with_tenant_ids_a_forged_taken_job_does_not_spend_its_named_owners_quot
     assert not any(own in r.decode() for r in redis_client.lrange(REFUSALS_KEY, 0, -1))  # ... unrefused
 
 
+def test_a_huge_raw_flood_leaves_a_bounded_share_per_pass_and_nothing_is_lost(redis_client):
+    """100k raw pushes were trimmed and queued for recording in one pass (~13 s before the next dequeue). A
+    pass now takes at most 1000 of the excess (the newest) off the queue; the next passes take the rest,
+    so every id still reaches the refusal list once and a job taken in between waits for one pass only."""
+    from rq import Queue
+
+    from worker.keys import REFUSALS_KEY
+
+    tag = uuid.uuid4().hex[:8]
+    q = Queue(f"q-{tag}", connection=redis_client)
+    ids = [f"flood{tag}-{i}" for i in range(2500)]
+    redis_client.rpush(q.key, *ids)
+    redis_client.delete(REFUSALS_KEY)
+    admission = Admission(redis_client, [q], depth_cap=5, quota=None, outcomes=None, job_class=None,
+                          worker_name="w", max_meta_bytes=1 << 16)  # fmt: skip
+    lengths = []
+    while redis_client.llen(q.key) > 5:
+        admission.police(None)
+        lengths.append(redis_client.llen(q.key))
+    assert lengths == [1500, 500, 5]
+    refused = [json.loads(r)["job_id"] for r in redis_client.lrange(REFUSALS_KEY, 0, -1)]
+    assert sorted(refused) == sorted(ids[5:]) and redis_client.lrange(q.key, 0, -1) == [i.encode() for i in ids[:5]]
+    redis_client.delete(REFUSALS_KEY, q.key)
+
+
 def test_plan_without_limits_refuses_nothing():
     out = plan(["a"] * 5, ("a", "q", "a"), [Waiting("q", 10**6, [("a1", "a")])], depth_cap=None, quota=None)
     assert out.taken is None and out.refused == [[]] and out.cuts == [10**6]

@@ -51,6 +51,8 @@ def test_rq_is_the_pinned_minor_version() -> None:
         ("teardown", ["self"]),
         ("serialize", ["self"]),
         ("clean_registries", ["self"]),
+        ("prepare_job_execution", ["self", "job", "remove_from_intermediate_queue"]),
+        ("reorder_queues", ["self", "reference_queue"]),
     ],
 )
 def test_worker_methods_we_override_or_call_keep_their_signatures(name: str, params: list[str]) -> None:
@@ -61,7 +63,8 @@ def test_worker_methods_we_override_or_call_keep_their_signatures(name: str, par
 
 def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     worker = SimpleWorker(["q"], connection=redis_client)
-    for attribute in ("_stopped_job_id", "_shutdown_requested_date", "_exc_handlers", "execution", "key"):
+    for attribute in ("_stopped_job_id", "_shutdown_requested_date", "_exc_handlers", "execution", "key",
+                      "_stop_requested"):  # fmt: skip
         assert hasattr(worker, attribute), attribute
     assert _params(Execution.heartbeat) == ["self", "started_job_registry", "ttl", "pipeline"]
     assert _params(Job.heartbeat) == ["self", "timestamp", "ttl", "pipeline", "xx"]
@@ -72,6 +75,28 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
     assert f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}." in source
+
+
+def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
+    """`worker.tenantqueues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
+    `rqcompat.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
+    its SREM."""
+    from rq import worker_registration
+    from rq.intermediate_queue import IntermediateQueue
+    from rq.queue import Queue
+    from rq.worker import Worker
+
+    from worker.tenantqueues import TakingQueue
+
+    dequeue = ["cls", "queues", "timeout", "connection", "job_class", "serializer", "death_penalty_class"]
+    assert _params(Queue.dequeue_any.__func__) == dequeue and _params(TakingQueue.dequeue_any.__func__) == dequeue
+    assert IntermediateQueue.get_intermediate_queue_key("rq:queue:x") == "rq:queue:x:intermediate"
+    assert _params(Queue._enqueue_job) == ["self", "job", "pipeline", "at_front", "unique"]
+    enqueue = inspect.getsource(Queue.enqueue_job)
+    assert "sadd(self.redis_queues_keys" in enqueue and "_enqueue_job(" in enqueue
+    assert Queue.redis_queues_keys == "rq:queues" and Worker.redis_worker_namespace_prefix == "rq:worker:"
+    assert _params(worker_registration.get_keys) == ["queue", "connection"]
+    assert "remove_from_intermediate_queue = len(self.queues) == 1" in inspect.getsource(SimpleWorker.perform_job)
 
 
 def test_rq_maintenance_steps_mirrored_by_rqcompat_exist() -> None:

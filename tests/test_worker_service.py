@@ -152,7 +152,8 @@ def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, 
         kinds = _types(evts)
         assert kinds[:2] == ["started", "rendering"]
         assert kinds[-1] == "uploaded"
-        order = ["started", "rendering", "encode", "denoise", "decode", "mux", "output", "rendered", "uploading",
+        # the fleet hands the frames off (its output event), then the worker encodes (`mux`) and commits
+        order = ["started", "rendering", "encode", "denoise", "decode", "output", "mux", "rendered", "uploading",
                  "uploaded"]  # fmt: skip
         seen = [e.get("stage", e.get("state", e["type"])) for e in evts]
         positions = [seen.index(x) for x in order]
@@ -276,7 +277,10 @@ def test_rank_killed_mid_job_fails_with_fleet_failure_rebuilds_and_next_job_succ
     kinds = _types(events(fleet.conn, job.id))
     assert kinds.count("retrying") == 1 and kinds[-1] == "failed"
     assert kinds.count("fleet") == 2  # a fleet-failure event per attempt
-    assert meta["attempt"] == 2 and len(read_records(record)) == 2  # ran twice: once + one retry, no more
+    # ran twice: once + one retry, no more (counting starts: rank 0 may finish its steps, and record its end,
+    # before the death of rank 1 is noticed; the fault runner's steps make no collective)
+    starts = [r for r in read_records(record) if r["event"] == "start"]
+    assert meta["attempt"] == 2 and len(starts) == 2, read_records(record)
     info = wait_for(lambda: (i := fleet.idle())["fleet"]["rebuilds"] >= rebuilds + 2 and i, 90, "rebuilt fleet")
     assert set(info["fleet"]["pids"]).isdisjoint(old_pids)
     wait_for(lambda: not any(pid_alive(p) for p in old_pids), 20, "old ranks gone")

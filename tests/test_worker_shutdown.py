@@ -130,7 +130,7 @@ def test_workers_stop_themselves_when_the_supervisor_is_killed(tmp_path, redis_s
 
 def test_sigterm_during_fleet_start_stops_cleanly(tmp_path, redis_server, s3_server):
     proc, _, _, _ = _worker(tmp_path, redis_server, s3_server, ["one", "--group", "cpu:2"])
-    wait_for(lambda: "'action': 'starting'" in proc.log_tail(), 60, "fleet start begun", on_fail=proc.log_tail)
+    wait_for(lambda: "fleet cpu:2: starting" in proc.log_tail(), 60, "fleet start begun", on_fail=proc.log_tail)
     proc.signal(signal.SIGTERM)
     assert proc.wait(60) == 0, proc.log_tail()
     assert "stopped by SIGTERM during startup" in proc.log_tail()

@@ -17,6 +17,7 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
+| yuv=N           | with `media="frames"`: yield N noise frames (width x height) as a `media` event, no file |
 
 No test functions here: pytest collects the module and finds none.
 """
@@ -98,6 +99,7 @@ class FaultRunner(MGPURunner):
         height: int = 64,
         num_frames: int = 9,
         frame_rate: float = 24.0,
+        media: str = "mp4",
         **_ignored: Any,
     ) -> Iterator[dict[str, Any]]:
         d = directives(prompt)
@@ -131,7 +133,11 @@ class FaultRunner(MGPURunner):
             self.raise_if_cancelled()
             if self.is_driver:
                 yield progress_event("denoise", step, steps)
-        if self.is_driver:
+        if self.is_driver and media == "frames" and "yuv" in d:
+            yield _noise_media(int(d["yuv"]), width, height, frame_rate, seed)
+            yield output_event(output_path, frames=int(d["yuv"]), fps=frame_rate, width=width, height=height,
+                               size_bytes=0, media="frames", gpu_busy_s=0.25)  # fmt: skip
+        elif self.is_driver:
             if d.get("no_output") != "1":
                 data = output_bytes(seed, int(d.get("bytes", 4096)))
                 Path(output_path).write_bytes(data)
@@ -139,6 +145,17 @@ class FaultRunner(MGPURunner):
                                    size_bytes=len(data))  # fmt: skip
             if record:
                 _append(record, {"event": "end", "pid": os.getpid(), "t": time.time(), "job": job})
+
+
+def _noise_media(frames: int, width: int, height: int, fps: float, seed: int) -> dict[str, Any]:
+    """A `media` hand-off of uniform noise (the encoder's worst case: slow enough to watch it run)."""
+    import torch
+
+    from ltx_mgpu.runners.common.media import media_event, shared_host_copy
+
+    gen = torch.Generator().manual_seed(seed)
+    yuv = torch.randint(0, 256, (frames, height * 3 // 2, width), generator=gen, dtype=torch.uint8)
+    return media_event(shared_host_copy(yuv), width=width, height=height, fps=fps, audio=None)
 
 
 class BrokenSetupRunner(MGPURunner):

@@ -41,8 +41,12 @@ at a time, idempotently: a worker killed in between leaves them for the next pas
 **Cost** (measured in `bench/admission.py`): with the quota on, a pass reads the first `QUOTA_WINDOW` waiting
 ids and each one's status in one pipelined round trip (with a depth cap, a queue holds no more than the cap
 once trimmed, so that is the cap's worth in steady state); metas are read once per job (owners cached).
-Without the quota, a pass is one round trip of LLENs. A depth trim moves its excess in one transaction,
-O(excess). Nothing here is O(queue length) per dequeue.
+Without the quota, a pass is one round trip of LLENs. A depth trim removes its excess in one transaction
+of at most `_TRIM_RECORDED` ids past the window (the newest; a bigger excess leaves over the next passes,
+one before each dequeue, so a job taken in between waits for one pass, not for the whole excess). Refusals
+of ids without a hash are recorded with one pipelined status read per batch. Nothing here is O(queue
+length) per dequeue. With tenant queues
+(`worker.tenantqueues`) each tenant's queues get a pass of their own.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ _DRAIN_AFTER_TAKE = 1000  # refusals recorded before a taken job starts (the res
 _LOCK_KEY = REFUSALS_KEY + ":lock"  # one drainer at a time
 _LOCK_TTL_S = 60
 _OWNER_CACHE = 4 * QUOTA_WINDOW
+#: Ids past the window one pass takes off a queue (the newest; 100k in one go stalled the worker ~13 s).
+_TRIM_RECORDED = QUOTA_WINDOW
 
 Owner = str | None  # a client name, None for a malformed one, or STALE
 
@@ -282,21 +288,24 @@ class Admission:
                                     for q, n, w in zip(self.queues, lengths, windows, strict=True)],
                                    depth_cap=self.depth_cap, quota=self.quota)  # fmt: skip
                     trimmed: list[Refusal] = []
+                    ends: list[int] = []  # per queue: keep [0, end) of the list (the window's refusals: LREM)
                     for q, key, n, w, cut in zip(self.queues, keys, lengths, windows, decided.cuts, strict=True):
                         start = max(cut, len(w))
-                        if start < n:  # ids past the window that the cut trims
-                            extra = pipe.lrange(key, start, -1)
+                        end = max(start, n - _TRIM_RECORDED) if start < n else min(cut, n)
+                        if start < n:  # ids past the window that the cut trims: the newest _TRIM_RECORDED now
+                            extra = pipe.lrange(key, end, -1)
                             details = {"depth": sum(lengths), "cap": self.depth_cap}
                             trimmed += [Refusal(i.decode(), q.name, FailureReason.QUEUE_FULL, details) for i in extra]
+                        ends.append(end)
                     refusals = [r for rs in decided.refused for r in rs] + trimmed
                     if decided.taken is None and not refusals:
                         pipe.reset()
                         return True
                     pipe.multi()
-                    for key, n, cut, refused in zip(keys, lengths, decided.cuts, decided.refused, strict=True):
-                        if cut < n:
-                            if cut > 0:
-                                pipe.ltrim(key, 0, cut - 1)
+                    for key, n, end, refused in zip(keys, lengths, ends, decided.refused, strict=True):
+                        if end < n:
+                            if end > 0:
+                                pipe.ltrim(key, 0, end - 1)
                             else:
                                 pipe.delete(key)
                         for r in refused:
@@ -371,8 +380,7 @@ class Admission:
                 batch = conn.lrange(REFUSALS_KEY, 0, _DRAIN_BATCH - 1)
                 if not batch:
                     break
-                for raw in batch:
-                    self._record(raw)
+                self._record_batch(batch)
                 conn.ltrim(REFUSALS_KEY, len(batch), -1)  # (only the lock holder removes from the head)
                 done += len(batch)
                 conn.expire(_LOCK_KEY, _LOCK_TTL_S)
@@ -382,6 +390,23 @@ class Admission:
             if conn.get(_LOCK_KEY) == self.worker_name.encode():
                 conn.delete(_LOCK_KEY)
         return done
+
+    def _record_batch(self, batch: Sequence[bytes]) -> None:
+        """Record a batch: one pipelined status read; only ids with a hash are loaded (junk costs no more)."""
+        parsed: list[tuple[bytes, Refusal | None]] = []
+        for raw in batch:
+            try:
+                parsed.append((raw, Refusal.from_json(raw)))
+            except (ValueError, KeyError, TypeError):
+                parsed.append((raw, None))
+        pipe = self.connection.pipeline(transaction=False)
+        for _, refusal in parsed:
+            if refusal is not None:
+                pipe.hget(self.job_class.key_for(refusal.job_id), "status")
+        statuses = iter(pipe.execute())
+        for raw, refusal in parsed:
+            if refusal is None or next(statuses) is not None:  # (`_record` reads the job and decides)
+                self._record(raw)
 
     def _record(self, raw: bytes) -> None:
         """End one refused job as failed (idempotent: a re-drain after a crash records it once more at most

@@ -12,6 +12,15 @@ JSON too):
 | `rq:job:<id>` field `ltx_cancel_requested` | hash | a client | a cancel without PUBLISH (`CANCEL_REQUESTED_FIELD`) |
 | `ltx:job:<id>:events`            | stream | worker     | one entry per event (fields `type`, `data`)    |
 | `ltx:worker:<name>:health`       | string | worker     | JSON health snapshot, expires with the worker  |
+| `rq:queue:<queue>`               | list   | worker, operators | the shared queue: no tenant may write it |
+| `rq:queue:<queue>:t:<tenant>`    | list   | tenant `<tenant>` | its own queue (`tenant_queue`): ids only it can push |
+| `rq:queues`                      | set    | worker     | the queues workers serve (tenants may not add to it) |
+
+Tenant queues (`LTX_TENANTS`): every tenant pushes only onto its own RQ queue `<queue>:t:<tenant>` (one per
+configured queue, so priorities hold), each with RQ's own registries (`rq:wip:<queue>:t:<tenant>`, ...).
+Workers serve the shared queue and every tenant queue of each configured queue, tenants in turn, and check
+each id before it counts or runs (`worker.tenantqueues`): what a tenant pushes lands where only its own
+jobs are counted.
 
 The event stream is capped with `XADD ... MAXLEN ~ events_maxlen` and expires with the job (result TTL
 on success, failure TTL otherwise). The health key is refreshed with RQ's heartbeat.
@@ -47,11 +56,13 @@ __all__ = [
     "RUNNING_STATES",
     "S3_SECRET_FILE_FIELDS",
     "SUMMARY_FIELDS",
+    "TENANT_QUEUE_INFIX",
     "TERMINAL_STATES",
     "WORKER_HEALTH_KEY_TEMPLATE",
     "EventType",
     "FailureReason",
     "JobState",
+    "base_queue",
     "check_client_name",
     "check_job_id",
     "check_queue_names",
@@ -61,10 +72,12 @@ __all__ = [
     "events_key",
     "job_owner",
     "job_tenant",
+    "queue_tenant",
     "read_secret_file",
     "safe_redis_url",
     "split_list",
     "tenant_job_id",
+    "tenant_queue",
     "worker_health_key",
 ]
 
@@ -117,6 +130,27 @@ def job_tenant(job_id: str) -> str | None:
     """The tenant a tenant-namespaced job id belongs to (its part before the first `-`), or None."""
     head, sep, rest = job_id.partition("-")
     return head if sep and rest and _TENANT_NAME.fullmatch(head) else None
+
+
+#: Infix of a tenant's own queue: `<queue>:t:<tenant>` (configured queue names may not contain it).
+TENANT_QUEUE_INFIX = ":t:"
+
+
+def tenant_queue(queue: str, tenant: str) -> str:
+    """The RQ queue name of `tenant`'s own queue for the configured `queue` (idempotent)."""
+    suffix = TENANT_QUEUE_INFIX + check_tenant_name(tenant)
+    return queue if queue.endswith(suffix) else queue + suffix
+
+
+def queue_tenant(queue: str) -> str | None:
+    """The tenant owning the RQ queue `queue` (`<queue>:t:<tenant>`), None for a shared queue."""
+    head, sep, tenant = queue.rpartition(TENANT_QUEUE_INFIX)
+    return tenant if sep and head and _TENANT_NAME.fullmatch(tenant) else None
+
+
+def base_queue(queue: str) -> str:
+    """The configured queue a tenant queue belongs to (the queue itself when shared)."""
+    return queue.rpartition(TENANT_QUEUE_INFIX)[0] if queue_tenant(queue) else queue
 
 
 #: Job-hash field a client sets to cancel a job without `PUBLISH` or access to the shared queue list (a
@@ -340,6 +374,8 @@ def check_queue_names(names: list[str]) -> list[str]:
     for name in names:
         if not _QUEUE_NAME.fullmatch(name):
             raise ValueError(f"queue name {name!r} may only contain letters, digits and _.:-")
+        if TENANT_QUEUE_INFIX in name:
+            raise ValueError(f"queue name {name!r}: {TENANT_QUEUE_INFIX!r} is reserved for tenant queues")
     return names
 
 

@@ -45,6 +45,10 @@ class WorkerMetrics:
         self.ignored_commands = Counter("ltx_worker_ignored_commands", "RQ pubsub commands refused (shutdown: "
                                         "anyone who can PUBLISH could stop the service; junk)", [*labels, "command"],
                                         registry=r)  # fmt: skip
+        self.dropped_queue_entries = Counter("ltx_worker_dropped_queue_entries", "Queue entries dropped without "
+                                             "counting or running (no such job, ended, another tenant's, another "
+                                             "queue's, malformed; worker.tenantqueues)", [*labels, "reason"],
+                                             registry=r)  # fmt: skip
         self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
                                             labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
         self.fleet_up = Gauge("ltx_worker_fleet_up", "1 while the fleet is warm and not poisoned", labels,
@@ -62,6 +66,21 @@ class WorkerMetrics:
                               registry=r)  # fmt: skip
         self.redis_up.labels(group).set(1)
         self.busy = Gauge("ltx_worker_busy", "1 while a job runs", labels, registry=r)
+        self.fleet_busy_seconds = Counter("ltx_worker_fleet_busy_seconds", "Device-busy seconds of the fleet (the "
+                                          "runner's device stages between syncs, not its CPU tail)", labels,
+                                          registry=r)  # fmt: skip
+        self.encode_seconds = Histogram("ltx_worker_encode_seconds", "mp4 encode time per video in the worker",
+                                        labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
+        self.encode_pending = Gauge("ltx_worker_encode_pending", "Videos waiting for or in the worker's encoder",
+                                    labels, registry=r)  # fmt: skip
+        self.lora_cache = Counter("ltx_worker_lora_cache", "Request LoRAs by cache result (hit, miss)",
+                                  [*labels, "result"], registry=r)  # fmt: skip
+        self.lora_fetch_bytes = Counter("ltx_worker_lora_fetch_bytes", "LoRA bytes fetched into the cache", labels,
+                                        registry=r)  # fmt: skip
+        self.lora_swap_seconds = Histogram("ltx_worker_lora_swap_seconds", "Fleet LoRA swap time of a job with "
+                                           "request LoRAs", labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
+        self.lora_fetch_seconds = Histogram("ltx_worker_lora_fetch_seconds", "Fetch + check time of a LoRA miss",
+                                            labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
                                    registry=r)  # fmt: skip
         self.spool_bytes = Gauge("ltx_worker_spool_bytes", "Bytes of renders waiting for upload", labels,

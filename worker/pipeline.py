@@ -133,6 +133,7 @@ class UploadPipeline:
         self.uploaded = 0
         self.failed = 0
         self.connection: Any = None
+        self.encoder: Any = None  #: the `worker.encoder.EncodeStage` feeding this pipeline (sets itself)
 
     # ==== lifecycle ===================================================================================
     def start(self, connection: Any) -> UploadPipeline:
@@ -153,6 +154,8 @@ class UploadPipeline:
 
         Whatever is still pending stays in the spool (its manifest intact) for the next start."""
         deadline = time.monotonic() + max(0.0, timeout)
+        if self.encoder is not None and not self.encoder.wait_empty(deadline):
+            log.warning("warm stop: %d video(s) still encoding; their jobs render again", self.encoder.pending_count())
         with self._cond:
             if self._pending:
                 log.info("warm stop: waiting up to %.0fs for %d pending upload(s)", timeout, len(self._pending))
@@ -284,12 +287,19 @@ class UploadPipeline:
         with self._cond:
             return job_id in self._pending
 
+    def notify(self) -> None:
+        """Something this pipeline's bounds depend on changed (an encode ended): wake the waiters."""
+        with self._cond:
+            self._cond.notify_all()
+        self.on_change()
+
     def full(self) -> bool:
         with self._cond:
             return self._full()
 
     def _full(self) -> bool:
-        return len(self._pending) >= self.max_pending or self._bytes >= self.max_pending_bytes
+        encoder_full = self.encoder is not None and self.encoder.full()
+        return len(self._pending) >= self.max_pending or self._bytes >= self.max_pending_bytes or encoder_full
 
     def wait_for_room(self, timeout: float) -> bool:
         """Block up to `timeout` s until the pipeline is below its bounds. True if there is room."""
@@ -306,6 +316,7 @@ class UploadPipeline:
         with self._cond:
             return {
                 "pending": len(self._pending),
+                "encoding": self.encoder.pending_count() if self.encoder is not None else 0,
                 "pending_bytes": self._bytes,
                 "in_flight": self._active,
                 "full": self._full(),

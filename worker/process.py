@@ -228,8 +228,23 @@ def run_worker(
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
 
+    # RQ installs its handlers only once its loop starts, after it has registered the worker: a signal in
+    # between would take the default action and kill the process (-15) with the fleet still up. Until then a
+    # signal asks the loop to stop at its first turn: a warm stop like any other.
+    from . import rqcompat
+
+    def stop_when_the_loop_starts(signum: int, frame: FrameType | None) -> None:
+        log.info("stop requested (%s) while the work loop starts", signal.Signals(signum).name)
+        rqcompat.stop_at_first_turn(worker)
+
+    signal.signal(signal.SIGTERM, stop_when_the_loop_starts)
+    signal.signal(signal.SIGINT, stop_when_the_loop_starts)
+    from rq.exceptions import StopRequested
+
     try:
         worker.work(burst=burst, max_jobs=max_jobs, logging_level=settings.log_level, with_scheduler=False)
+    except StopRequested:  # stopped while RQ was still registering (outside its loop's own handling)
+        log.info("stopped before the work loop began")
     except SystemExit as exc:  # cold stop (code None/0) or an unrecoverable fleet (code 3)
         code = exc.code if isinstance(exc.code, int) else 0
         return code or worker.exit_code

@@ -15,8 +15,8 @@ job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redi
 |               | `ltx:job:t-*`, its admission set `ltx:producer:client:t:jobs` (and read its RQ results |
 |               | `rq:results:t-*`); read the shared structure `ls`/`stats` need (queue lists, RQ's     |
 |               | registries and worker keys, workers' health snapshots: job ids and counts, no job     |
-|               | content); append to queues (`RPUSH`/`LPUSH` on `rq:queue:*`, `SADD rq:queues`,        |
-|               | through ACL selectors); no pubsub at all, no admin command                            |
+|               | content); append to its own queues only (`RPUSH`/`LPUSH` on `rq:queue:*:t:t`, an ACL  |
+|               | selector): not the shared queue, not `rq:queues`; no `SELECT`, no pubsub, no admin    |
 | a ping user   | (optional, for container health checks) `PING` only, no password                     |
 | an admin user | (`--admin-user`, `admin` by default) what operators need without a restart: `ACL LOAD`|
 |               | (after the file was written again), `ACL LOG`, `ACL LIST`/`USERS`/`GETUSER`/`WHOAMI`, |
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import click
 
-from .keys import KEY_PREFIX, check_tenant_name
+from .keys import KEY_PREFIX, TENANT_QUEUE_INFIX, check_tenant_name
 
 __all__ = [
     "ACL_PASSWORD_ENV_PREFIX",
@@ -105,11 +105,15 @@ def tenant_rules(tenant: str) -> str:
               "rq:deferred:*", "rq:scheduled:*", "rq:workers", "rq:workers:*", "rq:worker:*",
               f"{KEY_PREFIX}:worker:*:health")  # fmt: skip
     reads = " ".join([f"%R~rq:results:{t}-*", *(f"%R~{pattern}" for pattern in shared)])
-    commands = ("-@all +@read -@dangerous +@connection -client +client|setname +client|getname +client|id "
+    # No SELECT: key patterns hold in every database, so databases 1-15 would give a tenant keyspaces that
+    # no worker serves or cleans; clients stay in the database of their URL (0 in compose).
+    commands = ("-@all +@read -@dangerous +@connection -select -client +client|setname +client|getname +client|id "
                 "+multi +exec +discard +watch +unwatch +hset +hsetnx +hdel +expire +pexpire +persist +del +unlink "
                 "+xadd +xtrim +zadd +zrem +zremrangebyscore")  # fmt: skip
-    # Selectors: queue lists may only be appended to (RQ's push and its set of queues), never trimmed.
-    selectors = "(+rpush +lpush %W~rq:queue:*) (+sadd %W~rq:queues)"
+    # Selector: the tenant's own queues (`<queue>:t:<t>`, worker.keys.tenant_queue) may only be appended to;
+    # never the shared queue, RQ's intermediate lists (`...:t:<t>:intermediate` does not match) or the set
+    # of queues (workers register the queues they serve: a tenant could add names without bound).
+    selectors = f"(+rpush +lpush %W~rq:queue:*{TENANT_QUEUE_INFIX}{t})"
     return f"resetkeys resetchannels {own} {reads} {commands} {selectors}"
 
 

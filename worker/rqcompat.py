@@ -36,18 +36,23 @@ __all__ = [
     "clean_registries",
     "cold_stop_is_repeat",
     "drop_cancelled_dequeued",
+    "enqueue_unregistered",
     "exception_handlers",
     "fail_after_return",
     "fail_unreadable",
     "fail_unstarted",
     "give_back_dequeued",
     "give_back_started",
+    "live_workers",
     "mark_stopped",
     "record_cancelled_execution",
     "record_success_after_return",
+    "register_queues",
     "requeue_after_return",
     "set_retry",
     "stale_intermediate_entry",
+    "stop_at_first_turn",
+    "stop_requested",
     "stopped_job_id",
 ]
 
@@ -83,6 +88,44 @@ def clean_registries(worker: Any, lock_ttl_s: int) -> None:
     worker.last_cleaned_at = now()
 
 
+# ==== queues and workers as clients see them ==============================================================
+
+
+def enqueue_unregistered(queue: Queue, job: Job, *, pipeline: Any, at_front: bool = False) -> Job:
+    """RQ's `Queue.enqueue_job` for a job without dependencies, minus its `SADD rq:queues`: a tenant's Redis
+    user may not add names to that set (it could add them without bound); workers register the queues they
+    serve (`register_queues`). The job hash and the push are RQ's own."""
+    job.origin = queue.name
+    return queue._enqueue_job(job, pipeline=pipeline, at_front=at_front)
+
+
+def register_queues(connection: Any, queues: list[Queue]) -> None:
+    """Put `queues` in RQ's set of queues (`rq:queues`, what `rq info` and dashboards list)."""
+    if queues:
+        connection.sadd(Queue.redis_queues_keys, *[q.key for q in queues])
+
+
+def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any = None) -> list[Any]:
+    """RQ's `Worker.all()` without its writes: RQ removes a dead worker's entry from `rq:workers` with SREM
+    while listing, which a tenant's Redis user may not do (every `producer submit` and `stats` crashed after
+    a worker died). Entries whose key is gone are skipped; the workers' own cleanup removes them."""
+    from rq.worker import Worker
+
+    keys = [
+        k.decode() if isinstance(k, bytes) else k
+        for k in worker_registration.get_keys(queue=queue, connection=connection)
+    ]
+    prefix = Worker.redis_worker_namespace_prefix
+    out = []
+    for key in sorted(keys):
+        if not key.startswith(prefix) or not connection.exists(key):
+            continue
+        worker = Worker([], key[len(prefix) :], connection=connection, prepare_for_work=False, serializer=serializer)
+        worker.refresh()  # (reads the hash; a key that vanished meanwhile leaves the defaults)
+        out.append(worker)
+    return out
+
+
 # ==== worker attributes RQ keeps private =================================================================
 
 
@@ -100,6 +143,16 @@ def cold_stop_is_repeat(worker: Any, within_s: float = 1.0) -> bool:
     """True when the cold-stop signal arrived within `within_s` of the warm one (one Ctrl+C seen twice)."""
     requested = getattr(worker, "_shutdown_requested_date", None)
     return requested is not None and (now() - requested).total_seconds() < within_s
+
+
+def stop_requested(worker: Any) -> bool:
+    return bool(worker._stop_requested)
+
+
+def stop_at_first_turn(worker: Any) -> None:
+    """Ask RQ's work loop to stop when it first checks for a stop: what a signal between the end of our
+    startup and RQ installing its own handlers (after it registers the worker) must do."""
+    worker._stop_requested = True
 
 
 def exception_handlers(worker: Any) -> list[Any]:

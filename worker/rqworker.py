@@ -31,6 +31,10 @@ recorded by `worker.outcomes`.
   health) and rebuilt at once in the background (`FleetSupervisor.rebuild_soon`); the dequeue waits for
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
+- Dequeue (`worker.tenantqueues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
+  tenants in turn within a priority (`reorder_queues`); each id is checked (hash, `queued` status, origin,
+  tenant) before it counts or runs, junk is dropped at a bounded rate per dequeue, and every taken id sits
+  in its queue's intermediate list until it starts (`prepare_job_execution`).
 - Admission (`worker.admission`): before and right after every dequeue the worker ends, without running
   them, the jobs past `LTX_MAX_QUEUE_DEPTH` waiting jobs and past a client's `LTX_CLIENT_QUOTA`
   unfinished jobs, whoever enqueued them (the producer's own check is only the early answer).
@@ -68,7 +72,6 @@ from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
 from . import rqcompat
-from .admission import Admission
 from .exitcodes import EXIT_FLEET_UNRECOVERABLE
 from .fleet import FleetUnrecoverable
 from .health import HealthPublisher
@@ -84,6 +87,7 @@ from .logs import bind_job
 from .redisoutage import RedisOutage
 from .renderjob import OversizedJob, RefusedJob, RenderJob
 from .service import JobCancelledByClient, JobFailed, RenderService
+from .tenantqueues import TakingQueue, TenantAdmissions, rotate, served_queue_names
 
 __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
 
@@ -111,6 +115,10 @@ class FleetWorker(SimpleWorker):
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
         kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
         kwargs.setdefault("name", service.worker_name)
+        # checked, bounded dequeues over the shared queues and every tenant's own (worker.tenantqueues)
+        kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry))
+        if isinstance(queues, list | tuple) and all(isinstance(q, str) for q in queues):
+            queues = served_queue_names(queues, settings.tenants)
         super().__init__(queues, **kwargs)
         self.service = service
         self.settings = settings
@@ -133,9 +141,26 @@ class FleetWorker(SimpleWorker):
         fleet.on_change = self._fleet_changed
         service.pipeline.on_change = self.health.notify
         self.push_exc_handler(self._abandoned_job_handler)
-        self.admission = Admission(self.connection, self.queues, depth_cap=settings.depth_cap, quota=settings.quota,
-                                   outcomes=self.outcomes, job_class=self.job_class, worker_name=self.name,
-                                   max_meta_bytes=settings.max_meta_bytes, tenant_ids=settings.tenant_ids)  # fmt: skip
+        self.admission = TenantAdmissions(self.connection, self.queues, depth_cap=settings.depth_cap,
+                                          quota=settings.quota, outcomes=self.outcomes, job_class=self.job_class,
+                                          worker_name=self.name, max_meta_bytes=settings.max_meta_bytes,
+                                          tenant_ids=settings.tenant_ids)  # fmt: skip
+        if settings.tenant_ids and not settings.tenants:
+            log.warning("LTX_TENANT_IDS without LTX_TENANTS: tenants' own queues ('<queue>:t:<tenant>', where their "
+                        "producers submit) are not served by this worker")  # fmt: skip
+
+    def _dropped_entry(self, queue: str, job_id: str, reason: str) -> None:
+        self.service.metrics.dropped_queue_entries.labels(self.service.group, reason).inc()
+        log.warning("dropped queue entry %r from %s without counting or running it: %s", job_id, queue, reason)
+
+    def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+        """RQ removes the id from the intermediate list only when a worker serves one queue (its multi-queue
+        dequeue never put it there); ours always does (worker.tenantqueues)."""
+        super().prepare_job_execution(job, True)
+
+    def reorder_queues(self, reference_queue: Any) -> None:
+        """Tenants in turn within each priority (worker.tenantqueues.rotate)."""
+        self._ordered_queues = rotate(self._ordered_queues, reference_queue, lambda q: q.name)
 
     # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -174,12 +199,30 @@ class FleetWorker(SimpleWorker):
         while True:
             try:
                 super().register_birth()
+                # The queues this worker serves, registered with it (tenants may not: worker.redisacl), inside the
+                # outage handling: a worker started against a Redis over `maxmemory` waits, it does not crash.
+                rqcompat.register_queues(self.connection, self.queues)
             except Exception as exc:
+                if rqcompat.stop_requested(self):  # (before RQ's loop: a stop signal only sets the flag)
+                    raise StopRequested() from exc
                 if not self._wait_out_redis(exc, "registration"):
                     raise
                 continue
             self.redis_outage.cleared()
             return
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        """RQ writes the state straight away in `bootstrap` (after `register_birth`): an outage there is waited
+        out like the registration's, not a crash (found: a Redis over `maxmemory` at start)."""
+        while True:
+            try:
+                super().set_state(state, pipeline=pipeline)
+                return
+            except Exception as exc:
+                if pipeline is None and rqcompat.stop_requested(self):
+                    raise StopRequested() from exc
+                if pipeline is not None or not self._wait_out_redis(exc, "state"):
+                    raise
 
     def register_death(self) -> None:
         try:
@@ -219,6 +262,7 @@ class FleetWorker(SimpleWorker):
             "queues": self.queue_names(),
             "runner": self.settings.runner,
             "limits": self.service.limits.to_json(),  # checked by `producer submit` (worker.limits)
+            "loras": self.service.loras.published(),  # catalogue names, S3 prefixes, count (producer.loras)
             "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids, "world_size": fleet.world_size,
                       "devices": [str(d) for d in fleet.devices], "builds": fleet.builds, "rebuilds": fleet.rebuilds,
                       "failures": fleet.failures, "ready_at": fleet.ready_at, "last_failure": fleet.last_failure,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ltx_mgpu.bounds import FLOAT_FIELDS, RANGES
 
 from .imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
+from .lorarefs import MAX_LORAS, LoraRef
 
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
@@ -96,6 +97,9 @@ class RenderRequest(BaseModel):
     )
     audio: bool = Field(
         default=True, description="decode the generated audio into the mp4 (AAC); false = a silent mp4, faster"
+    )
+    loras: list[LoraRef] | None = Field(
+        default=None, max_length=MAX_LORAS, description="LoRAs fused for this job only (worker.lorarefs)"
     )
 
     @field_validator("width", "height")

@@ -9,6 +9,9 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
 3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
    after an upload failure uploads instead of rendering again);
+   With `encode_in_worker` (the default, for runners that take `media`) the fleet hands yuv420p frames and
+   audio off instead of writing the file, and `worker.encoder.EncodeStage` encodes them beside the next job
+   (the job function returns at `rendering`; the encoder commits and feeds the upload pipeline);
 4. commit the file to the spool (manifest written atomically), then either
    - (`upload_pipeline`, the default) hand it to the background `UploadPipeline` and return a small
      hand-off value at once: RQ marks the job `finished` while the state is `rendered`; the pipeline
@@ -39,9 +42,11 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from . import poison, rqcompat
+from .encoder import EncodeStage, PendingEncode
 from .fleet import FleetSupervisor
 from .keys import RUNNING_STATES, FailureReason, JobState
 from .limits import RunnerLimits
+from .loras import LoraRefused, LoraResolver
 from .metrics import WorkerMetrics
 from .outcomes import JobOutcomes, attempt_count
 from .pipeline import PendingUpload, UploadPipeline
@@ -55,6 +60,7 @@ from .uploader import Uploader, UploadFailed
 __all__ = ["JobCancelledByClient", "JobFailed", "RenderService"]
 
 log = logging.getLogger("worker.service")
+MEDIA_EVENT = "media"  #: `ltx_mgpu.events.MEDIA`: the runner's frames hand-off (the engine is imported lazily)
 
 
 class JobFailed(Exception):
@@ -105,6 +111,8 @@ class RenderService:
         self.spool = spool
         self.metrics = metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
+        #: request LoRAs: fetched, cached and checked before the fleet sees them (worker.loras)
+        self.loras = LoraResolver(settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics)
         self.uploader = Uploader(
             storage,
             spool,
@@ -130,6 +138,8 @@ class RenderService:
             on_uploaded=self._count_done,
             on_upload_failed=self._upload_failed,
         )
+        self.encoder = EncodeStage(spool=spool, pipeline=self.pipeline, settings=settings, metrics=metrics, group=group)
+        self.hand_off_media = settings.encode_in_worker and _takes_media(fleet.runner_cls)
         self.current: _Current | None = None
         self.jobs_done = 0
         self.storage_error: str | None = None  # set while storage is degraded (see set_storage_state)
@@ -155,6 +165,7 @@ class RenderService:
         many renders were recovered."""
         self.pipeline.start(connection)
         try:
+            self.encoder.recover(connection)  # jobs whose worker died mid-encode: they render again
             return self.pipeline.recover()
         except Exception:
             log.exception("spool recovery failed; the renders stay in the spool")
@@ -164,6 +175,7 @@ class RenderService:
         """RQ finished handling the job function's return (status, result): the pipeline may record the
         upload's outcome for this job now."""
         self.pipeline.released(job_id)
+        self.encoder.released(job_id)
 
     def _count_done(self) -> None:
         self.jobs_done += 1
@@ -219,6 +231,7 @@ class RenderService:
             and isinstance(meta.get("result"), dict)
             and self.spool.load(job.id) is None
             and not self.pipeline.is_pending(job.id)
+            and not self.encoder.is_pending(job.id)
         ):
             # Recovery (or a late registry cleanup) re-queued a job whose video is already in storage.
             log.info("job %s is already uploaded; returning its recorded result", job.id)
@@ -287,6 +300,12 @@ class RenderService:
             relay.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256 or None, bytes=entry.size)
         else:
             entry, render_s = self._render(job, req, relay, cur)
+        if isinstance(entry, PendingEncode):  # frames, not a file: encoded beside the next job
+            entry.attempt, entry.queue_wait_s, entry.t0 = attempt, queue_wait, t0
+            if s.upload_pipeline:
+                self.encoder.submit(entry)
+                return self._handoff(job, None, render_s)
+            entry = self._encode_now(job, relay, entry)
 
         if s.upload_pipeline:
             # ---- hand over to the background uploader; the fleet takes the next job now ------------------
@@ -315,20 +334,29 @@ class RenderService:
         return result
 
     # ---- render ---------------------------------------------------------------------------------------
-    def _render(self, job: Any, req: RenderRequest, relay: EventRelay, cur: _Current) -> tuple[SpoolEntry, float]:
+    def _render(
+        self, job: Any, req: RenderRequest, relay: EventRelay, cur: _Current
+    ) -> tuple[SpoolEntry | PendingEncode, float]:
         from ltx_mgpu import AsymmetricRunnerError, FleetFailure, JobCancelledError, SymmetricRunnerError
 
         s = self.settings
         if cur.cancel.is_set():
             self._cancelled(job, relay)
+        try:  # a bad LoRA ends the job here, as a request error: it never reaches the fleet's weights
+            loras = {"loras": self.loras.for_job(req.loras, relay)} if req.loras else {}
+        except LoraRefused as exc:
+            self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=exc.field)
         try:
             output_path = self.spool.prepare(job.id, s.output_name)
         except OSError as exc:
             self._spool_failed(job, relay, exc)
-        kwargs = {**req.runner_kwargs(), "output_path": str(output_path)}
+        kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
+        if self.hand_off_media:
+            kwargs["media"] = "frames"
         timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
+        media: dict[str, Any] | None = None
         t_render = time.monotonic()
         stream = None
         try:
@@ -351,8 +379,12 @@ class RenderService:
             for item in stream:
                 if not isinstance(item, dict) or "type" not in item:
                     continue  # non-driver ranks or diagnostic yields: nothing a client needs
+                if item["type"] == MEDIA_EVENT:
+                    media = item  # frames and waveform in shared memory: for the encoder, never relayed
+                    continue
                 if item["type"] == "output":
                     output = item
+                    self.metrics.fleet_busy_seconds.labels(self.group).inc(float(item.get("gpu_busy_s") or 0.0))
                 relay.emit(_public_output(item) if item["type"] == "output" else item)
         except JobCancelledError:
             self.spool.discard_incomplete(job.id)
@@ -389,10 +421,22 @@ class RenderService:
                 cur.stream = None
         render_s = time.monotonic() - t_render
         self.metrics.render_seconds.labels(self.group).observe(render_s)
-        if output is None or not output_path.exists():
+        if loras and output is not None:
+            self.loras.record_swap(output, relay)  # (the fleet's swap seconds for this job: status, metrics)
+        if output is None or (media is None and not output_path.exists()):
             self.spool.discard_incomplete(job.id)
             message = f"the runner finished without writing {output_path.name} (output event: {output is not None})"
             self._fail(job, relay, FailureReason.NO_OUTPUT, message)
+        if media is not None:
+            key = self.storage.key_for(job.id, new_render_id(), output_path.name)
+            pending = PendingEncode(job=job, relay=relay, output_path=output_path, media=media, output=output,
+                                    key=key, render_s=render_s)  # fmt: skip
+            try:
+                self.encoder.prepare(pending)
+            except OSError as exc:
+                self.spool.discard_incomplete(job.id)
+                self._spool_failed(job, relay, exc)
+            return pending, render_s
         info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
         info["render_s"] = round(render_s, 4)
         try:
@@ -412,6 +456,17 @@ class RenderService:
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
         relay.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
         return entry, render_s
+
+    def _encode_now(self, job: Any, relay: EventRelay, item: PendingEncode) -> SpoolEntry:
+        """The synchronous path (`upload_pipeline` off): encode and commit before the upload."""
+        try:
+            return self.encoder.encode_now(item)
+        except OSError as exc:
+            self.spool.discard_incomplete(job.id)
+            self._spool_failed(job, relay, exc)
+        except Exception as exc:
+            self.spool.discard_incomplete(job.id)
+            self._fail(job, relay, FailureReason.INTERNAL, f"encode: {type(exc).__name__}: {exc}")
 
     # ---- outcomes (recorded by worker.outcomes; these only raise what RQ's failure handling sees) -----
     def _cancelled(self, job: Any, relay: EventRelay) -> NoReturn:
@@ -455,10 +510,14 @@ class RenderService:
 
         return emit
 
-    def _handoff(self, job: Any, entry: SpoolEntry, render_s: float) -> dict[str, Any]:
+    def _handoff(self, job: Any, entry: SpoolEntry | None, render_s: float) -> dict[str, Any]:
         """The job function's return value with the pipeline on: what RQ stores when it marks the job
         `finished`. Deliberately without `sha256`/`url`: it must not look like an upload result (the
-        pipeline replaces it with the full result once the object is confirmed)."""
+        pipeline replaces it with the full result once the object is confirmed). `entry` None: the video
+        is still being encoded (`worker.encoder`)."""
+        if entry is None:
+            return {"job_id": job.id, "state": JobState.RENDERING.value, "encode": "pending", "upload": "pending",
+                    "render_s": round(render_s, 4), "worker": self.worker_name}  # fmt: skip
         return {
             "job_id": job.id,
             "state": JobState.RENDERED.value,
@@ -523,6 +582,17 @@ class RenderService:
             },
             "attempt": attempt,
         }
+
+
+def _takes_media(runner_cls: Any) -> bool:
+    """Whether the runner's job signature accepts `media` (a named parameter; not `**kwargs`, which the test
+    and noop runners use to ignore fields: they would never hand frames off)."""
+    import inspect
+
+    try:
+        return "media" in inspect.signature(runner_cls.__call__).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _public_output(event: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from .keys import (
     S3_SECRET_FILE_FIELDS,
     check_queue_names,
     check_redis_url,
+    check_tenant_name,
     read_secret_file,
     safe_redis_url,
     split_list,
@@ -131,6 +132,11 @@ class WorkerSettings(RedisAccess, BaseSettings):
         False,
         description="job ids are '<client>-<id>' (tenant Redis users, `ltx-worker redis-acl`): a job whose meta "
         "client is not its id's prefix is refused as invalid_request",
+    )
+    tenants: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="tenants (the `--tenant`s of `ltx-worker redis-acl`) whose own queues '<queue>:t:<tenant>' "
+        "this worker serves next to the shared queues, in turn; needs tenant_ids (comma-separated or JSON)",
     )
     max_request_bytes: int = Field(
         1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"
@@ -253,9 +259,44 @@ class WorkerSettings(RedisAccess, BaseSettings):
     max_pending_bytes: int = Field(
         20 * 1024 * _MiB, ge=_MiB, description="bytes waiting for upload before the worker stops taking jobs"
     )
+    encode_in_worker: bool = Field(
+        True,
+        description="the fleet hands yuv420p frames and audio off and the worker encodes the mp4 beside the next "
+        "job (false: the fleet's driver rank encodes before it is free, the old path)",
+    )
+    encode_crf: int = Field(18, ge=0, le=51, description="H.264 quality of the mp4 (x264 crf; 0 = lossless)")
+    encode_preset: Literal[
+        "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"
+    ] = Field("veryfast", description="x264 preset (speed against size): ultrafast ... placebo")
+    encode_threads: int = Field(0, ge=0, le=256, description="x264 frame threads; 0 = every core of the host")
+    max_pending_encodes: int = Field(
+        2, ge=1, le=64, description="videos waiting for (or in) the worker's encoder before it stops taking jobs"
+    )
     upload_drain_timeout_s: float = Field(
         600.0, ge=0, description="seconds a warm stop waits for pending uploads before leaving them in the spool"
     )
+
+    # ---- per-request LoRAs (worker.loras) ------------------------------------------------------------
+    lora_catalogue: Path | None = Field(
+        None, description="folder of <name>.safetensors a request may name (`loras[].name`); unset: none"
+    )
+    lora_s3_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="`bucket/prefix` entries a request's `loras[].uri` must fall under"
+    )
+    lora_max_per_request: int = Field(4, ge=0, le=8, description="LoRAs one request may ask for (0: none)")
+    lora_max_file_bytes: int = Field(4 * 1024 * _MiB, ge=1, description="largest LoRA file fetched or fused")
+    lora_max_header_bytes: int = Field(16 * _MiB, ge=1024, description="largest safetensors header read")
+    lora_max_rank: int = Field(256, ge=1, description="highest LoRA rank fused")
+    lora_cache_dir: Path = Field(
+        default_factory=lambda: Path(tempfile.gettempdir()) / "ltx-lora-cache",
+        description="checked LoRA files, by content; shared by the worker's fleets",
+    )
+    lora_cache_bytes: int = Field(16 * 1024 * _MiB, ge=_MiB, description="size cap of lora_cache_dir (LRU)")
+
+    @field_validator("lora_s3_prefixes", mode="before")
+    @classmethod
+    def _parse_lora_prefixes(cls, value: Any) -> Any:
+        return split_list(value, ",")
 
     # ---- observability -------------------------------------------------------------------------------
     metrics_port: int | None = Field(
@@ -310,6 +351,16 @@ class WorkerSettings(RedisAccess, BaseSettings):
         if isinstance(value, str) and value.strip().lower() in ("", "off", "none", "false"):
             return None
         return value
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _parse_tenants(cls, value: Any) -> Any:
+        return split_list(value, ",")
+
+    @field_validator("tenants")
+    @classmethod
+    def _check_tenants(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(check_tenant_name(t) for t in value))
 
     @field_validator("queues")
     @classmethod
@@ -394,6 +445,9 @@ class WorkerSettings(RedisAccess, BaseSettings):
             if (getattr(self, key_id) is None) != (getattr(self, secret) is None):
                 raise ValueError(f"{key_id} / {secret} ({ENV_PREFIX}{key_id.upper()}, {ENV_PREFIX}{secret.upper()}): "
                                  "set both or neither")  # fmt: skip
+        if self.tenants and not self.tenant_ids:
+            raise ValueError(f"tenants ({ENV_PREFIX}TENANTS) need tenant_ids ({ENV_PREFIX}TENANT_IDS=true): a "
+                             "tenant queue holds only ids with its tenant's prefix")  # fmt: skip
         if self.job_heartbeat_ttl < 3 * self.heartbeat_interval:
             # a running job is declared abandoned after this; two missed beats must never be enough
             raise ValueError(

@@ -179,6 +179,13 @@ class LoraWeightTracker:
         """The LoRAs fused now (non-zero strengths), in the order they were requested."""
         return self._current
 
+    def drop_factors(self, keep: Iterable[Any]) -> None:
+        """Free the kept LoRA factors of every LoRA not in `keep` (per-request LoRAs come and go; without
+        this, `keep_loras` would hold every LoRA any job ever used)."""
+        wanted = {LoraSpec.coerce(x).identity for x in keep}
+        for identity in [i for i in self._factors if i not in wanted]:
+            del self._factors[identity]
+
     def owned_bytes(self) -> int:
         """Bytes of clean backup this rank holds."""
         return sum(t.numel() * t.element_size() for t in self._clean.values())

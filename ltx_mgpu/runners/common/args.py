@@ -40,6 +40,11 @@ class RenderArgs:
     images: list | None = None  #: conditioning images [{"data": base64, "frame", "strength"}], ltx2 runners
     enhance_prompt: bool = False
     audio: bool = True  #: decode and mux the audio track; False = a silent mp4 and no audio decode
+    #: "mp4": the driver writes the mp4 at output_path; "frames": it yields a `media` event (yuv420p frames
+    #: and the waveform, `common.media.media_event`) instead and writes nothing, so the caller encodes them
+    #: while the fleet takes its next job (the worker's default; not a request field: the worker sets it)
+    media: str = "mp4"
+    loras: list | None = None  #: [{"path", "strength"}]: request LoRAs the worker resolved and checked
 
     def __post_init__(self) -> None:
         # The request schema validated these at the edge; a job that reached a rank another way is checked
@@ -47,6 +52,8 @@ class RenderArgs:
         for name in ("audio", "enhance_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.media not in ("mp4", "frames"):
+            raise ValueError(f"media must be 'mp4' or 'frames', got {self.media!r}")
         # Every number inside the service's ranges (`ltx_mgpu.bounds`): finite, of its type, bounded.
         check_numbers(**{name: getattr(self, name) for name in RANGES if hasattr(self, name)})
 

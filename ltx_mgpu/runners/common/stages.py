@@ -6,9 +6,15 @@ peak-memory counter is reset at the start and read at the end. `timings_s` is th
 seconds per stage); `peak_report()` gathers every rank's peaks (a collective over the control group).
 
 Stage names used by the runners (the `output` event's `timings_s` keys): `encode`, `stage1`, `upsample`,
-`stage2` (ltx2) or `denoise` (smoke), `decode` (video), `audio_decode`, `mux`, and `lora_swap_stage1` /
+`stage2` (ltx2) or `denoise` (smoke), `decode` (video), `audio_decode`, `mux` (the runner writes the mp4) or
+`handoff` (yuv420p conversion on the device and the copy out: the worker encodes), and `lora_swap_stage1` /
 `lora_swap_stage2` where a runner fuses LoRAs per stage. A stage a runner does not
 have, or skipped for this job (no audio asked), is absent.
+
+The honest clock: `gpu_report()` gives the job's device-busy seconds (every stage but the
+CPU-only `mux`) and the wall-clock window from the start of its first stage to the end of its last device
+stage, so a service can measure fleet idle from the last device work of one job to the first of the next
+instead of from event gaps (which hid a whole mp4 encode per video).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
+__all__ = ["CPU_STAGES", "SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
 
 
 class SetupLaps:
@@ -43,6 +49,10 @@ class SetupLaps:
         self._last = now
 
 
+#: stages that run on the host only: the fleet is held but its devices wait (not device-busy time)
+CPU_STAGES = frozenset({"mux"})
+
+
 class StageClock:
     """Seconds and peak memory per stage of the current job on this rank; `reset()` at each job start."""
 
@@ -50,9 +60,16 @@ class StageClock:
         self.device = torch.device(device)
         self.timings_s: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
+        self.window: list[float] = []  #: wall clock [first stage start, last device stage end]; [] before any
 
     def reset(self) -> None:
-        self.timings_s, self.peaks = {}, {}
+        self.timings_s, self.peaks, self.window = {}, {}, []
+
+    def gpu_report(self) -> dict[str, object]:
+        """`gpu_busy_s` (seconds of device stages), `gpu_started_at` / `gpu_ended_at` (wall clock)."""
+        busy = sum(v for k, v in self.timings_s.items() if k not in CPU_STAGES)
+        started, ended = self.window if self.window else (None, None)
+        return {"gpu_busy_s": round(busy, 6), "gpu_started_at": started, "gpu_ended_at": ended}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -64,9 +81,13 @@ class StageClock:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
+        if not self.window:
+            self.window = [time.time(), time.time()]
         yield
         self._sync()
         self.timings_s[name] = round(time.perf_counter() - start, 6)
+        if name not in CPU_STAGES:
+            self.window[1] = time.time()
         if self.device.type == "cuda":
             self.peaks[name] = int(torch.cuda.max_memory_allocated(self.device))
 

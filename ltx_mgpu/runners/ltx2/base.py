@@ -39,12 +39,14 @@ from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_b
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tiling import BalancedTiling
-from ...parallel.vae_decode import vae_tiles
+from ...parallel.vae_decode import frames_to_uint8, vae_tiles
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.handoff import deliver_video
+from ..common.job_loras import job_lora_specs, model_targets
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
-from ..common.media import AudioTrack, audio_fields, write_mp4
+from ..common.media import AudioTrack, audio_fields
 from ..common.stages import SetupLaps, StageClock, check_finite
 from . import components as comp
 from .denoise import (
@@ -72,6 +74,7 @@ class Job:
     images: list[DecodedImage]
     steps: int  #: stage-1 denoising steps
     generator: torch.Generator  #: CPU noise: the same bits on every rank and device
+    loras: tuple[LoraSpec, ...] = ()  #: the request's LoRAs, fused on top of each stage's own (common.job_loras)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Ltx2Runner(MGPURunner):
         stage1_guidance: dict[str, dict[str, float]] | None = None,
         parallel_layout: str | dict[str, str] | None = None,
         cuda_graphs: bool = True,
+        request_loras: bool = False,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
         policy = comp.quantization_policy(quantization)
@@ -138,7 +142,7 @@ class Ltx2Runner(MGPURunner):
 
         self.base_loras = tuple(LoraSpec(str(p), float(s), LTXV_LORA_COMFY_RENAMING_MAP) for p, s in loras)
         self.stage2_loras = self.base_loras + self._stage2_extra_loras(distilled_lora_path, distilled_lora_strength)
-        if self.stage2_loras and policy is None and self.dtype != torch.bfloat16:
+        if (self.stage2_loras or request_loras) and policy is None and self.dtype != torch.bfloat16:
             raise ValueError("LoRA fusion (ltx-core apply_loras) needs bfloat16 or fp8 weights: set dtype='bfloat16'")
         self.max_steps = int(max_steps)
         self.sp_max_tokens = int(sp_max_tokens)
@@ -190,10 +194,12 @@ class Ltx2Runner(MGPURunner):
 
         # ---- LoRAs: the tracker keeps weights resident and swaps them in place ----------------------------
         self.tracker = None
-        if self.stage2_loras:
+        self.lora_targets = None  # the weights a request LoRA may change (None: requests take no LoRAs)
+        if self.stage2_loras or request_loras:
             self.tracker = LoraWeightTracker(self.groups.transformer_group)
             self.tracker.attach(self.sp_model.model)
             self.tracker.apply(self.base_loras)
+            self.lora_targets = model_targets(self.sp_model.model)
         laps.lap("loras")
 
         # ---- VAE: decoder on every rank (tiles); encoder, upsampler, audio decoding on the driver ---------
@@ -269,7 +275,7 @@ class Ltx2Runner(MGPURunner):
         if self.synthetic:
             extra["synthetic_weights"] = True  # renders from synthetic weights are noise
         if peaks is not None:
-            for stage in (Stage.AUDIO_DECODE, Stage.MUX):  # driver-only stages, after the gather
+            for stage in (Stage.AUDIO_DECODE, Stage.MUX, Stage.HANDOFF):  # driver-only stages, after the gather
                 if stage in self.clock.peaks:
                     peaks[stage] = [self.clock.peaks[stage]] + [0] * (self.world_size - 1)
             extra["peak_memory_bytes"] = peaks
@@ -282,7 +288,9 @@ class Ltx2Runner(MGPURunner):
             size_bytes=size,
             **extra,
             **audio_fields(track),
+            **({"media": "frames"} if args.media == "frames" else {}),
             timings_s=dict(self.clock.timings_s),
+            **self.clock.gpu_report(),
         )
 
     def _job_steps(self, args: RenderArgs) -> int:
@@ -301,7 +309,8 @@ class Ltx2Runner(MGPURunner):
         steps = self._job_steps(args)
         images = parse_images(args.images, geo.num_frames)
         self._validate(geo, steps, args.output_path)
-        return Job(args, geo, images, steps, torch.Generator().manual_seed(int(args.seed)))
+        loras = job_lora_specs(args.loras, self.lora_targets)  # (every rank, before any collective)
+        return Job(args, geo, images, steps, torch.Generator().manual_seed(int(args.seed)), loras)
 
     def _validate(self, geo: Geometry, steps: int, output_path: str) -> None:  # every rank, before any collective
         if geo.width % 64 or geo.height % 64 or geo.width <= 0 or geo.height <= 0:
@@ -353,7 +362,7 @@ class Ltx2Runner(MGPURunner):
         (video latent, audio latent), unpatchified. Runner specifics: `_stage1_sigmas`, `_stage1_step`."""
         tools, audio_tools = job.geo.video_tools(2), job.geo.audio_tools()
         sigmas = self._stage1_sigmas(job)
-        self._use_loras(self.base_loras, "lora_swap_stage1")
+        self._use_loras(self.base_loras + job.loras, "lora_swap_stage1")
         with self.clock.stage(Stage.STAGE1):
             video = self._state(tools, job, conditionings=self._conditionings(job.images, tools), noise_scale=1.0)
             audio = self._state(audio_tools, job, noise_scale=1.0)
@@ -405,7 +414,7 @@ class Ltx2Runner(MGPURunner):
         tools, audio_tools = job.geo.video_tools(1), job.geo.audio_tools()
         sigmas = torch.tensor(self.stage2_sigmas, dtype=torch.float32)
         sigma0 = float(sigmas[0])
-        self._use_loras(self.stage2_loras, "lora_swap_stage2")  # collective: sharded fusion + broadcast, in place
+        self._use_loras(self.stage2_loras + job.loras, "lora_swap_stage2")  # collective: sharded fusion, in place
         with self.clock.stage(Stage.STAGE2):
             cond = self._conditionings(job.images, tools)
             video = self._state(tools, job, conditionings=cond, noise_scale=sigma0, initial_latent=upscaled)
@@ -429,11 +438,12 @@ class Ltx2Runner(MGPURunner):
         return self._state(tools, job, noise_scale=sigma0, initial_latent=latent)
 
     def _decode_video(self, job: Job, latent: torch.Tensor) -> Events:
-        """Distributed VAE decode (tiles across ranks); uint8 frames on the driver, None elsewhere."""
+        """Distributed VAE decode (tiles across ranks); uint8 frames on the driver's device, None elsewhere."""
         if self.is_driver:
             yield stage_event(Stage.DECODE)
         with self.clock.stage(Stage.DECODE):
-            return self.decoder.decode_uint8(latent, seed=int(job.args.seed))
+            video = self.decoder.decode(latent, seed=int(job.args.seed))
+            return None if video is None else frames_to_uint8(video)  # on the device: yuv420p is made there
 
     def _decode_audio(self, job: Job, latent: torch.Tensor) -> Events:
         """Driver only: audio latent -> stereo waveform fitted to the video's duration (None if not asked)."""
@@ -445,10 +455,9 @@ class Ltx2Runner(MGPURunner):
             return self.audio.decode(latent).fitted(job.args.duration_s)
 
     def _mux(self, job: Job, frames: torch.Tensor, track: AudioTrack | None) -> Events:
-        """Driver only: H.264 (+ AAC) mp4 at the output path; returns its size in bytes."""
-        yield stage_event(Stage.MUX)
-        with self.clock.stage(Stage.MUX):
-            return write_mp4(frames, job.args.output_path, job.geo.frame_rate, audio=track)
+        """Driver only: H.264 (+ AAC) mp4 at the output path, or the frames handed off (`media="frames"`,
+        `common.handoff`); returns the file's size in bytes (0 for a hand-off)."""
+        return (yield from deliver_video(self.clock, job.args, frames, job.geo.frame_rate, track))
 
     # =====================================================================================================
     # helpers for the stages
@@ -469,6 +478,7 @@ class Ltx2Runner(MGPURunner):
         if self.tracker is not None:
             with self.clock.stage(stage):
                 self.tracker.apply(loras)
+                self.tracker.drop_factors((*self.stage2_loras, *loras))  # a past job's LoRAs: free their factors
 
     def _conditionings(self, images: list[DecodedImage], tools: Any) -> list:
         """Image latents encoded on the driver, broadcast, turned into conditioning items on every rank."""

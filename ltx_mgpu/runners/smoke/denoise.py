@@ -184,14 +184,14 @@ def denoise_step(
 
 def decode_frames(decoder: torch.nn.Module, geometry: SmokeGeometry, video_state: Any) -> torch.Tensor:
     """Unpatchify the final video latent and decode it with the ltx-core video VAE decoder:
-    uint8 frames (F, H, W, 3)."""
+    uint8 frames (F, H, W, 3) on the decoder's device (converted to yuv420p there: `common.handoff`)."""
     from ltx_core.model.video_vae.video_vae import decode_video
 
     latent = geometry.video_tools(1).unpatchify(video_state).latent
     dtype = next(decoder.parameters()).dtype
     with torch.no_grad():
         chunks = list(decode_video(latent.to(dtype), decoder))
-    return torch.cat(chunks, dim=0).cpu()
+    return torch.cat(chunks, dim=0)
 
 
 def audio_latent(geometry: SmokeGeometry, audio_state: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ does with them:
 | steps            | denoising steps (default: setup's `default_steps`) |
 | guidance_scale   | CFG scale (default 1.0: no guidance, batch 1; > 1 runs a batch of 2 through SP) |
 | images           | refused (`ValueError`): the smoke model takes no conditioning images |
+| loras            | refused (`ValueError`): the smoke model takes no LoRAs |
 | enhance_prompt   | accepted and ignored (no prompt-enhancer model in the smoke setup) |
 | audio            | decode the denoised audio latent and mux it as AAC (default); False: a silent mp4 |
 | output_path      | where the driver rank writes the mp4 |
@@ -31,9 +32,10 @@ audio-video attention); the driver decodes it (audio VAE decoder + vocoder, no t
 fits it to the video's duration.
 
 Events (driver rank only): stage encode / denoise, one progress per step, stage decode, stage
-audio_decode (when audio is on), stage mux, output (with `audio`, `audio_sample_rate`, `audio_duration_s`
-and `timings_s`). Limits are checked on every rank before any collective and raise `ValueError` (a
-recoverable `SymmetricRunnerError` for the caller).
+audio_decode (when audio is on), stage mux (or, with `media="frames"`, a `media` hand-off event and no
+file: `common.handoff`), output (with `audio`, `audio_sample_rate`, `audio_duration_s`, `timings_s` and the
+device-busy clock `gpu_busy_s`, `gpu_started_at`, `gpu_ended_at`). Limits are checked on every rank
+before any collective and raise `ValueError` (a recoverable `SymmetricRunnerError` for the caller).
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ from ...parallel import check_token_budget, padded_token_count
 from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.handoff import deliver_video
 from ..common.loading import build_checked, build_sp_transformer
-from ..common.media import AudioTrack, audio_fields, write_mp4
+from ..common.media import AudioTrack, EncodeOptions, audio_fields
 from ..common.stages import StageClock, check_finite, ltx2_sigmas
 from .checkpoint import ensure_smoke_checkpoint
 from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding
@@ -202,6 +205,8 @@ class SmokeRunner(MGPURunner):
         )
         if args.images:
             raise ValueError("the smoke runner takes no conditioning images")
+        if args.loras:
+            raise ValueError("the smoke runner takes no LoRAs")
         self._validate(geo, steps, scale, args.output_path)
         driver, clock = self.is_driver, self.clock
         clock.reset()
@@ -237,9 +242,7 @@ class SmokeRunner(MGPURunner):
             yield stage_event(Stage.AUDIO_DECODE)
             with clock.stage(Stage.AUDIO_DECODE):
                 track = self.decode_audio(geo, audio_state).fitted(args.duration_s)
-        yield stage_event(Stage.MUX)
-        with clock.stage(Stage.MUX):
-            size = write_mp4(frames, args.output_path, geo.frame_rate, crf=self.crf, audio=track)
+        size = yield from deliver_video(clock, args, frames, geo.frame_rate, track, EncodeOptions(crf=self.crf))
         yield output_event(
             os.fspath(args.output_path),
             frames=int(frames.shape[0]),
@@ -251,6 +254,8 @@ class SmokeRunner(MGPURunner):
             steps=steps,
             world_size=self.world_size,
             **audio_fields(track),
+            **({"media": "frames"} if args.media == "frames" else {}),
             timings_s=dict(clock.timings_s),
+            **clock.gpu_report(),
         )
         return None

@@ -1,0 +1,104 @@
+"""`producer submit --lora NAME[:STRENGTH]`: LoRAs added to every request of a file, and checked at the edge.
+
+The schema (`worker.lorarefs`) holds what any worker refuses (syntax, count, strength). What a worker
+offers (its catalogue's names, its allowed S3 prefixes, how many LoRAs per request) is in its health
+snapshot (`loras`, published by `worker.loras.LoraResolver.published`); a request is checked against every
+live worker on the target queue, since any of them may take the job. The file itself is checked only in
+the worker: its contents are not the producer's to read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from pydantic import ValidationError
+from rq.worker import Worker
+
+from producer.models import unavailable_on_error
+from producer.requestfile import LoadedRequest
+from worker.keys import worker_health_key
+from worker.lorarefs import LoraRef, parse_lora_option, uri_allowed
+from worker.schema import RenderRequest
+
+__all__ = ["first_lora_problem", "lora_problems", "published_loras", "with_lora_options"]
+
+
+def with_lora_options(requests: Sequence[LoadedRequest], options: Sequence[str]) -> list[LoadedRequest]:
+    """Each request with the `--lora` options appended to its own `loras` (ValueError naming the bad one)."""
+    if not options:
+        return list(requests)
+    refs = []
+    for text in options:
+        try:
+            refs.append(parse_lora_option(text))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err.get("loc", ())) or "value"
+            raise ValueError(f"--lora {text!r}: {where}: {err.get('msg')}") from None
+    out = []
+    for loaded in requests:
+        data = loaded.request.model_dump(exclude_none=True)
+        data["loras"] = [*data.get("loras", []), *(r.model_dump(exclude_none=True) for r in refs)]
+        try:
+            request = RenderRequest.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            raise ValueError(f"{loaded.source}: with --lora, {where}: {err.get('msg')}") from None
+        out.append(replace(loaded, request=request))
+    return out
+
+
+def published_loras(connection: Any, queue: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(worker name, what it publishes under `loras`) for the live workers on `queue` that publish it."""
+    out = []
+    with unavailable_on_error():
+        for worker in Worker.all(connection=connection, queue=queue):
+            raw = connection.get(worker_health_key(worker.name))
+            try:
+                offer = (json.loads(raw) if raw else {}).get("loras")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(offer, dict):
+                out.append((worker.name, offer))
+    return out
+
+
+def lora_problems(request: RenderRequest, offers: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """What any of these workers would refuse in `request.loras` (any of them may take the job)."""
+    problems: dict[str, None] = {}
+    refs = request.loras or []
+    for worker, offer in offers:
+        for message in _refused_by(refs, offer):
+            problems.setdefault(f"{message} (worker {worker})")
+    return list(problems)
+
+
+def _refused_by(refs: Sequence[LoraRef], offer: dict[str, Any]) -> list[str]:
+    out = []
+    cap = offer.get("max_per_request")
+    if isinstance(cap, int) and len(refs) > cap:
+        out.append(f"loras: {len(refs)} LoRAs, the worker takes at most {cap}")
+    names = offer.get("names")
+    prefixes = [str(p) for p in offer.get("s3_prefixes") or []]
+    for i, ref in enumerate(refs):
+        if ref.name is not None and isinstance(names, list) and ref.name not in names:
+            out.append(f"loras[{i}].name: {ref.name!r} is not in the worker's catalogue")
+        if ref.uri is not None and not uri_allowed(ref.uri, prefixes):
+            out.append(f"loras[{i}].uri: {ref.uri!r} is under no prefix the worker allows")
+    return out
+
+
+def first_lora_problem(connection: Any, queue: Any, requests: Sequence[LoadedRequest]) -> str | None:
+    """ "FILE:LINE: what is wrong" for the first request whose LoRAs a live worker on `queue` would refuse."""
+    if not any(loaded.request.loras for loaded in requests):
+        return None
+    offers = published_loras(connection, queue)
+    for loaded in requests:
+        if problems := lora_problems(loaded.request, offers):
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            return f"{loaded.source}: {problems[0]}{more}"
+    return None
