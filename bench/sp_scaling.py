@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from ltx_mgpu import MGPUController, MGPURunner
-from ltx_mgpu.parallel.cost_model import CostModel, LayerDims, choose_layout, valid_layouts
+from ltx_mgpu.parallel.cost_model import CostModel, LayerDims, StepShape, choose_layout, valid_layouts
 from ltx_mgpu.parallel.layout import ParallelLayout
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -389,10 +389,9 @@ def _row(
     scale = ref.abs().max().item() if ref is not None else 0.0
     rows_per_rank = math.ceil(passes / layout.guidance)
     flop = rows_per_rank * dims.layer_flop(tokens, layout.sequence, AUDIO_TOKENS, CONTEXT_TOKENS)
-    shape = {"tokens": tokens, "passes": passes, "dims": dims, "audio_tokens": AUDIO_TOKENS}
-    graphed = mode == "graphed"
-    estimate = model.layer_ms(layout, **shape, context_tokens=CONTEXT_TOKENS, graphed=graphed)
-    chosen = choose_layout(world, **shape, layers=layers, context_tokens=CONTEXT_TOKENS, graphed=graphed)
+    shape = StepShape(tokens, passes, dims, AUDIO_TOKENS, CONTEXT_TOKENS, graphed=mode == "graphed")
+    estimate = model.layer_ms(layout, shape)
+    chosen = choose_layout(world, shape, layers=layers)
     base = baselines.ms.get((tokens, passes, mode))
     speedup = base / ms if base else None
     return {
@@ -412,7 +411,7 @@ def _row(
         "tokens_per_rank": math.ceil(tokens / layout.sequence),
         "flop_per_layer": flop,
         "model_ms_per_layer": round(estimate, 3),
-        "model_compute_ms": round(model.compute_ms(layout, tokens, passes, dims, AUDIO_TOKENS, CONTEXT_TOKENS), 3),
+        "model_compute_ms": round(model.compute_ms(layout, shape), 3),
         "model_choice": str(chosen.layout),
         **res,
     }

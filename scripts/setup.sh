@@ -9,13 +9,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Every install goes through constraints.txt: the exact versions the suite last passed with (see its header
+# for how to upgrade), so a fresh machine gets what CI tested, not whatever was released since.
 # torch pinned: the CPU wheel for 2.13.0 is served locally; anything unpinned pulls a multi-GB CUDA build.
-pip install -q "torch==2.13.0" numpy
+pip install -q -c constraints.txt "torch==2.13.0" numpy
 # ltx-core declares torchaudio, whose CUDA build breaks imports next to CPU torch: install without deps.
-pip install -q --no-deps "ltx-core==1.0.0"
-pip install -q -e ".[dev]"
+pip install -q -c constraints.txt --no-deps "ltx-core==1.0.0"
+pip install -q -c constraints.txt -e ".[dev]"
 # The CUDA-IPC all2all extension (kernels/) compiles with nvcc even without a GPU; skip where nvcc is absent
 # (the kernel tests then skip and say why). A rebuild with an existing build folder takes ~2 s.
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
-  pip install -q --no-build-isolation --no-deps ./kernels
+  pip install -q -c constraints.txt --no-build-isolation --no-deps ./kernels
 fi

@@ -385,7 +385,19 @@ def test_shutdown_from_other_thread_mid_job_and_restart() -> None:
 
 
 def test_shutdown_before_start_is_noop() -> None:
-    MGPUController(ScriptedRunner, devices=["cpu"]).shutdown()
+    """Nothing to stop: it returns at once (no wait for a graceful exit), starts no process, and leaves
+    the controller as it was: startable, and serving jobs once started."""
+    ctl = MGPUController(ScriptedRunner, devices=["cpu"])
+    t0 = time.monotonic()
+    ctl.shutdown(graceful_timeout=60)
+    assert time.monotonic() - t0 < 5  # far below graceful_timeout: there was no fleet to wait for
+    assert ctl.pids == [] and not ctl.is_alive and ctl.startup is None
+    ctl.start(timeout=START_TIMEOUT)
+    try:
+        assert ctl.is_alive and len(ctl.pids) == 1
+        assert list(ctl.stream(mode="ok", n=1)) == [{"rank": 0, "i": 0}]
+    finally:
+        ctl.shutdown(graceful_timeout=10)
 
 
 def test_startup_reports_process_start_and_weight_load_per_rank() -> None:

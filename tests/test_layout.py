@@ -20,7 +20,7 @@ from ltx_mgpu.parallel import (
     choose_layout,
     split_passes,
 )
-from ltx_mgpu.parallel.cost_model import valid_layouts
+from ltx_mgpu.parallel.cost_model import StepShape, valid_layouts
 from ltx_mgpu.parallel.layout import layouts_for
 from ltx_mgpu.parallel.testing import LocalWorld, WorldContext
 
@@ -53,7 +53,7 @@ def test_split_passes_is_contiguous_and_balanced() -> None:
 @pytest.mark.parametrize("graphed", [False, True])
 def test_cost_model_choices_are_valid(graphed: bool) -> None:
     for world, passes, tokens in itertools.product((1, 2, 3, 4, 6, 8), (1, 2, 3, 4), (96, 1536, 6144, 24576)):
-        choice = choose_layout(world, tokens=tokens, passes=passes, dims=DIMS_19B, layers=48, graphed=graphed)
+        choice = choose_layout(world, StepShape(tokens, passes, DIMS_19B, graphed=graphed), layers=48)
         layout = choice.layout
         assert layout.world_size == world
         assert DIMS_19B.video_heads % layout.sequence == 0 and DIMS_19B.audio_heads % layout.sequence == 0
@@ -72,7 +72,7 @@ def test_cost_model_picks_what_the_issue_measured(graphed: bool) -> None:
     1,536 tokens are close either way (2x1 leaves one GPU a third idle), so that choice is not pinned here."""
 
     def pick(tokens: int, passes: int, world: int = 2) -> str:
-        return str(choose_layout(world, tokens=tokens, passes=passes, dims=DIMS_19B, layers=48, graphed=graphed).layout)
+        return str(choose_layout(world, StepShape(tokens, passes, DIMS_19B, graphed=graphed), layers=48).layout)
 
     assert pick(1536, 2) == "2x1" and pick(1536, 4) == "2x1"
     assert pick(6144, 1) == "1x2" and pick(1536, 1) == "1x2"  # one pass: nothing else keeps both GPUs busy
@@ -91,15 +91,8 @@ def test_cost_model_estimates_match_issue_measurements_roughly() -> None:
         (24576, 1, "1x2"): 194.5 / 8,
     }
     for (tokens, passes, name), ms in measured.items():
-        est = DEFAULT_COST_MODEL.layer_ms(
-            ParallelLayout.parse(name),
-            tokens=tokens,
-            passes=passes,
-            dims=DIMS_19B,
-            audio_tokens=126,
-            context_tokens=128,
-            graphed=False,
-        )
+        shape = StepShape(tokens, passes, DIMS_19B, audio_tokens=126, context_tokens=128)
+        est = DEFAULT_COST_MODEL.layer_ms(ParallelLayout.parse(name), shape)
         assert est == pytest.approx(ms, rel=0.35), (tokens, passes, name, est, ms)
 
 

@@ -166,6 +166,7 @@ def test_request_errors_are_symmetric_and_the_fleet_survives(two_stage_fleet, di
     render(distilled_fleet, tmp_path / "ok.mp4")  # still alive
 
 
+@pytest.mark.numerics
 def test_distilled_one_process_matches_two_ranks(distilled_fleet, tiny, tmp_path):
     two, _, events = render(distilled_fleet, tmp_path / "two.mp4", seed=9)
     assert next(e for e in events if e.get("stage") == "stage2" and e["type"] == "stage")["mode"] == "sp"
@@ -173,7 +174,9 @@ def test_distilled_one_process_matches_two_ranks(distilled_fleet, tiny, tmp_path
         local.start(**distilled_setup(tiny, dtype="float32", vae_tiles=1))
         one, _, _ = render(_LocalCtl(local), tmp_path / "one.mp4", seed=9)
     # SP is faithful up to floating-point reduction order (float32 here): after 11 steps, decoding and H.264
-    # the videos agree to within a fraction of an 8-bit level on average.
+    # the videos agree to within a fraction of an 8-bit level on average. A mean, not a max: x264 turns a
+    # one-level input difference into tens of levels in a few places (measured on the smoke model: max 43,
+    # mean 0.06 between two CPU paths); 0.5 is ~8x that mean, and a wrong token order moves it by tens.
     diff = (two.float() - one.float()).abs()
     assert diff.mean().item() < 0.5, diff.mean().item()
     # Audio tokens are computed whole on every rank (SP splits video tokens only), but they attend to the video,

@@ -56,10 +56,9 @@ def test_demo_renders_uploads_verifies_and_leaves_nothing_running(tmp_path: Path
     stopped = {m.group(1): float(m.group(2)) for m in re.finditer(r"stopped (\w+) in ([\d.]+)s", log)}
     assert stopped.get("s3", 99) < 8, log[-2000:]  # (the demo used to wait up to 15 s for weed)
     assert elapsed < 180, f"the demo took {elapsed:.0f}s (budget: 3 minutes on 2 cores)"
-    # the demo is deterministic (seeded smoke model, fixed encoder settings): docs/producer.md shows its
-    # real output, so the sha256 a reader sees there is the one they get (it was stale once)
+    # docs/producer.md shows these lines with the hash left out: the bytes depend on the CPU's float kernels
+    # and thread counts (its "Reproducible renders"), so a pinned sha256 held on one machine only. The
+    # lines themselves are kept in step: the demo's output has the shape the docs show.
     docs = (ROOT / "docs" / "producer.md").read_text()
-    sha = copy.group(2)
-    assert f"(sha256 {sha} verified)" in docs and f"sha256 {sha[:16]}…" in docs, (
-        f"update the examples in docs/producer.md: the demo produced sha256 {sha}"
-    )
+    assert "(sha256 <64 hex digits> verified)" in docs and "sha256 <first 16 hex digits>…)" in docs
+    assert re.search(r"uploaded s3://videos/\S+ \([^)]+, sha256 [0-9a-f]{16}…\)", log), log[-3000:]

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.numerics
 def test_cpu_mode_reports_every_layout_and_mode() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sp_scaling.py"), "--device", "cpu", "--dims", "tiny"],
@@ -43,7 +46,9 @@ def test_cpu_mode_reports_every_layout_and_mode() -> None:
         (2, 3, "2x1", "graphed"),
     }
     for r in rows:
-        assert r["max_abs_diff"] <= 1e-5, r  # fp32 on CPU ranks: every layout agrees with one rank
+        # fp32 on CPU ranks: every layout agrees with one rank up to summation order (see TOL in
+        # tests/test_sp_parallel.py for the derivation at the tiny model's sizes)
+        assert r["max_abs_diff"] <= 1e-5, r
         assert r["ms_per_layer"] > 0 and r["speedup"] is not None and r["model_choice"] in ("1x1", "1x2", "2x1")
         assert r["path"] == ("eager: not CUDA" if r["mode"] == "graphed" else "eager (eager)"), r
         if r["world"] == 2:

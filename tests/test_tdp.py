@@ -52,6 +52,7 @@ def test_split_axis_covers_with_exact_overlaps(length, n, overlap):
     torch.testing.assert_close(total, torch.ones(length))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "tiling",
     [
@@ -65,6 +66,7 @@ def test_split_axis_covers_with_exact_overlaps(length, n, overlap):
 def test_blend_masks_sum_to_one(tiling):
     weights = blend_weights(GRID, tiling)
     assert weights.shape == GRID
+    # a handful of fp32 weights in [0, 1] summed per cell: a few u = 6e-8 of rounding at most
     torch.testing.assert_close(weights, torch.ones(GRID), rtol=0, atol=1e-6)
 
 
@@ -182,27 +184,34 @@ def model():
     return tiny_model()
 
 
+@pytest.mark.numerics
 def test_pointwise_model_is_reproduced_exactly_with_conditioning_tokens():
     ref_v, ref_a = run_untiled(Pointwise(), 0.5, keyframe=True)
     tiling = TileCountConfig(DimensionTiling(2, 0), DimensionTiling(2, 2))
     out_v, out_a = run_tdp(Pointwise(), tiling, 0.5, keyframe=True)
     assert out_v.shape == ref_v.shape and out_v.shape[1] == 2 * 8 * 12 + 8 * 12
+    # a pointwise model sees the same values tiled or not: only the blend (weights summing to 1 within a few
+    # u, times outputs of magnitude ~1) can round differently, so 1e-6 is ~10 u
     torch.testing.assert_close(out_v, ref_v, rtol=0, atol=1e-6)
     torch.testing.assert_close(out_a, ref_a, rtol=0, atol=1e-6)  # audio: average of identical outputs
 
 
+@pytest.mark.numerics
 def test_constant_input_matches_untiled(model):
     ref_v, ref_a = run_untiled(model, 0.0)
     out_v, out_a = run_tdp(model, TILING_2x2, 0.0)
+    # constant input: every tile computes the untiled values, with matmuls over fewer rows (another MKL
+    # blocking, so another fp32 summation order): ~1e-6 through the tiny transformer, 1e-5 with room
     torch.testing.assert_close(out_v, ref_v, rtol=0, atol=1e-5)
     torch.testing.assert_close(out_a, ref_a, rtol=0, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_smooth_input_matches_untiled_within_tolerance(model):
     ref_v, _ = run_untiled(model, 0.05)
     out_v, _ = run_tdp(model, TILING_2x2, 0.05)
     err = (out_v - ref_v).abs().max().item()
-    assert err < 0.05, err
+    assert err < 0.05, err  # an approximation (tiles see less context), not rounding: no ISA dependence
     rough_v, _ = run_untiled(model, 1.0)
     rough_out, _ = run_tdp(model, TILING_2x2, 1.0)
     assert (rough_out - rough_v).abs().max().item() > err  # the tolerance is about smoothness, not luck
@@ -308,11 +317,12 @@ def world():
         yield w
 
 
+@pytest.mark.numerics
 def test_two_ranks_match_one_process(world, model):
     tiling = TileCountConfig(height=DimensionTiling(2, 2), width=DimensionTiling(3, 1))  # 6 tiles over 2 ranks
     single_v, single_a = run_tdp(model, tiling, 0.3, keyframe=True)
     results = world.run(_rank_tdp, tiling, 0.3, True)
-    for out_v, out_a in results:
+    for out_v, out_a in results:  # the same tiles, summed by an all-reduce in another order: as above, 1e-5
         torch.testing.assert_close(out_v, single_v, rtol=0, atol=1e-5)
         torch.testing.assert_close(out_a, single_a, rtol=0, atol=1e-5)
     assert torch.equal(results[0][0], results[1][0])  # one all-reduce: every rank holds the same bits

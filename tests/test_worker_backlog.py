@@ -16,7 +16,6 @@ import json
 import signal
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +23,14 @@ import pytest
 from rq.job import JobStatus
 
 from tests.test_worker_support import (
-    WorkerProcess,
-    enqueue,
     events,
+    launch_worker,
     output_bytes,
     pid_alive,
     read_records,
     wait_for,
     wait_ready,
     wait_state,
-    worker_env,
     worker_health,
 )
 from worker.spool import MANIFEST_NAME
@@ -48,20 +45,17 @@ class Worker:
 
     def __init__(self, tmp: Path, redis_server: Any, s3_server: Any, proxy: Any, *, queue: str | None = None,
                  spool: Path | None = None, group: str = "cpu:1", **extra: Any) -> None:  # fmt: skip
-        self.queue = queue or f"q-{uuid.uuid4().hex[:8]}"
-        self.name = f"b{uuid.uuid4().hex[:6]}"
         self.spool = spool or tmp / "spool"
         self.proxy = proxy
         settings = {"upload_attempts": 200, "upload_backoff_s": 0.1, "upload_backoff_max_s": 0.3, **extra}
-        env = worker_env(redis_server.url, s3_server, queue=self.queue, name=self.name, spool=self.spool,
-                         s3_url=proxy.url, **settings)  # fmt: skip
-        self.proc = WorkerProcess(["one", "--group", group], env, tmp / f"{self.name}.log").start()
-        self.conn = redis_server.client()
+        self.launched = launch_worker(tmp, redis_server, s3_server, ["one", "--group", group], prefix="b",
+                                      queue=queue, spool=self.spool, s3_url=proxy.url, **settings)  # fmt: skip
+        self.proc, self.conn, self.queue, self.name = (self.launched.proc, self.launched.conn,
+                                                       self.launched.queue, self.launched.name)  # fmt: skip
         (self.info,) = wait_ready(self.conn, self.name, 1, 120, self.proc)
 
     def submit(self, prompt: str, **request: Any) -> Any:
-        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9,
-                                               **request})  # fmt: skip
+        return self.launched.submit(prompt, **request)
 
     def health(self) -> dict[str, Any]:
         infos = [h for h in worker_health(self.conn, self.name) if pid_alive(h["pid"])]

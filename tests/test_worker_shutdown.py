@@ -16,9 +16,11 @@ from rq.job import JobStatus
 
 from tests.test_worker_support import (
     ROOT,
+    SMALL_REQUEST,
     WorkerProcess,
     enqueue,
     events,
+    launch_worker,
     pid_alive,
     read_records,
     wait_for,
@@ -31,14 +33,12 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _worker(tmp: Path, redis_server: Any, s3_server: Any, args: list[str], **extra: Any) -> tuple[Any, ...]:
-    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"s{uuid.uuid4().hex[:6]}"
-    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=tmp / "spool", **extra)
-    proc = WorkerProcess(args, env, tmp / f"{name}.log").start()
-    return proc, redis_server.client(), queue, name
+    w = launch_worker(tmp, redis_server, s3_server, args, prefix="s", **extra)
+    return w.proc, w.conn, w.queue, w.name
 
 
 def _submit(conn: Any, queue: str, prompt: str, **request: Any) -> Any:
-    return enqueue(conn, queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9, **request})
+    return enqueue(conn, queue, {"prompt": prompt, **SMALL_REQUEST, **request})
 
 
 def _progress(job: Any, proc: WorkerProcess, at_least: int = 2) -> None:

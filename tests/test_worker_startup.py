@@ -11,20 +11,18 @@ import json
 import re
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.test_worker_support import (
-    WorkerProcess,
     enqueue,
+    launch_worker,
     read_records,
     wait_for,
     wait_ready,
     wait_state,
-    worker_env,
     worker_health,
 )
 
@@ -39,15 +37,13 @@ def warm_worker(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_
     tmp = tmp_path_factory.mktemp("startup")
     record = tmp / "exec.jsonl"
     slow = tmp / "slow-rebuilds"
-    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"s{uuid.uuid4().hex[:6]}"
     warmup = [{"prompt": f"warm step_s={WARMUP_STEP_S} record={record}", "steps": 2, "width": 64, "height": 64,
                "num_frames": 9}]  # fmt: skip
-    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=tmp / "spool",
-                     runner_setup=json.dumps({"setup_s": SETUP_S, "slow_if_exists": str(slow), "slow_s": 4.0}),
-                     warmup_requests=json.dumps(warmup), retry_fleet_failure=0)  # fmt: skip
     t_launch = time.time()
-    proc = WorkerProcess(["one", "--group", "cpu:2"], env, tmp / "worker.log").start()
-    conn = redis_server.client()
+    w = launch_worker(tmp, redis_server, s3_server, ["one", "--group", "cpu:2"], prefix="s", log_name="worker.log",
+                      runner_setup=json.dumps({"setup_s": SETUP_S, "slow_if_exists": str(slow), "slow_s": 4.0}),
+                      warmup_requests=json.dumps(warmup), retry_fleet_failure=0)  # fmt: skip
+    proc, conn, queue, name = w.proc, w.conn, w.queue, w.name
     try:
         (info,) = wait_ready(conn, name, 1, 120, proc)
         yield {"conn": conn, "queue": queue, "name": name, "proc": proc, "record": record, "slow": slow,

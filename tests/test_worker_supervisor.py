@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 from typing import Any
 
 import pytest
@@ -15,29 +14,21 @@ from rq.job import JobStatus
 from producer.client import ProducerClient
 from producer.settings import load_settings
 from tests.test_worker_support import (
-    WorkerProcess,
-    enqueue,
+    LaunchedWorker,
     events,
+    launch_worker,
     pid_alive,
     read_records,
     wait_for,
     wait_ready,
     wait_state,
-    worker_env,
     worker_health,
 )
 
 pytestmark = pytest.mark.timeout(240)
 
 
-class Pair:
-    def __init__(self, proc: WorkerProcess, conn: Any, queue: str, name: str) -> None:
-        self.proc, self.conn, self.queue, self.name = proc, conn, queue, name
-
-    def submit(self, prompt: str, **request: Any) -> Any:
-        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9,
-                                               **request})  # fmt: skip
-
+class Pair(LaunchedWorker):
     def ready(self, timeout: float = 120) -> list[dict[str, Any]]:
         return wait_ready(self.conn, self.name, 2, timeout, self.proc)
 
@@ -45,11 +36,10 @@ class Pair:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
     tmp = tmp_path_factory.mktemp("pair")
-    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"p{uuid.uuid4().hex[:6]}"
-    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=tmp / "spool")
-    proc = WorkerProcess(["--group", "cpu:1", "--group", "cpu:1"], env, tmp / "supervisor.log").start()
-    conn = redis_server.client()
-    p = Pair(proc, conn, queue, name)
+    w = launch_worker(tmp, redis_server, s3_server, ["--group", "cpu:1", "--group", "cpu:1"], prefix="p",
+                      log_name="supervisor.log")  # fmt: skip
+    proc, conn, name = w.proc, w.conn, w.name
+    p = Pair(proc, conn, w.queue, name)
     p.ready()
     try:
         yield p

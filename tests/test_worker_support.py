@@ -32,7 +32,9 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +263,44 @@ class WorkerProcess:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+SMALL_REQUEST = {"width": 64, "height": 64, "num_frames": 9}  #: the fault runner's usual request size
+
+
+@dataclass
+class LaunchedWorker:
+    """An `ltx-worker` process under test with its queue, worker-name prefix and a Redis connection."""
+
+    proc: WorkerProcess
+    conn: Any
+    queue: str
+    name: str
+
+    def submit(self, prompt: str, **request: Any) -> Any:
+        """Enqueue a small render (`SMALL_REQUEST`, overridable) steered by `prompt`'s directives."""
+        return enqueue(self.conn, self.queue, {"prompt": prompt, **SMALL_REQUEST, **request})
+
+
+def launch_worker(
+    tmp: Path,
+    redis_server: Any,
+    s3_server: Any,
+    args: list[str],
+    *,
+    prefix: str = "w",
+    queue: str | None = None,
+    spool: Path | None = None,
+    log_name: str | None = None,
+    **settings: Any,
+) -> LaunchedWorker:
+    """Start `ltx-worker ARGS` on a fresh queue and name (unless given) with `worker_env(**settings)`; its
+    log is `tmp/<log_name or name>.log`. Waiting for it to be ready is the caller's (how many fleets)."""
+    queue = queue or f"q-{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}{uuid.uuid4().hex[:6]}"
+    env = worker_env(redis_server.url, s3_server, queue=queue, name=name, spool=spool or tmp / "spool", **settings)
+    proc = WorkerProcess(args, env, tmp / (log_name or f"{name}.log")).start()
+    return LaunchedWorker(proc, redis_server.client(), queue, name)
 
 
 def worker_health(conn: Any, name_prefix: str) -> list[dict[str, Any]]:

@@ -22,7 +22,15 @@ from __future__ import annotations
 from .all2all import All2AllBackend, available_backends, get_backend_factory, register_backend
 from .attention import DEFAULT_ALL2ALL_TIMEOUT_S, All2AllAttention, AttentionManager, AudioAll2AllAttention
 from .builder import SequenceParallelBuilder, create_sp_module_ops, patch_sp_attention
-from .cost_model import DEFAULT_COST_MODEL, CostModel, LayerDims, LayoutChoice, LayoutPolicy, choose_layout
+from .cost_model import (
+    DEFAULT_COST_MODEL,
+    CostModel,
+    LayerDims,
+    LayoutChoice,
+    LayoutPolicy,
+    StepShape,
+    choose_layout,
+)
 from .graph_audit import HostSyncAudit
 from .graphs import CudaGraphForward
 from .guidance import GuidanceParallelPasses, split_passes
@@ -59,6 +67,7 @@ __all__ = [
     "ParallelLayout",
     "SequenceParallelBuilder",
     "SequenceParallelModelWrapper",
+    "StepShape",
     "available_backends",
     "check_token_budget",
     "choose_layout",

@@ -38,6 +38,7 @@ __all__ = [
     "LayerDims",
     "LayoutChoice",
     "LayoutPolicy",
+    "StepShape",
     "choose_layout",
     "valid_layouts",
 ]
@@ -116,6 +117,22 @@ EXCHANGES_PER_LAYER = 7  #: q, k, v, out (video self-attention) + k, v, out (aud
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """One denoising step as the cost model prices it (one place for what every estimate takes)."""
+
+    tokens: int  #: video tokens of one pass (T)
+    passes: int  #: passes of the step (P: 1, or 2-3 with guidance), batched within a group
+    dims: LayerDims
+    audio_tokens: int = 126  #: every pass carries these whole (SP repeats them on every rank)
+    context_tokens: int = 1024  #: text tokens every pass attends to
+    graphed: bool = False  #: the forward replays a captured graph (host cost of a replay only)
+
+    def rows(self, layout: ParallelLayout) -> int:
+        """Passes one guidance group runs (ceil(P / G)); 0 when the step has none."""
+        return math.ceil(self.passes / layout.guidance)
+
+
+@dataclass(frozen=True)
 class CostModel:
     """The constants of the layout cost model (milliseconds per layer unless stated)."""
 
@@ -133,70 +150,37 @@ class CostModel:
     gather_ms: float = 0.05  #: fixed cost of the per-step all-gather of the pass outputs
     itemsize: int = 2  #: bf16 activations
 
-    def compute_ms(
-        self, layout: ParallelLayout, tokens: int, passes: int, dims: LayerDims, audio_tokens: int, context_tokens: int
-    ) -> float:
+    def compute_ms(self, layout: ParallelLayout, shape: StepShape) -> float:
         """GPU time of one layer's arithmetic on one rank (no floor, no exchanges, no host)."""
-        rows = math.ceil(passes / layout.guidance)
+        rows = shape.rows(layout)
         if rows == 0:
             return 0.0
-        flop = rows * dims.layer_flop(tokens, layout.sequence, audio_tokens, context_tokens)
-        m = rows * math.ceil(tokens / layout.sequence)
+        flop = rows * shape.dims.layer_flop(shape.tokens, layout.sequence, shape.audio_tokens, shape.context_tokens)
+        m = rows * math.ceil(shape.tokens / layout.sequence)
         return flop / (self.flops_per_s * m / (m + self.half_rate_tokens)) * 1e3
 
-    def layer_ms(
-        self,
-        layout: ParallelLayout,
-        *,
-        tokens: int,
-        passes: int,
-        dims: LayerDims,
-        audio_tokens: int,
-        context_tokens: int,
-        graphed: bool,
-    ) -> float:
+    def layer_ms(self, layout: ParallelLayout, shape: StepShape) -> float:
         """Estimated time of one layer of one denoising step under `layout`."""
         s = layout.sequence
-        rows = math.ceil(passes / layout.guidance)
+        rows = shape.rows(layout)
         if rows == 0:
             return 0.0
-        gpu = max(self.gpu_floor_ms, self.compute_ms(layout, tokens, passes, dims, audio_tokens, context_tokens))
+        gpu = max(self.gpu_floor_ms, self.compute_ms(layout, shape))
         if s > 1:
-            sent = rows * dims.exchange_bytes(tokens, s, audio_tokens, self.itemsize)
+            sent = rows * shape.dims.exchange_bytes(shape.tokens, s, shape.audio_tokens, self.itemsize)
             gpu += EXCHANGES_PER_LAYER * self.exchange_ms + sent / self.link_bytes_per_s * 1e3
-        if graphed:
+        if shape.graphed:
             host = self.host_ms_graphed
         else:
             host = self.host_ms_eager_sp if s > 1 else self.host_ms_eager
         return max(host, gpu)
 
-    def step_ms(
-        self,
-        layout: ParallelLayout,
-        *,
-        tokens: int,
-        passes: int,
-        layers: int,
-        dims: LayerDims,
-        audio_tokens: int,
-        context_tokens: int,
-        graphed: bool,
-        out_channels: int = 128,
-    ) -> float:
+    def step_ms(self, layout: ParallelLayout, shape: StepShape, *, layers: int, out_channels: int = 128) -> float:
         """Estimated time of one denoising step (all layers, plus the guidance all-gather)."""
-        per_layer = self.layer_ms(
-            layout,
-            tokens=tokens,
-            passes=passes,
-            dims=dims,
-            audio_tokens=audio_tokens,
-            context_tokens=context_tokens,
-            graphed=graphed,
-        )
-        step = layers * per_layer
+        step = layers * self.layer_ms(layout, shape)
         if layout.guidance > 1:
-            rows = math.ceil(passes / layout.guidance)
-            gathered = rows * (tokens + audio_tokens) * out_channels * self.itemsize * (layout.guidance - 1)
+            per_row = (shape.tokens + shape.audio_tokens) * out_channels * self.itemsize
+            gathered = shape.rows(layout) * per_row * (layout.guidance - 1)
             step += self.gather_ms + gathered / self.link_bytes_per_s * 1e3
         return step
 
@@ -235,38 +219,17 @@ class LayoutChoice:
 
 
 def choose_layout(
-    world_size: int,
-    *,
-    tokens: int,
-    passes: int,
-    dims: LayerDims,
-    layers: int,
-    audio_tokens: int = 126,
-    context_tokens: int = 1024,
-    graphed: bool = False,
-    model: CostModel = DEFAULT_COST_MODEL,
+    world_size: int, shape: StepShape, *, layers: int, model: CostModel = DEFAULT_COST_MODEL
 ) -> LayoutChoice:
     """The valid layout with the smallest estimated step time (ties: fewer collectives, i.e. larger G).
 
     When no layout keeps every group busy (a world whose size does not divide the head counts, e.g. 3
     ranks for 32 heads, and fewer passes than ranks), layouts with idle groups are considered too (Wx1
     always fits)."""
-    candidates = valid_layouts(world_size, passes, dims) or valid_layouts(
-        world_size, passes, dims, allow_idle_groups=True
+    candidates = valid_layouts(world_size, shape.passes, shape.dims) or valid_layouts(
+        world_size, shape.passes, shape.dims, allow_idle_groups=True
     )
-    estimates = {
-        str(layout): model.step_ms(
-            layout,
-            tokens=tokens,
-            passes=passes,
-            layers=layers,
-            dims=dims,
-            audio_tokens=audio_tokens,
-            context_tokens=context_tokens,
-            graphed=graphed,
-        )
-        for layout in candidates
-    }
+    estimates = {str(layout): model.step_ms(layout, shape, layers=layers) for layout in candidates}
     best = min(candidates, key=lambda layout: (round(estimates[str(layout)], 6), -layout.guidance))
     return LayoutChoice(best, "auto", estimates)
 
@@ -329,17 +292,8 @@ class LayoutPolicy:
         override = self.override_for(stage)
         if override is not None:
             return LayoutChoice(override, "override", {})
-        return choose_layout(
-            self.world_size,
-            tokens=tokens,
-            passes=passes,
-            dims=self.dims,
-            layers=self.layers,
-            audio_tokens=audio_tokens,
-            context_tokens=context_tokens,
-            graphed=graphed,
-            model=self.model,
-        )
+        shape = StepShape(tokens, passes, self.dims, audio_tokens, context_tokens, graphed)
+        return choose_layout(self.world_size, shape, layers=self.layers, model=self.model)
 
     def with_model(self, model: CostModel) -> LayoutPolicy:
         """The same overrides with other constants (e.g. a calibration from the benchmark)."""

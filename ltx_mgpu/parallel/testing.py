@@ -95,13 +95,17 @@ class LocalWorld:
         devices: Sequence[str | torch.device] | None = None,
         backend: str = "gloo",
         timeout: float = 120.0,
-        threads_per_rank: int = 1,
+        threads_per_rank: int | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         devices = ["cpu"] * world_size if devices is None else [str(d) for d in devices]
         if len(devices) != world_size:
             raise ValueError(f"need {world_size} devices, got {devices}")
+        if threads_per_rank is None:
+            # 1 (ranks share the cores) unless OMP_NUM_THREADS asks otherwise: scripts/test-numerics.sh
+            # runs the numerics tests at 1 and 2 threads, since the thread count picks MKL's kernels.
+            threads_per_rank = int(os.environ.get("OMP_NUM_THREADS") or 1)
         self.world_size = world_size
         self.devices = devices
         self.backend = backend

@@ -56,7 +56,7 @@ from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.handoff import deliver_video
 from ..common.loading import build_checked, build_sp_transformer
-from ..common.media import EncodeOptions, audio_fields
+from ..common.media import AudioTrack, EncodeOptions, audio_fields
 from ..common.stages import StageClock, check_finite, ltx2_sigmas
 from .checkpoint import ensure_smoke_checkpoint
 from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding
@@ -118,10 +118,8 @@ class SmokeRunner(MGPURunner):
         from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
         from ltx_core.model.video_vae.model_configurator import VideoDecoderConfigurator
 
-        if self.device.type == "cpu":
-            # CPU ranks share the machine's cores: one OpenMP pool per rank sized to its share, or the
-            # ranks' spinning thread pools fight over the cores at every collective (seconds per job).
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        # CPU ranks' thread pools are sized by the fleet (ltx_mgpu/fleet.py: the machine's cores split among
+        # the ranks, unless OMP_NUM_THREADS says otherwise).
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         self.dtype = _DTYPES[dtype]
@@ -176,6 +174,20 @@ class SmokeRunner(MGPURunner):
         batch = 2 if guidance_scale > 1.0 else 1
         check_token_budget(padded_token_count(geo.video_tokens, self.world_size), batch, self.max_tokens)
 
+    # ---- the last float stages before the encoders (driver only) ----------------------------------
+    # Methods so tests can compare renders across fleet layouts here, where the float paths differ by
+    # reduction order only, instead of after x264 and AAC, whose mode decisions turn a one-level (or
+    # one-ulp) difference into many levels.
+    def decode_video(self, geo: SmokeGeometry, video_state: Any) -> torch.Tensor:
+        """The denoised video state -> uint8 frames (F, H, W, 3), what x264 gets."""
+        assert self.decoder is not None  # built on the driver
+        return decode_frames(self.decoder, geo, video_state)
+
+    def decode_audio(self, geo: SmokeGeometry, audio_state: Any) -> AudioTrack:
+        """The denoised audio state -> a float waveform (before fitting to the video's duration)."""
+        assert self.audio is not None  # built on the driver
+        return self.audio.decode(audio_latent(geo, audio_state))
+
     # ---- one job -------------------------------------------------------------------------------------
     __call__ = job_entry(SmokeArgs)
 
@@ -222,15 +234,14 @@ class SmokeRunner(MGPURunner):
 
         if not driver:
             return None
-        assert self.decoder is not None and self.audio is not None  # built on the driver
         yield stage_event(Stage.DECODE)
         with clock.stage(Stage.DECODE):
-            frames = decode_frames(self.decoder, geo, video_state)
+            frames = self.decode_video(geo, video_state)
         track = None
         if args.audio:
             yield stage_event(Stage.AUDIO_DECODE)
             with clock.stage(Stage.AUDIO_DECODE):
-                track = self.audio.decode(audio_latent(geo, audio_state)).fitted(args.duration_s)
+                track = self.decode_audio(geo, audio_state).fitted(args.duration_s)
         size = yield from deliver_video(clock, args, frames, geo.frame_rate, track, EncodeOptions(crf=self.crf))
         yield output_event(
             os.fspath(args.output_path),
