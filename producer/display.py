@@ -181,9 +181,11 @@ class EventPrinter:
                 self._throttled("upload", line, force=bool(data.get("done")) or done == total)
             return
         if event.type == EventType.OUTPUT.value:
+            # (a render whose frames went to the worker's encoder has no file yet: the size comes with `rendered`)
+            size = human_bytes(data.get("bytes")) if data.get("bytes") else "to the encoder"
             self._line(
                 f"{_clock(ts)} output {data.get('width')}x{data.get('height')} {data.get('frames')} frames "
-                f"@ {data.get('fps')} fps, {human_bytes(data.get('bytes'))}",
+                f"@ {data.get('fps')} fps, {size}",
             )
             return
         if event.type == EventType.FLEET.value:
