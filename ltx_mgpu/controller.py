@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
+import os
 import shutil
 import tempfile
 import threading
@@ -69,6 +70,42 @@ _MONITOR_POLL_S = 0.1
 # so a dispatch that finds no room in a pipe for this long means the fleet is wedged (it is poisoned).
 _DISPATCH_TIMEOUT_S = 60.0
 _DEAD_MESSAGE = "MGPUController is dead; create a new one."
+
+
+#: The longest path a Unix socket can have (Linux `sun_path`: 108 bytes with its NUL).
+_SUN_PATH_MAX = 107
+#: What goes below the system's temporary directory before a rank's fd-sharing socket: the scratch directory
+#: (`/ltxf-XXXXXXXX`), then multiprocessing's own (`/pymp-XXXXXXXX`) and its listener (`/listener-XXXXXXXX`).
+_SOCKET_TAIL = len("/ltxf-XXXXXXXX/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def _scratch_base() -> str | None:
+    """Where the fleet's scratch directory goes: the system's temporary directory, unless a rank's socket
+    path would not fit below it (a deep `TMPDIR`, as pytest's or a container's can be). A rank that yields
+    a tensor then failed with `OSError: AF_UNIX path too long` and took the fleet down. A short standard
+    folder is used instead; the controller removes the scratch directory at every teardown either way."""
+    if len(tempfile.gettempdir()) + _SOCKET_TAIL <= _SUN_PATH_MAX:
+        return None
+    for short in ("/tmp", "/dev/shm", "/var/tmp"):
+        if os.path.isdir(short) and os.access(short, os.W_OK | os.X_OK):
+            return short
+    return None  # (nothing shorter to offer: the failure names the cause)
+
+
+def _fit_callers_socket_dir() -> None:
+    """The caller's side of the same limit: tensor kwargs are shared with the relay rank through a socket
+    below multiprocessing's temporary directory of this process. Under a deep `TMPDIR` that directory is made
+    in a short folder instead, the way newer Pythons do it themselves (3.11's `multiprocessing.util` does not:
+    this reaches into its per-process config, and registers the same clean-up it would)."""
+    from multiprocessing import process, util
+
+    config = process.current_process()._config
+    base = _scratch_base()
+    if config.get("tempdir") is not None or base is None:
+        return
+    scratch = tempfile.mkdtemp(prefix="pymp-", dir=base)
+    util.Finalize(None, util._remove_temp_dir, args=(shutil.rmtree, scratch), exitpriority=-100)
+    config["tempdir"] = scratch
 
 
 class _Fleet:
@@ -199,8 +236,8 @@ class MGPUController:
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
             )
             channels = FleetChannels.create(self._ctx, devices)
-            # (a short name: unix sockets of the ranks' fd sharing live below it, and their paths are capped)
-            scratch_dir = tempfile.mkdtemp(prefix="ltxf-")
+            scratch_dir = tempfile.mkdtemp(prefix="ltxf-", dir=_scratch_base())
+            _fit_callers_socket_dir()
             payload = ship_runner(self._runner_cls)
             procs = []
             for rank in range(self.world_size):

@@ -126,3 +126,24 @@ def test_get_of_a_half_written_message_gives_up_when_the_writer_is_dead(channel:
         channel.get(timeout=1, alive=lambda: not dead.is_set())
     with pytest.raises(queue.Empty):
         Channel(multiprocessing.get_context("spawn")).get(timeout=0.05)
+
+
+def test_a_rank_yields_tensors_under_a_deep_tmpdir(tmp_path, monkeypatch) -> None:
+    """Regression (the demo under pytest's TMPDIR): a rank shares a yielded tensor through a Unix socket that
+    multiprocessing makes below the rank's temporary directory; below a deep TMPDIR its path passed the
+    108-byte limit and the rank died (`OSError: AF_UNIX path too long`), taking the fleet down."""
+    import tempfile
+
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    ctl = MGPUController(ScriptedRunner, devices=["cpu", "cpu"])
+    ctl.start(timeout=120, scale=2.0)
+    try:
+        x = torch.arange(1 << 16, dtype=torch.float32)  # (large enough to be shared, not pickled inline)
+        items = list(ctl.stream(mode="tensors", x=x, nested={"t": torch.ones(5)}))
+        assert len(items) == 2 and all(torch.equal(item["scaled"], x * 2.0) for item in items)
+        assert ctl.is_alive
+    finally:
+        ctl.shutdown(graceful_timeout=10)
+    assert not any(deep.iterdir())  # (the scratch directory went elsewhere and is gone)

@@ -28,8 +28,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from tests.acl_stack import acl_worker
 from tests.test_redis_acl_rules import _passwords
-from tests.test_worker_support import WorkerProcess, wait_for, wait_ready, worker_env
+from tests.test_worker_support import WorkerProcess, wait_for, wait_ready
 from worker.redisacl import AclUsers, generate
 
 
@@ -88,21 +89,12 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     (secrets / "ops").write_text(uuid.uuid4().hex)
     acl = generate(AclUsers(tenants=("alice", "bob"), admin="ops"), password_dir=secrets)
     server = SecureRedisServer(acl=acl, binary=binary, appendonly=True, appendfsync="always").start()
-    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"r{uuid.uuid4().hex[:6]}"
-    spool = tmp / "spool"
-    spool.mkdir()
-    env = worker_env(server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
-                     redis_username="worker", redis_password_file=secrets / "worker", tenant_ids="true")  # fmt: skip
-    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
-    st = Stack(server, proc, queue, secrets)
-    try:
-        wait_listening(st.admin, name, proc)
-        yield st
-    finally:
-        rc = proc.stop()
-        st.admin.close()
-        server.cleanup()
-        assert rc == 0, proc.log_tail()
+    with acl_worker(server, s3_server, tmp, secrets, wait_listening, tenants="alice,bob") as (proc, queue, _):
+        st = Stack(server, proc, queue, secrets)
+        try:
+            yield st
+        finally:
+            st.admin.close()
 
 
 def _request(prompt: str = "t") -> Any:

@@ -16,9 +16,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from tests.acl_stack import acl_worker
 from tests.test_redis_acl import Stack, _request, _wait_state, tenant_enqueue
 from tests.test_redis_acl_rules import _passwords
-from tests.test_worker_support import WorkerProcess, events, wait_for, wait_ready, worker_env
+from tests.test_worker_support import events, wait_for, wait_ready
 from worker.redisacl import AclUsers, generate
 
 DEPTH = 5
@@ -36,22 +37,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
     secrets_dir = tmp / "secrets"
     _passwords(secrets_dir)
     server = SecureRedisServer(acl=generate(AclUsers(tenants=("alice", "bob")), password_dir=secrets_dir)).start()
-    queue, name = f"q-{uuid.uuid4().hex[:8]}", f"t{uuid.uuid4().hex[:6]}"
-    spool = tmp / "spool"
-    spool.mkdir()
-    env = worker_env(server.url, s3_server, queue=queue, name=name, spool=spool, runner="fault",
-                     redis_username="worker", redis_password_file=secrets_dir / "worker", tenant_ids="true",
-                     tenants="alice,bob", max_queue_depth=str(DEPTH))  # fmt: skip
-    proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp / "worker.log").start()
-    st = Stack(server, s3_server, proc, queue, name, secrets_dir)
-    try:
-        wait_ready(st.admin, name, 1, 120, proc)
-        yield st
-    finally:
-        rc = proc.stop()
-        st.admin.close()
-        server.cleanup()
-        assert rc == 0, proc.log_tail()
+    ready = lambda admin, name, proc: wait_ready(admin, name, 1, 120, proc)  # noqa: E731
+    with acl_worker(server, s3_server, tmp, secrets_dir, ready, tenants="alice,bob",
+                    max_queue_depth=str(DEPTH)) as (proc, queue, name):  # fmt: skip
+        st = Stack(server, s3_server, proc, queue, name, secrets_dir)
+        try:
+            yield st
+        finally:
+            st.admin.close()
 
 
 def _bob(stack: Stack) -> Any:
