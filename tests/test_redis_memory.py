@@ -178,3 +178,24 @@ def test_a_sigterm_while_the_worker_waits_to_register_is_a_warm_stop(tmp_path, r
     finally:
         proc.stop()
         filler.close()
+
+
+def test_a_stop_signal_during_a_lost_connection_is_a_stop_not_an_outage() -> None:
+    """Regression (test_redis_restart's teardown): RQ's dequeue sleeps after a lost connection; a SIGTERM
+    there raises StopRequested while the ConnectionError is being handled. The outage check walked the
+    exception's context, took the stop for an outage and waited it out: the warm stop was lost and the
+    worker ran until it was killed. Only the refusal itself is an outage."""
+    from rq.exceptions import StopRequested
+
+    from worker.redisoutage import outage_reason
+
+    lost = redis.exceptions.ConnectionError("Connection closed by server.")
+    try:
+        try:
+            raise lost
+        except redis.exceptions.ConnectionError:
+            raise StopRequested() from None
+    except StopRequested as stop:
+        stop.__context__ = lost  # (what a handler raising inside RQ's `except ConnectionError` leaves)
+        assert outage_reason(stop) is None
+    assert outage_reason(lost) is not None

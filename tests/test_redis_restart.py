@@ -111,13 +111,18 @@ def _wait_state(client: Any, job_id: str, states: set[str], stack: Stack, timeou
 def _snapshot(conn: Any, queue: str, jobs: list[str]) -> dict[str, Any]:
     """What must survive: every job's hash (less what a live worker's heartbeat rewrites), the queue in
     order, `rq:queues`, the registries' members, the tenants' admission sets and event streams."""
+    from worker.keys import tenant_queue
+
     volatile = {b"last_heartbeat"}
     registries = ("wip", "finished", "failed", "canceled", "deferred", "scheduled")
+    names = {t: tenant_queue(queue, t) for t in ("alice", "bob")}  # (each tenant submits to its own queue)
     return {
         "jobs": {j: {k: v for k, v in conn.hgetall(f"rq:job:{j}").items() if k not in volatile} for j in jobs},
-        "queue": conn.lrange(f"rq:queue:{queue}", 0, -1),
+        "queue": {t: conn.lrange(f"rq:queue:{name}", 0, -1) for t, name in names.items()},
         "queues": conn.smembers("rq:queues"),
-        "registries": {r: sorted(conn.zrange(f"rq:{r}:{queue}", 0, -1)) for r in registries},
+        "registries": {
+            r: sorted(m for name in names.values() for m in conn.zrange(f"rq:{r}:{name}", 0, -1)) for r in registries
+        },
         "admission": {t: conn.zrange(f"ltx:producer:client:{t}:jobs", 0, -1) for t in ("alice", "bob")},
         "events": {j: [e[0] for e in conn.xrange(f"ltx:job:{j}:events")] for j in jobs},
     }
@@ -148,7 +153,7 @@ def test_queued_started_and_finished_jobs_survive_a_redis_restart(
     jobs = [f"alice-done-{tag}", f"alice-held-{tag}", f"alice-q1-{tag}", f"alice-q2-{tag}", f"bob-q3-{tag}"]
     before = _snapshot(stack.admin, stack.queue, jobs)
     assert [before["jobs"][j][b"status"] for j in jobs] == [b"finished", b"started"] + [b"queued"] * 3
-    assert before["queue"] == [j.encode() for j in jobs[2:]]
+    assert before["queue"] == {"alice": [j.encode() for j in jobs[2:4]], "bob": [jobs[4].encode()]}
     assert [m.split(b":")[0] for m in before["registries"]["wip"]] == [jobs[1].encode()]  # (RQ: id:execution)
     assert jobs[0].encode() in before["registries"]["finished"]
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from rq.exceptions import StopRequested
 
 __all__ = ["RedisOutage", "outage_reason"]
 
@@ -38,6 +39,8 @@ _TRANSIENT_CLASSES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOn
 def outage_reason(exc: BaseException | None) -> str | None:
     """One line saying why Redis refused us if `exc` (or what it was raised from) is a transient refusal;
     None for anything else."""
+    if isinstance(exc, StopRequested):  # (a stop signal raised while RQ waited on a lost connection: a stop)
+        return None
     seen = 0
     while exc is not None and seen < 5:
         if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
