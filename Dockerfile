@@ -61,7 +61,7 @@ RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2
 WORKDIR /app
 COPY producer ./producer
 COPY ltx_mgpu/__init__.py ltx_mgpu/bounds.py ltx_mgpu/imagesize.py ./ltx_mgpu/
-COPY worker/__init__.py worker/schema.py worker/keys.py worker/imagesize.py worker/limits.py worker/control.py worker/relay.py worker/renderjob.py worker/redisconn.py worker/redisacl.py worker/rqcompat.py ./worker/
+COPY worker/__init__.py worker/schema.py worker/lorarefs.py worker/keys.py worker/imagesize.py worker/limits.py worker/control.py worker/relay.py worker/renderjob.py worker/redisconn.py worker/redisacl.py worker/rqcompat.py ./worker/
 COPY examples ./examples
 RUN useradd --create-home --uid 1000 ltx
 USER ltx

@@ -108,8 +108,8 @@ class LoraCache:
     def __init__(self, root: Path | str, cap_bytes: int, *, busy_s: float = 600.0) -> None:
         self.root = Path(root)
         self.cap_bytes = int(cap_bytes)
-        self.busy_s = float(busy_s)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.busy_s = float(busy_s)  # (the folder is made at the first fetch: a worker no request asks a LoRA of
+        # leaves nothing behind, the demo's TMPDIR included)
 
     def path_for(self, key: str) -> Path:
         return self.root / f"{key}{_SUFFIX}"
@@ -126,6 +126,7 @@ class LoraCache:
     @contextlib.contextmanager
     def incoming(self) -> Iterator[Path]:
         """A temporary path in the cache folder (same file system, so `commit` is an atomic rename)."""
+        self.root.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=".incoming-", suffix=_SUFFIX, dir=self.root)
         os.close(fd)
         try:
@@ -145,7 +146,9 @@ class LoraCache:
 
     def evict(self, keep: Path | None = None) -> list[Path]:
         """Remove least recently used files until the folder is within the cap (see the module docstring)."""
-        removed = []
+        removed: list[Path] = []
+        if not self.root.is_dir():
+            return removed
         with self._locked():
             files = []
             for p in self.root.glob(f"*{_SUFFIX}"):
