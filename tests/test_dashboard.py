@@ -101,14 +101,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Dashb
 
 
 def test_the_queue_list_job_list_and_job_pages_show_our_jobs(stack: tuple[Any, Dashboard, Path]) -> None:
+    from rq import Queue
+
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
+    from worker import rqcompat
+    from worker.keys import tenant_queue
     from worker.schema import RenderRequest
 
     server, dashboard, secrets = stack
-    queue = f"q-{uuid.uuid4().hex[:8]}"
+    configured = f"q-{uuid.uuid4().hex[:8]}"
+    queue = tenant_queue(configured, "alice")  # (alice submits to her own queue, which the workers register)
+    with server.client() as admin:  # (as the worker serving it does when it starts: tenants may not)
+        rqcompat.register_queues(admin, [Queue(queue, connection=admin)])
     settings = ProducerSettings(redis_url=server.url, redis_username="alice", redis_password_file=secrets / "alice",
-                                queues=[queue])  # fmt: skip
+                                queues=[configured])  # fmt: skip
     with ProducerClient(settings) as alice:
         alice.submit(RenderRequest(prompt="a dashboard prompt", width=64, height=64, num_frames=9), job_id="dash")
         alice.submit(RenderRequest(prompt="t", width=64, height=64, num_frames=9), job_id="gone")

@@ -91,7 +91,8 @@ def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path) -> None:
         assert sorted(p.name for p in secrets.iterdir()) == ["admin", "alice", "bob", "worker"]  # no AOF here
         assert any((tmp_path / "data").glob("appendonlydir/*.aof"))
         worker = user(tmp_path, port, "worker")
-        (job_id,) = [j.decode() for j in worker.lrange("rq:queue:ltx-render", 0, -1)]
+        # (alice submits to her own queue: worker.keys.tenant_queue)
+        (job_id,) = [j.decode() for j in worker.lrange("rq:queue:ltx-render:t:alice", 0, -1)]
         assert job_id.startswith("alice-") and worker.hget(f"rq:job:{job_id}", "status") == b"queued"
 
         run(reload, tmp_path, port)  # a new tenant, no restart
