@@ -403,7 +403,10 @@ class RenderService:
             relay.emit({"type": "fleet", "action": "failed", **info})
             reasons = poison.record(job.connection, job.id, info.get("fleet_reason"), self.outcomes.failure_ttl(job))
             refused = poison.refusal(job.connection, job.id, self.settings.retry_fleet_failure, reasons)
-            self._fail(job, relay, FailureReason.FLEET_FAILURE, info["message"] + (f" ({refused})" if refused else ""),
+            # (the refusal first: a long fleet message is cut to its first line for Redis, and the reason it is
+            # not retried must survive that)
+            message = f"{refused}: {info['message']}" if refused else info["message"]
+            self._fail(job, relay, FailureReason.FLEET_FAILURE, message,
                        retryable=False if refused else None,
                        **{k: v for k, v in info.items() if k != "message"})  # fmt: skip
         except BaseException as exc:
