@@ -40,9 +40,9 @@ def _pid_alive(pid: int) -> bool:
         return False
     # A zombie still answers kill(0); treat it as dead (reaped or not, it holds nothing).
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
+        with open(f"/proc/{pid}/stat") as fh:  # (the name in parentheses may hold spaces: split after it)
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # (reaped between kill(0) and the read: ESRCH)
         return False
 
 
