@@ -31,9 +31,8 @@ Bounds: `full()` is true while `max_pending_uploads` renders or `max_pending_byt
 (queued or in flight); the worker does not take another job meanwhile (back-pressure, see
 `worker.rqworker`). A render in progress can overshoot the byte bound by its own size.
 
-Stopping: `drain(timeout)` (warm stop) waits for the pending uploads; whatever is left, and everything on a
-cold stop, stays in the spool for the next start. `stop` (an Event shared with the service) cuts back-off
-sleeps short; an upload interrupted that way is not recorded as failed.
+Stopping: `drain(timeout)` (warm stop) waits for pending uploads; what is left (all, on a cold stop) stays
+in the spool. `stop` cuts back-off sleeps short; an upload interrupted that way is not recorded as failed.
 """
 
 from __future__ import annotations
@@ -61,7 +60,6 @@ __all__ = ["PendingUpload", "UploadPipeline"]
 
 log = logging.getLogger("worker.pipeline")
 _RECOVERY_REDIS_WAIT_S = 300.0  # how long recovery waits for Redis before leaving a render in the spool
-
 _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
 
 
@@ -395,11 +393,12 @@ class UploadPipeline:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
         result = self.make_result(item, stored, upload_s, wait_s)
-        # RQ's result first, then the `uploaded` state: whoever sees `uploaded` finds the final result (bucket,
-        # key, sha256), never the placeholder RQ wrote when the render returned
+        # RQ's result first, then `uploaded`: whoever sees it finds the final result, never RQ's placeholder
         rqcompat.record_success_after_return(job, result, self.outcomes.result_ttl(job), self.worker_name,
                                              recovered=item.recovered)  # fmt: skip
         self.outcomes.uploaded(job, item.relay, result)
+        self._safe(rqcompat.finish_if_uploaded, job, self.outcomes.result_ttl(job),  # a late abandoned-job cleanup
+                   uploaded_state=JobState.UPLOADED.value)  # fmt: skip
         if self.on_uploaded is not None:
             self.on_uploaded()
         log.info("job %s uploaded (%.2fs after %.2fs in the queue)", item.job_id, upload_s, wait_s)

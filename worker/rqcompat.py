@@ -7,7 +7,8 @@ between minor versions (its main branch already changed `perform_job`'s signatur
 `tests/test_worker_rqcompat.py` checks the signatures and attributes used here against the installed
 RQ, so an upgrade fails there rather than in production. Nothing else in `worker/` (or `producer/`)
 touches RQ's registries or private state; the `FleetWorker` subclass only overrides RQ's documented
-worker hooks and calls these functions.
+worker hooks and calls these functions. A little over 450 lines on purpose: every reach into RQ's
+internals in one file is what makes an RQ upgrade a review of one file.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "fail_after_return",
     "fail_unreadable",
     "fail_unstarted",
+    "finish_if_uploaded",
     "give_back_dequeued",
     "give_back_started",
     "live_workers",
@@ -346,15 +348,45 @@ def record_success_after_return(job: Job, result: dict[str, Any], ttl: int, work
             # (`started` too: the worker died between `rendered` and RQ's own bookkeeping, so the job is
             # still in the started registry; left there, RQ's abandoned-job cleanup would later mark the
             # uploaded job failed. We hold the spool entry's lock, so no live execution owns the job.)
-            queue, finished, failed = _registries(job)
-            _remove_started(job, StartedJobRegistry(job.origin, connection=job.connection), pipe)
-            pipe.lrem(queue.key, 0, job.id)
-            failed.remove(job, pipeline=pipe)
-            finished.add(job, ttl, pipeline=pipe)
-            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+            _move_to_finished(job, ttl, pipe)
         if ttl > 0:
             pipe.expire(job.key, ttl)
         pipe.execute()
+
+
+def finish_if_uploaded(job: Job, ttl: int, *, uploaded_state: str) -> bool:
+    """Move a job whose meta says `uploaded_state` back to RQ `finished` (and drop the failure result) if
+    RQ's abandoned-job cleanup marked it `failed`; True if it did. A worker SIGKILLed before RQ's bookkeeping
+    leaves its job in the started registry: its restart uploads the spooled render and finishes the job
+    while another worker's cleanup, which read the entry just before, writes `failed`. Neither write sees
+    the other, so both check after writing (found by the chaos suite in CI on a loaded machine)."""
+    try:
+        job.refresh()
+    except Exception:  # (gone or unreadable: nothing to repair)
+        return False
+    meta = job.meta if isinstance(job.meta, dict) else {}
+    if meta.get("state") != uploaded_state or job.get_status(refresh=False) == JobStatus.FINISHED:
+        return False
+    with job.connection.pipeline() as pipe:
+        _move_to_finished(job, ttl, pipe)
+        for previous in job.results():
+            if previous.type == Result.Type.FAILED and "AbandonedJobError" in str(previous.exc_string or ""):
+                pipe.xdel(Result.get_key(job.id), previous.id)
+        if ttl > 0:
+            pipe.expire(job.key, ttl)
+        pipe.execute()
+    log.warning("job %s: uploaded, but RQ's abandoned-job cleanup had marked it failed; moved to finished", job.id)
+    return True
+
+
+def _move_to_finished(job: Job, ttl: int, pipe: Any) -> None:
+    """Queue pipeline commands that make `job` finished in every RQ structure (status and registries)."""
+    queue, finished, failed = _registries(job)
+    _remove_started(job, StartedJobRegistry(job.origin, connection=job.connection), pipe)
+    pipe.lrem(queue.key, 0, job.id)
+    failed.remove(job, pipeline=pipe)
+    finished.add(job, ttl, pipeline=pipe)
+    job.set_status(JobStatus.FINISHED, pipeline=pipe)
 
 
 def requeue_after_return(job: Job) -> None:

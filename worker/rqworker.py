@@ -59,6 +59,7 @@ the stop flags, a rebuild in progress); RQ's internals are in `worker.rqcompat`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -130,6 +131,7 @@ class FleetWorker(SimpleWorker):
         self._rebuilding = False  # True while _ensure_fleet runs in the main thread
         self._stop_pending = False  # a warm stop arrived during a rebuild
         self._backpressure = False  # True while waiting for upload room before a dequeue
+        self._complete_abandoned: list[Any] = []  # jobs the last cleanup found complete (see clean_registries)
         self.last_loop_beat = time.monotonic()
         self.redis_outage = RedisOutage(self._redis_changed)
         self._next_sweep = 0.0
@@ -678,7 +680,19 @@ class FleetWorker(SimpleWorker):
     def clean_registries(self) -> None:
         """RQ's registry maintenance under a lock that a dead holder keeps for at most three maintenance
         intervals (RQ's keeps it 15 minutes: see `rqcompat.clean_registries`)."""
-        rqcompat.clean_registries(self, lock_ttl_s=maintenance_lock_ttl(self.settings.maintenance_interval))
+        self._complete_abandoned = []
+        try:
+            rqcompat.clean_registries(self, lock_ttl_s=maintenance_lock_ttl(self.settings.maintenance_interval))
+        finally:
+            self._finish_complete_abandoned()
+
+    def _finish_complete_abandoned(self) -> None:
+        """RQ wrote `failed` for each job our handler declined to re-queue (a complete render); a spool
+        recovery that recorded `uploaded` meanwhile cannot see that write, so the check after it is ours."""
+        for job in self._complete_abandoned:
+            with contextlib.suppress(redis.RedisError):
+                rqcompat.finish_if_uploaded(job, self.outcomes.result_ttl(job), uploaded_state=JobState.UPLOADED.value)
+        self._complete_abandoned = []
 
     def _abandoned_job_handler(self, job: Any, exc_type: Any, exc_value: Any, tb: Any) -> bool:
         if exc_type is not AbandonedJobError and not isinstance(exc_value, AbandonedJobError):
@@ -694,6 +708,7 @@ class FleetWorker(SimpleWorker):
             # `finished`; an `uploaded` job is done. So: never re-run it and write no event.
             # (`failed`/`cancelled`: the execution recorded its end and vanished before RQ's bookkeeping.)
             rqcompat.set_retry(job, False)
+            self._complete_abandoned.append(job)
             log.warning("abandoned job %s (worker %s) is already %s: not re-queued%s", job.id, meta.get("worker"),
                         state, "; the spool recovery uploads/records it" if state in RENDER_COMPLETE_STATES
                         else "")  # fmt: skip
