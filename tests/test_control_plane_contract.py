@@ -1,5 +1,5 @@
-"""The engine's control plane (controller, fleet, runner contract, transport, job board, devices, errors,
-events, startup) names nothing of the data plane (`ltx_mgpu.parallel`) or of the model runners
+"""The engine's control plane (`ltx_mgpu/control/`: controller, fleet, runner contract, transport, job
+board, devices, errors, events, startup) names nothing of the data plane (`ltx_mgpu.parallel`) or of the model runners
 (`ltx_mgpu.runners`): not at import time, not in a function body, not under `TYPE_CHECKING`.
 
 Why by reading the source (AST) rather than importing: `tests/test_import_contracts.py` sees what an import
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTROL_PLANE = ("controller", "fleet", "runner", "transport", "jobboard", "devices", "errors", "events", "startup")
+CONTROL = ROOT / "ltx_mgpu" / "control"
 FORBIDDEN = ("ltx_mgpu.parallel", "ltx_mgpu.runners")
 
 
@@ -45,25 +45,34 @@ def violations(source: str, module: str) -> list[str]:
     return sorted(m for m in imported_modules(source, module) for f in FORBIDDEN if m == f or m.startswith(f + "."))
 
 
-@pytest.mark.parametrize("name", CONTROL_PLANE)
+def control_modules() -> list[str]:
+    return sorted(p.stem for p in CONTROL.glob("*.py"))
+
+
+def test_the_control_folder_holds_the_control_plane() -> None:
+    assert {"controller", "fleet", "runner", "transport", "jobboard", "startup"} <= set(control_modules())
+
+
+@pytest.mark.parametrize("name", control_modules())
 def test_control_plane_module_names_no_data_plane(name: str) -> None:
-    path = ROOT / "ltx_mgpu" / f"{name}.py"
-    assert violations(path.read_text(), f"ltx_mgpu.{name}") == []
+    # (`ltx_mgpu.control.__init__` resolves relative imports against `ltx_mgpu.control`, as Python does)
+    assert violations((CONTROL / f"{name}.py").read_text(), f"ltx_mgpu.control.{name}") == []
 
 
 @pytest.mark.parametrize(
     "planted",
     [
-        "from .parallel.layout import LayoutGroups",  # relative, at the top
-        "def f():\n    from .parallel import AttentionRouter\n",  # lazy, inside a function
+        "from ..parallel.layout import LayoutGroups",  # relative, at the top
+        "def f():\n    from ..parallel import AttentionRouter\n",  # lazy, inside a function
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import ltx_mgpu.runners.common.args\n",
-        "from . import parallel",  # the package itself, through `from . import`
+        "from .. import parallel",  # the package itself, through `from .. import`
     ],
 )
 def test_the_check_finds_a_planted_import(planted: str) -> None:
     """So the check above cannot pass by finding nothing."""
-    assert violations(planted, "ltx_mgpu.runner"), planted
+    assert violations(planted, "ltx_mgpu.control.runner"), planted
 
 
 def test_an_innocent_import_is_not_a_violation() -> None:
-    assert violations("from .errors import JobCancelled\nimport torch.distributed as dist\n", "ltx_mgpu.runner") == []
+    innocent = "from .errors import JobCancelled\nfrom ..ports import free_port\nimport torch.distributed as dist\n"
+    assert violations(innocent, "ltx_mgpu.control.runner") == []

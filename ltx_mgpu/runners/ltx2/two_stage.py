@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...events import Stage
+from ...control.events import Stage
 from ...parallel import GuidanceParallelPasses
 from ...parallel.builder import SP_MODULE_OPS_NAME
 from ...parallel.layout import layout_groups

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MGPURunner", "ProcessGroups", "RankContext"]
 
-log = logging.getLogger("ltx_mgpu.runner")
+log = logging.getLogger("ltx_mgpu.control.runner")
 
 
 @dataclass(frozen=True)
