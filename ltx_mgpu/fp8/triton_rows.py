@@ -1,0 +1,53 @@
+"""The Triton kernel behind `rowwise.quantize_rows` on CUDA: one program per row, the whole row in
+registers (K <= 16,384 for LTX-2: 32-64 fp32 values a thread), so the activation is read once and written
+once as fp8. The arithmetic is `rowwise.quantize_rows_eager`'s, step for step: fp32 amax, a power-of-two
+scale built from amax's bits, an exact multiply, a clamp and a round-to-nearest-even cast (Hopper's
+`cvt.rn.satfinite.e4m3x2.f32`). With `GELU` the tanh-approximated GELU of ltx-core's FeedForward is applied
+first (in fp32, tanh written through exp), so the up projection's output is read once and never written
+back as bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_rows_triton"]
+
+
+@triton.jit
+def _rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if GELU:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)  # tanh(u); exp overflow gives 1, underflow -1
+        x = 0.5 * x * (1.0 + t)
+    amax = tl.max(tl.abs(x), axis=0)
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.where(amax > 0, e, 0)
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+    tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_triton(x: torch.Tensor, *, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (M, K), last dim contiguous -> (q (M, K) float8_e4m3fn, scale (M, 1) float32)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = triton.next_power_of_2(k)
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    _rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, GELU=gelu, num_warps=warps)
+    return q, scale
