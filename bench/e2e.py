@@ -426,10 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                 break
             runs.append(summary)
             emit(summary, out)
-        final: dict[str, Any] = {**(runs[0] if runs else {"profile": args.profile})}
+        final: dict[str, Any] = {**(runs[0] if runs else {"profile": args.profile}), "quantization": args.quantization}
         final.pop("kind", None)
-        final.update(quantization=args.quantization, runs=runs, ratios=ratios(runs), skipped=skipped,
-                     failures=failures, hardware=hardware(), wall_s=round(time.monotonic() - t0, 1), synthetic_weights=args.profile == "full")  # fmt: skip
+        final.update(runs=runs, ratios=ratios(runs), skipped=skipped, failures=failures, hardware=hardware(),
+                     wall_s=round(time.monotonic() - t0, 1), synthetic_weights=args.profile == "full")  # fmt: skip
         line = "SUMMARY " + json.dumps(final, default=str)
         print(line, flush=True)
         if out is not None:

@@ -14,6 +14,7 @@ import torch
 
 from ltx_mgpu.fp8 import Fp8Linear, fp8_gemm, fp8_layer_names, quantize_rows_eager, quantize_weight
 from ltx_mgpu.fp8 import linear as fp8_linear
+from ltx_mgpu.fp8.linear import Fp8GeluProj
 from ltx_mgpu.fp8.rowwise import E4M3_MAX, gelu_tanh
 from ltx_mgpu.runners.ltx2 import components as comp
 
@@ -139,7 +140,9 @@ def test_bf16_checkpoint_is_quantized_at_load_per_channel(tiny):
     with safe_open(str(tiny.checkpoint), framework="pt") as f:
         for name, layer in layers.items():
             q, scale = quantize_weight(f.get_tensor(f"model.diffusion_model.{name}.weight"))
-            assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, scale)
+            assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+                layer.weight_scale, scale
+            )
     comp.check_quantized(model, "fp8-mm")
     with pytest.raises(RuntimeError, match="no transformer Linear computes in fp8"):
         comp.check_quantized(_build(str(tiny.checkpoint), None), "fp8-mm")
@@ -212,6 +215,7 @@ def test_attention_projections_share_one_quantization_per_input(tiny, monkeypatc
         assert sorted(calls) == [7, 50, 50]  # context once (k, v), x once (q), the output once
         calls.clear()
         hidden = block.ff(x)
+        assert isinstance(block.ff.net[0], Fp8GeluProj)
         assert calls == [50, 50]  # x for the up projection; gelu(up) fused for the down projection
         for attn in (block.attn1, block.attn2):
             for lin in (attn.to_q, attn.to_k, attn.to_v, attn.to_out[0]):
@@ -247,4 +251,46 @@ def test_lora_fuses_into_fp8_weights_and_reset_restores_their_bytes(tiny, tmp_pa
     assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, s)
     assert not torch.equal(layer.weight.view(torch.uint8), clean_q.view(torch.uint8))
     tracker.reset()
-    assert torch.equal(layer.weight.view(torch.uint8), clean_q.view(torch.uint8)) and torch.equal(layer.weight_scale, clean_s)
+    assert torch.equal(layer.weight.view(torch.uint8), clean_q.view(torch.uint8)) and torch.equal(
+        layer.weight_scale, clean_s
+    )
+
+
+def test_bench_runs_its_cpu_smoke_version():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "bench" / "fp8.py"), "--device", "cpu", "--dims", "tiny", "--tokens", "96",
+           "--iters", "1", "--warmup", "0"]  # fmt: skip
+    for block in ("ltx", "standin"):
+        done = subprocess.run(
+            [*cmd, "--block", block], capture_output=True, text=True, timeout=240, cwd=root, check=False
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = done.stdout.strip().splitlines()
+        rows = [json.loads(line) for line in lines[:-1]]
+        assert lines[-1].startswith("SUMMARY") and "linears" in lines[-1]
+        kinds = [r["kind"] for r in rows]
+        assert kinds.count("gemm") == 3 and {"env", "check", "linears", "block"} <= set(kinds)
+        assert next(r for r in rows if r["kind"] == "check")["quantize_bitwise_equal_to_eager"] is True
+        block_row = next(r for r in rows if r["kind"] == "block")
+        assert block_row["block"] == block and 0 < block_row["rel_err_video"] < 0.03
+
+
+def test_e2e_bench_passes_the_quantization_to_the_runners_setup(monkeypatch):
+    from bench import e2e
+
+    args = e2e.parse_args(["--quantization", "fp8-mm"])
+    seen = {}
+
+    def stop(runner, profile, weights):
+        seen.update(weights)
+        raise SystemExit("stop")
+
+    monkeypatch.setattr(e2e, "make_workload", stop)
+    with pytest.raises(SystemExit, match="stop"):
+        e2e.run(None, e2e.specs_from(args)[0], args, {"checkpoint_path": "x"}, None, None, None)
+    assert seen == {"checkpoint_path": "x", "quantization": "fp8-mm"}

@@ -17,7 +17,7 @@ __all__ = ["quantize_rows_triton"]
 
 
 @triton.jit
-def _rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, GELU: tl.constexpr):
+def _rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, GELU: tl.constexpr):  # noqa: ANN001, ANN202 (Triton specialises on the untyped pointer and integer arguments)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
