@@ -34,7 +34,7 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
     y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
-    tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv), mask=mask)
+    tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
