@@ -90,6 +90,24 @@ def test_gemm_emulation_is_the_exactly_dequantized_product():
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)  # fp32 accumulation of 64 terms
 
 
+def test_the_scaled_mm_call_computes_what_the_emulation_computes():
+    """The GPU path's `torch._scaled_mm` call, run by torch's CPU implementation: the same operand layout,
+    scale shapes and bias semantics as the emulation (bit for bit in torch 2.13's CPU build)."""
+    from ltx_mgpu.fp8.linear import scaled_mm_rowwise
+
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(48, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()
+    bias = torch.randn(32, generator=gen).bfloat16()
+    qx, sx = quantize_rows_eager(x)
+    qw, sw = quantize_weight(w)
+    try:
+        got = scaled_mm_rowwise(qx, sx, qw, sw, bias, torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"this torch build has no CPU _scaled_mm: {exc}")
+    ref = fp8_gemm(qx, sx, qw, sw, bias, torch.bfloat16)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 2.0**-8  # bf16 output rounding
+
+
 def test_gelu_matches_torch_tanh_gelu():
     x = torch.linspace(-12, 12, 2001)
     assert torch.allclose(gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)

@@ -36,7 +36,7 @@ from torch import nn
 
 from .rowwise import E4M3, quantize_rows, quantize_weight
 
-__all__ = ["Fp8GeluProj", "Fp8Linear", "Fp8Rows", "SharedInput", "fp8_gemm", "fp8_tensor_cores"]
+__all__ = ["Fp8GeluProj", "Fp8Linear", "Fp8Rows", "SharedInput", "fp8_gemm", "fp8_tensor_cores", "scaled_mm_rowwise"]
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,26 @@ def fp8_gemm(
     n, k = weight.shape
     if fp8_tensor_cores(q.device) and k % 16 == 0 and n % 16 == 0 and out_dtype == torch.bfloat16:
         in_gemm = bias is not None and bias.dtype == out_dtype and _bias_in_gemm(q.device)
-        out = torch._scaled_mm(
-            q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, n), bias=bias if in_gemm else None,
-            out_dtype=out_dtype,
-        )  # fmt: skip
+        out = scaled_mm_rowwise(q, scale, weight, weight_scale, bias if in_gemm else None, out_dtype)
         return out if bias is None or in_gemm else out + bias.to(out_dtype)
     # emulation: both dequantizations are exact in fp32 (see the module docstring); one fp32 matmul
     out = (q.float() * scale) @ (weight.float() * weight_scale.view(n, 1)).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+def scaled_mm_rowwise(
+    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The `torch._scaled_mm` call itself: q (M, K) row-major, the (N, K) weight passed transposed (so
+    column-major, as the op wants), scales (M, 1) and (1, N) in fp32. CPU builds of torch implement it too,
+    which lets the CPU tests check this call's semantics against the emulation."""
+    n = weight.shape[0]
+    return torch._scaled_mm(
+        q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, n), bias=bias, out_dtype=out_dtype
+    )
 
 
 class SharedInput:

@@ -43,8 +43,11 @@ _MANTISSA_1_75 = 0x600000  #: the fp32 mantissa field of 1.75 (448 = 1.75 * 2**8
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU, tanh approximation (ltx-core's FeedForward), in the input's dtype (fp32 here)."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+    """GELU, tanh approximation (ltx-core's FeedForward), in the input's dtype (fp32 here), written as
+    x * sigmoid(2u) = x / (1 + exp(-2u)) (the same function as 0.5 x (1 + tanh u), without its cancellation
+    for negative x) with the very expression the Triton kernel evaluates."""
+    u = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)
+    return x / (1.0 + torch.exp(-2.0 * u))
 
 
 def _pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

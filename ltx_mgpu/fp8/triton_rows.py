@@ -3,8 +3,8 @@ registers (K <= 16,384 for LTX-2: 32-64 fp32 values a thread), so the activation
 once as fp8. The arithmetic is `rowwise.quantize_rows_eager`'s, step for step: fp32 amax, a power-of-two
 scale built from amax's bits, an exact multiply, a clamp and a round-to-nearest-even cast (Hopper's
 `cvt.rn.satfinite.e4m3x2.f32`). With `GELU` the tanh-approximated GELU of ltx-core's FeedForward is applied
-first (in fp32, tanh written through exp), so the up projection's output is read once and never written
-back as bf16.
+first (in fp32, as x / (1 + exp(-2u)): `rowwise.gelu_tanh`), so the up projection's output is read once and
+never written back as bf16.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if GELU:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)  # tanh(u); exp overflow gives 1, underflow -1
-        x = 0.5 * x * (1.0 + t)
+        x = x / (1.0 + tl.exp(-2.0 * u))  # 0.5 x (1 + tanh u); exp overflow gives -0, underflow x
     amax = tl.max(tl.abs(x), axis=0)
     bits = amax.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
