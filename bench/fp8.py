@@ -2,7 +2,8 @@
 synthetic weights at the 19B dimensions.
 
 Measured per video token count (1,536 / 6,144 / 24,576: a 768x512x121 latent over 4 ranks, 768x512x121,
-1536x1024x121), CUDA events after warm-up:
+1536x1024x121), CUDA events after warm-up, each callable replayed from a CUDA graph as the runners run
+their denoising forwards (`--no-graphs`: eager; the linears and the block also report eager times):
 - "gemm": each linear shape of the block (4096->4096, 4096->16384, 16384->4096), bf16 `F.linear` against
   `Fp8Linear` with its per-token activation quantization included (`fp8_ms`), and its parts (`quant_ms`: the
   Triton quantization alone, `fp8_gemm_ms`: `torch._scaled_mm` on a quantized input);
@@ -11,7 +12,9 @@ Measured per video token count (1,536 / 6,144 / 24,576: a 768x512x121 latent ove
   video->audio k/v, and the feed-forward with its GELU (bf16: GELU in eager torch; fp8: fused into the
   down projection's quantization). Target: >= 1.5x at 6,144 and 24,576 tokens;
 - "block": one whole `BasicAVTransformerBlock` (video + 126 audio tokens, attention in bf16) with the same
-  weights, bf16 against fp8 (the recipe converts every Linear of a middle block); also its relative error
+  weights, bf16 against fp8 (the recipe converts every Linear of a middle block); where ltx-core is not
+  installed (the GPU hosts' bare image) a synthetic stand-in (`fp8_standin.py`: the same linears and call
+  pattern, modulated norms and bf16 SDPA, no RoPE, no audio self path); also its relative error
   against bf16 (video and audio outputs, and the video update out - x, which in bf16 also carries the
   output's own rounding of x + update: tests/test_fp8_numerics.py measures the update in fp32). Targets:
   >= 1.4x at 6,144, >= 1.25x at 24,576; error <= 3%;
@@ -44,6 +47,33 @@ from ltx_mgpu.fp8 import Fp8Linear, convert_linears, quantize_rows, quantize_row
 from ltx_mgpu.fp8.linear import fp8_gemm
 
 
+def _graph(fn: Any, device: torch.device) -> tuple[Any, bool]:
+    """`fn` captured in a CUDA graph (as the runners run every denoising forward), after two warm-up calls
+    on a side stream (Triton compiles, the bias probe runs); eager where capture fails or on CPU."""
+    if device.type != "cuda":
+        return fn, False
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:
+        print(json.dumps({"kind": "note", "graph_capture_failed": str(exc)[:500]}), flush=True)
+        return fn, False
+    return graph.replay, True
+
+
+def _measure(fn: Any, device: torch.device, args: Any) -> float:
+    """ms per call: graph replays unless --no-graphs (eager launches cost ~10-30 us a linear on the host)."""
+    run = _graph(fn, device)[0] if args.graphs else fn
+    return _time(run, device, args.iters, args.warmup)
+
+
 def _tflops(m: int, k: int, n: int, ms: float) -> float:
     return round(2 * m * k * n / (ms * 1e-3) / 1e12, 1)
 
@@ -57,11 +87,10 @@ def _gemms(tokens: int, width: int, device: torch.device, args: Any) -> list[dic
         x = torch.randn(tokens, k, generator=gen, device=device, dtype=torch.bfloat16)
         q, s = quantize_rows(x)
         with torch.no_grad():
-            bf16_ms = _time(lambda: F.linear(x, lin.weight, lin.bias), device, args.iters, args.warmup)  # noqa: B023
-            fp8_ms = _time(lambda: fp8(x), device, args.iters, args.warmup)  # noqa: B023
-            quant_ms = _time(lambda: quantize_rows(x), device, args.iters, args.warmup)  # noqa: B023
-            gemm_ms = _time(lambda: fp8_gemm(q, s, fp8.weight, fp8.weight_scale, fp8.bias, x.dtype),  # noqa: B023
-                            device, args.iters, args.warmup)  # fmt: skip
+            bf16_ms = _measure(lambda: F.linear(x, lin.weight, lin.bias), device, args)  # noqa: B023
+            fp8_ms = _measure(lambda: fp8(x), device, args)  # noqa: B023
+            quant_ms = _measure(lambda: quantize_rows(x), device, args)  # noqa: B023
+            gemm_ms = _measure(lambda: fp8_gemm(q, s, fp8.weight, fp8.weight_scale, fp8.bias, x.dtype), device, args)  # noqa: B023
         rows.append({
             "kind": "gemm", "video_tokens": tokens, "shape": f"{k}x{n}", "bf16_ms": round(bf16_ms, 4),
             "fp8_ms": round(fp8_ms, 4), "quant_ms": round(quant_ms, 4), "fp8_gemm_ms": round(gemm_ms, 4),
@@ -151,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--block", choices=("auto", "ltx", "standin"), default="auto",
                     help="ltx-core's block (auto: when ltx-core imports) or the synthetic stand-in")  # fmt: skip
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eager calls only")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    args.graphs = args.graphs and device.type == "cuda"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kind = args.block if args.block != "auto" else ("ltx" if _ltx_core() else "standin")
@@ -180,19 +211,27 @@ def main(argv: list[str] | None = None) -> int:
         a2v_out = torch.randn(tokens, case.audio_width, generator=gen, device=device, dtype=torch.bfloat16)
         ctx = torch.randn(128, case.width, generator=gen, device=device, dtype=torch.bfloat16)
         with torch.no_grad():
-            lin_bf16 = _time(lambda: _linears(case.bf16, x, attn_out, a2v_out, ctx), device, args.iters, args.warmup)  # noqa: B023
-            lin_fp8 = _time(lambda: _linears(case.fp8, x, attn_out, a2v_out, ctx), device, args.iters, args.warmup)  # noqa: B023
-        row = {"kind": "linears", "video_tokens": tokens, "bf16_ms": round(lin_bf16, 3), "fp8_ms": round(lin_fp8, 3),
-               "speedup": round(lin_bf16 / lin_fp8, 3)}  # fmt: skip
+            lin_bf16 = _measure(lambda: _linears(case.bf16, x, attn_out, a2v_out, ctx), device, args)  # noqa: B023
+            lin_fp8 = _measure(lambda: _linears(case.fp8, x, attn_out, a2v_out, ctx), device, args)  # noqa: B023
+            eager_bf16 = _time(lambda: _linears(case.bf16, x, attn_out, a2v_out, ctx), device, args.iters, 1)  # noqa: B023
+            eager_fp8 = _time(lambda: _linears(case.fp8, x, attn_out, a2v_out, ctx), device, args.iters, 1)  # noqa: B023
+        row = {"kind": "linears", "video_tokens": tokens, "graphs": args.graphs, "bf16_ms": round(lin_bf16, 3),
+               "fp8_ms": round(lin_fp8, 3), "speedup": round(lin_bf16 / lin_fp8, 3),
+               "eager_bf16_ms": round(eager_bf16, 3), "eager_fp8_ms": round(eager_fp8, 3),
+               "eager_speedup": round(eager_bf16 / eager_fp8, 3)}  # fmt: skip
         print(json.dumps(row), flush=True)
         part = f"{tokens}: linears {row['speedup']}x"
         run_bf16, run_fp8, x_in = case.calls(tokens)
         with torch.no_grad():
             (ref_v, ref_a), (out_v, out_a) = _outputs(run_bf16()), _outputs(run_fp8())
-            blk_bf16 = _time(run_bf16, device, args.iters, args.warmup)
-            blk_fp8 = _time(run_fp8, device, args.iters, args.warmup)
-        brow = {"kind": "block", "block": kind, "video_tokens": tokens, "bf16_ms": round(blk_bf16, 3),
-                "fp8_ms": round(blk_fp8, 3), "speedup": round(blk_bf16 / blk_fp8, 3),
+            blk_bf16 = _measure(run_bf16, device, args)
+            blk_fp8 = _measure(run_fp8, device, args)
+            eager_bf16 = _time(run_bf16, device, args.iters, 1)
+            eager_fp8 = _time(run_fp8, device, args.iters, 1)
+        brow = {"kind": "block", "block": kind, "video_tokens": tokens, "graphs": args.graphs,
+                "bf16_ms": round(blk_bf16, 3), "fp8_ms": round(blk_fp8, 3), "speedup": round(blk_bf16 / blk_fp8, 3),
+                "eager_bf16_ms": round(eager_bf16, 3), "eager_fp8_ms": round(eager_fp8, 3),
+                "eager_speedup": round(eager_bf16 / eager_fp8, 3),
                 "rel_err_video": _rel(out_v, ref_v), "rel_err_audio": _rel(out_a, ref_a),
                 "rel_err_video_update": _rel(out_v - x_in, ref_v - x_in)}  # fmt: skip
         print(json.dumps(brow), flush=True)
