@@ -5,7 +5,9 @@
   (the TDP sibling shares the very fp8 tensors);
 - two CPU ranks under the controller (SP over gloo): every rank holds the same fp8 modules behind the SP
   attention patch, and the video matches one process (rowwise scales are per token, so splitting the
-  tokens across ranks changes no rounding; only bf16 reduction order differs).
+  tokens across ranks changes no rounding; only bf16 reduction order differs);
+- two CPU ranks with a guidance-parallel stage 1 (2 groups x 1 rank): the LoRA tracker's sharded fusion and
+  broadcast leave every rank with the e4m3 bytes one process computes.
 """
 
 from __future__ import annotations
@@ -55,6 +57,50 @@ def test_two_stage_fp8_mm_composes_with_loras_guidance_and_tiled_stage2(tiny, tm
         )
         runner.tracker.reset()
         assert torch.equal(sp_q.weight.view(torch.uint8), clean.view(torch.uint8))
+
+
+def _fp8_digest(model: torch.nn.Module) -> str:
+    """sha256 of every e4m3 weight and its scales, in name order."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, module in sorted((n, m) for n, m in model.named_modules() if isinstance(m, Fp8Linear)):
+        digest.update(name.encode())
+        digest.update(module.weight.detach().view(torch.uint8).cpu().numpy().tobytes())
+        digest.update(module.weight_scale.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class _Fp8TwoStageReporting(Ltx2TwoStageRunner):
+    """After the render every rank reports a digest of its fp8 weights (the distilled LoRA fused in then)."""
+
+    def render(self, args):
+        yield from super().render(args)
+        yield {"type": "fp8", "rank": self.rank, "digest": _fp8_digest(self.sp_model.model),
+               "loras": [s.path for s in self.tracker.current]}  # fmt: skip
+
+
+def test_guidance_parallel_fleet_fuses_the_same_fp8_bytes_on_every_rank(tiny, tmp_path):
+    """Two CPU ranks, stage 1 as 2 guidance groups x 1 SP rank, tiled stage 2: the tracker fuses the
+    distilled LoRA into each rank's share of the e4m3 weights and broadcasts them, so every rank holds the
+    bytes one process computes."""
+    ctl = MGPUController(_Fp8TwoStageReporting, devices=["cpu", "cpu"])
+    ctl.start(timeout=START_TIMEOUT, **two_stage_setup(tiny, quantization="fp8-mm", parallel_layout="2x1"))
+    try:
+        events = list(ctl.stream(timeout=300, output_path=str(tmp_path / "g.mp4"), prompt="a cat", width=128,
+                                 height=128, num_frames=9, frame_rate=8.0, steps=2))  # fmt: skip
+    finally:
+        ctl.shutdown(graceful_timeout=10)
+    stage1 = next(e for e in events if isinstance(e, dict) and e.get("stage") == "stage1" and e["type"] == "stage")
+    assert stage1["layout"]["name"] == "2x1" and stage1["passes"] > 1
+    reports = {e["rank"]: e for e in events if isinstance(e, dict) and e.get("type") == "fp8"}
+    assert set(reports) == {0, 1} and reports[0]["loras"] == [str(tiny.distilled_lora)]
+    with LocalRunner(Ltx2TwoStageRunner) as local:
+        local.start(**two_stage_setup(tiny, quantization="fp8-mm"))
+        clean = _fp8_digest(local.runner.sp_model.model)
+        local.runner.tracker.apply(local.runner.stage2_loras)
+        fused = _fp8_digest(local.runner.sp_model.model)
+    assert reports[0]["digest"] == reports[1]["digest"] == fused != clean
 
 
 class _Fp8Reporting(Ltx2DistilledRunner):
