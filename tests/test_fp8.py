@@ -312,3 +312,19 @@ def test_e2e_bench_passes_the_quantization_to_the_runners_setup(monkeypatch):
     with pytest.raises(SystemExit, match="stop"):
         e2e.run(None, e2e.specs_from(args)[0], args, {"checkpoint_path": "x"}, None, None, None)
     assert seen == {"checkpoint_path": "x", "quantization": "fp8-mm"}
+
+
+def test_fp8_mm_on_a_gpu_without_fp8_tensor_cores_fails_setup(monkeypatch):
+    import ltx_mgpu.fp8 as fp8
+
+    class OnOldGpu(torch.nn.Module):  # parameters() reports a CUDA device; nothing touches CUDA
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = Fp8Linear(16, 16, device="meta")
+
+        def parameters(self, recurse: bool = True):
+            yield type("P", (), {"device": torch.device("cuda", 0)})()
+
+    monkeypatch.setattr(fp8, "fp8_tensor_cores", lambda device: False)
+    with pytest.raises(ValueError, match="needs FP8 tensor cores .* use 'fp8-cast'"):
+        comp.check_quantized(OnOldGpu(), "fp8-mm")

@@ -109,10 +109,14 @@ def check_quantized(model: torch.nn.Module, name: str | None) -> None:
     if name == "fp8-cast" and torch.float8_e4m3fn not in {p.dtype for p in model.parameters()}:
         raise RuntimeError("quantization 'fp8-cast' was requested but no transformer weight is float8")
     if name == "fp8-mm":
-        from ...fp8 import Fp8Linear
+        from ...fp8 import Fp8Linear, fp8_tensor_cores
 
         if not any(isinstance(m, Fp8Linear) for m in model.modules()):
             raise RuntimeError("quantization 'fp8-mm' was requested but no transformer Linear computes in fp8")
+        device = next(model.parameters()).device
+        if device.type == "cuda" and not fp8_tensor_cores(device):  # the emulation would dequantize per call
+            raise ValueError(f"quantization 'fp8-mm' needs FP8 tensor cores (sm_89 or later) on {device}; "
+                             "use 'fp8-cast' there")  # fmt: skip
 
 
 def distributed_video_decoder(
