@@ -18,7 +18,8 @@ their denoising forwards (`--no-graphs`: eager; the linears and the block also r
   against bf16 (video and audio outputs, and the video update out - x, which in bf16 also carries the
   output's own rounding of x + update: tests/test_fp8_numerics.py measures the update in fp32). Targets:
   >= 1.4x at 6,144, >= 1.25x at 24,576; error <= 3%;
-- "check": the Triton quantization against the eager definition, bit for bit.
+- "check": the Triton quantization against the eager definition, bit for bit; the GEMM path against the
+  emulation (bf16 output rounding apart); the fp8 block replayed from a CUDA graph against its eager run.
 Output: JSON lines, then one line starting with "SUMMARY" with the ratios.
 
     python bench/fp8.py                                  # one H200, ~40 s
@@ -43,15 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_standin import StandInBlock
 from sp_block import DIMS, _build, _config, _inputs, _time
 
-from ltx_mgpu.fp8 import Fp8Linear, convert_linears, quantize_rows, quantize_rows_eager
-from ltx_mgpu.fp8.linear import fp8_gemm
+from ltx_mgpu.fp8 import Fp8Linear, convert_linears, quantize_rows, quantize_rows_eager, quantize_weight
+from ltx_mgpu.fp8.linear import emulated_gemm, fp8_gemm
 
 
-def _graph(fn: Any, device: torch.device) -> tuple[Any, bool]:
-    """`fn` captured in a CUDA graph (as the runners run every denoising forward), after two warm-up calls
-    on a side stream (Triton compiles, the bias probe runs); eager where capture fails or on CPU."""
+def _graph(fn: Any, device: torch.device) -> tuple[Any, Any]:
+    """(replay, the captured call's output): `fn` captured in a CUDA graph (as the runners run every
+    denoising forward) after two warm-up calls on a side stream (Triton compiles, the bias probe runs);
+    (fn, None) where capture fails or on CPU."""
     if device.type != "cuda":
-        return fn, False
+        return fn, None
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -61,11 +63,11 @@ def _graph(fn: Any, device: torch.device) -> tuple[Any, bool]:
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            fn()
+            out = fn()
     except RuntimeError as exc:
         print(json.dumps({"kind": "note", "graph_capture_failed": str(exc)[:500]}), flush=True)
-        return fn, False
-    return graph.replay, True
+        return fn, None
+    return graph.replay, out
 
 
 def _measure(fn: Any, device: torch.device, args: Any) -> float:
@@ -206,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                           "gelu_quantize_mismatch_fraction": round((g_t != g_e).float().mean().item(), 6)}),
               flush=True)  # fmt: skip
         ok &= same
+        w = torch.randn(case.width, case.width, generator=gen, device=device, dtype=torch.bfloat16)
+        qw, sw = quantize_weight(w)
+        gemm = fp8_gemm(q_t, s_t, qw, sw, None, torch.bfloat16)
+        emulated = emulated_gemm(q_t, s_t, qw, sw, None, torch.bfloat16)
+        path = "torch._scaled_mm" if env["fp8_tensor_cores"] else "emulation"
+        print(json.dumps({"kind": "check", "video_tokens": tokens, "gemm_path": path,
+                          "gemm_rel_diff_to_emulation": _rel(gemm, emulated)}), flush=True)  # fmt: skip
         for row in _gemms(tokens, case.width, device, args):
             print(json.dumps(row), flush=True)
         attn_out = torch.randn_like(x)
@@ -225,6 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         run_bf16, run_fp8, x_in = case.calls(tokens)
         with torch.no_grad():
             (ref_v, ref_a), (out_v, out_a) = _outputs(run_bf16()), _outputs(run_fp8())
+            replay, static = _graph(run_fp8, device)
+            graph_diff = None
+            if static is not None:  # the fp8 block replayed from a graph computes what it computes eagerly
+                replay()
+                graph_diff = max(
+                    (a.float() - b.float()).abs().max().item()
+                    for a, b in zip(_outputs(static), (out_v, out_a), strict=True)
+                )
+            del replay, static
             blk_bf16 = _measure(run_bf16, device, args)
             blk_fp8 = _measure(run_fp8, device, args)
             eager_bf16 = _time(run_bf16, device, args.iters, 1)
@@ -234,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                 "eager_bf16_ms": round(eager_bf16, 3), "eager_fp8_ms": round(eager_fp8, 3),
                 "eager_speedup": round(eager_bf16 / eager_fp8, 3),
                 "rel_err_video": _rel(out_v, ref_v), "rel_err_audio": _rel(out_a, ref_a),
-                "rel_err_video_update": _rel(out_v - x_in, ref_v - x_in)}  # fmt: skip
+                "rel_err_video_update": _rel(out_v - x_in, ref_v - x_in),
+                "graph_vs_eager_max_abs_diff": graph_diff}  # fmt: skip
         print(json.dumps(brow), flush=True)
-        part += f", block {brow['speedup']}x (err {100 * brow['rel_err_video']:.2f}%)"
+        part += f", block {brow['speedup']}x (err {100 * brow['rel_err_video']:.2f}%, graph-eager {graph_diff})"
         summary.append(part)
         del run_bf16, run_fp8, x_in
     print(f"SUMMARY fp8/bf16 speedups ({kind} block) | {' | '.join(summary)} | triton==eager {ok} | {env['device']}",

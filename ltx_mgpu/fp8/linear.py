@@ -36,7 +36,16 @@ from torch import nn
 
 from .rowwise import E4M3, quantize_rows, quantize_weight
 
-__all__ = ["Fp8GeluProj", "Fp8Linear", "Fp8Rows", "SharedInput", "fp8_gemm", "fp8_tensor_cores", "scaled_mm_rowwise"]
+__all__ = [
+    "Fp8GeluProj",
+    "Fp8Linear",
+    "Fp8Rows",
+    "SharedInput",
+    "emulated_gemm",
+    "fp8_gemm",
+    "fp8_tensor_cores",
+    "scaled_mm_rowwise",
+]
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,15 @@ def fp8_gemm(
         in_gemm = bias is not None and bias.dtype == out_dtype and _bias_in_gemm(q.device)
         out = scaled_mm_rowwise(q, scale, weight, weight_scale, bias if in_gemm else None, out_dtype)
         return out if bias is None or in_gemm else out + bias.to(out_dtype)
-    # emulation: both dequantizations are exact in fp32 (see the module docstring); one fp32 matmul
-    out = (q.float() * scale) @ (weight.float() * weight_scale.view(n, 1)).t()
+    return emulated_gemm(q, scale, weight, weight_scale, bias, out_dtype)
+
+
+def emulated_gemm(
+    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """`fp8_gemm` without FP8 tensor cores: dequantize in fp32 (see the module docstring), one fp32 matmul."""
+    out = (q.float() * scale) @ (weight.float() * weight_scale.view(-1, 1)).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
