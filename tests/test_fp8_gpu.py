@@ -30,7 +30,7 @@ def _x(m: int, k: int, seed: int = 0) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("k", [64, 2048, 4096, 16384, 200])
+@pytest.mark.parametrize("k", [200, 2048, 4096, 16384])
 def test_triton_quantization_is_bit_identical_to_eager(k):
     x = _x(257, k)
     (qt, st), (qe, se) = quantize_rows(x), quantize_rows_eager(x)
