@@ -139,7 +139,8 @@ class FleetWorker(SimpleWorker):
         # a per-tenant memory budget and this worker's reserve for recording outcomes (worker.tenantmemory)
         budget = settings.tenant_redis_bytes if settings.tenant_ids else -1
         self.tenant_memory = TenantMemory(self.connection, worker_name=self.name, tenants=settings.tenants,
-                                          budget_bytes=budget)  # fmt: skip
+                                          budget_bytes=budget, reserve_ttl=2 * max(settings.worker_ttl,
+                                          settings.maintenance_interval) + 60)  # fmt: skip
         add_memory_hook(self.tenant_memory.relieve)
         self.side_connection = _side_connection(self.connection)  # heartbeat thread and health writer
         self.health = HealthPublisher(self.side_connection, worker_health_key(self.name),

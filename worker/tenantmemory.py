@@ -19,8 +19,11 @@ what docs/security.md used to list as still possible). So the workers measure an
   uncounted when taken (`worker.tenantqueues`). `SCAN`, `MEMORY USAGE`, `HGET` and `DEL` need no memory, so
   the sweep works while Redis refuses writes. It runs when Redis refuses a worker for memory (at most every
   `SWEEP_EVERY_S`) and at each maintenance pass once Redis uses more than `SWEEP_ABOVE` of `maxmemory`.
-- **Reserve.** Each worker holds a string of `RESERVE_BYTES` under `ltx:worker:reserve:<name>` (tenants
-  cannot read or write `ltx:worker:*` beyond health snapshots). The first refusal for memory deletes it,
+- **Reserve.** Each worker holds a string of `RESERVE_BYTES` under `ltx:worker:reserve:<slot>` (tenants
+  cannot read or write `ltx:worker:*` beyond health snapshots). The slot is the worker's name without its
+  pid (`<prefix>.<group>`), so a worker restarted after a crash takes over its predecessor's reserve
+  instead of adding one (a SIGKILLed worker cannot delete its own); it expires `reserve_ttl` after the
+  last maintenance pass refreshed it. The first refusal for memory deletes it,
   so that the refused write (an outcome, an event, the job's bookkeeping) has room when retried even if no
   tenant is over budget; it is taken again when Redis has room for it twice over.
 
@@ -70,15 +73,16 @@ class TenantMemory:
     """See the module docstring. `budget_bytes`: the setting (0 auto, -1 off); thread-safe."""
 
     def __init__(self, connection: Any, *, worker_name: str, tenants: list[str] | tuple[str, ...] = (),
-                 budget_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES,
+                 budget_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES, reserve_ttl: int = 3600,
                  max_keys: int = MAX_KEYS) -> None:  # fmt: skip
         self.connection = connection
         self.tenants = tuple(tenants)
         self.budget_bytes = int(budget_bytes)
         self.reserve_bytes = int(reserve_bytes)
         self.max_keys = max_keys
-        self.reserve_key = f"{KEY_PREFIX}:worker:reserve:{worker_name}"
-        self.reserve_ttl = 3600
+        slot = worker_name.rsplit(".", 1)[0] if worker_name.rsplit(".", 1)[-1].isdigit() else worker_name
+        self.reserve_key = f"{KEY_PREFIX}:worker:reserve:{slot}"
+        self.reserve_ttl = max(1, int(reserve_ttl))
         self.deleted = 0  #: tenant keys deleted since start
         self._lock = threading.Lock()
         self._next_sweep = 0.0
