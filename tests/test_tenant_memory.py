@@ -87,3 +87,45 @@ def test_keys_are_counted_for_the_tenant_that_owns_them() -> None:
     for other in ("rq:queue:ltx-render", "rq:queue:ltx-render:t:alice:intermediate", "ltx:worker:w1:health",
                   "rq:job:nodash", "rq:workers", f"ltx:worker:poisoned:alice-{time.time_ns()}"):  # fmt: skip
         assert key_tenant(other) is None, other
+
+
+def test_the_sweep_trims_only_the_tenant_over_budget_ended_first_never_a_running_job(redis_server_factory) -> None:
+    """`TenantMemory.sweep` on a real Redis: alice over her budget loses her largest ended keys first, then
+    queued ones, never a started job's; bob, under his, keeps everything; the reserve is released when Redis
+    refuses for memory and taken again only when there is room for it twice over."""
+    from worker.tenantmemory import TenantMemory
+
+    redis_client = redis_server_factory().client()  # (its own server: the sweep looks at every key)
+    tag = uuid.uuid4().hex[:6]
+    pad = b"p" * (256 << 10)
+    keys = {
+        "started": f"rq:job:alice-{tag}-run",
+        "ended": f"rq:job:alice-{tag}-old",
+        "queued": f"rq:job:alice-{tag}-wait",
+        "events": f"ltx:job:alice-{tag}-old:events",
+        "bob": f"rq:job:bob-{tag}-x",
+    }
+    redis_client.hset(keys["started"], mapping={"status": "started", "pad": pad * 4})
+    redis_client.hset(keys["ended"], mapping={"status": "finished", "pad": pad * 2})
+    redis_client.hset(keys["queued"], mapping={"status": "queued", "pad": pad * 3})
+    redis_client.xadd(keys["events"], {"data": pad})
+    redis_client.hset(keys["bob"], mapping={"status": "finished", "pad": pad * 4})
+    tm = TenantMemory(redis_client, worker_name=f"w{tag}.cpu1.123", tenants=("alice", "bob"),
+                      budget_bytes=int(1.5 * MB), reserve_bytes=64 << 10)  # fmt: skip
+    try:
+        # alice: 1 MB started (kept) + 0.5 ended + 0.25 events + 0.75 queued = 2.5 MB; over by ~1 MB: the ended
+        # hash and her events go first, then the queued one; the started job stays even though it is largest
+        trimmed = tm.sweep()
+        assert set(trimmed) == {"alice"}, trimmed
+        assert redis_client.exists(keys["started"]) and redis_client.exists(keys["bob"])
+        assert not redis_client.exists(keys["ended"]) and not redis_client.exists(keys["events"])
+        assert not redis_client.exists(keys["queued"])
+        assert tm.reserve_key.endswith(f"w{tag}.cpu1")  # (a restarted worker of the slot takes it over)
+        assert tm.take_reserve() and redis_client.strlen(tm.reserve_key) == 64 << 10
+        tm.relieve()
+        assert not redis_client.exists(tm.reserve_key)
+        used = int(redis_client.info("memory")["used_memory"])
+        redis_client.config_set("maxmemory", used + (64 << 10))  # room for it once, not twice: not taken
+        assert not tm.take_reserve() and not redis_client.exists(tm.reserve_key)
+    finally:
+        redis_client.close()
