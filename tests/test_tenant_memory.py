@@ -129,3 +129,36 @@ def test_the_sweep_trims_only_the_tenant_over_budget_ended_first_never_a_running
         assert not tm.take_reserve() and not redis_client.exists(tm.reserve_key)
     finally:
         redis_client.close()
+
+
+def test_the_sweep_runs_as_the_worker_acl_user_and_a_tenant_cannot_touch_the_reserve(tmp_path) -> None:
+    """Under the generated ACL users: `SCAN`, `MEMORY USAGE`, `INFO` and `DEL` pass as `worker`; alice can
+    fill her own keys but cannot read or delete a worker's reserve."""
+    from tests.test_redis_acl_rules import _passwords
+    from worker.devsecure import SecureRedisServer
+    from worker.devservers import find_redis_server
+    from worker.redisacl import AclUsers, generate
+    from worker.tenantmemory import TenantMemory
+
+    if find_redis_server() is None:
+        pytest.skip("redis-server not found")
+    pw = _passwords(tmp_path / "secrets")
+    server = SecureRedisServer(acl=generate(AclUsers(tenants=("alice", "bob")), password_dir=tmp_path / "secrets"))
+    server.start()
+    try:
+        worker = server.user_client("worker", pw["worker"])
+        alice = server.user_client("alice", pw["alice"])
+        for i in range(4):
+            alice.hset(f"rq:job:alice-{i}", mapping={"status": "finished", "pad": b"a" * (512 << 10)})
+        tm = TenantMemory(worker, worker_name="w.cpu1.1", tenants=("alice", "bob"), budget_bytes=MB)
+        assert tm.take_reserve()
+        assert tm.sweep().keys() == {"alice"}
+        assert sum(worker.exists(f"rq:job:alice-{i}") for i in range(4)) <= 2
+        for attempt in (lambda: alice.get(tm.reserve_key), lambda: alice.delete(tm.reserve_key)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+        assert worker.exists(tm.reserve_key)
+        worker.close()
+        alice.close()
+    finally:
+        server.stop()
