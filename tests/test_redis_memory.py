@@ -110,6 +110,7 @@ def test_a_worker_waits_out_redis_refusing_writes_and_renders_after(tmp_path, re
         bloat = "rq:job:alice-bloat"
         for i in range(4):
             filler.hset(bloat, f"pad{i}", b"y" * (3 * MB))
+        time.sleep(2.5)  # (Redis shrinks an idle client's query buffer after 2 s: measured after it, not before)
         filler.config_set("maxmemory", _used(filler) - 4 * MB - 2 * RESERVE_BYTES)  # (see _fill_past_maxmemory)
         wait_for(lambda: _http(port, "/readyz")[0] == 503, 30, "Redis refusing the worker again")
         wait_for(lambda: _http(port, "/readyz")[0] == 200, 60, "recovered by itself", on_fail=w.proc.log_tail)
