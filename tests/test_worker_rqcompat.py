@@ -184,3 +184,29 @@ def test_a_stale_intermediate_entry_does_not_queue_a_job_twice(redis_client, mon
     assert redis_client.lrange(queue.key, 0, -1).count(waiting.id.encode()) == 1
     assert intermediate.get_job_ids() == []
     assert rqcompat.stale_intermediate_entry(waiting, queue) and not rqcompat.stale_intermediate_entry(stuck, queue)
+
+
+def test_another_queues_job_on_an_intermediate_list_is_not_recorded_lost(redis_client, monkeypatch) -> None:
+    """Wherever clients can write RQ's intermediate lists (a Redis without ACLs: the chaos soak pushes there),
+    another queue's waiting job id pushed onto one was taken for a job this queue's worker lost: recorded
+    `worker_lost` (spending its budget) and queued a second time. An entry whose job is not this queue's is
+    stale, whatever its status."""
+    from rq.intermediate_queue import IntermediateQueue
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+    from rq.utils import now
+
+    mine = Queue("mine", connection=redis_client, serializer=JSONSerializer)
+    theirs = Queue("theirs", connection=redis_client, serializer=JSONSerializer)
+    foreign = theirs.create_job("worker.job.render", args=({"prompt": "z"},))  # queued, in no list of `mine`
+    foreign.save()
+    intermediate = IntermediateQueue(mine.key, connection=redis_client)
+    redis_client.rpush(intermediate.key, foreign.id)
+    redis_client.set(intermediate.get_first_seen_key(foreign.id), now().timestamp() - 600)
+    worker = FleetWorker.__new__(FleetWorker)
+    lost: list[str] = []
+    monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
+    monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
+    intermediate.cleanup(worker, mine)
+    assert lost == [] and intermediate.get_job_ids() == []
+    assert rqcompat.stale_intermediate_entry(foreign, mine)
