@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from rq.exceptions import StopRequested
 
-__all__ = ["RedisOutage", "outage_reason"]
+__all__ = ["RedisOutage", "add_memory_hook", "memory_refused", "outage_reason", "remove_memory_hook"]
 
 log = logging.getLogger("worker.redis")
 
@@ -32,6 +32,35 @@ log = logging.getLogger("worker.redis")
 #: still loading, a script running too long, a failed background save refusing writes, a cluster moving.
 TRANSIENT_REPLIES = ("OOM", "READONLY", "LOADING", "MASTERDOWN", "BUSY", "NOREPLICAS", "TRYAGAIN", "MISCONF",
                      "CLUSTERDOWN")  # fmt: skip
+
+#: Called (no arguments, must not raise) whenever a write of this process is refused for memory, from the
+#: refusing thread: the worker releases its reserve and trims tenants over budget (worker.tenantmemory).
+_memory_hooks: list[Callable[[], None]] = []
+
+
+def add_memory_hook(fn: Callable[[], None]) -> None:
+    _memory_hooks.append(fn)
+
+
+def remove_memory_hook(fn: Callable[[], None]) -> None:
+    if fn in _memory_hooks:
+        _memory_hooks.remove(fn)
+
+
+def memory_refused(exc: BaseException | None) -> bool:
+    """If `exc` (or what it was raised from) is Redis refusing for memory, run the memory hooks; True if so."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+            isinstance(exc, redis.ResponseError) and str(exc).upper().startswith("OOM")
+        ):
+            for fn in list(_memory_hooks):
+                fn()
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
 
 _TRANSIENT_CLASSES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.BusyLoadingError)
 
@@ -80,6 +109,7 @@ class RedisOutage:
         reason = outage_reason(exc)
         if reason is None:
             return None
+        memory_refused(exc)
         with self._lock:
             first = self.since is None
             if first:

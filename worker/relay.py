@@ -34,7 +34,7 @@ def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S)
     """Call `fn` (one Redis write), retrying with back-off for up to `outage_s` seconds while Redis refuses
     for a reason that clears by itself: unreachable, out of memory, read-only, loading
     (`worker.redisoutage.outage_reason`; a render's events used to fail the job on the first OOM)."""
-    from .redisoutage import outage_reason
+    from .redisoutage import memory_refused, outage_reason
 
     deadline = time.monotonic() + outage_s
     delay = 0.05
@@ -44,6 +44,7 @@ def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S)
         except Exception as exc:
             if outage_reason(exc) is None or time.monotonic() + delay > deadline:
                 raise
+            memory_refused(exc)  # (out of memory: the worker's reserve and the tenant sweep make room)
             time.sleep(delay)
             delay = min(1.0, delay * 2)
 

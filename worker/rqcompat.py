@@ -441,8 +441,9 @@ def stale_intermediate_entry(job: Job, queue: Queue) -> bool:
     queue, running, or ended. A worker SIGKILLed between taking a job and starting it leaves the id in the
     intermediate list; the abandoned-job cleanup may re-queue the job meanwhile, and RQ's cleanup, finding
     the old entry a minute later, would queue it a second time (the chaos suite saw the job render twice).
-    Only a job still `queued` but absent from its queue is really stuck."""
-    if job.get_status(refresh=True) != JobStatus.QUEUED:
+    Only a job still `queued` but absent from its queue is really stuck; a job of another queue (an id
+    pushed onto this intermediate list by a client, where clients may write it) never is."""
+    if job.get_status(refresh=True) != JobStatus.QUEUED or job.origin != queue.name:
         return True
     return job.connection.lpos(queue.key, job.id) is not None
 

@@ -85,9 +85,10 @@ from .keys import (
     worker_health_key,
 )
 from .logs import bind_job
-from .redisoutage import RedisOutage
+from .redisoutage import RedisOutage, add_memory_hook, remove_memory_hook
 from .renderjob import OversizedJob, RefusedJob, RenderJob
 from .service import JobCancelledByClient, JobFailed, RenderService
+from .tenantmemory import TenantMemory
 from .tenantqueues import TakingQueue, TenantAdmissions, rotate, served_queue_names
 
 __all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
@@ -135,6 +136,12 @@ class FleetWorker(SimpleWorker):
         self.last_loop_beat = time.monotonic()
         self.redis_outage = RedisOutage(self._redis_changed)
         self._next_sweep = 0.0
+        # a per-tenant memory budget and this worker's reserve for recording outcomes (worker.tenantmemory)
+        budget = settings.tenant_redis_bytes if settings.tenant_ids else -1
+        self.tenant_memory = TenantMemory(self.connection, worker_name=self.name, tenants=settings.tenants,
+                                          budget_bytes=budget, reserve_ttl=2 * max(settings.worker_ttl,
+                                          settings.maintenance_interval) + 60)  # fmt: skip
+        add_memory_hook(self.tenant_memory.relieve)
         self.side_connection = _side_connection(self.connection)  # heartbeat thread and health writer
         self.health = HealthPublisher(self.side_connection, worker_health_key(self.name),
                                       lambda: self.health_snapshot()[2], ttl_s=settings.worker_ttl + 60)  # fmt: skip
@@ -211,6 +218,7 @@ class FleetWorker(SimpleWorker):
                     raise
                 continue
             self.redis_outage.cleared()
+            self.tenant_memory.take_reserve()
             return
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
@@ -234,6 +242,7 @@ class FleetWorker(SimpleWorker):
                 raise  # (an outage: the registration expires by itself)
 
     def run_maintenance_tasks(self) -> None:
+        self.tenant_memory.maintain()  # (first: what it frees lets the cleanup below record its outcomes)
         try:
             super().run_maintenance_tasks()
         except OversizedJob as exc:  # a hash grown past any job's size after it was taken (RQ's cleanup read it)
@@ -675,6 +684,9 @@ class FleetWorker(SimpleWorker):
             drain_s = 0.0 if self._cold else self.settings.upload_drain_timeout_s
             self.service.pipeline.drain(drain_s)
             self.health.stop(delete=True)
+            remove_memory_hook(self.tenant_memory.relieve)
+            with contextlib.suppress(redis.RedisError):
+                self.connection.delete(self.tenant_memory.reserve_key)
 
     # ==== abandoned jobs (found by registry cleanup, possibly for another worker's job) ===============
     def clean_registries(self) -> None:

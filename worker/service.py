@@ -263,7 +263,7 @@ class RenderService:
                        f"{lost} executions vanished; the worker_lost budget is spent", retryable=False)  # fmt: skip
 
         # ---- a job whose renders poisoned fleets is not rendered again (re-pushed by id: worker.poison) ----
-        if refused := poison.refusal(job.connection, job.id, s.retry_fleet_failure):
+        if refused := poison.refusal(job.connection, job.id, s.retry_fleet_failure, group=self.group):
             self._fail(job, relay, FailureReason.FLEET_FAILURE, refused, retryable=False, poisoned=True)
 
         # ---- validate -------------------------------------------------------------------------------
@@ -358,6 +358,7 @@ class RenderService:
         output: dict[str, Any] | None = None
         media: dict[str, Any] | None = None
         t_render = time.monotonic()
+        dispatched_at, oom_kills = time.time(), poison.oom_kills()
         stream = None
         try:
             ctl = self.fleet.controller
@@ -401,8 +402,14 @@ class RenderService:
             self.spool.discard_incomplete(job.id)
             info = self.fleet.record_failure(exc)  # (counted once: the monitor may have reported it already)
             relay.emit({"type": "fleet", "action": "failed", **info})
-            reasons = poison.record(job.connection, job.id, info.get("fleet_reason"), self.outcomes.failure_ttl(job))
-            refused = poison.refusal(job.connection, job.id, self.settings.retry_fleet_failure, reasons)
+            after = poison.oom_kills()
+            oom_killed = oom_kills is not None and after is not None and after > oom_kills
+            lasting = poison.lasting(info.get("fleet_reason"), info.get("exitcode"), oom_kills_during_job=oom_killed,
+                                     during_job=getattr(exc, "detected_at", 0.0) >= dispatched_at)  # fmt: skip
+            entries = poison.record(job.connection, job.id, info.get("fleet_reason"), self.outcomes.failure_ttl(job),
+                                    group=self.group, lasting=lasting)  # fmt: skip
+            refused = poison.refusal(job.connection, job.id, self.settings.retry_fleet_failure, entries,
+                                     group=self.group)  # fmt: skip
             # (the refusal first: a long fleet message is cut to its first line for Redis, and the reason it is
             # not retried must survive that)
             message = f"{refused}: {info['message']}" if refused else info["message"]

@@ -138,6 +138,12 @@ class WorkerSettings(RedisAccess, BaseSettings):
         description="tenants (the `--tenant`s of `ltx-worker redis-acl`) whose own queues '<queue>:t:<tenant>' "
         "this worker serves next to the shared queues, in turn; needs tenant_ids (comma-separated or JSON)",
     )
+    tenant_redis_bytes: int = Field(
+        0,
+        ge=-1,
+        description="Redis memory each tenant's keys may hold before workers delete them, largest and "
+        "ended first (worker.tenantmemory); 0: half of Redis's maxmemory shared among the tenants; -1: off",
+    )
     max_request_bytes: int = Field(
         1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"
     )
