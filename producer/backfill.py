@@ -34,7 +34,7 @@ import redis
 from producer.admission import AdmissionRefused, DuplicateJobError, Refusal
 from producer.client import JobInfo, JobNotFound, ProducerClient, ServiceUnavailable, content_job_id
 from producer.requestfile import LoadedRequest
-from worker.keys import TERMINAL_STATES, JobState, events_key
+from worker.protocol.keys import TERMINAL_STATES, JobState, events_key
 
 __all__ = ["Backfill", "BackfillSummary", "ManifestRecord", "default_manifest_path", "read_manifest"]
 

@@ -20,7 +20,7 @@ from producer.models import (
     JobNotReady,
     ServiceUnavailable,
 )
-from worker.keys import (
+from worker.protocol.keys import (
     JobState,
 )
 
@@ -94,7 +94,7 @@ class ObjectDownloads:
             try:
                 body = client.get_object(Bucket=bucket, Key=key)["Body"]
             except (BotoCoreError, ClientError) as exc:
-                from worker.s3errors import s3_error_text
+                from worker.protocol.s3errors import s3_error_text
 
                 raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {s3_error_text(exc)}") from None
             return f"s3://{bucket}/{key}", body

@@ -17,10 +17,10 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from worker.fleet import FleetSupervisor, FleetUnrecoverable, await_released
-from worker.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
-from worker.relay import EventRelay
-from worker.supervisor import EXIT_BAD_CONFIG, Supervisor
+from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
+from worker.protocol.relay import EventRelay
+from worker.render.fleet import FleetSupervisor, FleetUnrecoverable, await_released
+from worker.runtime.supervisor import EXIT_BAD_CONFIG, Supervisor
 
 # ==== relay =============================================================================================
 
@@ -372,9 +372,9 @@ def test_abandoned_job_is_recorded_as_worker_lost_with_the_budget_from_the_setti
     from rq.executions import Execution
     from rq.registry import StartedJobRegistry
 
-    from worker.outcomes import JobOutcomes
-    from worker.rqworker import FleetWorker
-    from worker.settings import WorkerSettings
+    from worker.jobs.outcomes import JobOutcomes
+    from worker.runtime.rqworker import FleetWorker
+    from worker.runtime.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
     meta = {"state": "rendering", "worker": "gone.cpu1.1", "attempt": 1 + lost_before}
@@ -420,10 +420,10 @@ def test_an_uploaded_job_the_abandoned_job_cleanup_marked_failed_ends_finished(
     from rq.job import JobStatus
     from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-    from worker import rqcompat
-    from worker.outcomes import JobOutcomes
-    from worker.rqworker import FleetWorker
-    from worker.settings import WorkerSettings
+    from worker.jobs.outcomes import JobOutcomes
+    from worker.protocol import rqcompat
+    from worker.runtime.rqworker import FleetWorker
+    from worker.runtime.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
     job = q.enqueue("worker.job.render", {"prompt": "x"}, meta={"state": "uploading", "worker": "gone.cpu1.1"})
@@ -475,7 +475,7 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     state, and a reader in between got RQ's placeholder from when the render returned (KeyError 'bucket')."""
     from types import SimpleNamespace
 
-    from worker import pipeline as pipeline_module
+    from worker.render import pipeline as pipeline_module
 
     order: list[str] = []
     monkeypatch.setattr(pipeline_module.rqcompat, "record_success_after_return",

@@ -30,8 +30,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from worker.keys import RENDER_FUNC
-from worker.schema import RenderRequest
+from worker.protocol.keys import RENDER_FUNC
+from worker.protocol.schema import RenderRequest
 
 __all__ = ["BadInput", "DeepNest", "canary_paths", "generate_bad_inputs", "is_bad", "raw_job_hashes", "to_text"]
 
