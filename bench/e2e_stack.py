@@ -25,8 +25,9 @@ from typing import Any
 from producer.client import JobEvent, ProducerClient
 from producer.settings import ProducerSettings
 from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive
-from worker.protocol.keys import TERMINAL_STATES, worker_health_key
+from worker.protocol.keys import worker_health_key
 from worker.protocol.schema import RenderRequest
+from worker.protocol.states import TERMINAL_STATES
 from worker.runtime.settings import group_label
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -44,7 +44,8 @@ from producer.exitcodes import EXIT_CODE_HELP, ExitCode
 from producer.loras import first_lora_problem, with_lora_options
 from producer.requestfile import RequestFileError, load_requests
 from producer.settings import SettingsError, load_settings
-from worker.protocol.keys import JobState, check_job_id
+from worker.protocol.keys import check_job_id
+from worker.protocol.states import JobState
 
 __all__ = ["cli", "main"]
 

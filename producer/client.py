@@ -7,7 +7,7 @@ It talks to Redis (RQ with its JSON serializer: no pickle crosses Redis) and, fo
 presigned URL. It knows the worker only through `worker.protocol.schema` (the request model) and `worker.protocol.keys`
 (Redis names, states, event types): both import neither torch nor ltx_mgpu, so this stays a light client.
 
-Which state counts: the service state in the job's meta (`worker.protocol.keys.JobState`) is authoritative, with
+Which state counts: the service state in the job's meta (`worker.protocol.states.JobState`) is authoritative, with
 RQ's coarser status as a fallback when no worker ever wrote one (e.g. a job cancelled while queued, or a
 worker that died before it started the job). A job is done when its state is terminal: `uploaded`
 (the video is in storage), `failed` or `cancelled`; RQ's `finished` alone is not enough, because the
@@ -58,21 +58,14 @@ from producer.models import (  # (the views and errors are re-exported: `from pr
 from producer.settings import ProducerSettings
 from producer.stats import StatsQueries
 from worker.protocol.control import cancel_job
-from worker.protocol.keys import (
-    RENDER_FUNC,
-    JobState,
-    check_job_id,
-    derive_state,
-    events_key,
-    safe_redis_url,
-    tenant_job_id,
-    worker_health_key,
-)
+from worker.protocol.keys import RENDER_FUNC, check_job_id, events_key, tenant_job_id, worker_health_key
 from worker.protocol.limits import LimitViolation, RunnerLimits
 from worker.protocol.redisconn import connect
 from worker.protocol.renderjob import RenderJob
 from worker.protocol.rqcompat import live_workers
 from worker.protocol.schema import RenderRequest
+from worker.protocol.sharedsettings import safe_redis_url
+from worker.protocol.states import JobState, derive_state
 
 __all__ = [
     "FetchRefused",

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from producer.client import JobEvent, JobInfo, Stats
-from worker.protocol.keys import EventType, JobState
+from worker.protocol.states import EventType, JobState
 
 __all__ = ["EventPrinter", "human_bytes", "printable", "render_job_table", "render_stats", "render_status"]
 

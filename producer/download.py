@@ -20,9 +20,7 @@ from producer.models import (
     JobNotReady,
     ServiceUnavailable,
 )
-from worker.protocol.keys import (
-    JobState,
-)
+from worker.protocol.states import JobState
 
 
 class ObjectDownloads:

@@ -21,15 +21,15 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.admission import check_client_name
-from worker.protocol.keys import (
+from worker.protocol.keys import check_tenant_name
+from worker.protocol.redisconn import RedisAccess
+from worker.protocol.sharedsettings import (
     S3_SECRET_FILE_FIELDS,
     check_queue_names,
     check_redis_url,
-    check_tenant_name,
     read_secret_file,
     split_list,
 )
-from worker.protocol.redisconn import RedisAccess
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
 

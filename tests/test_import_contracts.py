@@ -265,7 +265,7 @@ def test_runner_event_types_are_the_engines():
     """The worker relays runner events under the engine's names; `worker.protocol.keys` (stdlib only, imported by
     the producer) cannot import them, so this holds the two spellings together."""
     from ltx_mgpu import events
-    from worker.protocol.keys import EventType
+    from worker.protocol.states import EventType
 
     assert (EventType.STAGE, EventType.PROGRESS, EventType.OUTPUT) == (events.STAGE, events.PROGRESS, events.OUTPUT)
     assert events.stage_event(events.Stage.MUX) == {"type": "stage", "stage": "mux"}

@@ -23,7 +23,8 @@ from producer.exitcodes import ExitCode
 from producer.jsonpos import locate, position_at
 from producer.requestfile import load_requests
 from producer.settings import load_settings
-from worker.protocol.keys import RENDER_FUNC, JobState, events_key
+from worker.protocol.keys import RENDER_FUNC, events_key
+from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 

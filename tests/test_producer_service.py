@@ -32,7 +32,8 @@ from producer.client import ProducerClient
 from producer.exitcodes import ExitCode
 from producer.settings import load_settings
 from worker.dev.devservers import RedisServer, S3Server
-from worker.protocol.keys import JobState, events_key, worker_health_key
+from worker.protocol.keys import events_key, worker_health_key
+from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"width": 64, "height": 64, "num_frames": 9, "steps": 2}

@@ -25,7 +25,7 @@ from tests.test_worker_support import (
     wait_state,
 )
 from worker.jobs.admission import STALE, Admission, Waiting, plan
-from worker.protocol.keys import FailureReason
+from worker.protocol.states import FailureReason
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,8 +17,9 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
+from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
 from worker.protocol.relay import EventRelay
+from worker.protocol.states import JobState
 from worker.render.fleet import FleetSupervisor, FleetUnrecoverable, await_released
 from worker.runtime.supervisor import EXIT_BAD_CONFIG, Supervisor
 

@@ -98,8 +98,8 @@ def test_relay_rides_out_a_redis_restart(redis_server_factory: Any) -> None:
     import threading
     import time
 
-    from worker.protocol.keys import JobState
     from worker.protocol.relay import EventRelay
+    from worker.protocol.states import JobState
 
     server = redis_server_factory(appendonly=True)
     conn = server.client()

@@ -66,7 +66,8 @@ from rq.serializers import JSONSerializer
 
 from worker.jobs.outcomes import JobOutcomes
 from worker.protocol import rqcompat
-from worker.protocol.keys import REFUSALS_KEY, RQ_ENDED_STATUSES, FailureReason, JobState, job_owner, job_tenant
+from worker.protocol.keys import REFUSALS_KEY, RQ_ENDED_STATUSES, job_owner, job_tenant
+from worker.protocol.states import FailureReason, JobState
 
 __all__ = ["QUOTA_WINDOW", "STALE", "Admission", "Plan", "Refusal", "Waiting", "plan"]
 

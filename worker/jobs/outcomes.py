@@ -30,8 +30,8 @@ from typing import Any
 
 from worker.ops.errorids import public_message
 from worker.protocol import rqcompat
-from worker.protocol.keys import FailureReason, JobState
 from worker.protocol.relay import EventRelay
+from worker.protocol.states import FailureReason, JobState
 from worker.runtime.settings import WorkerSettings
 
 __all__ = ["RQ_TIMEOUT_MARGIN_S", "JobOutcomes", "attempt_count"]

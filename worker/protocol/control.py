@@ -30,8 +30,9 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from worker.protocol.keys import CANCEL_REQUESTED_FIELD, TERMINAL_STATES, JobState, derive_state
+from worker.protocol.keys import CANCEL_REQUESTED_FIELD
 from worker.protocol.relay import EventRelay
+from worker.protocol.states import TERMINAL_STATES, JobState, derive_state
 
 __all__ = ["CANCELLED", "STOP_REQUESTED", "cancel_job"]
 

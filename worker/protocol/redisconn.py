@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
-from worker.protocol.keys import read_secret_file, safe_redis_url
+from worker.protocol.sharedsettings import read_secret_file, safe_redis_url
 
 __all__ = ["RedisAccess", "connect", "connection_kwargs"]
 

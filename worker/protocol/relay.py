@@ -5,7 +5,7 @@ the job's `meta` field, in one pipeline. The stream's expiry is set on the first
 outlive the running job) and reset on the terminal state to the job's result/failure TTL, so the events
 disappear together with the job (an EXPIRE survives later XADDs).
 
-The meta summary (see `worker.protocol.keys.SUMMARY_FIELDS`) is written into the *same* dict RQ holds for the job,
+The meta summary (see `worker.protocol.states.SUMMARY_FIELDS`) is written into the *same* dict RQ holds for the job,
 so RQ's own later `job.save()` (e.g. on a re-queue) writes our latest summary rather than a stale copy.
 Thread-safe: upload progress arrives from transfer threads while the main thread may emit too.
 
@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, TERMINAL_STATES, EventType, JobState, events_key
+from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
+from worker.protocol.states import TERMINAL_STATES, EventType, JobState
 
 __all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
 

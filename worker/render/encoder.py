@@ -41,8 +41,8 @@ from typing import Any
 import redis
 
 from worker.protocol import rqcompat
-from worker.protocol.keys import FailureReason, JobState
 from worker.protocol.relay import EventRelay
+from worker.protocol.states import FailureReason, JobState
 from worker.render.pipeline import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from worker.ops.errorids import public_message
 from worker.ops.procs import pid_alive
-from worker.protocol.keys import EventType
+from worker.protocol.states import EventType
 
 __all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
 

@@ -50,8 +50,8 @@ import redis
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
-from worker.protocol.keys import FailureReason, JobState
 from worker.protocol.relay import EventRelay
+from worker.protocol.states import FailureReason, JobState
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import StoredObject
 from worker.uploads.uploader import Uploader, UploadFailed

@@ -45,10 +45,10 @@ from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
-from worker.protocol.keys import RUNNING_STATES, FailureReason, JobState
 from worker.protocol.limits import RunnerLimits
 from worker.protocol.relay import EventRelay
 from worker.protocol.schema import RenderRequest
+from worker.protocol.states import RUNNING_STATES, FailureReason, JobState
 from worker.render.encoder import EncodeStage, PendingEncode
 from worker.render.fleet import FleetSupervisor
 from worker.render.loras import LoraRefused, LoraResolver

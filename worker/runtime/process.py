@@ -28,7 +28,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from worker.ops.logs import event_text
-from worker.protocol.keys import safe_redis_url
+from worker.protocol.sharedsettings import safe_redis_url
 from worker.runtime.exitcodes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
 from worker.runtime.settings import SettingsError, WorkerSettings, resolve_runner
 

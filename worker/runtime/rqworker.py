@@ -76,16 +76,10 @@ from worker.jobs.tenantqueues import TakingQueue, TenantAdmissions, rotate, serv
 from worker.ops.health import HealthPublisher
 from worker.ops.logs import bind_job
 from worker.protocol import rqcompat
-from worker.protocol.keys import (
-    RECORDED_END_STATES,
-    RENDER_COMPLETE_STATES,
-    TERMINAL_STATES,
-    FailureReason,
-    JobState,
-    worker_health_key,
-)
+from worker.protocol.keys import worker_health_key
 from worker.protocol.redisoutage import RedisOutage
 from worker.protocol.renderjob import OversizedJob, RefusedJob, RenderJob
+from worker.protocol.states import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, JobState
 from worker.render.fleet import FleetUnrecoverable
 from worker.render.service import JobCancelledByClient, JobFailed, RenderService
 from worker.runtime.exitcodes import EXIT_FLEET_UNRECOVERABLE

@@ -35,16 +35,16 @@ from pydantic_settings import (
 )
 
 from ltx_mgpu.devices import canonical_group
-from worker.protocol.keys import (
+from worker.protocol.keys import check_tenant_name
+from worker.protocol.redisconn import RedisAccess
+from worker.protocol.sharedsettings import (
     S3_SECRET_FILE_FIELDS,
     check_queue_names,
     check_redis_url,
-    check_tenant_name,
     read_secret_file,
     safe_redis_url,
     split_list,
 )
-from worker.protocol.redisconn import RedisAccess
 
 __all__ = [
     "BUILTIN_RUNNERS",

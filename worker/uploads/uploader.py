@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.protocol.keys import EventType
+from worker.protocol.states import EventType
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, StorageError, StoredObject
 
