@@ -189,11 +189,8 @@ class Workers:
             LTX_RUNNER_SETUP=json.dumps(self.workload.setup),
             LTX_WARMUP_REQUESTS=json.dumps([self.workload.request] if self.warmup else []),
             LTX_SPOOL_DIR=str(self.workdir / "spool"),
-            LTX_METRICS_PORT="0",
-            LTX_METRICS_HOST="127.0.0.1",
-            LTX_LOG_FORMAT="json",
-            PYTHONUNBUFFERED="1",
-        )
+            LTX_METRICS_PORT="0", LTX_METRICS_HOST="127.0.0.1", LTX_LOG_FORMAT="json", PYTHONUNBUFFERED="1",
+        )  # fmt: skip
         env.update(self.extra_env)
         return env
 
