@@ -1,5 +1,5 @@
 """Redis memory under a hostile client, against real redis-servers started with the
-service's memory flags (`worker.devservers.REDIS_MEMORY_ARGS`) and a small `maxmemory`.
+service's memory flags (`worker.dev.devservers.REDIS_MEMORY_ARGS`) and a small `maxmemory`.
 
 - a client that sends `HGETALL`s of a big hash and never reads the replies is disconnected, and the memory
   its output buffer held comes back (it used to stay past `maxmemory`, failing every write);
@@ -26,7 +26,7 @@ import redis
 
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, wait_for, wait_state
-from worker.tenantmemory import RESERVE_BYTES
+from worker.jobs.tenantmemory import RESERVE_BYTES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -140,10 +140,10 @@ def test_a_submit_to_a_redis_out_of_memory_is_one_line_and_exit_6(redis_server_f
 
 
 def test_event_writes_wait_out_a_short_out_of_memory_spell(redis_server_factory) -> None:
-    """A render's events (`worker.relay`) retried only connection errors: one OOM failed the job."""
+    """A render's events (`worker.protocol.relay`) retried only connection errors: one OOM failed the job."""
     import threading
 
-    from worker.relay import with_redis_retry
+    from worker.protocol.relay import with_redis_retry
 
     server = redis_server_factory()
     client = server.client()
@@ -190,7 +190,7 @@ def test_a_stop_signal_during_a_lost_connection_is_a_stop_not_an_outage() -> Non
     worker ran until it was killed. Only the refusal itself is an outage."""
     from rq.exceptions import StopRequested
 
-    from worker.redisoutage import outage_reason
+    from worker.protocol.redisoutage import outage_reason
 
     lost = redis.exceptions.ConnectionError("Connection closed by server.")
     try:

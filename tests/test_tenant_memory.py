@@ -2,7 +2,7 @@
 has no per-user memory limit), against a real redis-server with the service's memory flags and a real
 worker serving tenants (`LTX_TENANT_IDS`, `LTX_TENANTS=alice,bob`) on a CPU rank, real SeaweedFS.
 
-Before `worker.tenantmemory` the worker waited, degraded, until an operator deleted her keys: bob's job
+Before `worker.jobs.tenantmemory` the worker waited, degraded, until an operator deleted her keys: bob's job
 in flight never recorded its outcome and his next job never ran. Now the worker trims the tenant over
 her budget (half of `maxmemory` shared between the two tenants), releases its reserve when refused, and
 bob's jobs end `uploaded` without an operator and without a worker restart.
@@ -19,7 +19,7 @@ import redis
 
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, wait_for, wait_state
-from worker.tenantmemory import key_tenant
+from worker.jobs.tenantmemory import key_tenant
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,7 +93,7 @@ def test_the_sweep_trims_only_the_tenant_over_budget_ended_first_never_a_running
     """`TenantMemory.sweep` on a real Redis: alice over her budget loses her largest ended keys first, then
     queued ones, never a started job's; bob, under his, keeps everything; the reserve is released when Redis
     refuses for memory and taken again only when there is room for it twice over."""
-    from worker.tenantmemory import TenantMemory
+    from worker.jobs.tenantmemory import TenantMemory
 
     redis_client = redis_server_factory().client()  # (its own server: the sweep looks at every key)
     tag = uuid.uuid4().hex[:6]
@@ -135,10 +135,10 @@ def test_the_sweep_runs_as_the_worker_acl_user_and_a_tenant_cannot_touch_the_res
     """Under the generated ACL users: `SCAN`, `MEMORY USAGE`, `INFO` and `DEL` pass as `worker`; alice can
     fill her own keys but cannot read or delete a worker's reserve."""
     from tests.test_redis_acl_rules import _passwords
-    from worker.devsecure import SecureRedisServer
-    from worker.devservers import find_redis_server
-    from worker.redisacl import AclUsers, generate
-    from worker.tenantmemory import TenantMemory
+    from worker.dev.devsecure import SecureRedisServer
+    from worker.dev.devservers import find_redis_server
+    from worker.jobs.tenantmemory import TenantMemory
+    from worker.protocol.redisacl import AclUsers, generate
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")

@@ -7,8 +7,8 @@ real Redis, real S3); the attacks of docs/security.md and out-of-memory errors o
 - a render that raises an out-of-memory error, a TypeError or a RuntimeError on every rank ends the job
   (`out_of_memory`, retried once; `runner_error`, never), and the same fleet renders the next job;
 - a job whose renders poisoned the fleet twice is failed without another retry, and re-pushing its id
-  does not crash the fleet again (`worker.poison`); one whose rank died of its own doing (SIGSEGV) is not
-  retried on the same group at all.
+  does not crash the fleet again (`worker.jobs.poison`); one whose rank died of its own doing (SIGSEGV) is
+  not retried on the same group at all.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rq.serializers import JSONSerializer
 from tests.test_worker_abuse import Worker
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, events, wait_for, wait_rq_status, wait_state
-from worker.keys import RENDER_FUNC
+from worker.protocol.keys import RENDER_FUNC
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -160,7 +160,7 @@ def test_an_error_on_one_rank_while_the_other_waits_is_one_rebuild_and_never_ren
 
 
 def test_the_poisoned_record_follows_the_budget_and_a_lasting_cause_counts_at_once(redis_client):
-    from worker import poison
+    from worker.jobs import poison
 
     job_id = f"p-{time.time_ns()}"
     assert poison.refusal(redis_client, job_id, 2) is None

@@ -1,4 +1,4 @@
-"""`worker.rqcompat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
+"""`worker.protocol.rqcompat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
 and string it (and `FleetWorker`'s overrides) relies on. An RQ upgrade that changes one fails here, not in
 production (RQ's main branch already changed `perform_job`'s signature)."""
 
@@ -16,8 +16,8 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.worker import SimpleWorker
 
-from worker import rqcompat
-from worker.rqworker import FleetWorker
+from worker.protocol import rqcompat
+from worker.runtime.rqworker import FleetWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     assert _params(Job.heartbeat) == ["self", "timestamp", "ttl", "pipeline", "xx"]
     assert _params(StartedJobRegistry.cleanup) == ["self", "timestamp", "exception_handlers"]
     assert _params(StartedJobRegistry.add_execution) == ["self", "execution", "pipeline", "ttl", "xx"]
-    # worker.admission reads running job ids from started-registry members `<job id>:<execution id>`
+    # worker.jobs.admission reads running job ids from started-registry members `<job id>:<execution id>`
     assert Execution(id="e1", job_id="j1", connection=redis_client).composite_key == "j1:e1"
     # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
@@ -79,7 +79,7 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
 
 
 def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
-    """`worker.tenantqueues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
+    """`worker.jobs.tenantqueues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
     `rqcompat.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
     its SREM."""
     from rq import worker_registration
@@ -87,7 +87,7 @@ def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
     from rq.queue import Queue
     from rq.worker import Worker
 
-    from worker.tenantqueues import TakingQueue
+    from worker.jobs.tenantqueues import TakingQueue
 
     dequeue = ["cls", "queues", "timeout", "connection", "job_class", "serializer", "death_penalty_class"]
     assert _params(Queue.dequeue_any.__func__) == dequeue and _params(TakingQueue.dequeue_any.__func__) == dequeue
@@ -120,7 +120,7 @@ def test_a_cleanup_lock_is_bounded_and_released_even_when_the_cleanup_fails(redi
     recovery on the queue for 15 minutes. Ours lives `lock_ttl_s` and is released whatever happens."""
     from rq.queue import Queue
 
-    from worker.rqworker import maintenance_lock_ttl
+    from worker.runtime.rqworker import maintenance_lock_ttl
 
     queue = Queue("cleanq", connection=redis_client)
     worker = SimpleWorker([queue], connection=redis_client)

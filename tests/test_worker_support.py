@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.control.events import output_event, progress_event, stage_event
-from worker.devservers import pid_alive
+from worker.dev.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = {
@@ -352,7 +352,7 @@ def enqueue(conn: Any, queue: str, request: dict[str, Any], **kwargs: Any) -> An
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.keys import RENDER_FUNC
+    from worker.protocol.keys import RENDER_FUNC
 
     q = Queue(queue, connection=conn, serializer=JSONSerializer)
     kwargs.setdefault("job_timeout", 600)
@@ -392,6 +392,6 @@ def wait_rq_status(job: Any, statuses: set[str], timeout: float, worker: WorkerP
 
 
 def events(conn: Any, job_id: str) -> list[dict[str, Any]]:
-    from worker.keys import EVENT_FIELD_DATA, events_key
+    from worker.protocol.keys import EVENT_FIELD_DATA, events_key
 
     return [json.loads(fields[EVENT_FIELD_DATA.encode()]) for _, fields in conn.xrange(events_key(job_id))]

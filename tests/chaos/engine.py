@@ -48,8 +48,8 @@ from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
 from tests.chaos.stack import ChaosStack
 from tests.chaos.watchdog import Stalled, Watchdog
 from tests.test_worker_support import enqueue, wait_for
-from worker.keys import tenant_queue
-from worker.schema import RenderRequest
+from worker.protocol.keys import tenant_queue
+from worker.protocol.schema import RenderRequest
 
 __all__ = ["FAULT_KINDS", "Report", "run_chaos"]
 

@@ -37,8 +37,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from worker.keys import RENDER_FUNC
-from worker.schema import RenderRequest
+from worker.protocol.keys import RENDER_FUNC
+from worker.protocol.schema import RenderRequest
 
 __all__ = [
     "HOSTILE",

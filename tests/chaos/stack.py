@@ -19,8 +19,8 @@ from typing import Any
 
 from tests.chaos.runner import RUNNER_NAME, RUNNER_PATH
 from tests.test_worker_support import RUNNERS, WorkerProcess, pid_alive, wait_for, worker_env, worker_health
-from worker.devservers import RedisServer, S3Server
-from worker.tcpproxy import TcpProxy
+from worker.dev.devservers import RedisServer, S3Server
+from worker.dev.tcpproxy import TcpProxy
 
 __all__ = ["ChaosStack", "marked_processes"]
 
