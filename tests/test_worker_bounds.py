@@ -178,7 +178,7 @@ def test_the_poisoned_record_follows_the_budget_and_a_lasting_cause_counts_at_on
 
 
 def test_a_lasting_poisoning_bars_its_group_and_a_second_one_every_group(redis_client):
-    from worker import poison
+    from worker.jobs import poison
 
     assert poison.lasting("rank_exited", -11, during_job=True, oom_kills_during_job=False)
     assert poison.lasting("rank_exited", -9, during_job=True, oom_kills_during_job=True)  # the OOM killer
