@@ -128,7 +128,9 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     spool = Spool(settings.spool_dir)
     runner_cls = resolve_runner(settings)
     try:
-        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup)
+        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup, world_size=len(devices),
+                                 capacity_gib=settings.device_memory_gib,
+                                 headroom_gib=settings.memory_headroom_gib)  # fmt: skip
     except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
         raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
 
