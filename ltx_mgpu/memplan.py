@@ -106,7 +106,7 @@ LTX2_19B = ModelProfile(
 #: The tiny test checkpoints (CPU fleets): the same shape of plan, with negligible bytes.
 TINY = replace(LTX2_19B, name="tiny", transformer_gib=0.01, text_encoder_gib=0.01, video_decoder_gib=0.001,
                video_encoder_gib=0.001, upsampler_gib=0.001, audio_gib=0.001, lora_factors_gib=0.001,
-               two_stage_extra_gib=0.0, runtime_gib=0.05)  # fmt: skip
+               two_stage_extra_gib=0.0, runtime_gib=0.05, sp_buffer_bytes=64.0)  # fmt: skip
 PROFILES: dict[str, ModelProfile] = {p.name: p for p in (LTX2_19B, TINY)}
 RUNNER_KINDS = ("distilled", "two-stage")
 

@@ -9,15 +9,19 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 |-----------------|--------------------------------------------------------------------------|
 | step_s=F        | sleep F seconds per step (on every rank) before the cancel point         |
 | bytes=N         | size of the output file (default 4096), content derived from the seed    |
-| record=PATH     | the driver appends {"event": "start"/"end", "pid", "t", "job"} lines     |
+| record=PATH     | the driver appends {"event": "start"/"end", "pid", "t", "job", "memory_plan"} lines |
 | error=runner    | raise RunnerError on every rank (recoverable, the fleet survives)        |
 | error=oom       | raise torch.OutOfMemoryError on every rank after one yield (job ends)    |
 | error=type      | the same with TypeError (`runtime`: RuntimeError); the fleet survives    |
+| error=oom_unless_low | error=oom unless the job's `memory_plan` asks for the chunked decode   |
 | error_rank=R    | with error=...: only rank R raises; the others wait in a collective      |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
 | yuv=N           | with `media="frames"`: yield N noise frames (width x height) as a `media` event, no file |
+
+FaultRunner describes its memory (`memory_fleet`, as the ltx2 runners do) only with the setup kwarg
+`memory_profile` (e.g. "tiny"): a worker then plans, publishes and refuses by `LTX_DEVICE_MEMORY_GIB`.
 
 No test functions here: pytest collects the module and finds none.
 """
@@ -71,6 +75,13 @@ _INJECTED: dict[str, type[Exception]] = {"oom": torch.OutOfMemoryError, "type": 
 class FaultRunner(MGPURunner):
     """A fast runner with injectable faults; see the module docstring."""
 
+    @classmethod
+    def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> Any:
+        from ltx_mgpu.memplan import FleetMemory
+
+        profile = setup_kwargs.get("memory_profile")
+        return None if profile is None else FleetMemory("distilled", world_size, profile=profile)
+
     def setup(
         self,
         *,
@@ -100,6 +111,7 @@ class FaultRunner(MGPURunner):
         num_frames: int = 9,
         frame_rate: float = 24.0,
         media: str = "mp4",
+        memory_plan: dict | None = None,
         **_ignored: Any,
     ) -> Iterator[dict[str, Any]]:
         d = directives(prompt)
@@ -107,7 +119,10 @@ class FaultRunner(MGPURunner):
         record = d.get("record")
         job = Path(output_path).parent.name
         if record and self.is_driver:
-            _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job})
+            _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job,
+                             "memory_plan": memory_plan})  # fmt: skip
+        if d.get("error") == "oom_unless_low" and not (memory_plan or {}).get("decode_chunked"):
+            d["error"] = "oom"
         if d.get("error") == "runner":
             raise RunnerError("injected runner error")
         if d.get("error") == "crash":  # a fleet-level fault (sticky CUDA error): the rank dies with a traceback
