@@ -85,3 +85,20 @@ def test_an_out_of_memory_render_is_retried_once_with_the_lower_memory_plan_on_t
 def _url(worker: Worker) -> str:
     kw = worker.conn.connection_pool.connection_kwargs
     return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+
+
+def test_an_out_of_memory_error_in_a_driver_only_stage_is_an_out_of_memory_job(tmp_path, redis_server, s3_server):
+    """The driver's own stages (audio decode, mux) run after the other ranks finished: the controller ends
+    the job asymmetrically. Before, the worker failed it as `asymmetric_runner_error` (a runner bug, never
+    retried); it is an out-of-memory job like any other (retried once, the fleet untouched)."""
+    with running_worker(tmp_path, redis_server, s3_server, handle=Worker, group="cpu:2") as worker:
+        pids = worker.health()["fleet"]["pids"]
+        job = worker.enqueue("t error=oom_tail")
+        assert wait_state(job, {"failed", "uploaded"}, 90, worker.proc) == "failed"
+        meta = job.get_meta(refresh=True)
+        assert meta["error"]["reason"] == "out_of_memory", meta["error"]
+        assert meta["error"]["message"] == "OutOfMemoryError: injected oom in the driver's mux", meta["error"]
+        assert [a["reason"] for a in meta["attempts"]] == ["out_of_memory"] * 2
+        ok = worker.enqueue("t")
+        assert wait_state(ok, {"failed", "uploaded"}, 60, worker.proc) == "uploaded"
+        assert worker.metric(REBUILDS) == 0 and worker.health()["fleet"]["pids"] == pids

@@ -14,6 +14,7 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | error=oom       | raise torch.OutOfMemoryError on every rank after one yield (job ends)    |
 | error=type      | the same with TypeError (`runtime`: RuntimeError); the fleet survives    |
 | error=oom_unless_low | error=oom unless the job's `memory_plan` asks for the chunked decode   |
+| error=oom_tail  | the driver raises torch.OutOfMemoryError after the others finished (a driver-only stage) |
 | error_rank=R    | with error=...: only rank R raises; the others wait in a collective      |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | no_output=1     | finish without writing a file                                            |
@@ -153,6 +154,8 @@ class FaultRunner(MGPURunner):
             yield output_event(output_path, frames=int(d["yuv"]), fps=frame_rate, width=width, height=height,
                                size_bytes=0, media="frames", gpu_busy_s=0.25)  # fmt: skip
         elif self.is_driver:
+            if d.get("error") == "oom_tail":  # (the other ranks have returned: nobody waits in a collective)
+                raise torch.OutOfMemoryError("injected oom in the driver's mux")
             if d.get("no_output") != "1":
                 data = output_bytes(seed, int(d.get("bytes", 4096)))
                 Path(output_path).write_bytes(data)
