@@ -1,7 +1,7 @@
 """The memory plan (`ltx_mgpu.memplan`), its limits (`worker.limits`) and `ltx-worker plan`, without a fleet.
 
-Calibration: the plan reproduces the peaks measured on one H200 with synthetic full-size weights (issue 30,
-ENVIRONMENT.md 2026-12-01): distilled 71 GiB at 768x512x121 and 90 GiB at 1536x1024x121 (allocator peaks),
+Calibration: the plan reproduces the peaks measured on one H200 with synthetic full-size weights
+(docs/performance.md, "Measured peaks"): distilled 71 GiB at 768x512x121 and 90 GiB at 1536x1024x121 (allocator peaks),
 two-stage with CFG 114 GiB at 768x512x121 (allocator peak) and 139.2 GiB in use at 1536x1024x121.
 """
 
