@@ -59,7 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.e2e_clock import gpu_busy_ratio, idle_gaps_ms, pct
-from bench.e2e_plans import PLANS, RunSpec, parse_size, sized
+from bench.e2e_plans import PLANS, RunSpec, parse_size, refusal, sized
 from bench.e2e_stack import (
     STAGES,
     GpuMemory,
@@ -232,6 +232,9 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
         "request": workload.request,
         "size": spec.size,
     }
+    if args.profile == "full" and (refused := refusal(workload, [len(g.split(",")) for g in spec.groups])):
+        say(f"run {spec.label}: refused by the memory plan: {refused}")
+        return {**summary, "refused": refused}
     say(f"run {spec.label}: starting workers")
     gpu.take()
     workers.start()

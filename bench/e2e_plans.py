@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 from bench.e2e_stack import Workload
 
-__all__ = ["PLANS", "SIZES", "RunSpec", "parse_size", "sized"]
+__all__ = ["PLANS", "SIZES", "RunSpec", "parse_size", "refusal", "sized"]
 
 #: The sizes of the presets: the one-stage default, the two-stage/distilled CLI default, ten seconds of it.
 SIZES = ("768x512x121", "1536x1024x121", "1536x1024x241")
 
 _SIZE = re.compile(r"^(\d+)x(\d+)x(\d+)$")
+DEFAULT_SP_MAX_TOKENS = 32768  #: the ltx2 runners' `sp_max_tokens` default
 
 
 def parse_size(text: str) -> tuple[int, int, int]:
@@ -33,12 +34,33 @@ def parse_size(text: str) -> tuple[int, int, int]:
 
 
 def sized(workload: Workload, size: str | None) -> Workload:
-    """`workload` with its request at `size` ("WxHxF"; None: as it is)."""
+    """`workload` with its request at `size` ("WxHxF"; None: as it is). A size whose full-resolution stage has
+    more video tokens than the runners' default SP budget (32,768: 1536x1024x241 has 47,616) raises the budget
+    to the next multiple of 8,192 (the distilled runner runs stage 2 as SP over the whole clip)."""
     if size is None:
         return workload
     width, height, frames = parse_size(size)
-    return dataclasses.replace(workload, request={**workload.request, "width": width, "height": height,
-                                                  "num_frames": frames})  # fmt: skip
+    setup = dict(workload.setup)
+    tokens = (width // 32) * (height // 32) * ((frames - 1) // 8 + 1)
+    if tokens > int(setup.get("sp_max_tokens", DEFAULT_SP_MAX_TOKENS)):
+        setup["sp_max_tokens"] = -(-tokens // 8192) * 8192
+    request = {**workload.request, "width": width, "height": height, "num_frames": frames}
+    return dataclasses.replace(workload, request=request, setup=setup)
+
+
+def refusal(workload: Workload, world_sizes: list[int]) -> str | None:
+    """What the memory plan (`ltx_mgpu.memplan`, without a capacity: only the token budget) refuses before any
+    worker starts: a run the fleet would refuse costs no cold start."""
+    from ltx_mgpu import memplan
+    from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
+
+    runner_cls = Ltx2DistilledRunner if workload.runner == "ltx2-distilled" else Ltx2TwoStageRunner
+    r = workload.request
+    for world in world_sizes:
+        fleet = runner_cls.memory_fleet(world, **workload.setup)
+        if message := memplan.plan(fleet, r["width"], r["height"], r["num_frames"]).refusal():
+            return message
+    return None
 
 
 @dataclass(frozen=True)
