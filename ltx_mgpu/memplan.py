@@ -128,6 +128,7 @@ class FleetMemory:
     world_size: int
     profile: str = "ltx2-19b"
     text_encoder_rank: int | None = None  #: None: the last rank
+    gemma_every_rank: bool = False  #: setup `text_encoder="batch-parallel"`: Gemma on every rank
     passes: int = 1  #: transformer passes per stage-1 step (guidance: CFG 2, the reference's 4)
     sp_max_tokens: int = 32768
     vae_overlap: int = 1  #: latent cells shared by neighbouring decode tiles (setup `vae_overlap`)
@@ -241,7 +242,7 @@ def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]
                  "sp_buffers": fleet.sp_max_tokens * p.sp_buffer_bytes / GIB, "runtime": p.runtime_gib}  # fmt: skip
         if rank == 0:
             parts.update(video_encoder=p.video_encoder_gib, upsampler=p.upsampler_gib, audio=p.audio_gib)
-        if rank == fleet.gemma_rank:
+        if rank == fleet.gemma_rank or fleet.gemma_every_rank:
             parts["text_encoder"] = p.text_encoder_gib
         if fleet.runner == "two-stage":
             parts["lora_backup"] = p.transformer_gib / fleet.world_size  # the tracker shards its clean copy
@@ -291,7 +292,7 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
         worst: StagePeak | None = None
         for rank, parts in resident.items():
             act = 0.0
-            if stage == "encode" and rank == fleet.gemma_rank:
+            if stage == "encode" and (rank == fleet.gemma_rank or fleet.gemma_every_rank):
                 act = p.encode_gib * GIB
             elif stage == "stage1":
                 act = p.token_bytes * rows * t1 / world
@@ -318,7 +319,7 @@ def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_me
     size = (int(width), int(height), int(num_frames))
     resident = _resident(fleet, p)
     notes = []
-    if fleet.world_size > 1 and fleet.gemma_rank == 0:
+    if fleet.world_size > 1 and fleet.gemma_rank == 0 and not fleet.gemma_every_rank:
         notes.append("Gemma shares the driver rank with the encoder, upsampler and audio: a later rank has room")
     fast = _stage_peaks(fleet, p, size, resident, chunked=False)
     limit = None if fleet.capacity_gib is None else fleet.capacity_gib - fleet.headroom_gib
