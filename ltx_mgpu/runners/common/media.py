@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...events import MEDIA
+from ...control.events import MEDIA
 
 __all__ = [
     "MEDIA",
