@@ -77,7 +77,7 @@ def _fail(message: str) -> None:
 def command(runner: str, group: str, size: str, free_gib: float | None, headroom_gib: float | None, low_memory: bool,
             settings_file: str | None, as_json: bool) -> None:  # fmt: skip
     """Print the memory plan of one request on a fleet layout (no fleet, no GPU needed)."""
-    from ltx_mgpu.devices import parse_device_group
+    from ltx_mgpu.control.devices import parse_device_group
 
     try:
         settings = load_settings(settings_file, runner=runner)
