@@ -76,3 +76,33 @@ def test_the_lower_memory_plan_renders_on_the_same_fleet(fleet, tmp_path):
     plan = {"decode_chunked": True, "release_between_stages": True, "predicted_peak_gib": 0.1}
     _, out, _ = render(ctl, tmp_path / "low.mp4", memory_plan=plan)
     assert out["memory_plan"] == plan and ctl.pids == pids
+
+
+def test_the_memory_plan_switches_the_decode_per_job_and_back(tiny, tmp_path):
+    """`decode_chunked` decodes in ltx-core's default chunks for that job only; a clip smaller than one chunk
+    decodes to the same frames either way (the chunks are the reference CLI's tiling, not a new blend)."""
+    from ltx_core.model.video_vae import TilingConfig
+
+    from ltx_mgpu.runners.common.local import LocalRunner
+    from ltx_mgpu.runners.common.media import read_mp4
+    from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner
+
+    from .test_ltx2_runners import distilled_setup
+
+    with LocalRunner(Ltx2DistilledRunner) as local:
+        local.start(**distilled_setup(tiny, dtype="float32"))
+        runner = local.runner
+        seen = []
+        decode = runner.decoder.decode
+
+        def spy(*args, **kwargs):
+            seen.append(runner.decoder.chunk_tiling)
+            return decode(*args, **kwargs)
+
+        runner.decoder.decode = spy
+        plan = {"decode_chunked": True, "release_between_stages": True}
+        local.run(output_path=str(tmp_path / "low.mp4"), memory_plan=plan, **JOB)
+        local.run(output_path=str(tmp_path / "fast.mp4"), **JOB)
+    assert seen == [TilingConfig.default(), None]
+    low, fast = read_mp4(tmp_path / "low.mp4")[0], read_mp4(tmp_path / "fast.mp4")[0]
+    assert (low.float() - fast.float()).abs().mean().item() < 0.5
