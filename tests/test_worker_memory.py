@@ -102,3 +102,25 @@ def test_an_out_of_memory_error_in_a_driver_only_stage_is_an_out_of_memory_job(t
         ok = worker.enqueue("t")
         assert wait_state(ok, {"failed", "uploaded"}, 60, worker.proc) == "uploaded"
         assert worker.metric(REBUILDS) == 0 and worker.health()["fleet"]["pids"] == pids
+
+
+def test_a_warm_up_request_the_plan_refuses_stops_the_worker_at_start(tmp_path):
+    """A warm-up renders after every fleet start: one that cannot fit failed every build (out of memory on a
+    GPU, the token budget anywhere) until the worker gave up. Now it is a configuration error at start."""
+    from tests.test_worker_support import RUNNERS
+    from worker.process import build_worker
+    from worker.settings import SettingsError, load_settings
+
+    settings = load_settings(
+        runners=RUNNERS,
+        runner="fault",
+        runner_setup={"memory_profile": "tiny"},
+        device_memory_gib=LIMIT_GIB,
+        memory_headroom_gib=0.5,
+        storage_backend="local",
+        local_storage_dir=str(tmp_path / "store"),
+        spool_dir=str(tmp_path / "spool"),
+        warmup_requests=[{"prompt": "w", "width": 1024, "height": 1024, "num_frames": 121}],
+    )
+    with pytest.raises(SettingsError, match=r"LTX_WARMUP_REQUESTS\[0\] is refused .* largest that fits"):
+        build_worker(settings, "cpu:1")

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from ltx_mgpu import memplan
-
 from .settings import SettingsError, load_settings, resolve_runner, validate_group
+
+if TYPE_CHECKING:  # (imported when the command runs: `ltx-worker` itself stays free of the engine)
+    from ltx_mgpu import memplan
 
 __all__ = ["command", "render_text"]
 
@@ -77,6 +78,7 @@ def _fail(message: str) -> None:
 def command(runner: str, group: str, size: str, free_gib: float | None, headroom_gib: float | None, low_memory: bool,
             settings_file: str | None, as_json: bool) -> None:  # fmt: skip
     """Print the memory plan of one request on a fleet layout (no fleet, no GPU needed)."""
+    from ltx_mgpu import memplan
     from ltx_mgpu.control.devices import parse_device_group
 
     try:

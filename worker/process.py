@@ -133,6 +133,11 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
                                  headroom_gib=settings.memory_headroom_gib)  # fmt: skip
     except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
         raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
+    from .schema import RenderRequest
+
+    for i, raw in enumerate(settings.warmup_requests):  # refused by the limits, a warm-up would fail every build
+        if refused := limits.violations(RenderRequest.model_validate(raw)):
+            raise SettingsError(f"LTX_WARMUP_REQUESTS[{i}] is refused by the runner's limits: {refused[0].message()}")
 
     def fleet_event(event: dict[str, Any]) -> None:
         log.info("fleet %s: %s", group, event_text(event))
