@@ -111,6 +111,11 @@ PROFILES: dict[str, ModelProfile] = {p.name: p for p in (LTX2_19B, TINY)}
 RUNNER_KINDS = ("distilled", "two-stage")
 
 
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
 def parse_size(text: str) -> tuple[int, int, int]:
     """ "WxHxF" -> (width, height, num_frames); `ValueError` otherwise."""
     parts = text.strip().lower().split("x")
@@ -140,8 +145,17 @@ class FleetMemory:
             raise ValueError(f"runner must be one of {RUNNER_KINDS}, got {self.runner!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
-        if self.world_size < 1 or self.passes < 1 or self.sp_max_tokens < 1:
-            raise ValueError("world_size, passes and sp_max_tokens must be >= 1")
+        # (read back from Redis by every producer: bounded, so a bad snapshot cannot make a plan loop for ever)
+        _check_int("world_size", self.world_size, 1, 4096)
+        _check_int("passes", self.passes, 1, 64)
+        _check_int("sp_max_tokens", self.sp_max_tokens, 1, 1 << 24)
+        _check_int("vae_overlap", self.vae_overlap, 0, 64)
+        if self.text_encoder_rank is not None:
+            _check_int("text_encoder_rank", self.text_encoder_rank, 0, self.world_size - 1)
+        for name, value in (("capacity_gib", self.capacity_gib), ("headroom_gib", self.headroom_gib)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not math.isfinite(value) or value < 0):  # fmt: skip
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @property
     def gemma_rank(self) -> int:

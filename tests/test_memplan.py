@@ -96,7 +96,10 @@ def test_the_largest_request_is_refused_up_front_with_what_fits():
 def test_the_fleet_memory_travels_as_json_and_junk_is_ignored():
     fleet = _fleet("two-stage", 2, capacity_gib=80.0, text_encoder_rank=0)
     assert FleetMemory.from_json(json.loads(json.dumps(fleet.to_json()))) == fleet
-    for junk in (None, "x", {"runner": "nope", "world_size": 1}, {"runner": "distilled"}, {"world_size": "a"}):
+    junks = [{"runner": "distilled", "world_size": 10**9}, {"runner": "distilled", "world_size": 1, "passes": True},
+             {"runner": "distilled", "world_size": 1, "capacity_gib": float("nan")},
+             {"runner": "distilled", "world_size": 2, "text_encoder_rank": 2}]  # fmt: skip
+    for junk in (None, "x", {"runner": "nope", "world_size": 1}, {"runner": "distilled"}, {"world_size": "a"}, *junks):
         assert FleetMemory.from_json(junk) is None
     assert plan(fleet, 768, 512, 121).notes  # Gemma on the driver: the plan says a later rank has room
     with pytest.raises(ValueError):
