@@ -134,6 +134,7 @@ class FleetMemory:
     profile: str = "ltx2-19b"
     text_encoder_rank: int | None = None  #: None: the last rank
     gemma_every_rank: bool = False  #: setup `text_encoder="batch-parallel"`: Gemma on every rank
+    fp8_transformer: bool = False  #: setup `quantization="fp8-*"`: the block weights in float8 (half the bytes)
     passes: int = 1  #: transformer passes per stage-1 step (guidance: CFG 2, the reference's 4)
     sp_max_tokens: int = 32768
     vae_overlap: int = 1  #: latent cells shared by neighbouring decode tiles (setup `vae_overlap`)
@@ -251,15 +252,16 @@ class MemoryPlan:
 
 def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
+    transformer = p.transformer_gib / 2 if fleet.fp8_transformer else p.transformer_gib  # (derived, not measured)
     for rank in range(fleet.world_size):
-        parts = {"transformer": p.transformer_gib, "video_decoder": p.video_decoder_gib,
+        parts = {"transformer": transformer, "video_decoder": p.video_decoder_gib,
                  "sp_buffers": fleet.sp_max_tokens * p.sp_buffer_bytes / GIB, "runtime": p.runtime_gib}  # fmt: skip
         if rank == 0:
             parts.update(video_encoder=p.video_encoder_gib, upsampler=p.upsampler_gib, audio=p.audio_gib)
         if rank == fleet.gemma_rank or fleet.gemma_every_rank:
             parts["text_encoder"] = p.text_encoder_gib
         if fleet.runner == "two-stage":
-            parts["lora_backup"] = p.transformer_gib / fleet.world_size  # the tracker shards its clean copy
+            parts["lora_backup"] = transformer / fleet.world_size  # the tracker shards its clean copy
             parts["lora_factors"] = p.lora_factors_gib
             parts["two_stage_extra"] = p.two_stage_extra_gib
         out[rank] = {k: round(v, 3) for k, v in parts.items()}

@@ -114,6 +114,7 @@ class Ltx2Runner(MGPURunner):
         return FleetMemory(cls.memory_kind, int(world_size), profile="tiny" if small else "ltx2-19b",
                            text_encoder_rank=None if te_rank is None else int(te_rank),
                            gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
+                           fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
                            passes=cls._memory_passes(setup_kwargs),
                            vae_overlap=int(cls.setup_default("vae_overlap", setup_kwargs)),
                            sp_max_tokens=int(cls.setup_default("sp_max_tokens", setup_kwargs)))  # fmt: skip
