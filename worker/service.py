@@ -141,8 +141,8 @@ class RenderService:
             on_upload_failed=self._upload_failed,
         )
         self.encoder = EncodeStage(spool=spool, pipeline=self.pipeline, settings=settings, metrics=metrics, group=group)
-        self.hand_off_media = settings.encode_in_worker and _takes_media(fleet.runner_cls)
-        self.takes_memory_plan = _takes_media(fleet.runner_cls, "memory_plan")
+        self.hand_off_media = settings.encode_in_worker and _takes(fleet.runner_cls, "media")
+        self.takes_memory_plan = _takes(fleet.runner_cls, "memory_plan")
         self.current: _Current | None = None
         self.jobs_done = 0
         self.storage_error: str | None = None  # set while storage is degraded (see set_storage_state)
@@ -619,9 +619,9 @@ class RenderService:
         }
 
 
-def _takes_media(runner_cls: Any, name: str = "media") -> bool:
+def _takes(runner_cls: Any, name: str) -> bool:
     """Whether the runner's job signature accepts `name` (a named parameter; not `**kwargs`, which the test
-    and noop runners use to ignore fields: they would never hand frames off)."""
+    and noop runners use to ignore fields: they would never hand frames off nor apply a memory plan)."""
     import inspect
 
     try:
