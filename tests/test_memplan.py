@@ -1,4 +1,4 @@
-"""The memory plan (`ltx_mgpu.memplan`), its limits (`worker.limits`) and `ltx-worker plan`, without a fleet.
+"""The memory plan (`ltx_mgpu.memplan`), its limits (`worker.protocol.limits`) and `ltx-worker plan`, without a fleet.
 
 Calibration: the plan reproduces the peaks measured on one H200 with synthetic full-size weights
 (docs/performance.md, "Measured peaks"): distilled 71 GiB at 768x512x121 and 90 GiB at 1536x1024x121 (allocator peaks),
@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from ltx_mgpu import memplan
 from ltx_mgpu.memplan import FleetMemory, plan
-from worker.limits import MemoryViolation, RunnerLimits
-from worker.schema import RenderRequest
+from worker.protocol.limits import MemoryViolation, RunnerLimits
+from worker.protocol.schema import RenderRequest
 
 H200_GIB = 139.5  # what one H200 offers a rank after its CUDA context (free + reserved)
 

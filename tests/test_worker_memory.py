@@ -108,8 +108,8 @@ def test_a_warm_up_request_the_plan_refuses_stops_the_worker_at_start(tmp_path):
     """A warm-up renders after every fleet start: one that cannot fit failed every build (out of memory on a
     GPU, the token budget anywhere) until the worker gave up. Now it is a configuration error at start."""
     from tests.test_worker_support import RUNNERS
-    from worker.process import build_worker
-    from worker.settings import SettingsError, load_settings
+    from worker.runtime.process import build_worker
+    from worker.runtime.settings import SettingsError, load_settings
 
     settings = load_settings(
         runners=RUNNERS,
