@@ -21,16 +21,19 @@ through the producer's Python client and reads every job back from its Redis Str
   then on all of them: the throughput ratio is measured side by side in the same run.
 
 The final line is `SUMMARY {...}`: the first run's fields at the top level, every run under `runs`, and
-the cross-run ratios. Workloads (see `bench/e2e_stack.py:make_workload`): LTX-2's default request,
-768x512, 121 frames, 24 fps; `ltx2-two-stage` with the reference's stage-1 steps and guidance (4 passes
-a step) and 3 distilled sigmas in stage 2; `ltx2-two-stage:cfg` the same with plain CFG (2 passes a step:
-the work of SGLang's published 2xH100 figure, whose LTX-2 sampling defaults are CFG 4.0 with no STG and
-no modality guidance); `ltx2-distilled` 8 + 3. Synthetic weights (`--weights`, made by
-`python -m ltx_mgpu.runners.ltx2.synthetic`) render noise: their timings and memory are real.
+the cross-run ratios. Workloads (see `bench/e2e_stack.py:make_workload`): the one-stage default request
+(LTX-2's one-stage CLI and SGLang's sampling default), 768x512, 121 frames, 24 fps, or `--size WxHxF`
+(repeatable: every run at every size; the two-stage and distilled CLIs default to 1536x1024);
+`ltx2-two-stage` with the reference's stage-1 steps and guidance (4 passes a step) and 3 distilled sigmas
+in stage 2; `ltx2-two-stage:cfg` the same with plain CFG (2 passes a step: the work of SGLang's published
+2xH100 figure, whose LTX-2 sampling defaults are CFG 4.0 with no STG and no modality guidance);
+`ltx2-distilled` 8 + 3. Synthetic weights (`--weights`, made by `python -m ltx_mgpu.runners.ltx2.synthetic`)
+render noise: their timings and memory are real.
 
     python bench/e2e.py --profile tiny --groups cpu:2 --jobs 3                    # CPU, what CI runs
     python bench/e2e.py --profile full --weights /dev/shm/ltx2 --plan gpu2 --only 0,1,2 --out $OUT/e2e-a.jsonl
     python bench/e2e.py --profile full --weights DIR --runner ltx2-distilled --groups 0,1 --groups '0;1'
+    python bench/e2e.py --profile full --weights DIR --plan sizes-gpu1 --out $OUT/e2e-sizes.jsonl
 
 `--encode worker` (default) runs the worker's encoder (the fleet hands frames off), `--encode fleet` the
 old path (`LTX_ENCODE_IN_WORKER=false`: the driver rank encodes before the fleet is free), `--encode both`
@@ -50,13 +53,13 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.e2e_clock import gpu_busy_ratio, idle_gaps_ms, pct
+from bench.e2e_plans import PLANS, RunSpec, parse_size, refusal, sized
 from bench.e2e_stack import (
     STAGES,
     GpuMemory,
@@ -75,35 +78,6 @@ from bench.e2e_stack import (
 from worker.runtime.settings import validate_group
 
 GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One worker start: a workload on a layout, and what to measure there."""
-
-    runner: str  #: "ltx2-distilled", "ltx2-two-stage", "ltx2-two-stage:cfg"
-    groups: tuple[str, ...]  #: one fleet per group
-    warm: int  #: jobs one at a time (latency)
-    backlog: int  #: jobs queued at once (throughput, idle gap)
-    rebuild: bool  #: kill a rank mid-job and time the recovery
-    encode: str = "worker"  #: "worker": the worker encodes beside the next job; "fleet": the driver rank does
-
-    @property
-    def layout(self) -> str:
-        return ";".join(self.groups)
-
-
-#: The two-GPU plan, most important first (--budget-s cuts from the end). About 9-10 minutes at real size
-#: on two H200s (estimate: five worker starts of ~35-50 s, ~55 renders).
-PLANS: dict[str, list[RunSpec]] = {
-    "gpu2": [
-        RunSpec("ltx2-distilled", ("0,1",), warm=5, backlog=8, rebuild=True),
-        RunSpec("ltx2-two-stage:cfg", ("0,1",), warm=5, backlog=0, rebuild=False),
-        RunSpec("ltx2-distilled", ("0", "1"), warm=0, backlog=8, rebuild=False),
-        RunSpec("ltx2-two-stage", ("0,1",), warm=5, backlog=0, rebuild=False),
-        RunSpec("ltx2-two-stage:cfg", ("0", "1"), warm=0, backlog=8, rebuild=False),
-    ],
-}
 
 
 def emit(record: dict[str, Any], out: Any) -> None:
@@ -245,7 +219,9 @@ def peak_memory(records: list[dict[str, Any]], devices_of: dict[str, list[str]])
 
 def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir: Path, gpu: GpuMemory,
         out: Any) -> dict[str, Any]:  # fmt: skip
-    workload = make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization})
+    workload = sized(
+        make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization}), spec.size
+    )
     encode_env = {"LTX_ENCODE_IN_WORKER": "true" if spec.encode == "worker" else "false"}
     workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup, extra_env=encode_env)
     summary: dict[str, Any] = {
@@ -256,8 +232,12 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
         "layout": spec.layout,
         "encode": spec.encode,
         "request": workload.request,
+        "size": spec.size,
     }
-    say(f"run {workload.label} on layout {spec.layout}: starting workers")
+    if args.profile == "full" and (refused := refusal(workload, [len(g.split(",")) for g in spec.groups])):
+        say(f"run {spec.label}: refused by the memory plan: {refused}")
+        return {**summary, "refused": refused}
+    say(f"run {spec.label}: starting workers")
     gpu.take()
     workers.start()
     client = stack.producer(workers.queue)
@@ -322,6 +302,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runner", action="append", default=None, help="repeatable; default ltx2-distilled")
     ap.add_argument("--groups", action="append", default=None,
                     help="a layout, repeatable: '0,1' one fleet of two, '0;1' two fleets, 'cpu:2'")  # fmt: skip
+    ap.add_argument(
+        "--size",
+        action="append",
+        default=None,
+        type=_size,
+        help="WxHxF of the request, repeatable (default: the workload's, 768x512x121)",
+    )
     ap.add_argument("--jobs", type=int, default=5, help="warm jobs and backlog jobs per run (default 5)")
     ap.add_argument("--warm", type=int, default=None, help="warm jobs per run (default --jobs)")
     ap.add_argument("--backlog", type=int, default=None, help="backlog jobs per run (default --jobs)")
@@ -345,6 +332,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _size(text: str) -> str:
+    try:
+        return "x".join(str(n) for n in parse_size(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def specs_from(args: argparse.Namespace) -> list[RunSpec]:
     specs = _specs(args)
     if args.encode == "worker":
@@ -366,7 +360,8 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     for runner in args.runner or ["ltx2-distilled"]:
         for layout in args.groups or ["cpu:2"]:
             groups = tuple(validate_group(g) for g in layout.split(";") if g.strip())
-            specs.append(RunSpec(runner, groups, warm, back, rebuild=not args.no_rebuild))
+            for size in args.size or [None]:
+                specs.append(RunSpec(runner, groups, warm, back, rebuild=not args.no_rebuild, size=size))
     return specs
 
 
@@ -410,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     try:
         for i, spec in enumerate(specs):
-            label = f"{spec.runner} @ {spec.layout}"
+            label = spec.label
             if args.budget_s is not None and time.monotonic() - t0 > args.budget_s:
                 skipped.append(label)
                 continue
@@ -422,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             except KeyboardInterrupt:  # SIGINT (e.g. a time limit): its workers are stopped; report what ran
                 failures.append(f"{label}: interrupted")
-                skipped += [f"{s.runner} @ {s.layout}" for s in specs[i + 1 :]]
+                skipped += [s.label for s in specs[i + 1 :]]
                 break
             runs.append(summary)
             emit(summary, out)

@@ -96,7 +96,7 @@ class Workload:
 def make_workload(spec: str, profile: str, weights: dict[str, str]) -> Workload:
     """`spec`: "ltx2-distilled", "ltx2-two-stage" or "ltx2-two-stage:cfg".
 
-    full: LTX-2's default request (768x512, 121 frames, 24 fps); two-stage with the reference's stage-1
+    full: the one-stage default request (768x512, 121 frames, 24 fps); two-stage with the reference's stage-1
     steps (40) and guidance, 3 distilled sigmas in stage 2; distilled 8 + 3. tiny: the tiny checkpoints'
     sizes (128x128, 9 frames, 2 stage-1 steps), same code path.
     """

@@ -1,7 +1,7 @@
 """One LTX-2 fleet under `MGPUController`, no service around it: the per-stage timings (`timings_s` of the
-runner's output event) and the wall time of warm renders of LTX-2's default request (768x512, 121 frames,
-24 fps). What `bench/e2e.py`'s stage table reports, without Redis, S3 or the worker, so a before/after of the
-runner itself fits one short GPU call (no server wheels to carry).
+runner's output event) and the wall time of warm renders of the one-stage default request (768x512, 121
+frames, 24 fps). What `bench/e2e.py`'s stage table reports, without Redis, S3 or the worker, so a
+before/after of the runner itself fits one short GPU call (no server wheels to carry).
 
     python bench/stages.py --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 --jobs 3
     python bench/stages.py --tiny --devices cpu,cpu --jobs 1      # the tiny checkpoints: a check of the script

@@ -111,6 +111,11 @@ class ScriptedRunner(MGPURunner):
             if self.world_size > 1 and n:  # the others enter a collective the raising ranks never reach (n=0: not)
                 dist.all_reduce(torch.ones(1), group=self.groups.transformer_group)
             return self.rank
+        if mode == "alloc":  # a real allocation failure (CPU: torch raises RuntimeError, not OutOfMemoryError)
+            yield "before"
+            held = torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB
+            yield held.numel()
+            return None
         if mode == "hog":  # holds memory in its frame, then runs out of it: the next job must get it back
             held = torch.ones(hog_mb << 18)  # (float32: hog_mb MiB)
             yield {"rank": self.rank, "held": held.numel()}

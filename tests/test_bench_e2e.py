@@ -5,6 +5,7 @@ what a CPU run cannot know (GPU memory). Plus the pieces of the benchmark that h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -100,7 +101,7 @@ def test_weights_are_found_by_content_not_by_name(tmp_path):
         discover_weights(tmp_path)
 
 
-def test_workloads_are_the_published_requests():
+def test_workloads_default_to_the_one_stage_request():
     weights = {"checkpoint_path": "c", "spatial_upsampler_path": "u", "gemma_root": "g", "distilled_lora_path": "l"}
     distilled = make_workload("ltx2-distilled", "full", weights)
     assert distilled.request["width"] == 768 and distilled.request["height"] == 512
@@ -117,6 +118,37 @@ def test_workloads_are_the_published_requests():
     assert tuple(two.setup["stage2_sigmas"]) == STAGE2_DISTILLED_SIGMAS
     with pytest.raises(SystemExit):
         make_workload("ltx2-distilled:cfg", "full", weights)
+
+
+def test_sizes_are_repeatable_and_the_presets_cover_both_runners_on_one_and_two_gpus():
+    from bench.e2e import parse_args, specs_from
+    from bench.e2e_plans import PLANS, refusal, sized
+
+    args = parse_args(["--groups", "0", "--size", "1536x1024x121", "--size", "1536X1024X241",
+                       "--runner", "ltx2-distilled", "--runner", "ltx2-two-stage:cfg"])  # fmt: skip
+    specs = specs_from(args)
+    assert [(s.runner, s.size) for s in specs] == [
+        (r, z) for r in ("ltx2-distilled", "ltx2-two-stage:cfg") for z in ("1536x1024x121", "1536x1024x241")
+    ]
+    assert [s.size for s in specs_from(parse_args(["--groups", "0"]))] == [None]  # the default is unchanged
+    with pytest.raises(SystemExit):
+        parse_args(["--size", "1536x1024"])
+    weights = {"checkpoint_path": "c", "spatial_upsampler_path": "u", "gemma_root": "g", "distilled_lora_path": "l"}
+    big = sized(make_workload("ltx2-distilled", "full", weights), "1536x1024x241")
+    assert (big.request["width"], big.request["height"], big.request["num_frames"]) == (1536, 1024, 241)
+    assert big.request["frame_rate"] == 24.0 and sized(big, None) is big
+    # ten seconds at 1536x1024 is 47,616 tokens in the distilled runner's stage 2: the budget is raised for it
+    base = make_workload("ltx2-distilled", "full", weights)
+    assert big.setup["sp_max_tokens"] == 49152 and "sp_max_tokens" not in sized(base, "1536x1024x121").setup
+    assert refusal(big, [1]) is None and refusal(big, [2]) is None
+    huge = sized(make_workload("ltx2-two-stage:cfg", "full", weights), "2048x2048x257")
+    assert "sp_max_tokens" in huge.setup and refusal(huge, [1]) is None  # (the budget follows the size)
+    over = dataclasses.replace(huge, setup={**huge.setup, "sp_max_tokens": 32768})
+    assert "over the runner's SP token budget" in (refusal(over, [1]) or "")
+    for plan, layout in (("sizes-gpu1", "0"), ("sizes-gpu2", "0,1")):
+        covered = {(s.runner.split(":")[0], s.size) for s in PLANS[plan] if s.layout == layout}
+        assert covered == {(r, z) for r in ("ltx2-distilled", "ltx2-two-stage")
+                           for z in ("768x512x121", "1536x1024x121", "1536x1024x241")}, plan  # fmt: skip
 
 
 def test_idle_gaps_are_per_fleet_and_cold_ready_phases_add_up():

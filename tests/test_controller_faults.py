@@ -66,6 +66,17 @@ def test_an_unexpected_error_on_every_rank_ends_the_job_not_the_fleet(fleet, err
     assert [x for x in fleet.stream(mode="ok", n=1)] and fleet.pids == pids
 
 
+def test_a_real_cpu_allocation_failure_is_an_out_of_memory_error(fleet):
+    """On CPU ranks torch reports a failed allocation as a `RuntimeError` ("DefaultCPUAllocator: can't
+    allocate memory"): it was a `RenderFault` (`runner_error`, never retried) instead of an out-of-memory job."""
+    pids = fleet.pids
+    with pytest.raises(SymmetricRunnerError) as info:
+        list(fleet.stream(mode="alloc"))
+    assert info.value.out_of_memory and all(isinstance(e, RenderOutOfMemory) for e in info.value.errors)
+    assert "can't allocate memory" in str(info.value)
+    assert list(fleet.stream(mode="ok", n=1)) and fleet.pids == pids
+
+
 def test_an_out_of_memory_job_gives_its_memory_back(fleet):
     pids = fleet.pids
     before = _rss_mb(pids[0])

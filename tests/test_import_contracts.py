@@ -1,16 +1,17 @@
 """The layering rules, held by imports in fresh interpreters (README.md, "Layout": arrows point down only).
 
 `producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
-- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds and image
-  parser (`ltx_mgpu.bounds`, `ltx_mgpu.imagesize`, shared by the request schema and the runners);
+- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds, memory
+  plan and image parser (`ltx_mgpu.bounds`, `ltx_mgpu.memplan`, `ltx_mgpu.imagesize`, shared by the request
+  schema, the published limits and the runners);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
 - the control plane (`ltx_mgpu/control/`: controller, fleet, runner, transport, jobboard, devices, errors,
   events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
   imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds` and `ltx_mgpu.imagesize`
-  import no torch (the worker's settings and dev servers and the producer use them).
+- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds`, `ltx_mgpu.memplan` and
+  `ltx_mgpu.imagesize` import no torch (the worker's settings and dev servers and the producer use them).
 
 Each rule imports every module of its packages in a process of its own, forked from one new interpreter
 (its `sys.modules` holds only the standard library and third-party modules the rule does not forbid, so an
@@ -188,7 +189,8 @@ CONTROL_PLANE = tuple(
 RULES = [
     # (but the request bounds and the image parser: stdlib only, shared by the schema and the runners)
     Rule("producer: no torch, no ltx_mgpu", packages=("producer",),
-         forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.imagesize", "tests"),
+         forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.memplan", "!ltx_mgpu.imagesize",
+                    "tests"),
          plant=("producer/display.py", "import ltx_mgpu.control.controller")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
@@ -202,9 +204,10 @@ RULES = [
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.control.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
-    Rule("ltx_mgpu, its device parser, port picker, request bounds, image parser and LoRA file check: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.control.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.imagesize",
-                  "ltx_mgpu.lorafile"),
+    Rule("ltx_mgpu, its device parser, port picker, request bounds, memory plan, image parser and LoRA file "
+         "check: no torch",
+         modules=("ltx_mgpu", "ltx_mgpu.control.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.memplan",
+                  "ltx_mgpu.imagesize", "ltx_mgpu.lorafile"),
          forbidden=("torch",),
          plant=("ltx_mgpu/control/devices.py", "import torch")),
 ]  # fmt: skip

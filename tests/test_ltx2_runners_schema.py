@@ -19,7 +19,7 @@ def test_render_args_are_the_request_fields():
     from ltx_mgpu.runners.common.args import RenderArgs
 
     args = {f.name: f for f in dataclasses.fields(RenderArgs)}
-    assert set(args) == set(RenderRequest.model_fields) | {"output_path", "media"}
+    assert set(args) == set(RenderRequest.model_fields) | {"output_path", "media", "memory_plan"}
     for name, field in RenderRequest.model_fields.items():
         if field.is_required():
             assert args[name].default is dataclasses.MISSING, name

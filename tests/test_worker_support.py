@@ -9,16 +9,21 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 |-----------------|--------------------------------------------------------------------------|
 | step_s=F        | sleep F seconds per step (on every rank) before the cancel point         |
 | bytes=N         | size of the output file (default 4096), content derived from the seed    |
-| record=PATH     | the driver appends {"event": "start"/"end", "pid", "t", "job"} lines     |
+| record=PATH     | the driver appends {"event": "start"/"end", "pid", "t", "job", "memory_plan"} lines |
 | error=runner    | raise RunnerError on every rank (recoverable, the fleet survives)        |
 | error=oom       | raise torch.OutOfMemoryError on every rank after one yield (job ends)    |
 | error=type      | the same with TypeError (`runtime`: RuntimeError); the fleet survives    |
+| error=oom_unless_low | error=oom unless the job's `memory_plan` asks for the chunked decode   |
+| error=oom_tail  | the driver raises torch.OutOfMemoryError after the others finished (a driver-only stage) |
 | error_rank=R    | with error=...: only rank R raises; the others wait in a collective      |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
 | segv_rank=R     | rank R dies of SIGSEGV at step `exit_step`: a crash of the job's own doing |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
 | yuv=N           | with `media="frames"`: yield N noise frames (width x height) as a `media` event, no file |
+
+FaultRunner describes its memory (`memory_fleet`, as the ltx2 runners do) only with the setup kwarg
+`memory_profile` (e.g. "tiny"): a worker then plans, publishes and refuses by `LTX_DEVICE_MEMORY_GIB`.
 
 No test functions here: pytest collects the module and finds none.
 """
@@ -72,6 +77,13 @@ _INJECTED: dict[str, type[Exception]] = {"oom": torch.OutOfMemoryError, "type": 
 class FaultRunner(MGPURunner):
     """A fast runner with injectable faults; see the module docstring."""
 
+    @classmethod
+    def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> Any:
+        from ltx_mgpu.memplan import FleetMemory
+
+        profile = setup_kwargs.get("memory_profile")
+        return None if profile is None else FleetMemory("distilled", world_size, profile=profile)
+
     def setup(
         self,
         *,
@@ -101,6 +113,7 @@ class FaultRunner(MGPURunner):
         num_frames: int = 9,
         frame_rate: float = 24.0,
         media: str = "mp4",
+        memory_plan: dict | None = None,
         **_ignored: Any,
     ) -> Iterator[dict[str, Any]]:
         d = directives(prompt)
@@ -108,7 +121,10 @@ class FaultRunner(MGPURunner):
         record = d.get("record")
         job = Path(output_path).parent.name
         if record and self.is_driver:
-            _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job})
+            _append(record, {"event": "start", "pid": os.getpid(), "t": time.time(), "job": job,
+                             "memory_plan": memory_plan})  # fmt: skip
+        if d.get("error") == "oom_unless_low" and not (memory_plan or {}).get("decode_chunked"):
+            d["error"] = "oom"
         if d.get("error") == "runner":
             raise RunnerError("injected runner error")
         if d.get("error") == "crash":  # a fleet-level fault (sticky CUDA error): the rank dies with a traceback
@@ -142,6 +158,8 @@ class FaultRunner(MGPURunner):
             yield output_event(output_path, frames=int(d["yuv"]), fps=frame_rate, width=width, height=height,
                                size_bytes=0, media="frames", gpu_busy_s=0.25)  # fmt: skip
         elif self.is_driver:
+            if d.get("error") == "oom_tail":  # (the other ranks have returned: nobody waits in a collective)
+                raise torch.OutOfMemoryError("injected oom in the driver's mux")
             if d.get("no_output") != "1":
                 data = output_bytes(seed, int(d.get("bytes", 4096)))
                 Path(output_path).write_bytes(data)

@@ -5,6 +5,7 @@
     ltx-worker one --group 0,1                      # a single worker in this process (no supervisor)
     ltx-worker health --port 9400                   # probe a worker's /readyz (exit 0 when ready)
     ltx-worker settings                             # print the effective settings (secrets masked)
+    ltx-worker plan --runner ltx2-distilled --group 0,1 --size 1536x1024x241   # a memory plan (runtime/plancli.py)
     ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/protocol/redisacl.py)
 
 Every setting is an environment variable (`LTX_<FIELD>`) or a settings-file entry (`--settings FILE` /
@@ -193,4 +194,11 @@ def _add_redis_acl() -> None:
     main.add_command(command, "redis-acl")
 
 
+def _add_plan() -> None:
+    from worker.runtime.plancli import command  # (light until run: the runner class is imported by the command)
+
+    main.add_command(command, "plan")
+
+
 _add_redis_acl()
+_add_plan()

@@ -397,7 +397,8 @@ def _job_error(err: BaseException, rank: int, job_id: int) -> RunnerError:
                          f"(the fleet stays up):\n{tb}")  # fmt: skip
         sys.stderr.flush()
         message = f"{type(err).__name__}: {_text(err)}"[:_MESSAGE_CHARS]
-        kind = RenderOutOfMemory if isinstance(err, torch.OutOfMemoryError | MemoryError) else RenderFault
+        cpu_oom = isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in message
+        kind = RenderOutOfMemory if cpu_oom or isinstance(err, torch.OutOfMemoryError | MemoryError) else RenderFault
         error = kind(message, type(err).__name__)
     if err.__traceback__ is not None:
         traceback.clear_frames(err.__traceback__)

@@ -8,19 +8,26 @@ failed in the worker with `runner_error`. Now the runner class states its limits
 snapshot in Redis (`limits`, next to `queues` and `runner`; it expires with the worker), and the producer
 checks a request against every live worker on the target queue: any of them may take the job.
 
+Memory (`memory`, a `ltx_mgpu.memplan.FleetMemory`): a runner that describes its memory
+(`memory_fleet(world_size, **setup_kwargs)`, the ltx2 runners) publishes its fleet's layout, profile and the
+memory each device offers (`LTX_DEVICE_MEMORY_GIB`, or measured after the warm-up on GPU fleets); a request
+its plan says cannot fit (or that is over the runner's SP token budget) is a violation of field `size`,
+naming the limit and the largest sizes that fit, at the edge and in the worker alike.
+
 Imports only pydantic and the schema, so the producer can use it without torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ltx_mgpu import memplan
 from ltx_mgpu.bounds import audio_latents
 from worker.protocol.schema import RenderRequest
 
-__all__ = ["DERIVED", "LimitViolation", "RunnerLimits"]
+__all__ = ["DERIVED", "LimitViolation", "MemoryViolation", "RunnerLimits"]
 
 #: Limits on quantities derived from several fields (a runner may publish these names too), with what they are.
 DERIVED = {
@@ -46,14 +53,55 @@ class LimitViolation:
 
 
 @dataclass(frozen=True)
+class MemoryViolation(LimitViolation):
+    """The request's size does not fit the fleet (`ltx_mgpu.memplan`): `text` says why and what fits."""
+
+    text: str = ""
+
+    def message(self) -> str:
+        return self.text
+
+
+def memory_violation(memory: memplan.FleetMemory, request: RenderRequest, runner: str) -> MemoryViolation | None:
+    """The refusal of `request` by the memory plan of `memory` (None: it fits)."""
+    w, h, f = int(request.width), int(request.height), int(request.num_frames)
+    plan = memplan.plan(memory, w, h, f)
+    refusal = plan.refusal()
+    if refusal is None:
+        return None
+    fits = memplan.largest(memory, w, h, f)
+    sizes = [s for s in (fits["frames"], fits["area"]) if s]
+    what = f"largest that fits: {' or '.join(sizes)}" if sizes else "no size near it fits"
+    return MemoryViolation("size", plan.peak.reserved_gib, 0.0, plan.limit_gib or 0.0, runner,
+                           text=f"{refusal}; {what} (runner {runner!r})")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class RunnerLimits:
-    """Inclusive ranges of request fields one runner accepts (with the setup kwargs it runs with)."""
+    """Inclusive ranges of request fields one runner accepts (with the setup kwargs it runs with), and the
+    fleet's memory (None: the runner describes none)."""
 
     runner: str
     ranges: Mapping[str, tuple[float, float]]
+    memory: memplan.FleetMemory | None = None
+
+    def with_capacity(self, capacity_gib: float | None) -> RunnerLimits:
+        """The same limits with what each device offers (measured after a warm-up)."""
+        if self.memory is None or capacity_gib == self.memory.capacity_gib:
+            return self
+        return replace(self, memory=replace(self.memory, capacity_gib=capacity_gib))
 
     @classmethod
-    def of(cls, name: str, runner_cls: type, setup_kwargs: Mapping[str, Any]) -> RunnerLimits:
+    def of(
+        cls,
+        name: str,
+        runner_cls: type,
+        setup_kwargs: Mapping[str, Any],
+        *,
+        world_size: int = 1,
+        capacity_gib: float | None = None,
+        headroom_gib: float = memplan.DEFAULT_HEADROOM_GIB,
+    ) -> RunnerLimits:
         """Ask the runner class (no fleet needed). Fields it names must be numeric request fields."""
         publish = getattr(runner_cls, "request_limits", None)
         raw = dict(publish(**setup_kwargs)) if publish is not None else {}
@@ -65,17 +113,26 @@ class RunnerLimits:
             if low > high:
                 raise ValueError(f"runner {name!r}: limit for {field!r} is empty ({low} > {high})")
             ranges[field] = (low, high)
-        return cls(name, ranges)
+        describe = getattr(runner_cls, "memory_fleet", None)
+        memory = None
+        if describe is not None:
+            memory = describe(int(world_size), **setup_kwargs)
+            if memory is not None:
+                memory = replace(memory, capacity_gib=capacity_gib, headroom_gib=float(headroom_gib))
+        return cls(name, ranges, memory)
 
     def to_json(self) -> dict[str, Any]:
-        return {"runner": self.runner, "ranges": {k: list(v) for k, v in self.ranges.items()}}
+        out: dict[str, Any] = {"runner": self.runner, "ranges": {k: list(v) for k, v in self.ranges.items()}}
+        if self.memory is not None:
+            out["memory"] = self.memory.to_json()
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> RunnerLimits | None:
         """Read what a worker published; None if it is missing or malformed (an older worker)."""
         try:
             ranges = {str(k): (float(v[0]), float(v[1])) for k, v in data["ranges"].items()}
-            return cls(str(data["runner"]), ranges)
+            return cls(str(data["runner"]), ranges, memplan.FleetMemory.from_json(data.get("memory")))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             return None
 
@@ -88,6 +145,8 @@ class RunnerLimits:
                 continue
             if not low <= value <= high:
                 out.append(LimitViolation(field, value, low, high, self.runner))
+        if self.memory is not None and (refused := memory_violation(self.memory, request, self.runner)):
+            out.append(refused)
         return out
 
 

@@ -101,6 +101,7 @@ class FleetSupervisor:
         self.warmup = [dict(kwargs) for kwargs in warmup]  #: job kwargs (no output_path) run after each start
         self.warmup_dir = warmup_dir
         self.warmup_timeout = warmup_timeout
+        self.warmup_output: dict[str, Any] | None = None  #: the last warm-up render's output event
         self.release_timeout = release_timeout
         self.startup: dict[str, Any] | None = None  #: the last successful start: phases in seconds, stamps
 
@@ -338,8 +339,9 @@ class FleetSupervisor:
             path = directory / f"warmup-{os.getpid()}-{i}.out"
             try:
                 stream = ctl.stream(timeout=self.warmup_timeout, **kwargs, output_path=str(path))
-                for _ in stream:
-                    pass
+                for item in stream:
+                    if isinstance(item, dict) and item.get("type") == "output":
+                        self.warmup_output = item  # (its device memory: the memory plan's capacity)
             except Exception as exc:
                 raise RuntimeError(f"warm-up request {i} failed: {type(exc).__name__}: {exc}") from exc
             finally:

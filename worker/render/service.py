@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from ltx_mgpu import memplan
 from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
 from worker.ops.metrics import WorkerMetrics
@@ -104,7 +105,7 @@ class RenderService:
         limits: RunnerLimits | None = None,
     ) -> None:
         self.settings = settings
-        self.limits = limits or RunnerLimits(settings.runner, {})  #: published in the health snapshot
+        self._limits = limits or RunnerLimits(settings.runner, {})
         self.group = group
         self.worker_name = worker_name
         self.fleet = fleet
@@ -140,12 +141,38 @@ class RenderService:
             on_upload_failed=self._upload_failed,
         )
         self.encoder = EncodeStage(spool=spool, pipeline=self.pipeline, settings=settings, metrics=metrics, group=group)
-        self.hand_off_media = settings.encode_in_worker and _takes_media(fleet.runner_cls)
+        self.hand_off_media = settings.encode_in_worker and _takes(fleet.runner_cls, "media")
+        self.takes_memory_plan = _takes(fleet.runner_cls, "memory_plan")
         self.current: _Current | None = None
         self.jobs_done = 0
         self.storage_error: str | None = None  # set while storage is degraded (see set_storage_state)
         self.process_started_at: float | None = None  #: wall clock when this worker process started
         self._lock = threading.Lock()
+
+    @property
+    def limits(self) -> RunnerLimits:
+        """The runner's limits (published in the health snapshot, checked before each render), with the memory
+        each device offers: `LTX_DEVICE_MEMORY_GIB`, else what the fleet's last warm-up measured (GPU fleets)."""
+        memory = self._limits.memory
+        if memory is None or self.settings.device_memory_gib is not None:
+            return self._limits
+        measured = (getattr(self.fleet, "warmup_output", None) or {}).get("device_memory_bytes")
+        if isinstance(measured, int | float) and measured > 0:
+            self._limits = self._limits.with_capacity(round(float(measured) / 2**30, 2))
+        return self._limits
+
+    def _memory_plan(self, job: Any, req: RenderRequest) -> dict[str, Any] | None:
+        """The runner's `memory_plan` job kwarg (None: the runner takes none, or nothing to say). After an
+        out-of-memory attempt, the lower-memory plan (chunked decode, cache released between stages)."""
+        if not self.takes_memory_plan:
+            return None
+        meta = job.meta if isinstance(job.meta, dict) else {}
+        retries = meta.get("retries") if isinstance(meta.get("retries"), dict) else {}
+        after_oom = bool(retries.get(FailureReason.OUT_OF_MEMORY.value))
+        memory = self.limits.memory
+        if memory is not None:
+            return memplan.plan(memory, req.width, req.height, req.num_frames, low_memory=after_oom).job_kwargs()
+        return {"decode_chunked": True, "release_between_stages": True} if after_oom else None
 
     # ==== control from other threads ==================================================================
     def cancel(self, job_id: str | None = None) -> bool:
@@ -354,6 +381,8 @@ class RenderService:
         kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
         if self.hand_off_media:
             kwargs["media"] = "frames"
+        if (memory_plan := self._memory_plan(job, req)) is not None:
+            kwargs["memory_plan"] = memory_plan
         timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
@@ -393,11 +422,13 @@ class RenderService:
             self._cancelled(job, relay)
         except SymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
-            if exc.out_of_memory:  # (the ranks freed what it held; no lower-memory plan exists yet to retry with)
+            if exc.out_of_memory:  # (the ranks freed what it held; the retry takes the lower-memory plan)
                 self._fail(job, relay, FailureReason.OUT_OF_MEMORY, str(exc))
             self._fail(job, relay, FailureReason.RUNNER_ERROR, str(exc))
         except AsymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
+            if _out_of_memory(exc):  # (a driver-only stage: the other ranks had finished; nobody waits)
+                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, _first_error(exc))
             self._fail(job, relay, FailureReason.ASYMMETRIC_RUNNER_ERROR, str(exc))
         except FleetFailure as exc:
             self.spool.discard_incomplete(job.id)
@@ -595,15 +626,28 @@ class RenderService:
         }
 
 
-def _takes_media(runner_cls: Any) -> bool:
-    """Whether the runner's job signature accepts `media` (a named parameter; not `**kwargs`, which the test
-    and noop runners use to ignore fields: they would never hand frames off)."""
+def _takes(runner_cls: Any, name: str) -> bool:
+    """Whether the runner's job signature accepts `name` (a named parameter; not `**kwargs`, which the test
+    and noop runners use to ignore fields: they would never hand frames off nor apply a memory plan)."""
     import inspect
 
     try:
-        return "media" in inspect.signature(runner_cls.__call__).parameters
+        return name in inspect.signature(runner_cls.__call__).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _out_of_memory(exc: Any) -> bool:
+    """An asymmetric end where the raising ranks ran out of memory (and freed it): an out-of-memory job."""
+    from ltx_mgpu import RenderOutOfMemory
+
+    return any(isinstance(t, RenderOutOfMemory) for t in getattr(exc, "terminals", ()))
+
+
+def _first_error(exc: Any) -> str:
+    from ltx_mgpu import RunnerError
+
+    return next((t.message for t in getattr(exc, "terminals", ()) if isinstance(t, RunnerError)), str(exc))
 
 
 def _public_output(event: dict[str, Any]) -> dict[str, Any]:

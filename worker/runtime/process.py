@@ -127,9 +127,16 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     spool = Spool(settings.spool_dir)
     runner_cls = resolve_runner(settings)
     try:
-        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup)
+        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup, world_size=len(devices),
+                                 capacity_gib=settings.device_memory_gib,
+                                 headroom_gib=settings.memory_headroom_gib)  # fmt: skip
     except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
         raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
+    from worker.protocol.schema import RenderRequest
+
+    for i, raw in enumerate(settings.warmup_requests):  # refused by the limits, a warm-up would fail every build
+        if refused := limits.violations(RenderRequest.model_validate(raw)):
+            raise SettingsError(f"LTX_WARMUP_REQUESTS[{i}] is refused by the runner's limits: {refused[0].message()}")
 
     def fleet_event(event: dict[str, Any]) -> None:
         log.info("fleet %s: %s", group, event_text(event))

@@ -185,6 +185,13 @@ class WorkerSettings(RedisAccess, BaseSettings):
         description="requests (RenderRequest JSON) rendered once after every fleet start, before the first job "
         "(compilation, allocator growth, caches for these sizes); their time is the warm-up of cold start",
     )
+    device_memory_gib: float | None = Field(
+        None, gt=0, description="GiB each device offers the fleet's memory plan (ltx_mgpu.memplan); unset: measured "
+        "after the warm-up on GPU fleets, no limit on CPU fleets"
+    )  # fmt: skip
+    memory_headroom_gib: float = Field(
+        4.0, ge=0, description="GiB the memory plan keeps free on every device beyond its predicted peak"
+    )
     render_timeout: float = Field(3600.0, gt=0, description="seconds one render may take in the fleet")
     fleet_shutdown_timeout: float = Field(30.0, ge=0, description="graceful seconds when stopping a fleet")
     fleet_error_settle_s: float = Field(

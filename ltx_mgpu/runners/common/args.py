@@ -45,6 +45,9 @@ class RenderArgs:
     #: while the fleet takes its next job (the worker's default; not a request field: the worker sets it)
     media: str = "mp4"
     loras: list | None = None  #: [{"path", "strength"}]: request LoRAs the worker resolved and checked
+    #: the worker's memory plan for this job (`ltx_mgpu.memplan.MemoryPlan.job_kwargs`: `decode_chunked`,
+    #: `release_between_stages`); not a request field. None: the runner's setup decides (the fast plan)
+    memory_plan: dict | None = None
 
     def __post_init__(self) -> None:
         # The request schema validated these at the edge; a job that reached a rank another way is checked
@@ -52,6 +55,8 @@ class RenderArgs:
         for name in ("audio", "enhance_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.memory_plan is not None and not isinstance(self.memory_plan, dict):
+            raise ValueError(f"memory_plan must be an object, got {type(self.memory_plan).__name__}")
         if self.media not in ("mp4", "frames"):
             raise ValueError(f"media must be 'mp4' or 'frames', got {self.media!r}")
         # Every number inside the service's ranges (`ltx_mgpu.bounds`): finite, of its type, bounded.

@@ -14,11 +14,18 @@ have, or skipped for this job (no audio asked), is absent.
 The honest clock: `gpu_report()` gives the job's device-busy seconds (every stage but the
 CPU-only `mux`) and the wall-clock window from the start of its first stage to the end of its last device
 stage, so a service can measure fleet idle from the last device work of one job to the first of the next
-instead of from event gaps (which hid a whole mp4 encode per video).
+instead of from event gaps (which hid a whole mp4 encode per video). On CUDA it also gives
+`device_memory_bytes`: what the driver's device offers this rank (free + this allocator's reservation), the
+capacity the worker's memory plan (`ltx_mgpu.memplan`) checks requests against after its warm-up.
+
+Fault injection (tests, and the GPU check of docs/memory.md): with `LTX_MGPU_INJECT_OOM` naming a file, a
+stage whose name is a line of that file raises `torch.OutOfMemoryError` as it starts, on every rank that runs
+it (read at each stage start, so a test changes the file between jobs of one fleet).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CPU_STAGES", "SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
+__all__ = ["CPU_STAGES", "INJECT_OOM_ENV", "SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
+
+INJECT_OOM_ENV = "LTX_MGPU_INJECT_OOM"
 
 
 class SetupLaps:
@@ -69,7 +78,17 @@ class StageClock:
         """`gpu_busy_s` (seconds of device stages), `gpu_started_at` / `gpu_ended_at` (wall clock)."""
         busy = sum(v for k, v in self.timings_s.items() if k not in CPU_STAGES)
         started, ended = self.window if self.window else (None, None)
-        return {"gpu_busy_s": round(busy, 6), "gpu_started_at": started, "gpu_ended_at": ended}
+        report: dict[str, object] = {"gpu_busy_s": round(busy, 6), "gpu_started_at": started, "gpu_ended_at": ended}
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            report["device_memory_bytes"] = int(free + torch.cuda.memory_reserved(self.device))
+        return report
+
+    def release(self) -> None:
+        """Hand the allocator's cached blocks back between stages (the lower-memory plan): the next stage's
+        peak then starts from what is really held, not from the previous stage's cache."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -77,6 +96,7 @@ class StageClock:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
+        _injected_oom(name)
         self._sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -102,6 +122,19 @@ class StageClock:
             dist.all_gather_object(gathered, self.peaks, group=group)
         stages = list(dict.fromkeys(name for peaks in gathered for name in peaks))
         return {stage: [int(peaks.get(stage, 0)) for peaks in gathered] for stage in stages}
+
+
+def _injected_oom(stage: str) -> None:
+    path = os.environ.get(INJECT_OOM_ENV)
+    if not path:
+        return
+    try:
+        with open(path) as fh:
+            lines = {line.strip() for line in fh}
+    except OSError:
+        return
+    if stage in lines:
+        raise torch.OutOfMemoryError(f"injected out-of-memory error in stage {stage} ({INJECT_OOM_ENV})")
 
 
 def ltx2_sigmas(steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:

@@ -20,8 +20,8 @@ Job kwargs: `common.args.RenderArgs` (worker/protocol/schema.py `RenderRequest` 
 check runs on every rank before any collective and raises `ValueError` (a recoverable
 `SymmetricRunnerError`).
 
-A little over 450 lines on purpose: one class, the stage skeleton and the setup both runners share, so the
-stage order and its hooks read in one place.
+Over 450 lines on purpose: one class, the stage skeleton, the setup and the memory-plan hooks both runners
+share, so the stage order and its hooks read in one place.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from ...bounds import check_audio_budget
 from ...control.events import Stage, output_event, progress_event, stage_event
 from ...control.runner import MGPURunner
+from ...memplan import FleetMemory
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
@@ -99,6 +100,30 @@ class Ltx2Runner(MGPURunner):
     def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
         """The audio length within the SP token budget (what `_validate` enforces on every rank)."""
         return {"audio_latents": (1, int(cls.setup_default("sp_max_tokens", setup_kwargs)))}
+
+    #: the runner kind of the memory plan (`ltx_mgpu.memplan`)
+    memory_kind = "distilled"
+
+    @classmethod
+    def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> FleetMemory:
+        """This runner's inputs to the memory plan on `world_size` ranks (no fleet needed). The profile is the
+        19B one unless the checkpoint is a small (tiny test) file; no checkpoint at hand: the 19B one."""
+        ckpt = setup_kwargs.get("checkpoint_path")
+        small = bool(ckpt) and os.path.isfile(str(ckpt)) and os.path.getsize(str(ckpt)) < (1 << 30)
+        te_rank = setup_kwargs.get("text_encoder_rank")
+        return FleetMemory(cls.memory_kind, int(world_size), profile="tiny" if small else "ltx2-19b",
+                           text_encoder_rank=None if te_rank is None else int(te_rank),
+                           gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
+                           fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
+                           passes=cls._memory_passes(setup_kwargs),
+                           vae_overlap=int(cls.setup_default("vae_overlap", setup_kwargs)),
+                           sp_max_tokens=int(cls.setup_default("sp_max_tokens", setup_kwargs)))  # fmt: skip
+
+    @classmethod
+    def _memory_passes(cls, setup_kwargs: dict[str, Any]) -> int:
+        """Transformer passes per stage-1 step (guidance), for the memory plan."""
+        del setup_kwargs
+        return 1
 
     # =====================================================================================================
     # setup
@@ -207,6 +232,8 @@ class Ltx2Runner(MGPURunner):
         self.decoder = comp.distributed_video_decoder(
             checkpoint_path, self.groups.vae_group, self.vae_tiling, vae_chunked, self.device, self.dtype
         )
+        self.setup_chunk_tiling = self.decoder.chunk_tiling  # a job's memory plan may chunk more, never less
+        self.release_between_stages = False
         laps.lap("video_decoder")
         self.encoder = self.upsampler = None
         self.audio: AudioDecoding | None = None
@@ -259,11 +286,16 @@ class Ltx2Runner(MGPURunner):
     def render(self, args: RenderArgs) -> Iterator[dict[str, Any]]:
         """One job on every rank (SPMD); the driver yields the events and writes the file."""
         job = self._job(args)
+        self._use_memory_plan(args.memory_plan)
         self.clock.reset()
         prompt = yield from self._encode(job)
+        self._between_stages()
         video1, audio1 = yield from self._stage1(job, prompt)
+        self._between_stages()
         upscaled = yield from self._upsample(job, video1)
+        self._between_stages()
         video2, audio2 = yield from self._stage2(job, prompt, upscaled, audio1)
+        self._between_stages()
         check_finite(video=video2, audio=audio2)  # identical latents on every rank: a symmetric failure
         frames = yield from self._decode_video(job, video2)
         peaks = self.clock.peak_report(self.world_size, self.groups.control_group)  # last collective
@@ -274,6 +306,8 @@ class Ltx2Runner(MGPURunner):
         extra: dict[str, Any] = {"seed": int(args.seed), "world_size": self.world_size, "prompt": prompt.text}
         if self.synthetic:
             extra["synthetic_weights"] = True  # renders from synthetic weights are noise
+        if args.memory_plan is not None:
+            extra["memory_plan"] = dict(args.memory_plan)
         if peaks is not None:
             for stage in (Stage.AUDIO_DECODE, Stage.MUX, Stage.HANDOFF):  # driver-only stages, after the gather
                 if stage in self.clock.peaks:
@@ -292,6 +326,23 @@ class Ltx2Runner(MGPURunner):
             timings_s=dict(self.clock.timings_s),
             **self.clock.gpu_report(),
         )
+
+    def _use_memory_plan(self, plan: dict[str, Any] | None) -> None:
+        """The worker's memory plan for this job (`ltx_mgpu.memplan`; the same on every rank): `decode_chunked`
+        decodes each tile in ltx-core's default chunks (the reference CLI's decode tiling), and
+        `release_between_stages` hands the allocator cache back after each stage. None: setup's choices."""
+        plan = plan or {}
+        chunk = self.setup_chunk_tiling
+        if plan.get("decode_chunked") and chunk is None:
+            from ltx_core.model.video_vae import TilingConfig
+
+            chunk = TilingConfig.default()
+        self.decoder.chunk_tiling = chunk
+        self.release_between_stages = bool(plan.get("release_between_stages"))
+
+    def _between_stages(self) -> None:
+        if self.release_between_stages:
+            self.clock.release()
 
     def _job_steps(self, args: RenderArgs) -> int:
         """Stage-1 steps for `args` (refuse fields the runner cannot use here, with `ValueError`)."""

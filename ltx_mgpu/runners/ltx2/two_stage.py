@@ -64,6 +64,16 @@ class Ltx2TwoStageRunner(Ltx2Runner):
     """ "ltx2-two-stage": guided stage 1 (SP), distilled-LoRA stage 2 (TDP); see the module docstring."""
 
     min_steps = 2  # ltx-core's LTX2Scheduler yields a NaN sigma for a single step
+    memory_kind = "two-stage"
+
+    @classmethod
+    def _memory_passes(cls, setup_kwargs: dict[str, Any]) -> int:
+        """Stage-1 passes a step: the conditional one, plus one per guidance term either modality uses (CFG,
+        STG, modality isolation): 4 with the reference's defaults, 2 with CFG only."""
+        video, audio = stage1_guidance_params(dict(setup_kwargs.get("stage1_guidance") or {}), ())
+        terms = [any(g.cfg_scale != 1.0 for g in (video, audio)), any(g.stg_scale != 0.0 for g in (video, audio)),
+                 any(g.modality_scale != 1.0 for g in (video, audio))]  # fmt: skip
+        return 1 + sum(terms)
 
     # ---- setup hooks ------------------------------------------------------------------------------------
     def _stage2_extra_loras(self, path: str | None, strength: float) -> tuple[LoraSpec, ...]:

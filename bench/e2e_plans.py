@@ -1,0 +1,106 @@
+"""What `bench/e2e.py` runs: one `RunSpec` per worker start, the preset plans, and the request sizes.
+
+Sizes: a workload's request is the one-stage default (768x512, 121 frames: LTX-2's one-stage CLI default and
+SGLang's sampling default) unless a run names another. The reference's two-stage and distilled CLIs default to
+1536x1024, and a ten-second video at 24 fps is 241 frames, so the `sizes-*` plans cover 768x512x121,
+1536x1024x121 and 1536x1024x241 for both runner families on one GPU and on two. A size a fleet cannot hold is
+refused by the worker's memory plan (`ltx_mgpu.memplan`) before any GPU work: the run records the refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from bench.e2e_stack import Workload
+
+__all__ = ["PLANS", "SIZES", "RunSpec", "parse_size", "refusal", "sized"]
+
+#: The sizes of the presets: the one-stage default, the two-stage/distilled CLI default, ten seconds of it.
+SIZES = ("768x512x121", "1536x1024x121", "1536x1024x241")
+
+_SIZE = re.compile(r"^(\d+)x(\d+)x(\d+)$")
+DEFAULT_SP_MAX_TOKENS = 32768  #: the ltx2 runners' `sp_max_tokens` default
+
+
+def parse_size(text: str) -> tuple[int, int, int]:
+    """ "WxHxF" -> (width, height, num_frames); `ValueError` for anything else (argparse shows it)."""
+    match = _SIZE.match(text.strip().lower())
+    if match is None:
+        raise ValueError(f"size must be WIDTHxHEIGHTxFRAMES (e.g. 1536x1024x121), got {text!r}")
+    width, height, frames = (int(g) for g in match.groups())
+    return width, height, frames
+
+
+def sized(workload: Workload, size: str | None) -> Workload:
+    """`workload` with its request at `size` ("WxHxF"; None: as it is). A size whose full-resolution stage has
+    more video tokens than the runners' default SP budget (32,768: 1536x1024x241 has 47,616) raises the budget
+    to the next multiple of 8,192 (the distilled runner runs stage 2 as SP over the whole clip)."""
+    if size is None:
+        return workload
+    width, height, frames = parse_size(size)
+    setup = dict(workload.setup)
+    tokens = (width // 32) * (height // 32) * ((frames - 1) // 8 + 1)
+    if tokens > int(setup.get("sp_max_tokens", DEFAULT_SP_MAX_TOKENS)):
+        setup["sp_max_tokens"] = -(-tokens // 8192) * 8192
+    request = {**workload.request, "width": width, "height": height, "num_frames": frames}
+    return dataclasses.replace(workload, request=request, setup=setup)
+
+
+def refusal(workload: Workload, world_sizes: list[int]) -> str | None:
+    """What the memory plan (`ltx_mgpu.memplan`, without a capacity: only the token budget) refuses before any
+    worker starts: a run the fleet would refuse costs no cold start."""
+    from ltx_mgpu import memplan
+    from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
+
+    runner_cls = Ltx2DistilledRunner if workload.runner == "ltx2-distilled" else Ltx2TwoStageRunner
+    r = workload.request
+    for world in world_sizes:
+        fleet = runner_cls.memory_fleet(world, **workload.setup)
+        if message := memplan.plan(fleet, r["width"], r["height"], r["num_frames"]).refusal():
+            return message
+    return None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One worker start: a workload on a layout, and what to measure there."""
+
+    runner: str  #: "ltx2-distilled", "ltx2-two-stage", "ltx2-two-stage:cfg"
+    groups: tuple[str, ...]  #: one fleet per group
+    warm: int  #: jobs one at a time (latency)
+    backlog: int  #: jobs queued at once (throughput, idle gap)
+    rebuild: bool  #: kill a rank mid-job and time the recovery
+    encode: str = "worker"  #: "worker": the worker encodes beside the next job; "fleet": the driver rank does
+    size: str | None = None  #: "WxHxF" of the request; None: the workload's own (the one-stage default)
+
+    @property
+    def layout(self) -> str:
+        return ";".join(self.groups)
+
+    @property
+    def label(self) -> str:
+        return f"{self.runner} @ {self.layout}" + (f" @ {self.size}" if self.size else "")
+
+
+def _by_size(groups: tuple[str, ...]) -> list[RunSpec]:
+    """Both runner families at every preset size on `groups`, smallest first (a refusal ends nothing)."""
+    return [RunSpec(runner, groups, warm=3, backlog=0, rebuild=False, size=size)
+            for size in SIZES for runner in ("ltx2-distilled", "ltx2-two-stage:cfg")]  # fmt: skip
+
+
+#: Preset plans, most important first (--budget-s cuts from the end). `gpu2`: about 9-10 minutes at real
+#: size on two H200s (five worker starts of ~35-50 s, ~55 renders). `sizes-gpu1` / `sizes-gpu2`: six worker
+#: starts each, three warm renders per size (1536x1024x241 two-stage is ~2 minutes a render on one GPU).
+PLANS: dict[str, list[RunSpec]] = {
+    "gpu2": [
+        RunSpec("ltx2-distilled", ("0,1",), warm=5, backlog=8, rebuild=True),
+        RunSpec("ltx2-two-stage:cfg", ("0,1",), warm=5, backlog=0, rebuild=False),
+        RunSpec("ltx2-distilled", ("0", "1"), warm=0, backlog=8, rebuild=False),
+        RunSpec("ltx2-two-stage", ("0,1",), warm=5, backlog=0, rebuild=False),
+        RunSpec("ltx2-two-stage:cfg", ("0", "1"), warm=0, backlog=8, rebuild=False),
+    ],
+    "sizes-gpu1": _by_size(("0",)),
+    "sizes-gpu2": _by_size(("0,1",)),
+}

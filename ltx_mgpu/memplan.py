@@ -1,0 +1,367 @@
+"""The memory plan of one request on one fleet, decided before any GPU work (docs/memory.md).
+
+From the fleet's layout (world size, which rank holds Gemma), the runner (distilled or two-stage, its
+stage-1 passes and SP token budget), the request's size, the model profile (bytes of each component) and the
+memory each device offers (measured after warm-up, or a setting), `plan()` says what stays resident on each
+rank, what is released between stages, how the video decode is tiled, the predicted peak of every stage on
+the worst rank, and whether the request fits. `largest()` finds the largest size that still fits (for the
+refusal's message). A request that does not fit is refused by the worker (and by `producer submit`, from the
+limits the worker publishes: `FleetMemory.to_json`) as a request error before it reaches the fleet.
+
+Stdlib only, like `ltx_mgpu.bounds`: the producer imports it (held by tests/test_import_contracts.py).
+
+The model (every figure in GiB = 2**30 bytes; which numbers are calibrated and which derived: docs/memory.md):
+- resident: the transformer and the video decoder on every rank (SP keeps the whole model on each); the
+  video encoder, the x2 upsampler and the audio decoder on the driver (rank 0); Gemma on one rank (the last,
+  unless `text_encoder_rank` says otherwise); two-stage: the LoRA tracker's clean backup (sharded 1/W) and the
+  stage-2 LoRA factors; the SP exchange buffers (`sp_max_tokens`); a runtime share (CUDA graphs' pools,
+  workspaces) calibrated on one H200.
+- per stage, on top: a transformer forward holds `token_bytes` per (token x row) of its shard; the upsampler
+  `upsample_bytes` per full-resolution latent cell; the decode `decode_bytes` per pixel-frame it decodes at
+  once (the driver also holds the blended float32 video and its uint8 frames: `frame_bytes` per pixel-frame).
+- the allocator caches above its peak (`cache_fraction`): the predicted reservation is what must fit.
+The decode is the peak at the sizes people ask for; when the plain decode (one spatial tile per rank, the
+whole clip at once, the fastest) does not fit, the plan decodes each tile in ltx-core's default chunks
+(`TilingConfig.default()`: 512 px tiles with 64 px overlap, 64 frames with 24 overlap: the reference CLI's
+own decode tiling) and empties the allocator cache between stages: the lower-memory plan, also the one an
+out-of-memory retry takes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "DEFAULT_HEADROOM_GIB",
+    "PROFILES",
+    "FleetMemory",
+    "MemoryPlan",
+    "ModelProfile",
+    "StagePeak",
+    "largest",
+    "parse_size",
+    "plan",
+]
+
+GIB = float(1 << 30)
+DEFAULT_HEADROOM_GIB = 4.0  #: kept free on every device beyond the predicted reservation
+#: ltx-core `TilingConfig.default()` chunk of the lower-memory decode: 512 px tiles, 64 frames (+ overlaps)
+CHUNK_PIXELS = 512 * 512
+CHUNK_FRAMES = 64
+SPATIAL_SCALE, TEMPORAL_SCALE = 32, 8  #: LTX-2's video VAE: one latent cell per 32x32 px, 8 frames
+STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What each component weighs and what activations cost (GiB; bytes for the per-unit coefficients)."""
+
+    name: str
+    transformer_gib: float
+    text_encoder_gib: float
+    video_decoder_gib: float
+    video_encoder_gib: float
+    upsampler_gib: float
+    audio_gib: float
+    lora_factors_gib: float  #: two-stage: the stage-2 (distilled) LoRA's factors, every rank
+    two_stage_extra_gib: float  #: two-stage: the TDP sibling's buffers and guidance contexts, every rank
+    runtime_gib: float  #: CUDA graphs' pools, workspaces, caches: every rank
+    token_bytes: float  #: per (token x row) of a transformer forward on a rank
+    sp_buffer_bytes: float  #: SP exchange buffers per token of `sp_max_tokens`
+    upsample_bytes: float  #: per full-resolution latent cell
+    encode_gib: float  #: Gemma's activations for one prompt batch (on its rank)
+    decode_bytes: float  #: per pixel-frame decoded at once
+    frame_bytes: float  #: per pixel-frame of the driver's blended float32 video and uint8 frames
+    cache_fraction: float  #: the allocator's cache above its allocated peak
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: LTX-2 19B in bf16 (synthetic full-size weights have the same bytes). Calibrated figures are marked so in
+#: docs/memory.md (the runtime share, the two-stage extra, `decode_bytes`, `cache_fraction`); the rest is
+#: derived from the published parameter counts and layer widths.
+LTX2_19B = ModelProfile(
+    name="ltx2-19b",
+    transformer_gib=35.5,  # ~19.06 B parameters x 2 bytes
+    text_encoder_gib=22.7,  # Gemma 3 12B, ~12.2 B x 2
+    video_decoder_gib=0.8,
+    video_encoder_gib=0.6,
+    upsampler_gib=1.0,
+    audio_gib=0.4,  # float32
+    lora_factors_gib=6.9,  # rank 384 on every block linear: ~3.7 B x 2
+    two_stage_extra_gib=0.6,
+    runtime_gib=2.7,
+    token_bytes=128 * 1024.0,  # 4096 wide bf16: hidden, q/k/v, out, 4x FFN (x2), residual
+    sp_buffer_bytes=32 * 1024.0,  # 4 exchange buffers x 4096 x bf16
+    upsample_bytes=4096.0,  # 512 mid channels x bf16 x 4 live tensors
+    encode_gib=1.0,
+    decode_bytes=128.0,
+    frame_bytes=15.0,  # 3 x float32 + 3 x uint8
+    cache_fraction=0.046,
+)
+#: The tiny test checkpoints (CPU fleets): the same shape of plan, with negligible bytes.
+TINY = replace(LTX2_19B, name="tiny", transformer_gib=0.01, text_encoder_gib=0.01, video_decoder_gib=0.001,
+               video_encoder_gib=0.001, upsampler_gib=0.001, audio_gib=0.001, lora_factors_gib=0.001,
+               two_stage_extra_gib=0.0, runtime_gib=0.05, sp_buffer_bytes=64.0)  # fmt: skip
+PROFILES: dict[str, ModelProfile] = {p.name: p for p in (LTX2_19B, TINY)}
+RUNNER_KINDS = ("distilled", "two-stage")
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def parse_size(text: str) -> tuple[int, int, int]:
+    """ "WxHxF" -> (width, height, num_frames); `ValueError` otherwise."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"size must be WIDTHxHEIGHTxFRAMES (e.g. 1536x1024x121), got {text!r}")
+    width, height, frames = (int(p) for p in parts)
+    return width, height, frames
+
+
+@dataclass(frozen=True)
+class FleetMemory:
+    """Everything `plan()` needs besides the request: what a worker publishes (`to_json`)."""
+
+    runner: str  #: "distilled" or "two-stage"
+    world_size: int
+    profile: str = "ltx2-19b"
+    text_encoder_rank: int | None = None  #: None: the last rank
+    gemma_every_rank: bool = False  #: setup `text_encoder="batch-parallel"`: Gemma on every rank
+    fp8_transformer: bool = False  #: setup `quantization="fp8-*"`: the block weights in float8 (half the bytes)
+    passes: int = 1  #: transformer passes per stage-1 step (guidance: CFG 2, the reference's 4)
+    sp_max_tokens: int = 32768
+    vae_overlap: int = 1  #: latent cells shared by neighbouring decode tiles (setup `vae_overlap`)
+    capacity_gib: float | None = None  #: what one device offers this fleet's rank; None: no limit
+    headroom_gib: float = DEFAULT_HEADROOM_GIB
+
+    def __post_init__(self) -> None:
+        if self.runner not in RUNNER_KINDS:
+            raise ValueError(f"runner must be one of {RUNNER_KINDS}, got {self.runner!r}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
+        # (read back from Redis by every producer: bounded, so a bad snapshot cannot make a plan loop for ever)
+        _check_int("world_size", self.world_size, 1, 4096)
+        _check_int("passes", self.passes, 1, 64)
+        _check_int("sp_max_tokens", self.sp_max_tokens, 1, 1 << 24)
+        _check_int("vae_overlap", self.vae_overlap, 0, 64)
+        if self.text_encoder_rank is not None:
+            _check_int("text_encoder_rank", self.text_encoder_rank, 0, self.world_size - 1)
+        for name, value in (("capacity_gib", self.capacity_gib), ("headroom_gib", self.headroom_gib)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not math.isfinite(value) or value < 0):  # fmt: skip
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def gemma_rank(self) -> int:
+        return self.world_size - 1 if self.text_encoder_rank is None else int(self.text_encoder_rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> FleetMemory | None:
+        """What a worker published; None when missing or malformed (an older worker: nothing to check)."""
+        if not isinstance(data, Mapping):
+            return None
+        try:
+            known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+            return cls(**known)
+        except (TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """The predicted peak of one stage on its worst rank (GiB)."""
+
+    stage: str
+    rank: int
+    allocated_gib: float
+    reserved_gib: float  #: allocated plus the allocator's cache: what must fit
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One request on one fleet: see the module docstring. `job_kwargs()` is what the runner is told."""
+
+    fleet: FleetMemory
+    size: tuple[int, int, int]
+    resident_gib: dict[int, dict[str, float]]  #: rank -> component -> GiB
+    decode_chunked: bool  #: each tile in ltx-core's default chunks (the lower-memory decode)
+    release_between_stages: bool  #: empty the allocator cache after each stage (the lower-memory plan)
+    decode_tiles: int  #: spatial tiles, one per rank
+    stages: tuple[StagePeak, ...]
+    token_problem: str | None = None  #: the SP token budget refuses this size (memory aside)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak(self) -> StagePeak:
+        return max(self.stages, key=lambda s: s.reserved_gib)
+
+    @property
+    def limit_gib(self) -> float | None:
+        cap = self.fleet.capacity_gib
+        return None if cap is None else max(0.0, cap - self.fleet.headroom_gib)
+
+    @property
+    def fits(self) -> bool:
+        limit = self.limit_gib
+        return self.token_problem is None and (limit is None or self.peak.reserved_gib <= limit)
+
+    @property
+    def low_memory(self) -> bool:
+        return self.decode_chunked or self.release_between_stages
+
+    def job_kwargs(self) -> dict[str, Any]:
+        """The runner's `memory_plan` job kwarg."""
+        return {"decode_chunked": self.decode_chunked, "release_between_stages": self.release_between_stages,
+                "predicted_peak_gib": round(self.peak.reserved_gib, 2)}  # fmt: skip
+
+    def refusal(self) -> str | None:
+        """Why this request cannot run on this fleet (None if it fits)."""
+        if self.token_problem is not None:
+            return self.token_problem
+        if self.fits:
+            return None
+        w, h, f = self.size
+        peak = self.peak
+        return (f"{w}x{h}x{f} needs {peak.reserved_gib:.1f} GiB on rank {peak.rank} at stage {peak.stage} "
+                f"(with the lower-memory plan), over this fleet's limit of {self.limit_gib:.1f} GiB per device "
+                f"({self.fleet.capacity_gib:.1f} GiB less {self.fleet.headroom_gib:g} GiB headroom, "
+                f"{self.fleet.world_size} GPU(s), {self.fleet.runner})")  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fleet": self.fleet.to_json(), "size": "x".join(map(str, self.size)), "fits": self.fits,
+                "limit_gib": self.limit_gib, "resident_gib": {str(r): v for r, v in self.resident_gib.items()},
+                "decode": {"tiles": self.decode_tiles, "overlap": self.fleet.vae_overlap,
+                           "chunked": self.decode_chunked},
+                "release_between_stages": self.release_between_stages, "token_problem": self.token_problem,
+                "stages": [asdict(s) for s in self.stages], "peak": asdict(self.peak),
+                "notes": list(self.notes)}  # fmt: skip
+
+
+# ==== the plan ==============================================================================================
+
+
+def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    transformer = p.transformer_gib / 2 if fleet.fp8_transformer else p.transformer_gib  # (derived, not measured)
+    for rank in range(fleet.world_size):
+        parts = {"transformer": transformer, "video_decoder": p.video_decoder_gib,
+                 "sp_buffers": fleet.sp_max_tokens * p.sp_buffer_bytes / GIB, "runtime": p.runtime_gib}  # fmt: skip
+        if rank == 0:
+            parts.update(video_encoder=p.video_encoder_gib, upsampler=p.upsampler_gib, audio=p.audio_gib)
+        if rank == fleet.gemma_rank or fleet.gemma_every_rank:
+            parts["text_encoder"] = p.text_encoder_gib
+        if fleet.runner == "two-stage":
+            parts["lora_backup"] = transformer / fleet.world_size  # the tracker shards its clean copy
+            parts["lora_factors"] = p.lora_factors_gib
+            parts["two_stage_extra"] = p.two_stage_extra_gib
+        out[rank] = {k: round(v, 3) for k, v in parts.items()}
+    return out
+
+
+def _tokens(width: int, height: int, frames: int, scale: int) -> int:
+    cell = SPATIAL_SCALE * scale
+    return (width // cell) * (height // cell) * ((frames - 1) // TEMPORAL_SCALE + 1)
+
+
+def _padded(tokens: int, world: int) -> int:
+    return tokens + (-tokens) % world
+
+
+def _token_problem(fleet: FleetMemory, size: tuple[int, int, int]) -> str | None:
+    """What the runners' own SP budget check refuses (`check_token_budget`): stage 1 with one row, and the
+    distilled runner's stage 2 (SP over the whole clip; the two-stage runner tiles stage 2 instead)."""
+    w, h, f = size
+    checks = [("stage 1", _padded(_tokens(w, h, f, 2), fleet.world_size))]
+    if fleet.runner == "distilled":
+        checks.append(("stage 2", _padded(_tokens(w, h, f, 1), fleet.world_size)))
+    for stage, tokens in checks:
+        if tokens > fleet.sp_max_tokens:
+            return (f"{w}x{h}x{f}: {stage} has {tokens} video tokens, over the runner's SP token budget "
+                    f"(setup sp_max_tokens={fleet.sp_max_tokens})")  # fmt: skip
+    return None
+
+
+def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int], resident: dict[int, dict[str, float]],
+                 chunked: bool) -> tuple[StagePeak, ...]:  # fmt: skip
+    w, h, f = size
+    world = fleet.world_size
+    t1, t2 = _padded(_tokens(w, h, f, 2), world), _padded(_tokens(w, h, f, 1), world)
+    rows = max(1, min(fleet.passes, fleet.sp_max_tokens // max(1, t1)))  # guidance rows batched within budget
+    pixels = w * h * f
+    tile_pixels = math.ceil(w * h / world) * f  # one spatial tile per rank
+    if chunked:
+        decoded_at_once = min(math.ceil(w * h / world), CHUNK_PIXELS) * min(f, CHUNK_FRAMES)
+    else:
+        decoded_at_once = tile_pixels
+    peaks = []
+    for stage in STAGES:
+        worst: StagePeak | None = None
+        for rank, parts in resident.items():
+            act = 0.0
+            if stage == "encode" and (rank == fleet.gemma_rank or fleet.gemma_every_rank):
+                act = p.encode_gib * GIB
+            elif stage == "stage1":
+                act = p.token_bytes * rows * t1 / world
+            elif stage == "upsample" and rank == 0:
+                act = p.upsample_bytes * _tokens(w, h, f, 1)
+            elif stage == "stage2":
+                act = p.token_bytes * t2 / world
+            elif stage == "decode":
+                act = p.decode_bytes * decoded_at_once + (p.frame_bytes * pixels if rank == 0 else 0.0)
+            allocated = sum(parts.values()) + act / GIB
+            peak = StagePeak(stage, rank, round(allocated, 2), round(allocated * (1 + p.cache_fraction), 2))
+            if worst is None or peak.reserved_gib > worst.reserved_gib:
+                worst = peak
+        assert worst is not None
+        peaks.append(worst)
+    return tuple(peaks)
+
+
+def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_memory: bool = False) -> MemoryPlan:
+    """The plan for one request: the fast plan if it fits (or nothing limits the fleet), else the lower-memory
+    one (chunked decode, cache released between stages); `low_memory` forces the latter (an out-of-memory
+    retry). `fits` says whether even that fits."""
+    p = PROFILES[fleet.profile]
+    size = (int(width), int(height), int(num_frames))
+    resident = _resident(fleet, p)
+    notes = []
+    if fleet.world_size > 1 and fleet.gemma_rank == 0 and not fleet.gemma_every_rank:
+        notes.append("Gemma shares the driver rank with the encoder, upsampler and audio: a later rank has room")
+    fast = _stage_peaks(fleet, p, size, resident, chunked=False)
+    limit = None if fleet.capacity_gib is None else fleet.capacity_gib - fleet.headroom_gib
+    need_low = low_memory or (limit is not None and max(s.reserved_gib for s in fast) > limit)
+    stages = _stage_peaks(fleet, p, size, resident, chunked=True) if need_low else fast
+    if need_low and not low_memory:
+        notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
+    return MemoryPlan(fleet, size, resident, decode_chunked=need_low, release_between_stages=need_low,
+                      decode_tiles=fleet.world_size, stages=stages, token_problem=_token_problem(fleet, size),
+                      notes=tuple(notes))  # fmt: skip
+
+
+def largest(fleet: FleetMemory, width: int, height: int, num_frames: int) -> dict[str, str | None]:
+    """The largest sizes that fit this fleet, near the asked one: the most frames (8k+1) at width x height,
+    and the largest width x height (multiples of 64, the same aspect) at `num_frames`. None where none fits."""
+
+    def fits(w: int, h: int, f: int) -> bool:
+        return plan(fleet, w, h, f).fits
+
+    frames = next((f for f in range(int(num_frames), 0, -8) if fits(width, height, f)), None)
+    frames = frames if frames is not None and frames >= 1 else None
+    aspect = width / height
+    area = None
+    for h in range(int(height) - int(height) % 64, 63, -64):
+        w = round(h * aspect / 64) * 64
+        if w >= 64 and fits(w, h, num_frames):
+            area = f"{w}x{h}x{num_frames}"
+            break
+    return {"frames": None if frames is None else f"{width}x{height}x{frames}", "area": area}

@@ -1,0 +1,161 @@
+"""The memory plan (`ltx_mgpu.memplan`), its limits (`worker.protocol.limits`) and `ltx-worker plan`, without a fleet.
+
+Calibration: the plan reproduces the peaks measured on one H200 with synthetic full-size weights
+(docs/performance.md, "Measured peaks"): distilled 71 GiB at 768x512x121 and 90 GiB at 1536x1024x121 (allocator peaks),
+two-stage with CFG 114 GiB at 768x512x121 (allocator peak) and 139.2 GiB in use at 1536x1024x121.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ltx_mgpu import memplan
+from ltx_mgpu.memplan import FleetMemory, plan
+from worker.protocol.limits import MemoryViolation, RunnerLimits
+from worker.protocol.schema import RenderRequest
+
+H200_GIB = 139.5  # what one H200 offers a rank after its CUDA context (free + reserved)
+
+
+def _fleet(runner: str, world: int = 1, **kw: object) -> FleetMemory:
+    passes = 2 if runner == "two-stage" else 1  # the measured two-stage runs: CFG only
+    return FleetMemory(runner, world, passes=passes, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("runner", "size", "measured", "field"), [
+    ("distilled", (768, 512, 121), 71.0, "allocated_gib"),
+    ("distilled", (1536, 1024, 121), 90.0, "allocated_gib"),
+    ("two-stage", (768, 512, 121), 114.0, "allocated_gib"),
+    ("two-stage", (1536, 1024, 121), 139.2, "reserved_gib"),
+])  # fmt: skip
+def test_the_fast_plan_reproduces_the_measured_peaks(runner, size, measured, field):
+    p = plan(_fleet(runner), *size)  # no limit: the fast plan (the one measured)
+    assert not p.decode_chunked and not p.release_between_stages and p.fits
+    assert p.peak.stage == "decode" and p.peak.rank == 0
+    assert getattr(p.peak, field) == pytest.approx(measured, abs=0.5), p.peak
+
+
+def test_a_fast_plan_too_close_to_the_limit_takes_the_lower_memory_decode():
+    """Two-stage CFG at 1536x1024x121 on one H200 was 139.2 of 141 GiB in use: the plan chunks the decode
+    (ltx-core's default tiling, the reference CLI's) and releases the cache, leaving over 10 GiB free."""
+    p = plan(_fleet("two-stage", capacity_gib=H200_GIB), 1536, 1024, 121)
+    assert p.decode_chunked and p.release_between_stages and p.fits
+    assert H200_GIB - max(s.reserved_gib for s in p.stages) >= 10.0
+    assert p.job_kwargs() == {"decode_chunked": True, "release_between_stages": True,
+                              "predicted_peak_gib": p.peak.reserved_gib}  # fmt: skip
+    fast = plan(_fleet("distilled", capacity_gib=H200_GIB), 1536, 1024, 121)
+    assert not fast.decode_chunked and fast.fits  # room enough: the fastest decode
+    assert plan(_fleet("distilled", capacity_gib=H200_GIB), 768, 512, 121, low_memory=True).decode_chunked
+
+
+@pytest.mark.parametrize("runner", ["distilled", "two-stage"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_preset_sizes_on_one_and_two_gpus(runner, world):
+    fleet = _fleet(runner, world, capacity_gib=H200_GIB)
+    for size in ((768, 512, 121), (1536, 1024, 121)):
+        assert plan(fleet, *size).fits, (runner, world, size)
+    ten_s = plan(fleet, 1536, 1024, 241)
+    if runner == "distilled":  # stage 2 is SP over 47,616 tokens: over the default budget, memory aside
+        assert not ten_s.fits and "47616 video tokens" in (ten_s.refusal() or "")
+        assert plan(_fleet(runner, world, capacity_gib=H200_GIB, sp_max_tokens=49152), 1536, 1024, 241).fits
+    else:
+        assert ten_s.fits
+    # every rank holds the transformer; the driver the encoder, upsampler and audio; Gemma the last rank
+    assert all("transformer" in parts for parts in plan(fleet, 768, 512, 121).resident_gib.values())
+    resident = plan(fleet, 768, 512, 121).resident_gib
+    assert "upsampler" in resident[0] and "text_encoder" in resident[world - 1]
+    if world == 2:
+        assert "text_encoder" not in resident[0] and "upsampler" not in resident[1]
+
+
+def test_two_gpus_lower_the_peak_and_shard_the_lora_backup():
+    one, two = plan(_fleet("two-stage", 1), 1536, 1024, 121), plan(_fleet("two-stage", 2), 1536, 1024, 121)
+    assert two.peak.reserved_gib < one.peak.reserved_gib
+    assert two.resident_gib[0]["lora_backup"] == pytest.approx(one.resident_gib[0]["lora_backup"] / 2)
+    assert two.decode_tiles == 2 and one.decode_tiles == 1
+
+
+def test_the_largest_request_is_refused_up_front_with_what_fits():
+    fleet = _fleet("distilled", 1, capacity_gib=H200_GIB)
+    p = plan(fleet, 2048, 2048, 257)
+    assert not p.fits and p.refusal()
+    best = memplan.largest(fleet, 2048, 2048, 257)
+    for text in best.values():
+        assert text is not None and plan(fleet, *memplan.parse_size(text)).fits
+    w, h, f = memplan.parse_size(best["frames"])
+    assert (w, h) == (2048, 2048) and not plan(fleet, w, h, f + 8).fits  # the most frames that fit
+    # memory alone (a budget that allows the tokens): the refusal names the limit and the stage
+    big = _fleet("distilled", 1, capacity_gib=60.0, sp_max_tokens=1 << 20)
+    message = plan(big, 1536, 1024, 121).refusal()
+    assert message is not None and "limit of 56.0 GiB per device" in message and "at stage" in message
+
+
+def test_the_fleet_memory_travels_as_json_and_junk_is_ignored():
+    fleet = _fleet("two-stage", 2, capacity_gib=80.0, text_encoder_rank=0)
+    assert FleetMemory.from_json(json.loads(json.dumps(fleet.to_json()))) == fleet
+    junks = [{"runner": "distilled", "world_size": 10**9}, {"runner": "distilled", "world_size": 1, "passes": True},
+             {"runner": "distilled", "world_size": 1, "capacity_gib": float("nan")},
+             {"runner": "distilled", "world_size": 2, "text_encoder_rank": 2}]  # fmt: skip
+    for junk in (None, "x", {"runner": "nope", "world_size": 1}, {"runner": "distilled"}, {"world_size": "a"}, *junks):
+        assert FleetMemory.from_json(junk) is None
+    assert plan(fleet, 768, 512, 121).notes  # Gemma on the driver: the plan says a later rank has room
+    with pytest.raises(ValueError):
+        memplan.parse_size("1536x1024")
+
+
+def test_the_ltx2_runners_describe_their_memory_from_their_setup():
+    from bench.e2e_stack import CFG_ONLY
+    from ltx_mgpu.runners.ltx2.distilled import Ltx2DistilledRunner
+    from ltx_mgpu.runners.ltx2.two_stage import Ltx2TwoStageRunner
+
+    assert Ltx2TwoStageRunner.memory_fleet(1).passes == 4  # the reference's CFG + STG + modality guidance
+    assert Ltx2TwoStageRunner.memory_fleet(2, stage1_guidance=CFG_ONLY).passes == 2
+    distilled = Ltx2DistilledRunner.memory_fleet(2, sp_max_tokens=4096, text_encoder_rank=0, vae_overlap=2)
+    assert (distilled.runner, distilled.world_size, distilled.sp_max_tokens) == ("distilled", 2, 4096)
+    assert (distilled.gemma_rank, distilled.vae_overlap, distilled.profile) == (0, 2, "ltx2-19b")
+    fp8 = Ltx2DistilledRunner.memory_fleet(1, quantization="fp8-mm")
+    assert fp8.fp8_transformer and plan(fp8, 768, 512, 121).resident_gib[0]["transformer"] == pytest.approx(35.5 / 2)
+    everywhere = Ltx2DistilledRunner.memory_fleet(2, text_encoder="batch-parallel")
+    assert all("text_encoder" in parts for parts in plan(everywhere, 768, 512, 121).resident_gib.values())
+
+
+def test_runner_limits_refuse_what_does_not_fit_and_say_the_same_after_publishing():
+    from ltx_mgpu.runners.ltx2.distilled import Ltx2DistilledRunner
+
+    limits = RunnerLimits.of("ltx2-distilled", Ltx2DistilledRunner, {}, world_size=1, capacity_gib=H200_GIB)
+    assert limits.violations(RenderRequest(prompt="x", width=1536, height=1024, num_frames=121)) == []
+    request = RenderRequest(prompt="x", width=2048, height=2048, num_frames=257)
+    (bad,) = limits.violations(request)
+    assert isinstance(bad, MemoryViolation) and bad.field == "size"
+    assert "largest that fits: 2048x2048x57 or " in bad.message() and "ltx2-distilled" in bad.message()
+    published = RunnerLimits.from_json(json.loads(json.dumps(limits.to_json())))
+    assert published == limits and [v.message() for v in published.violations(request)] == [bad.message()]
+    # no capacity (a CPU fleet, nothing set): only the token budget, as the runner itself checks it
+    free = limits.with_capacity(None)
+    assert free.memory is not None and free.memory.capacity_gib is None
+    assert [v.field for v in free.violations(request)] == ["size"]
+    assert free.violations(RenderRequest(prompt="x", width=1536, height=1024, num_frames=161)) == []
+
+
+def test_ltx_worker_plan_prints_the_plan_without_a_fleet(monkeypatch):
+    from worker.cli import main
+
+    monkeypatch.delenv("LTX_RUNNER_SETUP", raising=False)
+    monkeypatch.delenv("LTX_DEVICE_MEMORY_GIB", raising=False)
+    cli = CliRunner()
+    args = ["plan", "--runner", "ltx2-two-stage", "--group", "0", "--size", "1536x1024x121", "--free-gib", "139.5"]
+    out = cli.invoke(main, args)
+    assert out.exit_code == 0, out.output
+    for text in ("lora_backup", "text_encoder", "decode: 1 spatial tile(s)", "ltx-core's default chunks", "fits: yes"):
+        assert text in out.output, out.output
+    as_json = cli.invoke(main, [*args, "--json"])
+    data = json.loads(as_json.output)
+    assert data["fits"] and data["decode"]["chunked"] and data["fleet"]["world_size"] == 1
+    refused = cli.invoke(main, ["plan", "--runner", "ltx2-distilled", "--group", "0,1", "--size", "2048x2048x257",
+                                "--free-gib", "139.5"])  # fmt: skip
+    assert refused.exit_code == 1 and "fits: NO" in refused.output and "largest that fits" in refused.output
+    assert cli.invoke(main, ["plan", "--runner", "smoke", "--group", "cpu:1", "--size", "64x64x9"]).exit_code == 2
+    assert cli.invoke(main, ["plan", "--runner", "ltx2-distilled", "--group", "0", "--size", "64x64"]).exit_code == 2
