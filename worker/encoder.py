@@ -184,7 +184,8 @@ class EncodeStage:
         audio = None
         if media.get("audio") is not None:
             audio = AudioTrack(media["audio"], int(media["audio_sample_rate"]))
-        options = EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, threads=s.encode_threads)
+        options = EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, tune=s.encode_tune, bframes=s.encode_bframes,
+                                threads=s.encode_threads, segments=s.encode_segments)  # fmt: skip
         write_mp4_yuv(media["video"], item.output_path, float(media["fps"]), width=int(media["width"]), audio=audio,
                       options=options)  # fmt: skip
         encode_s = time.monotonic() - t0
