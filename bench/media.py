@@ -8,7 +8,8 @@ runs `--quick`).
 - new: `write_mp4_yuv` with the worker's default `EncodeOptions` (parallel x264 runs joined by the muxer;
   `--preset`/`--tune`/`--crf`/`--threads`/`--segments` override). Its frames are RGB -> yuv420p by the
   fleet (timed separately: `fleet_handoff_cuda_s` with CUDA, the device conversion and the one copy into
-  shared memory; on the CPU swscale's `new_convert_cpu_s`).
+  page-locked shared memory, `fleet_handoff_pageable_cuda_s` the same with the pageable copy used before;
+  on the CPU swscale's `new_convert_cpu_s`).
 - `--variants "segments=16,tune=fastdecode:segments=4"`: more settings of the new path, timed beside it.
 
 Every path reports wall seconds, the process's CPU seconds over them (`*_cpu_s`; their ratio is how many
@@ -135,7 +136,7 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
     frames = noise_clip(args.frames, width, height) if clip == "noise" else content_clip(args.frames, width, height)
     old_s, old_bytes, old_cpu = timed(lambda: old_encode(frames, workdir / "old.mp4", crf=args.crf), args.repeats)
     convert_s, yuv, _ = timed(lambda: to_yuv420p(frames), args.repeats)  # (swscale on the CPU, as a CPU rank does)
-    handoff_s = None
+    handoff_s = pageable_s = None
     if args.device == "cuda":  # what the fleet pays instead of the encode: convert there, one copy out
         on_device = frames.cuda()
 
@@ -144,9 +145,16 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
             torch.cuda.synchronize()
             return out
 
+        def pageable() -> torch.Tensor:
+            out = shared_host_copy(rgb_to_yuv420p(on_device), pinned=False)
+            torch.cuda.synchronize()
+            return out
+
         handoff()  # (warm-up: the first call pays CUDA's lazy initialisation)
         handoff_s, from_device, _ = timed(handoff, args.repeats)
+        pageable_s, from_pageable, _ = timed(pageable, args.repeats)
         assert torch.equal(from_device, rgb_to_yuv420p(frames)), "the device conversion differs from torch's on CPU"
+        assert torch.equal(from_pageable, from_device), "the page-locked copy differs from the pageable one"
     before = dataclasses.replace(options, tune="", bframes=-1, segments=1)  # (the worker's settings until now)
     current = encode_new(yuv, workdir / "current.mp4", width, before, args.repeats)
     new = encode_new(yuv, workdir / "new.mp4", width, options, args.repeats)
@@ -174,6 +182,7 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
         "new_convert_cpu_s": round(convert_s, 4),
         "new_total_cpu_s": round(new["s"] + convert_s, 4),
         "fleet_handoff_cuda_s": None if handoff_s is None else round(handoff_s, 4),
+        "fleet_handoff_pageable_cuda_s": None if pageable_s is None else round(pageable_s, 4),
         "speedup_encode": new["speedup"],
         "speedup_current": current["speedup"],
         "speedup_new_over_current": round(current["s"] / new["s"], 3) if new["s"] else None,

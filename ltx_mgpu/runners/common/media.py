@@ -197,16 +197,36 @@ def _yuv_shape(frames: torch.Tensor) -> tuple[int, int]:
     return int(frames.shape[1]) * 3 // 2, int(frames.shape[2])
 
 
-def shared_host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def shared_host_copy(tensor: torch.Tensor, *, pinned: bool = True) -> torch.Tensor:
     """`tensor` copied into a fresh CPU tensor in shared memory, so the controller's pipe carries only its
-    handle (a yielded tensor not yet shared would be copied into shared memory once more on the way)."""
+    handle (a yielded tensor not yet shared would be copied into shared memory once more on the way).
+
+    From a GPU with `pinned`, the shared pages are page-locked (`cudaHostRegister`) for the copy, so it is one
+    DMA straight into them instead of the driver's pageable path (its own staging buffer, then a CPU copy
+    of every byte, faulting the fresh pages one at a time); they are unlocked after it. Where registering
+    fails (a limit, an old driver) the copy is the pageable one."""
     try:
         storage = torch.UntypedStorage._new_shared(tensor.numel() * tensor.element_size())
         host = torch.empty(0, dtype=tensor.dtype).set_(storage).view(tensor.shape)
     except (AttributeError, RuntimeError):  # (a torch without the private allocator: one extra copy)
         host = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
-    host.copy_(tensor)
+    nbytes = host.numel() * host.element_size()
+    if not (pinned and tensor.device.type == "cuda" and nbytes and _page_lock(host, nbytes)):
+        host.copy_(tensor)
+        return host
+    try:
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
     return host
+
+
+def _page_lock(host: torch.Tensor, nbytes: int) -> bool:
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) == 0
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def media_event(
