@@ -193,6 +193,20 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
     }
 
 
+def table(cases: list[dict[str, Any]]) -> list[str]:
+    """Seconds (CPU seconds), bytes ratio to the old path and speed-up, per case and path: what a person reads."""
+    out = []
+    for c in cases:
+        paths = {"old": (c["old_s"], c["old_cpu_s"], 1.0), "current": (c["current_s"], c["current_cpu_s"],
+                 c["current_bytes_ratio"]), "new": (c["new_encode_s"], c["new_cpu_s"], c["bytes_ratio"])}  # fmt: skip
+        paths.update({k: (v["s"], v["cpu_s"], v["bytes_ratio"]) for k, v in c["variants"].items()})
+        cells = [f"{k} {s:.3f}s ({cpu:.1f} cpu) bytes x{ratio:.3f}: {c['old_s'] / s:.2f}x" for k, (s, cpu, ratio) in
+                 paths.items()]  # fmt: skip
+        out.append(f"TABLE {c['clip']} {c['size']} handoff {c['fleet_handoff_cuda_s']}/"
+                   f"{c['fleet_handoff_pageable_cuda_s']} | " + " | ".join(cells))  # fmt: skip
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="9 frames at 256x160, one repeat (seconds, for CI)")
@@ -211,6 +225,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="also time the fleet's hand-off on CUDA (auto: if there is one)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
+    ap.add_argument("--table", action="store_true", help="after the summary, one short line per case and path")
     args = ap.parse_args(argv)
     args.variants = [v for v in args.variants.split(":") if v] if "=" in args.variants else []
     if args.device == "auto":
@@ -259,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     print(lines[-1], flush=True)
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")
+    if args.table:
+        for line in table(cases):
+            print(line)
     return 0 if summary["all_new_files_ok"] else 1
 
 
