@@ -24,8 +24,9 @@ video, 3-4x cheaper to encode). Each case is encoded `--repeats` times per path 
     python bench/media.py --quick                  # 9 frames at 256x160: what CI and the tests run
     python bench/media.py --sizes 1536x1024 --clips noise --repeats 3
 
-One JSON line per case, then `SUMMARY {...}` with every case, the settings, the machine's core count and
-`target`: the new path's speed-up over the old one on noise at 1536x1024 (the goal: >= 3x).
+One JSON line per case (`--table`: a short line per case), then `SUMMARY {...}` with every case, the
+settings, the machine's core count and `target`: the new path's speed-up over the old one on noise at
+1536x1024 (the goal: >= 3x).
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="also time the fleet's hand-off on CUDA (auto: if there is one)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
-    ap.add_argument("--table", action="store_true", help="after the summary, one short line per case and path")
+    ap.add_argument("--table", action="store_true",
+                    help="short lines per case, the summary without its cases (--out keeps the JSON)")  # fmt: skip
     args = ap.parse_args(argv)
     args.variants = [v for v in args.variants.split(":") if v] if "=" in args.variants else []
     if args.device == "auto":
@@ -241,16 +243,22 @@ def main(argv: list[str] | None = None) -> int:
                             threads=args.threads, segments=args.segments)  # fmt: skip
     for spec in args.variants:
         parse_variant(spec, options)  # (a typo fails before the first clip, not after)
-    lines: list[str] = []
     cases = []
+    out = args.out.open("w") if args.out is not None else None  # (line by line: a run cut short keeps its cases)
+
+    def emit(line: str, brief: str | None = None) -> None:
+        print(brief if args.table and brief is not None else line, flush=True)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()
+
     with tempfile.TemporaryDirectory(prefix="bench-media-") as tmp:
         for size in args.sizes.split(","):
             width, height = (int(v) for v in size.lower().split("x"))
             for clip in args.clips.split(","):
                 case = one_case(clip.strip(), width, height, args, options, Path(tmp))
                 cases.append(case)
-                lines.append(json.dumps(case))
-                print(lines[-1], flush=True)
+                emit(json.dumps(case), table([case])[0])
     target = next((c for c in cases if c["clip"] == "noise" and c["size"] == "1536x1024"), None)
     summary = {
         "cores": os.cpu_count(),
@@ -270,13 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         "all_new_files_ok": all(c["new_check"]["ok"] and c["new_check"]["frames"] == c["frames"] for c in cases),
         "cases": cases,
     }  # fmt: skip
-    lines.append("SUMMARY " + json.dumps(summary))
-    print(lines[-1], flush=True)
-    if args.out is not None:
-        args.out.write_text("\n".join(lines) + "\n")
-    if args.table:
-        for line in table(cases):
-            print(line)
+    brief = {k: v for k, v in summary.items() if k != "cases"}
+    emit("SUMMARY " + json.dumps(summary), "SUMMARY " + json.dumps(brief))
+    if out is not None:
+        out.close()
     return 0 if summary["all_new_files_ok"] else 1
 
 

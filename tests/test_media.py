@@ -163,15 +163,22 @@ def test_a_run_whose_headers_differ_from_the_stream_header_is_not_joined(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_segment_pool_is_bounded_by_the_runs_asked_for(tmp_path: Path) -> None:
-    """Threads, not a process per run: at most as many as the largest segment count asked for."""
-    import threading
+def test_the_segment_pool_is_bounded_by_the_runs_asked_for(tmp_path: Path, monkeypatch) -> None:
+    """Threads, not a process per run: a pool of at most as many as the largest segment count asked for."""
+    from ltx_mgpu.runners.common import x264segments
 
+    monkeypatch.setattr(x264segments, "_pool", None)  # (a pool of this process's earlier encodes stays apart)
+    monkeypatch.setattr(x264segments, "_pool_size", 0)
     yuv = rgb_to_yuv420p(torch.zeros((48, 64, 64, 3), dtype=torch.uint8))
-    for segments in (3, 2, 3):
-        write_mp4_yuv(yuv, tmp_path / "b.mp4", 24.0, width=64, options=EncodeOptions(threads=3, segments=segments))
-    workers = [t for t in threading.enumerate() if t.name.startswith("x264-segment")]
-    assert 1 <= len(workers) <= 3
+    try:
+        for segments in (3, 2, 3):
+            options = EncodeOptions(threads=3, segments=segments)
+            write_mp4_yuv(yuv, tmp_path / "b.mp4", 24.0, width=64, options=options)
+        pool = x264segments._pool
+        assert pool is not None and x264segments._pool_size == 3 and 1 <= len(pool._threads) <= 3
+    finally:
+        if x264segments._pool is not None:
+            x264segments._pool.shutdown(wait=True)
 
 
 def test_bench_media_quick_reports_old_and_new_per_case(tmp_path: Path) -> None:
