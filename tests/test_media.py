@@ -141,6 +141,22 @@ def test_segments_joined_by_the_muxer_are_one_seamless_video(tmp_path: Path) -> 
         assert float((decoded.float() - reference.float()).abs().mean()) < 2
 
 
+def test_segments_keep_the_aac_track_beside_them(tmp_path: Path) -> None:
+    """The runs are muxed before the audio is encoded: the file still has both streams, whole."""
+    from ltx_mgpu.runners.common.media import AudioTrack, probe_mp4
+
+    t = torch.arange(5 * 24000, dtype=torch.float32) / 24000
+    wave = torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * t)] * 2)
+    yuv = rgb_to_yuv420p(torch.randint(0, 256, (40, 64, 96, 3), dtype=torch.uint8))
+    path = tmp_path / "av.mp4"
+    write_mp4_yuv(yuv, path, 8.0, width=96, audio=AudioTrack(wave, 24000), options=EncodeOptions(threads=2, segments=2))
+    streams = probe_mp4(path)
+    assert (streams.video_codec, streams.frames, streams.audio_codec, streams.audio_channels) == ("h264", 40, "aac", 2)
+    assert abs((streams.audio_duration_s or 0) - streams.video_duration_s) < 1024 / 24000
+    packets = _packets(path)
+    assert all(a[1] < b[1] for a, b in pairwise(packets)) and sum(key for *_, key in packets) >= 2
+
+
 def test_a_run_whose_headers_differ_from_the_stream_header_is_not_joined(tmp_path: Path, monkeypatch) -> None:
     """SPS/PPS are written once, in the mp4 header, from the stream's own encoder: a run encoded with other
     parameters (here 3 reference frames instead of 1) would decode wrongly, so the encode fails and leaves
