@@ -48,7 +48,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ltx_mgpu.runners.common.media import EncodeOptions, rgb_to_yuv420p, shared_host_copy, to_yuv420p, write_mp4_yuv
+from ltx_mgpu.runners.common.media import (
+    EncodeOptions,
+    rgb_to_yuv420p,
+    shared_host_copy,
+    to_yuv420p,
+    usable_cores,
+    write_mp4_yuv,
+)
 
 
 def noise_clip(frames: int, width: int, height: int, seed: int = 0) -> torch.Tensor:
@@ -262,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     target = next((c for c in cases if c["clip"] == "noise" and c["size"] == "1536x1024"), None)
     summary = {
         "cores": os.cpu_count(),
+        "usable_cores": usable_cores(),
         "threads": options.thread_count,
         "segments_at_121_frames": options.segment_count(121),
         "threads_per_segment_at_121_frames": options.threads_per_segment(options.segment_count(121)),

@@ -92,7 +92,7 @@ def test_conversion_refuses_odd_sizes_and_wrong_dtypes() -> None:
 
 
 def test_encoder_threads_default_to_every_core_of_this_machine() -> None:
-    cores = max(1, os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0))
     assert EncodeOptions().thread_count == cores and EncodeOptions(threads=3).thread_count == 3
     # one x264 run per thread, runs of at least 16 frames: 121 frames are at most 7 runs
     assert EncodeOptions().segment_count(121) == min(cores, 7)
@@ -102,6 +102,18 @@ def test_encoder_threads_default_to_every_core_of_this_machine() -> None:
     assert sixteen.segment_count(17) == 1  # runs shorter than 16 frames are not worth an IDR
     assert EncodeOptions(threads=16, segments=1).segment_count(121) == 1  # one x264, 16 frame threads
     assert EncodeOptions(threads=16, segments=1).threads_per_segment(1) == 16
+
+
+def test_every_core_means_the_cores_this_process_may_run_on() -> None:
+    """A worker pinned to one core (a container's cpuset, `taskset`) starts one x264 thread, not the host's
+    count of them (affinity is per thread on Linux: this thread's is changed and restored)."""
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert EncodeOptions().thread_count == 1 and EncodeOptions().segment_count(121) == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert EncodeOptions().thread_count == len(allowed)
 
 
 def _packets(path: Path) -> list[tuple[int, int, bool]]:
@@ -212,6 +224,6 @@ def test_bench_media_quick_reports_old_and_new_per_case(tmp_path: Path) -> None:
         assert case["speedup_encode"] == pytest.approx(case["old_s"] / case["new_encode_s"], rel=0.01)
         check = case["new_check"]
         assert check["ok"] and check["frames"] == 9 and check["pts_even"] and check["dts_increasing"]
-    assert summary["threads"] == max(1, os.cpu_count() or 1) and summary["cases"] == cases
+    assert summary["threads"] == summary["usable_cores"] == len(os.sched_getaffinity(0)) and summary["cases"] == cases
     assert (summary["crf"], summary["preset"]) == (EncodeOptions.crf, EncodeOptions.preset)
     assert summary["tune"] == EncodeOptions.tune and summary["all_new_files_ok"] and summary["target"] is None

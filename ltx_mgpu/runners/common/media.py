@@ -45,6 +45,7 @@ __all__ = [
     "rgb_to_yuv420p",
     "shared_host_copy",
     "to_yuv420p",
+    "usable_cores",
     "write_mp4",
     "write_mp4_yuv",
 ]
@@ -56,10 +57,19 @@ _MIN_SEGMENT_FRAMES = 16  #: shorter runs spend too much on their IDR frame (and
 _X264_COLOUR = "colorprim=smpte170m:transfer=smpte170m:colormatrix=smpte170m:range=tv"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container's cpuset, `taskset`), not the host's
+    count, so an encoder limited to 2 of 16 cores starts 2 x264 threads, not 16."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (no affinity on this platform)
+        return max(1, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
     """H.264 settings: `crf` (quality, 0 = lossless), `preset` (x264 speed/size trade-off), `tune` (an x264
-    tune or ""), `threads` (cores the encode may use; 0 = every core of this machine, `os.cpu_count()`: 16
+    tune or ""), `threads` (cores the encode may use; 0 = every core this process may run on, `usable_cores()`: 16
     on the GPU hosts, 2 in CI) and `segments`: the video is cut into that many runs of frames, each encoded
     by its own x264 in a thread (`x264segments`) on `threads // segments` frame threads, the packets joined
     by the muxer. 0 (the default) = as many runs as threads, each at least `_MIN_SEGMENT_FRAMES` long; 1 =
@@ -74,7 +84,7 @@ class EncodeOptions:
 
     @property
     def thread_count(self) -> int:
-        return int(self.threads) if int(self.threads) > 0 else max(1, os.cpu_count() or 1)
+        return int(self.threads) if int(self.threads) > 0 else usable_cores()
 
     def segment_count(self, frames: int) -> int:
         wanted = int(self.segments) if int(self.segments) > 0 else self.thread_count
