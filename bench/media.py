@@ -164,11 +164,12 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
         assert torch.equal(from_device, rgb_to_yuv420p(frames)), "the device conversion differs from torch's on CPU"
         assert torch.equal(from_pageable, from_device), "the page-locked copy differs from the pageable one"
     before = dataclasses.replace(options, tune="", bframes=-1, segments=1)  # (the worker's settings until now)
-    current = encode_new(yuv, workdir / "current.mp4", width, before, args.repeats)
+    skipped = {"s": None, "cpu_s": None, "bytes": None}
+    current = encode_new(yuv, workdir / "current.mp4", width, before, args.repeats) if args.current else skipped
     new = encode_new(yuv, workdir / "new.mp4", width, options, args.repeats)
     variants = {spec: encode_new(yuv, workdir / "variant.mp4", width, parse_variant(spec, options), args.repeats)
                 for spec in args.variants}  # fmt: skip
-    for result in (new, current, *variants.values()):
+    for result in (new, *([current] if args.current else []), *variants.values()):
         result["speedup"] = round(old_s / result["s"], 3) if result["s"] else None
         result["bytes_ratio"] = round(result["bytes"] / old_bytes, 4) if old_bytes else None
     return {
@@ -192,11 +193,11 @@ def one_case(clip: str, width: int, height: int, args: argparse.Namespace, optio
         "fleet_handoff_cuda_s": None if handoff_s is None else round(handoff_s, 4),
         "fleet_handoff_pageable_cuda_s": None if pageable_s is None else round(pageable_s, 4),
         "speedup_encode": new["speedup"],
-        "speedup_current": current["speedup"],
-        "speedup_new_over_current": round(current["s"] / new["s"], 3) if new["s"] else None,
+        "speedup_current": current.get("speedup"),
+        "speedup_new_over_current": round(current["s"] / new["s"], 3) if new["s"] and current["s"] else None,
         "speedup_with_cpu_convert": round(old_s / (new["s"] + convert_s), 3),
         "bytes_ratio": new["bytes_ratio"],
-        "current_bytes_ratio": current["bytes_ratio"],
+        "current_bytes_ratio": current.get("bytes_ratio"),
         "variants": variants,
     }
 
@@ -207,6 +208,8 @@ def table(cases: list[dict[str, Any]]) -> list[str]:
     for c in cases:
         paths = {"old": (c["old_s"], c["old_cpu_s"], 1.0), "current": (c["current_s"], c["current_cpu_s"],
                  c["current_bytes_ratio"]), "new": (c["new_encode_s"], c["new_cpu_s"], c["bytes_ratio"])}  # fmt: skip
+        if c["current_s"] is None:
+            del paths["current"]
         paths.update({k: (v["s"], v["cpu_s"], v["bytes_ratio"]) for k, v in c["variants"].items()})
         cells = [f"{k} {s:.3f}s ({cpu:.1f} cpu) bytes x{ratio:.3f}: {c['old_s'] / s:.2f}x" for k, (s, cpu, ratio) in
                  paths.items()]  # fmt: skip
@@ -229,6 +232,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="cores the new path may use (0: every core)")
     ap.add_argument("--segments", type=int, default=EncodeOptions.segments,
                     help="parallel x264 runs of the new path (0: one per thread, runs of >= 16 frames)")  # fmt: skip
+    ap.add_argument("--no-current", dest="current", action="store_false", help="skip the current path")
     ap.add_argument("--variants", default="", help="more settings of the new path, ':'-separated (see above)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="also time the fleet's hand-off on CUDA (auto: if there is one)")  # fmt: skip
