@@ -23,7 +23,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
-    # Multi-GPU hygiene for H100/H200 hosts (ltx_mgpu/devices.py MULTICAST_OFF_ENV): NVLink multicast off.
+    # Multi-GPU hygiene for H100/H200 hosts (ltx_mgpu/control/devices.py MULTICAST_OFF_ENV): NVLink multicast off.
     NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 RUN apt-get update \

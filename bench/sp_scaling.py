@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from ltx_mgpu import MGPUController, MGPURunner
 from ltx_mgpu.parallel.cost_model import CostModel, LayerDims, StepShape, choose_layout, valid_layouts
-from ltx_mgpu.parallel.layout import ParallelLayout
+from ltx_mgpu.parallel.layout import ParallelLayout, layout_groups
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GUIDANCE = {1: (1.0, 0.0, 1.0), 2: (3.0, 0.0, 1.0), 3: (3.0, 1.0, 1.0), 4: (3.0, 1.0, 3.0)}  # cfg, stg, modality
@@ -118,7 +118,7 @@ class ScalingRunner(MGPURunner):
                 fan_in = p.shape[-1] if p.dim() >= 2 else 1
                 p.normal_(0.0, 0.5 / math.sqrt(fan_in), generator=gen)
         model = model.to(self.dtype).eval()
-        self.layout_groups = self.make_layout_groups()
+        self.layout_groups = layout_groups(self)
         self.router = AttentionRouter.build(
             self.layout_groups,
             max_tokens,

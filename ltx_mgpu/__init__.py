@@ -8,7 +8,7 @@ Public API:
   `AsymmetricRunnerError`, `ControllerBusyError`, `FleetFailure`, `FleetTimeoutError`.
 - `parse_device_group`, `canonical_group`: "0,1,2,3" / "cpu:2" → a device list / its canonical spec.
 
-Names load lazily (PEP 562): `import ltx_mgpu` and `import ltx_mgpu.devices` import no torch, so the
+Names load lazily (PEP 562): `import ltx_mgpu` and `import ltx_mgpu.control.devices` import no torch, so the
 worker's settings and supervisor can use the device-group parser without paying for (or needing) torch.
 Torch comes in when the controller or a runner is first touched.
 `tests/test_import_contracts.py` holds this and the other layering rules.
@@ -20,9 +20,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .controller import MGPUController, Stream
-    from .devices import canonical_group, parse_device_group
-    from .errors import (
+    from .control.controller import MGPUController, Stream
+    from .control.devices import canonical_group, parse_device_group
+    from .control.errors import (
         AsymmetricRunnerError,
         ControllerBusyError,
         FleetFailure,
@@ -34,27 +34,27 @@ if TYPE_CHECKING:
         RunnerError,
         SymmetricRunnerError,
     )
-    from .runner import MGPURunner, ProcessGroups, RankContext
+    from .control.runner import MGPURunner, ProcessGroups, RankContext
 
 #: public name → the submodule that defines it
 _EXPORTS: dict[str, str] = {
-    "MGPUController": "controller",
-    "Stream": "controller",
-    "canonical_group": "devices",
-    "parse_device_group": "devices",
-    "AsymmetricRunnerError": "errors",
-    "ControllerBusyError": "errors",
-    "FleetFailure": "errors",
-    "FleetTimeoutError": "errors",
-    "JobCancelled": "errors",
-    "JobCancelledError": "errors",
-    "RenderFault": "errors",
-    "RenderOutOfMemory": "errors",
-    "RunnerError": "errors",
-    "SymmetricRunnerError": "errors",
-    "MGPURunner": "runner",
-    "ProcessGroups": "runner",
-    "RankContext": "runner",
+    "MGPUController": "control.controller",
+    "Stream": "control.controller",
+    "canonical_group": "control.devices",
+    "parse_device_group": "control.devices",
+    "AsymmetricRunnerError": "control.errors",
+    "ControllerBusyError": "control.errors",
+    "FleetFailure": "control.errors",
+    "FleetTimeoutError": "control.errors",
+    "JobCancelled": "control.errors",
+    "JobCancelledError": "control.errors",
+    "RenderFault": "control.errors",
+    "RenderOutOfMemory": "control.errors",
+    "RunnerError": "control.errors",
+    "SymmetricRunnerError": "control.errors",
+    "MGPURunner": "control.runner",
+    "ProcessGroups": "control.runner",
+    "RankContext": "control.runner",
 }
 
 __all__ = [

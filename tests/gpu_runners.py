@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ltx_mgpu import MGPURunner
-from ltx_mgpu.devices import MULTICAST_OFF_ENV
+from ltx_mgpu.control.devices import MULTICAST_OFF_ENV
 
 
 def _uuid(text: str) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from ltx_mgpu import JobCancelledError, MGPUController, MGPURunner
-from ltx_mgpu.jobboard import CancelPoints, cancel_key
+from ltx_mgpu.control.jobboard import CancelPoints, cancel_key
 
 
 @pytest.fixture()

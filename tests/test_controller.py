@@ -1,4 +1,4 @@
-"""Control-plane contracts on CPU ranks over gloo: the controller's contract (`ltx_mgpu/controller.py`'s
+"""Control-plane contracts on CPU ranks over gloo: the controller's contract (`ltx_mgpu/control/controller.py`'s
 docstring: lifecycle, streaming, error classes, poisoning) plus our additions (cancellation, failure
 callbacks, devices maps). One module on purpose (a little over 450 lines): its tests share one warm
 two-rank fleet (`fleet2`), and a second module would spawn and load another."""
@@ -26,7 +26,7 @@ from ltx_mgpu import (
     MGPUController,
     SymmetricRunnerError,
 )
-from ltx_mgpu.transport import MessageKind, Result
+from ltx_mgpu.control.transport import MessageKind, Result
 
 from .controller_runners import ImportingRunner, NotAGeneratorRunner, ScriptedRunner
 

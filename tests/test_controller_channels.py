@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController
-from ltx_mgpu.transport import Channel, ChannelClosed, ChannelTimeout
+from ltx_mgpu.control.transport import Channel, ChannelClosed, ChannelTimeout
 
 from .controller_runners import ScriptedRunner
 

@@ -24,7 +24,7 @@ from ltx_mgpu import (
     RenderOutOfMemory,
     SymmetricRunnerError,
 )
-from ltx_mgpu.fleet import _fleet_fault
+from ltx_mgpu.control.fleet import _fleet_fault
 
 from .controller_runners import ScriptedRunner
 

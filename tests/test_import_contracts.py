@@ -4,12 +4,13 @@
 - producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds and image
   parser (`ltx_mgpu.bounds`, `ltx_mgpu.imagesize`, shared by the request schema and the runners);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
-- the control plane (controller, fleet, runner, transport, jobboard, devices, errors, events, startup)
-  never imports `ltx_mgpu.runners` (it is model-agnostic);
+- the control plane (`ltx_mgpu/control/`: controller, fleet, runner, transport, jobboard, devices, errors,
+  events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
+  imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu`, `ltx_mgpu.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds` and `ltx_mgpu.imagesize` import
-  no torch (the worker's settings and dev servers and the producer use them).
+- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds` and `ltx_mgpu.imagesize`
+  import no torch (the worker's settings and dev servers and the producer use them).
 
 Each rule imports every module of its packages in a process of its own, forked from one new interpreter
 (its `sys.modules` holds only the standard library and third-party modules the rule does not forbid, so an
@@ -178,7 +179,7 @@ class Rule:
 
 
 CONTROL_PLANE = tuple(
-    f"ltx_mgpu.{m}"
+    f"ltx_mgpu.control.{m}"
     for m in ("controller", "fleet", "runner", "transport", "jobboard", "devices", "errors", "events", "startup")
 )
 
@@ -186,23 +187,24 @@ RULES = [
     # (but the request bounds and the image parser: stdlib only, shared by the schema and the runners)
     Rule("producer: no torch, no ltx_mgpu", packages=("producer",),
          forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.imagesize", "tests"),
-         plant=("producer/display.py", "import ltx_mgpu.controller")),
+         plant=("producer/display.py", "import ltx_mgpu.control.controller")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
          plant=("ltx_mgpu/parallel/layout.py", "import redis")),
-    Rule("control plane: no runners", modules=CONTROL_PLANE, forbidden=("ltx_mgpu.runners",),
-         plant=("ltx_mgpu/jobboard.py", "import ltx_mgpu.runners.common.args")),
+    Rule("control plane: no runners, no data plane", modules=CONTROL_PLANE,
+         forbidden=("ltx_mgpu.runners", "ltx_mgpu.parallel"),
+         plant=("ltx_mgpu/control/jobboard.py", "import ltx_mgpu.runners.common.args")),
     Rule("worker: no producer, no tests", packages=("worker",), forbidden=("producer", "tests"),
          plant=("worker/keys.py", "import producer.exitcodes")),
     Rule("kernels: the bottom layer", packages=("kernels",), forbidden=("ltx_mgpu", "worker", "producer", "tests"),
-         plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.devices")),
+         plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.control.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
     Rule("ltx_mgpu, its device parser, port picker, request bounds, image parser and LoRA file check: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.imagesize",
+         modules=("ltx_mgpu", "ltx_mgpu.control.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.imagesize",
                   "ltx_mgpu.lorafile"),
          forbidden=("torch",),
-         plant=("ltx_mgpu/devices.py", "import torch")),
+         plant=("ltx_mgpu/control/devices.py", "import torch")),
 ]  # fmt: skip
 
 
@@ -263,7 +265,7 @@ def test_lazy_engine_names_resolve():
 def test_runner_event_types_are_the_engines():
     """The worker relays runner events under the engine's names; `worker.keys` (stdlib only, imported by
     the producer) cannot import them, so this holds the two spellings together."""
-    from ltx_mgpu import events
+    from ltx_mgpu.control import events
     from worker.keys import EventType
 
     assert (EventType.STAGE, EventType.PROGRESS, EventType.OUTPUT) == (events.STAGE, events.PROGRESS, events.OUTPUT)

@@ -28,7 +28,7 @@ def test_render_args_are_the_request_fields():
 
 
 def test_every_runner_binds_exactly_the_render_args():
-    from ltx_mgpu.fleet import check_job_kwargs
+    from ltx_mgpu.control.fleet import check_job_kwargs
     from ltx_mgpu.runners.common.args import RenderArgs
     from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
     from ltx_mgpu.runners.smoke import SmokeRunner

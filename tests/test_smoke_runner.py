@@ -183,7 +183,7 @@ def test_one_step_renders_finite_video_and_audio(fleets: dict, tmp_path: Path) -
 
 
 def test_non_finite_latents_are_a_symmetric_error() -> None:
-    from ltx_mgpu.errors import RunnerError
+    from ltx_mgpu.control.errors import RunnerError
     from ltx_mgpu.runners.common.stages import check_finite
 
     check_finite(video=torch.zeros(2), audio=torch.ones(2))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltx_mgpu.errors import RunnerError
+from ltx_mgpu.control.errors import RunnerError
 from ltx_mgpu.parallel.testing import LocalWorld
 from ltx_mgpu.parallel.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ltx_mgpu.devices import parse_device_group
+from ltx_mgpu.control.devices import parse_device_group
 from worker.settings import (
     BUILTIN_RUNNERS,
     SettingsError,
@@ -35,8 +35,8 @@ def test_defaults_are_valid_and_settings_cli_supervisor_never_import_torch():
     code = (
         "import sys; import worker.cli, worker.supervisor, worker.keys, worker.control; "
         "from worker.settings import load_settings; load_settings(); "
-        "engine = {m for m in sys.modules if m.startswith('ltx_mgpu')} - {'ltx_mgpu', 'ltx_mgpu.devices', "
-        "'ltx_mgpu.bounds', 'ltx_mgpu.imagesize'}; "
+        "engine = {m for m in sys.modules if m.startswith('ltx_mgpu')} - {'ltx_mgpu', 'ltx_mgpu.control', "
+        "'ltx_mgpu.control.devices', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize'}; "
         "assert 'torch' not in sys.modules and not engine, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ltx_mgpu import MGPURunner, RunnerError
-from ltx_mgpu.events import output_event, progress_event, stage_event
+from ltx_mgpu.control.events import output_event, progress_event, stage_event
 from worker.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent

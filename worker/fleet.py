@@ -14,7 +14,7 @@ CUDA-graph capture, allocator growth and caches for the sizes the service expect
 client's first job); a failed warm-up is a failed build. Before a new fleet starts, the old one's rank
 processes must be gone and (where NVML can tell) listed on no GPU: at real size a new fleet loading while a
 dead one's memory is still held runs out of memory. `startup` describes the last successful start: process
-start, weight load and warm-up seconds (see `ltx_mgpu.startup`), which the worker publishes in its health
+start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes in its health
 snapshot and metrics.
 
 The controller is created through `factory` (default `ltx_mgpu.MGPUController`), imported lazily so this

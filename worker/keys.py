@@ -268,7 +268,7 @@ def derive_state(rq_status: str | None, meta: dict[str, Any]) -> JobState:
 
 
 class EventType(StrEnum):
-    """`type` of a stream entry. Runner events are relayed unchanged (see `ltx_mgpu/events.py`)."""
+    """`type` of a stream entry. Runner events are relayed unchanged (see `ltx_mgpu/control/events.py`)."""
 
     #: Service state change: `{"state": JobState, ...}`; terminal ones carry `result` or `error`.
     STATE = "state"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ltx_mgpu import MGPURunner
-from ltx_mgpu.events import Stage, output_event, progress_event, stage_event
+from ltx_mgpu.control.events import Stage, output_event, progress_event, stage_event
 
 __all__ = ["NoopRunner"]
 

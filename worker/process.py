@@ -98,7 +98,7 @@ def check_devices(devices: list[str], group: str) -> None:
 
 def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
     """Build (but do not start) the `FleetWorker` for `group`, with its service, fleet and storage."""
-    from ltx_mgpu.devices import parse_device_group
+    from ltx_mgpu.control.devices import parse_device_group
 
     from .fleet import FleetSupervisor
     from .job import install_service

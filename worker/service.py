@@ -60,7 +60,7 @@ from .uploader import Uploader, UploadFailed
 __all__ = ["JobCancelledByClient", "JobFailed", "RenderService"]
 
 log = logging.getLogger("worker.service")
-MEDIA_EVENT = "media"  #: `ltx_mgpu.events.MEDIA`: the runner's frames hand-off (the engine is imported lazily)
+MEDIA_EVENT = "media"  #: `ltx_mgpu.control.events.MEDIA`: the runner's frames hand-off (the engine is imported lazily)
 
 
 class JobFailed(Exception):

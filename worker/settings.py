@@ -34,7 +34,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from ltx_mgpu.devices import canonical_group
+from ltx_mgpu.control.devices import canonical_group
 
 from .keys import (
     S3_SECRET_FILE_FIELDS,
@@ -86,7 +86,7 @@ class SettingsError(ValueError):
 def validate_group(spec: str) -> str:
     """Check a device group spec and return its canonical spelling ("cpu", "cpu:2", "0,1,2,3").
 
-    The engine's own parser (`ltx_mgpu.devices`, torch-free), so what passes here is what the fleet runs on.
+    The engine's own parser (`ltx_mgpu.control.devices`, torch-free), so what passes here is what the fleet runs on.
     """
     return canonical_group(spec)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["LayoutGroups", "LayoutRank", "ParallelLayout", "layouts_for"]
+__all__ = ["LayoutGroups", "LayoutRank", "ParallelLayout", "layout_groups", "layouts_for"]
 
 _LAYOUT_RE = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
 
@@ -186,3 +186,17 @@ def _group_containing(
         if rank in ranks:
             mine = group
     return mine
+
+
+_RUNNER_ATTRIBUTE = "_ltx_mgpu_layout_groups"
+
+
+def layout_groups(runner: Any) -> LayoutGroups:
+    """Collective (call it in `setup`, on every rank): the groups of every G x S layout of `runner`'s
+    fleet, made on the first call and kept on the runner (later calls return them). Kept here rather than
+    on `MGPURunner`: the control plane does not know the data plane's layouts."""
+    groups = getattr(runner, _RUNNER_ATTRIBUTE, None)
+    if groups is None:
+        groups = LayoutGroups.build(runner.world_size, runner.rank, world_group=runner.groups.transformer_group)
+        setattr(runner, _RUNNER_ATTRIBUTE, groups)
+    return groups

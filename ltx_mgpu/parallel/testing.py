@@ -52,7 +52,7 @@ class WorldError(RuntimeError):
 def _worker(
     rank: int, world_size: int, device: str, backend: str, port: int, jobs: Any, results: Any, threads: int
 ) -> None:  # child process entry point
-    from ..devices import MULTICAST_OFF_ENV
+    from ..control.devices import MULTICAST_OFF_ENV
 
     for key, value in MULTICAST_OFF_ENV.items():  # as in fleet ranks: no NVLink multicast
         os.environ.setdefault(key, value)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..errors import RunnerError
+from ..control.errors import RunnerError
 from .collectives import needs_host_staging
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...events import Stage, stage_event
+from ...control.events import Stage, stage_event
 from .args import RenderArgs
 from .media import AudioTrack, EncodeOptions, media_event, shared_host_copy, to_yuv420p, write_mp4
 from .stages import StageClock

@@ -125,12 +125,13 @@ def build_sp_transformer(
     same resident model under smaller SP groups. `laps` (a `SetupLaps`): time the attention set-up (groups,
     exchange buffers) and the model build (weights) apart."""
     from ...parallel import AttentionManager, AttentionRouter, SequenceParallelBuilder
+    from ...parallel.layout import layout_groups
 
     cfg = builder.model_config()["transformer"]
     heads, head_dim = int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])
     if layouts:
         attention: Any = AttentionRouter.build(
-            runner.make_layout_groups(),
+            layout_groups(runner),
             int(max_tokens),
             heads,
             head_dim,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...runner import MGPURunner, ProcessGroups, RankContext
+from ...control.runner import MGPURunner, ProcessGroups, RankContext
 
 __all__ = ["LocalRunner"]
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...events import MEDIA
+from ...control.events import MEDIA
 
 __all__ = [
     "MEDIA",

@@ -34,7 +34,7 @@ class SetupLaps:
     """Seconds per part of a runner's `setup()`, lap by lap (`lap(name)` closes the part that just ran).
 
     The device is synchronised at each lap so a part's asynchronous copies are charged to it. The result
-    (`phases_s`) travels with the rank's ready message (`ltx_mgpu.startup.RankStartup.setup_phases_s`)."""
+    (`phases_s`) travels with the rank's ready message (`ltx_mgpu.control.startup.RankStartup.setup_phases_s`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -120,7 +120,7 @@ def check_finite(**latents: torch.Tensor) -> None:
     """Raise `RunnerError` naming the first latent that holds NaN/inf. The denoised latents are identical
     on every rank, so every rank raises the same error: a recoverable symmetric failure, and nothing is
     decoded or written from garbage."""
-    from ...errors import RunnerError
+    from ...control.errors import RunnerError
 
     for name, latent in latents.items():
         if not bool(torch.isfinite(latent).all()):

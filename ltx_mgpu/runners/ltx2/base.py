@@ -34,13 +34,13 @@ from typing import Any
 import torch
 
 from ...bounds import check_audio_budget
-from ...events import Stage, output_event, progress_event, stage_event
+from ...control.events import Stage, output_event, progress_event, stage_event
+from ...control.runner import MGPURunner
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tiling import BalancedTiling
 from ...parallel.vae_decode import frames_to_uint8, vae_tiles
-from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.handoff import deliver_video

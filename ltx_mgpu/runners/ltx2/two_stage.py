@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from ...events import Stage
+from ...control.events import Stage
 from ...parallel import GuidanceParallelPasses
 from ...parallel.builder import SP_MODULE_OPS_NAME
+from ...parallel.layout import layout_groups
 from ...parallel.lora_tracker import LoraSpec
 from ...parallel.tdp import TiledDataParallelBuilder
 from ...parallel.tiling import BalancedTiling
@@ -149,7 +150,7 @@ class Ltx2TwoStageRunner(Ltx2Runner):
             )
 
         runner = GuidanceParallelPasses(
-            self.groups.layouts,
+            layout_groups(self),
             self.attention,
             run_passes,
             choose=choose,

@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 from ...bounds import check_audio_budget
-from ...events import Stage, output_event, progress_event, stage_event
+from ...control.events import Stage, output_event, progress_event, stage_event
+from ...control.runner import MGPURunner
 from ...parallel import check_token_budget, padded_token_count
-from ...runner import MGPURunner
 from ..common.args import RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.handoff import deliver_video
@@ -118,7 +118,7 @@ class SmokeRunner(MGPURunner):
         from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
         from ltx_core.model.video_vae.model_configurator import VideoDecoderConfigurator
 
-        # CPU ranks' thread pools are sized by the fleet (ltx_mgpu/fleet.py: the machine's cores split among
+        # CPU ranks' thread pools are sized by the fleet (ltx_mgpu/control/fleet.py: the machine's cores split among
         # the ranks, unless OMP_NUM_THREADS says otherwise).
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

@@ -25,7 +25,6 @@ as soon as it exists, so they overlap forming the process group and loading the 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import logging
@@ -41,11 +40,10 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-    from .parallel.layout import LayoutGroups
 
 __all__ = ["MGPURunner", "ProcessGroups", "RankContext"]
 
-log = logging.getLogger("ltx_mgpu.runner")
+log = logging.getLogger("ltx_mgpu.control.runner")
 
 
 @dataclass(frozen=True)
@@ -55,16 +53,16 @@ class ProcessGroups:
     Separate communicators with identical membership, so collectives of one component never interleave
     with another's. `control_group` is always gloo (CPU tensors): the framework's own small decisions.
 
-    `layouts` adds the G x S structure of guidance parallelism (G rank groups of S SP ranks, G * S = W;
-    `ltx_mgpu.parallel.layout`): the groups of every layout of the fleet, made once at setup by
-    `MGPURunner.make_layout_groups` (None until a runner asks for them).
+    The G x S groups of guidance parallelism are not here: they are the data plane's
+    (`ltx_mgpu.parallel.layout.layout_groups(runner)` makes them once per runner), so the control plane's
+    contract names no type of `ltx_mgpu.parallel` (importing it costs seconds and the control plane must
+    not depend on it; `tests/test_control_plane_contract.py`).
     """
 
     gemma_group: dist.ProcessGroup
     transformer_group: dist.ProcessGroup
     vae_group: dist.ProcessGroup
     control_group: dist.ProcessGroup
-    layouts: LayoutGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -139,18 +137,6 @@ class MGPURunner(ABC):
     def is_driver(self) -> bool:
         """Rank 0: the rank that owns outputs (encodes files, yields progress)."""
         return self.context.rank == 0
-
-    # ---- parallel layouts ----------------------------------------------------------------------------
-    def make_layout_groups(self) -> LayoutGroups:
-        """Collective (call it in `setup`, on every rank): the process groups of every G x S layout of the
-        fleet, made once and carried by `self.groups.layouts` from then on (a second call returns them)."""
-        if self.groups.layouts is None:
-            from .parallel.layout import LayoutGroups
-
-            layouts = LayoutGroups.build(self.world_size, self.rank, world_group=self.groups.transformer_group)
-            self._groups = dataclasses.replace(self.groups, layouts=layouts)
-        assert self.groups.layouts is not None
-        return self.groups.layouts
 
     # ---- cooperative cancellation --------------------------------------------------------------------
     #: every how many `cancel_requested()` calls the ranks decide (1: every call); a runner whose steps are

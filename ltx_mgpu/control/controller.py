@@ -63,7 +63,7 @@ from .transport import ChannelClosed, ChannelTimeout, Job, MessageKind, Result, 
 
 __all__ = ["MGPUController", "Stream"]
 
-log = logging.getLogger("ltx_mgpu.controller")
+log = logging.getLogger("ltx_mgpu.control.controller")
 
 _MONITOR_POLL_S = 0.1
 # An idle relay reads the next job at once and a CPU rank reads its tensors as soon as the job is announced,

@@ -60,7 +60,7 @@ from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors,
 
 __all__ = ["FleetChannels", "RankBoot", "RankChannels", "ship_runner"]
 
-log = logging.getLogger("ltx_mgpu.fleet")
+log = logging.getLogger("ltx_mgpu.control.fleet")
 
 RELAY_RANK = 0
 
