@@ -237,7 +237,7 @@ def shared_host_copy(tensor: torch.Tensor, *, pinned: bool = True) -> torch.Tens
 
 def _page_lock(host: torch.Tensor, nbytes: int) -> bool:
     try:
-        return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) == 0
+        return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 1)) == 0  # (1: portable, any context)
     except (AttributeError, RuntimeError):
         return False
 
