@@ -245,7 +245,7 @@ def peak_memory(records: list[dict[str, Any]], devices_of: dict[str, list[str]])
 
 def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir: Path, gpu: GpuMemory,
         out: Any) -> dict[str, Any]:  # fmt: skip
-    workload = make_workload(spec.runner, args.profile, weights)
+    workload = make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization})
     encode_env = {"LTX_ENCODE_IN_WORKER": "true" if spec.encode == "worker" else "false"}
     workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup, extra_env=encode_env)
     summary: dict[str, Any] = {
@@ -333,6 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--job-timeout", type=float, default=None, help="s per job")
     ap.add_argument("--stop-timeout", type=float, default=120.0)
     ap.add_argument("--budget-s", type=float, default=None, help="skip runs that would start after this")
+    ap.add_argument("--quantization", default=None, help="setup quantization, e.g. fp8-mm (docs/runners.md)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and spool (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             runs.append(summary)
             emit(summary, out)
-        final: dict[str, Any] = {**(runs[0] if runs else {"profile": args.profile})}
+        final: dict[str, Any] = {**(runs[0] if runs else {"profile": args.profile}), "quantization": args.quantization}
         final.pop("kind", None)
         final.update(runs=runs, ratios=ratios(runs), skipped=skipped, failures=failures, hardware=hardware(),
                      wall_s=round(time.monotonic() - t0, 1), synthetic_weights=args.profile == "full")  # fmt: skip

@@ -116,6 +116,20 @@ def _inputs(
     model: torch.nn.Module, cfg: dict[str, Any], tokens: int, device: torch.device, dtype: torch.dtype
 ) -> tuple:
     """TransformerArgs for the block, prepared by the model's own preprocessors (real RoPE, AdaLN, etc.)."""
+    video, audio = _modalities(cfg, tokens, device, dtype)
+    with torch.no_grad():
+        vargs = model.video_args_preprocessor.prepare(video, audio)
+        aargs = model.audio_args_preprocessor.prepare(audio, video)
+        vargs_only = model.video_args_preprocessor.prepare(video, None)
+        aargs_only = model.audio_args_preprocessor.prepare(audio, None)
+    return vargs, aargs, vargs_only, aargs_only
+
+
+def _modalities(
+    cfg: dict[str, Any], tokens: int, device: torch.device, dtype: torch.dtype, sigma: float = 0.7
+) -> tuple[Any, Any]:
+    """(video, audio) ltx-core `Modality` inputs: random latents at `tokens` video tokens and 126 audio
+    tokens, real positions, a random 128-token text context, every token at `sigma`."""
     from ltx_core.model.transformer.modality import Modality
 
     from ltx_mgpu.runners.smoke.denoise import SmokeGeometry
@@ -129,7 +143,7 @@ def _inputs(
     if vstate.latent.shape[1] != tokens:
         raise ValueError(f"geometry {(f, h, w)} gives {vstate.latent.shape[1]} tokens, wanted {tokens}")
     gen = torch.Generator(device=device).manual_seed(1)
-    sigma = torch.full((1,), 0.7, device=device)
+    sigma_t = torch.full((1,), sigma, device=device)
     ctx = torch.randn(1, 128, t["caption_channels"], generator=gen, device=device, dtype=dtype)
     cmask = torch.ones(1, 128, dtype=torch.int64, device=device)
 
@@ -137,21 +151,14 @@ def _inputs(
         n = state.latent.shape[1]
         return Modality(
             latent=torch.randn(1, n, channels, generator=gen, device=device, dtype=dtype),
-            sigma=sigma,
-            timesteps=torch.full((1, n, 1), 0.7, device=device),
+            sigma=sigma_t,
+            timesteps=torch.full((1, n, 1), sigma, device=device),
             positions=state.positions,
             context=ctx,
             context_mask=cmask,
         )
 
-    video = modality(vstate, t["in_channels"])
-    audio = modality(astate, t["audio_in_channels"])
-    with torch.no_grad():
-        vargs = model.video_args_preprocessor.prepare(video, audio)
-        aargs = model.audio_args_preprocessor.prepare(audio, video)
-        vargs_only = model.video_args_preprocessor.prepare(video, None)
-        aargs_only = model.audio_args_preprocessor.prepare(audio, None)
-    return vargs, aargs, vargs_only, aargs_only
+    return modality(vstate, t["in_channels"]), modality(astate, t["audio_in_channels"])
 
 
 class _EventTimer:

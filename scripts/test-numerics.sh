@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the numerics-sensitive tests (`-m numerics`) the way other machines would compute them, so that a
 # tolerance tuned to this CPU fails here first instead of on a newcomer's machine. Extra arguments go to
-# pytest. Settings (each a full run of the 31 marked tests: ~2 min on 2 cores, 5-9 min when shared and loaded):
+# pytest. Settings (each a full run of the 35 marked tests: ~3 min on 2 cores, 5-9 min when shared and loaded):
 #   ATEN_CPU_CAPABILITY=default + MKL_CBWR=COMPATIBLE: ATen's scalar kernels and MKL's oldest GEMM path,
 #       i.e. a summation order unlike any vector unit's;
 #   ATEN_CPU_CAPABILITY=avx2: ATen's AVX2 kernels (what a CPU without AVX-512 runs);

@@ -4,7 +4,8 @@ every stage; every mp4 has its AAC track (audio decoded on the driver's GPU), as
 
 Skipped without CUDA. Cases: one process on cuda:0 (LocalRunner), 2 and 4 ranks oversubscribed on GPU 0
 (gloo with host staging), 2 ranks with one GPU each over NCCL when the machine has 2+ GPUs, and the
-two-stage runner with fp8-cast quantization (the LoRA fusion then takes ltx-core's triton fp8 path). Plus
+two-stage runner with fp8-cast quantization (the LoRA fusion then takes ltx-core's triton fp8 path) and
+with fp8-mm on one GPU (FP8 GEMMs, CUDA graphs, LoRA fused into e4m3 weights, deterministic). Plus
 the synthetic checkpoint generator on CUDA: the tiny profile generated on the GPU renders, and a full-size
 file (the 19B profile's upsampler) streams from the GPU and loads.
 
@@ -117,6 +118,23 @@ def test_two_stage_fp8_cast_on_shared_gpu(tiny, tmp_path, capsys):
         _report(capsys, "ltx2-two-stage fp8-cast", 2, [0, 0], output, tmp_path / "q.mp4")
     finally:
         ctl.shutdown(graceful_timeout=30)
+
+
+def test_two_stage_fp8_mm_on_one_gpu_renders_deterministically(tiny, tmp_path, capsys):
+    """fp8-mm with real FP8 GEMMs (the tiny widths are multiples of 16), CUDA graphs, the distilled LoRA fused
+    into e4m3 weights and tiled stage 2; a repeat (graphs replayed, LoRAs swapped twice) gives the same video."""
+    from ltx_mgpu.fp8 import Fp8Linear, fp8_tensor_cores
+
+    if not fp8_tensor_cores(torch.device("cuda:0")):
+        pytest.skip("needs FP8 tensor cores (sm_89 or later)")
+    with LocalRunner(Ltx2TwoStageRunner, device="cuda:0") as local:
+        local.start(**_setup(tiny, Ltx2TwoStageRunner, quantization="fp8-mm"))
+        assert any(isinstance(m, Fp8Linear) for m in local.runner.sp_model.model.modules())
+        first = local.run(output_path=str(tmp_path / "a.mp4"), **JOB)
+        local.run(output_path=str(tmp_path / "b.mp4"), **JOB)
+    output = next(e for e in first if e.get("type") == "output")
+    _report(capsys, "ltx2-two-stage fp8-mm", 1, ["cuda:0"], output, tmp_path / "a.mp4")
+    assert torch.equal(read_mp4(tmp_path / "a.mp4")[0], read_mp4(tmp_path / "b.mp4")[0])
 
 
 def test_synthetic_tiny_generated_on_cuda_renders(tmp_path, capsys):

@@ -15,7 +15,8 @@ How (every rank of `group`, same order):
   set (known on every rank from the LoRA files' headers). Each owner restores those of its affected keys
   that a LoRA is fused into now from the clean backup (the others hold their clean bytes already) and
   fuses the requested LoRAs into them with ltx-core's own `apply_loras` (so the result is bit-identical
-  to a single-process `SingleGPUModelBuilder(...).lora(...).build()`), then every owner's affected
+  to a single-process `SingleGPUModelBuilder(...).lora(...).build()`; fp8-mm's per-channel e4m3 weights,
+  a layout ltx-core does not know, go through `fp8.lora.fuse_rowwise` instead), then every owner's affected
   tensors are broadcast to all ranks through one bucketed uint8 staging buffer, written into the
   parameters in place (addresses never change). Requesting the current set is a no-op.
 - `reset()` (collective) is `apply(())`: the affected keys get their exact clean bytes back.
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..fp8.lora import fuse_rowwise, is_rowwise_fp8
 from .collectives import needs_host_staging
 
 __all__ = ["LoraSpec", "LoraWeightTracker", "assign_owners"]
@@ -275,6 +277,19 @@ class LoraWeightTracker:
             scale = key[: -len(".weight")] + _SCALE_SUFFIX
             if scale in self._working:
                 part[scale] = self._working[scale]
+            if is_rowwise_fp8(self._working[key], part.get(scale)):  # fp8-mm's layout: not ltx-core's
+                prefix = key[: -len(".weight")]
+                factors = [
+                    (lsd.state_dict.sd[f"{prefix}.lora_A.weight"], lsd.state_dict.sd[f"{prefix}.lora_B.weight"],
+                     lsd.strength)
+                    for lsd in lora_sds
+                    if f"{prefix}.lora_A.weight" in lsd.state_dict.sd
+                ]  # fmt: skip
+                q, s = fuse_rowwise(self._working[key], self._working[scale], factors)
+                self._working[key].copy_(q)
+                self._working[scale].copy_(s)
+                self.stats["keys_fused"] += 1
+                continue
             model_sd = StateDict(part, self._working[key].device, 0, {t.dtype for t in part.values()})
             fused = apply_loras(model_sd, lora_sds, dtype=None).sd
             for k, value in fused.items():
