@@ -2,7 +2,7 @@
 # Images of the ltx-mgpu service (used by docker-compose.yml):
 #
 #   target `worker`    CUDA torch + ltx-core + this project (+ the CUDA-IPC all2all kernel): `ltx-worker`
-#   target `producer`  the light client only (producer/ + worker/schema.py + worker/keys.py): `producer`
+#   target `producer`  the light client only (producer/ + worker/protocol/, the shared protocol): `producer`
 #   target `dashboard` rq-dashboard, pinned to a release that works with rq 2.x
 #
 # The worker needs the NVIDIA Container Toolkit on the host (compose reserves the GPUs). Versions are build
@@ -61,7 +61,8 @@ RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2
 WORKDIR /app
 COPY producer ./producer
 COPY ltx_mgpu/__init__.py ltx_mgpu/bounds.py ltx_mgpu/imagesize.py ./ltx_mgpu/
-COPY worker/__init__.py worker/schema.py worker/lorarefs.py worker/keys.py worker/imagesize.py worker/limits.py worker/control.py worker/relay.py worker/renderjob.py worker/redisconn.py worker/redisacl.py worker/rqcompat.py ./worker/
+COPY worker/__init__.py ./worker/
+COPY worker/protocol ./worker/protocol
 COPY examples ./examples
 RUN useradd --create-home --uid 1000 ltx
 USER ltx

@@ -1,4 +1,4 @@
-"""What worker-side admission (`worker/admission.py`) costs a dequeue, with long queues.
+"""What worker-side admission (`worker/jobs/admission.py`) costs a dequeue, with long queues.
 
 Against a real redis-server on this machine (loopback), `--jobs` (10,000) raw RQ jobs waiting in one queue,
 each with a producer-like meta naming one of 50 clients. Measured, median of `--repeats` (5), in ms:
@@ -30,12 +30,12 @@ from typing import Any
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from worker.admission import QUOTA_WINDOW, Admission
-from worker.devservers import RedisServer
-from worker.keys import REFUSALS_KEY, RENDER_FUNC
-from worker.outcomes import JobOutcomes
-from worker.renderjob import RenderJob
-from worker.settings import WorkerSettings
+from worker.dev.devservers import RedisServer
+from worker.jobs.admission import QUOTA_WINDOW, Admission
+from worker.jobs.outcomes import JobOutcomes
+from worker.protocol.keys import REFUSALS_KEY, RENDER_FUNC
+from worker.protocol.renderjob import RenderJob
+from worker.runtime.settings import WorkerSettings
 
 
 def _ms(fn: Callable[[], Any], repeats: int) -> float:

@@ -85,9 +85,9 @@ def main() -> None:
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.devservers import RedisServer, S3Server
-    from worker.keys import RENDER_FUNC
-    from worker.tcpproxy import TcpProxy
+    from worker.dev.devservers import RedisServer, S3Server
+    from worker.dev.tcpproxy import TcpProxy
+    from worker.protocol.keys import RENDER_FUNC
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=50)

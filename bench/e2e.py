@@ -72,7 +72,7 @@ from bench.e2e_stack import (
     wait_event,
     wait_terminal,
 )
-from worker.settings import validate_group
+from worker.runtime.settings import validate_group
 
 GIB = 1024**3
 

@@ -1,7 +1,7 @@
 """The parts of `bench/e2e.py` that touch the real stack: weights, workloads, servers, worker processes,
 job submission through the producer's client, and reading each job back from its Redis Stream.
 
-Nothing here fakes a layer: Redis (or valkey) and SeaweedFS are real servers (`worker.devservers`), the
+Nothing here fakes a layer: Redis (or valkey) and SeaweedFS are real servers (`worker.dev.devservers`), the
 workers are `ltx-worker` processes configured only through `LTX_*` variables (as an operator would), and
 jobs go in through `producer.client.ProducerClient` and come back as the events clients see.
 """
@@ -24,10 +24,11 @@ from typing import Any
 
 from producer.client import JobEvent, ProducerClient
 from producer.settings import ProducerSettings
-from worker.devservers import RedisServer, S3Server, descendants, pid_alive
-from worker.keys import TERMINAL_STATES, worker_health_key
-from worker.schema import RenderRequest
-from worker.settings import group_label
+from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive
+from worker.protocol.keys import worker_health_key
+from worker.protocol.schema import RenderRequest
+from worker.protocol.states import TERMINAL_STATES
+from worker.runtime.settings import group_label
 
 ROOT = Path(__file__).resolve().parent.parent
 TERMINAL = {s.value for s in TERMINAL_STATES}
@@ -188,11 +189,8 @@ class Workers:
             LTX_RUNNER_SETUP=json.dumps(self.workload.setup),
             LTX_WARMUP_REQUESTS=json.dumps([self.workload.request] if self.warmup else []),
             LTX_SPOOL_DIR=str(self.workdir / "spool"),
-            LTX_METRICS_PORT="0",
-            LTX_METRICS_HOST="127.0.0.1",
-            LTX_LOG_FORMAT="json",
-            PYTHONUNBUFFERED="1",
-        )
+            LTX_METRICS_PORT="0", LTX_METRICS_HOST="127.0.0.1", LTX_LOG_FORMAT="json", PYTHONUNBUFFERED="1",
+        )  # fmt: skip
         env.update(self.extra_env)
         return env
 

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from worker.devservers import RedisServer, S3Server  # noqa: E402
-from worker.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key  # noqa: E402
+from worker.dev.devservers import RedisServer, S3Server  # noqa: E402
+from worker.protocol.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key  # noqa: E402
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -190,9 +190,9 @@ def bench_upload(s3: S3Server, mib: int, reps: int, tmp: Path) -> dict[str, Any]
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    from worker.settings import WorkerSettings
-    from worker.spool import Spool, sha256_file
-    from worker.storage import S3Storage
+    from worker.runtime.settings import WorkerSettings
+    from worker.uploads.spool import Spool, sha256_file
+    from worker.uploads.storage import S3Storage
 
     settings = WorkerSettings(
         s3_endpoint_url=s3.url, s3_bucket=s3.bucket, s3_access_key_id=s3.access_key,

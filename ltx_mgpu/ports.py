@@ -1,6 +1,6 @@
 """Free loopback TCP ports: the one port picker of the repository (stdlib only; imports no torch).
 
-The service's development servers (`worker.devservers`: Redis, SeaweedFS, `TcpProxy`) and the benchmarks
+The service's development servers (`worker.dev.devservers`: Redis, SeaweedFS, `TcpProxy`) and the benchmarks
 need several at once; it lives in the engine because `ltx_mgpu` never imports `worker`. The engine's own
 rendezvous does not use it: its stores are bound by the parent before any rank starts (port 0), so no
 other process can take the port in between.

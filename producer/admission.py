@@ -23,8 +23,8 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from worker.keys import RQ_ENDED_STATUSES, check_client_name
-from worker.rqcompat import enqueue_unregistered
+from worker.protocol.keys import RQ_ENDED_STATUSES, check_client_name
+from worker.protocol.rqcompat import enqueue_unregistered
 
 __all__ = [
     "TERMINAL_STATUSES",

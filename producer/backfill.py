@@ -34,7 +34,8 @@ import redis
 from producer.admission import AdmissionRefused, DuplicateJobError, Refusal
 from producer.client import JobInfo, JobNotFound, ProducerClient, ServiceUnavailable, content_job_id
 from producer.requestfile import LoadedRequest
-from worker.keys import TERMINAL_STATES, JobState, events_key
+from worker.protocol.keys import events_key
+from worker.protocol.states import TERMINAL_STATES, JobState
 
 __all__ = ["Backfill", "BackfillSummary", "ManifestRecord", "default_manifest_path", "read_manifest"]
 

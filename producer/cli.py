@@ -44,7 +44,8 @@ from producer.exitcodes import EXIT_CODE_HELP, ExitCode
 from producer.loras import first_lora_problem, with_lora_options
 from producer.requestfile import RequestFileError, load_requests
 from producer.settings import SettingsError, load_settings
-from worker.keys import JobState, check_job_id
+from worker.protocol.keys import check_job_id
+from worker.protocol.states import JobState
 
 __all__ = ["cli", "main"]
 
@@ -236,7 +237,7 @@ def submit(
 def _check_runner_limits(
     client: ProducerClient, requests: list[Any], queue: str | None, *, say_if_unchecked: bool = False
 ) -> None:
-    """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.limits)."""
+    """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.protocol.limits)."""
     if refused := first_lora_problem(client.connection, client.queue(queue), requests):
         raise UserError(f"{refused}; nothing submitted", ExitCode.USAGE)
     limits = client.runner_limits(queue)

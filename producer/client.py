@@ -4,10 +4,10 @@ This module holds the client and its Redis queries; `producer.models` the views 
 `producer.download` its `fetch` and `producer.stats` its `stats` (mixed in, one facade).
 
 It talks to Redis (RQ with its JSON serializer: no pickle crosses Redis) and, for `fetch`, to S3 or a
-presigned URL. It knows the worker only through `worker.schema` (the request model) and `worker.keys`
+presigned URL. It knows the worker only through `worker.protocol.schema` (the request model) and `worker.protocol.keys`
 (Redis names, states, event types): both import neither torch nor ltx_mgpu, so this stays a light client.
 
-Which state counts: the service state in the job's meta (`worker.keys.JobState`) is authoritative, with
+Which state counts: the service state in the job's meta (`worker.protocol.states.JobState`) is authoritative, with
 RQ's coarser status as a fallback when no worker ever wrote one (e.g. a job cancelled while queued, or a
 worker that died before it started the job). A job is done when its state is terminal: `uploaded`
 (the video is in storage), `failed` or `cancelled`; RQ's `finished` alone is not enough, because the
@@ -57,22 +57,15 @@ from producer.models import (  # (the views and errors are re-exported: `from pr
 )
 from producer.settings import ProducerSettings
 from producer.stats import StatsQueries
-from worker.control import cancel_job
-from worker.keys import (
-    RENDER_FUNC,
-    JobState,
-    check_job_id,
-    derive_state,
-    events_key,
-    safe_redis_url,
-    tenant_job_id,
-    worker_health_key,
-)
-from worker.limits import LimitViolation, RunnerLimits
-from worker.redisconn import connect
-from worker.renderjob import RenderJob
-from worker.rqcompat import live_workers
-from worker.schema import RenderRequest
+from worker.protocol.control import cancel_job
+from worker.protocol.keys import RENDER_FUNC, check_job_id, events_key, tenant_job_id, worker_health_key
+from worker.protocol.limits import LimitViolation, RunnerLimits
+from worker.protocol.redisconn import connect
+from worker.protocol.renderjob import RenderJob
+from worker.protocol.rqcompat import live_workers
+from worker.protocol.schema import RenderRequest
+from worker.protocol.sharedsettings import safe_redis_url
+from worker.protocol.states import JobState, derive_state
 
 __all__ = [
     "FetchRefused",
@@ -141,7 +134,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
         `priority="high"` puts the job at the front of its queue. Raises `AdmissionRefused` (queue full or
         quota used up), `DuplicateJobError` (a `job_id` that exists), `ServiceUnavailable`, ValueError (a
-        `job_id` that `worker.keys.check_job_id` refuses).
+        `job_id` that `worker.protocol.keys.check_job_id` refuses).
         """
         if priority not in ("normal", "high"):
             raise ValueError(f"priority must be 'normal' or 'high', got {priority!r}")
@@ -177,7 +170,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
             )
 
     def runner_limits(self, queue: str | None = None) -> list[tuple[str, RunnerLimits]]:
-        """The request limits the live workers on `queue` publish (worker name, limits); see worker.limits."""
+        """The request limits the live workers on `queue` publish (worker name, limits); see worker.protocol.limits."""
         out: list[tuple[str, RunnerLimits]] = []
         with unavailable_on_error(self.settings.redis_url):
             for worker in live_workers(self.connection, queue=self.queue(queue)):
@@ -433,7 +426,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
     # ---- cancel ------------------------------------------------------------------------------------
     def cancel(self, job_id: str) -> str:
-        """Cancel a job (`worker.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
+        """Cancel a job (`worker.protocol.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
         and will never run), "stop_requested" (it is running; the worker stops it cooperatively and keeps
         its fleet), or "already_<state>" when it had ended."""
         job_id = self.status(job_id).job_id  # JobNotFound for another client's job (unless an operator)

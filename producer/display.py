@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from producer.client import JobEvent, JobInfo, Stats
-from worker.keys import EventType, JobState
+from worker.protocol.states import EventType, JobState
 
 __all__ = ["EventPrinter", "human_bytes", "printable", "render_job_table", "render_stats", "render_status"]
 
@@ -270,7 +270,7 @@ def render_status(console: Console, info: JobInfo) -> None:
             f'"{str(req.get("prompt"))[:60]}"',  # (quoted as text: a repr showed escapes)
         )
     for used in meta["loras"] if isinstance(meta.get("loras"), list) else []:
-        if isinstance(used, dict):  # (worker.loras: the request's LoRAs as this job used them)
+        if isinstance(used, dict):  # (worker.render.loras: the request's LoRAs as this job used them)
             how = "cached" if used.get("cached") else f"fetched {human_bytes(used.get('fetch_bytes'))}"
             _row(table, "lora", f"{used.get('lora')} x{used.get('strength')} ({how})")
     if meta.get("lora_swap_s") is not None:

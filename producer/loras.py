@@ -1,8 +1,8 @@
 """`producer submit --lora NAME[:STRENGTH]`: LoRAs added to every request of a file, and checked at the edge.
 
-The schema (`worker.lorarefs`) holds what any worker refuses (syntax, count, strength). What a worker
+The schema (`worker.protocol.lorarefs`) holds what any worker refuses (syntax, count, strength). What a worker
 offers (its catalogue's names, its allowed S3 prefixes, how many LoRAs per request) is in its health
-snapshot (`loras`, published by `worker.loras.LoraResolver.published`); a request is checked against every
+snapshot (`loras`, published by `worker.render.loras.LoraResolver.published`); a request is checked against every
 live worker on the target queue, since any of them may take the job. The file itself is checked only in
 the worker: its contents are not the producer's to read.
 """
@@ -19,9 +19,9 @@ from rq.worker import Worker
 
 from producer.models import unavailable_on_error
 from producer.requestfile import LoadedRequest
-from worker.keys import worker_health_key
-from worker.lorarefs import LoraRef, parse_lora_option, uri_allowed
-from worker.schema import RenderRequest
+from worker.protocol.keys import worker_health_key
+from worker.protocol.lorarefs import LoraRef, parse_lora_option, uri_allowed
+from worker.protocol.schema import RenderRequest
 
 __all__ = ["first_lora_problem", "lora_problems", "published_loras", "with_lora_options"]
 

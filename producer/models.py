@@ -15,14 +15,10 @@ from urllib.parse import urlsplit
 
 import redis
 
-from worker.keys import (
-    EVENT_FIELD_DATA,
-    EVENT_FIELD_TYPE,
-    TERMINAL_STATES,
-    EventType,
-    safe_redis_url,
-)
-from worker.schema import RenderRequest
+from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE
+from worker.protocol.schema import RenderRequest
+from worker.protocol.sharedsettings import safe_redis_url
+from worker.protocol.states import TERMINAL_STATES, EventType
 
 #: The terminal service states as plain strings (what meta and events carry).
 TERMINAL_VALUES = {s.value for s in TERMINAL_STATES}
@@ -40,7 +36,7 @@ class ServiceUnavailable(RuntimeError):
 
 
 class InvalidJobId(ValueError):
-    """A job id no job can have (`worker.keys.check_job_id`): a usage error, never a lookup."""
+    """A job id no job can have (`worker.protocol.keys.check_job_id`): a usage error, never a lookup."""
 
 
 class FetchRefused(RuntimeError):
@@ -91,7 +87,7 @@ class JobEvent:
     """One entry of a job's event stream."""
 
     id: str  #: the Redis Stream entry id ("<ms>-<seq>"); resume after it
-    type: str  #: a `worker.keys.EventType` value
+    type: str  #: a `worker.protocol.states.EventType` value
     data: dict[str, Any]  #: the whole event (includes `type` and the worker's `ts`)
 
     @property
@@ -107,7 +103,7 @@ class JobInfo:
     """Everything `status` shows about one job."""
 
     job_id: str
-    state: str  #: service state (`worker.keys.JobState` value)
+    state: str  #: service state (`worker.protocol.states.JobState` value)
     rq_status: str | None  #: RQ's own status
     queue: str | None
     meta: dict[str, Any]

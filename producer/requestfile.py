@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from producer.jsonpos import Position, locate, position_at
-from worker.schema import RenderRequest
+from worker.protocol.schema import RenderRequest
 
 __all__ = ["LoadedRequest", "RequestFileError", "load_requests", "validate_request"]
 

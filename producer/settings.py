@@ -6,7 +6,7 @@ variables (used by `fetch` when credentials are present, plain or through `LTX_S
 `LTX_S3_SECRET_ACCESS_KEY_FILE`: in compose the producer's key can only read; otherwise `fetch` downloads
 the presigned URL from the job result). Producer-only knobs: `LTX_CLIENT` (the name quotas are counted under),
 `LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`, `LTX_TENANT_IDS`. Redis credentials and TLS:
-`LTX_REDIS_USERNAME`, `LTX_REDIS_PASSWORD(_FILE)`, `LTX_REDIS_CA_FILE` (`worker.redisconn`). Unknown
+`LTX_REDIS_USERNAME`, `LTX_REDIS_PASSWORD(_FILE)`, `LTX_REDIS_CA_FILE` (`worker.protocol.redisconn`). Unknown
 `LTX_*` variables are ignored, so the worker's variables can live in the same file. Credentials are
 `SecretStr` and never printed.
 """
@@ -21,15 +21,15 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.admission import check_client_name
-from worker.keys import (
+from worker.protocol.keys import check_tenant_name
+from worker.protocol.redisconn import RedisAccess
+from worker.protocol.sharedsettings import (
     S3_SECRET_FILE_FIELDS,
     check_queue_names,
     check_redis_url,
-    check_tenant_name,
     read_secret_file,
     split_list,
 )
-from worker.redisconn import RedisAccess
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
 
@@ -49,7 +49,7 @@ def _default_client() -> str:
 
 class ProducerSettings(RedisAccess, BaseSettings):
     """Field `x` is environment variable `LTX_X`; CLI flags override. The `redis_*` credential and TLS
-    fields come from `worker.redisconn.RedisAccess` (shared with the worker)."""
+    fields come from `worker.protocol.redisconn.RedisAccess` (shared with the worker)."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,

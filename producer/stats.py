@@ -23,8 +23,8 @@ from producer.models import (
     WorkerInfo,
     unavailable_on_error,
 )
-from worker.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
-from worker.rqcompat import live_workers
+from worker.protocol.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
+from worker.protocol.rqcompat import live_workers
 
 
 class StatsQueries:
@@ -35,7 +35,7 @@ class StatsQueries:
     def queue(self, name: str | None = None) -> Any:
         """The RQ queue this client writes and reads for `name` (default: the first of `LTX_QUEUES`): a
         tenant's own `<name>:t:<client>` (the only queue its Redis user may push to, and the only one whose
-        depth counts against it: `worker.tenantqueues`), the shared queue otherwise."""
+        depth counts against it: `worker.jobs.tenantqueues`), the shared queue otherwise."""
         name = name or self.settings.default_queue
         if self.settings.tenant_ids and not self.settings.operator:
             name = tenant_queue(name, self.settings.client)

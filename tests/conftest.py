@@ -1,6 +1,6 @@
 """Shared pytest fixtures: real Redis and real S3 (SeaweedFS) servers.
 
-The server classes live in the product (`worker.devservers`, `worker.tcpproxy`), shared with the demo and
+The server classes live in the product (`worker.dev.devservers`, `worker.dev.tcpproxy`), shared with the demo and
 the benchmarks. Fixtures here:
 
 - `redis_server` (session): one redis-server without persistence; `redis_url`, `redis_client` on top.
@@ -32,8 +32,8 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from worker.devservers import RedisServer, S3Server, find_redis_server, find_weed  # noqa: E402
-from worker.tcpproxy import TcpProxy  # noqa: E402
+from worker.dev.devservers import RedisServer, S3Server, find_redis_server, find_weed  # noqa: E402
+from worker.dev.tcpproxy import TcpProxy  # noqa: E402
 
 
 def _missing(what: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from bench.e2e import cold_ready, idle_gaps_ms, ratios
 from bench.e2e_clock import gpu_busy_ratio
 from bench.e2e_stack import discover_weights, make_workload
-from worker.devservers import pid_alive
+from worker.dev.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ["profile", "runner", "layout", "cold_ready_s", "e2e_p50_s", "e2e_p90_s", "stages_p50_s",

@@ -29,8 +29,8 @@ import pytest
 
 from tests.test_compose import SERVICES, stage_text
 from tests.test_redis_acl_rules import _passwords
-from worker.devservers import LOOPBACK, free_port, stop_process
-from worker.redisacl import AclUsers, generate
+from worker.dev.devservers import LOOPBACK, free_port, stop_process
+from worker.protocol.redisacl import AclUsers, generate
 
 
 def _pinned(package: str) -> str:
@@ -61,8 +61,8 @@ class Dashboard:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Dashboard, Path]]:
-    from worker.devsecure import SecureRedisServer
-    from worker.devservers import find_redis_server
+    from worker.dev.devsecure import SecureRedisServer
+    from worker.dev.devservers import find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")
@@ -105,9 +105,9 @@ def test_the_queue_list_job_list_and_job_pages_show_our_jobs(stack: tuple[Any, D
 
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
-    from worker import rqcompat
-    from worker.keys import tenant_queue
-    from worker.schema import RenderRequest
+    from worker.protocol import rqcompat
+    from worker.protocol.keys import tenant_queue
+    from worker.protocol.schema import RenderRequest
 
     server, dashboard, secrets = stack
     configured = f"q-{uuid.uuid4().hex[:8]}"

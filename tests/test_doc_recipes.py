@@ -79,7 +79,7 @@ def user(work: Path, port: int, name: str, **kwargs: Any) -> Any:
 
 
 def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path) -> None:
-    from worker.devservers import find_redis_server
+    from worker.dev.devservers import find_redis_server
 
     if find_redis_server() is None or Path(find_redis_server() or "").name != "redis-server":
         pytest.skip("redis-server and redis-cli not found (apt-get install -y redis-server)")
@@ -91,7 +91,7 @@ def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path) -> None:
         assert sorted(p.name for p in secrets.iterdir()) == ["admin", "alice", "bob", "worker"]  # no AOF here
         assert any((tmp_path / "data").glob("appendonlydir/*.aof"))
         worker = user(tmp_path, port, "worker")
-        # (alice submits to her own queue: worker.keys.tenant_queue)
+        # (alice submits to her own queue: worker.protocol.keys.tenant_queue)
         (job_id,) = [j.decode() for j in worker.lrange("rq:queue:ltx-render:t:alice", 0, -1)]
         assert job_id.startswith("alice-") and worker.hget(f"rq:job:{job_id}", "status") == b"queued"
 

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from ltx_mgpu.imagesize import MAX_DECLARED_PIXELS, ImageRefused, image_size
 from ltx_mgpu.runners.ltx2 import images as runner_images
 from tests.test_worker_imagesize import _encode
-from worker.schema import RenderRequest
+from worker.protocol.schema import RenderRequest
 
 
 def _webp_lossless(side: int = 16) -> bytes:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_control_plane_contract import imported_modules
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Runs in one fresh interpreter: reads a tree of checks (JSON on stdin, see `_preload_tree`). Each node is
@@ -195,7 +197,7 @@ RULES = [
          forbidden=("ltx_mgpu.runners", "ltx_mgpu.parallel"),
          plant=("ltx_mgpu/control/jobboard.py", "import ltx_mgpu.runners.common.args")),
     Rule("worker: no producer, no tests", packages=("worker",), forbidden=("producer", "tests"),
-         plant=("worker/keys.py", "import producer.exitcodes")),
+         plant=("worker/protocol/keys.py", "import producer.exitcodes")),
     Rule("kernels: the bottom layer", packages=("kernels",), forbidden=("ltx_mgpu", "worker", "producer", "tests"),
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.control.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
@@ -263,10 +265,75 @@ def test_lazy_engine_names_resolve():
 
 
 def test_runner_event_types_are_the_engines():
-    """The worker relays runner events under the engine's names; `worker.keys` (stdlib only, imported by
+    """The worker relays runner events under the engine's names; `worker.protocol.keys` (stdlib only, imported by
     the producer) cannot import them, so this holds the two spellings together."""
     from ltx_mgpu.control import events
-    from worker.keys import EventType
+    from worker.protocol.states import EventType
 
     assert (EventType.STAGE, EventType.PROGRESS, EventType.OUTPUT) == (events.STAGE, events.PROGRESS, events.OUTPUT)
     assert events.stage_event(events.Stage.MUX) == {"type": "stage", "stage": "mux"}
+
+
+# ---- the worker's folders, checked on the source (AST), so an import inside a function counts too ----------
+
+
+def imports_in(path: Path, root: Path) -> set[str]:
+    """Every module the file at `path` imports anywhere (`imported_modules`; an `__init__` keeps its own
+    name so that its relative imports resolve against its package)."""
+    return imported_modules(path.read_text(), ".".join(path.relative_to(root).with_suffix("").parts))
+
+
+@dataclass(frozen=True)
+class SourceRule:
+    name: str
+    folders: tuple[str, ...]  #: every .py file below these
+    forbidden: tuple[str, ...]  #: module prefixes none of them may import
+    allowed: tuple[str, ...] = ()  #: prefixes exempt from `forbidden`
+    excluded: tuple[str, ...] = ()  #: folders below `folders` not held to the rule
+    plant: tuple[str, str] = ("", "")  #: (file to append to, import line) that must break the rule
+
+    def violations(self, root: Path) -> dict[str, list[str]]:
+        """{file: forbidden imports} for the tree at `root`."""
+        hit = lambda name, prefixes: any(name == p or name.startswith(p + ".") for p in prefixes)  # noqa: E731
+        found = {}
+        for folder in self.folders:
+            for path in sorted((root / folder).rglob("*.py")):
+                rel = path.relative_to(root).as_posix()
+                if any(rel.startswith(x + "/") for x in self.excluded):
+                    continue
+                bad = sorted(n for n in imports_in(path, root) if hit(n, self.forbidden) and not hit(n, self.allowed))
+                if bad:
+                    found[rel] = bad
+        return found
+
+
+SOURCE_RULES = [
+    # The producer image copies worker/protocol/ and nothing else of worker/ (Dockerfile, stage `producer`).
+    SourceRule("producer: of the worker, only its protocol", folders=("producer",), forbidden=("worker",),
+               allowed=("worker.protocol",), plant=("producer/display.py", "from worker.jobs import poison")),
+    SourceRule("worker.protocol: nothing else of the worker", folders=("worker/protocol",),
+               forbidden=("worker", "torch", "boto3", "botocore"), allowed=("worker.protocol",),
+               plant=("worker/protocol/keys.py", "from worker.runtime import settings")),
+    # Development servers, the TLS Redis, the S3 gateway, the TCP proxy and the demo stay out of production
+    # (bench/ and scripts/ are development tooling and may use them).
+    SourceRule("production: no worker.dev", folders=("worker", "producer", "ltx_mgpu", "kernels"),
+               forbidden=("worker.dev",), excluded=("worker/dev",),
+               plant=("worker/render/fleet.py", "from worker.dev.devservers import pid_alive")),
+    SourceRule("worker.uploads: bytes only, no redis or rq", folders=("worker/uploads",), forbidden=("redis", "rq"),
+               plant=("worker/uploads/uploader.py", "import redis")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", SOURCE_RULES, ids=[r.name for r in SOURCE_RULES])
+def test_source_rule_holds(rule: SourceRule) -> None:
+    assert rule.violations(ROOT) == {}, f"{rule.name}: forbidden imports (file: what it imports)"
+
+
+@pytest.mark.parametrize("rule", SOURCE_RULES, ids=[r.name for r in SOURCE_RULES])
+def test_source_rule_fails_on_a_planted_violation(rule: SourceRule, tmp_path: Path) -> None:
+    path, line = rule.plant
+    for folder in {*rule.folders, str(Path(path).parent)}:
+        shutil.copytree(ROOT / folder, tmp_path / folder, dirs_exist_ok=True)
+    with (tmp_path / path).open("a") as f:
+        f.write(f"\ndef _planted():\n    {line}  # planted, lazily, by tests/test_import_contracts.py\n")
+    assert path in rule.violations(tmp_path), f"{rule.name}: `{line}` unnoticed"

@@ -1,6 +1,6 @@
 """The `loras` request field at the edge: its schema (count, strength, name, uri), `producer submit --lora`
 and `--dry-run` against what a live worker publishes (real Redis; the worker is an RQ worker registration
-with a health snapshot, as `worker.rqworker` writes it).
+with a health snapshot, as `worker.runtime.rqworker` writes it).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from rq import Queue
 from rq.worker import Worker
 
 from producer.exitcodes import ExitCode
-from worker.keys import worker_health_key
-from worker.lorarefs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed
-from worker.schema import RenderRequest
+from worker.protocol.keys import worker_health_key
+from worker.protocol.lorarefs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed
+from worker.protocol.schema import RenderRequest
 
 from . import test_producer_cli
 

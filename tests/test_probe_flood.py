@@ -123,7 +123,7 @@ def test_slow_clients_on_the_metrics_port_never_starve_the_worker(tmp_path, redi
 
 
 def test_the_probe_server_caps_connections_and_expires_slow_ones() -> None:
-    from worker.probeserver import ProbeServer
+    from worker.ops.probeserver import ProbeServer
 
     server = ProbeServer(lambda path: (200, path.encode(), "text/plain"), max_connections=50, timeout_s=1.0).start()
     socks: list[Any] = []

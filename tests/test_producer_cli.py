@@ -1,5 +1,5 @@
 """The producer CLI without a worker: request-file validation, admission control, cancel of a waiting job,
-exit codes, and the import-lightness rule. A real Redis (worker/devservers.py); queues nobody consumes.
+exit codes, and the import-lightness rule. A real Redis (worker/dev/devservers.py); queues nobody consumes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from producer.exitcodes import ExitCode
 from producer.jsonpos import locate, position_at
 from producer.requestfile import load_requests
 from producer.settings import load_settings
-from worker.keys import RENDER_FUNC, JobState, events_key
+from worker.protocol.keys import RENDER_FUNC, events_key
+from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 

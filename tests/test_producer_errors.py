@@ -28,9 +28,9 @@ from producer.client import ProducerClient
 from producer.display import printable
 from producer.exitcodes import ExitCode
 from producer.settings import load_settings
-from worker.keys import JobState
-from worker.logs import event_text
-from worker.schema import RenderRequest
+from worker.ops.logs import event_text
+from worker.protocol.schema import RenderRequest
+from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = "s3cret-pw"
@@ -248,7 +248,7 @@ def test_messages_render_as_text(redis_url: str, unique_name: str) -> None:
     assert "runner_error: RuntimeError: boom" in out and "second line of it" in out and '"planted"' in out
     assert printable("boom\n  at line 3\r\n\tend") == "boom\n  at line 3\n    end"
     assert printable("a\x1b[2J\rb\u202e") == "a\\x1b[2J\\rb\\u202e"  # (what could drive a terminal stays escaped)
-    from worker.keys import EventType
+    from worker.protocol.states import EventType
 
     text = event_text({"type": EventType.FLEET, "action": "failed", "reason": "rank_died", "pids": [1, 2]})
     assert text == "failed reason=rank_died pids=[1, 2]"

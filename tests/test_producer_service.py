@@ -31,8 +31,9 @@ from producer.cli import cli
 from producer.client import ProducerClient
 from producer.exitcodes import ExitCode
 from producer.settings import load_settings
-from worker.devservers import RedisServer, S3Server
-from worker.keys import JobState, events_key, worker_health_key
+from worker.dev.devservers import RedisServer, S3Server
+from worker.protocol.keys import events_key, worker_health_key
+from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"width": 64, "height": 64, "num_frames": 9, "steps": 2}
@@ -213,7 +214,7 @@ def test_follow_resumes_after_connection_loss(stack: Stack, tcp_proxy_factory) -
     proxy = tcp_proxy_factory(stack.redis.port)
     settings = load_settings(redis_url=f"redis://127.0.0.1:{proxy.port}/0", queues=[stack.queue])
     direct = ProducerClient(load_settings(redis_url=stack.redis.url, queues=[stack.queue]))
-    from worker.schema import RenderRequest
+    from worker.protocol.schema import RenderRequest
 
     job = direct.submit(RenderRequest(prompt="resume", seed=11, **{**TINY, "steps": 12}), max_queue_depth=0)
     client = ProducerClient(settings)

@@ -2,7 +2,7 @@
 `tests/test_redis_acl_rules.py`).
 
 The stack: one redis-server with the ACL file `ltx-worker redis-acl` writes (users `worker`, `alice`, `bob`;
-`default` off), listening on TLS only with a throwaway CA (`worker.devsecure`); one `ltx-worker one` (CPU
+`default` off), listening on TLS only with a throwaway CA (`worker.dev.devsecure`); one `ltx-worker one` (CPU
 fleet, fault runner) logged in as `worker` over `rediss://` with its password from a file and tenant ids
 on; real SeaweedFS. Tenants use `ProducerClient` (and the CLI) as their own users: submit, watch, ls,
 status, cancel (queued and running) and fetch work end to end; each attack a tenant could make with raw
@@ -25,8 +25,8 @@ from click.testing import CliRunner
 from tests.acl_stack import acl_worker
 from tests.test_redis_acl_rules import _passwords
 from tests.test_worker_support import WorkerProcess, events, output_bytes, wait_for, wait_ready
-from worker.keys import REFUSALS_KEY
-from worker.redisacl import AclUsers, generate
+from worker.protocol.keys import REFUSALS_KEY
+from worker.protocol.redisacl import AclUsers, generate
 
 # ==== the stack: TLS + ACL Redis, a worker as `worker`, tenants as themselves ==============================
 
@@ -76,8 +76,8 @@ def _text(value: Any) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
-    from worker.devsecure import SecureRedisServer
-    from worker.devservers import find_redis_server
+    from worker.dev.devsecure import SecureRedisServer
+    from worker.dev.devservers import find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")
@@ -97,7 +97,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
 
 
 def _request(prompt: str = "t", **kwargs: Any) -> Any:
-    from worker.schema import RenderRequest
+    from worker.protocol.schema import RenderRequest
 
     return RenderRequest(prompt=prompt, width=64, height=64, num_frames=9, **kwargs)
 
@@ -107,8 +107,8 @@ def tenant_enqueue(conn: Any, queue: str, request: dict[str, Any], *, job_id: st
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.keys import RENDER_FUNC
-    from worker.rqcompat import enqueue_unregistered
+    from worker.protocol.keys import RENDER_FUNC
+    from worker.protocol.rqcompat import enqueue_unregistered
 
     q = Queue(queue, connection=conn, serializer=JSONSerializer)
     job = q.create_job(RENDER_FUNC, args=(request,), job_id=job_id, meta=meta, timeout=600, result_ttl=3600,
@@ -336,8 +336,8 @@ def test_without_credentials_or_tls_redis_refuses(stack: Stack) -> None:
 
 def test_a_worker_with_an_untrusted_certificate_or_a_wrong_password_stops_with_a_clear_error(stack: Stack) -> None:
     """Configuration errors, not an endless wait for Redis: the worker process exits 2 with one line."""
-    from worker.process import wait_for_redis
-    from worker.settings import SettingsError, WorkerSettings
+    from worker.runtime.process import wait_for_redis
+    from worker.runtime.settings import SettingsError, WorkerSettings
 
     url, ca = stack.server.url, stack.server.ca_file
     with pytest.raises(SettingsError, match="TLS certificate not trusted"):

@@ -1,5 +1,5 @@
 """Redis memory under a hostile client, against real redis-servers started with the
-service's memory flags (`worker.devservers.REDIS_MEMORY_ARGS`) and a small `maxmemory`.
+service's memory flags (`worker.dev.devservers.REDIS_MEMORY_ARGS`) and a small `maxmemory`.
 
 - a client that sends `HGETALL`s of a big hash and never reads the replies is disconnected, and the memory
   its output buffer held comes back (it used to stay past `maxmemory`, failing every write);
@@ -26,6 +26,7 @@ import redis
 
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, wait_for, wait_state
+from worker.jobs.tenantmemory import RESERVE_BYTES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,12 +37,13 @@ def _used(client: Any) -> int:
     return int(client.info("memory")["used_memory"])
 
 
-def _fill_past_maxmemory(client: Any, prefix: str, n: int = 8) -> int:
+def _fill_past_maxmemory(client: Any, prefix: str, n: int = 16) -> int:
     """`n` MB of strings, then `maxmemory` set below what is used: every write that needs memory is refused
     (filling up to the limit is not enough: the refused write's own buffer is freed and small writes fit)."""
     for i in range(n):
         client.set(f"{prefix}{i}", b"x" * MB)
-    client.config_set("maxmemory", _used(client) - 4 * MB)  # (idle clients' query buffers shrink later)
+    # (idle clients' query buffers shrink later; a worker releases its reserve when refused)
+    client.config_set("maxmemory", _used(client) - 4 * MB - 2 * RESERVE_BYTES)
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         client.set(f"{prefix}probe", b"x")
     return n
@@ -108,7 +110,8 @@ def test_a_worker_waits_out_redis_refusing_writes_and_renders_after(tmp_path, re
         bloat = "rq:job:alice-bloat"
         for i in range(4):
             filler.hset(bloat, f"pad{i}", b"y" * (3 * MB))
-        filler.config_set("maxmemory", _used(filler) - 4 * MB)
+        time.sleep(2.5)  # (Redis shrinks an idle client's query buffer after 2 s: measured after it, not before)
+        filler.config_set("maxmemory", _used(filler) - 4 * MB - 2 * RESERVE_BYTES)  # (see _fill_past_maxmemory)
         wait_for(lambda: _http(port, "/readyz")[0] == 503, 30, "Redis refusing the worker again")
         wait_for(lambda: _http(port, "/readyz")[0] == 200, 60, "recovered by itself", on_fail=w.proc.log_tail)
         assert filler.hget(bloat, "pad0") is None and filler.hget(bloat, "status") == b"failed"
@@ -137,10 +140,10 @@ def test_a_submit_to_a_redis_out_of_memory_is_one_line_and_exit_6(redis_server_f
 
 
 def test_event_writes_wait_out_a_short_out_of_memory_spell(redis_server_factory) -> None:
-    """A render's events (`worker.relay`) retried only connection errors: one OOM failed the job."""
+    """A render's events (`worker.protocol.relay`) retried only connection errors: one OOM failed the job."""
     import threading
 
-    from worker.relay import with_redis_retry
+    from worker.protocol.relay import with_redis_retry
 
     server = redis_server_factory()
     client = server.client()
@@ -187,7 +190,7 @@ def test_a_stop_signal_during_a_lost_connection_is_a_stop_not_an_outage() -> Non
     worker ran until it was killed. Only the refusal itself is an outage."""
     from rq.exceptions import StopRequested
 
-    from worker.redisoutage import outage_reason
+    from worker.protocol.redisoutage import outage_reason
 
     lost = redis.exceptions.ConnectionError("Connection closed by server.")
     try:

@@ -31,7 +31,7 @@ from click.testing import CliRunner
 from tests.acl_stack import acl_worker
 from tests.test_redis_acl_rules import _passwords
 from tests.test_worker_support import WorkerProcess, wait_for, wait_ready
-from worker.redisacl import AclUsers, generate
+from worker.protocol.redisacl import AclUsers, generate
 
 
 def _valkey_server() -> str | None:
@@ -44,7 +44,7 @@ def _valkey_server() -> str | None:
 
 
 def _redis_server() -> str | None:
-    from worker.devservers import find_redis_server
+    from worker.dev.devservers import find_redis_server
 
     found = find_redis_server()
     return found if found and Path(found).name == "redis-server" else None
@@ -78,7 +78,7 @@ class Stack:
 
 @pytest.fixture(scope="module", params=["redis-server", "valkey-server"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Iterator[Stack]:
-    from worker.devsecure import SecureRedisServer
+    from worker.dev.devsecure import SecureRedisServer
 
     binary = _redis_server() if request.param == "redis-server" else _valkey_server()
     if binary is None:
@@ -98,7 +98,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _request(prompt: str = "t") -> Any:
-    from worker.schema import RenderRequest
+    from worker.protocol.schema import RenderRequest
 
     return RenderRequest(prompt=prompt, width=64, height=64, num_frames=9)
 
@@ -111,7 +111,7 @@ def _wait_state(client: Any, job_id: str, states: set[str], stack: Stack, timeou
 def _snapshot(conn: Any, queue: str, jobs: list[str]) -> dict[str, Any]:
     """What must survive: every job's hash (less what a live worker's heartbeat rewrites), the queue in
     order, `rq:queues`, the registries' members, the tenants' admission sets and event streams."""
-    from worker.keys import tenant_queue
+    from worker.protocol.keys import tenant_queue
 
     volatile = {b"last_heartbeat"}
     registries = ("wip", "finished", "failed", "canceled", "deferred", "scheduled")

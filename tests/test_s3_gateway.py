@@ -26,12 +26,12 @@ from botocore.exceptions import ClientError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from worker.devservers import find_weed
-from worker.s3gateway import S3Gateway, make_secrets
-from worker.settings import WorkerSettings
-from worker.spool import Spool
-from worker.storage import S3Storage
-from worker.uploader import Uploader
+from worker.dev.devservers import find_weed
+from worker.dev.s3gateway import S3Gateway, make_secrets
+from worker.runtime.settings import WorkerSettings
+from worker.uploads.spool import Spool
+from worker.uploads.storage import S3Storage
+from worker.uploads.uploader import Uploader
 
 ROOT = Path(__file__).resolve().parents[1]
 S3_SERVICE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["s3"]

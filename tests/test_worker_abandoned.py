@@ -11,7 +11,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from worker.keys import EVENT_FIELD_DATA, events_key
+from worker.protocol.keys import EVENT_FIELD_DATA, events_key
 
 
 @pytest.mark.parametrize("lost_before", [0, 1])
@@ -24,9 +24,9 @@ def test_abandoned_job_is_recorded_as_worker_lost_with_the_budget_from_the_setti
     from rq.executions import Execution
     from rq.registry import StartedJobRegistry
 
-    from worker.outcomes import JobOutcomes
-    from worker.rqworker import FleetWorker
-    from worker.settings import WorkerSettings
+    from worker.jobs.outcomes import JobOutcomes
+    from worker.runtime.rqworker import FleetWorker
+    from worker.runtime.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
     meta = {"state": "rendering", "worker": "gone.cpu1.1", "attempt": 1 + lost_before}
@@ -72,10 +72,10 @@ def test_an_uploaded_job_the_abandoned_job_cleanup_marked_failed_ends_finished(
     from rq.job import JobStatus
     from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-    from worker import rqcompat
-    from worker.outcomes import JobOutcomes
-    from worker.rqworker import FleetWorker
-    from worker.settings import WorkerSettings
+    from worker.jobs.outcomes import JobOutcomes
+    from worker.protocol import rqcompat
+    from worker.runtime.rqworker import FleetWorker
+    from worker.runtime.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
     job = q.enqueue("worker.job.render", {"prompt": "x"}, meta={"state": "uploading", "worker": "gone.cpu1.1"})

@@ -75,7 +75,7 @@ def _enqueue_edited(worker: Worker, fields: dict[str, Any], **kwargs: Any) -> An
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.keys import RENDER_FUNC
+    from worker.protocol.keys import RENDER_FUNC
 
     q = Queue(worker.queue, connection=worker.conn, serializer=JSONSerializer)
     request = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}
@@ -115,7 +115,7 @@ def test_overlong_job_id_fails_once_with_a_reason_and_is_counted(worker):
 def test_the_client_api_refuses_an_overlong_job_id_or_meta_before_redis(worker, redis_server):
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
-    from worker.schema import RenderRequest
+    from worker.protocol.schema import RenderRequest
 
     with ProducerClient(ProducerSettings(redis_url=redis_server.url, queues=[worker.queue])) as client:
         for bad in ("x" * 129, "a/b", "x\nFAKE", ""):
@@ -233,7 +233,7 @@ def test_client_ttls_are_capped_by_the_worker(worker):
 def test_rq_shutdown_commands_and_junk_on_pubsub_are_ignored_and_cancels_still_work(worker):
     from rq.command import send_shutdown_command
 
-    from worker.control import cancel_job
+    from worker.protocol.control import cancel_job
 
     pid = worker.idle()["pid"]
     rq_name = worker.health()["worker"]
@@ -332,7 +332,8 @@ def test_an_image_declaring_huge_dimensions_is_refused_before_decoding(worker):
 
 
 def test_an_image_format_that_cannot_be_sized_is_refused_and_the_fleet_stays_warm(worker):
-    """Regression: formats `worker.imagesize` cannot read (TIFF here) reached the runner's decoder unchecked."""
+    """Regression: formats `worker.protocol.imagesize` cannot read (TIFF here) reached the runner's decoder
+    unchecked."""
     import base64
 
     tiff = b"II*\x00" + b"\x08\x00\x00\x00" + b"\x00" * 64  # a TIFF header: no size the check can read
@@ -379,7 +380,7 @@ def test_a_reused_job_id_never_takes_over_an_earlier_submissions_render_left_in_
     failed for good; the job has since expired) was uploaded as the video of a new job reusing the id."""
     import hashlib
 
-    from worker.spool import Spool
+    from worker.uploads.spool import Spool
 
     worker.idle()
     job_id = f"reused-{uuid.uuid4().hex[:8]}"

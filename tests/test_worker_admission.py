@@ -1,4 +1,4 @@
-"""Worker-side admission (`worker/admission.py`): the queue-depth cap and the per-client
+"""Worker-side admission (`worker/jobs/admission.py`): the queue-depth cap and the per-client
 quota hold whatever a client wrote.
 
 Unit tests of the decision (`plan`), then one real `ltx-worker one` (CPU fleet, fault runner, real Redis and
@@ -24,8 +24,8 @@ from tests.test_worker_support import (
     wait_for,
     wait_state,
 )
-from worker.admission import STALE, Admission, Waiting, plan
-from worker.keys import FailureReason
+from worker.jobs.admission import STALE, Admission, Waiting, plan
+from worker.protocol.states import FailureReason
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,7 +113,7 @@ def test_with_tenant_ids_a_forged_taken_job_does_not_spend_its_named_owners_quot
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.keys import REFUSALS_KEY
+    from worker.protocol.keys import REFUSALS_KEY
 
     tag = uuid.uuid4().hex[:8]
     alice, own, forged = f"alice{tag}", f"alice{tag}-1", f"mallory{tag}-1"
@@ -137,7 +137,7 @@ def test_a_huge_raw_flood_leaves_a_bounded_share_per_pass_and_nothing_is_lost(re
     so every id still reaches the refusal list once and a job taken in between waits for one pass only."""
     from rq import Queue
 
-    from worker.keys import REFUSALS_KEY
+    from worker.protocol.keys import REFUSALS_KEY
 
     tag = uuid.uuid4().hex[:8]
     q = Queue(f"q-{tag}", connection=redis_client)
@@ -261,7 +261,7 @@ def test_the_taken_job_is_refused_when_its_client_runs_its_quota_on_other_worker
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.keys import RENDER_FUNC
+    from worker.protocol.keys import RENDER_FUNC
 
     worker.idle()
     conn = worker.conn
@@ -303,7 +303,7 @@ def test_producer_admitted_jobs_at_exactly_both_caps_all_run(worker, tmp_path, r
     from producer.admission import AdmissionRefused
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
-    from worker.schema import RenderRequest
+    from worker.protocol.schema import RenderRequest
 
     worker.idle()
     before = worker.refusals("queue_full") + worker.refusals("quota_exceeded")

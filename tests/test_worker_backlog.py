@@ -1,6 +1,6 @@
-"""The background upload pipeline (`worker/pipeline.py`) end to end: real Redis, real S3 (SeaweedFS) behind a `TcpProxy`
-that a test blocks to make storage unreachable, real `ltx-worker one` processes with CPU fleets running
-the fault-injection runner.
+"""The background upload pipeline (`worker/render/pipeline.py`) end to end: real Redis, real S3 (SeaweedFS)
+behind a `TcpProxy` that a test blocks to make storage unreachable, real `ltx-worker one` processes with CPU
+fleets running the fault-injection runner.
 
 What is shown: the fleet takes the next job while the previous video is still uploading; a worker killed
 between render and upload uploads the file after restart and the job ends `uploaded`; a bound on pending
@@ -33,7 +33,7 @@ from tests.test_worker_support import (
     wait_state,
     worker_health,
 )
-from worker.spool import MANIFEST_NAME
+from worker.uploads.spool import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -98,7 +98,7 @@ def _first_ts(evts: list[dict[str, Any]], state: str) -> float:
 
 @pytest.fixture
 def proxy(s3_server: Any) -> Any:
-    from worker.tcpproxy import TcpProxy
+    from worker.dev.tcpproxy import TcpProxy
 
     p = TcpProxy(s3_server.s3_port).start()
     try:

@@ -7,7 +7,8 @@ real Redis, real S3); the attacks of docs/security.md and out-of-memory errors o
 - a render that raises an out-of-memory error, a TypeError or a RuntimeError on every rank ends the job
   (`out_of_memory`, retried once; `runner_error`, never), and the same fleet renders the next job;
 - a job whose renders poisoned the fleet twice is failed without another retry, and re-pushing its id
-  does not crash the fleet again (`worker.poison`).
+  does not crash the fleet again (`worker.jobs.poison`); one whose rank died of its own doing (SIGSEGV) is
+  not retried on the same group at all.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rq.serializers import JSONSerializer
 from tests.test_worker_abuse import Worker
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, events, wait_for, wait_rq_status, wait_state
-from worker.keys import RENDER_FUNC
+from worker.protocol.keys import RENDER_FUNC
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -119,6 +120,26 @@ def test_a_job_that_poisoned_the_fleet_twice_is_not_retried_nor_rendered_when_re
     _renders_on_the_same_fleet(worker, rebuilds)
 
 
+def test_a_job_whose_rank_segfaults_is_not_retried_on_the_same_group(worker):
+    """A rank dying of SIGSEGV during the job is the job's doing: one poisoning, no retry on this group
+    (the budget, `retry_fleet_failure=1`, would have re-run it: a second rebuild), not rendered when re-pushed;
+    a rank killed from outside keeps its retry (the test above, `exit_rank`)."""
+    worker.idle()
+    rebuilds = worker.metric(REBUILDS)
+    job = worker.enqueue("t segv_rank=0 exit_step=1")
+    meta = _failed(worker, job, timeout=120)
+    assert meta["error"]["reason"] == "fleet_failure" and meta["error"]["exitcode"] == -11, meta["error"]
+    assert "a retry would meet again (rank_exited) on group cpu:1" in meta["error"]["message"], meta["error"]
+    assert [a["reason"] for a in meta["attempts"]] == ["fleet_failure"]
+    worker.idle(timeout=120)
+    rebuilds += 1
+    assert worker.metric(REBUILDS) == rebuilds
+    job.set_status(JobStatus.QUEUED)
+    Queue(worker.queue, connection=worker.conn, serializer=JSONSerializer).push_job_id(job.id)
+    wait_for(lambda: job.get_meta(refresh=True)["error"].get("poisoned"), 60, "the re-push refused")
+    _renders_on_the_same_fleet(worker, rebuilds)
+
+
 def test_an_error_on_one_rank_while_the_other_waits_is_one_rebuild_and_never_rendered_again(tmp_path, redis_server,
                                                                                             s3_server):  # fmt: skip
     """The raising rank cannot be waited for: after the settle time the fleet is rebuilt, and the job is
@@ -139,7 +160,7 @@ def test_an_error_on_one_rank_while_the_other_waits_is_one_rebuild_and_never_ren
 
 
 def test_the_poisoned_record_follows_the_budget_and_a_lasting_cause_counts_at_once(redis_client):
-    from worker import poison
+    from worker.jobs import poison
 
     job_id = f"p-{time.time_ns()}"
     assert poison.refusal(redis_client, job_id, 2) is None
@@ -154,3 +175,22 @@ def test_the_poisoned_record_follows_the_budget_and_a_lasting_cause_counts_at_on
     assert "a retry would meet again (split)" in poison.refusal(redis_client, other, 5)
     redis_client.set(poison.poisoned_key(f"{job_id}-junk"), "not json")  # (only workers write it)
     assert poison.refusal(redis_client, f"{job_id}-junk", 5) is not None
+
+
+def test_a_lasting_poisoning_bars_its_group_and_a_second_one_every_group(redis_client):
+    from worker import poison
+
+    assert poison.lasting("rank_exited", -11, during_job=True, oom_kills_during_job=False)
+    assert poison.lasting("rank_exited", -9, during_job=True, oom_kills_during_job=True)  # the OOM killer
+    assert not poison.lasting("rank_exited", -9, during_job=True, oom_kills_during_job=False)  # killed from outside
+    assert not poison.lasting("rank_exited", 9, during_job=True, oom_kills_during_job=False)
+    assert not poison.lasting("timeout", None, during_job=True, oom_kills_during_job=True)
+    assert not poison.lasting("rank_exited", -11, during_job=False, oom_kills_during_job=False)  # before the job
+    job_id = f"g-{time.time_ns()}"
+    entries = poison.record(redis_client, job_id, "rank_exited", ttl=60, group="cuda:0-3", lasting=True)
+    assert "on group cuda:0-3" in poison.refusal(redis_client, job_id, 5, entries, group="cuda:0-3")
+    assert poison.refusal(redis_client, job_id, 5, group="cuda:4-7") is None  # another group may take it once
+    poison.record(redis_client, job_id, "rank_exited", ttl=60, group="cuda:4-7", lasting=True)
+    assert "on two groups" in poison.refusal(redis_client, job_id, 5, group="cpu:1")
+    redis_client.set(poison.poisoned_key(f"{job_id}-old"), '["rank_exited", "split"]')  # (before groups were kept)
+    assert "(split)" in poison.refusal(redis_client, f"{job_id}-old", 5, group="cpu:1")

@@ -23,8 +23,8 @@ import yaml
 
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, wait_for, wait_state
-from worker.devservers import find_weed
-from worker.s3gateway import S3Gateway, make_secrets
+from worker.dev.devservers import find_weed
+from worker.dev.s3gateway import S3Gateway, make_secrets
 
 pytestmark = pytest.mark.timeout(240)
 

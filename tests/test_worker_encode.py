@@ -137,11 +137,11 @@ def test_recovery_leaves_a_job_killed_before_rq_recorded_its_return_to_the_aband
     from rq.job import JobStatus
     from rq.serializers import JSONSerializer
 
-    from worker.encoder import MARKER_NAME, EncodeStage
-    from worker.keys import RENDER_FUNC
-    from worker.pipeline import UploadPipeline
-    from worker.rqcompat import submission_of
-    from worker.spool import Spool
+    from worker.protocol.keys import RENDER_FUNC
+    from worker.protocol.rqcompat import submission_of
+    from worker.render.encoder import MARKER_NAME, EncodeStage
+    from worker.render.pipeline import UploadPipeline
+    from worker.uploads.spool import Spool
 
     conn = redis_server.client()
     queue = Queue(f"q-{uuid.uuid4().hex[:6]}", connection=conn, serializer=JSONSerializer)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ltx_mgpu import FleetFailure
-from worker.fleet import FleetSupervisor
+from worker.render.fleet import FleetSupervisor
 
 from .gpu_runners import DeviceProbeRunner
 
@@ -33,8 +33,8 @@ pytestmark = [
 
 _WORKER_SIDE = """
 import json, os, sys, pathlib, torch
-from worker.fleet import FleetSupervisor
-from worker.settings import load_settings, resolve_runner
+from worker.render.fleet import FleetSupervisor
+from worker.runtime.settings import load_settings, resolve_runner
 from tests.gpu_runners import DeviceProbeRunner, check_placement
 for name in ("smoke", "ltx2-distilled", "ltx2-two-stage"):  # import the real runners as a worker process does
     resolve_runner(load_settings(runner=name))

@@ -1,4 +1,4 @@
-"""`worker.imagesize`: the declared size of real image files of every supported format (encoded with
+"""`worker.protocol.imagesize`: the declared size of real image files of every supported format (encoded with
 PyAV/FFmpeg), and the request check that uses it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from worker.imagesize import MAX_IMAGE_SIDE, image_size
-from worker.schema import RenderRequest
+from worker.protocol.imagesize import MAX_IMAGE_SIDE, image_size
+from worker.protocol.schema import RenderRequest
 
 
 def _encode(codec: str, width: int, height: int, pix_fmt: str = "rgb24") -> bytes:

@@ -1,4 +1,4 @@
-"""Runner request limits (worker.limits): what a runner class publishes without a fleet, and the check."""
+"""Runner request limits (worker.protocol.limits): what a runner class publishes without a fleet, and the check."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from ltx_mgpu import MGPURunner
 from ltx_mgpu.runners.smoke import SmokeRunner
-from worker.limits import RunnerLimits
-from worker.schema import RenderRequest
+from worker.protocol.limits import RunnerLimits
+from worker.protocol.schema import RenderRequest
 
 
 class _Odd(MGPURunner):

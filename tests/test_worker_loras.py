@@ -1,4 +1,4 @@
-"""Request LoRAs on the worker side (`worker.loras`): the content-named LRU cache, catalogue and S3 sources
+"""Request LoRAs on the worker side (`worker.render.loras`): the content-named LRU cache, catalogue and S3 sources
 (real SeaweedFS), and every refusal ending as a `LoraRefused` naming the entry, before any fleet sees it.
 Files are crafted with the byte-level writer of test_lora_file (no torch), against a small target map
 standing in for the checkpoint's header, which `transformer_targets` reads (tested there).
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from worker.lorarefs import LoraRef
-from worker.loras import LoraCache, LoraRefused, LoraResolver
-from worker.metrics import WorkerMetrics
-from worker.settings import WorkerSettings
+from worker.ops.metrics import WorkerMetrics
+from worker.protocol.lorarefs import LoraRef
+from worker.render.loras import LoraCache, LoraRefused, LoraResolver
+from worker.runtime.settings import WorkerSettings
 
 from .test_lora_file import TARGETS, lora, write_st
 
@@ -169,7 +169,7 @@ def test_s3_lora_is_fetched_once_and_bad_objects_are_refused(tmp_path: Path, s3_
 
 def test_s3_fetch_in_parallel_ranges_reassembles_the_exact_bytes(tmp_path: Path, s3_client, bucket: str,
                                                                    monkeypatch) -> None:  # fmt: skip
-    import worker.loras as loras_module
+    import worker.render.loras as loras_module
 
     good = write_st(tmp_path / "good.safetensors", lora(rank=8)).read_bytes()
     s3_client.put_object(Bucket=bucket, Key="u/good.safetensors", Body=good)

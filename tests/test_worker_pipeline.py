@@ -9,7 +9,7 @@ import threading
 def test_upload_progress_reports_completion_once():
     """The transfer callback's last increment and `finish()` both said "all bytes sent": watchers printed
     the final upload line twice."""
-    from worker.uploader import _Progress
+    from worker.uploads.uploader import _Progress
 
     events: list[dict] = []
     progress = _Progress(100, events.append, interval_s=0.0)
@@ -29,10 +29,10 @@ def test_spool_recovery_waits_for_redis_instead_of_orphaning_live_jobs(redis_ser
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.keys import RENDER_FUNC
-    from worker.pipeline import UploadPipeline
-    from worker.rqcompat import submission_of
-    from worker.spool import Spool
+    from worker.protocol.keys import RENDER_FUNC
+    from worker.protocol.rqcompat import submission_of
+    from worker.render.pipeline import UploadPipeline
+    from worker.uploads.spool import Spool
 
     server = redis_server_factory(appendonly=True)
     conn = server.client(socket_timeout=2, socket_connect_timeout=2)

@@ -1,4 +1,4 @@
-"""`worker.rqcompat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
+"""`worker.protocol.rqcompat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
 and string it (and `FleetWorker`'s overrides) relies on. An RQ upgrade that changes one fails here, not in
 production (RQ's main branch already changed `perform_job`'s signature)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 import rq
@@ -15,8 +16,8 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.worker import SimpleWorker
 
-from worker import rqcompat
-from worker.rqworker import FleetWorker
+from worker.protocol import rqcompat
+from worker.runtime.rqworker import FleetWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +71,7 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     assert _params(Job.heartbeat) == ["self", "timestamp", "ttl", "pipeline", "xx"]
     assert _params(StartedJobRegistry.cleanup) == ["self", "timestamp", "exception_handlers"]
     assert _params(StartedJobRegistry.add_execution) == ["self", "execution", "pipeline", "ttl", "xx"]
-    # worker.admission reads running job ids from started-registry members `<job id>:<execution id>`
+    # worker.jobs.admission reads running job ids from started-registry members `<job id>:<execution id>`
     assert Execution(id="e1", job_id="j1", connection=redis_client).composite_key == "j1:e1"
     # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
@@ -78,7 +79,7 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
 
 
 def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
-    """`worker.tenantqueues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
+    """`worker.jobs.tenantqueues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
     `rqcompat.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
     its SREM."""
     from rq import worker_registration
@@ -86,7 +87,7 @@ def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
     from rq.queue import Queue
     from rq.worker import Worker
 
-    from worker.tenantqueues import TakingQueue
+    from worker.jobs.tenantqueues import TakingQueue
 
     dequeue = ["cls", "queues", "timeout", "connection", "job_class", "serializer", "death_penalty_class"]
     assert _params(Queue.dequeue_any.__func__) == dequeue and _params(TakingQueue.dequeue_any.__func__) == dequeue
@@ -119,7 +120,7 @@ def test_a_cleanup_lock_is_bounded_and_released_even_when_the_cleanup_fails(redi
     recovery on the queue for 15 minutes. Ours lives `lock_ttl_s` and is released whatever happens."""
     from rq.queue import Queue
 
-    from worker.rqworker import maintenance_lock_ttl
+    from worker.runtime.rqworker import maintenance_lock_ttl
 
     queue = Queue("cleanq", connection=redis_client)
     worker = SimpleWorker([queue], connection=redis_client)
@@ -158,21 +159,14 @@ def test_an_upload_recorded_twice_leaves_one_uploaded_result(redis_client) -> No
     assert len([r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]) == 2
 
 
-def test_a_stale_intermediate_entry_does_not_queue_a_job_twice(redis_client, monkeypatch) -> None:
-    """A worker SIGKILLed between taking a job and starting it leaves the id in RQ's intermediate list. When
-    the job has been queued again meanwhile (the abandoned-job cleanup), RQ's intermediate cleanup used to
-    re-queue it a second time, and it rendered twice (chaos suite). Only a job absent from its queue is lost."""
+def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: list[Any]) -> tuple[Any, list[str]]:
+    """`jobs` in `queue`'s intermediate list, first seen 10 minutes ago, then RQ's cleanup of that list by a
+    `FleetWorker`: (the list, the ids it recorded lost)."""
     from rq.intermediate_queue import IntermediateQueue
-    from rq.queue import Queue
-    from rq.serializers import JSONSerializer
     from rq.utils import now
 
-    queue = Queue("stale", connection=redis_client, serializer=JSONSerializer)
-    waiting = queue.enqueue("worker.job.render", {"prompt": "x"})  # queued again: in the queue list
-    stuck = queue.create_job("worker.job.render", args=({"prompt": "y"},))  # queued, but in no list
-    stuck.save()
     intermediate = IntermediateQueue(queue.key, connection=redis_client)
-    for job in (waiting, stuck):
+    for job in jobs:
         redis_client.rpush(intermediate.key, job.id)
         redis_client.set(intermediate.get_first_seen_key(job.id), now().timestamp() - 600)
     worker = FleetWorker.__new__(FleetWorker)
@@ -180,7 +174,39 @@ def test_a_stale_intermediate_entry_does_not_queue_a_job_twice(redis_client, mon
     monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
     monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
     intermediate.cleanup(worker, queue)
+    return intermediate, lost
+
+
+def test_a_stale_intermediate_entry_does_not_queue_a_job_twice(redis_client, monkeypatch) -> None:
+    """A worker SIGKILLed between taking a job and starting it leaves the id in RQ's intermediate list. When
+    the job has been queued again meanwhile (the abandoned-job cleanup), RQ's intermediate cleanup used to
+    re-queue it a second time, and it rendered twice (chaos suite). Only a job absent from its queue is lost."""
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+
+    queue = Queue("stale", connection=redis_client, serializer=JSONSerializer)
+    waiting = queue.enqueue("worker.job.render", {"prompt": "x"})  # queued again: in the queue list
+    stuck = queue.create_job("worker.job.render", args=({"prompt": "y"},))  # queued, but in no list
+    stuck.save()
+    intermediate, lost = _clean_intermediate(redis_client, monkeypatch, queue, [waiting, stuck])
     assert lost == [stuck.id]  # the really stuck one is recorded lost (and re-queued by its budget)
     assert redis_client.lrange(queue.key, 0, -1).count(waiting.id.encode()) == 1
     assert intermediate.get_job_ids() == []
     assert rqcompat.stale_intermediate_entry(waiting, queue) and not rqcompat.stale_intermediate_entry(stuck, queue)
+
+
+def test_another_queues_job_on_an_intermediate_list_is_not_recorded_lost(redis_client, monkeypatch) -> None:
+    """Wherever clients can write RQ's intermediate lists (a Redis without ACLs: the chaos soak pushes there),
+    another queue's waiting job id pushed onto one was taken for a job this queue's worker lost: recorded
+    `worker_lost` (spending its budget) and queued a second time. An entry whose job is not this queue's is
+    stale, whatever its status."""
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+
+    mine = Queue("mine", connection=redis_client, serializer=JSONSerializer)
+    theirs = Queue("theirs", connection=redis_client, serializer=JSONSerializer)
+    foreign = theirs.create_job("worker.job.render", args=({"prompt": "z"},))  # queued, in no list of `mine`
+    foreign.save()
+    intermediate, lost = _clean_intermediate(redis_client, monkeypatch, mine, [foreign])
+    assert lost == [] and intermediate.get_job_ids() == []
+    assert rqcompat.stale_intermediate_entry(foreign, mine)

@@ -41,8 +41,8 @@ from tests.test_worker_support import (
     worker_env,
     worker_health,
 )
-from worker.control import cancel_job
-from worker.spool import MANIFEST_NAME
+from worker.protocol.control import cancel_job
+from worker.uploads.spool import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -107,7 +107,7 @@ def running_worker(
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
-    from worker.tcpproxy import TcpProxy
+    from worker.dev.tcpproxy import TcpProxy
 
     tmp = tmp_path_factory.mktemp("worker")
     proxy = TcpProxy(s3_server.s3_port).start()
@@ -140,7 +140,7 @@ def _check_object(s3_server: Any, result: dict[str, Any], expected: bytes) -> No
 
 
 def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, redis_server, s3_server):
-    from worker.tcpproxy import TcpProxy
+    from worker.dev.tcpproxy import TcpProxy
 
     proxy = TcpProxy(s3_server.s3_port).start()
     f = _start_worker(tmp_path, redis_server, s3_server, proxy, "smoke", "cpu:2",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ltx_mgpu.control.devices import parse_device_group
-from worker.settings import (
+from worker.runtime.settings import (
     BUILTIN_RUNNERS,
     SettingsError,
     WorkerSettings,
@@ -33,8 +33,8 @@ def test_defaults_are_valid_and_settings_cli_supervisor_never_import_torch():
     import sys
 
     code = (
-        "import sys; import worker.cli, worker.supervisor, worker.keys, worker.control; "
-        "from worker.settings import load_settings; load_settings(); "
+        "import sys; import worker.cli, worker.runtime.supervisor, worker.protocol.keys, worker.protocol.control; "
+        "from worker.runtime.settings import load_settings; load_settings(); "
         "engine = {m for m in sys.modules if m.startswith('ltx_mgpu')} - {'ltx_mgpu', 'ltx_mgpu.control', "
         "'ltx_mgpu.control.devices', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize'}; "
         "assert 'torch' not in sys.modules and not engine, sorted(sys.modules)"
@@ -167,10 +167,10 @@ def test_groups_and_labels():
 
 
 def test_resolve_runner_imports_by_path():
-    from worker.noop import NoopRunner
+    from worker.render.noop import NoopRunner
 
     assert resolve_runner(WorkerSettings(runner="noop")) is NoopRunner
-    s = WorkerSettings(runners={"x": "worker.noop:Missing"}, runner="x")
+    s = WorkerSettings(runners={"x": "worker.render.noop:Missing"}, runner="x")
     with pytest.raises(SettingsError, match="cannot import"):
         resolve_runner(s)
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from worker.settings import WorkerSettings
-from worker.spool import MANIFEST_NAME, Spool
-from worker.storage import LocalStorage, S3Storage, StorageError
-from worker.uploader import Uploader, UploadFailed
+from worker.runtime.settings import WorkerSettings
+from worker.uploads.spool import MANIFEST_NAME, Spool
+from worker.uploads.storage import LocalStorage, S3Storage, StorageError
+from worker.uploads.uploader import Uploader, UploadFailed
 
 MiB = 1024 * 1024
 

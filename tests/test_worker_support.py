@@ -15,6 +15,7 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | error=type      | the same with TypeError (`runtime`: RuntimeError); the fleet survives    |
 | error_rank=R    | with error=...: only rank R raises; the others wait in a collective      |
 | exit_rank=R     | rank R calls os._exit(9) at step `exit_step` (default 2): a dead rank    |
+| segv_rank=R     | rank R dies of SIGSEGV at step `exit_step`: a crash of the job's own doing |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
 | yuv=N           | with `media="frames"`: yield N noise frames (width x height) as a `media` event, no file |
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.control.events import output_event, progress_event, stage_event
-from worker.devservers import pid_alive
+from worker.dev.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = {
@@ -125,11 +126,14 @@ class FaultRunner(MGPURunner):
                 self.raise_if_cancelled()
                 time.sleep(0.05)
         exit_rank = int(d["exit_rank"]) if "exit_rank" in d else None
+        segv_rank = int(d["segv_rank"]) if "segv_rank" in d else None
         exit_step = int(d.get("exit_step", 2))
         for step in range(1, steps + 1):
             time.sleep(float(d.get("step_s", 0)))
             if exit_rank == self.rank and step == exit_step:
                 os._exit(9)
+            if segv_rank == self.rank and step == exit_step:
+                os.kill(os.getpid(), signal.SIGSEGV)
             self.raise_if_cancelled()
             if self.is_driver:
                 yield progress_event("denoise", step, steps)
@@ -348,7 +352,7 @@ def enqueue(conn: Any, queue: str, request: dict[str, Any], **kwargs: Any) -> An
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.keys import RENDER_FUNC
+    from worker.protocol.keys import RENDER_FUNC
 
     q = Queue(queue, connection=conn, serializer=JSONSerializer)
     kwargs.setdefault("job_timeout", 600)
@@ -388,6 +392,6 @@ def wait_rq_status(job: Any, statuses: set[str], timeout: float, worker: WorkerP
 
 
 def events(conn: Any, job_id: str) -> list[dict[str, Any]]:
-    from worker.keys import EVENT_FIELD_DATA, events_key
+    from worker.protocol.keys import EVENT_FIELD_DATA, events_key
 
     return [json.loads(fields[EVENT_FIELD_DATA.encode()]) for _, fields in conn.xrange(events_key(job_id))]

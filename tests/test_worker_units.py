@@ -17,10 +17,11 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from worker.fleet import FleetSupervisor, FleetUnrecoverable, await_released
-from worker.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, JobState, events_key
-from worker.relay import EventRelay
-from worker.supervisor import EXIT_BAD_CONFIG, Supervisor
+from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
+from worker.protocol.relay import EventRelay
+from worker.protocol.states import JobState
+from worker.render.fleet import FleetSupervisor, FleetUnrecoverable, await_released
+from worker.runtime.supervisor import EXIT_BAD_CONFIG, Supervisor
 
 # ==== relay =============================================================================================
 
@@ -367,7 +368,7 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     state, and a reader in between got RQ's placeholder from when the render returned (KeyError 'bucket')."""
     from types import SimpleNamespace
 
-    from worker import pipeline as pipeline_module
+    from worker.render import pipeline as pipeline_module
 
     order: list[str] = []
     monkeypatch.setattr(pipeline_module.rqcompat, "record_success_after_return",

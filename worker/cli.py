@@ -5,7 +5,7 @@
     ltx-worker one --group 0,1                      # a single worker in this process (no supervisor)
     ltx-worker health --port 9400                   # probe a worker's /readyz (exit 0 when ready)
     ltx-worker settings                             # print the effective settings (secrets masked)
-    ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/redisacl.py)
+    ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/protocol/redisacl.py)
 
 Every setting is an environment variable (`LTX_<FIELD>`) or a settings-file entry (`--settings FILE` /
 `LTX_SETTINGS_FILE`); the flags below override the most common ones. See docs/worker.md.
@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from .settings import SETTINGS_FILE_ENV, SettingsError, WorkerSettings, load_settings
+from worker.runtime.settings import SETTINGS_FILE_ENV, SettingsError, WorkerSettings, load_settings
 
 __all__ = ["main"]
 
@@ -62,7 +62,7 @@ def _load(settings_file: str | None, groups: tuple[str, ...], queues: tuple[str,
 def _child_env(settings: WorkerSettings, settings_file: str | None) -> dict[str, str]:
     """Hand the supervisor's effective settings to its children through LTX_* variables (the file and
     the environment are re-read there; CLI flags become variables)."""
-    from .supervisor import child_env
+    from worker.runtime.supervisor import child_env
 
     env: dict[str, str] = {}
     if settings_file:
@@ -95,8 +95,8 @@ def main(
     ctx.obj = {"groups": groups, "settings_file": settings_file, "queues": queues, **flags}
     if ctx.invoked_subcommand is not None:
         return
-    from .logs import setup_logging
-    from .supervisor import Supervisor, child_command
+    from worker.ops.logs import setup_logging
+    from worker.runtime.supervisor import Supervisor, child_command
 
     settings = _load(settings_file, groups, queues, **flags)
     setup_logging(settings.log_level, settings.log_format, group="supervisor")
@@ -138,8 +138,8 @@ def one(
     **flags: Any,
 ) -> None:
     """Run a single worker (one fleet) in this process."""
-    from .process import run_worker
-    from .settings import validate_group
+    from worker.runtime.process import run_worker
+    from worker.runtime.settings import validate_group
 
     settings_file, queues, flags = _inherit(ctx, settings_file, queues, flags)
     parent_groups = _parent_groups(ctx)
@@ -186,7 +186,9 @@ def show_settings(ctx: click.Context, settings_file: str | None, queues: tuple[s
 
 
 def _add_redis_acl() -> None:
-    from .redisacl import command  # (light: the producer image runs it as `python -m worker.redisacl`)
+    from worker.protocol.redisacl import (
+        command,  # (light: the producer image runs it as `python -m worker.protocol.redisacl`)
+    )
 
     main.add_command(command, "redis-acl")
 

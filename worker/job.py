@@ -1,6 +1,6 @@
-"""The RQ job function producers enqueue: `worker.job.render` (see `worker.keys.RENDER_FUNC`).
+"""The RQ job function producers enqueue: `worker.job.render` (see `worker.protocol.keys.RENDER_FUNC`).
 
-RQ resolves it by its dotted path inside the worker process, where `worker.process` has installed the
+RQ resolves it by its dotted path inside the worker process, where `worker.runtime.process` has installed the
 process's `RenderService` (one warm fleet). Enqueued elsewhere, e.g. by a plain forking RQ worker, it
 fails loudly instead of loading a model per job.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from rq import get_current_job
 
-from .service import RenderService
+from worker.render.service import RenderService
 
 __all__ = ["install_service", "render"]
 
@@ -19,7 +19,7 @@ _service: RenderService | None = None
 
 
 def install_service(service: RenderService | None) -> None:
-    """Make `service` the one `render()` uses in this process (set by `worker.process`)."""
+    """Make `service` the one `render()` uses in this process (set by `worker.runtime.process`)."""
     global _service
     _service = service
 

@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["MEDIA", "OUTPUT", "PROGRESS", "STAGE", "Stage", "output_event", "progress_event", "stage_event"]
 
-#: The `type` of each runner event (the worker relays them under the same names: `worker.keys.EventType`).
+#: The `type` of each runner event (the worker relays them under the same names: `worker.protocol.states.EventType`).
 STAGE = "stage"
 PROGRESS = "progress"
 OUTPUT = "output"

@@ -41,13 +41,15 @@ from click.testing import CliRunner
 from producer.cli import cli as producer_cli
 from producer.client import ProducerClient
 from producer.settings import ProducerSettings
+from tests.chaos import hostile
 from tests.chaos.evidence import keep_evidence
-from tests.chaos.hostile import BadInput, canary_paths, generate_bad_inputs, raw_job_hashes, to_text
+from tests.chaos.hostile import HOSTILE, VICTIM, BadInput
 from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
 from tests.chaos.stack import ChaosStack
 from tests.chaos.watchdog import Stalled, Watchdog
 from tests.test_worker_support import enqueue, wait_for
-from worker.schema import RenderRequest
+from worker.protocol.keys import tenant_queue
+from worker.protocol.schema import RenderRequest
 
 __all__ = ["FAULT_KINDS", "Report", "run_chaos"]
 
@@ -114,7 +116,9 @@ class _Run:
         self.evidence: dict[str, Path] = {}  # job id -> its evidence folder
         self.submitted_at: dict[str, float] = {}  # job id -> wall-clock time of its submit
         settings = ProducerSettings(redis_url=stack.redis.url, queues=[stack.queue], max_queue_depth=0,
-                                    job_timeout=120, result_ttl=3600, failure_ttl=3600)  # fmt: skip
+                                    job_timeout=120, result_ttl=3600, failure_ttl=3600, client=VICTIM,
+                                    tenant_ids=True)  # fmt: skip
+        self.queues = {"shared": stack.queue, **{t: tenant_queue(stack.queue, t) for t in (HOSTILE, VICTIM)}}
         self.client = ProducerClient(settings)
         self.n = 0
 
@@ -138,7 +142,7 @@ class _Run:
         it (what a Redis that drops a queued job does). A worker that took it first renders it normally."""
         for _ in range(20):
             job_id = self.submit("planted_lost")
-            if self.stack.conn.lrem(f"rq:queue:{self.stack.queue}", 0, job_id):
+            if self.stack.conn.lrem(f"rq:queue:{self.queues[VICTIM]}", 0, job_id):
                 self.planted.append(job_id)
                 self.note({"event": "planted_lost", "job": job_id})
                 return
@@ -243,22 +247,22 @@ class _Run:
 
     # ---- hostile input ---------------------------------------------------------------------------------
     def hostile(self, count: int, rng_seed: int) -> list[BadInput]:
-        stack, conn = self.stack, self.stack.conn
+        stack, conn, own = self.stack, self.stack.conn, self.queues[HOSTILE]  # (the doors below are hers)
         before = {h["pid"]: sorted(h["fleet"]["pids"]) for h in stack.wait_ready(120)}
-        payloads = generate_bad_inputs(rng_seed, count)
+        payloads = hostile.generate_bad_inputs(rng_seed, count)
         doors = ["cli", "enqueue"]
         inputs = [BadInput(doors[i % 2], p, repr(p)[:60]) for i, p in enumerate(payloads)]
         canary_dir = stack.workdir / "canary"
         canary_dir.mkdir(exist_ok=True)
         inputs += [BadInput("raw", fields, label, job_id=jid) for label, jid, fields in
-                   raw_job_hashes(stack.queue, canary_dir)]  # fmt: skip
+                   hostile.raw_job_hashes(own, canary_dir, tenant=HOSTILE)]  # fmt: skip
         runner = CliRunner()
         env = {"LTX_REDIS_URL": stack.redis.url, "LTX_QUEUES": stack.queue, "LTX_MAX_QUEUE_DEPTH": "0"}
         with tempfile.TemporaryDirectory() as tmp:
             for i, bad in enumerate(inputs):
                 if bad.door == "cli":
                     path = Path(tmp) / f"req{i}.json"
-                    path.write_text(to_text(bad.payload))
+                    path.write_text(hostile.to_text(bad.payload))
                     # "rejected" = a non-zero exit and no job created. (Judged by the job hashes, not the queue's
                     # length: the workers are consuming the enqueue-door inputs meanwhile, so the length moves
                     # on its own and a rejected request used to be counted as accepted now and then.)
@@ -268,17 +272,19 @@ class _Run:
                     bad.rejected = res.exit_code not in (0, None) and not created
                     bad.detail = f"exit {res.exit_code}"
                 elif bad.door == "enqueue":
-                    payload = json.loads(to_text(bad.payload)) if not hasattr(bad.payload, "depth") else bad.payload
+                    deep = hasattr(bad.payload, "depth")
+                    payload = bad.payload if deep else json.loads(hostile.to_text(bad.payload))
                     if hasattr(payload, "depth"):
                         # too deep for json.dumps: written as a raw job hash of the render function instead
-                        bad.door, bad.job_id = "raw", f"hostile-deep-{i}"
-                        _raw_render(conn, stack.queue, bad.job_id, payload.text())
+                        bad.door, bad.job_id = "raw", f"{HOSTILE}-hostile-deep-{i}"
+                        hostile.raw_render(conn, own, bad.job_id, payload.text(), tenant=HOSTILE)
                     else:
-                        bad.job_id = enqueue(conn, stack.queue, payload, job_timeout=60).id
+                        bad.job_id = enqueue(conn, own, payload, job_timeout=60, job_id=f"{HOSTILE}-{i}-{stack.token}",
+                                             meta={"client": HOSTILE}).id  # fmt: skip
                 else:
                     conn.hset(f"rq:job:{bad.job_id}", mapping=bad.payload)
-                    conn.rpush(f"rq:queue:{stack.queue}", bad.job_id)
-                    conn.sadd("rq:queues", f"rq:queue:{stack.queue}")
+                    conn.rpush(f"rq:queue:{own}", bad.job_id)
+                    conn.sadd("rq:queues", f"rq:queue:{own}")
         # a valid job behind them proves the workers still render, then judge each bad input
         probe = self.submit("hostile_probe")
         wait_for(lambda: job_state(conn, probe) in TERMINAL, 120, "probe after hostile input", poll=0.1,
@@ -287,7 +293,7 @@ class _Run:
             if bad.door == "cli":
                 continue
             status = (conn.hget(f"rq:job:{bad.job_id}", "status") or b"").decode()
-            in_queue = conn.lpos(f"rq:queue:{stack.queue}", bad.job_id) is not None
+            in_queue = conn.lpos(f"rq:queue:{own}", bad.job_id) is not None
             if bad.door == "enqueue":
                 meta_state = job_state(conn, bad.job_id)
                 raw_meta = conn.hget(f"rq:job:{bad.job_id}", "meta")
@@ -298,7 +304,9 @@ class _Run:
                 has_data = "data" in bad.payload if isinstance(bad.payload, dict) else True
                 bad.rejected = not in_queue and (status == "failed" or not has_data)
                 bad.detail = f"RQ {status or 'none'}"
-        canaries = canary_paths(canary_dir)
+        failed_own = [b.job_id for b in inputs if b.door == "enqueue" and b.rejected][:20]
+        inputs += hostile.run_queue_attacks(self, probe, failed_own)  # (after the judging above: ids now ended)
+        canaries = hostile.canary_paths(canary_dir)
         after = {h["pid"]: sorted(h["fleet"]["pids"]) for h in stack.wait_ready(60)}
         if canaries or after != before:
             for bad in inputs:
@@ -309,17 +317,6 @@ class _Run:
         self.note({"event": "hostile", "inputs": len(inputs), "rejected": sum(bool(b.rejected) for b in inputs),
                    "not_rejected": [(b.door, b.label, b.detail) for b in inputs if not b.rejected]})  # fmt: skip
         return inputs
-
-
-def _raw_render(conn: Any, queue: str, job_id: str, request_text: str) -> None:
-    import zlib
-
-    data = zlib.compress(('["worker.job.render", null, [' + request_text + "], {}]").encode())
-    stamp = "2025-01-01T00:00:00.000000Z"
-    conn.hset(f"rq:job:{job_id}", mapping={"data": data, "origin": queue, "status": "queued", "created_at": stamp,
-                                           "enqueued_at": stamp, "timeout": 60, "description": "deep"})  # fmt: skip
-    conn.rpush(f"rq:queue:{queue}", job_id)
-    conn.sadd("rq:queues", f"rq:queue:{queue}")
 
 
 def _retry(fn: Callable[[], Any], deadline_s: float = 60.0) -> Any:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos.runner import read_exec_log
-from worker.keys import events_key
+from worker.protocol.keys import events_key
 
 __all__ = ["keep_evidence"]
 

@@ -14,13 +14,20 @@ Doors:
   than the render function, wrong arguments, missing fields, a hash bigger than any job): no worker may
   die, nothing but the render function may run (a canary directory shows it), and the job must not stay
   queued or started.
+- `queue`: the queue attacks of the security review (`queue_attacks`), by tenant `alice` (whose requests
+  go through the doors above onto her own queue) against tenant `bob` (whose jobs the run submits):
+  thousands of bogus ids on her queue, bogus ids on RQ's intermediate lists, bob's ended job pushed onto
+  her queue and his, her own failed jobs pushed again. None may be counted against bob, re-run an ended
+  job, or kill a worker; a job of bob's submitted behind them renders.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -30,10 +37,25 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from worker.keys import RENDER_FUNC
-from worker.schema import RenderRequest
+from worker.protocol.keys import RENDER_FUNC
+from worker.protocol.schema import RenderRequest
 
-__all__ = ["BadInput", "DeepNest", "canary_paths", "generate_bad_inputs", "is_bad", "raw_job_hashes", "to_text"]
+__all__ = [
+    "HOSTILE",
+    "VICTIM",
+    "BadInput",
+    "DeepNest",
+    "canary_paths",
+    "generate_bad_inputs",
+    "is_bad",
+    "judge_queue_attacks",
+    "queue_attacks",
+    "raw_job_hashes",
+    "raw_render",
+    "to_text",
+]
+
+HOSTILE, VICTIM = "alice", "bob"  #: the tenant who attacks, the tenant whose jobs the run submits
 
 VALID = {"prompt": "a calm lake", "width": 64, "height": 64, "num_frames": 9, "steps": 1}
 FIELDS = ["prompt", "negative_prompt", "seed", "width", "height", "num_frames", "frame_rate", "steps",
@@ -173,8 +195,9 @@ def to_text(payload: Any) -> str:
     return payload.text() if isinstance(payload, DeepNest) else json.dumps(payload)
 
 
-def raw_job_hashes(queue: str, canary_dir: Path) -> list[tuple[str, str, dict[str, Any]]]:
-    """(label, job id, hash fields) of hand-written RQ job hashes; push the id onto `rq:queue:<queue>`."""
+def raw_job_hashes(queue: str, canary_dir: Path, tenant: str | None = None) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, job id, hash fields) of hand-written RQ job hashes; push the id onto `rq:queue:<queue>`. With
+    `tenant`: its ids and, where the hash has no meta of its own, a meta naming it (what its user may write)."""
 
     def data(func: str, args: list[Any], kwargs: dict[str, Any] | None = None) -> bytes:
         return zlib.compress(json.dumps([func, None, args, kwargs or {}]).encode())
@@ -185,11 +208,13 @@ def raw_job_hashes(queue: str, canary_dir: Path) -> list[tuple[str, str, dict[st
                                 "timeout": 60, "enqueued_at": stamp}  # fmt: skip
         if payload is not None:
             base["data"] = payload
+        if tenant is not None:
+            base["meta"] = json.dumps({"client": tenant}).encode()
         base.update(extra)
         return base
 
     def jid() -> str:
-        return f"hostile-{uuid.uuid4().hex[:10]}"
+        return f"{tenant + '-' if tenant else ''}hostile-{uuid.uuid4().hex[:10]}"
 
     canary = canary_dir / f"canary-{uuid.uuid4().hex[:8]}"
     return [
@@ -209,3 +234,95 @@ def raw_job_hashes(queue: str, canary_dir: Path) -> list[tuple[str, str, dict[st
 
 def canary_paths(canary_dir: Path) -> list[Path]:
     return sorted(canary_dir.glob("canary-*"))
+
+
+def raw_render(conn: Any, queue: str, job_id: str, request_text: str, tenant: str | None = None) -> None:
+    """A render job hash written by hand around `request_text` (too deep for json.dumps), pushed on `queue`."""
+    data = zlib.compress(('["worker.job.render", null, [' + request_text + "], {}]").encode())
+    stamp = "2025-01-01T00:00:00.000000Z"
+    fields = {"data": data, "origin": queue, "status": "queued", "created_at": stamp, "enqueued_at": stamp,
+              "timeout": 60, "description": "deep"}  # fmt: skip
+    if tenant is not None:
+        fields["meta"] = json.dumps({"client": tenant}).encode()
+    conn.hset(f"rq:job:{job_id}", mapping=fields)
+    conn.rpush(f"rq:queue:{queue}", job_id)
+    conn.sadd("rq:queues", f"rq:queue:{queue}")
+
+
+def queue_attacks(conn: Any, queues: dict[str, str], *, ended_victim: str, failed_own: list[str],
+                  bogus: int = 2000) -> list[BadInput]:  # fmt: skip
+    """Push the queue attacks (see the module docstring); `queues`: RQ queue name of "shared", `HOSTILE` and
+    `VICTIM`. Judged by `judge_queue_attacks` once the run has rendered a job of the victim's behind them."""
+    own, victim = f"rq:queue:{queues[HOSTILE]}", f"rq:queue:{queues[VICTIM]}"
+    statuses = {job_id: _ended_mark(conn, job_id) for job_id in [ended_victim, *failed_own]}
+    # ended ids first (within the depth cap: a dequeue checks them), then the flood (past the cap: trimmed)
+    conn.rpush(own, ended_victim)  # another tenant's ended job on her queue
+    conn.rpush(victim, ended_victim)  # an ended job pushed again on its own queue
+    if failed_own:
+        conn.rpush(own, *failed_own)  # her own failed jobs pushed again
+    ids = [f"{HOSTILE}-bogus-{i}" if i % 2 else f"bogus {i} \x00 {uuid.uuid4().hex}" for i in range(bogus)]
+    for i in range(0, len(ids), 500):
+        conn.rpush(own, *ids[i : i + 500])
+    stray = [f"{HOSTILE}-stray-{i}" for i in range(20)]
+    for name in (queues[HOSTILE], queues["shared"]):
+        conn.rpush(f"rq:queue:{name}:intermediate", *stray)
+    extra = {"statuses": statuses, "own": own, "stray": stray, "queues": queues}
+    return [
+        BadInput("queue", bogus, f"{bogus} bogus ids on {HOSTILE}'s queue", extra=extra),
+        BadInput("queue", stray, "bogus ids on the intermediate lists", extra=extra),
+        BadInput("queue", ended_victim, f"{VICTIM}'s uploaded job on {HOSTILE}'s queue and his", extra=extra),
+        BadInput("queue", failed_own, f"{len(failed_own)} failed jobs of {HOSTILE}'s pushed again", extra=extra),
+    ]
+
+
+def _ended_mark(conn: Any, job_id: str) -> tuple[Any, Any]:
+    """What a re-run would change: RQ's status and the execution count in meta."""
+    status, meta = conn.hmget(f"rq:job:{job_id}", "status", "meta")
+    try:
+        return status, json.loads(meta).get("attempt")
+    except (TypeError, ValueError, AttributeError):
+        return status, None
+
+
+def judge_queue_attacks(conn: Any, attacks: list[BadInput], *, victim_job_ok: bool, workers_same: bool) -> None:
+    """Set `rejected` on each attack: nothing left where it was pushed, no ended job re-run or changed, the
+    victim's job behind the attacks rendered, no worker restarted."""
+    if not attacks:
+        return
+    extra = attacks[0].extra
+    own, queues, stray, statuses = extra["own"], extra["queues"], extra["stray"], extra["statuses"]
+    left_own = conn.lrange(own, 0, -1)
+    lists = [conn.lrange(f"rq:queue:{name}:intermediate", 0, -1) for name in (queues[HOSTILE], queues["shared"])]
+    left_stray = [i for ids in lists for i in ids if i.decode(errors="replace") in stray]
+    now = {job_id: _ended_mark(conn, job_id) for job_id in statuses}
+    changed = [j for j in statuses if now[j] != statuses[j]]
+    victim = [j for j in changed if not j.startswith(f"{HOSTILE}-")]  # (its re-render: the duplicated check)
+    own_changed = [j for j in changed if j.startswith(f"{HOSTILE}-")]
+    for bad, ok, detail in zip(attacks, [
+        not left_own and victim_job_ok, not left_stray, not victim and victim_job_ok, not own_changed,
+    ], [f"{len(left_own)} ids left on her queue, victim's job ok: {victim_job_ok}", f"{len(left_stray)} left",
+        f"changed: {victim}", f"changed: {own_changed}"], strict=True):  # fmt: skip
+        bad.rejected, bad.detail = ok and workers_same, detail + ("" if workers_same else "; a worker restarted")
+
+
+def run_queue_attacks(run: Any, ended: str, failed_own: list[str]) -> list[BadInput]:
+    """`queue_attacks` in a chaos run (`engine._Run`), then a job of the victim's behind them, judged once her
+    queue and the intermediate lists are clean (bounded waits: what is left is judged as not rejected)."""
+    from tests.chaos.invariants import TERMINAL, job_state
+    from tests.test_worker_support import wait_for
+
+    conn, t0, queues = run.stack.conn, time.monotonic(), run.queues
+    workers = sorted(h["pid"] for h in run.stack.wait_ready(60))
+    attacks = queue_attacks(conn, queues, ended_victim=ended, failed_own=failed_own)
+    probe = run.submit("queue_attack_probe")
+    lists = [f"rq:queue:{queues[name]}:intermediate" for name in ("shared", HOSTILE)]
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: job_state(conn, probe) in TERMINAL and not conn.llen(attacks[0].extra["own"]), 120,
+                 "the victim's job rendered and her queue drained", poll=0.2)  # fmt: skip
+        wait_for(lambda: not any(conn.lpos(key, i) is not None for i in attacks[1].payload for key in lists), 60,
+                 "the stray intermediate entries dropped", poll=0.5)  # fmt: skip
+    same = sorted(h["pid"] for h in run.stack.wait_ready(60)) == workers
+    judge_queue_attacks(conn, attacks, victim_job_ok=job_state(conn, probe) == "uploaded", workers_same=same)
+    run.note({"event": "queue_attacks", "s": round(time.monotonic() - t0, 2), "probe": probe,
+              "judged": [(b.label, b.rejected, b.detail) for b in attacks]})  # fmt: skip
+    return attacks

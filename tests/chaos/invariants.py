@@ -24,7 +24,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from tests.chaos.runner import read_exec_log
-from worker.keys import EVENT_FIELD_DATA, events_key
+from worker.protocol.keys import EVENT_FIELD_DATA, events_key
 
 __all__ = ["Accepted", "Verdict", "check"]
 

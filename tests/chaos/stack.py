@@ -19,8 +19,8 @@ from typing import Any
 
 from tests.chaos.runner import RUNNER_NAME, RUNNER_PATH
 from tests.test_worker_support import RUNNERS, WorkerProcess, pid_alive, wait_for, worker_env, worker_health
-from worker.devservers import RedisServer, S3Server
-from worker.tcpproxy import TcpProxy
+from worker.dev.devservers import RedisServer, S3Server
+from worker.dev.tcpproxy import TcpProxy
 
 __all__ = ["ChaosStack", "marked_processes"]
 
@@ -106,6 +106,9 @@ class ChaosStack:
             retry_fleet_failure=2, retry_worker_lost=2, retry_upload_failed=2, retry_worker_shutdown=2,
             upload_attempts=40, upload_backoff_s=0.2, upload_backoff_max_s=0.5,
             rebuild_backoff_s=0.5, max_rebuild_failures=5, log_format="json",
+            # two tenants: the run submits as bob, the hostile inputs come from alice (tests/chaos/hostile.py);
+            # a depth cap no run of bob's reaches, which alice's thousands of bogus ids would if counted for him
+            tenant_ids="true", tenants="alice,bob", max_queue_depth=200,
         )  # fmt: skip
         settings.update(self.overrides)
         env = worker_env(self.redis.url, self.s3, queue=self.queue, name=self.name, spool=self.spool,

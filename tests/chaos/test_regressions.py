@@ -23,8 +23,8 @@ from tests.test_worker_support import (
     wait_state,
     worker_env,
 )
-from worker.keys import RENDER_FUNC
-from worker.renderjob import RefusedJob, RenderJob
+from worker.protocol.keys import RENDER_FUNC
+from worker.protocol.renderjob import RefusedJob, RenderJob
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -98,8 +98,8 @@ def test_relay_rides_out_a_redis_restart(redis_server_factory: Any) -> None:
     import threading
     import time
 
-    from worker.keys import JobState
-    from worker.relay import EventRelay
+    from worker.protocol.relay import EventRelay
+    from worker.protocol.states import JobState
 
     server = redis_server_factory(appendonly=True)
     conn = server.client()
@@ -157,7 +157,7 @@ def _complete_render_of_a_dead_worker(conn: Any, queue: str, spool_dir: Path) ->
     import os
     import time
 
-    from worker.spool import Spool
+    from worker.uploads.spool import Spool
 
     q = Queue(queue, connection=conn, serializer=JSONSerializer)
     job = q.create_job(RENDER_FUNC, args=(dict(VALID, prompt="t"),), timeout=60, result_ttl=600, failure_ttl=600,
@@ -176,7 +176,7 @@ def _complete_render_of_a_dead_worker(conn: Any, queue: str, spool_dir: Path) ->
 def _assert_uploaded_once(conn: Any, job: Any) -> None:
     import json as _json
 
-    from worker.keys import EVENT_FIELD_DATA, events_key
+    from worker.protocol.keys import EVENT_FIELD_DATA, events_key
 
     events = [_json.loads(f[EVENT_FIELD_DATA.encode()]) for _, f in conn.xrange(events_key(job.id))]
     states = [e["state"] for e in events if e["type"] == "state"]
@@ -234,7 +234,7 @@ def test_worker_starting_while_s3_is_unreachable_serves_renders(
     after 5 quick exits and the service was down. Now it starts with storage `degraded` (health, metrics),
     renders into the spool while uploads retry, and the job is uploaded once S3 is back."""
     from tests.test_worker_support import worker_health
-    from worker.tcpproxy import TcpProxy
+    from worker.dev.tcpproxy import TcpProxy
 
     proxy = TcpProxy(s3_server.s3_port).start()
     proxy.block()

@@ -1,6 +1,6 @@
 """A job's request LoRAs on the ranks: parsed and checked identically on every rank, before any collective.
 
-The worker resolves a request's `loras` to checked local files (`worker.loras`) and passes
+The worker resolves a request's `loras` to checked local files (`worker.render.loras`) and passes
 `[{"path", "strength"}]` as the job kwarg. The ranks do not trust that: each rank re-reads every file's
 header against the weights the tracker holds (`ltx_mgpu.lorafile.check_lora`, shapes from the resident
 model, so a file changed after the worker's check is still refused) and raises `ValueError`, the same on

@@ -16,7 +16,7 @@ CUDA peak memory between device synchronisations), reported in the `output` even
 Setup kwargs (every rank; the table is in docs/runners.md): `checkpoint_path` (the LTX-2 monolith),
 `spatial_upsampler_path`, `gemma_root`, `distilled_lora_path` (two-stage), and the tuning options of `setup`.
 
-Job kwargs: `common.args.RenderArgs` (worker/schema.py `RenderRequest` + `output_path`). Every request
+Job kwargs: `common.args.RenderArgs` (worker/protocol/schema.py `RenderRequest` + `output_path`). Every request
 check runs on every rank before any collective and raises `ValueError` (a recoverable
 `SymmetricRunnerError`).
 

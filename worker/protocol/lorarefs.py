@@ -1,0 +1,88 @@
+"""A LoRA named in a render request (`RenderRequest.loras`): the shape of the field, checked at the edge.
+
+A request names a LoRA and never a worker path: either `name`, a file of the operator's catalogue
+(`LTX_LORA_CATALOGUE`, a folder of `<name>.safetensors`), or `uri`, an `s3://bucket/key` object under a
+prefix the operator allows (`LTX_LORA_S3_PREFIXES`). What this module checks is what any worker would
+refuse (syntax, count, a finite strength in range); which names and prefixes exist is the worker's
+(`worker.render.loras`), and the file itself is checked from its header before any fleet sees it
+(`ltx_mgpu.lorafile`). Imports only pydantic, so the producer uses it without torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["MAX_LORAS", "MAX_LORA_STRENGTH", "LoraRef", "parse_lora_option", "split_s3_uri", "uri_allowed"]
+
+MAX_LORAS = 8  #: LoRAs per request, structurally (a worker may allow fewer: `LTX_LORA_MAX_PER_REQUEST`)
+MAX_LORA_STRENGTH = 4.0  #: |strength|; past this a LoRA's delta swamps the weight it is added to
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  #: a file name stem: no path separator, no leading dot
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """`s3://bucket/key` -> (bucket, key); ValueError naming what is wrong."""
+    if not uri.startswith("s3://"):
+        raise ValueError(f"must be s3://bucket/key, got {uri[:80]!r}")
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    if not _BUCKET.match(bucket):
+        raise ValueError(f"bucket {bucket[:80]!r} is not a valid S3 bucket name")
+    if not key or key.endswith("/") or any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"key {key[:200]!r} must name an object (no empty, '.' or '..' segments)")
+    if not key.endswith(".safetensors"):
+        raise ValueError(f"key {key[:200]!r} must end in .safetensors (only safetensors LoRAs are loaded)")
+    return bucket, key
+
+
+def uri_allowed(uri: str, prefixes: list[str]) -> bool:
+    """Whether `uri` is under one of `prefixes` (`bucket` or `bucket/key-prefix`; the bucket matches whole)."""
+    bucket, key = split_s3_uri(uri)
+    for prefix in prefixes:
+        allowed_bucket, _, key_prefix = prefix.partition("/")
+        if bucket == allowed_bucket and key.startswith(key_prefix):
+            return True
+    return False
+
+
+class LoraRef(BaseModel):
+    """One LoRA to fuse for this job: exactly one of `name` (catalogue) or `uri` (S3), and a strength."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+    name: str | None = Field(default=None, pattern=NAME_PATTERN, description="a LoRA of the worker's catalogue")
+    uri: str | None = Field(default=None, max_length=1024, description="s3://bucket/key.safetensors")
+    strength: float = Field(default=1.0, ge=-MAX_LORA_STRENGTH, le=MAX_LORA_STRENGTH, allow_inf_nan=False)
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_s3_uri(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LoraRef:
+        if (self.name is None) == (self.uri is None):
+            raise ValueError("give exactly one of 'name' (the worker's catalogue) or 'uri' (s3://bucket/key)")
+        return self
+
+    @property
+    def label(self) -> str:
+        """How events and `producer status` name it."""
+        return self.name if self.name is not None else str(self.uri)
+
+
+def parse_lora_option(text: str) -> LoraRef:
+    """`NAME`, `NAME:STRENGTH`, `s3://bucket/key` or `s3://bucket/key:STRENGTH` (the producer's `--lora`)."""
+    source, strength = text, 1.0
+    head, sep, tail = text.rpartition(":")
+    if sep and head and head != "s3":
+        try:
+            strength = float(tail)
+        except ValueError:
+            raise ValueError(f"--lora {text!r}: strength {tail!r} is not a number") from None
+        source = head
+    field = "uri" if source.startswith("s3://") else "name"
+    return LoraRef.model_validate({field: source, "strength": strength})

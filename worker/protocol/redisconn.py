@@ -1,0 +1,108 @@
+"""How the worker and the producer connect to Redis: user, password (from a file), TLS. One place for both.
+
+`LTX_REDIS_URL` stays the address (and may still carry `user:password@`: supported, masked everywhere).
+The other `LTX_REDIS_*` settings add what a URL should not hold in a deployment:
+
+| setting                    | what                                                                        |
+|----------------------------|-----------------------------------------------------------------------------|
+| `LTX_REDIS_USERNAME`       | the Redis 6+ ACL user (`worker`, or a tenant's name: `ltx-worker redis-acl`) |
+| `LTX_REDIS_PASSWORD`       | its password (a `SecretStr`: masked in `settings` output, never logged)      |
+| `LTX_REDIS_PASSWORD_FILE`  | read the password from this file (docker/k8s secrets); wins over the above  |
+| `LTX_REDIS_CA_FILE`        | CA bundle that signed the server's certificate (`rediss://` URLs only)       |
+| `LTX_REDIS_CERT_FILE`      | client certificate, when the server asks for one (`tls-auth-clients yes`)   |
+| `LTX_REDIS_KEY_FILE`       | the client certificate's private key                                        |
+
+redis-py lets URL parts win over keyword arguments, so a user or password given both in the URL and in
+these settings is refused at start (one of them would be ignored silently). Every connection a process
+opens is made by `connect()` (or copies the pool of one made by it: the worker's heartbeat connection, RQ's
+pubsub), so none of them can miss the TLS or credential settings.
+
+Imports only pydantic and (lazily) redis: the producer imports it without pulling in rq, torch or boto3.
+"""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, SecretStr, model_validator
+
+from worker.protocol.sharedsettings import read_secret_file, safe_redis_url
+
+__all__ = ["RedisAccess", "connect", "connection_kwargs"]
+
+
+class RedisAccess(BaseModel):
+    """The `LTX_REDIS_*` fields besides the URL; mixed into `WorkerSettings` and `ProducerSettings`
+    (their env prefix and `redis_url` field apply). The password file is read once, at validation."""
+
+    redis_username: str | None = Field(None, description="Redis ACL user (unset: the URL's, or `default`)")
+    redis_password: SecretStr | None = Field(None, description="Redis password (prefer redis_password_file)")
+    redis_password_file: Path | None = Field(None, description="read the Redis password from this file")
+    redis_ca_file: Path | None = Field(None, description="CA bundle for a rediss:// server's certificate")
+    redis_cert_file: Path | None = Field(None, description="client certificate for rediss:// (mutual TLS)")
+    redis_key_file: Path | None = Field(None, description="private key of redis_cert_file")
+
+    @model_validator(mode="after")
+    def _check_redis_access(self) -> RedisAccess:
+        url: str = getattr(self, "redis_url", "")
+        if self.redis_password_file is not None:
+            text = read_secret_file(self.redis_password_file, "redis_password_file")
+            if not text:
+                raise ValueError(f"redis_password_file (LTX_REDIS_PASSWORD_FILE): {self.redis_password_file} is empty")
+            object.__setattr__(self, "redis_password", SecretStr(text))
+        user_in_url, password_in_url = _url_credentials(url)
+        if self.redis_password is not None and password_in_url:
+            raise ValueError("the Redis password is set both in LTX_REDIS_URL and in LTX_REDIS_PASSWORD(_FILE): "
+                             "keep one (the URL's would win)")  # fmt: skip
+        if self.redis_username is not None and user_in_url:
+            raise ValueError("the Redis user is set both in LTX_REDIS_URL and in LTX_REDIS_USERNAME: keep one")
+        tls_files = {"LTX_REDIS_CA_FILE": self.redis_ca_file, "LTX_REDIS_CERT_FILE": self.redis_cert_file,
+                     "LTX_REDIS_KEY_FILE": self.redis_key_file}  # fmt: skip
+        given = [name for name, path in tls_files.items() if path is not None]
+        if given and not url.startswith("rediss://"):
+            raise ValueError(f"{', '.join(given)}: TLS files go with a rediss:// LTX_REDIS_URL, "
+                             f"not {safe_redis_url(url)}")  # fmt: skip
+        if (self.redis_cert_file is None) != (self.redis_key_file is None):
+            raise ValueError("LTX_REDIS_CERT_FILE and LTX_REDIS_KEY_FILE: set both or neither")
+        for name, path in tls_files.items():
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
+        return self
+
+
+def _url_credentials(url: str) -> tuple[bool, bool]:
+    """(user given, password given) in a redis URL's authority part."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False, False
+    return bool(parts.username), parts.password is not None and parts.password != ""
+
+
+def connection_kwargs(settings: Any) -> dict[str, Any]:
+    """redis-py keyword arguments for `settings` (a `RedisAccess`): credentials and TLS, nothing else."""
+    kwargs: dict[str, Any] = {}
+    if settings.redis_username is not None:
+        kwargs["username"] = settings.redis_username
+    if settings.redis_password is not None:
+        kwargs["password"] = settings.redis_password.get_secret_value()
+    if str(settings.redis_url).startswith("rediss://"):
+        kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED  # (redis-py's default too; stated, never weakened)
+        if settings.redis_ca_file is not None:
+            kwargs["ssl_ca_certs"] = str(settings.redis_ca_file)
+        if settings.redis_cert_file is not None:
+            kwargs["ssl_certfile"] = str(settings.redis_cert_file)
+            kwargs["ssl_keyfile"] = str(settings.redis_key_file)
+    return kwargs
+
+
+def connect(settings: Any, **options: Any) -> Any:
+    """A `redis.Redis` for `settings.redis_url` with the credentials and TLS of `settings`; `options` are
+    the caller's timeouts and the like."""
+    import redis
+
+    return redis.Redis.from_url(settings.redis_url, **connection_kwargs(settings), **options)

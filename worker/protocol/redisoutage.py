@@ -1,0 +1,148 @@
+"""Redis refusing the worker: a condition the worker waits out, never a reason to quit.
+
+Found by the abuse review: a tenant filled Redis past `maxmemory`, every write failed with `OOM`, the
+worker's admission `MULTI/EXEC` raised out of RQ's work loop ("unhandled exception, quitting"), the
+restarted workers died the same way at registration and the supervisor gave up: the service stayed down
+after the memory came back. Out of memory, a read-only replica (`READONLY`, a failover), a server still
+loading its AOF (`LOADING`), a lost connection: each clears by itself or by an operator's hand, without a
+new worker process. So the steps of the work loop that talk to Redis (registration, maintenance, dequeue
+and admission, the bookkeeping around a job, heartbeats) catch these errors, and this object turns them
+into a back-off (0.5 s doubling to 10 s), one log line per outage (not a traceback per attempt), the
+`ltx_worker_redis_up` gauge and the `redis` entry of the health snapshot (`/healthz` stays 200 while the
+loop turns: a restart would not help; `/readyz` says 503: no job is taken meanwhile). Any other error
+still propagates: a bug is not an outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from rq.exceptions import StopRequested
+
+__all__ = ["RedisOutage", "add_memory_hook", "memory_refused", "outage_reason", "remove_memory_hook"]
+
+log = logging.getLogger("worker.redis")
+
+#: Error replies that mean "not now" rather than "never": out of memory, a replica or failover, a server
+#: still loading, a script running too long, a failed background save refusing writes, a cluster moving.
+TRANSIENT_REPLIES = ("OOM", "READONLY", "LOADING", "MASTERDOWN", "BUSY", "NOREPLICAS", "TRYAGAIN", "MISCONF",
+                     "CLUSTERDOWN")  # fmt: skip
+
+#: Called (no arguments, must not raise) whenever a write of this process is refused for memory, from the
+#: refusing thread: the worker releases its reserve and trims tenants over budget (worker.jobs.tenantmemory).
+_memory_hooks: list[Callable[[], None]] = []
+
+
+def add_memory_hook(fn: Callable[[], None]) -> None:
+    _memory_hooks.append(fn)
+
+
+def remove_memory_hook(fn: Callable[[], None]) -> None:
+    if fn in _memory_hooks:
+        _memory_hooks.remove(fn)
+
+
+def memory_refused(exc: BaseException | None) -> bool:
+    """If `exc` (or what it was raised from) is Redis refusing for memory, run the memory hooks; True if so."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+            isinstance(exc, redis.ResponseError) and str(exc).upper().startswith("OOM")
+        ):
+            for fn in list(_memory_hooks):
+                fn()
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+_TRANSIENT_CLASSES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.BusyLoadingError)
+
+
+def outage_reason(exc: BaseException | None) -> str | None:
+    """One line saying why Redis refused us if `exc` (or what it was raised from) is a transient refusal;
+    None for anything else."""
+    if isinstance(exc, StopRequested):  # (a stop signal raised while RQ waited on a lost connection: a stop)
+        return None
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+            return f"{type(exc).__name__}: {str(exc)[:200]}"
+        if isinstance(exc, _TRANSIENT_CLASSES):  # (redis-py strips the reply's prefix from these)
+            return f"{type(exc).__name__}: {str(exc)[:200]}"
+        if isinstance(exc, redis.ResponseError):
+            text = str(exc)
+            if text.split(" ", 1)[0].upper() in TRANSIENT_REPLIES:
+                return text[:200]
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+class RedisOutage:
+    """The worker's view of whether Redis takes its commands; thread-safe. See the module docstring."""
+
+    def __init__(self, on_change: Callable[[bool], None] | None = None, *, first_delay_s: float = 0.5,
+                 max_delay_s: float = 10.0) -> None:  # fmt: skip
+        self.on_change = on_change
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+        self.since: float | None = None  #: wall clock of the first refusal of this outage
+        self.reason: str | None = None
+        self.refusals = 0  #: in this outage
+        self.outages = 0  #: since the process started
+        self._lock = threading.Lock()
+
+    @property
+    def up(self) -> bool:
+        return self.since is None
+
+    def refused(self, exc: BaseException, where: str) -> float | None:
+        """Record a refusal if `exc` is one (see `outage_reason`); returns the back-off to wait, None if `exc`
+        is not a Redis outage (the caller re-raises it)."""
+        reason = outage_reason(exc)
+        if reason is None:
+            return None
+        memory_refused(exc)
+        with self._lock:
+            first = self.since is None
+            if first:
+                self.since, self.outages = time.time(), self.outages + 1
+            self.refusals += 1
+            self.reason = f"{where}: {reason}"
+            delay = min(self.max_delay_s, self.first_delay_s * 2 ** min(self.refusals - 1, 16))
+        if first:
+            log.error("Redis refuses the worker (%s during %s): waiting it out (no job is taken; retrying with "
+                      "back-off up to %.0fs)", reason, where, self.max_delay_s)  # fmt: skip
+            self._changed(False)
+        elif self.refusals % 20 == 0:
+            log.warning("Redis still refuses the worker after %.0fs (%s during %s)", time.time() - (self.since or 0),
+                        reason, where)  # fmt: skip
+        return delay
+
+    def cleared(self) -> None:
+        """A command that needs Redis's memory went through: the outage (if any) is over."""
+        if self.since is None:
+            return
+        with self._lock:
+            since, self.since, self.reason, refusals, self.refusals = self.since, None, None, self.refusals, 0
+        if since is not None:
+            log.warning("Redis takes the worker's commands again after %.1fs (%d refusals)", time.time() - since,
+                        refusals)  # fmt: skip
+            self._changed(True)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"up": self.up, "since": self.since, "reason": self.reason, "outages": self.outages}
+
+    def _changed(self, up: bool) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(up)
+            except Exception:
+                log.debug("outage listener failed", exc_info=True)

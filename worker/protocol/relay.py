@@ -1,0 +1,161 @@
+"""Relay a job's events into its Redis Stream and keep a small summary in the RQ job meta.
+
+One `emit()` is one Redis round trip: XADD (approximate MAXLEN) plus, when the summary changed, an HSET of
+the job's `meta` field, in one pipeline. The stream's expiry is set on the first entry (long enough to
+outlive the running job) and reset on the terminal state to the job's result/failure TTL, so the events
+disappear together with the job (an EXPIRE survives later XADDs).
+
+The meta summary (see `worker.protocol.states.SUMMARY_FIELDS`) is written into the *same* dict RQ holds for the job,
+so RQ's own later `job.save()` (e.g. on a re-queue) writes our latest summary rather than a stale copy.
+Thread-safe: upload progress arrives from transfer threads while the main thread may emit too.
+
+Redis may restart under a running job (found by the chaos suite: one failed XADD during a restart turned a
+healthy render into a terminal `internal` failure). Writes are therefore retried on connection errors for
+up to `REDIS_OUTAGE_S` with a short back-off; with AOF nothing acknowledged is lost, and an event whose
+reply was lost in the outage may appear twice in the stream (at-least-once), never zero times.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
+from worker.protocol.states import TERMINAL_STATES, EventType, JobState
+
+__all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
+
+REDIS_OUTAGE_S = 30.0  #: how long relay writes keep retrying while Redis is unreachable
+
+
+def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S) -> Any:
+    """Call `fn` (one Redis write), retrying with back-off for up to `outage_s` seconds while Redis refuses
+    for a reason that clears by itself: unreachable, out of memory, read-only, loading
+    (`worker.protocol.redisoutage.outage_reason`; a render's events used to fail the job on the first OOM)."""
+    from worker.protocol.redisoutage import memory_refused, outage_reason
+
+    deadline = time.monotonic() + outage_s
+    delay = 0.05
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if outage_reason(exc) is None or time.monotonic() + delay > deadline:
+                raise
+            memory_refused(exc)  # (out of memory: the worker's reserve and the tenant sweep make room)
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+
+_KNOWN_TYPES = {t.value for t in EventType}
+
+
+class EventRelay:
+    """Writes events of one job execution; see the module docstring."""
+
+    def __init__(
+        self,
+        connection: Any,
+        job: Any,
+        *,
+        maxlen: int,
+        running_ttl: int,
+        summary: dict[str, Any] | None = None,
+    ) -> None:
+        self.connection = connection
+        self.job = job
+        self.key = events_key(job.id)
+        self.maxlen = maxlen
+        self.running_ttl = max(1, int(running_ttl))
+        self._lock = threading.Lock()
+        self._expiry_set = False
+        self._stage_started: dict[str, tuple[float, int]] = {}  # stage -> (monotonic at first step, step)
+        if job.meta is None:
+            job.meta = {}
+        self.meta: dict[str, Any] = job.meta
+        self.meta.update(summary or {})
+        self.entries = 0
+
+    # ---- public --------------------------------------------------------------------------------------
+    def emit(self, event: dict[str, Any], *, summary: dict[str, Any] | None = None, ttl: int | None = None) -> str:
+        """Append `event` (a JSON-safe dict with a `type`) to the stream; update the summary. Returns the id.
+
+        `ttl`: set the stream's expiry to this many seconds now (terminal events).
+        """
+        data = dict(event)
+        data.setdefault("type", EventType.OTHER.value)
+        data["ts"] = time.time()
+        etype = str(data["type"])
+        if etype not in _KNOWN_TYPES:
+            etype = EventType.OTHER.value
+        with self._lock:
+            changes = dict(summary or {})
+            if etype == EventType.PROGRESS.value:
+                changes.update(self._progress_summary(data))
+                data["percent"], data["eta_s"] = changes["percent"], changes["eta_s"]
+            elif etype == EventType.STAGE.value:
+                changes.update(stage=data.get("stage"), step=None, total=None, percent=None, eta_s=None)
+            entry_id = with_redis_retry(lambda: self._write(data, etype, changes, ttl))
+            self.entries += 1
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    def _write(self, data: dict[str, Any], etype: str, changes: dict[str, Any], ttl: int | None) -> Any:
+        """One pipeline: XADD, the stream's expiry, the summary. Safe to repeat after a connection error."""
+        pipe = self.connection.pipeline(transaction=False)
+        pipe.xadd(
+            self.key,
+            {EVENT_FIELD_TYPE: etype, EVENT_FIELD_DATA: json.dumps(data, default=str)},
+            maxlen=self.maxlen,
+            approximate=True,
+        )
+        if ttl is not None:
+            pipe.expire(self.key, max(1, int(ttl)))
+        elif not self._expiry_set:
+            pipe.expire(self.key, self.running_ttl)
+        if changes:
+            changes["updated_at"] = data["ts"]
+            self.meta.update(changes)
+            pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.meta))
+        entry_id = pipe.execute()[0]
+        self._expiry_set = True  # only once the pipeline went through (a retried write sets it again)
+        return entry_id
+
+    def state(self, state: JobState, *, ttl: int | None = None, **extra: Any) -> str:
+        """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`
+        also go into the summary."""
+        summary: dict[str, Any] = {"state": state.value}
+        if state in TERMINAL_STATES:
+            summary["ended_at"] = time.time()  # the job's end (with the pipeline: the upload's, not the render's)
+        if state is JobState.UPLOADED:
+            summary.update(percent=100.0, eta_s=0.0, error=None)  # earlier attempts stay in meta `attempts`
+        for key in ("error", "result", "attempt", "worker", "fleet"):
+            if key in extra:
+                summary[key] = extra[key]
+        return self.emit({"type": EventType.STATE.value, "state": state.value, **extra}, summary=summary, ttl=ttl)
+
+    def update_summary(self, **changes: Any) -> None:
+        """Write summary fields without an event (e.g. the attempt counter at start)."""
+        with self._lock:
+            changes["updated_at"] = time.time()
+            self.meta.update(changes)
+            payload = self.job.serializer.dumps(self.meta)
+            with_redis_retry(lambda: self.connection.hset(self.job.key, "meta", payload))
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _progress_summary(self, data: dict[str, Any]) -> dict[str, Any]:
+        stage = data.get("stage")
+        step = int(data.get("step") or 0)
+        total = int(data.get("total") or 0)
+        now = time.monotonic()
+        first = self._stage_started.get(stage) if isinstance(stage, str) else None
+        if isinstance(stage, str) and (first is None or step < first[1]):
+            self._stage_started[stage] = first = (now, step)
+        percent = round(100.0 * step / total, 2) if total > 0 else None
+        eta = None
+        if first is not None and total > 0 and step > first[1]:
+            rate = (now - first[0]) / (step - first[1])  # seconds per step, observed in this stage
+            eta = round(rate * (total - step), 3)
+        return {"stage": stage, "step": step, "total": total, "percent": percent, "eta_s": eta}

@@ -1,0 +1,159 @@
+"""`RenderJob`: the RQ job class of render workers, hardened against what anyone with Redis access can push.
+
+Found by the chaos suite (tests/chaos) and the abuse review: a plain RQ worker executes *any*
+importable function named in a job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), calls
+any module attribute named as a success/failure/stopped callback, re-runs a job as often as its
+`repeats_left` says, posts to its webhooks, decompresses its `data` without a bound (a 1.4 MB zlib bomb
+took a worker to 3.3 GB), and rewrites a meta of any size on every event. A hash RQ cannot parse
+(`created_at: "yesterday"`) or whose meta is not JSON made the worker process quit with its warm fleet. So:
+
+- only `worker.protocol.keys.RENDER_FUNC` is executed; any other function, a job id `worker.protocol.keys.check_job_id`
+  refuses, an owner (meta `client`) that `worker.protocol.keys.check_client_name` refuses, or a hash carrying
+  fields this service never writes (callbacks, repeats, dependencies, webhooks) fails the job with
+  `RefusedJob` (recorded as `invalid_request`); those fields are dropped on load, so RQ never acts on
+  them (RQ calls a failure callback even for a refused job);
+- with tenant job ids on (`LTX_TENANT_IDS`: tenants' Redis users can write only `rq:job:<tenant>-*`), a job
+  whose meta `client` is not its id's tenant prefix is refused the same way (`check_job_owner`), so a
+  tenant cannot submit under another tenant's name (their quota, their `ls`);
+- `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
+  replaced by an empty one and refused the same way;
+- a hash bigger in Redis than a job of this service can be (`max_hash_bytes()`: twice the request and
+  meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `OversizedJob`, and the worker
+  deletes it and records the failure (`FleetWorker.drop_oversized`): a tenant who wrote 90 MB into her own
+  job hash spent the service's memory, and every read of it copied the 90 MB again;
+- a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
+- `worker.protocol.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
+  failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
+
+The limits come from the worker's settings through `RenderJob.with_limits()`, a subclass per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from typing import Any
+
+from rq.job import Job
+from rq.utils import decode_redis_hash
+
+from worker.protocol.keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
+
+__all__ = ["REFUSED_HASH_FIELDS", "OversizedJob", "RefusedJob", "RenderJob", "check_job_owner"]
+
+log = logging.getLogger("worker.rq")
+
+#: Job-hash fields the producer never writes and RQ would act on: refused, and dropped before RQ sees them.
+REFUSED_HASH_FIELDS = (
+    "success_callback_name",
+    "failure_callback_name",
+    "stopped_callback_name",
+    "repeats_left",
+    "repeat_intervals",
+    "dependency_ids",
+    "dependency_id",
+    "webhooks",
+)
+_CALL_PLACEHOLDER = zlib.compress(json.dumps([RENDER_FUNC, None, [], {}]).encode())  # never run: refused
+
+
+class RefusedJob(RuntimeError):
+    """The job hash is not one this service runs (another function, a bad id, refused fields): never executed."""
+
+
+class OversizedJob(RuntimeError):
+    """The job hash takes more memory than any job of this service: refused without reading it."""
+
+    def __init__(self, job_id: str, size: int, cap: int) -> None:
+        super().__init__(f"the job hash takes {size} bytes in Redis, over {cap}: refused without reading it")
+        self.job_id = job_id
+
+
+class RenderJob(Job):
+    """See the module docstring."""
+
+    max_data_bytes: int = 1 << 20  #: decompressed `data` (the call and its request) accepted
+    max_meta_bytes: int = 64 << 10  #: serialized meta accepted
+    tenant_ids: bool = False  #: job ids are `<client>-<id>`: the owner must match (`check_job_owner`)
+
+    @classmethod
+    def max_hash_bytes(cls) -> int:
+        """The most memory a job hash of this service takes: its request and meta at their bounds, twice
+        (Redis's own overhead; a hash re-saved mid-update), plus RQ's fields and a failure record."""
+        return 2 * (cls.max_data_bytes + cls.max_meta_bytes) + (256 << 10)
+
+    def refresh(self) -> None:
+        size = self.connection.memory_usage(self.key, samples=0)
+        if size is not None and size > self.max_hash_bytes():
+            raise OversizedJob(self.id, int(size), self.max_hash_bytes())
+        super().refresh()
+
+    @classmethod
+    def with_limits(cls, *, max_data_bytes: int, max_meta_bytes: int, tenant_ids: bool = False) -> type[RenderJob]:
+        """A subclass with these limits (one per worker, from its settings)."""
+        return type("RenderJob", (cls,), {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes,
+                                          "tenant_ids": tenant_ids})  # fmt: skip
+
+    def restore(self, raw_data: Any) -> Any:
+        obj = decode_redis_hash(raw_data)
+        refusals: list[str] = []
+        present = [name for name in REFUSED_HASH_FIELDS if obj.get(name) not in (None, b"", b"[]")]
+        if present:
+            refusals.append(f"the job hash carries {', '.join(present)}, which this service never sets")
+        for name in REFUSED_HASH_FIELDS:
+            obj.pop(name, None)
+        data = obj.get("data")
+        if isinstance(data, bytes):
+            size = _decompressed_size(data, self.max_data_bytes)
+            if size > self.max_data_bytes:
+                refusals.append(f"the job's data exceeds {self.max_data_bytes} bytes")
+                obj["data"] = _CALL_PLACEHOLDER
+        meta = obj.get("meta")
+        if isinstance(meta, bytes) and len(meta) > self.max_meta_bytes:
+            refusals.append(f"the job's meta has {len(meta)} bytes, over {self.max_meta_bytes}")
+            obj["meta"] = b"{}"
+        out = super().restore(obj)
+        meta_now = self.meta
+        if isinstance(meta_now, dict) and isinstance(meta_now.get("unserialized"), bytes):
+            self.meta = {"unserialized": meta_now["unserialized"].decode("utf-8", "replace")}
+        # (kept across refreshes: a refresh after RQ re-saved the cleaned hash must not forget them)
+        self._refusals = list(dict.fromkeys([*getattr(self, "_refusals", []), *refusals]))
+        return out
+
+    def _execute(self) -> Any:
+        if self.func_name != RENDER_FUNC:
+            raise RefusedJob(f"this worker only runs {RENDER_FUNC}; refusing to run {self.func_name!r}")
+        try:
+            check_job_id(self.id)  # (RQ checks only the characters; a long id broke the spool)
+        except ValueError as exc:
+            raise RefusedJob(str(exc)) from None
+        try:
+            job_owner(self.meta)  # (quotas count against it; a name RQ keys and operators' tables cannot hold)
+        except ValueError as exc:
+            raise RefusedJob(f"owner: {exc}") from None
+        if getattr(self, "_refusals", None):
+            raise RefusedJob("; ".join(self._refusals))
+        if self.tenant_ids:
+            check_job_owner(self.id, self.meta)
+        return super()._execute()
+
+
+def check_job_owner(job_id: str, meta: Any) -> None:
+    """With tenant job ids, `job_id`'s tenant prefix must be the client recorded in its meta; else
+    `RefusedJob`. A tenant's Redis user can create only its own ids, but writes the meta itself."""
+    owner = meta.get("client") if isinstance(meta, dict) else None
+    tenant = job_tenant(job_id)
+    if tenant is None or owner != tenant:
+        raise RefusedJob(f"job {job_id[:60]!r} is not a tenant job of its recorded client {str(owner)[:40]!r} "
+                         "(tenant ids: the id must be '<client>-<id>')")  # fmt: skip
+
+
+def _decompressed_size(data: bytes, limit: int) -> int:
+    """How many bytes `data` holds once decompressed, counting at most `limit + 1` (RQ stores it with zlib;
+    data that is not zlib is taken as is, as RQ does)."""
+    try:
+        out = zlib.decompressobj().decompress(data, limit + 1)
+    except zlib.error:
+        return len(data)
+    return len(out)

@@ -1,0 +1,288 @@
+"""`EncodeStage`: the mp4 encode of a rendered video, in the worker process beside the next job.
+
+Why: H100/H200 have no NVENC, and an encode on the fleet's driver rank held every GPU of the group for it
+(1.3 s of a 4.1 s distilled render at 768x512, 3.1 s at 1536x1024). The fleet now ends a job at its last
+device operation: it yields yuv420p frames and the waveform (`ltx_mgpu.runners.common.media.media_event`,
+tensors in shared memory, no pickling) and the job function hands them here and returns; the worker's
+next dequeue follows at once while this stage encodes (parallel x264 runs on every core, `encode_*`
+settings), commits the mp4 to the spool and passes it to the upload pipeline.
+
+Order for one job (RQ job id as the key):
+
+1. job function: `<spool>/<job_id>/encoding.json` (the marker, written atomically) and the spool entry's
+   ownership lock (`Spool.claim`), `submit()`, return; the job's state stays `rendering` (no video exists
+   yet that could survive a crash);
+2. the encoder thread (after RQ's bookkeeping of the return, `released`): a `stage` event `mux` (by the
+   worker), the mp4 under the spool, the manifest (`Spool.commit`), `rendered`, then the upload pipeline
+   (`uploading` -> `uploaded` with the sha256, as for any render).
+
+Crash rule: a worker that dies mid-encode loses only the frames (they lived in its memory). The marker
+without a manifest tells the next start (`recover()`, or any worker sharing the spool, once the dead
+process's lock is gone) to record the loss (`worker_lost`, within its retry budget) and re-queue the job:
+it renders again. Raw frames are never spooled, so the spool's disk use does not grow with the backlog.
+
+Bounds: `full()` while `max_pending` videos wait for (or are in) the encoder; the worker takes no job
+meanwhile (`UploadPipeline.full()` asks this stage too). Frames in memory are at most `max_pending` videos
+(285 MB each at 1536x1024x121 in yuv420p), in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from worker.protocol import rqcompat
+from worker.protocol.relay import EventRelay
+from worker.protocol.states import FailureReason, JobState
+from worker.render.pipeline import PendingUpload, UploadPipeline
+from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
+
+__all__ = ["MARKER_NAME", "EncodeStage", "PendingEncode"]
+
+log = logging.getLogger("worker.render.encoder")
+MARKER_NAME = "encoding.json"
+_RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
+
+
+@dataclass
+class PendingEncode:
+    """One rendered video waiting for (or in) the encoder, with what its upload needs afterwards."""
+
+    job: Any
+    relay: EventRelay
+    output_path: Path  #: where the mp4 goes (inside the job's spool directory)
+    media: dict[str, Any]  #: the runner's `media` event (yuv420p frames, waveform)
+    output: dict[str, Any]  #: the runner's `output` event (frames, fps, size, timings)
+    key: str  #: storage key of this render
+    attempt: int = 1
+    queue_wait_s: float | None = None
+    render_s: float = 0.0
+    t0: float = field(default_factory=time.time)
+    released: threading.Event = field(default_factory=threading.Event)
+    claim: int | None = None  #: the spool entry's ownership lock while the frames exist only here
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.id)
+
+    @property
+    def nbytes(self) -> int:
+        video = self.media.get("video")
+        return int(video.numel()) if video is not None else 0
+
+
+class EncodeStage:
+    """One encoder thread with a bounded queue; see the module docstring."""
+
+    def __init__(self, *, spool: Spool, pipeline: UploadPipeline, settings: Any, metrics: Any, group: str) -> None:
+        self.spool, self.pipeline, self.settings, self.metrics, self.group = spool, pipeline, settings, metrics, group
+        self.max_pending = int(settings.max_pending_encodes)
+        self._cond = threading.Condition()
+        self._queue: deque[PendingEncode] = deque()
+        self._pending: dict[str, PendingEncode] = {}
+        self._thread: threading.Thread | None = None
+        self.encoded = 0
+        self.failed = 0
+        pipeline.encoder = self  # back-pressure, `is_pending` and the warm stop's drain see the encodes too
+
+    # ---- feeding (the job function's thread) ---------------------------------------------------------
+    def prepare(self, item: PendingEncode) -> None:
+        """Write the crash marker and take the entry's lock, before the job function returns."""
+        directory = self.spool.job_dir(item.job_id)
+        marker = {"job_id": item.job_id, "queue": item.job.origin, "submission": rqcompat.submission_of(item.job),
+                  "created_at": time.time()}  # fmt: skip
+        tmp = directory / f".{MARKER_NAME}.tmp"
+        tmp.write_text(json.dumps(marker))
+        os.replace(tmp, directory / MARKER_NAME)
+        item.claim = self.spool.claim(item.job_id)
+
+    def submit(self, item: PendingEncode) -> None:
+        with self._cond:
+            self._ensure_thread()
+            self._pending[item.job_id] = item
+            self._queue.append(item)
+            self._cond.notify_all()
+        self._publish()
+
+    def released(self, job_id: str) -> None:
+        with self._cond:
+            item = self._pending.get(job_id)
+        if item is not None:
+            item.released.set()
+
+    # ---- state ----------------------------------------------------------------------------------------
+    def full(self) -> bool:
+        with self._cond:
+            return len(self._pending) >= self.max_pending
+
+    def is_pending(self, job_id: str) -> bool:
+        with self._cond:
+            return job_id in self._pending
+
+    def pending_count(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def wait_empty(self, deadline: float) -> bool:
+        with self._cond:
+            while self._pending and time.monotonic() < deadline:
+                self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+            return not self._pending
+
+    # ---- the synchronous path (upload_pipeline off) -----------------------------------------------------
+    def encode_now(self, item: PendingEncode) -> SpoolEntry:
+        """Encode and commit in the caller's thread; returns the committed entry (raises on failure)."""
+        item.released.set()
+        try:
+            return self._encode_and_commit(item, hash_now=True)
+        finally:  # the caller uploads it (or fails the job) itself; nothing here owns the entry any more
+            if item.claim is not None:
+                self.spool.unclaim(item.claim)
+                item.claim = None
+
+    # ---- the encoder thread ---------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="ltx-encode", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                item = self._queue.popleft()
+            try:
+                item.released.wait(_RELEASE_WAIT_S)
+                entry = self._encode_and_commit(item, hash_now=False)
+            except Exception as exc:
+                self._failed(item, exc)
+            else:
+                self._hand_to_uploads(item, entry)
+            finally:
+                with self._cond:
+                    self._pending.pop(item.job_id, None)
+                    self._cond.notify_all()
+                item.media = {}  # the frames' shared memory goes now, not when the next job replaces the item
+                self._publish()
+
+    def _encode_and_commit(self, item: PendingEncode, *, hash_now: bool) -> SpoolEntry:
+        from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, write_mp4_yuv
+
+        s, media = self.settings, item.media
+        _safe(item.relay.emit, {"type": "stage", "stage": "mux", "by": "worker"})
+        t0 = time.monotonic()
+        audio = None
+        if media.get("audio") is not None:
+            audio = AudioTrack(media["audio"], int(media["audio_sample_rate"]))
+        options = EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, tune=s.encode_tune, bframes=s.encode_bframes,
+                                threads=s.encode_threads, segments=s.encode_segments)  # fmt: skip
+        write_mp4_yuv(media["video"], item.output_path, float(media["fps"]), width=int(media["width"]), audio=audio,
+                      options=options)  # fmt: skip
+        encode_s = time.monotonic() - t0
+        self.metrics.encode_seconds.labels(self.group).observe(encode_s)
+        info = {k: item.output.get(k) for k in ("frames", "fps", "width", "height")}
+        info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4))
+        entry = self.spool.commit(item.job_id, file_name=item.output_path.name, key=item.key,
+                                  content_type=str(item.output.get("content_type") or "video/mp4"),
+                                  queue=item.job.origin, info=info, hash_now=hash_now,
+                                  submission=rqcompat.submission_of(item.job))  # fmt: skip
+        (self.spool.job_dir(item.job_id) / MARKER_NAME).unlink(missing_ok=True)
+        self.encoded += 1
+        sha = {"sha256": entry.sha256} if entry.sha256 else {}
+        _safe(item.relay.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
+              encode_s=round(encode_s, 4), **sha)  # fmt: skip
+        return entry
+
+    def _hand_to_uploads(self, item: PendingEncode, entry: SpoolEntry) -> None:
+        if item.claim is not None:  # the pipeline takes its own lock on the entry (same process: release first)
+            self.spool.unclaim(item.claim)
+            item.claim = None
+        upload = PendingUpload(entry=entry, job=item.job, relay=item.relay, attempt=item.attempt,
+                               queue_wait_s=item.queue_wait_s, render_s=item.render_s, t0=item.t0)  # fmt: skip
+        upload.released.set()
+        self.pipeline.submit(upload)
+
+    def _failed(self, item: PendingEncode, exc: Exception) -> None:
+        """The encode or its commit failed (disk full, a broken frame buffer): the video is lost, the job
+        is recorded like any failed attempt and re-queued within its budget (it renders again)."""
+        self.failed += 1
+        log.exception("job %s: encode failed; the job is recorded and re-queued per its budget", item.job_id)
+        reason = FailureReason.SPOOL_ERROR if isinstance(exc, OSError) else FailureReason.INTERNAL
+        self.spool.discard_incomplete(item.job_id)
+        if item.claim is not None:
+            self.spool.unclaim(item.claim)
+            item.claim = None
+        _record_lost(self.pipeline, item.job, item.relay, reason, f"encode: {type(exc).__name__}: {exc}")
+
+    # ---- recovery (at start) ---------------------------------------------------------------------------
+    def recover(self, connection: Any) -> int:
+        """Re-queue the jobs whose worker died mid-encode (marker, no manifest, lock free). Returns how many."""
+        from rq.job import Job, JobStatus
+        from rq.serializers import JSONSerializer
+
+        found = 0
+        for marker in sorted(self.spool.root.glob(f"*/{MARKER_NAME}")):
+            directory = marker.parent
+            if (directory / MANIFEST_NAME).exists() or self.is_pending(directory.name):
+                continue
+            fd = self.spool.claim(directory.name)
+            if fd is None:  # a live process is still encoding it
+                continue
+            try:
+                info = json.loads(marker.read_text())
+                job = self.pipeline._fetch_when_redis_answers(  # (Redis restarting: wait, never drop the job)
+                    lambda d=directory.name: Job.fetch(d, connection=connection, serializer=JSONSerializer)
+                )
+                state = (job.meta or {}).get("state")
+                # only a job whose return RQ recorded (`finished`): one killed before that is still in RQ's
+                # started registry, and the abandoned-job cleanup re-queues it (twice would run it twice)
+                returned = job.get_status(refresh=False) == JobStatus.FINISHED
+                if returned and rqcompat.submission_of(job) == info.get("submission") and state == JobState.RENDERING:
+                    relay = self.pipeline.outcomes.relay(job)
+                    _record_lost(self.pipeline, job, relay, FailureReason.WORKER_LOST,
+                                 "the worker stopped while encoding the video; it renders again")  # fmt: skip
+                    found += 1
+            except (redis.ConnectionError, redis.TimeoutError):
+                log.error("encode marker %s: Redis unreachable; kept for the next start", directory.name)
+                continue  # (the lock is released by `finally`)
+            except Exception:
+                log.warning("encode marker %s: job not recoverable; dropping the marker", directory.name,
+                            exc_info=True)  # fmt: skip
+            finally:
+                self.spool.unclaim(fd)
+            self.spool.discard_incomplete(directory.name)
+        if found:
+            log.info("recovery: %d job(s) lost mid-encode re-queued to render again", found)
+        return found
+
+    def _publish(self) -> None:
+        self.metrics.encode_pending.labels(self.group).set(self.pending_count())
+        self.pipeline.notify()
+
+
+def _record_lost(pipeline: UploadPipeline, job: Any, relay: EventRelay, reason: FailureReason, message: str) -> None:
+    """Record a failed attempt of a job RQ saw finish, then re-queue it or fail it for good (its budget)."""
+    outcomes = pipeline.outcomes
+    retry = outcomes.failed(job, reason, message, relay=relay, retryable=True)
+    if retry:
+        rqcompat.requeue_after_return(job)
+    else:
+        rqcompat.fail_after_return(job, f"JobFailed: {reason.value}: {message}", outcomes.failure_ttl(job),
+                                   pipeline.worker_name)  # fmt: skip
+
+
+def _safe(fn: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception:
+        log.warning("could not write a job event", exc_info=True)

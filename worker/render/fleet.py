@@ -1,0 +1,445 @@
+"""Fleet supervision: one warm `MGPUController` per worker process, rebuilt whenever it is poisoned.
+
+Lifecycle: `start()` builds the controller and blocks until every rank ran `setup()` (the model is warm)
+before the worker takes its first job. The controller's monitor reports a poisoned fleet at once, even
+while it is idle (a rank killed between jobs): `on_failure(info)` and `on_change()` fire from the monitor
+thread, the state turns `failed`, and `rebuild_soon()` starts the rebuild in a thread of its own. Before
+every dequeue the worker calls `ensure_ready()`, which waits for that rebuild (or runs one) so no job is
+taken until the fleet is warm again. Consecutive failed builds back off exponentially; after
+`max_failures` of them `FleetUnrecoverable` is raised (in the caller of `ensure_ready()`) and the worker
+process exits non-zero instead of spinning, so its supervisor (or the orchestrator) sees a crash loop.
+
+A start is complete only after the configured warm-up requests rendered once (`warmup`: compilation,
+CUDA-graph capture, allocator growth and caches for the sizes the service expects happen here, not in a
+client's first job); a failed warm-up is a failed build. Before a new fleet starts, the old one's rank
+processes must be gone and (where NVML can tell) listed on no GPU: at real size a new fleet loading while a
+dead one's memory is still held runs out of memory. `startup` describes the last successful start: process
+start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes in its health
+snapshot and metrics.
+
+The controller is created through `factory` (default `ltx_mgpu.MGPUController`), imported lazily so this
+module can be imported without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from worker.ops.errorids import public_message
+from worker.ops.procs import pid_alive
+from worker.protocol.states import EventType
+
+__all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
+
+log = logging.getLogger("worker.render.fleet")
+
+EventFn = Callable[[dict[str, Any]], None]
+
+
+class FleetUnrecoverable(RuntimeError):
+    """The fleet could not be (re)built `max_failures` times in a row; the worker must exit non-zero."""
+
+
+class FleetSupervisor:
+    """Owns the worker's controller; see the module docstring."""
+
+    def __init__(
+        self,
+        runner_cls: type,
+        devices: Sequence[object],
+        *,
+        setup_kwargs: dict[str, Any] | None = None,
+        start_timeout: float = 1800.0,
+        shutdown_timeout: float = 30.0,
+        error_settle_s: float | None = None,
+        max_failures: int = 3,
+        backoff_s: float = 2.0,
+        factory: Callable[..., Any] | None = None,
+        on_event: EventFn | None = None,
+        on_failure: EventFn | None = None,
+        on_change: Callable[[], None] | None = None,
+        warmup: Sequence[dict[str, Any]] = (),
+        warmup_dir: Path | None = None,
+        warmup_timeout: float = 3600.0,
+        release_timeout: float = 120.0,
+    ) -> None:
+        self.runner_cls = runner_cls
+        self.devices = list(devices)
+        self.setup_kwargs = dict(setup_kwargs or {})
+        self.start_timeout = start_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.error_settle_s = error_settle_s  # (MGPUController's; None: its default)
+        self.max_failures = max_failures
+        self.backoff_s = backoff_s
+        self._factory = factory
+        self.on_event = on_event or (lambda _event: None)
+        self.on_failure = on_failure or (lambda _info: None)  #: a fleet was poisoned: info (monitor thread)
+        self.on_change = on_change or (lambda: None)  #: `state` or liveness changed (any thread)
+        self.controller: Any = None
+        self._state = "new"  #: new → starting → ready → (failed → starting → ready)* → stopped
+        self.builds = 0  #: successful builds (1 = the initial start)
+        self.rebuilds = 0  #: successful builds after a failure
+        self.build_failures = 0  #: failed build attempts, all time
+        self.last_failure: dict[str, Any] | None = None
+        self.failures = 0  #: poisoned fleets, all time
+        self.ready_at: float | None = None  #: wall-clock time the current controller became warm
+        self._recorded: list[BaseException] = []  # failures counted lately (the monitor and the job report each)
+        self._lock = threading.RLock()  # held for a whole (re)build
+        self._small_lock = threading.Lock()  # failure bookkeeping and the rebuild thread; never held long
+        self._stopped = threading.Event()
+        self._rebuild_thread: threading.Thread | None = None
+        self._building: Any = None  # the controller being started (shutdown()/kill() stop it without the lock)
+        self._rebuild_error: FleetUnrecoverable | None = None
+        self.warmup = [dict(kwargs) for kwargs in warmup]  #: job kwargs (no output_path) run after each start
+        self.warmup_dir = warmup_dir
+        self.warmup_timeout = warmup_timeout
+        self.release_timeout = release_timeout
+        self.startup: dict[str, Any] | None = None  #: the last successful start: phases in seconds, stamps
+
+    # ---- state ---------------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        changed = value != self._state
+        self._state = value
+        if changed:
+            self._notify()
+
+    def _notify(self) -> None:
+        try:
+            self.on_change()
+        except Exception:
+            log.warning("fleet on_change hook failed", exc_info=True)
+
+    @property
+    def is_alive(self) -> bool:
+        ctl = self.controller
+        return ctl is not None and bool(ctl.is_alive)
+
+    @property
+    def pids(self) -> list[int]:
+        ctl = self.controller
+        return list(ctl.pids) if ctl is not None else []
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Build and start the controller (retrying with back-off); raise FleetUnrecoverable on give-up."""
+        with self._lock:
+            if self.is_alive:
+                return
+            rebuild = self.builds > 0
+            failures = 0
+            while not self._stopped.is_set():
+                self._teardown()
+                self.state = "starting"
+                self.on_event({"type": EventType.FLEET, "action": "rebuilding" if rebuild else "starting"})
+                t0 = time.monotonic()
+                started_at = time.time()
+                ctl = None
+                warmup_s = 0.0
+                try:
+                    ctl = self._building = self._make()
+                    if not self._stopped.is_set():  # (a shutdown stops `_building` from its own thread)
+                        ctl.start(timeout=self.start_timeout, **self.setup_kwargs)
+                        warmup_s = self._warm_up(ctl)
+                except BaseException as exc:
+                    self._building = None
+                    if ctl is not None:  # a failed start or warm-up: nothing of it is trusted or kept
+                        self._discard(ctl, 0)
+                    if not isinstance(exc, Exception):
+                        raise  # a signal-driven stop (the worker's startup interrupt) or an exit: not a failure
+                    if self._stopped.is_set():
+                        break
+                    failures += 1
+                    self.build_failures += 1
+                    self.state = "failed"
+                    log.error("fleet build failed (%d/%d): %s", failures, self.max_failures, exc, exc_info=True)
+                    self.on_event({"type": EventType.FLEET, "action": "rebuild_failed" if rebuild else "start_failed",
+                                   "error": f"{type(exc).__name__}: {exc}", "attempt": failures})  # fmt: skip
+                    if failures >= self.max_failures:
+                        raise FleetUnrecoverable(
+                            f"fleet on devices {self.devices} failed to start {failures} times in a row; "
+                            f"last error: {type(exc).__name__}: {exc}"
+                        ) from exc
+                    if self._stopped.wait(self.backoff_s * (2 ** (failures - 1))):
+                        break
+                    continue
+                self._building = None
+                if self._stopped.is_set():
+                    ctl.shutdown(graceful_timeout=0)
+                    break
+                self.controller = ctl
+                self.ready_at = time.time()
+                self.state = "ready"
+                self.builds += 1
+                if rebuild:
+                    self.rebuilds += 1
+                seconds = round(time.monotonic() - t0, 3)
+                self.startup = _startup_report(ctl, started_at, warmup_s, len(self.warmup))
+                log.info("fleet ready on %s in %.2fs (pids %s): %s", self.devices, seconds, ctl.pids,
+                         {k: v for k, v in self.startup.items() if k.endswith("_s")})  # fmt: skip
+                self.on_event({"type": EventType.FLEET, "action": "rebuilt" if rebuild else "started",
+                               "seconds": seconds, "pids": list(ctl.pids), "startup": self.startup})  # fmt: skip
+                return
+            self.state = "stopped"
+            raise FleetUnrecoverable("fleet start interrupted by shutdown")
+
+    def ensure_ready(self, *, tick: Callable[[], None] | None = None) -> bool:
+        """Make sure the controller is warm: if it is dead or poisoned, (re)build it in the rebuild thread
+        (or wait for the rebuild already running there), calling `tick()` about once a second meanwhile.
+        Returns True if a rebuild happened; raises `FleetUnrecoverable` if rebuilds gave up."""
+        if self.is_alive and self._rebuild_thread is None:
+            return False
+        if self.controller is not None and not self.is_alive:
+            log.warning("fleet on %s is not alive (%s); rebuilding", self.devices, self.last_failure)
+        self.rebuild_soon()
+        with self._small_lock:
+            thread = self._rebuild_thread
+        while thread is not None and thread.is_alive():
+            thread.join(1.0)
+            if tick is not None and thread.is_alive():
+                try:
+                    tick()
+                except Exception:
+                    log.debug("tick during a fleet rebuild failed", exc_info=True)
+        with self._small_lock:
+            error, self._rebuild_error = self._rebuild_error, None
+            if self._rebuild_thread is thread:
+                self._rebuild_thread = None
+        if error is not None:
+            raise error
+        if not self.is_alive:
+            raise FleetUnrecoverable("fleet rebuild ended without a live fleet (stopped meanwhile)")
+        return thread is not None
+
+    def rebuild_soon(self) -> None:
+        """Start rebuilding in a thread of its own now (idempotent); `ensure_ready()` waits for it."""
+        with self._small_lock:
+            running = self._rebuild_thread is not None and self._rebuild_thread.is_alive()
+            if running or self._stopped.is_set():
+                return
+            self._rebuild_thread = threading.Thread(target=self._rebuild, name="ltx-fleet-rebuild", daemon=True)
+            self._rebuild_thread.start()
+
+    def _rebuild(self) -> None:
+        try:
+            self.start()
+        except FleetUnrecoverable as exc:
+            with self._small_lock:
+                self._rebuild_error = exc
+        except Exception as exc:  # a bug here must not leave ensure_ready() waiting or the fleet unreported
+            with self._small_lock:
+                self._rebuild_error = FleetUnrecoverable(f"fleet rebuild crashed: {type(exc).__name__}: {exc}")
+            log.exception("fleet rebuild crashed")
+
+    @staticmethod
+    def describe(failure: BaseException) -> dict[str, Any]:
+        """A FleetFailure, machine-readable, with a one-line message (health snapshots and job errors are
+        read by tenants: the ranks' tracebacks stay in the worker log under `error_id`; `worker.ops.errorids`).
+        The same failure object is described once (its monitor and the job that hit it both report it)."""
+        cached = getattr(failure, "_ltx_description", None)
+        if isinstance(cached, dict):
+            return dict(cached)
+        message, error_id = public_message(str(failure), context="fleet failure")
+        info = {
+            "fleet_reason": getattr(failure, "reason", None),
+            "rank": getattr(failure, "rank", None),
+            "pid": getattr(failure, "pid", None),
+            "exitcode": getattr(failure, "exitcode", None),
+            "message": message,
+            "error_id": error_id,
+        }
+        try:
+            failure._ltx_description = dict(info)  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        return info
+
+    def record_failure(self, failure: BaseException) -> dict[str, Any]:
+        """Count a poisoned fleet once (its monitor's callback and the job that hit it both report the same
+        failure object, in either order, maybe after a rebuild began), mark it for rebuild, tell
+        `on_failure`. Returns the description."""
+        info = self.describe(failure)
+        with self._small_lock:
+            first = not any(f is failure for f in self._recorded)
+            if first:
+                self._recorded = [*self._recorded[-7:], failure]
+        if first:
+            self.failures += 1
+            self.last_failure = info
+            self.on_event({"type": EventType.FLEET, "action": "failed", **info})
+            try:
+                self.on_failure(info)
+            except Exception:
+                log.warning("fleet on_failure hook failed", exc_info=True)
+            self.state = "failed"
+        return info
+
+    def _controller_failed(self, controller: Any, failure: BaseException) -> None:
+        """The controller's monitor (or iterating thread) poisoned `controller`: record it, rebuild now."""
+        if controller is not self.controller:
+            return  # an old generation's late report
+        self.record_failure(failure)
+        self.rebuild_soon()
+
+    def shutdown(self, graceful_timeout: float | None = None) -> None:
+        """Stop the fleet (every rank); idempotent. Interrupts a rebuild back-off or a start in progress."""
+        self._stopped.set()
+        self._stop_building()
+        with self._lock:
+            self._teardown(graceful_timeout)
+            self.state = "stopped"
+
+    def stop_retrying(self) -> None:
+        """Make a running `start()` give up after its current attempt (no lock: callable from a signal
+        handler running on the thread that holds it)."""
+        self._stopped.set()
+
+    def kill_for_rebuild(self) -> None:
+        """Kill the ranks now because the fleet cannot be trusted (e.g. abandoned mid-job); the next
+        `ensure_ready()` builds a new one."""
+        ctl = self.controller
+        self.state = "failed"
+        if ctl is not None:
+            ctl.shutdown(graceful_timeout=0)
+
+    def kill(self) -> None:
+        """Cold stop: kill the ranks now, from any thread (does not wait for the lock holder)."""
+        self._stopped.set()
+        self._stop_building()
+        ctl = self.controller
+        if ctl is not None:
+            ctl.shutdown(graceful_timeout=0)
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _warm_up(self, ctl: Any) -> float:
+        """Render each warm-up request once on the new fleet (outputs discarded); returns the seconds."""
+        if not self.warmup:
+            return 0.0
+        t0 = time.monotonic()
+        directory = self.warmup_dir or Path("/tmp")
+        directory.mkdir(parents=True, exist_ok=True)
+        for i, kwargs in enumerate(self.warmup):
+            path = directory / f"warmup-{os.getpid()}-{i}.out"
+            try:
+                stream = ctl.stream(timeout=self.warmup_timeout, **kwargs, output_path=str(path))
+                for _ in stream:
+                    pass
+            except Exception as exc:
+                raise RuntimeError(f"warm-up request {i} failed: {type(exc).__name__}: {exc}") from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        seconds = time.monotonic() - t0
+        log.info("fleet on %s warmed up with %d request(s) in %.2fs", self.devices, len(self.warmup), seconds)
+        return seconds
+
+    def _stop_building(self) -> None:
+        building = self._building
+        if building is not None:
+            building.shutdown(graceful_timeout=0)
+
+    def _make(self) -> Any:
+        factory = self._factory
+        if factory is None:
+            from ltx_mgpu import MGPUController
+
+            factory = MGPUController
+        extra = {} if self.error_settle_s is None else {"error_settle_s": self.error_settle_s}
+        ctl = factory(self.runner_cls, devices=self.devices, **extra)
+        register = getattr(ctl, "add_failure_callback", None)
+        if register is not None:
+            register(functools.partial(self._controller_failed, ctl))
+        return ctl
+
+    def _teardown(self, graceful_timeout: float | None = None) -> None:
+        ctl, self.controller = self.controller, None
+        if ctl is not None:
+            self._discard(ctl, self.shutdown_timeout if graceful_timeout is None else graceful_timeout)
+
+    def _discard(self, ctl: Any, graceful_timeout: float) -> None:
+        """Stop a controller and wait until its ranks have released their devices."""
+        pids = list(ctl.pids)
+        ctl.shutdown(graceful_timeout=graceful_timeout)
+        await_released(pids, self.release_timeout)
+
+
+def await_released(pids: Sequence[int], timeout: float) -> bool:
+    """Wait until none of `pids` runs and (where NVML answers) no GPU lists any of them; True if so.
+
+    A rank killed mid-job can take seconds to exit while the driver tears down a large context, and the
+    controller's shutdown does not wait forever; a fleet started meanwhile would find its GPUs still full.
+    NVML is optional (`nvidia-ml-py`): without it, or where it reports other pid namespaces' numbers,
+    only the processes themselves are awaited.
+    """
+    deadline = time.monotonic() + timeout
+    waiting = set(pids)
+    while True:
+        waiting = {pid for pid in waiting if pid_alive(pid)}
+        on_gpu = _pids_on_gpus(set(pids)) if not waiting else set()
+        if not waiting and not on_gpu:
+            return True
+        if time.monotonic() > deadline:
+            log.error("old fleet not released after %.0fs (running: %s, on a GPU: %s); starting anyway",
+                      timeout, sorted(waiting), sorted(on_gpu))  # fmt: skip
+            return False
+        time.sleep(0.05)
+
+
+def _pids_on_gpus(pids: set[int]) -> set[int]:
+    """Which of `pids` NVML lists as compute processes on any GPU (empty without NVML)."""
+    if not pids:
+        return set()
+    try:
+        import pynvml
+    except ImportError:
+        return set()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return set()
+    found: set[int] = set()
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            found |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)} & pids
+    except pynvml.NVMLError:
+        return found
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+    return found
+
+
+def _startup_report(ctl: Any, started_at: float, warmup_s: float, warmup_jobs: int) -> dict[str, Any]:
+    """The phases of one successful start (see the module docstring), JSON-safe. With the engine's per-rank
+    stamps the phases add up to `ready_s` by construction: `warmup_s` is everything after the last rank
+    loaded its weights (the warm-up renders and the ready handshake)."""
+    ready_at = time.time()
+    engine = getattr(ctl, "startup", None)
+    report: dict[str, Any] = {"started_at": started_at}
+    if engine is not None:
+        report.update(engine.as_dict())
+        report["started_at"] = started_at  # the build attempt began before the controller existed
+        report["process_start_s"] = round(max(0.0, engine.setup_began_at - started_at), 3)
+        report["weight_load_s"] = round(engine.weight_load_s, 3)
+        report["loaded_at"] = engine.ready_at
+        warmup_s = max(0.0, ready_at - engine.ready_at)
+    report.update(ready_at=ready_at, warmup_s=round(warmup_s, 3), warmup_jobs=warmup_jobs,
+                  ready_s=round(ready_at - started_at, 3))  # fmt: skip
+    return report

@@ -1,0 +1,285 @@
+"""One worker process: one device group, one warm fleet, one `FleetWorker` loop.
+
+`run_worker()` wires the parts together in dependency order — logging, metrics/health endpoint, Redis,
+storage check (fail fast on a configuration error; an unreachable endpoint only marks storage degraded:
+renders wait in the spool and uploads retry), spool, runner import,
+fleet start (blocks until the model is warm), then RQ's work loop — and returns the process exit code:
+
+| code | meaning                                                                                     |
+|------|---------------------------------------------------------------------------------------------|
+| 0    | stopped on request (SIGTERM/SIGINT), or burst/max-jobs finished                              |
+| 2    | a configuration error: invalid settings, storage misconfigured (4xx, unwritable), Redis      |
+|      | refusing our credentials, a GPU group on a machine whose torch sees no such GPU              |
+| 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row                      |
+
+(`worker.runtime.exitcodes` holds them; the supervisor restarts every exit but 2, with back-off, and never gives up.)
+
+Configuration errors end the process at once with one line saying what to fix (and the supervisor does
+not restart a worker that exits 2). Transient ones wait: Redis not reachable yet (a start before the
+database) is retried with back-off, and the log says so each time; storage unreachable at start only
+marks storage degraded.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+from typing import Any, NoReturn
+
+from worker.ops.logs import event_text
+from worker.protocol.sharedsettings import safe_redis_url
+from worker.runtime.exitcodes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
+from worker.runtime.settings import SettingsError, WorkerSettings, resolve_runner
+
+__all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "process_started_at", "run_worker"]
+
+log = logging.getLogger("worker.runtime.process")
+
+
+class _StartupInterrupted(BaseException):  # not an Exception: build-failure handlers must not catch it
+    pass
+
+
+def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0) -> None:
+    """Return once Redis answers PING; while it is unreachable wait with back-off and say so (transient: it
+    may be starting). Refused credentials (or a TLS certificate that does not verify) are a configuration
+    error (`SettingsError`). A SIGTERM/SIGINT during the wait ends it through the caller's startup handler."""
+    import ssl
+    import time
+
+    import redis
+
+    from worker.protocol.redisconn import connect
+
+    url = settings.redis_url
+    client = connect(settings, socket_connect_timeout=3, socket_timeout=3)
+    delay, t0 = first_delay_s, time.monotonic()
+    try:
+        while True:
+            try:
+                client.ping()
+            except redis.AuthenticationError as exc:
+                raise SettingsError(f"Redis at {safe_redis_url(url)} refused our credentials (LTX_REDIS_URL, "
+                                    f"LTX_REDIS_USERNAME, LTX_REDIS_PASSWORD_FILE): {exc}") from exc  # fmt: skip
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if isinstance(exc.__context__, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                    raise SettingsError(f"Redis at {safe_redis_url(url)}: TLS certificate not trusted "
+                                        f"(LTX_REDIS_CA_FILE): {exc}") from exc  # fmt: skip
+                log.warning("Redis at %s is not reachable (%s); waiting %.1fs before trying again (waited %.0fs)",
+                            safe_redis_url(url), exc, delay, time.monotonic() - t0)  # fmt: skip
+                time.sleep(delay)
+                delay = min(max_delay_s, delay * 2)
+                continue
+            except redis.ResponseError as exc:  # e.g. NOAUTH: a password is required
+                raise SettingsError(f"Redis at {safe_redis_url(url)} refused us (LTX_REDIS_URL): {exc}") from exc
+            if time.monotonic() - t0 > 1:
+                log.info("Redis at %s is reachable", safe_redis_url(url))
+            return
+    finally:
+        client.close()
+
+
+def check_devices(devices: list[str], group: str) -> None:
+    """A GPU group needs those GPUs: a configuration error (`SettingsError`) rather than ranks dying at
+    `set_device` over and over. Imports torch only for a GPU group."""
+    cuda = [d for d in devices if d.startswith("cuda:")]
+    if not cuda:
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [d for d in cuda if int(d.split(":")[1]) >= available]
+    if missing:
+        seen = f"{available} GPU(s)" if available else "no GPU (CPU-only torch or no driver)"
+        raise SettingsError(f"group {group!r} needs {', '.join(missing)}, but torch {torch.__version__} sees "
+                            f"{seen}; on a machine without GPUs use --group cpu:N")  # fmt: skip
+
+
+def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
+    """Build (but do not start) the `FleetWorker` for `group`, with its service, fleet and storage."""
+    from ltx_mgpu.control.devices import parse_device_group
+    from worker.job import install_service
+    from worker.ops.metrics import WorkerMetrics
+    from worker.protocol.limits import RunnerLimits
+    from worker.protocol.redisconn import connect
+    from worker.render.fleet import FleetSupervisor
+    from worker.render.service import RenderService
+    from worker.runtime.rqworker import FleetWorker
+    from worker.uploads.spool import Spool
+    from worker.uploads.storage import StorageError, make_storage
+
+    devices = parse_device_group(group)
+    check_devices(devices, group)
+    name = settings.worker_name_for(group)
+    metrics = WorkerMetrics(group)
+    storage = make_storage(settings)
+    storage_error: str | None = None
+    try:
+        storage.check()
+    except StorageError as exc:
+        if not exc.retryable:
+            raise  # a definite configuration error (4xx answer, unwritable directory): do not start
+        # Storage unreachable right now (an outage, a restart of the endpoint): start anyway. Renders go to
+        # the spool and their uploads retry; health, metrics and the log say storage is degraded.
+        storage_error = str(exc)
+        log.warning("storage degraded at start (renders wait in the spool, uploads retry): %s", exc)
+    spool = Spool(settings.spool_dir)
+    runner_cls = resolve_runner(settings)
+    try:
+        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup)
+    except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
+        raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
+
+    def fleet_event(event: dict[str, Any]) -> None:
+        log.info("fleet %s: %s", group, event_text(event))
+        if isinstance(event.get("startup"), dict):
+            metrics.set_fleet_startup(event["startup"])
+
+    fleet = FleetSupervisor(
+        runner_cls,
+        devices,
+        setup_kwargs=settings.runner_setup,
+        start_timeout=settings.fleet_start_timeout,
+        shutdown_timeout=settings.fleet_shutdown_timeout,
+        error_settle_s=settings.fleet_error_settle_s,
+        max_failures=settings.max_rebuild_failures,
+        backoff_s=settings.rebuild_backoff_s,
+        factory=controller_factory,
+        on_event=fleet_event,
+        warmup=settings.warmup_jobs(),
+        warmup_dir=settings.spool_dir / ".warmup",
+        warmup_timeout=settings.render_timeout,
+    )
+    service = RenderService(settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool,
+                            metrics=metrics, limits=limits)  # fmt: skip
+    service.set_storage_state(storage_error)
+    service.process_started_at = process_started_at()
+    install_service(service)
+    connection = connect(settings, health_check_interval=30)
+    return FleetWorker(settings.queues, connection=connection, service=service)
+
+
+def run_worker(
+    settings: WorkerSettings,
+    group: str,
+    *,
+    index: int = 0,
+    burst: bool = False,
+    max_jobs: int | None = None,
+    parent_pid: int | None = None,
+) -> int:
+    """Run one worker process to completion; returns the exit code (see the module docstring).
+
+    `parent_pid`: the supervisor's pid. Workers run in their own sessions (so a terminal's Ctrl+C reaches
+    only the supervisor); if the supervisor dies without stopping them, they warm-stop themselves.
+    """
+    from worker.ops.logs import setup_logging
+    from worker.ops.metrics import HealthServer
+    from worker.uploads.storage import StorageError
+
+    setup_logging(settings.log_level, settings.log_format, group=group, worker=settings.worker_name_for(group))
+    log.info("worker starting: group %s, queues %s, runner %s", group, settings.queues, settings.runner)
+    if parent_pid is not None:
+        _watch_parent(parent_pid)
+
+    def interrupted(signum: int, frame: FrameType | None) -> NoReturn:
+        raise _StartupInterrupted(signal.Signals(signum).name)
+
+    old_term = signal.signal(signal.SIGTERM, interrupted)
+    old_int = signal.signal(signal.SIGINT, interrupted)
+    worker = None
+    health = None
+    try:
+        try:
+            wait_for_redis(settings)
+            worker = build_worker(settings, group)
+        except (SettingsError, StorageError) as exc:
+            log.critical("cannot start: %s", exc)
+            return EXIT_BAD_CONFIG
+        port = settings.metrics_port_for(index)
+        if port is not None:
+            health = HealthServer(worker.service.metrics, worker.health_snapshot, host=settings.metrics_host,
+                                  port=port).start()  # fmt: skip
+            worker.metrics_port = health.port
+            log.info("metrics and health on port %d", health.port)
+        from worker.render.fleet import FleetUnrecoverable
+
+        worker.health.start()  # (the snapshot says "starting" while the fleet loads)
+        # Recovery starts before the (possibly minutes-long) fleet start: renders a previous process left
+        # in the spool upload meanwhile, and count against the back-pressure bound before the first job.
+        worker.service.start_uploads(worker.connection)
+        try:
+            worker.service.fleet.start()  # warm before the first job
+        except FleetUnrecoverable as exc:
+            log.critical("%s", exc)
+            worker.health.stop()
+            return EXIT_FLEET_UNRECOVERABLE
+        worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
+        worker.service.update_spool_metrics()
+    except _StartupInterrupted as exc:
+        log.info("stopped by %s during startup", exc)
+        if worker is not None:
+            worker.service.fleet.shutdown(0)
+            worker.health.stop()
+        return EXIT_OK
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+
+    # RQ installs its handlers only once its loop starts, after it has registered the worker: a signal in
+    # between would take the default action and kill the process (-15) with the fleet still up. Until then a
+    # signal asks the loop to stop at its first turn: a warm stop like any other.
+    from worker.protocol import rqcompat
+
+    def stop_when_the_loop_starts(signum: int, frame: FrameType | None) -> None:
+        log.info("stop requested (%s) while the work loop starts", signal.Signals(signum).name)
+        rqcompat.stop_at_first_turn(worker)
+
+    signal.signal(signal.SIGTERM, stop_when_the_loop_starts)
+    signal.signal(signal.SIGINT, stop_when_the_loop_starts)
+    from rq.exceptions import StopRequested
+
+    try:
+        worker.work(burst=burst, max_jobs=max_jobs, logging_level=settings.log_level, with_scheduler=False)
+    except StopRequested:  # stopped while RQ was still registering (outside its loop's own handling)
+        log.info("stopped before the work loop began")
+    except SystemExit as exc:  # cold stop (code None/0) or an unrecoverable fleet (code 3)
+        code = exc.code if isinstance(exc.code, int) else 0
+        return code or worker.exit_code
+    finally:
+        worker.service.fleet.shutdown(0)
+        if health is not None:
+            health.stop()
+        log.info("worker exiting")
+    return worker.exit_code
+
+
+def process_started_at(pid: int | None = None) -> float:
+    """When a process started (wall clock), from Linux /proc; now where /proc cannot tell."""
+    import os
+    import time
+    from pathlib import Path
+
+    try:
+        fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: seconds after boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])  # (btime is whole seconds: too coarse)
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """SIGTERM ourselves (a warm stop) once the supervisor is gone (we are re-parented)."""
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        log.warning("supervisor (pid %d) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ltx-parent-watch", daemon=True).start()
