@@ -4,7 +4,7 @@ Why: H100/H200 have no NVENC, and an encode on the fleet's driver rank held ever
 (1.3 s of a 4.1 s distilled render at 768x512, 3.1 s at 1536x1024). The fleet now ends a job at its last
 device operation: it yields yuv420p frames and the waveform (`ltx_mgpu.runners.common.media.media_event`,
 tensors in shared memory, no pickling) and the job function hands them here and returns; the worker's
-next dequeue follows at once while this stage encodes (x264 frame threads on every core, `encode_*`
+next dequeue follows at once while this stage encodes (parallel x264 runs on every core, `encode_*`
 settings), commits the mp4 to the spool and passes it to the upload pipeline.
 
 Order for one job (RQ job id as the key):
@@ -184,7 +184,8 @@ class EncodeStage:
         audio = None
         if media.get("audio") is not None:
             audio = AudioTrack(media["audio"], int(media["audio_sample_rate"]))
-        options = EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, threads=s.encode_threads)
+        options = EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, tune=s.encode_tune, bframes=s.encode_bframes,
+                                threads=s.encode_threads, segments=s.encode_segments)  # fmt: skip
         write_mp4_yuv(media["video"], item.output_path, float(media["fps"]), width=int(media["width"]), audio=audio,
                       options=options)  # fmt: skip
         encode_s = time.monotonic() - t0

@@ -280,7 +280,18 @@ class WorkerSettings(RedisAccess, BaseSettings):
     encode_preset: Literal[
         "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"
     ] = Field("veryfast", description="x264 preset (speed against size): ultrafast ... placebo")
-    encode_threads: int = Field(0, ge=0, le=256, description="x264 frame threads; 0 = every core of the host")
+    encode_tune: Literal["", "film", "animation", "grain", "stillimage", "psnr", "ssim", "fastdecode"] = Field(
+        "fastdecode", description="x264 tune ('' = none); fastdecode: CAVLC, no deblocking (half the CPU on noise)"
+    )
+    encode_bframes: int = Field(0, ge=-1, le=16, description="x264 B-frames; -1 = the preset's (3 at veryfast)")
+    encode_threads: int = Field(0, ge=0, le=256, description="cores the x264 encode uses; 0 = every core of the host")
+    encode_segments: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="parallel x264 runs per video joined by the muxer; 0 = one per thread "
+        "(runs of >= 16 frames), 1 = one x264 with frame threads",
+    )
     max_pending_encodes: int = Field(
         2, ge=1, le=64, description="videos waiting for (or in) the worker's encoder before it stops taking jobs"
     )

@@ -3,10 +3,10 @@
 Why two ways: a fleet that encodes its own mp4 holds every GPU of the group for the whole encode (1.3 s of
 a 4.1 s distilled render at 768x512 on one H200, 3.1 s at 1536x1024), and H100/H200 have no NVENC. With
 `media="frames"` the driver converts the decoded frames to yuv420p on the device (half the bytes of RGB,
-no swscale; CPU ranks use swscale), copies them once into shared memory and yields them with the waveform
-(`media_event`); the controller receives the tensors without pickling and the fleet is free for the next
-job while the caller (the worker's encoder) writes the mp4. `media="mp4"` keeps the self-contained path for
-controller users.
+no swscale; CPU ranks use swscale), copies them once into shared memory (page-locked for that copy: one
+DMA) and yields them with the waveform (`media_event`); the controller receives the tensors without
+pickling and the fleet is free for the next job while the caller (the worker's encoder) writes the mp4.
+`media="mp4"` keeps the self-contained path for controller users.
 """
 
 from __future__ import annotations

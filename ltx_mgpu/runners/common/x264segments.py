@@ -1,125 +1,103 @@
-"""Segment-parallel H.264: contiguous runs of frames encoded by x264s in a pool of processes, joined by the muxer.
+"""Segment-parallel H.264: contiguous runs of frames, each through its own x264 in a thread, joined by the muxer.
 
-Why processes: one x264 with frame threads stopped scaling on the GPU hosts' 16 cores (a 1536x1024 noise
-clip took 2.0 s with 16 threads, 1.9-2.0 s as 2, 4 or 8 segments in threads), and PyAV holds the GIL while
-it encodes (two threads encoding two clips took as long as one after the other). Each run starts with an
-IDR frame, has the same settings (so the same SPS/PPS as the stream's own encoder, which writes the
-header) and the same B-frame delay, so decode timestamps stay increasing across the joins.
+Why: one x264 with frame threads stops scaling before a many-core host's cores run out (on the GPU host's 16
+cores a 768x512 noise clip used ~7 of them), and its lookahead and the B-frame chain keep frames waiting
+on each other; independent runs do not. Each run starts with an IDR frame, has the same settings (so the
+same SPS/PPS as the stream's own encoder, which writes the header: the caller checks `extradata`) and the
+same B-frame delay, so decode timestamps stay increasing across the joins. The cost: one IDR per run
+(nothing on noise, a few percent on smooth content), so runs stay at least `min_frames` long.
 
-The frames reach the pool through a file in /dev/shm (memory, one copy; the children map it read-only);
-the packets come back as bytes with their timestamps. The pool lives for the process (spawned: safe beside
-the worker's threads), so only the first encode pays the children's start. This module imports only
-`av` and `numpy` at the top: the children never import torch.
+Threads, not processes: PyAV releases the GIL while libavcodec encodes (`avcodec_send_frame`,
+`avcodec_receive_packet`), so x264s in threads of one process run side by side (measured: a pure-Python
+loop kept 67% of its speed on 2 busy cores while another thread encoded), read the frames where they are
+(the fleet's shared memory, no copy) and hand back `av.Packet`s without pickling. An earlier process pool
+paid a copy of every frame into /dev/shm, the children's start and a pickled round trip of every packet.
+
+Bounds: one pool per process, as many threads as the largest segment count asked for (at most the cores);
+runs are submitted per video, their packets stay in memory until the muxer takes them (at most one video's
+compressed size), and a run's packets are muxed as soon as it and every run before it are done.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import tempfile
 import threading
-import uuid
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-__all__ = ["encode_segments"]
+__all__ = ["Run", "encode_segments", "segment_bounds"]
 
 _lock = threading.Lock()
-_pool: ProcessPoolExecutor | None = None
+_pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
-def _executor(size: int) -> ProcessPoolExecutor:
+def _executor(size: int) -> ThreadPoolExecutor:
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < size:
-            if _pool is not None:
-                _pool.shutdown(wait=False, cancel_futures=True)
-            import multiprocessing
-
-            _pool = ProcessPoolExecutor(max_workers=size, mp_context=multiprocessing.get_context("spawn"))
+            if _pool is not None:  # (its running runs finish; new ones go to the larger pool)
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="x264-segment")
             _pool_size = size
         return _pool
 
 
-def _forget(pool: ProcessPoolExecutor) -> None:
-    global _pool
-    with _lock:
-        if _pool is pool:
-            _pool = None
-    pool.shutdown(wait=False, cancel_futures=True)
+def segment_bounds(frames: int, segments: int) -> list[int]:
+    """Frame indices where the runs start, plus `frames` at the end (runs differ by at most one frame)."""
+    segments = max(1, min(int(segments), int(frames)))
+    return [round(i * frames / segments) for i in range(segments + 1)]
 
 
-@atexit.register
-def _shutdown() -> None:
-    if _pool is not None:
-        _pool.shutdown(wait=False, cancel_futures=True)
+class Run:
+    """One encoded run: its packets in decode order (time base 1 / rate) and its encoder's SPS/PPS."""
+
+    def __init__(self, packets: list[Any], extradata: bytes | None) -> None:
+        self.packets, self.extradata = packets, extradata
 
 
 def encode_segments(
     frames: np.ndarray, width: int, height: int, rate: Fraction, settings: dict[str, Any], segments: int
-) -> list[Any]:
-    """yuv420p `frames` (F, H * 3 // 2, W) uint8 -> `av.Packet`s in decode order (time base 1 / rate).
-    `settings`: `options`, `threads` (per segment) for each x264."""
-    import av
-
-    bounds = [round(i * len(frames) / segments) for i in range(segments + 1)]
-    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(shm_dir, f"ltx-x264-{os.getpid()}-{uuid.uuid4().hex[:8]}.yuv")
+) -> Iterator[Run]:
+    """yuv420p `frames` (F, H * 3 // 2, W) uint8 -> one `Run` per segment, in order, each as soon as it and
+    the runs before it are encoded. `settings`: `options` (x264's) and `threads` (frame threads per run).
+    Closing the iterator early (an error in the caller) cancels the runs not started yet."""
+    bounds = segment_bounds(len(frames), segments)
+    pool = _executor(len(bounds) - 1)
+    jobs: list[Future[Run]] = [
+        pool.submit(_encode_run, frames, bounds[k], bounds[k + 1], width, height, rate, settings)
+        for k in range(len(bounds) - 1)
+    ]
     try:
-        mapped = np.memmap(path, dtype=np.uint8, mode="w+", shape=frames.shape)
-        mapped[:] = frames
-        mapped.flush()
-        del mapped
-        pool = _executor(segments)
-        jobs = [pool.submit(_encode_run, path, frames.shape, bounds[k], bounds[k + 1], width, height,
-                            (rate.numerator, rate.denominator), settings) for k in range(segments)]  # fmt: skip
-        try:
-            runs = [job.result() for job in jobs]
-        except BrokenProcessPool:  # a child died (killed, out of memory): the next encode starts a new pool
-            _forget(pool)
-            raise
+        for job in jobs:
+            yield job.result()
     finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    packets = []
-    for run in runs:
-        for data, pts, dts, key in run:
-            packet = av.Packet(data)
-            packet.pts, packet.dts, packet.time_base = pts, dts, 1 / rate
-            packet.is_keyframe = key
-            packets.append(packet)
-    return packets
+        for job in jobs:
+            job.cancel()
 
 
-def _encode_run(path: str, shape: tuple[int, ...], lo: int, hi: int, width: int, height: int,
-                rate: tuple[int, int], settings: dict[str, Any]) -> list[tuple[bytes, int, int, bool]]:  # fmt: skip
-    """In a pool process: frames [lo, hi) of the mapped file through one x264; packets as plain values."""
+def _encode_run(frames: np.ndarray, lo: int, hi: int, width: int, height: int, rate: Fraction,
+                settings: dict[str, Any]) -> Run:  # fmt: skip
+    """Frames [lo, hi) through one x264 whose headers are out of band, as the mp4 stream's encoder's are."""
     import av
     from av.codec.context import Flags
 
-    frames = np.memmap(path, dtype=np.uint8, mode="r", shape=shape)
     ctx = av.CodecContext.create("libx264", "w")
     ctx.width, ctx.height, ctx.pix_fmt = width, height, "yuv420p"
-    ctx.framerate = Fraction(*rate)
-    ctx.time_base = 1 / ctx.framerate
-    ctx.flags |= int(Flags.global_header)  # as the mp4 stream's encoder: SPS/PPS out of band
+    ctx.framerate = rate
+    ctx.time_base = 1 / rate
+    ctx.flags |= int(Flags.global_header)
     ctx.thread_type, ctx.thread_count = "FRAME", int(settings["threads"])
     ctx.options = dict(settings["options"])
-    out: list[tuple[bytes, int, int, bool]] = []
-
-    def keep(packets: list[Any]) -> None:
-        out.extend((bytes(p), int(p.pts), int(p.dts), bool(p.is_keyframe)) for p in packets)
-
+    packets: list[Any] = []
     for i in range(lo, hi):
-        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[i]), format="yuv420p")
+        frame = av.VideoFrame.from_ndarray(frames[i], format="yuv420p")
         frame.pts, frame.time_base = i, ctx.time_base
-        keep(ctx.encode(frame))
-    keep(ctx.encode(None))
-    return out
+        packets.extend(ctx.encode(frame))
+    packets.extend(ctx.encode(None))
+    for packet in packets:
+        packet.time_base = ctx.time_base
+    return Run(packets, bytes(ctx.extradata) if ctx.extradata else None)
