@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(rec)
             if not ctl.is_alive:
                 break
-        ok_after = ctl.is_alive and any(
-            x.get("done") for x in ctl.stream(timeout=60, mode="run") if isinstance(x, dict)
-        )
+        # (the whole stream: stopping at the first `done` left the job in flight and the next call refused)
+        next_job = list(ctl.stream(timeout=60, mode="run")) if ctl.is_alive else []
+        ok_after = any(isinstance(x, dict) and x.get("done") for x in next_job)
         last = probe(ctl) if ctl.is_alive else []
     finally:
         ctl.shutdown(graceful_timeout=10)
