@@ -11,6 +11,7 @@ bob's jobs end `uploaded` without an operator and without a worker restart.
 from __future__ import annotations
 
 import time
+import urllib.request
 import uuid
 from typing import Any
 
@@ -73,6 +74,13 @@ def test_a_tenant_filling_redis_with_small_hashes_is_trimmed_and_others_outcomes
         assert w.proc.proc.pid == pid and w.proc.proc.poll() is None
         log = w.proc.log_tail(400_000)
         assert "tenant alice held" in log and "unhandled exception" not in log, log[-4000:]
+        port = w.health()["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        names = ("ltx_worker_tenant_keys_deleted_total", "ltx_worker_tenant_bytes_deleted_total")
+        deleted = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(names)}  # fmt: skip
+        assert any('tenant="alice"' in k and v > 0 for k, v in deleted.items() if "keys" in k), deleted
+        assert not any('tenant="bob"' in k for k in deleted), deleted  # bob was never over budget
         # the reserve: released when refused, held again once Redis has room for it
         wait_for(lambda: any(alice.scan_iter(match="ltx:worker:reserve:*")), 30, "the reserve taken again")
         alice.close()

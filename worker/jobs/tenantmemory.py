@@ -38,6 +38,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from worker.protocol.keys import KEY_PREFIX, TENANT_QUEUE_INFIX
@@ -74,8 +75,9 @@ class TenantMemory:
 
     def __init__(self, connection: Any, *, worker_name: str, tenants: list[str] | tuple[str, ...] = (),
                  budget_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES, reserve_ttl: int = 3600,
-                 max_keys: int = MAX_KEYS) -> None:  # fmt: skip
+                 max_keys: int = MAX_KEYS, on_trim: Callable[[str, int, int], None] | None = None) -> None:  # fmt: skip
         self.connection = connection
+        self.on_trim = on_trim  #: told (tenant, keys deleted, bytes freed) of every trim: the worker's metrics
         self.tenants = tuple(tenants)
         self.budget_bytes = int(budget_bytes)
         self.reserve_bytes = int(reserve_bytes)
@@ -157,6 +159,8 @@ class TenantMemory:
             freed, n = self._trim(sized, total - budget)
             trimmed[tenant] = freed
             self.deleted += n
+            if self.on_trim is not None:
+                self.on_trim(tenant, n, freed)
             log.warning("tenant %s held %d bytes of Redis memory, over its budget of %d: deleted %d of its keys "
                         "(%d bytes), largest and ended first", tenant, total, budget, n, freed)  # fmt: skip
         return trimmed

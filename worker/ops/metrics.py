@@ -81,6 +81,12 @@ class WorkerMetrics:
                                            "request LoRAs", labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
         self.lora_fetch_seconds = Histogram("ltx_worker_lora_fetch_seconds", "Fetch + check time of a LoRA miss",
                                             labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
+        self.tenant_keys_deleted = Counter("ltx_worker_tenant_keys_deleted", "Keys of a tenant over its Redis "
+                                           "memory budget deleted by the sweep", [*labels, "tenant"],
+                                           registry=r)  # fmt: skip
+        self.tenant_bytes_deleted = Counter("ltx_worker_tenant_bytes_deleted", "Redis memory freed by deleting "
+                                            "the keys of a tenant over its budget", [*labels, "tenant"],
+                                            registry=r)  # fmt: skip
         self.spool_entries = Gauge("ltx_worker_spool_entries", "Complete renders waiting for upload", labels,
                                    registry=r)  # fmt: skip
         self.spool_bytes = Gauge("ltx_worker_spool_bytes", "Bytes of renders waiting for upload", labels,
@@ -112,6 +118,12 @@ class WorkerMetrics:
 
     def job_outcome(self, outcome: str, reason: str = "") -> None:
         self.jobs.labels(self.group, outcome, reason).inc()
+
+    def tenant_trimmed(self, tenant: str, keys: int, freed_bytes: int) -> None:
+        """A tenant over its Redis memory budget lost `keys` keys (`freed_bytes`); tenant ids are the
+        operator's (`LTX_TENANT_IDS`: a key's owner is its ACL prefix), so the label stays bounded."""
+        self.tenant_keys_deleted.labels(self.group, tenant).inc(keys)
+        self.tenant_bytes_deleted.labels(self.group, tenant).inc(freed_bytes)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

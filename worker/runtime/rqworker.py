@@ -134,7 +134,8 @@ class FleetWorker(SimpleWorker):
         budget = settings.tenant_redis_bytes if settings.tenant_ids else -1
         self.tenant_memory = TenantMemory(self.connection, worker_name=self.name, tenants=settings.tenants,
                                           budget_bytes=budget, reserve_ttl=2 * max(settings.worker_ttl,
-                                          settings.maintenance_interval) + 60)  # fmt: skip
+                                          settings.maintenance_interval) + 60,
+                                          on_trim=service.metrics.tenant_trimmed)  # fmt: skip
         add_memory_hook(self.tenant_memory.relieve)
         self.side_connection = _side_connection(self.connection)  # heartbeat thread and health writer
         self.health = HealthPublisher(self.side_connection, worker_health_key(self.name),
