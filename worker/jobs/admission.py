@@ -276,7 +276,7 @@ class Admission:
                     running: list[str] = []
                     for key in started:
                         for member in pipe.zrange(key, 0, -1):
-                            job_id = member.decode().rpartition(":")[0] or member.decode()
+                            job_id = rqcompat.started_member_job_id(member)
                             if job_id != taken_id and job_id not in running:
                                 running.append(job_id)
                     owners = self._owners_of([*running, *(i for w in windows for i in w)])

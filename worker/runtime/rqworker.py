@@ -96,7 +96,7 @@ _SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
 _SWEEP_EVERY_S = 30.0  # while Redis is out of memory, how often job hashes are scanned for oversized ones
 
 
-class FleetWorker(SimpleWorker):
+class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
     """See the module docstring."""
 
     def __init__(self, queues: Any, *, service: RenderService, **kwargs: Any) -> None:
@@ -163,7 +163,7 @@ class FleetWorker(SimpleWorker):
 
     def reorder_queues(self, reference_queue: Any) -> None:
         """Tenants in turn within each priority (worker.jobs.tenantqueues.rotate)."""
-        self._ordered_queues = rotate(self._ordered_queues, reference_queue, lambda q: q.name)
+        rqcompat.reorder_polled_queues(self, lambda queues: rotate(queues, reference_queue, lambda q: q.name))
 
     # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -653,10 +653,9 @@ class FleetWorker(SimpleWorker):
         if not self.service.cancel(job_id):
             log.info("stop command for %s: no such job running here", job_id)
 
-    @property
-    def horse_pid(self) -> int:
-        # RQ's kill-horse command only calls kill_horse() when this is truthy; the "horse" is our fleet.
-        return 1 if self.service.current is not None else 0
+    def fleet_busy(self) -> bool:
+        """A render is running (RQ's kill-horse command then reaches `kill_horse`: `rqcompat.FleetHorse`)."""
+        return self.service.current is not None
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """Second signal: kill the fleet (from a helper thread) and abort the running job."""
