@@ -483,7 +483,7 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
     def _wait_for_upload_room(self) -> None:
         """Back-pressure: while the background uploader holds `max_pending_uploads` renders (or
         `max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
-        `_SPOOL_MIN_FREE_INODES` inodes: a full spool used to fail every job), take no job. The
+        `_SPOOL_MIN_FREE_INODES` inodes: a full spool would fail every job), take no job. The
         worker stays registered (heartbeats), idle (a warm stop interrupts the wait like an idle dequeue)
         and says so in metrics, health and the log."""
         pipeline = self.service.pipeline
@@ -629,7 +629,7 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         """RQ's pubsub commands (`rq:pubsub:<worker>`): `stop-job`/`kill-horse` cancel the running job (what
         any client may do to a job), but `shutdown` is refused: anyone who can PUBLISH on this Redis could
         stop every worker (five in a minute made the supervisor give up). The operator stops a
-        worker with a signal. A payload that is not a command is logged and dropped (it used to end RQ's
+        worker with a signal. A payload that is not a command is logged and dropped (RQ's own handling ends its
         pubsub thread, and with it cancels of running jobs)."""
         try:
             payload = parse_payload(message)

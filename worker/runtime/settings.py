@@ -268,7 +268,7 @@ class WorkerSettings(ServiceAccess, BaseSettings):
     encode_in_worker: bool = Field(
         True,
         description="the fleet hands yuv420p frames and audio off and the worker encodes the mp4 beside the next "
-        "job (false: the fleet's driver rank encodes before it is free, the old path)",
+        "job (false: the fleet's driver rank encodes before it is free)",
     )
     encode_crf: int = Field(18, ge=0, le=51, description="H.264 quality of the mp4 (x264 crf; 0 = lossless)")
     encode_preset: Literal[
