@@ -80,8 +80,7 @@ def clean_registries(worker: Any, lock_ttl_s: int) -> None:
     RQ takes `rq:clean_registries:<queue>` for 899 s and releases it only when the cleanup returns. A worker
     SIGKILLed while it holds the lock, or a cleanup cut short by a Redis restart (the lock survives in the
     AOF), leaves it held: for 15 minutes no worker on the queue runs the cleanup, so a job whose worker
-    vanished stays `rendering` that long. Found by the chaos suite (two jobs of SIGKILLed workers never
-    re-queued). The steps are RQ 2.12's own, in its order."""
+    vanished stays `rendering` that long. The steps are RQ 2.12's own, in its order."""
     for queue in worker.queues:
         if not queue.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl_s):
             continue  # another worker is cleaning this queue
@@ -411,7 +410,7 @@ def finish_if_uploaded(job: Job, ttl: int, *, uploaded_state: str) -> bool:
     RQ's abandoned-job cleanup marked it `failed`; True if it did. A worker SIGKILLed before RQ's bookkeeping
     leaves its job in the started registry: its restart uploads the spooled render and finishes the job
     while another worker's cleanup, which read the entry just before, writes `failed`. Neither write sees
-    the other, so both check after writing (found by the chaos suite in CI on a loaded machine)."""
+    the other, so both check after writing."""
     try:
         job.refresh()
     except Exception:  # (gone or unreadable: nothing to repair)
@@ -492,7 +491,7 @@ def stale_intermediate_entry(job: Job, queue: Queue) -> bool:
     """True if a job RQ's intermediate-queue cleanup calls stuck has in fact moved on: it is back in its
     queue, running, or ended. A worker SIGKILLed between taking a job and starting it leaves the id in the
     intermediate list; the abandoned-job cleanup may re-queue the job meanwhile, and RQ's cleanup, finding
-    the old entry a minute later, would queue it a second time (the chaos suite saw the job render twice).
+    the old entry a minute later, would queue it a second time (and the job would render twice).
     Only a job still `queued` but absent from its queue is really stuck; a job of another queue (an id
     pushed onto this intermediate list by a client, where clients may write it) never is."""
     if job.get_status(refresh=True) != JobStatus.QUEUED or job.origin != queue.name:

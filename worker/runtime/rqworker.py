@@ -706,12 +706,12 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         meta = job.meta if isinstance(job.meta, dict) else {}
         state = meta.get("state")
         if state in RENDER_COMPLETE_STATES or state in TERMINAL_STATES:
-            # The render is complete (found by the chaos suite: a worker SIGKILLed between `rendered` and
-            # RQ's own bookkeeping left the job in the started registry; its restart recovered the video from
-            # the spool and uploaded it, and this cleanup re-queued the job, which rendered and uploaded
-            # again: two terminal states). The committed video is in the host's spool and the next worker
-            # start there recovers it and records the outcome, moving RQ's status from `failed` to
-            # `finished`; an `uploaded` job is done. So: never re-run it and write no event.
+            # The render is complete (a worker SIGKILLed between `rendered` and RQ's own bookkeeping leaves
+            # the job in the started registry; its restart recovers the video from the spool and uploads it,
+            # and a re-queue here would render and upload it again: two terminal states). The committed
+            # video is in the host's spool and the next worker start there recovers it and records the
+            # outcome, moving RQ's status from `failed` to `finished`; an `uploaded` job is done. So: never
+            # re-run it and write no event.
             # (`failed`/`cancelled`: the execution recorded its end and vanished before RQ's bookkeeping.)
             rqcompat.set_retry(job, False)
             self._complete_abandoned.append(job)
