@@ -22,14 +22,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.admission import check_client_name
 from worker.protocol.keys import check_tenant_name
-from worker.protocol.redisconn import RedisAccess
-from worker.protocol.sharedsettings import (
-    S3_SECRET_FILE_FIELDS,
-    check_queue_names,
-    check_redis_url,
-    read_secret_file,
-    split_list,
-)
+from worker.protocol.redisconn import ServiceAccess
+from worker.protocol.sharedsettings import S3_SECRET_FILE_FIELDS, read_secret_file
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
 
@@ -47,9 +41,10 @@ def _default_client() -> str:
         return "anonymous"
 
 
-class ProducerSettings(RedisAccess, BaseSettings):
+class ProducerSettings(ServiceAccess, BaseSettings):
     """Field `x` is environment variable `LTX_X`; CLI flags override. The `redis_*` credential and TLS
-    fields come from `worker.protocol.redisconn.RedisAccess` (shared with the worker)."""
+    fields, and the checks of `redis_url` and `queues`, come from `worker.protocol.redisconn.ServiceAccess`
+    (shared with the worker)."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -103,21 +98,6 @@ class ProducerSettings(RedisAccess, BaseSettings):
     s3_secret_access_key: SecretStr | None = None
     s3_access_key_id_file: Path | None = Field(None, description="read the access key id from this file")
     s3_secret_access_key_file: Path | None = Field(None, description="read the secret key from this file")
-
-    @field_validator("queues", mode="before")
-    @classmethod
-    def _split_queues(cls, value: Any) -> Any:
-        return split_list(value, ",")
-
-    @field_validator("queues")
-    @classmethod
-    def _check_queues(cls, value: list[str]) -> list[str]:
-        return check_queue_names(value)
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        return check_redis_url(value)
 
     @field_validator("client")
     @classmethod

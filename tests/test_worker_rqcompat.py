@@ -65,14 +65,18 @@ def test_worker_methods_we_override_or_call_keep_their_signatures(name: str, par
 def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     worker = SimpleWorker(["q"], connection=redis_client)
     for attribute in ("_stopped_job_id", "_shutdown_requested_date", "_exc_handlers", "execution", "key",
-                      "_stop_requested"):  # fmt: skip
+                      "_stop_requested", "_ordered_queues"):  # fmt: skip
         assert hasattr(worker, attribute), attribute
     assert _params(Execution.heartbeat) == ["self", "started_job_registry", "ttl", "pipeline"]
     assert _params(Job.heartbeat) == ["self", "timestamp", "ttl", "pipeline", "xx"]
+    assert _params(Job._execute) == ["self"] and "self._execute()" in inspect.getsource(Job.perform)
+    assert isinstance(SimpleWorker.horse_pid, property)
     assert _params(StartedJobRegistry.cleanup) == ["self", "timestamp", "exception_handlers"]
     assert _params(StartedJobRegistry.add_execution) == ["self", "execution", "pipeline", "ttl", "xx"]
     # worker.jobs.admission reads running job ids from started-registry members `<job id>:<execution id>`
-    assert Execution(id="e1", job_id="j1", connection=redis_client).composite_key == "j1:e1"
+    member = Execution(id="e1", job_id="j1", connection=redis_client).composite_key
+    assert rqcompat.started_member_job_id(member.encode()) == "j1"
+    assert rqcompat.started_member_job_id(b"j1") == "j1"
     # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
     assert f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}." in source
@@ -210,3 +214,74 @@ def test_another_queues_job_on_an_intermediate_list_is_not_recorded_lost(redis_c
     intermediate, lost = _clean_intermediate(redis_client, monkeypatch, mine, [foreign])
     assert lost == [] and intermediate.get_job_ids() == []
     assert rqcompat.stale_intermediate_entry(foreign, mine)
+
+
+def _rq_private_names() -> set[str]:
+    """Every `_name` (not dunder) RQ's own source defines or reads as an attribute: its private state."""
+    import ast
+
+    names: set[str] = set()
+    for path in Path(rq.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "name", None)
+            if isinstance(name, str) and name.startswith("_") and not name.startswith("__"):
+                names.add(name)
+    return names
+
+
+def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
+    """Places in worker/ and producer/ outside rqcompat that touch RQ's private state: `x._name` on anything
+    but `self`, and `self._name` or `def _name` inside a class derived from an RQ class, for the names
+    RQ keeps private; plus any `horse_pid` (a stand-in pid only rqcompat may fake)."""
+    import ast
+
+    trees = {p: ast.parse(p.read_text()) for d in ("worker", "producer") for p in sorted((root / d).rglob("*.py"))
+             if p.name != "rqcompat.py"}  # fmt: skip
+    rq_names = {"GuardedJob"}  # (rqcompat's RQ subclass)
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq":
+                rq_names.update(a.asname or a.name for a in node.names)
+    derived: set[str] = set()
+    while True:  # classes of ours that derive from an RQ class, transitively
+        found = {c.name for t in trees.values() for c in ast.walk(t) if isinstance(c, ast.ClassDef)
+                 and any(ast.unparse(b).split(".")[-1] in rq_names | derived for b in c.bases)}  # fmt: skip
+        if found <= derived:
+            break
+        derived |= found
+    uses: list[str] = []
+    for path, tree in trees.items():
+        where = path.relative_to(root)
+        for cls in [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name in derived]:
+            for node in ast.walk(cls):
+                name = node.name if isinstance(node, ast.FunctionDef) else None
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    name = node.attr
+                if name in private:
+                    uses.append(f"{where}:{node.lineno} {cls.name}.{name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    uses.append(f"{where}:{node.lineno} .{node.attr}")
+            if getattr(node, "name", None) == "horse_pid" or getattr(node, "attr", None) == "horse_pid":
+                uses.append(f"{where}:{node.lineno} horse_pid")
+    return uses
+
+
+def test_nothing_but_rqcompat_touches_rq_private_state() -> None:
+    """An RQ upgrade must be a review of rqcompat alone: no other module overrides or reads what RQ keeps
+    private (`Job._execute`, `Worker._ordered_queues`, ...) or fakes a horse pid."""
+    private = _rq_private_names()
+    assert {"_execute", "_ordered_queues", "_stopped_job_id"} <= private  # (the scan sees RQ's source)
+    assert _rq_private_uses(ROOT, private) == []
+
+
+def test_a_fleet_worker_shows_rq_a_horse_only_while_a_render_runs() -> None:
+    """RQ's kill-horse command reaches `kill_horse` (a cooperative cancel) only while `horse_pid` is truthy."""
+    from types import SimpleNamespace
+
+    worker = FleetWorker.__new__(FleetWorker)
+    worker.service = SimpleNamespace(current=None)
+    assert worker.horse_pid == 0
+    worker.service.current = object()
+    assert worker.horse_pid == 1

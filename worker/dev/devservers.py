@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -187,6 +188,22 @@ class _ServerProcess:
 
     def stop(self, timeout: float | None = None) -> None:
         stop_process(self.proc, self._stop_timeout if timeout is None else timeout)
+
+    def _wait_answering(self, probe: Callable[[], object], timeout: float, *, process: str, what: str) -> None:
+        """Call `probe` every 0.1 s until it returns: any exception means not ready yet. `ServerError` with the
+        log's tail when the process (named `process`) exits first, or after `timeout` (`what` is not ready)."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerError(f"{process} exited with code {self.proc.returncode}:\n{_tail(self.log_path)}")
+            try:
+                probe()
+                return
+            except Exception as exc:  # not answering yet
+                last = exc
+                time.sleep(0.1)
+        raise ServerError(f"{what} not ready after {timeout}s: {last}\n{_tail(self.log_path)}")
 
     def cleanup(self) -> None:
         """Stop the server and delete its directory (a caller-given `directory` is kept)."""
@@ -382,19 +399,9 @@ class S3Server(_ServerProcess):
 
     def _wait_bucket(self, timeout: float) -> None:
         """Ready means the bucket answers a signed request (the S3 port opens before the filer is up)."""
-        deadline = time.monotonic() + timeout
         client = self.client()
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise ServerError(f"weed mini exited with code {self.proc.returncode}:\n{_tail(self.log_path)}")
-            try:
-                client.head_bucket(Bucket=self.bucket)
-                return
-            except Exception as exc:  # any error means "not ready yet"
-                last = exc
-                time.sleep(0.1)
-        raise ServerError(f"weed mini bucket {self.bucket!r} not ready after {timeout}s: {last}")
+        self._wait_answering(lambda: client.head_bucket(Bucket=self.bucket), timeout, process="weed mini",
+                             what=f"weed mini bucket {self.bucket!r}")  # fmt: skip
 
     def client(self, endpoint_url: str | None = None) -> Any:
         """A boto3 S3 client configured for this server (path style, checksums only when required)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any, Self
 
@@ -28,7 +27,6 @@ from worker.dev.devservers import (
     ServerError,
     _ServerProcess,
     _spawn,
-    _tail,
     _wait_port,
     find_weed,
     free_ports,
@@ -178,22 +176,15 @@ class S3Gateway(_ServerProcess):
         from botocore.exceptions import ClientError
 
         client = self.client(*self.worker_keys)
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise ServerError(f"weed exited with code {self.proc.returncode}:\n{_tail(self.log_path)}")
+
+        def probe() -> None:
             try:
                 client.head_bucket(Bucket=self.bucket)
-                return
             except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchBucket"):
-                    return
-                last = exc
-            except Exception as exc:  # not answering yet
-                last = exc
-            time.sleep(0.1)
-        raise ServerError(f"weed not ready after {timeout}s: {last}\n{_tail(self.log_path)}")
+                if str(exc.response.get("Error", {}).get("Code")) not in ("404", "NoSuchBucket"):
+                    raise
+
+        self._wait_answering(probe, timeout, process="weed", what="weed")
 
     def listeners(self) -> dict[int, set[str]]:
         """{port: bound addresses} of the running weed process (see `listening_addresses`)."""

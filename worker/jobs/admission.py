@@ -1,8 +1,8 @@
 """Worker-side admission: the queue-depth cap and the per-client quota hold whatever a client wrote.
 
 The producer checks both at submit (`producer.admission`: the early answer, with a clear refusal). A client
-that skips it (a raw `Queue.enqueue`, an RPUSH, `--max-queue-depth 0`) used to flood the queue without
-limit, under any `client` name. So every worker polices the queues it serves, at each dequeue, with no
+that skips it (a raw `Queue.enqueue`, an RPUSH, `--max-queue-depth 0`) could otherwise flood the queue
+without limit, under any `client` name, so every worker polices the queues it serves, at each dequeue, with no
 producer cooperation (`LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`; the same variables the producer reads).
 
 **The rule.** One pass looks at one consistent snapshot (WATCH on the worker's queue lists and RQ's
@@ -55,7 +55,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import redis
@@ -200,32 +200,25 @@ def plan(
 # ==== the passes (Redis) ==================================================================================
 
 
+@dataclass(eq=False)
 class Admission:
     """The passes of one worker over its queues; see the module docstring."""
 
-    def __init__(
-        self,
-        connection: redis.Redis,
-        queues: Sequence[Queue],
-        *,
-        depth_cap: int | None,
-        quota: int | None,
-        outcomes: JobOutcomes,
-        job_class: Any,
-        worker_name: str,
-        max_meta_bytes: int,
-        tenant_ids: bool = False,
-    ) -> None:
-        self.connection = connection
-        self.queues = list(queues)
-        self.depth_cap = depth_cap
-        self.quota = quota
-        self.outcomes = outcomes
-        self.job_class = job_class
-        self.worker_name = worker_name
-        self.max_meta_bytes = max_meta_bytes
-        self.tenant_ids = tenant_ids  # owners must match the id's tenant prefix (LTX_TENANT_IDS)
-        self._owners: OrderedDict[str, Owner] = OrderedDict()  # job id -> owner, read once per job
+    connection: redis.Redis
+    queues: Sequence[Queue]  #: (kept as a list)
+    _: KW_ONLY
+    depth_cap: int | None
+    quota: int | None
+    outcomes: JobOutcomes
+    job_class: Any
+    worker_name: str
+    max_meta_bytes: int
+    tenant_ids: bool = False  #: owners must match the id's tenant prefix (LTX_TENANT_IDS)
+    #: job id -> owner, read once per job
+    _owners: OrderedDict[str, Owner] = field(default_factory=OrderedDict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.queues = list(self.queues)
 
     @property
     def enabled(self) -> bool:
@@ -276,7 +269,7 @@ class Admission:
                     running: list[str] = []
                     for key in started:
                         for member in pipe.zrange(key, 0, -1):
-                            job_id = member.decode().rpartition(":")[0] or member.decode()
+                            job_id = rqcompat.started_member_job_id(member)
                             if job_id != taken_id and job_id not in running:
                                 running.append(job_id)
                     owners = self._owners_of([*running, *(i for w in windows for i in w)])

@@ -1,13 +1,12 @@
 """`HealthPublisher`: keeps a worker's health snapshot in Redis current, written when something changes.
 
-The snapshot (`ltx:worker:<name>:health`, read by `producer stats` and dashboards) used to be written only
-with RQ's worker heartbeat, so it lagged by up to a dequeue timeout: "jobs 0" after a finished job, an
-upload still `pending` after it was confirmed, a dead fleet still "ready". Now every change
-(job start and end, upload queued and confirmed, fleet failed / starting / ready) calls `notify()`, from
-any thread and without blocking: a writer thread of its own coalesces the requests and writes the latest
-snapshot on a connection of its own with short timeouts (a Redis outage delays the next write; it never
-blocks the uploader or the fleet monitor that asked). It also writes once per `refresh_s` regardless,
-so the key (which expires) stays alive while the worker does.
+The snapshot (`ltx:worker:<name>:health`, read by `producer stats` and dashboards) follows each change
+rather than RQ's worker heartbeat (which would lag it by up to a dequeue timeout: "jobs 0" after a finished
+job, a dead fleet still "ready"): every change (job start and end, upload queued and confirmed, fleet
+failed / starting / ready) calls `notify()`, from any thread and without blocking; a writer thread of its
+own coalesces the requests and writes the latest snapshot on a connection of its own with short timeouts
+(a Redis outage delays the next write; it never blocks the uploader or the fleet monitor that asked). It
+also writes once per `refresh_s` regardless, so the key (which expires) stays alive while the worker does.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 __all__ = ["HealthPublisher"]
@@ -23,27 +23,20 @@ __all__ = ["HealthPublisher"]
 log = logging.getLogger("worker.ops.health")
 
 
+@dataclass(eq=False)
 class HealthPublisher:
     """One writer thread per worker process; see the module docstring."""
 
-    def __init__(
-        self,
-        connection: Any,
-        key: str,
-        snapshot: Callable[[], dict[str, Any]],
-        *,
-        ttl_s: int,
-        refresh_s: float = 5.0,
-    ) -> None:
-        self.connection = connection
-        self.key = key
-        self.snapshot = snapshot
-        self.ttl_s = ttl_s
-        self.refresh_s = refresh_s
-        self.writes = 0
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    connection: Any
+    key: str
+    snapshot: Callable[[], dict[str, Any]]
+    _: KW_ONLY
+    ttl_s: int
+    refresh_s: float = 5.0
+    writes: int = field(default=0, init=False)  #: snapshots Redis took
+    _wake: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
 
     def start(self) -> HealthPublisher:
         if self._thread is None:

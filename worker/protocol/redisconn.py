@@ -26,11 +26,17 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
-from worker.protocol.sharedsettings import read_secret_file, safe_redis_url
+from worker.protocol.sharedsettings import (
+    check_queue_names,
+    check_redis_url,
+    read_secret_file,
+    safe_redis_url,
+    split_list,
+)
 
-__all__ = ["RedisAccess", "connect", "connection_kwargs"]
+__all__ = ["RedisAccess", "ServiceAccess", "connect", "connection_kwargs"]
 
 
 class RedisAccess(BaseModel):
@@ -70,6 +76,27 @@ class RedisAccess(BaseModel):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: {path} is not a readable file")
         return self
+
+
+class ServiceAccess(RedisAccess):
+    """`RedisAccess` and the checks of `redis_url` and `queues`: the base of `WorkerSettings` and
+    `ProducerSettings`, which read `LTX_REDIS_URL` and `LTX_QUEUES` alike. Each declares both fields itself
+    (its own default and description); the checks apply to them there."""
+
+    @field_validator("queues", mode="before", check_fields=False)
+    @classmethod
+    def _split_queues(cls, value: Any) -> Any:
+        return split_list(value, ",")
+
+    @field_validator("queues", check_fields=False)
+    @classmethod
+    def _check_queues(cls, value: list[str]) -> list[str]:
+        return check_queue_names(value)
+
+    @field_validator("redis_url", check_fields=False)
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        return check_redis_url(value)
 
 
 def _url_credentials(url: str) -> tuple[bool, bool]:

@@ -1,13 +1,13 @@
 """`RenderJob`: the RQ job class of render workers, hardened against what anyone with Redis access can push.
 
-Found by the chaos suite (tests/chaos) and the abuse review: a plain RQ worker executes *any*
-importable function named in a job hash (a hand-written `rq:job:<id>` naming `os.makedirs` ran it), calls
-any module attribute named as a success/failure/stopped callback, re-runs a job as often as its
-`repeats_left` says, posts to its webhooks, decompresses its `data` without a bound (a 1.4 MB zlib bomb
-took a worker to 3.3 GB), and rewrites a meta of any size on every event. A hash RQ cannot parse
-(`created_at: "yesterday"`) or whose meta is not JSON made the worker process quit with its warm fleet. So:
+A plain RQ job executes *any* importable function named in its hash (a hand-written `rq:job:<id>` naming
+`os.makedirs` runs it), calls any module attribute named as a success/failure/stopped callback, re-runs as
+often as its `repeats_left` says, posts to its webhooks, decompresses its `data` without a bound (a 1.4 MB
+zlib bomb takes a worker to 3.3 GB), and rewrites a meta of any size on every event; a hash RQ cannot parse
+(`created_at: "yesterday"`) or whose meta is not JSON ends the worker process and its warm fleet. This class:
 
-- only `worker.protocol.keys.RENDER_FUNC` is executed; any other function, a job id `worker.protocol.keys.check_job_id`
+- executes only `worker.protocol.keys.RENDER_FUNC` (checked in `check_runnable`, RQ's last step before the
+  call: `worker.protocol.rqcompat.GuardedJob`); any other function, a job id `worker.protocol.keys.check_job_id`
   refuses, an owner (meta `client`) that `worker.protocol.keys.check_client_name` refuses, or a hash carrying
   fields this service never writes (callbacks, repeats, dependencies, webhooks) fails the job with
   `RefusedJob` (recorded as `invalid_request`); those fields are dropped on load, so RQ never acts on
@@ -19,8 +19,8 @@ took a worker to 3.3 GB), and rewrites a meta of any size on every event. A hash
   replaced by an empty one and refused the same way;
 - a hash bigger in Redis than a job of this service can be (`max_hash_bytes()`: twice the request and
   meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `OversizedJob`, and the worker
-  deletes it and records the failure (`FleetWorker.drop_oversized`): a tenant who wrote 90 MB into her own
-  job hash spent the service's memory, and every read of it copied the 90 MB again;
+  deletes it and records the failure (`FleetWorker.drop_oversized`): a tenant who writes 90 MB into her own
+  job hash spends the service's memory, and every read of it would copy the 90 MB again;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
 - `worker.protocol.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
   failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
@@ -35,10 +35,10 @@ import logging
 import zlib
 from typing import Any
 
-from rq.job import Job
 from rq.utils import decode_redis_hash
 
 from worker.protocol.keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
+from worker.protocol.rqcompat import GuardedJob
 
 __all__ = ["REFUSED_HASH_FIELDS", "OversizedJob", "RefusedJob", "RenderJob", "check_job_owner"]
 
@@ -70,7 +70,7 @@ class OversizedJob(RuntimeError):
         self.job_id = job_id
 
 
-class RenderJob(Job):
+class RenderJob(GuardedJob):
     """See the module docstring."""
 
     max_data_bytes: int = 1 << 20  #: decompressed `data` (the call and its request) accepted
@@ -121,7 +121,8 @@ class RenderJob(Job):
         self._refusals = list(dict.fromkeys([*getattr(self, "_refusals", []), *refusals]))
         return out
 
-    def _execute(self) -> Any:
+    def check_runnable(self) -> None:
+        """Refuse (`RefusedJob`) what the module docstring lists, before RQ calls the job function."""
         if self.func_name != RENDER_FUNC:
             raise RefusedJob(f"this worker only runs {RENDER_FUNC}; refusing to run {self.func_name!r}")
         try:
@@ -136,7 +137,6 @@ class RenderJob(Job):
             raise RefusedJob("; ".join(self._refusals))
         if self.tenant_ids:
             check_job_owner(self.id, self.meta)
-        return super()._execute()
 
 
 def check_job_owner(job_id: str, meta: Any) -> None:

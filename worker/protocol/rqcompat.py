@@ -6,9 +6,10 @@ Written against rq 2.12 and pinned to that minor version (`pyproject.toml`): RQ 
 between minor versions (its main branch already changed `perform_job`'s signature), and
 `tests/test_worker_rqcompat.py` checks the signatures and attributes used here against the installed
 RQ, so an upgrade fails there rather than in production. Nothing else in `worker/` (or `producer/`)
-touches RQ's registries or private state; the `FleetWorker` subclass only overrides RQ's documented
-worker hooks and calls these functions. A little over 450 lines on purpose: every reach into RQ's
-internals in one file is what makes an RQ upgrade a review of one file.
+touches RQ's registries or private state (`test_nothing_but_rqcompat_touches_rq_private_state`): `RenderJob`
+and `FleetWorker` override only RQ's public hooks and the ones defined here (`GuardedJob`, `FleetHorse`), and
+call these functions. Over 450 lines on purpose: every reach into RQ's internals in one file is what makes
+an RQ upgrade a review of one file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -32,6 +34,8 @@ from worker.protocol.keys import CANCEL_REQUESTED_FIELD
 __all__ = [
     "RQ_MINOR",
     "STUCK_IN_INTERMEDIATE",
+    "FleetHorse",
+    "GuardedJob",
     "beat",
     "cancel_requested",
     "clean_registries",
@@ -50,9 +54,11 @@ __all__ = [
     "record_cancelled_execution",
     "record_success_after_return",
     "register_queues",
+    "reorder_polled_queues",
     "requeue_after_return",
     "set_retry",
     "stale_intermediate_entry",
+    "started_member_job_id",
     "stop_at_first_turn",
     "stop_requested",
     "stopped_job_id",
@@ -74,8 +80,7 @@ def clean_registries(worker: Any, lock_ttl_s: int) -> None:
     RQ takes `rq:clean_registries:<queue>` for 899 s and releases it only when the cleanup returns. A worker
     SIGKILLed while it holds the lock, or a cleanup cut short by a Redis restart (the lock survives in the
     AOF), leaves it held: for 15 minutes no worker on the queue runs the cleanup, so a job whose worker
-    vanished stays `rendering` that long. Found by the chaos suite (two jobs of SIGKILLed workers never
-    re-queued). The steps are RQ 2.12's own, in its order."""
+    vanished stays `rendering` that long. The steps are RQ 2.12's own, in its order."""
     for queue in worker.queues:
         if not queue.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=lock_ttl_s):
             continue  # another worker is cleaning this queue
@@ -126,6 +131,52 @@ def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any
         worker.refresh()  # (reads the hash; a key that vanished meanwhile leaves the defaults)
         out.append(worker)
     return out
+
+
+# ==== hooks RQ does not offer ===============================================================================
+
+
+class GuardedJob(Job):
+    """A `Job` that runs `check_runnable()` right before RQ calls its function, inside RQ's execution, so an
+    exception there fails the job exactly as one raised by the function would. RQ has no public hook at
+    that point: `Job.perform()` calls the private `_execute()`, which is overridden here and nowhere else."""
+
+    def check_runnable(self) -> None:
+        """Raise to fail the job without calling its function; the default lets every job run."""
+
+    def _execute(self) -> Any:
+        self.check_runnable()
+        return super()._execute()
+
+
+class FleetHorse:
+    """Mixin for a `SimpleWorker` whose "horse" is the warm fleet it drives in its own process.
+
+    RQ's kill-horse and stop-job commands (and its cold stop) act only while `horse_pid` is truthy, and a
+    `SimpleWorker` reports 0 always. This reports a stand-in (1) while `fleet_busy()` says a job is running,
+    so those commands reach the worker's `kill_horse()`; the number is never a process, so the class using
+    this must override `kill_horse()` (and `request_force_stop()`) not to signal it."""
+
+    def fleet_busy(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def horse_pid(self) -> int:
+        return 1 if self.fleet_busy() else 0
+
+
+def reorder_polled_queues(worker: Any, order: Callable[[list[Queue]], list[Queue]]) -> None:
+    """Replace the order `worker` polls its queues in at the next dequeue by `order(current order)`. RQ keeps
+    that order in the private `_ordered_queues` and lets a subclass change it only from `reorder_queues`
+    (called after each job with the queue the job came from)."""
+    worker._ordered_queues = order(worker._ordered_queues)
+
+
+def started_member_job_id(member: bytes) -> str:
+    """The job id of a member of a `StartedJobRegistry` sorted set, read raw (inside a WATCH, where the
+    registry's `get_job_ids()` cannot run). RQ 2 writes `<job id>:<execution id>`; a bare id stays as it is."""
+    text = member.decode()
+    return text.rpartition(":")[0] or text
 
 
 # ==== worker attributes RQ keeps private =================================================================
@@ -359,7 +410,7 @@ def finish_if_uploaded(job: Job, ttl: int, *, uploaded_state: str) -> bool:
     RQ's abandoned-job cleanup marked it `failed`; True if it did. A worker SIGKILLed before RQ's bookkeeping
     leaves its job in the started registry: its restart uploads the spooled render and finishes the job
     while another worker's cleanup, which read the entry just before, writes `failed`. Neither write sees
-    the other, so both check after writing (found by the chaos suite in CI on a loaded machine)."""
+    the other, so both check after writing."""
     try:
         job.refresh()
     except Exception:  # (gone or unreadable: nothing to repair)
@@ -440,7 +491,7 @@ def stale_intermediate_entry(job: Job, queue: Queue) -> bool:
     """True if a job RQ's intermediate-queue cleanup calls stuck has in fact moved on: it is back in its
     queue, running, or ended. A worker SIGKILLed between taking a job and starting it leaves the id in the
     intermediate list; the abandoned-job cleanup may re-queue the job meanwhile, and RQ's cleanup, finding
-    the old entry a minute later, would queue it a second time (the chaos suite saw the job render twice).
+    the old entry a minute later, would queue it a second time (and the job would render twice).
     Only a job still `queued` but absent from its queue is really stuck; a job of another queue (an id
     pushed onto this intermediate list by a client, where clients may write it) never is."""
     if job.get_status(refresh=True) != JobStatus.QUEUED or job.origin != queue.name:

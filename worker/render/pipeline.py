@@ -86,52 +86,40 @@ class PendingUpload:
 ResultFn = Callable[[PendingUpload, StoredObject, float, float], dict[str, Any]]
 
 
+@dataclass(eq=False, kw_only=True)
 class UploadPipeline:
     """Queue + uploader threads + outcome recording; see the module docstring."""
 
-    def __init__(
-        self,
-        *,
-        uploader: Uploader,
-        spool: Spool,
-        metrics: WorkerMetrics,
-        group: str,
-        worker_name: str,
-        threads: int,
-        max_pending: int,
-        max_pending_bytes: int,
-        outcomes: JobOutcomes,
-        make_result: ResultFn,
-        stop: threading.Event,
-        on_uploaded: Callable[[], None] | None = None,
-        on_upload_failed: Callable[[UploadFailed], None] | None = None,
-    ) -> None:
-        self.uploader = uploader
-        self.spool = spool
-        self.metrics = metrics
-        self.group = group
-        self.worker_name = worker_name
-        self.n_threads = threads
-        self.max_pending = max_pending
-        self.max_pending_bytes = max_pending_bytes
-        self.outcomes = outcomes
-        self.make_result = make_result
-        self.stop = stop
-        self.on_uploaded = on_uploaded
-        self.on_upload_failed = on_upload_failed  #: told of every upload that failed all its attempts
-        self.on_change: Callable[[], None] = lambda: None  #: pending/in-flight counts changed (health)
-        self._cond = threading.Condition()
-        self._queue: deque[PendingUpload] = deque()
-        self._pending: dict[str, PendingUpload] = {}  # queued or in flight, by job id
-        self._claims: dict[str, int] = {}  # spool ownership locks of the pending entries (Spool.claim)
-        self._bytes = 0
-        self._active = 0
-        self._closing = False
-        self._threads: list[threading.Thread] = []
-        self.uploaded = 0
-        self.failed = 0
-        self.connection: Any = None
-        self.encoder: Any = None  #: the `worker.render.encoder.EncodeStage` feeding this pipeline (sets itself)
+    uploader: Uploader
+    spool: Spool
+    metrics: WorkerMetrics
+    group: str
+    worker_name: str
+    threads: int  #: uploads in flight at once
+    max_pending: int
+    max_pending_bytes: int
+    outcomes: JobOutcomes
+    make_result: ResultFn
+    stop: threading.Event
+    on_uploaded: Callable[[], None] | None = None
+    #: told of every upload that failed all its attempts
+    on_upload_failed: Callable[[UploadFailed], None] | None = None
+    #: pending/in-flight counts changed (health); set by the owner after construction
+    on_change: Callable[[], None] = field(default=lambda: None, init=False)
+    uploaded: int = field(default=0, init=False)
+    failed: int = field(default=0, init=False)
+    connection: Any = field(default=None, init=False)
+    #: the `worker.render.encoder.EncodeStage` feeding this pipeline (sets itself)
+    encoder: Any = field(default=None, init=False)
+    _cond: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
+    _queue: deque[PendingUpload] = field(default_factory=deque, init=False, repr=False)
+    # queued or in flight, by job id; and the spool ownership locks of those entries (Spool.claim)
+    _pending: dict[str, PendingUpload] = field(default_factory=dict, init=False, repr=False)
+    _claims: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    _bytes: int = field(default=0, init=False, repr=False)
+    _active: int = field(default=0, init=False, repr=False)
+    _closing: bool = field(default=False, init=False, repr=False)
+    _threads: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
 
     # ==== lifecycle ===================================================================================
     def start(self, connection: Any) -> UploadPipeline:
@@ -140,7 +128,7 @@ class UploadPipeline:
         with self._cond:
             if self._threads:
                 return self
-            for i in range(self.n_threads):
+            for i in range(self.threads):
                 t = threading.Thread(target=self._run, name=f"ltx-upload-{i}", daemon=True)
                 self._threads.append(t)
                 t.start()
@@ -441,6 +429,11 @@ class UploadPipeline:
         snap = self.snapshot()
         self.metrics.upload_pending.labels(self.group).set(snap["pending"])
         self.metrics.upload_pending_bytes.labels(self.group).set(snap["pending_bytes"])
+        self.update_spool_metrics()
+
+    def update_spool_metrics(self) -> None:
+        """Publish how many complete renders wait in the spool (and their bytes); a spool that cannot be
+        read leaves the last values."""
         try:
             entries, size = self.spool.usage()
         except OSError:

@@ -124,7 +124,7 @@ class RenderService:
         )
         self.stop_uploads = threading.Event()  # set on cold shutdown: cut upload back-offs short
         # The background uploader. It always exists (it recovers the spool at start); jobs use it only
-        # with `upload_pipeline` on, otherwise they upload synchronously as before.
+        # with `upload_pipeline` on, otherwise the job function uploads before it returns.
         self.pipeline = UploadPipeline(
             uploader=self.uploader,
             spool=spool,
@@ -230,12 +230,7 @@ class RenderService:
 
     def update_spool_metrics(self) -> None:
         """Publish how many complete renders wait in the spool (and their bytes)."""
-        try:
-            entries, size = self.spool.usage()
-        except OSError:
-            return
-        self.metrics.spool_entries.labels(self.group).set(entries)
-        self.metrics.spool_bytes.labels(self.group).set(size)
+        self.pipeline.update_spool_metrics()
 
     # ==== the job =====================================================================================
     def run_job(self, job: Any, request: Any) -> dict[str, Any]:

@@ -96,7 +96,7 @@ _SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
 _SWEEP_EVERY_S = 30.0  # while Redis is out of memory, how often job hashes are scanned for oversized ones
 
 
-class FleetWorker(SimpleWorker):
+class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
     """See the module docstring."""
 
     def __init__(self, queues: Any, *, service: RenderService, **kwargs: Any) -> None:
@@ -164,7 +164,7 @@ class FleetWorker(SimpleWorker):
 
     def reorder_queues(self, reference_queue: Any) -> None:
         """Tenants in turn within each priority (worker.jobs.tenantqueues.rotate)."""
-        self._ordered_queues = rotate(self._ordered_queues, reference_queue, lambda q: q.name)
+        rqcompat.reorder_polled_queues(self, lambda queues: rotate(queues, reference_queue, lambda q: q.name))
 
     # ==== health ======================================================================================
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -484,7 +484,7 @@ class FleetWorker(SimpleWorker):
     def _wait_for_upload_room(self) -> None:
         """Back-pressure: while the background uploader holds `max_pending_uploads` renders (or
         `max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
-        `_SPOOL_MIN_FREE_INODES` inodes: a full spool used to fail every job), take no job. The
+        `_SPOOL_MIN_FREE_INODES` inodes: a full spool would fail every job), take no job. The
         worker stays registered (heartbeats), idle (a warm stop interrupts the wait like an idle dequeue)
         and says so in metrics, health and the log."""
         pipeline = self.service.pipeline
@@ -630,7 +630,7 @@ class FleetWorker(SimpleWorker):
         """RQ's pubsub commands (`rq:pubsub:<worker>`): `stop-job`/`kill-horse` cancel the running job (what
         any client may do to a job), but `shutdown` is refused: anyone who can PUBLISH on this Redis could
         stop every worker (five in a minute made the supervisor give up). The operator stops a
-        worker with a signal. A payload that is not a command is logged and dropped (it used to end RQ's
+        worker with a signal. A payload that is not a command is logged and dropped (RQ's own handling ends its
         pubsub thread, and with it cancels of running jobs)."""
         try:
             payload = parse_payload(message)
@@ -654,10 +654,9 @@ class FleetWorker(SimpleWorker):
         if not self.service.cancel(job_id):
             log.info("stop command for %s: no such job running here", job_id)
 
-    @property
-    def horse_pid(self) -> int:
-        # RQ's kill-horse command only calls kill_horse() when this is truthy; the "horse" is our fleet.
-        return 1 if self.service.current is not None else 0
+    def fleet_busy(self) -> bool:
+        """A render is running (RQ's kill-horse command then reaches `kill_horse`: `rqcompat.FleetHorse`)."""
+        return self.service.current is not None
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """Second signal: kill the fleet (from a helper thread) and abort the running job."""
@@ -708,12 +707,12 @@ class FleetWorker(SimpleWorker):
         meta = job.meta if isinstance(job.meta, dict) else {}
         state = meta.get("state")
         if state in RENDER_COMPLETE_STATES or state in TERMINAL_STATES:
-            # The render is complete (found by the chaos suite: a worker SIGKILLed between `rendered` and
-            # RQ's own bookkeeping left the job in the started registry; its restart recovered the video from
-            # the spool and uploaded it, and this cleanup re-queued the job, which rendered and uploaded
-            # again: two terminal states). The committed video is in the host's spool and the next worker
-            # start there recovers it and records the outcome, moving RQ's status from `failed` to
-            # `finished`; an `uploaded` job is done. So: never re-run it and write no event.
+            # The render is complete (a worker SIGKILLed between `rendered` and RQ's own bookkeeping leaves
+            # the job in the started registry; its restart recovers the video from the spool and uploads it,
+            # and a re-queue here would render and upload it again: two terminal states). The committed
+            # video is in the host's spool and the next worker start there recovers it and records the
+            # outcome, moving RQ's status from `failed` to `finished`; an `uploaded` job is done. So: never
+            # re-run it and write no event.
             # (`failed`/`cancelled`: the execution recorded its end and vanished before RQ's bookkeeping.)
             rqcompat.set_retry(job, False)
             self._complete_abandoned.append(job)

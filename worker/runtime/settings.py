@@ -36,15 +36,8 @@ from pydantic_settings import (
 
 from ltx_mgpu.control.devices import canonical_group
 from worker.protocol.keys import check_tenant_name
-from worker.protocol.redisconn import RedisAccess
-from worker.protocol.sharedsettings import (
-    S3_SECRET_FILE_FIELDS,
-    check_queue_names,
-    check_redis_url,
-    read_secret_file,
-    safe_redis_url,
-    split_list,
-)
+from worker.protocol.redisconn import ServiceAccess
+from worker.protocol.sharedsettings import S3_SECRET_FILE_FIELDS, read_secret_file, safe_redis_url, split_list
 
 __all__ = [
     "BUILTIN_RUNNERS",
@@ -98,9 +91,10 @@ def group_label(spec: str) -> str:
     return "g" + text.replace(",", "-")
 
 
-class WorkerSettings(RedisAccess, BaseSettings):
+class WorkerSettings(ServiceAccess, BaseSettings):
     """Every knob of a worker process. Field `x` is environment variable `LTX_X` (case-insensitive); the
-    `redis_*` credential and TLS fields come from `worker.protocol.redisconn.RedisAccess`."""
+    `redis_*` credential and TLS fields, and the checks of `redis_url` and `queues`, come from
+    `worker.protocol.redisconn.ServiceAccess`."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -274,7 +268,7 @@ class WorkerSettings(RedisAccess, BaseSettings):
     encode_in_worker: bool = Field(
         True,
         description="the fleet hands yuv420p frames and audio off and the worker encodes the mp4 beside the next "
-        "job (false: the fleet's driver rank encodes before it is free, the old path)",
+        "job (false: the fleet's driver rank encodes before it is free)",
     )
     encode_crf: int = Field(18, ge=0, le=51, description="H.264 quality of the mp4 (x264 crf; 0 = lossless)")
     encode_preset: Literal[
@@ -351,11 +345,6 @@ class WorkerSettings(RedisAccess, BaseSettings):
         return tuple(sources)
 
     # ---- validation ----------------------------------------------------------------------------------
-    @field_validator("queues", mode="before")
-    @classmethod
-    def _parse_queues(cls, value: Any) -> Any:
-        return split_list(value, ",")
-
     @field_validator("groups", mode="before")
     @classmethod
     def _parse_groups(cls, value: Any) -> Any:
@@ -385,11 +374,6 @@ class WorkerSettings(RedisAccess, BaseSettings):
     def _check_tenants(cls, value: list[str]) -> list[str]:
         return list(dict.fromkeys(check_tenant_name(t) for t in value))
 
-    @field_validator("queues")
-    @classmethod
-    def _check_queues(cls, value: list[str]) -> list[str]:
-        return check_queue_names(value)
-
     @field_validator("groups")
     @classmethod
     def _check_groups(cls, value: list[str]) -> list[str]:
@@ -400,11 +384,6 @@ class WorkerSettings(RedisAccess, BaseSettings):
         if len(set(gpus)) != len(gpus):
             raise ValueError(f"groups {groups} share a GPU; groups must be disjoint")
         return groups
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        return check_redis_url(value)
 
     @field_validator("warmup_requests")
     @classmethod

@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from worker.protocol.states import EventType
@@ -42,25 +43,17 @@ class UploadFailed(RuntimeError):
         self.retryable = retryable
 
 
+@dataclass(eq=False)
 class Uploader:
     """Retrying, confirming uploads from a `Spool` to a `Storage` (see the module docstring)."""
 
-    def __init__(
-        self,
-        storage: Storage,
-        spool: Spool,
-        *,
-        attempts: int = 5,
-        backoff_s: float = 1.0,
-        backoff_max_s: float = 30.0,
-        progress_interval_s: float = 0.5,
-    ) -> None:
-        self.storage = storage
-        self.spool = spool
-        self.attempts = attempts
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
-        self.progress_interval_s = progress_interval_s
+    storage: Storage
+    spool: Spool
+    _: KW_ONLY
+    attempts: int = 5
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    progress_interval_s: float = 0.5
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt `attempt` (1-based): exponential, capped, with jitter."""
