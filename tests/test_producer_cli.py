@@ -303,10 +303,11 @@ def test_exit_codes_are_documented_in_help_and_docs(env: dict[str, str]) -> None
 
 
 def test_producer_never_imports_torch_or_ltx_mgpu() -> None:
-    # (but the engine's stdlib-only request bounds and image parser, which the schema shares with the runners)
+    # (but the engine's stdlib-only request bounds, image parser and memory plan, which the schema and the
+    # published limits share with the runners)
     code = (
         "import sys, producer.cli, producer.client, producer.backfill\n"
-        "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize'}\n"
+        "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize', 'ltx_mgpu.memplan'}\n"
         "heavy = ('torch', 'ltx_mgpu', 'boto3')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy and m not in shared)\n"
         "print(bad)\n"
