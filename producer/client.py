@@ -58,6 +58,7 @@ from producer.models import (  # (the views and errors are re-exported: `from pr
 from producer.settings import ProducerSettings
 from producer.stats import StatsQueries
 from worker.protocol.control import cancel_job
+from worker.protocol.health import SnapshotError, read_health
 from worker.protocol.keys import RENDER_FUNC, check_job_id, events_key, tenant_job_id, worker_health_key
 from worker.protocol.limits import LimitViolation, RunnerLimits
 from worker.protocol.redisconn import connect
@@ -174,12 +175,11 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         out: list[tuple[str, RunnerLimits]] = []
         with unavailable_on_error(self.settings.redis_url):
             for worker in live_workers(self.connection, queue=self.queue(queue)):
-                raw = self.connection.get(worker_health_key(worker.name))
                 try:
-                    health = json.loads(raw) if raw else {}
-                except ValueError:
-                    continue
-                limits = RunnerLimits.from_json(health.get("limits")) if isinstance(health, dict) else None
+                    health = read_health(self.connection.get(worker_health_key(worker.name)))
+                except SnapshotError:
+                    continue  # (`producer stats` names the worker and what is wrong with its snapshot)
+                limits = health.runner_limits() if health is not None else None
                 if limits is not None:
                     out.append((worker.name, limits))
         return out

@@ -322,17 +322,22 @@ def render_stats(console: Console, stats: Stats) -> None:
     for col in ("worker", "group", "state", "fleet", "current job", "jobs", "heartbeat"):
         workers.add_column(col)
     for w in stats.workers:
-        health = w.health or {}
-        fleet = health.get("fleet") if isinstance(health.get("fleet"), dict) else {}
+        fleet = w.health.fleet if w.health is not None else None
         fleet_text = w.fleet_state or "?"
-        if fleet:
-            fleet_text += f" ({_count(len(fleet.get('pids') or []), 'rank')}"
-            fleet_text += f", {fleet.get('rebuilds')} rebuilds)" if fleet.get("rebuilds") else ")"
+        if fleet is not None:
+            fleet_text += f" ({_count(len(fleet.pids), 'rank')}"
+            fleet_text += f", {fleet.rebuilds} rebuilds)" if fleet.rebuilds else ")"
+        jobs_done = w.health.jobs_done if w.health is not None else None
         _row(workers, w.name, w.group or "?", w.state, fleet_text, w.current_job or "-",
-                        str(health.get("jobs_done", "-")), _ago(w.last_heartbeat))  # fmt: skip
+                        "-" if jobs_done is None else str(jobs_done), _ago(w.last_heartbeat))  # fmt: skip
     if not stats.workers:
         _row(workers, "(none)", "", "", "", "", "", "")
     console.print(workers)
+    for w in stats.workers:
+        if w.health_error:
+            console.print(
+                f"worker {w.name}: health snapshot unreadable: {w.health_error}", markup=False, soft_wrap=True
+            )
 
     failures = Table(title="recent failures", title_justify="left")
     for col in ("job", "queue", "reason", "message", "ended"):

@@ -9,7 +9,6 @@ the worker: its contents are not the producer's to read.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,6 +18,7 @@ from rq.worker import Worker
 
 from producer.models import unavailable_on_error
 from producer.requestfile import LoadedRequest
+from worker.protocol.health import LoraOffer, SnapshotError, read_health
 from worker.protocol.keys import worker_health_key
 from worker.protocol.lorarefs import LoraRef, parse_lora_option, uri_allowed
 from worker.protocol.schema import RenderRequest
@@ -52,22 +52,21 @@ def with_lora_options(requests: Sequence[LoadedRequest], options: Sequence[str])
     return out
 
 
-def published_loras(connection: Any, queue: Any) -> list[tuple[str, dict[str, Any]]]:
+def published_loras(connection: Any, queue: Any) -> list[tuple[str, LoraOffer]]:
     """(worker name, what it publishes under `loras`) for the live workers on `queue` that publish it."""
     out = []
     with unavailable_on_error():
         for worker in Worker.all(connection=connection, queue=queue):
-            raw = connection.get(worker_health_key(worker.name))
             try:
-                offer = (json.loads(raw) if raw else {}).get("loras")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(offer, dict):
-                out.append((worker.name, offer))
+                health = read_health(connection.get(worker_health_key(worker.name)))
+            except SnapshotError:
+                continue  # (`producer stats` names the worker and what is wrong with its snapshot)
+            if health is not None and health.loras is not None:
+                out.append((worker.name, health.loras))
     return out
 
 
-def lora_problems(request: RenderRequest, offers: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+def lora_problems(request: RenderRequest, offers: Sequence[tuple[str, LoraOffer]]) -> list[str]:
     """What any of these workers would refuse in `request.loras` (any of them may take the job)."""
     problems: dict[str, None] = {}
     refs = request.loras or []
@@ -77,15 +76,14 @@ def lora_problems(request: RenderRequest, offers: Sequence[tuple[str, dict[str, 
     return list(problems)
 
 
-def _refused_by(refs: Sequence[LoraRef], offer: dict[str, Any]) -> list[str]:
+def _refused_by(refs: Sequence[LoraRef], offer: LoraOffer) -> list[str]:
     out = []
-    cap = offer.get("max_per_request")
-    if isinstance(cap, int) and len(refs) > cap:
+    cap = offer.max_per_request
+    if cap is not None and len(refs) > cap:
         out.append(f"loras: {len(refs)} LoRAs, the worker takes at most {cap}")
-    names = offer.get("names")
-    prefixes = [str(p) for p in offer.get("s3_prefixes") or []]
+    prefixes = list(offer.s3_prefixes)
     for i, ref in enumerate(refs):
-        if ref.name is not None and isinstance(names, list) and ref.name not in names:
+        if ref.name is not None and offer.names is not None and ref.name not in offer.names:
             out.append(f"loras[{i}].name: {ref.name!r} is not in the worker's catalogue")
         if ref.uri is not None and not uri_allowed(ref.uri, prefixes):
             out.append(f"loras[{i}].uri: {ref.uri!r} is under no prefix the worker allows")

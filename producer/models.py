@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import redis
 
+from worker.protocol.health import WorkerHealth
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE
 from worker.protocol.schema import RenderRequest
 from worker.protocol.sharedsettings import safe_redis_url
@@ -172,7 +173,8 @@ class WorkerInfo:
     group: str | None  #: the device group from the worker's health snapshot
     fleet_state: str | None
     last_heartbeat: datetime | None
-    health: dict[str, Any] | None  #: the worker's whole health snapshot, if it wrote one
+    health: WorkerHealth | None  #: the worker's whole health snapshot, if it wrote a readable one
+    health_error: str | None = None  #: why its snapshot could not be read (one line), if it could not
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,8 @@ class Stats:
                 return [plain(o) for o in obj]
             if isinstance(obj, dict):
                 return {k: plain(v) for k, v in obj.items()}
+            if isinstance(obj, WorkerHealth):
+                return obj.to_json()  # (the snapshot's own JSON: the keys the worker wrote)
             if hasattr(obj, "__dataclass_fields__"):
                 return {k: plain(getattr(obj, k)) for k in obj.__dataclass_fields__}
             return obj

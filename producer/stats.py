@@ -4,8 +4,6 @@ registry maintenance."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 from typing import Any
 
 from rq import Queue
@@ -23,6 +21,7 @@ from producer.models import (
     WorkerInfo,
     unavailable_on_error,
 )
+from worker.protocol.health import SnapshotError, read_health
 from worker.protocol.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
 from worker.protocol.rqcompat import live_workers
 
@@ -114,25 +113,21 @@ class StatsQueries:
             )
 
     def _worker_info(self, worker: Any) -> WorkerInfo:
-        health = None
-        raw = self.connection.get(worker_health_key(worker.name))
-        if raw:
-            with contextlib.suppress(ValueError):
-                health = json.loads(raw)
-        fleet = health.get("fleet") if isinstance(health, dict) else None
-        fleet_state = fleet.get("state") if isinstance(fleet, dict) else (fleet if isinstance(fleet, str) else None)
-        group = None
-        if isinstance(health, dict):
-            group = health.get("group") or (fleet.get("group") if isinstance(fleet, dict) else None)
+        health, error = None, None
+        try:
+            health = read_health(self.connection.get(worker_health_key(worker.name)))
+        except SnapshotError as exc:
+            error = str(exc)
         return WorkerInfo(
             name=worker.name,
             state=str(worker.get_state()),
             queues=worker.queue_names(),
             current_job=worker.get_current_job_id(),
-            group=str(group) if group is not None else None,
-            fleet_state=str(fleet_state) if fleet_state is not None else None,
+            group=health.group if health is not None else None,
+            fleet_state=health.fleet.state if health is not None and health.fleet is not None else None,
             last_heartbeat=worker.last_heartbeat,
-            health=health if isinstance(health, dict) else None,
+            health=health,
+            health_error=error,
         )
 
     def _client_unfinished(self, client: str) -> int:

@@ -398,6 +398,7 @@ def test_watch_and_stats_small_print() -> None:
 
     from producer.client import Stats, WorkerInfo
     from producer.display import EventPrinter, render_stats
+    from worker.protocol.health import WorkerHealth
 
     total = 25 * 2**20
     events = _events(
@@ -414,7 +415,7 @@ def test_watch_and_stats_small_print() -> None:
     lines = [line.split(" ", 1)[1] for line in buffer.getvalue().splitlines()]
     assert lines[0] == "rendering on cpu:1 (1 rank)"
     assert [x for x in lines if x.startswith("upload ")][-1] == "upload 25.0 MiB/25.0 MiB", lines
-    health = {"fleet": {"state": "ready", "pids": [11]}, "jobs_done": 3}
+    health = WorkerHealth.from_json({"fleet": {"state": "ready", "pids": [11]}, "jobs_done": 3})
     worker = WorkerInfo(name="w", state="idle", queues=["q"], current_job=None, group="cpu:1", fleet_state="ready",
                         last_heartbeat=datetime.now(UTC), health=health)  # fmt: skip
     stats = Stats(queues=[], workers=[worker], failures=[], max_queue_depth=0, client="c", client_quota=0,

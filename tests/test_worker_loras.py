@@ -94,7 +94,7 @@ def test_catalogue_lora_is_copied_once_by_content_then_hit(tmp_path: Path, catal
     write_st(catalogue / "dolly.safetensors", lora(rank=2))
     replaced = r.resolve([LoraRef(name="dolly")])[0]
     assert replaced.path != first.path and not replaced.cached
-    assert r.published()["names"] == ["cut", "dolly", "escape", "jib", "pickled"]
+    assert r.published().names == ("cut", "dolly", "escape", "jib", "pickled")
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ltx_mgpu import MGPURunner, RunnerError
 from ltx_mgpu.control.events import output_event, progress_event, stage_event
 from worker.dev.devservers import pid_alive
+from worker.protocol.health import WorkerHealth
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = {
@@ -327,12 +328,15 @@ def launch_worker(
 
 def worker_health(conn: Any, name_prefix: str) -> list[dict[str, Any]]:
     """Health snapshots of workers whose name starts with `name_prefix` (a SIGKILLed worker's snapshot
-    lingers until its key expires: filter with `pid_alive`)."""
+    lingers until its key expires: filter with `pid_alive`). Each is checked against the protocol's
+    `WorkerHealth`: it parses, and reads back to the very JSON the worker wrote (no key it does not type)."""
     out = []
     for key in conn.scan_iter(match=f"ltx:worker:{name_prefix}.*:health"):
         raw = conn.get(key)
         if raw:
-            out.append(json.loads(raw))
+            data = json.loads(raw)
+            assert WorkerHealth.from_json(data).to_json() == data, data
+            out.append(data)
     return out
 
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
+from worker.protocol.health import WorkerHealth
+
 __all__ = ["HealthPublisher"]
 
 log = logging.getLogger("worker.ops.health")
@@ -29,7 +31,7 @@ class HealthPublisher:
 
     connection: Any
     key: str
-    snapshot: Callable[[], dict[str, Any]]
+    snapshot: Callable[[], WorkerHealth]
     _: KW_ONLY
     ttl_s: int
     refresh_s: float = 5.0
@@ -51,7 +53,7 @@ class HealthPublisher:
     def write_now(self) -> bool:
         """Write the snapshot from the calling thread; False if Redis did not take it."""
         try:
-            payload = json.dumps(self.snapshot(), default=str)
+            payload = json.dumps(self.snapshot().to_json(), default=str)
             self.connection.set(self.key, payload, ex=self.ttl_s)
         except Exception:
             log.debug("could not write the health snapshot", exc_info=True)

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from worker.ops.probeserver import ProbeServer, Reply
+from worker.protocol.health import WorkerHealth
 
 __all__ = ["HealthServer", "WorkerMetrics"]
 
@@ -136,7 +137,7 @@ class HealthServer:
     def __init__(
         self,
         metrics: WorkerMetrics,
-        snapshot: Callable[[], tuple[bool, bool, dict[str, Any]]],
+        snapshot: Callable[[], tuple[bool, bool, WorkerHealth]],
         *,
         host: str = "0.0.0.0",
         port: int = 0,
@@ -149,7 +150,7 @@ class HealthServer:
             if path in ("/healthz", "/readyz", "/"):
                 live, ready, info = snapshot()
                 ok = live if path != "/readyz" else ready
-                body = json.dumps({"live": live, "ready": ready, **info}, default=str).encode()
+                body = json.dumps({"live": live, "ready": ready, **info.to_json()}, default=str).encode()
                 return (200 if ok else 503), body, "application/json"
             return 404, b"not found\n", "text/plain"
 

@@ -19,10 +19,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import redis
 from rq.exceptions import StopRequested
+
+from worker.protocol.health import RedisHealth
 
 __all__ = ["RedisOutage", "add_memory_hook", "memory_refused", "outage_reason", "remove_memory_hook"]
 
@@ -137,8 +138,8 @@ class RedisOutage:
                         refusals)  # fmt: skip
             self._changed(True)
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"up": self.up, "since": self.since, "reason": self.reason, "outages": self.outages}
+    def snapshot(self) -> RedisHealth:
+        return RedisHealth(up=self.up, since=self.since, reason=self.reason, outages=self.outages)
 
     def _changed(self, up: bool) -> None:
         if self.on_change is not None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ltx_mgpu.lorafile import LoraFileError, LoraLimits, check_lora, transformer_targets
+from worker.protocol.health import LoraOffer
 from worker.protocol.lorarefs import LoraRef, split_s3_uri, uri_allowed
 
 __all__ = ["LoraCache", "LoraRefused", "LoraResolver", "ResolvedLora"]
@@ -208,11 +209,11 @@ class LoraResolver:
         self._hashed: dict[tuple[str, int, int], str] = {}  #: (catalogue path, size, mtime_ns) -> sha256
 
     # ---- published (the producer's --dry-run checks requests against it) ----------------------------
-    def published(self) -> dict[str, Any]:
+    def published(self) -> LoraOffer:
         names = []
         if self.catalogue is not None and self.catalogue.is_dir():
             names = sorted(p.name[: -len(_SUFFIX)] for p in self.catalogue.glob(f"*{_SUFFIX}"))[:1000]
-        return {"names": names, "s3_prefixes": self.prefixes, "max_per_request": self.settings.lora_max_per_request}
+        return LoraOffer(tuple(names), tuple(self.prefixes), self.settings.lora_max_per_request)
 
     # ---- resolve ------------------------------------------------------------------------------------
     def resolve(self, refs: Sequence[LoraRef]) -> list[ResolvedLora]:

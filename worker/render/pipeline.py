@@ -50,6 +50,7 @@ import redis
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
+from worker.protocol.health import UploadsHealth
 from worker.protocol.relay import EventRelay
 from worker.protocol.states import FailureReason, JobState
 from worker.uploads.spool import Spool, SpoolEntry
@@ -298,19 +299,20 @@ class UploadPipeline:
                 self._cond.wait(min(left, 0.5))
             return True
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> UploadsHealth:
+        """The pipeline's part of the health snapshot (the worker adds `backpressure` and `background`)."""
         with self._cond:
-            return {
-                "pending": len(self._pending),
-                "encoding": self.encoder.pending_count() if self.encoder is not None else 0,
-                "pending_bytes": self._bytes,
-                "in_flight": self._active,
-                "full": self._full(),
-                "max_pending": self.max_pending,
-                "max_pending_bytes": self.max_pending_bytes,
-                "uploaded": self.uploaded,
-                "failed": self.failed,
-            }
+            return UploadsHealth(
+                pending=len(self._pending),
+                encoding=self.encoder.pending_count() if self.encoder is not None else 0,
+                pending_bytes=self._bytes,
+                in_flight=self._active,
+                full=self._full(),
+                max_pending=self.max_pending,
+                max_pending_bytes=self.max_pending_bytes,
+                uploaded=self.uploaded,
+                failed=self.failed,
+            )
 
     # ==== uploader threads ============================================================================
     def _run(self) -> None:
@@ -427,8 +429,8 @@ class UploadPipeline:
     def _publish(self) -> None:
         self.on_change()
         snap = self.snapshot()
-        self.metrics.upload_pending.labels(self.group).set(snap["pending"])
-        self.metrics.upload_pending_bytes.labels(self.group).set(snap["pending_bytes"])
+        self.metrics.upload_pending.labels(self.group).set(snap.pending)
+        self.metrics.upload_pending_bytes.labels(self.group).set(snap.pending_bytes)
         self.update_spool_metrics()
 
     def update_spool_metrics(self) -> None:

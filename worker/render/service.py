@@ -46,6 +46,7 @@ from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
+from worker.protocol.health import StorageHealth
 from worker.protocol.limits import RunnerLimits
 from worker.protocol.relay import EventRelay
 from worker.protocol.schema import RenderRequest
@@ -225,8 +226,8 @@ class RenderService:
         self.metrics.storage_up.labels(self.group).set(0 if error else 1)
 
     @property
-    def storage_state(self) -> dict[str, Any]:
-        return {"state": "degraded" if self.storage_error else "ok", "error": self.storage_error}
+    def storage_state(self) -> StorageHealth:
+        return StorageHealth("degraded" if self.storage_error else "ok", self.storage_error)
 
     def update_spool_metrics(self) -> None:
         """Publish how many complete renders wait in the spool (and their bytes)."""

@@ -63,6 +63,7 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -77,6 +78,7 @@ from worker.jobs.tenantqueues import TakingQueue, TenantAdmissions, rotate, serv
 from worker.ops.health import HealthPublisher
 from worker.ops.logs import bind_job
 from worker.protocol import rqcompat
+from worker.protocol.health import FleetHealth, WorkerHealth
 from worker.protocol.keys import worker_health_key
 from worker.protocol.redisoutage import RedisOutage, add_memory_hook, remove_memory_hook
 from worker.protocol.renderjob import OversizedJob, RefusedJob, RenderJob
@@ -258,33 +260,32 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         """Publish the health snapshot under `ltx:worker:<name>:health` now (expires with the worker)."""
         self.health.write_now()
 
-    def health_snapshot(self) -> tuple[bool, bool, dict[str, Any]]:
+    def health_snapshot(self) -> tuple[bool, bool, WorkerHealth]:
         fleet = self.service.fleet
         cur = self.service.current
         live_window = max(self.settings.worker_ttl, 3 * self.settings.heartbeat_interval)
         live = (time.monotonic() - self.last_loop_beat) < live_window + 15 and fleet.state != "stopped"
-        info = {
-            "worker": self.name,
-            "group": self.service.group,
-            "queues": self.queue_names(),
-            "runner": self.settings.runner,
-            "limits": self.service.limits.to_json(),  # checked by `producer submit` (worker.protocol.limits)
-            "loras": self.service.loras.published(),  # catalogue names, S3 prefixes, count (producer.loras)
-            "fleet": {"state": fleet.state, "alive": fleet.is_alive, "pids": fleet.pids, "world_size": fleet.world_size,
-                      "devices": [str(d) for d in fleet.devices], "builds": fleet.builds, "rebuilds": fleet.rebuilds,
-                      "failures": fleet.failures, "ready_at": fleet.ready_at, "last_failure": fleet.last_failure,
-                      "startup": fleet.startup},
-            "current_job": cur.job_id if cur else None,
-            "uploads": {**self.service.pipeline.snapshot(), "backpressure": self._backpressure,
-                        "background": self.settings.upload_pipeline},
-            "storage": self.service.storage_state,
-            "redis": self.redis_outage.snapshot(),
-            "jobs_done": self.service.jobs_done,
-            "metrics_port": getattr(self, "metrics_port", None),
-            "pid": self.pid,
-            "process_started_at": self.service.process_started_at,
-            "ts": time.time(),
-        }  # fmt: skip
+        info = WorkerHealth(
+            worker=self.name,
+            group=self.service.group,
+            queues=tuple(self.queue_names()),
+            runner=self.settings.runner,
+            limits=self.service.limits.to_json(),  # checked by `producer submit` (worker.protocol.limits)
+            loras=self.service.loras.published(),  # catalogue names, S3 prefixes, count (producer.loras)
+            fleet=FleetHealth(fleet.state, fleet.is_alive, tuple(fleet.pids), fleet.world_size,
+                              tuple(str(d) for d in fleet.devices), fleet.builds, fleet.rebuilds, fleet.failures,
+                              fleet.ready_at, fleet.last_failure, fleet.startup),
+            current_job=cur.job_id if cur else None,
+            uploads=replace(self.service.pipeline.snapshot(), backpressure=self._backpressure,
+                            background=self.settings.upload_pipeline),
+            storage=self.service.storage_state,
+            redis=self.redis_outage.snapshot(),
+            jobs_done=self.service.jobs_done,
+            metrics_port=getattr(self, "metrics_port", None),
+            pid=self.pid,
+            process_started_at=self.service.process_started_at,
+            ts=time.time(),
+        )  # fmt: skip
         return live, fleet.is_alive and self.redis_outage.up, info
 
     def _fleet_failed(self, info: dict[str, Any]) -> None:
