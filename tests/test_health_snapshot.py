@@ -11,6 +11,7 @@ import pytest
 from rq import Queue
 from rq.worker import Worker
 
+from worker.protocol.handoff import HandOff
 from worker.protocol.health import FleetHealth, LoraOffer, SnapshotError, UploadsHealth, WorkerHealth, read_health
 from worker.protocol.keys import worker_health_key
 
@@ -97,3 +98,30 @@ def test_producer_stats_reports_a_malformed_snapshot_in_one_line(env, redis_clie
         for worker in (good, bad):
             worker.register_death()
             redis_client.delete(worker_health_key(worker.name))
+
+
+# ==== the hand-off result (worker.protocol.handoff) ======================================================
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"job_id": "j1", "state": "rendering", "encode": "pending", "upload": "pending", "render_s": 1.25,
+         "worker": "w"},
+        {"job_id": "j1", "state": "rendered", "upload": "pending", "key": "videos/j1.mp4", "bytes": 300000,
+         "render_s": 1.25, "worker": "w"},
+    ],
+)  # fmt: skip
+def test_handoff_json_round_trips_key_for_key_and_in_order(stored: dict) -> None:
+    handoff = HandOff.read(json.loads(json.dumps(stored)))
+    assert handoff is not None and json.dumps(handoff.to_json()) == json.dumps(stored)
+
+
+def test_only_a_handoff_reads_as_one() -> None:
+    uploaded = {"job_id": "j1", "state": "uploaded", "key": "k", "sha256": "ab" * 32, "bytes": 3}
+    assert HandOff.read(uploaded) is None and HandOff.read(None) is None and HandOff.read("pending") is None
+    assert HandOff.read({"upload": "pending", "state": "rendered"}) is None  # no job id: not one we wrote
+    with pytest.raises(SnapshotError, match=r"^hand-off\.job_id: missing$"):
+        HandOff.from_json({"state": "rendered"})
+    with pytest.raises(SnapshotError, match=r"^hand-off\.bytes: expected int, got str"):
+        HandOff.from_json({"job_id": "j", "state": "rendered", "bytes": "3"})

@@ -33,6 +33,7 @@ from tests.test_worker_support import (
     wait_state,
     worker_health,
 )
+from worker.protocol.handoff import HandOff
 from worker.uploads.spool import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(240)
@@ -120,7 +121,8 @@ def test_next_job_starts_while_previous_video_uploads(tmp_path, redis_server, s3
         wait_for(lambda: _state(second) in _PENDING, 60, "second job rendered", on_fail=w.proc.log_tail)
         assert _state(first) in _PENDING
         assert first.get_status(refresh=True) == JobStatus.FINISHED  # RQ: the job function returned
-        assert first.latest_result().return_value["state"] == "rendered"  # the hand-off, not a result
+        handoff = first.latest_result().return_value  # the hand-off, not a result: typed, JSON as written
+        assert HandOff.from_json(handoff).to_json() == handoff and HandOff.read(handoff).state == "rendered"
         assert (w.spool / first.id / MANIFEST_NAME).exists()
         # The health key is refreshed by heartbeats: the one after the second hand-off may be a beat away.
         health = wait_for(lambda: (u := w.health()["uploads"])["pending"] == 2 and u, 10, "health: 2 pending",

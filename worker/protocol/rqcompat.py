@@ -29,6 +29,7 @@ from rq.registry import clean_registries as clean_queue_registries
 from rq.results import Result
 from rq.utils import now, utcformat
 
+from worker.protocol.handoff import HandOff
 from worker.protocol.keys import CANCEL_REQUESTED_FIELD
 
 __all__ = [
@@ -503,5 +504,5 @@ def _drop_handoff(job: Job, pipe: Any) -> None:
     """Delete the hand-off value RQ stored as this execution's result: it stood in while the upload ran
     and is replaced by the real outcome (one result per execution, as without the pipeline)."""
     latest = job.latest_result()
-    if latest is not None and isinstance(latest.return_value, dict) and latest.return_value.get("upload"):
+    if latest is not None and HandOff.read(latest.return_value) is not None:
         pipe.xdel(Result.get_key(job.id), latest.id)

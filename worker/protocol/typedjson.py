@@ -5,8 +5,9 @@ string keys on the other.
 `dump(obj)` gives the JSON object (keys in field order; lists for tuples; a field whose metadata says
 `omit_none` is left out while None). `load(cls, data, where)` reads one back: a missing key takes the
 field's default (an older writer), an unknown key is ignored (a newer writer), and a value of the wrong
-type raises `SnapshotError` naming the field, in one line. Field types are the few JSON has: str, int,
-float, bool, None unions, `tuple[X, ...]`, `dict[str, Any]` (kept as it is) and nested dataclasses.
+type, or a missing key the field has no default for, raises `SnapshotError` naming the field, in one
+line. Field types are the few JSON has: str, int, float, bool, None unions, `tuple[X, ...]`,
+`dict[str, Any]` (kept as it is) and nested dataclasses.
 Stdlib only (the producer image copies worker/protocol/).
 """
 
@@ -55,6 +56,8 @@ def load(cls: type[T], data: Any, where: str) -> T:
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name in data:
             kwargs[f.name] = _value(data[f.name], hints[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SnapshotError(f"{where}.{f.name}: missing")
     return cls(**kwargs)
 
 

@@ -36,7 +36,7 @@ import errno
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
@@ -46,6 +46,7 @@ from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
+from worker.protocol.handoff import HandOff
 from worker.protocol.health import StorageHealth
 from worker.protocol.limits import RunnerLimits
 from worker.protocol.relay import EventRelay
@@ -549,22 +550,13 @@ class RenderService:
         return emit
 
     def _handoff(self, job: Any, entry: SpoolEntry | None, render_s: float) -> dict[str, Any]:
-        """The job function's return value with the pipeline on: what RQ stores when it marks the job
-        `finished`. Deliberately without `sha256`/`url`: it must not look like an upload result (the
-        pipeline replaces it with the full result once the object is confirmed). `entry` None: the video
-        is still being encoded (`worker.render.encoder`)."""
+        """The job function's return value with the pipeline on (`worker.protocol.handoff`). `entry` None:
+        the video is still being encoded (`worker.render.encoder`)."""
         if entry is None:
-            return {"job_id": job.id, "state": JobState.RENDERING.value, "encode": "pending", "upload": "pending",
-                    "render_s": round(render_s, 4), "worker": self.worker_name}  # fmt: skip
-        return {
-            "job_id": job.id,
-            "state": JobState.RENDERED.value,
-            "upload": "pending",
-            "key": entry.key,
-            "bytes": entry.size,
-            "render_s": round(render_s, 4),
-            "worker": self.worker_name,
-        }
+            handoff = HandOff(job.id, JobState.RENDERING.value, encode="pending")
+        else:
+            handoff = HandOff(job.id, JobState.RENDERED.value, key=entry.key, bytes=entry.size)
+        return replace(handoff, render_s=round(render_s, 4), worker=self.worker_name).to_json()
 
     def _pipeline_result(
         self, item: PendingUpload, stored: StoredObject, upload_s: float, wait_s: float
