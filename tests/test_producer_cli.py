@@ -1,6 +1,5 @@
-"""The producer CLI without a worker: request-file validation, admission control, cancel of a waiting job,
-exit codes, and the import-lightness rule. A real Redis (worker/dev/devservers.py); queues nobody consumes.
-"""
+"""The producer CLI without a worker: request files, admission, cancel of a waiting job, exit codes, the
+import-lightness rule. A real Redis (worker/dev/devservers.py); queues nobody consumes."""
 
 from __future__ import annotations
 
@@ -303,8 +302,7 @@ def test_exit_codes_are_documented_in_help_and_docs(env: dict[str, str]) -> None
 
 
 def test_producer_never_imports_torch_or_ltx_mgpu() -> None:
-    # (but the engine's stdlib-only request bounds, image parser and memory plan, which the schema and the
-    # published limits share with the runners)
+    # (but the engine's stdlib-only request bounds, image parser and memory plan, shared with the runners)
     code = (
         "import sys, producer.cli, producer.client, producer.backfill\n"
         "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize', 'ltx_mgpu.memplan'}\n"
