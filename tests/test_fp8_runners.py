@@ -129,7 +129,19 @@ def test_sp_fleet_runs_the_same_fp8_modules_and_matches_one_process(tiny, tmp_pa
     with LocalRunner(Ltx2DistilledRunner) as local:
         local.start(**distilled_setup(tiny, quantization="fp8-mm", vae_tiles=1))
         one, _, _ = render(_LocalCtl(local), tmp_path / "one.mp4", prompt="a cat", seed=9)
+    with LocalRunner(Ltx2DistilledRunner) as local:
+        local.start(**distilled_setup(tiny, vae_tiles=1))
+        bf16, _, _ = render(_LocalCtl(local), tmp_path / "bf16.mp4", prompt="a cat", seed=9)
     two, _ = read_mp4(tmp_path / "two.mp4")
-    # As tests/test_ltx2_runners.py's SP comparison (mean below half an 8-bit level), here in bf16: the fp8
-    # roundings are the same on both sides (per-token scales), bf16 summation order is not.
-    assert (two.float() - one.float()).abs().mean().item() < 0.5
+    # Tolerance. The SP fleet and one process sum in different orders (shard shapes pick other kernel
+    # blockings: on ATen's `default` path at one thread the bf16 inputs of a linear differ by an ulp here and
+    # there). An ulp (2^-8) moves an activation across an e4m3 rounding boundary (steps of 2^-4) with
+    # probability ~1/16, and a crossing is a full e4m3 step: so the two renders are no closer than two fp8
+    # renders with independent roundings. Each is one draw of "bf16 + fp8 rounding noise"; independent draws
+    # of equal spread differ by sqrt(2) x the spread (mean |a-b| ~ 1.41 x mean |a-ref| for Gaussian noise).
+    # So: the split may add no more than 2 x the fp8 render's own distance from bf16 (sqrt(2) with margin),
+    # plus the half 8-bit level tests/test_ltx2_runners.py allows a bf16 SP fleet. Measured under ATen's
+    # default path at one thread: 3.67 levels apart against an fp8 error of 3.94 (unset: 0.0 and 3.92).
+    fp8_error = (one.float() - bf16.float()).abs().mean().item()
+    split = (two.float() - one.float()).abs().mean().item()
+    assert split <= 2.0 * fp8_error + 0.5, (split, fp8_error)
