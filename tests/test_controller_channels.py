@@ -147,3 +147,33 @@ def test_a_rank_yields_tensors_under_a_deep_tmpdir(tmp_path, monkeypatch) -> Non
     finally:
         ctl.shutdown(graceful_timeout=10)
     assert not any(deep.iterdir())  # (the scratch directory went elsewhere and is gone)
+
+
+def test_a_start_interrupted_between_two_spawns_leaves_no_rank_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI (2 loaded cores): a worker SIGTERMed during its fleet start hung at exit. The interrupt landed
+    while the ranks were being spawned, before they formed a fleet `shutdown()` can see, and interpreter
+    exit waited for the orphaned rank (multiprocessing joins its children). Here the second spawn is
+    interrupted: the first rank must be gone when `start()` raises, and the controller startable again."""
+    ctl = MGPUController(ScriptedRunner, devices=["cpu", "cpu"])
+    real_process = ctl._ctx.Process
+    started = []
+
+    def process(*args, **kwargs):
+        proc = real_process(*args, **kwargs)
+        if started:  # the second rank: the signal arrives here
+            raise KeyboardInterrupt
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(ctl._ctx, "Process", process)
+    with pytest.raises(KeyboardInterrupt):
+        ctl.start(timeout=60)
+    assert started and started[0].exitcode is not None, "the first rank was left running"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("ltx-mgpu-rank")]
+    assert ctl.pids == [] and not ctl.is_alive
+    monkeypatch.undo()
+    ctl.start(timeout=120)
+    try:
+        assert len(ctl.pids) == 2
+    finally:
+        ctl.shutdown(graceful_timeout=10)

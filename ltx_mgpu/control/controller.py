@@ -239,23 +239,32 @@ class MGPUController:
             scratch_dir = tempfile.mkdtemp(prefix="ltxf-", dir=_scratch_base())
             _fit_callers_socket_dir()
             payload = ship_runner(self._runner_cls)
-            procs = []
-            for rank in range(self.world_size):
-                boot = RankBoot(
-                    rank,
-                    self.world_size,
-                    devices,
-                    self.backend,
-                    store.port,
-                    timeout_s,
-                    payload,
-                    setup_kwargs,
-                    channels.for_rank(rank),
-                    scratch_dir,
-                )
-                proc = self._ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
-                proc.start()
-                procs.append(proc)
+            procs: list[Any] = []
+            try:
+                for rank in range(self.world_size):
+                    boot = RankBoot(
+                        rank,
+                        self.world_size,
+                        devices,
+                        self.backend,
+                        store.port,
+                        timeout_s,
+                        payload,
+                        setup_kwargs,
+                        channels.for_rank(rank),
+                        scratch_dir,
+                    )
+                    proc = self._ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
+                    procs.append(proc)  # (before start: a start interrupted half-way may have made the child)
+                    proc.start()
+            except BaseException:
+                # A signal (the worker's startup interrupt) or a failed spawn between two ranks: the ranks
+                # already running are in no `_Fleet` yet, so `shutdown()` cannot see them, and the caller's
+                # exit would wait for them (multiprocessing joins its children at exit). Kill them here.
+                half = _Fleet(procs, channels, store, scratch_dir)
+                half.terminate(0.0)
+                half.close()
+                raise
             self._fleet = _Fleet(procs, channels, store, scratch_dir)
             self._finalizer = weakref.finalize(self, _Fleet.terminate, self._fleet, 1.0)
         try:
