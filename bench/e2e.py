@@ -13,7 +13,10 @@ through the producer's Python client and reads every job back from its Redis Str
   the fleet's GPU-busy ratio under that backlog (the runner's device-busy seconds, measured between device
   syncs, over the span from the first job's first device work to the last job's last) and its idle between
   jobs (per fleet: the last device work of one job to the first of the next; `event_gap_*` is the old,
-  looser figure: output event to the next job's first event, blind to an encode on the fleet), peak memory
+  looser figure: output event to the next job's first event, blind to an encode on the fleet), whether
+  a job's denoising slows while the worker encodes the previous video beside it (`denoise_beside_encode`:
+  stage 1 + upsample + stage 2 of the backlog jobs whose device window covers at least half of an encode,
+  p50, over the same of the jobs run one at a time), peak memory
   per GPU (the runner's allocator peaks per rank, and `nvidia-smi` memory.used of
   the whole GPU), and rebuild after a rank is SIGKILLed mid-job (seconds until a job renders again, and
   what happened to the killed job);
@@ -58,7 +61,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e_clock import gpu_busy_ratio, idle_gaps_ms, pct
+from bench.e2e_clock import denoise_beside_encode, gpu_busy_ratio, idle_gaps_ms, pct
 from bench.e2e_plans import PLANS, RunSpec, parse_size, refusal, sized
 from bench.e2e_stack import (
     STAGES,
@@ -267,6 +270,7 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
         if spec.backlog:
             say(f"backlog of {spec.backlog} on {len(spec.groups)} fleet(s)")
             both = backlog(client, workers, workload, spec.backlog, workers.queue, args, "backlog", out)
+            summary["denoise_beside_encode"] = denoise_beside_encode(warm, both["records"])
             records += both.pop("records")
             summary.update({k: both[k] for k in ("videos_per_hour", "gpu_busy_ratio", "fleet_idle_p50_ms",
                                                  "fleet_idle_p90_ms", "event_gap_p50_ms")}, backlog=both)  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["gpu_busy_ratio", "idle_gaps_ms", "pct"]
+__all__ = ["denoise_beside_encode", "gpu_busy_ratio", "idle_gaps_ms", "pct"]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -51,3 +51,38 @@ def gpu_busy_ratio(records: list[dict[str, Any]]) -> float | None:
         if span > 0 and len(windows) > 1:
             ratios.append(sum(busy) / span)
     return round(sum(ratios) / len(ratios), 4) if ratios else None
+
+
+DENOISE = ("stage1", "upsample", "stage2")  #: the transformer's stages, whose speed the encode must not cost
+
+
+def _denoise_s(rec: dict[str, Any]) -> float | None:
+    stages = rec.get("stages_s") or {}
+    return sum(float(stages[k]) for k in DENOISE if k in stages) if "stage1" in stages else None
+
+
+def denoise_beside_encode(alone: list[dict[str, Any]], backlog: list[dict[str, Any]]) -> dict[str, Any]:
+    """Does the worker's encode of one video slow the denoising of the next one, which runs beside it?
+
+    `alone`: jobs run one at a time (each waits for the last upload, so no encode runs beside it); from
+    `backlog`, the jobs whose device window overlaps the encode window of another job of the same worker for
+    at least half of that encode. Their denoising seconds (stage 1 + upsample + stage 2, the runner's clock
+    between device syncs) are compared p50 to p50, in the same run on the same fleet.
+    """
+    beside = []
+    for worker in _windows(backlog, "gpu_window"):
+        encodes = [r["encode_window"] for r in backlog if r["worker"] == worker and r.get("encode_window")]
+        for rec in backlog:
+            if rec["worker"] != worker or not rec.get("gpu_window") or _denoise_s(rec) is None:
+                continue
+            start, end = rec["gpu_window"]
+            if any(min(end, e1) - max(start, e0) >= 0.5 * (e1 - e0) > 0 for e0, e1 in encodes):
+                beside.append(_denoise_s(rec))
+    quiet = [d for d in map(_denoise_s, alone) if d is not None]
+    p_quiet, p_beside = pct(quiet, 50), pct(beside, 50)
+    return {
+        "denoise_alone_p50_s": None if p_quiet is None else round(p_quiet, 4),
+        "denoise_beside_encode_p50_s": None if p_beside is None else round(p_beside, 4),
+        "jobs_beside_encode": len(beside),
+        "ratio": round(p_beside / p_quiet, 4) if p_quiet and p_beside else None,
+    }

@@ -5,6 +5,7 @@ before/after of the runner itself fits one short GPU call (no server wheels to c
 
     python bench/stages.py --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 --jobs 3
     python bench/stages.py --tiny --devices cpu,cpu --jobs 1      # the tiny checkpoints: a check of the script
+    python bench/stages.py --weights /dev/shm/ltx2-full --runner ltx2-distilled --quantization fp8-mm
 
 `ltx2-two-stage:cfg`: plain CFG 4.0, 2 passes a step, and the three distilled stage-2 sigmas (the e2e
 benchmark's workload of the same name); `ltx2-two-stage`: the runner's defaults; `ltx2-distilled`. The first
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--runner", default="ltx2-two-stage:cfg")
     ap.add_argument("--devices", default="0", help="comma list of GPU indices (one fleet)")
     ap.add_argument("--jobs", type=int, default=3)
+    ap.add_argument("--quantization", default=None, help="setup quantization, e.g. fp8-mm (docs/runners.md)")
     args = ap.parse_args()
     import torch
 
@@ -72,6 +74,8 @@ def main() -> None:
     if (args.weights is None) != args.tiny:
         raise SystemExit("give --weights DIR or --tiny")
     name, setup = setup_kwargs(args.runner, args.weights)
+    if args.quantization:
+        setup["quantization"] = args.quantization
     devices: list[Any] = [d if d == "cpu" else int(d) for d in args.devices.split(",")]
     ctl = MGPUController(getattr(ltx2, RUNNERS[name]), devices=devices)
     t0 = time.perf_counter()
@@ -89,7 +93,8 @@ def main() -> None:
         finally:
             ctl.shutdown(graceful_timeout=60)
     p50 = {k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in rows[0]}
-    summary = {"runner": args.runner, "devices": devices, "jobs": len(rows), "start_s": start_s, "p50": p50,
+    summary = {"runner": args.runner, "quantization": args.quantization, "devices": devices, "jobs": len(rows),
+               "start_s": start_s, "p50": p50,
                "gpu": "cpu" if devices[0] == "cpu" else torch.cuda.get_device_name(devices[0]),
                "torch": torch.__version__}  # fmt: skip
     print("SUMMARY " + json.dumps(summary), flush=True)

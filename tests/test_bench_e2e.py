@@ -63,6 +63,7 @@ def test_cpu_run_fills_every_summary_field(tmp_path):
     assert 0 < summary["e2e_p50_s"] <= summary["e2e_p90_s"]
     assert summary["videos_per_hour"] > 0 and summary["fleet_idle_p50_ms"] >= 0 and summary["event_gap_p50_ms"] >= 0
     assert 0 < summary["gpu_busy_ratio"] <= 1
+    assert summary["denoise_beside_encode"]["denoise_alone_p50_s"] > 0  # (beside: only if an encode overlapped)
     assert summary["passes_per_step"] == 1
 
     jobs = [json.loads(line) for line in lines if line.startswith("{") and json.loads(line)["kind"] == "job"]
@@ -196,3 +197,23 @@ def test_encode_both_compares_the_worker_encode_with_the_fleet_encode():
     )
     name = "ltx2-distilled: 0 worker encode vs fleet encode"
     assert got == {f"{name}: e2e_p50_s": 0.75, f"{name}: videos_per_hour": 1.5, f"{name}: gpu_busy_ratio": 1.5}
+
+
+def test_denoising_beside_an_encode_is_compared_with_denoising_alone():
+    from bench.e2e_clock import denoise_beside_encode
+
+    def job(worker, window, stage1, stage2, encode=None):
+        return {"worker": worker, "gpu_window": window, "encode_window": encode,
+                "stages_s": {"stage1": stage1, "upsample": 0.01, "stage2": stage2}}  # fmt: skip
+
+    alone = [job("a", [0.0, 2.0], 1.0, 0.99), job("a", [5.0, 7.0], 1.1, 0.89)]  # denoise 2.0 and 2.0
+    backlog = [
+        job("a", [10.0, 12.0], 1.0, 1.0, encode=[12.1, 12.7]),  # first of the backlog: nothing encodes beside it
+        job("a", [12.05, 14.1], 1.0, 1.09, encode=[14.2, 14.8]),  # beside the first one's whole encode
+        job("a", [14.15, 14.4], 1.0, 1.19),  # 0.2 s of a 0.6 s encode: under half of it, not counted
+        job("b", [14.2, 16.2], 1.5, 1.5),  # another fleet: the encode of "a" does not count
+    ]
+    got = denoise_beside_encode(alone, backlog)
+    assert got == {"denoise_alone_p50_s": 2.0, "denoise_beside_encode_p50_s": 2.1, "jobs_beside_encode": 1,
+                   "ratio": 1.05}  # fmt: skip
+    assert denoise_beside_encode(alone, backlog[:1])["ratio"] is None  # nothing beside an encode: no ratio
