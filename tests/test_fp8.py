@@ -274,6 +274,40 @@ def test_lora_fuses_into_fp8_weights_and_reset_restores_their_bytes(tiny, tmp_pa
     )
 
 
+def test_fusing_a_lora_into_fp8_stays_within_the_fused_weights_own_e4m3_rounding():
+    """The fp8 fusion makes its delta as ltx-core does for fp8 weights (the product in the LoRA's dtype, then
+    bf16) and re-quantizes in place. Against the exact fp32 fusion, each element may differ by: e4m3's
+    round-to-nearest of the fused value, 2**-4 of it (3 mantissa bits) or, below the normal range (2**-6 of
+    the row's scale), half the smallest subnormal step (2**-10 of the scale); plus the delta's two bf16
+    roundings (`b * strength`, then the product: 2**-8 of |b * strength| @ |a| in all), moved by at most one
+    e4m3 step more where they cross a rounding boundary (another 2**-3 of the value)."""
+    from ltx_mgpu.fp8.lora import fuse_rowwise
+
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
+    a = (torch.randn(8, 96, generator=gen) * 0.5).to(torch.bfloat16)
+    b = (torch.randn(64, 8, generator=gen) * 0.5).to(torch.bfloat16)
+    q0, s0 = quantize_weight(w)
+    before = (q0.clone(), s0.clone())
+    q, scale = fuse_rowwise(q0, s0, [(a, b, 0.7)])
+    assert torch.equal(q0.view(torch.uint8), before[0].view(torch.uint8)) and torch.equal(s0, before[1])  # inputs kept
+    exact = q0.float() * s0.view(-1, 1) + (b.float() * 0.7) @ a.float()
+    got = q.float() * scale.view(-1, 1)
+    bound = (
+        (3 * 2.0**-4) * exact.abs() + 2.0**-10 * scale.view(-1, 1) + 2.0**-8 * (b.float().abs() * 0.7) @ a.float().abs()
+    )
+    assert (got - exact).abs().le(bound).all()
+    assert not torch.equal(q.view(torch.uint8), q0.view(torch.uint8))  # the LoRA changed the weight
+
+
+def test_weight_quantization_leaves_an_fp32_input_untouched():
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    kept = w.clone()
+    q, scale = quantize_weight(w)
+    assert torch.equal(w, kept)
+    assert (q.float() * scale.view(-1, 1) - w).abs().le(2.0**-4 * w.abs() + 2.0**-10 * scale.view(-1, 1)).all()
+
+
 def test_bench_runs_its_cpu_smoke_version():
     import json
     import subprocess

@@ -2,9 +2,14 @@
 
 ltx-core's `apply_loras` fuses into its own scaled-fp8 layout (a transposed (in, out) weight with one scale
 per tensor), not into ours ((out, in), one scale per output channel), so the LoRA tracker hands our layers
-here. The clean e4m3 weight is dequantized exactly (fp32), the deltas `strength * B @ A` are added in fp32,
-and the sum is quantized again per output channel. The tracker always restores the clean e4m3 bytes and
-scales before fusing, so swapping LoRAs never compounds rounding; a LoRA costs nothing per step (no extra
+here. The clean e4m3 weight is dequantized exactly (fp32), the deltas are made as ltx-core makes them for its
+own fp8 weights (`strength * B @ A` in the LoRA's dtype, then bf16: its `_prepare_deltas`) and added in fp32,
+and the sum is quantized again per output channel, in place. Why not fp32 deltas: a bf16 delta is rounded
+to 2**-9 of its own size, and the fused weight is then rounded to e4m3 (2**-4 of the weight's size), so
+the finer product changed nothing the reference keeps. Measured before this change on an H200 at 19B: the
+two-stage runner's stage-2 swap into fp8 weights took 0.66 s against 0.11 s into bf16 ones, with an fp32
+GEMM (no tensor cores) and two full-size fp32 temporaries per weight. The tracker always restores the clean
+e4m3 bytes and scales before fusing, so swapping LoRAs never compounds rounding; a LoRA costs nothing per step (no extra
 bf16 GEMM), at the price of one e4m3 rounding of the fused weight, the same rounding the base weights got.
 """
 
@@ -14,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .rowwise import E4M3, quantize_weight
+from .rowwise import E4M3, quantize_weight_
 
 __all__ = ["fuse_rowwise", "is_rowwise_fp8"]
 
@@ -36,7 +41,8 @@ def fuse_rowwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of `weight * scale[:, None] + sum(strength * B @ A)` for `factors` [(A (r, K), B (N, r),
     strength)]; the inputs are not modified."""
-    fused = weight.float() * scale.float().view(-1, 1)
+    fused = weight.to(torch.float32).mul_(scale.to(torch.float32).view(-1, 1))
     for a, b, strength in factors:
-        fused += (b.to(fused.device, torch.float32) * float(strength)) @ a.to(fused.device, torch.float32)
-    return quantize_weight(fused)
+        delta = torch.matmul(b.to(fused.device) * float(strength), a.to(fused.device))
+        fused.add_(delta.to(torch.bfloat16))
+    return quantize_weight_(fused)

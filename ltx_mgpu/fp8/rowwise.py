@@ -91,8 +91,14 @@ def quantize_rows(x: torch.Tensor, *, gelu: bool = False) -> tuple[torch.Tensor,
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`w` (N, K) -> (q (N, K) float8_e4m3fn, scale (N,) float32), `w ~= q * scale[:, None]`."""
-    wf = w.float()
+    return quantize_weight_(w.to(torch.float32, copy=True))
+
+
+def quantize_weight_(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_weight` of an fp32 `wf` that it may overwrite (divided and clamped in place): the same
+    IEEE operations, so the same bits, without two full-size fp32 temporaries (a LoRA swap re-quantizes
+    every fused weight)."""
     amax = wf.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (wf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    q = wf.div_(scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
