@@ -11,7 +11,7 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["denoise_beside_encode", "gpu_busy_ratio", "idle_gaps_ms", "pct"]
+__all__ = ["denoise_beside_encode", "encode_window", "gpu_busy_ratio", "idle_gaps_ms", "pct"]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -51,6 +51,15 @@ def gpu_busy_ratio(records: list[dict[str, Any]]) -> float | None:
         if span > 0 and len(windows) > 1:
             ratios.append(sum(busy) / span)
     return round(sum(ratios) / len(ratios), 4) if ratios else None
+
+
+def encode_window(rendered: dict[str, Any]) -> list[float] | None:
+    """The worker's mp4 encode of a job, wall clock: its `rendered` state event is written when the encode
+    ends, `encode_s` after it began."""
+    if rendered.get("encode_s") is None or rendered.get("ts") is None:
+        return None
+    end = float(rendered["ts"])
+    return [end - float(rendered["encode_s"]), end]
 
 
 DENOISE = ("stage1", "upsample", "stage2")  #: the transformer's stages, whose speed the encode must not cost

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.e2e_clock import encode_window
 from producer.client import JobEvent, ProducerClient
 from producer.settings import ProducerSettings
 from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive
@@ -329,22 +330,13 @@ def wait_event(client: ProducerClient, job_id: str, predicate: Any, timeout: flo
 STAGES = ("encode", "stage1", "upsample", "stage2", "decode", "audio_decode", "mux", "handoff")
 
 
-def _encode_window(rendered: dict[str, Any]) -> list[float] | None:
-    """The worker's mp4 encode of a job, wall clock: `rendered` is recorded when it ends (`encode_s` long)."""
-    if rendered.get("encode_s") is None or rendered.get("ts") is None:
-        return None
-    end = float(rendered["ts"])
-    return [end - float(rendered["encode_s"]), end]
-
-
 def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     """What one job took, read back from its event stream and summary (the last attempt counts).
 
     Stage seconds come from the runner's `timings_s` (measured between device synchronisations) when the
     output event carries them, else from the gaps between its `stage` events as the worker relayed them.
     `busy`: the runner's first to output event; `gpu_window` / `gpu_busy_s`: its own device clock
-    (`bench/e2e_clock.py`); `worker_encode`: the worker's mp4 encode (`rendered`'s `encode_s`), off the fleet;
-    `encode_window`: when it ran (to find the next job's denoising that ran beside it).
+    (`bench/e2e_clock.py`); `worker_encode` / `encode_window`: the worker's mp4 encode, off the fleet.
     """
     info = client.status(job_id)
     events = client.events(job_id)
@@ -383,7 +375,7 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
         "submitted_at": submitted,
         "gpu_busy_s": gpu.get("gpu_busy_s"),
         "gpu_window": [gpu["gpu_started_at"], gpu["gpu_ended_at"]] if gpu.get("gpu_started_at") else None,
-        "encode_window": _encode_window(rendered),
+        "encode_window": encode_window(rendered),
         "peak_memory_bytes": (output or {}).get("peak_memory_bytes"),
         "passes": stage1.get("passes"),
         "video_tokens": stage1.get("video_tokens"),

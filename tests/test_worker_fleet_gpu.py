@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ltx_mgpu import FleetFailure
-from worker.render.fleet import FleetSupervisor
+from worker.render.fleet import WarmFleet
 
 from .gpu_runners import DeviceProbeRunner
 
@@ -33,13 +33,13 @@ pytestmark = [
 
 _WORKER_SIDE = """
 import json, os, sys, pathlib, torch
-from worker.render.fleet import FleetSupervisor
+from worker.render.fleet import WarmFleet
 from worker.runtime.settings import load_settings, resolve_runner
 from tests.gpu_runners import DeviceProbeRunner, check_placement
 for name in ("smoke", "ltx2-distilled", "ltx2-two-stage"):  # import the real runners as a worker process does
     resolve_runner(load_settings(runner=name))
 device, warm_dir = int(sys.argv[1]), pathlib.Path(sys.argv[2])
-sup = FleetSupervisor(DeviceProbeRunner, [device], warmup=[{"busy_s": 0.1}], warmup_dir=warm_dir, start_timeout=300)
+sup = WarmFleet(DeviceProbeRunner, [device], warmup=[{"busy_s": 0.1}], warmup_dir=warm_dir, start_timeout=300)
 sup.start()
 try:
     items = list(sup.controller.stream(busy_s=0.5))
@@ -67,7 +67,7 @@ def test_worker_process_holds_no_cuda_context_and_ranks_stay_on_their_gpu(tmp_pa
 
 def test_rebuild_after_a_rank_dies_waits_for_the_dead_fleets_memory() -> None:
     devices = [0, 1] if torch.cuda.device_count() >= 2 else [0]
-    sup = FleetSupervisor(DeviceProbeRunner, devices, setup_kwargs={"hold_fraction": 0.55}, max_failures=1,
+    sup = WarmFleet(DeviceProbeRunner, devices, setup_kwargs={"hold_fraction": 0.55}, max_failures=1,
                           start_timeout=300, shutdown_timeout=5)  # fmt: skip
     sup.start()
     seconds = []

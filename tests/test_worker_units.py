@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
 from worker.protocol.relay import EventRelay
 from worker.protocol.states import JobState
-from worker.render.fleet import FleetSupervisor, FleetUnrecoverable, await_released
+from worker.render.fleet import FleetUnrecoverable, WarmFleet, await_released
 from worker.runtime.supervisor import EXIT_BAD_CONFIG, Supervisor
 
 # ==== relay =============================================================================================
@@ -70,7 +70,7 @@ _NO_SUCH_PID = 2**30  # above any pid_max: "rank processes" that are already gon
 
 
 class _FakeController:
-    """Stands in for MGPUController to drive FleetSupervisor's state machine deterministically."""
+    """Stands in for MGPUController to drive WarmFleet's state machine deterministically."""
 
     plan: list[bool] = []  # True = start() succeeds
     made: list[_FakeController] = []
@@ -103,11 +103,11 @@ class _FakeController:
         yield {"type": "output", "path": kwargs["output_path"]}
 
 
-def _supervisor(plan: list[bool], **kw) -> FleetSupervisor:
+def _supervisor(plan: list[bool], **kw) -> WarmFleet:
     _FakeController.plan = list(plan)
     _FakeController.made = []
     events: list[dict] = []
-    sup = FleetSupervisor(object, ["cpu", "cpu"], factory=_FakeController, backoff_s=0, on_event=events.append, **kw)
+    sup = WarmFleet(object, ["cpu", "cpu"], factory=_FakeController, backoff_s=0, on_event=events.append, **kw)
     sup.events = events  # type: ignore[attr-defined]
     return sup
 
@@ -152,7 +152,7 @@ def test_fleet_gives_up_after_max_consecutive_failures():
 def test_fleet_shutdown_interrupts_backoff():
     _FakeController.plan = [False] * 10
     _FakeController.made = []
-    sup = FleetSupervisor(object, ["cpu"], factory=_FakeController, backoff_s=30, max_failures=10)
+    sup = WarmFleet(object, ["cpu"], factory=_FakeController, backoff_s=30, max_failures=10)
     timer = threading.Timer(0.3, sup.shutdown)
     timer.start()
     t0 = time.monotonic()

@@ -66,7 +66,7 @@ __all__ = ["MGPUController", "Stream"]
 log = logging.getLogger("ltx_mgpu.control.controller")
 
 _MONITOR_POLL_S = 0.1
-# An idle relay reads the next job at once and a CPU rank reads its tensors as soon as the job is announced,
+# An idle driver rank reads the next job at once and a CPU rank reads its tensors as soon as the job is announced,
 # so a dispatch that finds no room in a pipe for this long means the fleet is wedged (it is poisoned).
 _DISPATCH_TIMEOUT_S = 60.0
 _DEAD_MESSAGE = "MGPUController is dead; create a new one."
@@ -93,7 +93,7 @@ def _scratch_base() -> str | None:
 
 
 def _fit_callers_socket_dir() -> None:
-    """The caller's side of the same limit: tensor kwargs are shared with the relay rank through a socket
+    """The caller's side of the same limit: tensor kwargs are shared with the driver rank through a socket
     below multiprocessing's temporary directory of this process. Under a deep `TMPDIR` that directory is made
     in a short folder instead, the way newer Pythons do it themselves (3.11's `multiprocessing.util` does not:
     this reaches into its per-process config, and registers the same clean-up it would)."""
@@ -382,7 +382,7 @@ class MGPUController:
 
     def _dispatch(self, fleet: _Fleet, job: Job) -> None:
         """Hand the job to the fleet: its top-level tensors to every CPU rank > 0 (see fleet.py), then the
-        job to the relay. Bounded: a poisoned fleet or a pipe nobody empties raises instead of blocking."""
+        job to the driver rank. Bounded: a poisoned fleet or a pipe nobody empties raises instead of blocking."""
 
         def alive() -> bool:
             return self._fatal is None and fleet is self._fleet

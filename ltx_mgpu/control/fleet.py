@@ -7,7 +7,7 @@ Rank lifecycle (every rank, SPMD):
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
   4. `runner.setup(**setup_kwargs)`, then report ready with its start timestamps (`startup.RankStartup`);
-  5. loop: relay (rank 0) takes a job from the controller and posts it on the job board; other ranks wait
+  5. loop: the driver (rank 0) takes a job from the controller and posts it on the job board; other ranks wait
      on the board outside collectives; every rank gets the job's top-level tensors (below); everyone runs it;
   6. on the shutdown announcement: tear down the process group and exit 0.
 An exception a render raises ends the job, not the rank (`_run_job`): `RunnerError`/`ValueError` as they are,
@@ -62,7 +62,7 @@ __all__ = ["FleetChannels", "RankBoot", "RankChannels", "ship_runner"]
 
 log = logging.getLogger("ltx_mgpu.control.fleet")
 
-RELAY_RANK = 0
+DRIVER_RANK = 0
 
 
 @dataclass
@@ -71,7 +71,7 @@ class RankChannels:
 
     up: Channel  #: this rank → controller: READY once `setup()` returned, then its jobs' `Result`s
     failures: Channel  #: this rank → controller: a `Failure` right before the rank exits 1
-    jobs: Channel | None  #: controller → relay rank (rank 0 only)
+    jobs: Channel | None  #: controller → driver rank (rank 0 only)
     tensors: Channel | None  #: controller → this rank (CPU fleets, rank > 0): (job_id, top-level tensors)
 
 
@@ -79,7 +79,7 @@ class RankChannels:
 class FleetChannels:
     """The pipes of one fleet generation (recreated on every `start()`)."""
 
-    jobs: Channel  #: controller → relay rank
+    jobs: Channel  #: controller → driver rank
     up: list[Channel]  #: rank r → controller, by rank
     failures: list[Channel]  #: rank r → controller, by rank
     tensors: dict[int, Channel]  #: controller → rank r > 0 of a CPU fleet
@@ -96,8 +96,8 @@ class FleetChannels:
         )
 
     def for_rank(self, rank: int) -> RankChannels:
-        return RankChannels(up=self.up[rank], failures=self.failures[rank],
-                            jobs=self.jobs if rank == RELAY_RANK else None, tensors=self.tensors.get(rank))  # fmt: skip
+        jobs = self.jobs if rank == DRIVER_RANK else None
+        return RankChannels(up=self.up[rank], failures=self.failures[rank], jobs=jobs, tensors=self.tensors.get(rank))
 
     def all(self) -> list[Channel]:
         return [self.jobs, *self.up, *self.failures, *self.tensors.values()]
@@ -236,9 +236,9 @@ def _setup_phases(runner: MGPURunner) -> dict[str, float]:
 def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: torch.device) -> None:
     board = JobBoard(store)
     results = boot.channels.up
-    is_relay = boot.rank == RELAY_RANK
+    is_driver = boot.rank == DRIVER_RANK
     while True:
-        if is_relay:
+        if is_driver:
             assert boot.channels.jobs is not None
             job: Job | None = _take_job(boot.channels.jobs)
             if job is None:
@@ -246,7 +246,7 @@ def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: tor
                 return
             board.post((job.job_id, job.skeleton))
             job_id, skeleton = job.job_id, job.skeleton
-            tensors = _relay_tensors(boot, job.tensors, device)
+            tensors = _driver_tensors(boot, job.tensors, device)
         else:
             announcement = board.next()
             if announcement is None:
@@ -255,21 +255,21 @@ def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: tor
             tensors = _receive_tensors(boot, job_id, skeleton, device)
         if runner._cancel_points is not None:
             runner._cancel_points.cleanup()  # the previous job's keys: every rank is past it by now
-        probe = functools.partial(store.check, [cancel_key(job_id)]) if is_relay else None
+        probe = functools.partial(store.check, [cancel_key(job_id)]) if is_driver else None
         runner._cancel_points = CancelPoints(
             store, job_id, rank=boot.rank, world_size=boot.world_size, probe=probe, every=runner.cancel_every
         )
         _run_job(runner, job_id, fill_tensors(skeleton, tensors), boot.rank, results)
 
 
-def _relay_tensors(boot: RankBoot, shared: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def _driver_tensors(boot: RankBoot, shared: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Rank 0: a private copy of the caller's tensors (CPU), or the tensors broadcast to the others (GPU)."""
     if device.type == "cpu":
         return [_private(t) for t in shared]
     tensors = [t.to(device).contiguous() for t in shared]
     if boot.world_size > 1:
         for t in tensors:
-            dist.broadcast(t, src=RELAY_RANK)
+            dist.broadcast(t, src=DRIVER_RANK)
     return tensors
 
 
@@ -283,7 +283,7 @@ def _receive_tensors(boot: RankBoot, job_id: int, skeleton: dict[str, Any], devi
         return _receive_shared(boot.channels.tensors, job_id)
     tensors = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in specs]
     for t in tensors:
-        dist.broadcast(t, src=RELAY_RANK)
+        dist.broadcast(t, src=DRIVER_RANK)
     return tensors
 
 

@@ -1,7 +1,7 @@
 """Store-key job announcements: how idle ranks wait for work *outside* any collective.
 
 If idle ranks sat inside a pending broadcast between jobs, a long idle period would trip the collective
-timeout (NCCL's watchdog, gloo's timeout) and a dead relay would leave them hung in C++. Instead the relay
+timeout (NCCL's watchdog, gloo's timeout) and a dead driver would leave them hung in C++. Instead the driver
 rank writes each job's skeleton under a sequence-numbered key of the rendezvous store, and the other ranks
 block in `store.wait` on the next key (event-driven on the store server: no polling). Only once a job
 exists do they enter the tensor broadcast for it.
@@ -32,10 +32,10 @@ class JobBoard:
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
-        self._seq = 0  # next sequence number to post (relay) or to read (others)
+        self._seq = 0  # next sequence number to post (driver) or to read (others)
 
     def post(self, announcement: Any) -> None:
-        """Relay only. `None` announces shutdown."""
+        """Driver only. `None` announces shutdown."""
         self._store.set(f"job/{self._seq}", pickle.dumps(announcement, protocol=pickle.HIGHEST_PROTOCOL))
         if self._seq > 0:
             # Safe: job seq-1 finished on every rank before the controller dispatched this one,

@@ -69,7 +69,7 @@ class ProcessGroups:
 class RankContext:
     """Where this rank runs: set by the fleet before `setup()`."""
 
-    rank: int  #: global rank, 0 is the driver (relay) rank
+    rank: int  #: global rank, 0 is the driver rank (it takes jobs from the controller and posts them to the others)
     world_size: int
     device: torch.device  #: the rank's own device (cuda:devices[rank] or cpu); never derived from `rank`
     backend: str  #: "nccl" or "gloo"

@@ -246,7 +246,7 @@ class MessageKind(Enum):
 
 @dataclass
 class Job:
-    """Controller → relay rank: one job. `tensors` are the top-level tensor kwargs, in skeleton order."""
+    """Controller → driver rank: one job. `tensors` are the top-level tensor kwargs, in skeleton order."""
 
     job_id: int  #: monotonic over the controller's life; results carrying another id mean desync
     skeleton: dict[str, Any]  #: kwargs with top-level tensors replaced by `TensorPlaceholder`

@@ -106,7 +106,7 @@ class WorkerMetrics:
         self.set_fleet_state("new", alive=False)
 
     def set_fleet_startup(self, startup: dict[str, Any]) -> None:
-        """Publish the phases of a fleet start (`worker.render.fleet.FleetSupervisor.startup`)."""
+        """Publish the phases of a fleet start (`worker.render.fleet.WarmFleet.startup`)."""
         for phase in ("process_start", "weight_load", "warmup", "ready"):
             value = startup.get(f"{phase}_s")
             if value is not None:

@@ -1,4 +1,4 @@
-"""Fleet supervision: one warm `MGPUController` per worker process, rebuilt whenever it is poisoned.
+"""The warm fleet: one warm `MGPUController` per worker process, rebuilt whenever it is poisoned.
 
 Lifecycle: `start()` builds the controller and blocks until every rank ran `setup()` (the model is warm)
 before the worker takes its first job. The controller's monitor reports a poisoned fleet at once, even
@@ -37,7 +37,7 @@ from worker.ops.errorids import public_message
 from worker.ops.procs import pid_alive
 from worker.protocol.states import EventType
 
-__all__ = ["FleetSupervisor", "FleetUnrecoverable", "await_released"]
+__all__ = ["FleetUnrecoverable", "WarmFleet", "await_released"]
 
 log = logging.getLogger("worker.render.fleet")
 
@@ -48,7 +48,7 @@ class FleetUnrecoverable(RuntimeError):
     """The fleet could not be (re)built `max_failures` times in a row; the worker must exit non-zero."""
 
 
-class FleetSupervisor:
+class WarmFleet:
     """Owns the worker's controller; see the module docstring."""
 
     def __init__(

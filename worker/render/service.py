@@ -53,7 +53,7 @@ from worker.protocol.relay import EventRelay
 from worker.protocol.schema import RenderRequest
 from worker.protocol.states import RUNNING_STATES, FailureReason, JobState
 from worker.render.encoder import EncodeStage, PendingEncode
-from worker.render.fleet import FleetSupervisor
+from worker.render.fleet import WarmFleet
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.render.pipeline import PendingUpload, UploadPipeline
 from worker.runtime.settings import WorkerSettings
@@ -92,7 +92,7 @@ class _Current:
 
 
 class RenderService:
-    """Per-process job logic around one `FleetSupervisor`; see the module docstring."""
+    """Per-process job logic around one `WarmFleet`; see the module docstring."""
 
     def __init__(
         self,
@@ -100,7 +100,7 @@ class RenderService:
         *,
         group: str,
         worker_name: str,
-        fleet: FleetSupervisor,
+        fleet: WarmFleet,
         storage: Storage,
         spool: Spool,
         metrics: WorkerMetrics,

@@ -103,7 +103,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     from worker.ops.metrics import WorkerMetrics
     from worker.protocol.limits import RunnerLimits
     from worker.protocol.redisconn import connect
-    from worker.render.fleet import FleetSupervisor
+    from worker.render.fleet import WarmFleet
     from worker.render.service import RenderService
     from worker.runtime.rqworker import FleetWorker
     from worker.uploads.spool import Spool
@@ -143,7 +143,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         if isinstance(event.get("startup"), dict):
             metrics.set_fleet_startup(event["startup"])
 
-    fleet = FleetSupervisor(
+    fleet = WarmFleet(
         runner_cls,
         devices,
         setup_kwargs=settings.runner_setup,

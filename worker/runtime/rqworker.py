@@ -28,7 +28,7 @@ recorded by `worker.jobs.outcomes`.
   re-queued per `retry_worker_shutdown`.
 - No job is taken without a warm fleet: the dequeue blocks in slices of `_DEQUEUE_SLICE_S` and checks the
   fleet before each; a fleet that died while idle is reported by its controller's monitor at once (metrics,
-  health) and rebuilt at once in the background (`FleetSupervisor.rebuild_soon`); the dequeue waits for
+  health) and rebuilt at once in the background (`WarmFleet.rebuild_soon`); the dequeue waits for
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
 - Dequeue (`worker.jobs.tenantqueues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
