@@ -29,16 +29,17 @@ cost directly). `SUMMARY {...}`: per phase (`phases`) the p50s and their deltas 
 client sees, noisy by the spread of the other stages) and `adds_direct_s` (the p50 of `lora_direct_s`), each
 against `target_s` (`met`, `met_direct`).
 
-    python bench/loras.py --profile tiny --groups cpu:1                      # CPU, what CI runs (~1-2 min)
-    python bench/loras.py --profile full --weights /dev/shm/ltx2-full --groups 0 --out $OUT/loras.jsonl
+    python bench/loras.py --profile tiny --groups cpu:1 --baseline 1 --switches 2 --s3 1   # what CI runs, ~40 s
+    python bench/loras.py --profile full --weights /dev/shm/ltx2-full --groups 0 --budget-s 190 --out X.jsonl
 
 `--budget-s S` submits no job after S seconds (the summary counts `jobs_skipped`); a SIGINT stops the run and
 still prints the summary of what ran.
 
 Sizes at real size (`ltx_mgpu.runners.ltx2.synthetic.user_loras`): 2,304 tensors; rank 128 is 1.71 GB,
-rank 32 0.43 GB. Writing a rank-128 file took 8.9 s on the 2-core CPU VM (generation dominates); the bench
-writes on the GPU when there is one (`--write-device`). At real size the run is about 3-4 minutes on one
-H200: the fleet's cold start (~35-55 s) hides the five writes and three uploads, then ~20 renders of ~3.5 s.
+rank 32 0.43 GB. Writing a rank-128 file took 8.9 s on the 2-core CPU VM (14 s of CPU time: generating the
+normal fill dominates); the bench writes on the GPU when there is one (`--write-device`). At real size the
+run should take 2.5-3 minutes on one H200 (an estimate): the fleet's cold start (35-55 s) hides the five
+writes and three uploads, then 19 renders of ~3.5 s and three 1.7 GB fetches.
 """
 
 from __future__ import annotations
