@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(args, stack, workdir, out)
     finally:
         stack.stop()
+        for big in ("catalogue", "staging", "lora-cache", "s3/data"):  # GBs at real size; the logs stay
+            shutil.rmtree(workdir / big, ignore_errors=True)
     failure = summary["failure"]
     summary.update(hardware=es.hardware(), wall_s=round(time.monotonic() - args.t0, 1),
                    synthetic_weights=args.profile == "full")  # fmt: skip

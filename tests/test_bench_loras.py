@@ -52,3 +52,6 @@ def test_cpu_run_measures_every_phase(tmp_path):
     # the job after a LoRA job renders the baseline's video (same request, same seed); the LoRA changes it
     back = targets["swap_back"]
     assert back["baseline_deterministic"] and back["swap_back_same_video"] and back["lora_changes_video"], back
+    work = tmp_path / "work"  # the LoRA files and the S3 data are gone (GBs at real size), the logs stay
+    assert not [p for p in ("catalogue", "staging", "lora-cache", "s3/data") if (work / p).exists()]
+    assert list(work.glob("worker*.log"))
