@@ -381,6 +381,7 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
         "video_tokens": stage1.get("video_tokens"),
         "audio": (output or {}).get("audio"),
         "bytes": result.get("size"),
+        "sha256": result.get("sha256"),  #: the mp4's: equal requests (seed included) render equal videos
         "error": info.error,
     }
 

@@ -24,10 +24,12 @@
 #              on 0,1; distilled on two one-GPU fleets vs one alone)                             (~5-6 min)
 #   e2e-b      bench/e2e.py --plan gpu2 runs 3-4 (two-stage reference guidance on 0,1; CFG-only on 0;1)  (~5 min)
 #              ONLY="0,1" (a comma list of plan indices) picks other runs for either phase
+#   loras      bench/loras.py at real size on GPU 0: request LoRAs switched, fetched from S3, swapped back
+#              (~2.5-3 min; SIGINT at 235 s; no kernel build: one GPU exchanges no heads)
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash scripts/gpu_session.sh check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b}
+PHASE=${1:?usage: bash scripts/gpu_session.sh check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras}
 OUT=${OUT:-/tmp/ltx-out}
 SITE=${SITE:-/tmp/site}
 WEIGHTS=${WEIGHTS:-/dev/shm/ltx2-full}
@@ -59,15 +61,15 @@ keep_logs() {  # the tails of the benchmark's worker logs (what comes back from 
   done
 }
 
-e2e() {  # e2e <name> <bench args...>
+e2e() {  # e2e <name> <bench args...>; BENCH: another script with the same options (bench/loras.py), LIMIT: s
   local name=$1; shift
   local work=/tmp/ltx-e2e-$name
   rm -rf "$work"
   set +e
   # SIGINT at 480 s, well before the device call's 10-minute limit: the benchmark stops its workers (warm,
   # then SIGKILL after --stop-timeout) and servers on the way out, so no fleet outlives the call
-  timeout -s INT -k 100 480 "$PY" bench/e2e.py --workdir "$work" --out "$OUT/$name.jsonl" --stop-timeout 60 "$@" \
-    2>"$OUT/$name.log"
+  timeout -s INT -k 100 "${LIMIT:-480}" "$PY" "${BENCH:-bench/e2e.py}" --workdir "$work" --out "$OUT/$name.jsonl" \
+    --stop-timeout 60 "$@" 2>"$OUT/$name.log"
   local rc=$?
   set -e
   keep_logs "$work" "$OUT/$name-logs"
@@ -130,6 +132,9 @@ PYCHECK
   e2e-b)
     build
     e2e e2e-b --profile full --weights "$WEIGHTS" --plan gpu2 --only "${ONLY:-3,4}" --budget-s "$BUDGET"
+    ;;
+  loras)
+    BENCH=bench/loras.py LIMIT=235 e2e loras --profile full --weights "$WEIGHTS" --groups 0 --budget-s 190
     ;;
   *)
     echo "unknown phase $PHASE" >&2

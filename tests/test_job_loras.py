@@ -96,6 +96,9 @@ def test_one_process(tiny, files, tmp_path):
     assert not torch.equal(fresh, with_lora)  # the LoRA changes the video
     assert torch.equal(after, fresh)  # and leaves nothing behind
     assert out["timings_s"]["lora_swap_stage1"] >= 0 and out["timings_s"]["lora_swap_stage2"] >= 0
+    assert out["timings_s"]["lora_swap_check"] > 0  # the ranks' header checks count, as host-only time
+    device = sum(v for k, v in out["timings_s"].items() if k not in ("lora_swap_check", "mux"))
+    assert out["gpu_busy_s"] == pytest.approx(device, abs=1e-5)  # (not device time)
     with LocalRunner(Ltx2TwoStageRunner) as local:
         local.start(**two_stage_setup(tiny, checkpoint_path=files["merged"]))
         merged, _, _ = render(_LocalCtl(local), tmp_path / "merged.mp4", seed=3)

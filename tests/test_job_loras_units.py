@@ -112,3 +112,18 @@ def test_synthetic_user_loras_pass_the_check_against_their_checkpoint(tmp_path) 
         assert checked.ranks and all(k.rsplit(".", 2)[-2] in ("to_q", "to_k", "to_v", "0") for k in checked.ranks)
     full = user_lora_plan(profile("full"), 128)  # (sizes only: nothing is written)
     assert len(full.specs) == 2304 and full.nbytes == 1711276032
+
+
+def test_synthetic_user_loras_of_different_seeds_are_different_loras_of_one_shape(tmp_path) -> None:
+    """`bench/loras.py` needs several first uses of a rank-128 LoRA: files of different seeds have the same
+    tensors and shapes but other bytes (so other cache keys and ETags); the same seed writes the same file."""
+    from ltx_mgpu.lorafile import read_header
+    from ltx_mgpu.runners.ltx2.synthetic.user_loras import write_user_lora
+
+    paths = [tmp_path / f"{name}.safetensors" for name in ("a", "b", "a-again")]
+    for path, seed in zip(paths, (1, 2, 1), strict=True):
+        row = write_user_lora("tiny", path, 128, seed=seed)
+        assert row["bytes"] == path.stat().st_size
+    a, b, again = (p.read_bytes() for p in paths)
+    headers = [read_header(str(p), max_file_bytes=1 << 30, max_header_bytes=1 << 24) for p in paths]
+    assert headers[0] == headers[1] and a != b and a == again

@@ -76,7 +76,10 @@ def render(ctl, path, **job):
     stages = [e["stage"] for e in events if isinstance(e, dict) and e.get("type") == "stage"]
     swaps = {k for k in out["timings_s"] if k.startswith("lora_swap_")}  # timed, not announced as stages
     assert set(out["timings_s"]) - swaps == set(stages) and out["synthetic_weights"] is True
-    assert swaps == ({"lora_swap_stage1", "lora_swap_stage2"} if "tdp" in str(events) else set())
+    # a request's LoRAs: their header checks on the ranks are part of the job's swap cost, timed
+    assert ("lora_swap_check" in swaps) == bool(job.get("loras"))
+    expected = {"lora_swap_stage1", "lora_swap_stage2"} if "tdp" in str(events) else set()
+    assert swaps - {"lora_swap_check"} == expected
     if job.get("audio", True):
         streams = probe_mp4(path)
         assert (streams.audio_codec, streams.audio_sample_rate, streams.audio_channels) == ("aac", 24000, 2)

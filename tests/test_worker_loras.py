@@ -87,6 +87,9 @@ def test_catalogue_lora_is_copied_once_by_content_then_hit(tmp_path: Path, catal
     assert Path(first.path).parent == tmp_path / "cache" and Path(first.path).name.startswith("sha256-")
     again = r.resolve([LoraRef(name="dolly")])[0]
     assert again.cached and again.path == first.path
+    # the header checks are timed apart from the copy (a hit is checked again), and reported with the job
+    assert 0 < first.verify_s <= first.fetch_s and again.verify_s > 0 and again.fetch_s == 0
+    assert first.summary()["verify_s"] == round(first.verify_s, 4)
     assert sample(r.metrics, "ltx_worker_lora_cache_total", result="miss") == 1
     assert sample(r.metrics, "ltx_worker_lora_cache_total", result="hit") == 1
     assert sample(r.metrics, "ltx_worker_lora_fetch_bytes_total") == first.fetch_bytes
@@ -147,6 +150,7 @@ def test_s3_lora_is_fetched_once_and_bad_objects_are_refused(tmp_path: Path, s3_
     r = resolver(tmp_path, s3=s3_client, lora_s3_prefixes=[f"{bucket}/u/"], lora_max_file_bytes=len(good) + 10)
     first = r.resolve([LoraRef(uri=f"s3://{bucket}/u/good.safetensors")])[0]
     assert not first.cached and first.fetch_bytes == len(good) and Path(first.path).read_bytes() == good
+    assert 0 < first.verify_s < first.fetch_s  # the check, then the fetch it is part of
     assert r.resolve([LoraRef(uri=f"s3://{bucket}/u/good.safetensors")])[0].cached
     assert sample(r.metrics, "ltx_worker_lora_fetch_bytes_total") == len(good)
     assert r.metrics.registry.get_sample_value("ltx_worker_lora_fetch_seconds_count", {"group": "g"}) == 1

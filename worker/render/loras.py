@@ -89,14 +89,16 @@ class ResolvedLora:
     strength: float
     cached: bool  #: True if no fetch was needed
     fetch_bytes: int = 0
-    fetch_s: float = 0.0
+    fetch_s: float = 0.0  #: a miss: fetch (or catalogue copy) + check, as `ltx_worker_lora_fetch_seconds`
+    verify_s: float = 0.0  #: of which header checks (every use: a hit is checked again)
 
     def job_kwarg(self) -> dict[str, Any]:
         return {"path": self.path, "strength": self.strength}
 
     def summary(self) -> dict[str, Any]:
         return {"lora": self.label, "strength": self.strength, "cached": self.cached,
-                "fetch_bytes": self.fetch_bytes, "fetch_s": round(self.fetch_s, 4)}  # fmt: skip
+                "fetch_bytes": self.fetch_bytes, "fetch_s": round(self.fetch_s, 4),
+                "verify_s": round(self.verify_s, 4)}  # fmt: skip
 
 
 # ==== the cache ============================================================================================
@@ -278,8 +280,9 @@ class LoraResolver:
         key = self._hashed.get(memo)
         if key is not None and (hit := self.cache.get(key)) is not None:
             return self._checked(ref, hit, targets, cached=True)
-        check_lora(source, targets, self.limits)  # (refuse a bad catalogue file before copying it)
         t0 = time.monotonic()
+        check_lora(source, targets, self.limits)  # (refuse a bad catalogue file before copying it)
+        verify_s = time.monotonic() - t0
         with self.cache.incoming() as tmp:
             digest = hashlib.sha256()
             with open(source, "rb") as src, open(tmp, "wb") as dst:
@@ -290,9 +293,9 @@ class LoraResolver:
             self._hashed[memo] = key
             if (hit := self.cache.get(key)) is not None:
                 return self._checked(ref, hit, targets, cached=True)
-            check_lora(tmp, targets, self.limits)
+            verify_s += _timed(check_lora, tmp, targets, self.limits)
             path = self.cache.commit(tmp, key)
-        return self._fetched(ref, path, st.st_size, time.monotonic() - t0)
+        return self._fetched(ref, path, st.st_size, time.monotonic() - t0, verify_s)
 
     def _from_s3(self, ref: LoraRef, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
         uri = str(ref.uri)
@@ -327,22 +330,31 @@ class LoraResolver:
                 _ranged_download(client, bucket, key, head.get("ETag", "*"), size, tmp)
             except (ClientError, BotoCoreError) as exc:
                 raise LoraRefused("", f"{uri}: fetch failed ({exc})") from None
-            check_lora(tmp, targets, self.limits)
+            verify_s = _timed(check_lora, tmp, targets, self.limits)
             path = self.cache.commit(tmp, cache_key)
-        return self._fetched(ref, path, size, time.monotonic() - t0)
+        return self._fetched(ref, path, size, time.monotonic() - t0, verify_s)
 
     def _checked(self, ref: LoraRef, path: Path, targets: dict, *, cached: bool) -> ResolvedLora:
-        check_lora(path, targets, self.limits)  # header only: cheap, and guards the cache folder too
+        verify_s = _timed(check_lora, path, targets, self.limits)  # header only: cheap, guards the cache folder too
         if self.metrics is not None:
             self.metrics.lora_cache.labels(self.group, "hit").inc()
-        return ResolvedLora(ref.label, str(path), ref.strength, cached=cached)
+        return ResolvedLora(ref.label, str(path), ref.strength, cached=cached, verify_s=verify_s)
 
-    def _fetched(self, ref: LoraRef, path: Path, size: int, seconds: float) -> ResolvedLora:
+    def _fetched(self, ref: LoraRef, path: Path, size: int, seconds: float, verify_s: float) -> ResolvedLora:
         if self.metrics is not None:
             self.metrics.lora_cache.labels(self.group, "miss").inc()
             self.metrics.lora_fetch_bytes.labels(self.group).inc(size)
             self.metrics.lora_fetch_seconds.labels(self.group).observe(seconds)
-        return ResolvedLora(ref.label, str(path), ref.strength, cached=False, fetch_bytes=size, fetch_s=seconds)
+        return ResolvedLora(
+            ref.label, str(path), ref.strength, cached=False, fetch_bytes=size, fetch_s=seconds, verify_s=verify_s
+        )
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> float:
+    """Seconds `fn(*args)` took (it raises through)."""
+    t0 = time.monotonic()
+    fn(*args)
+    return time.monotonic() - t0
 
 
 def _without_path(message: str) -> str:

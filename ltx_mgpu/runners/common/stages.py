@@ -8,7 +8,8 @@ seconds per stage); `peak_report()` gathers every rank's peaks (a collective ove
 Stage names used by the runners (the `output` event's `timings_s` keys): `encode`, `stage1`, `upsample`,
 `stage2` (ltx2) or `denoise` (smoke), `decode` (video), `audio_decode`, `mux` (the runner writes the mp4) or
 `handoff` (yuv420p conversion on the device and the copy out: the worker encodes), and `lora_swap_stage1` /
-`lora_swap_stage2` where a runner fuses LoRAs per stage. A stage a runner does not
+`lora_swap_stage2` where a runner fuses LoRAs per stage, plus `lora_swap_check` (the request LoRAs' header
+checks, host only, timed before the clock starts and added after `reset()`). A stage a runner does not
 have, or skipped for this job (no audio asked), is absent.
 
 The honest clock: `gpu_report()` gives the job's device-busy seconds (every stage but the
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CPU_STAGES", "INJECT_OOM_ENV", "SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
+__all__ = ["CPU_STAGES", "INJECT_OOM_ENV", "LORA_CHECK", "SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
 
 INJECT_OOM_ENV = "LTX_MGPU_INJECT_OOM"
 
@@ -58,8 +59,11 @@ class SetupLaps:
         self._last = now
 
 
+#: a job's LoRA header checks on the driver rank (`job_loras`), before its first stage: host work, and part of
+#: the job's LoRA cost (the worker's `lora_swap_s` sums every `lora_swap*` timing)
+LORA_CHECK = "lora_swap_check"
 #: stages that run on the host only: the fleet is held but its devices wait (not device-busy time)
-CPU_STAGES = frozenset({"mux"})
+CPU_STAGES = frozenset({"mux", LORA_CHECK})
 
 
 class StageClock:

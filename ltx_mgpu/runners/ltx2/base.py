@@ -27,6 +27,7 @@ share, so the stage order and its hooks read in one place.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from ..common.handoff import deliver_video
 from ..common.job_loras import job_lora_specs, model_targets
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
 from ..common.media import AudioTrack, audio_fields
-from ..common.stages import SetupLaps, StageClock, check_finite
+from ..common.stages import LORA_CHECK, SetupLaps, StageClock, check_finite
 from . import components as comp
 from .denoise import (
     Geometry,
@@ -76,6 +77,7 @@ class Job:
     steps: int  #: stage-1 denoising steps
     generator: torch.Generator  #: CPU noise: the same bits on every rank and device
     loras: tuple[LoraSpec, ...] = ()  #: the request's LoRAs, fused on top of each stage's own (common.job_loras)
+    lora_check_s: float = 0.0  #: this rank's header checks of `loras` (before the clock starts: see render())
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,8 @@ class Ltx2Runner(MGPURunner):
         job = self._job(args)
         self._use_memory_plan(args.memory_plan)
         self.clock.reset()
+        if job.loras:  # part of the job's LoRA cost: `lora_swap_*` counts every part of it (a host-only stage)
+            self.clock.timings_s[LORA_CHECK] = round(job.lora_check_s, 6)
         prompt = yield from self._encode(job)
         self._between_stages()
         video1, audio1 = yield from self._stage1(job, prompt)
@@ -360,8 +364,10 @@ class Ltx2Runner(MGPURunner):
         steps = self._job_steps(args)
         images = parse_images(args.images, geo.num_frames)
         self._validate(geo, steps, args.output_path)
+        t0 = time.perf_counter()
         loras = job_lora_specs(args.loras, self.lora_targets)  # (every rank, before any collective)
-        return Job(args, geo, images, steps, torch.Generator().manual_seed(int(args.seed)), loras)
+        checked = time.perf_counter() - t0
+        return Job(args, geo, images, steps, torch.Generator().manual_seed(int(args.seed)), loras, checked)
 
     def _validate(self, geo: Geometry, steps: int, output_path: str) -> None:  # every rank, before any collective
         if geo.width % 64 or geo.height % 64 or geo.width <= 0 or geo.height <= 0:

@@ -26,7 +26,7 @@ from ...common.weights import TensorSpec, write_safetensors
 from .plan import FilePlan, transformer_meta
 from .profiles import Profile, profile
 
-__all__ = ["USER_LORA_TARGETS", "user_lora_plan", "write_user_loras"]
+__all__ = ["USER_LORA_TARGETS", "user_lora_plan", "write_user_lora", "write_user_loras"]
 
 #: the attention projections user LoRAs train (the suffix of each `nn.Linear` name in a block)
 USER_LORA_TARGETS = (".to_q", ".to_k", ".to_v", ".to_out.0")
@@ -54,13 +54,15 @@ def write_user_loras(
     name: str, out: str | Path, *, ranks: Sequence[int] = (32, 128), seed: int = 0, device: str = "cpu"
 ) -> list[dict[str, Any]]:
     """Write one user LoRA per rank under `out`; one report row per file (path, bytes, seconds)."""
-    prof = profile(name)
-    rows = []
-    for i, rank in enumerate(ranks):
-        plan = user_lora_plan(prof, int(rank))
-        path = Path(out) / plan.relpath
-        rows.append(write_safetensors(path, plan.specs, seed=seed + 40 + i, device=device, metadata=plan.metadata))
-    return rows
+    return [write_user_lora(name, Path(out) / f"user_lora_r{int(rank)}.safetensors", int(rank), seed=seed + 40 + i,
+                            device=device) for i, rank in enumerate(ranks)]  # fmt: skip
+
+
+def write_user_lora(name: str, path: str | Path, rank: int, *, seed: int, device: str = "cpu") -> dict[str, Any]:
+    """One user LoRA of profile `name` at `path`; files of different seeds are different LoRAs (distinct
+    bytes, so distinct cache entries and S3 ETags). Full profile, rank 128: 1,711,276,032 bytes of tensors."""
+    plan = user_lora_plan(profile(name), rank)
+    return write_safetensors(path, plan.specs, seed=seed, device=device, metadata=plan.metadata)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
