@@ -338,8 +338,7 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     `busy`: the runner's first to output event; `gpu_window` / `gpu_busy_s`: its own device clock
     (`bench/e2e_clock.py`); `worker_encode` / `encode_window`: the worker's mp4 encode, off the fleet.
     """
-    info = client.status(job_id)
-    events = client.events(job_id)
+    info, events = client.status(job_id), client.events(job_id)
     starts = [i for i, e in enumerate(events) if e.type == "state" and e.data.get("state") == "started"]
     attempt = events[starts[-1]:] if starts else events  # fmt: skip
     state_ts = {e.data["state"]: float(e.data["ts"]) for e in attempt if e.type == "state"}
