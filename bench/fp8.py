@@ -23,6 +23,7 @@ their denoising forwards (`--no-graphs`: eager; the linears and the block also r
 Output: JSON lines, then one line starting with "SUMMARY" with the ratios.
 
     python bench/fp8.py                                  # one H200, ~40 s
+    python bench/fp8.py --tokens 6144,24576 --kernels 12  # plus device time by kernel family and the top 12
     python bench/fp8.py --device cpu --dims tiny --tokens 96,192 --iters 1 --warmup 0   # smoke check (CI)
 """
 
@@ -74,6 +75,38 @@ def _measure(fn: Any, device: torch.device, args: Any) -> float:
     """ms per call: graph replays unless --no-graphs (eager launches cost ~10-30 us a linear on the host)."""
     run = _graph(fn, device)[0] if args.graphs else fn
     return _time(run, device, args.iters, args.warmup)
+
+
+#: kernel families by name, first match wins (cuBLAS/CUTLASS GEMMs, flash/SDPA attention, our Triton
+#: quantization, then torch's reductions/norms and elementwise kernels)
+FAMILIES = (("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas")), ("attention", ("flash", "fmha", "attention")),
+            ("fp8_quantize", ("quantize", "triton")), ("reduce_norm", ("reduce", "norm")),
+            ("elementwise", ("elementwise", "vectorized", "unrolled", "copy")))  # fmt: skip
+
+
+def kernel_profile(fn: Any, top: int) -> dict[str, Any]:
+    """Device time of one eager call by kernel family and its `top` kernels (torch.profiler's CUDA kernel
+    records: GPU time, not launch overhead), after one unprofiled call; what the block spends outside its
+    GEMMs and attention is what fusion could take away."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1000
+    families: dict[str, float] = {}
+    for name, ms in kernels.items():
+        low = name.lower()
+        family = next((f for f, keys in FAMILIES if any(k in low for k in keys)), "other")
+        families[family] = families.get(family, 0.0) + ms
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    return {"total_ms": round(sum(kernels.values()), 3), "families_ms": {k: round(v, 3) for k, v in families.items()},
+            "top": [{"ms": round(ms, 3), "kernel": name[:120]} for name, ms in ranked]}  # fmt: skip
 
 
 def _tflops(m: int, k: int, n: int, ms: float) -> float:
@@ -184,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", choices=("auto", "ltx", "standin"), default="auto",
                     help="ltx-core's block (auto: when ltx-core imports) or the synthetic stand-in")  # fmt: skip
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eager calls only")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also profile a block call of each kind: device time by kernel family, top N")  # fmt: skip
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     args.graphs = args.graphs and device.type == "cuda"
@@ -247,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
             blk_fp8 = _measure(run_fp8, device, args)
             eager_bf16 = _time(run_bf16, device, args.iters, 1)
             eager_fp8 = _time(run_fp8, device, args.iters, 1)
+            for name, fn in (("bf16", run_bf16), ("fp8", run_fp8)):
+                if args.kernels and device.type == "cuda":
+                    print(json.dumps({"kind": "kernels", "video_tokens": tokens, "weights": name,
+                                      **kernel_profile(fn, args.kernels)}), flush=True)  # fmt: skip
         brow = {"kind": "block", "block": kind, "video_tokens": tokens, "graphs": args.graphs,
                 "bf16_ms": round(blk_bf16, 3), "fp8_ms": round(blk_fp8, 3), "speedup": round(blk_bf16 / blk_fp8, 3),
                 "eager_bf16_ms": round(eager_bf16, 3), "eager_fp8_ms": round(eager_fp8, 3),
