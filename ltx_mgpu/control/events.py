@@ -21,7 +21,18 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["MEDIA", "MEDIA_FRAMES", "MEDIA_OPEN", "OUTPUT", "PROGRESS", "STAGE", "Stage", "output_event", "progress_event", "stage_event"]
+__all__ = [
+    "MEDIA",
+    "MEDIA_FRAMES",
+    "MEDIA_OPEN",
+    "OUTPUT",
+    "PROGRESS",
+    "STAGE",
+    "Stage",
+    "output_event",
+    "progress_event",
+    "stage_event",
+]
 
 #: The `type` of each runner event (the worker relays them under the same names: `worker.protocol.states.EventType`).
 STAGE = "stage"

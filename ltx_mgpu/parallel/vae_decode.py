@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -119,6 +119,10 @@ class SegmentStream:
             for job in self._jobs:
                 job.cancel()
 
+    def jobs(self) -> list[Future[Run]]:
+        with self._lock:
+            return list(self._jobs)
+
     def pending(self) -> int:
         """Runs submitted and neither finished nor cancelled."""
         with self._lock:
