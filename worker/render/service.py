@@ -477,14 +477,14 @@ class RenderService:
             with self._lock:
                 cur.stream = None
             if streamed is not None and not completed:  # (no x264 run is left waiting for frames)
-                streamed.abort()
+                self._abort_stream(streamed)
         render_s = time.monotonic() - t_render
         self.metrics.render_seconds.labels(self.group).observe(render_s)
         if loras and output is not None:
             self.loras.record_swap(output, relay)  # (the fleet's swap seconds for this job: status, metrics)
         if output is None or (media is None and not output_path.exists()):
             if streamed is not None:
-                streamed.abort()
+                self._abort_stream(streamed)
             self.spool.discard_incomplete(job.id)
             message = f"the runner finished without writing {output_path.name} (output event: {output is not None})"
             self._fail(job, relay, FailureReason.NO_OUTPUT, message)
@@ -496,7 +496,7 @@ class RenderService:
                 self.encoder.prepare(pending)
             except OSError as exc:
                 if streamed is not None:
-                    streamed.abort()
+                    self._abort_stream(streamed)
                 self.spool.discard_incomplete(job.id)
                 self._spool_failed(job, relay, exc)
             return pending, render_s
@@ -519,6 +519,12 @@ class RenderService:
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
         relay.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
         return entry, render_s
+
+    def _abort_stream(self, streamed: Any) -> None:
+        """A streamed hand-off whose render failed: its x264 runs not started are cancelled (`Mp4Stream.abort`)."""
+        if not streamed.aborted:
+            streamed.abort()
+            self.metrics.encode_aborted.labels(self.group).inc()
 
     def _encode_now(self, job: Any, relay: EventRelay, item: PendingEncode) -> SpoolEntry:
         """The synchronous path (`upload_pipeline` off): encode and commit before the upload."""
