@@ -336,7 +336,8 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     Stage seconds come from the runner's `timings_s` (measured between device synchronisations) when the
     output event carries them, else from the gaps between its `stage` events as the worker relayed them.
     `busy`: the runner's first to output event; `gpu_window` / `gpu_busy_s`: its own device clock
-    (`bench/e2e_clock.py`); `worker_encode` / `encode_window`: the worker's mp4 encode, off the fleet.
+    (`bench/e2e_clock.py`); `worker_encode` / `encode_window`: the worker's mp4 encode, off the fleet;
+    `worker_encode_overlap` / `_tail`: a streamed encode's seconds before / after the decode ended.
     """
     info, events = client.status(job_id), client.events(job_id)
     starts = [i for i, e in enumerate(events) if e.type == "state" and e.data.get("state") == "started"]
@@ -355,7 +356,8 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     submitted = info.meta.get("submitted_at")
     stage1 = next((e.data for e in stages if e.data.get("stage") == "stage1"), {})
     rendered = next((e.data for e in attempt if e.type == "state" and e.data.get("state") == "rendered"), {})
-    timings.update({"worker_encode": float(rendered["encode_s"])} if rendered.get("encode_s") is not None else {})
+    for key, stage in (("encode_s", ""), ("encode_overlap_s", "_overlap"), ("encode_tail_s", "_tail")):
+        timings.update({f"worker_encode{stage}": float(rendered[key])} if rendered.get(key) is not None else {})
     gpu = output or {}
     return {
         "job_id": job_id,

@@ -107,9 +107,17 @@ def local():
     kw = ensure_tiny_ltx2().setup_kwargs()
     kw.pop("distilled_lora_path")
     with LocalRunner(Ltx2DistilledRunner) as runner:
-        # vae_chunked: ltx-core's temporal chunks (64 frames, 24 of overlap): 121 frames decode in three
-        runner.start(**kw, prompt_tokens=128, default_steps=1, dtype="float32", vae_chunked=True)
+        # temporal chunks of 64 frames (24 of overlap, ltx-core's default): 121 frames decode in three
+        runner.start(**kw, prompt_tokens=128, default_steps=1, dtype="float32", vae_chunk_frames=64)
         yield runner
+
+
+def test_vae_chunk_frames_is_checked_at_setup():
+    from ltx_mgpu.runners.ltx2.components import _temporal_chunks
+
+    assert _temporal_chunks(0) is None and _temporal_chunks(64).temporal_config.tile_overlap_in_frames == 24
+    with pytest.raises(ValueError, match="vae_chunk_frames must be 0 or a multiple of 8 from 16, got 20"):
+        _temporal_chunks(20)
 
 
 def test_ltx2_streams_its_chunked_decode_into_the_encoder(local, tmp_path):

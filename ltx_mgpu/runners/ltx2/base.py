@@ -149,6 +149,7 @@ class Ltx2Runner(MGPURunner):
         vae_tiles: int | None = None,
         vae_overlap: int = 1,
         vae_chunked: bool = False,
+        vae_chunk_frames: int = 0,
         text_encoder: str = "source",
         text_encoder_rank: int | None = None,
         prompt_tokens: int = 1024,
@@ -233,7 +234,13 @@ class Ltx2Runner(MGPURunner):
         # ---- VAE: decoder on every rank (tiles); encoder, upsampler, audio decoding on the driver ---------
         self.vae_tiling = BalancedTiling(max(1, int(vae_tiles or self.world_size)), overlap=int(vae_overlap))
         self.decoder = comp.distributed_video_decoder(
-            checkpoint_path, self.groups.vae_group, self.vae_tiling, vae_chunked, self.device, self.dtype
+            checkpoint_path,
+            self.groups.vae_group,
+            self.vae_tiling,
+            vae_chunked,
+            self.device,
+            self.dtype,
+            chunk_frames=int(vae_chunk_frames),
         )
         self.setup_chunk_tiling = self.decoder.chunk_tiling  # a job's memory plan may chunk more, never less
         self.release_between_stages = False
@@ -345,7 +352,7 @@ class Ltx2Runner(MGPURunner):
         `release_between_stages` hands the allocator cache back after each stage. None: setup's choices."""
         plan = plan or {}
         chunk = self.setup_chunk_tiling
-        if plan.get("decode_chunked") and chunk is None:
+        if plan.get("decode_chunked") and (chunk is None or chunk.spatial_config is None):
             from ltx_core.model.video_vae import TilingConfig
 
             chunk = TilingConfig.default()
