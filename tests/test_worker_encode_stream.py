@@ -6,8 +6,9 @@ pause before each chunk standing in for the VAE's decode time).
   by the encoder's own run start against the runner's stamp on its last decoded chunk (not a wall-time
   guess by the test); the uploaded mp4 (sha256 checked) decodes to exactly the one-shot encode of the same
   frames with the same settings.
-- A render that fails after its frames began to arrive ends the job (`runner_error`), leaves no encode
-  pending and nothing in the spool, and the worker renders the next job as usual.
+- A render that fails (`runner_error`) or is cancelled after its frames began to arrive ends the job,
+  abandons its encode (`ltx_worker_encode_aborted_total`), leaves no encode pending and nothing in the
+  spool, and the worker renders the next job as usual.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from ltx_mgpu.runners.common.media import EncodeOptions, read_mp4, to_yuv420p, write_mp4_yuv
 from tests.test_worker_encode import _stored_video
 from tests.test_worker_service import _metric, running_worker
-from tests.test_worker_support import events, noise_frames, wait_state
+from tests.test_worker_support import events, noise_frames, wait_for, wait_state
+from worker.protocol.control import cancel_job
 
 pytestmark = pytest.mark.timeout(300)
 SIZE = {"width": 64, "height": 64}
@@ -50,18 +52,23 @@ def test_a_streamed_render_encodes_while_the_fleet_decodes(tmp_path, redis_serve
         assert streamed.shape == (64, 64, 64, 3) and torch.equal(streamed, expected)
 
 
-def test_a_render_failing_mid_stream_aborts_its_encode_and_the_worker_goes_on(tmp_path, redis_server, s3_server):
+def test_a_render_failing_or_cancelled_mid_stream_aborts_its_encode_and_the_worker_goes_on(tmp_path, redis_server,
+                                                                                          s3_server):  # fmt: skip
     with running_worker(tmp_path, redis_server, s3_server, **ENCODE) as f:
         bad = f.submit("t yuv=64 chunk=16 stream_fail=3", seed=6, **SIZE)  # 48 frames in: 3 runs started
+        cancelled = f.submit("t yuv=64 chunk=16 chunk_s=1", seed=8, **SIZE)  # cancelled while it decodes
         good = f.submit("t yuv=64 chunk=16", seed=7, **SIZE)
         assert wait_state(bad, {"uploaded", "failed"}, 240, f.proc) == "failed", bad.get_meta()
         assert bad.get_meta(refresh=True)["error"]["reason"] == "runner_error"
         assert not any(e.get("state") == "rendered" for e in events(f.conn, bad.id))
+        wait_for(lambda: any(e.get("stage") == "decode" for e in events(f.conn, cancelled.id)), 120, "the decode")
+        assert cancel_job(f.conn, cancelled.id) == "stop_requested"
+        assert wait_state(cancelled, {"cancelled", "uploaded", "failed"}, 240, f.proc) == "cancelled"
         assert wait_state(good, {"uploaded", "failed"}, 240, f.proc) == "uploaded", good.get_meta()
         assert read_mp4(_stored_video(s3_server, good.latest_result().return_value, tmp_path))[0].shape[0] == 64
-        assert not (f.spool / bad.id).exists()  # no marker, no partial file
+        assert not (f.spool / bad.id).exists() and not (f.spool / cancelled.id).exists()  # no marker, no file
         port = f.health()["metrics_port"]
         pending = _metric(port, "ltx_worker_encode_pending{")
         assert pending is not None and float(pending.split()[-1]) == 0.0, pending
         aborted = _metric(port, "ltx_worker_encode_aborted_total{")  # the failed render's runs were abandoned
-        assert aborted is not None and float(aborted.split()[-1]) == 1.0, aborted
+        assert aborted is not None and float(aborted.split()[-1]) == 2.0, aborted

@@ -199,8 +199,7 @@ def _noise_stream(runner: Any, d: dict, width: int, height: int, fps: float, see
 
     total, chunk, rgb = int(d["yuv"]), int(d.get("chunk", d["yuv"])), noise_frames(int(d["yuv"]), width, height, seed)
     stream = FrameStream(frames=total, width=width, height=height, fps=fps, device=torch.device("cpu"))
-    if runner.is_driver:
-        yield stream.open_event()
+    yield from ([stage_event("decode"), stream.open_event()] if runner.is_driver else [])
     for k, lo in enumerate(range(0, total, chunk)):
         time.sleep(float(d.get("chunk_s", 0)))
         runner.raise_if_cancelled()
