@@ -186,3 +186,16 @@ def test_a_decode_that_fails_mid_stream_ends_the_render_and_frees_the_buffer(loc
     del stream, e
     gc.collect()
     assert buffer() is None  # nothing (the runner's generator included) holds the shared memory
+
+
+def test_the_stream_bench_runs_and_its_files_match(capsys):
+    """`bench/stream_encode.py --quick` runs (what CI can afford): the streamed encode of a simulated chunked
+    decode writes the one-shot file. (How early its runs start is timing: the tests above pin it.)"""
+    import json
+
+    from bench.stream_encode import main
+
+    assert main(["--quick"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix("SUMMARY "))
+    (case,) = summary["cases"]
+    assert case["same_bytes"] and case["runs"] == 2 and case["encode_overlap_s"] >= 0
