@@ -120,6 +120,22 @@ def test_vae_chunk_frames_is_checked_at_setup():
         _temporal_chunks(20)
 
 
+def test_the_lower_memory_plan_still_chunks_space_over_setup_temporal_chunks():
+    from types import SimpleNamespace
+
+    from ltx_core.model.video_vae import TilingConfig
+
+    from ltx_mgpu.runners.ltx2.base import Ltx2Runner
+    from ltx_mgpu.runners.ltx2.components import _temporal_chunks
+
+    runner = Ltx2Runner.__new__(Ltx2Runner)
+    runner.setup_chunk_tiling, runner.decoder = _temporal_chunks(64), SimpleNamespace(chunk_tiling=None)
+    runner._use_memory_plan({"decode_chunked": True})
+    assert runner.decoder.chunk_tiling == TilingConfig.default()  # (temporal chunks alone bound no tile's area)
+    runner._use_memory_plan(None)
+    assert runner.decoder.chunk_tiling == _temporal_chunks(64)
+
+
 def test_ltx2_streams_its_chunked_decode_into_the_encoder(local, tmp_path):
     events, stream, frames_events = [], None, []
     for e in local.stream(output_path=str(tmp_path / "unused.mp4"), media="stream", **JOB):
