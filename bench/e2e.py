@@ -38,10 +38,9 @@ render noise: their timings and memory are real.
     python bench/e2e.py --profile full --weights DIR --runner ltx2-distilled --groups 0,1 --groups '0;1'
     python bench/e2e.py --profile full --weights DIR --plan sizes-gpu1 --out $OUT/e2e-sizes.jsonl
 
-`--encode worker` (default): the worker encodes, fed while the fleet decodes (`LTX_ENCODE_STREAM`); `fleet`:
-the driver rank encodes before the fleet is free; `once`: the worker, fed after the decode; `both` and
-`stream-vs-once` run each spec twice (worker first) and `ratios` compares them. `--vae-chunk-frames N`:
-temporal decode chunks (the runner's `vae_chunk_frames`), so the streamed encode starts on the first one.
+`--encode worker` (default): the worker encodes, fed while the fleet decodes; `fleet`: the driver rank before
+the fleet is free; `once`: the worker, fed after the decode; `both` / `stream-vs-once`: each run twice, then
+`ratios`. `--vae-chunk-frames N`: temporal decode chunks, so the streamed encode starts on the first one.
 
 Every wait has a hard deadline; `--budget-s` skips the runs (in plan order, most important first) that
 would start after it is spent, and the summary lists them.
@@ -226,8 +225,7 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
     chunks = {"vae_chunk_frames": int(args.vae_chunk_frames)} if args.vae_chunk_frames else {}
     workload = sized(make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization, **chunks}),
                      spec.size)  # fmt: skip
-    encode_env = {"LTX_ENCODE_IN_WORKER": "false" if spec.encode == "fleet" else "true",
-                  "LTX_ENCODE_STREAM": "false" if spec.encode == "once" else "true"}  # fmt: skip
+    encode_env = dict(LTX_ENCODE_IN_WORKER=str(spec.encode != "fleet"), LTX_ENCODE_STREAM=str(spec.encode != "once"))
     workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup, extra_env=encode_env)
     summary: dict[str, Any] = {
         "kind": "run",
@@ -319,8 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warm", type=int, default=None, help="warm jobs per run (default --jobs)")
     ap.add_argument("--backlog", type=int, default=None, help="backlog jobs per run (default --jobs)")
     ap.add_argument("--no-rebuild", action="store_true", help="skip the rank-kill phase")
-    ap.add_argument("--vae-chunk-frames", type=int, default=0,
-                    help="runner setup vae_chunk_frames: temporal decode chunks for the streamed encode")  # fmt: skip
+    ap.add_argument("--vae-chunk-frames", type=int, default=0, help="the runner's vae_chunk_frames (0: one piece)")
     ap.add_argument("--encode", choices=("worker", "fleet", "both", "once", "stream-vs-once"), default="worker",
                     help="who encodes the mp4: the worker beside the next job, the fleet (old), or both")  # fmt: skip
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up request at fleet start")
