@@ -33,8 +33,9 @@ fits it to the video's duration.
 
 Events (driver rank only): stage encode / denoise, one progress per step, stage decode, stage
 audio_decode (when audio is on), stage mux (or, with `media="frames"`, a `media` hand-off event and no
-file; with `media="stream"` the same frames as one streamed chunk: `common.handoff`), output (with `audio`, `audio_sample_rate`, `audio_duration_s`, `timings_s` and the
-device-busy clock `gpu_busy_s`, `gpu_started_at`, `gpu_ended_at`). Limits are checked on every rank
+file; with `media="stream"` the same frames as one streamed chunk: `common.handoff`), output (with
+`audio`, `audio_sample_rate`, `audio_duration_s`, `timings_s` and the device-busy clock `gpu_busy_s`,
+`gpu_started_at`, `gpu_ended_at`). Limits are checked on every rank
 before any collective and raise `ValueError` (a recoverable `SymmetricRunnerError` for the caller).
 """
 
