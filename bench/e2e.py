@@ -38,9 +38,9 @@ render noise: their timings and memory are real.
     python bench/e2e.py --profile full --weights DIR --runner ltx2-distilled --groups 0,1 --groups '0;1'
     python bench/e2e.py --profile full --weights DIR --plan sizes-gpu1 --out $OUT/e2e-sizes.jsonl
 
-`--encode worker` (default) runs the worker's encoder (the fleet hands frames off), `--encode fleet` the
-old path (`LTX_ENCODE_IN_WORKER=false`: the driver rank encodes before the fleet is free), `--encode both`
-each run twice, worker first, and the summary's `ratios` compares them.
+`--encode worker` (default): the worker encodes, fed while the fleet decodes; `fleet`: the driver rank before
+the fleet is free; `once`: the worker, fed after the decode; `both` / `stream-vs-once`: each run twice, then
+`ratios`. `--vae-chunk-frames N`: temporal decode chunks, so the streamed encode starts on the first one.
 
 Every wait has a hard deadline; `--budget-s` skips the runs (in plan order, most important first) that
 would start after it is spent, and the summary lists them.
@@ -222,10 +222,10 @@ def peak_memory(records: list[dict[str, Any]], devices_of: dict[str, list[str]])
 
 def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir: Path, gpu: GpuMemory,
         out: Any) -> dict[str, Any]:  # fmt: skip
-    workload = sized(
-        make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization}), spec.size
-    )
-    encode_env = {"LTX_ENCODE_IN_WORKER": "true" if spec.encode == "worker" else "false"}
+    chunks = {"vae_chunk_frames": int(args.vae_chunk_frames)} if args.vae_chunk_frames else {}
+    workload = sized(make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization, **chunks}),
+                     spec.size)  # fmt: skip
+    encode_env = dict(LTX_ENCODE_IN_WORKER=str(spec.encode != "fleet"), LTX_ENCODE_STREAM=str(spec.encode != "once"))
     workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup, extra_env=encode_env)
     summary: dict[str, Any] = {
         "kind": "run",
@@ -317,7 +317,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warm", type=int, default=None, help="warm jobs per run (default --jobs)")
     ap.add_argument("--backlog", type=int, default=None, help="backlog jobs per run (default --jobs)")
     ap.add_argument("--no-rebuild", action="store_true", help="skip the rank-kill phase")
-    ap.add_argument("--encode", choices=("worker", "fleet", "both"), default="worker",
+    ap.add_argument("--vae-chunk-frames", type=int, default=0, help="the runner's vae_chunk_frames (0: one piece)")
+    ap.add_argument("--encode", choices=("worker", "fleet", "both", "once", "stream-vs-once"), default="worker",
                     help="who encodes the mp4: the worker beside the next job, the fleet (old), or both")  # fmt: skip
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up request at fleet start")
     ap.add_argument("--start-timeout", type=float, default=None, help="s for every fleet to be warm")
@@ -347,9 +348,10 @@ def specs_from(args: argparse.Namespace) -> list[RunSpec]:
     specs = _specs(args)
     if args.encode == "worker":
         return specs
-    if args.encode == "fleet":
-        return [dataclasses.replace(s, encode="fleet") for s in specs]
-    return [v for s in specs for v in (s, dataclasses.replace(s, encode="fleet"))]
+    if args.encode in ("fleet", "once"):
+        return [dataclasses.replace(s, encode=args.encode) for s in specs]
+    other = "once" if args.encode == "stream-vs-once" else "fleet"
+    return [v for s in specs for v in (s, dataclasses.replace(s, encode=other))]
 
 
 def _specs(args: argparse.Namespace) -> list[RunSpec]:
@@ -372,19 +374,18 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
 def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Cross-run ratios measured in this run: one fleet of N GPUs against one GPU, per runner."""
     out: dict[str, Any] = {}
-    fleet_encoded = {(r["runner"], r["variant"], r["layout"]): r for r in runs if r.get("encode") == "fleet"}
+    for other, what in (("fleet", "worker encode vs fleet encode"), ("once", "streamed vs one hand-off")):
+        before = {(r["runner"], r["variant"], r["layout"], r.get("size")): r for r in runs if r.get("encode") == other}
+        for r in runs:
+            old = before.get((r["runner"], r["variant"], r["layout"], r.get("size")))
+            if r.get("encode") == "worker" and old is not None:
+                name = f"{r['runner']}:{r['variant']} {r['layout']}{' ' + r['size'] if r.get('size') else ''} {what}"
+                for key in ("e2e_p50_s", "videos_per_hour", "gpu_busy_ratio"):
+                    if r.get(key) and old.get(key):
+                        out[f"{name}: {key}"] = round(r[key] / old[key], 3)
     for r in runs:
-        old = fleet_encoded.get((r["runner"], r["variant"], r["layout"]))
-        if r.get("encode") == "worker" and old is not None:
-            name = f"{r['runner']}:{r['variant']} {r['layout']} worker encode vs fleet encode"
-            for key in ("e2e_p50_s", "videos_per_hour", "gpu_busy_ratio"):
-                if r.get(key) and old.get(key):
-                    out[f"{name}: {key}"] = round(r[key] / old[key], 3)
-    for r in runs:
-        if r.get("throughput_ratio_to_one_fleet") is not None:
-            out[f"{r['runner']}:{r['variant']} {r['layout']} throughput vs one fleet alone"] = r[
-                "throughput_ratio_to_one_fleet"
-            ]
+        if (ratio := r.get("throughput_ratio_to_one_fleet")) is not None:
+            out[f"{r['runner']}:{r['variant']} {r['layout']} throughput vs one fleet alone"] = ratio
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["denoise_beside_encode", "encode_window", "gpu_busy_ratio", "idle_gaps_ms", "pct"]
+__all__ = ["denoise_beside_encode", "encode_window", "gpu_busy_ratio", "idle_gaps_ms", "pct", "worker_encode_stages"]
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -51,6 +51,13 @@ def gpu_busy_ratio(records: list[dict[str, Any]]) -> float | None:
         if span > 0 and len(windows) > 1:
             ratios.append(sum(busy) / span)
     return round(sum(ratios) / len(ratios), 4) if ratios else None
+
+
+def worker_encode_stages(rendered: dict[str, Any]) -> dict[str, float]:
+    """`rendered`'s encode seconds as stage names: `worker_encode` (the whole encode) and, for a streamed
+    hand-off, `worker_encode_overlap` / `worker_encode_tail` (its seconds before / after the decode ended)."""
+    fields = {"encode_s": "", "encode_overlap_s": "_overlap", "encode_tail_s": "_tail"}
+    return {f"worker_encode{name}": float(rendered[k]) for k, name in fields.items() if rendered.get(k) is not None}
 
 
 def encode_window(rendered: dict[str, Any]) -> list[float] | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.e2e_clock import encode_window
+from bench.e2e_clock import encode_window, worker_encode_stages
 from producer.client import JobEvent, ProducerClient
 from producer.settings import ProducerSettings
 from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive
@@ -336,7 +336,7 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     Stage seconds come from the runner's `timings_s` (measured between device synchronisations) when the
     output event carries them, else from the gaps between its `stage` events as the worker relayed them.
     `busy`: the runner's first to output event; `gpu_window` / `gpu_busy_s`: its own device clock
-    (`bench/e2e_clock.py`); `worker_encode` / `encode_window`: the worker's mp4 encode, off the fleet.
+    (`bench/e2e_clock.py`); `worker_encode*` / `encode_window`: the worker's mp4 encode, off the fleet.
     """
     info, events = client.status(job_id), client.events(job_id)
     starts = [i for i, e in enumerate(events) if e.type == "state" and e.data.get("state") == "started"]
@@ -355,7 +355,7 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     submitted = info.meta.get("submitted_at")
     stage1 = next((e.data for e in stages if e.data.get("stage") == "stage1"), {})
     rendered = next((e.data for e in attempt if e.type == "state" and e.data.get("state") == "rendered"), {})
-    timings.update({"worker_encode": float(rendered["encode_s"])} if rendered.get("encode_s") is not None else {})
+    timings.update(worker_encode_stages(rendered))
     gpu = output or {}
     return {
         "job_id": job_id,

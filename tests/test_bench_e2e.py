@@ -217,3 +217,13 @@ def test_denoising_beside_an_encode_is_compared_with_denoising_alone():
     assert got == {"denoise_alone_p50_s": 2.0, "denoise_beside_encode_p50_s": 2.1, "jobs_beside_encode": 1,
                    "ratio": 1.05}  # fmt: skip
     assert denoise_beside_encode(alone, backlog[:1])["ratio"] is None  # nothing beside an encode: no ratio
+
+
+def test_encode_stream_vs_once_compares_the_streamed_hand_off_with_one_hand_off():
+    from bench.e2e import parse_args, specs_from
+
+    args = parse_args(["--encode", "stream-vs-once", "--groups", "0", "--profile", "tiny", "--vae-chunk-frames", "64"])
+    assert [(s.groups, s.encode) for s in specs_from(args)] == [(("0",), "worker"), (("0",), "once")]
+    run = {"runner": "ltx2-distilled", "variant": "", "layout": "0", "size": "768x512x121"}
+    got = ratios([{**run, "encode": "worker", "e2e_p50_s": 2.7}, {**run, "encode": "once", "e2e_p50_s": 3.0}])
+    assert got == {"ltx2-distilled: 0 768x512x121 streamed vs one hand-off: e2e_p50_s": 0.9}

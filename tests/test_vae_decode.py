@@ -167,3 +167,61 @@ def test_two_ranks_equal_single_process(world, tiling, timestep_conditioning, se
     # the same tiles convolved over fewer columns per call (oneDNN/MKL block the fp32 sums differently) and
     # blended: ~1e-6 at the tiny decoder's channel counts on outputs of magnitude ~1; 1e-5 with room
     torch.testing.assert_close(driver, single, rtol=0, atol=1e-5)
+
+
+# ---- temporal chunks (the streamed hand-off) ---------------------------------------------------------------
+LONG_LATENT = (1, 16, 6, 4, 6)  # 41 frames: three temporal tiles of 2 latent frames, overlap 1
+
+
+def _chunking():
+    from ltx_core.model.video_vae import TemporalTilingConfig, TilingConfig
+
+    return TilingConfig(temporal_config=TemporalTilingConfig(tile_size_in_frames=16, tile_overlap_in_frames=8))
+
+
+def long_latent(seed: int = 5) -> torch.Tensor:
+    return torch.randn(LONG_LATENT, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.numerics
+def test_temporal_chunks_are_ltx_cores_final_frames_and_come_before_the_last_tile_decodes():
+    """One tile with `chunk_tiling`: each yielded chunk is ltx-core's `tiled_decode` chunk bit for bit (its
+    frames are final: ltx-core yields a chunk only after the next one is blended in), and the first arrives
+    while temporal tiles are still to decode (a streamed hand-off can start encoding it)."""
+    dec, x = tiny_decoder(), long_latent()
+    with torch.no_grad():
+        ref = [c for c in dec.tiled_decode(x, _chunking()) if c.shape[2]]  # (its first chunk may be empty)
+    calls: list[int] = []
+    real_forward = dec.forward
+    dec.forward = lambda *a, **k: calls.append(1) or real_forward(*a, **k)  # (tiled_decode calls self.forward)
+    chunks, calls_at_first = [], None
+    for chunk in DistributedVideoDecoder(dec, tiling=TileCountConfig(), chunk_tiling=_chunking()).decode_chunks(x):
+        calls_at_first = len(calls) if calls_at_first is None else calls_at_first
+        chunks.append(chunk)
+    assert len(chunks) == len(ref) > 2
+    assert all(torch.equal(a, b.float()) for a, b in zip(chunks, ref, strict=True))
+    assert sum(int(c.shape[2]) for c in chunks) == 41
+    assert calls_at_first is not None and calls_at_first < len(calls)  # the rest decoded after the first chunk
+
+
+def _rank_chunks(ctx, tiling, seed):
+    import torch.distributed as dist
+
+    dec = DistributedVideoDecoder(tiny_decoder(timestep_conditioning=True), group=dist.group.WORLD, tiling=tiling,
+                                  chunk_tiling=_chunking())  # fmt: skip
+    return [c for c in dec.decode_chunks(long_latent(), seed=seed)]
+
+
+@pytest.mark.numerics
+def test_two_ranks_stream_the_same_chunks_as_one_process(world):
+    """Tiles on two ranks, each decoded in temporal chunks: the driver yields the same chunks (frame counts
+    and values) as one process, the other rank only Nones; `decode` is their concatenation."""
+    single_dec = DistributedVideoDecoder(tiny_decoder(timestep_conditioning=True), tiling=GRID_2x2,
+                                         chunk_tiling=_chunking())  # fmt: skip
+    single = list(single_dec.decode_chunks(long_latent(), seed=3))
+    driver, other = world.run(_rank_chunks, GRID_2x2, 3)
+    assert len(single) > 2 and other and all(x is None for x in other)
+    assert [int(c.shape[2]) for c in driver] == [int(c.shape[2]) for c in single]
+    for a, b in zip(driver, single, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert torch.equal(torch.cat(single, dim=2), single_dec.decode(long_latent(), seed=3))

@@ -59,7 +59,7 @@ def test_the_fleet_takes_the_next_job_while_the_previous_video_encodes(tmp_path,
         positions = [seen.index(x) for x in order]
         assert positions == sorted(positions), seen
         (output,) = [e for e in ea if e["type"] == "output"]
-        assert output["media"] == "frames" and "video" not in output  # the frames never reach Redis
+        assert output["media"] == "stream" and "video" not in output  # the frames never reach Redis
         rendered = next(e for e in ea if e.get("state") == "rendered")
         assert rendered["encode_s"] > 0 and rendered["bytes"] > 0
         for job in (a, b):
@@ -114,7 +114,8 @@ def test_a_worker_killed_mid_encode_loses_no_job(tmp_path, redis_server, s3_serv
 
 def test_with_the_upload_pipeline_off_the_job_encodes_and_uploads_before_it_returns(tmp_path, redis_server,
                                                                                      s3_server):  # fmt: skip
-    with running_worker(tmp_path, redis_server, s3_server, upload_pipeline="false") as f:
+    # (and the one-shot hand-off: frames after the decode, `media="frames"`)
+    with running_worker(tmp_path, redis_server, s3_server, upload_pipeline="false", encode_stream="false") as f:
         a = f.submit("t yuv=9", seed=4, **SIZE)
         assert wait_state(a, {"uploaded", "failed"}, 120, f.proc) == "uploaded", a.get_meta()
         result = a.latest_result().return_value

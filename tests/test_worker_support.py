@@ -20,7 +20,9 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | segv_rank=R     | rank R dies of SIGSEGV at step `exit_step`: a crash of the job's own doing |
 | no_output=1     | finish without writing a file                                            |
 | hold=PATH       | before the first step, wait (cancellable, at most 120 s) until PATH exists |
-| yuv=N           | with `media="frames"`: yield N noise frames (width x height) as a `media` event, no file |
+| yuv=N           | `media="frames"`: N noise frames (width x height) as a `media` event, no file; "stream": streamed |
+| chunk=K, chunk_s=F | with yuv, "stream": K frames a chunk (default all), F seconds before each         |
+| stream_fail=K   | with yuv, "stream": every rank raises RunnerError before chunk K (after the buffer went out) |
 
 FaultRunner describes its memory (`memory_fleet`, as the ltx2 runners do) only with the setup kwarg
 `memory_profile` (e.g. "tiny"): a worker then plans, publishes and refuses by `LTX_DEVICE_MEMORY_GIB`.
@@ -77,6 +79,8 @@ _INJECTED: dict[str, type[Exception]] = {"oom": torch.OutOfMemoryError, "type": 
 
 class FaultRunner(MGPURunner):
     """A fast runner with injectable faults; see the module docstring."""
+
+    media_modes = ("mp4", "frames", "stream")
 
     @classmethod
     def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> Any:
@@ -154,7 +158,12 @@ class FaultRunner(MGPURunner):
             self.raise_if_cancelled()
             if self.is_driver:
                 yield progress_event("denoise", step, steps)
-        if self.is_driver and media == "frames" and "yuv" in d:
+        if media == "stream" and "yuv" in d:
+            yield from _noise_stream(self, d, width, height, frame_rate, seed)
+            if self.is_driver:
+                yield output_event(output_path, frames=int(d["yuv"]), fps=frame_rate, width=width, height=height,
+                                   size_bytes=0, media="stream", gpu_busy_s=0.25)  # fmt: skip
+        elif self.is_driver and media == "frames" and "yuv" in d:
             yield _noise_media(int(d["yuv"]), width, height, frame_rate, seed)
             yield output_event(output_path, frames=int(d["yuv"]), fps=frame_rate, width=width, height=height,
                                size_bytes=0, media="frames", gpu_busy_s=0.25)  # fmt: skip
@@ -170,15 +179,36 @@ class FaultRunner(MGPURunner):
                 _append(record, {"event": "end", "pid": os.getpid(), "t": time.time(), "job": job})
 
 
+def noise_frames(frames: int, width: int, height: int, seed: int) -> torch.Tensor:
+    """uint8 RGB noise (F, H, W, 3): the encoder's worst case, slow enough to watch it run."""
+    return torch.randint(0, 256, (frames, height, width, 3), generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.uint8)  # fmt: skip
+
+
 def _noise_media(frames: int, width: int, height: int, fps: float, seed: int) -> dict[str, Any]:
-    """A `media` hand-off of uniform noise (the encoder's worst case: slow enough to watch it run)."""
-    import torch
+    """A `media` hand-off of `noise_frames` in yuv420p."""
+    from ltx_mgpu.runners.common.media import media_event, shared_host_copy, to_yuv420p
 
-    from ltx_mgpu.runners.common.media import media_event, shared_host_copy
-
-    gen = torch.Generator().manual_seed(seed)
-    yuv = torch.randint(0, 256, (frames, height * 3 // 2, width), generator=gen, dtype=torch.uint8)
+    yuv = to_yuv420p(noise_frames(frames, width, height, seed))
     return media_event(shared_host_copy(yuv), width=width, height=height, fps=fps, audio=None)
+
+
+def _noise_stream(runner: Any, d: dict, width: int, height: int, fps: float, seed: int) -> Iterator[dict]:
+    """The same frames as `_noise_media`, streamed (`FrameStream`) in chunks of `chunk` after `chunk_s` each."""
+    from ltx_mgpu.runners.common.handoff import FrameStream
+
+    total, chunk, rgb = int(d["yuv"]), int(d.get("chunk", d["yuv"])), noise_frames(int(d["yuv"]), width, height, seed)
+    stream = FrameStream(frames=total, width=width, height=height, fps=fps, device=torch.device("cpu"))
+    yield from ([stage_event("decode"), stream.open_event()] if runner.is_driver else [])
+    for k, lo in enumerate(range(0, total, chunk)):
+        time.sleep(float(d.get("chunk_s", 0)))
+        runner.raise_if_cancelled()
+        if "stream_fail" in d and int(d["stream_fail"]) == k:  # (every rank: a symmetric runner error)
+            raise RunnerError(f"injected failure mid-decode, before chunk {k}")
+        if runner.is_driver:
+            yield stream.put(rgb[lo : lo + chunk])
+    if runner.is_driver:
+        yield stream.close_event(None)
 
 
 class BrokenSetupRunner(MGPURunner):

@@ -10,6 +10,10 @@ them into a Redis Stream unchanged.
    "bytes": int, "content_type": str}`: a finished file on the driver rank's filesystem.
 - `{"type": "media", "video": uint8 tensor, ...}`: with `media="frames"`, the frames to encode (not JSON:
   the caller consumes it; `ltx_mgpu.runners.common.media.media_event`).
+- With `media="stream"` (`ltx_mgpu.runners.common.handoff.FrameStream`): `{"type": "media_open", "video":
+  uint8 tensor, "frames": int, ...}` as the decode starts (the whole video's buffer, still empty), one
+  `{"type": "media_frames", "ready": int, "at": float}` per decoded chunk (frames [0, ready) are final), then
+  `{"type": "media", "streamed": True, "audio": ...}` without `video`. Never relayed either.
 """
 
 from __future__ import annotations
@@ -17,7 +21,18 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["MEDIA", "OUTPUT", "PROGRESS", "STAGE", "Stage", "output_event", "progress_event", "stage_event"]
+__all__ = [
+    "MEDIA",
+    "MEDIA_FRAMES",
+    "MEDIA_OPEN",
+    "OUTPUT",
+    "PROGRESS",
+    "STAGE",
+    "Stage",
+    "output_event",
+    "progress_event",
+    "stage_event",
+]
 
 #: The `type` of each runner event (the worker relays them under the same names: `worker.protocol.states.EventType`).
 STAGE = "stage"
@@ -25,6 +40,8 @@ PROGRESS = "progress"
 OUTPUT = "output"
 #: frames and audio handed off for encoding outside the fleet (tensors: never relayed; see runners.common.handoff)
 MEDIA = "media"
+MEDIA_OPEN = "media_open"  #: a streamed hand-off begins: the video's buffer (filled as `media_frames` announce)
+MEDIA_FRAMES = "media_frames"  #: frames [0, ready) of the streamed buffer are final
 
 
 class Stage(StrEnum):

@@ -10,7 +10,10 @@ Contract (every rank of `group` calls `decode` with the same latent, same order)
    rank's memory; chunks of one tile never cross ranks, so the two tilings cannot conflict.
 3. Owners send each decoded tile to the driver point-to-point, in tile order; the driver accumulates
    tiles in tile order (the same floating-point order for every world size) into a float32 buffer and
-   divides by the separable sum of the masks (exact for a product grid, no dense weight tensor).
+   divides by the separable sum of the masks (exact for a product grid, no dense weight tensor). With
+   `chunk_tiling` this runs per temporal chunk (`decode_chunks`): owners send chunk by chunk, the driver
+   blends each chunk as its tiles arrive and yields its final frames while later chunks still decode
+   (the streamed hand-off, `runners.common.handoff`), bit for bit the frames of the whole-video blend.
 4. Waits are bounded: every transfer is a collective of `group`, so a dead or wedged peer fails the
    transfer after the group's timeout (the reference blocks on `queue.get()` with no timeout).
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +40,7 @@ from .tiling import AxisInterval, BalancedTiling, TileCountConfig, trapezoid
 __all__ = ["DistributedDecoderBuilder", "DistributedVideoDecoder", "VaeTile", "frames_to_uint8", "vae_tiles"]
 
 Tiling = TileCountConfig | BalancedTiling
+_END = -1  #: the chunk header after a tile's last chunk
 
 
 @dataclass(frozen=True)
@@ -139,64 +144,114 @@ class DistributedVideoDecoder:
         return next(self.decoder.parameters()).dtype
 
     # ---- one tile -------------------------------------------------------------------------------------
-    def _decode_tile(self, latent: torch.Tensor, tile: VaeTile, seed: int | None) -> torch.Tensor:
+    def _tile_chunks(self, latent: torch.Tensor, tile: VaeTile, seed: int | None) -> Iterator[torch.Tensor]:
+        """The decoded `tile` in temporal chunks of final frames (one chunk without `chunk_tiling`). Lazy:
+        each `next` decodes; the caller holds `torch.no_grad()` around it (a generator cannot scope it)."""
         part = latent[tile.latent_slice()].to(device=self.device, dtype=self.dtype)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(int(seed) + tile.index)
-        with torch.no_grad():
-            if self.chunk_tiling is None:
-                return self.decoder(part, generator=gen)
-            return torch.cat(list(self.decoder.tiled_decode(part, self.chunk_tiling, generator=gen)), dim=2)
+        if self.chunk_tiling is None:
+            yield self.decoder(part, generator=gen)
+            return
+        # ltx-core yields a temporal chunk only once the next one is blended into its overlap: final frames
+        yield from self.decoder.tiled_decode(part, self.chunk_tiling, generator=gen)
 
-    def _tile_shape(self, latent: torch.Tensor, tile: VaeTile) -> tuple[int, ...]:
-        b, frames = int(latent.shape[0]), int(latent.shape[2])
-        return (b, 3, (frames - 1) * self.scale_t + 1, tile.height.size * self.scale_h, tile.width.size * self.scale_w)
+    def _tile_shape(self, latent: torch.Tensor, tile: VaeTile, frames: int | None = None) -> tuple[int, ...]:
+        b = int(latent.shape[0])
+        n = self.output_shape(tuple(latent.shape))[0] if frames is None else int(frames)
+        return (b, 3, n, tile.height.size * self.scale_h, tile.width.size * self.scale_w)
+
+    def output_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """(frames, height, width) in pixels of the decode of a (B, C, F', H', W') latent."""
+        _, _, frames, height, width = (int(x) for x in latent_shape)
+        return (frames - 1) * self.scale_t + 1, height * self.scale_h, width * self.scale_w
 
     # ---- the collective decode ------------------------------------------------------------------------
     def decode(self, latent: torch.Tensor, *, seed: int | None = None) -> torch.Tensor | None:
         """Collective. Returns the blended video (B, 3, F, H, W) float32 in [-1, 1] on the driver, None
         elsewhere. `latent` is the unpatchified (B, C, F', H', W') latent, identical on every rank."""
+        out: torch.Tensor | None = None
+        at = 0
+        for chunk in self.decode_chunks(latent, seed=seed):
+            if chunk is None:
+                continue
+            if at == 0 and int(chunk.shape[2]) == self.output_shape(tuple(latent.shape))[0]:
+                out = chunk  # (one chunk: no copy)
+            else:
+                if out is None:
+                    f, h, w = self.output_shape(tuple(latent.shape))
+                    out = torch.empty((int(chunk.shape[0]), 3, f, h, w), dtype=torch.float32, device=chunk.device)
+                out[:, :, at : at + int(chunk.shape[2])] = chunk
+            at += int(chunk.shape[2])
+        return out
+
+    def decode_chunks(self, latent: torch.Tensor, *, seed: int | None = None) -> Iterator[torch.Tensor | None]:
+        """Collective generator: every rank of the group iterates it to its end. Yields, per temporal chunk
+        of `chunk_tiling` (one chunk without it), the blended frames (B, 3, f, H, W) float32 on the driver
+        (final: later chunks never change them; concatenated, exactly `decode`'s video), None elsewhere.
+
+        Order on the wire: chunk by chunk, tiles in tile order within a chunk, each part after a one-number
+        header (its frame count; -1 after a tile's last chunk), so the driver blends a chunk as soon as its
+        tiles are in and needs no knowledge of ltx-core's temporal split."""
         tiles = vae_tiles(tuple(latent.shape), self.tiling, self.scale_h, self.scale_w)
         staged = self.world_size > 1 and needs_host_staging(self.group, self.device)
+        mine = {t.index: self._tile_chunks(latent, t, seed) for t in tiles if t.index % self.world_size == self.rank}
         if not self.is_driver:
-            for tile in tiles:
-                if tile.index % self.world_size == self.rank:
-                    out = self._decode_tile(latent, tile, seed).contiguous()
-                    expected = self._tile_shape(latent, tile)
-                    if tuple(out.shape) != expected:  # a bug in this module, not an input error: fatal
-                        raise RuntimeError(f"tile {tile.index} decoded to {tuple(out.shape)}, expected {expected}")
-                    dist.send(out.cpu() if staged else out, dst=self._global(self.driver_rank), group=self.group)
-            return None
-        return self._gather_and_blend(latent, tiles, seed, staged)
+            yield from self._send_chunks(latent, tiles, mine, staged)
+            return
+        yield from self._blend_chunks(latent, tiles, mine, staged)
+
+    def _header(self, staged: bool, value: int = 0) -> torch.Tensor:
+        return torch.tensor([value], dtype=torch.int64, device="cpu" if staged or self.world_size == 1 else self.device)
+
+    def _send_chunks(self, latent: torch.Tensor, tiles: list[VaeTile], mine: dict[int, Iterator[torch.Tensor]],
+                     staged: bool) -> Iterator[None]:  # fmt: skip
+        owned = [t for t in tiles if t.index in mine]
+        driver = self._global(self.driver_rank)
+        while owned:
+            ended = 0
+            for tile in owned:
+                with torch.no_grad():
+                    out = next(mine[tile.index], None)
+                if out is None:
+                    dist.send(self._header(staged, _END), dst=driver, group=self.group)
+                    ended += 1
+                    continue
+                out = out.contiguous()
+                expected = self._tile_shape(latent, tile, int(out.shape[2]))
+                if tuple(out.shape) != expected:  # a bug in this module, not an input error: fatal
+                    raise RuntimeError(f"tile {tile.index} decoded to {tuple(out.shape)}, expected {expected}")
+                dist.send(self._header(staged, int(out.shape[2])), dst=driver, group=self.group)
+                if int(out.shape[2]):  # (ltx-core may yield an empty first chunk: a header alone)
+                    dist.send(out.cpu() if staged else out, dst=driver, group=self.group)
+            if ended:
+                if ended != len(owned):
+                    raise RuntimeError("tiles of one decode ended after different numbers of temporal chunks")
+                return
+            yield None
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def _gather_and_blend(
-        self, latent: torch.Tensor, tiles: list[VaeTile], seed: int | None, staged: bool
-    ) -> torch.Tensor:
-        b, _, frames, height, width = (int(x) for x in latent.shape)
+    def _blend_chunks(self, latent: torch.Tensor, tiles: list[VaeTile], mine: dict[int, Iterator[torch.Tensor]],
+                      staged: bool) -> Iterator[torch.Tensor]:  # fmt: skip
+        """Driver: chunk by chunk, every tile's part blended in tile order (the same floating-point order for
+        every world size and chunking: each pixel sees the same sums as a whole-video blend)."""
         out_dev = self.output_device or self.device
-        if len(tiles) == 1 and all(bool((m == 1).all()) for m in tiles[0].masks()):
-            # One tile without ramps (a fleet of one): the blend below would be 0 + x * 1 / 1, the same bits
-            # as x; skip the float32 accumulator of the whole video (570 MB at 768x512x121) and its passes.
-            decoded = self._receive_or_decode(latent, tiles[0], seed, staged)
-            return decoded.to(device=out_dev, dtype=torch.float32)
-        n_frames = (frames - 1) * self.scale_t + 1
-        acc = torch.zeros(
-            (b, 3, n_frames, height * self.scale_h, width * self.scale_w), dtype=torch.float32, device=out_dev
-        )
-        wsum_h = torch.zeros(height * self.scale_h, dtype=torch.float32)
-        wsum_w = torch.zeros(width * self.scale_w, dtype=torch.float32)
+        b, (n_frames, height, width) = int(latent.shape[0]), self.output_shape(tuple(latent.shape))
+        # One tile without ramps (a fleet of one): the blend would be 0 + x * 1 / 1, the same bits as x; skip
+        # the float32 accumulator (570 MB at 768x512x121) and its passes.
+        plain = len(tiles) == 1 and all(bool((m == 1).all()) for m in tiles[0].masks())
+        weights: list[torch.Tensor] = []
+        wsum_h = torch.zeros(height, dtype=torch.float32)
+        wsum_w = torch.zeros(width, dtype=torch.float32)
         seen_h: set[tuple[int, int]] = set()
         seen_w: set[tuple[int, int]] = set()
         for tile in tiles:
-            decoded = self._receive_or_decode(latent, tile, seed, staged)
             mh, mw = tile.masks()
             ph, pw = tile.pixel_slice()
-            weight = (mh[:, None] * mw[None, :]).to(out_dev)
-            acc[:, :, :, ph, pw] += decoded.to(device=out_dev, dtype=torch.float32) * weight
+            weights.append((mh[:, None] * mw[None, :]).to(out_dev))
             # The grid is a product of height and width intervals: the total weight is separable.
             if (tile.height.start, tile.height.end) not in seen_h:
                 seen_h.add((tile.height.start, tile.height.end))
@@ -205,15 +260,47 @@ class DistributedVideoDecoder:
                 seen_w.add((tile.width.start, tile.width.end))
                 wsum_w[pw] += mw
         norm = (wsum_h[:, None] * wsum_w[None, :]).clamp(min=1e-8).to(out_dev)
-        return acc / norm
+        done = 0
+        while True:
+            acc: torch.Tensor | None = None
+            ended = 0
+            for tile, weight in zip(tiles, weights, strict=True):
+                decoded = self._next_part(latent, tile, mine, staged)
+                if decoded is None:
+                    ended += 1
+                    continue
+                if plain:
+                    acc = decoded.to(device=out_dev, dtype=torch.float32)
+                    continue
+                if acc is None:
+                    acc = torch.zeros((b, 3, int(decoded.shape[2]), height, width), dtype=torch.float32, device=out_dev)
+                ph, pw = tile.pixel_slice()
+                acc[:, :, :, ph, pw] += decoded.to(device=out_dev, dtype=torch.float32) * weight
+            if ended:
+                if ended != len(tiles) or done != n_frames:
+                    raise RuntimeError(f"decode chunks ended unevenly ({ended} of {len(tiles)} tiles, "
+                                       f"{done} of {n_frames} frames)")  # fmt: skip
+                return
+            assert acc is not None
+            done += int(acc.shape[2])
+            if int(acc.shape[2]):  # (ltx-core's first chunk may be empty)
+                yield acc if plain else acc / norm
 
-    def _receive_or_decode(self, latent: torch.Tensor, tile: VaeTile, seed: int | None, staged: bool) -> torch.Tensor:
-        """Driver: the decoded `tile`, decoded here or received from its owner."""
-        owner = tile.index % self.world_size
-        if owner == self.rank:
-            return self._decode_tile(latent, tile, seed)
-        buf = torch.empty(self._tile_shape(latent, tile), dtype=self.dtype, device="cpu" if staged else self.device)
-        dist.recv(buf, src=self._global(owner), group=self.group)
+    def _next_part(self, latent: torch.Tensor, tile: VaeTile, mine: dict[int, Iterator[torch.Tensor]],
+                   staged: bool) -> torch.Tensor | None:  # fmt: skip
+        """Driver: the next chunk of `tile`, decoded here or received from its owner; None after its last."""
+        if tile.index in mine:
+            with torch.no_grad():
+                return next(mine[tile.index], None)
+        owner = self._global(tile.index % self.world_size)
+        header = self._header(staged)
+        dist.recv(header, src=owner, group=self.group)
+        if int(header.item()) == _END:
+            return None
+        buf = torch.empty(self._tile_shape(latent, tile, int(header.item())), dtype=self.dtype,
+                          device="cpu" if staged else self.device)  # fmt: skip
+        if buf.numel():
+            dist.recv(buf, src=owner, group=self.group)
         return buf
 
     def decode_uint8(self, latent: torch.Tensor, *, seed: int | None = None) -> torch.Tensor | None:

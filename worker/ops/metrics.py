@@ -74,6 +74,8 @@ class WorkerMetrics:
                                         labels, buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip
         self.encode_pending = Gauge("ltx_worker_encode_pending", "Videos waiting for or in the worker's encoder",
                                     labels, registry=r)  # fmt: skip
+        self.encode_aborted = Counter("ltx_worker_encode_aborted", "Streamed encodes abandoned because their render "
+                                      "failed after the first frames arrived", labels, registry=r)  # fmt: skip
         self.lora_cache = Counter("ltx_worker_lora_cache", "Request LoRAs by cache result (hit, miss)",
                                   [*labels, "result"], registry=r)  # fmt: skip
         self.lora_fetch_bytes = Counter("ltx_worker_lora_fetch_bytes", "LoRA bytes fetched into the cache", labels,

@@ -16,6 +16,15 @@ Order for one job (RQ job id as the key):
    worker), the mp4 under the spool, the manifest (`Spool.commit`), `rendered`, then the upload pipeline
    (`uploading` -> `uploaded` with the sha256, as for any render).
 
+Streamed hand-off (`encode_stream`, `media="stream"`): the fleet yields the video's buffer as its decode
+starts and announces frames as they are final; the job function feeds them to `open_stream()`'s
+`Mp4Stream` (`ltx_mgpu.runners.common.mp4stream`), whose x264 runs start in the shared pool while the VAE
+still decodes (behind the runs of videos queued before). The item reaches this stage as above; the encoder
+thread then only waits for the last runs and muxes them with the audio (the same file as the one-shot
+encode). The order and the crash rule are unchanged: nothing is spooled before the mp4, and a render that
+fails after the first frames aborts the runs in the job function (`RenderService._render`). `rendered`
+adds `encode_overlap_s` / `encode_tail_s` (the encode's seconds before and after the decode ended).
+
 Crash rule: a worker that dies mid-encode loses only the frames (they lived in its memory). The marker
 without a manifest tells the next start (`recover()`, or any worker sharing the spool, once the dead
 process's lock is gone) to record the loss (`worker_lost`, within its retry budget) and re-queue the job:
@@ -105,6 +114,19 @@ class EncodeStage:
         os.replace(tmp, directory / MARKER_NAME)
         item.claim = self.spool.claim(item.job_id)
 
+    def options(self) -> Any:
+        from ltx_mgpu.runners.common.media import EncodeOptions
+
+        s = self.settings
+        return EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, tune=s.encode_tune, bframes=s.encode_bframes,
+                             threads=s.encode_threads, segments=s.encode_segments)  # fmt: skip
+
+    def open_stream(self, event: dict[str, Any]) -> Any:
+        """A streamed hand-off begins (`media_open`): its `Mp4Stream`, fed by the job function."""
+        from ltx_mgpu.runners.common.mp4stream import Mp4Stream
+
+        return Mp4Stream(event, self.options())
+
     def submit(self, item: PendingEncode) -> None:
         with self._cond:
             self._ensure_thread()
@@ -145,6 +167,7 @@ class EncodeStage:
         try:
             return self._encode_and_commit(item, hash_now=True)
         finally:  # the caller uploads it (or fails the job) itself; nothing here owns the entry any more
+            _abort_stream(item.media)
             if item.claim is not None:
                 self.spool.unclaim(item.claim)
                 item.claim = None
@@ -172,26 +195,29 @@ class EncodeStage:
                 with self._cond:
                     self._pending.pop(item.job_id, None)
                     self._cond.notify_all()
+                _abort_stream(item.media)  # (after a failed encode: no run of it is left queued)
                 item.media = {}  # the frames' shared memory goes now, not when the next job replaces the item
                 self._publish()
 
     def _encode_and_commit(self, item: PendingEncode, *, hash_now: bool) -> SpoolEntry:
-        from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, write_mp4_yuv
+        from ltx_mgpu.runners.common.media import AudioTrack, write_mp4_yuv
 
-        s, media = self.settings, item.media
+        media, stream = item.media, item.media.get("stream")
         _safe(item.relay.emit, {"type": "stage", "stage": "mux", "by": "worker"})
         t0 = time.monotonic()
         audio = None
         if media.get("audio") is not None:
             audio = AudioTrack(media["audio"], int(media["audio_sample_rate"]))
-        options = EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, tune=s.encode_tune, bframes=s.encode_bframes,
-                                threads=s.encode_threads, segments=s.encode_segments)  # fmt: skip
         write_mp4_yuv(media["video"], item.output_path, float(media["fps"]), width=int(media["width"]), audio=audio,
-                      options=options)  # fmt: skip
-        encode_s = time.monotonic() - t0
+                      options=self.options(), stream=None if stream is None else stream.runs)  # fmt: skip
+        ended = time.monotonic()
+        # a streamed encode began with its first run, while the fleet still decoded
+        started = min(t0, (stream.started_at() if stream is not None else None) or t0)
+        encode_s = ended - started
+        overlap = stream.timings(started, ended) if stream is not None else {}
         self.metrics.encode_seconds.labels(self.group).observe(encode_s)
         info = {k: item.output.get(k) for k in ("frames", "fps", "width", "height")}
-        info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4))
+        info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4), **overlap)
         entry = self.spool.commit(item.job_id, file_name=item.output_path.name, key=item.key,
                                   content_type=str(item.output.get("content_type") or "video/mp4"),
                                   queue=item.job.origin, info=info, hash_now=hash_now,
@@ -200,7 +226,7 @@ class EncodeStage:
         self.encoded += 1
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
         _safe(item.relay.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
-              encode_s=round(encode_s, 4), **sha)  # fmt: skip
+              encode_s=round(encode_s, 4), **overlap, **sha)  # fmt: skip
         return entry
 
     def _hand_to_uploads(self, item: PendingEncode, entry: SpoolEntry) -> None:
@@ -279,6 +305,13 @@ def _record_lost(pipeline: UploadPipeline, job: Any, relay: EventRelay, reason: 
     else:
         rqcompat.fail_after_return(job, f"JobFailed: {reason.value}: {message}", outcomes.failure_ttl(job),
                                    pipeline.worker_name)  # fmt: skip
+
+
+def _abort_stream(media: dict[str, Any]) -> None:
+    """Cancel a streamed encode's runs not started (a no-op once it is written)."""
+    stream = media.get("stream") if media else None
+    if stream is not None:
+        stream.abort()
 
 
 def _safe(fn: Any, *args: Any, **kwargs: Any) -> None:

@@ -11,7 +11,10 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
    after an upload failure uploads instead of rendering again);
    With `encode_in_worker` (the default, for runners that take `media`) the fleet hands yuv420p frames and
    audio off instead of writing the file, and `worker.render.encoder.EncodeStage` encodes them beside the next job
-   (the job function returns at `rendering`; the encoder commits and feeds the upload pipeline);
+   (the job function returns at `rendering`; the encoder commits and feeds the upload pipeline); with
+   `encode_stream` (runners that list "stream" in `media_modes`) the frames arrive while the VAE decodes and
+   the encoder's x264 runs start on the first of them (`ltx_mgpu.runners.common.mp4stream`); a render that
+   fails after that aborts them (`_render`'s `finally`);
 4. commit the file to the spool (manifest written atomically), then either
    - (`upload_pipeline`, the default) hand it to the background `UploadPipeline` and return a small
      hand-off value at once: RQ marks the job `finished` while the state is `rendered`; the pipeline
@@ -65,6 +68,8 @@ __all__ = ["JobCancelledByClient", "JobFailed", "RenderService"]
 
 log = logging.getLogger("worker.render.service")
 MEDIA_EVENT = "media"  #: `ltx_mgpu.control.events.MEDIA`: the runner's frames hand-off (the engine is imported lazily)
+MEDIA_OPEN_EVENT = "media_open"  #: `ltx_mgpu.control.events.MEDIA_OPEN`: a streamed hand-off's buffer
+MEDIA_FRAMES_EVENT = "media_frames"  #: `ltx_mgpu.control.events.MEDIA_FRAMES`: frames [0, ready) are final
 
 
 class JobFailed(Exception):
@@ -144,6 +149,8 @@ class RenderService:
         )
         self.encoder = EncodeStage(spool=spool, pipeline=self.pipeline, settings=settings, metrics=metrics, group=group)
         self.hand_off_media = settings.encode_in_worker and _takes(fleet.runner_cls, "media")
+        streams = settings.encode_stream and "stream" in getattr(fleet.runner_cls, "media_modes", ())
+        self.media_mode = "stream" if streams else "frames"  #: what `media` the fleet is asked for
         self.takes_memory_plan = _takes(fleet.runner_cls, "memory_plan")
         self.current: _Current | None = None
         self.jobs_done = 0
@@ -377,13 +384,15 @@ class RenderService:
             self._spool_failed(job, relay, exc)
         kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
         if self.hand_off_media:
-            kwargs["media"] = "frames"
+            kwargs["media"] = self.media_mode
         if (memory_plan := self._memory_plan(job, req)) is not None:
             kwargs["memory_plan"] = memory_plan
         timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
         media: dict[str, Any] | None = None
+        streamed: Any = None  #: the encoder's side of a streamed hand-off (`Mp4Stream`) once it began
+        completed = False
         t_render = time.monotonic()
         dispatched_at, oom_kills = time.time(), poison.oom_kills()
         stream = None
@@ -407,13 +416,22 @@ class RenderService:
             for item in stream:
                 if not isinstance(item, dict) or "type" not in item:
                     continue  # non-driver ranks or diagnostic yields: nothing a client needs
+                if item["type"] == MEDIA_OPEN_EVENT:  # the decode begins: x264 runs start as frames arrive
+                    streamed = self.encoder.open_stream(item)
+                    continue
+                if item["type"] == MEDIA_FRAMES_EVENT:
+                    if streamed is not None:
+                        streamed.advance(item)
+                    continue
                 if item["type"] == MEDIA_EVENT:
-                    media = item  # frames and waveform in shared memory: for the encoder, never relayed
+                    # frames and waveform in shared memory: for the encoder, never relayed
+                    media = streamed.finish(item) if streamed is not None else item
                     continue
                 if item["type"] == "output":
                     output = item
                     self.metrics.fleet_busy_seconds.labels(self.group).inc(float(item.get("gpu_busy_s") or 0.0))
                 relay.emit(_public_output(item) if item["type"] == "output" else item)
+            completed = True
         except JobCancelledError:
             self.spool.discard_incomplete(job.id)
             self._cancelled(job, relay)
@@ -458,11 +476,15 @@ class RenderService:
         finally:
             with self._lock:
                 cur.stream = None
+            if streamed is not None and not completed:  # (no x264 run is left waiting for frames)
+                self._abort_stream(streamed)
         render_s = time.monotonic() - t_render
         self.metrics.render_seconds.labels(self.group).observe(render_s)
         if loras and output is not None:
             self.loras.record_swap(output, relay)  # (the fleet's swap seconds for this job: status, metrics)
         if output is None or (media is None and not output_path.exists()):
+            if streamed is not None:
+                self._abort_stream(streamed)
             self.spool.discard_incomplete(job.id)
             message = f"the runner finished without writing {output_path.name} (output event: {output is not None})"
             self._fail(job, relay, FailureReason.NO_OUTPUT, message)
@@ -473,6 +495,8 @@ class RenderService:
             try:
                 self.encoder.prepare(pending)
             except OSError as exc:
+                if streamed is not None:
+                    self._abort_stream(streamed)
                 self.spool.discard_incomplete(job.id)
                 self._spool_failed(job, relay, exc)
             return pending, render_s
@@ -495,6 +519,12 @@ class RenderService:
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
         relay.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
         return entry, render_s
+
+    def _abort_stream(self, streamed: Any) -> None:
+        """A streamed hand-off whose render failed: its x264 runs not started are cancelled (`Mp4Stream.abort`)."""
+        if not streamed.aborted:
+            streamed.abort()
+            self.metrics.encode_aborted.labels(self.group).inc()
 
     def _encode_now(self, job: Any, relay: EventRelay, item: PendingEncode) -> SpoolEntry:
         """The synchronous path (`upload_pipeline` off): encode and commit before the upload."""

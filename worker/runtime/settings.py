@@ -270,6 +270,12 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         description="the fleet hands yuv420p frames and audio off and the worker encodes the mp4 beside the next "
         "job (false: the fleet's driver rank encodes before it is free)",
     )
+    encode_stream: bool = Field(
+        True,
+        description="with encode_in_worker, the fleet hands frames off while its VAE decodes and the x264 runs "
+        "start on the first decoded frames (runners listing 'stream' in media_modes; false: one hand-off after "
+        "the decode)",
+    )
     encode_crf: int = Field(18, ge=0, le=51, description="H.264 quality of the mp4 (x264 crf; 0 = lossless)")
     encode_preset: Literal[
         "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"

@@ -20,7 +20,11 @@ from typing import Any
 
 from ...bounds import RANGES, check_numbers
 
-__all__ = ["RenderArgs", "job_entry", "job_signature"]
+__all__ = ["MEDIA_MODES", "RenderArgs", "job_entry", "job_signature"]
+
+#: how the video leaves the fleet (`common.handoff`): written as an mp4, handed off whole, or handed off
+#: while it decodes
+MEDIA_MODES = ("mp4", "frames", "stream")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +46,8 @@ class RenderArgs:
     audio: bool = True  #: decode and mux the audio track; False = a silent mp4 and no audio decode
     #: "mp4": the driver writes the mp4 at output_path; "frames": it yields a `media` event (yuv420p frames
     #: and the waveform, `common.media.media_event`) instead and writes nothing, so the caller encodes them
-    #: while the fleet takes its next job (the worker's default; not a request field: the worker sets it)
+    #: while the fleet takes its next job (not a request field: the worker sets it); "stream": the same hand-off
+    #: while the VAE decodes (`common.handoff.FrameStream`: the encoder starts on the first decoded frames)
     media: str = "mp4"
     loras: list | None = None  #: [{"path", "strength"}]: request LoRAs the worker resolved and checked
     #: the worker's memory plan for this job (`ltx_mgpu.memplan.MemoryPlan.job_kwargs`: `decode_chunked`,
@@ -57,8 +62,8 @@ class RenderArgs:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.memory_plan is not None and not isinstance(self.memory_plan, dict):
             raise ValueError(f"memory_plan must be an object, got {type(self.memory_plan).__name__}")
-        if self.media not in ("mp4", "frames"):
-            raise ValueError(f"media must be 'mp4' or 'frames', got {self.media!r}")
+        if self.media not in MEDIA_MODES:
+            raise ValueError(f"media must be one of {', '.join(map(repr, MEDIA_MODES))}, got {self.media!r}")
         # Every number inside the service's ranges (`ltx_mgpu.bounds`): finite, of its type, bounded.
         check_numbers(**{name: getattr(self, name) for name in RANGES if hasattr(self, name)})
 

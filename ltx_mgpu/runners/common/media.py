@@ -23,6 +23,7 @@ for controller users.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ __all__ = [
     "read_audio",
     "read_mp4",
     "rgb_to_yuv420p",
+    "shared_empty",
     "shared_host_copy",
     "to_yuv420p",
     "usable_cores",
@@ -210,6 +212,15 @@ def _yuv_shape(frames: torch.Tensor) -> tuple[int, int]:
     return int(frames.shape[1]) * 3 // 2, int(frames.shape[2])
 
 
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A fresh CPU tensor in shared memory: the controller's pipe carries only its handle."""
+    try:
+        storage = torch.UntypedStorage._new_shared(math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
+        return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+    except (AttributeError, RuntimeError):  # (a torch without the private allocator: one extra copy)
+        return torch.empty(shape, dtype=dtype).share_memory_()
+
+
 def shared_host_copy(tensor: torch.Tensor, *, pinned: bool = True) -> torch.Tensor:
     """`tensor` copied into a fresh CPU tensor in shared memory, so the controller's pipe carries only its
     handle (a yielded tensor not yet shared would be copied into shared memory once more on the way).
@@ -218,11 +229,7 @@ def shared_host_copy(tensor: torch.Tensor, *, pinned: bool = True) -> torch.Tens
     DMA straight into them instead of the driver's pageable path (its own staging buffer, then a CPU copy
     of every byte, faulting the fresh pages one at a time); they are unlocked after it. Where registering
     fails (a limit, an old driver) the copy is the pageable one."""
-    try:
-        storage = torch.UntypedStorage._new_shared(tensor.numel() * tensor.element_size())
-        host = torch.empty(0, dtype=tensor.dtype).set_(storage).view(tensor.shape)
-    except (AttributeError, RuntimeError):  # (a torch without the private allocator: one extra copy)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    host = shared_empty(tuple(tensor.shape), tensor.dtype)
     nbytes = host.numel() * host.element_size()
     if not (pinned and tensor.device.type == "cuda" and nbytes and _page_lock(host, nbytes)):
         host.copy_(tensor)
@@ -285,10 +292,12 @@ def write_mp4_yuv(
     width: int,
     audio: AudioTrack | None = None,
     options: EncodeOptions | None = None,
+    stream: Any = None,
 ) -> int:
     """Encode yuv420p frames (F, H * 3 // 2, W) uint8 on the CPU (`rgb_to_yuv420p`) as H.264 with x264
     frame threads, plus `audio` as AAC stereo, into `path` (written under a temporary name, then renamed);
-    return the file size in bytes."""
+    return the file size in bytes. `stream`: the runs of these frames already started as they arrived
+    (`mp4stream.segment_stream`, the same runs this call would start)."""
     import av
 
     options = options or EncodeOptions()
@@ -313,7 +322,7 @@ def write_mp4_yuv(
                     container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="yuv420p")))
                 container.mux(video.encode())
             else:  # the stream's own encoder (same settings: the same SPS/PPS) only writes the header
-                _mux_segments(container, video, frames, options, segments, _rate(fps))
+                _mux_segments(container, video, frames, options, segments, _rate(fps), stream)
             if sound is not None and audio is not None:
                 _encode_audio(container, sound, audio)
         os.replace(tmp, path)
@@ -324,21 +333,27 @@ def write_mp4_yuv(
 
 
 def _mux_segments(container: Any, video: Any, frames: np.ndarray, options: EncodeOptions, segments: int,
-                  rate: Fraction) -> None:  # fmt: skip
+                  rate: Fraction, stream: Any = None) -> None:  # fmt: skip
     """Parallel x264 runs (`x264segments`) muxed in order as each finishes; every run's SPS/PPS must be the
     header's byte for byte (a decoder uses the header's for every frame), else the file is not written."""
     from .x264segments import encode_segments
 
     container.start_encoding()  # opens the stream's encoder: its extradata is what the header carries
     header = bytes(video.codec_context.extradata or b"")
-    settings = {"options": _x264_options(options), "threads": options.threads_per_segment(segments)}
-    for k, run in enumerate(encode_segments(frames, video.codec_context.width, video.codec_context.height, rate,
-                                            settings, segments)):  # fmt: skip
+    settings = segment_settings(options, segments)
+    runs = stream.runs() if stream is not None else encode_segments(
+        frames, video.codec_context.width, video.codec_context.height, rate, settings, segments)  # fmt: skip
+    for k, run in enumerate(runs):
         if run.extradata != header:
             raise RuntimeError(f"x264 segment {k}: its SPS/PPS differ from the stream header's; not joined")
         for packet in run.packets:
             packet.stream = video
             container.mux(packet)
+
+
+def segment_settings(options: EncodeOptions, segments: int) -> dict[str, Any]:
+    """What each x264 run of a `segments`-run encode gets (`x264segments`)."""
+    return {"options": _x264_options(options), "threads": options.threads_per_segment(segments)}
 
 
 def _configure(ctx: object, width: int, height: int, options: EncodeOptions, threads: int) -> None:

@@ -43,9 +43,9 @@ from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tiling import BalancedTiling
 from ...parallel.vae_decode import frames_to_uint8, vae_tiles
-from ..common.args import RenderArgs, job_entry
+from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
-from ..common.handoff import deliver_video
+from ..common.handoff import FrameStream, deliver_video, stream_video
 from ..common.job_loras import job_lora_specs, model_targets
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
 from ..common.media import AudioTrack, audio_fields
@@ -94,6 +94,7 @@ class Ltx2Runner(MGPURunner):
 
     #: stage-1 steps accepted by `_validate` (ltx-core's LTX2Scheduler yields a NaN sigma for a single step)
     min_steps = 1
+    media_modes = MEDIA_MODES  #: `media` values a job may take (the worker asks for "stream" when listed)
     #: Gemma's modeling code (transformers pulls in its generation utilities and torch._dynamo): 7-13 s of
     #: imports measured on the rank that holds the text encoder, now overlapped with the transformer load
     background_imports = ("transformers.models.gemma3.modeling_gemma3", "ltx_core.text_encoders.gemma")
@@ -148,6 +149,7 @@ class Ltx2Runner(MGPURunner):
         vae_tiles: int | None = None,
         vae_overlap: int = 1,
         vae_chunked: bool = False,
+        vae_chunk_frames: int = 0,
         text_encoder: str = "source",
         text_encoder_rank: int | None = None,
         prompt_tokens: int = 1024,
@@ -232,7 +234,13 @@ class Ltx2Runner(MGPURunner):
         # ---- VAE: decoder on every rank (tiles); encoder, upsampler, audio decoding on the driver ---------
         self.vae_tiling = BalancedTiling(max(1, int(vae_tiles or self.world_size)), overlap=int(vae_overlap))
         self.decoder = comp.distributed_video_decoder(
-            checkpoint_path, self.groups.vae_group, self.vae_tiling, vae_chunked, self.device, self.dtype
+            checkpoint_path,
+            self.groups.vae_group,
+            self.vae_tiling,
+            vae_chunked,
+            self.device,
+            self.dtype,
+            chunk_frames=int(vae_chunk_frames),
         )
         self.setup_chunk_tiling = self.decoder.chunk_tiling  # a job's memory plan may chunk more, never less
         self.release_between_stages = False
@@ -301,12 +309,19 @@ class Ltx2Runner(MGPURunner):
         video2, audio2 = yield from self._stage2(job, prompt, upscaled, audio1)
         self._between_stages()
         check_finite(video=video2, audio=audio2)  # identical latents on every rank: a symmetric failure
-        frames = yield from self._decode_video(job, video2)
+        if args.media == "stream":  # the frames leave chunk by chunk while the VAE decodes (`common.handoff`)
+            streamed = yield from self._stream_video(job, video2)
+        else:
+            frames = yield from self._decode_video(job, video2)
         peaks = self.clock.peak_report(self.world_size, self.groups.control_group)  # last collective
         if not self.is_driver:
             return
         track = yield from self._decode_audio(job, audio2)
-        size = yield from self._mux(job, frames, track)
+        if args.media == "stream":
+            yield streamed.close_event(track)
+            size, shape = 0, (streamed.total, streamed.height, streamed.width)
+        else:
+            size, shape = (yield from self._mux(job, frames, track)), tuple(frames.shape[:3])
         extra: dict[str, Any] = {"seed": int(args.seed), "world_size": self.world_size, "prompt": prompt.text}
         if self.synthetic:
             extra["synthetic_weights"] = True  # renders from synthetic weights are noise
@@ -319,14 +334,14 @@ class Ltx2Runner(MGPURunner):
             extra["peak_memory_bytes"] = peaks
         yield output_event(
             os.fspath(args.output_path),
-            frames=int(frames.shape[0]),
+            frames=int(shape[0]),
             fps=job.geo.frame_rate,
-            width=int(frames.shape[2]),
-            height=int(frames.shape[1]),
+            width=int(shape[2]),
+            height=int(shape[1]),
             size_bytes=size,
             **extra,
             **audio_fields(track),
-            **({"media": "frames"} if args.media == "frames" else {}),
+            **({"media": args.media} if args.media != "mp4" else {}),
             timings_s=dict(self.clock.timings_s),
             **self.clock.gpu_report(),
         )
@@ -337,7 +352,7 @@ class Ltx2Runner(MGPURunner):
         `release_between_stages` hands the allocator cache back after each stage. None: setup's choices."""
         plan = plan or {}
         chunk = self.setup_chunk_tiling
-        if plan.get("decode_chunked") and chunk is None:
+        if plan.get("decode_chunked") and (chunk is None or chunk.spatial_config is None):
             from ltx_core.model.video_vae import TilingConfig
 
             chunk = TilingConfig.default()
@@ -501,6 +516,19 @@ class Ltx2Runner(MGPURunner):
         with self.clock.stage(Stage.DECODE):
             video = self.decoder.decode(latent, seed=int(job.args.seed))
             return None if video is None else frames_to_uint8(video)  # on the device: yuv420p is made there
+
+    def _stream_video(self, job: Job, latent: torch.Tensor) -> Events:
+        """Every rank: the distributed decode chunk by chunk (`decode_chunks`: temporal chunks with the
+        decoder's `chunk_tiling`, else one); the driver hands each chunk's final frames off as it comes and
+        returns its `FrameStream` (None elsewhere)."""
+        stream = None
+        if self.is_driver:
+            yield stage_event(Stage.DECODE)
+            f, h, w = self.decoder.output_shape(tuple(latent.shape))
+            stream = FrameStream(frames=f, width=w, height=h, fps=job.geo.frame_rate, device=self.device)
+        chunks = self.decoder.decode_chunks(latent, seed=int(job.args.seed))
+        yield from stream_video(self.clock, stream, (None if v is None else frames_to_uint8(v) for v in chunks))
+        return stream
 
     def _decode_audio(self, job: Job, latent: torch.Tensor) -> Events:
         """Driver only: audio latent -> stereo waveform fitted to the video's duration (None if not asked)."""

@@ -120,10 +120,12 @@ def check_quantized(model: torch.nn.Module, name: str | None) -> None:
 
 
 def distributed_video_decoder(
-    checkpoint: str, group: Any, tiling: Any, chunked: bool, device: torch.device, dtype: torch.dtype
-) -> Any:
+    checkpoint: str, group: Any, tiling: Any, chunked: bool, device: torch.device, dtype: torch.dtype,
+    *, chunk_frames: int = 0,
+) -> Any:  # fmt: skip
     """The video VAE decoder of `checkpoint` on every rank of `group`, decoding spatial tiles across ranks
-    (`chunked`: each tile in ltx-core's default chunks, to bound memory)."""
+    (`chunked`: each tile in ltx-core's default chunks, to bound memory; else `chunk_frames` > 0: temporal
+    chunks of that many frames, 24 of overlap (8 below 32), so a streamed hand-off starts the encode early)."""
     from ltx_core.model.video_vae import TilingConfig
 
     from ...parallel.vae_decode import DistributedDecoderBuilder
@@ -132,5 +134,15 @@ def distributed_video_decoder(
         video_decoder_builder(checkpoint),
         group=group,
         tiling=tiling,
-        chunk_tiling=TilingConfig.default() if chunked else None,
+        chunk_tiling=TilingConfig.default() if chunked else _temporal_chunks(chunk_frames),
     ).build(device, dtype)
+
+
+def _temporal_chunks(frames: int) -> Any:
+    if frames <= 0:
+        return None
+    from ltx_core.model.video_vae import TemporalTilingConfig, TilingConfig
+
+    if frames < 16 or frames % 8:  # (ltx-core's own checks, with the setting's name)
+        raise ValueError(f"vae_chunk_frames must be 0 or a multiple of 8 from 16, got {frames}")
+    return TilingConfig(temporal_config=TemporalTilingConfig(frames, 24 if frames >= 32 else 8))

@@ -33,8 +33,9 @@ fits it to the video's duration.
 
 Events (driver rank only): stage encode / denoise, one progress per step, stage decode, stage
 audio_decode (when audio is on), stage mux (or, with `media="frames"`, a `media` hand-off event and no
-file: `common.handoff`), output (with `audio`, `audio_sample_rate`, `audio_duration_s`, `timings_s` and the
-device-busy clock `gpu_busy_s`, `gpu_started_at`, `gpu_ended_at`). Limits are checked on every rank
+file; with `media="stream"` the same frames as one streamed chunk: `common.handoff`), output (with
+`audio`, `audio_sample_rate`, `audio_duration_s`, `timings_s` and the device-busy clock `gpu_busy_s`,
+`gpu_started_at`, `gpu_ended_at`). Limits are checked on every rank
 before any collective and raise `ValueError` (a recoverable `SymmetricRunnerError` for the caller).
 """
 
@@ -52,7 +53,7 @@ from ...bounds import check_audio_budget
 from ...control.events import Stage, output_event, progress_event, stage_event
 from ...control.runner import MGPURunner
 from ...parallel import check_token_budget, padded_token_count
-from ..common.args import RenderArgs, job_entry
+from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.handoff import deliver_video
 from ..common.loading import build_checked, build_sp_transformer
@@ -77,6 +78,8 @@ class SmokeArgs(RenderArgs):
 
 class SmokeRunner(MGPURunner):
     """Tiny LTX-2 text-to-video with sequence parallelism over the fleet; see the module docstring."""
+
+    media_modes = MEDIA_MODES  #: "stream" hands the whole decode off as one chunk (`common.handoff.deliver_video`)
 
     @classmethod
     def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
@@ -254,7 +257,7 @@ class SmokeRunner(MGPURunner):
             steps=steps,
             world_size=self.world_size,
             **audio_fields(track),
-            **({"media": "frames"} if args.media == "frames" else {}),
+            **({"media": args.media} if args.media != "mp4" else {}),
             timings_s=dict(clock.timings_s),
             **clock.gpu_report(),
         )
