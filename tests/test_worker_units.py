@@ -380,22 +380,3 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     item = SimpleNamespace(job=object(), relay=object(), recovered=False, job_id="j")
     up._record_success(item, SimpleNamespace(key="k"), 0.1, 0.0)
     assert order == ["rq result", "uploaded state"]
-
-
-def test_the_worker_process_shortens_the_thread_switch_interval(monkeypatch):
-    """The main thread takes the next job while the encoder's threads hold the interpreter between frames;
-    each of its Redis round trips can wait one switch interval for it (docs/worker.md)."""
-    import sys
-
-    from worker.runtime.process import apply_switch_interval
-    from worker.runtime.settings import WorkerSettings
-
-    before = sys.getswitchinterval()
-    try:
-        apply_switch_interval(WorkerSettings())
-        assert sys.getswitchinterval() == pytest.approx(0.001)  # (Python's default: 0.005)
-        monkeypatch.setenv("LTX_SWITCH_INTERVAL_MS", "0.5")
-        apply_switch_interval(WorkerSettings())
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)

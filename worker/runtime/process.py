@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -168,17 +167,6 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     return FleetWorker(settings.queues, connection=connection, service=service)
 
 
-def apply_switch_interval(settings: WorkerSettings) -> None:
-    """Shorten the interpreter's thread switch interval (`LTX_SWITCH_INTERVAL_MS`).
-
-    Why: while the encoder's x264 runs (threads of this process, each taking the interpreter back between
-    frames) encode one video, the main thread takes the next job: a dozen Redis round trips, each ending
-    with a wait for the interpreter of up to one switch interval. With Python's 5 ms the fleet sat ~100 ms
-    between backlog jobs on an H200 host (24 ms with one x264 thread per video): the interval, not the work.
-    """
-    sys.setswitchinterval(settings.switch_interval_ms / 1000.0)
-
-
 def run_worker(
     settings: WorkerSettings,
     group: str,
@@ -198,7 +186,6 @@ def run_worker(
     from worker.uploads.storage import StorageError
 
     setup_logging(settings.log_level, settings.log_format, group=group, worker=settings.worker_name_for(group))
-    apply_switch_interval(settings)
     log.info("worker starting: group %s, queues %s, runner %s", group, settings.queues, settings.runner)
     if parent_pid is not None:
         _watch_parent(parent_pid)

@@ -292,13 +292,6 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         description="parallel x264 runs per video joined by the muxer; 0 = one per thread "
         "(runs of >= 16 frames), 1 = one x264 with frame threads",
     )
-    switch_interval_ms: float = Field(
-        1.0,
-        ge=0.05,
-        le=100.0,
-        description="the worker process's Python thread switch interval (ms): how long a thread that wants the "
-        "interpreter may wait for it; Python's own default is 5",
-    )
     max_pending_encodes: int = Field(
         2, ge=1, le=64, description="videos waiting for (or in) the worker's encoder before it stops taking jobs"
     )
