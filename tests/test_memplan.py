@@ -74,7 +74,8 @@ def test_the_preset_sizes_on_one_and_two_gpus(runner, world):
 def test_two_gpus_lower_the_peak_and_shard_the_lora_backup():
     one, two = plan(_fleet("two-stage", 1), 1536, 1024, 121), plan(_fleet("two-stage", 2), 1536, 1024, 121)
     assert two.peak.reserved_gib < one.peak.reserved_gib
-    assert two.resident_gib[0]["lora_backup"] == pytest.approx(one.resident_gib[0]["lora_backup"] / 2)
+    unit = memplan.LTX2_19B.lora_unit_gib  # the owner balance leaves a rank at most one weight over 1/W
+    assert two.resident_gib[0]["lora_backup"] == pytest.approx(one.resident_gib[0]["lora_backup"] / 2 + unit, abs=1e-3)
     assert two.decode_tiles == 2 and one.decode_tiles == 1
 
 
