@@ -111,7 +111,7 @@ LTX2_19B = ModelProfile(
     lora_weights_fp8_gib=20.063,  # blocks 0 and 43-47 and the projections stay bf16 (fp8.recipe)
     lora_unit_gib=0.1875,  # a 4096 x 16384 feed-forward weight
     lora_width_sum=9815552,
-    two_stage_extra_gib=0.6,
+    two_stage_extra_gib=0.95,  # (0.6 when the backup was counted as the whole 35.5 GiB transformer)
     runtime_gib=2.7,
     token_bytes=128 * 1024.0,  # 4096 wide bf16: hidden, q/k/v, out, 4x FFN (x2), residual
     sp_buffer_bytes=32 * 1024.0,  # 4 exchange buffers x 4096 x bf16
@@ -153,7 +153,7 @@ class FleetMemory:
     profile: str = "ltx2-19b"
     text_encoder_rank: int | None = None  #: None: the last rank
     gemma_every_rank: bool = False  #: setup `text_encoder="batch-parallel"`: Gemma on every rank
-    fp8_transformer: bool = False  #: setup `quantization="fp8-*"`: the block weights in float8 (half the bytes)
+    fp8_transformer: bool = False  #: setup `quantization="fp8-*"`: the recipe's block weights in float8
     passes: int = 1  #: transformer passes per stage-1 step (guidance: CFG 2, the reference's 4)
     sp_max_tokens: int = 32768
     vae_overlap: int = 1  #: latent cells shared by neighbouring decode tiles (setup `vae_overlap`)
@@ -286,10 +286,10 @@ class MemoryPlan:
 
 def with_lora_limits(fleet: FleetMemory, per_request: int, max_file_bytes: int, max_rank: int) -> FleetMemory:
     """`fleet` with the worker's request-LoRA limits (`lora_max_*` settings), where it takes request LoRAs."""
-    if not fleet.request_loras:
-        return fleet
-    return replace(fleet, request_loras=int(per_request), lora_max_file_bytes=int(max_file_bytes),
-                   lora_max_rank=int(max_rank))  # fmt: skip
+    if fleet.request_loras:
+        fleet = replace(fleet, request_loras=int(per_request), lora_max_file_bytes=int(max_file_bytes),
+                        lora_max_rank=int(max_rank))  # fmt: skip
+    return fleet
 
 
 def lora_figures(units: Any) -> dict[str, float]:
@@ -328,13 +328,15 @@ def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
     if world > 1:
         parts["lora_staging"] = LORA_STAGING_GIB
     if fleet.request_loras:
-        parts["request_lora_factors"] = fleet.request_loras * per_lora
+        parts["lora_job_factors"] = fleet.request_loras * per_lora
     return parts
 
 
 def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
-    transformer = p.transformer_gib / 2 if fleet.fp8_transformer else p.transformer_gib  # (derived, not measured)
+    transformer = p.transformer_gib
+    if fleet.fp8_transformer:  # the recipe's layers in e4m3 + scales, the rest bf16 (derived, not measured)
+        transformer += p.lora_weights_fp8_gib - p.lora_weights_gib
     for rank in range(fleet.world_size):
         parts = {"transformer": transformer, "video_decoder": p.video_decoder_gib,
                  "sp_buffers": fleet.sp_max_tokens * p.sp_buffer_bytes / GIB, "runtime": p.runtime_gib}  # fmt: skip

@@ -118,7 +118,9 @@ def test_the_ltx2_runners_describe_their_memory_from_their_setup():
     assert (distilled.runner, distilled.world_size, distilled.sp_max_tokens) == ("distilled", 2, 4096)
     assert (distilled.gemma_rank, distilled.vae_overlap, distilled.profile) == (0, 2, "ltx2-19b")
     fp8 = Ltx2DistilledRunner.memory_fleet(1, quantization="fp8-mm")
-    assert fp8.fp8_transformer and plan(fp8, 768, 512, 121).resident_gib[0]["transformer"] == pytest.approx(35.5 / 2)
+    p = memplan.LTX2_19B  # fp8-mm: blocks 1-42 in e4m3 + scales, blocks 0 and 43-47 and the projections bf16
+    fp8_gib = p.transformer_gib - p.lora_weights_gib + p.lora_weights_fp8_gib
+    assert fp8.fp8_transformer and plan(fp8, 768, 512, 121).resident_gib[0]["transformer"] == pytest.approx(fp8_gib)
     everywhere = Ltx2DistilledRunner.memory_fleet(2, text_encoder="batch-parallel")
     assert all("text_encoder" in parts for parts in plan(everywhere, 768, 512, 121).resident_gib.values())
 

@@ -66,13 +66,13 @@ def test_request_loras_on_one_gpu_refuse_what_the_fleet_admits_without_them():
     default = plan(_distilled(), 1536, 1024, 121)
     parts = default.resident_gib[0]
     assert parts["lora_backup"] == pytest.approx(memplan.LTX2_19B.lora_weights_gib, abs=1e-3)
-    assert parts["request_lora_factors"] == pytest.approx(16.0)
+    assert parts["lora_job_factors"] == pytest.approx(16.0)
     assert default.fits and default.decode_chunked
     eight = plan(_distilled(loras=(8, 4 << 30, 256)), 1536, 1024, 121)
     assert not eight.fits and "1536x1024x121 needs" in (eight.refusal() or "")
     # a file limit below what the rank allows binds first; a small rank below the file limit binds instead
     ranked = lora_parts(_distilled(loras=(1, 4 << 30, 32)), memplan.LTX2_19B)
-    assert ranked["request_lora_factors"] == pytest.approx(32 * memplan.LTX2_19B.lora_width_sum * 4 / GIB)
+    assert ranked["lora_job_factors"] == pytest.approx(32 * memplan.LTX2_19B.lora_width_sum * 4 / GIB)
 
 
 def test_two_ranks_hold_half_the_clean_copy_but_a_request_lora_may_land_on_one():
@@ -81,7 +81,7 @@ def test_two_ranks_hold_half_the_clean_copy_but_a_request_lora_may_land_on_one()
     assert one["lora_backup"] == pytest.approx(p.lora_weights_gib)
     assert two["lora_backup"] == pytest.approx(p.lora_weights_gib / 2 + p.lora_unit_gib)
     assert two["lora_staging"] == memplan.LORA_STAGING_GIB and "lora_staging" not in one
-    assert two["request_lora_factors"] == one["request_lora_factors"]  # bounded per LoRA, not per rank
+    assert two["lora_job_factors"] == one["lora_job_factors"]  # bounded per LoRA, not per rank
     eight = _distilled(2, loras=(8, 4 << 30, 256))
     assert plan(eight, 1536, 1024, 121).fits  # what one GPU refuses, two take
     # two-stage: the distilled LoRA's factors follow their weights' owners
@@ -137,7 +137,7 @@ def test_the_plan_equals_what_a_tracker_holds_on_the_tiny_model(tmp_path, fp8):
     tracker.attach(model)
     assert tracker.held_bytes() == {"backup": predicted["lora_backup"], "factors": 0, "staging": 0}
     tracker.apply([LoraSpec(path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)])
-    assert tracker.held_bytes()["factors"] == predicted["request_lora_factors"]
+    assert tracker.held_bytes()["factors"] == predicted["lora_job_factors"]
     if not fp8:
         assert prof.lora_weights_gib == pytest.approx(memplan.TINY.lora_weights_gib, rel=1e-4)
 
@@ -169,7 +169,7 @@ def test_the_runners_and_the_worker_describe_their_loras(monkeypatch):
     args = ["plan", "--runner", "ltx2-distilled", "--group", "0", "--size", "1536x1024x121", "--free-gib", "139.5"]
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 1, out.output  # 8 LoRAs of 4 GiB: refused on one GPU
-    for text in ("lora_backup", "35.14", "request_lora_factors", "32.00", "fits: NO"):
+    for text in ("lora_backup", "35.14", "lora_job_factors", "32.00", "fits: NO"):
         assert text in out.output, out.output
 
 
