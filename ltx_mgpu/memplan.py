@@ -13,9 +13,11 @@ Stdlib only, like `ltx_mgpu.bounds`: the producer imports it (held by tests/test
 The model (every figure in GiB = 2**30 bytes; which numbers are calibrated and which derived: docs/memory.md):
 - resident: the transformer and the video decoder on every rank (SP keeps the whole model on each); the
   video encoder, the x2 upsampler and the audio decoder on the driver (rank 0); Gemma on one rank (the last,
-  unless `text_encoder_rank` says otherwise); two-stage: the LoRA tracker's clean backup (sharded 1/W) and the
-  stage-2 LoRA factors; the SP exchange buffers (`sp_max_tokens`); a runtime share (CUDA graphs' pools,
-  workspaces) calibrated on one H200.
+  unless `text_encoder_rank` says otherwise); wherever a LoRA tracker is set up (two-stage, setup `loras`,
+  `request_loras`): its clean backup of every LoRA-able weight (sharded ~1/W), its broadcast staging buffer
+  (W > 1), the factors of the setup's LoRAs (sharded like the weights) and of the largest request LoRAs the
+  worker admits (`lora_parts`, "LoRAs" in docs/memory.md); the SP exchange buffers (`sp_max_tokens`); a
+  runtime share (CUDA graphs' pools, workspaces) calibrated on one H200.
 - per stage, on top: a transformer forward holds `token_bytes` per (token x row) of its shard; the upsampler
   `upsample_bytes` per full-resolution latent cell; the decode `decode_bytes` per pixel-frame it decodes at
   once (the driver also holds the blended float32 video and its uint8 frames: `frame_bytes` per pixel-frame).
@@ -36,14 +38,18 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_HEADROOM_GIB",
+    "DEFAULT_REQUEST_LORAS",
     "PROFILES",
     "FleetMemory",
     "MemoryPlan",
     "ModelProfile",
     "StagePeak",
     "largest",
+    "lora_figures",
+    "lora_parts",
     "parse_size",
     "plan",
+    "with_lora_limits",
 ]
 
 GIB = float(1 << 30)
@@ -53,6 +59,9 @@ CHUNK_PIXELS = 512 * 512
 CHUNK_FRAMES = 64
 SPATIAL_SCALE, TEMPORAL_SCALE = 32, 8  #: LTX-2's video VAE: one latent cell per 32x32 px, 8 frames
 STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
+DEFAULT_REQUEST_LORAS = 4  #: a runner set up with `request_loras`, until the worker says its own (`with_lora_limits`)
+LORA_STAGING_GIB = 0.25  #: `LoraWeightTracker(bucket_bytes=256 MiB)`: its broadcast buffer, kept on W > 1
+LORA_FACTOR_BYTES = 4  #: the widest factor dtype a LoRA file may hold (F32, `lorafile.LORA_DTYPES`): kept as read
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,11 @@ class ModelProfile:
     video_encoder_gib: float
     upsampler_gib: float
     audio_gib: float
-    lora_factors_gib: float  #: two-stage: the stage-2 (distilled) LoRA's factors, every rank
+    lora_factors_gib: float  #: two-stage: the stage-2 (distilled) LoRA's factors, all ranks together
+    lora_weights_gib: float  #: what the LoRA tracker backs up (`lora_figures`), bf16
+    lora_weights_fp8_gib: float  #: the same with `quantization="fp8-mm"` (e4m3 + float32 scales, the rest bf16)
+    lora_unit_gib: float  #: its largest weight: a rank's greedy share is at most 1/W of the whole plus one
+    lora_width_sum: int  #: sum of out + in over those weights: a rank-r LoRA on all of them is r x this
     two_stage_extra_gib: float  #: two-stage: the TDP sibling's buffers and guidance contexts, every rank
     runtime_gib: float  #: CUDA graphs' pools, workspaces, caches: every rank
     token_bytes: float  #: per (token x row) of a transformer forward on a rank
@@ -93,7 +106,12 @@ LTX2_19B = ModelProfile(
     upsampler_gib=1.0,
     audio_gib=0.4,  # float32
     lora_factors_gib=6.9,  # rank 384 on every block linear: ~3.7 B x 2
-    two_stage_extra_gib=0.6,
+    # `lora_figures` of the full config's transformer (tests/test_memplan_loras.py rebuilds them on meta)
+    lora_weights_gib=35.142,
+    lora_weights_fp8_gib=20.063,  # blocks 0 and 43-47 and the projections stay bf16 (fp8.recipe)
+    lora_unit_gib=0.1875,  # a 4096 x 16384 feed-forward weight
+    lora_width_sum=9815552,
+    two_stage_extra_gib=0.95,  # (0.6 when the backup was counted as the whole 35.5 GiB transformer)
     runtime_gib=2.7,
     token_bytes=128 * 1024.0,  # 4096 wide bf16: hidden, q/k/v, out, 4x FFN (x2), residual
     sp_buffer_bytes=32 * 1024.0,  # 4 exchange buffers x 4096 x bf16
@@ -106,7 +124,8 @@ LTX2_19B = ModelProfile(
 #: The tiny test checkpoints (CPU fleets): the same shape of plan, with negligible bytes.
 TINY = replace(LTX2_19B, name="tiny", transformer_gib=0.01, text_encoder_gib=0.01, video_decoder_gib=0.001,
                video_encoder_gib=0.001, upsampler_gib=0.001, audio_gib=0.001, lora_factors_gib=0.001,
-               two_stage_extra_gib=0.0, runtime_gib=0.05, sp_buffer_bytes=64.0)  # fmt: skip
+               two_stage_extra_gib=0.0, runtime_gib=0.05, sp_buffer_bytes=64.0, lora_weights_gib=0.0049324,
+               lora_weights_fp8_gib=0.0041599, lora_unit_gib=0.000412, lora_width_sum=28768)  # fmt: skip
 PROFILES: dict[str, ModelProfile] = {p.name: p for p in (LTX2_19B, TINY)}
 RUNNER_KINDS = ("distilled", "two-stage")
 
@@ -134,10 +153,15 @@ class FleetMemory:
     profile: str = "ltx2-19b"
     text_encoder_rank: int | None = None  #: None: the last rank
     gemma_every_rank: bool = False  #: setup `text_encoder="batch-parallel"`: Gemma on every rank
-    fp8_transformer: bool = False  #: setup `quantization="fp8-*"`: the block weights in float8 (half the bytes)
+    fp8_transformer: bool = False  #: setup `quantization="fp8-*"`: the recipe's block weights in float8
     passes: int = 1  #: transformer passes per stage-1 step (guidance: CFG 2, the reference's 4)
     sp_max_tokens: int = 32768
     vae_overlap: int = 1  #: latent cells shared by neighbouring decode tiles (setup `vae_overlap`)
+    lora_tracker: bool | None = None  #: the runner holds a LoRA tracker; None: the two-stage one does (older workers)
+    setup_lora_gib: float | None = None  #: the setup's LoRA files (GiB); None: two-stage, the profile's distilled LoRA
+    request_loras: int = 0  #: LoRAs one request may bring (worker `lora_max_per_request`; 0: none)
+    lora_max_file_bytes: int = 4 << 30  #: worker `lora_max_file_bytes`
+    lora_max_rank: int = 256  #: worker `lora_max_rank`
     capacity_gib: float | None = None  #: what one device offers this fleet's rank; None: no limit
     headroom_gib: float = DEFAULT_HEADROOM_GIB
 
@@ -151,12 +175,22 @@ class FleetMemory:
         _check_int("passes", self.passes, 1, 64)
         _check_int("sp_max_tokens", self.sp_max_tokens, 1, 1 << 24)
         _check_int("vae_overlap", self.vae_overlap, 0, 64)
+        _check_int("request_loras", self.request_loras, 0, 64)
+        _check_int("lora_max_file_bytes", self.lora_max_file_bytes, 1, 1 << 50)
+        _check_int("lora_max_rank", self.lora_max_rank, 1, 1 << 20)
+        if self.lora_tracker is not None and not isinstance(self.lora_tracker, bool):
+            raise ValueError(f"lora_tracker must be a boolean or null, got {self.lora_tracker!r}")
         if self.text_encoder_rank is not None:
             _check_int("text_encoder_rank", self.text_encoder_rank, 0, self.world_size - 1)
-        for name, value in (("capacity_gib", self.capacity_gib), ("headroom_gib", self.headroom_gib)):
+        for name, value in (("capacity_gib", self.capacity_gib), ("headroom_gib", self.headroom_gib),
+                            ("setup_lora_gib", self.setup_lora_gib)):  # fmt: skip
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                       or not math.isfinite(value) or value < 0):  # fmt: skip
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def has_tracker(self) -> bool:
+        return self.runner == "two-stage" if self.lora_tracker is None else self.lora_tracker
 
     @property
     def gemma_rank(self) -> int:
@@ -250,9 +284,59 @@ class MemoryPlan:
 # ==== the plan ==============================================================================================
 
 
+def with_lora_limits(fleet: FleetMemory, per_request: int, max_file_bytes: int, max_rank: int) -> FleetMemory:
+    """`fleet` with the worker's request-LoRA limits (`lora_max_*` settings), where it takes request LoRAs."""
+    if fleet.request_loras:
+        fleet = replace(fleet, request_loras=int(per_request), lora_max_file_bytes=int(max_file_bytes),
+                        lora_max_rank=int(max_rank))  # fmt: skip
+    return fleet
+
+
+def lora_figures(units: Any) -> dict[str, float]:
+    """The tracker's figures from the transformer's tensor shapes: `units` is (out, in, bytes with its scale) of
+    every weight `LoraWeightTracker.attach` backs up (`lora_tracker.lora_units`). Returns the clean copy and
+    its largest unit (GiB) and the sum of out + in (`ModelProfile`'s `lora_*` fields)."""
+    units = list(units)
+    sizes = [int(b) for _, _, b in units]
+    return {"weights_gib": sum(sizes) / GIB, "unit_gib": max(sizes, default=0) / GIB,
+            "width_sum": sum(int(o) + int(i) for o, i, _ in units)}  # fmt: skip
+
+
+def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
+    """What the LoRA tracker holds on the rank with the most of it (GiB, unrounded; empty: no tracker).
+
+    - `lora_backup`: the clean copy. Owners are a greedy balance on bytes (`assign_owners`), so one rank holds
+      at most 1/W of it plus its largest weight (exactly all of it on one rank).
+    - `lora_staging`: the broadcast's bucket (W > 1 only; one rank fuses, all receive).
+    - `lora_factors`: `keep_loras` keeps on the device the factors of each LoRA it fused, for the weights the
+      rank owns, until `drop_factors` frees those of LoRAs neither the setup's nor the current job's. The
+      setup's (the distilled LoRA: every block linear) split like the weights; a request's are bounded per
+      LoRA by the worker's limits, file bytes and rank x `lora_width_sum` x 4 (float32, kept as read), and
+      not divided by W: a LoRA may name only weights one rank owns."""
+    if not fleet.has_tracker:
+        return {}
+    world = fleet.world_size
+    total = p.lora_weights_fp8_gib if fleet.fp8_transformer else p.lora_weights_gib
+    share = total if world == 1 else min(total, total / world + p.lora_unit_gib)
+    setup = fleet.setup_lora_gib
+    if setup is None:
+        setup = p.lora_factors_gib if fleet.runner == "two-stage" else 0.0
+    per_lora = min(fleet.lora_max_file_bytes, fleet.lora_max_rank * p.lora_width_sum * LORA_FACTOR_BYTES) / GIB
+    parts = {"lora_backup": share}
+    if setup:
+        parts["lora_factors"] = setup * (share / total if total else 1.0)
+    if world > 1:
+        parts["lora_staging"] = LORA_STAGING_GIB
+    if fleet.request_loras:
+        parts["lora_job_factors"] = fleet.request_loras * per_lora
+    return parts
+
+
 def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
-    transformer = p.transformer_gib / 2 if fleet.fp8_transformer else p.transformer_gib  # (derived, not measured)
+    transformer = p.transformer_gib
+    if fleet.fp8_transformer:  # the recipe's layers in e4m3 + scales, the rest bf16 (derived, not measured)
+        transformer += p.lora_weights_fp8_gib - p.lora_weights_gib
     for rank in range(fleet.world_size):
         parts = {"transformer": transformer, "video_decoder": p.video_decoder_gib,
                  "sp_buffers": fleet.sp_max_tokens * p.sp_buffer_bytes / GIB, "runtime": p.runtime_gib}  # fmt: skip
@@ -260,9 +344,8 @@ def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]
             parts.update(video_encoder=p.video_encoder_gib, upsampler=p.upsampler_gib, audio=p.audio_gib)
         if rank == fleet.gemma_rank or fleet.gemma_every_rank:
             parts["text_encoder"] = p.text_encoder_gib
+        parts.update(lora_parts(fleet, p))  # (the worst rank's share, counted on every rank)
         if fleet.runner == "two-stage":
-            parts["lora_backup"] = transformer / fleet.world_size  # the tracker shards its clean copy
-            parts["lora_factors"] = p.lora_factors_gib
             parts["two_stage_extra"] = p.two_stage_extra_gib
         out[rank] = {k: round(v, 3) for k, v in parts.items()}
     return out

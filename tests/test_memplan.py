@@ -74,7 +74,8 @@ def test_the_preset_sizes_on_one_and_two_gpus(runner, world):
 def test_two_gpus_lower_the_peak_and_shard_the_lora_backup():
     one, two = plan(_fleet("two-stage", 1), 1536, 1024, 121), plan(_fleet("two-stage", 2), 1536, 1024, 121)
     assert two.peak.reserved_gib < one.peak.reserved_gib
-    assert two.resident_gib[0]["lora_backup"] == pytest.approx(one.resident_gib[0]["lora_backup"] / 2)
+    unit = memplan.LTX2_19B.lora_unit_gib  # the owner balance leaves a rank at most one weight over 1/W
+    assert two.resident_gib[0]["lora_backup"] == pytest.approx(one.resident_gib[0]["lora_backup"] / 2 + unit, abs=1e-3)
     assert two.decode_tiles == 2 and one.decode_tiles == 1
 
 
@@ -117,7 +118,9 @@ def test_the_ltx2_runners_describe_their_memory_from_their_setup():
     assert (distilled.runner, distilled.world_size, distilled.sp_max_tokens) == ("distilled", 2, 4096)
     assert (distilled.gemma_rank, distilled.vae_overlap, distilled.profile) == (0, 2, "ltx2-19b")
     fp8 = Ltx2DistilledRunner.memory_fleet(1, quantization="fp8-mm")
-    assert fp8.fp8_transformer and plan(fp8, 768, 512, 121).resident_gib[0]["transformer"] == pytest.approx(35.5 / 2)
+    p = memplan.LTX2_19B  # fp8-mm: blocks 1-42 in e4m3 + scales, blocks 0 and 43-47 and the projections bf16
+    fp8_gib = p.transformer_gib - p.lora_weights_gib + p.lora_weights_fp8_gib
+    assert fp8.fp8_transformer and plan(fp8, 768, 512, 121).resident_gib[0]["transformer"] == pytest.approx(fp8_gib)
     everywhere = Ltx2DistilledRunner.memory_fleet(2, text_encoder="batch-parallel")
     assert all("text_encoder" in parts for parts in plan(everywhere, 768, 512, 121).resident_gib.values())
 

@@ -30,8 +30,9 @@ LIMIT_GIB = 2.0  # the tiny profile's fleet holds ~0.1 GiB: 1024x1024x121 needs 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
     with running_worker(tmp_path_factory.mktemp("memory"), redis_server, s3_server, handle=Worker,
-                        runner_setup=json.dumps({"memory_profile": "tiny"}), device_memory_gib=LIMIT_GIB,
-                        memory_headroom_gib=0.5) as w:  # fmt: skip
+                        runner_setup=json.dumps({"memory_profile": "tiny", "memory_request_loras": True}),
+                        device_memory_gib=LIMIT_GIB, memory_headroom_gib=0.5, lora_max_per_request=3,
+                        lora_max_rank=64) as w:  # fmt: skip
         yield w
 
 
@@ -40,6 +41,8 @@ def test_a_request_that_cannot_fit_is_refused_before_the_fleet_and_the_edge_says
     rebuilds, pids = worker.metric(REBUILDS), worker.health()["fleet"]["pids"]
     published = worker.health()["limits"]["memory"]
     assert published["capacity_gib"] == LIMIT_GIB and published["world_size"] == 1 and published["profile"] == "tiny"
+    # the bound of a request's LoRAs is this worker's (LTX_LORA_MAX_*), not the runner's default
+    assert (published["lora_tracker"], published["request_loras"], published["lora_max_rank"]) == (True, 3, 64)
     record = tmp_path / "rec.jsonl"
     request = {"prompt": f"t record={record}", "width": 1024, "height": 1024, "num_frames": 121}
     job = enqueue(worker.conn, worker.queue, request)

@@ -28,6 +28,7 @@ Only tensors are moved; the model's module structure (and any shared-weight sibl
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from ..fp8.lora import fuse_rowwise, is_rowwise_fp8
 from .collectives import needs_host_staging
 
-__all__ = ["LoraSpec", "LoraWeightTracker", "assign_owners"]
+__all__ = ["LoraSpec", "LoraWeightTracker", "assign_owners", "lora_units", "tracked_tensors"]
 
 _SCALE_SUFFIX = ".weight_scale"
 _FUSABLE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  #: what ltx-core's apply_loras fuses
@@ -84,6 +85,37 @@ def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
             owners[key] = rank
         load[rank] += sum(sizes[k] for k in units[base])
     return owners
+
+
+def tracked_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor `attach` backs up: each >= 2-D floating `*.weight` and its `*.weight_scale` if any."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    working: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        if name.endswith(".weight") and p.dim() >= 2 and torch.is_floating_point(p):
+            working[name] = p.data
+            scale = name[: -len(".weight")] + _SCALE_SUFFIX
+            if scale in params or scale in buffers:
+                working[scale] = (params.get(scale) if scale in params else buffers[scale]).data
+    return working
+
+
+def lora_units(model: torch.nn.Module, *, float_bytes: int | None = None) -> dict[str, tuple[int, int, int]]:
+    """Weight name -> (out, in, bytes with its scale) of what `attach` backs up: `memplan.lora_figures`'
+    input, so the memory plan's LoRA figures come from the same selection as the tracker's allocations.
+    `float_bytes`: count the non-float8 weights at this width (a meta model built in float32 standing for
+    the bfloat16 one a runner loads); scales keep their own width."""
+    tensors = tracked_tensors(model)
+    units: dict[str, tuple[int, int, int]] = {}
+    for name, t in tensors.items():
+        if name.endswith(_SCALE_SUFFIX):
+            continue
+        width = t.element_size() if float_bytes is None or t.element_size() == 1 else float_bytes
+        scale = tensors.get(name[: -len(".weight")] + _SCALE_SUFFIX)
+        extra = 0 if scale is None else scale.numel() * scale.element_size()
+        units[name] = (int(t.shape[0]), int(math.prod(t.shape[1:])), t.numel() * width + extra)
+    return units
 
 
 def _lora_targets(spec: LoraSpec) -> dict[str, tuple[str, str]]:
@@ -156,15 +188,7 @@ class LoraWeightTracker:
         """
         if self._working is not None:
             raise RuntimeError("LoraWeightTracker is already attached to a model")
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        working: dict[str, torch.Tensor] = {}
-        for name, p in params.items():
-            if name.endswith(".weight") and p.dim() >= 2 and torch.is_floating_point(p):
-                working[name] = p.data
-                scale = name[: -len(".weight")] + _SCALE_SUFFIX
-                if scale in params or scale in buffers:
-                    working[scale] = (params.get(scale) if scale in params else buffers[scale]).data
+        working = tracked_tensors(model)
         for name, t in working.items():
             if not t.is_contiguous():
                 raise RuntimeError(f"LoraWeightTracker: weight '{name}' is not contiguous")
@@ -192,16 +216,27 @@ class LoraWeightTracker:
         """Bytes of clean backup this rank holds."""
         return sum(t.numel() * t.element_size() for t in self._clean.values())
 
+    def held_bytes(self) -> dict[str, int]:
+        """What this rank's tracker holds now, in bytes: the clean backup, the kept LoRA factors and the
+        broadcast staging buffer (what the memory plan's `lora_parts` predicts)."""
+        factors = sum(t.nbytes for kept in self._factors.values() for t in kept.values())
+        staging = 0 if self._staging is None else self._staging.nbytes
+        return {"backup": self.owned_bytes(), "factors": factors, "staging": staging}
+
     # ---- apply / reset ---------------------------------------------------------------------------------
     def reset(self) -> None:
         """Collective: restore the exact clean weights of every key a LoRA changed."""
         self.apply(())
 
-    def apply(self, loras: Iterable[Any]) -> None:
-        """Collective: make the fused LoRAs exactly `loras` (see the module docstring)."""
+    def apply(self, loras: Iterable[Any], *, keep_factors: Iterable[Any] | None = None) -> None:
+        """Collective: make the fused LoRAs exactly `loras` (see the module docstring). `keep_factors`: free
+        first the kept factors of every LoRA neither in it nor in `loras` (`drop_factors`), so a past job's
+        factors and this one's are never held together (the memory plan counts one job's)."""
         if self._working is None:
             raise RuntimeError("LoraWeightTracker.apply before attach(model)")
         specs = tuple(s for s in (LoraSpec.coerce(x) for x in loras) if s.strength != 0.0)
+        if keep_factors is not None:
+            self.drop_factors((*keep_factors, *specs))
         if sorted(s.identity for s in specs) == sorted(s.identity for s in self._current):
             return
         # Validation below runs on every rank from the same inputs, before any collective: a bad request

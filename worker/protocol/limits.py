@@ -101,8 +101,10 @@ class RunnerLimits:
         world_size: int = 1,
         capacity_gib: float | None = None,
         headroom_gib: float = memplan.DEFAULT_HEADROOM_GIB,
+        lora_limits: tuple[int, int, int] | None = None,
     ) -> RunnerLimits:
-        """Ask the runner class (no fleet needed). Fields it names must be numeric request fields."""
+        """Ask the runner class (no fleet needed). Fields it names must be numeric request fields.
+        `lora_limits`: the worker's (LoRAs per request, file bytes, rank), what a request's LoRAs may hold."""
         publish = getattr(runner_cls, "request_limits", None)
         raw = dict(publish(**setup_kwargs)) if publish is not None else {}
         ranges: dict[str, tuple[float, float]] = {}
@@ -119,6 +121,8 @@ class RunnerLimits:
             memory = describe(int(world_size), **setup_kwargs)
             if memory is not None:
                 memory = replace(memory, capacity_gib=capacity_gib, headroom_gib=float(headroom_gib))
+                if lora_limits is not None:
+                    memory = memplan.with_lora_limits(memory, *lora_limits)
         return cls(name, ranges, memory)
 
     def to_json(self) -> dict[str, Any]:

@@ -95,6 +95,7 @@ def command(runner: str, group: str, size: str, free_gib: float | None, headroom
     capacity = free_gib if free_gib is not None else settings.device_memory_gib
     headroom = headroom_gib if headroom_gib is not None else settings.memory_headroom_gib
     fleet = memplan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity, "headroom_gib": headroom})
+    fleet = memplan.with_lora_limits(fleet, *settings.lora_limits())
     plan = memplan.plan(fleet, width, height, frames, low_memory=low_memory)
     largest = None if plan.fits else memplan.largest(fleet, width, height, frames)
     if as_json:

@@ -129,7 +129,8 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     try:
         limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup, world_size=len(devices),
                                  capacity_gib=settings.device_memory_gib,
-                                 headroom_gib=settings.memory_headroom_gib)  # fmt: skip
+                                 headroom_gib=settings.memory_headroom_gib,
+                                 lora_limits=settings.lora_limits())  # fmt: skip
     except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
         raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
     from worker.protocol.schema import RenderRequest

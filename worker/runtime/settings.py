@@ -321,6 +321,10 @@ class WorkerSettings(ServiceAccess, BaseSettings):
     def _parse_lora_prefixes(cls, value: Any) -> Any:
         return split_list(value, ",")
 
+    def lora_limits(self) -> tuple[int, int, int]:
+        """(LoRAs per request, file bytes, rank): what a request's LoRAs may hold on a fleet (the memory plan)."""
+        return self.lora_max_per_request, self.lora_max_file_bytes, self.lora_max_rank
+
     # ---- observability -------------------------------------------------------------------------------
     metrics_port: int | None = Field(
         9400,

@@ -37,7 +37,7 @@ import torch
 from ...bounds import check_audio_budget
 from ...control.events import Stage, output_event, progress_event, stage_event
 from ...control.runner import MGPURunner
-from ...memplan import FleetMemory
+from ...memplan import DEFAULT_REQUEST_LORAS, FleetMemory
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
@@ -114,7 +114,15 @@ class Ltx2Runner(MGPURunner):
         ckpt = setup_kwargs.get("checkpoint_path")
         small = bool(ckpt) and os.path.isfile(str(ckpt)) and os.path.getsize(str(ckpt)) < (1 << 30)
         te_rank = setup_kwargs.get("text_encoder_rank")
+        lora_files = [str(p) for p, *_ in setup_kwargs.get("loras") or ()]
+        if cls.memory_kind == "two-stage" and setup_kwargs.get("distilled_lora_path"):
+            lora_files.append(str(setup_kwargs["distilled_lora_path"]))
+        request = bool(setup_kwargs.get("request_loras"))
+        found = bool(lora_files) and all(os.path.isfile(p) for p in lora_files)  # else: the profile's LoRA
         return FleetMemory(cls.memory_kind, int(world_size), profile="tiny" if small else "ltx2-19b",
+                           lora_tracker=bool(lora_files) or request or cls.memory_kind == "two-stage",
+                           setup_lora_gib=sum(os.path.getsize(p) for p in lora_files) / (1 << 30) if found else None,
+                           request_loras=DEFAULT_REQUEST_LORAS if request else 0,
                            text_encoder_rank=None if te_rank is None else int(te_rank),
                            gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
                            fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
@@ -562,8 +570,7 @@ class Ltx2Runner(MGPURunner):
         its own stage (the two-stage runner swaps twice a job)."""
         if self.tracker is not None:
             with self.clock.stage(stage):
-                self.tracker.apply(loras)
-                self.tracker.drop_factors((*self.stage2_loras, *loras))  # a past job's LoRAs: free their factors
+                self.tracker.apply(loras, keep_factors=self.stage2_loras)  # a past job's factors: freed first
 
     def _conditionings(self, images: list[DecodedImage], tools: Any) -> list:
         """Image latents encoded on the driver, broadcast, turned into conditioning items on every rank."""
