@@ -25,9 +25,7 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | stream_fail=K   | with yuv, "stream": every rank raises RunnerError before chunk K (after the buffer went out) |
 
 FaultRunner describes its memory (`memory_fleet`, as the ltx2 runners do) only with the setup kwarg
-`memory_profile` (e.g. "tiny"): a worker then plans, publishes and refuses by `LTX_DEVICE_MEMORY_GIB`
-(`memory_request_loras`: with a LoRA tracker and the worker's request-LoRA limits).
-
+`memory_profile` (e.g. "tiny"): a worker then plans, publishes and refuses by `LTX_DEVICE_MEMORY_GIB`.
 No test functions here: pytest collects the module and finds none.
 """
 
@@ -88,7 +86,7 @@ class FaultRunner(MGPURunner):
         from ltx_mgpu.memplan import FleetMemory
 
         profile = setup_kwargs.get("memory_profile")
-        loras = bool(setup_kwargs.get("memory_request_loras"))  # as `request_loras`: the worker sets the bound
+        loras = bool(setup_kwargs.get("memory_request_loras"))  # a LoRA tracker, bound by the worker's LoRA limits
         return None if profile is None else FleetMemory("distilled", world_size, profile=profile, lora_tracker=loras,
                                                         request_loras=int(loras))  # fmt: skip
 
