@@ -13,7 +13,8 @@ through the producer's Python client and reads every job back from its Redis Str
   the fleet's GPU-busy ratio under that backlog (the runner's device-busy seconds, measured between device
   syncs, over the span from the first job's first device work to the last job's last) and its idle between
   jobs (per fleet: the last device work of one job to the first of the next; `event_gap_*` is the old,
-  looser figure: output event to the next job's first event, blind to an encode on the fleet), whether
+  looser figure: output event to the next job's first event, blind to an encode on the fleet; and
+  `fleet_idle_parts_p50_ms` cuts the gap at the output event, the next job's start and its `rendering`), whether
   a job's denoising slows while the worker encodes the previous video beside it (`denoise_beside_encode`:
   stage 1 + upsample + stage 2 of the backlog jobs whose device window covers at least half of an encode,
   p50, over the same of the jobs run one at a time), peak memory
@@ -61,7 +62,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.e2e_clock import denoise_beside_encode, gpu_busy_ratio, idle_gaps_ms, pct
+from bench.e2e_clock import denoise_beside_encode, gpu_busy_ratio, idle_gaps_ms, idle_parts_ms, pct
 from bench.e2e_plans import PLANS, RunSpec, parse_size, refusal, sized
 from bench.e2e_stack import (
     STAGES,
@@ -93,9 +94,6 @@ def emit(record: dict[str, Any], out: Any) -> None:
 
 def say(text: str) -> None:
     print(f"[e2e {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-# ==== one run ==============================================================================================
 
 
 def cold_ready(workers: Workers, ready: list[dict[str, Any]]) -> dict[str, Any]:
@@ -143,7 +141,7 @@ def backlog(client: Any, workers: Workers, workload: Workload, n: int, queue: st
     records = [job_record(client, job_id) for job_id in ids]
     for rec in records:
         emit({"kind": "job", "phase": phase, "runner": workload.label, "layout": ";".join(workers.groups), **rec}, out)
-    done = [r["uploaded_at"] for r in records if r["state"] == "uploaded"]
+    done = [r["uploaded_at"] for r in records if r["state"] == "uploaded" and "uploaded_at" in r]
     gaps, idle = idle_gaps_ms(records), idle_gaps_ms(records, "gpu_window")
     return {
         "jobs": n,
@@ -153,6 +151,7 @@ def backlog(client: Any, workers: Workers, workload: Workload, n: int, queue: st
         "fleet_idle_p50_ms": rounded(pct(idle, 50), 2),
         "fleet_idle_p90_ms": rounded(pct(idle, 90), 2),
         "fleet_idle_max_ms": rounded(max(idle), 2) if idle else None,
+        "fleet_idle_parts_p50_ms": idle_parts_ms(records),
         "event_gap_p50_ms": rounded(pct(gaps, 50), 2),
         "event_gap_p90_ms": rounded(pct(gaps, 90), 2),
         "records": records,
@@ -177,7 +176,7 @@ def rebuild(client: Any, workers: Workers, workload: Workload, args: Any, out: A
     if not again:  # not retried (budget 0): the next job is the one to wait for
         (nxt,) = submit(client, workload.request, workers.queue)
         wait_terminal(client, [nxt], args.start_timeout + args.job_timeout, workers)
-        again = [job_record(client, nxt)["rendering_at"]]
+        again = [job_record(client, nxt).get("rendering_at")]
     fresh = workers.fresh_health(worker)
     return {
         "rebuild_s": round(again[0] - killed_at, 3) if again and again[0] else None,
@@ -291,9 +290,6 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
     for key in ("e2e_p50_s", "e2e_p90_s", "videos_per_hour", "gpu_busy_ratio", "fleet_idle_p50_ms", "rebuild_s"):
         summary.setdefault(key, None)
     return summary
-
-
-# ==== main =================================================================================================
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

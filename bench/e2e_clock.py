@@ -41,6 +41,29 @@ def idle_gaps_ms(records: list[dict[str, Any]], key: str = "busy") -> list[float
     return gaps
 
 
+#: the fleet's idle gap between two jobs of one worker, cut at the events that mark it (one host's wall clock)
+IDLE_PARTS = (
+    ("fleet_to_output", lambda prev, nxt: prev["busy"][1] - prev["gpu_window"][1]),  # last device work -> output
+    ("output_to_started", lambda prev, nxt: nxt["started_at"] - prev["busy"][1]),  # job return, RQ, dequeue
+    ("started_to_rendering", lambda prev, nxt: nxt["rendering_at"] - nxt["started_at"]),  # the job's own checks
+    ("rendering_to_device", lambda prev, nxt: nxt["gpu_window"][0] - nxt["rendering_at"]),  # to the fleet
+)
+
+
+def idle_parts_ms(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """p50 of each part of the fleet's idle gap between consecutive jobs of a worker (`IDLE_PARTS`): where
+    the time between one job's last device work and the next job's first goes."""
+    parts: dict[str, list[float]] = {name: [] for name, _ in IDLE_PARTS}
+    for worker in _windows(records, "gpu_window"):
+        mine = sorted((r for r in records if r["worker"] == worker and r.get("gpu_window")),
+                      key=lambda r: r["gpu_window"][0])  # fmt: skip
+        for prev, nxt in pairwise(mine):
+            if prev.get("busy") and nxt.get("started_at") and nxt.get("rendering_at"):
+                for name, part in IDLE_PARTS:
+                    parts[name].append(1000 * part(prev, nxt))
+    return {name: None if not v else round(pct(v, 50), 2) for name, v in parts.items()}  # type: ignore[arg-type]
+
+
 def gpu_busy_ratio(records: list[dict[str, Any]]) -> float | None:
     """Per fleet: device-busy seconds of its jobs over the span from the first one's first device work to
     the last one's last; the mean over fleets (None without the runner's clock)."""

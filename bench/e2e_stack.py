@@ -369,8 +369,7 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
         "upload_s": (result.get("timings") or {}).get("upload_s"),
         "e2e_s": rounded(state_ts["uploaded"] - float(submitted), 4) if "uploaded" in state_ts and submitted else None,
         "busy": [float(runner_events[0].data["ts"]), float(output["ts"])] if output and runner_events else None,
-        "rendering_at": state_ts.get("rendering"),
-        "uploaded_at": state_ts.get("uploaded"),
+        **{f"{state}_at": ts for state, ts in state_ts.items()},  # started_at, rendering_at, ..., uploaded_at
         "submitted_at": submitted,
         "gpu_busy_s": gpu.get("gpu_busy_s"),
         "gpu_window": [gpu["gpu_started_at"], gpu["gpu_ended_at"]] if gpu.get("gpu_started_at") else None,

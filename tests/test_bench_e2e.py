@@ -227,3 +227,21 @@ def test_encode_stream_vs_once_compares_the_streamed_hand_off_with_one_hand_off(
     run = {"runner": "ltx2-distilled", "variant": "", "layout": "0", "size": "768x512x121"}
     got = ratios([{**run, "encode": "worker", "e2e_p50_s": 2.7}, {**run, "encode": "once", "e2e_p50_s": 3.0}])
     assert got == {"ltx2-distilled: 0 768x512x121 streamed vs one hand-off: e2e_p50_s": 0.9}
+
+
+def test_the_fleet_idle_gap_is_cut_at_the_events_that_mark_it():
+    from bench.e2e_clock import idle_parts_ms
+
+    def job(worker, window, busy_end, started, rendering):
+        return {"worker": worker, "gpu_window": window, "busy": [window[0], busy_end], "started_at": started,
+                "rendering_at": rendering}  # fmt: skip
+
+    records = [
+        job("a", [10.0, 12.0], 12.01, 9.9, 9.95),
+        job("a", [12.2, 14.0], 14.02, 12.1, 12.15),  # 200 ms idle: 10 to output, 90 to started, 50, 50
+        job("b", [13.0, 15.0], 15.0, 12.0, 12.5),  # another fleet: never paired with "a"
+    ]
+    got = idle_parts_ms(records)
+    assert got == {"fleet_to_output": 10.0, "output_to_started": 90.0, "started_to_rendering": 50.0,
+                   "rendering_to_device": 50.0}  # fmt: skip
+    assert sum(got.values()) == 200.0  # the parts add up to the gap
