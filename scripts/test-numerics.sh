@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Run the numerics-sensitive tests (`-m numerics`) the way other machines would compute them, so that a
 # tolerance tuned to this CPU fails here first instead of on a newcomer's machine. Extra arguments go to
-# pytest. Settings (each a full run of the 35 marked tests: ~3 min on 2 cores, 5-9 min when shared and loaded):
-#   ATEN_CPU_CAPABILITY=default + MKL_CBWR=COMPATIBLE: ATen's scalar kernels and MKL's oldest GEMM path,
-#       i.e. a summation order unlike any vector unit's;
-#   ATEN_CPU_CAPABILITY=avx2: ATen's AVX2 kernels (what a CPU without AVX-512 runs);
+# pytest. Settings (each a full run of the 35 marked tests: 78-101 s on 2 shared cores, measured 2026-12-01):
+#   default: ATEN_CPU_CAPABILITY=default + MKL_CBWR=COMPATIBLE + ONEDNN_MAX_CPU_ISA=SSE41: ATen's scalar
+#       kernels, MKL's oldest GEMM path and oneDNN's oldest, i.e. a summation order unlike any vector unit's;
+#   avx2: ATEN_CPU_CAPABILITY=avx2 + MKL_CBWR=AVX2 + ONEDNN_MAX_CPU_ISA=AVX2: what a CPU without AVX-512
+#       runs in all three libraries;
 # each at OMP_NUM_THREADS=1 and 2 (MKL and oneDNN choose their blocking, and so their summation order,
 # from the thread count). Fleets and LocalWorld ranks honour OMP_NUM_THREADS.
-# ATEN_CPU_CAPABILITY alone does not move MKL: MKL dispatches on the CPU itself (AVX-512 kernels on Intel,
-# AVX2 ones on this AMD machine), which is why MKL_CBWR is part of the first setting.
-# LTX_NUMERICS_SETTINGS="cap:threads ..." picks other settings (e.g. "avx512:2").
+# ATEN_CPU_CAPABILITY alone moves neither MKL nor oneDNN: both dispatch on the CPU itself (MKL: AVX-512
+# kernels on Intel, AVX2 ones on AMD; oneDNN: its AVX-512 BF16 matmul on this AMD EPYC under
+# ATEN_CPU_CAPABILITY=default, seen with ONEDNN_VERBOSE=1). Capped below AVX-512 BF16, oneDNN is no longer
+# used for bf16 matmuls at all and torch takes its own bf16 GEMM, as it does on a CPU without it.
+# LTX_NUMERICS_SETTINGS="cap:threads ..." picks other settings (e.g. "avx512:2": nothing capped).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON_BIN:-.venv/bin/python}
@@ -18,14 +21,17 @@ failed=()
 for setting in $SETTINGS; do
   cap=${setting%%:*}
   threads=${setting##*:}
-  cbwr=AUTO
-  [ "$cap" = default ] && cbwr=COMPATIBLE
-  echo "== ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr OMP_NUM_THREADS=$threads"
+  case "$cap" in
+    default) cbwr=COMPATIBLE isa=SSE41 ;;
+    avx2) cbwr=AVX2 isa=AVX2 ;;
+    *) cbwr=AUTO isa=ALL ;;
+  esac
+  echo "== ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr ONEDNN_MAX_CPU_ISA=$isa OMP_NUM_THREADS=$threads"
   # More threads than cores (worlds of 3 and 4 ranks at 2 threads each): OpenMP threads that spin at every
   # collective turn that into minutes, so they wait passively, and the per-test limit grows with the
   # oversubscription. Neither changes a single float.
   timeout=$((300 * threads))
-  ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE \
+  ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr ONEDNN_MAX_CPU_ISA=$isa OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE \
     "$PY" -m pytest -q -p no:cacheprovider -m numerics -o timeout=$timeout "$@"
   rc=$?
   if [ "$rc" -ne 0 ]; then
