@@ -140,8 +140,7 @@ def parse_size(text: str) -> tuple[int, int, int]:
     parts = text.strip().lower().split("x")
     if len(parts) != 3 or not all(p.isdigit() for p in parts):
         raise ValueError(f"size must be WIDTHxHEIGHTxFRAMES (e.g. 1536x1024x121), got {text!r}")
-    width, height, frames = (int(p) for p in parts)
-    return width, height, frames
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
 
 @dataclass(frozen=True)
@@ -162,6 +161,7 @@ class FleetMemory:
     request_loras: int = 0  #: LoRAs one request may bring (worker `lora_max_per_request`; 0: none)
     lora_max_file_bytes: int = 4 << 30  #: worker `lora_max_file_bytes`
     lora_max_rank: int = 256  #: worker `lora_max_rank`
+    lora_device_cache_gib: float = 0.0  #: setup `lora_device_cache_gib`: past request LoRAs' factors, per rank
     capacity_gib: float | None = None  #: what one device offers this fleet's rank; None: no limit
     headroom_gib: float = DEFAULT_HEADROOM_GIB
 
@@ -183,7 +183,8 @@ class FleetMemory:
         if self.text_encoder_rank is not None:
             _check_int("text_encoder_rank", self.text_encoder_rank, 0, self.world_size - 1)
         for name, value in (("capacity_gib", self.capacity_gib), ("headroom_gib", self.headroom_gib),
-                            ("setup_lora_gib", self.setup_lora_gib)):  # fmt: skip
+                            ("setup_lora_gib", self.setup_lora_gib),
+                            ("lora_device_cache_gib", self.lora_device_cache_gib)):  # fmt: skip
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                       or not math.isfinite(value) or value < 0):  # fmt: skip
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -205,8 +206,7 @@ class FleetMemory:
         if not isinstance(data, Mapping):
             return None
         try:
-            known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-            return cls(**known)
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
         except (TypeError, ValueError):
             return None
 
@@ -309,18 +309,17 @@ def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
       at most 1/W of it plus its largest weight (exactly all of it on one rank).
     - `lora_staging`: the broadcast's bucket (W > 1 only; one rank fuses, all receive).
     - `lora_factors`: `keep_loras` keeps on the device the factors of each LoRA it fused, for the weights the
-      rank owns, until `drop_factors` frees those of LoRAs neither the setup's nor the current job's. The
-      setup's (the distilled LoRA: every block linear) split like the weights; a request's are bounded per
-      LoRA by the worker's limits, file bytes and rank x `lora_width_sum` x 4 (float32, kept as read), and
-      not divided by W: a LoRA may name only weights one rank owns."""
+      rank owns. The setup's (the distilled LoRA: every block linear) split like the weights; a job's
+      (`lora_job_factors`) are bounded per LoRA by the worker's limits, file bytes and rank x `lora_width_sum`
+      x 4 (float32, kept as read), not divided by W: a LoRA may name only weights one rank owns.
+    - `lora_cache`: past jobs' factors `drop_factors` keeps, at most `lora_device_cache_gib` per rank."""
     if not fleet.has_tracker:
         return {}
     world = fleet.world_size
     total = p.lora_weights_fp8_gib if fleet.fp8_transformer else p.lora_weights_gib
     share = total if world == 1 else min(total, total / world + p.lora_unit_gib)
     setup = fleet.setup_lora_gib
-    if setup is None:
-        setup = p.lora_factors_gib if fleet.runner == "two-stage" else 0.0
+    setup = (p.lora_factors_gib if fleet.runner == "two-stage" else 0.0) if setup is None else setup
     per_lora = min(fleet.lora_max_file_bytes, fleet.lora_max_rank * p.lora_width_sum * LORA_FACTOR_BYTES) / GIB
     parts = {"lora_backup": share}
     if setup:
@@ -329,6 +328,8 @@ def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
         parts["lora_staging"] = LORA_STAGING_GIB
     if fleet.request_loras:
         parts["lora_job_factors"] = fleet.request_loras * per_lora
+        if fleet.lora_device_cache_gib:
+            parts["lora_cache"] = float(fleet.lora_device_cache_gib)
     return parts
 
 
@@ -382,10 +383,7 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
     rows = max(1, min(fleet.passes, fleet.sp_max_tokens // max(1, t1)))  # guidance rows batched within budget
     pixels = w * h * f
     tile_pixels = math.ceil(w * h / world) * f  # one spatial tile per rank
-    if chunked:
-        decoded_at_once = min(math.ceil(w * h / world), CHUNK_PIXELS) * min(f, CHUNK_FRAMES)
-    else:
-        decoded_at_once = tile_pixels
+    decoded_at_once = min(math.ceil(w * h / world), CHUNK_PIXELS) * min(f, CHUNK_FRAMES) if chunked else tile_pixels
     peaks = []
     for stage in STAGES:
         worst: StagePeak | None = None

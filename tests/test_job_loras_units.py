@@ -51,7 +51,7 @@ def test_drop_factors_frees_past_jobs_loras(files) -> None:
     tracker.apply([distilled, request])
     assert len(tracker._factors) == 2
     tracker.drop_factors([distilled])
-    assert list(tracker._factors) == [distilled.identity]
+    assert list(tracker._factors) == [distilled.factor_key]
 
 
 def test_overlapping_request_and_distilled_loras_stay_within_the_derived_bound(files) -> None:

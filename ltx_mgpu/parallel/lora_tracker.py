@@ -21,7 +21,14 @@ How (every rank of `group`, same order):
   parameters in place (addresses never change). Requesting the current set is a no-op.
 - `reset()` (collective) is `apply(())`: the affected keys get their exact clean bytes back.
 
-LoRA identity is the set of (path, strength, sd-ops name) with non-zero strength, order-insensitive.
+LoRA identity is the set of (path, strength, sd-ops name) with non-zero strength, order-insensitive. Kept
+factors are keyed by (path, sd-ops name) only (`LoraSpec.factor_key`): they are the file's tensors through the
+key mapping, the strength is applied at fusion, so one file used at two strengths is read once.
+`device_cache_bytes` keeps, besides the setup's and the current job's, the factors of recently used request
+LoRAs up to that many bytes per rank (least recently used evicted first), so switching back to one reads
+nothing. A path always names the same bytes: the worker's LoRA cache names files by content
+(`worker.render.loras`), so a file replaced under the same name arrives under a new path, never as stale
+factors (setup LoRAs are read once at setup anyway).
 Only tensors are moved; the model's module structure (and any shared-weight sibling built with
 `tdp.shared_weights_model`) sees the new weights because they alias the same storage.
 """
@@ -57,6 +64,11 @@ class LoraSpec:
     @property
     def identity(self) -> tuple[str, float, str]:
         return (str(self.path), float(self.strength), getattr(self.sd_ops, "name", "") or "")
+
+    @property
+    def factor_key(self) -> tuple[str, str]:
+        """What the kept factors depend on: the file and the key mapping, not the strength."""
+        return (str(self.path), getattr(self.sd_ops, "name", "") or "")
 
     @classmethod
     def coerce(cls, lora: Any) -> LoraSpec:
@@ -150,6 +162,8 @@ class LoraWeightTracker:
         keep_loras: keep the LoRA factors of this rank's keys on their weight's device after the first
             fusion, so later swaps read nothing from disk (at real size, re-reading a rank's share of a
             7 GB LoRA from the file per swap is most of a swap). Costs the owned share of the LoRA files.
+        device_cache_bytes: bytes of factors of LoRAs neither kept by `drop_factors` nor current that this
+            rank still holds, least recently used dropped first (0: none; the runners' `lora_device_cache_gib`).
     """
 
     def __init__(
@@ -160,6 +174,7 @@ class LoraWeightTracker:
         backup_device: torch.device | str | None = None,
         lora_load_device: torch.device | str = "cpu",
         keep_loras: bool = True,
+        device_cache_bytes: int = 0,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be > 0")
@@ -176,8 +191,10 @@ class LoraWeightTracker:
         self._touched_current: set[str] = set()
         self._staging: torch.Tensor | None = None
         self.keep_loras = keep_loras
-        # LoRA identity -> {"<prefix>.lora_A.weight" / "...lora_B.weight": factor on the weight's device}
-        self._factors: dict[tuple[str, float, str], dict[str, torch.Tensor]] = {}
+        self.device_cache_bytes = max(0, int(device_cache_bytes))
+        # factor_key -> {"<prefix>.lora_A.weight" / "...lora_B.weight": factor on the weight's device}, least
+        # recently used first (a use moves a key to the end)
+        self._factors: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         self.stats = {"swaps": 0, "bytes_broadcast": 0, "keys_fused": 0, "keys_restored": 0, "lora_bytes_read": 0}
 
     # ---- attach ----------------------------------------------------------------------------------------
@@ -206,11 +223,20 @@ class LoraWeightTracker:
         return self._current
 
     def drop_factors(self, keep: Iterable[Any]) -> None:
-        """Free the kept LoRA factors of every LoRA not in `keep` (per-request LoRAs come and go; without
-        this, `keep_loras` would hold every LoRA any job ever used)."""
-        wanted = {LoraSpec.coerce(x).identity for x in keep}
-        for identity in [i for i in self._factors if i not in wanted]:
-            del self._factors[identity]
+        """Free the kept LoRA factors of LoRAs not in `keep`, least recently used first, until those left
+        hold at most `device_cache_bytes` (per-request LoRAs come and go; without this, `keep_loras` would
+        hold every LoRA any job ever used)."""
+        wanted = {LoraSpec.coerce(x).factor_key for x in keep}
+        others = [k for k in self._factors if k not in wanted]  # oldest use first
+        held = sum(self._factor_bytes(k) for k in others)
+        for key in others:
+            if held <= self.device_cache_bytes:
+                break
+            held -= self._factor_bytes(key)
+            del self._factors[key]
+
+    def _factor_bytes(self, key: tuple[str, str]) -> int:
+        return sum(t.nbytes for t in self._factors[key].values())
 
     def owned_bytes(self) -> int:
         """Bytes of clean backup this rank holds."""
@@ -235,6 +261,9 @@ class LoraWeightTracker:
         if self._working is None:
             raise RuntimeError("LoraWeightTracker.apply before attach(model)")
         specs = tuple(s for s in (LoraSpec.coerce(x) for x in loras) if s.strength != 0.0)
+        for spec in specs:  # a use: the most recently used (`drop_factors` evicts the least first)
+            if spec.factor_key in self._factors:
+                self._factors[spec.factor_key] = self._factors.pop(spec.factor_key)
         if keep_factors is not None:
             self.drop_factors((*keep_factors, *specs))
         if sorted(s.identity for s in specs) == sorted(s.identity for s in self._current):
@@ -286,7 +315,7 @@ class LoraWeightTracker:
         lora_sds = []
         for spec, target in zip(specs, targets, strict=True):
             wanted = {k: target[k] for k in keys if k in target}
-            kept = self._factors.setdefault(spec.identity, {}) if self.keep_loras else {}
+            kept = self._factors.setdefault(spec.factor_key, {}) if self.keep_loras else {}
             missing = {k: raw for k, raw in wanted.items() if f"{k[: -len('.weight')]}.lora_A.weight" not in kept}
             if missing:
                 with safe_open(spec.path, framework="pt", device=str(self.lora_load_device)) as f:

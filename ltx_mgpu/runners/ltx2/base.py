@@ -123,6 +123,7 @@ class Ltx2Runner(MGPURunner):
                            lora_tracker=bool(lora_files) or request or cls.memory_kind == "two-stage",
                            setup_lora_gib=sum(os.path.getsize(p) for p in lora_files) / (1 << 30) if found else None,
                            request_loras=DEFAULT_REQUEST_LORAS if request else 0,
+                           lora_device_cache_gib=float(setup_kwargs.get("lora_device_cache_gib") or 0.0),
                            text_encoder_rank=None if te_rank is None else int(te_rank),
                            gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
                            fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
@@ -170,6 +171,7 @@ class Ltx2Runner(MGPURunner):
         parallel_layout: str | dict[str, str] | None = None,
         cuda_graphs: bool = True,
         request_loras: bool = False,
+        lora_device_cache_gib: float = 0.0,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
         policy = comp.quantization_policy(quantization)
@@ -233,7 +235,10 @@ class Ltx2Runner(MGPURunner):
         self.tracker = None
         self.lora_targets = None  # the weights a request LoRA may change (None: requests take no LoRAs)
         if self.stage2_loras or request_loras:
-            self.tracker = LoraWeightTracker(self.groups.transformer_group)
+            if not 0.0 <= float(lora_device_cache_gib) < 1024:
+                raise ValueError(f"lora_device_cache_gib must be in [0, 1024), got {lora_device_cache_gib}")
+            cache_bytes = int(float(lora_device_cache_gib) * (1 << 30))  # past jobs' LoRA factors, per rank
+            self.tracker = LoraWeightTracker(self.groups.transformer_group, device_cache_bytes=cache_bytes)
             self.tracker.attach(self.sp_model.model)
             self.tracker.apply(self.base_loras)
             self.lora_targets = model_targets(self.sp_model.model)
