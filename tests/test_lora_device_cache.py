@@ -1,4 +1,4 @@
-"""The tracker's device cache of past request LoRAs' factors (issue 31, item 2: "cached ... on the device").
+"""The tracker's device cache of past request LoRAs' factors: recent LoRAs stay on the device.
 
 A switch A -> B -> A with the cache reads A's file once and gives the same weight bytes as without it; the
 cache never holds more than its budget, dropping the least recently used LoRA first; the runners' setting
