@@ -245,7 +245,7 @@ class LoraWeightTracker:
     def held_bytes(self) -> dict[str, int]:
         """What this rank's tracker holds now, in bytes: the clean backup, the kept LoRA factors and the
         broadcast staging buffer (what the memory plan's `lora_parts` predicts)."""
-        factors = sum(t.nbytes for kept in self._factors.values() for t in kept.values())
+        factors = sum(self._factor_bytes(key) for key in self._factors)
         staging = 0 if self._staging is None else self._staging.nbytes
         return {"backup": self.owned_bytes(), "factors": factors, "staging": staging}
 

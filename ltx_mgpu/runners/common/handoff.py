@@ -32,8 +32,8 @@ from .args import RenderArgs
 from .media import (
     AudioTrack,
     EncodeOptions,
-    _page_lock,
     media_event,
+    page_lock,
     shared_empty,
     shared_host_copy,
     to_yuv420p,
@@ -53,7 +53,7 @@ class FrameStream:
         self.buffer = shared_empty((self.total, self.height * 3 // 2, self.width), torch.uint8)
         self.ready = 0
         nbytes = self.buffer.numel()
-        self._locked = self.device.type == "cuda" and nbytes > 0 and _page_lock(self.buffer, nbytes)
+        self._locked = self.device.type == "cuda" and nbytes > 0 and page_lock(self.buffer, nbytes)
 
     def open_event(self) -> dict[str, Any]:
         return {"type": MEDIA_OPEN, "video": self.buffer, "width": self.width, "height": self.height,

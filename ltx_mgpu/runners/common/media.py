@@ -42,7 +42,9 @@ __all__ = [
     "EncodeOptions",
     "Mp4Streams",
     "audio_fields",
+    "frame_rate_fraction",
     "media_event",
+    "page_lock",
     "probe_mp4",
     "read_audio",
     "read_mp4",
@@ -162,7 +164,8 @@ class Mp4Streams:
         return self.audio_samples / self.audio_sample_rate
 
 
-def _rate(fps: float) -> Fraction:
+def frame_rate_fraction(fps: float) -> Fraction:
+    """The stream time base of `fps` (29.97 -> 30000/1001): what the muxer and the segment runs share."""
     return Fraction(fps).limit_denominator(1001)
 
 
@@ -231,7 +234,7 @@ def shared_host_copy(tensor: torch.Tensor, *, pinned: bool = True) -> torch.Tens
     fails (a limit, an old driver) the copy is the pageable one."""
     host = shared_empty(tuple(tensor.shape), tensor.dtype)
     nbytes = host.numel() * host.element_size()
-    if not (pinned and tensor.device.type == "cuda" and nbytes and _page_lock(host, nbytes)):
+    if not (pinned and tensor.device.type == "cuda" and nbytes and page_lock(host, nbytes)):
         host.copy_(tensor)
         return host
     try:
@@ -242,7 +245,9 @@ def shared_host_copy(tensor: torch.Tensor, *, pinned: bool = True) -> torch.Tens
     return host
 
 
-def _page_lock(host: torch.Tensor, nbytes: int) -> bool:
+def page_lock(host: torch.Tensor, nbytes: int) -> bool:
+    """Page-lock `nbytes` of a host tensor for DMA copies (True), or leave it pageable where CUDA refuses
+    (False); the caller unlocks with `cudaHostUnregister`."""
     try:
         return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 1)) == 0  # (1: portable, any context)
     except (AttributeError, RuntimeError):
@@ -311,7 +316,7 @@ def write_mp4_yuv(
     frames = yuv.contiguous().numpy()
     try:
         with av.open(str(tmp), mode="w", format="mp4") as container:
-            video = container.add_stream("libx264", rate=_rate(fps))
+            video = container.add_stream("libx264", rate=frame_rate_fraction(fps))
             _configure(video.codec_context, int(width), height, options, options.threads_per_segment(segments))
             sound = None
             if audio is not None:
@@ -322,7 +327,7 @@ def write_mp4_yuv(
                     container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="yuv420p")))
                 container.mux(video.encode())
             else:  # the stream's own encoder (same settings: the same SPS/PPS) only writes the header
-                _mux_segments(container, video, frames, options, segments, _rate(fps), stream)
+                _mux_segments(container, video, frames, options, segments, frame_rate_fraction(fps), stream)
             if sound is not None and audio is not None:
                 _encode_audio(container, sound, audio)
         os.replace(tmp, path)

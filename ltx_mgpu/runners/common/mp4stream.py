@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .media import EncodeOptions, _rate, segment_settings
+from .media import EncodeOptions, frame_rate_fraction, segment_settings
 from .x264segments import SegmentStream
 
 __all__ = ["Mp4Stream"]
@@ -42,7 +42,7 @@ class Mp4Stream:
         segments = options.segment_count(self.total)
         self.runs: SegmentStream | None = None
         if segments > 1:
-            self.runs = SegmentStream(self.video.numpy(), self.width, self.height, _rate(self.fps),
+            self.runs = SegmentStream(self.video.numpy(), self.width, self.height, frame_rate_fraction(self.fps),
                                       segment_settings(options, segments), segments)  # fmt: skip
 
     def advance(self, event: dict[str, Any]) -> None:
