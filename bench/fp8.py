@@ -219,14 +219,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eager calls only")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile a block call of each kind: device time by kernel family, top N")  # fmt: skip
+    ap.add_argument(
+        "--sdpa",
+        choices=("default", "flash", "cudnn", "efficient"),
+        default="default",
+        help="the attention backend every SDPA call of the run uses (bench/attention.py compares them)",
+    )
     args = ap.parse_args(argv)
+    if args.sdpa != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION}[args.sdpa]  # fmt: skip
+        with sdpa_kernel([backend, SDPBackend.MATH], set_priority=True):
+            return _run(args)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     args.graphs = args.graphs and device.type == "cuda"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kind = args.block if args.block != "auto" else ("ltx" if _ltx_core() else "standin")
     case = _Case(kind, DIMS[args.dims], device)
-    env = {"kind": "env", "torch": torch.__version__, "dims": args.dims, "block": kind,
+    env = {"kind": "env", "torch": torch.__version__, "dims": args.dims, "block": kind, "sdpa": args.sdpa,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "fp8_tensor_cores": device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9),
            "fp8_linears": sum(isinstance(m, Fp8Linear) for m in case.fp8.modules())}  # fmt: skip

@@ -13,9 +13,9 @@ all with the same request and seed, in this order (the phase of each JSON line):
     | (first_s3, swap_back) x --s3 | baseline x N
 
 - `switch`: both LoRAs are in the worker's disk cache; each job restores the other's weights and fuses its
-  own (factors read from the cache file: by default the tracker keeps only the current LoRAs' factors;
-  `--device-cache-gib G` sets up the runner with `lora_device_cache_gib=G`, which keeps recent LoRAs'
-  factors on the device, so a switch reads nothing). Target: adds <= 0.3 s to a render.
+  own (the runner's `lora_device_cache_gib`, 4 GiB by default, keeps recent LoRAs' factors on the device, so
+  a switch reads nothing; `--device-cache-gib 0` keeps only the current LoRAs' factors, and each switch
+  reads its factors from the cache file). Target: adds <= 0.3 s to a render.
 - `first_s3`: HEAD, parallel ranged GETs into the cache, header check, fuse. Target: adds <= 2 s (rank 128).
 - `swap_back`: a job without LoRA after one with: the clean weights restored (the cost is reported), and its
   video must be the baseline's (same sha256: `swap_back_same_video`; `baseline_deterministic` says whether
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, stack: es.Stack, workdir: Path, out: Any) -> d
     weights = es.discover_weights(args.weights) if args.weights else _tiny_weights()
     workload = es.make_workload(args.runner, args.profile, weights)
     workload.setup["request_loras"] = True
-    if args.device_cache_gib:
+    if args.device_cache_gib is not None:  # (else the runner's default)
         workload.setup["lora_device_cache_gib"] = args.device_cache_gib
     catalogue, staging = workdir / "catalogue", workdir / "staging"
     catalogue.mkdir(parents=True)
@@ -247,7 +247,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--switch-ranks", default="128,128", help="ranks of the catalogue LoRAs user-a,user-b")
     ap.add_argument("--s3-rank", type=int, default=128)
     ap.add_argument("--strength", type=float, default=0.8)
-    ap.add_argument("--device-cache-gib", type=float, default=0.0, help="runner setup lora_device_cache_gib")
+    ap.add_argument("--device-cache-gib", type=float, default=None,
+                    help="runner setup lora_device_cache_gib (default: the runner's, 4 GiB)")  # fmt: skip
     ap.add_argument("--write-device", default=None, help="where the LoRAs are generated (default: cuda if any)")
     ap.add_argument("--start-timeout", type=float, default=None, help="s for the fleet to be warm")
     ap.add_argument("--job-timeout", type=float, default=None, help="s per job")

@@ -319,13 +319,15 @@ def test_bench_runs_its_cpu_smoke_version():
            "--iters", "1", "--warmup", "0"]  # fmt: skip
     for block in ("ltx", "standin"):
         done = subprocess.run(
-            [*cmd, "--block", block], capture_output=True, text=True, timeout=240, cwd=root, check=False
-        )
+            [*cmd, "--block", block, *(["--sdpa", "flash"] if block == "ltx" else [])],
+            capture_output=True, text=True, timeout=240, cwd=root, check=False,
+        )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         lines = done.stdout.strip().splitlines()
         rows = [json.loads(line) for line in lines[:-1]]
         assert lines[-1].startswith("SUMMARY") and "linears" in lines[-1]
         kinds = [r["kind"] for r in rows]
+        assert rows[0]["sdpa"] == ("flash" if block == "ltx" else "default")  # the backend every SDPA used
         assert kinds.count("gemm") == 3 and {"env", "check", "linears", "block"} <= set(kinds)
         assert next(r for r in rows if r["kind"] == "check")["quantize_bitwise_equal_to_eager"] is True
         block_row = next(r for r in rows if r["kind"] == "block")

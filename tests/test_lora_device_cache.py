@@ -90,8 +90,15 @@ def test_the_runners_setting_is_its_own_line_in_the_memory_plan(monkeypatch) -> 
 
     fleet = Ltx2DistilledRunner.memory_fleet(1, request_loras=True, lora_device_cache_gib=3.5)
     assert lora_parts(fleet, LTX2_19B)["lora_cache"] == 3.5
-    without = Ltx2DistilledRunner.memory_fleet(1, request_loras=True)
+    without = Ltx2DistilledRunner.memory_fleet(1, request_loras=True, lora_device_cache_gib=0)
     assert "lora_cache" not in lora_parts(without, LTX2_19B)
+    default = Ltx2DistilledRunner.memory_fleet(1, request_loras=True)  # the setup's default is planned for
+    assert (
+        lora_parts(default, LTX2_19B)["lora_cache"]
+        == Ltx2DistilledRunner.setup_default("lora_device_cache_gib", {})
+        == 4.0
+    )
+    assert "lora_cache" not in lora_parts(Ltx2DistilledRunner.memory_fleet(1), LTX2_19B)  # no request LoRAs
     with_cache, plain = plan(fleet, 768, 512, 121), plan(without, 768, 512, 121)
     assert with_cache.resident_gib[0]["lora_cache"] == 3.5
     assert with_cache.peak.allocated_gib == pytest.approx(plain.peak.allocated_gib + 3.5, abs=0.01)

@@ -123,7 +123,7 @@ class Ltx2Runner(MGPURunner):
                            lora_tracker=bool(lora_files) or request or cls.memory_kind == "two-stage",
                            setup_lora_gib=sum(os.path.getsize(p) for p in lora_files) / (1 << 30) if found else None,
                            request_loras=DEFAULT_REQUEST_LORAS if request else 0,
-                           lora_device_cache_gib=float(setup_kwargs.get("lora_device_cache_gib") or 0.0),
+                           lora_device_cache_gib=float(cls.setup_default("lora_device_cache_gib", setup_kwargs) or 0.0),
                            text_encoder_rank=None if te_rank is None else int(te_rank),
                            gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
                            fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
@@ -171,7 +171,7 @@ class Ltx2Runner(MGPURunner):
         parallel_layout: str | dict[str, str] | None = None,
         cuda_graphs: bool = True,
         request_loras: bool = False,
-        lora_device_cache_gib: float = 0.0,
+        lora_device_cache_gib: float = 4.0,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
         policy = comp.quantization_policy(quantization)
