@@ -4,6 +4,8 @@ tests/test_fastload_gpu.py), and a damaged file is an error, never a hang or a s
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -72,3 +74,31 @@ def test_cpu_destinations_use_ltx_cores_loader_unless_asked(tmp_path, monkeypatc
     loader = StagedSafetensorsLoader()
     monkeypatch.setattr(loader, "_copy", lambda *a: (_ for _ in ()).throw(AssertionError("staged on CPU")))
     assert set(loader.load(str(path), None, torch.device("cpu")).sd) == set(_tensors())
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 20])
+def test_read_tensors_gives_the_named_tensors_as_views_of_one_allocation(tmp_path, chunk: int) -> None:
+    """What a LoRA's factor reads use: any subset by file name, the file's bytes, one allocation, tensors
+    that follow each other in the file adjacent (one copy for a run, not one per tensor), dtypes aligned."""
+    path = tmp_path / "r.safetensors"
+    save_file(_tensors(), str(path))
+    want = load_file(str(path))
+    loader = StagedSafetensorsLoader(chunk_bytes=chunk, buffers=3, readers=2, stage_cpu=True)
+    names = [*sorted(want)[::2], "vocoder.x"]  # a subset, asked in another order than the file's
+    got = loader.read_tensors(str(path), names, "cpu")
+    assert set(got) == set(names)
+    for name in names:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+    storages = {t.untyped_storage().data_ptr() for t in got.values() if t.numel()}
+    assert len(storages) == 1
+    everything = loader.read_tensors(str(path), list(want), "cpu")
+    entries = read_header(str(path))[0]
+    for before, after in pairwise(entries):
+        a, b = everything[before.name], everything[after.name]
+        if before.nbytes and after.nbytes and b.element_size() == a.element_size():  # same file run
+            assert b.data_ptr() - a.data_ptr() == after.begin - before.begin, (before.name, after.name)
+    for t in everything.values():
+        assert t.data_ptr() % t.element_size() == 0
+    with pytest.raises(KeyError, match="no tensor named"):
+        loader.read_tensors(str(path), ["vocoder.x", "not.there"], "cpu")

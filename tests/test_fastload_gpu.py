@@ -61,3 +61,20 @@ def test_replaced_tensors_free_the_staging_allocation(tmp_path) -> None:
     held = torch.cuda.memory_allocated() - before
     assert sd["big.weight"].dtype == torch.float8_e4m3fn
     assert held < 4096 * 4096 * 2, held  # fp8 weight + bias; the 64 MiB fp32 staging copy is gone
+
+
+def test_read_tensors_to_the_gpu_are_the_files_bytes(tmp_path) -> None:
+    """A LoRA's factors as the tracker reads them on a GPU rank: the file's bytes, read in big pieces."""
+    from safetensors.torch import load_file, save_file
+
+    from ltx_mgpu.runners.common.fastload import StagedSafetensorsLoader
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = {f"b.{i}.lora_{ab}.weight": torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+               for i in range(40) for ab in "AB"}  # fmt: skip
+    path = tmp_path / "l.safetensors"
+    save_file(tensors, str(path))
+    names = sorted(tensors)[5:61]
+    got = StagedSafetensorsLoader(chunk_bytes=1 << 16).read_tensors(str(path), names, "cuda:0")
+    want = load_file(str(path))
+    assert all(got[n].is_cuda and torch.equal(got[n].cpu().view(torch.uint8), want[n].view(torch.uint8)) for n in names)

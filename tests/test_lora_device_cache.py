@@ -27,13 +27,13 @@ def setup(tmp_path_factory):
     return model, files
 
 
-def _run(model, files, sequence, cache_bytes):
+def _run(model, files, sequence, cache_bytes, factor_reader=None):
     """Each job's swap as the runner does it (`keep_factors`: the setup's LoRAs, none here); after every swap
     the weights' bytes and the file bytes read."""
     work = {k: v.clone() for k, v in model.state_dict().items()}
     clone = _tiny_model()
     clone.load_state_dict(work)
-    tracker = LoraWeightTracker(device_cache_bytes=cache_bytes)
+    tracker = LoraWeightTracker(device_cache_bytes=cache_bytes, factor_reader=factor_reader)
     tracker.attach(clone)
     out = []
     for name, strength in sequence:
@@ -110,3 +110,27 @@ def test_the_runners_setting_is_its_own_line_in_the_memory_plan(monkeypatch) -> 
     args = ["plan", "--runner", "ltx2-distilled", "--group", "0", "--size", "768x512x121", "--free-gib", "139.5"]
     out = CliRunner().invoke(main, args)
     assert "lora_cache" in out.output and "3.50" in out.output, out.output
+
+
+def test_the_staged_factor_reader_fuses_the_same_bytes_and_reads_each_file_once(setup) -> None:
+    """The runners read factors through `fastload` (one staged read per file, not one copy per tensor): the
+    weights after every swap are those of the tensor-by-tensor read, byte for byte, for the same file bytes."""
+    from ltx_mgpu.runners.common.fastload import StagedSafetensorsLoader
+
+    model, files = setup
+    reads: list[tuple[str, int]] = []
+    loader = StagedSafetensorsLoader(chunk_bytes=4096, buffers=3, readers=2, stage_cpu=True)
+
+    def reader(path, names, device):
+        reads.append((path, len(names)))
+        return loader.read_tensors(path, names, device)
+
+    sequence = [("a", 0.8), ("b", 1.0), ("a", 0.5), (None, 0.0), ("c", 1.0)]
+    plain = _run(model, files, sequence, 1 << 30)
+    staged = _run(model, files, sequence, 1 << 30, factor_reader=reader)
+    for (w0, read0, _), (w1, read1, _) in zip(plain, staged, strict=True):
+        assert read0 == read1
+        for key in w0:
+            assert torch.equal(w0[key].view(torch.uint8), w1[key].view(torch.uint8)), key
+    assert [p for p, _ in reads] == [files["a"], files["b"], files["c"]]  # cached after the first read
+    assert all(n > 0 and n % 2 == 0 for _, n in reads)  # lora_A and lora_B of each key

@@ -21,7 +21,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +128,36 @@ class StagedSafetensorsLoader:
                 size += value.nbytes
                 dtypes.add(value.dtype)
         return StateDict(sd=sd, device=device, size=size, dtype=dtypes)
+
+    def read_tensors(self, path: str, names: Sequence[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The tensors `names` of one file (their names in the file, no key ops) on `device`, as views of one
+        allocation. Tensors that follow each other in the file stay adjacent there, so their bytes travel in
+        `chunk_bytes` pieces rather than one small copy per tensor: what a request LoRA's thousands of
+        ~1 MB factors need (`LoraWeightTracker(factor_reader=...)`). A name the file lacks: `KeyError`."""
+        device = torch.device(device)
+        wanted = set(names)
+        entries = [e for e in read_header(path)[0] if e.name in wanted]
+        if len(entries) != len(wanted):
+            missing = sorted(wanted - {e.name for e in entries})
+            raise KeyError(f"{path}: no tensor named {missing[:5]} ({len(missing)} missing)")
+        if device.type != "cuda" and not self.stage_cpu:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                return {name: f.get_tensor(name) for name in names}
+        offsets, end, previous = [], 0, None
+        for entry in entries:  # (file order) adjacent in the file: adjacent here; else a fresh aligned start
+            adjacent = previous is not None and previous.begin + previous.nbytes == entry.begin
+            if not adjacent or end % entry.dtype.itemsize:
+                end = -(-end // _ALIGN) * _ALIGN
+            offsets.append(end)
+            end += entry.nbytes
+            previous = entry
+        flat = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
+        self._copy(path, list(_segments(entries, offsets)), flat)
+        return {
+            e.name: flat[o : o + e.nbytes].view(e.dtype).view(e.shape) for e, o in zip(entries, offsets, strict=True)
+        }
 
     # ---- one file ------------------------------------------------------------------------------------
     def _load_file(self, path: str, sd_ops: Any, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
