@@ -44,6 +44,8 @@ from worker.protocol.redisacl import REDIS_MEMORY_ARGS
 __all__ = ["LOOPBACK", "RedisServer", "S3Server", "ServerError", "descendants", "find_redis_server", "find_weed",
            "free_port", "free_ports", "pid_alive", "remove_weed_sockets", "s3_client", "stop_process"]  # fmt: skip
 
+WARMUP_KEY = ".ltx-dev-warmup"  #: written and deleted once when a dev SeaweedFS starts (`S3Server._wait_bucket`)
+
 
 class ServerError(RuntimeError):
     """A development server could not be started (missing binary, early exit, not ready in time)."""
@@ -398,10 +400,15 @@ class S3Server(_ServerProcess):
         remove_weed_sockets(self.ports)
 
     def _wait_bucket(self, timeout: float) -> None:
-        """Ready means the bucket answers a signed request (the S3 port opens before the filer is up)."""
+        """Ready means the bucket answers a signed request (the S3 port opens before the filer is up) and has
+        taken its first write. SeaweedFS allocates a bucket's volumes on the first object written to it:
+        0.2 s on a 2-core VM, 1.1 s on a GPU host, once in the bucket's life. Left to the first job, it was
+        the p90 of every `bench/e2e.py` run; a real bucket pays it once, not per worker or per job."""
         client = self.client()
         self._wait_answering(lambda: client.head_bucket(Bucket=self.bucket), timeout, process="weed mini",
                              what=f"weed mini bucket {self.bucket!r}")  # fmt: skip
+        client.put_object(Bucket=self.bucket, Key=WARMUP_KEY, Body=b"\0")  # (an empty object has no volume)
+        client.delete_object(Bucket=self.bucket, Key=WARMUP_KEY)
 
     def client(self, endpoint_url: str | None = None) -> Any:
         """A boto3 S3 client configured for this server (path style, checksums only when required)."""
