@@ -19,12 +19,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def _inductor_compiles_for_cpu(env: dict[str, str]) -> str | None:
+    """None, or why inductor cannot build CPU code here (no C++ compiler, no Python headers): the bench's
+    logic is what this file tests, not the machine's toolchain."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "no C++ compiler"
+    probe = "import torch; print(torch.compile(lambda x: x * 2 + 1)(torch.ones(4)).sum().item())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env,
+                          check=False)  # fmt: skip
+    return None if done.returncode == 0 and done.stdout.strip() == "12.0" else done.stderr.strip()[-300:]
+
+
 def test_block_compile_bench_cpu_smoke(tmp_path: Path) -> None:
     pytest.importorskip("ltx_core")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    why = _inductor_compiles_for_cpu(env)
+    if why is not None:
+        pytest.skip(f"inductor cannot compile CPU code on this machine: {why}")
     cmd = [sys.executable, str(ROOT / "bench" / "block_compile.py"), "--device", "cpu", "--dims", "tiny",
            "--tokens", "96", "--weights", "bf16", "--iters", "1", "--warmup", "1"]  # fmt: skip
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
