@@ -11,23 +11,16 @@ Sources:
 - `uri`: `s3://bucket/key` under `LTX_LORA_S3_PREFIXES`, read with the worker's S3 client; its size comes
   from a HEAD first, so an over-limit object is refused before a byte is fetched.
 
-The cache (`LoraCache`) is a folder shared by the worker's fleets (processes): files are named by content
-(`sha256` of a catalogue file, `ETag`+size of an S3 object), so a LoRA replaced under the same name is a new
-file and the tracker's per-path factor memo can never serve stale weights. Writes are atomic (a temporary
-file in the same folder, fsync, `os.replace`); the size cap is kept by evicting least recently used files
-under an exclusive `flock`, sparing files used in the last `busy_s` seconds (a fleet may be about to
-read them; the cap can then be exceeded briefly). Only files that passed the check are ever renamed in.
+The cache (`worker.render.loracache.LoraCache`) is a folder of checked files named by content, shared by the
+worker's fleets; its module says how it stays consistent and durable.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +29,7 @@ from typing import Any
 from ltx_mgpu.lorafile import LoraFileError, LoraLimits, check_lora, transformer_targets
 from worker.protocol.health import LoraOffer
 from worker.protocol.lorarefs import LoraRef, split_s3_uri, uri_allowed
+from worker.render.loracache import LoraCache
 
 __all__ = ["LoraCache", "LoraRefused", "LoraResolver", "ResolvedLora"]
 
@@ -99,87 +93,6 @@ class ResolvedLora:
         return {"lora": self.label, "strength": self.strength, "cached": self.cached,
                 "fetch_bytes": self.fetch_bytes, "fetch_s": round(self.fetch_s, 4),
                 "verify_s": round(self.verify_s, 4)}  # fmt: skip
-
-
-# ==== the cache ============================================================================================
-
-
-class LoraCache:
-    """Content-named checked LoRA files in one folder, size-capped, least recently used evicted first."""
-
-    def __init__(self, root: Path | str, cap_bytes: int, *, busy_s: float = 600.0) -> None:
-        self.root = Path(root)
-        self.cap_bytes = int(cap_bytes)
-        self.busy_s = float(busy_s)  # (the folder is made at the first fetch: a worker no request asks a LoRA of
-        # leaves nothing behind, the demo's TMPDIR included)
-
-    def path_for(self, key: str) -> Path:
-        return self.root / f"{key}{_SUFFIX}"
-
-    def get(self, key: str) -> Path | None:
-        """The cached file, marked as just used; None on a miss."""
-        path = self.path_for(key)
-        try:
-            os.utime(path)
-        except FileNotFoundError:
-            return None
-        return path
-
-    @contextlib.contextmanager
-    def incoming(self) -> Iterator[Path]:
-        """A temporary path in the cache folder (same file system, so `commit` is an atomic rename)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".incoming-", suffix=_SUFFIX, dir=self.root)
-        os.close(fd)
-        try:
-            yield Path(name)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
-
-    def commit(self, tmp: Path, key: str) -> Path:
-        """Move a checked temporary file in under `key`, then evict down to the cap."""
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        path = self.path_for(key)
-        os.replace(tmp, path)
-        self.evict(keep=path)
-        return path
-
-    def evict(self, keep: Path | None = None) -> list[Path]:
-        """Remove least recently used files until the folder is within the cap (see the module docstring)."""
-        removed: list[Path] = []
-        if not self.root.is_dir():
-            return removed
-        with self._locked():
-            files = []
-            for p in self.root.glob(f"*{_SUFFIX}"):
-                if p.name.startswith("."):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    st = p.stat()
-                    files.append((st.st_mtime, st.st_size, p))
-            total = sum(size for _, size, _ in files)
-            now = time.time()
-            for mtime, size, p in sorted(files, key=lambda f: f[0]):
-                if total <= self.cap_bytes:
-                    break
-                if p == keep or now - mtime < self.busy_s:
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-                    removed.append(p)
-                total -= size
-        return removed
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.root / ".lock", "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 # ==== the resolver ==========================================================================================

@@ -1,0 +1,75 @@
+"""`LoraCache`'s durability off the job's path: a committed LoRA is usable before its fsync, marked durable
+after it, and a file from an earlier boot that was never marked is dropped (it may be torn)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from worker.render import loracache
+from worker.render.loracache import LoraCache
+
+
+def _commit(cache: LoraCache, key: str, data: bytes) -> Path:
+    with cache.incoming() as tmp:
+        tmp.write_bytes(data)
+        return cache.commit(tmp, key)
+
+
+def _later(cache: LoraCache) -> LoraCache:
+    if not cache._durable_later():
+        pytest.skip("this file system keeps no user xattrs, or the boot time is unknown: commits fsync first")
+    return cache
+
+
+def test_a_commit_is_usable_before_its_fsync_and_durable_after(tmp_path: Path, monkeypatch) -> None:
+    cache = _later(LoraCache(tmp_path / "c", cap_bytes=1 << 20))
+    release, synced = threading.Event(), []
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:  # the disk takes its time: the job must not wait for it
+        assert release.wait(30)
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(loracache.os, "fsync", slow_fsync)
+    path = _commit(cache, "a", b"factors")
+    assert path.read_bytes() == b"factors" and cache.get("a") == path  # in use while its fsync waits
+    assert not synced and not cache.wait_durable(timeout=0.05)
+    release.set()
+    assert cache.wait_durable(timeout=30) and synced
+    assert os.getxattr(path, loracache._DURABLE_XATTR) == b"1"
+
+
+def test_a_file_from_an_earlier_boot_is_kept_only_if_marked_durable(tmp_path: Path) -> None:
+    cache = _later(LoraCache(tmp_path / "c", cap_bytes=1 << 20))
+    durable = _commit(cache, "durable", b"d")
+    assert cache.wait_durable(timeout=30)
+    torn = cache.path_for("torn")  # renamed in by a process that died, and the machine with it, before its fsync
+    torn.write_bytes(b"t")
+    before_boot = float(cache.boot_time) - 100
+    for path in (durable, torn):
+        os.utime(path, (before_boot, before_boot))
+    after_reboot = LoraCache(tmp_path / "c", cap_bytes=1 << 20)  # (another process: nothing of its own syncing)
+    assert after_reboot.get("durable") == durable
+    assert after_reboot.get("torn") is None and not torn.exists()  # fetched again, never read
+    fresh = cache.path_for("fresh")  # written in this boot: the page cache holds it whole, fsynced or not
+    fresh.write_bytes(b"f")
+    assert after_reboot.get("fresh") == fresh
+
+
+def test_without_xattrs_a_commit_fsyncs_before_its_rename(tmp_path: Path, monkeypatch) -> None:
+    cache = LoraCache(tmp_path / "c", cap_bytes=1 << 20)
+    cache._xattrs = False  # (a file system without user xattrs: nothing could mark a file durable later)
+    order: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(loracache.os, "fsync", lambda fd: (order.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(loracache.os, "replace", lambda a, b: (order.append("replace"), real_replace(a, b))[1])
+    path = _commit(cache, "a", b"x")
+    assert order == ["fsync", "replace"] and cache.get("a") == path
+    old = float(cache.boot_time or 0) - 100
+    os.utime(path, (old, old))
+    assert cache.get("a") == path  # (fsynced before it was renamed in: trusted after a reboot)
