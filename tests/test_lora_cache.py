@@ -73,3 +73,17 @@ def test_without_xattrs_a_commit_fsyncs_before_its_rename(tmp_path: Path, monkey
     old = float(cache.boot_time or 0) - 100
     os.utime(path, (old, old))
     assert cache.get("a") == path  # (fsynced before it was renamed in: trusted after a reboot)
+
+
+@pytest.mark.parametrize("size", [0, 5, 4096 * 7 + 3])
+def test_a_catalogue_copy_is_the_files_bytes_and_their_sha256(tmp_path: Path, monkeypatch, size: int) -> None:
+    """The catalogue copy hashes one chunk while the previous one is written: the order and the digest hold."""
+    import hashlib
+
+    from worker.render import loras
+
+    monkeypatch.setattr(loras, "_CHUNK", 4096)  # (many chunks in flight on a small file)
+    source, dest = tmp_path / "s", tmp_path / "d"
+    source.write_bytes(os.urandom(size))
+    assert loras._copy_hashing(source, dest) == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert dest.read_bytes() == source.read_bytes()
