@@ -31,6 +31,11 @@ from fp8 import _Case, _graph, _outputs, _rel, kernel_profile
 from sp_block import DIMS, _time
 
 
+def _bound(block: Any, *args: Any) -> Any:
+    """`block` called with `args`, as a no-argument callable (what `_graph` and `_time` take)."""
+    return lambda: block(*args)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -53,24 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     compiled = {name: torch.compile(blocks[name], dynamic=True, mode=args.mode) for name in args.weights.split(",")}
     summary: list[str] = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        run_bf16, run_fp8, _ = case.calls(tokens)
-        eager_calls = {"bf16": run_bf16, "fp8": run_fp8}
+        vargs, aargs, pert = case.ltx_args(tokens)
         for name, cblock in compiled.items():
-            eager = eager_calls[name]
-            # the same arguments as the eager call: its closure's cells (aargs, pert, self, vargs by name)
-            cells = dict(zip(eager.__code__.co_freevars, (c.cell_contents for c in eager.__closure__), strict=True))
-            vargs, aargs, pert = cells["vargs"], cells["aargs"], cells["pert"]
+            eager, ccall = (_bound(b, vargs, aargs, pert) for b in (blocks[name], cblock))
             with torch.no_grad():
                 t0 = time.perf_counter()
-                out_c = _outputs(cblock(vargs, aargs, pert))
+                out_c = _outputs(ccall())
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 compile_s = time.perf_counter() - t0
                 out_e = _outputs(eager())
-
-                def ccall(cblock: Any = cblock, vargs: Any = vargs, aargs: Any = aargs, pert: Any = pert) -> Any:
-                    return cblock(vargs, aargs, pert)
-
                 run_e = _graph(eager, device)[0]
                 run_c = _graph(ccall, device)[0]
                 eager_ms = _time(run_e, device, args.iters, args.warmup)

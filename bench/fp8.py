@@ -181,13 +181,17 @@ class _Case:
             self.bf16 = block.to(dtype=torch.bfloat16).eval()
         self.fp8 = convert_linears(copy.deepcopy(self.bf16), quantize=True)
 
+    def ltx_args(self, tokens: int) -> tuple[Any, Any, Any]:
+        """(video args, audio args, perturbations): what an ltx-core block is called with at `tokens`."""
+        from ltx_core.guidance.perturbations import BatchedPerturbationConfig
+
+        vargs, aargs, _, _ = _inputs(self.model, self.cfg, tokens, self.device, torch.bfloat16)
+        return vargs, aargs, BatchedPerturbationConfig.empty(1)
+
     def calls(self, tokens: int) -> tuple[Any, Any, Any]:
         """(bf16 call, fp8 call, the input's video tokens x) for `tokens` video tokens."""
         if self.kind == "ltx":
-            from ltx_core.guidance.perturbations import BatchedPerturbationConfig
-
-            pert = BatchedPerturbationConfig.empty(1)
-            vargs, aargs, _, _ = _inputs(self.model, self.cfg, tokens, self.device, torch.bfloat16)
+            vargs, aargs, pert = self.ltx_args(tokens)
             return (lambda: self.bf16(vargs, aargs, pert)), (lambda: self.fp8(vargs, aargs, pert)), vargs.x
         gen = torch.Generator(device=self.device).manual_seed(tokens + 1)
         x = _activation(1, tokens, self.width, gen, self.device)

@@ -94,11 +94,14 @@ def test_read_tensors_gives_the_named_tensors_as_views_of_one_allocation(tmp_pat
     assert len(storages) == 1
     everything = loader.read_tensors(str(path), list(want), "cpu")
     entries = read_header(str(path))[0]
-    for before, after in pairwise(entries):
+    base, runs = min(t.data_ptr() for t in everything.values() if t.numel()), 0
+    for before, after in pairwise(entries):  # (every tensor of the file: each follows its predecessor there)
         a, b = everything[before.name], everything[after.name]
-        if before.nbytes and after.nbytes and b.element_size() == a.element_size():  # same file run
+        if before.nbytes and after.nbytes and (a.data_ptr() - base + before.nbytes) % 16 == 0:
             assert b.data_ptr() - a.data_ptr() == after.begin - before.begin, (before.name, after.name)
+            runs += 1
+    assert runs  # (the file has tensors of 16-byte multiples: some do travel as one run)
     for t in everything.values():
-        assert t.data_ptr() % t.element_size() == 0
+        assert t.numel() == 0 or (t.data_ptr() - base) % 16 == 0  # (GEMM kernels want 16-byte aligned operands)
     with pytest.raises(KeyError, match="no tensor named"):
         loader.read_tensors(str(path), ["vocoder.x", "not.there"], "cpu")

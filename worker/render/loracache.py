@@ -105,7 +105,8 @@ class LoraCache:
         return bool(self._xattrs) and self.boot_time is not None
 
     def wait_durable(self, timeout: float | None = None) -> bool:
-        """Wait until every file committed here is fsynced and marked (tests, a clean stop); True if so."""
+        """Wait until every file committed here is fsynced and marked; True if so. (Nothing waits for it at a
+        stop: an unmarked file is only fetched again if the machine reboots before its next use.)"""
         with self._cond:
             return self._cond.wait_for(lambda: not self._syncing, timeout)
 

@@ -145,19 +145,8 @@ class StagedSafetensorsLoader:
 
             with safe_open(path, framework="pt", device=str(device)) as f:
                 return {name: f.get_tensor(name) for name in names}
-        offsets, end, previous = [], 0, None
-        for entry in entries:  # (file order) adjacent in the file: adjacent here; else a fresh aligned start
-            adjacent = previous is not None and previous.begin + previous.nbytes == entry.begin
-            if not adjacent or end % entry.dtype.itemsize:
-                end = -(-end // _ALIGN) * _ALIGN
-            offsets.append(end)
-            end += entry.nbytes
-            previous = entry
-        flat = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
-        self._copy(path, list(_segments(entries, offsets)), flat)
-        return {
-            e.name: flat[o : o + e.nbytes].view(e.dtype).view(e.shape) for e, o in zip(entries, offsets, strict=True)
-        }
+        values = self._read_entries(path, entries, device, keep_runs=True)
+        return {e.name: v for e, v in zip(entries, values, strict=True)}
 
     # ---- one file ------------------------------------------------------------------------------------
     def _load_file(self, path: str, sd_ops: Any, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -168,24 +157,35 @@ class StagedSafetensorsLoader:
             key = entry.name if sd_ops is None else sd_ops.apply_to_key(entry.name)
             if key is not None:
                 chosen.append((entry, key))
-        offsets, total = [], 0
-        for entry, _ in chosen:
-            offsets.append(total)
-            total += -(-entry.nbytes // _ALIGN) * _ALIGN
-        flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-        self._copy(path, list(_segments([e for e, _ in chosen], offsets)), flat)
+        values = self._read_entries(path, [e for e, _ in chosen], device, keep_runs=False)
         out: list[tuple[str, torch.Tensor]] = []
-        for (entry, key), offset in zip(chosen, offsets, strict=True):
-            value = flat[offset : offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+        for (_, key), value in zip(chosen, values, strict=True):
             out.extend(((key, value),) if sd_ops is None else sd_ops.apply_to_key_value(key, value))
-        base = flat.untyped_storage().data_ptr()
-        views = [v.untyped_storage().data_ptr() == base for _, v in out]
-        if not all(views):
-            # Key-value ops replaced some tensors (e.g. a quantization casting weights): the few views left would
-            # keep the whole allocation alive beside the replacements, so they get storage of their own.
-            out = [(k, v.clone() if is_view else v) for (k, v), is_view in zip(out, views, strict=True)]
-        del flat
+        if values:
+            base = values[0].untyped_storage().data_ptr()
+            views = [v.untyped_storage().data_ptr() == base for _, v in out]
+            if not all(views):
+                # Key-value ops replaced some tensors (e.g. a quantization casting weights): the few views left
+                # would keep the whole allocation alive beside the replacements, so they get storage of their own.
+                out = [(k, v.clone() if is_view else v) for (k, v), is_view in zip(out, views, strict=True)]
         return iter(out)
+
+    def _read_entries(self, path: str, entries: list[_Entry], device: torch.device, *, keep_runs: bool
+                      ) -> list[torch.Tensor]:  # fmt: skip
+        """`entries` (in file order) read into one `device` allocation, as views. Each starts at a multiple of
+        `_ALIGN` bytes, except, with `keep_runs`, one that follows its predecessor in the file at a 16-byte
+        boundary: it stays adjacent, so a run of small tensors travels as one piece."""
+        offsets, end, previous = [], 0, None
+        for entry in entries:
+            adjacent = keep_runs and previous is not None and previous.begin + previous.nbytes == entry.begin
+            if not (adjacent and end % 16 == 0):
+                end = -(-end // _ALIGN) * _ALIGN
+            offsets.append(end)
+            end += entry.nbytes
+            previous = entry
+        flat = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
+        self._copy(path, list(_segments(entries, offsets)), flat)
+        return [flat[o : o + e.nbytes].view(e.dtype).view(e.shape) for e, o in zip(entries, offsets, strict=True)]
 
     def _copy(self, path: str, segments: list[tuple[int, int, int]], flat: torch.Tensor) -> None:
         """Read every segment's bytes into `flat`. Reader threads fill a ring of staging buffers; this thread
