@@ -11,8 +11,12 @@ Thread-safe: upload progress arrives from transfer threads while the main thread
 
 Redis may restart under a running job (found by the chaos suite: one failed XADD during a restart turned a
 healthy render into a terminal `internal` failure). Writes are therefore retried on connection errors for
-up to `REDIS_OUTAGE_S` with a short back-off; with AOF nothing acknowledged is lost, and an event whose
-reply was lost in the outage may appear twice in the stream (at-least-once), never zero times.
+up to `REDIS_OUTAGE_S` with a short back-off; with AOF nothing acknowledged is lost. A write can also be
+applied with its reply lost (Redis stopped by SIGTERM persists what it executed but may close the socket
+before the reply leaves): a plain retry then added the event twice, and a consumer saw a job end twice
+(the chaos suite, CI seed 20240607). So a retry first looks for the event among the stream's newest
+entries (each event's payload is unique: it carries its emit time) and only completes the rest of the
+write when it is there: every event appears exactly once.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from worker.protocol.states import TERMINAL_STATES, EventType, JobState
 __all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
 
 REDIS_OUTAGE_S = 30.0  #: how long relay writes keep retrying while Redis is unreachable
+_RETRY_LOOKBACK = 16  #: newest stream entries a retried write searches for its own event
 
 
 def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S) -> Any:
@@ -98,30 +103,53 @@ class EventRelay:
                 data["percent"], data["eta_s"] = changes["percent"], changes["eta_s"]
             elif etype == EventType.STAGE.value:
                 changes.update(stage=data.get("stage"), step=None, total=None, percent=None, eta_s=None)
-            entry_id = with_redis_retry(lambda: self._write(data, etype, changes, ttl))
+            if changes:
+                changes["updated_at"] = data["ts"]
+            payload = json.dumps(data, default=str)
+            tries = 0
+
+            def write() -> Any:
+                nonlocal tries
+                tries += 1
+                return self._write(payload, etype, changes, ttl, maybe_written=tries > 1)
+
+            entry_id = with_redis_retry(write)
             self.entries += 1
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
-    def _write(self, data: dict[str, Any], etype: str, changes: dict[str, Any], ttl: int | None) -> Any:
-        """One pipeline: XADD, the stream's expiry, the summary. Safe to repeat after a connection error."""
+    def _write(self, payload: str, etype: str, changes: dict[str, Any], ttl: int | None, *,
+               maybe_written: bool) -> Any:  # fmt: skip
+        """One pipeline: XADD, the stream's expiry, the summary. Safe to repeat after a connection error:
+        with `maybe_written` (an earlier try failed) the XADD is skipped when the event is already there."""
+        written = self._find_entry(payload) if maybe_written else None
         pipe = self.connection.pipeline(transaction=False)
-        pipe.xadd(
-            self.key,
-            {EVENT_FIELD_TYPE: etype, EVENT_FIELD_DATA: json.dumps(data, default=str)},
-            maxlen=self.maxlen,
-            approximate=True,
-        )
+        if written is None:
+            pipe.xadd(
+                self.key,
+                {EVENT_FIELD_TYPE: etype, EVENT_FIELD_DATA: payload},
+                maxlen=self.maxlen,
+                approximate=True,
+            )
         if ttl is not None:
             pipe.expire(self.key, max(1, int(ttl)))
         elif not self._expiry_set:
             pipe.expire(self.key, self.running_ttl)
         if changes:
-            changes["updated_at"] = data["ts"]
             self.meta.update(changes)
             pipe.hset(self.job.key, "meta", self.job.serializer.dumps(self.meta))
-        entry_id = pipe.execute()[0]
+        replies = pipe.execute()
         self._expiry_set = True  # only once the pipeline went through (a retried write sets it again)
-        return entry_id
+        return written if written is not None else replies[0]
+
+    def _find_entry(self, payload: str) -> Any:
+        """The id of the stream entry holding exactly `payload`, among the newest few, or None. Only this
+        relay writes while its lock is held, so an event applied before its reply was lost is at most a few
+        entries from the top (other executions of the job wrote before this one started)."""
+        for entry_id, fields in self.connection.xrevrange(self.key, count=_RETRY_LOOKBACK):
+            data = fields.get(EVENT_FIELD_DATA.encode(), fields.get(EVENT_FIELD_DATA))
+            if (data.decode() if isinstance(data, bytes) else data) == payload:
+                return entry_id
+        return None
 
     def state(self, state: JobState, *, ttl: int | None = None, **extra: Any) -> str:
         """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`
