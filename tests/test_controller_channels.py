@@ -6,8 +6,11 @@ rank read, so the 64 KiB pipe filled after ~176 jobs and `stream()` blocked fore
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
+import pickle
 import queue
+import resource
 import threading
 import time
 
@@ -20,6 +23,7 @@ from ltx_mgpu.control.transport import Channel, ChannelClosed, ChannelTimeout
 from .controller_runners import ScriptedRunner
 
 JOBS = 1000
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)  # (Linux; the constant is in fcntl from Python 3.10)
 
 
 def _run_jobs(ctl: MGPUController, world: int, progress: list[int], failures: list[str]) -> None:
@@ -84,7 +88,11 @@ def _fill(ch: Channel) -> int:
 
 
 def test_put_on_a_pipe_nobody_reads_times_out(channel: Channel) -> None:
-    assert 10 < _fill(channel) < 200  # ~64 KiB of pipe
+    # How many fit depends on the machine's pipe (64 KiB by default with 4 KiB pages, 1 MiB with 64 KiB pages,
+    # one page for a user over pipe-user-pages-soft): at least one frame per page, at most the bytes' worth.
+    capacity = fcntl.fcntl(channel._writer.fileno(), _F_GETPIPE_SZ)
+    frame = 4 + len(pickle.dumps(b"x" * 1000, pickle.HIGHEST_PROTOCOL))
+    assert min(capacity // resource.getpagesize(), capacity // frame) <= _fill(channel) <= capacity // frame
     t0 = time.monotonic()
     with pytest.raises(ChannelTimeout, match="room in the pipe"):
         channel.put({"big": b"y" * 100_000}, timeout=0.3)
