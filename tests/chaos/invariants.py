@@ -4,7 +4,8 @@ Invariants (each violation is counted, with the job id and why):
 - lost: an accepted job does not end in exactly one terminal state (meta `state` uploaded/failed/cancelled,
   one terminal `state` event in its stream, an RQ status that agrees);
 - duplicated: a job's render started again without the earlier execution recorded as failed first (a
-  `retrying` event between the two starts), or more than one successful RQ result;
+  `retrying` event between the two starts), more than one successful RQ result, or one event in its stream
+  twice (each event's payload carries its emit time: two equal entries are one write applied twice);
 - corrupt: an uploaded job whose object is missing or whose bytes' sha256/size differ from its result;
 - leaked processes: pids of the run (collected while it ran, or carrying its environment marker) alive
   after the supervisor stopped;
@@ -60,8 +61,8 @@ class Verdict:
         return not (self.lost or self.duplicated or self.corrupt or self.leaked or self.memory)
 
 
-def _events(conn: Any, job_id: str) -> list[dict[str, Any]]:
-    return [json.loads(f[EVENT_FIELD_DATA.encode()]) for _, f in conn.xrange(events_key(job_id))]
+def _raw_events(conn: Any, job_id: str) -> list[bytes]:
+    return [f[EVENT_FIELD_DATA.encode()] for _, f in conn.xrange(events_key(job_id))]
 
 
 def job_state(conn: Any, job_id: str) -> str | None:
@@ -85,7 +86,10 @@ def check(conn: Any, s3: Any, exec_log_dir: Path, accepted: list[Accepted], *, b
         meta = job.get_meta(refresh=False)
         state = meta.get("state")
         status = str(job.get_status(refresh=False).value)
-        evts = _events(conn, jid)
+        raw_events = _raw_events(conn, jid)
+        evts = [json.loads(raw) for raw in raw_events]
+        if len(set(raw_events)) != len(raw_events):
+            v.duplicated.append(f"{jid} ({acc.kind}): {len(raw_events) - len(set(raw_events))} event(s) written twice")
         terminal_events = [e for e in evts if e["type"] == "state" and e.get("state") in TERMINAL]
         v.outcomes[jid] = state or "none"
         if state not in TERMINAL:
