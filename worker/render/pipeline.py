@@ -51,7 +51,7 @@ from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
 from worker.protocol.health import UploadsHealth
-from worker.protocol.relay import EventRelay
+from worker.protocol.relay import EventRelay, with_redis_retry
 from worker.protocol.states import FailureReason, JobState
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import StoredObject
@@ -383,9 +383,12 @@ class UploadPipeline:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
         result = self.make_result(item, stored, upload_s, wait_s)
-        # RQ's result first, then `uploaded`: whoever sees it finds the final result, never RQ's placeholder
-        rqcompat.record_success_after_return(job, result, self.outcomes.result_ttl(job), self.worker_name,
-                                             recovered=item.recovered)  # fmt: skip
+        # RQ's result first, then `uploaded`: whoever sees it finds the final result, never RQ's placeholder.
+        # Retried through a Redis restart (it is idempotent: one MULTI, and a result already there is not
+        # written again); giving up on the first connection error left the job `uploading` until the worker
+        # restarted and recovered its spool.
+        with_redis_retry(lambda: rqcompat.record_success_after_return(
+            job, result, self.outcomes.result_ttl(job), self.worker_name, recovered=item.recovered))  # fmt: skip
         self.outcomes.uploaded(job, item.relay, result)
         self._safe(rqcompat.finish_if_uploaded, job, self.outcomes.result_ttl(job),  # a late abandoned-job cleanup
                    uploaded_state=JobState.UPLOADED.value)  # fmt: skip
@@ -405,9 +408,10 @@ class UploadPipeline:
         # RQ saw this job finish (it returned at `rendered`): move it back by hand
         if retry:
             rqcompat.requeue_after_return(job)
-        else:
-            rqcompat.fail_after_return(job, f"JobFailed: {reason.value}: {exc}", self.outcomes.failure_ttl(job),
-                                       self.worker_name)  # fmt: skip
+        else:  # (retried like the success: a lost reply can at worst leave a second failure result)
+            message = f"JobFailed: {reason.value}: {exc}"
+            with_redis_retry(lambda: rqcompat.fail_after_return(job, message, self.outcomes.failure_ttl(job),
+                                                                self.worker_name))  # fmt: skip
 
     # ---- helpers --------------------------------------------------------------------------------------
     def _event_fn(self, relay: EventRelay | None) -> Callable[[dict[str, Any]], None]:
