@@ -19,7 +19,9 @@ __all__ = ["TcpProxy"]
 
 class TcpProxy:
     """Forwards 127.0.0.1:`port` to a target; `block()` makes the port refuse connections (and cuts open
-    ones) until `unblock()`. Used to make a server unreachable without stopping it.
+    ones) until `unblock()`. Used to make a server unreachable without stopping it. `drop_replies(n)`: the
+    next `n` replies the target sends are not passed on; their connections are cut instead (the target did
+    the work, the client never hears of it: what a server stopped right after a write looks like).
 
     Remote-like storage (benchmarks): `rate_bytes_per_s` caps the client→target bandwidth, shared by all
     connections (a token schedule: each chunk waits for its slot), and `latency_s` delays every new
@@ -44,6 +46,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._accept_thread: threading.Thread | None = None
         self.connections_refused = 0
+        self._replies_to_drop = 0
 
     @property
     def url(self) -> str:
@@ -86,6 +89,18 @@ class TcpProxy:
             self._accept_thread.join(timeout=5)
 
     stop = block
+
+    def drop_replies(self, count: int = 1) -> None:
+        """Cut the connection of each of the next `count` replies from the target instead of passing it on."""
+        with self._lock:
+            self._replies_to_drop += count
+
+    def _take_drop(self) -> bool:
+        with self._lock:
+            if self._replies_to_drop <= 0:
+                return False
+            self._replies_to_drop -= 1
+            return True
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
@@ -131,6 +146,8 @@ class TcpProxy:
                     self._throttle(len(data))
                 elif not upstream and self.latency_s:
                     time.sleep(self.latency_s)
+                if not upstream and self._replies_to_drop and self._take_drop():
+                    break  # (the finally below cuts both sides)
                 dst.sendall(data)
         except OSError:
             pass

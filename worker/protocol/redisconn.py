@@ -23,6 +23,8 @@ Imports only pydantic and (lazily) redis: the producer imports it without pullin
 from __future__ import annotations
 
 import ssl
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from worker.protocol.sharedsettings import (
     split_list,
 )
 
-__all__ = ["RedisAccess", "ServiceAccess", "connect", "connection_kwargs"]
+__all__ = ["RedisAccess", "ServiceAccess", "connect", "connection_kwargs", "single_try"]
 
 
 class RedisAccess(BaseModel):
@@ -133,3 +135,35 @@ def connect(settings: Any, **options: Any) -> Any:
     import redis
 
     return redis.Redis.from_url(settings.redis_url, **connection_kwargs(settings), **options)
+
+
+_SINGLE_TRY: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_SINGLE_TRY_LOCK = threading.Lock()
+
+
+def single_try(client: Any) -> Any:
+    """A client of the same server, user and TLS as `client` whose commands are sent once.
+
+    redis-py 8 sends a command again after a connection error, up to 10 times, by default. A write that
+    Redis executed just before the connection dropped (a restart: Redis persists what it ran and may close
+    the socket before the reply leaves) is then applied twice: an event, a result, a queue push. Writers
+    whose repetition matters use this client and retry themselves, knowing what a retry may repeat
+    (`worker.protocol.relay`). One per connection pool (its own pool, the same limits); a test double
+    without a pool is returned as it is."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    pool = getattr(client, "connection_pool", None)
+    if not isinstance(pool, redis.ConnectionPool):
+        return client
+    with _SINGLE_TRY_LOCK:
+        found = _SINGLE_TRY.get(pool)
+        if found is None:
+            # (the maintenance-notification handler belongs to its pool: the new pool makes its own)
+            kwargs = {k: v for k, v in pool.connection_kwargs.items() if k != "maint_notifications_pool_handler"}
+            kwargs["retry"] = Retry(NoBackoff(), 0)
+            found = redis.Redis(connection_pool=redis.ConnectionPool(
+                connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs))  # fmt: skip
+            _SINGLE_TRY[pool] = found
+        return found

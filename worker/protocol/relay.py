@@ -14,9 +14,11 @@ healthy render into a terminal `internal` failure). Writes are therefore retried
 up to `REDIS_OUTAGE_S` with a short back-off; with AOF nothing acknowledged is lost. A write can also be
 applied with its reply lost (Redis stopped by SIGTERM persists what it executed but may close the socket
 before the reply leaves): a plain retry then added the event twice, and a consumer saw a job end twice
-(the chaos suite, CI seed 20240607). So a retry first looks for the event among the stream's newest
-entries (each event's payload is unique: it carries its emit time) and only completes the rest of the
-write when it is there: every event appears exactly once.
+(the chaos suite, CI seed 20240607; redis-py's own silent retries did it, 10 by default in redis-py 8).
+So the relay writes through a client that sends each command once (`redisconn.single_try`), and its own
+retry first looks for the event among the stream's newest entries (each event's payload is unique: it
+carries its emit time) and only completes the rest of the write when it is there: every event appears
+exactly once.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
+from worker.protocol.redisconn import single_try
 from worker.protocol.states import TERMINAL_STATES, EventType, JobState
 
 __all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
@@ -71,6 +74,7 @@ class EventRelay:
         summary: dict[str, Any] | None = None,
     ) -> None:
         self.connection = connection
+        self.writer = single_try(connection)  # (retried here, where a retry knows what it may repeat)
         self.job = job
         self.key = events_key(job.id)
         self.maxlen = maxlen
@@ -122,7 +126,7 @@ class EventRelay:
         """One pipeline: XADD, the stream's expiry, the summary. Safe to repeat after a connection error:
         with `maybe_written` (an earlier try failed) the XADD is skipped when the event is already there."""
         written = self._find_entry(payload) if maybe_written else None
-        pipe = self.connection.pipeline(transaction=False)
+        pipe = self.writer.pipeline(transaction=False)
         if written is None:
             pipe.xadd(
                 self.key,
@@ -145,7 +149,7 @@ class EventRelay:
         """The id of the stream entry holding exactly `payload`, among the newest few, or None. Only this
         relay writes while its lock is held, so an event applied before its reply was lost is at most a few
         entries from the top (other executions of the job wrote before this one started)."""
-        for entry_id, fields in self.connection.xrevrange(self.key, count=_RETRY_LOOKBACK):
+        for entry_id, fields in self.writer.xrevrange(self.key, count=_RETRY_LOOKBACK):
             data = fields.get(EVENT_FIELD_DATA.encode(), fields.get(EVENT_FIELD_DATA))
             if (data.decode() if isinstance(data, bytes) else data) == payload:
                 return entry_id
@@ -170,7 +174,7 @@ class EventRelay:
             changes["updated_at"] = time.time()
             self.meta.update(changes)
             payload = self.job.serializer.dumps(self.meta)
-            with_redis_retry(lambda: self.connection.hset(self.job.key, "meta", payload))
+            with_redis_retry(lambda: self.writer.hset(self.job.key, "meta", payload))
 
     # ---- internals -----------------------------------------------------------------------------------
     def _progress_summary(self, data: dict[str, Any]) -> dict[str, Any]:

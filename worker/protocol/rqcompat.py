@@ -31,6 +31,7 @@ from rq.utils import now, utcformat
 
 from worker.protocol.handoff import HandOff
 from worker.protocol.keys import CANCEL_REQUESTED_FIELD
+from worker.protocol.redisconn import single_try
 
 __all__ = [
     "RQ_MINOR",
@@ -391,7 +392,9 @@ def record_success_after_return(job: Job, result: dict[str, Any], ttl: int, work
         return
     status = job.get_status(refresh=True)
     recorded = _uploaded_result_exists(job, result)
-    with job.connection.pipeline() as pipe:
+    # Sent once (`redisconn.single_try`): redis-py would re-send the whole MULTI after a reply lost in a Redis
+    # restart and add a second result; the caller retries this call, and the check above sees the first.
+    with single_try(job.connection).pipeline() as pipe:
         if not recorded:  # (a spool recovery after a crash between this and the `uploaded` state: once only)
             _drop_handoff(job, pipe)
             Result.create(job, Result.Type.SUCCESSFUL, ttl, return_value=result, worker_name=worker_name,
