@@ -6,7 +6,9 @@ letting the queue grow without bound. The check and the enqueue must be one atom
 racing for the last slot both get in. This uses Redis optimistic locking: WATCH the queue lists, the
 client's pending set and the job key; read depths; then MULTI/EXEC RQ's own enqueue (its public
 `Queue.enqueue_job(job, pipeline=...)`), so the job hash is written exactly as RQ writes it. If any
-watched key changed in between, EXEC fails and the whole decision is made again.
+watched key changed in between, EXEC fails and the whole decision is made again. If the connection died
+during a try (a Redis restart: the EXEC may have run with its reply lost), the next try recognises its own
+job by its `created_at` and returns it rather than calling it a duplicate; nothing is pushed twice.
 
 Per-client accounting: each admitted job id is added to a sorted set per client. Entries are pruned
 lazily inside the same transaction when their job ended (finished, failed, stopped, canceled) or expired,
@@ -22,6 +24,7 @@ from typing import Literal
 import redis
 from rq import Queue
 from rq.job import Job
+from rq.utils import utcformat
 
 from worker.protocol.keys import RQ_ENDED_STATUSES, check_client_name
 from worker.protocol.rqcompat import enqueue_unregistered
@@ -111,12 +114,17 @@ def enqueue_admitted(
     connection: redis.Redis = queue.connection
     ckey = client_key(client) if client else None
     keys = [q.key for q in counted_queues] + [job.key] + ([ckey] if ckey else [])
+    ours = utcformat(job.created_at)  # (RQ's `created_at` names one submission: `rqcompat.submission_of`)
+    cut = False  # a connection died during a try: its EXEC may have run with the reply lost
     with connection.pipeline() as pipe:
         for _ in range(_MAX_ATTEMPTS):
             try:
                 pipe.watch(*keys)
                 if pipe.exists(job.key):
-                    raw = pipe.hget(job.key, "status")
+                    raw, created = pipe.hmget(job.key, "status", "created_at")
+                    if cut and created is not None and created.decode(errors="replace") == ours:
+                        pipe.reset()
+                        return job  # our own transaction went through (all of it: MULTI/EXEC is atomic)
                     raise DuplicateJobError(job.id, raw.decode() if raw else None)
                 depth = sum(int(pipe.llen(q.key)) for q in counted_queues)
                 if policy.max_queue_depth is not None and depth >= policy.max_queue_depth:
@@ -141,7 +149,9 @@ def enqueue_admitted(
                     pipe.expire(ckey, CLIENT_KEY_TTL_S)
                 pipe.execute()
                 return job
-            except redis.WatchError:
+            except redis.WatchError as exc:
+                # (redis-py turns a connection error while watching into a WatchError, the original as context)
+                cut = cut or isinstance(exc.__context__, (redis.ConnectionError, redis.TimeoutError))
                 pipe.reset()
                 time.sleep(0.001)
                 continue

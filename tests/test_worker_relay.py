@@ -164,25 +164,3 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
     results = [r for r in Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).results()
                if r.type.name == "SUCCESSFUL"]  # fmt: skip
     assert [r.return_value.get("key") for r in results] == ["k"]
-
-
-def test_relay_event_once_when_redis_executed_it_but_the_reply_was_lost(redis_server_factory, unique_name):
-    """The same, end to end on a socket: Redis executes the relay's write, the connection is cut before the
-    reply arrives (a proxy drops it), and the client's retries (ours, and redis-py's own: 10 by default in
-    redis-py 8) must not add the event a second time."""
-    from worker.dev.tcpproxy import TcpProxy
-
-    server = redis_server_factory()
-    proxy = TcpProxy(server.port).start()
-    try:
-        conn = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=5)
-        job = Queue(unique_name, connection=conn, serializer=JSONSerializer).enqueue("worker.job.render", {})
-        relay = EventRelay(conn, job, maxlen=100, running_ttl=100)
-        relay.state(JobState.STARTED, attempt=1)
-        proxy.drop_replies(1)
-        relay.state(JobState.UPLOADED, result={"key": "k"}, ttl=60)
-        states = [json.loads(f[EVENT_FIELD_DATA.encode()]).get("state") for _, f in conn.xrange(events_key(job.id))]
-        assert states == ["started", "uploaded"]
-        conn.close()
-    finally:
-        proxy.stop()

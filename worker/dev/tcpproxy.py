@@ -19,9 +19,10 @@ __all__ = ["TcpProxy"]
 
 class TcpProxy:
     """Forwards 127.0.0.1:`port` to a target; `block()` makes the port refuse connections (and cuts open
-    ones) until `unblock()`. Used to make a server unreachable without stopping it. `drop_replies(n)`: the
-    next `n` replies the target sends are not passed on; their connections are cut instead (the target did
-    the work, the client never hears of it: what a server stopped right after a write looks like).
+    ones) until `unblock()`. Used to make a server unreachable without stopping it. `drop_replies(n, after)`:
+    the next `n` replies the target sends (to a request containing the bytes `after`, if given) are not
+    passed on; their connections are cut instead (the target did the work, the client never hears of it:
+    what a server stopped right after a write looks like).
 
     Remote-like storage (benchmarks): `rate_bytes_per_s` caps the client→target bandwidth, shared by all
     connections (a token schedule: each chunk waits for its slot), and `latency_s` delays every new
@@ -47,6 +48,7 @@ class TcpProxy:
         self._accept_thread: threading.Thread | None = None
         self.connections_refused = 0
         self._replies_to_drop = 0
+        self._drop_after: bytes | None = None
 
     @property
     def url(self) -> str:
@@ -90,14 +92,16 @@ class TcpProxy:
 
     stop = block
 
-    def drop_replies(self, count: int = 1) -> None:
-        """Cut the connection of each of the next `count` replies from the target instead of passing it on."""
+    def drop_replies(self, count: int = 1, *, after: bytes | None = None) -> None:
+        """Cut the connection of each of the next `count` replies from the target instead of passing it on
+        (only replies to a request that contained `after`, when given: e.g. b"EXEC")."""
         with self._lock:
             self._replies_to_drop += count
+            self._drop_after = after
 
-    def _take_drop(self) -> bool:
+    def _take_drop(self, state: dict[str, bool]) -> bool:
         with self._lock:
-            if self._replies_to_drop <= 0:
+            if self._replies_to_drop <= 0 or (self._drop_after is not None and not state.get("marked")):
                 return False
             self._replies_to_drop -= 1
             return True
@@ -122,8 +126,9 @@ class TcpProxy:
                     upstream.close()
                     return
                 self._conns.update((client, upstream))
+            state: dict[str, bool] = {}  # (shared by the two directions of this connection)
             for src, dst, up in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._pipe, args=(src, dst, up), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(src, dst, up, state), daemon=True).start()
 
     def _throttle(self, nbytes: int) -> None:
         assert self.rate
@@ -136,17 +141,21 @@ class TcpProxy:
         if delay > 0:
             time.sleep(delay)
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, upstream: bool = True) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, upstream: bool = True,
+              state: dict[str, bool] | None = None) -> None:  # fmt: skip
+        state = {} if state is None else state
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if upstream and self._replies_to_drop:
+                    state["marked"] = self._drop_after is None or self._drop_after in data
                 if upstream and self.rate:
                     self._throttle(len(data))
                 elif not upstream and self.latency_s:
                     time.sleep(self.latency_s)
-                if not upstream and self._replies_to_drop and self._take_drop():
+                if not upstream and self._replies_to_drop and self._take_drop(state):
                     break  # (the finally below cuts both sides)
                 dst.sendall(data)
         except OSError:
