@@ -114,6 +114,10 @@ def test_rq_maintenance_steps_mirrored_by_rqcompat_exist() -> None:
     assert _params(clean_registries) == ["queue", "exception_handlers"]
     assert _params(worker_registration.clean_worker_registry) == ["queue"]
     assert _params(IntermediateQueue.cleanup) == ["self", "worker", "queue"]
+    cleanup = inspect.getsource(IntermediateQueue.cleanup)  # (`clean_intermediate` repeats these steps)
+    for step in ("set_first_seen(job_id)", "should_be_cleaned_up(job_id)", "started_job_registry",
+                 f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}.'"):  # fmt: skip
+        assert step in cleanup, step
     assert isinstance(Queue.registry_cleaning_key, property) and callable(Queue.release_maintenance_lock)
     source = inspect.getsource(SimpleWorker.clean_registries)
     assert "ex=899" in (Path(rq.__file__).parent / "queue.py").read_text() and "acquire_maintenance_lock" in source
@@ -165,7 +169,7 @@ def test_an_upload_recorded_twice_leaves_one_uploaded_result(redis_client) -> No
 
 def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: list[Any]) -> tuple[Any, list[str]]:
     """`jobs` in `queue`'s intermediate list, first seen 10 minutes ago, then RQ's cleanup of that list by a
-    `FleetWorker`: (the list, the ids it recorded lost)."""
+    `FleetWorker` (`rqcompat.clean_intermediate`, RQ's steps): (the list, the ids it recorded lost)."""
     from rq.intermediate_queue import IntermediateQueue
     from rq.utils import now
 
@@ -177,7 +181,7 @@ def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: l
     lost: list[str] = []
     monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
     monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
-    intermediate.cleanup(worker, queue)
+    rqcompat.clean_intermediate(worker, queue)
     return intermediate, lost
 
 
@@ -285,3 +289,35 @@ def test_a_fleet_worker_shows_rq_a_horse_only_while_a_render_runs() -> None:
     assert worker.horse_pid == 0
     worker.service.current = object()
     assert worker.horse_pid == 1
+
+
+def test_entries_that_are_no_jobs_do_not_stop_the_intermediate_cleanup(redis_client, monkeypatch) -> None:
+    """RQ's cleanup raised on the first intermediate entry that is no valid job id (or not UTF-8, or names an
+    unreadable hash), which ended the worker's loop: the worker quit mid-soak while a tenant's queue of junk
+    passed through the list (each id is moved there before it is checked). Junk ids are dropped, an
+    unreadable hash is failed once stuck, and the real stuck job behind them is still recorded lost."""
+    from rq.intermediate_queue import IntermediateQueue
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+    from rq.utils import now
+
+    queue = Queue("junk", connection=redis_client, serializer=JSONSerializer)
+    intermediate = IntermediateQueue(queue.key, connection=redis_client)
+    stuck = queue.create_job("worker.job.render", args=({"prompt": "y"},))
+    stuck.save()
+    unreadable = queue.create_job("worker.job.render", args=({"prompt": "z"},), job_id="unreadable-1")
+    unreadable.save()
+    redis_client.hset(unreadable.key, "created_at", "yesterday")  # (Job.fetch raises on it)
+    for entry in (b"bogus 1 \x00 x", b"\xff\xfe", b"unreadable-1", stuck.id.encode()):
+        redis_client.rpush(intermediate.key, entry)
+    worker = FleetWorker.__new__(FleetWorker)
+    lost: list[str] = []
+    monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
+    monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
+    rqcompat.clean_intermediate(worker, queue)  # first pass: junk dropped, the rest only seen
+    assert redis_client.lrange(intermediate.key, 0, -1) == [b"unreadable-1", stuck.id.encode()] and lost == []
+    for job_id in ("unreadable-1", stuck.id):  # ... ten minutes later
+        redis_client.set(intermediate.get_first_seen_key(job_id), now().timestamp() - 600)
+    rqcompat.clean_intermediate(worker, queue)
+    assert redis_client.lrange(intermediate.key, 0, -1) == [] and lost == [stuck.id]
+    assert redis_client.hget("rq:job:unreadable-1", "status") == b"failed"

@@ -29,16 +29,12 @@ import json
 import os
 import random
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from click.testing import CliRunner
-
-from producer.cli import cli as producer_cli
 from producer.client import ProducerClient
 from producer.settings import ProducerSettings
 from tests.chaos import hostile
@@ -47,7 +43,7 @@ from tests.chaos.hostile import HOSTILE, VICTIM, BadInput
 from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
 from tests.chaos.stack import ChaosStack
 from tests.chaos.watchdog import Stalled, Watchdog
-from tests.test_worker_support import enqueue, wait_for
+from tests.test_worker_support import wait_for
 from worker.protocol.keys import tenant_queue
 from worker.protocol.schema import RenderRequest
 
@@ -247,87 +243,7 @@ class _Run:
 
     # ---- hostile input ---------------------------------------------------------------------------------
     def hostile(self, count: int, rng_seed: int) -> list[BadInput]:
-        stack, conn, own = self.stack, self.stack.conn, self.queues[HOSTILE]  # (the doors below are hers)
-        before = {h["pid"]: sorted(h["fleet"]["pids"]) for h in stack.wait_ready(120)}
-        payloads = hostile.generate_bad_inputs(rng_seed, count)
-        doors = ["cli", "enqueue"]
-        inputs = [BadInput(doors[i % 2], p, repr(p)[:60]) for i, p in enumerate(payloads)]
-        canary_dir = stack.workdir / "canary"
-        canary_dir.mkdir(exist_ok=True)
-        inputs += [BadInput("raw", fields, label, job_id=jid) for label, jid, fields in
-                   hostile.raw_job_hashes(own, canary_dir, tenant=HOSTILE)]  # fmt: skip
-        runner = CliRunner()
-        env = {"LTX_REDIS_URL": stack.redis.url, "LTX_QUEUES": stack.queue, "LTX_MAX_QUEUE_DEPTH": "0"}
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, bad in enumerate(inputs):
-                if bad.door == "cli":
-                    path = Path(tmp) / f"req{i}.json"
-                    path.write_text(hostile.to_text(bad.payload))
-                    # "rejected" = a non-zero exit and no job created. (Judged by the job hashes, not the queue's
-                    # length: the workers are consuming the enqueue-door inputs meanwhile, so the length moves
-                    # on its own and a rejected request used to be counted as accepted now and then.)
-                    jobs_before = set(conn.scan_iter(match="rq:job:*", count=1000))
-                    res = runner.invoke(producer_cli, ["submit", str(path)], env=env, catch_exceptions=True)
-                    created = set(conn.scan_iter(match="rq:job:*", count=1000)) - jobs_before
-                    bad.rejected = res.exit_code not in (0, None) and not created
-                    bad.detail = f"exit {res.exit_code}"
-                elif bad.door == "enqueue":
-                    deep = hasattr(bad.payload, "depth")
-                    payload = bad.payload if deep else json.loads(hostile.to_text(bad.payload))
-                    if hasattr(payload, "depth"):
-                        # too deep for json.dumps: written as a raw job hash of the render function instead
-                        bad.door, bad.job_id = "raw", f"{HOSTILE}-hostile-deep-{i}"
-                        hostile.raw_render(conn, own, bad.job_id, payload.text(), tenant=HOSTILE)
-                    else:
-                        bad.job_id = enqueue(conn, own, payload, job_timeout=60, job_id=f"{HOSTILE}-{i}-{stack.token}",
-                                             meta={"client": HOSTILE}).id  # fmt: skip
-                else:
-                    conn.hset(f"rq:job:{bad.job_id}", mapping=bad.payload)
-                    conn.rpush(f"rq:queue:{own}", bad.job_id)
-                    conn.sadd("rq:queues", f"rq:queue:{own}")
-        # a valid job behind them proves the workers still render, then judge each bad input
-        probe = self.submit("hostile_probe")
-        wait_for(lambda: job_state(conn, probe) in TERMINAL, 120, "probe after hostile input", poll=0.1,
-                 on_fail=stack.log_tail)  # fmt: skip
-        # The probe is another tenant's: fair shares let it pass her queue of junk (as they should), so under
-        # load (seed 11 with 12 burners) her inputs may still wait there when it ends. Each is judged once it
-        # has been handled, within a bounded wait: what is still unhandled then is judged as not rejected.
-        judged = [b for b in inputs if b.door != "cli"]
-        with contextlib.suppress(AssertionError):
-            wait_for(lambda: all(self._judge_hostile(b, own) for b in judged), 120,
-                     "the hostile inputs handled", poll=0.2)  # fmt: skip
-        for bad in judged:
-            self._judge_hostile(bad, own)
-        failed_own = [b.job_id for b in inputs if b.door == "enqueue" and b.rejected][:20]
-        inputs += hostile.run_queue_attacks(self, probe, failed_own)  # (after the judging above: ids now ended)
-        canaries = hostile.canary_paths(canary_dir)
-        after = {h["pid"]: sorted(h["fleet"]["pids"]) for h in stack.wait_ready(60)}
-        if canaries or after != before:
-            for bad in inputs:
-                if bad.door == "raw":
-                    bad.rejected = False
-            self.note({"event": "hostile_damage", "canaries": [str(c) for c in canaries], "before": before,
-                       "after": after})  # fmt: skip
-        self.note({"event": "hostile", "inputs": len(inputs), "rejected": sum(bool(b.rejected) for b in inputs),
-                   "not_rejected": [(b.door, b.label, b.detail) for b in inputs if not b.rejected]})  # fmt: skip
-        return inputs
-
-    def _judge_hostile(self, bad: BadInput, own: str) -> bool:
-        """Judge one enqueued or raw hostile input now (sets `rejected` and `detail`); True if rejected."""
-        conn = self.stack.conn
-        status = (conn.hget(f"rq:job:{bad.job_id}", "status") or b"").decode()
-        in_queue = conn.lpos(f"rq:queue:{own}", bad.job_id) is not None
-        if bad.door == "enqueue":
-            meta_state = job_state(conn, bad.job_id)
-            raw_meta = conn.hget(f"rq:job:{bad.job_id}", "meta")
-            reason = (json.loads(raw_meta).get("error") or {}).get("reason") if raw_meta else None
-            bad.rejected = status == "failed" and meta_state == "failed" and reason == "invalid_request"
-            bad.detail = f"RQ {status}, state {meta_state}, reason {reason}"
-        else:
-            has_data = "data" in bad.payload if isinstance(bad.payload, dict) else True
-            bad.rejected = not in_queue and (status == "failed" or not has_data)
-            bad.detail = f"RQ {status or 'none'}"
-        return bool(bad.rejected)
+        return hostile.run_hostile(self, count, rng_seed)
 
 
 def _retry(fn: Callable[[], Any], deadline_s: float = 60.0) -> Any:

@@ -40,6 +40,7 @@ __all__ = [
     "GuardedJob",
     "beat",
     "cancel_requested",
+    "clean_intermediate",
     "clean_registries",
     "cold_stop_is_repeat",
     "drop_cancelled_dequeued",
@@ -90,11 +91,50 @@ def clean_registries(worker: Any, lock_ttl_s: int) -> None:
             worker.log.info("Worker %s: cleaning registries for queue: %s", worker.name, queue.name)
             clean_queue_registries(queue, exception_handlers(worker))
             worker_registration.clean_worker_registry(queue)
-            queue.intermediate_queue.cleanup(worker, queue)
+            clean_intermediate(worker, queue)
         finally:
             with contextlib.suppress(redis.RedisError):  # (unreachable Redis: the lock expires on its own)
                 queue.release_maintenance_lock()
     worker.last_cleaned_at = now()
+
+
+def clean_intermediate(worker: Any, queue: Queue) -> None:
+    """RQ 2.12's `IntermediateQueue.cleanup` (a job left in the intermediate list by a worker that died between
+    taking it and starting it fails as stuck after a minute), tolerating entries that are not jobs.
+
+    RQ's version fetches every entry and raised on the first that is no valid job id, is not UTF-8 or names an
+    unreadable hash; the exception ended the worker's loop and the worker quit (the supervisor restarted it: the
+    chaos soak, seed 13 under load). Such entries pass through the list by design: a worker moves each id there
+    before it checks it (`worker.jobs.tenantqueues`), and a tenant's queue may hold anything. Here an entry that
+    can never name a job is dropped; one whose hash cannot be read is left to the worker that took it (it fails
+    the job: `fail_unreadable`), or failed the same way once stuck, if that worker died first."""
+    from rq.job import validate_job_id
+
+    intermediate = queue.intermediate_queue
+    for raw in queue.connection.lrange(intermediate.key, 0, -1):
+        try:
+            job_id = raw.decode()
+            validate_job_id(job_id)
+        except (UnicodeDecodeError, ValueError):
+            queue.connection.lrem(intermediate.key, 1, raw)
+            continue
+        if job_id in queue.started_job_registry:
+            continue
+        try:
+            job = queue.fetch_job(job_id)
+        except Exception as exc:  # (unreadable: malformed fields, an oversized hash, a foreign serializer)
+            if not intermediate.set_first_seen(job_id) and intermediate.should_be_cleaned_up(job_id):
+                settings = getattr(worker, "settings", None)
+                fail_unreadable(queue.connection, job_id, queue, exc, int(getattr(settings, "failure_ttl", 86400)))
+            continue
+        if job is None:
+            intermediate.remove(job_id)
+            continue
+        if intermediate.set_first_seen(job_id):
+            continue
+        if intermediate.should_be_cleaned_up(job_id):
+            worker.handle_job_failure(job, queue, exc_string=STUCK_IN_INTERMEDIATE + ".")
+            intermediate.remove(job_id)
 
 
 # ==== queues and workers as clients see them ==============================================================
