@@ -88,3 +88,21 @@ def test_fp8_chain_replays_under_cuda_graph_capture():
         graph.replay()
         fresh = step()
     assert torch.equal(captured, fresh) and not torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize(("n", "k", "rank"), [(4096, 4096, 384), (257, 200, 24), (64, 16384, 32)])
+def test_triton_lora_fusion_is_bit_identical_to_eager(n, k, rank):
+    """`fuse_rowwise` on CUDA runs `triton_lora`'s kernel: the same deltas (one torch GEMM each), the same fp32
+    arithmetic and an RNE cast, so the same bytes and scales as the eager fusion, for two factors at once."""
+    from ltx_mgpu.fp8.lora import fuse_rowwise, fuse_rowwise_eager
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + rank)
+    q0, s0 = quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16))
+    factors = [
+        ((torch.randn(r, k, generator=gen, device="cuda") * 0.01).to(torch.bfloat16),
+         (torch.randn(n, r, generator=gen, device="cuda") * 0.01).to(torch.bfloat16), strength)
+        for r, strength in ((rank, 0.8), (16, -0.5))
+    ]  # fmt: skip
+    (qt, st), (qe, se) = fuse_rowwise(q0, s0, factors), fuse_rowwise_eager(q0, s0, factors)
+    assert torch.equal(st, se)
+    assert torch.equal(qt.view(torch.uint8), qe.view(torch.uint8))

@@ -3,7 +3,8 @@
 - `rowwise`: per-token activation and per-channel weight quantization (eager; `triton_rows` on CUDA);
 - `linear`: `Fp8Linear` (`torch._scaled_mm`, or an exact-dequantization emulation off Hopper) and the
   fusions that make the activation quantization cheap;
-- `recipe`: which layers convert (ltx-core's fp8-scaled-mm recipe) and the loading policy.
+- `recipe`: which layers convert (ltx-core's fp8-scaled-mm recipe) and the loading policy;
+- `lora`: LoRAs fused into the e4m3 weights and re-quantized (eager; `triton_lora` on CUDA).
 """
 
 from .linear import Fp8GeluProj, Fp8Linear, Fp8Rows, SharedInput, fp8_gemm, fp8_tensor_cores

@@ -72,7 +72,8 @@ def quantize_rows_eager(x: torch.Tensor, *, gelu: bool = False) -> tuple[torch.T
 
 @functools.cache
 def triton_available() -> bool:
-    """Triton imports (it ships with CUDA builds of torch; CPU wheels lack it)."""
+    """Triton imports (it ships with CUDA builds of torch; CPU wheels lack it, the dev setup adds it for the
+    interpreter tests). Callers use the kernels on CUDA tensors only."""
     try:
         import triton  # noqa: F401
     except ImportError:
