@@ -49,6 +49,7 @@ def fuse_rowwise(
         factors
         and weight.is_cuda
         and weight.stride(-1) == 1
+        and weight.shape[-1] <= 16384  # (`triton_lora.MAX_ROW`: one row per program, in registers)
         and triton_available()
         and all(a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 for a, b, _ in factors)
     ):

@@ -24,6 +24,7 @@ tests/test_fp8_gpu.py.
 # ruff: noqa: ANN001, ANN202 (the kernel's arguments stay untyped: Triton specialises on them)
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -34,7 +35,9 @@ try:
 except ImportError:  # CPU builds of torch ship no Triton; `lora.fuse_rowwise` does not call in here then
     triton = tl = None
 
-__all__ = ["fuse_rowwise_triton", "lora_deltas"]
+__all__ = ["MAX_ROW", "fuse_rowwise_triton", "lora_deltas"]
+
+MAX_ROW = 16384  #: the widest row one program holds in registers (LTX-2's widest input: the feed-forward's 16,384)
 
 if triton is not None:
 
@@ -78,7 +81,9 @@ def fuse_rowwise_triton(weight: torch.Tensor, scale: torch.Tensor,
     deltas = lora_deltas(factors, weight.device)
     block = triton.next_power_of_2(k)
     warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    _fuse_rows_kernel[(n,)](weight, scale.to(torch.float32).contiguous(), deltas, q, new_scale, k, weight.stride(0),
-                            deltas.stride(0), deltas.stride(1), q.stride(0), NF=len(factors), BLOCK=block,
-                            CAST=not uncast, num_warps=warps, enable_fp_fusion=False)  # fmt: skip
+    scale = scale.to(torch.float32).contiguous()
+    with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():  # (its device's stream)
+        _fuse_rows_kernel[(n,)](weight, scale, deltas, q, new_scale, k, weight.stride(0), deltas.stride(0),
+                                deltas.stride(1), q.stride(0), NF=len(factors), BLOCK=block, CAST=not uncast,
+                                num_warps=warps, enable_fp_fusion=False)  # fmt: skip
     return q, new_scale
