@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from ..oslimits import raise_open_files_limit
 from .devices import choose_backend, normalize_devices
 from .errors import (
     AsymmetricRunnerError,
@@ -218,6 +219,7 @@ class MGPUController:
         On a rank crash or timeout the half-started fleet is torn down and the error raised.
         """
         timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        raise_open_files_limit()  # (tensors cross to and from the ranks as file descriptors; ranks inherit it)
         with self._lock:
             if self._fleet is not None:
                 raise RuntimeError("MGPUController.start() called twice")

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..oslimits import raise_open_files_limit
+
 __all__ = ["LocalWorld", "WorldContext", "WorldError", "WorldPool"]
 
 
@@ -110,6 +112,7 @@ class LocalWorld:
         self.devices = devices
         self.backend = backend
         self.timeout = timeout
+        raise_open_files_limit()  # (results come back as tensors, one file descriptor per storage in flight)
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
