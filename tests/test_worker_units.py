@@ -311,3 +311,27 @@ def test_supervisor_restarts_unasked_clean_exits_and_never_gives_up_on_them(tmp_
     _sigterm_after_starts(tmp_path, 8, settle_s=0)
     assert sup.run() == 0
     assert len(list(tmp_path.glob("start-a0-*"))) >= 8 and sup.children[0].restarts >= 7
+
+
+# ==== cancel before the render begins =====================================================================
+
+
+def test_a_cancel_before_the_render_begins_stops_that_render_and_no_other():
+    """RQ marks a job started, then calls the job function: a stop command in between found no running render
+    and was dropped, so the job rendered to the end (CI: `test_cancel_right_after_start_is_honoured`). The
+    service now keeps it for that job's render, which starts cancelled; nothing else is touched."""
+    from types import SimpleNamespace
+
+    from worker.render.service import RenderService
+
+    svc = RenderService.__new__(RenderService)
+    svc._lock, svc.current, svc._cancel_before_start = threading.Lock(), None, None
+    svc._run = lambda job, request, cur, t0: cur.cancel.is_set()  # (what the render sees when it begins)
+    svc.cancel_before_start("j1")
+    assert svc.run_job(SimpleNamespace(id="j2"), None) is False  # another job: untouched
+    assert svc.run_job(SimpleNamespace(id="j1"), None) is True  # that job: cancelled from its first step
+    assert svc.run_job(SimpleNamespace(id="j1"), None) is False  # forgotten once its run ended (a retry runs)
+    seen = []
+    svc._run = lambda job, request, cur, t0: (svc.cancel_before_start(job.id), seen.append(cur.cancel.is_set()))
+    svc.run_job(SimpleNamespace(id="j3"), None)  # while it runs: an ordinary cancel
+    assert seen == [True] and svc._cancel_before_start is None

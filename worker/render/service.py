@@ -153,6 +153,10 @@ class RenderService:
         self.media_mode = "stream" if streams else "frames"  #: what `media` the fleet is asked for
         self.takes_memory_plan = _takes(fleet.runner_cls, "memory_plan")
         self.current: _Current | None = None
+        # A cancel for the job RQ has started here but whose render has not begun yet (RQ marks it started,
+        # then calls the job function): kept until that job's render begins, which then stops at once.
+        # Dropping it lost the cancel (CI: "no such job running here", the job rendered to the end).
+        self._cancel_before_start: str | None = None
         self.jobs_done = 0
         self.storage_error: str | None = None  # set while storage is degraded (see set_storage_state)
         self.process_started_at: float | None = None  #: wall clock when this worker process started
@@ -196,6 +200,18 @@ class RenderService:
             stream.cancel()
         log.info("cancel requested for job %s", cur.job_id)
         return True
+
+    def cancel_before_start(self, job_id: str) -> None:
+        """Remember a cancel for `job_id`, which RQ has started on this worker but whose render has not begun
+        (`run_job` not entered yet): its render stops as soon as it begins. Only the job RQ is starting here
+        may be named (the caller checks), so a remembered id never cancels another job; it is forgotten when
+        that job's run ends."""
+        with self._lock:
+            if self.current is None or self.current.job_id != job_id:
+                self._cancel_before_start = job_id
+                log.info("cancel for job %s before its render began: it stops as soon as it begins", job_id)
+                return
+        self.cancel(job_id)
 
     def start_uploads(self, connection: Any) -> int:
         """Start the background uploader and queue what the spool still holds (recovery). Returns how
@@ -247,11 +263,15 @@ class RenderService:
         cur = _Current(job.id)
         with self._lock:
             self.current = cur
+            if self._cancel_before_start == job.id:
+                cur.cancel.set()
         try:
             return self._run(job, request, cur, t0)
         finally:
             with self._lock:
                 self.current = None
+                if self._cancel_before_start == job.id:
+                    self._cancel_before_start = None
 
     def _run(self, job: Any, request: Any, cur: _Current, t0: float) -> dict[str, Any]:
         s = self.settings

@@ -650,9 +650,15 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
             log.warning("RQ pubsub command %r failed", command, exc_info=True)
 
     def kill_horse(self, sig: Any = None) -> None:
-        """RQ's stop-job / kill-horse command: cancel the running render cooperatively."""
+        """RQ's stop-job / kill-horse command: cancel the running render cooperatively. RQ sends it for the job
+        it has started here, which may not have reached its render yet (RQ marks a job started before it calls
+        the job function): the service then remembers the cancel for that job's render."""
         job_id = rqcompat.stopped_job_id(self)
-        if not self.service.cancel(job_id):
+        if self.service.cancel(job_id):
+            return
+        if job_id is not None and job_id == self.get_current_job_id():
+            self.service.cancel_before_start(job_id)
+        else:
             log.info("stop command for %s: no such job running here", job_id)
 
     def fleet_busy(self) -> bool:
