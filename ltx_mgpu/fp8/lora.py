@@ -12,9 +12,10 @@ GEMM (no tensor cores) and two full-size fp32 temporaries per weight. The tracke
 e4m3 bytes and scales before fusing, so swapping LoRAs never compounds rounding; a LoRA costs nothing per step (no extra
 bf16 GEMM), at the price of one e4m3 rounding of the fused weight, the same rounding the base weights got.
 
-On CUDA with Triton, `fuse_rowwise` runs the same arithmetic as two kernels that never materialise the fp32
-weight (`triton_lora`: two 1-byte reads and one write per element instead of about a dozen fp32 passes);
-elsewhere, or for factors that are not bf16, the eager code below.
+On CUDA with Triton, `fuse_rowwise` runs the same arithmetic as one kernel that never materialises the fp32
+weight (`triton_lora`: the same torch GEMM for the deltas, then one program per row, the weight read and
+written once as bytes, instead of about a dozen fp32 passes); elsewhere, or for factors that are not bf16,
+the eager code below.
 """
 
 from __future__ import annotations
@@ -44,18 +45,18 @@ def fuse_rowwise(
     weight: torch.Tensor, scale: torch.Tensor, factors: Sequence[tuple[torch.Tensor, torch.Tensor, float]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of `weight * scale[:, None] + sum(strength * B @ A)` for `factors` [(A (r, K), B (N, r),
-    strength)]; the inputs are not modified. The Triton kernels on CUDA (see the module docstring)."""
+    strength)]; the inputs are not modified. The Triton kernel on CUDA (see the module docstring)."""
     if (
         factors
         and weight.is_cuda
         and weight.stride(-1) == 1
-        and weight.shape[-1] <= 16384  # (`triton_lora.MAX_ROW`: one row per program, in registers)
         and triton_available()
         and all(a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 for a, b, _ in factors)
     ):
-        from .triton_lora import fuse_rowwise_triton
+        from .triton_lora import MAX_ROW, fuse_rowwise_triton
 
-        return fuse_rowwise_triton(weight, scale, factors)
+        if weight.shape[-1] <= MAX_ROW:  # (one row per program, in registers)
+            return fuse_rowwise_triton(weight, scale, factors)
     return fuse_rowwise_eager(weight, scale, factors)
 
 
