@@ -120,12 +120,17 @@ def enqueue_admitted(
         for _ in range(_MAX_ATTEMPTS):
             try:
                 pipe.watch(*keys)
+                debris = False
                 if pipe.exists(job.key):
                     raw, created = pipe.hmget(job.key, "status", "created_at")
                     if cut and created is not None and created.decode(errors="replace") == ours:
                         pipe.reset()
                         return job  # our own transaction went through (all of it: MULTI/EXEC is atomic)
-                    raise DuplicateJobError(job.id, raw.decode() if raw else None)
+                    # RQ writes a job's hash whole; one with neither `created_at` nor `data` is a late field
+                    # write that recreated a deleted job's key (no client can read it): not a job, replaced
+                    debris = created is None and not pipe.hexists(job.key, "data")
+                    if not debris:
+                        raise DuplicateJobError(job.id, raw.decode() if raw else None)
                 depth = sum(int(pipe.llen(q.key)) for q in counted_queues)
                 if policy.max_queue_depth is not None and depth >= policy.max_queue_depth:
                     raise AdmissionRefused(Refusal("queue_full", depth, policy.max_queue_depth, queue.name))
@@ -141,6 +146,8 @@ def enqueue_admitted(
                     if policy.client_quota is not None and live >= policy.client_quota:
                         raise AdmissionRefused(Refusal("client_quota", live, policy.client_quota, queue.name, client))
                 pipe.multi()
+                if debris:
+                    pipe.delete(job.key)
                 if stale and ckey:
                     pipe.zrem(ckey, *stale)
                 enqueue_unregistered(queue, job, pipeline=pipe, at_front=at_front)  # (workers register queues)

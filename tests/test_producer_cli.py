@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.admission import AdmissionPolicy, AdmissionRefused, enqueue_admitted
 from producer.cli import cli
-from producer.client import ProducerClient, content_job_id
+from producer.client import content_job_id
 from producer.exitcodes import ExitCode
 from producer.jsonpos import locate, position_at
 from producer.requestfile import load_requests
-from producer.settings import load_settings
 from worker.protocol.keys import RENDER_FUNC, events_key
 from worker.protocol.states import JobState
 
@@ -173,38 +170,6 @@ def test_client_quota(tmp_path: Path, env: dict[str, str]) -> None:
     assert run(["--client", "other", "submit", path], quota)[0] == ExitCode.OK
     assert run(["cancel", first], quota)[0] == ExitCode.OK
     assert run(["submit", path], quota)[0] == ExitCode.OK
-
-
-def test_admission_is_atomic_under_concurrent_submits(redis_url: str, unique_name: str) -> None:
-    """40 threads race for 7 slots: exactly 7 get in (WATCH/MULTI re-decides on every conflict)."""
-    settings_ = load_settings(redis_url=redis_url, queues=[f"q-{unique_name}"], client="racer")
-    client = ProducerClient(settings_)
-    queue = client.queue()
-    outcomes: list[str] = []
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        job = queue.create_job(RENDER_FUNC, args=({"prompt": f"p{i}"},))
-        try:
-            enqueue_admitted(queue, job, policy=AdmissionPolicy(max_queue_depth=7), counted_queues=[queue],
-                             client="racer")  # fmt: skip
-            result = "ok"
-        except AdmissionRefused:
-            result = "refused"
-        with lock:
-            outcomes.append(result)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert outcomes.count("ok") == 7
-    assert queue.count == 7
-    client.close()
-
-
-# ==== status / watch / cancel without a worker ==========================================================
 
 
 def test_cancel_waiting_job_then_status_and_watch(tmp_path: Path, env: dict[str, str], redis_client) -> None:

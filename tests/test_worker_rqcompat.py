@@ -5,6 +5,8 @@ production (RQ's main branch already changed `perform_job`'s signature)."""
 from __future__ import annotations
 
 import inspect
+import time
+import uuid
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,8 @@ from typing import Any
 import pytest
 import rq
 from rq.executions import Execution
-from rq.job import Job
-from rq.registry import StartedJobRegistry
+from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry, StartedJobRegistry
 from rq.worker import SimpleWorker
 
 from worker.protocol import rqcompat
@@ -165,6 +167,43 @@ def test_an_upload_recorded_twice_leaves_one_uploaded_result(redis_client) -> No
     other = {**result, "key": "videos/other/video.mp4"}  # a different object is a different upload
     rqcompat.record_success_after_return(job, other, 60, "w", recovered=False)
     assert len([r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]) == 2
+
+
+def test_a_cancelled_job_deleted_after_its_dequeue_is_not_written_back(redis_client) -> None:
+    """A tenant's cancelled job waits in the queue until a worker takes and records it; `producer backfill`
+    may delete the ended job (to enqueue its id again) between that dequeue and the record. The record used
+    to recreate the hash with three fields (no data: unreadable, yet the id taken), and the backfill gave up
+    with "it keeps changing" (CI). It is written only to the submission the worker loaded."""
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+
+    queue = Queue(f"cancelled-{uuid.uuid4().hex[:6]}", connection=redis_client, serializer=JSONSerializer)
+
+    def dequeued(prompt: str) -> Any:
+        job = queue.enqueue("worker.job.render", {"prompt": prompt})
+        redis_client.lmove(queue.key, queue.intermediate_queue_key)  # (as RQ's dequeue does)
+        return job
+
+    recorded = dequeued("kept")  # the usual case: recorded as RQ records a cancelled queued job
+    assert rqcompat.drop_cancelled_dequeued(recorded, queue, 60)
+    assert recorded.get_status(refresh=True) == JobStatus.CANCELED
+    assert recorded.id in CanceledJobRegistry(queue.name, connection=redis_client).get_job_ids()
+
+    deleted = dequeued("deleted")
+    redis_client.delete(deleted.key)
+    assert not rqcompat.drop_cancelled_dequeued(deleted, queue, 60)
+    assert not redis_client.exists(deleted.key)
+
+    replaced = dequeued("replaced")
+    redis_client.delete(replaced.key)
+    time.sleep(0.002)  # (RQ's created_at has microseconds: the new submission's differs)
+    again = queue.enqueue("worker.job.render", {"prompt": "replaced"}, job_id=replaced.id)
+    assert not rqcompat.drop_cancelled_dequeued(replaced, queue, 60)
+    assert again.get_status(refresh=True) == JobStatus.QUEUED
+    assert not redis_client.hget(again.key, "ended_at")
+    assert redis_client.ttl(again.key) == -1
+    assert redis_client.llen(queue.intermediate_queue_key) == 0
+    assert redis_client.lrange(queue.key, 0, -1) == [again.id.encode()]
 
 
 def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: list[Any]) -> tuple[Any, list[str]]:

@@ -71,6 +71,7 @@ log = logging.getLogger("worker.rq")
 
 RQ_MINOR = (2, 12)  #: the RQ minor version this module is written and tested against
 STUCK_IN_INTERMEDIATE = "Job was stuck in intermediate queue"  #: RQ's exc_string for that cleanup
+_WATCH_TRIES = 8  #: optimistic transactions on one job hash before giving up on writing it
 
 
 # ==== registry maintenance ================================================================================
@@ -381,20 +382,37 @@ def cancel_requested(connection: Any, job: Job) -> bool:
     return flag is not None or (status is not None and status.decode() == JobStatus.CANCELED.value)
 
 
-def drop_cancelled_dequeued(job: Job, queue: Queue, ttl: int) -> None:
+def drop_cancelled_dequeued(job: Job, queue: Queue, ttl: int) -> bool:
     """A job this worker dequeued (RQ's intermediate list) that a client cancelled while it waited: record it
     as RQ records a cancelled queued job (status `canceled`, the canceled registry, the job's expiry) and
-    drop it from the intermediate list, in one transaction; it never runs."""
+    drop it from the intermediate list, in one transaction; it never runs. Returns whether it was recorded.
+
+    The record is written only while the hash is still the submission this worker loaded (WATCH on its
+    `created_at`): the client may have deleted the ended job meanwhile (`producer backfill` forgets it to
+    enqueue the id again), and a write after that left a hash of a few fields that no client can read and
+    that blocked the id (CI: a backfill gave up with "it keeps changing"). Then only the entry is dropped."""
+    ours = submission_of(job)
     with job.connection.pipeline() as pipe:
-        pipe.multi()
-        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-        job.set_status(JobStatus.CANCELED, pipeline=pipe)
-        pipe.hset(job.key, "ended_at", utcformat(now()))
-        CanceledJobRegistry(job.origin, connection=job.connection, serializer=job.serializer).add(
-            job, ttl=ttl, pipeline=pipe
-        )
-        pipe.expire(job.key, ttl)
-        pipe.execute()
+        for _ in range(_WATCH_TRIES):
+            try:
+                pipe.watch(job.key)
+                created = pipe.hget(job.key, "created_at")
+                same = ours is not None and created is not None and created.decode(errors="replace") == ours
+                pipe.multi()
+                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                if same:
+                    job.set_status(JobStatus.CANCELED, pipeline=pipe)
+                    pipe.hset(job.key, "ended_at", utcformat(now()))
+                    CanceledJobRegistry(job.origin, connection=job.connection, serializer=job.serializer).add(
+                        job, ttl=ttl, pipeline=pipe
+                    )
+                    pipe.expire(job.key, ttl)
+                pipe.execute()
+                return same
+            except redis.WatchError:
+                continue
+    job.connection.lrem(queue.intermediate_queue_key, 1, job.id)  # (the hash keeps changing: not ours to write)
+    return False
 
 
 def record_cancelled_execution(worker: Any, job: Job, ttl: int) -> None:

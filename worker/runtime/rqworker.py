@@ -457,7 +457,9 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
     def _skip_cancelled(self, job: Any, queue: Any) -> None:
         """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
         take it out of the shared queue: `worker.protocol.control`): record it cancelled, never run it."""
-        rqcompat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job))
+        if not rqcompat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job)):
+            log.info("job %s was cancelled while queued, then deleted or submitted again: entry dropped", job.id)
+            return  # (its hash is gone or another submission's: nothing of this one to record)
         meta = job.meta if isinstance(job.meta, dict) else {}
         if meta.get("state") == JobState.CANCELLED.value:  # the client recorded it already
             self.service.metrics.job_outcome("cancelled", "")
