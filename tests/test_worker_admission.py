@@ -85,6 +85,18 @@ def test_plan_ignores_stale_jobs_and_counts_malformed_owners_for_nobody():
     assert plan([], ("m0", "q", None), [], depth_cap=None, quota=1).taken is None  # refused as invalid_request
 
 
+def test_plan_counts_an_id_queued_twice_once():
+    """A tenant's cancelled job stays in the queue (its Redis user cannot take it out); `producer backfill`
+    enqueues the id again, so the queue names one job twice. Counted twice, the second entry was refused
+    against its client's quota and ended the job the first entry was about to run."""
+    q = Waiting("q", 4, [("a1", "a"), ("a1", "a"), ("a0", "a"), ("r", "a")])
+    out = plan(["a"], ("a0", "q", "a"), [q], depth_cap=None, quota=3, running_ids=["r"])
+    assert out.taken is None and out.refused == [[]] and out.cuts == [4]  # r running + a0 + a1 = 3
+    full = plan([], None, [Waiting("q", 3, [("b1", "b"), ("c1", "c"), ("b1", "b")])], depth_cap=1, quota=None)
+    assert full.cuts == [1]
+    assert _ids(full.refused[0]) == [("c1", "queue_full")]  # not b1 again: it is admitted and runs
+
+
 def test_with_tenant_ids_a_forged_owner_counts_for_nobody(redis_client):
     """A tenant can create only `<tenant>-*` hashes but writes their meta itself: a job `mallory-*` that
     names `alice` as its client must not fill alice's quota (it is refused when taken, as invalid_request)."""

@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -142,10 +142,18 @@ def plan(
     *,
     depth_cap: int | None,
     quota: int | None,
+    running_ids: Collection[str] = (),
 ) -> Plan:
     """Walk the unfinished jobs in serving order (running, the taken job `(id, queue, owner)`, the waiting
     ones) and refuse what the module docstring's rule refuses. Positions past a queue's window have unknown
-    owners: they count against the depth cap only."""
+    owners: they count against the depth cap only.
+
+    An id seen before in that order (`running_ids`, the taken job, an earlier entry) counts for nothing, as
+    an ended job does: it is the same job queued twice (a tenant cannot take a cancelled job out of the
+    queue, and `producer backfill` enqueues its id again), the second entry is dropped when dequeued, and
+    counting it against its client's quota would end the one job both entries name."""
+    seen = {*running_ids, *([taken[0]] if taken is not None else [])}
+    queues = [Waiting(q.name, q.length, _repeats_stale(list(q.window)[: q.length], seen)) for q in queues]
     counts: dict[str, int] = {}
     for owner in running:
         if owner is not None and owner != STALE:
@@ -194,6 +202,15 @@ def plan(
                                            {"depth": total, "cap": depth_cap}))  # fmt: skip
         out.cuts.append(cut)
         out.refused.append(refused)
+    return out
+
+
+def _repeats_stale(window: Sequence[tuple[str, Owner]], seen: set[str]) -> list[tuple[str, Owner]]:
+    """`window` with the owner of each id already in `seen` replaced by STALE; adds the window's ids to it."""
+    out: list[tuple[str, Owner]] = []
+    for job_id, owner in window:
+        out.append((job_id, STALE if job_id in seen else owner))
+        seen.add(job_id)
     return out
 
 
@@ -280,7 +297,7 @@ class Admission:
                     decided = plan([owners[i] for i in running], taken_arg,
                                    [Waiting(q.name, n, [(i, owners[i]) for i in w])
                                     for q, n, w in zip(self.queues, lengths, windows, strict=True)],
-                                   depth_cap=self.depth_cap, quota=self.quota)  # fmt: skip
+                                   depth_cap=self.depth_cap, quota=self.quota, running_ids=running)  # fmt: skip
                     trimmed: list[Refusal] = []
                     ends: list[int] = []  # per queue: keep [0, end) of the list (the window's refusals: LREM)
                     for q, key, n, w, cut in zip(self.queues, keys, lengths, windows, decided.cuts, strict=True):
