@@ -397,7 +397,10 @@ def drop_cancelled_dequeued(job: Job, queue: Queue, ttl: int) -> bool:
             try:
                 pipe.watch(job.key)
                 created = pipe.hget(job.key, "created_at")
-                same = ours is not None and created is not None and created.decode(errors="replace") == ours
+                if ours is None:  # (a hand-written hash without one: still that hash if it exists without one)
+                    same = created is None and bool(pipe.hexists(job.key, "data"))
+                else:
+                    same = created is not None and created.decode(errors="replace") == ours
                 pipe.multi()
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
                 if same:
