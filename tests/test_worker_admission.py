@@ -24,7 +24,8 @@ from tests.test_worker_support import (
     wait_for,
     wait_state,
 )
-from worker.jobs.admission import STALE, Admission, Waiting, plan
+from worker.jobs.admission import Admission
+from worker.jobs.admissionrule import STALE, Waiting, plan
 from worker.protocol.states import FailureReason
 
 pytestmark = pytest.mark.timeout(240)
