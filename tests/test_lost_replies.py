@@ -58,3 +58,39 @@ def test_submit_whose_enqueue_reply_was_lost_is_one_job_and_succeeds(redis_serve
     finally:
         conn.close()
         proxy.stop()
+
+
+def test_requeue_after_a_failed_upload_pushes_the_id_once_through_a_lost_reply(redis_server_factory, unique_name):
+    """A job whose upload failed (RQ saw it finish at `rendered`) is put back on its queue; a cut reply made
+    redis-py re-send the whole transaction, the id was queued twice, and two idle workers could each take an
+    entry. Retried with its token (as the upload pipeline does), it is queued once."""
+    import uuid
+
+    from rq.job import JobStatus
+    from rq.registry import FinishedJobRegistry
+
+    from worker.protocol import rqcompat
+    from worker.protocol.relay import with_redis_retry
+
+    proxy, conn = _proxied(redis_server_factory)
+    try:
+        queue = Queue(unique_name, connection=conn, serializer=JSONSerializer)
+        job = queue.enqueue(RENDER_FUNC, {"prompt": "p"})
+        conn.lpop(queue.key)  # taken by a worker, which returned at `rendered`: RQ recorded it finished
+        finished = FinishedJobRegistry(queue.name, connection=conn)
+        with conn.pipeline() as pipe:
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+            finished.add(job, ttl=60, pipeline=pipe)
+            pipe.expire(job.key, 60)
+            pipe.execute()
+        token = uuid.uuid4().hex
+        proxy.drop_replies(1, after=b"EXEC")
+        with_redis_retry(lambda: rqcompat.requeue_after_return(job, token))
+        assert conn.lrange(queue.key, 0, -1) == [job.id.encode()]
+        assert job.get_status(refresh=True) == JobStatus.QUEUED and job.id not in finished.get_job_ids()
+        assert conn.ttl(job.key) == -1
+        rqcompat.requeue_after_return(job, token)  # (a retry that finds its own token writes nothing)
+        assert conn.lrange(queue.key, 0, -1) == [job.id.encode()]
+    finally:
+        conn.close()
+        proxy.stop()

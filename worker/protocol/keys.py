@@ -13,6 +13,7 @@ JSON too):
 |----------------------------------|--------|------------|------------------------------------------------|
 | `rq:job:<id>` field `meta`       | hash   | worker     | JSON summary: `states.SUMMARY_FIELDS`          |
 | `rq:job:<id>` field `ltx_cancel_requested` | hash | a client | a cancel without PUBLISH (`CANCEL_REQUESTED_FIELD`) |
+| `rq:job:<id>` field `ltx_requeued` | hash | worker | its last re-queue's token (`REQUEUE_TOKEN_FIELD`) |
 | `ltx:job:<id>:events`            | stream | worker     | one entry per event (fields `type`, `data`)    |
 | `ltx:worker:<name>:health`       | string | worker     | JSON health snapshot, expires with the worker  |
 | `rq:queue:<queue>`               | list   | worker, operators | the shared queue: no tenant may write it |
@@ -44,6 +45,7 @@ __all__ = [
     "KEY_PREFIX",
     "REFUSALS_KEY",
     "RENDER_FUNC",
+    "REQUEUE_TOKEN_FIELD",
     "RQ_ENDED_STATUSES",
     "TENANT_QUEUE_INFIX",
     "WORKER_HEALTH_KEY_TEMPLATE",
@@ -137,6 +139,11 @@ def base_queue(queue: str) -> str:
 #: tenant's Redis user: `worker.protocol.control`). Workers skip a dequeued job that carries it and stop a running
 #: one at the next heartbeat. Neither RQ nor the worker ever writes or clears it, so no save can undo it.
 CANCEL_REQUESTED_FIELD = KEY_PREFIX + "_cancel_requested"
+
+#: Job-hash field the worker writes with the (random) token of each re-queue of a job RQ saw finish
+#: (`worker.protocol.rqcompat.requeue_after_return`): a retry after a lost reply finds its own token and
+#: pushes nothing a second time. A tenant may write the field but cannot guess a token.
+REQUEUE_TOKEN_FIELD = KEY_PREFIX + "_requeued"
 
 WORKER_HEALTH_KEY_TEMPLATE = KEY_PREFIX + ":worker:{name}:health"
 

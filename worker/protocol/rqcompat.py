@@ -30,7 +30,7 @@ from rq.results import Result
 from rq.utils import now, utcformat
 
 from worker.protocol.handoff import HandOff
-from worker.protocol.keys import CANCEL_REQUESTED_FIELD
+from worker.protocol.keys import CANCEL_REQUESTED_FIELD, REQUEUE_TOKEN_FIELD
 from worker.protocol.redisconn import single_try
 
 __all__ = [
@@ -505,17 +505,27 @@ def _move_to_finished(job: Job, ttl: int, pipe: Any) -> None:
     job.set_status(JobStatus.FINISHED, pipeline=pipe)
 
 
-def requeue_after_return(job: Job) -> None:
-    """Put a job RQ saw finish (it returned at `rendered`) back on its queue for another attempt."""
+def requeue_after_return(job: Job, token: str) -> None:
+    """Put a job RQ saw finish (it returned at `rendered`) back on its queue for another attempt: one
+    transaction (registries, expiry, status, the queue entry), so a crash leaves it either finished or queued.
+
+    Idempotent per `token` (one per decision to re-queue; the caller retries with the same one): sent once
+    (`single_try`: redis-py re-sends a whole MULTI after a reply lost in a Redis restart, which pushed the
+    id twice, and two idle workers could each take an entry), and a retry that finds `token` in the hash
+    knows the first try went through, whatever happened to the job since."""
+    if job.connection.hget(job.key, REQUEUE_TOKEN_FIELD) == token.encode():
+        return
     queue, finished, failed = _registries(job)
-    with job.connection.pipeline() as pipe:
+    set_retry(job, False)
+    with single_try(job.connection).pipeline() as pipe:
+        pipe.multi()  # (explicitly: RQ's enqueue_job calls multi() on a pipeline that is not yet in one)
         _drop_handoff(job, pipe)
         finished.remove(job, pipeline=pipe)
         failed.remove(job, pipeline=pipe)
         pipe.persist(job.key)
+        pipe.hset(job.key, REQUEUE_TOKEN_FIELD, token)
+        queue.enqueue_job(job, pipeline=pipe)
         pipe.execute()
-    set_retry(job, False)
-    queue.enqueue_job(job)
 
 
 def fail_after_return(job: Job, message: str, ttl: int, worker_name: str) -> None:

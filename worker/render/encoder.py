@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from typing import Any
 import redis
 
 from worker.protocol import rqcompat
-from worker.protocol.relay import EventRelay
+from worker.protocol.relay import EventRelay, with_redis_retry
 from worker.protocol.states import FailureReason, JobState
 from worker.render.pipeline import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
@@ -301,10 +302,11 @@ def _record_lost(pipeline: UploadPipeline, job: Any, relay: EventRelay, reason: 
     outcomes = pipeline.outcomes
     retry = outcomes.failed(job, reason, message, relay=relay, retryable=True)
     if retry:
-        rqcompat.requeue_after_return(job)
+        token = uuid.uuid4().hex
+        with_redis_retry(lambda: rqcompat.requeue_after_return(job, token))
     else:
-        rqcompat.fail_after_return(job, f"JobFailed: {reason.value}: {message}", outcomes.failure_ttl(job),
-                                   pipeline.worker_name)  # fmt: skip
+        final, ttl = f"JobFailed: {reason.value}: {message}", outcomes.failure_ttl(job)
+        with_redis_retry(lambda: rqcompat.fail_after_return(job, final, ttl, pipeline.worker_name))
 
 
 def _abort_stream(media: dict[str, Any]) -> None:

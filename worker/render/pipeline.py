@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -407,7 +408,8 @@ class UploadPipeline:
                                      spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
         # RQ saw this job finish (it returned at `rendered`): move it back by hand
         if retry:
-            rqcompat.requeue_after_return(job)
+            token = uuid.uuid4().hex
+            with_redis_retry(lambda: rqcompat.requeue_after_return(job, token))
         else:  # (retried like the success: a lost reply can at worst leave a second failure result)
             message = f"JobFailed: {reason.value}: {exc}"
             with_redis_retry(lambda: rqcompat.fail_after_return(job, message, self.outcomes.failure_ttl(job),
