@@ -49,6 +49,7 @@ class TcpProxy:
         self.connections_refused = 0
         self._replies_to_drop = 0
         self._drop_after: bytes | None = None
+        self._drop_containing: bytes | None = None
 
     @property
     def url(self) -> str:
@@ -92,16 +93,20 @@ class TcpProxy:
 
     stop = block
 
-    def drop_replies(self, count: int = 1, *, after: bytes | None = None) -> None:
+    def drop_replies(self, count: int = 1, *, after: bytes | None = None, containing: bytes | None = None) -> None:
         """Cut the connection of each of the next `count` replies from the target instead of passing it on
-        (only replies to a request that contained `after`, when given: e.g. b"EXEC")."""
+        (only replies to a request that contained `after`, when given: e.g. b"EXEC"; only replies that
+        contain `containing`, when given: e.g. the id a BLPOP returns, not its empty time-outs)."""
         with self._lock:
             self._replies_to_drop += count
             self._drop_after = after
+            self._drop_containing = containing
 
-    def _take_drop(self, state: dict[str, bool]) -> bool:
+    def _take_drop(self, state: dict[str, bool], reply: bytes) -> bool:
         with self._lock:
             if self._replies_to_drop <= 0 or (self._drop_after is not None and not state.get("marked")):
+                return False
+            if self._drop_containing is not None and self._drop_containing not in reply:
                 return False
             self._replies_to_drop -= 1
             return True
@@ -155,7 +160,7 @@ class TcpProxy:
                     self._throttle(len(data))
                 elif not upstream and self.latency_s:
                     time.sleep(self.latency_s)
-                if not upstream and self._replies_to_drop and self._take_drop(state):
+                if not upstream and self._replies_to_drop and self._take_drop(state, data):
                     break  # (the finally below cuts both sides)
                 dst.sendall(data)
         except OSError:

@@ -35,15 +35,19 @@ as before; the checks on each id and the bound per dequeue hold there too.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import redis
 from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.intermediate_queue import IntermediateQueue
 from rq.queue import Queue
 
 from worker.jobs.admission import Admission
+from worker.jobs.lostpops import LostPops
 from worker.protocol.keys import CANCEL_REQUESTED_FIELD, base_queue, job_tenant, queue_tenant, tenant_queue
+from worker.protocol.redisconn import single_try
 
 __all__ = ["JUNK_PER_QUEUE", "TakingQueue", "TenantAdmissions", "entry_problem", "rotate", "served_queue_names"]
 
@@ -100,10 +104,12 @@ class TakingQueue(Queue):
     gets its own subclass (`with_hook`) so drops are counted in its metrics."""
 
     on_drop: Callable[[str, str, str], None] | None = None  #: (queue, job id, reason)
+    lost_pops: LostPops | None = None  #: told of every multi-queue wait whose reply was lost
 
     @classmethod
-    def with_hook(cls, on_drop: Callable[[str, str, str], None]) -> type[TakingQueue]:
-        return type("TakingQueue", (cls,), {"on_drop": staticmethod(on_drop)})
+    def with_hook(cls, on_drop: Callable[[str, str, str], None], lost_pops: LostPops | None = None
+                  ) -> type[TakingQueue]:  # fmt: skip
+        return type("TakingQueue", (cls,), {"on_drop": staticmethod(on_drop), "lost_pops": lost_pops})
 
     @classmethod
     def dequeue_any(cls, queues: Iterable[Queue], timeout: int | None, connection: Any, job_class: Any = None,
@@ -138,8 +144,19 @@ class TakingQueue(Queue):
                 raise DequeueTimeout(timeout, keys[0])
             return cls._checked(queues[0], raw, connection, job_cls, serializer)
         # Every queue was empty: wait for a push on any of them. BLPOP has no multi-key move: the id goes to
-        # the intermediate list right after (RQ's multi-queue dequeue never put it there at all).
-        result = connection.blpop(keys, timeout)
+        # the intermediate list right after (RQ's multi-queue dequeue never put it there at all). Sent once
+        # (redis-py would send it again after a lost reply, and the id it took would be gone unnoticed): a
+        # lost reply is reported to `worker.jobs.lostpops`, whose sweep finds the id's job, and raised as the
+        # connection error RQ's dequeue loop waits out.
+        began = time.time()
+        try:
+            result = single_try(connection).blpop(keys, timeout)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if cls.lost_pops is not None:
+                cls.lost_pops.suspect([q.name for q in queues], began)
+            if isinstance(exc, redis.ConnectionError):
+                raise
+            raise redis.ConnectionError(f"waiting for a job: {exc}") from exc
         if result is None:
             raise DequeueTimeout(timeout, keys)
         key, raw = result

@@ -50,6 +50,9 @@ class WorkerMetrics:
                                              "counting or running (no such job, ended, another tenant's, another "
                                              "queue's, malformed; worker.jobs.tenantqueues)", [*labels, "reason"],
                                              registry=r)  # fmt: skip
+        self.requeued_lost_pops = Counter("ltx_worker_requeued_lost_pops", "Jobs queued again after a wait for "
+                                          "a job lost its reply and the id it took (worker.jobs.lostpops)", labels,
+                                          registry=r)  # fmt: skip
         self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
                                             labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
         self.fleet_up = Gauge("ltx_worker_fleet_up", "1 while the fleet is warm and not poisoned", labels,

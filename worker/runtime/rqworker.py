@@ -73,6 +73,7 @@ from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
+from worker.jobs.lostpops import LostPops
 from worker.jobs.tenantmemory import TenantMemory
 from worker.jobs.tenantqueues import TakingQueue, TenantAdmissions, rotate, served_queue_names
 from worker.ops.health import HealthPublisher
@@ -114,7 +115,8 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
         kwargs.setdefault("name", service.worker_name)
         # checked, bounded dequeues over the shared queues and every tenant's own (worker.jobs.tenantqueues)
-        kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry))
+        self.lost_pops = LostPops(settings.tenants)  # (waits whose reply, and the id they took, were lost)
+        kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry, self.lost_pops))
         if isinstance(queues, list | tuple) and all(isinstance(q, str) for q in queues):
             queues = served_queue_names(queues, settings.tenants)
         super().__init__(queues, **kwargs)
@@ -427,6 +429,9 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         """One slice of the dequeue: (True, result) to return `result`, (False, None) to look again."""
         self._ensure_fleet()
         self._wait_for_upload_room()
+        if self.lost_pops.pending:  # (after a wait that lost its reply: its job back on its queue)
+            for _ in self.lost_pops.sweep(self.connection):
+                self.service.metrics.requeued_lost_pops.labels(self.service.group).inc()
         self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.jobs.admission)
         if timeout is None:
             result = self._dequeue(None, max_idle_time)

@@ -1,0 +1,212 @@
+"""Jobs whose id a lost reply took off every list: found after the loss and queued again.
+
+An idle worker that serves several queues waits for a push on any of them with BLPOP (Redis has no blocking
+move from several lists: `worker.jobs.tenantqueues`). Redis takes the id off its queue when it runs the
+BLPOP; the worker then records it in RQ's intermediate list. If the connection drops after Redis ran the
+BLPOP and before its reply arrived (a restart, a network cut), the id is in no list, and the job would stay
+`queued` forever without running. (redis-py would even send the BLPOP again by itself and hide the error:
+the wait goes through `worker.protocol.redisconn.single_try`, so the worker knows.)
+
+After such an error (`LostPops.suspect`), once Redis answers again, the worker looks for jobs that are
+`queued`, belong to a queue the BLPOP waited on, were enqueued no earlier than `ENQUEUE_SLACK_S` before the
+BLPOP began (the lost id was pushed while it waited; the slack covers clocks that differ between the
+enqueuer and the worker), and are in no list (their queue, its intermediate list, the admission's refusals).
+It checks each again `CONFIRM_S` later (another worker's own BLPOP holds its id for a moment before its
+intermediate list) and puts it back at the head of its queue, where it was taken from, in a transaction
+that WATCHes its hash and lists (a job that moved meanwhile is left alone). With tenant queues a tenant's
+job goes back only onto its own queue and no tenant's id onto a shared one: tenants write their own job
+hashes, and a hash must not get onto a queue its tenant cannot push to.
+
+The search is a SCAN over the job hashes, pipelined: it runs only after a lost wait, which is rare.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+
+from worker.jobs.admissionrule import Refusal
+from worker.protocol.keys import REFUSALS_KEY, job_tenant, queue_tenant
+
+__all__ = ["CONFIRM_S", "ENQUEUE_SLACK_S", "LostPops", "Orphan", "find_orphans", "requeue_orphan"]
+
+log = logging.getLogger("worker.jobs.lostpops")
+
+ENQUEUE_SLACK_S = 300.0  #: how much earlier than the lost BLPOP a job may say it was enqueued (clock skew)
+CONFIRM_S = 2.0  #: a job is queued again only if it is still in no list this much later
+_JOB_KEY_PREFIX = b"rq:job:"
+_QUEUE_KEY_PREFIX = "rq:queue:"
+_SCAN_BATCH = 500
+_WATCH_TRIES = 32
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A `queued` job in no list: its id, its queue and its submission (RQ `created_at`, raw)."""
+
+    job_id: str
+    origin: str
+    created_at: bytes | None
+
+
+def _queue_key(name: str) -> str:
+    return _QUEUE_KEY_PREFIX + name
+
+
+def _intermediate_key(name: str) -> str:
+    return _queue_key(name) + ":intermediate"  # (RQ's IntermediateQueue.get_intermediate_queue_key)
+
+
+def _batched(items: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _timestamp(raw: bytes | None) -> float | None:
+    """RQ's `enqueued_at` (`2026-12-02T06:20:28.205329Z`, UTC) as a Unix time; None if absent or malformed."""
+    if not raw:
+        return None
+    try:
+        parsed = datetime.strptime(raw.decode(), "%Y-%m-%dT%H:%M:%S.%fZ")
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return parsed.replace(tzinfo=UTC).timestamp()
+
+
+def may_requeue(job_id: str, origin: str, tenants: Sequence[str]) -> bool:
+    """Whether a job of id `job_id` may be put on queue `origin`: a tenant queue takes only its tenant's ids,
+    and, where tenants have queues of their own, a shared queue takes no tenant's id."""
+    owner = queue_tenant(origin)
+    if owner is not None:
+        return job_tenant(job_id) == owner
+    return not tenants or job_tenant(job_id) not in tenants
+
+
+def _refused_ids(raw_entries: Iterable[bytes]) -> set[bytes]:
+    ids: set[bytes] = set()
+    for raw in raw_entries:
+        try:
+            ids.add(Refusal.from_json(raw).job_id.encode())
+        except (ValueError, KeyError, TypeError):
+            continue  # (the admission's drain drops it)
+    return ids
+
+
+def _listed(connection: Any, origins: set[str]) -> set[bytes]:
+    """Every id in the queues `origins`, their intermediate lists and the admission's refusals."""
+    pipe = connection.pipeline(transaction=False)
+    for name in sorted(origins):
+        pipe.lrange(_queue_key(name), 0, -1)
+        pipe.lrange(_intermediate_key(name), 0, -1)
+    pipe.lrange(REFUSALS_KEY, 0, -1)
+    *lists, refusals = pipe.execute()
+    return {i for ids in lists for i in ids} | _refused_ids(refusals)
+
+
+def find_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: float,
+                 tenants: Sequence[str] = ()) -> list[Orphan]:  # fmt: skip
+    """`queued` jobs of `queue_names` enqueued at or after `enqueued_after` (Unix time) that are in no list
+    and `may_requeue` allows back onto their queue."""
+    names = set(queue_names)
+    found: list[Orphan] = []
+    for batch in _batched(connection.scan_iter(match=_JOB_KEY_PREFIX + b"*", count=1000), _SCAN_BATCH):
+        pipe = connection.pipeline(transaction=False)
+        for key in batch:
+            pipe.hmget(key, "status", "origin", "enqueued_at", "created_at")
+        for key, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, Exception):
+                continue  # (not a hash: `rq:job:<id>:dependents` is a set)
+            status, origin, enqueued, created = reply
+            if status != b"queued" or origin is None:
+                continue
+            enqueued_at = _timestamp(enqueued)
+            if enqueued_at is None or enqueued_at < enqueued_after:
+                continue
+            try:
+                job_id, queue = key[len(_JOB_KEY_PREFIX) :].decode(), origin.decode()
+            except UnicodeDecodeError:
+                continue
+            if queue in names and may_requeue(job_id, queue, tenants):
+                found.append(Orphan(job_id, queue, created))
+    if not found:
+        return []
+    listed = _listed(connection, {o.origin for o in found})
+    return [o for o in found if o.job_id.encode() not in listed]
+
+
+def requeue_orphan(connection: Any, orphan: Orphan) -> bool:
+    """Put `orphan` back at the head of its queue if it is still the same `queued` submission in no list
+    (checked under WATCH on its hash, its queue and its intermediate list: an id reaches the refusals only
+    through its queue). Returns whether it was queued again."""
+    job_key = _JOB_KEY_PREFIX.decode() + orphan.job_id
+    queue, intermediate = _queue_key(orphan.origin), _intermediate_key(orphan.origin)
+    with connection.pipeline() as pipe:
+        for _ in range(_WATCH_TRIES):
+            try:
+                pipe.watch(job_key, queue, intermediate)
+                status, created = pipe.hmget(job_key, "status", "created_at")
+                if status != b"queued" or created != orphan.created_at:
+                    return False
+                if pipe.lpos(queue, orphan.job_id) is not None or pipe.lpos(intermediate, orphan.job_id) is not None:
+                    return False
+                if orphan.job_id.encode() in _refused_ids(pipe.lrange(REFUSALS_KEY, 0, -1)):
+                    return False
+                pipe.multi()
+                pipe.lpush(queue, orphan.job_id)
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                continue  # (the queue moved: look again)
+    return False
+
+
+class LostPops:
+    """The waits of one worker whose reply was lost, and the sweep that finds their jobs.
+
+    `suspect()` is called by the dequeue (`worker.jobs.tenantqueues.TakingQueue`) when a BLPOP failed with a
+    connection error; `sweep()` by the worker before its next dequeues, until one completes."""
+
+    def __init__(self, tenants: Sequence[str] = (), *, confirm_s: float = CONFIRM_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+        self.tenants = tuple(tenants)
+        self.confirm_s = confirm_s
+        self.sleep = sleep
+        self._since: float | None = None  # Unix time the earliest lost wait began
+        self._queues: set[str] = set()
+
+    @property
+    def pending(self) -> bool:
+        return self._since is not None
+
+    def suspect(self, queue_names: Iterable[str], began: float) -> None:
+        """A BLPOP on `queue_names` that began at Unix time `began` may have taken an id whose reply was lost."""
+        self._since = began if self._since is None else min(self._since, began)
+        self._queues.update(queue_names)
+
+    def sweep(self, connection: Any) -> list[str]:
+        """Queue again what the lost waits took (see the module docstring); the ids queued again. Redis errors
+        propagate and leave the sweep pending."""
+        if self._since is None:
+            return []
+        since, queues = self._since, set(self._queues)
+        orphans = find_orphans(connection, queues, since - ENQUEUE_SLACK_S, self.tenants)
+        if orphans:
+            self.sleep(self.confirm_s)
+            orphans = [o for o in orphans if requeue_orphan(connection, o)]
+        for orphan in orphans:
+            log.warning("job %s was taken off queue %s by a wait whose reply was lost: queued again at its head",
+                        orphan.job_id, orphan.origin)  # fmt: skip
+        self._since, self._queues = None, set()
+        return [o.job_id for o in orphans]
