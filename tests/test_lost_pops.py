@@ -116,3 +116,30 @@ def test_a_job_whose_blpop_reply_was_lost_is_rendered(proxied_worker: Any) -> No
     assert wait_state(job, {"uploaded", "failed"}, 60, proc) == "uploaded"
     assert [e["state"] for e in events(conn, job_id) if e["type"] == "state"].count("started") == 1
     assert "queued again at its head" in proc.log_tail(200_000)
+
+
+def test_a_sweep_redis_refuses_is_given_up_without_stopping_the_worker() -> None:
+    """A Redis user without SCAN: the worker logs it and goes on (an outage instead propagates, to be waited
+    out with the sweep still pending)."""
+    import redis
+
+    from worker.runtime.rqworker import FleetWorker
+
+    class Refusing:
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        def scan_iter(self, **_: Any) -> Any:
+            raise self.exc
+
+    worker = FleetWorker.__new__(FleetWorker)
+    worker.lost_pops = LostPops(confirm_s=0)
+    worker.lost_pops.suspect(["q"], time.time())
+    worker.connection = Refusing(redis.exceptions.NoPermissionError("this user has no permissions to run 'scan'"))
+    worker._sweep_lost_pops()
+    assert not worker.lost_pops.pending
+    worker.lost_pops.suspect(["q"], time.time())
+    worker.connection = Refusing(redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"))
+    with pytest.raises(redis.exceptions.BusyLoadingError):
+        worker._sweep_lost_pops()
+    assert worker.lost_pops.pending

@@ -195,6 +195,10 @@ class LostPops:
         self._since = began if self._since is None else min(self._since, began)
         self._queues.update(queue_names)
 
+    def give_up(self) -> None:
+        """Forget the lost waits (the sweep cannot run here)."""
+        self._since, self._queues = None, set()
+
     def sweep(self, connection: Any) -> list[str]:
         """Queue again what the lost waits took (see the module docstring); the ids queued again. Redis errors
         propagate and leave the sweep pending."""
@@ -208,5 +212,5 @@ class LostPops:
         for orphan in orphans:
             log.warning("job %s was taken off queue %s by a wait whose reply was lost: queued again at its head",
                         orphan.job_id, orphan.origin)  # fmt: skip
-        self._since, self._queues = None, set()
+        self.give_up()
         return [o.job_id for o in orphans]

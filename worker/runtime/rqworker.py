@@ -81,7 +81,7 @@ from worker.ops.logs import bind_job
 from worker.protocol import rqcompat
 from worker.protocol.health import FleetHealth, WorkerHealth
 from worker.protocol.keys import worker_health_key
-from worker.protocol.redisoutage import RedisOutage, add_memory_hook, remove_memory_hook
+from worker.protocol.redisoutage import RedisOutage, add_memory_hook, outage_reason, remove_memory_hook
 from worker.protocol.renderjob import OversizedJob, RefusedJob, RenderJob
 from worker.protocol.states import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, JobState
 from worker.render.fleet import FleetUnrecoverable
@@ -156,6 +156,20 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         if settings.tenant_ids and not settings.tenants:
             log.warning("LTX_TENANT_IDS without LTX_TENANTS: tenants' own queues ('<queue>:t:<tenant>', where their "
                         "producers submit) are not served by this worker")  # fmt: skip
+
+    def _sweep_lost_pops(self) -> None:
+        """`worker.jobs.lostpops`: an outage propagates (waited out, the sweep stays pending); any other Redis
+        refusal (a user without SCAN) is logged and the sweep given up: never a reason to stop the worker."""
+        try:
+            requeued = self.lost_pops.sweep(self.connection)
+        except redis.exceptions.ResponseError as exc:
+            if outage_reason(exc) is not None:
+                raise
+            log.error("could not look for a job a lost wait took (%s); it may stay queued in no list", exc)
+            self.lost_pops.give_up()
+            return
+        for _ in requeued:
+            self.service.metrics.requeued_lost_pops.labels(self.service.group).inc()
 
     def _dropped_entry(self, queue: str, job_id: str, reason: str) -> None:
         self.service.metrics.dropped_queue_entries.labels(self.service.group, reason).inc()
@@ -430,8 +444,7 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         self._ensure_fleet()
         self._wait_for_upload_room()
         if self.lost_pops.pending:  # (after a wait that lost its reply: its job back on its queue)
-            for _ in self.lost_pops.sweep(self.connection):
-                self.service.metrics.requeued_lost_pops.labels(self.service.group).inc()
+            self._sweep_lost_pops()
         self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.jobs.admission)
         if timeout is None:
             result = self._dequeue(None, max_idle_time)
