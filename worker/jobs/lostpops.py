@@ -39,7 +39,8 @@ __all__ = ["CONFIRM_S", "ENQUEUE_SLACK_S", "LostPops", "Orphan", "find_orphans",
 log = logging.getLogger("worker.jobs.lostpops")
 
 ENQUEUE_SLACK_S = 300.0  #: how much earlier than the lost BLPOP a job may say it was enqueued (clock skew)
-CONFIRM_S = 2.0  #: a job is queued again only if it is still in no list this much later
+CONFIRM_S = 5.0  #: a job is queued again only if it is still in no list this much later (a loaded host
+#: can pause a worker between its BLPOP and its intermediate list for seconds)
 _JOB_KEY_PREFIX = b"rq:job:"
 _QUEUE_KEY_PREFIX = "rq:queue:"
 _SCAN_BATCH = 500
