@@ -102,6 +102,12 @@ class TcpProxy:
             self._drop_after = after
             self._drop_containing = containing
 
+    @property
+    def pending_drops(self) -> int:
+        """Replies `drop_replies` asked for that have not been dropped yet."""
+        with self._lock:
+            return self._replies_to_drop
+
     def _take_drop(self, state: dict[str, bool], reply: bytes) -> bool:
         with self._lock:
             if self._replies_to_drop <= 0 or (self._drop_after is not None and not state.get("marked")):
