@@ -26,10 +26,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import redis
+from rq.intermediate_queue import IntermediateQueue
+from rq.job import Job
+from rq.queue import Queue
+from rq.utils import utcparse
 
 from worker.jobs.admissionrule import Refusal
 from worker.protocol.keys import REFUSALS_KEY, job_tenant, queue_tenant
@@ -41,8 +44,7 @@ log = logging.getLogger("worker.jobs.lostpops")
 ENQUEUE_SLACK_S = 300.0  #: how much earlier than the lost BLPOP a job may say it was enqueued (clock skew)
 CONFIRM_S = 5.0  #: a job is queued again only if it is still in no list this much later (a loaded host
 #: can pause a worker between its BLPOP and its intermediate list for seconds)
-_JOB_KEY_PREFIX = b"rq:job:"
-_QUEUE_KEY_PREFIX = "rq:queue:"
+_JOB_KEY_PREFIX = Job.redis_job_namespace_prefix.encode()
 _SCAN_BATCH = 500
 _WATCH_TRIES = 32
 
@@ -57,11 +59,11 @@ class Orphan:
 
 
 def _queue_key(name: str) -> str:
-    return _QUEUE_KEY_PREFIX + name
+    return Queue.redis_queue_namespace_prefix + name
 
 
 def _intermediate_key(name: str) -> str:
-    return _queue_key(name) + ":intermediate"  # (RQ's IntermediateQueue.get_intermediate_queue_key)
+    return IntermediateQueue.get_intermediate_queue_key(_queue_key(name))
 
 
 def _batched(items: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
@@ -76,14 +78,13 @@ def _batched(items: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
 
 
 def _timestamp(raw: bytes | None) -> float | None:
-    """RQ's `enqueued_at` (`2026-12-02T06:20:28.205329Z`, UTC) as a Unix time; None if absent or malformed."""
+    """RQ's `enqueued_at` as a Unix time; None if absent or malformed (a hand-written hash)."""
     if not raw:
         return None
     try:
-        parsed = datetime.strptime(raw.decode(), "%Y-%m-%dT%H:%M:%S.%fZ")
+        return utcparse(raw.decode()).timestamp()
     except (UnicodeDecodeError, ValueError):
         return None
-    return parsed.replace(tzinfo=UTC).timestamp()
 
 
 def may_requeue(job_id: str, origin: str, tenants: Sequence[str]) -> bool:
@@ -151,7 +152,7 @@ def requeue_orphan(connection: Any, orphan: Orphan) -> bool:
     """Put `orphan` back at the head of its queue if it is still the same `queued` submission in no list
     (checked under WATCH on its hash, its queue and its intermediate list: an id reaches the refusals only
     through its queue). Returns whether it was queued again."""
-    job_key = _JOB_KEY_PREFIX.decode() + orphan.job_id
+    job_key = Job.key_for(orphan.job_id)
     queue, intermediate = _queue_key(orphan.origin), _intermediate_key(orphan.origin)
     with connection.pipeline() as pipe:
         for _ in range(_WATCH_TRIES):
