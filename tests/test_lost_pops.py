@@ -27,7 +27,15 @@ from tests.test_worker_support import (
 )
 from worker.dev.tcpproxy import TcpProxy
 from worker.jobs.admissionrule import Refusal
-from worker.jobs.lostpops import ENQUEUE_SLACK_S, LostPops, Orphan, find_orphans, may_requeue, requeue_orphan
+from worker.jobs.lostpops import (
+    ENQUEUE_SLACK_S,
+    MAX_PER_QUEUE,
+    LostPops,
+    Orphan,
+    find_orphans,
+    may_requeue,
+    requeue_orphan,
+)
 from worker.protocol.keys import REFUSALS_KEY, RENDER_FUNC
 from worker.protocol.states import FailureReason
 
@@ -84,6 +92,21 @@ def test_a_sweep_puts_the_job_back_at_the_head_once_and_leaves_a_moved_one(redis
     conn.hset(moved.key, "created_at", "2030-01-01T00:00:00.000000Z")
     assert not requeue_orphan(conn, orphan)
     assert conn.lpos(queue.key, moved.id) is None
+
+
+def test_hand_written_hashes_cost_a_sweep_a_bounded_share_per_queue(redis_client: Any) -> None:
+    """A lost wait takes one id; a client that writes thousands of `queued` hashes it never pushes (its own
+    queue, its own hashes) stalled the worker for a minute. Each queue gets its newest `MAX_PER_QUEUE` back."""
+    conn, name = redis_client, f"lp-{uuid.uuid4().hex[:6]}"
+    queue, other = (Queue(n, connection=conn, serializer=JSONSerializer) for n in (name, name + "-b"))
+    began = time.time()
+    flood = [_queued(conn, queue, f"forged {i}") for i in range(MAX_PER_QUEUE + 5)]
+    for i, job in enumerate(flood):  # (distinct enqueue times: the newest are the last ones)
+        conn.hset(job.key, "enqueued_at", f"2099-01-01T00:00:{i:02d}.000000Z")
+    lost = _queued(conn, other, "the real one, on another queue")
+    found = find_orphans(conn, [name, other.name], began - ENQUEUE_SLACK_S)
+    assert sorted(o.job_id for o in found if o.origin == name) == sorted(j.id for j in flood[-MAX_PER_QUEUE:])
+    assert [o.job_id for o in found if o.origin == other.name] == [lost.id]
 
 
 def test_a_tenant_hash_never_reaches_a_queue_its_tenant_cannot_push_to() -> None:

@@ -17,7 +17,10 @@ that WATCHes its hash and lists (a job that moved meanwhile is left alone). With
 job goes back only onto its own queue and no tenant's id onto a shared one: tenants write their own job
 hashes, and a hash must not get onto a queue its tenant cannot push to.
 
-The search is a SCAN over the job hashes, pipelined: it runs only after a lost wait, which is rare.
+The search is a SCAN over the job hashes, pipelined: it runs only after a lost wait, which is rare. A lost
+wait takes one id, so at most `MAX_PER_QUEUE` jobs of a queue (the newest) are queued again per sweep: a
+client that writes `queued` hashes it never pushes costs a sweep about a second per 50,000 of them, not the
+minute that queuing them all again took.
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ from rq.utils import utcparse
 from worker.jobs.admissionrule import Refusal
 from worker.protocol.keys import REFUSALS_KEY, job_tenant, queue_tenant
 
-__all__ = ["CONFIRM_S", "ENQUEUE_SLACK_S", "LostPops", "Orphan", "find_orphans", "requeue_orphan"]
+__all__ = ["CONFIRM_S", "ENQUEUE_SLACK_S", "MAX_PER_QUEUE", "LostPops", "Orphan", "find_orphans", "requeue_orphan"]
 
 log = logging.getLogger("worker.jobs.lostpops")
 
 ENQUEUE_SLACK_S = 300.0  #: how much earlier than the lost BLPOP a job may say it was enqueued (clock skew)
+#: orphans queued again per queue and sweep, the newest: a lost wait takes one id, so a queue with more is
+#: mostly hashes a client wrote and never pushed (a tenant with 50,000 of them stalled the worker 55 s)
+MAX_PER_QUEUE = 16
 CONFIRM_S = 5.0  #: a job is queued again only if it is still in no list this much later (a loaded host
 #: can pause a worker between its BLPOP and its intermediate list for seconds)
 _JOB_KEY_PREFIX = Job.redis_job_namespace_prefix.encode()
@@ -120,9 +126,9 @@ def _listed(connection: Any, origins: set[str]) -> set[bytes]:
 def find_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: float,
                  tenants: Sequence[str] = ()) -> list[Orphan]:  # fmt: skip
     """`queued` jobs of `queue_names` enqueued at or after `enqueued_after` (Unix time) that are in no list
-    and `may_requeue` allows back onto their queue."""
+    and `may_requeue` allows back onto their queue: the newest `MAX_PER_QUEUE` of each queue."""
     names = set(queue_names)
-    found: list[Orphan] = []
+    found: list[tuple[float, Orphan]] = []
     for batch in _batched(connection.scan_iter(match=_JOB_KEY_PREFIX + b"*", count=1000), _SCAN_BATCH):
         pipe = connection.pipeline(transaction=False)
         for key in batch:
@@ -141,11 +147,20 @@ def find_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: fl
             except UnicodeDecodeError:
                 continue
             if queue in names and may_requeue(job_id, queue, tenants):
-                found.append(Orphan(job_id, queue, created))
+                found.append((enqueued_at, Orphan(job_id, queue, created)))
     if not found:
         return []
-    listed = _listed(connection, {o.origin for o in found})
-    return [o for o in found if o.job_id.encode() not in listed]
+    listed = _listed(connection, {o.origin for _, o in found})
+    per_queue: dict[str, list[Orphan]] = {}
+    for _, orphan in sorted(found, key=lambda pair: pair[0], reverse=True):  # (newest first)
+        if orphan.job_id.encode() not in listed:
+            per_queue.setdefault(orphan.origin, []).append(orphan)
+    for queue, orphans in per_queue.items():
+        if len(orphans) > MAX_PER_QUEUE:
+            log.warning("%d queued jobs of queue %s are in no list; only the newest %d are queued again (a lost "
+                        "wait takes one id: the rest were written by hand)", len(orphans), queue,
+                        MAX_PER_QUEUE)  # fmt: skip
+    return [o for orphans in per_queue.values() for o in orphans[:MAX_PER_QUEUE]]
 
 
 def requeue_orphan(connection: Any, orphan: Orphan) -> bool:
