@@ -82,6 +82,8 @@ from bench.e2e_stack import (
 from worker.runtime.settings import validate_group
 
 GIB = 1024**3
+#: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)
+QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 
 
 def emit(record: dict[str, Any], out: Any) -> None:
@@ -321,7 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--job-timeout", type=float, default=None, help="s per job")
     ap.add_argument("--stop-timeout", type=float, default=120.0)
     ap.add_argument("--budget-s", type=float, default=None, help="skip runs that would start after this")
-    ap.add_argument("--quantization", default=None, help="setup quantization, e.g. fp8-mm (docs/runners.md)")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="fp8-mm (linears), fp8-mm+attn (and attention): docs/runners.md")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and spool (default: a temp dir)")
     args = ap.parse_args(argv)
