@@ -27,10 +27,14 @@
 #              ONLY="0,1" (a comma list of plan indices) picks other runs for either phase
 #   loras      bench/loras.py at real size on GPU 0: request LoRAs switched, fetched from S3, swapped back
 #              (~2.5-3 min; SIGINT at 235 s; no kernel build: one GPU exchanges no heads)
+#   attn       FP8 attention: installs the carried .whl3/ (nvidia-cudnn-frontend, sageattention; fill it with the
+#              pip download in docs/performance.md) into $SITE, then bench/attention.py with the candidates at
+#              LTX-2's shapes and tests/test_fp8_attention_gpu.py; every step runs even if one before failed
+#              (~3-4 min on one H200; needs no other wheel)
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash scripts/gpu_session.sh wheels|check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras}
+PHASE=${1:?usage: bash scripts/gpu_session.sh wheels|check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras|attn}
 OUT=${OUT:-/tmp/ltx-out}
 SITE=${SITE:-/tmp/site}
 WEIGHTS=${WEIGHTS:-/dev/shm/ltx2-full}
@@ -146,6 +150,25 @@ PYCHECK
     ;;
   loras)
     BENCH=bench/loras.py LIMIT=235 e2e loras --profile full --weights "$WEIGHTS" --groups 0 --budget-s 190
+    ;;
+  attn)
+    set +e
+    rc=0
+    if compgen -G ".whl3/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl3/*.whl >"$OUT/attn-pip.log" 2>&1 \
+        || { tail -20 "$OUT/attn-pip.log"; rc=1; }
+    else
+      echo "no .whl3/*.whl carried: the candidates will report themselves absent" >&2
+    fi
+    "$PY" -c "import torch, cudnn; print('cudnn-frontend', cudnn.__version__, 'backend', cudnn.backend_version(), \
+'torch cudnn', torch.backends.cudnn.version())" 2>&1 | tee "$OUT/attn-versions.txt"
+    timeout 360 "$PY" bench/attention.py --candidates cudnn-fp8,sage-int8 >"$OUT/attention.jsonl" 2>"$OUT/attention.log" \
+      || { echo "bench/attention.py exited $?" >&2; tail -20 "$OUT/attention.log"; rc=1; }
+    tail -c 4000 "$OUT/attention.jsonl"
+    timeout 200 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_attention_gpu.py -rs \
+      --junitxml="$OUT/tests-attn.xml" >"$OUT/tests-attn.log" 2>&1 || rc=1
+    grep -E "rel err|passed|failed|skipped|Error" "$OUT/tests-attn.log" | tail -40
+    exit $rc
     ;;
   *)
     echo "unknown phase $PHASE" >&2

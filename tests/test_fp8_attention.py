@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from ltx_mgpu.fp8 import attention as fa
-from ltx_mgpu.runners.ltx2 import components as comp
 
 RHO2 = (2.0**-4) ** 2 / 3
 
@@ -218,6 +217,7 @@ def test_the_recipes_bf16_blocks_keep_bf16_attention():
 # ---- the setting -----------------------------------------------------------------------------------------------
 def test_quantization_names_and_the_benches_accept_them():
     from bench import e2e, stages
+    from ltx_mgpu.runners.ltx2 import components as comp
 
     assert "fp8-mm+attn" in comp.QUANTIZATIONS
     assert e2e.QUANTIZATIONS == stages.QUANTIZATIONS == comp.QUANTIZATIONS
@@ -229,6 +229,8 @@ def test_quantization_names_and_the_benches_accept_them():
 
 
 def test_setup_fails_clearly_where_the_fp8_attention_cannot_run(monkeypatch):
+    from ltx_mgpu.runners.ltx2 import components as comp
+
     assert "needs a CUDA device" in fa.fp8_attention_support(torch.device("cpu"), "cudnn")
     assert fa.fp8_attention_support(torch.device("cpu")) is None  # the emulation
     assert "unknown FP8 attention backend" in fa.fp8_attention_support(torch.device("cpu"), "flash")
@@ -268,6 +270,7 @@ def test_tiny_transformer_with_fp8_mm_attn_stays_within_the_derived_branch_error
 
     from bench.sp_block import _inputs
     from ltx_mgpu.fp8 import convert_linears
+    from ltx_mgpu.runners.ltx2 import components as comp
     from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
 
     checkpoint = str(ensure_tiny_ltx2().checkpoint)
