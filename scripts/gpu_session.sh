@@ -168,6 +168,11 @@ PYCHECK
     timeout 200 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_attention_gpu.py -rs \
       --junitxml="$OUT/tests-attn.xml" >"$OUT/tests-attn.log" 2>&1 || rc=1
     grep -E "rel err|passed|failed|skipped|Error" "$OUT/tests-attn.log" | tail -40
+    if "$PY" -c "import ltx_core" 2>/dev/null; then  # per block (needs the `wheels` phase's ltx-core)
+      timeout 150 "$PY" bench/fp8_attn_block.py >"$OUT/fp8-attn-block.jsonl" 2>"$OUT/fp8-attn-block.log" \
+        || { tail -20 "$OUT/fp8-attn-block.log"; rc=1; }
+      tail -c 3000 "$OUT/fp8-attn-block.jsonl"
+    fi
     exit $rc
     ;;
   *)
