@@ -162,14 +162,14 @@ PYCHECK
     fi
     "$PY" -c "import torch, cudnn; print('cudnn-frontend', cudnn.__version__, 'backend', cudnn.backend_version(), \
 'torch cudnn', torch.backends.cudnn.version())" 2>&1 | tee "$OUT/attn-versions.txt"
-    timeout 360 "$PY" bench/attention.py --candidates cudnn-fp8,sage-int8 >"$OUT/attention.jsonl" 2>"$OUT/attention.log" \
+    timeout 300 "$PY" bench/attention.py --candidates cudnn-fp8,sage-int8 >"$OUT/attention.jsonl" 2>"$OUT/attention.log" \
       || { echo "bench/attention.py exited $?" >&2; tail -20 "$OUT/attention.log"; rc=1; }
     tail -c 4000 "$OUT/attention.jsonl"
-    timeout 200 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_attention_gpu.py -rs \
+    timeout 150 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_attention_gpu.py -rs \
       --junitxml="$OUT/tests-attn.xml" >"$OUT/tests-attn.log" 2>&1 || rc=1
     grep -E "rel err|passed|failed|skipped|Error" "$OUT/tests-attn.log" | tail -40
     if "$PY" -c "import ltx_core" 2>/dev/null; then  # per block (needs the `wheels` phase's ltx-core)
-      timeout 150 "$PY" bench/fp8_attn_block.py >"$OUT/fp8-attn-block.jsonl" 2>"$OUT/fp8-attn-block.log" \
+      timeout 120 "$PY" bench/fp8_attn_block.py >"$OUT/fp8-attn-block.jsonl" 2>"$OUT/fp8-attn-block.log" \
         || { tail -20 "$OUT/fp8-attn-block.log"; rc=1; }
       tail -c 3000 "$OUT/fp8-attn-block.jsonl"
     fi
