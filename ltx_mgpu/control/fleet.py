@@ -3,7 +3,8 @@ beyond running one generator per announced job; classification lives in `control
 
 Rank lifecycle (every rank, SPMD):
   1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep
-     NVLink multicast off (`devices.MULTICAST_OFF_ENV`) unless the environment says otherwise;
+     NVLink multicast off (`devices.MULTICAST_OFF_ENV`) unless the environment says otherwise, set the
+     deterministic switches of the fleet's mode (`determinism.apply`, before any CUDA work);
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
   4. `runner.setup(**setup_kwargs)`, then report ready with its start timestamps (`startup.RankStartup`);
@@ -51,6 +52,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import determinism
 from .devices import MULTICAST_OFF_ENV
 from .errors import RenderFault, RenderOutOfMemory, RunnerError
 from .jobboard import CancelPoints, JobBoard, cancel_key
@@ -117,6 +119,7 @@ class RankBoot:
     setup_kwargs: dict[str, Any]
     channels: RankChannels
     scratch_dir: str  #: the fleet's temporary directory, owned (and removed) by the controller
+    deterministic: str = "off"  #: the fleet's resolved mode (`determinism.resolve`): "on", "strict" or "off"
 
 
 def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
@@ -158,6 +161,7 @@ def rank_main(boot: RankBoot) -> None:
     tempfile.tempdir = boot.scratch_dir
     _start_parent_watchdog(boot.scratch_dir)
     try:
+        determinism.apply(boot.deterministic)  # before cuBLAS, cuDNN or a communicator exists here
         _run_rank(boot, booted_at)
     except BaseException:
         tb = traceback.format_exc()
