@@ -379,7 +379,11 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
         "video_tokens": stage1.get("video_tokens"),
         "audio": (output or {}).get("audio"),
         "bytes": result.get("size"),
-        "sha256": result.get("sha256"),  #: the mp4's: equal requests (seed included) render equal videos
+        "sha256": result.get("sha256"),  #: the mp4's: equal frames and audio encode to equal files
+        # what was rendered (the job summary's `digests`): equal under a deterministic fleet for equal requests
+        "frames_sha256": (info.meta.get("digests") or {}).get("frames_sha256"),
+        "audio_sha256": (info.meta.get("digests") or {}).get("audio_sha256"),
+        "deterministic": (info.meta.get("digests") or {}).get("deterministic"),
         "error": info.error,
     }
 
