@@ -2,9 +2,8 @@
 beyond running one generator per announced job; classification lives in `controller.py`.
 
 Rank lifecycle (every rank, SPMD):
-  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep
-     NVLink multicast off (`devices.MULTICAST_OFF_ENV`) unless the environment says otherwise, set the
-     deterministic switches of the fleet's mode (`determinism.apply`, before any CUDA work);
+  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep NVLink
+     multicast off (`devices.MULTICAST_OFF_ENV`) unless set, set the mode's switches (`determinism.apply`);
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
   4. `runner.setup(**setup_kwargs)`, then report ready with its start timestamps (`startup.RankStartup`);
@@ -90,12 +89,9 @@ class FleetChannels:
     def create(cls, ctx: Any, devices: list[str]) -> FleetChannels:
         """The channels for a fleet on `devices`; `tensors` only where that path is used (CPU, rank > 0)."""
         world = len(devices)
-        return cls(
-            jobs=Channel(ctx),
-            up=[Channel(ctx) for _ in range(world)],
-            failures=[Channel(ctx) for _ in range(world)],
-            tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {},
-        )
+        return cls(jobs=Channel(ctx), up=[Channel(ctx) for _ in range(world)],
+                   failures=[Channel(ctx) for _ in range(world)],
+                   tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {})  # fmt: skip
 
     def for_rank(self, rank: int) -> RankChannels:
         jobs = self.jobs if rank == DRIVER_RANK else None
