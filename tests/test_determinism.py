@@ -53,7 +53,8 @@ _PROBE = textwrap.dedent(
     out = {"algorithms": torch.are_deterministic_algorithms_enabled(),
            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
            "cudnn_deterministic": torch.backends.cudnn.deterministic, "benchmark": torch.backends.cudnn.benchmark,
-           "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+           "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+           "fill": torch.utils.deterministic.fill_uninitialized_memory}
     x = torch.zeros(4)
     try:  # put_ without accumulate has no deterministic implementation on any device
         x.put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]), accumulate=False)
@@ -87,6 +88,7 @@ def test_a_rank_sets_the_switches_and_a_nondeterministic_op_raises(mode: str, wa
     assert out["algorithms"] and out["warn_only"] is warn_only
     assert out["cudnn_deterministic"] and not out["benchmark"]
     assert out["cublas"] == ":4096:8"
+    assert out["fill"] is (mode == "strict")  # (the NaN fill of new tensors: strict only, see determinism.py)
 
 
 # ---- the tiled stage 2's cross-rank sum ---------------------------------------------------------------------

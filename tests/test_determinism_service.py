@@ -1,11 +1,12 @@
 """Reproducible renders through the whole service on a CPU fleet (deterministic by default there): real Redis,
-real S3 (SeaweedFS), a real `ltx-worker one` with the smoke model on two CPU ranks (SP over gloo).
+real S3 (SeaweedFS), a real `ltx-worker one` with the smoke model on two CPU ranks (SP over gloo), and with the
+tiny LTX-2 distilled runner on one.
 
 The same request and seed renders the same frames and audio, job after job and across a fleet rebuild (a rank
 killed between them); another seed renders other frames (so equal hashes are not a constant); and the hashes
 appear where a user reads them: `producer status --json` (`digests`) and the job's result, beside the mp4's
-sha256. The tiny LTX-2 runner, with a LoRA job between two equal ones, is covered by tests/test_bench_loras.py
-(`bench/loras.py` compares the phases by these hashes)."""
+sha256. LoRA jobs between equal ones (the tiny LTX-2 runner) are in tests/test_bench_loras.py (`bench/loras.py`
+compares its phases by these hashes)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,28 @@ from producer.cli import cli
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, wait_for, wait_state
 
-pytestmark = pytest.mark.timeout(600)
-REQUEST = {"prompt": "a red fox in the snow", "width": 64, "height": 64, "num_frames": 9, "seed": 7}
+pytestmark = pytest.mark.timeout(900)
 HEX = set("0123456789abcdef")
+SMOKE = {"prompt": "a red fox in the snow", "width": 64, "height": 64, "num_frames": 9, "seed": 7}
+#: the tiny LTX-2 checkpoints' size (as `bench/e2e.py --profile tiny` renders them)
+TINY = {"prompt": "a red fox in the snow", "width": 128, "height": 128, "num_frames": 9, "frame_rate": 8.0, "seed": 7}
+
+
+def _tiny_distilled_setup() -> str:
+    from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
+
+    setup = ensure_tiny_ltx2().setup_kwargs()
+    setup.pop("distilled_lora_path", None)
+    setup.update(prompt_tokens=128, default_steps=2, enhance_max_new_tokens=6, tdp_overlap=1)
+    return json.dumps(setup)
+
+
+#: (runner, device group, request, worker settings): the smoke model with SP over two ranks; the tiny LTX-2
+#: distilled runner on one rank (its LoRA jobs between equal ones: tests/test_bench_loras.py)
+RUNS = {
+    "smoke-cpu2": ("smoke", "cpu:2", SMOKE, dict),
+    "ltx2-distilled-cpu1": ("ltx2-distilled", "cpu:1", TINY, lambda: {"runner_setup": _tiny_distilled_setup()}),
+}
 
 
 def _status_json(redis_url: str, job_id: str) -> dict[str, Any]:
@@ -33,8 +53,8 @@ def _status_json(redis_url: str, job_id: str) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
-def _render(fleet: Any, redis_url: str, **change: Any) -> dict[str, Any]:
-    job = enqueue(fleet.conn, fleet.queue, {**REQUEST, **change})
+def _render(fleet: Any, redis_url: str, request: dict[str, Any], **change: Any) -> dict[str, Any]:
+    job = enqueue(fleet.conn, fleet.queue, {**request, **change})
     assert wait_state(job, {"uploaded", "failed"}, 240, fleet.proc) == "uploaded", fleet.proc.log_tail()
     return _status_json(redis_url, job.id)
 
@@ -42,7 +62,7 @@ def _render(fleet: Any, redis_url: str, **change: Any) -> dict[str, Any]:
 def _kill_a_rank_and_wait_for_the_rebuild(fleet: Any) -> None:
     info = fleet.idle()
     pids, rebuilds = info["fleet"]["pids"], info["fleet"]["rebuilds"]
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[-1], signal.SIGKILL)
 
     def rebuilt() -> bool:
         now = fleet.idle()["fleet"]
@@ -51,18 +71,20 @@ def _kill_a_rank_and_wait_for_the_rebuild(fleet: Any) -> None:
     wait_for(rebuilt, 240, "the fleet rebuilt after a rank kill", on_fail=fleet.proc.log_tail)
 
 
-def test_same_request_same_frames_and_audio_across_jobs_and_a_rebuild(tmp_path, redis_server, s3_server):
-    with running_worker(tmp_path, redis_server, s3_server, runner="smoke", group="cpu:2") as fleet:
-        first = _render(fleet, redis_server.url)
-        other_seed = _render(fleet, redis_server.url, seed=8)
-        second = _render(fleet, redis_server.url)
+@pytest.mark.parametrize("case", sorted(RUNS))
+def test_same_request_same_frames_and_audio_across_jobs_and_a_rebuild(tmp_path, redis_server, s3_server, case):
+    runner, group, request, settings = RUNS[case]
+    with running_worker(tmp_path, redis_server, s3_server, runner=runner, group=group, **settings()) as fleet:
+        first = _render(fleet, redis_server.url, request)
+        other_seed = _render(fleet, redis_server.url, request, seed=8)
+        second = _render(fleet, redis_server.url, request)
         _kill_a_rank_and_wait_for_the_rebuild(fleet)
-        after_rebuild = _render(fleet, redis_server.url)
+        after_rebuild = _render(fleet, redis_server.url, request)
 
     digests = first["digests"]
     assert digests is not None, first
     assert set(digests["frames_sha256"]) <= HEX and len(digests["frames_sha256"]) == 64
-    assert set(digests["audio_sha256"]) <= HEX and len(digests["audio_sha256"]) == 64  # (the smoke model has audio)
+    assert set(digests["audio_sha256"]) <= HEX and len(digests["audio_sha256"]) == 64  # (both render audio)
     assert digests["frames_layout"] == "yuv420p-uint8-FHW" and digests["audio_layout"] == "float32le-CS"
     assert digests["deterministic"] == "on"  # (`auto` on a CPU fleet)
     # the job's result carries them beside the mp4's sha256

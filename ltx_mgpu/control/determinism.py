@@ -15,7 +15,8 @@ Modes (`LTX_DETERMINISTIC`, `MGPUController(deterministic=...)`):
 | `on`     | `CUBLAS_WORKSPACE_CONFIG=:4096:8`; `use_deterministic_algorithms(True, warn_only=True)` with torch's |
 |          | "no deterministic implementation" warning turned into an error; cuDNN and oneDNN deterministic,    |
 |          | no cuDNN benchmark                                                                                  |
-| `strict` | the same with `warn_only=False`                                                                     |
+|          | (new tensors are not NaN-filled: `fill_uninitialized_memory` off)                                   |
+| `strict` | the same with `warn_only=False` and torch's NaN fill of new tensors                                 |
 | `auto`   | `on` for CPU fleets, `off` for GPU fleets (the GPU default stays off until its cost is measured)    |
 
 Why `on` and not `strict`: with `warn_only=False` torch refuses cuDNN's fused attention outright (its
@@ -78,6 +79,10 @@ def apply(mode: str) -> None:
 
     strict = mode == "strict"
     torch.use_deterministic_algorithms(True, warn_only=not strict)
+    # torch then fills every new tensor with NaN (a memset per op output, replayed in every CUDA graph): a
+    # cost `on` does not pay. Our kernels write what they allocate; `strict` keeps the fill, so a read of
+    # memory nothing wrote shows as NaN (the runners' finite checks raise) instead of varying silently.
+    torch.utils.deterministic.fill_uninitialized_memory = strict  # type: ignore[attr-defined]
     if not strict:  # still an error for every op torch knows to be nondeterministic (see the module docstring)
         warnings.filterwarnings("error", message=_NONDETERMINISTIC_WARNING)
     torch.backends.cudnn.deterministic = True
