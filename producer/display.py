@@ -275,6 +275,10 @@ def render_status(console: Console, info: JobInfo) -> None:
             _row(table, "lora", f"{used.get('lora')} x{used.get('strength')} ({how})")
     if meta.get("lora_swap_s") is not None:
         _row(table, "lora swap", f"{meta['lora_swap_s']} s")
+    digests = meta.get("digests") if isinstance(meta.get("digests"), dict) else {}
+    if digests.get("frames_sha256"):  # (what was rendered, before the encode: docs/producer.md)
+        _row(table, "frames", f"sha256 {digests['frames_sha256']}")
+        _row(table, "audio", f"sha256 {digests.get('audio_sha256') or '-'}")
     if info.error:
         _row(table, "error", f"{info.error.get('reason')}: {info.error.get('message')}")
     attempts = info.meta.get("attempts") if isinstance(info.meta.get("attempts"), list) else []

@@ -138,6 +138,8 @@ class JobInfo:
             "started_at": iso(self.started_at),
             "ended_at": iso(self.ended_at),
             "attempts": self.meta.get("attempts") or [],
+            # what was rendered: sha256 of the frames and the audio (from `rendered` on), beside the mp4's
+            "digests": self.meta.get("digests"),
             "error": self.error,
             "result": self.result,
             "request": self.request,

@@ -2,8 +2,8 @@
 beyond running one generator per announced job; classification lives in `controller.py`.
 
 Rank lifecycle (every rank, SPMD):
-  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep
-     NVLink multicast off (`devices.MULTICAST_OFF_ENV`) unless the environment says otherwise;
+  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep NVLink
+     multicast off (`devices.MULTICAST_OFF_ENV`) unless set, set the mode's switches (`determinism.apply`);
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
   4. `runner.setup(**setup_kwargs)`, then report ready with its start timestamps (`startup.RankStartup`);
@@ -51,6 +51,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import determinism
 from .devices import MULTICAST_OFF_ENV
 from .errors import RenderFault, RenderOutOfMemory, RunnerError
 from .jobboard import CancelPoints, JobBoard, cancel_key
@@ -88,12 +89,9 @@ class FleetChannels:
     def create(cls, ctx: Any, devices: list[str]) -> FleetChannels:
         """The channels for a fleet on `devices`; `tensors` only where that path is used (CPU, rank > 0)."""
         world = len(devices)
-        return cls(
-            jobs=Channel(ctx),
-            up=[Channel(ctx) for _ in range(world)],
-            failures=[Channel(ctx) for _ in range(world)],
-            tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {},
-        )
+        return cls(jobs=Channel(ctx), up=[Channel(ctx) for _ in range(world)],
+                   failures=[Channel(ctx) for _ in range(world)],
+                   tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {})  # fmt: skip
 
     def for_rank(self, rank: int) -> RankChannels:
         jobs = self.jobs if rank == DRIVER_RANK else None
@@ -117,6 +115,7 @@ class RankBoot:
     setup_kwargs: dict[str, Any]
     channels: RankChannels
     scratch_dir: str  #: the fleet's temporary directory, owned (and removed) by the controller
+    deterministic: str = "off"  #: the fleet's resolved mode (`determinism.resolve`): "on", "strict" or "off"
 
 
 def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
@@ -158,6 +157,7 @@ def rank_main(boot: RankBoot) -> None:
     tempfile.tempdir = boot.scratch_dir
     _start_parent_watchdog(boot.scratch_dir)
     try:
+        determinism.apply(boot.deterministic)  # before cuBLAS, cuDNN or a communicator exists here
         _run_rank(boot, booted_at)
     except BaseException:
         tb = traceback.format_exc()

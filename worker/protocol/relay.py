@@ -156,14 +156,14 @@ class EventRelay:
         return None
 
     def state(self, state: JobState, *, ttl: int | None = None, **extra: Any) -> str:
-        """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`
-        also go into the summary."""
+        """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`/
+        `digests` (and `attempt`, `worker`, `fleet`) also go into the summary."""
         summary: dict[str, Any] = {"state": state.value}
         if state in TERMINAL_STATES:
             summary["ended_at"] = time.time()  # the job's end (with the pipeline: the upload's, not the render's)
         if state is JobState.UPLOADED:
             summary.update(percent=100.0, eta_s=0.0, error=None)  # earlier attempts stay in meta `attempts`
-        for key in ("error", "result", "attempt", "worker", "fleet"):
+        for key in ("error", "result", "attempt", "worker", "fleet", "digests"):
             if key in extra:
                 summary[key] = extra[key]
         return self.emit({"type": EventType.STATE.value, "state": state.value, **extra}, summary=summary, ttl=ttl)

@@ -60,6 +60,7 @@ class WarmFleet:
         start_timeout: float = 1800.0,
         shutdown_timeout: float = 30.0,
         error_settle_s: float | None = None,
+        deterministic: str | None = None,
         max_failures: int = 3,
         backoff_s: float = 2.0,
         factory: Callable[..., Any] | None = None,
@@ -77,6 +78,7 @@ class WarmFleet:
         self.start_timeout = start_timeout
         self.shutdown_timeout = shutdown_timeout
         self.error_settle_s = error_settle_s  # (MGPUController's; None: its default)
+        self.deterministic = deterministic  # (MGPUController's mode, `ltx_mgpu.control.determinism`; None: its default)
         self.max_failures = max_failures
         self.backoff_s = backoff_s
         self._factory = factory
@@ -362,7 +364,8 @@ class WarmFleet:
             from ltx_mgpu import MGPUController
 
             factory = MGPUController
-        extra = {} if self.error_settle_s is None else {"error_settle_s": self.error_settle_s}
+        given = {"error_settle_s": self.error_settle_s, "deterministic": self.deterministic}
+        extra = {k: v for k, v in given.items() if v is not None}  # (None: MGPUController's default)
         ctl = factory(self.runner_cls, devices=self.devices, **extra)
         register = getattr(ctl, "add_failure_callback", None)
         if register is not None:

@@ -174,6 +174,12 @@ class RenderService:
             self._limits = self._limits.with_capacity(round(float(measured) / 2**30, 2))
         return self._limits
 
+    def deterministic_mode(self) -> str | None:
+        """The warm fleet's deterministic mode ("on", "strict", "off"; `ltx_mgpu.control.determinism`), recorded
+        beside each render's hashes: equal hashes are promised only between renders of a deterministic fleet."""
+        mode = getattr(getattr(self.fleet, "controller", None), "deterministic", None)
+        return mode if isinstance(mode, str) else None
+
     def _memory_plan(self, job: Any, req: RenderRequest) -> dict[str, Any] | None:
         """The runner's `memory_plan` job kwarg (None: the runner takes none, or nothing to say). After an
         out-of-memory attempt, the lower-memory plan (chunked decode, cache released between stages)."""
@@ -511,7 +517,8 @@ class RenderService:
         if media is not None:
             key = self.storage.key_for(job.id, new_render_id(), output_path.name)
             pending = PendingEncode(job=job, relay=relay, output_path=output_path, media=media, output=output,
-                                    key=key, render_s=render_s)  # fmt: skip
+                                    key=key, render_s=render_s,
+                                    digest_extra={"deterministic": self.deterministic_mode()})  # fmt: skip
             try:
                 self.encoder.prepare(pending)
             except OSError as exc:
@@ -643,6 +650,7 @@ class RenderService:
             "key": stored.key,
             "size": stored.size,
             "sha256": stored.sha256,
+            "digests": entry.info.get("digests"),  #: the frames' and audio's sha256 (`runners.common.digest`)
             "content_type": stored.content_type,
             "url": url,
             "url_expires_at": url_expires_at,

@@ -151,6 +151,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         start_timeout=settings.fleet_start_timeout,
         shutdown_timeout=settings.fleet_shutdown_timeout,
         error_settle_s=settings.fleet_error_settle_s,
+        deterministic=settings.deterministic,
         max_failures=settings.max_rebuild_failures,
         backoff_s=settings.rebuild_backoff_s,
         factory=controller_factory,

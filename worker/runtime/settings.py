@@ -192,6 +192,11 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         30.0, gt=0, description="once some ranks ended a job with an error, seconds the others get to end it too "
         "before the fleet is taken to be stuck in a collective and rebuilt"
     )  # fmt: skip
+    deterministic: Literal["auto", "on", "off", "strict"] = Field(
+        "auto", description="deterministic renders (same request, seed, layout and software: the same frames and "
+        "audio; ltx_mgpu.control.determinism): on, strict (torch refuses every nondeterministic op, cuDNN's "
+        "attention included), off; auto = on for CPU fleets, off for GPU fleets"
+    )  # fmt: skip
     max_rebuild_failures: int = Field(
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"
     )
