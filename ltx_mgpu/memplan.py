@@ -47,7 +47,6 @@ __all__ = [
     "largest",
     "lora_figures",
     "lora_parts",
-    "lower_memory",
     "parse_size",
     "plan",
     "with_lora_limits",
@@ -428,16 +427,6 @@ def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_me
     return MemoryPlan(fleet, size, resident, decode_chunked=need_low, release_between_stages=need_low,
                       decode_tiles=fleet.world_size, stages=stages, token_problem=_token_problem(fleet, size),
                       notes=tuple(notes))  # fmt: skip
-
-
-def lower_memory(current: MemoryPlan) -> MemoryPlan | None:
-    """The next plan below `current` for the same request on the same fleet: strictly lower in memory (a knob
-    that saves memory turns on, none turns off), or None when `current` is already the lowest this model has.
-    An out-of-memory retry takes it, and a request whose lowest plan ran out of memory is not retried."""
-    if current.decode_chunked and current.release_between_stages:
-        return None
-    w, h, f = current.size
-    return plan(current.fleet, w, h, f, low_memory=True)
 
 
 def largest(fleet: FleetMemory, width: int, height: int, num_frames: int) -> dict[str, str | None]:

@@ -183,21 +183,19 @@ class RenderService:
 
     def memory_plans(self, width: int, height: int, num_frames: int) -> list[dict[str, Any] | None]:
         """The runner's `memory_plan` job kwargs for a request of this size: the plan a job gets first, then each
-        strictly lower-memory one (`memplan.lower_memory`) down to the lowest. An out-of-memory attempt moves
-        the job one step down; `[None]`: the runner takes no plan (nothing lower to retry with). Without a
-        described memory (no `memory_fleet`) the first is the runner's default and the lower one the chunked
-        decode with the cache released between stages."""
+        strictly lower-memory one down to the lowest (memplan's lower-memory plan, unless the first already is
+        it). An out-of-memory attempt moves the job one step down; `[None]`: the runner takes no plan (nothing
+        lower to retry with). Without a described memory (no `memory_fleet`) the first is the runner's default
+        and the lower one the chunked decode with the cache released between stages."""
         if not self.takes_memory_plan:
             return [None]
         memory = self.limits.memory
         if memory is None:
             return [None, {"decode_chunked": True, "release_between_stages": True}]
-        plans: list[dict[str, Any] | None] = []
-        current: memplan.MemoryPlan | None = memplan.plan(memory, width, height, num_frames)
-        while current is not None:
-            plans.append(current.job_kwargs())
-            current = memplan.lower_memory(current)
-        return plans
+        first = memplan.plan(memory, width, height, num_frames)
+        if first.decode_chunked and first.release_between_stages:  # (already memplan's lowest)
+            return [first.job_kwargs()]
+        return [first.job_kwargs(), memplan.plan(memory, width, height, num_frames, low_memory=True).job_kwargs()]
 
     def warmup_plans(self, kwargs: dict[str, Any]) -> list[dict[str, Any] | None]:
         """A warm-up request's plans (`memory_plans`, as for a client job of its size, with the capacity the fleet
