@@ -59,6 +59,7 @@ from worker.render.encoder import EncodeStage, PendingEncode
 from worker.render.fleet import WarmFleet
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.render.pipeline import PendingUpload, UploadPipeline
+from worker.render.warmup import WarmupRefused, is_out_of_memory
 from worker.runtime.settings import WorkerSettings
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, StoredObject, new_render_id
@@ -81,6 +82,10 @@ class JobFailed(Exception):
         self.message = message
         self.retrying = retrying
         self.details = details
+
+
+class _NoLowerPlan(Exception):
+    """Earlier attempts of this job ran out of memory on every plan there is (`RenderService._memory_plan`)."""
 
 
 class JobCancelledByClient(Exception):
@@ -152,6 +157,7 @@ class RenderService:
         streams = settings.encode_stream and "stream" in getattr(fleet.runner_cls, "media_modes", ())
         self.media_mode = "stream" if streams else "frames"  #: what `media` the fleet is asked for
         self.takes_memory_plan = _takes(fleet.runner_cls, "memory_plan")
+        fleet.warm.plans = self.warmup_plans  # the warm-up is planned like a client job (worker.render.warmup)
         self.current: _Current | None = None
         # A cancel for the job RQ has started here but whose render has not begun yet (RQ marks it started,
         # then calls the job function): kept until that job's render begins, which then stops at once.
@@ -165,11 +171,12 @@ class RenderService:
     @property
     def limits(self) -> RunnerLimits:
         """The runner's limits (published in the health snapshot, checked before each render), with the memory
-        each device offers: `LTX_DEVICE_MEMORY_GIB`, else what the fleet's last warm-up measured (GPU fleets)."""
+        each device offers: `LTX_DEVICE_MEMORY_GIB`, else what the fleet measured after its ranks' setup (and
+        its warm-up renders; GPU fleets), known before the warm-up."""
         memory = self._limits.memory
         if memory is None or self.settings.device_memory_gib is not None:
             return self._limits
-        measured = (getattr(self.fleet, "warmup_output", None) or {}).get("device_memory_bytes")
+        measured = getattr(self.fleet, "device_memory_bytes", None)
         if isinstance(measured, int | float) and measured > 0:
             self._limits = self._limits.with_capacity(round(float(measured) / 2**30, 2))
         return self._limits
@@ -180,18 +187,42 @@ class RenderService:
         mode = getattr(getattr(self.fleet, "controller", None), "deterministic", None)
         return mode if isinstance(mode, str) else None
 
-    def _memory_plan(self, job: Any, req: RenderRequest) -> dict[str, Any] | None:
-        """The runner's `memory_plan` job kwarg (None: the runner takes none, or nothing to say). After an
-        out-of-memory attempt, the lower-memory plan (chunked decode, cache released between stages)."""
+    def memory_plans(self, width: int, height: int, num_frames: int) -> list[dict[str, Any] | None]:
+        """The runner's `memory_plan` job kwargs for a request of this size: the plan a job gets first, then each
+        strictly lower-memory one down to the lowest (memplan's lower-memory plan, unless the first already is
+        it). An out-of-memory attempt moves the job one step down; `[None]`: the runner takes no plan (nothing
+        lower to retry with). Without a described memory (no `memory_fleet`) the first is the runner's default
+        and the lower one the chunked decode with the cache released between stages."""
         if not self.takes_memory_plan:
-            return None
+            return [None]
+        memory = self.limits.memory
+        if memory is None:
+            return [None, {"decode_chunked": True, "release_between_stages": True}]
+        first = memplan.plan(memory, width, height, num_frames)
+        if first.decode_chunked and first.release_between_stages:  # (already memplan's lowest)
+            return [first.job_kwargs()]
+        return [first.job_kwargs(), memplan.plan(memory, width, height, num_frames, low_memory=True).job_kwargs()]
+
+    def warmup_plans(self, kwargs: dict[str, Any]) -> list[dict[str, Any] | None]:
+        """A warm-up request's plans (`memory_plans`, as for a client job of its size, with the capacity the fleet
+        reported after setup); `WarmupRefused` when a client job of that size would be refused for memory."""
+        w, h, f = (int(kwargs[k]) for k in ("width", "height", "num_frames"))
+        memory = self.limits.memory
+        if memory is not None and (refusal := memplan.plan(memory, w, h, f).refusal()) is not None:
+            raise WarmupRefused(refusal)
+        return self.memory_plans(w, h, f)
+
+    def _memory_plan(self, job: Any, req: RenderRequest) -> tuple[dict[str, Any] | None, bool]:
+        """This attempt's `memory_plan` kwarg (None: none sent) and whether a lower one is left for a retry: one
+        step down `memory_plans` per out-of-memory attempt before it. Fails the job (`out_of_memory`, not
+        retried) when the attempts before it already ran the lowest plan there is."""
         meta = job.meta if isinstance(job.meta, dict) else {}
         retries = meta.get("retries") if isinstance(meta.get("retries"), dict) else {}
-        after_oom = bool(retries.get(FailureReason.OUT_OF_MEMORY.value))
-        memory = self.limits.memory
-        if memory is not None:
-            return memplan.plan(memory, req.width, req.height, req.num_frames, low_memory=after_oom).job_kwargs()
-        return {"decode_chunked": True, "release_between_stages": True} if after_oom else None
+        steps = int(retries.get(FailureReason.OUT_OF_MEMORY.value) or 0)
+        plans = self.memory_plans(req.width, req.height, req.num_frames)
+        if steps >= len(plans):
+            raise _NoLowerPlan(f"ran out of memory {steps} time(s); no plan lower in memory than the last one is left")
+        return plans[steps], steps + 1 < len(plans)
 
     # ==== control from other threads ==================================================================
     def cancel(self, job_id: str | None = None) -> bool:
@@ -411,8 +442,15 @@ class RenderService:
         kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
         if self.hand_off_media:
             kwargs["media"] = self.media_mode
-        if (memory_plan := self._memory_plan(job, req)) is not None:
+        try:
+            memory_plan, lower_left = self._memory_plan(job, req)
+        except _NoLowerPlan as exc:
+            self._fail(job, relay, FailureReason.OUT_OF_MEMORY, str(exc), retryable=False)
+        if memory_plan is not None:
             kwargs["memory_plan"] = memory_plan
+        # an out-of-memory end is retried only onto a strictly lower-memory plan (never the one that ran out)
+        oom_retry = None if lower_left else False
+        oom_note = "" if lower_left else " (the lowest-memory plan ran out of memory: not retried)"
         timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
@@ -464,12 +502,13 @@ class RenderService:
         except SymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
             if exc.out_of_memory:  # (the ranks freed what it held; the retry takes the lower-memory plan)
-                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, str(exc))
+                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, f"{exc}{oom_note}", retryable=oom_retry)
             self._fail(job, relay, FailureReason.RUNNER_ERROR, str(exc))
         except AsymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
-            if _out_of_memory(exc):  # (a driver-only stage: the other ranks had finished; nobody waits)
-                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, _first_error(exc))
+            if is_out_of_memory(exc):  # (a driver-only stage: the other ranks had finished; nobody waits)
+                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, f"{_first_error(exc)}{oom_note}",
+                           retryable=oom_retry)  # fmt: skip
             self._fail(job, relay, FailureReason.ASYMMETRIC_RUNNER_ERROR, str(exc))
         except FleetFailure as exc:
             self.spool.discard_incomplete(job.id)
@@ -681,13 +720,6 @@ def _takes(runner_cls: Any, name: str) -> bool:
         return name in inspect.signature(runner_cls.__call__).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _out_of_memory(exc: Any) -> bool:
-    """An asymmetric end where the raising ranks ran out of memory (and freed it): an out-of-memory job."""
-    from ltx_mgpu import RenderOutOfMemory
-
-    return any(isinstance(t, RenderOutOfMemory) for t in getattr(exc, "terminals", ()))
 
 
 def _first_error(exc: Any) -> str:

@@ -140,6 +140,9 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
             raise SettingsError(f"LTX_WARMUP_REQUESTS[{i}] is refused by the runner's limits: {refused[0].message()}")
 
     def fleet_event(event: dict[str, Any]) -> None:
+        if event.get("action") == "warmup_dropped":  # (worker.render.warmup logged it: one warning line)
+            metrics.warmup_dropped.labels(group, str(event.get("reason"))).inc()
+            return
         log.info("fleet %s: %s", group, event_text(event))
         if isinstance(event.get("startup"), dict):
             metrics.set_fleet_startup(event["startup"])
@@ -226,6 +229,9 @@ def run_worker(
             return EXIT_FLEET_UNRECOVERABLE
         worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
         worker.service.update_spool_metrics()
+        from worker.runtime.supervisor import tell_supervisor_ready
+
+        tell_supervisor_ready()  # (its restart back-off resets: this process got ready once)
     except _StartupInterrupted as exc:
         log.info("stopped by %s during startup", exc)
         if worker is not None:

@@ -201,6 +201,15 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"
     )
     rebuild_backoff_s: float = Field(2.0, ge=0, description="first back-off between failed rebuilds (doubles)")
+    restart_backoff_s: float = Field(
+        1.0, ge=0, description="supervisor: first wait before restarting a worker that exited before it was ever "
+        "ready (doubles per such exit in a row); a worker that was ready is restarted after this"
+    )  # fmt: skip
+    restart_backoff_max_s: float = Field(60.0, ge=0, description="supervisor: the cap of that back-off")
+    restart_alarm_after: int = Field(
+        3, ge=1, description="supervisor: never-ready exits in a row from which it logs critical, sets "
+        "ltx_supervisor_crash_loop and answers /readyz 503"
+    )  # fmt: skip
 
     # ---- retry policy (the worker decides per failure reason; RQ Retry objects are overridden) ------
     retry_fleet_failure: int = Field(1, ge=0, description="re-queues after a fleet failure")
@@ -337,6 +346,10 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         le=65535,
         description="Prometheus /metrics and /healthz port of group 0 (group i: +i); 0 = any free port, unset = off",
     )
+    supervisor_port: int | None = Field(
+        None, ge=0, le=65535, description="the supervisor's /metrics, /healthz and /readyz (every group's worker "
+        "ready, else why not); 0 = any free port, unset = off"
+    )  # fmt: skip
     metrics_host: str = Field(
         "127.0.0.1", description="address /metrics and /healthz listen on (loopback; compose sets 0.0.0.0)"
     )
@@ -372,7 +385,7 @@ class WorkerSettings(ServiceAccess, BaseSettings):
             return None
         return value
 
-    @field_validator("metrics_port", mode="before")
+    @field_validator("metrics_port", "supervisor_port", mode="before")
     @classmethod
     def _metrics_off(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("", "off", "none", "false"):
