@@ -42,8 +42,7 @@ render noise: their timings and memory are real.
 `--encode worker` (default): the worker encodes, fed while the fleet decodes; `fleet`: the driver rank before
 the fleet is free; `once`: the worker, fed after the decode; `both` / `stream-vs-once`: each run twice, then
 `ratios`. `--vae-chunk-frames N`: temporal decode chunks, so the streamed encode starts on the first one.
-`--deterministic [on|strict|both]` / `--no-deterministic`: the workers' `LTX_DETERMINISTIC`; `both` runs each
-twice (on, then off) and `ratios` gives the deterministic mode's cost (e2e p50 and throughput, on over off).
+`--deterministic [on|strict|both]` / `--no-deterministic`: `LTX_DETERMINISTIC`; `both`: each run on, then off.
 
 Every wait has a hard deadline; `--budget-s` skips the runs (in plan order, most important first) that
 would start after it is spent, and the summary lists them.

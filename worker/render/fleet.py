@@ -9,16 +9,15 @@ taken until the fleet is warm again. Consecutive failed builds back off exponent
 `max_failures` of them `FleetUnrecoverable` is raised (in the caller of `ensure_ready()`) and the worker
 process exits non-zero instead of spinning, so its supervisor (or the orchestrator) sees a crash loop.
 
-A start is complete only after the configured warm-up requests rendered once (`warmup`: compilation,
-CUDA-graph capture, allocator growth and caches for the sizes the service expects happen here, not in a
-client's first job). The memory the devices offer (`device_memory_bytes`) is known once the ranks ran
-`setup()`, before the warm-up, which `worker.render.warmup.WarmUp` plans like a client job: an out-of-memory
-warm-up is retried once on the lower-memory plan, then dropped, never a failed build; any other warm-up
-error is a failed build. Before a new fleet starts, the old one's rank
-processes must be gone and (where NVML can tell) listed on no GPU: at real size a new fleet loading while a
-dead one's memory is still held runs out of memory. `startup` describes the last successful start: process
-start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes in its health
-snapshot and metrics.
+A start is complete only after the configured warm-up requests rendered once (`warmup`: compilation, CUDA-graph
+capture, allocator growth and caches for the sizes the service expects happen here, not in a client's first job).
+The memory the devices offer (`device_memory_bytes`) is known once the ranks ran `setup()`, before the warm-up,
+which `worker.render.warmup.WarmUp` plans like a client job: an out-of-memory warm-up is retried once on the
+lower-memory plan, then dropped, never a failed build; any other warm-up error is a failed build. Before a new fleet
+starts, the old one's rank processes must be gone and (where NVML can tell) listed on no GPU: at real size a new
+fleet loading while a dead one's memory is still held runs out of memory. `startup` describes the last successful
+start: process start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes
+in its health snapshot and metrics.
 
 The controller is created through `factory` (default `ltx_mgpu.MGPUController`), imported lazily so this
 module can be imported without torch.
