@@ -42,6 +42,9 @@ __all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject
 
 
 ProgressFn = Callable[[int], None]  # called with byte increments, from transfer threads
+#: CreateBucket errors that mean the bucket is already there (a sibling worker won the race, or the name is
+#: taken): checked with a HeadBucket rather than taken as fatal.
+_BUCKET_EXISTS_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
 
 
 class StorageError(RuntimeError):
@@ -185,17 +188,34 @@ class S3Storage:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
             if code in ("404", "NoSuchBucket", "NotFound") and self.settings.s3_create_bucket:
-                try:
-                    self.client.create_bucket(Bucket=self.bucket)
-                except ClientError as create_exc:
-                    raise StorageError(f"{where}: cannot create it: {create_exc}", retryable=False) from create_exc
-                except BotoCoreError as create_exc:
-                    raise StorageError(f"{where}: unreachable: {create_exc}", retryable=True) from create_exc
+                self._create_bucket(where)
                 return
             raise StorageError(f"{where}: {s3_error_text(exc)}", retryable=not (400 <= status < 500)) from exc
         except BotoCoreError as exc:
             message = f"S3 endpoint {self.settings.s3_endpoint_url} unreachable: {exc}"
             raise StorageError(message, retryable=True) from exc
+
+    def _create_bucket(self, where: str) -> None:
+        """Create the missing bucket. Workers of several groups start together against a fresh endpoint, so a
+        sibling may create it between our HeadBucket and CreateBucket: "already exists" is success when a
+        second HeadBucket shows the bucket is there and this key can use it (it is refused otherwise, e.g.
+        AWS's BucketAlreadyExists for a name another account owns)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.create_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) not in _BUCKET_EXISTS_CODES:
+                raise StorageError(f"{where}: cannot create it: {s3_error_text(exc)}", retryable=False) from exc
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except ClientError as head_exc:
+                message = f"{where}: it exists but this key cannot use it: {s3_error_text(head_exc)}"
+                raise StorageError(message, retryable=False) from head_exc
+            except BotoCoreError as head_exc:
+                raise StorageError(f"{where}: unreachable: {head_exc}", retryable=True) from head_exc
+        except BotoCoreError as exc:
+            raise StorageError(f"{where}: unreachable: {exc}", retryable=True) from exc
 
     def _stat(self, key: str) -> dict[str, Any] | None:
         from botocore.exceptions import ClientError
