@@ -119,6 +119,20 @@ def test_invalid_settings_exit_2_naming_the_variable(tmp_path):
     assert res.returncode == 2 and "--group" in res.stderr
 
 
+def test_a_redis_url_naming_a_port_that_is_not_redis_exits_2_at_once(tmp_path, redis_server, s3_server):
+    """Regression: pointed at the S3 port, the worker printed a traceback ending in redis-py's
+    "Protocol Error: b'HTTP/1.1 400 Bad Request'", exited 1, and the supervisor restarted it without end.
+    Now it is a configuration error: one line naming LTX_REDIS_URL, exit 2, not restarted."""
+    env = worker_env(f"redis://127.0.0.1:{s3_server.s3_port}/0", s3_server, queue="q-notredis", name="notredis",
+                     spool=tmp_path / "spool", log_format="text")  # fmt: skip
+    cmd = [sys.executable, "-m", "worker", "--group", "cpu:1"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, check=False, text=True, timeout=120)
+    output = res.stdout + res.stderr
+    assert res.returncode == 2, output
+    assert "does not speak the Redis protocol" in output and "LTX_REDIS_URL" in output, output
+    assert "Traceback" not in output and output.count("does not speak the Redis protocol") == 1, output
+
+
 def test_workers_stop_themselves_when_the_supervisor_is_killed(tmp_path, redis_server, s3_server):
     proc, conn, _, name = _worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"])
     (info,) = wait_ready(conn, name, 1, 120, proc)

@@ -115,7 +115,7 @@ def test_s3_check_reports_missing_bucket_or_creates_it(s3_server, unique_name):
 
 
 def test_s3_check_concurrent_creators_of_a_fresh_bucket_all_start(s3_server, unique_name):
-    """Regression (issue 38): workers of two groups start together against a fresh SeaweedFS; the ones that
+    """Regression: workers of two groups start together against a fresh SeaweedFS; the ones that
     lost the CreateBucket race got BucketAlreadyOwnedByYou and exited 2. Each creator's first HeadBucket is
     held at a barrier until all have seen "no bucket", so every one of them goes on to CreateBucket."""
     n = 4
