@@ -181,6 +181,21 @@ def test_s3_create_bucket_already_there_is_checked_not_fatal(code):
     assert not info.value.retryable
 
 
+def test_s3_check_warns_when_urls_would_carry_the_workers_own_key(s3_server, caplog):
+    """The no-Docker recipe set no LTX_S3_PRESIGN_*: every URL stored in Redis carried the worker's
+    read/write key id, silently. The start-up check says so once; with a presign key it says nothing."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="worker.uploads.storage"):
+        S3Storage(_settings(s3_server)).check()
+    assert "LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE" in caplog.text and s3_server.access_key not in caplog.text
+    caplog.clear()
+    presign = {"s3_presign_access_key_id": "ro-key", "s3_presign_secret_access_key": "ro-secret"}
+    with caplog.at_level(logging.WARNING, logger="worker.uploads.storage"):
+        S3Storage(_settings(s3_server, **presign)).check()
+    assert "LTX_S3_PRESIGN" not in caplog.text
+
+
 def test_s3_check_says_a_wrong_key_is_wrong(s3_server):
     """Regression: HeadBucket's 403 has no body, so the worker's start-up check said only "Forbidden"."""
     wrong = WorkerSettings(**{**_settings(s3_server).model_dump(), "s3_secret_access_key": "not-the-key"})

@@ -25,6 +25,7 @@ S3 notes (measured against SeaweedFS, MinIO and AWS behaviour):
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -40,6 +41,8 @@ from worker.uploads.spool import SpoolEntry, sha256_file
 
 __all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject", "make_storage", "new_render_id"]
 
+
+log = logging.getLogger("worker.uploads.storage")
 
 ProgressFn = Callable[[int], None]  # called with byte increments, from transfer threads
 #: CreateBucket errors that mean the bucket is already there (a sibling worker won the race, or the name is
@@ -162,6 +165,8 @@ class S3Storage:
                 aws_secret_access_key=settings.s3_presign_secret_access_key.get_secret_value(),
             )
             self.presign_client = presign.client("s3", endpoint_url=public, config=_client_config(settings))
+        #: result URLs carry the worker's own (read/write) key id: said once at start (`check`)
+        self.presigns_with_worker_key = settings.s3_presign_access_key_id is None
         self.transfer_config = TransferConfig(
             multipart_threshold=settings.upload_multipart_threshold,
             multipart_chunksize=settings.upload_multipart_chunksize,
@@ -182,6 +187,10 @@ class S3Storage:
         # worker restarted during an S3 outage used to exit 2 until its supervisor gave up and the whole
         # service was down; now it starts degraded, renders into the spool and its uploads retry.
         where = f"bucket {self.bucket!r} at {self.settings.s3_endpoint_url}"
+        if self.presigns_with_worker_key:
+            log.warning("result URLs are signed with the worker's own read/write S3 key: its key id is in every "
+                        "URL stored in Redis and shown to clients; set LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE and "
+                        "LTX_S3_PRESIGN_SECRET_ACCESS_KEY_FILE to a read-only key (docs/security.md)")  # fmt: skip
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
