@@ -138,6 +138,9 @@ class JobInfo:
             "started_at": iso(self.started_at),
             "ended_at": iso(self.ended_at),
             "attempts": self.meta.get("attempts") or [],
+            # the request's LoRAs as this job used them (cached or bytes fetched) and the fleet's swap time
+            "loras": self.meta.get("loras") if isinstance(self.meta.get("loras"), list) else [],
+            "lora_swap_s": self.meta.get("lora_swap_s"),
             "error": self.error,
             "result": self.result,
             "request": self.request,
