@@ -323,6 +323,8 @@ def _watch(client: ProducerClient, job_id: str, *, as_json: bool, timeout: float
     elif info.error:
         line = f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}"
         console.print(printable(line), markup=False, soft_wrap=True)
+    elif info.state == JobState.CANCELLED.value:
+        console.print("job cancelled", markup=False, soft_wrap=True)
     return _STATE_EXIT.get(info.state, ExitCode.JOB_FAILED)
 
 

@@ -83,7 +83,10 @@ def _refused_by(refs: Sequence[LoraRef], offer: LoraOffer) -> list[str]:
         out.append(f"loras: {len(refs)} LoRAs, the worker takes at most {cap}")
     prefixes = list(offer.s3_prefixes)
     for i, ref in enumerate(refs):
-        if ref.name is not None and offer.names is not None and ref.name not in offer.names:
+        if ref.name is not None and offer.names is not None and not offer.names:
+            out.append(f"loras[{i}].name: {ref.name!r}: the worker has no LoRA catalogue (LTX_LORA_CATALOGUE "
+                       "unset or empty); name the file by `uri` instead")  # fmt: skip
+        elif ref.name is not None and offer.names is not None and ref.name not in offer.names:
             out.append(f"loras[{i}].name: {ref.name!r} is not in the worker's catalogue")
         if ref.uri is not None and not uri_allowed(ref.uri, prefixes):
             out.append(f"loras[{i}].uri: {ref.uri!r} is under no prefix the worker allows")
