@@ -98,7 +98,7 @@ def test_submit_lora_option_adds_to_every_request_and_dry_run_checks_syntax(tmp_
     assert code == 0 and out.count(": ok") == 2
     code, _, err = run(["submit", str(path), "--lora", "dolly:9", "--dry-run"], env)
     assert code == ExitCode.USAGE and "--lora 'dolly:9': strength: Input should be less than or equal to 4" in err
-    many = ["--lora", "x"] * MAX_LORAS  # the second request already has one: MAX_LORAS + 1
+    many = [a for i in range(MAX_LORAS) for a in ("--lora", f"x{i}")]  # the second has one: MAX_LORAS + 1
     code, _, err = run(["submit", str(path), *many, "--dry-run"], env)
     assert code == ExitCode.USAGE and "p.jsonl:2:1: with --lora, loras: List should have at most" in err
 
