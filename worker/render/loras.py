@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,7 @@ class ResolvedLora:
     fetch_bytes: int = 0
     fetch_s: float = 0.0  #: a miss: fetch (or catalogue copy) + check, as `ltx_worker_lora_fetch_seconds`
     verify_s: float = 0.0  #: of which header checks (every use: a hit is checked again)
+    content: str = ""  #: what its bytes are (sha256, or an S3 ETag and size: copies under other keys match)
 
     def job_kwarg(self) -> dict[str, Any]:
         return {"path": self.path, "strength": self.strength}
@@ -220,8 +221,8 @@ class LoraResolver:
         out = [self._field(i, plan.ref, self._one, plan, targets) for i, plan in enumerate(plans)]
         first_label: dict[str, str] = {}
         for r in out:
-            first_label.setdefault(r.path, r.label)
-        if problem := strength_problem((first_label[r.path], r.strength) for r in out):
+            first_label.setdefault(r.content or r.path, r.label)
+        if problem := strength_problem((first_label[r.content or r.path], r.strength) for r in out):
             raise LoraRefused("loras", problem)
         return out
 
@@ -302,8 +303,9 @@ class LoraResolver:
 
     def _one(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
         if plan.source is not None:
-            return self._from_catalogue(plan, targets)
-        return self._from_s3(plan, targets)
+            got = self._from_catalogue(plan, targets)
+            return replace(got, content=Path(got.path).name[: -len(_SUFFIX)])  # (named sha256-<digest>)
+        return replace(self._from_s3(plan, targets), content=f"etag:{plan.etag.strip(chr(34))}:{plan.size}")
 
     def _from_catalogue(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
         ref, source = plan.ref, plan.source
