@@ -1,7 +1,7 @@
 """The LoRA cache on a real disk that fills (a 64 MiB tmpfs; skipped where mounting is refused) and with real S3
 (SeaweedFS): its cap holds at every admission whatever one tenant asks, a job cannot pin more than the cap,
 the cache keeps the spool's free-space floor and yields its unpinned files to the spool, and a worker whose
-disk is full says so in `/readyz` and recovers by itself (issue 38, item 9)."""
+disk is full says so in `/readyz` and recovers by itself."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Request LoRAs against a hostile tenant (issue 38, items 10, 11, 12, 14), real S3 (SeaweedFS): a uri outside the
+"""Request LoRAs against a hostile tenant, real S3 (SeaweedFS): a uri outside the
 tenant's folder is refused by one rule at submit and in the worker, in the same words whether the object exists;
 the cache tells one tenant nothing of another's objects; an object's header is checked from a ranged GET before
 its body is fetched; a header nested 200,000 deep is a request error; the strengths of one file add up."""
