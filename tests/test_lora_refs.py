@@ -113,7 +113,7 @@ def test_dry_run_checks_names_prefixes_and_count_a_worker_publishes(tmp_path: Pa
         code, _, err = run(["submit", str(path), "--lora", "crane", "--dry-run"], env)
         assert code == ExitCode.USAGE and "loras[0].name: 'crane' is not in the worker's catalogue" in err
         code, _, err = run(["submit", str(path), "--lora", "s3://loras/x/a.safetensors", "--dry-run"], env)
-        assert code == ExitCode.USAGE and "is under no prefix the worker allows" in err
+        assert code == ExitCode.USAGE and "under no prefix this worker allows" in err
         code, _, err = run(["submit", str(path), "--lora", "dolly", "--lora", "jib", "--lora", "dolly:0.1"], env)
         assert code == ExitCode.USAGE and "3 LoRAs, the worker takes at most 2" in err and "nothing submitted" in err
         assert Queue(env["LTX_QUEUES"], connection=redis_client).count == 0
