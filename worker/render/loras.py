@@ -271,9 +271,11 @@ class LoraResolver:
             if source is None:
                 raise LoraRefused("", f"{ref.label}: not in the catalogue")
             st = source.stat()
-            return _Plan(
-                ref, f"file:{source}", st.st_size, source=source, memo=(str(source), st.st_size, st.st_mtime_ns)
-            )
+            if st.st_size > self.limits.max_file_bytes:  # (before the job's sum: the file's own limit first)
+                raise LoraRefused("", f"{ref.label}: file is {st.st_size} bytes, over the "
+                                      f"{self.limits.max_file_bytes} byte limit")  # fmt: skip
+            memo = (str(source), st.st_size, st.st_mtime_ns)
+            return _Plan(ref, f"file:{source}", st.st_size, source=source, memo=memo)
         uri = str(ref.uri)
         if problem := uri_problem(uri, self.prefixes, self.shared, tenant if self.per_tenant else None):
             raise LoraRefused("", problem)
