@@ -238,7 +238,8 @@ def _check_runner_limits(
     client: ProducerClient, requests: list[Any], queue: str | None, *, say_if_unchecked: bool = False
 ) -> None:
     """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.protocol.limits)."""
-    if refused := first_lora_problem(client.connection, client.queue(queue), requests):
+    tenant = client.settings.client if client.settings.tenant_ids else None  # (the id prefix a worker checks)
+    if refused := first_lora_problem(client.connection, client.queue(queue), requests, tenant):
         raise UserError(f"{refused}; nothing submitted", ExitCode.USAGE)
     limits = client.runner_limits(queue)
     if not limits:

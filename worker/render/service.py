@@ -51,6 +51,7 @@ from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
 from worker.protocol.handoff import HandOff
 from worker.protocol.health import StorageHealth
+from worker.protocol.keys import job_tenant
 from worker.protocol.limits import RunnerLimits
 from worker.protocol.relay import EventRelay
 from worker.protocol.schema import RenderRequest
@@ -305,6 +306,7 @@ class RenderService:
         try:
             return self._run(job, request, cur, t0)
         finally:
+            self.loras.cache.release()  # (the fleet has read this job's LoRAs: others may evict them now)
             with self._lock:
                 self.current = None
                 if self._cancel_before_start == job.id:
@@ -432,9 +434,12 @@ class RenderService:
         if cur.cancel.is_set():
             self._cancelled(job, relay)
         try:  # a bad LoRA ends the job here, as a request error: it never reaches the fleet's weights
-            loras = {"loras": self.loras.for_job(req.loras, relay)} if req.loras else {}
+            tenant = job_tenant(job.id) if s.tenant_ids else None  # (whose S3 folder its LoRA uris must be in)
+            loras = {"loras": self.loras.for_job(req.loras, relay, tenant)} if req.loras else {}
         except LoraRefused as exc:
             self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=exc.field)
+        except OSError as exc:  # the LoRA cache's disk (full, or the cache cannot make room now): this host's
+            self._spool_failed(job, relay, exc, where="lora cache")
         try:
             output_path = self.spool.prepare(job.id, s.output_name)
         except OSError as exc:
@@ -625,11 +630,12 @@ class RenderService:
             raise reraise
         raise JobFailed(reason, message, retrying=retry, **details) from None
 
-    def _spool_failed(self, job: Any, relay: EventRelay, exc: OSError) -> NoReturn:
-        """The spool could not hold this render (ENOSPC, EIO, ...): a failure with its reason and errno,
-        re-queued within `retry_spool_error` (another host may have room), never an unrecorded loop."""
+    def _spool_failed(self, job: Any, relay: EventRelay, exc: OSError, where: str = "spool") -> NoReturn:
+        """The spool (or the LoRA cache) could not hold this job's files (ENOSPC, EIO, ...): a failure with its
+        reason and errno, re-queued within `retry_spool_error` (another host may have room), never an
+        unrecorded loop."""
         code = errno.errorcode.get(exc.errno or 0)
-        message = f"spool: {exc.strerror or exc} ({code or type(exc).__name__})"
+        message = f"{where}: {exc.strerror or exc} ({code or type(exc).__name__})"
         retryable = exc.errno != errno.ENAMETOOLONG
         self._fail(job, relay, FailureReason.SPOOL_ERROR, message, errno=code, retryable=retryable)
 

@@ -320,6 +320,11 @@ class WorkerSettings(ServiceAccess, BaseSettings):
     lora_s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="`bucket/prefix` entries a request's `loras[].uri` must fall under"
     )
+    lora_shared_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="`bucket/prefix` entries every tenant may read LoRAs from; with tenants (tenant_ids) a "
+        "`loras[].uri` must be under one of these or under `<lora_s3_prefixes entry>/<tenant>/`",
+    )
     lora_max_per_request: int = Field(4, ge=0, le=8, description="LoRAs one request may ask for (0: none)")
     lora_max_file_bytes: int = Field(4 * 1024 * _MiB, ge=1, description="largest LoRA file fetched or fused")
     lora_max_header_bytes: int = Field(16 * _MiB, ge=1024, description="largest safetensors header read")
@@ -328,9 +333,13 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         default_factory=lambda: Path(tempfile.gettempdir()) / "ltx-lora-cache",
         description="checked LoRA files, by content; shared by the worker's fleets",
     )
-    lora_cache_bytes: int = Field(16 * 1024 * _MiB, ge=_MiB, description="size cap of lora_cache_dir (LRU)")
+    lora_cache_bytes: int = Field(
+        16 * 1024 * _MiB,
+        ge=_MiB,
+        description="size cap of lora_cache_dir (LRU), held at all times: a job's LoRAs must fit it together",
+    )
 
-    @field_validator("lora_s3_prefixes", mode="before")
+    @field_validator("lora_s3_prefixes", "lora_shared_prefixes", mode="before")
     @classmethod
     def _parse_lora_prefixes(cls, value: Any) -> Any:
         return split_list(value, ",")
