@@ -107,6 +107,7 @@ def interpreter_checks() -> None:
     print("interpreter checks passed")
 
 
+@pytest.mark.timeout(1500)  # (the interpreter runs every kernel program in Python: minutes on a shared CPU)
 def test_fused_kernels_and_block_match_eager_in_tritons_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed (scripts/setup.sh installs it for this test)")
     pytest.importorskip("ltx_core")
