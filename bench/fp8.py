@@ -18,12 +18,17 @@ their denoising forwards (`--no-graphs`: eager; the linears and the block also r
   against bf16 (video and audio outputs, and the video update out - x, which in bf16 also carries the
   output's own rounding of x + update: tests/test_fp8_numerics.py measures the update in fp32). Targets:
   >= 1.4x at 6,144, >= 1.25x at 24,576; error <= 3%;
+- "fused" (`--fused`, ltx-core's block only): the same block with its elementwise work in Triton kernels
+  (`ltx_mgpu.fused`), bf16 and fp8: `bf16_fused_ms`, `fp8_fused_ms`, each one's ratio to the bf16 block and
+  its relative error against the bf16 eager block (targets: bf16 fused >= 1.15x; fp8 fused >= 1.6x at 6,144,
+  >= 1.8x at 24,576; error <= 3%);
 - "check": the Triton quantization against the eager definition, bit for bit; the GEMM path against the
   emulation (bf16 output rounding apart); the fp8 block replayed from a CUDA graph against its eager run.
 Output: JSON lines, then one line starting with "SUMMARY" with the ratios.
 
     python bench/fp8.py                                  # one H200, ~40 s
     python bench/fp8.py --tokens 6144,24576 --kernels 12  # plus device time by kernel family and the top 12
+    python bench/fp8.py --fused --kernels 12             # plus the fused blocks (needs ltx-core)
     python bench/fp8.py --device cpu --dims tiny --tokens 96,192 --iters 1 --warmup 0   # smoke check (CI)
 """
 
@@ -180,6 +185,15 @@ class _Case:
                 block = StandInBlock(self.width, dims["heads"], self.audio_width, dims["audio_heads"])
             self.bf16 = block.to(dtype=torch.bfloat16).eval()
         self.fp8 = convert_linears(copy.deepcopy(self.bf16), quantize=True)
+        self.fused: tuple[Any, Any] | None = None
+
+    def fuse(self) -> None:
+        """Fused-elementwise copies of the bf16 and fp8 blocks (`ltx_mgpu.fused`; ltx-core's block only)."""
+        from ltx_mgpu.fused.block import fuse_elementwise
+
+        self.fused = tuple(copy.deepcopy(b) for b in (self.bf16, self.fp8))
+        for b in self.fused:
+            fuse_elementwise(b)
 
     def ltx_args(self, tokens: int) -> tuple[Any, Any, Any]:
         """(video args, audio args, perturbations): what an ltx-core block is called with at `tokens`."""
@@ -211,6 +225,34 @@ def _outputs(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return getattr(video, "x", video), getattr(audio, "x", audio)
 
 
+def _fused_row(case: _Case, tokens: int, blk_bf16: float, ref_v: torch.Tensor, ref_a: torch.Tensor,
+               device: torch.device, args: Any) -> dict[str, Any]:  # fmt: skip
+    """The fused bf16 and fp8 blocks at `tokens`: time (graph replays), ratio to the bf16 block, error against
+    the bf16 eager block, and the graph replay against the eager call."""
+    vargs, aargs, pert = case.ltx_args(tokens)
+    row: dict[str, Any] = {"kind": "fused", "video_tokens": tokens, "graphs": args.graphs,
+                           "bf16_ms": round(blk_bf16, 3)}  # fmt: skip
+    for name, block in zip(("bf16_fused", "fp8_fused"), case.fused or (), strict=True):
+        with torch.no_grad():
+            run = lambda b=block: b(vargs, aargs, pert)  # noqa: E731
+            out_v, out_a = _outputs(run())
+            replay, static = _graph(run, device)
+            if static is not None:
+                replay()
+                row[f"{name}_graph_vs_eager_max_abs_diff"] = max(
+                    (a.float() - b.float()).abs().max().item()
+                    for a, b in zip(_outputs(static), (out_v, out_a), strict=True)
+                )
+            del replay, static
+            ms = _measure(run, device, args)
+            if args.kernels and device.type == "cuda":
+                print(json.dumps({"kind": "kernels", "video_tokens": tokens, "weights": name,
+                                  **kernel_profile(run, args.kernels)}), flush=True)  # fmt: skip
+        row.update({f"{name}_ms": round(ms, 3), f"{name}_speedup": round(blk_bf16 / ms, 3)})
+        row.update({f"{name}_rel_err_video": _rel(out_v, ref_v), f"{name}_rel_err_audio": _rel(out_a, ref_a)})
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -220,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--block", choices=("auto", "ltx", "standin"), default="auto",
                     help="ltx-core's block (auto: when ltx-core imports) or the synthetic stand-in")  # fmt: skip
+    ap.add_argument("--fused", action="store_true", help="also the blocks with fused elementwise kernels")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eager calls only")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile a block call of each kind: device time by kernel family, top N")  # fmt: skip
@@ -247,6 +290,10 @@ def _run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     kind = args.block if args.block != "auto" else ("ltx" if _ltx_core() else "standin")
     case = _Case(kind, DIMS[args.dims], device)
+    if args.fused and kind != "ltx":
+        print(json.dumps({"kind": "note", "fused": "skipped: needs ltx-core's block (install ltx-core)"}), flush=True)
+    elif args.fused:
+        case.fuse()
     env = {"kind": "env", "torch": torch.__version__, "dims": args.dims, "block": kind, "sdpa": args.sdpa,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "fp8_tensor_cores": device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9),
@@ -316,6 +363,13 @@ def _run(args: argparse.Namespace) -> int:
                 "graph_vs_eager_max_abs_diff": graph_diff}  # fmt: skip
         print(json.dumps(brow), flush=True)
         part += f", block {brow['speedup']}x (err {100 * brow['rel_err_video']:.2f}%, graph-eager {graph_diff})"
+        if case.fused is not None:
+            frow = _fused_row(case, tokens, blk_bf16, ref_v, ref_a, device, args)
+            print(json.dumps(frow), flush=True)
+            part += (
+                f", bf16 fused {frow['bf16_fused_speedup']}x (err {100 * frow['bf16_fused_rel_err_video']:.2f}%)"
+                f", fp8 fused {frow['fp8_fused_speedup']}x (err {100 * frow['fp8_fused_rel_err_video']:.2f}%)"
+            )
         summary.append(part)
         del run_bf16, run_fp8, x_in
     print(f"SUMMARY fp8/bf16 speedups ({kind} block) | {' | '.join(summary)} | triton==eager {ok} | {env['device']}",

@@ -172,6 +172,7 @@ class Ltx2Runner(MGPURunner):
         cuda_graphs: bool = True,
         request_loras: bool = False,
         lora_device_cache_gib: float = 4.0,
+        fused_elementwise: bool = False,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
         policy = comp.quantization_policy(quantization)
@@ -204,6 +205,10 @@ class Ltx2Runner(MGPURunner):
             layouts=True, laps=laps,
         )  # fmt: skip
         comp.check_quantized(self.sp_model.model, quantization)
+        if fused_elementwise:  # norms, modulation, gated residuals and split RoPE as Triton kernels (ltx_mgpu.fused)
+            from ltx_mgpu.fused.block import fuse_elementwise
+
+            fuse_elementwise(self.sp_model.model)
         from ltx_core.model.transformer import X0Model
 
         self.x0_sp = X0Model(self.sp_model)
