@@ -22,7 +22,7 @@ Modes (`LTX_DETERMINISTIC`, `MGPUController(deterministic=...)`):
 Why `on` and not `strict`: with `warn_only=False` torch refuses cuDNN's fused attention outright (its
 *backward* accumulates with atomics; torch's `check_cudnn_deterministic` rejects the backend for forward calls
 too), and SDPA falls to flash-attention 2, at about half cuDNN's speed on Hopper at LTX-2's shapes
-(docs/performance.md: 307-356 against 600-680 TFLOP/s), so attention alone would cost tens of percent.
+(docs/performance.md: 308-343 against 581-631 TFLOP/s), so attention alone would cost tens of percent.
 cuDNN's attention forward has no atomics: it is deterministic for a given shape, and SDPA's backend choice
 depends only on the inputs (dtype, shape, mask), never on free memory. `on` keeps it and still fails loudly:
 every other op torch knows to be nondeterministic raises (the warning filter), as under `strict`.
