@@ -26,6 +26,7 @@ __all__ = [
     "JobCancelledError",
     "RenderFault",
     "RenderOutOfMemory",
+    "RequestRefused",
     "RunnerError",
     "SymmetricRunnerError",
 ]
@@ -40,6 +41,18 @@ class RunnerError(Exception):
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
         return (type(self), (self.message,))
+
+
+class RequestRefused(RunnerError):
+    """The runner's request rules refused the job's arguments (`ltx_mgpu.requestrules.RequestRuleError` on a
+    rank): the request is wrong, not the runner (a service reports it as `invalid_request`); `field` names it."""
+
+    def __init__(self, message: str, field: str = "(request)") -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # type: ignore[override]
+        return (type(self), (self.message, self.field))
 
 
 class RenderFault(RunnerError):
@@ -74,6 +87,13 @@ class SymmetricRunnerError(Exception):
     def __init__(self, errors: list[RunnerError]) -> None:
         self.errors = errors
         super().__init__(errors[0].message if errors else "runner error")
+
+    @property
+    def request_refused(self) -> RequestRefused | None:
+        """The refusal, when every rank's error is the request rules refusing the job (else None)."""
+        if self.errors and all(isinstance(e, RequestRefused) for e in self.errors):
+            return self.errors[0]  # type: ignore[return-value]
+        return None
 
     @property
     def out_of_memory(self) -> bool:

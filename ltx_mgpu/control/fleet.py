@@ -51,8 +51,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from ..requestrules import RequestRuleError
 from .devices import MULTICAST_OFF_ENV
-from .errors import RenderFault, RenderOutOfMemory, RunnerError
+from .errors import RenderFault, RenderOutOfMemory, RequestRefused, RunnerError
 from .jobboard import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
@@ -386,6 +387,8 @@ def _job_error(err: BaseException, rank: int, job_id: int) -> RunnerError:
     traceback's frames are cleared so the tensors they hold can be freed."""
     if isinstance(err, RunnerError):
         error: RunnerError = err
+    elif isinstance(err, RequestRuleError):  # the request rules refused it: the client's request, not the runner
+        error = RequestRefused(_text(err), err.field)
     elif isinstance(err, ValueError):
         error = RunnerError(_text(err))
     else:

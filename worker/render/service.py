@@ -184,7 +184,8 @@ class RenderService:
         after_oom = bool(retries.get(FailureReason.OUT_OF_MEMORY.value))
         memory = self.limits.memory
         if memory is not None:
-            return memplan.plan(memory, req.width, req.height, req.num_frames, low_memory=after_oom).job_kwargs()
+            return memplan.plan(memory, req.width, req.height, req.num_frames, low_memory=after_oom,
+                                frame_rate=req.frame_rate).job_kwargs()
         return {"decode_chunked": True, "release_between_stages": True} if after_oom else None
 
     # ==== control from other threads ==================================================================
@@ -457,6 +458,8 @@ class RenderService:
             self._cancelled(job, relay)
         except SymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
+            if (refused := exc.request_refused) is not None:  # a rule the edge checks too: a request error
+                self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=refused.field)
             if exc.out_of_memory:  # (the ranks freed what it held; the retry takes the lower-memory plan)
                 self._fail(job, relay, FailureReason.OUT_OF_MEMORY, str(exc))
             self._fail(job, relay, FailureReason.RUNNER_ERROR, str(exc))
