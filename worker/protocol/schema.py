@@ -118,6 +118,16 @@ class RenderRequest(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _size_rules(self) -> RenderRequest:
+        """What no runner renders (`requestrules.GENERIC`: e.g. more pixels a frame than 4K); each runner
+        publishes narrower rules (`worker.protocol.limits`)."""
+        if (problem := GENERIC.size_problem(self.width, self.height, self.num_frames)) is not None:
+            raise ValueError(
+                problem.replace(" (runner 'any')", "").replace(" runner 'any' renders", " any runner renders")
+            )
+        return self
+
+    @model_validator(mode="after")
     def _images_inside_the_video(self) -> RenderRequest:
         for i, image in enumerate(self.images or ()):
             if image.frame >= self.num_frames:
