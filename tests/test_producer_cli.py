@@ -65,10 +65,10 @@ def test_unknown_field_is_named_with_its_position(tmp_path: Path, env: dict[str,
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
     [
-        ("width", 4096, "width: input should be less than or equal to 2048 (got 4096)"),
+        ("width", 4096, "width: input should be less than or equal to 3840 (got 4096)"),
         ("width", 100, "width: must be a multiple of 32, got 100"),
-        ("num_frames", 300, "num_frames: input should be less than or equal to 257 (got 300)"),
-        ("num_frames", 10, "num_frames: must be 8k+1 (1, 9, 17, ..., 257), got 10"),
+        ("num_frames", 500, "num_frames: input should be less than or equal to 481 (got 500)"),
+        ("num_frames", 10, "num_frames: must be 8k+1 (1, 9, 17, ..., 481), got 10"),
         ("steps", 0, "steps: input should be greater than or equal to 1 (got 0)"),
     ],
 )

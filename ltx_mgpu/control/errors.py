@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import time
 
+from ..requestrules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
+
 __all__ = [
     "AsymmetricRunnerError",
     "ControllerBusyError",
@@ -27,6 +29,7 @@ __all__ = [
     "RenderFault",
     "RenderOutOfMemory",
     "RequestRefused",
+    "RequestRuleError",
     "RunnerError",
     "SymmetricRunnerError",
 ]

@@ -51,9 +51,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ..requestrules import RequestRuleError
 from .devices import MULTICAST_OFF_ENV
-from .errors import RenderFault, RenderOutOfMemory, RequestRefused, RunnerError
+from .errors import RenderFault, RenderOutOfMemory, RequestRefused, RequestRuleError, RunnerError
 from .jobboard import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
