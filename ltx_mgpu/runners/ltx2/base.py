@@ -330,10 +330,13 @@ class Ltx2Runner(MGPURunner):
         if args.memory_plan is not None:
             extra["memory_plan"] = dict(args.memory_plan)
         if peaks is not None:
+            reserved = self.clock.reserved_report or {}
             for stage in (Stage.AUDIO_DECODE, Stage.MUX, Stage.HANDOFF):  # driver-only stages, after the gather
                 if stage in self.clock.peaks:
                     peaks[stage] = [self.clock.peaks[stage]] + [0] * (self.world_size - 1)
+                    reserved[stage] = [self.clock.reserved[stage]] + [0] * (self.world_size - 1)
             extra["peak_memory_bytes"] = peaks
+            extra["peak_reserved_bytes"] = reserved  # (what runs out: the plan predicts this one)
         yield output_event(
             os.fspath(args.output_path),
             frames=int(shape[0]),
