@@ -1,7 +1,7 @@
 """The memory plan against the GPU: one fleet renders each size and prints, per stage, the plan's predicted
 reserved peak against the allocator's measured one (`torch.cuda.max_memory_reserved`, reset at every stage
 start by the runner's stage clock, the worst rank: `peak_reserved_bytes` of the output event; the allocated
-peak, `peak_memory_bytes`, beside it). Issue 37 item 3: the plan must predict what the allocator reserves.
+peak, `peak_memory_bytes`, beside it): the plan must predict what the allocator reserves (docs/memory.md).
 
     python bench/plan_check.py --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 \\
         --sizes 1536x1024x121,1536x1024x241

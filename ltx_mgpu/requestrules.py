@@ -39,7 +39,7 @@ VAE_SPATIAL = 32  #: LTX-2's video VAE: one latent cell per 32 x 32 px ...
 VAE_TEMPORAL = 8  #: ... and per 8 frames after the first
 #: The longest clip (audio included) the ltx2 runners render: LTX-2's hosted API serves up to 20 s; 30 s
 #: leaves room for 481 frames at 16 fps. Past it, the audio decode alone grows by ~16 MB of rank memory per
-#: second (issue 38: 64x64x257 at 1 fps held 4.86 GB against 0.77 GB at 25 fps).
+#: second (on the CPU stack, 64x64x257 at 1 fps held 4.86 GB against 0.77 GB at 25 fps).
 MAX_DURATION_S = 30.0
 MAX_PIXELS = 3840 * 2176  #: the largest frame: 4K UHD rounded up to multiples of 64
 #: The sizes users ask for (WIDTHxHEIGHTxFRAMES): 5 s and 10 s at 1536x1024, 10 s and 20 s at 1080p, 5 s at 4K.

@@ -168,7 +168,7 @@ def test_request_errors_are_symmetric_and_the_fleet_survives(two_stage_fleet, di
         with pytest.raises(SymmetricRunnerError, match=message) as refused:
             list(ctl.stream(timeout=120, output_path=str(tmp_path / "x.mp4"), **{**JOB, **job}))
         # the request rules' refusals are the client's (invalid_request), the rest the runner's (runner_error)
-        assert (refused.value.request_refused is not None) == (message in ruled), message
+        assert (refused.value.request_refused is not None) == any(r in message for r in ruled), message
     render(distilled_fleet, tmp_path / "ok.mp4")  # still alive
 
 

@@ -1,5 +1,5 @@
 """One set of request rules (`ltx_mgpu.requestrules`) for the schema, the memory plan, `ltx-worker plan`, the
-runners and the producer (issue 38 items 4, 5, 13; issue 37 items 4, 5).
+runners and the producer.
 
 Before: `ltx-worker plan` said "fits" for 3840x2176x121 (which the schema refused) and for 1000x500x10 (which
 the runners refuse), and suggested sizes the schema refused; `--dry-run` passed a negative prompt to the
@@ -189,7 +189,7 @@ def test_published_rules_read_back_equal_and_refuse_alike():
 
 
 def test_the_audio_is_in_the_plan_and_in_the_limits():
-    """Issue 38: 64x64x257 at 1 fps held 4.86 GB of rank memory against 0.77 GB at 25 fps."""
+    """On the CPU stack, 64x64x257 at 1 fps held 4.86 GB of rank memory against 0.77 GB at 25 fps."""
     fleet = FleetMemory("distilled", 1)
     slow, fast = plan(fleet, 64, 64, 257, frame_rate=1.0), plan(fleet, 64, 64, 257, frame_rate=25.0)
     prof = memplan.LTX2_19B
