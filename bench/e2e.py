@@ -42,6 +42,7 @@ render noise: their timings and memory are real.
 `--encode worker` (default): the worker encodes, fed while the fleet decodes; `fleet`: the driver rank before
 the fleet is free; `once`: the worker, fed after the decode; `both` / `stream-vs-once`: each run twice, then
 `ratios`. `--vae-chunk-frames N`: temporal decode chunks, so the streamed encode starts on the first one.
+`--deterministic [on|strict|both]` / `--no-deterministic`: `LTX_DETERMINISTIC`; `both`: each run on, then off.
 
 Every wait has a hard deadline; `--budget-s` skips the runs (in plan order, most important first) that
 would start after it is spent, and the summary lists them.
@@ -63,7 +64,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.e2e_clock import denoise_beside_encode, gpu_busy_ratio, idle_gaps_ms, idle_parts_ms, pct
-from bench.e2e_plans import PLANS, RunSpec, parse_size, refusal, sized
+from bench.e2e_plans import PLANS, RunSpec, determinism_cost, parse_size, refusal, sized, with_determinism
 from bench.e2e_stack import (
     STAGES,
     GpuMemory,
@@ -82,6 +83,8 @@ from bench.e2e_stack import (
 from worker.runtime.settings import validate_group
 
 GIB = 1024**3
+#: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)
+QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 
 
 def emit(record: dict[str, Any], out: Any) -> None:
@@ -224,8 +227,8 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
     chunks = {"vae_chunk_frames": int(args.vae_chunk_frames)} if args.vae_chunk_frames else {}
     workload = sized(make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization, **chunks}),
                      spec.size)  # fmt: skip
-    encode_env = dict(LTX_ENCODE_IN_WORKER=str(spec.encode != "fleet"), LTX_ENCODE_STREAM=str(spec.encode != "once"))
-    workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup, extra_env=encode_env)
+    workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup,
+                      extra_env=spec.worker_env())  # fmt: skip
     summary: dict[str, Any] = {
         "kind": "run",
         "profile": args.profile,
@@ -233,6 +236,7 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
         "variant": workload.variant,
         "layout": spec.layout,
         "encode": spec.encode,
+        "deterministic": spec.deterministic,  # (None: the worker's default, `auto`)
         "request": workload.request,
         "size": spec.size,
     }
@@ -302,13 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runner", action="append", default=None, help="repeatable; default ltx2-distilled")
     ap.add_argument("--groups", action="append", default=None,
                     help="a layout, repeatable: '0,1' one fleet of two, '0;1' two fleets, 'cpu:2'")  # fmt: skip
-    ap.add_argument(
-        "--size",
-        action="append",
-        default=None,
-        type=_size,
-        help="WxHxF of the request, repeatable (default: the workload's, 768x512x121)",
-    )
+    ap.add_argument("--size", action="append", default=None, type=_size,
+                    help="WxHxF of the request, repeatable (default: the workload's, 768x512x121)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=5, help="warm jobs and backlog jobs per run (default 5)")
     ap.add_argument("--warm", type=int, default=None, help="warm jobs per run (default --jobs)")
     ap.add_argument("--backlog", type=int, default=None, help="backlog jobs per run (default --jobs)")
@@ -316,12 +315,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vae-chunk-frames", type=int, default=0, help="the runner's vae_chunk_frames (0: one piece)")
     ap.add_argument("--encode", choices=("worker", "fleet", "both", "once", "stream-vs-once"), default="worker",
                     help="who encodes the mp4: the worker beside the next job, the fleet (old), or both")  # fmt: skip
+    ap.add_argument("--deterministic", nargs="?", const="on", choices=("on", "strict", "both"), default=None,
+                    help="workers' LTX_DETERMINISTIC; 'both': each run on, then off")  # fmt: skip
+    ap.add_argument("--no-deterministic", dest="deterministic", action="store_const", const="off")
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up request at fleet start")
     ap.add_argument("--start-timeout", type=float, default=None, help="s for every fleet to be warm")
     ap.add_argument("--job-timeout", type=float, default=None, help="s per job")
     ap.add_argument("--stop-timeout", type=float, default=120.0)
     ap.add_argument("--budget-s", type=float, default=None, help="skip runs that would start after this")
-    ap.add_argument("--quantization", default=None, help="setup quantization, e.g. fp8-mm (docs/runners.md)")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="fp8-mm (linears), fp8-mm+attn (and attention): docs/runners.md")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and spool (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -387,7 +390,7 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    specs = specs_from(args)
+    specs = with_determinism(specs_from(args), args.deterministic)
     if args.setup_json:
         weights = json.loads(args.setup_json.read_text())
     elif args.weights:
@@ -424,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
             emit(summary, out)
         final: dict[str, Any] = {**(runs[0] if runs else {"profile": args.profile}), "quantization": args.quantization}
         final.pop("kind", None)
-        final.update(runs=runs, ratios=ratios(runs), skipped=skipped, failures=failures, hardware=hardware(),
-                     wall_s=round(time.monotonic() - t0, 1), synthetic_weights=args.profile == "full")  # fmt: skip
+        final.update(runs=runs, ratios={**ratios(runs), **determinism_cost(runs)}, skipped=skipped,
+                     failures=failures, hardware=hardware(), wall_s=round(time.monotonic() - t0, 1),
+                     synthetic_weights=args.profile == "full")  # fmt: skip
         line = "SUMMARY " + json.dumps(final, default=str)
         print(line, flush=True)
         if out is not None:

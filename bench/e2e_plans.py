@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from bench.e2e_stack import Workload
 
-__all__ = ["PLANS", "SIZES", "RunSpec", "parse_size", "refusal", "sized"]
+__all__ = ["PLANS", "SIZES", "RunSpec", "determinism_cost", "parse_size", "refusal", "sized", "with_determinism"]
 
 #: The sizes of the presets: the one-stage default, the two-stage/distilled CLI default, ten seconds of it.
 SIZES = ("768x512x121", "1536x1024x121", "1536x1024x241")
@@ -68,6 +68,13 @@ class RunSpec:
     rebuild: bool  #: kill a rank mid-job and time the recovery
     encode: str = "worker"  #: "worker": the worker encodes beside the next job; "fleet": the driver rank does
     size: str | None = None  #: "WxHxF" of the request; None: the workload's own (the one-stage default)
+    #: the worker's `LTX_DETERMINISTIC` ("on", "strict", "off"); None: the worker's default (auto)
+    deterministic: str | None = None
+
+    def worker_env(self) -> dict[str, str]:
+        """The `LTX_*` variables this run sets beyond the workload's: where the mp4 is encoded, determinism."""
+        env = {"LTX_ENCODE_IN_WORKER": str(self.encode != "fleet"), "LTX_ENCODE_STREAM": str(self.encode != "once")}
+        return env if self.deterministic is None else {**env, "LTX_DETERMINISTIC": self.deterministic}
 
     @property
     def layout(self) -> str:
@@ -98,3 +105,30 @@ PLANS: dict[str, list[RunSpec]] = {
     "sizes-gpu1": _by_size(("0",)),
     "sizes-gpu2": _by_size(("0,1",)),
 }
+
+
+def with_determinism(specs: list[RunSpec], mode: str | None) -> list[RunSpec]:
+    """`--deterministic` / `--no-deterministic`: every run in that mode; "both": every run twice, deterministic
+    ("on") then not ("off"), one after the other on the same machine (`determinism_cost` compares them)."""
+    if mode is None:
+        return specs
+    if mode != "both":
+        return [dataclasses.replace(s, deterministic=mode) for s in specs]
+    return [dataclasses.replace(s, deterministic=m) for s in specs for m in ("on", "off")]
+
+
+def determinism_cost(runs: list[dict]) -> dict[str, float]:
+    """What the deterministic mode costs, measured side by side: per run measured both ways, the deterministic
+    run's e2e p50 over the other's (1.02 = 2% slower) and its throughput over the other's."""
+    out: dict[str, float] = {}
+    key = lambda r: (r["runner"], r["variant"], r["layout"], r.get("size"), r.get("encode"))  # noqa: E731
+    off = {key(r): r for r in runs if r.get("deterministic") == "off"}
+    for r in runs:
+        other = off.get(key(r))
+        if r.get("deterministic") in ("on", "strict") and other is not None:
+            name = f"{r['runner']}:{r['variant']} {r['layout']}{' ' + r['size'] if r.get('size') else ''} " \
+                   f"deterministic {r['deterministic']} vs off"  # fmt: skip
+            for metric in ("e2e_p50_s", "videos_per_hour"):
+                if r.get(metric) and other.get(metric):
+                    out[f"{name}: {metric}"] = round(r[metric] / other[metric], 4)
+    return out

@@ -186,8 +186,7 @@ class Workers:
             LTX_REDIS_URL=self.stack.redis.url,
             LTX_QUEUES=",".join(queues),
             LTX_WORKER_NAME=self.name,
-            LTX_RUNNER=self.workload.runner,
-            LTX_RUNNER_SETUP=json.dumps(self.workload.setup),
+            LTX_RUNNER=self.workload.runner, LTX_RUNNER_SETUP=json.dumps(self.workload.setup),
             LTX_WARMUP_REQUESTS=json.dumps([self.workload.request] if self.warmup else []),
             LTX_SPOOL_DIR=str(self.workdir / "spool"),
             LTX_METRICS_PORT="0", LTX_METRICS_HOST="127.0.0.1", LTX_LOG_FORMAT="json", PYTHONUNBUFFERED="1",
@@ -379,7 +378,9 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
         "video_tokens": stage1.get("video_tokens"),
         "audio": (output or {}).get("audio"),
         "bytes": result.get("size"),
-        "sha256": result.get("sha256"),  #: the mp4's: equal requests (seed included) render equal videos
+        "sha256": result.get("sha256"),  #: the mp4's: equal frames and audio encode to equal files
+        # what was rendered (the summary's `digests`): equal for equal requests on a deterministic fleet
+        **{k: (info.meta.get("digests") or {}).get(k) for k in ("frames_sha256", "audio_sha256", "deterministic")},
         "error": info.error,
     }
 

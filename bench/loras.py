@@ -18,8 +18,10 @@ all with the same request and seed, in this order (the phase of each JSON line):
   reads its factors from the cache file). Target: adds <= 0.3 s to a render.
 - `first_s3`: HEAD, parallel ranged GETs into the cache, header check, fuse. Target: adds <= 2 s (rank 128).
 - `swap_back`: a job without LoRA after one with: the clean weights restored (the cost is reported), and its
-  video must be the baseline's (same sha256: `swap_back_same_video`; `baseline_deterministic` says whether
-  the baseline jobs agree among themselves, without which that comparison means nothing).
+  video must be the baseline's (the same frames and audio sha256, as the worker hashed them before the
+  encode: `swap_back_same_video`; `baseline_deterministic` says whether the baseline jobs agree among
+  themselves, without which that comparison means nothing: it needs a deterministic fleet, `--deterministic`,
+  the default here; docs/producer.md "Reproducible renders").
 
 Per job: `e2e_s` (submit to uploaded), `render_s` (the worker's fleet call), `lora_swap_s` (the runner's
 `lora_swap*` timings: the ranks' header checks plus each stage's swap, between device syncs), and from the
@@ -148,6 +150,12 @@ def phase_summary(records: list[dict[str, Any]], baseline: dict[str, Any] | None
     return out
 
 
+def rendered(record: dict[str, Any]) -> tuple[str | None, str | None]:
+    """What a job rendered, as the worker hashed it before the encode: (frames sha256, audio sha256). Videos
+    are compared by these, not by the mp4's sha256: equal frames and audio are what a render promises."""
+    return record.get("frames_sha256"), record.get("audio_sha256")
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     by_phase: dict[str, list[dict[str, Any]]] = {}
     for rec in records:
@@ -163,9 +171,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                           "met": None if adds is None else adds <= limit,
                           "met_direct": None if direct is None else direct <= limit}  # fmt: skip
     back = phases.get("swap_back", {})
-    base_videos = {r["sha256"] for r in by_phase.get("baseline", []) if r.get("sha256")}
-    back_videos = {r.get("sha256") for r in by_phase.get("swap_back", [])}
-    lora_videos = {r.get("sha256") for r in records if r.get("lora")}
+    base_videos = {rendered(r) for r in by_phase.get("baseline", []) if r.get("frames_sha256")}
+    back_videos = {rendered(r) for r in by_phase.get("swap_back", [])}
+    lora_videos = {rendered(r) for r in records if r.get("lora")}
     targets["swap_back"] = {
         "adds_e2e_s": back.get("e2e_delta_p50_s"),
         "lora_swap_p50_s": back.get("lora_swap_p50_s"),
@@ -186,7 +194,8 @@ def run(args: argparse.Namespace, stack: es.Stack, workdir: Path, out: Any) -> d
     catalogue.mkdir(parents=True)
     staging.mkdir()
     env = {"LTX_LORA_CATALOGUE": str(catalogue), "LTX_LORA_S3_PREFIXES": f"{stack.s3.bucket}/loras/",
-           "LTX_LORA_CACHE_DIR": str(workdir / "lora-cache")}  # fmt: skip
+           "LTX_LORA_CACHE_DIR": str(workdir / "lora-cache"),
+           "LTX_DETERMINISTIC": "on" if args.deterministic else "off"}  # fmt: skip
     workers = es.Workers(stack, [args.groups], workload, workdir, extra_env=env)
     say(f"starting the worker ({args.runner} on {args.groups}); writing the LoRAs meanwhile")
     workers.start()
@@ -223,7 +232,7 @@ def run(args: argparse.Namespace, stack: es.Stack, workdir: Path, out: Any) -> d
         workers.stop(args.stop_timeout)
         writer.join()
     return {"runner": workload.label, "layout": args.groups, "profile": args.profile, "request": workload.request,
-            "device_cache_gib": args.device_cache_gib,
+            "device_cache_gib": args.device_cache_gib, "deterministic": args.deterministic,
             **(cold_ready(workers, ready) if ready else {}), "written": written, **summarize(records),
             "jobs_failed": sum(r["state"] != "uploaded" for r in records), "jobs_skipped": len(plan) - len(records),
             "failure": failure}  # fmt: skip
@@ -253,6 +262,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=None, help="s for the fleet to be warm")
     ap.add_argument("--job-timeout", type=float, default=None, help="s per job")
     ap.add_argument("--stop-timeout", type=float, default=120.0)
+    ap.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                    help="the worker's LTX_DETERMINISTIC on (default: equal requests, equal frames)")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=None, help="submit no job after this many s (then report)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     ap.add_argument("--workdir", type=Path, default=None, help="logs, LoRAs, servers' data (default: a temp dir)")

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)
+QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 RUNNERS = {"ltx2-distilled": "Ltx2DistilledRunner", "ltx2-two-stage": "Ltx2TwoStageRunner"}
 PROMPT = "A red fox trots through fresh snow at dawn, breath steaming, the camera tracking low beside it"
 REQUEST = {"width": 768, "height": 512, "num_frames": 121, "frame_rate": 24.0, "prompt": PROMPT}
@@ -64,7 +66,8 @@ def main() -> None:
     ap.add_argument("--runner", default="ltx2-two-stage:cfg")
     ap.add_argument("--devices", default="0", help="comma list of GPU indices (one fleet)")
     ap.add_argument("--jobs", type=int, default=3)
-    ap.add_argument("--quantization", default=None, help="setup quantization, e.g. fp8-mm (docs/runners.md)")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="fp8-mm (linears), fp8-mm+attn (and attention): docs/runners.md")  # fmt: skip
     args = ap.parse_args()
     import torch
 

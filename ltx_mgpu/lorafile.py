@@ -24,11 +24,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["LoraFile", "LoraFileError", "LoraLimits", "check_lora", "read_header", "transformer_targets"]
+__all__ = [
+    "MAX_HEADER_DEPTH", "LoraFile", "LoraFileError", "LoraLimits", "check_header", "check_lora", "header_length",
+    "parse_header", "read_header", "transformer_targets",
+]  # fmt: skip
 
 #: bytes per element of the safetensors dtypes a LoRA factor may have (what ltx-core's fusion multiplies)
 LORA_DTYPES: Mapping[str, int] = {"F16": 2, "BF16": 2, "F32": 4}
@@ -83,27 +87,66 @@ def read_header(path: str | os.PathLike[str], *, max_file_bytes: int, max_header
         size = os.stat(name).st_size
     except OSError as exc:
         raise LoraFileError(f"{name}: cannot read ({exc.strerror or exc})") from None
+    with open(name, "rb") as f:
+        length = header_length(name, f.read(8), size, max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes)
+        raw = f.read(length)
+    return parse_header(name, raw, size)
+
+
+def header_length(name: str, head: bytes, size: int, *, max_file_bytes: int, max_header_bytes: int) -> int:
+    """The header length a safetensors file of `size` bytes declares in its first 8 bytes `head`, checked
+    against the limits and the size (`LoraFileError` otherwise): how many bytes to read next, and no more."""
     if size > max_file_bytes:
         raise LoraFileError(f"{name}: file is {size} bytes, over the {max_file_bytes} byte limit")
-    with open(name, "rb") as f:
-        head = f.read(8)
-        _refuse_other_formats(name, head)
-        if len(head) < 8:
-            raise LoraFileError(f"{name}: {size} bytes is too short for a safetensors file")
-        (length,) = struct.unpack("<Q", head)
-        if length > max_header_bytes:
-            raise LoraFileError(f"{name}: header of {length} bytes, over the {max_header_bytes} byte limit")
-        if 8 + length > size:
-            raise LoraFileError(f"{name}: truncated (header of {length} bytes, file of {size})")
-        raw = f.read(length)
+    _refuse_other_formats(name, head)
+    if len(head) < 8 or size < 8:
+        raise LoraFileError(f"{name}: {size} bytes is too short for a safetensors file")
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > max_header_bytes:
+        raise LoraFileError(f"{name}: header of {length} bytes, over the {max_header_bytes} byte limit")
+    if 8 + length > size:
+        raise LoraFileError(f"{name}: truncated (header of {length} bytes, file of {size})")
+    return length
+
+
+def parse_header(name: str, raw: bytes, size: int) -> dict:
+    """The JSON header `raw` (the `header_length` bytes after the first 8) of a file of `size` bytes, its
+    nesting bounded before it is parsed (`MAX_HEADER_DEPTH`) and its byte ranges checked (`LoraFileError`)."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise LoraFileError(f"{name}: header is not JSON ({exc})") from None
+    _check_depth(name, text)
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # (RecursionError: a belt to the depth check's braces)
+        raise LoraFileError(f"{name}: header is not JSON ({str(exc)[:200]})") from None
     if not isinstance(header, dict):
         raise LoraFileError(f"{name}: header is not a JSON object")
-    _check_ranges(name, header, size - 8 - length)
+    _check_ranges(name, header, size - 8 - len(raw))
     return header
+
+
+#: How deep a safetensors header may nest: {tensor: {"shape": [..]}} is 3; a parser recursing on a header
+#: 200,000 levels deep ended the job as `internal` (RecursionError) before this bound.
+MAX_HEADER_DEPTH = 8
+_INNERMOST = re.compile(r"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
+
+
+def _check_depth(name: str, text: str) -> None:
+    """`LoraFileError` if `text` nests arrays/objects deeper than `MAX_HEADER_DEPTH`, checked in linear time
+    without recursion: escapes and strings blanked (`str.replace`, `str.split`), then the innermost containers
+    removed once per level (regex passes). Text that is not JSON may pass here; `json.loads` refuses it."""
+    if text.count("[") + text.count("{") <= MAX_HEADER_DEPTH:
+        return
+    unescaped = text.replace("\\\\", "__").replace('\\"', "__")  # (escapes pair left to right, as JSON reads them)
+    bare = '""'.join(unescaped.split('"')[::2])  # (outside strings: every other piece between quotes)
+    for _ in range(MAX_HEADER_DEPTH):
+        bare, n = _INNERMOST.subn("0", bare)
+        if n == 0:
+            break
+    if "[" in bare or "{" in bare:
+        raise LoraFileError(f"{name}: header nests deeper than {MAX_HEADER_DEPTH} levels")
 
 
 def _refuse_other_formats(name: str, head: bytes) -> None:
@@ -173,6 +216,15 @@ def check_lora(
     limits = limits or LoraLimits()
     name = os.fspath(path)
     header = read_header(name, max_file_bytes=limits.max_file_bytes, max_header_bytes=limits.max_header_bytes)
+    return check_header(name, header, os.stat(name).st_size, targets, limits)
+
+
+def check_header(
+    name: str, header: dict, size: int, targets: Mapping[str, tuple[int, int]], limits: LoraLimits | None = None
+) -> LoraFile:
+    """The LoRA checks of `check_lora` on a parsed header (`parse_header`) of a file of `size` bytes: what a
+    remote object is checked with from its first bytes, before its body is fetched."""
+    limits = limits or LoraLimits()
     factors: dict[str, dict[str, list[int]]] = {}
     for key, entry in header.items():
         if key == "__metadata__":
@@ -195,7 +247,7 @@ def check_lora(
     ranks: dict[str, int] = {}
     for target, pair in sorted(factors.items()):
         ranks[target] = _rank(name, target, pair, targets[target], limits.max_rank)
-    return LoraFile(name, os.stat(name).st_size, ranks)
+    return LoraFile(name, size, ranks)
 
 
 def _rank(name: str, target: str, pair: dict[str, list[int]], shape: tuple[int, int], max_rank: int) -> int:

@@ -27,6 +27,7 @@ from rq.job import Job
 from rq.utils import utcformat
 
 from worker.protocol.keys import RQ_ENDED_STATUSES, check_client_name
+from worker.protocol.queuedepth import waiting_depth
 from worker.protocol.rqcompat import enqueue_unregistered
 
 __all__ = [
@@ -54,7 +55,7 @@ def client_key(client: str) -> str:
 class AdmissionPolicy:
     """Limits applied at submit; `None` means unlimited."""
 
-    max_queue_depth: int | None = None  #: queued (not yet started) jobs across the counted queues
+    max_queue_depth: int | None = None  #: waiting jobs across the counted queues (`worker.protocol.queuedepth`)
     client_quota: int | None = None  #: unfinished (queued or running) jobs of one client
 
 
@@ -131,9 +132,11 @@ def enqueue_admitted(
                     debris = created is None and not pipe.hexists(job.key, "data")
                     if not debris:
                         raise DuplicateJobError(job.id, raw.decode() if raw else None)
-                depth = sum(int(pipe.llen(q.key)) for q in counted_queues)
-                if policy.max_queue_depth is not None and depth >= policy.max_queue_depth:
-                    raise AdmissionRefused(Refusal("queue_full", depth, policy.max_queue_depth, queue.name))
+                if policy.max_queue_depth is not None:  # (entries that are not jobs count for nothing)
+                    cap = policy.max_queue_depth
+                    depth = waiting_depth(pipe, [q.key for q in counted_queues], Job.key_for, cap)
+                    if depth >= cap:
+                        raise AdmissionRefused(Refusal("queue_full", depth, cap, queue.name))
                 stale: list[bytes] = []
                 live = 0
                 if ckey:

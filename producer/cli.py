@@ -238,7 +238,8 @@ def _check_runner_limits(
     client: ProducerClient, requests: list[Any], queue: str | None, *, say_if_unchecked: bool = False
 ) -> None:
     """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.protocol.limits)."""
-    if refused := first_lora_problem(client.connection, client.queue(queue), requests):
+    tenant = client.settings.client if client.settings.tenant_ids else None  # (the id prefix a worker checks)
+    if refused := first_lora_problem(client.connection, client.queue(queue), requests, tenant):
         raise UserError(f"{refused}; nothing submitted", ExitCode.USAGE)
     limits = client.runner_limits(queue)
     if not limits:
@@ -323,6 +324,8 @@ def _watch(client: ProducerClient, job_id: str, *, as_json: bool, timeout: float
     elif info.error:
         line = f"job {info.state}: {info.error.get('reason')}: {info.error.get('message')}"
         console.print(printable(line), markup=False, soft_wrap=True)
+    elif info.state == JobState.CANCELLED.value:
+        console.print("job cancelled", markup=False, soft_wrap=True)
     return _STATE_EXIT.get(info.state, ExitCode.JOB_FAILED)
 
 

@@ -262,19 +262,17 @@ def render_status(console: Console, info: JobInfo) -> None:
     if info.ended_at:
         _row(table, "ended", _ago(info.ended_at))
     if info.request:
-        req = info.request
-        _row(
-            table,
-            "request",
-            f"{req.get('width')}x{req.get('height')}, {req.get('num_frames')} frames, seed {req.get('seed')}: "
-            f'"{str(req.get("prompt"))[:60]}"',  # (quoted as text: a repr showed escapes)
-        )
+        _row(table, "request", request_line(info.request))
     for used in meta["loras"] if isinstance(meta.get("loras"), list) else []:
         if isinstance(used, dict):  # (worker.render.loras: the request's LoRAs as this job used them)
             how = "cached" if used.get("cached") else f"fetched {human_bytes(used.get('fetch_bytes'))}"
             _row(table, "lora", f"{used.get('lora')} x{used.get('strength')} ({how})")
     if meta.get("lora_swap_s") is not None:
         _row(table, "lora swap", f"{meta['lora_swap_s']} s")
+    digests = meta.get("digests") if isinstance(meta.get("digests"), dict) else {}
+    if digests.get("frames_sha256"):  # (what was rendered, before the encode: docs/producer.md)
+        _row(table, "frames", f"sha256 {digests['frames_sha256']}")
+        _row(table, "audio", f"sha256 {digests.get('audio_sha256') or '-'}")
     if info.error:
         _row(table, "error", f"{info.error.get('reason')}: {info.error.get('message')}")
     attempts = info.meta.get("attempts") if isinstance(info.meta.get("attempts"), list) else []
@@ -357,3 +355,13 @@ def render_stats(console: Console, stats: Stats) -> None:
         markup=False,
         soft_wrap=True,
     )
+
+
+def request_line(req: dict[str, Any]) -> str:
+    """One line for a request: size, frames and seed as far as it names them (a job enqueued through plain
+    RQ may carry only a prompt: the worker's defaults apply, and nothing reads `None frames, seed None`)."""
+    size = f"{req['width']}x{req['height']}" if req.get("width") and req.get("height") else None
+    parts = [p for p in (size, f"{req['num_frames']} frames" if req.get("num_frames") is not None else None,
+                         f"seed {req['seed']}" if req.get("seed") is not None else None) if p]  # fmt: skip
+    prompt = f'"{str(req.get("prompt"))[:60]}"'  # (quoted as text: a repr showed escapes)
+    return f"{', '.join(parts)}: {prompt}" if parts else prompt

@@ -20,7 +20,7 @@ from producer.models import unavailable_on_error
 from producer.requestfile import LoadedRequest
 from worker.protocol.health import LoraOffer, SnapshotError, read_health
 from worker.protocol.keys import worker_health_key
-from worker.protocol.lorarefs import LoraRef, parse_lora_option, uri_allowed
+from worker.protocol.lorarefs import LoraRef, parse_lora_option, uri_problem
 from worker.protocol.schema import RenderRequest
 
 __all__ = ["first_lora_problem", "lora_problems", "published_loras", "with_lora_options"]
@@ -66,37 +66,45 @@ def published_loras(connection: Any, queue: Any) -> list[tuple[str, LoraOffer]]:
     return out
 
 
-def lora_problems(request: RenderRequest, offers: Sequence[tuple[str, LoraOffer]]) -> list[str]:
-    """What any of these workers would refuse in `request.loras` (any of them may take the job)."""
+def lora_problems(
+    request: RenderRequest, offers: Sequence[tuple[str, LoraOffer]], tenant: str | None = None
+) -> list[str]:
+    """What any of these workers would refuse in `request.loras` (any of them may take the job); `tenant`: the
+    client whose folder a uri must be in where a worker has tenants (`worker.protocol.lorarefs.uri_problem`)."""
     problems: dict[str, None] = {}
     refs = request.loras or []
     for worker, offer in offers:
-        for message in _refused_by(refs, offer):
+        for message in _refused_by(refs, offer, tenant):
             problems.setdefault(f"{message} (worker {worker})")
     return list(problems)
 
 
-def _refused_by(refs: Sequence[LoraRef], offer: LoraOffer) -> list[str]:
+def _refused_by(refs: Sequence[LoraRef], offer: LoraOffer, tenant: str | None) -> list[str]:
     out = []
     cap = offer.max_per_request
     if cap is not None and len(refs) > cap:
         out.append(f"loras: {len(refs)} LoRAs, the worker takes at most {cap}")
-    prefixes = list(offer.s3_prefixes)
+    owner = tenant if offer.per_tenant else None
     for i, ref in enumerate(refs):
-        if ref.name is not None and offer.names is not None and ref.name not in offer.names:
+        if ref.name is not None and offer.names is not None and not offer.names:
+            out.append(f"loras[{i}].name: {ref.name!r}: the worker has no LoRA catalogue (LTX_LORA_CATALOGUE "
+                       "unset or empty); name the file by `uri` instead")  # fmt: skip
+        elif ref.name is not None and offer.names is not None and ref.name not in offer.names:
             out.append(f"loras[{i}].name: {ref.name!r} is not in the worker's catalogue")
-        if ref.uri is not None and not uri_allowed(ref.uri, prefixes):
-            out.append(f"loras[{i}].uri: {ref.uri!r} is under no prefix the worker allows")
+        if ref.uri is not None and (problem := uri_problem(ref.uri, offer.s3_prefixes, offer.shared_prefixes, owner)):
+            out.append(f"loras[{i}].uri: {problem}")
     return out
 
 
-def first_lora_problem(connection: Any, queue: Any, requests: Sequence[LoadedRequest]) -> str | None:
+def first_lora_problem(
+    connection: Any, queue: Any, requests: Sequence[LoadedRequest], tenant: str | None = None
+) -> str | None:
     """ "FILE:LINE: what is wrong" for the first request whose LoRAs a live worker on `queue` would refuse."""
     if not any(loaded.request.loras for loaded in requests):
         return None
     offers = published_loras(connection, queue)
     for loaded in requests:
-        if problems := lora_problems(loaded.request, offers):
+        if problems := lora_problems(loaded.request, offers, tenant):
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             return f"{loaded.source}: {problems[0]}{more}"
     return None

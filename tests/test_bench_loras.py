@@ -52,6 +52,12 @@ def test_cpu_run_measures_every_phase(tmp_path):
     # the job after a LoRA job renders the baseline's video (same request, same seed); the LoRA changes it
     back = targets["swap_back"]
     assert back["baseline_deterministic"] and back["swap_back_same_video"] and back["lora_changes_video"], back
+    # compared by what was rendered (the worker's frames and audio sha256, before the encode): every job has
+    # them, the jobs without LoRA rendered one video, and the LoRA jobs another each
+    assert summary["deterministic"] is True and all(j["deterministic"] == "on" for j in jobs), jobs
+    assert all(len(j["frames_sha256"]) == 64 and (j["audio_sha256"] is not None) is bool(j["audio"]) for j in jobs)
+    plain = {(j["frames_sha256"], j["audio_sha256"]) for j in jobs if j["lora"] is None}
+    assert len(plain) == 1 and not plain & {(j["frames_sha256"], j["audio_sha256"]) for j in jobs if j["lora"]}
     work = tmp_path / "work"  # the LoRA files and the S3 data are gone (GBs at real size), the logs stay
     assert not [p for p in ("catalogue", "staging", "lora-cache", "s3/data") if (work / p).exists()]
     assert list(work.glob("worker*.log"))

@@ -42,3 +42,33 @@ def test_every_dependency_is_pinned_exactly() -> None:
 def test_setup_installs_through_the_constraints() -> None:
     installs = [line for line in (ROOT / "scripts" / "setup.sh").read_text().splitlines() if "pip install" in line]
     assert installs and all("-c constraints.txt" in line for line in installs), installs
+
+
+def test_setup_filters_pips_known_noise_and_keeps_real_errors_and_the_exit_status(tmp_path: Path) -> None:
+    """Regression: setup printed 82 `WARNING: Location ... is ignored` lines (a pip config naming local index
+    folders this machine lacks) and a resolver ERROR about torchaudio that is on purpose. `pip()` in
+    scripts/setup.sh drops the first, says the second in one line, and passes everything else through."""
+    import subprocess
+
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    function = re.search(r"^pip\(\) \{\n.*?^\}\n", setup, re.M | re.S)
+    assert function, "scripts/setup.sh defines no pip() filter"
+    fake = tmp_path / "pip"
+    fake.write_text(
+        "#!/bin/bash\n"
+        + "".join(f"echo {line!r} >&2\n" for line in (
+            "WARNING: Location '/srv/wheels' is ignored: it is either a non-existing path or lacks a scheme.",
+            "ERROR: pip's dependency resolver does not currently take into account all the packages that are "
+            "installed. This behaviour is the source of the following dependency conflicts.",
+            "ltx-core 1.0.0 requires torchaudio, which is not installed.",
+            "ERROR: Could not find a version that satisfies the requirement nope",
+        ))
+        + "exit 3\n"
+    )  # fmt: skip
+    fake.chmod(0o755)
+    script = f"set -euo pipefail\nPATH={tmp_path}:$PATH\n{function.group(0)}pip install x\necho unreachable\n"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 3 and "unreachable" not in out.stdout
+    assert "is ignored" not in out.stderr and "dependency resolver" not in out.stderr, out.stderr
+    assert "Could not find a version that satisfies the requirement nope" in out.stderr
+    assert out.stderr.count("torchaudio") == 1 and "on purpose" in out.stderr

@@ -29,7 +29,7 @@ def _eager_uncast(q0: torch.Tensor, s0: torch.Tensor, factors: list) -> tuple[to
     for a, b, strength in factors:
         fused.add_(torch.matmul(b * float(strength), a).to(torch.bfloat16))
     amax = fused.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
     return fused.div_(scale[:, None]).clamp_(-448.0, 448.0), scale
 
 
@@ -94,3 +94,33 @@ def test_fp8_lora_bench_cpu_smoke() -> None:
     assert [(r["shape"], r["rank"]) for r in rows[1:]] == [("96x200", 16), ("96x200", 384)]
     assert all(r["eager_ms"] > 0 for r in rows[1:])
     assert lines[-1].startswith("SUMMARY ") and json.loads(lines[-1].removeprefix("SUMMARY "))["kernels"] is False
+
+
+def test_weight_scales_divide_by_a_tensor_not_a_python_number() -> None:
+    """The weight scales `amax / 448` must be IEEE divisions on every device, as the kernel's `div_rn` is. On CUDA
+    torch computes `tensor / python_scalar` (and `/ 0-dim CPU tensor`) as a multiplication by the fp32 reciprocal
+    (one ulp off for some amax: the H200 failure of tests/test_fp8_gpu.py::test_triton_lora_fusion_is_bit_identical
+    _to_eager); on the CPU both are exact, so this checks the divisors the eager code dispatches instead."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ltx_mgpu.fp8.lora import fuse_rowwise_eager
+    from ltx_mgpu.fp8.rowwise import quantize_weight
+
+    divisors: list[object] = []
+
+    class Divisions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor, torch.ops.aten.div.Scalar):
+                divisors.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(8, 32, generator=gen).to(torch.bfloat16)
+    with Divisions():
+        q0, s0 = quantize_weight(w)
+        fuse_rowwise_eager(q0, s0, [(torch.randn(2, 32, generator=gen), torch.randn(8, 2, generator=gen), 0.5)])
+    assert len(divisors) >= 4  # (two per quantization: amax / 448, w / scale)
+    assert all(isinstance(d, torch.Tensor) and d.dim() > 0 for d in divisors), divisors
+    # the reciprocal product really differs from the division for some amax (so the distinction matters)
+    amax = torch.linspace(1.0, 2.0, 4097, dtype=torch.float32)
+    assert not torch.equal(amax / torch.full_like(amax, 448.0), amax * (1.0 / torch.tensor(448.0)))

@@ -14,7 +14,7 @@ from worker.render.loracache import LoraCache
 
 
 def _commit(cache: LoraCache, key: str, data: bytes) -> Path:
-    with cache.incoming() as tmp:
+    with cache.incoming(len(data)) as tmp:
         tmp.write_bytes(data)
         return cache.commit(tmp, key)
 

@@ -109,6 +109,42 @@ def test_hand_written_hashes_cost_a_sweep_a_bounded_share_per_queue(redis_client
     assert [o.job_id for o in found if o.origin == other.name] == [lost.id]
 
 
+def test_a_sweep_over_many_hashes_is_bounded_and_continues_where_it_stopped(redis_client: Any) -> None:
+    """A tenant's key count made one sweep scan all of them (22 s over 200k hashes). Each sweep scans a bounded
+    slice and keeps the cursor; the lost job is found by a later sweep, and the sweep then ends."""
+    conn, name = redis_client, f"lp-{uuid.uuid4().hex[:6]}"
+    queue = Queue(name, connection=conn, serializer=JSONSerializer)
+    pipe = conn.pipeline(transaction=False)
+    filler = [f"rq:job:fill-{name}-{i}" for i in range(20_000)]
+    for key in filler:  # (hashes of ended jobs: scanned, never queued again)
+        pipe.hset(key, mapping={"status": "finished", "origin": name})
+    pipe.execute()
+    lost = _queued(conn, queue, "lost among many")
+    real_scan, scanned = conn.scan, [0]
+
+    def counting_scan(*args: Any, **kwargs: Any) -> Any:
+        cursor, keys = real_scan(*args, **kwargs)
+        scanned[0] += len(keys)
+        return cursor, keys
+
+    try:
+        conn.scan = counting_scan  # (this connection only: count the keys each sweep reads)
+        pops = LostPops(confirm_s=0, max_keys=2_000, max_s=30)
+        pops.suspect([name], time.time() - 1)
+        sweeps, requeued = 0, []
+        while pops.pending:
+            scanned[0] = 0
+            requeued += pops.sweep(conn)
+            sweeps += 1
+            assert scanned[0] < 2_000 + 3_000, scanned  # (the bound, plus one SCAN reply's worth: COUNT is a hint)
+        assert requeued == [lost.id] and sweeps >= 5, sweeps  # (20,001 keys of this test alone, 2,000 a sweep)
+        assert conn.lrange(queue.key, 0, -1) == [lost.id.encode()]
+    finally:
+        del conn.scan
+        for i in range(0, len(filler), 5000):
+            conn.delete(*filler[i : i + 5000])
+
+
 def test_a_tenant_hash_never_reaches_a_queue_its_tenant_cannot_push_to() -> None:
     tenants = ["alice", "bob"]
     assert may_requeue("alice-1", "q:t:alice", tenants)
@@ -167,7 +203,7 @@ def test_a_sweep_redis_refuses_is_given_up_without_stopping_the_worker() -> None
         def __init__(self, exc: Exception) -> None:
             self.exc = exc
 
-        def scan_iter(self, **_: Any) -> Any:
+        def scan(self, *_: Any, **__: Any) -> Any:
             raise self.exc
 
     worker = FleetWorker.__new__(FleetWorker)

@@ -196,6 +196,12 @@ def test_the_start_script_leaves_no_key_on_disk_and_weed_stops_in_seconds(tmp_pa
                    env={"LTX_S3_CONF_DIR": "", "TMPDIR": str(tmpdir)}).start()  # fmt: skip
     try:
         wait_for(lambda: not any(tmpdir.iterdir()), 10, f"an empty TMPDIR: {sorted(tmpdir.rglob('*'))}")
+        # the watcher that deleted them is no child of weed left <defunct> (weed reaps none it did not start)
+        pid = gw.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        states = [Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0] for c in children
+                  if Path(f"/proc/{c}/stat").exists()]  # fmt: skip
+        assert "Z" not in states, (children, states)
         keys = [*gw.worker_keys, *gw.producer_keys]
         for path in (tmp_path / "gw").rglob("*"):  # (data, logs: nothing outside the secret files holds a key)
             if path.is_file():

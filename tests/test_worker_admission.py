@@ -149,15 +149,20 @@ def test_a_huge_raw_flood_leaves_a_bounded_share_per_pass_and_nothing_is_lost(re
     pass now takes at most 1000 of the excess (the newest) off the queue; the next passes take the rest,
     so every id still reaches the refusal list once and a job taken in between waits for one pass only."""
     from rq import Queue
+    from rq.job import Job
 
     from worker.protocol.keys import REFUSALS_KEY
 
     tag = uuid.uuid4().hex[:8]
     q = Queue(f"q-{tag}", connection=redis_client)
     ids = [f"flood{tag}-{i}" for i in range(2500)]
+    with redis_client.pipeline(transaction=False) as pipe:  # (waiting jobs: junk would count for nothing)
+        for job_id in ids:
+            pipe.hset(Job.key_for(job_id), "status", "queued")
+        pipe.execute()
     redis_client.rpush(q.key, *ids)
     redis_client.delete(REFUSALS_KEY)
-    admission = Admission(redis_client, [q], depth_cap=5, quota=None, outcomes=None, job_class=None,
+    admission = Admission(redis_client, [q], depth_cap=5, quota=None, outcomes=None, job_class=Job,
                           worker_name="w", max_meta_bytes=1 << 16)  # fmt: skip
     lengths = []
     while redis_client.llen(q.key) > 5:
@@ -166,7 +171,58 @@ def test_a_huge_raw_flood_leaves_a_bounded_share_per_pass_and_nothing_is_lost(re
     assert lengths == [1500, 500, 5]
     refused = [json.loads(r)["job_id"] for r in redis_client.lrange(REFUSALS_KEY, 0, -1)]
     assert sorted(refused) == sorted(ids[5:]) and redis_client.lrange(q.key, 0, -1) == [i.encode() for i in ids[:5]]
-    redis_client.delete(REFUSALS_KEY, q.key)
+    redis_client.delete(REFUSALS_KEY, q.key, *(Job.key_for(i) for i in ids))
+
+
+def test_plan_counts_nothing_past_the_window_until_the_cap_is_found_ahead():
+    """Entries past the window are unknown (junk there must not end a job behind it): trimmed only when the
+    cap's worth of jobs is admitted ahead of them, else left for a later pass."""
+    junk = [(f"x{i}", STALE) for i in range(3)]
+    out = plan([], None, [Waiting("q", 10, [*junk, ("j1", "a")])], depth_cap=2, quota=None)
+    assert out.cuts == [10] and out.refused == [[]]
+    out = plan([], None, [Waiting("q", 10, [*junk, ("j1", "a"), ("j2", "b")])], depth_cap=2, quota=None)
+    assert out.cuts == [5] and out.refused == [[]]
+
+
+@pytest.mark.parametrize("quota", [None, 10])  # (10: a quota on, anonymous jobs under it)
+def test_ids_without_a_job_pushed_ahead_of_admitted_jobs_count_for_nothing(redis_client, quota):
+    """Regression: with no ACL, LTX_MAX_QUEUE_DEPTH=5, a client's admitted job waiting, then 10 ids with no
+    job hash LPUSHed onto the shared queue: the pass counted 11 waiting and ended the job `queue_full`.
+    Entries that are not jobs (no hash, an ended job) count for nothing, in the worker's pass and in the
+    producer's admission alike (`worker.protocol.queuedepth`)."""
+    from rq import Queue
+    from rq.job import Job
+
+    from producer.admission import AdmissionPolicy, enqueue_admitted
+    from worker.protocol.keys import REFUSALS_KEY
+
+    tag = uuid.uuid4().hex[:8]
+    q = Queue(f"q-{tag}", connection=redis_client)
+    redis_client.delete(REFUSALS_KEY)
+    policy = AdmissionPolicy(max_queue_depth=5)
+    admitted = [enqueue_admitted(q, q.create_job("worker.job.render", args=({"prompt": "p"},)), policy=policy,
+                                 counted_queues=[q], client=None) for _ in range(2)]  # fmt: skip
+    ended = q.create_job("worker.job.render", args=({"prompt": "p"},))
+    ended.save()
+    redis_client.hset(ended.key, "status", "finished")
+    redis_client.lpush(q.key, *[f"junk{tag}-{i}" for i in range(10)], ended.id, ended.id)
+    admission = Admission(redis_client, [q], depth_cap=5, quota=quota, outcomes=None, job_class=Job,
+                          worker_name="w", max_meta_bytes=1 << 16)  # fmt: skip
+    admission.before_dequeue()
+    assert redis_client.llen(REFUSALS_KEY) == 0
+    assert redis_client.lrange(q.key, -2, -1) == [j.id.encode() for j in admitted]
+    # the producer counts the same: three more jobs fit under the cap of 5, the sixth does not
+    for _ in range(3):
+        enqueue_admitted(q, q.create_job("worker.job.render", args=({"prompt": "p"},)), policy=policy,
+                         counted_queues=[q], client=None)  # fmt: skip
+    from producer.admission import AdmissionRefused
+
+    with pytest.raises(AdmissionRefused, match="5/5"):
+        enqueue_admitted(q, q.create_job("worker.job.render", args=({"prompt": "p"},)), policy=policy,
+                         counted_queues=[q], client=None)  # fmt: skip
+    admission.before_dequeue()
+    assert redis_client.llen(REFUSALS_KEY) == 0 and redis_client.llen(q.key) == 17
+    redis_client.delete(q.key, REFUSALS_KEY)
 
 
 def test_plan_without_limits_refuses_nothing():
@@ -245,6 +301,22 @@ def test_a_raw_flood_past_the_depth_cap_renders_exactly_the_cap(worker, tmp_path
     assert worker.refusals("queue_full") == before + 5
     assert _outcomes(worker, [held.job]) == ["uploaded"]
     assert worker.idle()["fleet"]["alive"]
+
+
+def test_junk_pushed_ahead_of_waiting_jobs_ends_none_of_them(worker, tmp_path):
+    """Regression: no ACL, the worker busy, admitted jobs waiting, then 10 ids with no job hash LPUSHed
+    onto the queue: the pass counted them and ended a waiting job `queue_full`. They count for nothing and
+    the dequeue drops them. (This worker has a quota too; the pass without one, where the count went
+    wrong: `test_ids_without_a_job_pushed_ahead_of_admitted_jobs_count_for_nothing`.)"""
+    worker.idle()
+    before = worker.refusals("queue_full")
+    held = Held(worker, tmp_path)
+    jobs = [worker.enqueue(client=f"w{i}") for i in range(DEPTH - 1)]
+    worker.conn.lpush(f"rq:queue:{worker.queue}", *[f"junk-{uuid.uuid4().hex[:6]}-{i}" for i in range(10)])
+    held.release()
+    assert _outcomes(worker, [held.job, *jobs]) == ["uploaded"] * DEPTH
+    assert worker.refusals("queue_full") == before
+    wait_for(lambda: worker.conn.llen(f"rq:queue:{worker.queue}") == 0, 30, "junk dropped")
 
 
 def test_a_client_past_its_quota_is_refused_while_another_clients_jobs_all_run(worker, tmp_path):

@@ -126,9 +126,10 @@ def test_each_bad_lora_fails_its_job_and_good_ones_render_on_the_same_fleet(work
     lines = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("ltx_worker_lora")]
     samples = {name: float(value) for name, value in lines}
     group = 'group="cpu:2"'
-    # "good" is fetched once (with the first bad job) and hit by every later one; the S3 LoRA is one more miss
+    # "good" is fetched once (with the first bad job) and hit by every later one whose bad entry gets past the
+    # sizes checked before any fetch (4 do not: crane, huge, the missing object, the prefix); S3 is one more miss
     assert samples[f'ltx_worker_lora_cache_total{{{group},result="miss"}}'] == 2, samples
-    assert samples[f'ltx_worker_lora_cache_total{{{group},result="hit"}}'] >= len(BAD) - 1, samples
+    assert samples[f'ltx_worker_lora_cache_total{{{group},result="hit"}}'] >= len(BAD) - 4 - 1, samples
     assert samples[f"ltx_worker_lora_swap_seconds_count{{{group}}}"] == 2, samples
     after = worker.idle()["fleet"]
     assert (after["pids"], after["builds"], after["rebuilds"]) == (before["pids"], before["builds"], before["rebuilds"])

@@ -85,6 +85,33 @@ def test_an_out_of_memory_render_is_retried_once_with_the_lower_memory_plan_on_t
     assert worker.metric(REBUILDS) == rebuilds and worker.health()["fleet"]["pids"] == pids
 
 
+def test_an_out_of_memory_retry_takes_a_strictly_lower_plan_and_the_lowest_is_not_retried(worker, tmp_path):
+    """Before, the retry re-ran `plan(low_memory=True)`: for a size whose first plan was already the lower-memory
+    one (the fast plan does not fit), that was the very plan that had just run out of memory. Now each retry
+    steps down (`RenderService.memory_plans`), and a job whose lowest plan ran out of memory fails at once."""
+    worker.idle()
+    pids = worker.health()["fleet"]["pids"]
+    record = tmp_path / "lowest.jsonl"
+    # 384x256x121 at 1.5 GiB: the fast plan does not fit, so the job's first plan is already the lowest
+    job = enqueue(worker.conn, worker.queue, {"prompt": f"t error=oom record={record}", "width": 384, "height": 256,
+                                              "num_frames": 121})  # fmt: skip
+    assert wait_state(job, {"failed", "uploaded"}, 60, worker.proc) == "failed"
+    meta = job.get_meta(refresh=True)
+    assert [a["reason"] for a in meta["attempts"]] == ["out_of_memory"], meta["attempts"]  # no second attempt
+    assert meta["error"]["retryable"] is False and "lowest-memory plan ran out of memory" in meta["error"]["message"]
+    assert [r["memory_plan"]["decode_chunked"] for r in read_records(record) if r["event"] == "start"] == [True]
+
+    record = tmp_path / "steps.jsonl"  # a size whose fast plan fits: one step down, then no more
+    job = worker.enqueue(f"t error=oom record={record}")
+    assert wait_state(job, {"failed", "uploaded"}, 90, worker.proc) == "failed"
+    meta = job.get_meta(refresh=True)
+    assert [a["reason"] for a in meta["attempts"]] == ["out_of_memory"] * 2, meta["attempts"]
+    plans = [r["memory_plan"] for r in read_records(record) if r["event"] == "start"]
+    assert [(p["decode_chunked"], p["release_between_stages"]) for p in plans] == [(False, False), (True, True)]
+    assert "not retried" in meta["error"]["message"] and meta["error"]["retryable"] is False, meta["error"]
+    assert worker.health()["fleet"]["pids"] == pids
+
+
 def _url(worker: Worker) -> str:
     kw = worker.conn.connection_pool.connection_kwargs
     return f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
@@ -100,7 +127,9 @@ def test_an_out_of_memory_error_in_a_driver_only_stage_is_an_out_of_memory_job(t
         assert wait_state(job, {"failed", "uploaded"}, 90, worker.proc) == "failed"
         meta = job.get_meta(refresh=True)
         assert meta["error"]["reason"] == "out_of_memory", meta["error"]
-        assert meta["error"]["message"] == "OutOfMemoryError: injected oom in the driver's mux", meta["error"]
+        assert meta["error"]["message"] == (
+            "OutOfMemoryError: injected oom in the driver's mux (the lowest-memory plan ran out of memory: not retried)"
+        ), meta["error"]
         assert [a["reason"] for a in meta["attempts"]] == ["out_of_memory"] * 2
         ok = worker.enqueue("t")
         assert wait_state(ok, {"failed", "uploaded"}, 60, worker.proc) == "uploaded"

@@ -360,3 +360,23 @@ def test_entries_that_are_no_jobs_do_not_stop_the_intermediate_cleanup(redis_cli
     rqcompat.clean_intermediate(worker, queue)
     assert redis_client.lrange(intermediate.key, 0, -1) == [] and lost == [stuck.id]
     assert redis_client.hget("rq:job:unreadable-1", "status") == b"failed"
+
+
+def test_a_retrying_job_cancelled_while_it_waits_keeps_no_error(redis_client) -> None:
+    """Regression: a job re-queued after a fleet failure (state `retrying`, meta `error` that attempt's) and
+    cancelled before a worker took it again kept `error.reason: fleet_failure, retryable: true` as if that
+    were why it ended. The cancel clears it; the failed attempt stays in meta `attempts`."""
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.protocol.control import CANCELLED, cancel_job
+
+    queue = Queue(f"retrying-{uuid.uuid4().hex[:6]}", connection=redis_client, serializer=JSONSerializer)
+    job = queue.enqueue("worker.job.render", {"prompt": "p"})
+    attempts = [{"attempt": 1, "outcome": "retrying", "reason": "fleet_failure", "message": "rank 1 exit -9"}]
+    job.meta.update(state="retrying", attempt=1, attempts=attempts,
+                    error={"reason": "fleet_failure", "message": "rank 1 exit -9", "retryable": True})  # fmt: skip
+    job.save_meta()
+    assert cancel_job(redis_client, job.id) == CANCELLED
+    meta = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).get_meta(refresh=True)
+    assert meta["state"] == "cancelled" and meta.get("error") is None and meta["attempts"] == attempts, meta

@@ -234,3 +234,33 @@ def test_settings_output_masks_every_secret_and_metrics_listen_on_loopback(monke
     worker = compose["services"]["worker"]
     assert worker["environment"]["LTX_METRICS_HOST"] == "0.0.0.0"
     assert all(str(p).startswith("127.0.0.1:") for p in worker["ports"])
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/abc",
+        "redis://127.0.0.1:6379/0/1",
+        "rediss://h:6380/db1",
+        "redis://h:port/0",
+        "unix:///tmp/r.sock?db=x",
+    ],
+)
+def test_a_redis_url_that_names_no_database_number_is_refused_by_worker_and_producer(monkeypatch, url):
+    """Regression: redis-py reads `redis://host:6379/abc` as DB 0 without a word, so a typo sent
+    the worker and the producer to another database. One check (`check_redis_url`) refuses it in both."""
+    from producer.settings import ProducerSettings
+
+    monkeypatch.setenv("LTX_REDIS_URL", url)
+    with pytest.raises(SettingsError, match=r"redis_url \(LTX_REDIS_URL\)"):
+        load_settings()
+    with pytest.raises(ValueError, match="redis_url"):
+        ProducerSettings()
+
+
+@pytest.mark.parametrize("url", ["redis://h", "redis://h:6379/", "redis://h:6379/15", "unix:///tmp/r.sock?db=2"])
+def test_redis_urls_with_a_database_number_or_none_are_accepted(monkeypatch, url):
+    from producer.settings import ProducerSettings
+
+    monkeypatch.setenv("LTX_REDIS_URL", url)
+    assert load_settings().redis_url == url and ProducerSettings().redis_url == url

@@ -114,6 +114,88 @@ def test_s3_check_reports_missing_bucket_or_creates_it(s3_server, unique_name):
     S3Storage(missing).check()  # exists now
 
 
+def test_s3_check_concurrent_creators_of_a_fresh_bucket_all_start(s3_server, unique_name):
+    """Regression: workers of two groups start together against a fresh SeaweedFS; the ones that
+    lost the CreateBucket race got BucketAlreadyOwnedByYou and exited 2. Each creator's first HeadBucket is
+    held at a barrier until all have seen "no bucket", so every one of them goes on to CreateBucket."""
+    n = 4
+    settings = WorkerSettings(**{**_settings(s3_server).model_dump(), "s3_bucket": f"race-{unique_name[-8:]}",
+                                 "s3_create_bucket": True})  # fmt: skip
+    barrier = threading.Barrier(n, timeout=30)
+    storages = [S3Storage(settings) for _ in range(n)]
+    for storage in storages:
+        real_head = storage.client.head_bucket
+        seen = {"first": True}
+
+        def head(*args, _real=real_head, _seen=seen, **kwargs):
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                if _seen.pop("first", False):
+                    barrier.wait()  # every creator has seen the bucket missing
+
+        storage.client.head_bucket = head
+    errors: list[BaseException] = []
+
+    def start(storage: S3Storage) -> None:
+        try:
+            storage.check()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in storages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    S3Storage(settings).check()
+
+
+@pytest.mark.parametrize("code", ["BucketAlreadyOwnedByYou", "BucketAlreadyExists"])
+def test_s3_create_bucket_already_there_is_checked_not_fatal(code):
+    """Unit: "already exists" from CreateBucket is success when a second HeadBucket answers, and a
+    configuration error (not retryable, one line) when the bucket is someone else's."""
+    from unittest import mock
+
+    from botocore.exceptions import ClientError
+
+    def error(c: str, status: int, op: str) -> ClientError:
+        return ClientError({"Error": {"Code": c, "Message": c}, "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+
+    settings = WorkerSettings(s3_endpoint_url="http://127.0.0.1:1", s3_bucket="videos", s3_create_bucket=True)
+    storage = S3Storage(settings)
+    storage.client = mock.Mock()
+    storage.client.head_bucket.side_effect = [error("404", 404, "HeadBucket"), {}]
+    storage.client.create_bucket.side_effect = error(code, 409, "CreateBucket")
+    storage.check()
+    assert storage.client.head_bucket.call_count == 2
+    storage.client.head_bucket.side_effect = [error("404", 404, "HeadBucket"), error("403", 403, "HeadBucket")]
+    with pytest.raises(StorageError, match="exists but this key cannot use it") as info:
+        storage.check()
+    assert not info.value.retryable
+    storage.client.head_bucket.side_effect = [error("404", 404, "HeadBucket")]
+    storage.client.create_bucket.side_effect = error("InvalidBucketName", 400, "CreateBucket")
+    with pytest.raises(StorageError, match="cannot create it") as info:
+        storage.check()
+    assert not info.value.retryable
+
+
+def test_s3_check_warns_when_urls_would_carry_the_workers_own_key(s3_server, caplog):
+    """The no-Docker recipe set no LTX_S3_PRESIGN_*: every URL stored in Redis carried the worker's
+    read/write key id, silently. The start-up check says so once; with a presign key it says nothing."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="worker.uploads.storage"):
+        S3Storage(_settings(s3_server)).check()
+    assert "LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE" in caplog.text and s3_server.access_key not in caplog.text
+    caplog.clear()
+    presign = {"s3_presign_access_key_id": "ro-key", "s3_presign_secret_access_key": "ro-secret"}
+    with caplog.at_level(logging.WARNING, logger="worker.uploads.storage"):
+        S3Storage(_settings(s3_server, **presign)).check()
+    assert "LTX_S3_PRESIGN" not in caplog.text
+
+
 def test_s3_check_says_a_wrong_key_is_wrong(s3_server):
     """Regression: HeadBucket's 403 has no body, so the worker's start-up check said only "Forbidden"."""
     wrong = WorkerSettings(**{**_settings(s3_server).model_dump(), "s3_secret_access_key": "not-the-key"})

@@ -107,3 +107,66 @@ def test_worker_sigkilled_mid_job_is_rerun_once_not_lost(pair, tmp_path):
     # the supervisor restarted the killed worker: two live fleets again, one of them new
     after = pair.ready()
     assert victim["pid"] not in {h["pid"] for h in after}
+
+
+@pytest.mark.timeout(420)  # (three cold worker starts on a loaded CI machine: about a minute each)
+def test_a_worker_that_never_gets_ready_backs_off_and_the_supervisor_says_so(tmp_path, redis_server, s3_server):
+    """A real `ltx-worker` supervisor over a worker whose fleet can never be built (its runner's setup raises):
+    each exit before readiness doubles the wait before the restart, however long the worker ran (a 6-minute
+    warm-up that failed was restarted after 1 s, for ever), and from the third such exit in a row the
+    supervisor logs a critical line naming the group and the exit code, sets `ltx_supervisor_crash_loop` and
+    answers `/readyz` 503 with the reason. Bounded: a 0.3 s base, capped at 0.6 s, three exits."""
+    import json
+    import re
+    import urllib.error
+    import urllib.request
+
+    from ltx_mgpu.ports import free_port
+
+    port = free_port()
+    w = launch_worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"], prefix="nr", log_name="sup.log",
+                      runner="broken", max_rebuild_failures=1, restart_backoff_s=0.3, restart_backoff_max_s=0.6,
+                      restart_alarm_after=3, supervisor_port=port)  # fmt: skip
+
+    def readyz() -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+        except OSError:
+            return 0, {}
+
+    def supervisor_lines() -> list[dict[str, Any]]:
+        out = []
+        for line in w.proc.log_tail(2_000_000).splitlines():
+            if line.startswith("{") and '"logger": "worker.runtime.supervisor"' in line:
+                out.append(json.loads(line))
+        return out
+
+    try:
+        wait_for(lambda: any(x["level"] == "CRITICAL" for x in supervisor_lines()), 360, "a critical crash-loop line",
+                 on_fail=w.proc.log_tail)  # fmt: skip
+        status, body = readyz()
+        assert status == 503 and body["ready"] is False, (status, body)
+        (group,) = body["groups"]
+        assert group["crash_loop"] is True and group["last_exit_code"] == 3 and group["never_ready_exits"] >= 3
+        assert "exited" in body["reason"] and "before it was ever ready (last exit code 3)" in body["reason"], body
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            metrics = reply.read().decode()
+        assert 'ltx_supervisor_crash_loop{group="cpu:1"} 1.0' in metrics, metrics
+        lines = supervisor_lines()
+        delays = [float(m.group(1)) for x in lines if (m := re.search(r"restarting in ([\d.]+)s", x["msg"]))]
+        assert delays[:3] == [0.3, 0.6, 0.6], delays  # doubling per never-ready exit, capped
+        critical = [x["msg"] for x in lines if x["level"] == "CRITICAL"]
+        assert all("group cpu:1" in m and "before it was ever ready (last exit code 3" in m for m in critical)
+        assert "exited 3 times in a row" in critical[0], critical
+        # the waits really happened: each restart came at least its back-off after the exit before it
+        exits = [x["ts"] for x in lines if "restarting in" in x["msg"]]
+        starts = [x["ts"] for x in lines if x["msg"].startswith("started worker")]
+        for exited, delay, started in zip(exits, delays, starts[1:], strict=False):
+            assert started - exited >= delay - 0.05, (exits, starts, delays)
+    finally:
+        rc = w.proc.stop(60)
+        w.conn.close()
+    assert rc == 0, w.proc.log_tail()

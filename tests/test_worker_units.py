@@ -210,6 +210,8 @@ if mode == "transient" and len(list(out.glob(f"start-{group}-*"))) <= 8:
     sys.exit(1)  # e.g. Redis refusing writes at registration: clears by itself after 8 starts
 if mode == "config":
     sys.exit(2)
+if mode == "ready-then-crash":  # ready (the supervisor's pipe), then dies: e.g. a rank crash much later
+    import os; os.write(int(os.environ["LTX_SUPERVISOR_READY_FD"]), b"1"); time.sleep(0.1); sys.exit(3)
 if mode == "clean":
     sys.exit(0)
 if mode == "exit-once" and not out.joinpath(f"exited-{group}").exists():
@@ -293,7 +295,7 @@ def test_supervisor_never_gives_up_on_a_worker_that_keeps_dying_young(tmp_path):
     then the supervisor gave up (exit 4) and the service stayed down after Redis had memory again. Now
     the back-off grows (to its cap) past any number of quick exits, and the worker runs once the cause
     clears."""
-    sup = Supervisor(["a"], _command(tmp_path, "transient"), backoff_s=0.02, backoff_max_s=0.3, max_quick_exits=3,
+    sup = Supervisor(["a"], _command(tmp_path, "transient"), backoff_s=0.02, backoff_max_s=0.3, alarm_after=3,
                      poll_s=0.01)  # fmt: skip
     _sigterm_after_starts(tmp_path, 9, settle_s=0.5)
     assert sup.run() == 0
@@ -304,9 +306,23 @@ def test_supervisor_never_gives_up_on_a_worker_that_keeps_dying_young(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_that_was_ready_resets_the_back_off(tmp_path):
+    """Only exits before readiness grow the back-off: a worker that said ready (then died) restarts after the
+    base wait each time, and the supervisor never calls it a crash loop."""
+    sup = Supervisor(["a"], _command(tmp_path, "ready-then-crash"), backoff_s=0.05, backoff_max_s=5, alarm_after=2,
+                     poll_s=0.01)  # fmt: skip
+    _sigterm_after_starts(tmp_path, 5, settle_s=0.05)
+    assert sup.run() == 0
+    child = sup.children[0]
+    assert child.restarts >= 4 and set(child.exit_codes) == {3}
+    assert set(child.delays) == {0.05} and child.never_ready_exits == 0  # never grew
+    assert sup.metrics.crash_loop.labels("a")._value.get() == 0
+
+
+@pytest.mark.timeout(60)
 def test_supervisor_restarts_unasked_clean_exits_and_never_gives_up_on_them(tmp_path):
     """Five RQ `shutdown` PUBLISHes (each worker exits 0) made the supervisor give up."""
-    sup = Supervisor(["a"], _command(tmp_path, "clean"), backoff_s=0.01, backoff_max_s=0.05, max_quick_exits=3,
+    sup = Supervisor(["a"], _command(tmp_path, "clean"), backoff_s=0.01, backoff_max_s=0.05, alarm_after=3,
                      poll_s=0.02)  # fmt: skip
     _sigterm_after_starts(tmp_path, 8, settle_s=0)
     assert sup.run() == 0

@@ -102,7 +102,10 @@ def main(
     settings = _load(settings_file, groups, queues, **flags)
     setup_logging(settings.log_level, settings.log_format, group="supervisor")
     env = _child_env(settings, settings_file)
-    supervisor = Supervisor(settings.groups, child_command, env=env, kill_after_s=kill_after)
+    supervisor = Supervisor(settings.groups, child_command, env=env, kill_after_s=kill_after,
+                            backoff_s=settings.restart_backoff_s, backoff_max_s=settings.restart_backoff_max_s,
+                            alarm_after=settings.restart_alarm_after, port=settings.supervisor_port,
+                            host=settings.metrics_host)  # fmt: skip
     sys.exit(supervisor.run())
 
 

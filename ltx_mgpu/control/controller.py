@@ -19,6 +19,9 @@ Contract (written once here; docs/controller.md links to it):
   `start()` may be called again afterwards.
 - `add_failure_callback(fn)`: `fn(failure)` runs once per poisoned fleet, on the thread that noticed it
   (usually the monitor, so also while the fleet is idle), e.g. to rebuild at once instead of at the next job.
+- `deterministic` ("auto", "on", "strict", "off", a bool; None reads `LTX_DETERMINISTIC`): the switches every
+  rank sets before its first CUDA work (`determinism.py`: same kwargs, layout and software, same frames);
+  `controller.deterministic` is the running fleet's resolved mode.
 
 Over 450 lines on purpose: the caller's whole side (start, dispatch, the monitor, result collection and
 error classification) works under one lock on one fleet handle; split, the one-job invariant would be
@@ -45,6 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from ..oslimits import raise_open_files_limit
+from . import determinism
 from .devices import choose_backend, normalize_devices
 from .errors import (
     AsymmetricRunnerError,
@@ -163,6 +167,7 @@ class MGPUController:
         allow_shared_devices: bool = False,
         backend: str | None = None,
         error_settle_s: float = 30.0,
+        deterministic: str | bool | None = None,
     ) -> None:
         if num_gpus is not None and devices is not None:
             raise ValueError("Pass either num_gpus or devices, not both.")
@@ -179,6 +184,9 @@ class MGPUController:
         # Once a rank ended a job with an error, the others get this long to end it too; after that they
         # are taken to be blocked in a collective the raising ranks left, and the fleet is poisoned.
         self._error_settle_s = float(error_settle_s)
+        if deterministic is not None:
+            determinism.resolve(deterministic, ["cpu"])  # (a bad value fails here, not in the ranks)
+        self._deterministic = deterministic
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()  # guards the in-flight check-and-set and the lifecycle fields
         self._next_job_id = 0  # monotonic over the controller's life (desync detection)
@@ -192,6 +200,7 @@ class MGPUController:
         self.world_size = 0
         self.devices: list[str] = []
         self.backend = ""
+        self.deterministic = "off"  #: the running fleet's deterministic mode ("on", "strict", "off"; `determinism`)
         self.startup: FleetStartup | None = None  #: what the last successful `start()` took, per rank
 
     # ==== lifecycle =================================================================================
@@ -227,6 +236,7 @@ class MGPUController:
             self.devices = devices
             self.world_size = len(devices)
             self.backend = self._backend_override or choose_backend(devices)
+            self.deterministic = determinism.resolve(self._deterministic, devices)
             if self.backend == "nccl" and len(set(devices)) != len(devices):
                 raise ValueError("NCCL needs one distinct GPU per rank; use backend='gloo' to share GPUs")
             self._fatal = None
@@ -255,6 +265,7 @@ class MGPUController:
                         setup_kwargs,
                         channels.for_rank(rank),
                         scratch_dir,
+                        self.deterministic,
                     )
                     proc = self._ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
                     procs.append(proc)  # (before start: a start interrupted half-way may have made the child)

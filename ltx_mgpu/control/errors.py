@@ -32,6 +32,7 @@ __all__ = [
     "RequestRuleError",
     "RunnerError",
     "SymmetricRunnerError",
+    "value_error_terminal",
 ]
 
 
@@ -56,6 +57,12 @@ class RequestRefused(RunnerError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:  # type: ignore[override]
         return (type(self), (self.message, self.field))
+
+
+def value_error_terminal(err: ValueError, text: str) -> RunnerError:
+    """What a rank reports for a `ValueError` that ended its job: the request rules' refusal
+    (`RequestRuleError`) as `RequestRefused` (the client's request), any other as a `RunnerError`."""
+    return RequestRefused(text, err.field) if isinstance(err, RequestRuleError) else RunnerError(text)
 
 
 class RenderFault(RunnerError):

@@ -2,8 +2,8 @@
 beyond running one generator per announced job; classification lives in `controller.py`.
 
 Rank lifecycle (every rank, SPMD):
-  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep
-     NVLink multicast off (`devices.MULTICAST_OFF_ENV`) unless the environment says otherwise;
+  1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep NVLink
+     multicast off (`devices.MULTICAST_OFF_ENV`) unless set, set the mode's switches (`determinism.apply`);
   2. bind the device (`set_device(devices[rank])`), instantiate the runner (its `__init__` is a pre-init hook);
   3. join the process group through the controller's TCPStore; create the component groups;
   4. `runner.setup(**setup_kwargs)`, then report ready with its start timestamps (`startup.RankStartup`);
@@ -51,8 +51,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import determinism
 from .devices import MULTICAST_OFF_ENV
-from .errors import RenderFault, RenderOutOfMemory, RequestRefused, RequestRuleError, RunnerError
+from .errors import RenderFault, RenderOutOfMemory, RunnerError, value_error_terminal
 from .jobboard import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
@@ -88,12 +89,9 @@ class FleetChannels:
     def create(cls, ctx: Any, devices: list[str]) -> FleetChannels:
         """The channels for a fleet on `devices`; `tensors` only where that path is used (CPU, rank > 0)."""
         world = len(devices)
-        return cls(
-            jobs=Channel(ctx),
-            up=[Channel(ctx) for _ in range(world)],
-            failures=[Channel(ctx) for _ in range(world)],
-            tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {},
-        )
+        return cls(jobs=Channel(ctx), up=[Channel(ctx) for _ in range(world)],
+                   failures=[Channel(ctx) for _ in range(world)],
+                   tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {})  # fmt: skip
 
     def for_rank(self, rank: int) -> RankChannels:
         jobs = self.jobs if rank == DRIVER_RANK else None
@@ -117,6 +115,7 @@ class RankBoot:
     setup_kwargs: dict[str, Any]
     channels: RankChannels
     scratch_dir: str  #: the fleet's temporary directory, owned (and removed) by the controller
+    deterministic: str = "off"  #: the fleet's resolved mode (`determinism.resolve`): "on", "strict" or "off"
 
 
 def ship_runner(runner_cls: type[MGPURunner]) -> bytes:
@@ -158,6 +157,7 @@ def rank_main(boot: RankBoot) -> None:
     tempfile.tempdir = boot.scratch_dir
     _start_parent_watchdog(boot.scratch_dir)
     try:
+        determinism.apply(boot.deterministic)  # before cuBLAS, cuDNN or a communicator exists here
         _run_rank(boot, booted_at)
     except BaseException:
         tb = traceback.format_exc()
@@ -218,7 +218,9 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
         setup_began_at = time.time()
         runner.setup(**boot.setup_kwargs)
-        stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner))
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None  # (offered: a plan's capacity)
+        stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner),
+                            None if free is None else free + torch.cuda.memory_reserved(device))  # fmt: skip
         boot.channels.up.put(Result(kind=MessageKind.READY, job_id=-1, rank=boot.rank, value=stamp))
         _job_loop(boot, runner, store, device)
     finally:
@@ -386,10 +388,8 @@ def _job_error(err: BaseException, rank: int, job_id: int) -> RunnerError:
     traceback's frames are cleared so the tensors they hold can be freed."""
     if isinstance(err, RunnerError):
         error: RunnerError = err
-    elif isinstance(err, RequestRuleError):  # the request rules refused it: the client's request, not the runner
-        error = RequestRefused(_text(err), err.field)
-    elif isinstance(err, ValueError):
-        error = RunnerError(_text(err))
+    elif isinstance(err, ValueError):  # (the request rules' refusal travels as `RequestRefused`)
+        error = value_error_terminal(err, _text(err))
     else:
         try:
             tb = "".join(traceback.format_exception(err))

@@ -35,6 +35,9 @@ class RankStartup:
     #: a cold start's cost is spread over model build, weights, decoders and the text encoder, and only
     #: the slowest rank's split says which part to speed up
     setup_phases_s: dict[str, float] = field(default_factory=dict)
+    #: what the rank's device offers it once `setup()` returned (free + its allocator's reservation; CUDA
+    #: ranks only): the capacity a memory plan checks requests against, known before any job or warm-up runs
+    device_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ class FleetStartup:
     @property
     def ready_at(self) -> float:
         return max(r.ready_at for r in self.ranks)
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        """The least any rank's device offers it after setup (None: no rank measured, e.g. CPU ranks)."""
+        measured = [r.device_memory_bytes for r in self.ranks if r.device_memory_bytes is not None]
+        return min(measured) if measured else None
 
     @property
     def process_start_s(self) -> float:

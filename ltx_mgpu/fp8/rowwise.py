@@ -14,8 +14,10 @@ near the subnormal range (below 2**-6 of the scale) lose a bit.
 `e = E - 135 + (f > 0.75)`, clamped to [-126, 126] so that both `2**e` and `2**-e` are normal fp32 numbers.
 A row of zeros gets e = 0.
 
-Weights: per output channel, scale `amax / 448` (computed once at load, by torch on the load device, so no
-kernel disagreement arises), `q = e4m3(clamp(w / scale))`.
+Weights: per output channel, scale `amax / 448`, `q = e4m3(clamp(w / scale))`, both as IEEE (correctly
+rounded) fp32 divisions, so that the LoRA fusion kernel (`triton_lora`, `div_rn`) makes the same bits. The 448
+is a tensor, not a Python number: on CUDA, torch turns `tensor / python_scalar` (or a 0-dim CPU tensor) into a
+multiplication by the fp32 reciprocal, which is off by one ulp for some amax; on the CPU both are exact.
 
 The fused Triton kernels (`triton_rows`) implement the same arithmetic; `quantize_rows` picks them on CUDA
 when Triton imports and falls back to the eager code everywhere else.
@@ -100,6 +102,6 @@ def quantize_weight_(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     IEEE operations, so the same bits, without two full-size fp32 temporaries (a LoRA swap re-quantizes
     every fused weight)."""
     amax = wf.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))  # (see top)
     q = wf.div_(scale[:, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale

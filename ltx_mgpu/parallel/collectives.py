@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_tokens", "broadcast_tensor", "collective_device", "needs_host_staging"]
+__all__ = ["all_gather_tokens", "broadcast_tensor", "collective_device", "needs_host_staging", "ordered_sum"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -49,3 +49,24 @@ def broadcast_tensor(x: torch.Tensor, src: int, group: dist.ProcessGroup | None)
     tmp = buf.cpu() if staged else buf.clone()
     dist.broadcast(tmp, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
     return tmp.to(x.device) if staged else tmp
+
+
+def ordered_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of every rank's `x` (same shape and dtype everywhere), added in rank order ((x0 + x1) + x2 ...)
+    on every rank: the bits depend only on the inputs and the world size, never on the library's reduction
+    algorithm (NCCL picks ring or tree by size and topology; a version or `NCCL_ALGO` can change it). One
+    all-gather of `world` copies: what deterministic renders use in place of an all-reduce."""
+    w = dist.get_world_size(group)
+    if w == 1:
+        return x
+    src = x.contiguous().reshape(-1)
+    staged = needs_host_staging(group, src.device)
+    inp = src.cpu() if staged else src
+    out = torch.empty((w * inp.numel(),), dtype=inp.dtype, device=inp.device)
+    _all_gather_single(out, inp, group=group)
+    parts = out.view(w, -1)
+    total = parts[0].clone()
+    for r in range(1, w):
+        total += parts[r]
+    total = total.view(x.shape)
+    return total.to(x.device) if staged else total

@@ -24,7 +24,9 @@ Contract (per forward, every rank of `group`, same order):
    at every token: `blend_weights` proves it), conditioning outputs by 1 / (number of tiles keeping that
    token); a float32 accumulator is all-reduced once (audio rides in the same buffer). At 768x512x121 the
    stage-2 latent is 6,144 tokens x 128 channels: 3 MB in float32, a few microseconds over NVLink, so the
-   exact float32 sum is kept.
+   exact float32 sum is kept. Under deterministic algorithms (`ltx_mgpu.control.determinism`) the buffers
+   are all-gathered and added in rank order instead (`collectives.ordered_sum`): the same bits whatever
+   reduction algorithm the communication library picks.
 5. Per job, not per step: what a tile needs besides its latent (token indices, blend weights, positions,
    attention mask, and through `hoist.ForwardHoister` its RoPE tables and mask bias) is made on the first
    step and reused while the inputs are the same tensors, so a later step makes no host sync and no
@@ -45,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import needs_host_staging
+from .collectives import needs_host_staging, ordered_sum
 from .hoist import ForwardHoister
 from .tiling import BalancedTiling, TdpTile, TileCountConfig, Tiling, build_tiles
 
@@ -217,6 +219,8 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
     def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return flat
+        if torch.are_deterministic_algorithms_enabled():
+            return ordered_sum(flat, self.group)
         staged = needs_host_staging(self.group, flat.device)
         buf = flat.cpu() if staged else flat
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)

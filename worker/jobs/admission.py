@@ -14,9 +14,10 @@ a job is admitted unless
   client that is also the id's tenant prefix: a tenant cannot spend another's quota) already has `quota` admitted
   jobs before it (`quota_exceeded`), or
 - `max_queue_depth` waiting jobs are already admitted before it (`queue_full`: the newest plain enqueues).
-Running jobs are always admitted (they count, they are never stopped). A job whose hash is gone or ended
-counts for nothing; a job with a malformed owner counts for nobody's quota (it is refused as
-`invalid_request` when taken: `worker.protocol.renderjob`).
+Running jobs are always admitted (they count, they are never stopped). An entry that is not a waiting job
+(no hash, an ended job, a repeat: `worker.protocol.queuedepth`, the rule the producer counts by too) counts
+for nothing, so junk pushed onto a shared queue cannot end a job behind it; a job with a malformed owner
+counts for nobody's quota (it is refused as `invalid_request` when taken: `worker.protocol.renderjob`).
 
 **Producer-admitted jobs never trip it.** The producer admits a job only while fewer than `max_queue_depth`
 jobs wait and fewer than `quota` jobs of its client are unfinished, in one transaction; so at every instant
@@ -30,18 +31,20 @@ flood already waiting when the worker looks renders exactly `max_queue_depth` jo
 client, exactly `quota` (counting its running ones); a flood that arrives while the worker is idle renders
 at most one more (the job it was blocked waiting for is taken at once, as the producer would admit it into
 an empty queue). A client whose jobs arrive as earlier ones finish is never refused (nor would the producer
-refuse it). Owners are read for the first `QUOTA_WINDOW` waiting jobs only: the quota is exact within
-them, and jobs further back are judged once they move up.
+refuse it). Statuses and owners are read for the first `QUOTA_WINDOW` entries only: both rules are exact
+within them; entries further back count for nothing and are trimmed only once the cap's worth of jobs is
+found ahead of them (otherwise they are judged once they move up).
 
 **Nothing is lost.** Refused jobs leave their queue in the same transaction that moves them onto the
 `worker.protocol.keys.REFUSALS_KEY` list; from there they are recorded (meta error, a `failed` state event, RQ's
 failed registry and a failure result, `ltx_worker_jobs{outcome="failed",reason}`) in batches by one worker
 at a time, idempotently: a worker killed in between leaves them for the next pass, never queued again.
 
-**Cost** (measured in `bench/admission.py`): with the quota on, a pass reads the first `QUOTA_WINDOW` waiting
-ids and each one's status in one pipelined round trip (with a depth cap, a queue holds no more than the cap
-once trimmed, so that is the cap's worth in steady state); metas are read once per job (owners cached).
-Without the quota, a pass is one round trip of LLENs. A depth trim removes its excess in one transaction
+**Cost** (measured in `bench/admission.py`): a pass reads the first `QUOTA_WINDOW` waiting ids and each
+one's status in one pipelined round trip (with a depth cap, a queue holds no more than the cap once
+trimmed, so that is the cap's worth in steady state); with the quota on, metas are read once per job
+(owners cached). Without the quota, a pass over queues holding no more than the cap is one round trip
+of LLENs. A depth trim removes its excess in one transaction
 of at most `_TRIM_RECORDED` ids past the window (the newest; a bigger excess leaves over the next passes,
 one before each dequeue, so a job taken in between waits for one pass, not for the whole excess). Refusals
 of ids without a hash are recorded with one pipelined status read per batch. Nothing here is O(queue
@@ -67,14 +70,15 @@ from rq.serializers import JSONSerializer
 from worker.jobs.admissionrule import STALE, Owner, Refusal, Waiting, plan
 from worker.jobs.outcomes import JobOutcomes
 from worker.protocol import rqcompat
-from worker.protocol.keys import REFUSALS_KEY, RQ_ENDED_STATUSES, job_owner, job_tenant
+from worker.protocol.keys import REFUSALS_KEY, job_owner, job_tenant
+from worker.protocol.queuedepth import DEPTH_WINDOW, counts_as_waiting
 from worker.protocol.states import FailureReason, JobState
 
 __all__ = ["QUOTA_WINDOW", "Admission"]
 
 log = logging.getLogger("worker.jobs.admission")
 
-QUOTA_WINDOW = 1000  #: waiting jobs (from the heads of the queues) whose owners a pass reads
+QUOTA_WINDOW = DEPTH_WINDOW  #: queue entries (from the heads of the queues) whose status and owner a pass reads
 _WATCH_ATTEMPTS = 20  # a pass that keeps racing with enqueues/dequeues is skipped (the next one retries)
 _DRAIN_BATCH = 200  # refusals recorded per round trip of the drain
 _DRAIN_AFTER_TAKE = 1000  # refusals recorded before a taken job starts (the rest: before the next dequeue)
@@ -147,8 +151,11 @@ class Admission:
                 try:
                     pipe.watch(*keys, *started)
                     lengths = [int(pipe.llen(k)) for k in keys]
+                    if self.quota is None and sum(lengths) <= (self.depth_cap or 0):
+                        pipe.reset()  # (no more entries than the cap: none can be past it)
+                        return True
                     windows: list[list[str]] = []
-                    budget = QUOTA_WINDOW if self.quota is not None else 0
+                    budget = QUOTA_WINDOW
                     for key, length in zip(keys, lengths, strict=True):
                         n = min(length, budget)
                         windows.append([i.decode() for i in pipe.lrange(key, 0, n - 1)] if n else [])
@@ -159,7 +166,8 @@ class Admission:
                             job_id = rqcompat.started_member_job_id(member)
                             if job_id != taken_id and job_id not in running:
                                 running.append(job_id)
-                    owners = self._owners_of([*running, *(i for w in windows for i in w)])
+                    owners = self._owners_of([*running, *(i for w in windows for i in w)],
+                                             read_owners=self.quota is not None)  # fmt: skip
                     taken_arg = None
                     if taken is not None:
                         owner = _owner_of_meta(taken[0].meta, taken_id if self.tenant_ids else None)
@@ -168,33 +176,47 @@ class Admission:
                                    [Waiting(q.name, n, [(i, owners[i]) for i in w])
                                     for q, n, w in zip(self.queues, lengths, windows, strict=True)],
                                    depth_cap=self.depth_cap, quota=self.quota, running_ids=running)  # fmt: skip
-                    trimmed: list[Refusal] = []
-                    ends: list[int] = []  # per queue: keep [0, end) of the list (the window's refusals: LREM)
-                    for q, key, n, w, cut in zip(self.queues, keys, lengths, windows, decided.cuts, strict=True):
-                        start = max(cut, len(w))
-                        end = max(start, n - _TRIM_RECORDED) if start < n else min(cut, n)
-                        if start < n:  # ids past the window that the cut trims: the newest _TRIM_RECORDED now
-                            extra = pipe.lrange(key, end, -1)
+                    # Per queue, everything from the cut on leaves, the newest _TRIM_RECORDED per pass (the
+                    # rest in the next passes, one before each dequeue): LTRIM keeps [0, end). Refused are the
+                    # jobs in [end, n) as the plan labels them (in the window; junk there leaves unrecorded)
+                    # and every id past the window (unknown; the drain skips those with no hash), and the
+                    # window's quota refusals before the cut (LREM).
+                    refusals: list[Refusal] = []
+                    ends: list[int] = []
+                    removes: list[list[str]] = []  # per queue: LREM these
+                    for q, key, n, w, cut, refused in zip(self.queues, keys, lengths, windows, decided.cuts,
+                                                          decided.refused, strict=True):  # fmt: skip
+                        end = max(cut, n - _TRIM_RECORDED) if cut < n else n
+                        position = {job_id: pos for pos, job_id in reversed(list(enumerate(w)))}
+                        for r in refused:
+                            if r.reason is FailureReason.QUOTA_EXCEEDED:
+                                refusals.append(r)
+                            elif position.get(r.job_id, n) >= end:
+                                refusals.append(r)  # (trimmed now; those before `end`: a later pass)
+                        removes.append([r.job_id for r in refused if r.reason is FailureReason.QUOTA_EXCEEDED])
+                        if max(end, len(w)) < n:  # ids past the window that leave now
+                            extra = pipe.lrange(key, max(end, len(w)), -1)
                             details = {"depth": sum(lengths), "cap": self.depth_cap}
-                            trimmed += [Refusal(i.decode(), q.name, FailureReason.QUEUE_FULL, details) for i in extra]
+                            refusals += [Refusal(i.decode(), q.name, FailureReason.QUEUE_FULL, details) for i in extra]
                         ends.append(end)
-                    refusals = [r for rs in decided.refused for r in rs] + trimmed
-                    if decided.taken is None and not refusals:
+                    trims = any(e < n for e, n in zip(ends, lengths, strict=True))
+                    if decided.taken is None and not refusals and not trims:
                         pipe.reset()
                         return True
                     pipe.multi()
-                    for key, n, end, refused in zip(keys, lengths, ends, decided.refused, strict=True):
+                    for key, n, end, remove in zip(keys, lengths, ends, removes, strict=True):
                         if end < n:
                             if end > 0:
                                 pipe.ltrim(key, 0, end - 1)
                             else:
                                 pipe.delete(key)
-                        for r in refused:
-                            pipe.lrem(key, 1, r.job_id)  # (a no-op for those the trim removed)
+                        for job_id in remove:
+                            pipe.lrem(key, 1, job_id)
                     if decided.taken is not None:
                         pipe.lrem(taken[1].intermediate_queue_key, 1, taken_id)
                         refusals.insert(0, decided.taken)
-                    pipe.rpush(REFUSALS_KEY, *(r.to_json() for r in refusals))
+                    if refusals:
+                        pipe.rpush(REFUSALS_KEY, *(r.to_json() for r in refusals))
                     pipe.execute()
                 except redis.WatchError:
                     continue
@@ -207,25 +229,29 @@ class Admission:
         log.warning("admission pass skipped: the queues kept changing under it (the next dequeue retries)")
         return True
 
-    def _owners_of(self, ids: Sequence[str]) -> dict[str, Owner]:
-        """Owner (or STALE) of each job: status and meta length of all in one round trip, metas only of
-        jobs not seen before (and within the meta limit: a bigger one is refused when taken)."""
+    def _owners_of(self, ids: Sequence[str], *, read_owners: bool = True) -> dict[str, Owner]:
+        """Owner (or STALE: not a waiting job, `worker.protocol.queuedepth.counts_as_waiting`) of each job:
+        status and meta length of all in one round trip, metas only of jobs not seen before (and within the
+        meta limit: a bigger one is refused when taken). Without `read_owners` (no quota to count) only the
+        statuses are read and a waiting job's owner is None."""
         conn = self.connection
         unique = list(dict.fromkeys(ids))
         pipe = conn.pipeline(transaction=False)
         for job_id in unique:
             key = self.job_class.key_for(job_id)
             pipe.hget(key, "status")
-            if job_id not in self._owners:
+            if read_owners and job_id not in self._owners:
                 pipe.hstrlen(key, "meta")
         replies = iter(pipe.execute())
         out: dict[str, Owner] = {}
         fetch: list[str] = []
         for job_id in unique:
             status = next(replies)
-            meta_len = int(next(replies) or 0) if job_id not in self._owners else 0
-            if status is None or status.decode() in RQ_ENDED_STATUSES:
+            meta_len = int(next(replies) or 0) if read_owners and job_id not in self._owners else 0
+            if not counts_as_waiting(status):
                 out[job_id] = STALE
+            elif not read_owners:
+                out[job_id] = None
             elif job_id in self._owners:
                 out[job_id] = self._owners[job_id]
             elif meta_len > self.max_meta_bytes:

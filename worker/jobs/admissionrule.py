@@ -73,8 +73,10 @@ def plan(
     running_ids: Collection[str] = (),
 ) -> Plan:
     """Walk the unfinished jobs in serving order (running, the taken job `(id, queue, owner)`, the waiting
-    ones) and refuse what the rule (`worker.jobs.admission`'s docstring) refuses. Positions past a queue's
-    window have unknown owners: they count against the depth cap only.
+    ones) and refuse what the rule (`worker.jobs.admission`'s docstring) refuses. A STALE entry (not a
+    job: no hash, ended, a repeat; `worker.protocol.queuedepth`) counts for nothing. Positions past a
+    queue's window are unknown: they count for nothing, and are trimmed only when `depth_cap` jobs are
+    admitted ahead of them.
 
     An id seen before in that order (`running_ids`, the taken job, an earlier entry) counts for nothing, as
     an ended job does: it is the same job queued twice (a tenant cannot take a cancelled job out of the
@@ -116,12 +118,11 @@ def plan(
             if owner is not None:
                 counts[owner] = n + 1
         else:
-            beyond = q.length - len(window)
-            if depth_cap is not None and beyond > 0:
-                room = max(0, depth_cap - admitted)
-                if beyond > room:
-                    cut = len(window) + room
-                admitted += min(beyond, room)
+            # Past the window nothing is known: those entries count for nothing (junk there must not end a
+            # job behind it) and are trimmed only when the cap's worth of jobs is already admitted ahead of
+            # them. Otherwise they are judged once they move into the window (the dequeue drops junk).
+            if depth_cap is not None and q.length > len(window) and admitted >= depth_cap:
+                cut = len(window)
         if cut < q.length:  # everything from the cut on is trimmed: label what the window knows
             done = {r.job_id for r in refused}
             for job_id, owner in window[cut:]:

@@ -18,9 +18,10 @@ job goes back only onto its own queue and no tenant's id onto a shared one: tena
 hashes, and a hash must not get onto a queue its tenant cannot push to.
 
 The search is a SCAN over the job hashes, pipelined: it runs only after a lost wait, which is rare. A lost
-wait takes one id, so at most `MAX_PER_QUEUE` jobs of a queue (the newest) are queued again per sweep: a
-client that writes `queued` hashes it never pushes costs a sweep about a second per 50,000 of them, not the
-minute that queuing them all again took.
+wait takes one id, so at most `MAX_PER_QUEUE` jobs of a queue (the newest) are queued again per sweep. One
+sweep scans at most `SWEEP_MAX_KEYS` keys and `SWEEP_MAX_S` seconds, then returns with the SCAN cursor kept:
+the next dequeue's sweep continues from it (a tenant's 200,000 hashes took one sweep 22 s before this bound;
+now they spread over dequeues of a fraction of a second each, and the worker keeps taking jobs meanwhile).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ from rq.utils import utcparse
 from worker.jobs.admissionrule import Refusal
 from worker.protocol.keys import REFUSALS_KEY, job_tenant, queue_tenant
 
-__all__ = ["CONFIRM_S", "ENQUEUE_SLACK_S", "MAX_PER_QUEUE", "LostPops", "Orphan", "find_orphans", "requeue_orphan"]
+__all__ = [
+    "CONFIRM_S", "ENQUEUE_SLACK_S", "MAX_PER_QUEUE", "SWEEP_MAX_KEYS", "SWEEP_MAX_S", "LostPops", "Orphan",
+    "find_orphans", "requeue_orphan", "scan_orphans",
+]  # fmt: skip
 
 log = logging.getLogger("worker.jobs.lostpops")
 
@@ -50,6 +54,8 @@ ENQUEUE_SLACK_S = 300.0  #: how much earlier than the lost BLPOP a job may say i
 MAX_PER_QUEUE = 16
 CONFIRM_S = 5.0  #: a job is queued again only if it is still in no list this much later (a loaded host
 #: can pause a worker between its BLPOP and its intermediate list for seconds)
+SWEEP_MAX_KEYS = 20_000  #: keys one sweep scans at most (about 0.3 s on the CPU VM); the next one continues
+SWEEP_MAX_S = 1.0  #: seconds one sweep scans at most
 _JOB_KEY_PREFIX = Job.redis_job_namespace_prefix.encode()
 _SCAN_BATCH = 500
 _WATCH_TRIES = 32
@@ -126,30 +132,31 @@ def _listed(connection: Any, origins: set[str]) -> set[bytes]:
 def find_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: float,
                  tenants: Sequence[str] = ()) -> list[Orphan]:  # fmt: skip
     """`queued` jobs of `queue_names` enqueued at or after `enqueued_after` (Unix time) that are in no list
-    and `may_requeue` allows back onto their queue: the newest `MAX_PER_QUEUE` of each queue."""
+    and `may_requeue` allows back onto their queue: the newest `MAX_PER_QUEUE` of each queue (a whole scan)."""
+    found, cursor = scan_orphans(connection, queue_names, enqueued_after, tenants, max_keys=None, max_s=None)
+    assert cursor == 0
+    return found
+
+
+def scan_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: float, tenants: Sequence[str] = (),
+                 *, cursor: int = 0, max_keys: int | None = SWEEP_MAX_KEYS,
+                 max_s: float | None = SWEEP_MAX_S) -> tuple[list[Orphan], int]:  # fmt: skip
+    """`find_orphans` over one slice of the SCAN from `cursor`, ending after `max_keys` keys or `max_s` seconds
+    (None: no bound): (what the slice found, the cursor to continue from; 0 when the scan is complete)."""
     names = set(queue_names)
     found: list[tuple[float, Orphan]] = []
-    for batch in _batched(connection.scan_iter(match=_JOB_KEY_PREFIX + b"*", count=1000), _SCAN_BATCH):
-        pipe = connection.pipeline(transaction=False)
-        for key in batch:
-            pipe.hmget(key, "status", "origin", "enqueued_at", "created_at")
-        for key, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(reply, Exception):
-                continue  # (not a hash: `rq:job:<id>:dependents` is a set)
-            status, origin, enqueued, created = reply
-            if status != b"queued" or origin is None:
-                continue
-            enqueued_at = _timestamp(enqueued)
-            if enqueued_at is None or enqueued_at < enqueued_after:
-                continue
-            try:
-                job_id, queue = key[len(_JOB_KEY_PREFIX) :].decode(), origin.decode()
-            except UnicodeDecodeError:
-                continue
-            if queue in names and may_requeue(job_id, queue, tenants):
-                found.append((enqueued_at, Orphan(job_id, queue, created)))
+    scanned, t0 = 0, time.monotonic()
+    while True:
+        cursor, keys = connection.scan(cursor, match=_JOB_KEY_PREFIX + b"*", count=1000)
+        scanned += len(keys)
+        for batch in _batched(keys, _SCAN_BATCH):
+            found.extend(_queued_in(connection, batch, names, enqueued_after, tenants))
+        if cursor == 0:
+            break
+        if (max_keys is not None and scanned >= max_keys) or (max_s is not None and time.monotonic() - t0 >= max_s):
+            break
     if not found:
-        return []
+        return [], int(cursor)
     listed = _listed(connection, {o.origin for _, o in found})
     per_queue: dict[str, list[Orphan]] = {}
     for _, orphan in sorted(found, key=lambda pair: pair[0], reverse=True):  # (newest first)
@@ -160,7 +167,31 @@ def find_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: fl
             log.warning("%d queued jobs of queue %s are in no list; only the newest %d are queued again (a lost "
                         "wait takes one id: the rest were written by hand)", len(orphans), queue,
                         MAX_PER_QUEUE)  # fmt: skip
-    return [o for orphans in per_queue.values() for o in orphans[:MAX_PER_QUEUE]]
+    return [o for orphans in per_queue.values() for o in orphans[:MAX_PER_QUEUE]], int(cursor)
+
+
+def _queued_in(connection: Any, batch: list[bytes], names: set[str], enqueued_after: float,
+               tenants: Sequence[str]) -> list[tuple[float, Orphan]]:  # fmt: skip
+    pipe = connection.pipeline(transaction=False)
+    for key in batch:
+        pipe.hmget(key, "status", "origin", "enqueued_at", "created_at")
+    out = []
+    for key, reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(reply, Exception):
+            continue  # (not a hash: `rq:job:<id>:dependents` is a set)
+        status, origin, enqueued, created = reply
+        if status != b"queued" or origin is None:
+            continue
+        enqueued_at = _timestamp(enqueued)
+        if enqueued_at is None or enqueued_at < enqueued_after:
+            continue
+        try:
+            job_id, queue = key[len(_JOB_KEY_PREFIX) :].decode(), origin.decode()
+        except UnicodeDecodeError:
+            continue
+        if queue in names and may_requeue(job_id, queue, tenants):
+            out.append((enqueued_at, Orphan(job_id, queue, created)))
+    return out
 
 
 def requeue_orphan(connection: Any, orphan: Orphan) -> bool:
@@ -196,12 +227,16 @@ class LostPops:
     connection error; `sweep()` by the worker before its next dequeues, until one completes."""
 
     def __init__(self, tenants: Sequence[str] = (), *, confirm_s: float = CONFIRM_S,
-                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+                 sleep: Callable[[float], None] = time.sleep, max_keys: int = SWEEP_MAX_KEYS,
+                 max_s: float = SWEEP_MAX_S) -> None:  # fmt: skip
         self.tenants = tuple(tenants)
         self.confirm_s = confirm_s
         self.sleep = sleep
+        self.max_keys, self.max_s = max_keys, max_s
         self._since: float | None = None  # Unix time the earliest lost wait began
         self._queues: set[str] = set()
+        self._cursor = 0  # where the next sweep's SCAN continues (0: from the start)
+        self._requeued: dict[str, int] = {}  # per queue, in this (continued) sweep: at most MAX_PER_QUEUE
 
     @property
     def pending(self) -> bool:
@@ -211,10 +246,11 @@ class LostPops:
         """A BLPOP on `queue_names` that began at Unix time `began` may have taken an id whose reply was lost."""
         self._since = began if self._since is None else min(self._since, began)
         self._queues.update(queue_names)
+        self._cursor = 0  # (its id may be behind the cursor of a sweep under way: scan again from the start)
 
     def give_up(self) -> None:
         """Forget the lost waits (the sweep cannot run here)."""
-        self._since, self._queues = None, set()
+        self._since, self._queues, self._cursor, self._requeued = None, set(), 0, {}
 
     def sweep(self, connection: Any) -> list[str]:
         """Queue again what the lost waits took (see the module docstring); the ids queued again. Redis errors
@@ -222,12 +258,18 @@ class LostPops:
         if self._since is None:
             return []
         since, queues = self._since, set(self._queues)
-        orphans = find_orphans(connection, queues, since - ENQUEUE_SLACK_S, self.tenants)
+        orphans, cursor = scan_orphans(connection, queues, since - ENQUEUE_SLACK_S, self.tenants, cursor=self._cursor,
+                                       max_keys=self.max_keys, max_s=self.max_s)  # fmt: skip
+        orphans = [o for o in orphans if self._requeued.get(o.origin, 0) < MAX_PER_QUEUE]
         if orphans:
             self.sleep(self.confirm_s)
             orphans = [o for o in orphans if requeue_orphan(connection, o)]
         for orphan in orphans:
+            self._requeued[orphan.origin] = self._requeued.get(orphan.origin, 0) + 1
             log.warning("job %s was taken off queue %s by a wait whose reply was lost: queued again at its head",
                         orphan.job_id, orphan.origin)  # fmt: skip
-        self.give_up()
+        if cursor == 0:
+            self.give_up()
+        else:
+            self._cursor = cursor  # (pending: the next dequeue's sweep continues the scan)
         return [o.job_id for o in orphans]

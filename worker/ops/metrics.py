@@ -61,6 +61,10 @@ class WorkerMetrics:
                                  registry=r)  # fmt: skip
         self.fleet_rebuilds = Counter("ltx_worker_fleet_rebuilds", "Fleet rebuilds by result (ok, failed)",
                                       [*labels, "result"], registry=r)  # fmt: skip
+        self.warmup_dropped = Counter("ltx_worker_warmup_dropped", "Warm-up requests dropped at a fleet start by "
+                                      "reason (out_of_memory: on the lower-memory plan too; refused: the plan "
+                                      "refuses the size on these devices)", [*labels, "reason"],
+                                      registry=r)  # fmt: skip
         self.fleet_failures = Counter("ltx_worker_fleet_failures", "Poisoned fleets by controller reason",
                                       [*labels, "reason"], registry=r)  # fmt: skip
         self.storage_up = Gauge("ltx_worker_storage_up", "0 while storage is degraded (unreachable at start, "

@@ -60,7 +60,8 @@ class UploadsHealth:
     max_pending_bytes: int | None = None
     uploaded: int = 0
     failed: int = 0
-    backpressure: bool = False  #: waiting for upload room before the next dequeue
+    backpressure: bool = False  #: waiting for upload room before the next dequeue (not ready meanwhile)
+    backpressure_reason: str | None = None  #: why (pending uploads, the spool's disk nearly full)
     background: bool | None = None  #: LTX_UPLOAD_PIPELINE: uploads run after the job returns
 
 
@@ -87,6 +88,8 @@ class LoraOffer:
     names: tuple[str, ...] | None = None  #: the catalogue's names (at most 1000); None: not published
     s3_prefixes: tuple[str, ...] = ()
     max_per_request: int | None = None
+    shared_prefixes: tuple[str, ...] = ()  #: read by every tenant (LTX_LORA_SHARED_PREFIXES)
+    per_tenant: bool = False  #: a tenant's uri must be under `<s3 prefix>/<tenant>/` (or a shared prefix)
 
 
 @dataclass(frozen=True)

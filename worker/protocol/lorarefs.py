@@ -2,8 +2,12 @@
 
 A request names a LoRA and never a worker path: either `name`, a file of the operator's catalogue
 (`LTX_LORA_CATALOGUE`, a folder of `<name>.safetensors`), or `uri`, an `s3://bucket/key` object under a
-prefix the operator allows (`LTX_LORA_S3_PREFIXES`). What this module checks is what any worker would
-refuse (syntax, count, a finite strength in range); which names and prefixes exist is the worker's
+prefix the operator allows (`LTX_LORA_S3_PREFIXES`). With tenants (`LTX_TENANT_IDS`: a job's tenant is its
+id's prefix, the producer's client) a `uri` must be under `<allowed prefix>/<tenant>/` or a shared read-only
+prefix (`LTX_LORA_SHARED_PREFIXES`): `uri_problem` is that rule, used by the producer at submit and by the
+worker, and it answers before any object is looked at (the same words whether the object exists or not).
+What this module checks is what any worker would refuse (syntax, count, a finite strength in range, strengths
+of one file in sum); which names and prefixes exist is the worker's
 (`worker.render.loras`), and the file itself is checked from its header before any fleet sees it
 (`ltx_mgpu.lorafile`). Imports only pydantic, so the producer uses it without torch.
 """
@@ -11,10 +15,14 @@ refuse (syntax, count, a finite strength in range); which names and prefixes exi
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["MAX_LORAS", "MAX_LORA_STRENGTH", "LoraRef", "parse_lora_option", "split_s3_uri", "uri_allowed"]
+__all__ = [
+    "MAX_LORAS", "MAX_LORA_STRENGTH", "LoraRef", "parse_lora_option", "split_s3_uri", "strength_problem",
+    "tenant_prefixes", "uri_allowed", "uri_problem",
+]  # fmt: skip
 
 MAX_LORAS = 8  #: LoRAs per request, structurally (a worker may allow fewer: `LTX_LORA_MAX_PER_REQUEST`)
 MAX_LORA_STRENGTH = 4.0  #: |strength|; past this a LoRA's delta swamps the weight it is added to
@@ -44,6 +52,46 @@ def uri_allowed(uri: str, prefixes: list[str]) -> bool:
         if bucket == allowed_bucket and key.startswith(key_prefix):
             return True
     return False
+
+
+def tenant_prefixes(prefixes: Sequence[str], tenant: str) -> list[str]:
+    """`tenant`'s own folder under each allowed prefix: `bucket/loras/` -> `bucket/loras/<tenant>/`."""
+    out = []
+    for prefix in prefixes:
+        bucket, _, key_prefix = prefix.partition("/")
+        if key_prefix and not key_prefix.endswith("/"):
+            key_prefix += "/"
+        out.append(f"{bucket}/{key_prefix}{tenant}/")
+    return out
+
+
+def uri_problem(uri: str, prefixes: Sequence[str], shared: Sequence[str] = (), tenant: str | None = None) -> str | None:
+    """Why `uri` may not be read for this job (None: it may): under a shared prefix, or under an allowed prefix,
+    that is `<prefix>/<tenant>/` when the job has a tenant. Decided from the uri alone, never the object."""
+    if uri_allowed(uri, list(shared)):
+        return None
+    if tenant is None:
+        if uri_allowed(uri, list(prefixes)):
+            return None
+        return f"{uri}: under no prefix this worker allows (LTX_LORA_S3_PREFIXES)"
+    own = tenant_prefixes(list(prefixes), tenant)
+    if uri_allowed(uri, own):
+        return None
+    where = ", ".join(own + list(shared)) or "none"
+    return f"{uri}: not under tenant {tenant!r}'s LoRA prefixes or a shared one (allowed: {where})"
+
+
+def strength_problem(items: Iterable[tuple[str, float]]) -> str | None:
+    """Why these (file, strength) pairs may not be fused (None: they may): the strengths of one file add up
+    (fused 4 times at 4 it acts as 16), so their sum per file is bounded like one strength. The request
+    schema names a file by its name or uri; the worker by its resolved content (copies under other keys)."""
+    totals: dict[str, float] = {}
+    for label, strength in items:
+        totals[label] = totals.get(label, 0.0) + strength
+    for label, total in totals.items():
+        if abs(total) > MAX_LORA_STRENGTH:
+            return f"{label}: strengths add up to {total:g} for one file; at most {MAX_LORA_STRENGTH:g} in sum"
+    return None
 
 
 class LoraRef(BaseModel):

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ltx_mgpu.bounds import FLOAT_FIELDS, RANGES
 from ltx_mgpu.requestrules import GENERIC
 from worker.protocol.imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
-from worker.protocol.lorarefs import MAX_LORAS, LoraRef
+from worker.protocol.lorarefs import MAX_LORAS, LoraRef, strength_problem
 
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
@@ -132,6 +132,12 @@ class RenderRequest(BaseModel):
         for i, image in enumerate(self.images or ()):
             if image.frame >= self.num_frames:
                 raise ValueError(f"images[{i}].frame {image.frame} is past the last frame ({self.num_frames - 1})")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_strength_per_file(self) -> RenderRequest:
+        if self.loras and (problem := strength_problem((r.label, r.strength) for r in self.loras)):
+            raise ValueError(f"loras: {problem}")
         return self
 
     def runner_kwargs(self) -> dict[str, Any]:

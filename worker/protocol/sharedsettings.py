@@ -70,6 +70,24 @@ def read_secret_file(path: Any, file_field: str) -> str:
 
 
 def check_redis_url(url: str) -> str:
+    """The one check of a Redis URL, for the worker and the producer alike (`ServiceAccess`). Besides the
+    scheme it refuses what redis-py would silently read as something else: a database path that is not a
+    number (`/abc` and `/0/1` become DB 0 and DB 1 there) and a port that is not one."""
+    from urllib.parse import parse_qs, urlsplit
+
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError("must start with redis://, rediss:// or unix://")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a port that is not a number)
+    except ValueError as exc:
+        raise ValueError(f"{safe_redis_url(url)}: {exc}") from None
+    db = parse_qs(parts.query).get("db")
+    if db is not None and not (len(db) == 1 and db[0].isdigit()):
+        raise ValueError(f"{safe_redis_url(url)}: ?db= must be one database number")
+    if not url.startswith("unix://") and db is None and parts.path not in ("", "/"):
+        number = parts.path[1:]
+        if not (number.isdigit() and number.isascii()):
+            raise ValueError(f"{safe_redis_url(url)}: the path must be a database number (/0, /1, ...), "
+                             f"not {parts.path!r}")  # fmt: skip
     return url

@@ -13,8 +13,9 @@ Order for one job (RQ job id as the key):
    ownership lock (`Spool.claim`), `submit()`, return; the job's state stays `rendering` (no video exists
    yet that could survive a crash);
 2. the encoder thread (after RQ's bookkeeping of the return, `released`): a `stage` event `mux` (by the
-   worker), the mp4 under the spool, the manifest (`Spool.commit`), `rendered`, then the upload pipeline
-   (`uploading` -> `uploaded` with the sha256, as for any render).
+   worker), the mp4 under the spool (the frames and audio hashed beside it, `runners.common.digest`), the
+   manifest (`Spool.commit`), `rendered` with the hashes (`digests`, also in the job's summary), then the
+   upload pipeline (`uploading` -> `uploaded` with the sha256, as for any render).
 
 Streamed hand-off (`encode_stream`, `media="stream"`): the fleet yields the video's buffer as its decode
 starts and announces frames as they are final; the job function feeds them to `open_stream()`'s
@@ -79,6 +80,8 @@ class PendingEncode:
     t0: float = field(default_factory=time.time)
     released: threading.Event = field(default_factory=threading.Event)
     claim: int | None = None  #: the spool entry's ownership lock while the frames exist only here
+    #: recorded beside the frames and audio hashes (`deterministic`: the fleet's mode when it rendered them)
+    digest_extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def job_id(self) -> str:
@@ -201,16 +204,19 @@ class EncodeStage:
                 self._publish()
 
     def _encode_and_commit(self, item: PendingEncode, *, hash_now: bool) -> SpoolEntry:
+        from ltx_mgpu.runners.common.digest import MediaDigest
         from ltx_mgpu.runners.common.media import AudioTrack, write_mp4_yuv
 
         media, stream = item.media, item.media.get("stream")
         _safe(item.relay.emit, {"type": "stage", "stage": "mux", "by": "worker"})
         t0 = time.monotonic()
+        digest = MediaDigest(media["video"], media.get("audio"))  # (hashes in its thread beside the x264 runs)
         audio = None
         if media.get("audio") is not None:
             audio = AudioTrack(media["audio"], int(media["audio_sample_rate"]))
         write_mp4_yuv(media["video"], item.output_path, float(media["fps"]), width=int(media["width"]), audio=audio,
                       options=self.options(), stream=None if stream is None else stream.runs)  # fmt: skip
+        digests = {**digest.result(), **item.digest_extra}
         ended = time.monotonic()
         # a streamed encode began with its first run, while the fleet still decoded
         started = min(t0, (stream.started_at() if stream is not None else None) or t0)
@@ -218,7 +224,7 @@ class EncodeStage:
         overlap = stream.timings(started, ended) if stream is not None else {}
         self.metrics.encode_seconds.labels(self.group).observe(encode_s)
         info = {k: item.output.get(k) for k in ("frames", "fps", "width", "height")}
-        info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4), **overlap)
+        info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4), **overlap, digests=digests)
         entry = self.spool.commit(item.job_id, file_name=item.output_path.name, key=item.key,
                                   content_type=str(item.output.get("content_type") or "video/mp4"),
                                   queue=item.job.origin, info=info, hash_now=hash_now,
@@ -227,7 +233,7 @@ class EncodeStage:
         self.encoded += 1
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
         _safe(item.relay.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
-              encode_s=round(encode_s, 4), **overlap, **sha)  # fmt: skip
+              encode_s=round(encode_s, 4), **overlap, **sha, digests=digests)  # fmt: skip
         return entry
 
     def _hand_to_uploads(self, item: PendingEncode, entry: SpoolEntry) -> None:

@@ -9,13 +9,15 @@ taken until the fleet is warm again. Consecutive failed builds back off exponent
 `max_failures` of them `FleetUnrecoverable` is raised (in the caller of `ensure_ready()`) and the worker
 process exits non-zero instead of spinning, so its supervisor (or the orchestrator) sees a crash loop.
 
-A start is complete only after the configured warm-up requests rendered once (`warmup`: compilation,
-CUDA-graph capture, allocator growth and caches for the sizes the service expects happen here, not in a
-client's first job); a failed warm-up is a failed build. Before a new fleet starts, the old one's rank
-processes must be gone and (where NVML can tell) listed on no GPU: at real size a new fleet loading while a
-dead one's memory is still held runs out of memory. `startup` describes the last successful start: process
-start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes in its health
-snapshot and metrics.
+A start is complete only after the configured warm-up requests rendered once (`warmup`: compilation, CUDA-graph
+capture, allocator growth and caches for the sizes the service expects happen here, not in a client's first job).
+The memory the devices offer (`device_memory_bytes`) is known once the ranks ran `setup()`, before the warm-up,
+which `worker.render.warmup.WarmUp` plans like a client job: an out-of-memory warm-up is retried once on the
+lower-memory plan, then dropped, never a failed build; any other warm-up error is a failed build. Before a new fleet
+starts, the old one's rank processes must be gone and (where NVML can tell) listed on no GPU: at real size a new
+fleet loading while a dead one's memory is still held runs out of memory. `startup` describes the last successful
+start: process start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes
+in its health snapshot and metrics.
 
 The controller is created through `factory` (default `ltx_mgpu.MGPUController`), imported lazily so this
 module can be imported without torch.
@@ -26,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from typing import Any
 from worker.ops.errorids import public_message
 from worker.ops.procs import pid_alive
 from worker.protocol.states import EventType
+from worker.render.warmup import WarmUp
 
 __all__ = ["FleetUnrecoverable", "WarmFleet", "await_released"]
 
@@ -60,6 +62,7 @@ class WarmFleet:
         start_timeout: float = 1800.0,
         shutdown_timeout: float = 30.0,
         error_settle_s: float | None = None,
+        deterministic: str | None = None,
         max_failures: int = 3,
         backoff_s: float = 2.0,
         factory: Callable[..., Any] | None = None,
@@ -77,6 +80,7 @@ class WarmFleet:
         self.start_timeout = start_timeout
         self.shutdown_timeout = shutdown_timeout
         self.error_settle_s = error_settle_s  # (MGPUController's; None: its default)
+        self.deterministic = deterministic  # (MGPUController's mode, `ltx_mgpu.control.determinism`; None: its default)
         self.max_failures = max_failures
         self.backoff_s = backoff_s
         self._factory = factory
@@ -98,10 +102,9 @@ class WarmFleet:
         self._rebuild_thread: threading.Thread | None = None
         self._building: Any = None  # the controller being started (shutdown()/kill() stop it without the lock)
         self._rebuild_error: FleetUnrecoverable | None = None
-        self.warmup = [dict(kwargs) for kwargs in warmup]  #: job kwargs (no output_path) run after each start
-        self.warmup_dir = warmup_dir
-        self.warmup_timeout = warmup_timeout
-        self.warmup_output: dict[str, Any] | None = None  #: the last warm-up render's output event
+        #: the warm-up after each start (its `plans` hook is the render service's: the plan a job gets)
+        self.warm = WarmUp(warmup, directory=warmup_dir, timeout=warmup_timeout, on_event=self._event)
+        self.setup_memory_bytes: int | None = None  #: what a device offers a rank after setup (least of the ranks)
         self.release_timeout = release_timeout
         self.startup: dict[str, Any] | None = None  #: the last successful start: phases in seconds, stamps
 
@@ -137,6 +140,25 @@ class WarmFleet:
     def world_size(self) -> int:
         return len(self.devices)
 
+    @property
+    def warmup(self) -> list[dict[str, Any]]:
+        return self.warm.requests
+
+    @property
+    def warmup_output(self) -> dict[str, Any] | None:
+        return self.warm.output
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        """What one device offers this fleet's rank (the memory plan's capacity): measured after setup, then by
+        each warm-up render (the least seen); None until a GPU fleet started (CPU fleets measure nothing)."""
+        seen = [self.setup_memory_bytes, (self.warm.output or {}).get("device_memory_bytes")]
+        measured = [int(v) for v in seen if isinstance(v, int | float) and not isinstance(v, bool) and v > 0]
+        return min(measured) if measured else None
+
+    def _event(self, event: dict[str, Any]) -> None:
+        self.on_event(event)  # (late-bound: a test may replace `on_event` after construction)
+
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
         """Build and start the controller (retrying with back-off); raise FleetUnrecoverable on give-up."""
@@ -157,7 +179,8 @@ class WarmFleet:
                     ctl = self._building = self._make()
                     if not self._stopped.is_set():  # (a shutdown stops `_building` from its own thread)
                         ctl.start(timeout=self.start_timeout, **self.setup_kwargs)
-                        warmup_s = self._warm_up(ctl)
+                        self.setup_memory_bytes = getattr(getattr(ctl, "startup", None), "device_memory_bytes", None)
+                        warmup_s = self.warm.run(ctl)
                 except BaseException as exc:
                     self._building = None
                     if ctl is not None:  # a failed start or warm-up: nothing of it is trusted or kept
@@ -191,7 +214,9 @@ class WarmFleet:
                 if rebuild:
                     self.rebuilds += 1
                 seconds = round(time.monotonic() - t0, 3)
-                self.startup = _startup_report(ctl, started_at, warmup_s, len(self.warmup))
+                self.startup = _startup_report(ctl, started_at, warmup_s, self.warm.rendered)
+                if self.warm.dropped:
+                    self.startup["warmup_dropped"] = list(self.warm.dropped.values())
                 log.info("fleet ready on %s in %.2fs (pids %s): %s", self.devices, seconds, ctl.pids,
                          {k: v for k, v in self.startup.items() if k.endswith("_s")})  # fmt: skip
                 self.on_event({"type": EventType.FLEET, "action": "rebuilt" if rebuild else "started",
@@ -328,29 +353,6 @@ class WarmFleet:
             ctl.shutdown(graceful_timeout=0)
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _warm_up(self, ctl: Any) -> float:
-        """Render each warm-up request once on the new fleet (outputs discarded); returns the seconds."""
-        if not self.warmup:
-            return 0.0
-        t0 = time.monotonic()
-        directory = self.warmup_dir or Path("/tmp")
-        directory.mkdir(parents=True, exist_ok=True)
-        for i, kwargs in enumerate(self.warmup):
-            path = directory / f"warmup-{os.getpid()}-{i}.out"
-            try:
-                stream = ctl.stream(timeout=self.warmup_timeout, **kwargs, output_path=str(path))
-                for item in stream:
-                    if isinstance(item, dict) and item.get("type") == "output":
-                        self.warmup_output = item  # (its device memory: the memory plan's capacity)
-            except Exception as exc:
-                raise RuntimeError(f"warm-up request {i} failed: {type(exc).__name__}: {exc}") from exc
-            finally:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-        seconds = time.monotonic() - t0
-        log.info("fleet on %s warmed up with %d request(s) in %.2fs", self.devices, len(self.warmup), seconds)
-        return seconds
-
     def _stop_building(self) -> None:
         building = self._building
         if building is not None:
@@ -362,7 +364,8 @@ class WarmFleet:
             from ltx_mgpu import MGPUController
 
             factory = MGPUController
-        extra = {} if self.error_settle_s is None else {"error_settle_s": self.error_settle_s}
+        given = {"error_settle_s": self.error_settle_s, "deterministic": self.deterministic}
+        extra = {k: v for k, v in given.items() if v is not None}  # (None: MGPUController's default)
         ctl = factory(self.runner_cls, devices=self.devices, **extra)
         register = getattr(ctl, "add_failure_callback", None)
         if register is not None:

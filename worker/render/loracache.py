@@ -1,10 +1,17 @@
 """`LoraCache`: the worker's on-disk cache of checked request-LoRA files, shared by its fleets (processes).
 
-Files are named by content (`sha256` of a catalogue file, `ETag`+size of an S3 object), so a LoRA replaced under
-the same name is a new file and the tracker's per-path factor memo can never serve stale weights. Writes are
-atomic (a temporary file in the same folder, `os.replace`); the size cap is kept by evicting least recently
-used files under an exclusive `flock`, sparing files used in the last `busy_s` seconds (a fleet may be about
-to read them; the cap can then be exceeded briefly). Only files that passed the check are ever renamed in.
+Files are named by content (`sha256` of a catalogue file, `ETag`+size of an S3 object, with the tenant), so a
+LoRA replaced under the same name is a new file and the tracker's per-path factor memo can never serve stale
+weights. Writes are atomic (a temporary file in the same folder, `os.replace`).
+
+The size cap holds always, not only after a commit: a fetch is admitted (`incoming(nbytes)`) only after
+least recently used files are evicted to make room for it under the cap, and with the disk keeping
+`min_free_bytes` free (the spool's back-pressure threshold: the cache never pushes the spool into it); if
+even evicting every file not pinned cannot make room, `LoraCacheFull` (an `OSError`, ENOSPC) refuses the
+fetch. A file is pinned while a job uses it: its process holds a shared `flock` on it (`get`, `commit`;
+released by `release`), and eviction skips a file it cannot lock exclusively, in any process. A fetch in
+flight is a `.incoming-<bytes>-*` file counted at its reserved size; one whose process died (no lock) is
+removed. `make_room` lets the spool reclaim the disk: the worker calls it while in back-pressure.
 
 Durability off the job's path: a fetched file is renamed in and used at once, and fsynced afterwards on a
 background thread, which then marks the file durable (an extended attribute). Why: an fsync of a 1.7 GB
@@ -18,18 +25,19 @@ fsyncs before the rename, as it used to.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LoraCache", "boot_time"]
+__all__ = ["LoraCache", "LoraCacheFull", "boot_time"]
 
 _SUFFIX = ".safetensors"
+_INCOMING = ".incoming-"  #: + "<reserved bytes>-<random>" + _SUFFIX: a fetch in flight
 _DURABLE_XATTR = "user.ltx_mgpu.durable"  #: set on a cache file once its bytes are fsynced
 log = logging.getLogger("worker.render.loracache")
 
@@ -47,35 +55,50 @@ def boot_time() -> float | None:
     return None
 
 
-class LoraCache:
-    """Content-named checked LoRA files in one folder, size-capped, least recently used evicted first."""
+class LoraCacheFull(OSError):
+    """No room for a fetch: the cap (or the disk's free-space floor) cannot be kept even after evicting every
+    file no job pins. An `OSError` (ENOSPC): the job fails as a host problem, never as `internal`."""
 
-    def __init__(self, root: Path | str, cap_bytes: int, *, busy_s: float = 600.0) -> None:
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+
+class LoraCache:
+    """Content-named checked LoRA files in one folder, size-capped at all times, least recently used evicted
+    first, files in use pinned (see the module docstring)."""
+
+    def __init__(self, root: Path | str, cap_bytes: int, *, min_free_bytes: int = 0) -> None:
         self.root = Path(root)
         self.cap_bytes = int(cap_bytes)
-        self.busy_s = float(busy_s)  # (the folder is made at the first fetch: a worker no request asks a LoRA of
-        # leaves nothing behind, the demo's TMPDIR included)
+        self.min_free_bytes = int(min_free_bytes)  # (the folder is made at the first fetch: a worker no
+        # request asks a LoRA of leaves nothing behind, the demo's TMPDIR included)
         self.boot_time = boot_time()
         self._xattrs: bool | None = None  # whether the folder's file system keeps user xattrs (probed once)
         self._syncing: set[Path] = set()  # committed here, not yet durable
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._pins: dict[int, int] = {}  # inode -> fd holding a shared flock (this process's pins)
 
     def path_for(self, key: str) -> Path:
         return self.root / f"{key}{_SUFFIX}"
 
     def get(self, key: str) -> Path | None:
-        """The cached file, marked as just used; None on a miss (a file from an earlier boot never made
-        durable counts as one, and is removed: it may be torn)."""
+        """The cached file, pinned and marked as just used; None on a miss (a file from an earlier boot never
+        made durable counts as one, and is removed: it may be torn)."""
         path = self.path_for(key)
-        try:
-            if not self._trusted(path):
-                log.warning("LoRA cache: %s was written before the last boot and never fsynced; fetching again", path)
-                path.unlink()
-                return None
-            os.utime(path)
-        except FileNotFoundError:
+        if not self.root.is_dir():
             return None
+        with self._locked():  # (no eviction between the lookup and the pin)
+            try:
+                if not self._trusted(path):
+                    log.warning("LoRA cache: %s was written before the last boot and never fsynced; fetching again",
+                                path)  # fmt: skip
+                    path.unlink()
+                    return None
+                self._pin(path)
+                os.utime(path)
+            except FileNotFoundError:
+                return None
         return path
 
     def _trusted(self, path: Path) -> bool:
@@ -129,27 +152,69 @@ class LoraCache:
                 self._syncing.discard(path)
                 self._cond.notify_all()
 
+    # ---- pins ---------------------------------------------------------------------------------------------
+    def _pin(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        ino = os.fstat(fd).st_ino
+        if ino in self._pins:
+            os.close(fd)
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._pins[ino] = fd
+
+    def release(self) -> None:
+        """Unpin every file this process pinned (the job that used them ended, or the next one starts)."""
+        pins, self._pins = self._pins, {}
+        for fd in pins.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    @staticmethod
+    def _pinned_elsewhere(path: Path) -> bool:
+        """Whether some open file holds a flock on `path` (a pin, in this process or another)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # (closing drops the probe's lock)
+        return False
+
+    # ---- admission and eviction ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def incoming(self) -> Iterator[Path]:
-        """A temporary path in the cache folder (same file system, so `commit` is an atomic rename)."""
+    def incoming(self, nbytes: int) -> Iterator[Path]:
+        """A temporary path for a file of `nbytes` in the cache folder (same file system, so `commit` is an
+        atomic rename), admitted only with room for it: see the module docstring. `LoraCacheFull` if none."""
+        nbytes = max(0, int(nbytes))
+        if nbytes > self.cap_bytes:
+            raise LoraCacheFull(f"LoRA cache: {nbytes} bytes do not fit its cap of {self.cap_bytes} "
+                                "(LTX_LORA_CACHE_BYTES)")  # fmt: skip
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".incoming-", suffix=_SUFFIX, dir=self.root)
-        os.close(fd)
+        with self._locked():
+            self._evict(need_bytes=nbytes, why="fetch")
+            fd, name = tempfile.mkstemp(prefix=f"{_INCOMING}{nbytes}-", suffix=_SUFFIX, dir=self.root)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (alive: no other process takes it for a dead fetch's leftover)
         try:
             yield Path(name)
         finally:
+            os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
 
     def commit(self, tmp: Path, key: str) -> Path:
-        """Move a checked temporary file in under `key` (fsynced in the background, see the module docstring),
-        then evict down to the cap."""
+        """Move a checked temporary file in under `key`, pinned (fsynced in the background: module docstring)."""
         later = self._durable_later()
         if not later:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         path = self.path_for(key)
-        os.replace(tmp, path)
+        with self._locked():
+            os.replace(tmp, path)
+            self._pin(path)
         if later:
             with self._cond:
                 self._syncing.add(path)
@@ -157,33 +222,83 @@ class LoraCache:
                     self._thread = threading.Thread(target=self._sync_loop, name="lora-cache-fsync", daemon=True)
                     self._thread.start()
                 self._cond.notify_all()
-        self.evict(keep=path)
         return path
 
-    def evict(self, keep: Path | None = None) -> list[Path]:
-        """Remove least recently used files until the folder is within the cap (see the module docstring)."""
-        removed: list[Path] = []
+    def usage(self) -> int:
+        """Bytes the folder holds, fetches in flight counted at their reserved size."""
         if not self.root.is_dir():
-            return removed
+            return 0
+        committed, reserved = self._entries()
+        return sum(size for _, size, _ in committed) + sum(size for size, _ in reserved)
+
+    def make_room(self, free_bytes: int) -> list[Path]:
+        """Evict unpinned files, least recently used first, until the folder's disk has `free_bytes` free (the
+        spool needs it: the worker calls this in back-pressure). Returns what was removed."""
+        if not self.root.is_dir():
+            return []
         with self._locked():
-            files = []
-            for p in self.root.glob(f"*{_SUFFIX}"):
-                if p.name.startswith("."):
-                    continue
-                with contextlib.suppress(FileNotFoundError):
+            return self._evict(need_bytes=0, why="spool", free_floor=int(free_bytes), strict=False)
+
+    def evict(self) -> list[Path]:
+        """Evict unpinned files, least recently used first, down to the cap. Returns what was removed."""
+        if not self.root.is_dir():
+            return []
+        with self._locked():
+            return self._evict(need_bytes=0, why="cap", strict=False)
+
+    def _entries(self) -> tuple[list[tuple[float, int, Path]], list[tuple[int, Path]]]:
+        committed: list[tuple[float, int, Path]] = []
+        reserved: list[tuple[int, Path]] = []
+        for p in self.root.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if p.name.startswith(_INCOMING):
+                    head = p.name[len(_INCOMING) :].split("-", 1)[0]
+                    size = p.stat().st_size
+                    reserved.append((max(size, int(head)) if head.isdigit() else size, p))
+                elif p.name.endswith(_SUFFIX) and not p.name.startswith("."):
                     st = p.stat()
-                    files.append((st.st_mtime, st.st_size, p))
-            total = sum(size for _, size, _ in files)
-            now = time.time()
-            for mtime, size, p in sorted(files, key=lambda f: f[0]):
-                if total <= self.cap_bytes:
-                    break
-                if p == keep or now - mtime < self.busy_s:
-                    continue
+                    committed.append((st.st_mtime, st.st_size, p))
+        return committed, reserved
+
+    def _evict(self, *, need_bytes: int, why: str, free_floor: int | None = None, strict: bool = True) -> list[Path]:
+        """Under the folder lock: remove dead fetches' leftovers, then unpinned files (least recently used first)
+        until `need_bytes` more fit under the cap and leave `free_floor` (default `min_free_bytes`) free on the
+        disk. `strict`: `LoraCacheFull` if that cannot be reached."""
+        floor = self.min_free_bytes if free_floor is None else free_floor
+        committed, reserved = self._entries()
+        removed: list[Path] = []
+        for _size, p in reserved:
+            if not self._pinned_elsewhere(p):  # its fetch's process died
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
                     removed.append(p)
+        total = sum(size for _, size, _ in committed) + sum(s for s, p in reserved if p not in removed)
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+
+        def fits() -> bool:
+            return total + need_bytes <= self.cap_bytes and free - need_bytes >= floor
+
+        for _, size, p in sorted(committed, key=lambda f: f[0]):
+            if fits():
+                break
+            if self._pinned_elsewhere(p):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
                 total -= size
+                free += size
+        if removed:
+            log.info("LoRA cache: evicted %d file(s) (%s); %d bytes cached, %d free on its disk", len(removed),
+                     why, total, free)  # fmt: skip
+        if strict and not fits():
+            pinned = total  # (what is left is pinned by running jobs or in flight)
+            if total + need_bytes > self.cap_bytes:
+                raise LoraCacheFull(f"LoRA cache full: {need_bytes} bytes do not fit beside {pinned} bytes in use "
+                                    f"under its cap of {self.cap_bytes} (LTX_LORA_CACHE_BYTES)")  # fmt: skip
+            raise LoraCacheFull(f"LoRA cache: {need_bytes} bytes would leave {free - need_bytes} bytes free on its "
+                                f"disk, under the spool's floor of {floor} (LTX_SPOOL_MIN_FREE_BYTES)")  # fmt: skip
         return removed
 
     @contextlib.contextmanager

@@ -8,11 +8,19 @@ retried) and the fleet's weights are never touched. What the fleet gets is `[{"p
 Sources:
 - `name`: `<LTX_LORA_CATALOGUE>/<name>.safetensors` (the name pattern has no separator; the resolved path
   must stay inside the catalogue, so a symlink out of it is refused);
-- `uri`: `s3://bucket/key` under `LTX_LORA_S3_PREFIXES`, read with the worker's S3 client; its size comes
-  from a HEAD first, so an over-limit object is refused before a byte is fetched.
+- `uri`: `s3://bucket/key` under `LTX_LORA_S3_PREFIXES` (with tenants, under the job's tenant's folder there
+  or a shared prefix: `worker.protocol.lorarefs.uri_problem`), read with the worker's S3 client. Its size
+  comes from a HEAD, so an over-limit object is refused before a byte is fetched, and its header from a
+  ranged GET of its first bytes, checked before the body is fetched.
 
-The cache (`worker.render.loracache.LoraCache`) is a folder of checked files named by content, shared by the
-worker's fleets; its module says how it stays consistent and durable.
+Before anything is fetched, the sizes of a job's distinct LoRAs must fit the cache's cap together
+(`lora_too_large`): one job can never pin more than the cache may hold. Strengths of one file (by content)
+add up and are bounded in sum (`worker.protocol.lorarefs.strength_problem`).
+
+The cache (`worker.render.loracache.LoraCache`) is a folder of checked files named by content (and, for S3
+objects, by tenant: one tenant's `cached` or `fetch_bytes` never tells whether another used an object),
+shared by the worker's fleets; its module says how its cap holds and how files in use stay pinned. A write
+that fails (a full disk) raises `OSError`: the service fails the job as `spool_error`, never `internal`.
 """
 
 from __future__ import annotations
@@ -22,13 +30,21 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ltx_mgpu.lorafile import LoraFileError, LoraLimits, check_lora, transformer_targets
+from ltx_mgpu.lorafile import (
+    LoraFileError,
+    LoraLimits,
+    check_header,
+    check_lora,
+    header_length,
+    parse_header,
+    transformer_targets,
+)
 from worker.protocol.health import LoraOffer
-from worker.protocol.lorarefs import LoraRef, split_s3_uri, uri_allowed
+from worker.protocol.lorarefs import LoraRef, split_s3_uri, strength_problem, uri_problem
 from worker.render.loracache import LoraCache
 
 __all__ = ["LoraCache", "LoraRefused", "LoraResolver", "ResolvedLora"]
@@ -39,6 +55,7 @@ _CHUNK = 8 << 20
 
 _RANGE = 64 << 20  #: bytes per ranged GET
 _RANGE_THREADS = 8
+_HEAD_BYTES = 64 << 10  #: the first ranged GET of an object: its 8-byte length and (usually) its whole header
 
 
 def _copy_hashing(source: Path, dest: Path) -> str:
@@ -82,6 +99,16 @@ def _ranged_download(client: Any, bucket: str, key: str, etag: str, size: int, p
                 future.result()
 
 
+def _get_range(client: Any, bucket: str, key: str, etag: str, start: int, end: int) -> bytes:
+    """Bytes `start`..`end` (inclusive) of the object, pinned by `IfMatch`; never more than asked for."""
+    body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, Range=f"bytes={start}-{end}")["Body"]
+    data = body.read(end - start + 2)
+    body.close()
+    if len(data) != end - start + 1:
+        raise LoraRefused("", f"s3://{bucket}/{key}: the range {start}-{end} returned {len(data)} bytes")
+    return data
+
+
 class LoraRefused(ValueError):
     """A request's LoRA cannot be used; `field` names the entry (`loras[1]`)."""
 
@@ -89,6 +116,21 @@ class LoraRefused(ValueError):
         super().__init__(f"{field}: {reason}" if field else reason)
         self.field = field
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One ref before its fetch: `ident` names its bytes (a job's distinct LoRAs are summed by it)."""
+
+    ref: LoraRef
+    ident: str  #: S3: the cache key; catalogue: "file:<path>"
+    size: int
+    source: Path | None = None  #: catalogue
+    memo: tuple[str, int, int] | None = None  #: catalogue: (path, size, mtime_ns)
+    client: Any = None  #: S3
+    bucket: str = ""
+    key: str = ""
+    etag: str = "*"
 
 
 @dataclass(frozen=True)
@@ -102,6 +144,7 @@ class ResolvedLora:
     fetch_bytes: int = 0
     fetch_s: float = 0.0  #: a miss: fetch (or catalogue copy) + check, as `ltx_worker_lora_fetch_seconds`
     verify_s: float = 0.0  #: of which header checks (every use: a hit is checked again)
+    content: str = ""  #: what its bytes are (sha256, or an S3 ETag and size: copies under other keys match)
 
     def job_kwarg(self) -> dict[str, Any]:
         return {"path": self.path, "strength": self.strength}
@@ -131,9 +174,12 @@ class LoraResolver:
             max_header_bytes=settings.lora_max_header_bytes,
             max_rank=settings.lora_max_rank,
         )
-        self.cache = LoraCache(settings.lora_cache_dir, settings.lora_cache_bytes)
+        self.cache = LoraCache(settings.lora_cache_dir, settings.lora_cache_bytes,
+                               min_free_bytes=settings.spool_min_free_bytes)  # fmt: skip
         self.catalogue = Path(settings.lora_catalogue).resolve() if settings.lora_catalogue else None
         self.prefixes = list(settings.lora_s3_prefixes)
+        self.shared = list(getattr(settings, "lora_shared_prefixes", []) or [])
+        self.per_tenant = bool(getattr(settings, "tenant_ids", False))
         self._s3_client = s3_client
         self.metrics = metrics
         self.group = getattr(metrics, "group", "")
@@ -144,12 +190,22 @@ class LoraResolver:
     def published(self) -> LoraOffer:
         names = []
         if self.catalogue is not None and self.catalogue.is_dir():
-            names = sorted(p.name[: -len(_SUFFIX)] for p in self.catalogue.glob(f"*{_SUFFIX}"))[:1000]
-        return LoraOffer(tuple(names), tuple(self.prefixes), self.settings.lora_max_per_request)
+            names = sorted(p.name[: -len(_SUFFIX)] for p in self.catalogue.glob(f"*{_SUFFIX}")
+                           if self._in_catalogue(p) is not None)[:1000]  # fmt: skip
+        return LoraOffer(tuple(names), tuple(self.prefixes), self.settings.lora_max_per_request,
+                         tuple(self.shared), self.per_tenant)  # fmt: skip
+
+    def _in_catalogue(self, path: Path) -> Path | None:
+        """`path` resolved, if it is a file inside the catalogue (a symlink out of it is not)."""
+        source = path.resolve()
+        return source if source.parent == self.catalogue and source.is_file() else None
 
     # ---- resolve ------------------------------------------------------------------------------------
-    def resolve(self, refs: Sequence[LoraRef]) -> list[ResolvedLora]:
-        """Each ref as a checked cache file, or `LoraRefused` for the first that cannot be used."""
+    def resolve(self, refs: Sequence[LoraRef], tenant: str | None = None) -> list[ResolvedLora]:
+        """Each ref as a checked, pinned cache file, or `LoraRefused` for the first that cannot be used.
+        `tenant`: the job's tenant (with `tenant_ids`), whose S3 folder its uris must be in. The previous
+        job's pins are released first. `OSError` (`LoraCacheFull` included): the cache cannot hold them now."""
+        self.cache.release()
         if len(refs) > self.settings.lora_max_per_request:
             raise LoraRefused("loras", f"{len(refs)} LoRAs; this worker takes at most "
                                        f"{self.settings.lora_max_per_request} (LTX_LORA_MAX_PER_REQUEST)")  # fmt: skip
@@ -157,21 +213,33 @@ class LoraResolver:
             targets = self.targets("loras") if refs else {}
         except LoraFileError as exc:
             raise LoraRefused("loras", f"cannot read the runner's checkpoint header ({exc})") from None
-        out = []
-        for i, ref in enumerate(refs):
-            field = f"loras[{i}]"
-            try:
-                out.append(self._one(ref, targets))
-            except LoraFileError as exc:
-                raise LoraRefused(field, f"{ref.label}: {_without_path(str(exc))}") from None
-            except LoraRefused as exc:
-                raise LoraRefused(field, exc.reason) from None
+        plans = [self._field(i, ref, self._plan, ref, tenant) for i, ref in enumerate(refs)]
+        sizes = {plan.ident: plan.size for plan in plans}  # (the same file twice is held once)
+        if (total := sum(sizes.values())) > (cap := self.cache.cap_bytes):
+            raise LoraRefused("loras", f"lora_too_large: these LoRAs hold {total} bytes together, over the LoRA "
+                                       f"cache's cap of {cap} (LTX_LORA_CACHE_BYTES)")  # fmt: skip
+        out = [self._field(i, plan.ref, self._one, plan, targets) for i, plan in enumerate(plans)]
+        first_label: dict[str, str] = {}
+        for r in out:
+            first_label.setdefault(r.content or r.path, r.label)
+        if problem := strength_problem((first_label[r.content or r.path], r.strength) for r in out):
+            raise LoraRefused("loras", problem)
         return out
 
-    def for_job(self, refs: Sequence[LoraRef], relay: Any) -> list[dict[str, Any]]:
+    @staticmethod
+    def _field(i: int, ref: LoraRef, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` with its refusal naming `loras[i]`."""
+        try:
+            return fn(*args)
+        except LoraFileError as exc:
+            raise LoraRefused(f"loras[{i}]", f"{ref.label}: {_without_path(str(exc))}") from None
+        except LoraRefused as exc:
+            raise LoraRefused(f"loras[{i}]", exc.reason) from None
+
+    def for_job(self, refs: Sequence[LoraRef], relay: Any, tenant: str | None = None) -> list[dict[str, Any]]:
         """`resolve` for one job: the fleet's `loras` kwarg; what was used goes into the job's summary
-        (`loras`, shown by `producer status`)."""
-        resolved = self.resolve(refs)
+        (`loras`, shown by `producer status`). The files stay pinned until the next job resolves."""
+        resolved = self.resolve(refs, tenant)
         relay.update_summary(loras=[r.summary() for r in resolved])
         return [r.job_kwarg() for r in resolved]
 
@@ -194,38 +262,23 @@ class LoraResolver:
             self._targets = transformer_targets(ckpt)
         return self._targets
 
-    def _one(self, ref: LoraRef, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
+    def _plan(self, ref: LoraRef, tenant: str | None) -> _Plan:
+        """Where `ref` comes from and how many bytes it holds, before anything is fetched."""
         if ref.name is not None:
-            return self._from_catalogue(ref, targets)
-        return self._from_s3(ref, targets)
-
-    def _from_catalogue(self, ref: LoraRef, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
-        if self.catalogue is None:
-            raise LoraRefused("", f"{ref.label}: this worker has no LoRA catalogue (LTX_LORA_CATALOGUE)")
-        source = (self.catalogue / f"{ref.name}{_SUFFIX}").resolve()
-        if source.parent != self.catalogue or not source.is_file():
-            raise LoraRefused("", f"{ref.label}: not in the catalogue")
-        st = source.stat()
-        memo = (str(source), st.st_size, st.st_mtime_ns)
-        key = self._hashed.get(memo)
-        if key is not None and (hit := self.cache.get(key)) is not None:
-            return self._checked(ref, hit, targets, cached=True)
-        t0 = time.monotonic()
-        check_lora(source, targets, self.limits)  # (refuse a bad catalogue file before copying it)
-        verify_s = time.monotonic() - t0
-        with self.cache.incoming() as tmp:
-            key = f"sha256-{_copy_hashing(source, tmp)}"
-            self._hashed[memo] = key
-            if (hit := self.cache.get(key)) is not None:
-                return self._checked(ref, hit, targets, cached=True)
-            verify_s += _timed(check_lora, tmp, targets, self.limits)
-            path = self.cache.commit(tmp, key)
-        return self._fetched(ref, path, st.st_size, time.monotonic() - t0, verify_s)
-
-    def _from_s3(self, ref: LoraRef, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
+            if self.catalogue is None:
+                raise LoraRefused("", f"{ref.label}: this worker has no LoRA catalogue (LTX_LORA_CATALOGUE)")
+            source = self._in_catalogue(self.catalogue / f"{ref.name}{_SUFFIX}")
+            if source is None:
+                raise LoraRefused("", f"{ref.label}: not in the catalogue")
+            st = source.stat()
+            if st.st_size > self.limits.max_file_bytes:  # (before the job's sum: the file's own limit first)
+                raise LoraRefused("", f"{ref.label}: file is {st.st_size} bytes, over the "
+                                      f"{self.limits.max_file_bytes} byte limit")  # fmt: skip
+            memo = (str(source), st.st_size, st.st_mtime_ns)
+            return _Plan(ref, f"file:{source}", st.st_size, source=source, memo=memo)
         uri = str(ref.uri)
-        if not uri_allowed(uri, self.prefixes):
-            raise LoraRefused("", f"{uri}: under no prefix this worker allows (LTX_LORA_S3_PREFIXES)")
+        if problem := uri_problem(uri, self.prefixes, self.shared, tenant if self.per_tenant else None):
+            raise LoraRefused("", problem)
         client = self._s3_client() if self._s3_client is not None else None
         if client is None:
             raise LoraRefused("", f"{uri}: this worker has no S3 client (storage_backend is not s3)")
@@ -243,21 +296,69 @@ class LoraResolver:
         size = int(head.get("ContentLength", 0))
         if size > self.limits.max_file_bytes:
             raise LoraRefused("", f"{uri}: object is {size} bytes, over the {self.limits.max_file_bytes} byte limit")
-        etag = str(head.get("ETag", "")).strip('"')
-        cache_key = "s3-" + hashlib.sha256(f"{bucket}/{key}\0{etag}\0{size}".encode()).hexdigest()
-        if (hit := self.cache.get(cache_key)) is not None:
+        etag = str(head.get("ETag", ""))
+        owner = tenant if self.per_tenant else ""
+        cache_key = (
+            "s3-" + hashlib.sha256(f"{owner}\0{bucket}/{key}\0{etag.strip(chr(34))}\0{size}".encode()).hexdigest()
+        )
+        return _Plan(ref, cache_key, size, client=client, bucket=bucket, key=key, etag=etag or "*")
+
+    def _one(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
+        if plan.source is not None:
+            got = self._from_catalogue(plan, targets)
+            return replace(got, content=Path(got.path).name[: -len(_SUFFIX)])  # (named sha256-<digest>)
+        return replace(self._from_s3(plan, targets), content=f"etag:{plan.etag.strip(chr(34))}:{plan.size}")
+
+    def _from_catalogue(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
+        ref, source = plan.ref, plan.source
+        assert source is not None and plan.memo is not None
+        key = self._hashed.get(plan.memo)
+        if key is not None and (hit := self.cache.get(key)) is not None:
             return self._checked(ref, hit, targets, cached=True)
         t0 = time.monotonic()
-        with self.cache.incoming() as tmp:
-            try:
+        check_lora(source, targets, self.limits)  # (refuse a bad catalogue file before copying it)
+        verify_s = time.monotonic() - t0
+        with self.cache.incoming(plan.size) as tmp:
+            key = f"sha256-{_copy_hashing(source, tmp)}"
+            self._hashed[plan.memo] = key
+            if (hit := self.cache.get(key)) is not None:
+                return self._checked(ref, hit, targets, cached=True)
+            verify_s += _timed(check_lora, tmp, targets, self.limits)
+            path = self.cache.commit(tmp, key)
+        return self._fetched(ref, path, plan.size, time.monotonic() - t0, verify_s)
+
+    def _from_s3(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
+        ref, uri = plan.ref, str(plan.ref.uri)
+        if (hit := self.cache.get(plan.ident)) is not None:
+            return self._checked(ref, hit, targets, cached=True)
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        t0 = time.monotonic()
+        try:
+            verify_s = _timed(self._check_remote_header, plan, targets)  # (a bad header: refused before the body)
+            with self.cache.incoming(plan.size) as tmp:
                 # ranged GETs in parallel (a rank-128 LoRA at real size is 1.7 GB); IfMatch pins every range
                 # to the object the HEAD sized, so a replaced object fails the fetch instead of mixing bytes
-                _ranged_download(client, bucket, key, head.get("ETag", "*"), size, tmp)
-            except (ClientError, BotoCoreError) as exc:
-                raise LoraRefused("", f"{uri}: fetch failed ({exc})") from None
-            verify_s = _timed(check_lora, tmp, targets, self.limits)
-            path = self.cache.commit(tmp, cache_key)
-        return self._fetched(ref, path, size, time.monotonic() - t0, verify_s)
+                _ranged_download(plan.client, plan.bucket, plan.key, plan.etag, plan.size, tmp)
+                verify_s += _timed(check_lora, tmp, targets, self.limits)
+                path = self.cache.commit(tmp, plan.ident)
+        except (ClientError, BotoCoreError) as exc:
+            raise LoraRefused("", f"{uri}: fetch failed ({exc})") from None
+        return self._fetched(ref, path, plan.size, time.monotonic() - t0, verify_s)
+
+    def _check_remote_header(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> None:
+        """The object's header, read by ranged GETs (8 + header bytes, the header within
+        `lora_max_header_bytes`), checked as `check_lora` checks a file: `LoraFileError` before its body."""
+        name, size = str(plan.ref.uri), plan.size
+        first = (
+            _get_range(plan.client, plan.bucket, plan.key, plan.etag, 0, min(size, _HEAD_BYTES) - 1) if size else b""
+        )
+        length = header_length(name, first[:8], size, max_file_bytes=self.limits.max_file_bytes,
+                               max_header_bytes=self.limits.max_header_bytes)  # fmt: skip
+        raw = first[8 : 8 + length]
+        if len(raw) < length:
+            raw += _get_range(plan.client, plan.bucket, plan.key, plan.etag, len(first), 8 + length - 1)
+        check_header(name, parse_header(name, raw, size), size, targets, self.limits)
 
     def _checked(self, ref: LoraRef, path: Path, targets: dict, *, cached: bool) -> ResolvedLora:
         verify_s = _timed(check_lora, path, targets, self.limits)  # header only: cheap, guards the cache folder too

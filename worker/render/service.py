@@ -51,6 +51,7 @@ from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
 from worker.protocol.handoff import HandOff
 from worker.protocol.health import StorageHealth
+from worker.protocol.keys import job_tenant
 from worker.protocol.limits import RunnerLimits
 from worker.protocol.relay import EventRelay
 from worker.protocol.schema import RenderRequest
@@ -59,6 +60,7 @@ from worker.render.encoder import EncodeStage, PendingEncode
 from worker.render.fleet import WarmFleet
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.render.pipeline import PendingUpload, UploadPipeline
+from worker.render.warmup import WarmupRefused, is_out_of_memory
 from worker.runtime.settings import WorkerSettings
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, StoredObject, new_render_id
@@ -81,6 +83,10 @@ class JobFailed(Exception):
         self.message = message
         self.retrying = retrying
         self.details = details
+
+
+class _NoLowerPlan(Exception):
+    """Earlier attempts of this job ran out of memory on every plan there is (`RenderService._memory_plan`)."""
 
 
 class JobCancelledByClient(Exception):
@@ -152,6 +158,7 @@ class RenderService:
         streams = settings.encode_stream and "stream" in getattr(fleet.runner_cls, "media_modes", ())
         self.media_mode = "stream" if streams else "frames"  #: what `media` the fleet is asked for
         self.takes_memory_plan = _takes(fleet.runner_cls, "memory_plan")
+        fleet.warm.plans = self.warmup_plans  # the warm-up is planned like a client job (worker.render.warmup)
         self.current: _Current | None = None
         # A cancel for the job RQ has started here but whose render has not begun yet (RQ marks it started,
         # then calls the job function): kept until that job's render begins, which then stops at once.
@@ -165,28 +172,61 @@ class RenderService:
     @property
     def limits(self) -> RunnerLimits:
         """The runner's limits (published in the health snapshot, checked before each render), with the memory
-        each device offers: `LTX_DEVICE_MEMORY_GIB`, else what the fleet's last warm-up measured (GPU fleets)."""
+        each device offers: `LTX_DEVICE_MEMORY_GIB`, else what the fleet measured after its ranks' setup (and
+        its warm-up renders; GPU fleets), known before the warm-up."""
         memory = self._limits.memory
         if memory is None or self.settings.device_memory_gib is not None:
             return self._limits
-        measured = (getattr(self.fleet, "warmup_output", None) or {}).get("device_memory_bytes")
+        measured = getattr(self.fleet, "device_memory_bytes", None)
         if isinstance(measured, int | float) and measured > 0:
             self._limits = self._limits.with_capacity(round(float(measured) / 2**30, 2))
         return self._limits
 
-    def _memory_plan(self, job: Any, req: RenderRequest) -> dict[str, Any] | None:
-        """The runner's `memory_plan` job kwarg (None: the runner takes none, or nothing to say). After an
-        out-of-memory attempt, the lower-memory plan (chunked decode, cache released between stages)."""
+    def deterministic_mode(self) -> str | None:
+        """The warm fleet's deterministic mode ("on", "strict", "off"; `ltx_mgpu.control.determinism`), recorded
+        beside each render's hashes: equal hashes are promised only between renders of a deterministic fleet."""
+        mode = getattr(getattr(self.fleet, "controller", None), "deterministic", None)
+        return mode if isinstance(mode, str) else None
+
+    def memory_plans(self, width: int, height: int, num_frames: int,
+                     frame_rate: float = memplan.DEFAULT_FRAME_RATE) -> list[dict[str, Any] | None]:  # fmt: skip
+        """The runner's `memory_plan` job kwargs for a request of this size: the plan a job gets first, then each
+        strictly lower-memory one down to the lowest (memplan's lower-memory plan, unless the first already is
+        it). An out-of-memory attempt moves the job one step down; `[None]`: the runner takes no plan (nothing
+        lower to retry with). Without a described memory (no `memory_fleet`) the first is the runner's default
+        and the lower one the chunked decode with the cache released between stages."""
         if not self.takes_memory_plan:
-            return None
+            return [None]
+        memory = self.limits.memory
+        if memory is None:
+            return [None, {"decode_chunked": True, "release_between_stages": True}]
+        first = memplan.plan(memory, width, height, num_frames, frame_rate=frame_rate)
+        if first.decode_chunked and first.release_between_stages:  # (already memplan's lowest)
+            return [first.job_kwargs()]
+        low = memplan.plan(memory, width, height, num_frames, low_memory=True, frame_rate=frame_rate)
+        return [first.job_kwargs(), low.job_kwargs()]
+
+    def warmup_plans(self, kwargs: dict[str, Any]) -> list[dict[str, Any] | None]:
+        """A warm-up request's plans (`memory_plans`, as for a client job of its size, with the capacity the fleet
+        reported after setup); `WarmupRefused` when a client job of that size would be refused for memory."""
+        w, h, f = (int(kwargs[k]) for k in ("width", "height", "num_frames"))
+        rate = float(kwargs.get("frame_rate") or memplan.DEFAULT_FRAME_RATE)
+        memory = self.limits.memory
+        if memory is not None and (refusal := memplan.plan(memory, w, h, f, frame_rate=rate).refusal()) is not None:
+            raise WarmupRefused(refusal)
+        return self.memory_plans(w, h, f, rate)
+
+    def _memory_plan(self, job: Any, req: RenderRequest) -> tuple[dict[str, Any] | None, bool]:
+        """This attempt's `memory_plan` kwarg (None: none sent) and whether a lower one is left for a retry: one
+        step down `memory_plans` per out-of-memory attempt before it. Fails the job (`out_of_memory`, not
+        retried) when the attempts before it already ran the lowest plan there is."""
         meta = job.meta if isinstance(job.meta, dict) else {}
         retries = meta.get("retries") if isinstance(meta.get("retries"), dict) else {}
-        after_oom = bool(retries.get(FailureReason.OUT_OF_MEMORY.value))
-        memory = self.limits.memory
-        if memory is not None:
-            return memplan.plan(memory, req.width, req.height, req.num_frames, low_memory=after_oom,
-                                frame_rate=req.frame_rate).job_kwargs()
-        return {"decode_chunked": True, "release_between_stages": True} if after_oom else None
+        steps = int(retries.get(FailureReason.OUT_OF_MEMORY.value) or 0)
+        plans = self.memory_plans(req.width, req.height, req.num_frames, req.frame_rate)
+        if steps >= len(plans):
+            raise _NoLowerPlan(f"ran out of memory {steps} time(s); no plan lower in memory than the last one is left")
+        return plans[steps], steps + 1 < len(plans)
 
     # ==== control from other threads ==================================================================
     def cancel(self, job_id: str | None = None) -> bool:
@@ -269,6 +309,7 @@ class RenderService:
         try:
             return self._run(job, request, cur, t0)
         finally:
+            self.loras.cache.release()  # (the fleet has read this job's LoRAs: others may evict them now)
             with self._lock:
                 self.current = None
                 if self._cancel_before_start == job.id:
@@ -396,9 +437,12 @@ class RenderService:
         if cur.cancel.is_set():
             self._cancelled(job, relay)
         try:  # a bad LoRA ends the job here, as a request error: it never reaches the fleet's weights
-            loras = {"loras": self.loras.for_job(req.loras, relay)} if req.loras else {}
+            tenant = job_tenant(job.id) if s.tenant_ids else None  # (whose S3 folder its LoRA uris must be in)
+            loras = {"loras": self.loras.for_job(req.loras, relay, tenant)} if req.loras else {}
         except LoraRefused as exc:
             self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=exc.field)
+        except OSError as exc:  # the LoRA cache's disk (full, or the cache cannot make room now): this host's
+            self._spool_failed(job, relay, exc, where="lora cache")
         try:
             output_path = self.spool.prepare(job.id, s.output_name)
         except OSError as exc:
@@ -406,8 +450,15 @@ class RenderService:
         kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
         if self.hand_off_media:
             kwargs["media"] = self.media_mode
-        if (memory_plan := self._memory_plan(job, req)) is not None:
+        try:
+            memory_plan, lower_left = self._memory_plan(job, req)
+        except _NoLowerPlan as exc:
+            self._fail(job, relay, FailureReason.OUT_OF_MEMORY, str(exc), retryable=False)
+        if memory_plan is not None:
             kwargs["memory_plan"] = memory_plan
+        # an out-of-memory end is retried only onto a strictly lower-memory plan (never the one that ran out)
+        oom_retry = None if lower_left else False
+        oom_note = "" if lower_left else " (the lowest-memory plan ran out of memory: not retried)"
         timeout = float(s.render_timeout)  # (the worker's alone: RQ's job_timeout is set from it, never a client's)
         relay.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
         output: dict[str, Any] | None = None
@@ -461,12 +512,13 @@ class RenderService:
             if (refused := exc.request_refused) is not None:  # a rule the edge checks too: a request error
                 self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=refused.field)
             if exc.out_of_memory:  # (the ranks freed what it held; the retry takes the lower-memory plan)
-                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, str(exc))
+                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, f"{exc}{oom_note}", retryable=oom_retry)
             self._fail(job, relay, FailureReason.RUNNER_ERROR, str(exc))
         except AsymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
-            if _out_of_memory(exc):  # (a driver-only stage: the other ranks had finished; nobody waits)
-                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, _first_error(exc))
+            if is_out_of_memory(exc):  # (a driver-only stage: the other ranks had finished; nobody waits)
+                self._fail(job, relay, FailureReason.OUT_OF_MEMORY, f"{_first_error(exc)}{oom_note}",
+                           retryable=oom_retry)  # fmt: skip
             self._fail(job, relay, FailureReason.ASYMMETRIC_RUNNER_ERROR, str(exc))
         except FleetFailure as exc:
             self.spool.discard_incomplete(job.id)
@@ -514,7 +566,8 @@ class RenderService:
         if media is not None:
             key = self.storage.key_for(job.id, new_render_id(), output_path.name)
             pending = PendingEncode(job=job, relay=relay, output_path=output_path, media=media, output=output,
-                                    key=key, render_s=render_s)  # fmt: skip
+                                    key=key, render_s=render_s,
+                                    digest_extra={"deterministic": self.deterministic_mode()})  # fmt: skip
             try:
                 self.encoder.prepare(pending)
             except OSError as exc:
@@ -582,11 +635,12 @@ class RenderService:
             raise reraise
         raise JobFailed(reason, message, retrying=retry, **details) from None
 
-    def _spool_failed(self, job: Any, relay: EventRelay, exc: OSError) -> NoReturn:
-        """The spool could not hold this render (ENOSPC, EIO, ...): a failure with its reason and errno,
-        re-queued within `retry_spool_error` (another host may have room), never an unrecorded loop."""
+    def _spool_failed(self, job: Any, relay: EventRelay, exc: OSError, where: str = "spool") -> NoReturn:
+        """The spool (or the LoRA cache) could not hold this job's files (ENOSPC, EIO, ...): a failure with its
+        reason and errno, re-queued within `retry_spool_error` (another host may have room), never an
+        unrecorded loop."""
         code = errno.errorcode.get(exc.errno or 0)
-        message = f"spool: {exc.strerror or exc} ({code or type(exc).__name__})"
+        message = f"{where}: {exc.strerror or exc} ({code or type(exc).__name__})"
         retryable = exc.errno != errno.ENAMETOOLONG
         self._fail(job, relay, FailureReason.SPOOL_ERROR, message, errno=code, retryable=retryable)
 
@@ -646,6 +700,7 @@ class RenderService:
             "key": stored.key,
             "size": stored.size,
             "sha256": stored.sha256,
+            "digests": entry.info.get("digests"),  #: the frames' and audio's sha256 (`runners.common.digest`)
             "content_type": stored.content_type,
             "url": url,
             "url_expires_at": url_expires_at,
@@ -676,13 +731,6 @@ def _takes(runner_cls: Any, name: str) -> bool:
         return name in inspect.signature(runner_cls.__call__).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _out_of_memory(exc: Any) -> bool:
-    """An asymmetric end where the raising ranks ran out of memory (and freed it): an out-of-memory job."""
-    from ltx_mgpu import RenderOutOfMemory
-
-    return any(isinstance(t, RenderOutOfMemory) for t in getattr(exc, "terminals", ()))
 
 
 def _first_error(exc: Any) -> str:

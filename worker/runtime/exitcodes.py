@@ -1,7 +1,8 @@
 """The exit codes of a worker process (`ltx-worker one`) and of the supervisor (`ltx-worker`), in one place.
 
 The supervisor decides from them whether restarting can help. Only a configuration error cannot clear
-by itself (settings, storage credentials, a missing GPU, Redis refusing our credentials): the supervisor
+by itself (settings, storage credentials, a missing GPU, Redis refusing our credentials, a Redis URL
+naming a server that is not Redis): the supervisor
 stops the other workers and exits with it. Everything else (a fleet that could not be rebuilt, a crash,
 a kill) is restarted with exponential back-off and never given up on: the review that found a tenant
 filling Redis saw the workers die at registration, the supervisor give up after five quick exits, and

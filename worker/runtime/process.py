@@ -9,7 +9,8 @@ fleet start (blocks until the model is warm), then RQ's work loop — and return
 |------|---------------------------------------------------------------------------------------------|
 | 0    | stopped on request (SIGTERM/SIGINT), or burst/max-jobs finished                              |
 | 2    | a configuration error: invalid settings, storage misconfigured (4xx, unwritable), Redis      |
-|      | refusing our credentials, a GPU group on a machine whose torch sees no such GPU              |
+|      | refusing our credentials, LTX_REDIS_URL naming a server that is not Redis, a GPU group on a  |
+|      | machine whose torch sees no such GPU                                                        |
 | 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row                      |
 
 (`worker.runtime.exitcodes` holds them; the supervisor restarts every exit but 2, with back-off, and never gives up.)
@@ -43,8 +44,10 @@ class _StartupInterrupted(BaseException):  # not an Exception: build-failure han
 
 def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0) -> None:
     """Return once Redis answers PING; while it is unreachable wait with back-off and say so (transient: it
-    may be starting). Refused credentials (or a TLS certificate that does not verify) are a configuration
-    error (`SettingsError`). A SIGTERM/SIGINT during the wait ends it through the caller's startup handler."""
+    may be starting). Refused credentials, a TLS certificate that does not verify, or a server that answers
+    but not in the Redis protocol (LTX_REDIS_URL naming another service's port) are a configuration error
+    (`SettingsError`: exit 2, not restarted). A SIGTERM/SIGINT during the wait ends it through the caller's
+    startup handler."""
     import ssl
     import time
 
@@ -71,6 +74,10 @@ def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_
                 time.sleep(delay)
                 delay = min(max_delay_s, delay * 2)
                 continue
+            except redis.exceptions.InvalidResponse as exc:  # not Redis at all (an HTTP port): waiting won't help
+                text = " ".join(str(exc).split())[:200]
+                raise SettingsError(f"the server at {safe_redis_url(url)} does not speak the Redis protocol "
+                                    f"({text}): does LTX_REDIS_URL name another service's port?") from exc  # fmt: skip
             except redis.ResponseError as exc:  # e.g. NOAUTH: a password is required
                 raise SettingsError(f"Redis at {safe_redis_url(url)} refused us (LTX_REDIS_URL): {exc}") from exc
             if time.monotonic() - t0 > 1:
@@ -140,6 +147,9 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
             raise SettingsError(f"LTX_WARMUP_REQUESTS[{i}] is refused by the runner's limits: {refused[0].message()}")
 
     def fleet_event(event: dict[str, Any]) -> None:
+        if event.get("action") == "warmup_dropped":  # (worker.render.warmup logged it: one warning line)
+            metrics.warmup_dropped.labels(group, str(event.get("reason"))).inc()
+            return
         log.info("fleet %s: %s", group, event_text(event))
         if isinstance(event.get("startup"), dict):
             metrics.set_fleet_startup(event["startup"])
@@ -151,6 +161,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         start_timeout=settings.fleet_start_timeout,
         shutdown_timeout=settings.fleet_shutdown_timeout,
         error_settle_s=settings.fleet_error_settle_s,
+        deterministic=settings.deterministic,
         max_failures=settings.max_rebuild_failures,
         backoff_s=settings.rebuild_backoff_s,
         factory=controller_factory,
@@ -225,6 +236,9 @@ def run_worker(
             return EXIT_FLEET_UNRECOVERABLE
         worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
         worker.service.update_spool_metrics()
+        from worker.runtime.supervisor import tell_supervisor_ready
+
+        tell_supervisor_ready()  # (its restart back-off resets: this process got ready once)
     except _StartupInterrupted as exc:
         log.info("stopped by %s during startup", exc)
         if worker is not None:

@@ -130,6 +130,7 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         self._rebuilding = False  # True while _ensure_fleet runs in the main thread
         self._stop_pending = False  # a warm stop arrived during a rebuild
         self._backpressure = False  # True while waiting for upload room before a dequeue
+        self._backpressure_why: str | None = None
         self._complete_abandoned: list[Any] = []  # jobs the last cleanup found complete (see clean_registries)
         self.last_loop_beat = time.monotonic()
         self.redis_outage = RedisOutage(self._redis_changed)
@@ -293,6 +294,7 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
                               fleet.ready_at, fleet.last_failure, fleet.startup),
             current_job=cur.job_id if cur else None,
             uploads=replace(self.service.pipeline.snapshot(), backpressure=self._backpressure,
+                            backpressure_reason=self._backpressure_why if self._backpressure else None,
                             background=self.settings.upload_pipeline),
             storage=self.service.storage_state,
             redis=self.redis_outage.snapshot(),
@@ -302,7 +304,8 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
             process_started_at=self.service.process_started_at,
             ts=time.time(),
         )  # fmt: skip
-        return live, fleet.is_alive and self.redis_outage.up, info
+        # (in back-pressure the worker takes no job: not ready, with the reason under uploads.backpressure_reason)
+        return live, fleet.is_alive and self.redis_outage.up and not self._backpressure, info
 
     def _fleet_failed(self, info: dict[str, Any]) -> None:
         """The controller's monitor poisoned the fleet (any thread; maybe while idle): say so at once."""
@@ -507,20 +510,25 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
         `max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
         `_SPOOL_MIN_FREE_INODES` inodes: a full spool would fail every job), take no job. The
         worker stays registered (heartbeats), idle (a warm stop interrupts the wait like an idle dequeue)
-        and says so in metrics, health and the log."""
+        and says so in metrics, health (`/readyz` 503, `uploads.backpressure_reason`) and the log. Free space
+        is re-checked every second, the LoRA cache yielding its unpinned files to the spool each time, so
+        the worker recovers by itself."""
         pipeline = self.service.pipeline
         why = self._backpressure_reason()
         if why is None:
             return
         metrics, group = self.service.metrics, self.service.group
-        self._backpressure = True
+        self._backpressure, self._backpressure_why = True, why
         metrics.backpressure.labels(group).set(1)
         t0 = last = time.monotonic()
         log.warning("back-pressure: %s; waiting before taking another job", why)
         self.health.notify()
         try:
             beat = max(1.0, min(10.0, self.settings.worker_ttl / 4))
-            while self._backpressure_reason() is not None:
+            while (still := self._backpressure_reason()) is not None:
+                if still != self._backpressure_why:
+                    self._backpressure_why = still
+                    self.health.notify()
                 if pipeline.full():
                     pipeline.wait_for_room(beat)
                 else:
@@ -544,7 +552,11 @@ class FleetWorker(rqcompat.FleetHorse, SimpleWorker):
             free_bytes, free_inodes = self.service.spool.free()
         except OSError as exc:
             return f"spool unusable: {exc}"
-        if free_bytes < self.settings.spool_min_free_bytes or free_inodes < _SPOOL_MIN_FREE_INODES:
+        floor = self.settings.spool_min_free_bytes
+        if free_bytes < floor and self.service.loras.cache.make_room(floor):
+            # (the LoRA cache yields to the spool where they share a disk: evicts unpinned files, then re-checks)
+            free_bytes, free_inodes = self.service.spool.free()
+        if free_bytes < floor or free_inodes < _SPOOL_MIN_FREE_INODES:
             return f"spool disk nearly full: {free_bytes} bytes, {free_inodes} inodes free"
         return None
 

@@ -192,10 +192,24 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         30.0, gt=0, description="once some ranks ended a job with an error, seconds the others get to end it too "
         "before the fleet is taken to be stuck in a collective and rebuilt"
     )  # fmt: skip
+    deterministic: Literal["auto", "on", "off", "strict"] = Field(
+        "auto", description="deterministic renders (same request, seed, layout and software: the same frames and "
+        "audio; ltx_mgpu.control.determinism): on, strict (torch refuses every nondeterministic op, cuDNN's "
+        "attention included), off; auto = on for CPU fleets, off for GPU fleets"
+    )  # fmt: skip
     max_rebuild_failures: int = Field(
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"
     )
     rebuild_backoff_s: float = Field(2.0, ge=0, description="first back-off between failed rebuilds (doubles)")
+    restart_backoff_s: float = Field(
+        1.0, ge=0, description="supervisor: first wait before restarting a worker that exited before it was ever "
+        "ready (doubles per such exit in a row); a worker that was ready is restarted after this"
+    )  # fmt: skip
+    restart_backoff_max_s: float = Field(60.0, ge=0, description="supervisor: the cap of that back-off")
+    restart_alarm_after: int = Field(
+        3, ge=1, description="supervisor: never-ready exits in a row from which it logs critical, sets "
+        "ltx_supervisor_crash_loop and answers /readyz 503"
+    )  # fmt: skip
 
     # ---- retry policy (the worker decides per failure reason; RQ Retry objects are overridden) ------
     retry_fleet_failure: int = Field(1, ge=0, description="re-queues after a fleet failure")
@@ -306,6 +320,11 @@ class WorkerSettings(ServiceAccess, BaseSettings):
     lora_s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="`bucket/prefix` entries a request's `loras[].uri` must fall under"
     )
+    lora_shared_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="`bucket/prefix` entries every tenant may read LoRAs from; with tenants (tenant_ids) a "
+        "`loras[].uri` must be under one of these or under `<lora_s3_prefixes entry>/<tenant>/`",
+    )
     lora_max_per_request: int = Field(4, ge=0, le=8, description="LoRAs one request may ask for (0: none)")
     lora_max_file_bytes: int = Field(4 * 1024 * _MiB, ge=1, description="largest LoRA file fetched or fused")
     lora_max_header_bytes: int = Field(16 * _MiB, ge=1024, description="largest safetensors header read")
@@ -314,9 +333,13 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         default_factory=lambda: Path(tempfile.gettempdir()) / "ltx-lora-cache",
         description="checked LoRA files, by content; shared by the worker's fleets",
     )
-    lora_cache_bytes: int = Field(16 * 1024 * _MiB, ge=_MiB, description="size cap of lora_cache_dir (LRU)")
+    lora_cache_bytes: int = Field(
+        16 * 1024 * _MiB,
+        ge=_MiB,
+        description="size cap of lora_cache_dir (LRU), held at all times: a job's LoRAs must fit it together",
+    )
 
-    @field_validator("lora_s3_prefixes", mode="before")
+    @field_validator("lora_s3_prefixes", "lora_shared_prefixes", mode="before")
     @classmethod
     def _parse_lora_prefixes(cls, value: Any) -> Any:
         return split_list(value, ",")
@@ -332,6 +355,10 @@ class WorkerSettings(ServiceAccess, BaseSettings):
         le=65535,
         description="Prometheus /metrics and /healthz port of group 0 (group i: +i); 0 = any free port, unset = off",
     )
+    supervisor_port: int | None = Field(
+        None, ge=0, le=65535, description="the supervisor's /metrics, /healthz and /readyz (every group's worker "
+        "ready, else why not); 0 = any free port, unset = off"
+    )  # fmt: skip
     metrics_host: str = Field(
         "127.0.0.1", description="address /metrics and /healthz listen on (loopback; compose sets 0.0.0.0)"
     )
@@ -367,7 +394,7 @@ class WorkerSettings(ServiceAccess, BaseSettings):
             return None
         return value
 
-    @field_validator("metrics_port", mode="before")
+    @field_validator("metrics_port", "supervisor_port", mode="before")
     @classmethod
     def _metrics_off(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("", "off", "none", "false"):

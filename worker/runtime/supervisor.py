@@ -2,12 +2,19 @@
 
 It never imports torch or touches a GPU: it only starts `python -m worker one --group G --index I`
 children (each in its own session, so a terminal's Ctrl+C reaches only the supervisor, which forwards
-it once), watches them, and restarts one that exits unexpectedly with exponential back-off (`backoff_s`
-doubling per exit within `quick_exit_s` of its start, capped at `backoff_max_s`). It never gives up on a
-worker that keeps dying young: the cause may clear by itself (Redis out of memory or read-only, a GPU held
-by another process, storage down), and a supervisor that exited after five quick exits left the service
-down once Redis had memory again. It says so loudly instead (a critical log line at `max_quick_exits`
-exits in a row, and again at every multiple). A worker whose exit code is permanent
+it once), watches them, and restarts one that exits unexpectedly.
+
+Readiness: each child gets the write end of a pipe (its number in `READY_FD_ENV`) and writes one byte once
+its fleet is warm for the first time (`worker.runtime.process`). A child that exits before that byte came
+exited *never ready*, however long it ran (a warm-up can take minutes before it fails): its restart backs
+off exponentially, `backoff_s` doubling per never-ready exit in a row up to `backoff_max_s`. A child that
+became ready resets the count (its restart after a later exit waits `backoff_s`). From `alarm_after` never-ready
+exits in a row the supervisor says so loudly: a critical log line per exit naming the group and the last
+exit code, `ltx_supervisor_crash_loop{group}` 1, and its `/readyz` (`worker.ops.supervisorprobe`, when a port
+is given) 503 with the reason, until a child of that group is ready. It never gives up on such a worker:
+the cause may clear by itself (Redis out of memory or read-only, a GPU held by another process, storage
+down), and a supervisor that exited after five quick exits left the service down once Redis had memory
+again. A worker whose exit code is permanent
 (`worker.runtime.exitcodes.PERMANENT_EXITS`: 2, a configuration error: settings, storage credentials, a missing
 GPU) is never restarted: restarting cannot fix it, so the supervisor stops the others and exits 2 at once.
 A worker that exits 0 unasked is restarted the same way (Redis pubsub must not be a way to stop the
@@ -29,10 +36,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
+from worker.ops.supervisorprobe import SupervisorMetrics, SupervisorProbes
 from worker.runtime.exitcodes import EXIT_BAD_CONFIG, PERMANENT_EXITS
 
-__all__ = ["EXIT_BAD_CONFIG", "Supervisor"]
+__all__ = ["EXIT_BAD_CONFIG", "READY_FD_ENV", "Supervisor", "tell_supervisor_ready"]
+
+#: the child's environment variable naming the pipe it writes one byte to once it is ready (not a setting)
+READY_FD_ENV = "LTX_SUPERVISOR_READY_FD"
 
 log = logging.getLogger("worker.runtime.supervisor")
 
@@ -43,11 +55,26 @@ class _Child:
     index: int
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
-    quick_exits: int = 0
-    clean_exits: int = 0  #: unasked exits with code 0 in a row, each soon after its start (back-off)
+    ready: bool = False  #: the running process reported ready
+    ready_fd: int | None = None  #: the read end of its readiness pipe (closed once it said ready, or exited)
+    never_ready_exits: int = 0  #: exits in a row before the process was ever ready (reset by a ready one)
     restarts: int = 0
     next_start: float = 0.0
     exit_codes: list[int] = field(default_factory=list)
+    delays: list[float] = field(default_factory=list)  #: the back-off before each restart
+
+    def status(self, alarm_after: int) -> dict[str, Any]:
+        running = self.proc is not None and self.proc.poll() is None
+        out: dict[str, Any] = {"group": self.group, "pid": self.proc.pid if running and self.proc else None,
+                               "ready": running and self.ready, "never_ready_exits": self.never_ready_exits,
+                               "last_exit_code": self.exit_codes[-1] if self.exit_codes else None,
+                               "crash_loop": self.never_ready_exits >= alarm_after}  # fmt: skip
+        if out["crash_loop"]:
+            out["reason"] = (f"group {self.group}: the worker exited {self.never_ready_exits} times in a row before it "
+                             f"was ever ready (last exit code {out['last_exit_code']}); its log says why")  # fmt: skip
+        elif not out["ready"]:
+            out["reason"] = f"group {self.group}: the worker is {'starting' if running else 'restarting'}"
+        return out
 
 
 class Supervisor:
@@ -61,20 +88,26 @@ class Supervisor:
         env: dict[str, str] | None = None,
         backoff_s: float = 1.0,
         backoff_max_s: float = 60.0,
-        quick_exit_s: float = 60.0,
-        max_quick_exits: int = 5,
+        alarm_after: int = 3,
         kill_after_s: float | None = None,
         poll_s: float = 0.1,
+        port: int | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.children = [_Child(group, i) for i, group in enumerate(groups)]
         self.command_for = command_for
         self.env = env
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
-        self.quick_exit_s = quick_exit_s
-        self.max_quick_exits = max_quick_exits
+        self.alarm_after = max(1, alarm_after)
         self.kill_after_s = kill_after_s
         self.poll_s = poll_s
+        self.port, self.host = port, host  #: the probes' port (None: off; 0: any free one, then the one bound)
+        self.metrics = SupervisorMetrics()
+        for child in self.children:
+            self.metrics.worker_ready.labels(child.group).set(0)
+            self.metrics.never_ready_exits.labels(child.group).set(0)
+            self.metrics.crash_loop.labels(child.group).set(0)
         self.signals_received = 0
         self._cold_at: float | None = None
 
@@ -100,9 +133,56 @@ class Supervisor:
     # ---- lifecycle -----------------------------------------------------------------------------------
     def _start(self, child: _Child) -> None:
         cmd = self.command_for(child.group, child.index)
-        child.proc = subprocess.Popen(cmd, env=self.env, start_new_session=True)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        env = {**(os.environ if self.env is None else self.env), READY_FD_ENV: str(write_fd)}
+        try:
+            child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # (the child holds its copy: EOF here once it exits)
+        self._close_ready_fd(child)
+        child.ready_fd, child.ready = read_fd, False
         child.started_at = time.monotonic()
         log.info("started worker for group %s (pid %d)", child.group, child.proc.pid)
+
+    def _poll_ready(self, child: _Child) -> None:
+        """Read the child's readiness byte if it came; a ready child resets its never-ready count."""
+        if child.ready_fd is None:
+            return
+        try:
+            data = os.read(child.ready_fd, 1)
+        except BlockingIOError:
+            return
+        self._close_ready_fd(child)
+        if not data:
+            return  # EOF: it exited (or closed the pipe) without saying ready
+        child.ready = True
+        if child.never_ready_exits >= self.alarm_after:
+            log.warning("worker for group %s is ready after %d exits in a row before readiness", child.group,
+                        child.never_ready_exits)  # fmt: skip
+        child.never_ready_exits = 0
+        self.metrics.worker_ready.labels(child.group).set(1)
+        self.metrics.never_ready_exits.labels(child.group).set(0)
+        self.metrics.crash_loop.labels(child.group).set(0)
+        log.info("worker for group %s (pid %d) is ready", child.group, child.proc.pid if child.proc else -1)
+
+    @staticmethod
+    def _close_ready_fd(child: _Child) -> None:
+        if child.ready_fd is not None:
+            try:
+                os.close(child.ready_fd)
+            except OSError:
+                pass
+            child.ready_fd = None
+
+    def status(self) -> tuple[bool, str | None, list[dict[str, Any]]]:
+        """(every group's worker runs and is ready, why not, each group's status): the probes' answer."""
+        groups = [child.status(self.alarm_after) for child in self.children]
+        reasons = [g["reason"] for g in groups if "reason" in g]
+        return not reasons, "; ".join(reasons) or None, groups
 
     @property
     def pids(self) -> list[int]:
@@ -113,6 +193,11 @@ class Supervisor:
         permanent code (the supervisor exits with it)."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         code = 0
+        probes = None
+        if self.port is not None:
+            probes = SupervisorProbes(self.metrics, self.status, host=self.host, port=self.port).start()
+            self.port = probes.port
+            log.info("supervisor probes and metrics on port %d", probes.port)
         try:
             for child in self.children:
                 self._start(child)
@@ -145,6 +230,9 @@ class Supervisor:
                 rc = child.proc.wait()
                 if rc not in (0, None) and code == 0 and self.signals_received:
                     log.warning("worker for group %s exited with %d on stop", child.group, rc)
+            self._close_ready_fd(child)
+        if probes is not None:
+            probes.stop()
         return code
 
     def _check_children(self) -> int:
@@ -157,41 +245,43 @@ class Supervisor:
                 if now >= child.next_start:
                     self._start(child)
                 continue
+            self._poll_ready(child)  # (before the exit: a child may say ready and exit in one poll)
             rc = proc.poll()
             if rc is None:
                 continue
+            self._poll_ready(child)
             lived = now - child.started_at
             child.exit_codes.append(rc)
             child.proc = None
+            self._close_ready_fd(child)
+            self.metrics.worker_ready.labels(child.group).set(0)
             if rc in PERMANENT_EXITS:
                 log.critical("worker for group %s exited %d: a configuration error (its log says which); "
                              "restarting cannot fix it: stopping", child.group, rc)  # fmt: skip
                 return rc
-            if rc == 0:
-                # A clean exit nobody asked for (the workers refuse RQ's pubsub shutdown command, so an older
-                # worker or something else told it to): restarted with back-off, never a crash loop, or anyone
-                # who can PUBLISH on Redis could end the service.
-                child.clean_exits = child.clean_exits + 1 if lived < self.quick_exit_s else 0
-                delay = self._backoff(child.clean_exits)
-                child.restarts += 1
-                child.next_start = now + delay
-                log.warning("worker for group %s exited 0 unasked after %.1fs; restarting in %.1fs",
-                            child.group, lived, delay)  # fmt: skip
-                continue
-            child.quick_exits = child.quick_exits + 1 if lived < self.quick_exit_s else 0
-            delay = self._backoff(child.quick_exits)
+            # (an unasked exit 0 too: the workers refuse RQ's pubsub shutdown command, so an older worker or
+            # something else told it to; restarted with back-off, or anyone who can PUBLISH could end the service)
+            child.never_ready_exits = 0 if child.ready else child.never_ready_exits + 1
+            delay = self._backoff(child.never_ready_exits)
             child.restarts += 1
+            child.delays.append(delay)
             child.next_start = now + delay
-            if child.quick_exits and child.quick_exits % self.max_quick_exits == 0:
-                log.critical("worker for group %s exited %d times in a row within %.0fs of starting (last code "
-                             "%d): still restarting, every %.0fs at most; its log says why", child.group,
-                             child.quick_exits, self.quick_exit_s, rc, self.backoff_max_s)  # fmt: skip
+            self.metrics.restarts.labels(child.group).inc()
+            self.metrics.never_ready_exits.labels(child.group).set(child.never_ready_exits)
+            what = "after it was ready" if child.ready else "before it was ever ready"
+            if child.never_ready_exits >= self.alarm_after:
+                self.metrics.crash_loop.labels(child.group).set(1)
+                log.critical("worker for group %s exited %d times in a row before it was ever ready (last exit code "
+                             "%d, after %.1fs): crash loop; restarting in %.1fs (back-off up to %.0fs); its log "
+                             "says why", child.group, child.never_ready_exits, rc, lived, delay,
+                             self.backoff_max_s)  # fmt: skip
                 continue
-            log.error("worker for group %s exited with code %d after %.1fs; restarting in %.1fs",
-                      child.group, rc, lived, delay)  # fmt: skip
+            log.error("worker for group %s exited with code %d after %.1fs, %s; restarting in %.1fs", child.group, rc,
+                      lived, what, delay)  # fmt: skip
         return 0
 
     def _backoff(self, exits_in_a_row: int) -> float:
+        """The wait before a restart after `exits_in_a_row` never-ready exits (0: it had been ready)."""
         return min(self.backoff_max_s, self.backoff_s * 2 ** min(30, max(0, exits_in_a_row - 1)))
 
 
@@ -205,3 +295,15 @@ def child_env(overrides: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(overrides)
     return env
+
+
+def tell_supervisor_ready() -> None:
+    """In a worker process: tell the supervisor that started it that it is ready (once; no-op otherwise)."""
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is None or not fd.isdigit():
+        return
+    try:
+        os.write(int(fd), b"1")
+        os.close(int(fd))
+    except OSError:
+        log.debug("could not tell the supervisor we are ready", exc_info=True)

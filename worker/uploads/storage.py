@@ -25,6 +25,7 @@ S3 notes (measured against SeaweedFS, MinIO and AWS behaviour):
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -41,7 +42,12 @@ from worker.uploads.spool import SpoolEntry, sha256_file
 __all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject", "make_storage", "new_render_id"]
 
 
+log = logging.getLogger("worker.uploads.storage")
+
 ProgressFn = Callable[[int], None]  # called with byte increments, from transfer threads
+#: CreateBucket errors that mean the bucket is already there (a sibling worker won the race, or the name is
+#: taken): checked with a HeadBucket rather than taken as fatal.
+_BUCKET_EXISTS_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
 
 
 class StorageError(RuntimeError):
@@ -159,6 +165,8 @@ class S3Storage:
                 aws_secret_access_key=settings.s3_presign_secret_access_key.get_secret_value(),
             )
             self.presign_client = presign.client("s3", endpoint_url=public, config=_client_config(settings))
+        #: result URLs carry the worker's own (read/write) key id: said once at start (`check`)
+        self.presigns_with_worker_key = settings.s3_presign_access_key_id is None
         self.transfer_config = TransferConfig(
             multipart_threshold=settings.upload_multipart_threshold,
             multipart_chunksize=settings.upload_multipart_chunksize,
@@ -179,23 +187,44 @@ class S3Storage:
         # worker restarted during an S3 outage used to exit 2 until its supervisor gave up and the whole
         # service was down; now it starts degraded, renders into the spool and its uploads retry.
         where = f"bucket {self.bucket!r} at {self.settings.s3_endpoint_url}"
+        if self.presigns_with_worker_key:
+            log.warning("result URLs are signed with the worker's own read/write S3 key: its key id is in every "
+                        "URL stored in Redis and shown to clients; set LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE and "
+                        "LTX_S3_PRESIGN_SECRET_ACCESS_KEY_FILE to a read-only key (docs/security.md)")  # fmt: skip
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
             if code in ("404", "NoSuchBucket", "NotFound") and self.settings.s3_create_bucket:
-                try:
-                    self.client.create_bucket(Bucket=self.bucket)
-                except ClientError as create_exc:
-                    raise StorageError(f"{where}: cannot create it: {create_exc}", retryable=False) from create_exc
-                except BotoCoreError as create_exc:
-                    raise StorageError(f"{where}: unreachable: {create_exc}", retryable=True) from create_exc
+                self._create_bucket(where)
                 return
             raise StorageError(f"{where}: {s3_error_text(exc)}", retryable=not (400 <= status < 500)) from exc
         except BotoCoreError as exc:
             message = f"S3 endpoint {self.settings.s3_endpoint_url} unreachable: {exc}"
             raise StorageError(message, retryable=True) from exc
+
+    def _create_bucket(self, where: str) -> None:
+        """Create the missing bucket. Workers of several groups start together against a fresh endpoint, so a
+        sibling may create it between our HeadBucket and CreateBucket: "already exists" is success when a
+        second HeadBucket shows the bucket is there and this key can use it (it is refused otherwise, e.g.
+        AWS's BucketAlreadyExists for a name another account owns)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.create_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) not in _BUCKET_EXISTS_CODES:
+                raise StorageError(f"{where}: cannot create it: {s3_error_text(exc)}", retryable=False) from exc
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except ClientError as head_exc:
+                message = f"{where}: it exists but this key cannot use it: {s3_error_text(head_exc)}"
+                raise StorageError(message, retryable=False) from head_exc
+            except BotoCoreError as head_exc:
+                raise StorageError(f"{where}: unreachable: {head_exc}", retryable=True) from head_exc
+        except BotoCoreError as exc:
+            raise StorageError(f"{where}: unreachable: {exc}", retryable=True) from exc
 
     def _stat(self, key: str) -> dict[str, Any] | None:
         from botocore.exceptions import ClientError

@@ -7,7 +7,8 @@ audio decoder and vocoder builders are in `common.audio` (the smoke runner uses 
 
 Quantization is passed through, never ignored: `quantization_policy(name)` returns ltx-core's policy for
 "fp8-cast" or "fp8-scaled-mm" (the latter needs TensorRT-LLM and says so), ours for "fp8-mm" (FP8 GEMMs
-through `torch._scaled_mm`, `ltx_mgpu.fp8`), and unknown names raise.
+through `torch._scaled_mm`, `ltx_mgpu.fp8`) and "fp8-mm+attn" (those plus the video self-attention in FP8,
+`ltx_mgpu.fp8.attention`), and unknown names raise.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm")
+QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -58,6 +59,10 @@ def quantization_policy(name: str | None) -> Any:
         from ...fp8 import fp8_mm_policy
 
         return fp8_mm_policy()
+    if name == "fp8-mm+attn":
+        from ...fp8.attention import fp8_mm_attn_policy
+
+        return fp8_mm_attn_policy()
     if name == "fp8-scaled-mm":
         try:
             return QuantizationPolicy.fp8_scaled_mm()
@@ -108,15 +113,23 @@ def check_quantized(model: torch.nn.Module, name: str | None) -> None:
     """Prove a quantization policy took effect (the reference's CLIs silently dropped it)."""
     if name == "fp8-cast" and torch.float8_e4m3fn not in {p.dtype for p in model.parameters()}:
         raise RuntimeError("quantization 'fp8-cast' was requested but no transformer weight is float8")
-    if name == "fp8-mm":
+    if name in ("fp8-mm", "fp8-mm+attn"):
         from ...fp8 import Fp8Linear, fp8_tensor_cores
 
         if not any(isinstance(m, Fp8Linear) for m in model.modules()):
-            raise RuntimeError("quantization 'fp8-mm' was requested but no transformer Linear computes in fp8")
+            raise RuntimeError(f"quantization {name!r} was requested but no transformer Linear computes in fp8")
         device = next(model.parameters()).device
         if device.type == "cuda" and not fp8_tensor_cores(device):  # the emulation would dequantize per call
-            raise ValueError(f"quantization 'fp8-mm' needs FP8 tensor cores (sm_89 or later) on {device}; "
+            raise ValueError(f"quantization {name!r} needs FP8 tensor cores (sm_89 or later) on {device}; "
                              "use 'fp8-cast' there")  # fmt: skip
+    if name == "fp8-mm+attn":
+        from ...fp8.attention import fp8_attention_count, fp8_attention_support
+
+        if not fp8_attention_count(model):
+            raise RuntimeError("quantization 'fp8-mm+attn' was requested but no attention computes in fp8")
+        why = fp8_attention_support(next(model.parameters()).device)
+        if why is not None:
+            raise ValueError(f"quantization 'fp8-mm+attn': {why}")
 
 
 def distributed_video_decoder(

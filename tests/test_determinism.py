@@ -1,0 +1,168 @@
+"""Deterministic renders, the engine's part (`ltx_mgpu.control.determinism`, `collectives.ordered_sum`, the
+memory plan's capacity): the mode's resolution, the switches a rank sets, and the reductions fixed in our own
+code. The service-level checks (hashes in the job summary, same request twice) are in
+tests/test_determinism_service.py; the GPU ones in tests/test_determinism_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ltx_mgpu.control import determinism
+from ltx_mgpu.parallel.testing import LocalWorld
+
+
+# ---- the mode ---------------------------------------------------------------------------------------------
+def test_auto_is_on_for_cpu_fleets_and_off_for_gpu_fleets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(determinism.ENV, raising=False)
+    assert determinism.resolve(None, ["cpu", "cpu"]) == "on"
+    assert determinism.resolve(None, ["cuda:0", "cuda:1"]) == "off"
+    assert determinism.resolve("auto", ["cuda:0"]) == "off"
+    assert determinism.resolve(True, ["cuda:0"]) == "on" and determinism.resolve(False, ["cpu"]) == "off"
+    assert determinism.resolve("strict", ["cuda:0"]) == "strict"
+    monkeypatch.setenv(determinism.ENV, "on")
+    assert determinism.resolve(None, ["cuda:0"]) == "on"
+    monkeypatch.setenv(determinism.ENV, "off")
+    assert determinism.resolve(None, ["cpu"]) == "off"
+
+
+def test_a_bad_mode_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="one of auto, on, off, strict; got 'yes'"):
+        determinism.resolve("yes", ["cpu"])
+    monkeypatch.setenv(determinism.ENV, "maybe")
+    with pytest.raises(ValueError, match="got 'maybe'"):
+        determinism.resolve(None, ["cpu"])
+    from ltx_mgpu import MGPUController
+    from ltx_mgpu.runners.smoke import SmokeRunner
+
+    with pytest.raises(ValueError, match="got 'sometimes'"):
+        MGPUController(SmokeRunner, devices=["cpu"], deterministic="sometimes")
+
+
+_PROBE = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    import torch
+    from ltx_mgpu.control import determinism
+    determinism.apply(sys.argv[1])
+    out = {"algorithms": torch.are_deterministic_algorithms_enabled(),
+           "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+           "cudnn_deterministic": torch.backends.cudnn.deterministic, "benchmark": torch.backends.cudnn.benchmark,
+           "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+           "fill": torch.utils.deterministic.fill_uninitialized_memory}
+    x = torch.zeros(4)
+    try:  # put_ without accumulate has no deterministic implementation on any device
+        x.put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]), accumulate=False)
+        out["nondeterministic_op"] = "ran"
+    except (RuntimeError, UserWarning) as exc:
+        out["nondeterministic_op"] = type(exc).__name__
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("mode", "warn_only", "raised"),
+    [("on", True, "UserWarning"), ("strict", False, "RuntimeError"), ("off", False, "ran")],
+)
+def test_a_rank_sets_the_switches_and_a_nondeterministic_op_raises(mode: str, warn_only: bool, raised: str) -> None:
+    """In a fresh interpreter (the switches are process-wide): `on` keeps torch's warn-only mode (so cuDNN's
+    attention stays eligible) and still raises on an op torch knows to be nondeterministic."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["nondeterministic_op"] == raised
+    if mode == "off":
+        assert not out["algorithms"] and out["cublas"] is None
+        return
+    assert out["algorithms"] and out["warn_only"] is warn_only
+    assert out["cudnn_deterministic"] and not out["benchmark"]
+    assert out["cublas"] == ":4096:8"
+    assert out["fill"] is (mode == "strict")  # (the NaN fill of new tensors: strict only, see determinism.py)
+
+
+# ---- the tiled stage 2's cross-rank sum ---------------------------------------------------------------------
+#: three partial sums whose float32 total depends on the order they are added in (float32 spacing at 1e8 is 8):
+#: (a + b) + c = [0, 0] (1 and 3 are lost next to 1e8) but a + (b + c) = [0, 3] (b + c cancels 1e8 first)
+_PARTS = (torch.tensor([1.0e8, 3.0]), torch.tensor([1.0, 1.0e8]), torch.tensor([-1.0e8, -1.0e8]))
+
+
+def _rank_ordered_sum(ctx: object) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from ltx_mgpu.parallel.collectives import ordered_sum
+
+    return ordered_sum(_PARTS[dist.get_rank()].clone(), None)
+
+
+def test_ordered_sum_adds_in_rank_order_on_every_rank() -> None:
+    """Three ranks (with two, float addition commutes and every order agrees): every rank gets
+    ((x0 + x1) + x2) bit for bit, which differs from x0 + (x1 + x2) on these values."""
+    left = (_PARTS[0] + _PARTS[1]) + _PARTS[2]
+    right = _PARTS[0] + (_PARTS[1] + _PARTS[2])
+    assert not torch.equal(left, right)  # (the test's values do tell the orders apart)
+    with LocalWorld(3) as world:
+        results = world.run(_rank_ordered_sum)
+    for got in results:
+        assert torch.equal(got, left)
+
+
+def test_the_tiled_stage_uses_the_ordered_sum_under_deterministic_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TiledDataParallelModelWrapper._all_reduce` routes to `ordered_sum` exactly when deterministic
+    algorithms are on (a unit check of the switch; the sum itself is checked across ranks above)."""
+    from ltx_mgpu.parallel import tdp
+
+    calls: list[str] = []
+    monkeypatch.setattr(tdp, "ordered_sum", lambda flat, group: calls.append("ordered") or flat)
+    monkeypatch.setattr(tdp.dist, "all_reduce", lambda buf, op=None, group=None: calls.append("all_reduce"))
+    monkeypatch.setattr(tdp, "needs_host_staging", lambda group, device: False)
+    wrapper = object.__new__(tdp.TiledDataParallelModelWrapper)
+    wrapper.world_size, wrapper.group = 2, None
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        wrapper._all_reduce(torch.ones(3))
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        wrapper._all_reduce(torch.ones(3))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert calls == ["all_reduce", "ordered"]
+
+
+# ---- the memory plan's capacity -----------------------------------------------------------------------------
+def test_the_reported_device_memory_is_the_total_under_deterministic_algorithms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's memory plan takes its capacity from this report (after the warm-up); free memory changes
+    from one fleet build to the next and would change the decode's chunking, so under deterministic
+    algorithms it is the device's total memory (a constant of the GPU model). Unit check with the CUDA
+    queries stubbed (no GPU here); tests/test_determinism_gpu.py runs the real one."""
+    from types import SimpleNamespace
+
+    from ltx_mgpu.runners.common.stages import StageClock
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=140 * gib)
+    )
+    clock = StageClock(torch.device("cuda", 0))
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert clock.gpu_report()["device_memory_bytes"] == 130 * gib  # free + this allocator's reservation
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert clock.gpu_report()["device_memory_bytes"] == 140 * gib
+    finally:
+        torch.use_deterministic_algorithms(previous)

@@ -1,0 +1,150 @@
+"""Request LoRAs against a hostile tenant, real S3 (SeaweedFS): a uri outside the
+tenant's folder is refused by one rule at submit and in the worker, in the same words whether the object exists;
+the cache tells one tenant nothing of another's objects; an object's header is checked from a ranged GET before
+its body is fetched; a header nested 200,000 deep is a request error; the strengths of one file add up."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from ltx_mgpu.lorafile import LoraFileError, check_lora
+from producer.loras import lora_problems
+from worker.ops.metrics import WorkerMetrics
+from worker.protocol.health import LoraOffer
+from worker.protocol.lorarefs import LoraRef, uri_problem
+from worker.protocol.schema import RenderRequest
+from worker.render.loras import LoraRefused, LoraResolver
+from worker.runtime.settings import WorkerSettings
+
+from .test_lora_file import TARGETS, lora, write_st
+
+
+@pytest.fixture
+def bucket(s3_client: Any) -> str:
+    name = f"loras-{uuid.uuid4().hex[:10]}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+class Counting:
+    """The worker's S3 client, counting the body bytes its GETs return (what a fetch cost)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.got = client, 0
+
+    def get_object(self, **kwargs: Any) -> Any:
+        out = self.client.get_object(**kwargs)
+        self.got += int(out["ContentLength"])
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def resolver(tmp_path: Path, s3: Any, **settings: Any) -> LoraResolver:
+    s = WorkerSettings(lora_cache_dir=tmp_path / "cache", **settings)
+    r = LoraResolver(s, s3_client=lambda: s3, metrics=WorkerMetrics("g"))
+    r._targets = dict(TARGETS)
+    return r
+
+
+# ==== 10: per-tenant prefixes, no cross-tenant oracle ====================================================
+
+
+def test_a_tenant_reads_only_its_own_folder_or_a_shared_one(tmp_path: Path, s3_client: Any, bucket: str) -> None:
+    good = write_st(tmp_path / "g.safetensors", lora()).read_bytes()
+    for key in ("loras/bob/style.safetensors", "loras/alice/mine.safetensors", "shared/house.safetensors"):
+        s3_client.put_object(Bucket=bucket, Key=key, Body=good)
+    r = resolver(tmp_path, s3_client, lora_s3_prefixes=[f"{bucket}/loras"], lora_shared_prefixes=[f"{bucket}/shared/"],
+                 tenant_ids=True)  # fmt: skip
+    refused = []
+    for key in ("loras/bob/style.safetensors", "loras/bob/missing.safetensors"):  # exists, and does not
+        with pytest.raises(LoraRefused) as info:
+            r.resolve([LoraRef(uri=f"s3://{bucket}/{key}")], tenant="alice")
+        refused.append(str(info.value).replace(key, "KEY"))
+    assert refused[0] == refused[1] and "not under tenant 'alice'" in refused[0], refused  # no existence oracle
+    assert r.metrics.registry.get_sample_value("ltx_worker_lora_fetch_bytes_total", {"group": "g"}) is None
+    mine = r.resolve([LoraRef(uri=f"s3://{bucket}/loras/alice/mine.safetensors")], tenant="alice")[0]
+    assert not mine.cached
+    house = f"s3://{bucket}/shared/house.safetensors"
+    assert not r.resolve([LoraRef(uri=house)], tenant="bob")[0].cached
+    # bob used it just now; alice's first use is still a miss: the cache tells no tenant what another used
+    assert not r.resolve([LoraRef(uri=house)], tenant="alice")[0].cached
+    assert r.resolve([LoraRef(uri=house)], tenant="alice")[0].cached
+    # the producer's check is the same rule, from what the worker publishes
+    offer = r.published()
+    assert offer.per_tenant and offer.shared_prefixes == (f"{bucket}/shared/",)
+    req = RenderRequest(prompt="x", loras=[LoraRef(uri=f"s3://{bucket}/loras/bob/style.safetensors")])
+    (problem,) = lora_problems(req, [("w1", offer)], tenant="alice")
+    assert "not under tenant 'alice'" in problem
+    assert lora_problems(req, [("w1", offer)], tenant="bob") == []
+    assert lora_problems(req, [("w1", LoraOffer(None, (f"{bucket}/loras",), 4))], tenant="alice") == []  # no tenants
+
+
+def test_the_rule_without_tenants_is_the_prefix_list() -> None:
+    assert uri_problem("s3://bkt/loras/x/y.safetensors", ["bkt/loras"]) is None
+    assert "under no prefix" in str(uri_problem("s3://bkt/other/y.safetensors", ["bkt/loras"]))
+    assert uri_problem("s3://bkt/loras/al/y.safetensors", ["bkt/loras"], tenant="al") is None
+    assert uri_problem("s3://bkt/loras/alice/y.safetensors", ["bkt/loras/"], tenant="al") is not None  # whole segment
+
+
+# ==== 11: the header from a ranged GET, before the body ==================================================
+
+
+def test_an_impossible_header_is_refused_after_a_few_kilobytes(tmp_path: Path, s3_client: Any, bucket: str) -> None:
+    size = 24 << 20
+    lying = struct.pack("<Q", 1 << 40) + bytes(size - 8)  # declares a 1 TB header
+    good_header = write_st(tmp_path / "g.safetensors", lora()).read_bytes()
+    wrong_keys = write_st(tmp_path / "w.safetensors", {"not_a_lora.weight": ("BF16", [4, 4])}).read_bytes()
+    s3_client.put_object(Bucket=bucket, Key="u/lying.safetensors", Body=lying)
+    s3_client.put_object(Bucket=bucket, Key="u/keys.safetensors", Body=wrong_keys + bytes(size))
+    s3_client.put_object(Bucket=bucket, Key="u/ok.safetensors", Body=good_header)
+    counting = Counting(s3_client)
+    r = resolver(tmp_path, counting, lora_s3_prefixes=[f"{bucket}/u/"], lora_max_file_bytes=64 << 20)
+    with pytest.raises(LoraRefused, match="header of 1099511627776 bytes, over the"):
+        r.resolve([LoraRef(uri=f"s3://{bucket}/u/lying.safetensors")])
+    with pytest.raises(LoraRefused, match="(bytes after the last tensor|not a LoRA factor)"):
+        r.resolve([LoraRef(uri=f"s3://{bucket}/u/keys.safetensors")])
+    assert counting.got <= 2 * (64 << 10), counting.got  # two first ranges, not 48 MB of bodies
+    assert not list((tmp_path / "cache").glob("*.safetensors"))
+    counting.got = 0
+    assert not r.resolve([LoraRef(uri=f"s3://{bucket}/u/ok.safetensors")])[0].cached
+    assert counting.got == 2 * len(good_header)  # (header range, then the body)
+
+
+# ==== 12: bad headers are request errors, never `internal` ================================================
+
+
+def test_a_header_nested_200000_deep_is_a_lora_error(tmp_path: Path, s3_client: Any, bucket: str) -> None:
+    raw = b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(LoraFileError, match="nests deeper than 8 levels"):
+        check_lora(path, TARGETS)
+    s3_client.put_object(Bucket=bucket, Key="u/deep.safetensors", Body=path.read_bytes())
+    r = resolver(tmp_path, s3_client, lora_s3_prefixes=[f"{bucket}/u/"])
+    with pytest.raises(LoraRefused, match=r"^loras\[0\]: s3://.*nests deeper than 8 levels"):
+        r.resolve([LoraRef(uri=f"s3://{bucket}/u/deep.safetensors")])
+
+
+# ==== 14: strengths of one file add up ===================================================================
+
+
+def test_one_file_repeated_is_bounded_in_sum(tmp_path: Path, s3_client: Any, bucket: str) -> None:
+    with pytest.raises(ValidationError, match="strengths add up to 16 for one file"):
+        RenderRequest(prompt="x", loras=[LoraRef(name="a", strength=4.0)] * 4)
+    RenderRequest(prompt="x", loras=[LoraRef(name="a", strength=2.0), LoraRef(name="a", strength=2.0)])
+    good = write_st(tmp_path / "g.safetensors", lora()).read_bytes()
+    for i in range(4):  # the same bytes under four keys: the schema sees four files, the worker one
+        s3_client.put_object(Bucket=bucket, Key=f"u/c{i}.safetensors", Body=good)
+    r = resolver(tmp_path, s3_client, lora_s3_prefixes=[f"{bucket}/u/"])
+    refs = [LoraRef(uri=f"s3://{bucket}/u/c{i}.safetensors", strength=4.0) for i in range(4)]
+    RenderRequest(prompt="x", loras=refs)  # (the schema cannot know they are copies)
+    with pytest.raises(LoraRefused, match="strengths add up to 16 for one file"):
+        r.resolve(refs)
