@@ -21,7 +21,6 @@ __all__ = ["PLANS", "SIZES", "RunSpec", "determinism_cost", "parse_size", "refus
 SIZES = ("768x512x121", "1536x1024x121", "1536x1024x241")
 
 _SIZE = re.compile(r"^(\d+)x(\d+)x(\d+)$")
-DEFAULT_SP_MAX_TOKENS = 32768  #: the ltx2 runners' `sp_max_tokens` default
 
 
 def parse_size(text: str) -> tuple[int, int, int]:
@@ -34,18 +33,13 @@ def parse_size(text: str) -> tuple[int, int, int]:
 
 
 def sized(workload: Workload, size: str | None) -> Workload:
-    """`workload` with its request at `size` ("WxHxF"; None: as it is). A size whose full-resolution stage has
-    more video tokens than the runners' default SP budget (32,768: 1536x1024x241 has 47,616) raises the budget
-    to the next multiple of 8,192 (the distilled runner runs stage 2 as SP over the whole clip)."""
+    """`workload` with its request at `size` ("WxHxF"; None: as it is). The setup is left as it is: the
+    runners' default SP budget (`memplan.sp_tokens`) takes every size their rules accept."""
     if size is None:
         return workload
     width, height, frames = parse_size(size)
-    setup = dict(workload.setup)
-    tokens = (width // 32) * (height // 32) * ((frames - 1) // 8 + 1)
-    if tokens > int(setup.get("sp_max_tokens", DEFAULT_SP_MAX_TOKENS)):
-        setup["sp_max_tokens"] = -(-tokens // 8192) * 8192
     request = {**workload.request, "width": width, "height": height, "num_frames": frames}
-    return dataclasses.replace(workload, request=request, setup=setup)
+    return dataclasses.replace(workload, request=request)
 
 
 def refusal(workload: Workload, world_sizes: list[int]) -> str | None:

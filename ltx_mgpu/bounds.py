@@ -44,13 +44,13 @@ AUDIO_LATENTS_PER_SECOND = 25  #: LTX-2's audio latent rate (16 kHz, hop 160, x4
 #: Inclusive ranges of the numeric request fields (and of a conditioning image's `frame` and `strength`).
 RANGES: dict[str, tuple[float, float]] = {
     "seed": (0, 2**32 - 1),
-    "width": (32, 2048),
-    "height": (32, 2048),
-    "num_frames": (1, 257),
+    "width": (32, 3840),  # 4K (3840x2176): the largest preset (`requestrules.PRESETS`); the plan decides the rest
+    "height": (32, 3840),
+    "num_frames": (1, 481),  # 20 s at 24 fps
     "frame_rate": (MIN_FRAME_RATE, MAX_FRAME_RATE),
     "steps": (1, 200),
     "guidance_scale": (1.0, 20.0),
-    "frame": (0, 256),
+    "frame": (0, 480),
     "strength": (0.0, 1.0),
 }
 INT_FIELDS = frozenset({"seed", "width", "height", "num_frames", "steps", "frame"})

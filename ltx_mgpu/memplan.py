@@ -16,11 +16,18 @@ The model (every figure in GiB = 2**30 bytes; which numbers are calibrated and w
   unless `text_encoder_rank` says otherwise); wherever a LoRA tracker is set up (two-stage, setup `loras`,
   `request_loras`): its clean backup of every LoRA-able weight (sharded ~1/W), its broadcast staging buffer
   (W > 1), the factors of the setup's LoRAs (sharded like the weights) and of the largest request LoRAs the
-  worker admits (`lora_parts`, "LoRAs" in docs/memory.md); the SP exchange buffers (`sp_max_tokens`); a
-  runtime share (CUDA graphs' pools, workspaces) calibrated on one H200.
-- per stage, on top: a transformer forward holds `token_bytes` per (token x row) of its shard; the upsampler
+  worker admits (`lora_parts`, "LoRAs" in docs/memory.md); on W > 1 the SP exchange buffers (a rank's
+  share, ceil(T / W) tokens, of the token budget T: `sp_tokens`); a runtime share (workspaces) calibrated on
+  one H200.
+- per stage, on top: a transformer forward holds `token_bytes` per (token x row) of its shard and
+  `audio_token_bytes` per audio latent x row (unsharded: duration = frames / frame_rate); the upsampler
   `upsample_bytes` per full-resolution latent cell; the decode `decode_bytes` per pixel-frame it decodes at
-  once (the driver also holds the blended float32 video and its uint8 frames: `frame_bytes` per pixel-frame).
+  once (the driver also holds the blended float32 video and its uint8 frames: `frame_bytes` per pixel-frame,
+  and decodes the audio: `audio_decode_bytes_per_s` per second of clip).
+- CUDA graphs: each captured forward keeps its private pool (`graph_pool_bytes` per token-row) to the end of
+  the job, so stage 1's pool is held through stage 2 and the decode, and stage 2's through the decode.
+- sizes: `ltx_mgpu.requestrules` (the runner's rules) decides which sizes exist at all; a size they refuse
+  never fits, and `largest()` suggests only sizes they accept.
 - the allocator caches above its peak (`cache_fraction`): the predicted reservation is what must fit.
 The decode is the peak at the sizes people ask for; when the plain decode (one spatial tile per rank, the
 whole clip at once, the fastest) does not fit, the plan decodes each tile in ltx-core's default chunks
@@ -36,7 +43,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ltx_mgpu.bounds import audio_latents
+from ltx_mgpu.memprofile import LTX2_19B, PROFILES, TINY, ModelProfile
+from ltx_mgpu.requestrules import RequestRules, ltx2_rules
+
 __all__ = [
+    "DEFAULT_FRAME_RATE",
     "DEFAULT_HEADROOM_GIB",
     "DEFAULT_REQUEST_LORAS",
     "PROFILES",
@@ -49,10 +61,13 @@ __all__ = [
     "lora_parts",
     "parse_size",
     "plan",
+    "sp_tokens",
     "with_lora_limits",
 ]
+_ = (LTX2_19B, TINY)  # (re-exported: `memplan.LTX2_19B`, `memplan.TINY`)
 
 GIB = float(1 << 30)
+DEFAULT_FRAME_RATE = 24.0  #: the request schema's default
 DEFAULT_HEADROOM_GIB = 4.0  #: kept free on every device beyond the predicted reservation
 #: ltx-core `TilingConfig.default()` chunk of the lower-memory decode: 512 px tiles, 64 frames (+ overlaps)
 CHUNK_PIXELS = 512 * 512
@@ -64,69 +79,6 @@ LORA_STAGING_GIB = 0.25  #: `LoraWeightTracker(bucket_bytes=256 MiB)`: its broad
 LORA_FACTOR_BYTES = 4  #: the widest factor dtype a LoRA file may hold (F32, `lorafile.LORA_DTYPES`): kept as read
 
 
-@dataclass(frozen=True)
-class ModelProfile:
-    """What each component weighs and what activations cost (GiB; bytes for the per-unit coefficients)."""
-
-    name: str
-    transformer_gib: float
-    text_encoder_gib: float
-    video_decoder_gib: float
-    video_encoder_gib: float
-    upsampler_gib: float
-    audio_gib: float
-    lora_factors_gib: float  #: two-stage: the stage-2 (distilled) LoRA's factors, all ranks together
-    lora_weights_gib: float  #: what the LoRA tracker backs up (`lora_figures`), bf16
-    lora_weights_fp8_gib: float  #: the same with `quantization="fp8-mm"` (e4m3 + float32 scales, the rest bf16)
-    lora_unit_gib: float  #: its largest weight: a rank's greedy share is at most 1/W of the whole plus one
-    lora_width_sum: int  #: sum of out + in over those weights: a rank-r LoRA on all of them is r x this
-    two_stage_extra_gib: float  #: two-stage: the TDP sibling's buffers and guidance contexts, every rank
-    runtime_gib: float  #: CUDA graphs' pools, workspaces, caches: every rank
-    token_bytes: float  #: per (token x row) of a transformer forward on a rank
-    sp_buffer_bytes: float  #: SP exchange buffers per token of `sp_max_tokens`
-    upsample_bytes: float  #: per full-resolution latent cell
-    encode_gib: float  #: Gemma's activations for one prompt batch (on its rank)
-    decode_bytes: float  #: per pixel-frame decoded at once
-    frame_bytes: float  #: per pixel-frame of the driver's blended float32 video and uint8 frames
-    cache_fraction: float  #: the allocator's cache above its allocated peak
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-#: LTX-2 19B in bf16 (synthetic full-size weights have the same bytes). Calibrated figures are marked so in
-#: docs/memory.md (the runtime share, the two-stage extra, `decode_bytes`, `cache_fraction`); the rest is
-#: derived from the published parameter counts and layer widths.
-LTX2_19B = ModelProfile(
-    name="ltx2-19b",
-    transformer_gib=35.5,  # ~19.06 B parameters x 2 bytes
-    text_encoder_gib=22.7,  # Gemma 3 12B, ~12.2 B x 2
-    video_decoder_gib=0.8,
-    video_encoder_gib=0.6,
-    upsampler_gib=1.0,
-    audio_gib=0.4,  # float32
-    lora_factors_gib=6.9,  # rank 384 on every block linear: ~3.7 B x 2
-    # `lora_figures` of the full config's transformer (tests/test_memplan_loras.py rebuilds them on meta)
-    lora_weights_gib=35.142,
-    lora_weights_fp8_gib=20.063,  # blocks 0 and 43-47 and the projections stay bf16 (fp8.recipe)
-    lora_unit_gib=0.1875,  # a 4096 x 16384 feed-forward weight
-    lora_width_sum=9815552,
-    two_stage_extra_gib=0.95,  # (0.6 when the backup was counted as the whole 35.5 GiB transformer)
-    runtime_gib=2.7,
-    token_bytes=128 * 1024.0,  # 4096 wide bf16: hidden, q/k/v, out, 4x FFN (x2), residual
-    sp_buffer_bytes=32 * 1024.0,  # 4 exchange buffers x 4096 x bf16
-    upsample_bytes=4096.0,  # 512 mid channels x bf16 x 4 live tensors
-    encode_gib=1.0,
-    decode_bytes=128.0,
-    frame_bytes=15.0,  # 3 x float32 + 3 x uint8
-    cache_fraction=0.046,
-)
-#: The tiny test checkpoints (CPU fleets): the same shape of plan, with negligible bytes.
-TINY = replace(LTX2_19B, name="tiny", transformer_gib=0.01, text_encoder_gib=0.01, video_decoder_gib=0.001,
-               video_encoder_gib=0.001, upsampler_gib=0.001, audio_gib=0.001, lora_factors_gib=0.001,
-               two_stage_extra_gib=0.0, runtime_gib=0.05, sp_buffer_bytes=64.0, lora_weights_gib=0.0049324,
-               lora_weights_fp8_gib=0.0041599, lora_unit_gib=0.000412, lora_width_sum=28768)  # fmt: skip
-PROFILES: dict[str, ModelProfile] = {p.name: p for p in (LTX2_19B, TINY)}
 RUNNER_KINDS = ("distilled", "two-stage")
 
 
@@ -154,7 +106,7 @@ class FleetMemory:
     gemma_every_rank: bool = False  #: setup `text_encoder="batch-parallel"`: Gemma on every rank
     fp8_transformer: bool = False  #: setup `quantization="fp8-*"`: the recipe's block weights in float8
     passes: int = 1  #: transformer passes per stage-1 step (guidance: CFG 2, the reference's 4)
-    sp_max_tokens: int = 32768
+    sp_max_tokens: int | None = None  #: the runner's SP token budget; None: sized by `sp_tokens` (the default)
     vae_overlap: int = 1  #: latent cells shared by neighbouring decode tiles (setup `vae_overlap`)
     lora_tracker: bool | None = None  #: the runner holds a LoRA tracker; None: the two-stage one does (older workers)
     setup_lora_gib: float | None = None  #: the setup's LoRA files (GiB); None: two-stage, the profile's distilled LoRA
@@ -173,7 +125,8 @@ class FleetMemory:
         # (read back from Redis by every producer: bounded, so a bad snapshot cannot make a plan loop for ever)
         _check_int("world_size", self.world_size, 1, 4096)
         _check_int("passes", self.passes, 1, 64)
-        _check_int("sp_max_tokens", self.sp_max_tokens, 1, 1 << 24)
+        if self.sp_max_tokens is not None:
+            _check_int("sp_max_tokens", self.sp_max_tokens, 1, 1 << 24)
         _check_int("vae_overlap", self.vae_overlap, 0, 64)
         _check_int("request_loras", self.request_loras, 0, 64)
         _check_int("lora_max_file_bytes", self.lora_max_file_bytes, 1, 1 << 50)
@@ -192,6 +145,11 @@ class FleetMemory:
     @property
     def has_tracker(self) -> bool:
         return self.runner == "two-stage" if self.lora_tracker is None else self.lora_tracker
+
+    @property
+    def rules(self) -> RequestRules:
+        """The size rules of this fleet's runner (`ltx_mgpu.requestrules`)."""
+        return ltx2_rules(self.runner)
 
     @property
     def gemma_rank(self) -> int:
@@ -233,6 +191,8 @@ class MemoryPlan:
     decode_tiles: int  #: spatial tiles, one per rank
     stages: tuple[StagePeak, ...]
     token_problem: str | None = None  #: the SP token budget refuses this size (memory aside)
+    rule_problem: str | None = None  #: the runner's size rules refuse this size (`requestrules`)
+    frame_rate: float = DEFAULT_FRAME_RATE
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -247,7 +207,8 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         limit = self.limit_gib
-        return self.token_problem is None and (limit is None or self.peak.reserved_gib <= limit)
+        ok = self.token_problem is None and self.rule_problem is None
+        return ok and (limit is None or self.peak.reserved_gib <= limit)
 
     @property
     def low_memory(self) -> bool:
@@ -260,6 +221,8 @@ class MemoryPlan:
 
     def refusal(self) -> str | None:
         """Why this request cannot run on this fleet (None if it fits)."""
+        if self.rule_problem is not None:
+            return self.rule_problem
         if self.token_problem is not None:
             return self.token_problem
         if self.fits:
@@ -277,6 +240,7 @@ class MemoryPlan:
                 "decode": {"tiles": self.decode_tiles, "overlap": self.fleet.vae_overlap,
                            "chunked": self.decode_chunked},
                 "release_between_stages": self.release_between_stages, "token_problem": self.token_problem,
+                "rule_problem": self.rule_problem, "frame_rate": self.frame_rate, "sp_tokens": sp_tokens(self.fleet),
                 "stages": [asdict(s) for s in self.stages], "peak": asdict(self.peak),
                 "notes": list(self.notes)}  # fmt: skip
 
@@ -339,8 +303,9 @@ def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]
     if fleet.fp8_transformer:  # the recipe's layers in e4m3 + scales, the rest bf16 (derived, not measured)
         transformer += p.lora_weights_fp8_gib - p.lora_weights_gib
     for rank in range(fleet.world_size):
-        parts = {"transformer": transformer, "video_decoder": p.video_decoder_gib,
-                 "sp_buffers": fleet.sp_max_tokens * p.sp_buffer_bytes / GIB, "runtime": p.runtime_gib}  # fmt: skip
+        parts = {"transformer": transformer, "video_decoder": p.video_decoder_gib, "runtime": p.runtime_gib}
+        if fleet.world_size > 1:  # (one rank exchanges nothing: no buffers)
+            parts["sp_buffers"] = math.ceil(sp_tokens(fleet) / fleet.world_size) * p.sp_buffer_bytes / GIB
         if rank == 0:
             parts.update(video_encoder=p.video_encoder_gib, upsampler=p.upsampler_gib, audio=p.audio_gib)
         if rank == fleet.gemma_rank or fleet.gemma_every_rank:
@@ -361,26 +326,50 @@ def _padded(tokens: int, world: int) -> int:
     return tokens + (-tokens) % world
 
 
+def needed_tokens(fleet: FleetMemory, width: int, height: int, num_frames: int) -> int:
+    """The SP token budget a request needs to run its forwards whole: stage 1's rows (every guidance pass
+    batched) and the distilled runner's stage 2 (SP over the whole clip; the two-stage runner tiles it)."""
+    need = fleet.passes * _padded(_tokens(width, height, num_frames, 2), fleet.world_size)
+    if fleet.runner == "distilled":
+        need = max(need, _padded(_tokens(width, height, num_frames, 1), fleet.world_size))
+    return need
+
+
+def sp_tokens(fleet: FleetMemory) -> int:
+    """The fleet's SP token budget: the setup's `sp_max_tokens`, else (the default) what the largest request
+    the runner's rules accept needs (`needed_tokens`), so every size the plan admits also runs. The runner
+    sizes its exchange buffers with this same function (`Ltx2Runner.setup`); they cost memory only on W > 1,
+    ceil(budget / W) tokens a rank, and the plan counts them."""
+    if fleet.sp_max_tokens is not None:
+        return int(fleet.sp_max_tokens)
+    rules = fleet.rules
+    return needed_tokens(fleet, *rules.largest_frame(), rules.max_frames)
+
+
 def _token_problem(fleet: FleetMemory, size: tuple[int, int, int]) -> str | None:
     """What the runners' own SP budget check refuses (`check_token_budget`): stage 1 with one row, and the
     distilled runner's stage 2 (SP over the whole clip; the two-stage runner tiles stage 2 instead)."""
     w, h, f = size
+    budget = sp_tokens(fleet)
     checks = [("stage 1", _padded(_tokens(w, h, f, 2), fleet.world_size))]
     if fleet.runner == "distilled":
         checks.append(("stage 2", _padded(_tokens(w, h, f, 1), fleet.world_size)))
     for stage, tokens in checks:
-        if tokens > fleet.sp_max_tokens:
+        if tokens > budget:
             return (f"{w}x{h}x{f}: {stage} has {tokens} video tokens, over the runner's SP token budget "
-                    f"(setup sp_max_tokens={fleet.sp_max_tokens})")  # fmt: skip
+                    f"(setup sp_max_tokens={budget})")  # fmt: skip
     return None
 
 
 def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int], resident: dict[int, dict[str, float]],
-                 chunked: bool) -> tuple[StagePeak, ...]:  # fmt: skip
+                 chunked: bool, frame_rate: float) -> tuple[StagePeak, ...]:  # fmt: skip
     w, h, f = size
     world = fleet.world_size
     t1, t2 = _padded(_tokens(w, h, f, 2), world), _padded(_tokens(w, h, f, 1), world)
-    rows = max(1, min(fleet.passes, fleet.sp_max_tokens // max(1, t1)))  # guidance rows batched within budget
+    rows = max(1, min(fleet.passes, sp_tokens(fleet) // max(1, t1)))  # guidance rows batched within budget
+    audio = audio_latents(f, frame_rate)  # (every rank holds the whole audio sequence)
+    pool1 = p.graph_pool_bytes * rows * t1 / world  # (held from its capture to the end of the job)
+    pool2 = p.graph_pool_bytes * t2 / world
     pixels = w * h * f
     tile_pixels = math.ceil(w * h / world) * f  # one spatial tile per rank
     decoded_at_once = min(math.ceil(w * h / world), CHUNK_PIXELS) * min(f, CHUNK_FRAMES) if chunked else tile_pixels
@@ -392,13 +381,15 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
             if stage == "encode" and (rank == fleet.gemma_rank or fleet.gemma_every_rank):
                 act = p.encode_gib * GIB
             elif stage == "stage1":
-                act = p.token_bytes * rows * t1 / world
-            elif stage == "upsample" and rank == 0:
-                act = p.upsample_bytes * _tokens(w, h, f, 1)
+                act = p.token_bytes * rows * t1 / world + p.audio_token_bytes * rows * audio
+            elif stage == "upsample":
+                act = pool1 + (p.upsample_bytes * _tokens(w, h, f, 1) if rank == 0 else 0.0)
             elif stage == "stage2":
-                act = p.token_bytes * t2 / world
+                act = pool1 + p.token_bytes * t2 / world + p.audio_token_bytes * audio
             elif stage == "decode":
-                act = p.decode_bytes * decoded_at_once + (p.frame_bytes * pixels if rank == 0 else 0.0)
+                act = pool1 + pool2 + p.decode_bytes * decoded_at_once
+                if rank == 0:
+                    act += p.frame_bytes * pixels + p.audio_decode_bytes_per_s * f / frame_rate
             allocated = sum(parts.values()) + act / GIB
             peak = StagePeak(stage, rank, round(allocated, 2), round(allocated * (1 + p.cache_fraction), 2))
             if worst is None or peak.reserved_gib > worst.reserved_gib:
@@ -408,41 +399,51 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
     return tuple(peaks)
 
 
-def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_memory: bool = False) -> MemoryPlan:
+def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_memory: bool = False,
+         frame_rate: float = DEFAULT_FRAME_RATE) -> MemoryPlan:  # fmt: skip
     """The plan for one request: the fast plan if it fits (or nothing limits the fleet), else the lower-memory
     one (chunked decode, cache released between stages); `low_memory` forces the latter (an out-of-memory
-    retry). `fits` says whether even that fits."""
+    retry). `frame_rate` sets the clip's duration, so its audio. `fits` says whether even that fits (and the
+    runner's size rules accept the size)."""
     p = PROFILES[fleet.profile]
     size = (int(width), int(height), int(num_frames))
+    frame_rate = float(frame_rate) if frame_rate and frame_rate > 0 else DEFAULT_FRAME_RATE
     resident = _resident(fleet, p)
     notes = []
     if fleet.world_size > 1 and fleet.gemma_rank == 0 and not fleet.gemma_every_rank:
         notes.append("Gemma shares the driver rank with the encoder, upsampler and audio: a later rank has room")
-    fast = _stage_peaks(fleet, p, size, resident, chunked=False)
+    fast = _stage_peaks(fleet, p, size, resident, chunked=False, frame_rate=frame_rate)
     limit = None if fleet.capacity_gib is None else fleet.capacity_gib - fleet.headroom_gib
     need_low = low_memory or (limit is not None and max(s.reserved_gib for s in fast) > limit)
-    stages = _stage_peaks(fleet, p, size, resident, chunked=True) if need_low else fast
+    stages = _stage_peaks(fleet, p, size, resident, chunked=True, frame_rate=frame_rate) if need_low else fast
     if need_low and not low_memory:
         notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
     return MemoryPlan(fleet, size, resident, decode_chunked=need_low, release_between_stages=need_low,
                       decode_tiles=fleet.world_size, stages=stages, token_problem=_token_problem(fleet, size),
+                      rule_problem=fleet.rules.size_problem(*size), frame_rate=frame_rate,
                       notes=tuple(notes))  # fmt: skip
 
 
-def largest(fleet: FleetMemory, width: int, height: int, num_frames: int) -> dict[str, str | None]:
-    """The largest sizes that fit this fleet, near the asked one: the most frames (8k+1) at width x height,
-    and the largest width x height (multiples of 64, the same aspect) at `num_frames`. None where none fits."""
+def largest(fleet: FleetMemory, width: int, height: int, num_frames: int,
+            frame_rate: float = DEFAULT_FRAME_RATE) -> dict[str, str | None]:  # fmt: skip
+    """The largest sizes that fit this fleet near the asked one, each a size the runner's rules accept: the
+    most frames (8k+1) at width x height, and the largest width x height (its multiples, about the same
+    aspect) at `num_frames`. None where none fits."""
+    rules = fleet.rules
 
     def fits(w: int, h: int, f: int) -> bool:
-        return plan(fleet, w, h, f).fits
+        return plan(fleet, w, h, f, frame_rate=frame_rate).fits
 
-    frames = next((f for f in range(int(num_frames), 0, -8) if fits(width, height, f)), None)
-    frames = frames if frames is not None and frames >= 1 else None
-    aspect = width / height
+    snapped = rules.fit_size(width, height, num_frames)
+    if snapped is None:
+        return {"frames": None, "area": None}
+    sw, sh, sf = snapped
+    frames = next((f for f in rules.frame_counts(sf) if fits(sw, sh, f)), None)
+    aspect, m = width / max(1, height), rules.spatial_multiple
     area = None
-    for h in range(int(height) - int(height) % 64, 63, -64):
-        w = round(h * aspect / 64) * 64
-        if w >= 64 and fits(w, h, num_frames):
-            area = f"{w}x{h}x{num_frames}"
+    for h in range(sh, m - 1, -m):
+        size = rules.fit_size(max(m, round(h * aspect / m) * m), h, sf)
+        if size is not None and fits(*size):
+            area = "x".join(map(str, size))
             break
-    return {"frames": None if frames is None else f"{width}x{height}x{frames}", "area": area}
+    return {"frames": None if frames is None else f"{sw}x{sh}x{frames}", "area": area}

@@ -138,12 +138,10 @@ def test_sizes_are_repeatable_and_the_presets_cover_both_runners_on_one_and_two_
     big = sized(make_workload("ltx2-distilled", "full", weights), "1536x1024x241")
     assert (big.request["width"], big.request["height"], big.request["num_frames"]) == (1536, 1024, 241)
     assert big.request["frame_rate"] == 24.0 and sized(big, None) is big
-    # ten seconds at 1536x1024 is 47,616 tokens in the distilled runner's stage 2: the budget is raised for it
-    base = make_workload("ltx2-distilled", "full", weights)
-    assert big.setup["sp_max_tokens"] == 49152 and "sp_max_tokens" not in sized(base, "1536x1024x121").setup
-    assert refusal(big, [1]) is None and refusal(big, [2]) is None
-    huge = sized(make_workload("ltx2-two-stage:cfg", "full", weights), "2048x2048x257")
-    assert "sp_max_tokens" in huge.setup and refusal(huge, [1]) is None  # (the budget follows the size)
+    # ten seconds at 1536x1024 is 47,616 tokens in the distilled runner's stage 2: the default budget takes it
+    assert "sp_max_tokens" not in big.setup and refusal(big, [1]) is None and refusal(big, [2]) is None
+    huge = sized(make_workload("ltx2-two-stage:cfg", "full", weights), "3840x2176x481")
+    assert "sp_max_tokens" not in huge.setup and refusal(huge, [1]) is None  # (no capacity: the budget only)
     over = dataclasses.replace(huge, setup={**huge.setup, "sp_max_tokens": 32768})
     assert "over the runner's SP token budget" in (refusal(over, [1]) or "")
     for plan, layout in (("sizes-gpu1", "0"), ("sizes-gpu2", "0,1")):

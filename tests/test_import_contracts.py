@@ -1,17 +1,19 @@
 """The layering rules, held by imports in fresh interpreters (README.md, "Layout": arrows point down only).
 
 `producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
-- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds, memory
-  plan and image parser (`ltx_mgpu.bounds`, `ltx_mgpu.memplan`, `ltx_mgpu.imagesize`, shared by the request
-  schema, the published limits and the runners);
+- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds and rules,
+  memory plan and image parser (`ltx_mgpu.bounds`, `ltx_mgpu.requestrules`, `ltx_mgpu.memplan` with
+  `ltx_mgpu.memprofile`, `ltx_mgpu.imagesize`, shared by the request schema, the published limits and the
+  runners);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
 - the control plane (`ltx_mgpu/control/`: controller, fleet, runner, transport, jobboard, devices, errors,
   events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
   imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds`, `ltx_mgpu.memplan` and
-  `ltx_mgpu.imagesize` import no torch (the worker's settings and dev servers and the producer use them).
+- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds`, `ltx_mgpu.requestrules`,
+  `ltx_mgpu.memplan`, `ltx_mgpu.imagesize` and the ltx2 runners' description (`ltx_mgpu.runners.ltx2.spec`,
+  what `ltx-worker plan` reads) import no torch (the worker's settings and dev servers and the producer use them).
 
 Each rule imports every module of its packages in a process of its own, forked from one new interpreter
 (its `sys.modules` holds only the standard library and third-party modules the rule does not forbid, so an
@@ -190,7 +192,7 @@ RULES = [
     # (but the request bounds and the image parser: stdlib only, shared by the schema and the runners)
     Rule("producer: no torch, no ltx_mgpu", packages=("producer",),
          forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.memplan", "!ltx_mgpu.imagesize",
-                    "tests"),
+                    "!ltx_mgpu.requestrules", "!ltx_mgpu.memprofile", "tests"),
          plant=("producer/display.py", "import ltx_mgpu.control.controller")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
@@ -207,7 +209,8 @@ RULES = [
     Rule("ltx_mgpu, its device parser, port picker, request bounds, memory plan, image parser and LoRA file "
          "check: no torch",
          modules=("ltx_mgpu", "ltx_mgpu.control.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.memplan",
-                  "ltx_mgpu.imagesize", "ltx_mgpu.lorafile"),
+                  "ltx_mgpu.imagesize", "ltx_mgpu.lorafile", "ltx_mgpu.requestrules", "ltx_mgpu.memprofile",
+                  "ltx_mgpu.runners.ltx2.spec"),
          forbidden=("torch",),
          plant=("ltx_mgpu/control/devices.py", "import torch")),
 ]  # fmt: skip

@@ -159,13 +159,16 @@ def test_request_errors_are_symmetric_and_the_fleet_survives(two_stage_fleet, di
         (two_stage_fleet, {"images": [{"data": base64.b64encode(b"nope").decode()}]}, "not a PNG, JPEG, WebP"),
         (distilled_fleet, {"steps": 4}, "fixed schedule"),
         (distilled_fleet, {"negative_prompt": "ugly"}, "no negative prompt"),
-        (distilled_fleet, {"width": 2048, "height": 2048, "num_frames": 257}, "Use a smaller resolution or fewer"),
-        (distilled_fleet, {"width": 128 * 64}, "width must be in \\[32, 2048\\], got 8192"),
+        (distilled_fleet, {"width": 3840, "height": 3840, "num_frames": 9}, "14745600 pixels a frame"),
+        (distilled_fleet, {"width": 128 * 64}, "width must be in \\[32, 3840\\], got 8192"),
         (distilled_fleet, {"frame_rate": 1e-300}, "frame_rate must be in \\[1, 120\\], got 1e-300"),
     ]
+    ruled = ("multiples of 64", "8k\\+1", "steps must be in", "fixed schedule", "no negative prompt", "pixels a frame")
     for ctl, job, message in cases:
-        with pytest.raises(SymmetricRunnerError, match=message):
+        with pytest.raises(SymmetricRunnerError, match=message) as refused:
             list(ctl.stream(timeout=120, output_path=str(tmp_path / "x.mp4"), **{**JOB, **job}))
+        # the request rules' refusals are the client's (invalid_request), the rest the runner's (runner_error)
+        assert (refused.value.request_refused is not None) == any(r in message for r in ruled), message
     render(distilled_fleet, tmp_path / "ok.mp4")  # still alive
 
 

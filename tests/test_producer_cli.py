@@ -65,10 +65,10 @@ def test_unknown_field_is_named_with_its_position(tmp_path: Path, env: dict[str,
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
     [
-        ("width", 4096, "width: input should be less than or equal to 2048 (got 4096)"),
+        ("width", 4096, "width: input should be less than or equal to 3840 (got 4096)"),
         ("width", 100, "width: must be a multiple of 32, got 100"),
-        ("num_frames", 300, "num_frames: input should be less than or equal to 257 (got 300)"),
-        ("num_frames", 10, "num_frames: must be 8k+1 (1, 9, 17, ..., 257), got 10"),
+        ("num_frames", 500, "num_frames: input should be less than or equal to 481 (got 500)"),
+        ("num_frames", 10, "num_frames: must be 8k+1 (1, 9, 17, ..., 481), got 10"),
         ("steps", 0, "steps: input should be greater than or equal to 1 (got 0)"),
     ],
 )
@@ -267,10 +267,11 @@ def test_exit_codes_are_documented_in_help_and_docs(env: dict[str, str]) -> None
 
 
 def test_producer_never_imports_torch_or_ltx_mgpu() -> None:
-    # (but the engine's stdlib-only request bounds, image parser and memory plan, shared with the runners)
+    # (but the engine's stdlib-only request bounds and rules, image parser and memory plan, shared with the runners)
     code = (
         "import sys, producer.cli, producer.client, producer.backfill\n"
-        "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize', 'ltx_mgpu.memplan'}\n"
+        "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize', 'ltx_mgpu.memplan', 'ltx_mgpu.memprofile',\n"
+        "          'ltx_mgpu.requestrules'}\n"
         "heavy = ('torch', 'ltx_mgpu', 'boto3')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy and m not in shared)\n"
         "print(bad)\n"

@@ -108,7 +108,7 @@ class _Controller:
 def test_the_capacity_reported_after_setup_plans_the_warm_up_like_a_job(tmp_path):
     """The fleet reports its capacity before the warm-up runs, and the render service's hook plans each warm-up
     request from it exactly as a client job of that size (`RenderService.memory_plans`): at 3 GiB the fast plan
-    fits 256x256x121 (out of memory here: retried once on the lower plan), not 384x384x121 (its first attempt
+    fits 256x256x121 (out of memory here: retried once on the lower plan), not 448x448x121 (its first attempt
     already takes the chunked decode), and 1024x1024x121 is refused by the plan, dropped unsent."""
     from types import SimpleNamespace
 
@@ -118,7 +118,7 @@ def test_the_capacity_reported_after_setup_plans_the_warm_up_like_a_job(tmp_path
     from worker.render.service import RenderService
 
     _Controller.made = []
-    sizes = [(256, 256, 121), (384, 384, 121), (1024, 1024, 121)]
+    sizes = [(256, 256, 121), (448, 448, 121), (1024, 1024, 121)]
     events: list[dict] = []
     warmup = [{"prompt": "w", "width": w, "height": h, "num_frames": f} for w, h, f in sizes]
     fleet = WarmFleet(object, ["cpu"], factory=_Controller, backoff_s=0, on_event=events.append, warmup=warmup,
@@ -134,7 +134,7 @@ def test_the_capacity_reported_after_setup_plans_the_warm_up_like_a_job(tmp_path
     (ctl,) = _Controller.made
     assert service.limits.memory.capacity_gib == 3.0  # from setup (the stand-in reports no warm-up memory)
     chunked = [(j["width"], j["memory_plan"]["decode_chunked"]) for j in ctl.jobs]
-    assert chunked == [(256, False), (256, True), (384, True)], chunked
+    assert chunked == [(256, False), (256, True), (448, True)], chunked
     assert [e["reason"] for e in events if e["action"] == "warmup_dropped"] == ["refused"]
     assert fleet.state == "ready" and fleet.builds == 1 and fleet.build_failures == 0
     assert fleet.startup["warmup_jobs"] == 2 and fleet.startup["warmup_dropped"][0]["size"] == "1024x1024x121"

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import time
 
+from ..requestrules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
+
 __all__ = [
     "AsymmetricRunnerError",
     "ControllerBusyError",
@@ -26,8 +28,11 @@ __all__ = [
     "JobCancelledError",
     "RenderFault",
     "RenderOutOfMemory",
+    "RequestRefused",
+    "RequestRuleError",
     "RunnerError",
     "SymmetricRunnerError",
+    "value_error_terminal",
 ]
 
 
@@ -40,6 +45,24 @@ class RunnerError(Exception):
 
     def __reduce__(self) -> tuple[type, tuple[str]]:
         return (type(self), (self.message,))
+
+
+class RequestRefused(RunnerError):
+    """The runner's request rules refused the job's arguments (`ltx_mgpu.requestrules.RequestRuleError` on a
+    rank): the request is wrong, not the runner (a service reports it as `invalid_request`); `field` names it."""
+
+    def __init__(self, message: str, field: str = "(request)") -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # type: ignore[override]
+        return (type(self), (self.message, self.field))
+
+
+def value_error_terminal(err: ValueError, text: str) -> RunnerError:
+    """What a rank reports for a `ValueError` that ended its job: the request rules' refusal
+    (`RequestRuleError`) as `RequestRefused` (the client's request), any other as a `RunnerError`."""
+    return RequestRefused(text, err.field) if isinstance(err, RequestRuleError) else RunnerError(text)
 
 
 class RenderFault(RunnerError):
@@ -74,6 +97,13 @@ class SymmetricRunnerError(Exception):
     def __init__(self, errors: list[RunnerError]) -> None:
         self.errors = errors
         super().__init__(errors[0].message if errors else "runner error")
+
+    @property
+    def request_refused(self) -> RequestRefused | None:
+        """The refusal, when every rank's error is the request rules refusing the job (else None)."""
+        if self.errors and all(isinstance(e, RequestRefused) for e in self.errors):
+            return self.errors[0]  # type: ignore[return-value]
+        return None
 
     @property
     def out_of_memory(self) -> bool:

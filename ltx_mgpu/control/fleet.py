@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from . import determinism
 from .devices import MULTICAST_OFF_ENV
-from .errors import RenderFault, RenderOutOfMemory, RunnerError
+from .errors import RenderFault, RenderOutOfMemory, RunnerError, value_error_terminal
 from .jobboard import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
@@ -388,8 +388,8 @@ def _job_error(err: BaseException, rank: int, job_id: int) -> RunnerError:
     traceback's frames are cleared so the tensors they hold can be freed."""
     if isinstance(err, RunnerError):
         error: RunnerError = err
-    elif isinstance(err, ValueError):
-        error = RunnerError(_text(err))
+    elif isinstance(err, ValueError):  # (the request rules' refusal travels as `RequestRefused`)
+        error = value_error_terminal(err, _text(err))
     else:
         try:
             tb = "".join(traceback.format_exception(err))

@@ -14,7 +14,12 @@ memory each device offers (`LTX_DEVICE_MEMORY_GIB`, or measured after the warm-u
 its plan says cannot fit (or that is over the runner's SP token budget) is a violation of field `size`,
 naming the limit and the largest sizes that fit, at the edge and in the worker alike.
 
-Imports only pydantic and the schema, so the producer can use it without torch.
+Rules (`rules`, a `ltx_mgpu.requestrules.RequestRules`): what the runner accepts besides ranges (size
+multiples and the largest frame, 8k+1 frames, the clip's duration, fields it refuses such as the distilled
+runner's negative prompt); the same object the runner checks on every rank, so a request it would refuse is
+refused at submit, in one line.
+
+Imports only pydantic, the schema and the stdlib-only plan and rules, so the producer can use it without torch.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from typing import Any
 
 from ltx_mgpu import memplan
 from ltx_mgpu.bounds import audio_latents
+from ltx_mgpu.requestrules import RequestRules
 from worker.protocol.schema import RenderRequest
 
-__all__ = ["DERIVED", "LimitViolation", "MemoryViolation", "RunnerLimits"]
+__all__ = ["DERIVED", "LimitViolation", "MemoryViolation", "RuleViolation", "RunnerLimits"]
 
 #: Limits on quantities derived from several fields (a runner may publish these names too), with what they are.
 DERIVED = {
@@ -62,14 +68,25 @@ class MemoryViolation(LimitViolation):
         return self.text
 
 
+@dataclass(frozen=True)
+class RuleViolation(LimitViolation):
+    """A runner's request rule refuses the request (`ltx_mgpu.requestrules`): `text` says which and why."""
+
+    text: str = ""
+
+    def message(self) -> str:
+        return self.text
+
+
 def memory_violation(memory: memplan.FleetMemory, request: RenderRequest, runner: str) -> MemoryViolation | None:
     """The refusal of `request` by the memory plan of `memory` (None: it fits)."""
     w, h, f = int(request.width), int(request.height), int(request.num_frames)
-    plan = memplan.plan(memory, w, h, f)
+    rate = float(request.frame_rate)
+    plan = memplan.plan(memory, w, h, f, frame_rate=rate)
     refusal = plan.refusal()
     if refusal is None:
         return None
-    fits = memplan.largest(memory, w, h, f)
+    fits = memplan.largest(memory, w, h, f, frame_rate=rate)
     sizes = [s for s in (fits["frames"], fits["area"]) if s]
     what = f"largest that fits: {' or '.join(sizes)}" if sizes else "no size near it fits"
     return MemoryViolation("size", plan.peak.reserved_gib, 0.0, plan.limit_gib or 0.0, runner,
@@ -84,6 +101,7 @@ class RunnerLimits:
     runner: str
     ranges: Mapping[str, tuple[float, float]]
     memory: memplan.FleetMemory | None = None
+    rules: RequestRules | None = None  #: None: the runner states none (the schema's structural rules only)
 
     def with_capacity(self, capacity_gib: float | None) -> RunnerLimits:
         """The same limits with what each device offers (measured after a warm-up)."""
@@ -123,12 +141,18 @@ class RunnerLimits:
                 memory = replace(memory, capacity_gib=capacity_gib, headroom_gib=float(headroom_gib))
                 if lora_limits is not None:
                     memory = memplan.with_lora_limits(memory, *lora_limits)
-        return cls(name, ranges, memory)
+        state = getattr(runner_cls, "request_rules", None)
+        rules = state(**setup_kwargs) if state is not None else None
+        if rules is not None and not isinstance(rules, RequestRules):
+            raise ValueError(f"runner {name!r}: request_rules() must return a RequestRules, got {type(rules).__name__}")
+        return cls(name, ranges, memory, rules)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"runner": self.runner, "ranges": {k: list(v) for k, v in self.ranges.items()}}
         if self.memory is not None:
             out["memory"] = self.memory.to_json()
+        if self.rules is not None:
+            out["rules"] = self.rules.to_json()
         return out
 
     @classmethod
@@ -136,7 +160,8 @@ class RunnerLimits:
         """Read what a worker published; None if it is missing or malformed (an older worker)."""
         try:
             ranges = {str(k): (float(v[0]), float(v[1])) for k, v in data["ranges"].items()}
-            return cls(str(data["runner"]), ranges, memplan.FleetMemory.from_json(data.get("memory")))
+            return cls(str(data["runner"]), ranges, memplan.FleetMemory.from_json(data.get("memory")),
+                       RequestRules.from_json(data.get("rules")))  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             return None
 
@@ -149,6 +174,10 @@ class RunnerLimits:
                 continue
             if not low <= value <= high:
                 out.append(LimitViolation(field, value, low, high, self.runner))
+        broken = self.rules.problems(request.model_dump()) if self.rules is not None else []
+        out.extend(RuleViolation(field, 0.0, 0.0, 0.0, self.runner, text=text) for field, text in broken)
+        if any(field == "size" for field, _ in broken):  # (the plan would only say the same again)
+            return out
         if self.memory is not None and (refused := memory_violation(self.memory, request, self.runner)):
             out.append(refused)
         return out

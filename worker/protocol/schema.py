@@ -1,10 +1,11 @@
 """The render request: one validated pydantic model shared by the producer (edge) and the worker (job).
 
-Imports no torch, so the producer CLI stays light; of the engine only `ltx_mgpu.bounds` (stdlib only), where
-the numeric ranges live that the runners check again on every rank. Limits here are structural (what any
-LTX-2 runner accepts); per-runner limits (steps, the audio length against a token budget) are published by
-each worker (`worker.protocol.limits`) and checked again in the runner, identically on every rank, so a request that
-slips past the edge still fails cleanly without hurting the fleet.
+Imports no torch, so the producer CLI stays light; of the engine only `ltx_mgpu.bounds` and
+`ltx_mgpu.requestrules` (stdlib only), where the numeric ranges and the size rules live that the runners check
+again on every rank. Limits here are structural (`requestrules.GENERIC`: what any LTX-2 runner accepts);
+per-runner rules (multiples of 64, fields a runner refuses, the clip's duration, steps, the memory plan) are
+published by each worker (`worker.protocol.limits`) and checked again in the runner, identically on every
+rank, so a request that slips past the edge still fails cleanly without hurting the fleet.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ltx_mgpu.bounds import FLOAT_FIELDS, RANGES
+from ltx_mgpu.requestrules import GENERIC
 from worker.protocol.imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
 from worker.protocol.lorarefs import MAX_LORAS, LoraRef, strength_problem
 
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
 MAX_PROMPT_CHARS = 4000
-SPATIAL_MULTIPLE = 32  # the video VAE downsamples height and width by 32
-TEMPORAL_MULTIPLE = 8  # ... and time by 8 (after the first frame): num_frames = 8k + 1
+SPATIAL_MULTIPLE = GENERIC.spatial_multiple  # the video VAE downsamples height and width by 32
+TEMPORAL_MULTIPLE = GENERIC.temporal_multiple  # ... and time by 8 (after the first frame): num_frames = 8k + 1
 MAX_IMAGES = 4  #: conditioning images per request
 MAX_IMAGE_BYTES = 8 << 20  #: decoded size of one image file (the request travels through Redis as JSON)
 
@@ -112,8 +114,18 @@ class RenderRequest(BaseModel):
     @classmethod
     def _temporal_multiple(cls, value: int) -> int:
         if (value - 1) % TEMPORAL_MULTIPLE:
-            raise ValueError(f"must be {TEMPORAL_MULTIPLE}k+1 (1, 9, 17, ..., 257), got {value}")
+            raise ValueError(f"must be {TEMPORAL_MULTIPLE}k+1 (1, 9, 17, ..., {GENERIC.max_frames}), got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _size_rules(self) -> RenderRequest:
+        """What no runner renders (`requestrules.GENERIC`: e.g. more pixels a frame than 4K); each runner
+        publishes narrower rules (`worker.protocol.limits`)."""
+        if (problem := GENERIC.size_problem(self.width, self.height, self.num_frames)) is not None:
+            raise ValueError(
+                problem.replace(" (runner 'any')", "").replace(" runner 'any' renders", " any runner renders")
+            )
+        return self
 
     @model_validator(mode="after")
     def _images_inside_the_video(self) -> RenderRequest:

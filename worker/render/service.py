@@ -188,7 +188,8 @@ class RenderService:
         mode = getattr(getattr(self.fleet, "controller", None), "deterministic", None)
         return mode if isinstance(mode, str) else None
 
-    def memory_plans(self, width: int, height: int, num_frames: int) -> list[dict[str, Any] | None]:
+    def memory_plans(self, width: int, height: int, num_frames: int,
+                     frame_rate: float = memplan.DEFAULT_FRAME_RATE) -> list[dict[str, Any] | None]:  # fmt: skip
         """The runner's `memory_plan` job kwargs for a request of this size: the plan a job gets first, then each
         strictly lower-memory one down to the lowest (memplan's lower-memory plan, unless the first already is
         it). An out-of-memory attempt moves the job one step down; `[None]`: the runner takes no plan (nothing
@@ -199,19 +200,21 @@ class RenderService:
         memory = self.limits.memory
         if memory is None:
             return [None, {"decode_chunked": True, "release_between_stages": True}]
-        first = memplan.plan(memory, width, height, num_frames)
+        first = memplan.plan(memory, width, height, num_frames, frame_rate=frame_rate)
         if first.decode_chunked and first.release_between_stages:  # (already memplan's lowest)
             return [first.job_kwargs()]
-        return [first.job_kwargs(), memplan.plan(memory, width, height, num_frames, low_memory=True).job_kwargs()]
+        low = memplan.plan(memory, width, height, num_frames, low_memory=True, frame_rate=frame_rate)
+        return [first.job_kwargs(), low.job_kwargs()]
 
     def warmup_plans(self, kwargs: dict[str, Any]) -> list[dict[str, Any] | None]:
         """A warm-up request's plans (`memory_plans`, as for a client job of its size, with the capacity the fleet
         reported after setup); `WarmupRefused` when a client job of that size would be refused for memory."""
         w, h, f = (int(kwargs[k]) for k in ("width", "height", "num_frames"))
+        rate = float(kwargs.get("frame_rate") or memplan.DEFAULT_FRAME_RATE)
         memory = self.limits.memory
-        if memory is not None and (refusal := memplan.plan(memory, w, h, f).refusal()) is not None:
+        if memory is not None and (refusal := memplan.plan(memory, w, h, f, frame_rate=rate).refusal()) is not None:
             raise WarmupRefused(refusal)
-        return self.memory_plans(w, h, f)
+        return self.memory_plans(w, h, f, rate)
 
     def _memory_plan(self, job: Any, req: RenderRequest) -> tuple[dict[str, Any] | None, bool]:
         """This attempt's `memory_plan` kwarg (None: none sent) and whether a lower one is left for a retry: one
@@ -220,7 +223,7 @@ class RenderService:
         meta = job.meta if isinstance(job.meta, dict) else {}
         retries = meta.get("retries") if isinstance(meta.get("retries"), dict) else {}
         steps = int(retries.get(FailureReason.OUT_OF_MEMORY.value) or 0)
-        plans = self.memory_plans(req.width, req.height, req.num_frames)
+        plans = self.memory_plans(req.width, req.height, req.num_frames, req.frame_rate)
         if steps >= len(plans):
             raise _NoLowerPlan(f"ran out of memory {steps} time(s); no plan lower in memory than the last one is left")
         return plans[steps], steps + 1 < len(plans)
@@ -506,6 +509,8 @@ class RenderService:
             self._cancelled(job, relay)
         except SymmetricRunnerError as exc:
             self.spool.discard_incomplete(job.id)
+            if (refused := exc.request_refused) is not None:  # a rule the edge checks too: a request error
+                self._fail(job, relay, FailureReason.INVALID_REQUEST, str(exc), field=refused.field)
             if exc.out_of_memory:  # (the ranks freed what it held; the retry takes the lower-memory plan)
                 self._fail(job, relay, FailureReason.OUT_OF_MEMORY, f"{exc}{oom_note}", retryable=oom_retry)
             self._fail(job, relay, FailureReason.RUNNER_ERROR, str(exc))

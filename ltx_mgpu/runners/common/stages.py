@@ -76,10 +76,13 @@ class StageClock:
         self.device = torch.device(device)
         self.timings_s: dict[str, float] = {}
         self.peaks: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}  #: the allocator's reservation peak per stage (what runs out)
+        self.reserved_report: dict[str, list[int]] | None = None  #: every rank's, from the last `peak_report`
         self.window: list[float] = []  #: wall clock [first stage start, last device stage end]; [] before any
 
     def reset(self) -> None:
-        self.timings_s, self.peaks, self.window = {}, {}, []
+        self.timings_s, self.peaks, self.reserved, self.window = {}, {}, {}, []
+        self.reserved_report = None
 
     def gpu_report(self) -> dict[str, object]:
         """`gpu_busy_s` (seconds of device stages), `gpu_started_at` / `gpu_ended_at` (wall clock)."""
@@ -119,18 +122,21 @@ class StageClock:
             self.window[1] = time.time()
         if self.device.type == "cuda":
             self.peaks[name] = int(torch.cuda.max_memory_allocated(self.device))
+            self.reserved[name] = int(torch.cuda.max_memory_reserved(self.device))
 
     def peak_report(self, world_size: int, group: Any) -> dict[str, list[int]] | None:
         """Collective (every rank): per-stage peak memory of every rank, None on CPU fleets. Stages only
         some ranks ran (the driver's audio decode and mux) report 0 for the others."""
         if self.device.type != "cuda":
             return None
-        gathered: list[Any] = [self.peaks]
+        mine = (self.peaks, self.reserved)
+        gathered: list[Any] = [mine]
         if world_size > 1:
             gathered = [None] * world_size
-            dist.all_gather_object(gathered, self.peaks, group=group)
-        stages = list(dict.fromkeys(name for peaks in gathered for name in peaks))
-        return {stage: [int(peaks.get(stage, 0)) for peaks in gathered] for stage in stages}
+            dist.all_gather_object(gathered, mine, group=group)
+        stages = list(dict.fromkeys(name for peaks, _ in gathered for name in peaks))
+        self.reserved_report = {stage: [int(res.get(stage, 0)) for _, res in gathered] for stage in stages}
+        return {stage: [int(peaks.get(stage, 0)) for peaks, _ in gathered] for stage in stages}
 
 
 def _injected_oom(stage: str) -> None:

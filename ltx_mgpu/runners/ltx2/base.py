@@ -37,12 +37,13 @@ import torch
 from ...bounds import check_audio_budget
 from ...control.events import Stage, output_event, progress_event, stage_event
 from ...control.runner import MGPURunner
-from ...memplan import DEFAULT_REQUEST_LORAS, FleetMemory
+from ...memplan import FleetMemory, sp_tokens
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy, check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tiling import BalancedTiling
 from ...parallel.vae_decode import frames_to_uint8, vae_tiles
+from ...requestrules import RequestRules
 from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.handoff import FrameStream, deliver_video, stream_video
@@ -51,6 +52,7 @@ from ..common.loading import build_checked, build_sp_transformer, warn_if_synthe
 from ..common.media import AudioTrack, audio_fields
 from ..common.stages import LORA_CHECK, SetupLaps, StageClock, check_finite
 from . import components as comp
+from . import spec
 from .denoise import (
     Geometry,
     blend_clean,
@@ -102,40 +104,20 @@ class Ltx2Runner(MGPURunner):
     @classmethod
     def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
         """The audio length within the SP token budget (what `_validate` enforces on every rank)."""
-        return {"audio_latents": (1, int(cls.setup_default("sp_max_tokens", setup_kwargs)))}
+        return spec.request_limits(cls.memory_kind, setup_kwargs)
+
+    @classmethod
+    def request_rules(cls, **setup_kwargs: Any) -> RequestRules:
+        """The request rules (`ltx_mgpu.requestrules`) `_job` checks on every rank, published by the worker."""
+        return spec.request_rules(cls.memory_kind, setup_kwargs)
 
     #: the runner kind of the memory plan (`ltx_mgpu.memplan`)
     memory_kind = "distilled"
 
     @classmethod
     def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> FleetMemory:
-        """This runner's inputs to the memory plan on `world_size` ranks (no fleet needed). The profile is the
-        19B one unless the checkpoint is a small (tiny test) file; no checkpoint at hand: the 19B one."""
-        ckpt = setup_kwargs.get("checkpoint_path")
-        small = bool(ckpt) and os.path.isfile(str(ckpt)) and os.path.getsize(str(ckpt)) < (1 << 30)
-        te_rank = setup_kwargs.get("text_encoder_rank")
-        lora_files = [str(p) for p, *_ in setup_kwargs.get("loras") or ()]
-        if cls.memory_kind == "two-stage" and setup_kwargs.get("distilled_lora_path"):
-            lora_files.append(str(setup_kwargs["distilled_lora_path"]))
-        request = bool(setup_kwargs.get("request_loras"))
-        found = bool(lora_files) and all(os.path.isfile(p) for p in lora_files)  # else: the profile's LoRA
-        return FleetMemory(cls.memory_kind, int(world_size), profile="tiny" if small else "ltx2-19b",
-                           lora_tracker=bool(lora_files) or request or cls.memory_kind == "two-stage",
-                           setup_lora_gib=sum(os.path.getsize(p) for p in lora_files) / (1 << 30) if found else None,
-                           request_loras=DEFAULT_REQUEST_LORAS if request else 0,
-                           lora_device_cache_gib=float(cls.setup_default("lora_device_cache_gib", setup_kwargs) or 0.0),
-                           text_encoder_rank=None if te_rank is None else int(te_rank),
-                           gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
-                           fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
-                           passes=cls._memory_passes(setup_kwargs),
-                           vae_overlap=int(cls.setup_default("vae_overlap", setup_kwargs)),
-                           sp_max_tokens=int(cls.setup_default("sp_max_tokens", setup_kwargs)))  # fmt: skip
-
-    @classmethod
-    def _memory_passes(cls, setup_kwargs: dict[str, Any]) -> int:
-        """Transformer passes per stage-1 step (guidance), for the memory plan."""
-        del setup_kwargs
-        return 1
+        """This runner's inputs to the memory plan on `world_size` ranks (no fleet needed): `spec.memory_fleet`."""
+        return spec.memory_fleet(cls.memory_kind, world_size, setup_kwargs)
 
     # =====================================================================================================
     # setup
@@ -151,12 +133,12 @@ class Ltx2Runner(MGPURunner):
         loras: list | tuple = (),
         quantization: str | None = None,
         dtype: str = "bfloat16",
-        sp_max_tokens: int = 32768,
+        sp_max_tokens: int | None = spec.SETUP_DEFAULTS["sp_max_tokens"],
         sp_backend: str = "auto",
         tdp_tiles: int | None = None,
         tdp_overlap: int = 2,
         vae_tiles: int | None = None,
-        vae_overlap: int = 1,
+        vae_overlap: int = spec.SETUP_DEFAULTS["vae_overlap"],
         vae_chunked: bool = False,
         vae_chunk_frames: int = 0,
         text_encoder: str = "source",
@@ -164,14 +146,14 @@ class Ltx2Runner(MGPURunner):
         prompt_tokens: int = 1024,
         enhance_max_new_tokens: int = 512,
         default_steps: int | None = None,
-        max_steps: int = 100,
+        max_steps: int = spec.SETUP_DEFAULTS["max_steps"],
         stage2_sigmas: list[float] | None = None,
         stg_blocks: list[int] | None = None,
         stage1_guidance: dict[str, dict[str, float]] | None = None,
         parallel_layout: str | dict[str, str] | None = None,
         cuda_graphs: bool = True,
         request_loras: bool = False,
-        lora_device_cache_gib: float = 4.0,
+        lora_device_cache_gib: float = spec.SETUP_DEFAULTS["lora_device_cache_gib"],
         fused_elementwise: bool = False,
     ) -> None:
         self.dtype = comp.parse_dtype(dtype)
@@ -185,7 +167,11 @@ class Ltx2Runner(MGPURunner):
         if (self.stage2_loras or request_loras) and policy is None and self.dtype != torch.bfloat16:
             raise ValueError("LoRA fusion (ltx-core apply_loras) needs bfloat16 or fp8 weights: set dtype='bfloat16'")
         self.max_steps = int(max_steps)
-        self.sp_max_tokens = int(sp_max_tokens)
+        self.rules = spec.request_rules(self.memory_kind, {"max_steps": self.max_steps})
+        # the SP budget: the setting, else what the largest request the rules accept needs (`memplan.sp_tokens`,
+        # the same function the plan counts the buffers with)
+        self.sp_max_tokens = sp_tokens(spec.memory_fleet(self.memory_kind, self.world_size, {
+            "sp_max_tokens": sp_max_tokens, "stage1_guidance": stage1_guidance}))  # fmt: skip
         self.synthetic = warn_if_synthetic(checkpoint_path, announce=self.is_driver)
         self.clock = StageClock(self.device)
         laps = SetupLaps(self.device)
@@ -349,10 +335,13 @@ class Ltx2Runner(MGPURunner):
         if args.memory_plan is not None:
             extra["memory_plan"] = dict(args.memory_plan)
         if peaks is not None:
+            reserved = self.clock.reserved_report or {}
             for stage in (Stage.AUDIO_DECODE, Stage.MUX, Stage.HANDOFF):  # driver-only stages, after the gather
                 if stage in self.clock.peaks:
                     peaks[stage] = [self.clock.peaks[stage]] + [0] * (self.world_size - 1)
+                    reserved[stage] = [self.clock.reserved[stage]] + [0] * (self.world_size - 1)
             extra["peak_memory_bytes"] = peaks
+            extra["peak_reserved_bytes"] = reserved  # (what runs out: the plan predicts this one)
         yield output_event(
             os.fspath(args.output_path),
             frames=int(shape[0]),
@@ -406,10 +395,8 @@ class Ltx2Runner(MGPURunner):
         return Job(args, geo, images, steps, torch.Generator().manual_seed(int(args.seed)), loras, checked)
 
     def _validate(self, geo: Geometry, steps: int, output_path: str) -> None:  # every rank, before any collective
-        if geo.width % 64 or geo.height % 64 or geo.width <= 0 or geo.height <= 0:
-            raise ValueError(f"width and height must be positive multiples of 64, got {geo.width}x{geo.height}")
-        if geo.num_frames < 1 or (geo.num_frames - 1) % 8:
-            raise ValueError(f"num_frames must be 8k+1 (1, 9, 17, ...), got {geo.num_frames}")
+        # the size and duration rules the schema, the plan and the producer share (`RequestRuleError`)
+        self.rules.check(width=geo.width, height=geo.height, num_frames=geo.num_frames, frame_rate=geo.frame_rate)
         check_audio_budget(geo.num_frames, geo.frame_rate, self.sp_max_tokens)
         if not self.min_steps <= steps <= self.max_steps:
             raise ValueError(f"steps must be in [{self.min_steps}, {self.max_steps}], got {steps}")

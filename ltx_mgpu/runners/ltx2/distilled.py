@@ -28,12 +28,8 @@ class Ltx2DistilledRunner(Ltx2Runner):
         return STAGE2_DISTILLED_SIGMAS
 
     def _job_steps(self, args: RenderArgs) -> int:
-        if args.negative_prompt:
-            raise ValueError("the distilled runner uses no negative prompt (it runs without CFG)")
-        if args.steps is not None:
-            raise ValueError("the distilled runner has a fixed schedule (8 + 3 steps); leave steps unset")
-        if args.guidance_scale is not None:
-            raise ValueError("the distilled runner runs without guidance; leave guidance_scale unset")
+        # a negative prompt, steps, guidance_scale: refused by the rules (`RequestRuleError`, invalid_request)
+        self.rules.check(negative_prompt=args.negative_prompt, steps=args.steps, guidance_scale=args.guidance_scale)
         return len(DISTILLED_SIGMAS) - 1
 
     def _validate_stage2(self, geo: Geometry) -> None:

@@ -32,6 +32,7 @@ from ...parallel.tdp import TiledDataParallelBuilder
 from ...parallel.tiling import BalancedTiling
 from ..common.args import RenderArgs
 from ..common.loading import checkpoint_metadata
+from . import spec
 from .base import Job, Ltx2Runner, Prompt
 from .denoise import (
     STAGE2_DISTILLED_SIGMAS,
@@ -52,9 +53,9 @@ DEFAULT_NEGATIVE_PROMPT = (
 #: Stage-1 guidance for video, the reference's LTX-2 defaults: CFG 3 against the negative prompt, STG 1 on
 #: `stg_blocks`, rescale 0.7 toward the conditional prediction, modality isolation 3. A request's
 #: `guidance_scale` replaces `cfg_scale`.
-VIDEO_GUIDANCE = GuidanceParams(cfg_scale=3.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0)
+VIDEO_GUIDANCE = GuidanceParams(**spec.VIDEO_GUIDANCE)
 #: Stage-1 guidance for audio: the same, with CFG 7.
-AUDIO_GUIDANCE = GuidanceParams(cfg_scale=7.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0)
+AUDIO_GUIDANCE = GuidanceParams(**spec.AUDIO_GUIDANCE)
 #: Default stage-1 steps and STG block per checkpoint family (LTX-2.0 / LTX-2.3).
 DEFAULT_STEPS, DEFAULT_STEPS_2_3 = 40, 30
 STG_BLOCK, STG_BLOCK_2_3 = 29, 28
@@ -65,15 +66,6 @@ class Ltx2TwoStageRunner(Ltx2Runner):
 
     min_steps = 2  # ltx-core's LTX2Scheduler yields a NaN sigma for a single step
     memory_kind = "two-stage"
-
-    @classmethod
-    def _memory_passes(cls, setup_kwargs: dict[str, Any]) -> int:
-        """Stage-1 passes a step: the conditional one, plus one per guidance term either modality uses (CFG,
-        STG, modality isolation): 4 with the reference's defaults, 2 with CFG only."""
-        video, audio = stage1_guidance_params(dict(setup_kwargs.get("stage1_guidance") or {}), ())
-        terms = [any(g.cfg_scale != 1.0 for g in (video, audio)), any(g.stg_scale != 0.0 for g in (video, audio)),
-                 any(g.modality_scale != 1.0 for g in (video, audio))]  # fmt: skip
-        return 1 + sum(terms)
 
     # ---- setup hooks ------------------------------------------------------------------------------------
     def _stage2_extra_loras(self, path: str | None, strength: float) -> tuple[LoraSpec, ...]:
@@ -120,6 +112,7 @@ class Ltx2TwoStageRunner(Ltx2Runner):
     def _job_steps(self, args: RenderArgs) -> int:
         if args.guidance_scale is not None and args.guidance_scale < 1.0:
             raise ValueError(f"guidance_scale must be >= 1.0, got {args.guidance_scale}")
+        self.rules.check(steps=args.steps)  # [min_steps, max_steps] (`RequestRuleError`, invalid_request)
         return self.default_steps if args.steps is None else int(args.steps)
 
     def _validate_stage2(self, geo: Geometry) -> None:

@@ -1,0 +1,148 @@
+"""The memory plan against the GPU: one fleet renders each size and prints, per stage, the plan's predicted
+reserved peak against the allocator's measured one (`torch.cuda.max_memory_reserved`, reset at every stage
+start by the runner's stage clock, the worst rank: `peak_reserved_bytes` of the output event; the allocated
+peak, `peak_memory_bytes`, beside it): the plan must predict what the allocator reserves (docs/memory.md).
+
+    python bench/plan_check.py --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 \\
+        --sizes 1536x1024x121,1536x1024x241
+    python bench/plan_check.py --weights /dev/shm/ltx2-full --runner ltx2-distilled --devices 0   # the presets
+    python bench/plan_check.py --tiny --devices cpu,cpu --sizes 128x128x9      # a check of the script (no peaks)
+
+Each size is planned as the worker plans a job (`ltx_mgpu.memplan.plan` on the runner's `memory_fleet`, the
+capacity the last render measured, `device_memory_bytes`, else the device's free + reserved memory now), and
+rendered with that plan's `memory_plan` kwarg; a size the plan refuses is reported with its reason and not
+rendered. One render per size (the first of a size captures its CUDA graphs, which is what a job of a new
+size does too); `--warm` renders each size twice and reports the second. A size that runs out of memory is
+reported (`oom`) and the next size runs on the same fleet. Prints one JSON line per stage and size, then
+`SUMMARY {...}` with the worst relative error of the reserved peak over the rendered sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.stages import REQUEST, RUNNERS, setup_kwargs
+
+GIB = float(1 << 30)
+PLAN_STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
+
+
+def render(ctl: Any, out: Path, request: dict[str, Any], memory_plan: dict[str, Any]) -> dict[str, Any]:
+    """One render; its output event plus `wall_s` (raises what the fleet raises)."""
+    t0 = time.perf_counter()
+    output: dict[str, Any] = {}
+    for event in ctl.stream(**request, seed=1, memory_plan=memory_plan, output_path=str(out / "v.mp4")):
+        if isinstance(event, dict) and event.get("type") == "output":
+            output = event
+    return {**output, "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def stage_rows(size: str, planned: Any, output: dict[str, Any]) -> list[dict[str, Any]]:
+    """Predicted against measured per plan stage (GiB, the worst rank of each)."""
+    reserved = output.get("peak_reserved_bytes") or {}
+    allocated = output.get("peak_memory_bytes") or {}
+    rows = []
+    for peak in planned.stages:
+        measured = max(reserved.get(peak.stage) or [0]) / GIB
+        row = {"event": "stage", "size": size, "stage": peak.stage, "predicted_reserved_gib": peak.reserved_gib,
+               "measured_reserved_gib": round(measured, 2), "predicted_allocated_gib": peak.allocated_gib,
+               "measured_allocated_gib": round(max(allocated.get(peak.stage) or [0]) / GIB, 2),
+               "seconds": (output.get("timings_s") or {}).get(peak.stage)}  # fmt: skip
+        if measured:
+            row["error"] = round(peak.reserved_gib / measured - 1.0, 4)  # + over-predicts, - under-predicts
+        rows.append(row)
+    return rows
+
+
+def capacity_gib(output: dict[str, Any] | None, device: Any) -> float | None:
+    if output and output.get("device_memory_bytes"):
+        return round(float(output["device_memory_bytes"]) / GIB, 2)
+    if device == "cpu":
+        return None
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return round((free + torch.cuda.memory_reserved(device)) / GIB, 2)
+
+
+def main() -> None:
+    from ltx_mgpu.requestrules import PRESETS
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", type=Path, default=None, help="the checkpoint folder (synthetic's layout)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny checkpoints instead of --weights")
+    ap.add_argument("--runner", default="ltx2-two-stage:cfg", help="ltx2-distilled, ltx2-two-stage[:cfg]")
+    ap.add_argument("--devices", default="0", help="comma list of GPU indices (one fleet)")
+    ap.add_argument("--sizes", default=",".join(PRESETS), help="comma list of WxHxF (default: the presets)")
+    ap.add_argument("--frame-rate", type=float, default=24.0)
+    ap.add_argument("--headroom-gib", type=float, default=4.0)
+    ap.add_argument("--warm", action="store_true", help="render each size twice, report the second")
+    args = ap.parse_args()
+    import torch
+
+    from ltx_mgpu import MGPUController, SymmetricRunnerError, memplan
+    from ltx_mgpu.runners.ltx2 import runners as ltx2
+    from ltx_mgpu.runners.ltx2 import spec
+
+    if (args.weights is None) != args.tiny:
+        raise SystemExit("give --weights DIR or --tiny")
+    name, setup = setup_kwargs(args.runner, args.weights)
+    sizes = [memplan.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    devices: list[Any] = [d if d == "cpu" else int(d) for d in args.devices.split(",")]
+    kind = spec.RUNNER_KINDS[f"ltx_mgpu.runners.ltx2.runners:{RUNNERS[name]}"]
+    ctl = MGPUController(getattr(ltx2, RUNNERS[name]), devices=devices)
+    t0 = time.perf_counter()
+    ctl.start(timeout=900, **setup)
+    print(json.dumps({"event": "started", "start_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    errors: list[float] = []
+    done: list[dict[str, Any]] = []
+    last: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for w, h, f in sizes:
+                size = f"{w}x{h}x{f}"
+                fleet = spec.memory_fleet(kind, len(devices), setup)
+                fleet = memplan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib(last, devices[0]),
+                                               "headroom_gib": args.headroom_gib})  # fmt: skip
+                planned = memplan.plan(fleet, w, h, f, frame_rate=args.frame_rate)
+                if not planned.fits:
+                    print(json.dumps({"event": "refused", "size": size, "reason": planned.refusal(),
+                                      "largest": memplan.largest(fleet, w, h, f, frame_rate=args.frame_rate)}),
+                          flush=True)  # fmt: skip
+                    done.append({"size": size, "result": "refused"})
+                    continue
+                request = {**REQUEST, "width": w, "height": h, "num_frames": f, "frame_rate": args.frame_rate}
+                try:
+                    for _ in range(2 if args.warm else 1):
+                        output = render(ctl, Path(tmp), request, planned.job_kwargs())
+                except SymmetricRunnerError as exc:
+                    result = "oom" if exc.out_of_memory else "error"
+                    print(json.dumps({"event": result, "size": size, "message": str(exc)[:400],
+                                      "predicted_peak_gib": planned.peak.reserved_gib}), flush=True)  # fmt: skip
+                    done.append({"size": size, "result": result})
+                    continue
+                last = output
+                for row in stage_rows(size, planned, output):
+                    print(json.dumps(row), flush=True)
+                    if "error" in row:
+                        errors.append(row["error"])
+                measured = max((max(v) for v in (output.get("peak_reserved_bytes") or {}).values()), default=0)
+                done.append({"size": size, "result": "rendered", "wall_s": output["wall_s"],
+                             "low_memory": planned.low_memory, "predicted_peak_gib": planned.peak.reserved_gib,
+                             "measured_peak_gib": round(measured / GIB, 2)})  # fmt: skip
+        finally:
+            ctl.shutdown(graceful_timeout=60)
+    summary = {"runner": args.runner, "devices": devices, "sizes": done, "frame_rate": args.frame_rate,
+               "worst_error": max(errors, key=abs) if errors else None,
+               "gpu": "cpu" if devices[0] == "cpu" else torch.cuda.get_device_name(devices[0]),
+               "torch": torch.__version__}  # fmt: skip
+    print("SUMMARY " + json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

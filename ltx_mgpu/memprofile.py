@@ -1,0 +1,94 @@
+"""The model profiles of the memory plan (`ltx_mgpu.memplan`): what each component of a checkpoint weighs and
+what its activations cost per unit of work. Which figures are calibrated on the GPU and which derived:
+docs/memory.md ("The model").
+
+Stdlib only (the producer imports the plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+__all__ = ["GRAPH_POOL_BYTES", "LTX2_19B", "PROFILES", "RUNTIME_GIB", "TINY", "ModelProfile"]
+
+#: CUDA-graph private pools: the intermediates of every captured forward (per layout and shape) stay in the
+#: graph's pool until the graph is dropped, so stage 1's pool is still held in stage 2 and the decode. Per
+#: token-row of each captured forward (stage 1's rows x tokens, stage 2's tokens, per rank), calibrated on the
+#: one H200 figure the allocator reported: 4.91 GiB in private pools at 1536x1024x241 two-stage CFG
+#: (2 x 11,904 stage-1 + 47,616 stage-2 token-rows).
+GRAPH_POOL_BYTES = 4.91 * (1 << 30) / (2 * 11904 + 47616)
+#: Workspaces, caches and the pools' fixed part, every rank: refitted with `decode_bytes` (116) once the pools
+#: and the SP buffers (none on one GPU) were counted apart, to the distilled 71 / 90 GiB allocator peaks at
+#: 768x512x121 / 1536x1024x121 (tests/test_memplan.py; two-stage 114 and 139.2 follow within 0.4 GiB).
+RUNTIME_GIB = 3.59
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What each component weighs and what activations cost (GiB; bytes for the per-unit coefficients)."""
+
+    name: str
+    transformer_gib: float
+    text_encoder_gib: float
+    video_decoder_gib: float
+    video_encoder_gib: float
+    upsampler_gib: float
+    audio_gib: float
+    lora_factors_gib: float  #: two-stage: the stage-2 (distilled) LoRA's factors, all ranks together
+    lora_weights_gib: float  #: what the LoRA tracker backs up (`lora_figures`), bf16
+    lora_weights_fp8_gib: float  #: the same with `quantization="fp8-mm"` (e4m3 + float32 scales, the rest bf16)
+    lora_unit_gib: float  #: its largest weight: a rank's greedy share is at most 1/W of the whole plus one
+    lora_width_sum: int  #: sum of out + in over those weights: a rank-r LoRA on all of them is r x this
+    two_stage_extra_gib: float  #: two-stage: the TDP sibling's buffers and guidance contexts, every rank
+    runtime_gib: float  #: CUDA graphs' pools, workspaces, caches: every rank
+    token_bytes: float  #: per (token x row) of a transformer forward on a rank
+    sp_buffer_bytes: float  #: SP exchange buffers per token of `sp_max_tokens`
+    upsample_bytes: float  #: per full-resolution latent cell
+    encode_gib: float  #: Gemma's activations for one prompt batch (on its rank)
+    decode_bytes: float  #: per pixel-frame decoded at once
+    frame_bytes: float  #: per pixel-frame of the driver's blended float32 video and uint8 frames
+    cache_fraction: float  #: the allocator's cache above its allocated peak
+    graph_pool_bytes: float = 0.0  #: CUDA-graph private pools per token-row of each captured forward (kept)
+    audio_token_bytes: float = 64 * 1024.0  #: per audio latent x row of a forward (2048 wide: every rank holds all)
+    audio_decode_bytes_per_s: float = 16 * 1024.0**2  #: the driver's audio decode + vocoder, per second of clip
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: LTX-2 19B in bf16 (synthetic full-size weights have the same bytes). Calibrated figures are marked so in
+#: docs/memory.md (the runtime share, the two-stage extra, `decode_bytes`, `cache_fraction`); the rest is
+#: derived from the published parameter counts and layer widths.
+LTX2_19B = ModelProfile(
+    name="ltx2-19b",
+    transformer_gib=35.5,  # ~19.06 B parameters x 2 bytes
+    text_encoder_gib=22.7,  # Gemma 3 12B, ~12.2 B x 2
+    video_decoder_gib=0.8,
+    video_encoder_gib=0.6,
+    upsampler_gib=1.0,
+    audio_gib=0.4,  # float32
+    lora_factors_gib=6.9,  # rank 384 on every block linear: ~3.7 B x 2
+    # `lora_figures` of the full config's transformer (tests/test_memplan_loras.py rebuilds them on meta)
+    lora_weights_gib=35.142,
+    lora_weights_fp8_gib=20.063,  # blocks 0 and 43-47 and the projections stay bf16 (fp8.recipe)
+    lora_unit_gib=0.1875,  # a 4096 x 16384 feed-forward weight
+    lora_width_sum=9815552,
+    two_stage_extra_gib=0.95,  # (0.6 when the backup was counted as the whole 35.5 GiB transformer)
+    runtime_gib=RUNTIME_GIB,
+    token_bytes=128 * 1024.0,  # 4096 wide bf16: hidden, q/k/v, out, 4x FFN (x2), residual
+    sp_buffer_bytes=32 * 1024.0,  # 4 exchange buffers x 4096 x bf16
+    upsample_bytes=4096.0,  # 512 mid channels x bf16 x 4 live tensors
+    encode_gib=1.0,
+    decode_bytes=116.0,  # fitted with RUNTIME_GIB
+    frame_bytes=15.0,  # 3 x float32 + 3 x uint8
+    cache_fraction=0.046,
+    graph_pool_bytes=GRAPH_POOL_BYTES,
+)
+#: The tiny test checkpoints (CPU fleets): the same shape of plan, with negligible bytes.
+TINY = replace(LTX2_19B, name="tiny", transformer_gib=0.01, text_encoder_gib=0.01, video_decoder_gib=0.001,
+               video_encoder_gib=0.001, upsampler_gib=0.001, audio_gib=0.001, lora_factors_gib=0.001,
+               two_stage_extra_gib=0.0, runtime_gib=0.05, sp_buffer_bytes=64.0, graph_pool_bytes=0.0,
+               audio_token_bytes=256.0, lora_weights_gib=0.0049324, lora_weights_fp8_gib=0.0041599,
+               lora_unit_gib=0.000412, lora_width_sum=28768)  # fmt: skip
+PROFILES: dict[str, ModelProfile] = {p.name: p for p in (LTX2_19B, TINY)}
