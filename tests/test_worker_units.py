@@ -342,6 +342,7 @@ def test_a_cancel_before_the_render_begins_stops_that_render_and_no_other():
 
     svc = RenderService.__new__(RenderService)
     svc._lock, svc.current, svc._cancel_before_start = threading.Lock(), None, None
+    svc.loras = SimpleNamespace(cache=SimpleNamespace(release=lambda: None))  # (pins released after each run)
     svc._run = lambda job, request, cur, t0: cur.cancel.is_set()  # (what the render sees when it begins)
     svc.cancel_before_start("j1")
     assert svc.run_job(SimpleNamespace(id="j2"), None) is False  # another job: untouched
