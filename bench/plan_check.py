@@ -59,15 +59,13 @@ def stage_rows(size: str, planned: Any, output: dict[str, Any]) -> list[dict[str
     return rows
 
 
-def capacity_gib(output: dict[str, Any] | None, device: Any) -> float | None:
+def capacity_gib(output: dict[str, Any] | None, ctl: Any) -> float | None:
+    """What a device offers the fleet's rank, as the worker plans with it: the last render's measurement, else
+    what the ranks reported after setup (never this process's view: the ranks' weights are not in its allocator)."""
     if output and output.get("device_memory_bytes"):
         return round(float(output["device_memory_bytes"]) / GIB, 2)
-    if device == "cpu":
-        return None
-    import torch
-
-    free, _ = torch.cuda.mem_get_info(device)
-    return round((free + torch.cuda.memory_reserved(device)) / GIB, 2)
+    measured = getattr(getattr(ctl, "startup", None), "device_memory_bytes", None)
+    return None if measured is None else round(float(measured) / GIB, 2)
 
 
 def main() -> None:
@@ -107,7 +105,7 @@ def main() -> None:
             for w, h, f in sizes:
                 size = f"{w}x{h}x{f}"
                 fleet = spec.memory_fleet(kind, len(devices), setup)
-                fleet = memplan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib(last, devices[0]),
+                fleet = memplan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib(last, ctl),
                                                "headroom_gib": args.headroom_gib})  # fmt: skip
                 planned = memplan.plan(fleet, w, h, f, frame_rate=args.frame_rate)
                 if not planned.fits:
