@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _within(got: torch.Tensor, want: torch.Tensor, base: torch.Tensor) -> None:
-    bound = ops.NORM_TOLERANCE * base.float().abs() + 2 * ops.NORM_TOLERANCE * want.float().abs() + 2.0**-126
+    t = ops.NORM_TOLERANCE  # the bound derived in the `ltx_mgpu.fused.ops` docstring
+    bound = 2 * (1 + t) * t * base.float().abs() + 2 * t * want.float().abs() + 2.0**-126
     assert ((got.float() - want.float()).abs() <= bound).all()
     assert (got == want).float().mean().item() > 0.99
 

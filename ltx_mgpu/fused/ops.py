@@ -15,9 +15,11 @@ Numerics (`NORM_TOLERANCE`): the residual, modulation and RoPE steps are bit-ide
 fp32 reciprocal RMS differs from torch's by a few fp32 ulps (another summation order; torch's CUDA RMSNorm may
 also round once where its composite rounds twice), so a normalized value can round to the neighbouring bf16
 number: one bf16 ulp, at most 2**-7 of the value. The modulation multiplies that by (1 + scale) and the
-rounding of the product and of the shift's sum can each flip once more, so an element of the output differs
-from eager by at most 2**-7 * |norm * (1 + scale)| + 2 bf16 ulps of the output (2 * 2**-7 * |out|, plus
-the smallest normal bf16 for outputs near zero); most elements are equal.
+product's rounding can flip once more, by one ulp of the product (not of the output: a shift that cancels the
+product leaves a small output beside a large product's ulp), and the shift's sum once more by one ulp of the
+output. So an element differs from eager by at most 2 * 2**-7 * |norm * (1 + scale)| (times 1 + 2**-7 for the
+rounded operands) + 2 * 2**-7 * |out| (with slack), plus the smallest normal bf16 for outputs near zero; most
+elements are equal.
 """
 
 from __future__ import annotations
