@@ -33,7 +33,11 @@ The decode is the peak at the sizes people ask for; when the plain decode (one s
 whole clip at once, the fastest) does not fit, the plan decodes each tile in ltx-core's default chunks
 (`TilingConfig.default()`: 512 px tiles with 64 px overlap, 64 frames with 24 overlap: the reference CLI's
 own decode tiling) and empties the allocator cache between stages: the lower-memory plan, also the one an
-out-of-memory retry takes.
+out-of-memory retry takes. The plain decode is also ruled out where its largest tensor would pass 32-bit
+indexing (`DECODE_ELEMENTS_PER_PIXEL`): torch refuses such a convolution input whatever memory is free.
+
+Over 450 lines: the model, its refusals and the largest-size search are one calculation over one set of
+figures, and splitting them would put the figures in one module and their only reader in another.
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ DEFAULT_HEADROOM_GIB = 4.0  #: kept free on every device beyond the predicted re
 #: ltx-core `TilingConfig.default()` chunk of the lower-memory decode: 512 px tiles, 64 frames (+ overlaps)
 CHUNK_PIXELS = 512 * 512
 CHUNK_FRAMES = 64
+#: elements of the plain decode's largest tensor (the padded input of the VAE decoder's last Conv3d) per
+#: pixel-frame of a rank's tile: 3.10e9 bf16 elements (5.77 GiB) at 1536x1024x241 on one H200, where torch
+#: raised "input tensor must fit into 32-bit index math"; a tenth of the limit is kept as margin
+DECODE_ELEMENTS_PER_PIXEL = 8.2
+INDEX_LIMIT = 0.9 * 2**31
 SPATIAL_SCALE, TEMPORAL_SCALE = 32, 8  #: LTX-2's video VAE: one latent cell per 32x32 px, 8 frames
 STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
 DEFAULT_REQUEST_LORAS = 4  #: a runner set up with `request_loras`, until the worker says its own (`with_lora_limits`)
@@ -414,9 +423,12 @@ def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_me
         notes.append("Gemma shares the driver rank with the encoder, upsampler and audio: a later rank has room")
     fast = _stage_peaks(fleet, p, size, resident, chunked=False, frame_rate=frame_rate)
     limit = None if fleet.capacity_gib is None else fleet.capacity_gib - fleet.headroom_gib
-    need_low = low_memory or (limit is not None and max(s.reserved_gib for s in fast) > limit)
+    over_index = math.ceil(size[0] * size[1] / fleet.world_size) * size[2] * DECODE_ELEMENTS_PER_PIXEL > INDEX_LIMIT
+    need_low = low_memory or over_index or (limit is not None and max(s.reserved_gib for s in fast) > limit)
     stages = _stage_peaks(fleet, p, size, resident, chunked=True, frame_rate=frame_rate) if need_low else fast
-    if need_low and not low_memory:
+    if over_index and not low_memory:
+        notes.append("a one-piece decode would pass 32-bit indexing: the decode runs in ltx-core's default chunks")
+    elif need_low and not low_memory:
         notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
     return MemoryPlan(fleet, size, resident, decode_chunked=need_low, release_between_stages=need_low,
                       decode_tiles=fleet.world_size, stages=stages, token_problem=_token_problem(fleet, size),

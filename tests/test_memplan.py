@@ -52,6 +52,18 @@ def test_a_fast_plan_too_close_to_the_limit_takes_the_lower_memory_decode():
     assert plan(_fleet("distilled", capacity_gib=H200_GIB), 768, 512, 121, low_memory=True).decode_chunked
 
 
+def test_a_decode_past_32_bit_indexing_is_chunked_whatever_memory_is_free():
+    """Distilled 1536x1024x241 on one H200: the plan admitted the one-piece decode (120.4 GiB predicted) and
+    torch refused its last Conv3d input ("input tensor must fit into 32-bit index math"). A tile of that many
+    pixel-frames is decoded in chunks even without a memory limit; two ranks halve the tile, and the sizes
+    that rendered one-piece (1536x1024x121) keep the fast decode."""
+    for capacity in (None, 1000.0):
+        p = plan(_fleet("distilled", capacity_gib=capacity), 1536, 1024, 241)
+        assert p.decode_chunked and p.fits and any("32-bit" in n for n in p.notes), p.notes
+    assert not plan(_fleet("distilled"), 1536, 1024, 121).decode_chunked
+    assert not plan(_fleet("distilled", world=2), 1536, 1024, 241).decode_chunked  # (a half-size tile per rank)
+
+
 @pytest.mark.parametrize("runner", ["distilled", "two-stage"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_preset_sizes_on_one_and_two_gpus(runner, world):
