@@ -1,4 +1,4 @@
-"""Runners used by the controller tests. They live in a test module on purpose: the controller must ship
+"""Runners used by the controller tests. They live under tests/ on purpose: the controller must ship
 runner classes by value, so classes defined outside an installed package still work after spawn."""
 
 from __future__ import annotations

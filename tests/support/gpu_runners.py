@@ -1,7 +1,7 @@
 """Helpers for the GPU tests of fleets on real devices: a runner that says where it runs, and which processes
 `nvidia-smi` sees on which GPU. No test functions here.
 
-The runner lives in a test module on purpose: the controller ships runner classes by value.
+The runner lives under tests/ on purpose: the controller ships runner classes by value.
 """
 
 from __future__ import annotations
