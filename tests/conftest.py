@@ -35,6 +35,12 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+# pytest-xdist's worker processes get COLUMNS=80, which the producer CLI honours as a terminal width (folding
+# job ids in its tables); a test sees what a serial run sees: no COLUMNS unless the test sets one.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 from tests.support.tiers import tier_of  # noqa: E402
 from worker.dev.devservers import RedisServer, S3Server, find_redis_server, find_weed  # noqa: E402
 from worker.dev.tcpproxy import TcpProxy  # noqa: E402
