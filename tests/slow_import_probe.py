@@ -1,9 +1,5 @@
-"""Imported by `ImportingRunner` through `background_imports`: remembers which thread imported it and when,
-and takes a while to import, like a large modeling package does."""
+"""Old path of `tests.support.slow_import_probe`, kept so branches that import it still work.
 
-import threading
-import time
+New code imports from `tests.support.slow_import_probe`."""
 
-IMPORTED_BY = threading.current_thread().name
-time.sleep(0.5)
-IMPORTED_AT = time.time()
+from tests.support.slow_import_probe import *  # noqa: F403

@@ -27,8 +27,8 @@ from ltx_mgpu import (
     SymmetricRunnerError,
 )
 from ltx_mgpu.control.transport import MessageKind, Result
-
-from .controller_runners import ImportingRunner, NotAGeneratorRunner, ScriptedRunner
+from tests.support.controller_runners import ImportingRunner, NotAGeneratorRunner, ScriptedRunner
+from tests.support.wait import wait_for
 
 START_TIMEOUT = 120
 
@@ -44,15 +44,6 @@ def _pid_alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # (reaped between kill(0) and the read: ESRCH)
         return False
-
-
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +273,7 @@ def test_rank_exception_poisons_with_traceback() -> None:
             ctl.stream(mode="ok")
     finally:
         ctl.shutdown(graceful_timeout=0)
-    assert _wait_until(lambda: not any(_pid_alive(p) for p in pids), 5)
+    wait_for(lambda: not any(_pid_alive(p) for p in pids), 5, "the ranks gone", poll=0.01)
 
 
 def test_rank_death_detected_without_iterating(tmp_path) -> None:
@@ -292,7 +283,7 @@ def test_rank_death_detected_without_iterating(tmp_path) -> None:
     try:
         stream = ctl.stream(mode="exit", target_rank=1, marker=str(marker))
         # nobody iterates: the monitor must notice the death on its own, within a second of it
-        assert _wait_until(lambda: not ctl.is_alive, 10.0)
+        wait_for(lambda: not ctl.is_alive, 10.0, "the controller dead", poll=0.01)
         with pytest.raises(FleetFailure) as info:
             next(stream)
         assert info.value.detected_at - float(marker.read_text()) < 1.0
@@ -300,7 +291,7 @@ def test_rank_death_detected_without_iterating(tmp_path) -> None:
         assert info.value.exitcode == 7 and info.value.reason == "rank_exited"
     finally:
         ctl.shutdown(graceful_timeout=0)
-    assert _wait_until(lambda: not any(_pid_alive(p) for p in pids), 5)
+    wait_for(lambda: not any(_pid_alive(p) for p in pids), 5, "the ranks gone", poll=0.01)
 
 
 def test_job_timeout_poisons_without_iterating() -> None:
@@ -309,12 +300,12 @@ def test_job_timeout_poisons_without_iterating() -> None:
     try:
         dispatched_at = time.time()
         stream = ctl.stream(timeout=0.3, mode="sleep", sleep_s=30)
-        assert _wait_until(lambda: not ctl.is_alive, 10.0)
+        wait_for(lambda: not ctl.is_alive, 10.0, "the controller dead", poll=0.01)
         with pytest.raises(FleetTimeoutError, match=rf"MGPU job {stream.job_id} exceeded 0.3s") as info:
             list(stream)
         assert info.value.detected_at - (dispatched_at + 0.3) < 1.0
         # the ranks were killed by the controller, not left sleeping
-        assert _wait_until(lambda: not any(_pid_alive(p) for p in pids), 5)
+        wait_for(lambda: not any(_pid_alive(p) for p in pids), 5, "the ranks gone", poll=0.01)
     finally:
         ctl.shutdown(graceful_timeout=0)
 

@@ -19,8 +19,7 @@ import torch
 
 from ltx_mgpu import MGPUController
 from ltx_mgpu.control.transport import Channel, ChannelClosed, ChannelTimeout
-
-from .controller_runners import ScriptedRunner
+from tests.support.controller_runners import ScriptedRunner
 
 JOBS = 1000
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)  # (Linux; the constant is in fcntl from Python 3.10)

@@ -25,8 +25,7 @@ from ltx_mgpu import (
     SymmetricRunnerError,
 )
 from ltx_mgpu.control.fleet import _fleet_fault
-
-from .controller_runners import ScriptedRunner
+from tests.support.controller_runners import ScriptedRunner
 
 pytestmark = pytest.mark.timeout(300)
 

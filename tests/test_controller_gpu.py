@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from ltx_mgpu import JobCancelledError, MGPUController, SymmetricRunnerError
-
-from .controller_runners import ScriptedRunner
+from tests.support.controller_runners import ScriptedRunner
 
 pytestmark = [
     pytest.mark.gpu,

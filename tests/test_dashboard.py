@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.wait import wait_for
 from tests.test_compose import SERVICES, stage_text
 from tests.test_redis_acl_rules import _passwords
 from worker.dev.devservers import LOOPBACK, free_port, stop_process
@@ -84,16 +84,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Dashb
         proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp)
     dashboard = Dashboard(f"http://{LOOPBACK}:{port}", proc, log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def answering() -> bool:
             assert proc.poll() is None, f"rq-dashboard exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
             try:
-                if dashboard.get("/0/data/queues.json")[0] == 200:
-                    break
+                return dashboard.get("/0/data/queues.json")[0] == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline, f"rq-dashboard not answering:\n{log.read_text()[-3000:]}"
-            time.sleep(0.2)
+                return False
+
+        wait_for(answering, 60, "rq-dashboard answering", poll=0.2, on_fail=lambda: log.read_text()[-3000:])
         yield server, dashboard, tmp / "secrets"
     finally:
         stop_process(proc, 10)

@@ -10,12 +10,12 @@ that did not exist stopped Redis, and the TLS paragraph had no way to make its c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,10 @@ import pytest
 import redis
 
 from ltx_mgpu.ports import free_port
+from tests.support.wait import wait_for
+from tests.support.workers import ROOT
 from tests.test_docs_sync import DOCS, section
-from tests.test_worker_support import ROOT
+from worker.dev.devservers import pid_alive
 
 _SERVER = """
 set -euo pipefail
@@ -63,13 +65,9 @@ def stop(work: Path) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not pid_alive(pid), 20, f"redis-server {pid} gone")
+        return
     os.kill(pid, signal.SIGKILL)
 
 

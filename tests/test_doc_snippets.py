@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.workers import ROOT, WorkerProcess, worker_env
 from tests.test_redis_restart import wait_listening
-from tests.test_worker_support import ROOT, WorkerProcess, worker_env
 
 DOCS = ROOT / "docs"
 DOC_REDIS, DOC_S3 = "redis://127.0.0.1:6379/0", "http://127.0.0.1:8333"

@@ -22,6 +22,7 @@ import torch
 
 from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, read_mp4, shared_empty, write_mp4_yuv
 from ltx_mgpu.runners.common.mp4stream import Mp4Stream
+from tests.support.wait import wait_for
 
 W = H = 64
 OPTIONS = EncodeOptions(threads=2, segments=4)  # 64 frames: 4 runs of 16, 1 frame thread each
@@ -40,13 +41,11 @@ def _open(buffer: torch.Tensor) -> dict:
 
 
 def _wait_started(stream: Mp4Stream, runs: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def started() -> bool:
         jobs = stream.runs.jobs()
-        if len(jobs) >= runs and all(j.running() or j.done() for j in jobs[:runs]):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"x264 runs did not start within {timeout}s")
+        return len(jobs) >= runs and all(j.running() or j.done() for j in jobs[:runs])
+
+    wait_for(started, timeout, f"{runs} x264 run(s) started", poll=0.005)
 
 
 def test_runs_start_as_their_frames_arrive_and_make_the_one_shot_file(tmp_path):

@@ -1,7 +1,7 @@
 """The health snapshot as a typed protocol object (`worker.protocol.health`): what a worker writes reads
 back the same on the producer's side, older and newer snapshots still parse, and a malformed one reaches
 the producer as one line naming the field (real Redis for the producer; the writer's side of a real worker
-is checked by every worker test through `test_worker_support.worker_health`)."""
+is checked by every worker test through `tests.support.workers.worker_health`)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_worker_support import WorkerProcess, enqueue, pid_alive, wait_for, wait_ready, wait_state, worker_env
+from tests.support.wait import wait_for
+from tests.support.workers import WorkerProcess, enqueue, pid_alive, wait_ready, wait_state, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)

@@ -15,16 +15,8 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from tests.test_worker_support import (
-    WorkerProcess,
-    enqueue,
-    events,
-    meta_state,
-    wait_for,
-    wait_ready,
-    wait_state,
-    worker_env,
-)
+from tests.support.wait import wait_for
+from tests.support.workers import WorkerProcess, enqueue, events, meta_state, wait_ready, wait_state, worker_env
 from worker.dev.tcpproxy import TcpProxy
 from worker.jobs.admissionrule import Refusal
 from worker.jobs.lostpops import (

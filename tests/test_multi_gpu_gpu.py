@@ -19,8 +19,8 @@ import torch
 from ltx_mgpu import MGPUController
 from ltx_mgpu.parallel.testing import LocalWorld
 from ltx_mgpu.runners.smoke.checkpoint import ensure_smoke_checkpoint, tiny_transformer_config
+from tests.support.gpu_runners import DeviceProbeRunner, check_placement
 
-from .gpu_runners import DeviceProbeRunner, check_placement
 from .test_sp_parallel import CASES, HEADS, TOL, _run_numerics
 
 pytestmark = [

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from ltx_mgpu.oslimits import raise_open_files_limit
-from tests.test_worker_service import running_worker
-from tests.test_worker_support import enqueue, wait_state
+from tests.support.fleet import running_worker
+from tests.support.workers import enqueue, wait_state
 
 pytestmark = pytest.mark.timeout(240)
 

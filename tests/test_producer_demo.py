@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,13 +22,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_demo_renders_uploads_verifies_and_leaves_nothing_running(tmp_path: Path) -> None:
+def test_demo_renders_uploads_verifies_and_leaves_nothing_running(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     if shutil.which("git") is None:
         pytest.skip("git not available")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
-    tmpdir = tmp_path / "tmpdir"  # (everything the demo and its servers write to TMPDIR must be gone after)
-    tmpdir.mkdir()
+    # Everything the demo and its servers write to TMPDIR must be gone after. A short path of its own, not under
+    # tmp_path: SeaweedFS puts a Unix socket in it, and a socket path has at most 107 bytes (pytest-xdist's
+    # `popen-gwN/` level made tmp_path's too long).
+    tmpdir = Path(tempfile.mkdtemp(prefix="ltx-demo-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tmpdir, ignore_errors=True))
     env = {**os.environ, "PYTHONPATH": str(clone), "TMPDIR": str(tmpdir)}
     env.pop("LTX_REDIS_URL", None)
     work = tmp_path / "cwd"

@@ -28,6 +28,7 @@ from producer.client import ProducerClient
 from producer.display import printable
 from producer.exitcodes import ExitCode
 from producer.settings import load_settings
+from tests.support.wait import wait_for
 from worker.ops.logs import event_text
 from worker.protocol.schema import RenderRequest
 from worker.protocol.states import JobState
@@ -277,10 +278,7 @@ def test_a_refusal_mid_run_ends_watch_and_backfill_at_once(redis_server_factory,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
     }  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while admin.llen(f"rq:queue:{queue}") < 2:  # (the backfill has enqueued its job)
-            assert time.monotonic() < deadline, "the backfill never enqueued"
-            time.sleep(0.2)
+        wait_for(lambda: admin.llen(f"rq:queue:{queue}") >= 2, 60, "the backfill's job enqueued", poll=0.2)
         time.sleep(1.0)
         admin.execute_command("ACL", "SETUSER", "tenant", "-@all")
         for name, proc in procs.items():

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from producer.cli import cli
 from producer.client import ProducerClient
 from producer.exitcodes import ExitCode
 from producer.settings import load_settings
+from tests.support.wait import wait_for
 from worker.dev.devservers import RedisServer, S3Server
 from worker.protocol.keys import events_key, worker_health_key
 from worker.protocol.states import JobState
@@ -46,16 +46,6 @@ class Stack:
     redis: RedisServer
     s3: S3Server
     worker_pids: list[int]
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +87,7 @@ def stack(redis_server: RedisServer, s3_server: S3Server, tmp_path_factory: pyte
         return None
 
     try:
-        pids = _wait(ready, 180, "the worker's fleet to be ready")
+        pids = wait_for(ready, 180, "the worker's fleet to be ready", poll=0.1)
         yield Stack(env={**common, "LTX_CLIENT": f"c-{queue}"}, queue=queue, redis=redis_server, s3=s3_server,
                     worker_pids=pids)  # fmt: skip
     finally:
@@ -302,7 +292,9 @@ def test_backfill_interrupted_and_resumed_runs_each_prompt_once(stack: Stack, tm
     env = {**os.environ, **stack.env}
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: manifest.exists() and len(manifest.read_text().splitlines()) >= 2, 120, "two jobs done", 0.02)
+        wait_for(
+            lambda: manifest.exists() and len(manifest.read_text().splitlines()) >= 2, 120, "two jobs done", poll=0.02
+        )
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -334,7 +326,7 @@ def test_cancel_running_job_keeps_the_fleet(stack: Stack, tmp_path: Path) -> Non
     job_id = run(["submit", str(slow), "--max-queue-depth", "0"], stack.env)[1].strip()
     owner = stack.env["LTX_CLIENT"]  # (a client sees its own jobs only)
     client = ProducerClient(load_settings(redis_url=stack.redis.url, queues=[stack.queue], client=owner))
-    _wait(lambda: (client.status(job_id).meta.get("step") or 0) >= 1, 120, "the render to make progress")
+    wait_for(lambda: (client.status(job_id).meta.get("step") or 0) >= 1, 120, "the render to make progress", poll=0.1)
     code, out, _ = run(["cancel", job_id], stack.env)
     assert (code, out.strip().split(";")[0]) == (0, f"stop requested for {job_id}")
     code, out, _ = run(["watch", job_id], stack.env)

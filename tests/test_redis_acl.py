@@ -22,9 +22,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tests.acl_stack import acl_worker
+from tests.support.acl_stack import acl_worker
+from tests.support.runners import output_bytes
+from tests.support.wait import wait_for
+from tests.support.workers import WorkerProcess, events, wait_ready
 from tests.test_redis_acl_rules import _passwords
-from tests.test_worker_support import WorkerProcess, events, output_bytes, wait_for, wait_ready
 from worker.protocol.keys import REFUSALS_KEY
 from worker.protocol.redisacl import AclUsers, generate
 

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 import redis
 
-from tests.test_worker_service import running_worker
-from tests.test_worker_support import enqueue, wait_for, wait_state
+from tests.support.fleet import running_worker
+from tests.support.wait import wait_for
+from tests.support.workers import enqueue, wait_state
 from worker.jobs.tenantmemory import RESERVE_BYTES
 
 pytestmark = pytest.mark.timeout(240)
@@ -162,7 +163,7 @@ def test_a_sigterm_while_the_worker_waits_to_register_is_a_warm_stop(tmp_path, r
     between took the default action (exit -15, found when a test's teardown met a worker still
     registering). A Redis over `maxmemory` holds the worker in exactly that window (registration waits the
     outage out), so the signal lands there every time: the worker must stop warm, exit 0, and leave no rank."""
-    from tests.test_worker_support import WorkerProcess, pid_alive, worker_env
+    from tests.support.workers import WorkerProcess, pid_alive, worker_env
 
     server = redis_server_factory()
     filler = server.client()

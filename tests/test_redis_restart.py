@@ -28,9 +28,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tests.acl_stack import acl_worker
+from tests.support.acl_stack import acl_worker
+from tests.support.wait import wait_for
+from tests.support.workers import WorkerProcess, wait_ready
 from tests.test_redis_acl_rules import _passwords
-from tests.test_worker_support import WorkerProcess, wait_for, wait_ready
 from worker.protocol.redisacl import AclUsers, generate
 
 

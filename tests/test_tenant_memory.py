@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import redis
 
-from tests.test_worker_service import running_worker
-from tests.test_worker_support import enqueue, wait_for, wait_state
+from tests.support.fleet import running_worker
+from tests.support.wait import wait_for
+from tests.support.workers import enqueue, wait_state
 from worker.jobs.tenantmemory import key_tenant
 
 pytestmark = pytest.mark.timeout(240)

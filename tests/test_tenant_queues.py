@@ -16,10 +16,11 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tests.acl_stack import acl_worker
+from tests.support.acl_stack import acl_worker
+from tests.support.wait import wait_for
+from tests.support.workers import events, wait_ready
 from tests.test_redis_acl import Stack, _request, _wait_state, tenant_enqueue
 from tests.test_redis_acl_rules import _passwords
-from tests.test_worker_support import events, wait_for, wait_ready
 from worker.protocol.redisacl import AclUsers, generate
 
 DEPTH = 5

@@ -7,6 +7,7 @@ bounded number of attempts and stays up with its fleet warm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,14 +22,9 @@ import pytest
 from rq import Retry
 from rq.job import JobStatus
 
-from tests.test_worker_service import Fleet, running_worker
-from tests.test_worker_support import (
-    enqueue,
-    events,
-    wait_for,
-    wait_rq_status,
-    wait_state,
-)
+from tests.support.fleet import Fleet, running_worker
+from tests.support.wait import wait_for
+from tests.support.workers import enqueue, events, wait_rq_status, wait_state
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -218,10 +214,9 @@ def test_client_ttls_are_capped_by_the_worker(worker):
     wait_rq_status(ok, {JobStatus.FINISHED}, 60, worker.proc)
     bad = worker.enqueue("t error=runner", result_ttl=-1, failure_ttl=10**9)
     _wait_failed(worker, bad)
-    settle = time.monotonic() + 10
-    while time.monotonic() < settle and worker.conn.hget(ok.key, "meta") and "uploaded" not in str(
-            worker.conn.hget(ok.key, "meta")):  # fmt: skip
-        time.sleep(0.1)
+    with contextlib.suppress(AssertionError):  # (at most 10 s: the TTLs below are checked either way)
+        wait_for(lambda: not (m := worker.conn.hget(ok.key, "meta")) or "uploaded" in str(m), 10, "ok settled",
+                 poll=0.1)  # fmt: skip
     assert 0 < worker.conn.ttl(ok.key) <= 86400  # LTX_RESULT_TTL's default
     assert 0 < worker.conn.ttl(bad.key) <= 7 * 86400  # LTX_FAILURE_TTL's default
     assert 0 < worker.conn.ttl(f"ltx:job:{bad.id}:events") <= 7 * 86400

@@ -22,17 +22,9 @@ from typing import Any
 import pytest
 from rq.job import JobStatus
 
-from tests.test_worker_support import (
-    events,
-    launch_worker,
-    output_bytes,
-    pid_alive,
-    read_records,
-    wait_for,
-    wait_ready,
-    wait_state,
-    worker_health,
-)
+from tests.support.runners import output_bytes, read_records
+from tests.support.wait import wait_for
+from tests.support.workers import events, launch_worker, pid_alive, wait_ready, wait_state, worker_health
 from worker.protocol.handoff import HandOff
 from worker.uploads.spool import MANIFEST_NAME
 

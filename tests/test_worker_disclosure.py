@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_worker_service import running_worker
-from tests.test_worker_support import enqueue, wait_for, wait_state
+from tests.support.fleet import running_worker
+from tests.support.wait import wait_for
+from tests.support.workers import enqueue, wait_state
 from worker.dev.devservers import find_weed
 from worker.dev.s3gateway import S3Gateway, make_secrets
 

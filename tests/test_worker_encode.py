@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from ltx_mgpu.runners.common.media import probe_mp4
-from tests.test_worker_service import _metric, _start_worker, running_worker
-from tests.test_worker_support import WorkerProcess, events, wait_for, wait_ready, wait_state, worker_env
+from tests.support.fleet import metric, running_worker, start_worker
+from tests.support.wait import wait_for
+from tests.support.workers import WorkerProcess, events, wait_ready, wait_state, worker_env
 
 pytestmark = pytest.mark.timeout(300)
 SLOW = {"encode_preset": "placebo", "encode_threads": 1}
@@ -68,9 +69,9 @@ def test_the_fleet_takes_the_next_job_while_the_previous_video_encodes(tmp_path,
             assert (streams.video_codec, streams.frames, streams.width, streams.height) == ("h264", 9, 192, 192)
         assert not any((f.spool / job.id).exists() for job in (a, b))  # released after the confirmed uploads
         port = f.health()["metrics_port"]
-        busy = _metric(port, "ltx_worker_fleet_busy_seconds_total{")  # the runners' device clock: 0.25 s a job
+        busy = metric(port, "ltx_worker_fleet_busy_seconds_total{")  # the runners' device clock: 0.25 s a job
         assert busy is not None and float(busy.split()[-1]) == 0.5, busy
-        encodes = _metric(port, "ltx_worker_encode_seconds_count{")
+        encodes = metric(port, "ltx_worker_encode_seconds_count{")
         assert encodes is not None and float(encodes.split()[-1]) == 2.0, encodes
 
 
@@ -85,7 +86,7 @@ def test_at_the_encode_bound_the_worker_takes_no_job(tmp_path, redis_server, s3_
 
 
 def test_a_worker_killed_mid_encode_loses_no_job(tmp_path, redis_server, s3_server):
-    f = _start_worker(tmp_path, redis_server, s3_server, None, "fault", "cpu:1", **SLOW)
+    f = start_worker(tmp_path, redis_server, s3_server, None, "fault", "cpu:1", **SLOW)
     again = None
     try:
         a = f.submit("t yuv=9", seed=3, width=256, height=256)

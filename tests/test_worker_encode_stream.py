@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from ltx_mgpu.runners.common.media import EncodeOptions, read_mp4, to_yuv420p, write_mp4_yuv
+from tests.support.fleet import metric, running_worker
+from tests.support.runners import noise_frames
+from tests.support.wait import wait_for
+from tests.support.workers import events, wait_state
 from tests.test_worker_encode import _stored_video
-from tests.test_worker_service import _metric, running_worker
-from tests.test_worker_support import events, noise_frames, wait_for, wait_state
 from worker.protocol.control import cancel_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,7 +70,7 @@ def test_a_render_failing_or_cancelled_mid_stream_aborts_its_encode_and_the_work
         assert read_mp4(_stored_video(s3_server, good.latest_result().return_value, tmp_path))[0].shape[0] == 64
         assert not (f.spool / bad.id).exists() and not (f.spool / cancelled.id).exists()  # no marker, no file
         port = f.health()["metrics_port"]
-        pending = _metric(port, "ltx_worker_encode_pending{")
+        pending = metric(port, "ltx_worker_encode_pending{")
         assert pending is not None and float(pending.split()[-1]) == 0.0, pending
-        aborted = _metric(port, "ltx_worker_encode_aborted_total{")  # the failed render's runs were abandoned
+        aborted = metric(port, "ltx_worker_encode_aborted_total{")  # the failed render's runs were abandoned
         assert aborted is not None and float(aborted.split()[-1]) == 2.0, aborted

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from ltx_mgpu import FleetFailure
+from tests.support.gpu_runners import DeviceProbeRunner
 from worker.render.fleet import WarmFleet
-
-from .gpu_runners import DeviceProbeRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +34,7 @@ _WORKER_SIDE = """
 import json, os, sys, pathlib, torch
 from worker.render.fleet import WarmFleet
 from worker.runtime.settings import load_settings, resolve_runner
-from tests.gpu_runners import DeviceProbeRunner, check_placement
+from tests.support.gpu_runners import DeviceProbeRunner, check_placement
 for name in ("smoke", "ltx2-distilled", "ltx2-two-stage"):  # import the real runners as a worker process does
     resolve_runner(load_settings(runner=name))
 device, warm_dir = int(sys.argv[1]), pathlib.Path(sys.argv[2])

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from rq.job import JobStatus
 
 from producer.cli import cli
-from tests.test_worker_service import Fleet, running_worker
-from tests.test_worker_support import enqueue, wait_rq_status, wait_state
+from tests.support.fleet import Fleet, running_worker
+from tests.support.workers import enqueue, wait_rq_status, wait_state
 
 from .test_lora_file import write_st
 from .test_ltx2_runners import SETUP

@@ -16,10 +16,11 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.exitcodes import ExitCode
+from tests.support.fleet import running_worker
+from tests.support.runners import read_records
+from tests.support.workers import enqueue, wait_rq_status, wait_state
 from tests.test_producer_cli import run, write
 from tests.test_worker_abuse import Worker
-from tests.test_worker_service import running_worker
-from tests.test_worker_support import enqueue, read_records, wait_rq_status, wait_state
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -139,7 +140,7 @@ def test_an_out_of_memory_error_in_a_driver_only_stage_is_an_out_of_memory_job(t
 def test_a_warm_up_request_the_plan_refuses_stops_the_worker_at_start(tmp_path):
     """A warm-up renders after every fleet start: one that cannot fit failed every build (out of memory on a
     GPU, the token budget anywhere) until the worker gave up. Now it is a configuration error at start."""
-    from tests.test_worker_support import RUNNERS
+    from tests.support.runners import RUNNERS
     from worker.runtime.process import build_worker
     from worker.runtime.settings import SettingsError, load_settings
 

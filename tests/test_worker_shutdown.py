@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 from rq.job import JobStatus
 
-from tests.test_worker_support import (
+from tests.support.runners import read_records
+from tests.support.wait import wait_for
+from tests.support.workers import (
     ROOT,
     SMALL_REQUEST,
     WorkerProcess,
@@ -24,8 +26,6 @@ from tests.test_worker_support import (
     events,
     launch_worker,
     pid_alive,
-    read_records,
-    wait_for,
     wait_ready,
     wait_state,
     worker_env,

@@ -16,15 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.test_worker_support import (
-    enqueue,
-    launch_worker,
-    read_records,
-    wait_for,
-    wait_ready,
-    wait_state,
-    worker_health,
-)
+from tests.support.runners import read_records
+from tests.support.wait import wait_for
+from tests.support.workers import enqueue, launch_worker, wait_ready, wait_state, worker_health
 
 pytestmark = pytest.mark.timeout(240)
 

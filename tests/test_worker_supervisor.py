@@ -13,13 +13,13 @@ from rq.job import JobStatus
 
 from producer.client import ProducerClient
 from producer.settings import load_settings
-from tests.test_worker_support import (
+from tests.support.runners import read_records
+from tests.support.wait import wait_for
+from tests.support.workers import (
     LaunchedWorker,
     events,
     launch_worker,
     pid_alive,
-    read_records,
-    wait_for,
     wait_ready,
     wait_state,
     worker_health,

@@ -4,6 +4,7 @@ signals). The event relay and the upload pipeline's records: test_worker_relay.p
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.wait import wait_for
 from worker.render.fleet import FleetUnrecoverable, WarmFleet, await_released
 from worker.runtime.supervisor import EXIT_BAD_CONFIG, Supervisor
 
@@ -237,9 +239,8 @@ def _sigterm_after_starts(tmp, starts: int, settle_s: float) -> None:
     import os
 
     def stop() -> None:
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and len(list(tmp.glob("start-*"))) < starts:
-            time.sleep(0.05)
+        with contextlib.suppress(AssertionError):  # (SIGTERM regardless: the test then says what is missing)
+            wait_for(lambda: len(list(tmp.glob("start-*"))) >= starts, 40, f"{starts} starts")
         time.sleep(settle_s)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -265,9 +266,8 @@ def test_supervisor_second_signal_is_forwarded_as_cold_stop(tmp_path):
     sup = Supervisor(["a"], _command(tmp_path, "cold"), poll_s=0.02)
 
     def signals():
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not list(tmp_path.glob("start-*")):
-            time.sleep(0.05)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: list(tmp_path.glob("start-*")), 20, "a start")
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.3)

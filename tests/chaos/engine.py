@@ -43,7 +43,7 @@ from tests.chaos.hostile import HOSTILE, VICTIM, BadInput
 from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
 from tests.chaos.stack import ChaosStack
 from tests.chaos.watchdog import Stalled, Watchdog
-from tests.test_worker_support import wait_for
+from tests.support.wait import wait_for
 from worker.protocol.keys import tenant_queue
 from worker.protocol.schema import RenderRequest
 

@@ -309,7 +309,7 @@ def run_queue_attacks(run: Any, ended: str, failed_own: list[str]) -> list[BadIn
     """`queue_attacks` in a chaos run (`engine._Run`), then a job of the victim's behind them, judged once her
     queue and the intermediate lists are clean (bounded waits: what is left is judged as not rejected)."""
     from tests.chaos.invariants import TERMINAL, job_state
-    from tests.test_worker_support import wait_for
+    from tests.support.wait import wait_for
 
     conn, t0, queues = run.stack.conn, time.monotonic(), run.queues
     workers = sorted(h["pid"] for h in run.stack.wait_ready(60))
@@ -338,7 +338,8 @@ def run_hostile(run: Any, count: int, rng_seed: int) -> list[BadInput]:
 
     from producer.cli import cli as producer_cli
     from tests.chaos.invariants import TERMINAL, job_state
-    from tests.test_worker_support import enqueue, wait_for
+    from tests.support.wait import wait_for
+    from tests.support.workers import enqueue
 
     stack, conn, own = run.stack, run.stack.conn, run.queues[HOSTILE]  # (the doors below are hers)
     before = {h["pid"]: sorted(h["fleet"]["pids"]) for h in stack.wait_ready(120)}

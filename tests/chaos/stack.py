@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos.runner import RUNNER_NAME, RUNNER_PATH
-from tests.test_worker_support import RUNNERS, WorkerProcess, pid_alive, wait_for, worker_env, worker_health
+from tests.support.runners import RUNNERS
+from tests.support.wait import wait_for
+from tests.support.workers import WorkerProcess, pid_alive, worker_env, worker_health
 from worker.dev.devservers import RedisServer, S3Server
 from worker.dev.tcpproxy import TcpProxy
 
