@@ -60,7 +60,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PYTHON
 RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2.13" "boto3>=1.36" "click>=8" "rich>=13"
 WORKDIR /app
 COPY producer ./producer
-COPY ltx_mgpu/__init__.py ltx_mgpu/bounds.py ltx_mgpu/imagesize.py ltx_mgpu/memplan.py ./ltx_mgpu/
+COPY ltx_mgpu/__init__.py ltx_mgpu/bounds.py ltx_mgpu/imagesize.py ltx_mgpu/memplan.py ltx_mgpu/memprofile.py ltx_mgpu/requestrules.py ./ltx_mgpu/
 COPY worker/__init__.py ./worker/
 COPY worker/protocol ./worker/protocol
 COPY examples ./examples
