@@ -89,7 +89,8 @@ def test_an_error_raised_in_a_render_ends_the_job_not_the_fleet(worker, error, r
     rebuilds, pid = worker.metric(REBUILDS), worker.health()["fleet"]["pids"]
     job = worker.enqueue(f"t error={error}")
     meta = _failed(worker, job)
-    assert meta["error"]["reason"] == reason and meta["error"]["message"] == message, meta["error"]
+    # (an out-of-memory error on the lowest-memory plan says so after the message: it is not retried again)
+    assert meta["error"]["reason"] == reason and meta["error"]["message"].startswith(message), meta["error"]
     assert "Traceback" not in meta["error"]["message"]
     # out of memory: retried once (the ranks freed the job's memory); any other error: never
     assert [a["reason"] for a in meta["attempts"]] == [reason] * (2 if error == "oom" else 1)

@@ -317,10 +317,14 @@ def give_back_started(worker: Any, job: Job, queue: Queue) -> None:
     log.warning("job %s given back to queue %s untouched", job.id, queue.name)
 
 
-def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: BaseException, failure_ttl: int) -> None:
-    """Mark a dequeued job that RQ cannot load as failed (it was already popped from its queue)."""
+def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: BaseException, failure_ttl: int,
+                    *, delete_first: bool = False) -> None:  # fmt: skip
+    """Mark a dequeued job that RQ cannot load as failed (it was already popped from its queue); with
+    `delete_first`, its hash is replaced by that record in the same transaction."""
     message = f"unreadable job hash: {type(exc).__name__}: {exc}"[:2000]
     with connection.pipeline() as pipe:
+        if delete_first:
+            pipe.delete(Job.key_for(job_id))
         pipe.hset(Job.key_for(job_id), mapping={"status": "failed", "ended_at": utcformat(now()), "exc_info": message})
         pipe.expire(Job.key_for(job_id), failure_ttl)
         if queue is not None:
@@ -333,10 +337,15 @@ def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: Base
 
 def drop_oversized(connection: Any, job_id: str, exc: BaseException, failure_ttl: int, queue: Queue | None = None
                    ) -> None:  # fmt: skip
-    """A job hash bigger than any job of this service (`worker.protocol.renderjob.OversizedJob`): deleted (its
-    memory is the service's), then recorded failed like an unreadable one."""
-    connection.delete(Job.key_for(job_id))
-    fail_unreadable(connection, job_id, queue, exc, failure_ttl)
+    """A job hash bigger than any job of this service (`worker.protocol.renderjob.OversizedJob`): replaced by
+    the failure record of an unreadable one in one transaction, so a client never finds the id without a hash.
+    A Redis out of memory refuses that whole transaction (its HSET may grow memory): then the hash is deleted
+    first (DEL needs no memory) and the record written after."""
+    try:
+        fail_unreadable(connection, job_id, queue, exc, failure_ttl, delete_first=True)
+    except redis.exceptions.ResponseError:
+        connection.delete(Job.key_for(job_id))
+        fail_unreadable(connection, job_id, queue, exc, failure_ttl)
 
 
 def sweep_oversized(connection: Any, cap: int, failure_ttl: int) -> int:
