@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis
+
 from worker.protocol.keys import RQ_ENDED_STATUSES
 
 __all__ = ["DEPTH_WINDOW", "counts_as_waiting", "waiting_depth"]
@@ -51,8 +53,6 @@ def waiting_depth(connection: Any, queue_keys: Sequence[str], job_key: Callable[
             ids += [i.decode(errors="replace") for i in connection.lrange(key, 0, n - 1)]
         budget -= n
         unknown += length - n
-    import redis
-
     pipe = redis.Redis(connection_pool=connection.connection_pool).pipeline(transaction=False)
     for job_id in dict.fromkeys(ids):
         pipe.hget(job_key(job_id), "status")
