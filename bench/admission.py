@@ -35,7 +35,7 @@ from worker.jobs.admission import QUOTA_WINDOW, Admission
 from worker.jobs.outcomes import JobOutcomes
 from worker.protocol.keys import REFUSALS_KEY, RENDER_FUNC
 from worker.protocol.renderjob import RenderJob
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 
 
 def _ms(fn: Callable[[], Any], repeats: int) -> float:

@@ -80,7 +80,7 @@ from bench.e2e_stack import (
     wait_event,
     wait_terminal,
 )
-from worker.runtime.settings import validate_group
+from worker.settings import validate_group
 
 GIB = 1024**3
 #: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)

@@ -29,7 +29,7 @@ from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive
 from worker.protocol.keys import worker_health_key
 from worker.protocol.schema import RenderRequest
 from worker.protocol.states import TERMINAL_STATES
-from worker.runtime.settings import group_label
+from worker.settings import group_label
 
 ROOT = Path(__file__).resolve().parent.parent
 TERMINAL = {s.value for s in TERMINAL_STATES}

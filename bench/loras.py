@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import e2e_stack as es  # (the stack, workers and job records of bench/e2e.py)
 from bench.e2e import cold_ready, emit, say
 from bench.e2e_clock import pct
-from worker.runtime.settings import validate_group
+from worker.settings import validate_group
 
 PREFIX = "loras/bench"  #: under the stack's bucket; the worker allows `<bucket>/loras/`
 TARGETS_S = {"switch": 0.3, "first_s3": 2.0}  #: what a phase may add to a render's e2e (docs/performance.md)

@@ -190,7 +190,7 @@ def bench_upload(s3: S3Server, mib: int, reps: int, tmp: Path) -> dict[str, Any]
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    from worker.runtime.settings import WorkerSettings
+    from worker.settings import WorkerSettings
     from worker.uploads.spool import Spool, sha256_file
     from worker.uploads.storage import S3Storage
 

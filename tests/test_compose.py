@@ -22,8 +22,8 @@ from click.testing import CliRunner
 
 from producer.settings import ProducerSettings
 from producer.settings import load_settings as load_producer_settings
-from worker.runtime.settings import WorkerSettings
-from worker.runtime.settings import load_settings as load_worker_settings
+from worker.settings import WorkerSettings
+from worker.settings import load_settings as load_worker_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

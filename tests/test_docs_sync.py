@@ -17,7 +17,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from producer.settings import ProducerSettings
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol.schema import RenderRequest
-from worker.runtime.settings import BUILTIN_RUNNERS, WorkerSettings
+from worker.settings import BUILTIN_RUNNERS, WorkerSettings
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

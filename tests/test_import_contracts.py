@@ -319,7 +319,7 @@ SOURCE_RULES = [
                allowed=("worker.protocol",), plant=("producer/display.py", "from worker.jobs import poison")),
     SourceRule("worker.protocol: nothing else of the worker", folders=("worker/protocol",),
                forbidden=("worker", "torch", "boto3", "botocore"), allowed=("worker.protocol",),
-               plant=("worker/protocol/keys.py", "from worker.runtime import settings")),
+               plant=("worker/protocol/keys.py", "from worker.settings import WorkerSettings")),
     # Development servers, the TLS Redis, the S3 gateway, the TCP proxy and the demo stay out of production
     # (bench/ and scripts/ are development tooling and may use them).
     SourceRule("production: no worker.dev", folders=("worker", "producer", "ltx_mgpu", "kernels"),

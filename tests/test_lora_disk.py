@@ -23,7 +23,7 @@ from worker.ops.metrics import WorkerMetrics
 from worker.protocol.lorarefs import LoraRef
 from worker.render.loracache import LoraCache, LoraCacheFull
 from worker.render.loras import LoraRefused, LoraResolver
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 
 from .test_lora_file import TARGETS, lora, write_st
 from .test_worker_support import launch_worker, pid_alive, wait_for, wait_ready, wait_state, worker_health

@@ -20,7 +20,7 @@ from worker.protocol.health import LoraOffer
 from worker.protocol.lorarefs import LoraRef, uri_problem
 from worker.protocol.schema import RenderRequest
 from worker.render.loras import LoraRefused, LoraResolver
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 
 from .test_lora_file import TARGETS, lora, write_st
 

@@ -339,7 +339,7 @@ def test_without_credentials_or_tls_redis_refuses(stack: Stack) -> None:
 def test_a_worker_with_an_untrusted_certificate_or_a_wrong_password_stops_with_a_clear_error(stack: Stack) -> None:
     """Configuration errors, not an endless wait for Redis: the worker process exits 2 with one line."""
     from worker.runtime.process import wait_for_redis
-    from worker.runtime.settings import SettingsError, WorkerSettings
+    from worker.settings import SettingsError, WorkerSettings
 
     url, ca = stack.server.url, stack.server.ca_file
     with pytest.raises(SettingsError, match="TLS certificate not trusted"):

@@ -126,7 +126,7 @@ def test_settings_read_the_password_file_and_never_show_it(tmp_path: Path, monke
     from producer.settings import ProducerSettings
     from worker.cli import main
     from worker.protocol.redisconn import connection_kwargs
-    from worker.runtime.settings import WorkerSettings
+    from worker.settings import WorkerSettings
 
     for name in ("LTX_REDIS_URL", "LTX_REDIS_PASSWORD", "LTX_CLIENT", "LTX_OPERATOR", "LTX_TENANT_IDS"):
         monkeypatch.delenv(name, raising=False)
@@ -152,7 +152,7 @@ def test_settings_read_the_password_file_and_never_show_it(tmp_path: Path, monke
 
 def test_tls_files_need_rediss_and_become_ssl_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.protocol.redisconn import connection_kwargs
-    from worker.runtime.settings import WorkerSettings
+    from worker.settings import WorkerSettings
 
     for name in ("LTX_REDIS_URL", "LTX_REDIS_USERNAME", "LTX_REDIS_PASSWORD", "LTX_REDIS_PASSWORD_FILE"):
         monkeypatch.delenv(name, raising=False)

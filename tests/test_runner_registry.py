@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ltx_mgpu import MGPURunner
-from worker.runtime.settings import BUILTIN_RUNNERS, WorkerSettings, resolve_runner
+from worker.settings import BUILTIN_RUNNERS, WorkerSettings, resolve_runner
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_RUNNERS))

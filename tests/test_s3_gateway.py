@@ -28,7 +28,7 @@ from rq.serializers import JSONSerializer
 
 from worker.dev.devservers import find_weed
 from worker.dev.s3gateway import S3Gateway, make_secrets
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 from worker.uploads.spool import Spool
 from worker.uploads.storage import S3Storage
 from worker.uploads.uploader import Uploader

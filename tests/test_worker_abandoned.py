@@ -26,7 +26,7 @@ def test_abandoned_job_is_recorded_as_worker_lost_with_the_budget_from_the_setti
 
     from worker.jobs.outcomes import JobOutcomes
     from worker.runtime.rqworker import FleetWorker
-    from worker.runtime.settings import WorkerSettings
+    from worker.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
     meta = {"state": "rendering", "worker": "gone.cpu1.1", "attempt": 1 + lost_before}
@@ -75,7 +75,7 @@ def test_an_uploaded_job_the_abandoned_job_cleanup_marked_failed_ends_finished(
     from worker.jobs.outcomes import JobOutcomes
     from worker.protocol import rqcompat
     from worker.runtime.rqworker import FleetWorker
-    from worker.runtime.settings import WorkerSettings
+    from worker.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
     job = q.enqueue("worker.job.render", {"prompt": "x"}, meta={"state": "uploading", "worker": "gone.cpu1.1"})

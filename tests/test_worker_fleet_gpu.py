@@ -33,7 +33,7 @@ pytestmark = [
 _WORKER_SIDE = """
 import json, os, sys, pathlib, torch
 from worker.render.fleet import WarmFleet
-from worker.runtime.settings import load_settings, resolve_runner
+from worker.settings import load_settings, resolve_runner
 from tests.support.gpu_runners import DeviceProbeRunner, check_placement
 for name in ("smoke", "ltx2-distilled", "ltx2-two-stage"):  # import the real runners as a worker process does
     resolve_runner(load_settings(runner=name))

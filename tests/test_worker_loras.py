@@ -17,7 +17,7 @@ from worker.ops.metrics import WorkerMetrics
 from worker.protocol.lorarefs import LoraRef
 from worker.render.loracache import LoraCacheFull
 from worker.render.loras import LoraCache, LoraRefused, LoraResolver
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 
 from .test_lora_file import TARGETS, lora, write_st
 

@@ -142,7 +142,7 @@ def test_a_warm_up_request_the_plan_refuses_stops_the_worker_at_start(tmp_path):
     GPU, the token budget anywhere) until the worker gave up. Now it is a configuration error at start."""
     from tests.support.runners import RUNNERS
     from worker.runtime.process import build_worker
-    from worker.runtime.settings import SettingsError, load_settings
+    from worker.settings import SettingsError, load_settings
 
     settings = load_settings(
         runners=RUNNERS,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ltx_mgpu.control.devices import parse_device_group
-from worker.runtime.settings import (
+from worker.settings import (
     BUILTIN_RUNNERS,
     SettingsError,
     WorkerSettings,
@@ -34,7 +34,7 @@ def test_defaults_are_valid_and_settings_cli_supervisor_never_import_torch():
 
     code = (
         "import sys; import worker.cli, worker.runtime.supervisor, worker.protocol.keys, worker.protocol.control; "
-        "from worker.runtime.settings import load_settings; load_settings(); "
+        "from worker.settings import load_settings; load_settings(); "
         "engine = {m for m in sys.modules if m.startswith('ltx_mgpu')} - {'ltx_mgpu', 'ltx_mgpu.control', "
         "'ltx_mgpu.control.devices', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize', 'ltx_mgpu.requestrules'}; "
         "assert 'torch' not in sys.modules and not engine, sorted(sys.modules)"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 from worker.uploads.spool import MANIFEST_NAME, Spool
 from worker.uploads.storage import LocalStorage, S3Storage, StorageError
 from worker.uploads.uploader import Uploader, UploadFailed

@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from worker.runtime.settings import SETTINGS_FILE_ENV, SettingsError, WorkerSettings, load_settings
+from worker.settings import SETTINGS_FILE_ENV, SettingsError, WorkerSettings, load_settings
 
 __all__ = ["main"]
 
@@ -143,7 +143,7 @@ def one(
 ) -> None:
     """Run a single worker (one fleet) in this process."""
     from worker.runtime.process import run_worker
-    from worker.runtime.settings import validate_group
+    from worker.settings import validate_group
 
     settings_file, queues, flags = _inherit(ctx, settings_file, queues, flags)
     parent_groups = _parent_groups(ctx)

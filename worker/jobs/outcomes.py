@@ -32,7 +32,7 @@ from worker.ops.errorids import public_message
 from worker.protocol import rqcompat
 from worker.protocol.relay import EventRelay
 from worker.protocol.states import FailureReason, JobState
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 
 __all__ = ["RQ_TIMEOUT_MARGIN_S", "JobOutcomes", "attempt_count"]
 

@@ -61,7 +61,7 @@ from worker.render.fleet import WarmFleet
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.render.pipeline import PendingUpload, UploadPipeline
 from worker.render.warmup import WarmupRefused, is_out_of_memory
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, StoredObject, new_render_id
 from worker.uploads.uploader import Uploader, UploadFailed

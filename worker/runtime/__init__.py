@@ -1,2 +1,2 @@
-"""How a worker runs: settings, the supervisor (one process per device group), one worker process, the RQ
-worker loop, and the exit codes between them."""
+"""How a worker runs: the supervisor (one process per device group), one worker process, the RQ worker loop
+and its parts, and the exit codes between them."""

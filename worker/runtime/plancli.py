@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from worker.runtime.settings import SettingsError, WorkerSettings, load_settings, resolve_runner, validate_group
+from worker.settings import SettingsError, WorkerSettings, load_settings, resolve_runner, validate_group
 
 if TYPE_CHECKING:  # (imported when the command runs: `ltx-worker` itself stays free of the engine)
     from ltx_mgpu import memplan

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 from worker.ops.logs import event_text
 from worker.protocol.sharedsettings import safe_redis_url
 from worker.runtime.exitcodes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
-from worker.runtime.settings import SettingsError, WorkerSettings, resolve_runner
+from worker.settings import SettingsError, WorkerSettings, resolve_runner
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "process_started_at", "run_worker"]
 

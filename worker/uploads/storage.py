@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from worker.protocol.s3errors import s3_error_text
-from worker.runtime.settings import WorkerSettings
+from worker.settings import WorkerSettings
 from worker.uploads.spool import SpoolEntry, sha256_file
 
 __all__ = ["LocalStorage", "S3Storage", "Storage", "StorageError", "StoredObject", "make_storage", "new_render_id"]

@@ -1,0 +1,13 @@
+"""What every settings module shares: the environment prefix, the settings-file variable, the error."""
+
+from __future__ import annotations
+
+__all__ = ["ENV_PREFIX", "MIB", "SETTINGS_FILE_ENV", "SettingsError"]
+
+ENV_PREFIX = "LTX_"
+SETTINGS_FILE_ENV = "LTX_SETTINGS_FILE"
+MIB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """Settings are invalid; the message names each offending field and its environment variable."""
