@@ -18,8 +18,8 @@ zlib bomb takes a worker to 3.3 GB), and rewrites a meta of any size on every ev
 - `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
   replaced by an empty one and refused the same way;
 - a hash bigger in Redis than a job of this service can be (`max_hash_bytes()`: twice the request and
-  meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `OversizedJob`, and the worker
-  deletes it and records the failure (`FleetWorker.drop_oversized`): a tenant who writes 90 MB into her own
+  meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `rqcompat.OversizedJob`, and the
+  worker deletes it and records the failure (`rqcompat.drop_oversized`): a tenant who writes 90 MB into her own
   job hash spends the service's memory, and every read of it would copy the 90 MB again;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
 - `worker.protocol.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
@@ -38,9 +38,9 @@ from typing import Any
 from rq.utils import decode_redis_hash
 
 from worker.protocol.keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
-from worker.protocol.rqcompat import GuardedJob
+from worker.protocol.rqcompat import GuardedJob, OversizedJob
 
-__all__ = ["REFUSED_HASH_FIELDS", "OversizedJob", "RefusedJob", "RenderJob", "check_job_owner"]
+__all__ = ["REFUSED_HASH_FIELDS", "RefusedJob", "RenderJob", "check_job_owner"]
 
 log = logging.getLogger("worker.rq")
 
@@ -60,14 +60,6 @@ _CALL_PLACEHOLDER = zlib.compress(json.dumps([RENDER_FUNC, None, [], {}]).encode
 
 class RefusedJob(RuntimeError):
     """The job hash is not one this service runs (another function, a bad id, refused fields): never executed."""
-
-
-class OversizedJob(RuntimeError):
-    """The job hash takes more memory than any job of this service: refused without reading it."""
-
-    def __init__(self, job_id: str, size: int, cap: int) -> None:
-        super().__init__(f"the job hash takes {size} bytes in Redis, over {cap}: refused without reading it")
-        self.job_id = job_id
 
 
 class RenderJob(GuardedJob):

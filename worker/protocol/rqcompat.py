@@ -38,6 +38,7 @@ __all__ = [
     "STUCK_IN_INTERMEDIATE",
     "FleetHorse",
     "GuardedJob",
+    "OversizedJob",
     "beat",
     "cancel_requested",
     "clean_intermediate",
@@ -177,6 +178,15 @@ def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any
 
 
 # ==== hooks RQ does not offer ===============================================================================
+
+
+class OversizedJob(RuntimeError):
+    """The job hash takes more memory than any job of this service: refused without reading it (raised by
+    `worker.protocol.renderjob.RenderJob.refresh`, recorded by `drop_oversized`)."""
+
+    def __init__(self, job_id: str, size: int, cap: int) -> None:
+        super().__init__(f"the job hash takes {size} bytes in Redis, over {cap}: refused without reading it")
+        self.job_id = job_id
 
 
 class GuardedJob(Job):
@@ -337,7 +347,7 @@ def fail_unreadable(connection: Any, job_id: str, queue: Queue | None, exc: Base
 
 def drop_oversized(connection: Any, job_id: str, exc: BaseException, failure_ttl: int, queue: Queue | None = None
                    ) -> None:  # fmt: skip
-    """A job hash bigger than any job of this service (`worker.protocol.renderjob.OversizedJob`): replaced by
+    """A job hash bigger than any job of this service (`OversizedJob`): replaced by
     the failure record of an unreadable one in one transaction, so a client never finds the id without a hash.
     A Redis out of memory refuses that whole transaction (its HSET may grow memory): then the hash is deleted
     first (DEL needs no memory) and the record written after."""
@@ -351,8 +361,6 @@ def drop_oversized(connection: Any, job_id: str, exc: BaseException, failure_ttl
 def sweep_oversized(connection: Any, cap: int, failure_ttl: int) -> int:
     """Drop every job hash over `cap` bytes in Redis, queued or not (a tenant filling Redis through her own
     job hashes; run while Redis is out of memory: SCAN, MEMORY USAGE and DEL need none). Returns how many."""
-    from worker.protocol.renderjob import OversizedJob
-
     dropped = 0
     for key in connection.scan_iter(match=f"{Job.redis_job_namespace_prefix}*", count=1000, _type="HASH"):
         size = connection.memory_usage(key, samples=0)

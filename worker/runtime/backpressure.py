@@ -1,0 +1,86 @@
+"""Back-pressure: the worker takes no job while its uploads or its spool's disk cannot take another render.
+
+While the background uploader (`worker.render.pipeline`) holds `max_pending_uploads` renders (or
+`max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
+`_SPOOL_MIN_FREE_INODES` inodes: a full spool would fail every job), `Backpressure.wait` blocks before the
+dequeue. The worker stays registered (`tick`: its heartbeat), idle (a warm stop interrupts the wait like an
+idle dequeue) and says so in metrics, health (`/readyz` 503, `uploads.backpressure_reason`: `active` and
+`why`) and the log. Free space is re-checked every second, the LoRA cache yielding its unpinned files to the
+spool each time, so the worker recovers by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from worker.render.service import RenderService
+
+__all__ = ["Backpressure"]
+
+log = logging.getLogger("worker.rq")
+
+_SPOOL_MIN_FREE_INODES = 16  # a job needs a directory, the video, a manifest and a lock file
+
+
+class Backpressure:
+    """The wait before a dequeue (module docstring); `active` and `why` feed the health snapshot."""
+
+    def __init__(self, service: RenderService, *, notify: Callable[[], None], tick: Callable[[], None]) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.notify = notify  #: something in the health snapshot changed
+        self.tick = tick  #: one turn of the worker loop (its heartbeat) while waiting
+        self.active = False
+        self.why: str | None = None
+
+    def wait(self) -> None:
+        """Return at once when there is room; else wait until there is (module docstring)."""
+        pipeline = self.service.pipeline
+        why = self.reason()
+        if why is None:
+            return
+        metrics, group = self.service.metrics, self.service.group
+        self.active, self.why = True, why
+        metrics.backpressure.labels(group).set(1)
+        t0 = last = time.monotonic()
+        log.warning("back-pressure: %s; waiting before taking another job", why)
+        self.notify()
+        try:
+            beat = max(1.0, min(10.0, self.settings.worker_ttl / 4))
+            while (still := self.reason()) is not None:
+                if still != self.why:
+                    self.why = still
+                    self.notify()
+                if pipeline.full():
+                    pipeline.wait_for_room(beat)
+                else:
+                    time.sleep(min(beat, 1.0))  # (disk space comes back through uploads or the operator)
+                now = time.monotonic()
+                metrics.backpressure_seconds.labels(group).inc(now - last)
+                last = now
+                self.tick()  # keeps the registration fresh
+        finally:
+            metrics.backpressure_seconds.labels(group).inc(time.monotonic() - last)
+            metrics.backpressure.labels(group).set(0)
+            self.active = False
+            self.notify()
+        log.info("back-pressure released after %.2fs", time.monotonic() - t0)
+
+    def reason(self) -> str | None:
+        """Why no job may be taken now, or None."""
+        pipeline = self.service.pipeline
+        if pipeline.full():
+            return f"uploads pending: {pipeline.snapshot()}"
+        try:
+            free_bytes, free_inodes = self.service.spool.free()
+        except OSError as exc:
+            return f"spool unusable: {exc}"
+        floor = self.settings.spool_min_free_bytes
+        if free_bytes < floor and self.service.loras.cache.make_room(floor):
+            # (the LoRA cache yields to the spool where they share a disk: evicts unpinned files, then re-checks)
+            free_bytes, free_inodes = self.service.spool.free()
+        if free_bytes < floor or free_inodes < _SPOOL_MIN_FREE_INODES:
+            return f"spool disk nearly full: {free_bytes} bytes, {free_inodes} inodes free"
+        return None
