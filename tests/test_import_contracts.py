@@ -10,9 +10,8 @@
   events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
   imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
-- inside worker/, each layer imports only the layers before it in `WORKER_LAYERS` (protocol, settings, ops,
-  uploads, jobs, render, job, runtime, cli) and no module is on an import cycle; these and the other
-  `SOURCE_RULES` read the source, so an import inside a function counts;
+- inside worker/, a layer imports only the layers before it (`WORKER_LAYERS`) and no module is on an import
+  cycle; these and the other `SOURCE_RULES` read the source, so an import inside a function counts;
 - no package, bench/ included, imports tests;
 - `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds`, `ltx_mgpu.requestrules`,
   `ltx_mgpu.memplan`, `ltx_mgpu.imagesize` and the ltx2 runners' description (`ltx_mgpu.runners.ltx2.spec`,
@@ -333,37 +332,23 @@ SOURCE_RULES = [
 ]  # fmt: skip
 
 
-#: worker/'s layers, lowest first: a module imports only modules of its own layer and of those before it
-#: (`LayerRule`). A layer is a folder of worker/ or a module at its top (`job`, `cli`; `__init__` is
-#: worker/__init__.py). A new folder goes after every layer it imports and before every layer that imports it
-#: (a stage folder that render/ drives and that uses jobs/ and uploads/: between `jobs` and `render`); `dev`
-#: comes last (development only: no production module imports it, "production: no worker.dev").
+#: worker/'s layers, lowest first (`LayerRule`): a folder of worker/ or a module at its top (`__init__` is
+#: worker/__init__.py). A new folder goes after every layer it imports, before every layer importing it (a
+#: stage folder render/ drives, using jobs/ and uploads/: between `jobs` and `render`); `dev` last (no
+#: production module imports it: "production: no worker.dev").
 WORKER_LAYERS = (
     "__init__", "protocol", "settings", "ops", "uploads", "jobs", "render", "job", "runtime", "cli", "__main__", "dev",
 )  # fmt: skip
 
 
-def worker_modules(root: Path, package: str) -> dict[str, Path]:
-    """{dotted module name: file} of every module below `root / package` (a package by its own name)."""
-    modules = {}
-    for path in sorted((root / package).rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return modules
-
-
 @dataclass(frozen=True)
 class LayerRule:
-    """Every module of `package` imports (anywhere, lazily too) only its own layer and the layers before it."""
+    """Every module of the package imports (anywhere, lazily too) only its own layer and the layers before it."""
 
     name: str
-    package: str
     layers: tuple[str, ...]
+    folders: tuple[str] = ("worker",)  #: the package
     plant: tuple[str, str] = ("", "")
-
-    @property
-    def folders(self) -> tuple[str, ...]:
-        return (self.package,)
 
     def layer_of(self, module: str) -> str:
         """The layer of a dotted name inside the package: its second part (`__init__` for the package)."""
@@ -371,101 +356,59 @@ class LayerRule:
         return parts[1] if len(parts) > 1 else "__init__"
 
     def violations(self, root: Path) -> dict[str, list[str]]:
-        """{file: its imports of a later layer, or "<layer>: in no layer" for a layer the list lacks}."""
-        rank = {layer: i for i, layer in enumerate(self.layers)}
+        """{file: its imports of a later layer, or of a layer the list lacks (named "in no layer")}."""
+        package, rank = self.folders[0], {layer: i for i, layer in enumerate(self.layers)}
         found: dict[str, list[str]] = {}
-        for path in sorted((root / self.package).rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
+        for path in sorted((root / package).rglob("*.py")):
             own = self.layer_of(".".join(path.relative_to(root).with_suffix("").parts))
             if own not in rank:
-                found[rel] = [f"{own}: in no layer (add it to WORKER_LAYERS)"]
+                found[path.relative_to(root).as_posix()] = [f"{own}: in no layer (add it to WORKER_LAYERS)"]
                 continue
-            bad = set()
-            for name in imports_in(path, root):
-                if name != self.package and not name.startswith(self.package + "."):
-                    continue
-                layer = self.layer_of(name)
-                if layer not in rank:
-                    bad.add(f"{name} ({layer}: in no layer)")
-                elif rank[layer] > rank[own]:
-                    bad.add(name)
+            names = [n for n in imports_in(path, root) if n == package or n.startswith(package + ".")]
+            bad = {f"{n} ({self.layer_of(n)}: in no layer)" if self.layer_of(n) not in rank else n
+                   for n in names if rank.get(self.layer_of(n), len(rank)) > rank[own]}  # fmt: skip
             if bad:
-                found[rel] = sorted(bad)
+                found[path.relative_to(root).as_posix()] = sorted(bad)
         return found
 
 
 @dataclass(frozen=True)
 class CycleRule:
-    """No import cycle among the modules of `package`, counting imports inside functions: a lazy import
+    """No import cycle among the modules of the package, counting imports inside functions: a lazy import
     hides a cycle from the interpreter, not from the reader."""
 
     name: str
-    package: str
+    folders: tuple[str] = ("worker",)  #: the package
     plant: tuple[str, str] = ("", "")
 
-    @property
-    def folders(self) -> tuple[str, ...]:
-        return (self.package,)
-
     def violations(self, root: Path) -> dict[str, list[str]]:
-        """{file: the modules of the cycle it is in}, for every module on a cycle."""
-        modules = worker_modules(root, self.package)
-        graph = {m: sorted(n for n in imports_in(path, root) if n in modules and n != m) for m, path in modules.items()}
-        found = {}
-        for component in strongly_connected(graph):
-            if len(component) > 1:
-                for module in component:
-                    found[modules[module].relative_to(root).as_posix()] = sorted(component)
-        return found
+        """{file: the modules of the cycle it is on}, for every module on a cycle."""
+        files = {}
+        for path in sorted((root / self.folders[0]).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        graph = {m: {n for n in imports_in(path, root) if n in files and n != m} for m, path in files.items()}
+        return {files[m].relative_to(root).as_posix(): members for m, members in on_cycles(graph).items()}
 
 
-def strongly_connected(graph: dict[str, list[str]]) -> list[set[str]]:
-    """The strongly connected components of `graph` (Tarjan's algorithm, iterative): a component of more than
-    one node is a set of modules that import each other, directly or around a loop."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[set[str]] = []
-    for start, edges_of_start in graph.items():
-        if start in index:
-            continue
-        work = [(start, iter(edges_of_start))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, edges = work[-1]
-            for succ in edges:
-                if succ not in index:
-                    index[succ] = low[succ] = len(index)
-                    stack.append(succ)
-                    on_stack.add(succ)
-                    work.append((succ, iter(graph[succ])))
-                    break
-                if succ in on_stack:
-                    low[node] = min(low[node], index[succ])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = set()
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.add(member)
-                        if member == node:
-                            break
-                    components.append(component)
-    return components
+def on_cycles(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{node on a cycle: every node of its cycles} (those it reaches that reach it back)."""
+    reach = {}
+    for start, edges in graph.items():
+        seen, todo = set(), list(edges)
+        while todo:
+            if (node := todo.pop()) not in seen:
+                seen.add(node)
+                todo.extend(graph[node])
+        reach[start] = seen
+    return {m: sorted(n for n in reach[m] if m in reach[n]) for m in graph if m in reach[m]}
 
 
 SOURCE_RULES += [
-    LayerRule("worker: each layer imports only the layers before it", "worker", WORKER_LAYERS,
+    LayerRule("worker: each layer imports only the layers before it", WORKER_LAYERS,
               plant=("worker/settings/base.py", "from worker.render.service import RenderService")),
     # (within one layer: settings.base is below settings.core, which imports it)
-    CycleRule("worker: no import cycle", "worker",
+    CycleRule("worker: no import cycle",
               plant=("worker/settings/base.py", "from worker.settings.core import WorkerSettings")),
 ]  # fmt: skip
 
@@ -473,26 +416,21 @@ SOURCE_RULES += [
 def test_a_new_folder_fails_the_layer_rule_until_it_is_placed(tmp_path: Path) -> None:
     """A folder WORKER_LAYERS lacks is named, in itself and where it is imported; placed, it passes."""
     rule = next(r for r in SOURCE_RULES if isinstance(r, LayerRule))
-    assert (rule.layer_of("worker.stages.encode"), rule.layer_of("worker.job"), rule.layer_of("worker")) == (
-        "stages", "job", "__init__",
-    )  # fmt: skip
+    assert [rule.layer_of(m) for m in ("worker.stages.encode", "worker.job", "worker")] == ["stages", "job", "__init__"]
     (tmp_path / "worker" / "stages").mkdir(parents=True)
     (tmp_path / "worker" / "__init__.py").write_text("")
     (tmp_path / "worker" / "stages" / "encode.py").write_text("from worker.jobs import outcomes\n")
     (tmp_path / "worker" / "render.py").write_text("def f():\n    from worker.stages import encode\n")
     found = rule.violations(tmp_path)
     assert found["worker/stages/encode.py"] == ["stages: in no layer (add it to WORKER_LAYERS)"]
-    assert found["worker/render.py"] == [
-        "worker.stages (stages: in no layer)",
-        "worker.stages.encode (stages: in no layer)",
-    ]
-    placed = LayerRule(rule.name, "worker", (*rule.layers[:6], "stages", *rule.layers[6:]))
+    assert found["worker/render.py"] == [f"worker.stages{m} (stages: in no layer)" for m in ("", ".encode")]
+    placed = LayerRule(rule.name, (*rule.layers[:6], "stages", *rule.layers[6:]))
     assert placed.violations(tmp_path) == {}
 
 
 def test_cycles_are_found_around_a_loop() -> None:
-    graph = {"a": ["b"], "b": ["c"], "c": ["a", "d"], "d": [], "e": ["e"]}
-    assert sorted(map(sorted, strongly_connected(graph))) == [["a", "b", "c"], ["d"], ["e"]]
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert on_cycles(graph) == {"a": ["a", "b", "c"], "b": ["a", "b", "c"], "c": ["a", "b", "c"]}
 
 
 @pytest.mark.parametrize("rule", SOURCE_RULES, ids=[r.name for r in SOURCE_RULES])
