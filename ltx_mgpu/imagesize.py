@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import re
 
+from ltx_mgpu.errors import LtxMgpuError
+
 __all__ = ["IMAGE_FORMATS", "MAX_DECLARED_PIXELS", "MAX_IMAGE_SIDE", "ImageRefused", "image_size"]
 
 IMAGE_FORMATS = "PNG, JPEG, WebP, GIF or BMP"  #: the formats accepted (for messages)
@@ -43,7 +45,7 @@ _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame 
 _JPEG_NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")  # in entropy-coded data: not stuffing/RSTn
 
 
-class ImageRefused(ValueError):
+class ImageRefused(LtxMgpuError, ValueError):
     """The file is one of the accepted formats but its container contradicts itself or declares too much."""
 
 

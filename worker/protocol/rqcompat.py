@@ -29,6 +29,7 @@ from rq.registry import clean_registries as clean_queue_registries
 from rq.results import Result
 from rq.utils import now, utcformat
 
+from worker.errors import WorkerError
 from worker.protocol.handoff import HandOff
 from worker.protocol.keys import CANCEL_REQUESTED_FIELD, REQUEUE_TOKEN_FIELD
 from worker.protocol.redisconn import single_try
@@ -180,7 +181,7 @@ def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any
 # ==== hooks RQ does not offer ===============================================================================
 
 
-class OversizedJob(RuntimeError):
+class OversizedJob(WorkerError, RuntimeError):
     """The job hash takes more memory than any job of this service: refused without reading it (raised by
     `worker.protocol.renderjob.RenderJob.refresh`, recorded by `drop_oversized`)."""
 

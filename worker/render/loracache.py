@@ -34,6 +34,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from worker.errors import WorkerError
+
 __all__ = ["LoraCache", "LoraCacheFull", "boot_time"]
 
 _SUFFIX = ".safetensors"
@@ -55,7 +57,7 @@ def boot_time() -> float | None:
     return None
 
 
-class LoraCacheFull(OSError):
+class LoraCacheFull(WorkerError, OSError):
     """No room for a fetch: the cap (or the disk's free-space floor) cannot be kept even after evicting every
     file no job pins. An `OSError` (ENOSPC): the job fails as a host problem, never as `internal`."""
 

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from worker.errors import WorkerError
 from worker.protocol.s3errors import s3_error_text
 from worker.settings import WorkerSettings
 from worker.uploads.spool import SpoolEntry, sha256_file
@@ -50,7 +51,7 @@ ProgressFn = Callable[[int], None]  # called with byte increments, from transfer
 _BUCKET_EXISTS_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
 
 
-class StorageError(RuntimeError):
+class StorageError(WorkerError, RuntimeError):
     """An upload attempt failed or could not be confirmed; `retryable` says whether trying again helps."""
 
     def __init__(self, message: str, *, retryable: bool = True) -> None:
