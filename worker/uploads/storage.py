@@ -184,9 +184,9 @@ class S3Storage:
 
         # Only a definite answer from the endpoint (a 4xx: bad credentials, no such bucket, access denied) is
         # a configuration error (`retryable=False`: the worker must not start). No answer at all (connection
-        # refused/reset, timeouts) or a 5xx is transient (`retryable=True`): found by the chaos suite, a
-        # worker restarted during an S3 outage used to exit 2 until its supervisor gave up and the whole
-        # service was down; now it starts degraded, renders into the spool and its uploads retry.
+        # refused/reset, timeouts) or a 5xx is transient (`retryable=True`): a worker (re)started during an S3
+        # outage must start degraded, render into the spool and retry its uploads, not exit 2 until its
+        # supervisor gives up and the whole service is down.
         where = f"bucket {self.bucket!r} at {self.settings.s3_endpoint_url}"
         if self.presigns_with_worker_key:
             log.warning("result URLs are signed with the worker's own read/write S3 key: its key id is in every "
