@@ -407,8 +407,9 @@ def drop_cancelled_dequeued(job: Job, queue: Queue, ttl: int) -> bool:
 
     The record is written only while the hash is still the submission this worker loaded (WATCH on its
     `created_at`): the client may have deleted the ended job meanwhile (`producer backfill` forgets it to
-    enqueue the id again), and a write after that left a hash of a few fields that no client can read and
-    that blocked the id (CI: a backfill gave up with "it keeps changing"). Then only the entry is dropped."""
+    enqueue the id again), and a write after that would leave a hash of a few fields that no client can read
+    and that blocks the id (a backfill enqueueing it again gives up: "it keeps changing"). Then only the entry
+    is dropped."""
     ours = submission_of(job)
     with job.connection.pipeline() as pipe:
         for _ in range(_WATCH_TRIES):
