@@ -62,6 +62,8 @@ WORKDIR /app
 COPY producer ./producer
 COPY ltx_mgpu/__init__.py ltx_mgpu/bounds.py ltx_mgpu/imagesize.py ltx_mgpu/memplan.py ltx_mgpu/memprofile.py ltx_mgpu/requestrules.py ./ltx_mgpu/
 COPY worker/__init__.py ./worker/
+COPY worker/errors.py ./worker/
+COPY ltx_mgpu/errors.py ./ltx_mgpu/
 COPY worker/protocol ./worker/protocol
 COPY examples ./examples
 RUN useradd --create-home --uid 1000 ltx

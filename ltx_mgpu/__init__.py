@@ -3,9 +3,9 @@
 Public API:
 - `MGPUController`, `Stream`: the persistent one-job-at-a-time fleet (see `controller.py` for the contract).
 - `MGPURunner`, `ProcessGroups`, `RankContext`: what a pipeline implements and what it is given.
-- Errors: `RunnerError`, `RenderFault`, `RenderOutOfMemory`, `JobCancelled`, `SymmetricRunnerError`,
-  `JobCancelledError`,
-  `AsymmetricRunnerError`, `ControllerBusyError`, `FleetFailure`, `FleetTimeoutError`.
+- Errors, each an `LtxMgpuError` (the engine's one root): `RunnerError`, `RenderFault`, `RenderOutOfMemory`,
+  `RunnerCancelled`, `SymmetricRunnerError`, `JobCancelledError`, `AsymmetricRunnerError`, `ControllerBusyError`,
+  `FleetFailure`, `FleetTimeoutError`.
 - `parse_device_group`, `canonical_group`: "0,1,2,3" / "cpu:2" → a device list / its canonical spec.
 
 Names load lazily (PEP 562): `import ltx_mgpu` and `import ltx_mgpu.control.devices` import no torch, so the
@@ -27,14 +27,15 @@ if TYPE_CHECKING:
         ControllerBusyError,
         FleetFailure,
         FleetTimeoutError,
-        JobCancelled,
         JobCancelledError,
         RenderFault,
         RenderOutOfMemory,
+        RunnerCancelled,
         RunnerError,
         SymmetricRunnerError,
     )
     from .control.runner import MGPURunner, ProcessGroups, RankContext
+    from .errors import LtxMgpuError
 
 #: public name → the submodule that defines it
 _EXPORTS: dict[str, str] = {
@@ -46,12 +47,13 @@ _EXPORTS: dict[str, str] = {
     "ControllerBusyError": "control.errors",
     "FleetFailure": "control.errors",
     "FleetTimeoutError": "control.errors",
-    "JobCancelled": "control.errors",
     "JobCancelledError": "control.errors",
     "RenderFault": "control.errors",
     "RenderOutOfMemory": "control.errors",
+    "RunnerCancelled": "control.errors",
     "RunnerError": "control.errors",
     "SymmetricRunnerError": "control.errors",
+    "LtxMgpuError": "errors",
     "MGPURunner": "control.runner",
     "ProcessGroups": "control.runner",
     "RankContext": "control.runner",
@@ -62,14 +64,15 @@ __all__ = [
     "ControllerBusyError",
     "FleetFailure",
     "FleetTimeoutError",
-    "JobCancelled",
     "JobCancelledError",
+    "LtxMgpuError",
     "MGPUController",
     "MGPURunner",
     "ProcessGroups",
     "RankContext",
     "RenderFault",
     "RenderOutOfMemory",
+    "RunnerCancelled",
     "RunnerError",
     "Stream",
     "SymmetricRunnerError",

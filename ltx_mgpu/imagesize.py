@@ -7,10 +7,9 @@ pixels decoded to a 0.77 GB tensor per rank before anything looked at its size. 
 over `MAX_IMAGE_SIDE`, and every format this parser cannot read (the FFmpeg decoder would take TIFF, EXR,
 JPEG 2000, ... unchecked).
 
-A header that lies is refused too (docs/security.md, the review's attacks): reading only the first header let
-a 9.8 KB WebP with a 16x16 VP8X canvas around a 16000x16000 VP8L bitstream through (FFmpeg decoded it:
-+980 MB), and a JPEG with a decoy 16x16 SOF0 before the real one, and a GIF with a 16x16 screen around an
-8000x8000 frame. So
+A header that lies is refused too (docs/security.md): a check of the first header only would pass a 9.8 KB WebP
+with a 16x16 VP8X canvas around a 16000x16000 VP8L bitstream (FFmpeg decodes it: +980 MB), a JPEG with a
+decoy 16x16 SOF0 before the real one, and a GIF with a 16x16 screen around an 8000x8000 frame. So
 every part that declares a size is read and checked against the canvas before any decoder runs:
 - PNG: the IHDR (first chunk), and every APNG frame (`fcTL`) inside it;
 - JPEG: every segment up to the end of the file, entropy-coded data included: exactly one frame header
@@ -31,6 +30,8 @@ from __future__ import annotations
 
 import re
 
+from ltx_mgpu.errors import LtxMgpuError
+
 __all__ = ["IMAGE_FORMATS", "MAX_DECLARED_PIXELS", "MAX_IMAGE_SIDE", "ImageRefused", "image_size"]
 
 IMAGE_FORMATS = "PNG, JPEG, WebP, GIF or BMP"  #: the formats accepted (for messages)
@@ -43,7 +44,7 @@ _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame 
 _JPEG_NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")  # in entropy-coded data: not stuffing/RSTn
 
 
-class ImageRefused(ValueError):
+class ImageRefused(LtxMgpuError, ValueError):
     """The file is one of the accepted formats but its container contradicts itself or declares too much."""
 
 

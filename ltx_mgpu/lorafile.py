@@ -29,6 +29,8 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ltx_mgpu.errors import LtxMgpuError
+
 __all__ = [
     "MAX_HEADER_DEPTH", "LoraFile", "LoraFileError", "LoraLimits", "check_header", "check_lora", "header_length",
     "parse_header", "read_header", "transformer_targets",
@@ -50,7 +52,7 @@ _MODEL_PREFIX = "model.diffusion_model."  #: the transformer's keys in an LTX-2 
 _TEXT_CONNECTORS = ("embeddings_connector.", "video_embeddings_connector.", "audio_embeddings_connector.")
 
 
-class LoraFileError(ValueError):
+class LoraFileError(LtxMgpuError, ValueError):
     """The file is not a LoRA this service will fuse; the message says what is wrong with it."""
 
 

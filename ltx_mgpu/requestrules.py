@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ltx_mgpu.bounds import RANGES
+from ltx_mgpu.errors import LtxMgpuError
 
 __all__ = [
     "GENERIC",
@@ -53,7 +54,7 @@ _REFUSED_WHY = {
 }
 
 
-class RequestRuleError(ValueError):
+class RequestRuleError(LtxMgpuError, ValueError):
     """A request a runner's rules refuse; `field` names the request field (or "size")."""
 
     def __init__(self, field: str, message: str) -> None:

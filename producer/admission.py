@@ -26,6 +26,7 @@ from rq import Queue
 from rq.job import Job
 from rq.utils import utcformat
 
+from producer.errors import ProducerError
 from worker.protocol.keys import RQ_ENDED_STATUSES, check_client_name
 from worker.protocol.queuedepth import waiting_depth
 from worker.protocol.rqcompat import enqueue_unregistered
@@ -34,8 +35,8 @@ __all__ = [
     "TERMINAL_STATUSES",
     "AdmissionPolicy",
     "AdmissionRefused",
-    "DuplicateJobError",
-    "Refusal",
+    "JobExists",
+    "SubmitRefusal",
     "check_client_name",
     "client_key",
     "enqueue_admitted",
@@ -60,7 +61,7 @@ class AdmissionPolicy:
 
 
 @dataclass(frozen=True)
-class Refusal:
+class SubmitRefusal:
     """Why a submit was refused and how full things are."""
 
     reason: Literal["queue_full", "client_quota"]
@@ -81,15 +82,15 @@ class Refusal:
         )
 
 
-class AdmissionRefused(RuntimeError):
+class AdmissionRefused(ProducerError, RuntimeError):
     """The submit was refused by admission control; `refusal` says why and how full."""
 
-    def __init__(self, refusal: Refusal) -> None:
+    def __init__(self, refusal: SubmitRefusal) -> None:
         super().__init__(refusal.message())
         self.refusal = refusal
 
 
-class DuplicateJobError(RuntimeError):
+class JobExists(ProducerError, RuntimeError):
     """A job with this id already exists (backfill uses this to skip work that is done or queued)."""
 
     def __init__(self, job_id: str, status: str | None) -> None:
@@ -110,7 +111,7 @@ def enqueue_admitted(
     """Enqueue `job` on `queue` if `policy` allows it, as one atomic decision.
 
     `counted_queues` are the queues whose waiting jobs count against `max_queue_depth` (all priority
-    levels of one service). Raises AdmissionRefused, or DuplicateJobError if `job.id` already exists.
+    levels of one service). Raises AdmissionRefused, or JobExists if `job.id` already exists.
     """
     connection: redis.Redis = queue.connection
     ckey = client_key(client) if client else None
@@ -131,12 +132,12 @@ def enqueue_admitted(
                     # write that recreated a deleted job's key (no client can read it): not a job, replaced
                     debris = created is None and not pipe.hexists(job.key, "data")
                     if not debris:
-                        raise DuplicateJobError(job.id, raw.decode() if raw else None)
+                        raise JobExists(job.id, raw.decode() if raw else None)
                 if policy.max_queue_depth is not None:  # (entries that are not jobs count for nothing)
                     cap = policy.max_queue_depth
                     depth = waiting_depth(pipe, [q.key for q in counted_queues], Job.key_for, cap)
                     if depth >= cap:
-                        raise AdmissionRefused(Refusal("queue_full", depth, cap, queue.name))
+                        raise AdmissionRefused(SubmitRefusal("queue_full", depth, cap, queue.name))
                 stale: list[bytes] = []
                 live = 0
                 if ckey:
@@ -147,7 +148,9 @@ def enqueue_admitted(
                         else:
                             live += 1
                     if policy.client_quota is not None and live >= policy.client_quota:
-                        raise AdmissionRefused(Refusal("client_quota", live, policy.client_quota, queue.name, client))
+                        raise AdmissionRefused(
+                            SubmitRefusal("client_quota", live, policy.client_quota, queue.name, client)
+                        )
                 pipe.multi()
                 if debris:
                     pipe.delete(job.key)
@@ -165,7 +168,7 @@ def enqueue_admitted(
                 pipe.reset()
                 time.sleep(0.001)
                 continue
-            except (AdmissionRefused, DuplicateJobError):
+            except (AdmissionRefused, JobExists):
                 pipe.reset()
                 raise
     raise RuntimeError(f"admission for job {job.id} kept racing with other submits; try again")

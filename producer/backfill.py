@@ -31,7 +31,7 @@ from typing import Any
 
 import redis
 
-from producer.admission import AdmissionRefused, DuplicateJobError, Refusal
+from producer.admission import AdmissionRefused, JobExists, SubmitRefusal
 from producer.client import JobInfo, JobNotFound, ProducerClient, ServiceUnavailable, content_job_id
 from producer.requestfile import LoadedRequest
 from worker.protocol.keys import events_key
@@ -171,7 +171,7 @@ class Backfill:
             seen.add(job_id)
             self.items.append(_Item(job_id, loaded))
         self.summary.total = len(self.items)
-        self.refusal: Refusal | None = None  #: why we are waiting right now (None: not waiting)
+        self.refusal: SubmitRefusal | None = None  #: why we are waiting right now (None: not waiting)
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> BackfillSummary:
@@ -266,7 +266,7 @@ class Backfill:
                 )
                 self.summary.enqueued += 1
                 return "enqueued"
-            except DuplicateJobError:
+            except JobExists:
                 try:
                     info = self.client.status(item.job_id)
                 except JobNotFound:

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rq.exceptions import InvalidJobOperation
 
-from producer.admission import AdmissionRefused, DuplicateJobError
+from producer.admission import AdmissionRefused, JobExists
 from producer.backfill import Backfill, BackfillSummary, ManifestRecord, default_manifest_path
 from producer.client import (
     FetchRefused,
@@ -40,10 +40,11 @@ from producer.client import (
     ServiceUnavailable,
 )
 from producer.display import EventPrinter, human_bytes, printable, render_job_table, render_stats, render_status
+from producer.errors import ProducerError
 from producer.exitcodes import EXIT_CODE_HELP, ExitCode
 from producer.loras import first_lora_problem, with_lora_options
 from producer.requestfile import RequestFileError, load_requests
-from producer.settings import SettingsError, load_settings
+from producer.settings import ProducerSettingsError, load_settings
 from worker.protocol.keys import check_job_id
 from worker.protocol.states import JobState
 
@@ -58,7 +59,7 @@ _STATE_EXIT = {
 }
 
 
-class UserError(click.ClickException):
+class UserError(ProducerError, click.ClickException):
     """A one-line error with our exit code (click prints `Error: ...`; we print `producer: ...`)."""
 
     def __init__(self, message: str, code: ExitCode) -> None:
@@ -76,11 +77,11 @@ def _guard(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (RequestFileError, SettingsError, InvalidJobId, FetchRefused) as exc:
+        except (RequestFileError, ProducerSettingsError, InvalidJobId, FetchRefused) as exc:
             raise UserError(str(exc), ExitCode.USAGE) from None
         except AdmissionRefused as exc:
             raise UserError(f"refused: {exc}", ExitCode.REFUSED) from None
-        except DuplicateJobError as exc:
+        except JobExists as exc:
             raise UserError(str(exc), ExitCode.USAGE) from None
         except JobNotFound as exc:
             raise UserError(str(exc), ExitCode.NOT_FOUND) from None

@@ -134,7 +134,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         """Enqueue one render under admission control; returns the RQ job.
 
         `priority="high"` puts the job at the front of its queue. Raises `AdmissionRefused` (queue full or
-        quota used up), `DuplicateJobError` (a `job_id` that exists), `ServiceUnavailable`, ValueError (a
+        quota used up), `JobExists` (a `job_id` that exists), `ServiceUnavailable`, ValueError (a
         `job_id` that `worker.protocol.keys.check_job_id` refuses).
         """
         if priority not in ("normal", "high"):

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import redis
 
+from producer.errors import ProducerError
 from worker.protocol.health import WorkerHealth
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE
 from worker.protocol.schema import RenderRequest
@@ -25,7 +26,7 @@ from worker.protocol.states import TERMINAL_STATES, EventType
 TERMINAL_VALUES = {s.value for s in TERMINAL_STATES}
 
 
-class ServiceUnavailable(RuntimeError):
+class ServiceUnavailable(ProducerError, RuntimeError):
     """Redis (or storage) cannot be reached or used.
 
     `misconfigured`: the server answered and refused us (credentials, ACL, no such database, not Redis at
@@ -36,16 +37,16 @@ class ServiceUnavailable(RuntimeError):
         self.misconfigured = misconfigured
 
 
-class InvalidJobId(ValueError):
+class InvalidJobId(ProducerError, ValueError):
     """A job id no job can have (`worker.protocol.keys.check_job_id`): a usage error, never a lookup."""
 
 
-class FetchRefused(RuntimeError):
+class FetchRefused(ProducerError, RuntimeError):
     """`fetch` will not download from where the job's result points (not the configured endpoint): a
     configuration question, not a failed integrity check."""
 
 
-class JobNotFound(LookupError):
+class JobNotFound(ProducerError, LookupError):
     """No job with this id (never submitted, or expired after its TTL)."""
 
 
@@ -58,7 +59,7 @@ class JobUnreadable(JobNotFound):
         self.job_id = job_id
 
 
-class JobNotReady(RuntimeError):
+class JobNotReady(ProducerError, RuntimeError):
     """`fetch` on a job whose video is not in storage (yet, or ever: see `state`)."""
 
     def __init__(self, job_id: str, state: str) -> None:
@@ -66,7 +67,7 @@ class JobNotReady(RuntimeError):
         self.state = state
 
 
-class IntegrityError(RuntimeError):
+class IntegrityError(ProducerError, RuntimeError):
     """Downloaded bytes do not hash to the sha256 the worker recorded."""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from producer.errors import ProducerError
 from producer.jsonpos import Position, locate, position_at
 from worker.protocol.schema import RenderRequest
 
@@ -28,7 +29,7 @@ __all__ = ["LoadedRequest", "RequestFileError", "load_requests", "validate_reque
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
 
 
-class RequestFileError(ValueError):
+class RequestFileError(ProducerError, ValueError):
     """A user error in a request file; `str()` is the complete one-line message."""
 
 
@@ -74,7 +75,7 @@ def _load(text: str, name: str) -> list[LoadedRequest]:
 MAX_INTEGER_DIGITS = 100
 
 
-class _LongInteger(ValueError):
+class _LongInteger(ProducerError, ValueError):
     pass
 
 

@@ -21,16 +21,17 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.admission import check_client_name
+from producer.errors import ProducerError
 from worker.protocol.keys import check_tenant_name
 from worker.protocol.redisconn import ServiceAccess
 from worker.protocol.sharedsettings import S3_SECRET_FILE_FIELDS, read_secret_file
 
-__all__ = ["ENV_PREFIX", "ProducerSettings", "SettingsError", "load_settings"]
+__all__ = ["ENV_PREFIX", "ProducerSettings", "ProducerSettingsError", "load_settings"]
 
 ENV_PREFIX = "LTX_"
 
 
-class SettingsError(ValueError):
+class ProducerSettingsError(ProducerError, ValueError):
     """Invalid producer settings; the message names the field and its environment variable."""
 
 
@@ -133,11 +134,11 @@ class ProducerSettings(ServiceAccess, BaseSettings):
 
 
 def load_settings(**overrides: Any) -> ProducerSettings:
-    """Settings from the environment with CLI overrides (None = not given); raise SettingsError."""
+    """Settings from the environment with CLI overrides (None = not given); raise ProducerSettingsError."""
     try:
         return ProducerSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err.get("loc") else "settings"
         msg = str(err["msg"]).removeprefix("Value error, ")
-        raise SettingsError(f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {msg}") from None
+        raise ProducerSettingsError(f"invalid setting {field} ({ENV_PREFIX}{field.upper()}): {msg}") from None

@@ -74,5 +74,5 @@ def test_the_check_finds_a_planted_import(planted: str) -> None:
 
 
 def test_an_innocent_import_is_not_a_violation() -> None:
-    innocent = "from .errors import JobCancelled\nfrom ..ports import free_port\nimport torch.distributed as dist\n"
+    innocent = "from .errors import RunnerCancelled\nfrom ..ports import free_port\nimport torch.distributed as dist\n"
     assert violations(innocent, "ltx_mgpu.control.runner") == []

@@ -194,7 +194,7 @@ RULES = [
     # (but the request bounds and the image parser: stdlib only, shared by the schema and the runners)
     Rule("producer: no torch, no ltx_mgpu", packages=("producer",),
          forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.memplan", "!ltx_mgpu.imagesize",
-                    "!ltx_mgpu.requestrules", "!ltx_mgpu.memprofile", "tests"),
+                    "!ltx_mgpu.requestrules", "!ltx_mgpu.memprofile", "!ltx_mgpu.errors", "tests"),
          plant=("producer/display.py", "import ltx_mgpu.control.controller")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
@@ -316,11 +316,12 @@ class SourceRule:
 
 
 SOURCE_RULES = [
-    # The producer image copies worker/protocol/ and nothing else of worker/ (Dockerfile, stage `producer`).
+    # The producer image copies worker/protocol/ and worker/errors.py, nothing else of worker/ (Dockerfile, `producer`).
     SourceRule("producer: of the worker, only its protocol", folders=("producer",), forbidden=("worker",),
-               allowed=("worker.protocol",), plant=("producer/display.py", "from worker.jobs import poison")),
+               allowed=("worker.protocol", "worker.errors"),
+               plant=("producer/display.py", "from worker.jobs import poison")),
     SourceRule("worker.protocol: nothing else of the worker", folders=("worker/protocol",),
-               forbidden=("worker", "torch", "boto3", "botocore"), allowed=("worker.protocol",),
+               forbidden=("worker", "torch", "boto3", "botocore"), allowed=("worker.protocol", "worker.errors"),
                plant=("worker/protocol/keys.py", "from worker.settings import WorkerSettings")),
     # Development servers, the TLS Redis, the S3 gateway, the TCP proxy and the demo stay out of production
     # (bench/ and scripts/ are development tooling and may use them).
@@ -337,7 +338,8 @@ SOURCE_RULES = [
 #: stage folder render/ drives, using jobs/ and uploads/: between `jobs` and `render`); `dev` last (no
 #: production module imports it: "production: no worker.dev").
 WORKER_LAYERS = (
-    "__init__", "protocol", "settings", "ops", "uploads", "jobs", "render", "job", "runtime", "cli", "__main__", "dev",
+    "__init__", "errors",
+    "protocol", "settings", "ops", "uploads", "jobs", "render", "job", "runtime", "cli", "__main__", "dev",
 )  # fmt: skip
 
 
@@ -424,7 +426,7 @@ def test_a_new_folder_fails_the_layer_rule_until_it_is_placed(tmp_path: Path) ->
     found = rule.violations(tmp_path)
     assert found["worker/stages/encode.py"] == ["stages: in no layer (add it to WORKER_LAYERS)"]
     assert found["worker/render.py"] == [f"worker.stages{m} (stages: in no layer)" for m in ("", ".encode")]
-    placed = LayerRule(rule.name, (*rule.layers[:6], "stages", *rule.layers[6:]))
+    placed = LayerRule(rule.name, (*rule.layers[: (at := rule.layers.index("render"))], "stages", *rule.layers[at:]))
     assert placed.violations(tmp_path) == {}
 
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from producer.admission import AdmissionPolicy, AdmissionRefused, DuplicateJobError, enqueue_admitted
+from producer.admission import AdmissionPolicy, AdmissionRefused, JobExists, enqueue_admitted
 from producer.client import ProducerClient
 from producer.settings import load_settings
 from worker.protocol.keys import RENDER_FUNC
@@ -28,7 +28,7 @@ def test_a_field_written_after_a_jobs_deletion_does_not_take_its_id(redis_url: s
     assert fields[b"status"] == b"queued" and not fields.get(b"ended_at") and b"data" in fields
     assert queue.job_ids == [job.id]
     twin = queue.create_job(RENDER_FUNC, args=({"prompt": "p"},), job_id=job.id)
-    with pytest.raises(DuplicateJobError):
+    with pytest.raises(JobExists):
         enqueue_admitted(queue, twin, policy=policy, counted_queues=[queue], client="debris")
     client.close()
 

@@ -272,6 +272,7 @@ def test_producer_never_imports_torch_or_ltx_mgpu() -> None:
         "import sys, producer.cli, producer.client, producer.backfill\n"
         "shared = {'ltx_mgpu', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize', 'ltx_mgpu.memplan', 'ltx_mgpu.memprofile',\n"
         "          'ltx_mgpu.requestrules'}\n"
+        "shared.add('ltx_mgpu.errors')  # (the engine's error root, stdlib only)\n"
         "heavy = ('torch', 'ltx_mgpu', 'boto3')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy and m not in shared)\n"
         "print(bad)\n"
@@ -395,7 +396,7 @@ def test_backfill_progress_bar_on_a_terminal() -> None:
 
     from rich.console import Console
 
-    from producer.admission import Refusal
+    from producer.admission import SubmitRefusal
     from producer.backfill import BackfillSummary, ManifestRecord
     from producer.cli import _BackfillProgress
 
@@ -405,7 +406,7 @@ def test_backfill_progress_bar_on_a_terminal() -> None:
     runner = SimpleNamespace(refusal=None)
     with _BackfillProgress(console, live=True) as progress:
         progress.update(summary, "start", runner)
-        runner.refusal = Refusal("queue_full", 200, 200, "ltx-render")
+        runner.refusal = SubmitRefusal("queue_full", 200, 200, "ltx-render")
         progress.update(summary, "waiting", runner)
         runner.refusal = None
         summary.enqueued, summary.uploaded = 4, 4

@@ -55,8 +55,8 @@ from .errors import (
     ControllerBusyError,
     FleetFailure,
     FleetTimeoutError,
-    JobCancelled,
     JobCancelledError,
+    RunnerCancelled,
     RunnerError,
     SymmetricRunnerError,
 )
@@ -595,7 +595,7 @@ class Stream(Iterator[Any]):
             self.result = [t.value for t in terminals]  # type: ignore[union-attr]
             raise StopIteration(self.result)
         if len(errors) == len(terminals):
-            if all(isinstance(e, JobCancelled) for e in errors):
+            if all(isinstance(e, RunnerCancelled) for e in errors):
                 raise JobCancelledError(errors)
             raise SymmetricRunnerError(errors)
         log.error("asymmetric RunnerError across ranks: %r", terminals)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from ..errors import LtxMgpuError
 from ..requestrules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
 
 __all__ = [
@@ -24,19 +25,19 @@ __all__ = [
     "ControllerBusyError",
     "FleetFailure",
     "FleetTimeoutError",
-    "JobCancelled",
     "JobCancelledError",
     "RenderFault",
     "RenderOutOfMemory",
     "RequestRefused",
     "RequestRuleError",
+    "RunnerCancelled",
     "RunnerError",
     "SymmetricRunnerError",
     "value_error_terminal",
 ]
 
 
-class RunnerError(Exception):
+class RunnerError(LtxMgpuError):
     """Recoverable runner failure. Must be raised identically on every rank and outside any collective."""
 
     def __init__(self, message: str) -> None:
@@ -87,11 +88,11 @@ class RenderOutOfMemory(RenderFault):
     emptied its allocator cache before reporting, so the fleet can take the next job."""
 
 
-class JobCancelled(RunnerError):
+class RunnerCancelled(RunnerError):
     """Raised on every rank by `MGPURunner.raise_if_cancelled()` once the rank-0 decision says so."""
 
 
-class SymmetricRunnerError(Exception):
+class SymmetricRunnerError(LtxMgpuError):
     """Every rank ended its job with a `RunnerError`; the fleet is alive and can take the next job."""
 
     def __init__(self, errors: list[RunnerError]) -> None:
@@ -115,7 +116,7 @@ class JobCancelledError(SymmetricRunnerError):
     """The job was cancelled (`Stream.cancel()`); every rank stopped at a safe point, the fleet is alive."""
 
 
-class AsymmetricRunnerError(Exception):
+class AsymmetricRunnerError(LtxMgpuError):
     """Some ranks raised `RunnerError` and others finished cleanly; the fleet is alive but the runner has a
     latent hang risk (a rank that skipped a collective the others entered would deadlock)."""
 
@@ -124,7 +125,7 @@ class AsymmetricRunnerError(Exception):
         super().__init__("runner raised RunnerError on some ranks but not all")
 
 
-class ControllerBusyError(RuntimeError):
+class ControllerBusyError(LtxMgpuError, RuntimeError):
     """A job is still in flight: consume it (iterate or `drain()`) or shut the controller down."""
 
     def __init__(self, job_id: int) -> None:
@@ -132,7 +133,7 @@ class ControllerBusyError(RuntimeError):
         super().__init__(f"MGPU job {job_id} is still in flight; consume it (stream.drain()) first.")
 
 
-class FleetFailure(RuntimeError):
+class FleetFailure(LtxMgpuError, RuntimeError):
     """The fleet can no longer be trusted (dead rank, timeout, desync, shutdown mid-job).
 
     The controller is poisoned: every later `stream()` raises "MGPUController is dead; create a new one.".

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .errors import JobCancelled
+from .errors import RunnerCancelled
 
 if TYPE_CHECKING:
     import torch
@@ -155,9 +155,9 @@ class MGPURunner(ABC):
         return bool(points is not None and points.check())
 
     def raise_if_cancelled(self) -> None:
-        """Raise `JobCancelled` on every rank alike if the job was cancelled (see `cancel_requested`)."""
+        """Raise `RunnerCancelled` on every rank alike if the job was cancelled (see `cancel_requested`)."""
         if self.cancel_requested():
-            raise JobCancelled("job cancelled")
+            raise RunnerCancelled("job cancelled")
 
     # ---- the contract ---------------------------------------------------------------------------------
     @classmethod

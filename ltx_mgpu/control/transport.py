@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..errors import LtxMgpuError
+
 __all__ = [
     "Channel",
     "ChannelClosed",
@@ -58,11 +60,11 @@ _SMALL_FRAME = 16384  # frames below this go out in one write
 _WAIT_SLICE_S = 0.05  # how often a blocked reader/writer re-checks its liveness test and deadline
 
 
-class ChannelClosed(EOFError):
+class ChannelClosed(LtxMgpuError, EOFError):
     """The other side is gone (broken pipe, end of file mid-message) or the caller's liveness test failed."""
 
 
-class ChannelTimeout(TimeoutError):
+class ChannelTimeout(LtxMgpuError, TimeoutError):
     """A write found no room in the pipe (or no free write lock) before its deadline."""
 
 

@@ -6,9 +6,9 @@ here. The clean e4m3 weight is dequantized exactly (fp32), the deltas are made a
 own fp8 weights (`strength * B @ A` in the LoRA's dtype, then bf16: its `_prepare_deltas`) and added in fp32,
 and the sum is quantized again per output channel, in place. Why not fp32 deltas: a bf16 delta is rounded
 to 2**-9 of its own size, and the fused weight is then rounded to e4m3 (2**-4 of the weight's size), so
-the finer product changed nothing the reference keeps. Measured before this change on an H200 at 19B: the
-two-stage runner's stage-2 swap into fp8 weights took 0.66 s against 0.11 s into bf16 ones, with an fp32
-GEMM (no tensor cores) and two full-size fp32 temporaries per weight. The tracker always restores the clean
+the finer product changes nothing the reference keeps, while it costs an fp32 GEMM (no tensor cores) and two
+full-size fp32 temporaries per weight (on an H200 at 19B, fp32 deltas made the two-stage runner's stage-2 swap
+into fp8 weights 0.66 s against 0.11 s into bf16 ones). The tracker always restores the clean
 e4m3 bytes and scales before fusing, so swapping LoRAs never compounds rounding; a LoRA costs nothing per step (no extra
 bf16 GEMM), at the price of one e4m3 rounding of the fused weight, the same rounding the base weights got.
 

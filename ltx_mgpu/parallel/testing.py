@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import LtxMgpuError
 from ..oslimits import raise_open_files_limit
 
 __all__ = ["LocalWorld", "WorldContext", "WorldError", "WorldPool"]
@@ -47,7 +48,7 @@ class WorldContext:
     cache: dict[str, Any] = field(default_factory=dict)  #: per-rank state that survives between `run` calls
 
 
-class WorldError(RuntimeError):
+class WorldError(LtxMgpuError, RuntimeError):
     """A rank raised (or died, or timed out) during `LocalWorld.run`."""
 
 

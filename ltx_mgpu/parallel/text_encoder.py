@@ -72,8 +72,8 @@ def broadcast_encodings(
     """Collective: rank `src` (group rank) sends `encodings` (or an `error`), every rank returns them on
     `device`. Two collectives whatever the count: the metadata (names, shapes, dtypes, byte offsets, or the
     error, plus `extra` from the source) as one object broadcast, then every tensor packed into one byte
-    buffer as one tensor broadcast (each a rendezvous of the group: the text encoder used to pay one per
-    tensor). `_meta_out`, if given, receives the metadata (its `extra`) on every rank."""
+    buffer as one tensor broadcast (each broadcast is a rendezvous of the group: one per tensor would make
+    the cost grow with their count). `_meta_out`, if given, receives the metadata (its `extra`) on every rank."""
     me = dist.get_rank(group)
     header: list[Any] = [None]
     if me == src:

@@ -43,6 +43,7 @@ from types import FrameType
 import click
 
 from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive, remove_weed_sockets
+from worker.errors import WorkerError
 
 __all__ = ["main"]
 
@@ -54,7 +55,7 @@ FALLBACK_REQUEST = {"prompt": "A red fox trots through fresh snow at dawn", "see
                     "height": 96, "num_frames": 17, "frame_rate": 12, "steps": 3}  # fmt: skip
 
 
-class DemoError(RuntimeError):
+class DemoError(WorkerError, RuntimeError):
     """A step of the demo failed; the message says which and where its log is."""
 
 

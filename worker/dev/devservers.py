@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from ltx_mgpu.ports import LOOPBACK, free_port, free_ports
+from worker.errors import WorkerError
 from worker.ops.procs import pid_alive
 from worker.protocol.redisacl import REDIS_MEMORY_ARGS
 
@@ -47,7 +48,7 @@ __all__ = ["LOOPBACK", "RedisServer", "S3Server", "ServerError", "descendants", 
 WARMUP_KEY = ".ltx-dev-warmup"  #: written and deleted once when a dev SeaweedFS starts (`S3Server._wait_bucket`)
 
 
-class ServerError(RuntimeError):
+class ServerError(WorkerError, RuntimeError):
     """A development server could not be started (missing binary, early exit, not ready in time)."""
 
 

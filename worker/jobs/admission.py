@@ -85,7 +85,7 @@ _DRAIN_AFTER_TAKE = 1000  # refusals recorded before a taken job starts (the res
 _LOCK_KEY = REFUSALS_KEY + ":lock"  # one drainer at a time
 _LOCK_TTL_S = 60
 _OWNER_CACHE = 4 * QUOTA_WINDOW
-#: Ids past the window one pass takes off a queue (the newest; 100k in one go stalled the worker ~13 s).
+#: Ids past the window one pass takes off a queue (the newest): a pass's time is bounded, not the queue's length.
 _TRIM_RECORDED = QUOTA_WINDOW
 
 # ==== the passes (Redis) ==================================================================================

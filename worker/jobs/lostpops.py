@@ -50,7 +50,7 @@ log = logging.getLogger("worker.jobs.lostpops")
 
 ENQUEUE_SLACK_S = 300.0  #: how much earlier than the lost BLPOP a job may say it was enqueued (clock skew)
 #: orphans queued again per queue and sweep, the newest: a lost wait takes one id, so a queue with more is
-#: mostly hashes a client wrote and never pushed (a tenant with 50,000 of them stalled the worker 55 s)
+#: mostly hashes a client wrote and never pushed: a sweep's time must not grow with how many a tenant wrote
 MAX_PER_QUEUE = 16
 CONFIRM_S = 5.0  #: a job is queued again only if it is still in no list this much later (a loaded host
 #: can pause a worker between its BLPOP and its intermediate list for seconds)

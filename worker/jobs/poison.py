@@ -1,6 +1,6 @@
 """Job ids whose renders poisoned a fleet, remembered by the workers so that re-pushing one cannot make a
-fleet rebuild again and again (a security review: a request re-pushed by id crashed the fleet three more
-times; each rebuild costs every GPU of the group 33-46 s at real size).
+fleet rebuild again and again: a tenant may re-push a job id, and each rebuild costs every GPU of the group
+tens of seconds at real size.
 
 The record is a worker-owned key, `ltx:worker:poisoned:<job id>` (tenants' Redis users may not write, nor
 read, `ltx:worker:*` beyond the health snapshots; a job's own hash and meta are theirs to rewrite, so the

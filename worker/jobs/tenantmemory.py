@@ -5,8 +5,7 @@ Redis has no per-user memory limit, and a tenant's Redis user may write its own 
 streams, its admission set, its queues: `worker.protocol.redisacl`) as often as it likes: each stays under the
 value cap (`--proto-max-bulk-len`) and the job-hash bound (`worker.protocol.renderjob`), yet a few hundred of them
 fill `maxmemory`. Then every write fails, the workers cannot record the outcome of the job they are
-running and wait, degraded, until an operator deletes the keys (the security review's finding 3, and
-what docs/security.md used to list as still possible). So the workers measure and trim:
+running and wait, degraded, until an operator deletes the keys. So the workers measure and trim:
 
 - **Budget.** Each tenant may hold `LTX_TENANT_REDIS_BYTES` of Redis memory (0, the default: half of
   Redis's `maxmemory` shared among the tenants, `LTX_TENANTS` or those seen with keys; no `maxmemory`, no

@@ -1,10 +1,11 @@
 """Tenant queues: what a tenant pushes lands where only its own jobs count, and no id runs unchecked.
 
-Why (a security review on a live stack with tenant Redis users): tenants could push any string onto the
-shared queue list. Five bogus ids (or five hashes of one's own naming another client as owner) made every
-job of another tenant end `queue_full` and refused its next submit; 100k bogus ids took 0.1 s to push,
-refused every producer for ~25 s and stalled the worker ~13 s; and re-pushing another tenant's failed id
-rendered that job again, because neither RQ's dequeue nor the worker checked a dequeued job's status.
+Why: a tenant's Redis user can push any string onto a queue list it may write, and pushing is far cheaper
+than anything done about it. Unless queues are per tenant and every dequeued id is checked, a few bogus ids
+(or a tenant's own hashes naming another client as owner) make another tenant's jobs end `queue_full` and its
+submits refused; a burst of them refuses every producer and holds the worker for as long as skipping them
+takes; and a re-pushed failed id of another tenant renders that job again (RQ's dequeue does not check a
+dequeued job's status).
 
 The layout (`worker.protocol.keys`): with `LTX_TENANTS`, each tenant may push only onto its own RQ queue
 `<queue>:t:<tenant>` (one per configured queue; its Redis ACL user may `RPUSH`/`LPUSH` nothing else:
@@ -21,7 +22,7 @@ the worker's own re-queues of jobs enqueued there) and every tenant's queue, and
 - **bounds the work of one dequeue** (`TakingQueue.dequeue_any`): at most `JUNK_PER_QUEUE` entries are
   dropped from one queue per dequeue before the next queue is looked at; a dequeue that found only junk
   returns empty-handed (the worker's loop beats, checks its fleet and comes back; a burst worker goes on
-  until the queues are empty). RQ's own dequeue skipped missing ids in one unbounded loop, over the whole
+  until the queues are empty). RQ's own dequeue skips missing ids in one unbounded loop, over the whole
   queue;
 - **counts each tenant on its own** (`TenantAdmissions`): `LTX_MAX_QUEUE_DEPTH` and `LTX_CLIENT_QUOTA` hold
   per tenant over its own queues (and, for the shared queues, over them together), each by its own

@@ -1,10 +1,10 @@
 """What a failure says outside the worker's log: one line and an error id, never a traceback.
 
-Found by the abuse review: a dead rank's full Python traceback (file paths, local values, the request's
-text in an exception message) was copied into the job's error, the fleet's `last_failure` in every
-worker's health snapshot (which every tenant may read) and `/healthz`. Now a message with more than one
-line (or longer than `_MAX_LINE`) is logged once in full at ERROR with a fresh error id, and what reaches
-Redis and the probes is one line: its first line, what each rank died of (exit code and exception type,
+Why: a dead rank's full Python traceback holds file paths, local values and the request's text in exception
+messages, and the job's error, the fleet's `last_failure` in every worker's health snapshot (which every
+tenant may read) and `/healthz` are read outside the worker. So a message with more than one line (or longer
+than `_MAX_LINE`) is logged once in full at ERROR with a fresh error id, and what reaches Redis and the probes
+is one line: its first line, what each rank died of (exit code and exception type,
 no message) and the id to look up in the log (`grep <id>`).
 """
 

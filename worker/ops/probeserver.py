@@ -1,9 +1,10 @@
 """A small HTTP/1.0 GET server on one thread, bounded in connections and time (the metrics and health port).
 
-Found by the abuse review: `http.server.ThreadingHTTPServer` inside the worker process started a thread per
-connection with no cap and no timeout. 12-16k half-open `GET /metrics` connections from one client left
-6.5k runnable threads: `/healthz` timed out, the worker's RQ registration expired, a queued job waited more
-than 2 minutes and SIGTERM took 50 s. This server costs one thread whatever the clients do:
+Why: anyone who reaches the port can open connections, and the port shares the worker process with its RQ
+loop and its stop. A server with a thread per connection (`http.server.ThreadingHTTPServer`), no cap and no
+timeout lets half-open connections from one client pile up runnable threads until `/healthz` times out, the
+worker's RQ registration expires, queued jobs wait and a SIGTERM is slow to act. This server costs one thread
+whatever the clients do:
 
 - one selector loop reads every connection without blocking; a request is answered once its head (up to
   `_MAX_HEAD` bytes) has arrived, so a client that sends nothing or a byte at a time costs a socket and a

@@ -1,16 +1,15 @@
 """Redis refusing the worker: a condition the worker waits out, never a reason to quit.
 
-Found by the abuse review: a tenant filled Redis past `maxmemory`, every write failed with `OOM`, the
-worker's admission `MULTI/EXEC` raised out of RQ's work loop ("unhandled exception, quitting"), the
-restarted workers died the same way at registration and the supervisor gave up: the service stayed down
-after the memory came back. Out of memory, a read-only replica (`READONLY`, a failover), a server still
-loading its AOF (`LOADING`), a lost connection: each clears by itself or by an operator's hand, without a
-new worker process. So the steps of the work loop that talk to Redis (registration, maintenance, dequeue
-and admission, the bookkeeping around a job, heartbeats) catch these errors, and this object turns them
-into a back-off (0.5 s doubling to 10 s), one log line per outage (not a traceback per attempt), the
-`ltx_worker_redis_up` gauge and the `redis` entry of the health snapshot (`/healthz` stays 200 while the
-loop turns: a restart would not help; `/readyz` says 503: no job is taken meanwhile). Any other error
-still propagates: a bug is not an outage.
+Why: a tenant can fill Redis past `maxmemory`, and then every write fails with `OOM`. An error that raises out of
+RQ's work loop ("unhandled exception, quitting") ends the worker, its restarts die the same way at registration, and
+the service would stay down after the memory comes back. Out of memory, a read-only replica (`READONLY`, a
+failover), a server still loading its AOF (`LOADING`), a lost connection: each clears by itself or by an operator's
+hand, without a new worker process. So the steps of the work loop that talk to Redis (registration, maintenance,
+dequeue and admission, the bookkeeping around a job, heartbeats) catch these errors, and this object turns them into
+a back-off (0.5 s doubling to 10 s), one log line per outage (not a traceback per attempt), the
+`ltx_worker_redis_up` gauge and the `redis` entry of the health snapshot (`/healthz` stays 200 while the loop turns:
+a restart would not help; `/readyz` says 503: no job is taken meanwhile). Any other error still propagates: a bug is
+not an outage.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ The meta summary (see `worker.protocol.states.SUMMARY_FIELDS`) is written into t
 so RQ's own later `job.save()` (e.g. on a re-queue) writes our latest summary rather than a stale copy.
 Thread-safe: upload progress arrives from transfer threads while the main thread may emit too.
 
-Redis may restart under a running job (found by the chaos suite: one failed XADD during a restart turned a
-healthy render into a terminal `internal` failure). Writes are therefore retried on connection errors for
-up to `REDIS_OUTAGE_S` with a short back-off; with AOF nothing acknowledged is lost. A write can also be
-applied with its reply lost (Redis stopped by SIGTERM persists what it executed but may close the socket
-before the reply leaves): a plain retry then added the event twice, and a consumer saw a job end twice
-(the chaos suite, CI seed 20240607; redis-py's own silent retries did it, 10 by default in redis-py 8).
+Redis may restart under a running job, and one failed XADD must not turn a healthy render into a terminal
+`internal` failure. Writes are therefore retried on connection errors for up to `REDIS_OUTAGE_S` with a short
+back-off; with AOF nothing acknowledged is lost. A write can also be applied with its reply lost (Redis stopped
+by SIGTERM persists what it executed but may close the socket before the reply leaves): a plain retry (or
+redis-py's own silent ones, 10 by default in redis-py 8) would add the event twice, and a consumer would see a
+job end twice.
 So the relay writes through a client that sends each command once (`redisconn.single_try`), and its own
 retry first looks for the event among the stream's newest entries (each event's payload is unique: it
 carries its emit time) and only completes the rest of the write when it is there: every event appears
@@ -42,7 +42,7 @@ _RETRY_LOOKBACK = 16  #: newest stream entries a retried write searches for its 
 def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S) -> Any:
     """Call `fn` (one Redis write), retrying with back-off for up to `outage_s` seconds while Redis refuses
     for a reason that clears by itself: unreachable, out of memory, read-only, loading
-    (`worker.protocol.redisoutage.outage_reason`; a render's events used to fail the job on the first OOM)."""
+    (`worker.protocol.redisoutage.outage_reason`): a render's events must not fail its job on a full Redis."""
     from worker.protocol.redisoutage import memory_refused, outage_reason
 
     deadline = time.monotonic() + outage_s

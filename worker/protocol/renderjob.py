@@ -37,6 +37,7 @@ from typing import Any
 
 from rq.utils import decode_redis_hash
 
+from worker.errors import WorkerError
 from worker.protocol.keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
 from worker.protocol.rqcompat import GuardedJob, OversizedJob
 
@@ -58,7 +59,7 @@ REFUSED_HASH_FIELDS = (
 _CALL_PLACEHOLDER = zlib.compress(json.dumps([RENDER_FUNC, None, [], {}]).encode())  # never run: refused
 
 
-class RefusedJob(RuntimeError):
+class RefusedJob(WorkerError, RuntimeError):
     """The job hash is not one this service runs (another function, a bad id, refused fields): never executed."""
 
 

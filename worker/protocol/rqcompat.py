@@ -29,6 +29,7 @@ from rq.registry import clean_registries as clean_queue_registries
 from rq.results import Result
 from rq.utils import now, utcformat
 
+from worker.errors import WorkerError
 from worker.protocol.handoff import HandOff
 from worker.protocol.keys import CANCEL_REQUESTED_FIELD, REQUEUE_TOKEN_FIELD
 from worker.protocol.redisconn import single_try
@@ -180,7 +181,7 @@ def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any
 # ==== hooks RQ does not offer ===============================================================================
 
 
-class OversizedJob(RuntimeError):
+class OversizedJob(WorkerError, RuntimeError):
     """The job hash takes more memory than any job of this service: refused without reading it (raised by
     `worker.protocol.renderjob.RenderJob.refresh`, recorded by `drop_oversized`)."""
 
@@ -406,8 +407,9 @@ def drop_cancelled_dequeued(job: Job, queue: Queue, ttl: int) -> bool:
 
     The record is written only while the hash is still the submission this worker loaded (WATCH on its
     `created_at`): the client may have deleted the ended job meanwhile (`producer backfill` forgets it to
-    enqueue the id again), and a write after that left a hash of a few fields that no client can read and
-    that blocked the id (CI: a backfill gave up with "it keeps changing"). Then only the entry is dropped."""
+    enqueue the id again), and a write after that would leave a hash of a few fields that no client can read
+    and that blocks the id (a backfill enqueueing it again gives up: "it keeps changing"). Then only the entry
+    is dropped."""
     ours = submission_of(job)
     with job.connection.pipeline() as pipe:
         for _ in range(_WATCH_TRIES):

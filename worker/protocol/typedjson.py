@@ -18,6 +18,8 @@ import types
 import typing
 from typing import Any, TypeVar
 
+from worker.errors import WorkerError
+
 __all__ = ["OMIT_NONE", "SnapshotError", "dump", "load"]
 
 T = TypeVar("T")
@@ -26,7 +28,7 @@ T = TypeVar("T")
 OMIT_NONE = {"omit_none": True}
 
 
-class SnapshotError(ValueError):
+class SnapshotError(WorkerError, ValueError):
     """A JSON object does not have the shape its dataclass says (the message is one line)."""
 
 

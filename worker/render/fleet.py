@@ -19,8 +19,7 @@ fleet loading while a dead one's memory is still held runs out of memory. `start
 start: process start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes
 in its health snapshot and metrics.
 
-The controller is created through `factory` (default `ltx_mgpu.MGPUController`), imported lazily so this
-module can be imported without torch.
+The controller is created through `factory` (default `ltx_mgpu.MGPUController`, imported lazily: no torch at import).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from worker.errors import WorkerError
 from worker.ops.errorids import public_message
 from worker.ops.procs import pid_alive
 from worker.protocol.states import EventType
@@ -46,7 +46,7 @@ log = logging.getLogger("worker.render.fleet")
 EventFn = Callable[[dict[str, Any]], None]
 
 
-class FleetUnrecoverable(RuntimeError):
+class FleetUnrecoverable(WorkerError, RuntimeError):
     """The fleet could not be (re)built `max_failures` times in a row; the worker must exit non-zero."""
 
 

@@ -14,12 +14,12 @@ flight is a `.incoming-<bytes>-*` file counted at its reserved size; one whose p
 removed. `make_room` lets the spool reclaim the disk: the worker calls it while in back-pressure.
 
 Durability off the job's path: a fetched file is renamed in and used at once, and fsynced afterwards on a
-background thread, which then marks the file durable (an extended attribute). Why: an fsync of a 1.7 GB
-LoRA took 0.2-0.63 s on the CPU VM, inside the first use of every LoRA (a commit now returns in 1 ms).
+background thread, which then marks the file durable (an extended attribute). Why: an fsync of a LoRA takes
+time that grows with its size (tenths of a second for 1.7 GB), which must not be spent inside its first use.
 Why this is safe: until the machine stops, every process reads the file from the page cache, whole. After
 a crash, a file written in an earlier boot and never marked durable may be torn: `get` drops it (a miss:
 fetched again). Where the folder takes no extended attributes, or the boot time is unknown, `commit`
-fsyncs before the rename, as it used to.
+fsyncs before the rename.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from worker.errors import WorkerError
 
 __all__ = ["LoraCache", "LoraCacheFull", "boot_time"]
 
@@ -55,7 +57,7 @@ def boot_time() -> float | None:
     return None
 
 
-class LoraCacheFull(OSError):
+class LoraCacheFull(WorkerError, OSError):
     """No room for a fetch: the cap (or the disk's free-space floor) cannot be kept even after evicting every
     file no job pins. An `OSError` (ENOSPC): the job fails as a host problem, never as `internal`."""
 

@@ -43,6 +43,7 @@ from ltx_mgpu.lorafile import (
     parse_header,
     transformer_targets,
 )
+from worker.errors import WorkerError
 from worker.protocol.health import LoraOffer
 from worker.protocol.lorarefs import LoraRef, split_s3_uri, strength_problem, uri_problem
 from worker.render.loracache import LoraCache
@@ -109,7 +110,7 @@ def _get_range(client: Any, bucket: str, key: str, etag: str, start: int, end: i
     return data
 
 
-class LoraRefused(ValueError):
+class LoraRefused(WorkerError, ValueError):
     """A request's LoRA cannot be used; `field` names the entry (`loras[1]`)."""
 
     def __init__(self, field: str, reason: str) -> None:

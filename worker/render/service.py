@@ -45,6 +45,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from ltx_mgpu import memplan
+from worker.errors import WorkerError
 from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
 from worker.ops.metrics import WorkerMetrics
@@ -74,7 +75,7 @@ MEDIA_OPEN_EVENT = "media_open"  #: `ltx_mgpu.control.events.MEDIA_OPEN`: a stre
 MEDIA_FRAMES_EVENT = "media_frames"  #: `ltx_mgpu.control.events.MEDIA_FRAMES`: frames [0, ready) are final
 
 
-class JobFailed(Exception):
+class JobFailed(WorkerError):
     """A job ended in failure; `reason` is a `FailureReason`, `details` the machine-readable rest."""
 
     def __init__(self, reason: FailureReason, message: str, *, retrying: bool = False, **details: Any) -> None:
@@ -85,11 +86,11 @@ class JobFailed(Exception):
         self.details = details
 
 
-class _NoLowerPlan(Exception):
+class _NoLowerPlan(WorkerError):
     """Earlier attempts of this job ran out of memory on every plan there is (`RenderService._memory_plan`)."""
 
 
-class JobCancelledByClient(Exception):
+class JobCancelledByClient(WorkerError):
     """The job was cancelled by a client; the worker turns this into RQ's `stopped` status."""
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from worker.errors import WorkerError
 from worker.protocol.states import EventType
 
 __all__ = ["PlanFn", "WarmUp", "WarmupRefused", "is_out_of_memory"]
@@ -41,7 +42,7 @@ log = logging.getLogger("worker.render.warmup")
 PlanFn = Callable[[dict[str, Any]], list[dict[str, Any] | None]]
 
 
-class WarmupRefused(Exception):
+class WarmupRefused(WorkerError):
     """The memory plan refuses this warm-up size on this fleet (the message says why and what fits)."""
 
 

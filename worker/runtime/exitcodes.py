@@ -4,9 +4,9 @@ The supervisor decides from them whether restarting can help. Only a configurati
 by itself (settings, storage credentials, a missing GPU, Redis refusing our credentials, a Redis URL
 naming a server that is not Redis): the supervisor
 stops the other workers and exits with it. Everything else (a fleet that could not be rebuilt, a crash,
-a kill) is restarted with exponential back-off and never given up on: the review that found a tenant
-filling Redis saw the workers die at registration, the supervisor give up after five quick exits, and
-the service stay down after Redis had memory again.
+a kill) is restarted with exponential back-off and never given up on: a cause outside the worker (a Redis
+filled by a tenant, an outage) can make every restart fail quickly for a while, and once it clears the
+service must be back without an operator.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from worker.errors import WorkerError
+
 __all__ = ["ENV_PREFIX", "MIB", "SETTINGS_FILE_ENV", "SettingsError"]
 
 ENV_PREFIX = "LTX_"
@@ -9,5 +11,5 @@ SETTINGS_FILE_ENV = "LTX_SETTINGS_FILE"
 MIB = 1024 * 1024
 
 
-class SettingsError(ValueError):
+class SettingsError(WorkerError, ValueError):
     """Settings are invalid; the message names each offending field and its environment variable."""

@@ -180,8 +180,8 @@ class Spool:
         descriptor (pass it to `unclaim`), or None if another process holds it.
 
         Why: every worker process of a host shares the spool, and a worker's start-up recovery lists *all*
-        complete entries, including the ones another live worker is uploading right now (found by the chaos
-        suite: two processes uploaded and recorded the same job, two terminal events). The lock is an
+        complete entries, including the ones another live worker is uploading right now; without a lock two
+        processes would upload and record the same job (two terminal events). The lock is an
         `flock` on `<job_dir>/.owner`, so the kernel drops it when its process dies (SIGKILL included) and
         the entry becomes recoverable at once."""
         directory = self.job_dir(job_id)

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from worker.errors import WorkerError
 from worker.protocol.s3errors import s3_error_text
 from worker.settings import WorkerSettings
 from worker.uploads.spool import SpoolEntry, sha256_file
@@ -50,7 +51,7 @@ ProgressFn = Callable[[int], None]  # called with byte increments, from transfer
 _BUCKET_EXISTS_CODES = frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"})
 
 
-class StorageError(RuntimeError):
+class StorageError(WorkerError, RuntimeError):
     """An upload attempt failed or could not be confirmed; `retryable` says whether trying again helps."""
 
     def __init__(self, message: str, *, retryable: bool = True) -> None:
@@ -183,9 +184,9 @@ class S3Storage:
 
         # Only a definite answer from the endpoint (a 4xx: bad credentials, no such bucket, access denied) is
         # a configuration error (`retryable=False`: the worker must not start). No answer at all (connection
-        # refused/reset, timeouts) or a 5xx is transient (`retryable=True`): found by the chaos suite, a
-        # worker restarted during an S3 outage used to exit 2 until its supervisor gave up and the whole
-        # service was down; now it starts degraded, renders into the spool and its uploads retry.
+        # refused/reset, timeouts) or a 5xx is transient (`retryable=True`): a worker (re)started during an S3
+        # outage must start degraded, render into the spool and retry its uploads, not exit 2 until its
+        # supervisor gives up and the whole service is down.
         where = f"bucket {self.bucket!r} at {self.settings.s3_endpoint_url}"
         if self.presigns_with_worker_key:
             log.warning("result URLs are signed with the worker's own read/write S3 key: its key id is in every "

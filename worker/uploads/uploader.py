@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from worker.errors import WorkerError
 from worker.protocol.states import EventType
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, StorageError, StoredObject
@@ -33,7 +34,7 @@ log = logging.getLogger("worker.uploads.uploader")
 EventFn = Callable[[dict[str, Any]], None]
 
 
-class UploadFailed(RuntimeError):
+class UploadFailed(WorkerError, RuntimeError):
     """Every attempt failed; the render is still in the spool (`entry`)."""
 
     def __init__(self, message: str, *, entry: SpoolEntry, attempts: int, retryable: bool) -> None:
