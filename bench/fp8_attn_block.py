@@ -1,5 +1,6 @@
 """One ltx-core transformer block, bf16 against `fp8-mm` against `fp8-mm+attn` (FP8 linears and FP8 video
-self-attention), at 1,536 / 6,144 / 24,576 video tokens: ms per call (graph replays on CUDA) and the relative
+self-attention), at 1,536 / 6,144 / 24,576 video tokens: ms per call (timed with CUDA events over graph replays after
+warm-up, `bench.common.time_ms`; wall clock on the CPU) and the relative
 error of each against bf16 (video output and the video update out - x). Built on bench/block.py's block
 harness (imported, not changed); needs ltx-core (the GPU host's `wheels` phase) and, on CUDA, the cuDNN
 frontend (`.whl3/`). Every variant runs in a try/except that records its error as a JSON line.
