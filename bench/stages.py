@@ -1,6 +1,6 @@
 """One LTX-2 fleet under `MGPUController`, no service around it: the per-stage timings (`timings_s` of the
 runner's output event) and the wall time of warm renders of the one-stage default request (768x512, 121
-frames, 24 fps). What `bench/e2e.py`'s stage table reports, without Redis, S3 or the worker, so a
+frames, 24 fps). What `python -m bench.e2e runs`'s stage table reports, without Redis, S3 or the worker, so a
 before/after of the runner itself fits one short GPU call (no server wheels to carry).
 
     python -m bench.stages --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 --jobs 3
@@ -38,7 +38,7 @@ def setup_kwargs(spec: str, weights: Path | None) -> tuple[str, dict[str, Any]]:
     runner, _, variant = spec.partition(":")
     files = ensure_tiny_ltx2() if weights is None else Ltx2Files.under(weights)
     setup: dict[str, Any] = dict(files.setup_kwargs())
-    if weights is None:  # the tiny checkpoints' sizes (bench/e2e_stack.py's tiny profile)
+    if weights is None:  # the tiny checkpoints' sizes (bench/e2e/stack.py's tiny profile)
         setup.update(prompt_tokens=128, default_steps=2, enhance_max_new_tokens=6, tdp_overlap=1)
         REQUEST.update(width=128, height=128, num_frames=9, frame_rate=8.0)
     if runner == "ltx2-distilled":
