@@ -74,7 +74,7 @@ def build_block(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -
     from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 
     with torch.device("meta"):
-        model = LTXModelConfigurator.fromblock_config(cfg)
+        model = LTXModelConfigurator.from_config(cfg)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
