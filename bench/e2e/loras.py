@@ -305,4 +305,3 @@ def main(argv: list[str] | None = None) -> int:
     elif failure:
         say("e2e", f"logs kept in {workdir}")
     return 1 if failure or summary["jobs_failed"] else 0
-

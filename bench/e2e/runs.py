@@ -428,4 +428,3 @@ def main(argv: list[str] | None = None) -> int:
     elif failures:
         say("e2e", f"logs kept in {workdir}")
     return 1 if failures or not runs else 0
-
