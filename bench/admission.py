@@ -14,13 +14,12 @@ each with a producer-like meta naming one of 50 clients. Measured, median of `--
 One JSON line per measurement; the last line is `SUMMARY {...}` with the ratios of a cached quota pass to a
 whole-queue scan of statuses (what a pass would cost if it read every waiting job), measured side by side.
 
-Usage: .venv/bin/python bench/admission.py [--jobs 10000] [--cap 200] [--quota 2] [--repeats 5]
+Usage: python -m bench.admission [--jobs 10000] [--cap 200] [--quota 2] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from bench.common import emit, emit_summary
 from worker.dev.devservers import RedisServer
 from worker.jobs.admission import QUOTA_WINDOW, Admission
 from worker.jobs.outcomes import JobOutcomes
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     server = RedisServer().start()
     out: dict[str, Any] = {"jobs": args.jobs, "cap": args.cap, "quota_window": QUOTA_WINDOW}
 
-    def emit(name: str, **values: Any) -> None:
-        print(json.dumps({"measure": name, **values}), flush=True)
+    def measure(name: str, **values: Any) -> None:
+        emit({"measure": name, **values})
         out[name] = values
 
     try:
@@ -99,28 +99,28 @@ def main(argv: list[str] | None = None) -> int:
                 pipe.hget(key, "meta")
             pipe.execute()
 
-        emit("lrange_all_ms", value=_ms(lambda: conn.lrange(queue.key, 0, -1), args.repeats))
-        emit("status_and_meta_len_all_ms", value=_ms(statuses, args.repeats))
-        emit("meta_all_ms", value=_ms(metas, args.repeats))
+        measure("lrange_all_ms", value=_ms(lambda: conn.lrange(queue.key, 0, -1), args.repeats))
+        measure("status_and_meta_len_all_ms", value=_ms(statuses, args.repeats))
+        measure("meta_all_ms", value=_ms(metas, args.repeats))
 
         within = _admission(conn, queue, cap=args.jobs + 1, quota=None)
-        emit("depth_pass_within_cap_ms", value=_ms(within.before_dequeue, args.repeats))
+        measure("depth_pass_within_cap_ms", value=_ms(within.before_dequeue, args.repeats))
         cold = _admission(conn, queue, cap=None, quota=args.jobs)  # a quota nobody exceeds: reads, no refusal
-        emit("quota_pass_cold_ms", value=_ms(lambda: cold.police(None), 1))
-        emit("quota_pass_cached_ms", value=_ms(lambda: cold.police(None), args.repeats))
+        measure("quota_pass_cold_ms", value=_ms(lambda: cold.police(None), 1))
+        measure("quota_pass_cached_ms", value=_ms(lambda: cold.police(None), args.repeats))
         assert conn.llen(queue.key) == args.jobs
 
         flood = _admission(conn, queue, cap=args.cap, quota=None)
         t_trim = _ms(lambda: flood.police(None), 1)
         refused = conn.llen(REFUSALS_KEY)
-        emit("trim_excess_ms", value=t_trim, excess=refused, left=conn.llen(queue.key))
+        measure("trim_excess_ms", value=t_trim, excess=refused, left=conn.llen(queue.key))
         capped = _admission(conn, queue, cap=args.cap, quota=args.jobs)  # the queue is at the cap now
-        emit("quota_pass_at_cap_cold_ms", value=_ms(lambda: capped.police(None), 1))
-        emit("quota_pass_at_cap_cached_ms", value=_ms(lambda: capped.police(None), args.repeats))
+        measure("quota_pass_at_cap_cold_ms", value=_ms(lambda: capped.police(None), 1))
+        measure("quota_pass_at_cap_cached_ms", value=_ms(lambda: capped.police(None), args.repeats))
         t0 = time.perf_counter()
         recorded = flood.drain()
         elapsed = time.perf_counter() - t0
-        emit("record_refusals", jobs=recorded, seconds=round(elapsed, 3), per_s=round(recorded / elapsed, 1))
+        measure("record_refusals", jobs=recorded, seconds=round(elapsed, 3), per_s=round(recorded / elapsed, 1))
         summary = {
             "quota_pass_cached_ms": out["quota_pass_cached_ms"]["value"],
             "whole_queue_status_scan_ms": out["status_and_meta_len_all_ms"]["value"],
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             "trim_excess_ms": t_trim,
             "refusals_recorded_per_s": out["record_refusals"]["per_s"],
         }
-        print("SUMMARY " + json.dumps(summary), flush=True)
+        emit_summary(summary)
     finally:
         server.cleanup()
     return 0

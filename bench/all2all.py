@@ -22,18 +22,22 @@ of the same bytes, and the link's P2P copy rate (a device-to-device copy of the 
 peer, one way and all ranks at once). Times are per call, back-to-back eager launches (mean of `--iters`,
 the slowest rank, median of 5); outputs are checked byte-equal to the `dist` backend first. GB/s counts the
 bytes that leave one rank: (W-1)/W of its shard.
+
+    python -m bench.all2all --out $OUT/bench.jsonl          # loopback, one GPU
+    python -m bench.all2all --mode cross --out $OUT/all2all-cross.jsonl   # two GPUs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from bench.common import emit, emit_summary
 
 
 def _time_ms(fn: Callable[[], Any], iters: int, warmup: int, repeats: int = 5, *, across_ranks: bool = False) -> float:
@@ -88,11 +92,7 @@ def _kernel_ms(fn: Callable[[], Any], args: argparse.Namespace, calls: int = 10)
 
 def _emit(rows: list[dict[str, Any]], out: Any, **row: Any) -> None:
     rows.append(row)
-    line = json.dumps(row)
-    print(line, flush=True)
-    if out is not None:
-        out.write(line + "\n")
-        out.flush()
+    emit(row, out)
 
 
 def _measure(
@@ -217,10 +217,7 @@ def _cross(args: argparse.Namespace, out: Any) -> int:
 
     world = int(args.worlds.split(",")[0]) if args.worlds != "2,4,8" else 2
     if torch.cuda.device_count() < world:
-        print(
-            "SUMMARY "
-            + json.dumps({"mode": "cross", "error": f"needs {world} GPUs, found {torch.cuda.device_count()}"})
-        )
+        emit_summary({"mode": "cross", "error": f"needs {world} GPUs, found {torch.cuda.device_count()}"})
         return 2
     totals = [int(t) for t in args.tokens.split(",")]
     rows: list[dict[str, Any]] = []
@@ -244,10 +241,7 @@ def _cross(args: argparse.Namespace, out: Any) -> int:
         "p2p_gbps_one_way": {r["tokens"]: r["gbps"]["p2p_copy_one_way"] for r in rows},
         "p2p_gbps_all_ranks": {r["tokens"]: r["gbps"]["p2p_copy_all_ranks"] for r in rows},
     }
-    line = "SUMMARY " + json.dumps(summary)
-    print(line, flush=True)
-    if out is not None:
-        out.write(line + "\n")
+    emit_summary(summary, out)
     return 0 if summary["ipc_equals_dist"] else 1
 
 
@@ -264,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("SUMMARY " + json.dumps({"error": "no CUDA device"}))
+        emit_summary({"error": "no CUDA device"})
         return 2
     if args.mode == "cross":
         out = open(args.out, "w") if args.out else None
@@ -306,10 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_ratio": 0.8,
     }
     summary["meets_target"] = summary["min_ratio_to_copy"] >= 0.8
-    line = "SUMMARY " + json.dumps(summary)
-    print(line, flush=True)
+    emit_summary(summary, out)
     if out is not None:
-        out.write(line + "\n")
         out.close()
     return 0
 

@@ -25,27 +25,20 @@ or GPU is missing:
 Output: JSON lines, then one line starting with "SUMMARY" with each backend's speed over the default's and
 each candidate's over torch's bf16 cuDNN backend (`speedup_over_cudnn_bf16`).
 
-    python bench/attention.py                       # one H200, ~1 min
-    python bench/attention.py --device cpu --shapes 1x256x4x32 --iters 1 --warmup 0 --candidates fp8-emulate
+    python -m bench.attention                       # one H200, ~1 min
+    python -m bench.attention --device cpu --shapes 1x256x4x32 --iters 1 --warmup 0 --candidates fp8-emulate
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fp8 import _graph
-from sp_block import _time
+from bench.common import cuda_graph, emit, emit_summary, time_ms
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
@@ -116,17 +109,17 @@ def measure(
         except RuntimeError as exc:  # the backend refuses this shape, dtype or device
             row["unsupported"] = str(exc).splitlines()[0][:300]
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(row)
             continue
         row.update(rel_err=_rel_err(out, ref, ref_rows), reference=ref_kind,
-                   eager_ms=_time(call, device, iters, warmup))  # fmt: skip
-        replay, captured = _graph(call, device)  # (eager where capture failed: fp8.py prints why)
+                   eager_ms=time_ms(call, device, iters, warmup))  # fmt: skip
+        replay, captured = cuda_graph(call, device)  # (eager where capture failed: a note line says why)
         if captured is not None:
-            row["graph_ms"] = _time(replay, device, iters, warmup)
+            row["graph_ms"] = time_ms(replay, device, iters, warmup)
         best = row.get("graph_ms", row["eager_ms"])
         row["tflops"] = flops / (best * 1e-3) / 1e12
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row)
     for name in candidates:
         row = {"kind": "candidate", "shape": f"{b}x{t}x{h}x{d}", "backend": name}
         try:  # one shot on the GPU: whatever a candidate raises is a row, and the next one runs
@@ -134,7 +127,7 @@ def measure(
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row)
     return rows
 
 
@@ -161,10 +154,10 @@ def _candidate(
     out = call()
     ref, ref_kind, ref_rows = reference
     row.update(rel_err=_rel_err(out.view(b, t, h, d).transpose(1, 2), ref, ref_rows), reference=ref_kind)
-    row["eager_ms"] = _time(call, device, iters, warmup)
-    replay, captured = _graph(call, device)
+    row["eager_ms"] = time_ms(call, device, iters, warmup)
+    replay, captured = cuda_graph(call, device)
     if captured is not None:
-        row["graph_ms"] = _time(replay, device, iters, warmup)
+        row["graph_ms"] = time_ms(replay, device, iters, warmup)
         row["graph_equals_eager"] = bool(torch.equal(captured, call()))
     best = row.get("graph_ms", row["eager_ms"])
     row["tflops"] = flops / (best * 1e-3) / 1e12
@@ -184,8 +177,8 @@ def _candidate(
         "dequantize_ms": lambda: fa.dequantize(o8, scales[2], q3.dtype),
     }
     for key, fn in parts.items():
-        run, captured = _graph(fn, device)
-        row[key] = _time(run, device, iters, warmup)
+        run, captured = cuda_graph(fn, device)
+        row[key] = time_ms(run, device, iters, warmup)
     row["kernel_tflops"] = flops / (row["kernel_ms"] * 1e-3) / 1e12
 
 
@@ -225,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"kind": "meta", "torch": torch.__version__, "device": str(device), "libraries": _versions()}
     if device.type == "cuda":
         meta.update(gpu=torch.cuda.get_device_name(device), cudnn=torch.backends.cudnn.version())
-    print(json.dumps(meta), flush=True)
+    emit(meta)
     summary: dict[str, Any] = {"speedup_over_default": {}, "rel_err": {}, "speedup_over_cudnn_bf16": {}}
     for text in args.shapes.split(","):
         rows = measure(_shape(text), backends, device, dtype, args.iters, args.warmup, candidates)
@@ -244,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["rel_err"][f"{r['shape']}:{r['backend']}"] = float(f"{r['rel_err']:.3g}")
         if base is not None:
             summary["rel_err"][f"{base['shape']}:default"] = float(f"{base['rel_err']:.3g}")
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    emit_summary(summary)
     return 0
 
 

@@ -15,7 +15,7 @@ inside the job), and reports for each:
 Prints one JSON line per mode and a summary line with the wall-time ratio (off / on).
 Target: idle gap p50 < 50 ms with the pipeline on.
 
-Usage: .venv/bin/python bench/backlog.py [--jobs 50] [--pad-mb 50] [--s3-mbps 100] [--latency-ms 20]
+Usage: python -m bench.backlog [--jobs 50] [--pad-mb 50] [--s3-mbps 100] [--latency-ms 20]
                                          [--group cpu:1] [--size 128] [--frames 17] [--steps 16]
                                          [--modes on,off]
 (defaults: a ~0.5-0.8 s smoke render per job on this 2-core VM, so 100 MB/s of bandwidth can keep up)
@@ -79,12 +79,11 @@ def main() -> None:
     import uuid
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    root = Path(__file__).resolve().parent.parent  # the checkout: the worker runs from it
     from rq import Queue
     from rq.serializers import JSONSerializer
 
+    from bench.common import emit, pct
     from worker.dev.devservers import RedisServer, S3Server
     from worker.dev.tcpproxy import TcpProxy
     from worker.protocol.keys import RENDER_FUNC
@@ -101,15 +100,6 @@ def main() -> None:
     ap.add_argument("--modes", default="on,off")
     ap.add_argument("--max-pending", type=int, default=8)
     args = ap.parse_args()
-
-    def pct(values: list[float], q: float) -> float:
-        ordered = sorted(values)
-        if not ordered:
-            return float("nan")
-        return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-    def emit(record: dict[str, Any]) -> None:
-        print(json.dumps(record), flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="ltx-backlog-"))
     redis_srv = RedisServer().start()

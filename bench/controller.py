@@ -7,13 +7,12 @@ Prints one JSON line per measurement and a final summary line. Measures, in the 
   tensor of the same size between the same ranks (the ratio is what the issue targets: >= 0.5);
 - fleet start time (spawn → every rank's setup done) with a no-op runner.
 
-Usage: .venv/bin/python bench/controller.py [--worlds 1,2,4] [--reps 300] [--mib 256]
+Usage: python -m bench.controller [--worlds 1,2,4] [--reps 300] [--mib 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.common import emit, emit_summary, pct
 from ltx_mgpu import MGPUController, MGPURunner
 
 
@@ -43,15 +43,6 @@ class BenchRunner(MGPURunner):
         elif mode == "deliver":
             assert x is not None
             return int(x[-1].item())
-
-
-def _pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def main() -> None:
@@ -86,8 +77,8 @@ def main() -> None:
             rec = {
                 "metric": "noop_round_trip_ms",
                 "world": world,
-                "p50": round(_pct(rtt, 0.5) * 1e3, 3),
-                "p99": round(_pct(rtt, 0.99) * 1e3, 3),
+                "p50": round(pct(rtt, 50) * 1e3, 3),
+                "p99": round(pct(rtt, 99) * 1e3, 3),
                 "reps": args.reps,
             }
             emit(rec)
@@ -95,8 +86,8 @@ def main() -> None:
                 {
                     "metric": "dispatch_to_first_yield_ms",
                     "world": world,
-                    "p50": round(_pct(first, 0.5) * 1e3, 3),
-                    "p99": round(_pct(first, 0.99) * 1e3, 3),
+                    "p50": round(pct(first, 50) * 1e3, 3),
+                    "p99": round(pct(first, 99) * 1e3, 3),
                 }
             )
             summary[f"rtt_p50_ms_w{world}"] = rec["p50"]
@@ -126,7 +117,7 @@ def main() -> None:
                 summary[f"tensor_ratio_w{world}"] = rec["ratio_vs_broadcast"]
         finally:
             ctl.shutdown(graceful_timeout=10)
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    emit_summary(summary)
 
 
 if __name__ == "__main__":

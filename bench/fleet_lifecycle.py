@@ -5,15 +5,14 @@ mid-job, and rebuild it (`shutdown()` + `start()`), timing the detection and the
 lines and a summary line.
 
 Usage:
-  .venv/bin/python bench/fleet_lifecycle.py --worlds 1,2,4 --device cpu
-  python3 bench/fleet_lifecycle.py --worlds 1,2,4,8 --device cuda-shared   # W ranks on cuda:0 (gloo)
-  python3 bench/fleet_lifecycle.py --worlds 2,4,8 --device cuda            # one GPU per rank (NCCL)
+  python -m bench.fleet_lifecycle --worlds 1,2,4 --device cpu
+  python -m bench.fleet_lifecycle --worlds 1,2,4,8 --device cuda-shared   # W ranks on cuda:0 (gloo)
+  python -m bench.fleet_lifecycle --worlds 2,4,8 --device cuda            # one GPU per rank (NCCL)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bench.common import emit, emit_summary
 from ltx_mgpu import FleetFailure, MGPUController, MGPURunner
 
 
@@ -78,9 +78,9 @@ def main() -> None:
             "death_detected_after_dispatch_s": round(detect_s, 3),
             "rebuild_s": round(rebuild_s, 3),
         }
-        print(json.dumps(rec), flush=True)
+        emit(rec)
         summary[f"w{world}"] = {"start_s": rec["start_s"], "rebuild_s": rec["rebuild_s"]}
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    emit_summary(summary)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ their denoising forwards (`--no-graphs`: eager; the linears and the block also r
   down projection's quantization). Target: >= 1.5x at 6,144 and 24,576 tokens;
 - "block": one whole `BasicAVTransformerBlock` (video + 126 audio tokens, attention in bf16) with the same
   weights, bf16 against fp8 (the recipe converts every Linear of a middle block); where ltx-core is not
-  installed (the GPU hosts' bare image) a synthetic stand-in (`fp8_standin.py`: the same linears and call
+  installed (the GPU hosts' bare image) a synthetic stand-in (`bench/fp8_standin.py`: the same linears and call
   pattern, modulated norms and bf16 SDPA, no RoPE, no audio self path); also its relative error
   against bf16 (video and audio outputs, and the video update out - x, which in bf16 also carries the
   output's own rounding of x + update: tests/test_fp8_numerics.py measures the update in fp32). Targets:
@@ -26,60 +26,31 @@ their denoising forwards (`--no-graphs`: eager; the linears and the block also r
   emulation (bf16 output rounding apart); the fp8 block replayed from a CUDA graph against its eager run.
 Output: JSON lines, then one line starting with "SUMMARY" with the ratios.
 
-    python bench/fp8.py                                  # one H200, ~40 s
-    python bench/fp8.py --tokens 6144,24576 --kernels 12  # plus device time by kernel family and the top 12
-    python bench/fp8.py --fused --kernels 12             # plus the fused blocks (needs ltx-core)
-    python bench/fp8.py --device cpu --dims tiny --tokens 96,192 --iters 1 --warmup 0   # smoke check (CI)
+    python -m bench.fp8                                  # one H200, ~40 s
+    python -m bench.fp8 --tokens 6144,24576 --kernels 12  # plus device time by kernel family and the top 12
+    python -m bench.fp8 --fused --kernels 12             # plus the fused blocks (needs ltx-core)
+    python -m bench.fp8 --device cpu --dims tiny --tokens 96,192 --iters 1 --warmup 0   # smoke check (CI)
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fp8_standin import StandInBlock
-from sp_block import DIMS, _build, _config, _inputs, _time
-
-from ltx_mgpu.fp8 import Fp8Linear, convert_linears, quantize_rows, quantize_rows_eager, quantize_weight
+from bench.block import DIMS, BlockCase, activation, block_outputs
+from bench.common import cuda_graph, emit, ltx_core_available, rel_err, time_ms
+from ltx_mgpu.fp8 import Fp8Linear, quantize_rows, quantize_rows_eager, quantize_weight
 from ltx_mgpu.fp8.linear import emulated_gemm, fp8_gemm
-
-
-def _graph(fn: Any, device: torch.device) -> tuple[Any, Any]:
-    """(replay, the captured call's output): `fn` captured in a CUDA graph (as the runners run every
-    denoising forward) after two warm-up calls on a side stream (Triton compiles, the bias probe runs);
-    (fn, None) where capture fails or on CPU."""
-    if device.type != "cuda":
-        return fn, None
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            out = fn()
-    except RuntimeError as exc:
-        print(json.dumps({"kind": "note", "graph_capture_failed": str(exc)[:500]}), flush=True)
-        return fn, None
-    return graph.replay, out
 
 
 def _measure(fn: Any, device: torch.device, args: Any) -> float:
     """ms per call: graph replays unless --no-graphs (eager launches cost ~10-30 us a linear on the host)."""
-    run = _graph(fn, device)[0] if args.graphs else fn
-    return _time(run, device, args.iters, args.warmup)
+    run = cuda_graph(fn, device)[0] if args.graphs else fn
+    return time_ms(run, device, args.iters, args.warmup)
 
 
 #: kernel families by name, first match wins (cuBLAS/CUTLASS GEMMs, flash/SDPA attention, our Triton
@@ -157,75 +128,7 @@ def _linears(block: torch.nn.Module, x: torch.Tensor, attn_out: torch.Tensor, a2
     block.ff(x)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return round(((a.float() - b.float()).norm() / b.float().norm()).item(), 5)
-
-
-def _ltx_core() -> bool:
-    try:
-        import ltx_core  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-class _Case:
-    """The block under test, bf16 and fp8 (same weights), and how to call it at a token count."""
-
-    def __init__(self, kind: str, dims: dict[str, int], device: torch.device) -> None:
-        self.kind, self.device = kind, device
-        self.width, self.audio_width = dims["heads"] * dims["head_dim"], dims["audio_heads"] * dims["audio_head_dim"]
-        if kind == "ltx":
-            self.cfg = _config(dims)
-            self.model = _build(self.cfg, device, torch.bfloat16)
-            self.bf16 = self.model.transformer_blocks[0]
-        else:
-            torch.manual_seed(0)
-            with torch.device(device):  # initialised where it runs: ~0.3 B parameters at 19B dims
-                block = StandInBlock(self.width, dims["heads"], self.audio_width, dims["audio_heads"])
-            self.bf16 = block.to(dtype=torch.bfloat16).eval()
-        self.fp8 = convert_linears(copy.deepcopy(self.bf16), quantize=True)
-        self.fused: tuple[Any, Any] | None = None
-
-    def fuse(self) -> None:
-        """Fused-elementwise copies of the bf16 and fp8 blocks (`ltx_mgpu.fused`; ltx-core's block only)."""
-        from ltx_mgpu.fused.block import fuse_elementwise
-
-        self.fused = tuple(copy.deepcopy(b) for b in (self.bf16, self.fp8))
-        for b in self.fused:
-            fuse_elementwise(b)
-
-    def ltx_args(self, tokens: int) -> tuple[Any, Any, Any]:
-        """(video args, audio args, perturbations): what an ltx-core block is called with at `tokens`."""
-        from ltx_core.guidance.perturbations import BatchedPerturbationConfig
-
-        vargs, aargs, _, _ = _inputs(self.model, self.cfg, tokens, self.device, torch.bfloat16)
-        return vargs, aargs, BatchedPerturbationConfig.empty(1)
-
-    def calls(self, tokens: int) -> tuple[Any, Any, Any]:
-        """(bf16 call, fp8 call, the input's video tokens x) for `tokens` video tokens."""
-        if self.kind == "ltx":
-            vargs, aargs, pert = self.ltx_args(tokens)
-            return (lambda: self.bf16(vargs, aargs, pert)), (lambda: self.fp8(vargs, aargs, pert)), vargs.x
-        gen = torch.Generator(device=self.device).manual_seed(tokens + 1)
-        x = _activation(1, tokens, self.width, gen, self.device)
-        ctx = torch.randn(1, 128, self.width, generator=gen, device=self.device, dtype=torch.bfloat16)
-        audio = torch.randn(1, 126, self.audio_width, generator=gen, device=self.device, dtype=torch.bfloat16)
-        return (lambda: self.bf16(x, ctx, audio)), (lambda: self.fp8(x, ctx, audio)), x
-
-
-def _activation(b: int, tokens: int, width: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    x = torch.randn(b, tokens, width, generator=gen, device=device, dtype=torch.bfloat16)
-    x[..., :: max(1, width // 32)] *= 20.0  # a few outlier channels, as trained transformers have
-    return x
-
-
-def _outputs(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    video, audio = out
-    return getattr(video, "x", video), getattr(audio, "x", audio)
-
-
-def _fused_row(case: _Case, tokens: int, blk_bf16: float, ref_v: torch.Tensor, ref_a: torch.Tensor,
+def _fused_row(case: BlockCase, tokens: int, blk_bf16: float, ref_v: torch.Tensor, ref_a: torch.Tensor,
                device: torch.device, args: Any) -> dict[str, Any]:  # fmt: skip
     """The fused bf16 and fp8 blocks at `tokens`: time (graph replays), ratio to the bf16 block, error against
     the bf16 eager block, and the graph replay against the eager call."""
@@ -235,21 +138,21 @@ def _fused_row(case: _Case, tokens: int, blk_bf16: float, ref_v: torch.Tensor, r
     for name, block in zip(("bf16_fused", "fp8_fused"), case.fused or (), strict=True):
         with torch.no_grad():
             run = lambda b=block: b(vargs, aargs, pert)  # noqa: E731
-            out_v, out_a = _outputs(run())
-            replay, static = _graph(run, device)
+            out_v, out_a = block_outputs(run())
+            replay, static = cuda_graph(run, device)
             if static is not None:
                 replay()
                 row[f"{name}_graph_vs_eager_max_abs_diff"] = max(
                     (a.float() - b.float()).abs().max().item()
-                    for a, b in zip(_outputs(static), (out_v, out_a), strict=True)
+                    for a, b in zip(block_outputs(static), (out_v, out_a), strict=True)
                 )
             del replay, static
             ms = _measure(run, device, args)
             if args.kernels and device.type == "cuda":
-                print(json.dumps({"kind": "kernels", "video_tokens": tokens, "weights": name,
-                                  **kernel_profile(run, args.kernels)}), flush=True)  # fmt: skip
+                emit({"kind": "kernels", "video_tokens": tokens, "weights": name,
+                                  **kernel_profile(run, args.kernels)})  # fmt: skip
         row.update({f"{name}_ms": round(ms, 3), f"{name}_speedup": round(blk_bf16 / ms, 3)})
-        row.update({f"{name}_rel_err_video": _rel(out_v, ref_v), f"{name}_rel_err_audio": _rel(out_a, ref_a)})
+        row.update({f"{name}_rel_err_video": rel_err(out_v, ref_v), f"{name}_rel_err_audio": rel_err(out_a, ref_a)})
     return row
 
 
@@ -288,84 +191,83 @@ def _run(args: argparse.Namespace) -> int:
     args.graphs = args.graphs and device.type == "cuda"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kind = args.block if args.block != "auto" else ("ltx" if _ltx_core() else "standin")
-    case = _Case(kind, DIMS[args.dims], device)
+    kind = args.block if args.block != "auto" else ("ltx" if ltx_core_available() else "standin")
+    case = BlockCase(kind, DIMS[args.dims], device)
     if args.fused and kind != "ltx":
-        print(json.dumps({"kind": "note", "fused": "skipped: needs ltx-core's block (install ltx-core)"}), flush=True)
+        emit({"kind": "note", "fused": "skipped: needs ltx-core's block (install ltx-core)"})
     elif args.fused:
         case.fuse()
     env = {"kind": "env", "torch": torch.__version__, "dims": args.dims, "block": kind, "sdpa": args.sdpa,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "fp8_tensor_cores": device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9),
            "fp8_linears": sum(isinstance(m, Fp8Linear) for m in case.fp8.modules())}  # fmt: skip
-    print(json.dumps(env), flush=True)
+    emit(env)
     summary, ok = [], True
     for tokens in (int(t) for t in args.tokens.split(",")):
         gen = torch.Generator(device=device).manual_seed(tokens)
-        x = _activation(1, tokens, case.width, gen, device)[0]
+        x = activation(1, tokens, case.width, gen, device)[0]
         q_t, s_t = quantize_rows(x)
         q_e, s_e = quantize_rows_eager(x)
         same = torch.equal(q_t.view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(s_t, s_e)
         g_t, g_e = quantize_rows(x, gelu=True)[0].float(), quantize_rows_eager(x, gelu=True)[0].float()
-        print(json.dumps({"kind": "check", "video_tokens": tokens, "quantize_bitwise_equal_to_eager": same,
-                          "gelu_quantize_mismatch_fraction": round((g_t != g_e).float().mean().item(), 6)}),
-              flush=True)  # fmt: skip
+        emit({"kind": "check", "video_tokens": tokens, "quantize_bitwise_equal_to_eager": same,
+                          "gelu_quantize_mismatch_fraction": round((g_t != g_e).float().mean().item(), 6)})  # fmt: skip
         ok &= same
         w = torch.randn(case.width, case.width, generator=gen, device=device, dtype=torch.bfloat16)
         qw, sw = quantize_weight(w)
         gemm = fp8_gemm(q_t, s_t, qw, sw, None, torch.bfloat16)
         emulated = emulated_gemm(q_t, s_t, qw, sw, None, torch.bfloat16)
         path = "torch._scaled_mm" if env["fp8_tensor_cores"] else "emulation"
-        print(json.dumps({"kind": "check", "video_tokens": tokens, "gemm_path": path,
-                          "gemm_rel_diff_to_emulation": _rel(gemm, emulated)}), flush=True)  # fmt: skip
+        emit({"kind": "check", "video_tokens": tokens, "gemm_path": path,
+                          "gemm_rel_diff_to_emulation": rel_err(gemm, emulated)})  # fmt: skip
         for row in _gemms(tokens, case.width, device, args):
-            print(json.dumps(row), flush=True)
+            emit(row)
         attn_out = torch.randn_like(x)
         a2v_out = torch.randn(tokens, case.audio_width, generator=gen, device=device, dtype=torch.bfloat16)
         ctx = torch.randn(128, case.width, generator=gen, device=device, dtype=torch.bfloat16)
         with torch.no_grad():
             lin_bf16 = _measure(lambda: _linears(case.bf16, x, attn_out, a2v_out, ctx), device, args)  # noqa: B023
             lin_fp8 = _measure(lambda: _linears(case.fp8, x, attn_out, a2v_out, ctx), device, args)  # noqa: B023
-            eager_bf16 = _time(lambda: _linears(case.bf16, x, attn_out, a2v_out, ctx), device, args.iters, 1)  # noqa: B023
-            eager_fp8 = _time(lambda: _linears(case.fp8, x, attn_out, a2v_out, ctx), device, args.iters, 1)  # noqa: B023
+            eager_bf16 = time_ms(lambda: _linears(case.bf16, x, attn_out, a2v_out, ctx), device, args.iters, 1)  # noqa: B023
+            eager_fp8 = time_ms(lambda: _linears(case.fp8, x, attn_out, a2v_out, ctx), device, args.iters, 1)  # noqa: B023
         row = {"kind": "linears", "video_tokens": tokens, "graphs": args.graphs, "bf16_ms": round(lin_bf16, 3),
                "fp8_ms": round(lin_fp8, 3), "speedup": round(lin_bf16 / lin_fp8, 3),
                "eager_bf16_ms": round(eager_bf16, 3), "eager_fp8_ms": round(eager_fp8, 3),
                "eager_speedup": round(eager_bf16 / eager_fp8, 3)}  # fmt: skip
-        print(json.dumps(row), flush=True)
+        emit(row)
         part = f"{tokens}: linears {row['speedup']}x"
         run_bf16, run_fp8, x_in = case.calls(tokens)
         with torch.no_grad():
-            (ref_v, ref_a), (out_v, out_a) = _outputs(run_bf16()), _outputs(run_fp8())
-            replay, static = _graph(run_fp8, device)
+            (ref_v, ref_a), (out_v, out_a) = block_outputs(run_bf16()), block_outputs(run_fp8())
+            replay, static = cuda_graph(run_fp8, device)
             graph_diff = None
             if static is not None:  # the fp8 block replayed from a graph computes what it computes eagerly
                 replay()
                 graph_diff = max(
                     (a.float() - b.float()).abs().max().item()
-                    for a, b in zip(_outputs(static), (out_v, out_a), strict=True)
+                    for a, b in zip(block_outputs(static), (out_v, out_a), strict=True)
                 )
             del replay, static
             blk_bf16 = _measure(run_bf16, device, args)
             blk_fp8 = _measure(run_fp8, device, args)
-            eager_bf16 = _time(run_bf16, device, args.iters, 1)
-            eager_fp8 = _time(run_fp8, device, args.iters, 1)
+            eager_bf16 = time_ms(run_bf16, device, args.iters, 1)
+            eager_fp8 = time_ms(run_fp8, device, args.iters, 1)
             for name, fn in (("bf16", run_bf16), ("fp8", run_fp8)):
                 if args.kernels and device.type == "cuda":
-                    print(json.dumps({"kind": "kernels", "video_tokens": tokens, "weights": name,
-                                      **kernel_profile(fn, args.kernels)}), flush=True)  # fmt: skip
+                    emit({"kind": "kernels", "video_tokens": tokens, "weights": name,
+                                      **kernel_profile(fn, args.kernels)})  # fmt: skip
         brow = {"kind": "block", "block": kind, "video_tokens": tokens, "graphs": args.graphs,
                 "bf16_ms": round(blk_bf16, 3), "fp8_ms": round(blk_fp8, 3), "speedup": round(blk_bf16 / blk_fp8, 3),
                 "eager_bf16_ms": round(eager_bf16, 3), "eager_fp8_ms": round(eager_fp8, 3),
                 "eager_speedup": round(eager_bf16 / eager_fp8, 3),
-                "rel_err_video": _rel(out_v, ref_v), "rel_err_audio": _rel(out_a, ref_a),
-                "rel_err_video_update": _rel(out_v - x_in, ref_v - x_in),
+                "rel_err_video": rel_err(out_v, ref_v), "rel_err_audio": rel_err(out_a, ref_a),
+                "rel_err_video_update": rel_err(out_v - x_in, ref_v - x_in),
                 "graph_vs_eager_max_abs_diff": graph_diff}  # fmt: skip
-        print(json.dumps(brow), flush=True)
+        emit(brow)
         part += f", block {brow['speedup']}x (err {100 * brow['rel_err_video']:.2f}%, graph-eager {graph_diff})"
         if case.fused is not None:
             frow = _fused_row(case, tokens, blk_bf16, ref_v, ref_a, device, args)
-            print(json.dumps(frow), flush=True)
+            emit(frow)
             part += (
                 f", bf16 fused {frow['bf16_fused_speedup']}x (err {100 * frow['bf16_fused_rel_err_video']:.2f}%)"
                 f", fp8 fused {frow['fp8_fused_speedup']}x (err {100 * frow['fp8_fused_rel_err_video']:.2f}%)"

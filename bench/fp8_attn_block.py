@@ -1,29 +1,24 @@
 """One ltx-core transformer block, bf16 against `fp8-mm` against `fp8-mm+attn` (FP8 linears and FP8 video
-self-attention), at 1,536 / 6,144 / 24,576 video tokens: ms per call (graph replays on CUDA) and the relative
-error of each against bf16 (video output and the video update out - x). Built on bench/fp8.py's block
+self-attention), at 1,536 / 6,144 / 24,576 video tokens: ms per call (timed with CUDA events over graph replays after
+warm-up, `bench.common.time_ms`; wall clock on the CPU) and the relative
+error of each against bf16 (video output and the video update out - x). Built on bench/block.py's block
 harness (imported, not changed); needs ltx-core (the GPU host's `wheels` phase) and, on CUDA, the cuDNN
 frontend (`.whl3/`). Every variant runs in a try/except that records its error as a JSON line.
 
-    python bench/fp8_attn_block.py                                  # one H200
-    python bench/fp8_attn_block.py --device cpu --dims tiny --tokens 96 --iters 1 --warmup 0   # smoke
+    python -m bench.fp8_attn_block                                  # one H200
+    python -m bench.fp8_attn_block --device cpu --dims tiny --tokens 96 --iters 1 --warmup 0   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fp8 import _Case, _graph, _outputs, _rel
-from sp_block import DIMS, _time
-
+from bench.block import DIMS, BlockCase, block_outputs
+from bench.common import cuda_graph, emit, rel_err, time_ms
 from ltx_mgpu.fp8.attention import install_fp8_attention
 
 
@@ -36,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    case = _Case("ltx", DIMS[args.dims], device)
+    case = BlockCase("ltx", DIMS[args.dims], device)
     # only_converted=False: the harness's block is block 0 of its model, which the recipe would keep bf16
     holder = torch.nn.Module()
     holder.transformer_blocks = torch.nn.ModuleList([copy.deepcopy(case.fp8)])
@@ -45,22 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in (int(t) for t in args.tokens.split(",")):
         vargs, aargs, pert = case.ltx_args(tokens)
         with torch.no_grad():
-            ref_v, _ = _outputs(case.bf16(vargs, aargs, pert))
+            ref_v, _ = block_outputs(case.bf16(vargs, aargs, pert))
         row = {"kind": "block", "video_tokens": tokens}
         for name, block in (("bf16", case.bf16), ("fp8_mm", case.fp8), ("fp8_mm_attn", attn)):
             try:
                 with torch.no_grad():
-                    out_v, _ = _outputs(block(vargs, aargs, pert))  # (eager first: cuDNN builds its graph)
-                    run = _graph(lambda b=block: b(vargs, aargs, pert), device)[0]  # noqa: B023
-                    row[f"{name}_ms"] = round(_time(run, device, args.iters, args.warmup), 3)
-                row[f"{name}_rel_err_video"] = _rel(out_v, ref_v)
-                row[f"{name}_rel_err_video_update"] = _rel(out_v - vargs.x, ref_v - vargs.x)
+                    out_v, _ = block_outputs(block(vargs, aargs, pert))  # (eager first: cuDNN builds its graph)
+                    run = cuda_graph(lambda b=block: b(vargs, aargs, pert), device)[0]  # noqa: B023
+                    row[f"{name}_ms"] = round(time_ms(run, device, args.iters, args.warmup), 3)
+                row[f"{name}_rel_err_video"] = rel_err(out_v, ref_v)
+                row[f"{name}_rel_err_video_update"] = rel_err(out_v - vargs.x, ref_v - vargs.x)
             except Exception as exc:  # one shot on the GPU: record and go on
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         for name in ("fp8_mm", "fp8_mm_attn"):
             if f"{name}_ms" in row and "bf16_ms" in row:
                 row[f"{name}_speedup"] = round(row["bf16_ms"] / row[f"{name}_ms"], 3)
-        print(json.dumps(row), flush=True)
+        emit(row)
         summary.append(f"{tokens}: fp8-mm {row.get('fp8_mm_speedup')}x, fp8-mm+attn {row.get('fp8_mm_attn_speedup')}x "
                        f"(err {row.get('fp8_mm_attn_rel_err_video')})")  # fmt: skip
     print("SUMMARY block speedups over bf16 | " + " | ".join(summary), flush=True)

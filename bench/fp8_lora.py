@@ -11,23 +11,19 @@ Output: JSON lines, then one line starting with "SUMMARY" with the kernels' spee
 estimate for one 19B swap of the rank-384 distilled LoRA (each shape's time times how often the transformer has
 it: `DEFAULT_SHAPES`).
 
-    python bench/fp8_lora.py                                 # one H200, seconds
-    python bench/fp8_lora.py --device cpu --shapes 96x200 --ranks 16 --iters 1   # smoke check (eager only)
+    python -m bench.fp8_lora                                 # one H200, seconds
+    python -m bench.fp8_lora --device cpu --shapes 96x200 --ranks 16 --iters 1   # smoke check (eager only)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.common import emit, emit_summary
 from ltx_mgpu.fp8.lora import fuse_rowwise_eager
 from ltx_mgpu.fp8.rowwise import quantize_weight, triton_available
 
@@ -86,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     kernels = device.type == "cuda" and triton_available()
-    print(json.dumps({"kind": "meta", "device": str(device), "torch": torch.__version__, "kernels": kernels,
-                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}))  # fmt: skip
+    emit({"kind": "meta", "device": str(device), "torch": torch.__version__, "kernels": kernels,
+                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None})  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(0)
     speedups: dict[str, float] = {}
     swap_ms = {"eager": 0.0, "triton": 0.0}
@@ -100,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             if rank == DISTILLED_RANK and count:
                 swap_ms["eager"] += row["eager_ms"] * count
                 swap_ms["triton"] += row.get("triton_ms", 0.0) * count
-            print(json.dumps(row), flush=True)
+            emit(row)
     estimate = {key: round(value / 1000.0, 3) for key, value in swap_ms.items()}
     summary = {"speedup_triton_over_eager": speedups, f"est_19b_swap_rank{DISTILLED_RANK}_s": estimate,
                "kernels": kernels, "device": str(device)}  # fmt: skip
-    print("SUMMARY " + json.dumps(summary))
+    emit_summary(summary)
     return 0
 
 

@@ -20,9 +20,9 @@ Clips (121 frames by default, at 768x512 and 1536x1024): `noise` (uniform random
 and what synthetic weights render) and `content` (smooth moving shapes over gradients: a stand-in for real
 video, 3-4x cheaper to encode). Each case is encoded `--repeats` times per path (median seconds kept).
 
-    python bench/media.py                          # the full grid (tens of seconds per case on 2 cores)
-    python bench/media.py --quick                  # 9 frames at 256x160: what CI and the tests run
-    python bench/media.py --sizes 1536x1024 --clips noise --repeats 3
+    python -m bench.media                          # the full grid (tens of seconds per case on 2 cores)
+    python -m bench.media --quick                  # 9 frames at 256x160: what CI and the tests run
+    python -m bench.media --sizes 1536x1024 --clips noise --repeats 3
 
 One JSON line per case (`--table`: a short line per case), then `SUMMARY {...}` with every case, the
 settings, the machine's core count and `target`: the new path's speed-up over the old one on noise at
@@ -45,8 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ltx_mgpu.runners.common.media import (
     EncodeOptions,

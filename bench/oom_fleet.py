@@ -11,24 +11,20 @@ where they were before the first job). It also reports `device_memory_bytes` of 
 
 Prints one JSON line per stage and a final `SUMMARY {...}` line. Needs torch with CUDA only (no ltx-core):
 
-    python bench/oom_fleet.py --devices 0                # one H200, about 15 s
-    python bench/oom_fleet.py --devices 0,0 --hold-gib 8   # two ranks sharing it (gloo)
+    python -m bench.oom_fleet --devices 0                # one H200, about 15 s
+    python -m bench.oom_fleet --devices 0,0 --hold-gib 8   # two ranks sharing it (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.common import emit, emit_summary
 from ltx_mgpu import MGPUController, MGPURunner, SymmetricRunnerError
 from ltx_mgpu.runners.common.stages import StageClock
 
@@ -95,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                    "allocated_mib_after": [round(a["allocated"] / 2**20, 1) for a in after],
                    "allocated_mib_before": [round(b["allocated"] / 2**20, 1) for b in before],
                    "reserved_gib_after": [round(a["reserved"] / GIB, 2) for a in after]}  # fmt: skip
-            print(json.dumps(rec), flush=True)
+            emit(rec)
             results.append(rec)
             if not ctl.is_alive:
                 break
@@ -120,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_gib": [round(p["total"] / GIB, 2) for p in last],
         "wall_s": round(time.monotonic() - t0, 1),
     }
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    emit_summary(summary)
     return 0 if summary["every_stage_out_of_memory"] and summary["fleet_kept"] and ok_after else 1
 
 

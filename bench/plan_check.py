@@ -3,10 +3,10 @@ reserved peak against the allocator's measured one (`torch.cuda.max_memory_reser
 start by the runner's stage clock, the worst rank: `peak_reserved_bytes` of the output event; the allocated
 peak, `peak_memory_bytes`, beside it): the plan must predict what the allocator reserves (docs/memory.md).
 
-    python bench/plan_check.py --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 \\
+    python -m bench.plan_check --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 \\
         --sizes 1536x1024x121,1536x1024x241
-    python bench/plan_check.py --weights /dev/shm/ltx2-full --runner ltx2-distilled --devices 0   # the presets
-    python bench/plan_check.py --tiny --devices cpu,cpu --sizes 128x128x9      # a check of the script (no peaks)
+    python -m bench.plan_check --weights /dev/shm/ltx2-full --runner ltx2-distilled --devices 0   # the presets
+    python -m bench.plan_check --tiny --devices cpu,cpu --sizes 128x128x9      # a check of the script (no peaks)
 
 Each size is planned as the worker plans a job (`ltx_mgpu.memplan.plan` on the runner's `memory_fleet`, the
 capacity the last render measured, `device_memory_bytes`, else the device's free + reserved memory now), and
@@ -20,12 +20,12 @@ reported (`oom`) and the next size runs on the same fleet. Prints one JSON line 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import emit, emit_summary
 from bench.stages import REQUEST, RUNNERS, setup_kwargs
 
 GIB = float(1 << 30)
@@ -96,7 +96,7 @@ def main() -> None:
     ctl = MGPUController(getattr(ltx2, RUNNERS[name]), devices=devices)
     t0 = time.perf_counter()
     ctl.start(timeout=900, **setup)
-    print(json.dumps({"event": "started", "start_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    emit({"event": "started", "start_s": round(time.perf_counter() - t0, 1)})
     errors: list[float] = []
     done: list[dict[str, Any]] = []
     last: dict[str, Any] | None = None
@@ -109,9 +109,8 @@ def main() -> None:
                                                "headroom_gib": args.headroom_gib})  # fmt: skip
                 planned = memplan.plan(fleet, w, h, f, frame_rate=args.frame_rate)
                 if not planned.fits:
-                    print(json.dumps({"event": "refused", "size": size, "reason": planned.refusal(),
-                                      "largest": memplan.largest(fleet, w, h, f, frame_rate=args.frame_rate)}),
-                          flush=True)  # fmt: skip
+                    emit({"event": "refused", "size": size, "reason": planned.refusal(),
+                          "largest": memplan.largest(fleet, w, h, f, frame_rate=args.frame_rate)})  # fmt: skip
                     done.append({"size": size, "result": "refused"})
                     continue
                 request = {**REQUEST, "width": w, "height": h, "num_frames": f, "frame_rate": args.frame_rate}
@@ -120,13 +119,13 @@ def main() -> None:
                         output = render(ctl, Path(tmp), request, planned.job_kwargs())
                 except SymmetricRunnerError as exc:
                     result = "oom" if exc.out_of_memory else "error"
-                    print(json.dumps({"event": result, "size": size, "message": str(exc)[:400],
-                                      "predicted_peak_gib": planned.peak.reserved_gib}), flush=True)  # fmt: skip
+                    emit({"event": result, "size": size, "message": str(exc)[:400],
+                                      "predicted_peak_gib": planned.peak.reserved_gib})  # fmt: skip
                     done.append({"size": size, "result": result})
                     continue
                 last = output
                 for row in stage_rows(size, planned, output):
-                    print(json.dumps(row), flush=True)
+                    emit(row)
                     if "error" in row:
                         errors.append(row["error"])
                 measured = max((max(v) for v in (output.get("peak_reserved_bytes") or {}).values()), default=0)
@@ -139,7 +138,7 @@ def main() -> None:
                "worst_error": max(errors, key=abs) if errors else None,
                "gpu": "cpu" if devices[0] == "cpu" else torch.cuda.get_device_name(devices[0]),
                "torch": torch.__version__}  # fmt: skip
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    emit_summary(summary)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Prints one JSON line per measurement and a final summary line. In the same run:
 
 Targets: enqueue→start p50 < 50 ms, yield→stream p50 < 10 ms, upload >= 0.9x plain boto3.
 
-Usage: .venv/bin/python bench/service.py [--group cpu:1] [--latency-jobs 30] [--backlog 100]
+Usage: python -m bench.service [--group cpu:1] [--latency-jobs 30] [--backlog 100]
                                          [--steps 200] [--upload-mib 256] [--upload-reps 3]
 """
 
@@ -33,24 +33,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.common import emit, pct
+from worker.dev.devservers import RedisServer, S3Server
+from worker.protocol.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key
 
-from worker.dev.devservers import RedisServer, S3Server  # noqa: E402
-from worker.protocol.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key  # noqa: E402
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+ROOT = Path(__file__).resolve().parent.parent  #: the checkout: the worker subprocesses run from it
 
 
 def stats_ms(values_s: list[float]) -> dict[str, float]:

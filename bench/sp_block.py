@@ -25,37 +25,26 @@ compute, no kernel-efficiency loss at smaller per-rank shapes): an upper bound t
 Output: one JSON object per line ("kind": "measure" per token count, "projection" per token count and W),
 then one line starting with "SUMMARY".
 
-    python bench/sp_block.py                       # H200 defaults
-    python bench/sp_block.py --device cpu --dims tiny --tokens 96,192 --iters 2   # smoke check anywhere
+    python -m bench.sp_block                       # H200 defaults
+    python -m bench.sp_block --device cpu --dims tiny --tokens 96,192 --iters 2   # smoke check anywhere
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from bench.block import DIMS, block_config, block_inputs, build_block
+from bench.common import emit, time_ms
 
-AUDIO_TOKENS = 126  # 121 frames at 24 fps -> 5.04 s x 25 audio latents/s
-GEOMETRY = {  # video tokens -> (latent frames, height, width) at 8x time, 32x space
-    6144: (16, 16, 24),
-    24576: (16, 32, 48),
-    32768: (16, 32, 64),
-}
-DIMS = {
-    "19b": {"heads": 32, "head_dim": 128, "audio_heads": 32, "audio_head_dim": 64, "caption": 3840},
-    "tiny": {"heads": 4, "head_dim": 16, "audio_heads": 4, "audio_head_dim": 8, "caption": 32},
-}
 ATTENTION_KINDS = {
     "attn1": "video_self",
     "attn2": "video_text",
@@ -64,101 +53,6 @@ ATTENTION_KINDS = {
     "audio_to_video_attn": "audio_to_video",
     "video_to_audio_attn": "video_to_audio",
 }
-
-
-def _geometry(tokens: int) -> tuple[int, int, int]:
-    if tokens in GEOMETRY:
-        return GEOMETRY[tokens]
-    frames = 1
-    for f in (16, 8, 4, 2):
-        if tokens % f == 0:
-            frames = f
-            break
-    rest = tokens // frames
-    h = int(math.sqrt(rest))
-    while rest % h:
-        h -= 1
-    return frames, h, rest // h
-
-
-def _config(dims: dict[str, int]) -> dict[str, Any]:
-    from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
-
-    cfg = tiny_transformer_config(
-        num_layers=1,
-        num_heads=dims["heads"],
-        head_dim=dims["head_dim"],
-        audio_num_heads=dims["audio_heads"],
-        audio_head_dim=dims["audio_head_dim"],
-        latent_channels=128,
-        audio_channels=128,
-        caption_channels=dims["caption"],
-    )
-    cfg["transformer"]["attention_type"] = "pytorch"
-    return cfg
-
-
-def _build(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
-
-    with torch.device("meta"):
-        model = LTXModelConfigurator.from_config(cfg)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            fan_in = p[0].numel() if p.dim() >= 2 else 1
-            p.copy_(torch.randn(p.shape, generator=gen, device=device) / math.sqrt(max(fan_in, 1)) * 0.5)
-    return model.to(dtype).eval()
-
-
-def _inputs(
-    model: torch.nn.Module, cfg: dict[str, Any], tokens: int, device: torch.device, dtype: torch.dtype
-) -> tuple:
-    """TransformerArgs for the block, prepared by the model's own preprocessors (real RoPE, AdaLN, etc.)."""
-    video, audio = _modalities(cfg, tokens, device, dtype)
-    with torch.no_grad():
-        vargs = model.video_args_preprocessor.prepare(video, audio)
-        aargs = model.audio_args_preprocessor.prepare(audio, video)
-        vargs_only = model.video_args_preprocessor.prepare(video, None)
-        aargs_only = model.audio_args_preprocessor.prepare(audio, None)
-    return vargs, aargs, vargs_only, aargs_only
-
-
-def _modalities(
-    cfg: dict[str, Any], tokens: int, device: torch.device, dtype: torch.dtype, sigma: float = 0.7
-) -> tuple[Any, Any]:
-    """(video, audio) ltx-core `Modality` inputs: random latents at `tokens` video tokens and 126 audio
-    tokens, real positions, a random 128-token text context, every token at `sigma`."""
-    from ltx_core.model.transformer.modality import Modality
-
-    from ltx_mgpu.runners.smoke.denoise import SmokeGeometry
-
-    t = cfg["transformer"]
-    f, h, w = _geometry(tokens)
-    fps = 24.0
-    geo = SmokeGeometry(w * 32, h * 32, (f - 1) * 8 + 1, fps, t["in_channels"], t["audio_in_channels"])
-    vstate = geo.video_tools(1).create_initial_state(device, torch.float32)
-    astate = geo.audio_tools(1).create_initial_state(device, torch.float32)
-    if vstate.latent.shape[1] != tokens:
-        raise ValueError(f"geometry {(f, h, w)} gives {vstate.latent.shape[1]} tokens, wanted {tokens}")
-    gen = torch.Generator(device=device).manual_seed(1)
-    sigma_t = torch.full((1,), sigma, device=device)
-    ctx = torch.randn(1, 128, t["caption_channels"], generator=gen, device=device, dtype=dtype)
-    cmask = torch.ones(1, 128, dtype=torch.int64, device=device)
-
-    def modality(state: Any, channels: int) -> Modality:
-        n = state.latent.shape[1]
-        return Modality(
-            latent=torch.randn(1, n, channels, generator=gen, device=device, dtype=dtype),
-            sigma=sigma_t,
-            timesteps=torch.full((1, n, 1), sigma, device=device),
-            positions=state.positions,
-            context=ctx,
-            context_mask=cmask,
-        )
-
-    return modality(vstate, t["in_channels"]), modality(astate, t["audio_in_channels"])
 
 
 class _EventTimer:
@@ -191,29 +85,11 @@ class _EventTimer:
         out = {}
         for kind, pairs in self.events.items():
             if self.cuda:
-                total = sum(s.elapsed_time(e) for s, e in pairs)
+                total = sum(s.elapsedtime_ms(e) for s, e in pairs)
             else:
                 total = sum((e - s) * 1e3 for s, e in pairs)
             out[kind] = total / iters
         return out
-
-
-def _time(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def all2all_bytes_per_block(
@@ -253,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
     dims = DIMS[args.dims]
-    cfg = _config(dims)
-    model = _build(cfg, device, dtype)
+    cfg = block_config(dims)
+    model = build_block(cfg, device, dtype)
     block = model.transformer_blocks[0]
     timer = _EventTimer(device)
     for name, kind in ATTENTION_KINDS.items():
@@ -270,20 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         "dims": args.dims,
         "block_params_M": round(sum(p.numel() for p in block.parameters()) / 1e6, 1),
     }
-    print(json.dumps({"kind": "env", **env}), flush=True)
+    emit({"kind": "env", **env})
 
     summary = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        vargs, aargs, vonly, aonly = _inputs(model, cfg, tokens, device, dtype)
+        vargs, aargs, vonly, aonly = block_inputs(model, cfg, tokens, device, dtype)
         with torch.no_grad():
             timer.enabled = False
             full = functools.partial(block, vargs, aargs, pert)
-            block_ms = _time(full, device, args.iters, args.warmup)
-            audio_only_ms = _time(functools.partial(block, None, aonly, pert), device, args.iters, args.warmup)
-            video_only_ms = _time(functools.partial(block, vonly, None, pert), device, args.iters, args.warmup)
+            block_ms = time_ms(full, device, args.iters, args.warmup)
+            audio_only_ms = time_ms(functools.partial(block, None, aonly, pert), device, args.iters, args.warmup)
+            video_only_ms = time_ms(functools.partial(block, vonly, None, pert), device, args.iters, args.warmup)
             timer.events.clear()
             timer.enabled = True
-            _time(full, device, args.iters, 0)
+            time_ms(full, device, args.iters, 0)
             timer.enabled = False
         attention = timer.totals_ms(args.iters)
         attention_ms = sum(attention.values())
@@ -299,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             "video_only_ms": round(video_only_ms, 3),
             "audio_only_ms": round(audio_only_ms, 3),
         }
-        print(json.dumps(measure), flush=True)
+        emit(measure)
         link = args.link_gbps * 1e9 * args.link_efficiency
         for world in (int(w) for w in args.worlds.split(",")):
             nbytes = all2all_bytes_per_block(tokens, world, dims, aargs.x.shape[1], dtype.itemsize)
@@ -318,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 "projected_speedup": round(block_ms / projected, 2),
                 "link_GBps_assumed": round(link / 1e9, 1),
             }
-            print(json.dumps(row), flush=True)
+            emit(row)
             if world == max(int(w) for w in args.worlds.split(",")):
                 summary.append(
                     f"{tokens} tokens: block {block_ms:.2f} ms (attention {100 * attention_ms / block_ms:.0f}%), "

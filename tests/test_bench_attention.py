@@ -1,4 +1,4 @@
-"""`bench/attention.py` runs its CPU smoke version: a row per backend and shape, and a SUMMARY with ratios.
+"""`python -m bench.attention` runs its CPU smoke version: a row per backend and shape, and a SUMMARY with ratios.
 
 Its numerics check: bf16 SDPA against the float32 math reference on the same bf16 inputs. A bf16 kernel
 rounds at most twice on the way (the attention probabilities before the value product, the output), each
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_attention_bench_cpu_smoke() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "attention.py"), "--device", "cpu", "--shapes", "1x256x4x32,2x96x2x64",
+    cmd = [sys.executable, "-m", "bench.attention", "--device", "cpu", "--shapes", "1x256x4x32,2x96x2x64",
            "--backends", "flash,cudnn,math", "--iters", "1", "--warmup", "0"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_attention_bench_candidates_on_cpu_are_skipped_with_a_reason_or_emulated
     from bench.attention import _qkv
     from tests.test_fp8_attention import predicted_rel_error
 
-    cmd = [sys.executable, str(ROOT / "bench" / "attention.py"), "--device", "cpu", "--shapes", "1x256x4x32",
+    cmd = [sys.executable, "-m", "bench.attention", "--device", "cpu", "--shapes", "1x256x4x32",
            "--backends", "flash", "--candidates", "cudnn-fp8,sage-int8,fp8-emulate", "--iters", "1",
            "--warmup", "0"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, check=False)

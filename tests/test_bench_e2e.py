@@ -1,4 +1,4 @@
-"""`bench/e2e.py` on CPU, as CI runs it: the whole stack (Redis, SeaweedFS, `ltx-worker` with a CPU fleet of
+"""`python -m bench.e2e runs` on CPU, as CI runs it: the whole stack (Redis, SeaweedFS, `ltx-worker` with a CPU fleet of
 two ranks, the real LTX-2 distilled runner on tiny checkpoints) and every field of its SUMMARY filled, except
 what a CPU run cannot know (GPU memory). Plus the pieces of the benchmark that have logic of their own.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import cold_ready, idle_gaps_ms, ratios
-from bench.e2e_clock import gpu_busy_ratio
-from bench.e2e_stack import discover_weights, make_workload
+from bench.e2e.clock import gpu_busy_ratio, idle_gaps_ms
+from bench.e2e.runs import cold_ready, ratios
+from bench.e2e.stack import discover_weights, make_workload
 from worker.dev.devservers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ CPU_CANNOT_KNOW = {"peak_mem_gib", "gpu_mem_used_max_gib"}
 @pytest.mark.timeout(900)
 def test_cpu_run_fills_every_summary_field(tmp_path):
     out = tmp_path / "e2e.jsonl"
-    cmd = [sys.executable, "bench/e2e.py", "--profile", "tiny", "--groups", "cpu:2", "--jobs", "3",
+    cmd = [sys.executable, "-m", "bench.e2e", "runs", "--profile", "tiny", "--groups", "cpu:2", "--jobs", "3",
            "--out", str(out), "--workdir", str(tmp_path / "work")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -53,7 +53,11 @@ def test_cpu_run_fills_every_summary_field(tmp_path):
         assert r["boot_s"] > 0 and r["groups_s"] >= 0 and r["setup_s"] > 0, r
         phases = r["setup_phases_s"]
         assert {"prepare", "sp_attention", "transformer", "video_decoder", "text_encoder"} <= set(phases), r
-        assert sum(phases.values()) == pytest.approx(r["setup_s"], abs=0.5), r
+        # the timed parts lie inside setup(): their sum is at most its span, up to rounding (each part and the
+        # span to 1 ms, so 0.5 ms each) and the two clocks' rates (perf_counter against the wall clock, which
+        # NTP may slew by at most 500 ppm); what setup() runs outside the parts has no bound under load
+        rounding = 0.0005 * (len(phases) + 1)
+        assert sum(phases.values()) <= r["setup_s"] * (1 + 500e-6) + rounding, r
     assert "driver_models" in ranks[0]["setup_phases_s"] and "driver_models" not in ranks[1]["setup_phases_s"]
     stages = summary["stages_p50_s"]
     # the worker encodes (the default): the fleet's last stage is the hand-off, the mp4 is the worker's
@@ -122,8 +126,8 @@ def test_workloads_default_to_the_one_stage_request():
 
 
 def test_sizes_are_repeatable_and_the_presets_cover_both_runners_on_one_and_two_gpus():
-    from bench.e2e import parse_args, specs_from
-    from bench.e2e_plans import PLANS, refusal, sized
+    from bench.e2e.plans import PLANS, refusal, sized
+    from bench.e2e.runs import parse_args, specs_from
 
     args = parse_args(["--groups", "0", "--size", "1536x1024x121", "--size", "1536X1024X241",
                        "--runner", "ltx2-distilled", "--runner", "ltx2-two-stage:cfg"])  # fmt: skip
@@ -182,7 +186,7 @@ def test_idle_gaps_are_per_fleet_and_cold_ready_phases_add_up():
 
 
 def test_encode_both_compares_the_worker_encode_with_the_fleet_encode():
-    from bench.e2e import parse_args, specs_from
+    from bench.e2e.runs import parse_args, specs_from
 
     specs = specs_from(parse_args(["--encode", "both", "--groups", "0", "--profile", "tiny"]))
     assert [(s.groups, s.encode) for s in specs] == [(("0",), "worker"), (("0",), "fleet")]
@@ -198,7 +202,7 @@ def test_encode_both_compares_the_worker_encode_with_the_fleet_encode():
 
 
 def test_denoising_beside_an_encode_is_compared_with_denoising_alone():
-    from bench.e2e_clock import denoise_beside_encode
+    from bench.e2e.clock import denoise_beside_encode
 
     def job(worker, window, stage1, stage2, encode=None):
         return {"worker": worker, "gpu_window": window, "encode_window": encode,
@@ -218,7 +222,7 @@ def test_denoising_beside_an_encode_is_compared_with_denoising_alone():
 
 
 def test_encode_stream_vs_once_compares_the_streamed_hand_off_with_one_hand_off():
-    from bench.e2e import parse_args, specs_from
+    from bench.e2e.runs import parse_args, specs_from
 
     args = parse_args(["--encode", "stream-vs-once", "--groups", "0", "--profile", "tiny", "--vae-chunk-frames", "64"])
     assert [(s.groups, s.encode) for s in specs_from(args)] == [(("0",), "worker"), (("0",), "once")]
@@ -228,7 +232,7 @@ def test_encode_stream_vs_once_compares_the_streamed_hand_off_with_one_hand_off(
 
 
 def test_the_fleet_idle_gap_is_cut_at_the_events_that_mark_it():
-    from bench.e2e_clock import idle_parts_ms
+    from bench.e2e.clock import idle_parts_ms
 
     def job(worker, window, busy_end, started, rendering):
         return {"worker": worker, "gpu_window": window, "busy": [window[0], busy_end], "started_at": started,

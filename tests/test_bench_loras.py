@@ -1,4 +1,4 @@
-"""`bench/loras.py` on CPU, as CI runs it: the real stack (Redis, SeaweedFS, `ltx-worker` with one CPU rank,
+"""`python -m bench.e2e loras` on CPU, as CI runs it: the real stack (Redis, SeaweedFS, `ltx-worker` with one CPU rank,
 the distilled runner on tiny checkpoints set up with `request_loras`), synthetic user LoRAs in a catalogue
 and in S3, every phase rendered and every field the GPU run reports filled."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(600)
 def test_cpu_run_measures_every_phase(tmp_path):
     out = tmp_path / "loras.jsonl"
-    cmd = [sys.executable, "bench/loras.py", "--profile", "tiny", "--groups", "cpu:1", "--baseline", "1",
+    cmd = [sys.executable, "-m", "bench.e2e", "loras", "--profile", "tiny", "--groups", "cpu:1", "--baseline", "1",
            "--switches", "2", "--s3", "1", "--out", str(out), "--workdir", str(tmp_path / "work")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -5,8 +5,8 @@ tiny LTX-2 distilled runner on one.
 The same request and seed renders the same frames and audio, job after job and across a fleet rebuild (a rank
 killed between them); another seed renders other frames (so equal hashes are not a constant); and the hashes
 appear where a user reads them: `producer status --json` (`digests`) and the job's result, beside the mp4's
-sha256. LoRA jobs between equal ones (the tiny LTX-2 runner) are in tests/test_bench_loras.py (`bench/loras.py`
-compares its phases by these hashes)."""
+sha256. LoRA jobs between equal ones (the tiny LTX-2 runner) are in tests/test_bench_loras.py
+(`python -m bench.e2e loras` compares its phases by these hashes)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.test_worker_support import enqueue, wait_for, wait_state
 pytestmark = pytest.mark.timeout(900)
 HEX = set("0123456789abcdef")
 SMOKE = {"prompt": "a red fox in the snow", "width": 64, "height": 64, "num_frames": 9, "seed": 7}
-#: the tiny LTX-2 checkpoints' size (as `bench/e2e.py --profile tiny` renders them)
+#: the tiny LTX-2 checkpoints' size (as `python -m bench.e2e runs --profile tiny` renders them)
 TINY = {"prompt": "a red fox in the snow", "width": 128, "height": 128, "num_frames": 9, "frame_rate": 8.0, "seed": 7}
 
 

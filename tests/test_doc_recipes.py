@@ -183,6 +183,26 @@ def test_every_file_a_shell_block_names_exists() -> None:
     assert not missing, missing
 
 
+def bench_modules_named(text: str) -> list[str]:
+    """The modules `python -m bench.X` runs in `text` (a page, a script)."""
+    return re.findall(r"python3? -m (bench(?:\.\w+)+)", text)
+
+
+def test_every_bench_module_the_docs_run_exists() -> None:
+    """Benchmarks run as `python -m bench.X` (bench/ is a package): each one a page or a session script names
+    is a module of the tree (bench/X.py or the package bench/X/), in prose as in shell blocks."""
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted((ROOT / "scripts").glob("*.sh"))]
+    named = {(str(p.relative_to(ROOT)), m) for p in pages for m in bench_modules_named(p.read_text())}
+    assert len(named) > 10  # (the check reads something)
+    missing = []
+    for page, module in sorted(named):
+        path = ROOT / module.replace(".", "/")
+        if not path.with_suffix(".py").is_file() and not (path / "__main__.py").is_file():
+            missing.append(f"{page}: {module}")
+    assert not missing, missing
+    assert bench_modules_named("`python -m bench.e2e runs`, python3 -m bench.fp8_x") == ["bench.e2e", "bench.fp8_x"]
+
+
 def test_the_settings_line_of_security_md_runs_as_written(tmp_path: Path) -> None:
     """The first command of security.md's checklist block needs no live service: run it, as written."""
     ((_, block),) = [(p, b) for p, b in shell_blocks() if b.startswith("# the limits a worker enforces")]

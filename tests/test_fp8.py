@@ -315,7 +315,7 @@ def test_bench_runs_its_cpu_smoke_version():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "bench" / "fp8.py"), "--device", "cpu", "--dims", "tiny", "--tokens", "96",
+    cmd = [sys.executable, "-m", "bench.fp8", "--device", "cpu", "--dims", "tiny", "--tokens", "96",
            "--iters", "1", "--warmup", "0"]  # fmt: skip
     for block in ("ltx", "standin"):
         done = subprocess.run(

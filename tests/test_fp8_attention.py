@@ -216,7 +216,8 @@ def test_the_recipes_bf16_blocks_keep_bf16_attention():
 
 # ---- the setting -----------------------------------------------------------------------------------------------
 def test_quantization_names_and_the_benches_accept_them():
-    from bench import e2e, stages
+    from bench import stages
+    from bench.e2e import runs as e2e
     from ltx_mgpu.runners.ltx2 import components as comp
 
     assert "fp8-mm+attn" in comp.QUANTIZATIONS
@@ -268,7 +269,7 @@ def test_tiny_transformer_with_fp8_mm_attn_stays_within_the_derived_branch_error
 
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 
-    from bench.sp_block import _inputs
+    from bench.block import block_inputs
     from ltx_mgpu.fp8 import convert_linears
     from ltx_mgpu.runners.ltx2 import components as comp
     from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
@@ -282,7 +283,7 @@ def test_tiny_transformer_with_fp8_mm_attn_stays_within_the_derived_branch_error
     tb = comp.transformer_builder(checkpoint)
     ref = tb.build(device=torch.device("cpu"), dtype=torch.float32).eval()  # fp32: the difference is fp8's
     fp8 = fa.install_fp8_attention(convert_linears(copy.deepcopy(ref), quantize=True))
-    vargs, aargs, _, _ = _inputs(ref, tb.model_config(), 1536, torch.device("cpu"), torch.float32)
+    vargs, aargs, _, _ = block_inputs(ref, tb.model_config(), 1536, torch.device("cpu"), torch.float32)
     pert = BatchedPerturbationConfig.empty(1)
     with torch.inference_mode():
         rv, _ = ref.transformer_blocks[1](vargs, aargs, pert)

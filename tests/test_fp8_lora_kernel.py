@@ -80,11 +80,11 @@ def test_fuse_rowwise_uses_the_eager_code_off_cuda() -> None:
 
 
 def test_fp8_lora_bench_cpu_smoke() -> None:
-    """`bench/fp8_lora.py` on the CPU: the eager fusion timed per shape and rank, a SUMMARY line (the kernel's
+    """`python -m bench.fp8_lora` on the CPU: the eager fusion timed per shape and rank, a SUMMARY line (the kernel's
     columns need CUDA)."""
     import json
 
-    cmd = [sys.executable, str(ROOT / "bench" / "fp8_lora.py"), "--device", "cpu", "--shapes", "96x200",
+    cmd = [sys.executable, "-m", "bench.fp8_lora", "--device", "cpu", "--shapes", "96x200",
            "--ranks", "16,384", "--iters", "1", "--warmup", "0"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -66,10 +66,10 @@ def _realistic(x: torch.Tensor) -> torch.Tensor:
 def test_block_update_error_is_within_two_linears_of_e4m3(models, tokens):
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 
-    from bench.sp_block import _inputs
+    from bench.block import block_inputs
 
     cfg, ref, fp8 = models
-    vargs, aargs, _, _ = _inputs(ref, cfg, tokens, torch.device("cpu"), torch.float32)
+    vargs, aargs, _, _ = block_inputs(ref, cfg, tokens, torch.device("cpu"), torch.float32)
     vargs = vargs.__class__(**{**vargs.__dict__, "x": _realistic(vargs.x)})
     aargs = aargs.__class__(**{**aargs.__dict__, "x": _realistic(aargs.x)})
     pert = BatchedPerturbationConfig.empty(1)
@@ -93,14 +93,14 @@ def test_denoised_latent_moves_by_at_most_one_branch_error(models):
     than that of the integrated velocities."""
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 
-    from bench.sp_block import _modalities
+    from bench.block import modalities
 
     cfg, ref, fp8 = models
     sigmas = [0.909375, 0.725, 0.421875, 0.0]
     pert = BatchedPerturbationConfig.empty(1)
     finals = []
     for model in (ref, fp8):
-        video, audio = _modalities(cfg, 1536, torch.device("cpu"), torch.float32, sigma=sigmas[0])
+        video, audio = modalities(cfg, 1536, torch.device("cpu"), torch.float32, sigma=sigmas[0])
         start = video.latent
         with torch.inference_mode():
             for s, s_next in itertools.pairwise(sigmas):

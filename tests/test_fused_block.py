@@ -35,11 +35,10 @@ def interpreter_checks() -> None:
     """Run in the child: kernels against the eager definitions and ltx-core's block."""
     import copy
 
-    sys.path.insert(0, str(ROOT / "bench"))
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
     from ltx_core.model.transformer.rope import LTXRopeType, apply_split_rotary_emb, precompute_freqs_cis
-    from sp_block import DIMS, _build, _config, _inputs
 
+    from bench.block import DIMS, block_config, block_inputs, build_block
     from ltx_mgpu.fp8 import convert_linears
     from ltx_mgpu.fused import ops
     from ltx_mgpu.fused.block import fuse_elementwise, unfuse_elementwise
@@ -81,11 +80,11 @@ def interpreter_checks() -> None:
     assert torch.equal(got[same_rows], want[same_rows]) and same_rows.float().mean() > 0.5
 
     # a whole tiny LTX-2 block (split RoPE as LTX-2's config), bf16 and fp8, fused against ltx-core's forward
-    cfg = _config(DIMS["tiny"])
+    cfg = block_config(DIMS["tiny"])
     cfg["transformer"]["rope_type"] = "split"
-    model = _build(cfg, torch.device("cpu"), torch.bfloat16)
+    model = build_block(cfg, torch.device("cpu"), torch.bfloat16)
     # 16 tokens: every row is its own kernel program, so more rows check nothing new and cost interpreter time
-    v, a, _, _ = _inputs(model, cfg, 16, torch.device("cpu"), torch.bfloat16)
+    v, a, _, _ = block_inputs(model, cfg, 16, torch.device("cpu"), torch.bfloat16)
     pert = BatchedPerturbationConfig.empty(1)
     ops.FORCE_KERNELS = True
     with torch.no_grad():

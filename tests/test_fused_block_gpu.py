@@ -8,7 +8,6 @@ of 2**-7 (one bf16 ulp) of the block's update, far below the 3% the FP8 block is
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
@@ -63,22 +62,21 @@ def test_norm_rope_kernel_matches_eager():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_block_matches_ltx_core_and_replays_in_a_graph(fp8):
     pytest.importorskip("ltx_core")
-    sys.path.insert(0, str(ROOT / "bench"))
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
-    from sp_block import DIMS, _build, _config, _inputs
 
+    from bench.block import DIMS, block_config, block_inputs, build_block
     from ltx_mgpu.fp8 import convert_linears, fp8_tensor_cores
     from ltx_mgpu.fused.block import fuse_elementwise
 
     if fp8 and not fp8_tensor_cores(torch.device("cuda")):
         pytest.skip("needs FP8 tensor cores")
-    cfg = _config(DIMS["19b"])
+    cfg = block_config(DIMS["19b"])
     cfg["transformer"]["rope_type"] = "split"
-    model = _build(cfg, torch.device("cuda"), torch.bfloat16)
+    model = build_block(cfg, torch.device("cuda"), torch.bfloat16)
     block = model.transformer_blocks[0]
     if fp8:
         block = convert_linears(block, quantize=True)
-    v, a, _, _ = _inputs(model, cfg, 6144, torch.device("cuda"), torch.bfloat16)
+    v, a, _, _ = block_inputs(model, cfg, 6144, torch.device("cuda"), torch.bfloat16)
     pert = BatchedPerturbationConfig.empty(1)
     fused = copy.deepcopy(block)
     assert fuse_elementwise(fused) == 7

@@ -204,7 +204,7 @@ def test_a_decode_that_fails_mid_stream_ends_the_render_and_frees_the_buffer(loc
 
 
 def test_the_stream_bench_runs_and_its_files_match(capsys):
-    """`bench/stream_encode.py --quick` runs (what CI can afford): the streamed encode of a simulated chunked
+    """`python -m bench.stream_encode --quick` runs (what CI can afford): the streamed encode of a simulated chunked
     decode writes the one-shot file. (How early its runs start is timing: the tests above pin it.)"""
     import json
 

@@ -115,7 +115,7 @@ def test_synthetic_user_loras_pass_the_check_against_their_checkpoint(tmp_path) 
 
 
 def test_synthetic_user_loras_of_different_seeds_are_different_loras_of_one_shape(tmp_path) -> None:
-    """`bench/loras.py` needs several first uses of a rank-128 LoRA: files of different seeds have the same
+    """`python -m bench.e2e loras` needs several first uses of a rank-128 LoRA: files of different seeds have the same
     tensors and shapes but other bytes (so other cache keys and ETags); the same seed writes the same file."""
     from ltx_mgpu.lorafile import read_header
     from ltx_mgpu.runners.ltx2.synthetic.user_loras import write_user_lora

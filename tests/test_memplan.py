@@ -119,7 +119,7 @@ def test_the_fleet_memory_travels_as_json_and_junk_is_ignored():
 
 
 def test_the_ltx2_runners_describe_their_memory_from_their_setup():
-    from bench.e2e_stack import CFG_ONLY
+    from bench.e2e.stack import CFG_ONLY
     from ltx_mgpu.runners.ltx2.distilled import Ltx2DistilledRunner
     from ltx_mgpu.runners.ltx2.two_stage import Ltx2TwoStageRunner
 

@@ -1,4 +1,4 @@
-"""`bench/sp_scaling.py` in its CPU mode (`--device cpu --dims tiny`): the benchmark's whole path (fleets
+"""`python -m bench.sp_scaling` in its CPU mode (`--device cpu --dims tiny`): the benchmark's whole path (fleets
 of 1 and 2 CPU ranks under `MGPUController`, every layout, eager and graphed modes, comparison with W=1,
 calibration, summary) runs and reports what it must. Timings on CPU mean nothing and are not checked."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.numerics
 def test_cpu_mode_reports_every_layout_and_mode() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "sp_scaling.py"), "--device", "cpu", "--dims", "tiny"],
+        [sys.executable, "-m", "bench.sp_scaling", "--device", "cpu", "--dims", "tiny"],
         check=False,
         capture_output=True,
         text=True,

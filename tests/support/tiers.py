@@ -29,7 +29,7 @@ SERVER_FIXTURES = frozenset({"redis_server", "redis_server_factory", "s3_server"
 META_MODULES = frozenset({
     "test_structure", "test_import_contracts", "test_control_plane_contract", "test_docs_sync",
     "test_constraints", "test_compose", "test_numerics_script", "test_runner_registry", "test_tiers",
-    "test_error_hierarchy",
+    "test_error_hierarchy", "test_bench_package",
 })  # fmt: skip
 
 #: Modules that start processes (fleets of several CPU ranks, `ltx-worker`, CLI subprocesses, bench scripts)
@@ -39,7 +39,7 @@ PROCESS_MODULES = frozenset({
     "test_guidance_parallel", "test_job_loras", "test_leftovers", "test_lora_device_cache", "test_ltx2_layouts",
     "test_ltx2_oom", "test_ltx2_runners", "test_memplan_loras", "test_oslimits", "test_producer_demo",
     "test_smoke_runner", "test_sp_parallel", "test_sp_scaling_bench", "test_synthetic", "test_tdp",
-    "test_text_encoder", "test_vae_decode", "test_worker_units", "test_bench_attention", "test_bench_block_compile",
+    "test_text_encoder", "test_vae_decode", "test_worker_units", "test_bench_attention",
     "test_bench_e2e", "test_bench_loras", "test_fp8_runners", "test_fp8_lora_kernel", "test_cancel_points",
     "test_audio", "test_kernels_host", "test_memplan", "test_lora_tracker", "test_layout", "test_fp8",
 })  # fmt: skip

@@ -404,7 +404,7 @@ class S3Server(_ServerProcess):
         """Ready means the bucket answers a signed request (the S3 port opens before the filer is up) and has
         taken its first write. SeaweedFS allocates a bucket's volumes on the first object written to it:
         0.2 s on a 2-core VM, 1.1 s on a GPU host, once in the bucket's life. Left to the first job, it was
-        the p90 of every `bench/e2e.py` run; a real bucket pays it once, not per worker or per job."""
+        the p90 of every `python -m bench.e2e` run; a real bucket pays it once, not per worker or per job."""
         client = self.client()
         self._wait_answering(lambda: client.head_bucket(Bucket=self.bucket), timeout, process="weed mini",
                              what=f"weed mini bucket {self.bucket!r}")  # fmt: skip

@@ -12,8 +12,7 @@ distilled LoRA fused in place by the LoRA tracker (and taken out again before th
 stage 2 is refined with the video as in the single-device reference (re-noised to the first stage-2 sigma
 and denoised again), from the TDP wrapper's tile-averaged audio predictions: tiles split height and width
 only, so every tile's forward sees every frame, and the average lands within 0.6% of the full-view
-refinement where keeping stage 1's audio stays 93% away from it (docs/runners.md, "Audio";
-bench/stage2_audio.py).
+refinement where keeping stage 1's audio stays 93% away from it (docs/runners.md, "Audio").
 """
 
 from __future__ import annotations

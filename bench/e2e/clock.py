@@ -1,4 +1,4 @@
-"""The fleet's clock under a backlog, from the job records of `bench/e2e.py` (`e2e_stack.job_record`).
+"""The fleet's clock under a backlog, from the job records of `python -m bench.e2e` (`bench.e2e.stack.job_record`).
 
 Why a module of its own: what the numbers mean is the point. `gpu_window` is the runner's own first-to-last
 device work of a job (wall clock between device syncs), so the gap from one job's window to the next one's
@@ -11,15 +11,9 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["denoise_beside_encode", "encode_window", "gpu_busy_ratio", "idle_gaps_ms", "pct", "worker_encode_stages"]
+from bench.common import pct
 
-
-def pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile (nearest rank on the sorted values); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+__all__ = ["denoise_beside_encode", "encode_window", "gpu_busy_ratio", "idle_gaps_ms", "worker_encode_stages"]
 
 
 def _windows(records: list[dict[str, Any]], key: str) -> dict[str, list[list[float]]]:

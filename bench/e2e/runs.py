@@ -25,7 +25,7 @@ through the producer's Python client and reads every job back from its Redis Str
   then on all of them: the throughput ratio is measured side by side in the same run.
 
 The final line is `SUMMARY {...}`: the first run's fields at the top level, every run under `runs`, and
-the cross-run ratios. Workloads (see `bench/e2e_stack.py:make_workload`): the one-stage default request
+the cross-run ratios. Workloads (see `bench/e2e/stack.py:make_workload`): the one-stage default request
 (LTX-2's one-stage CLI and SGLang's sampling default), 768x512, 121 frames, 24 fps, or `--size WxHxF`
 (repeatable: every run at every size; the two-stage and distilled CLIs default to 1536x1024);
 `ltx2-two-stage` with the reference's stage-1 steps and guidance (4 passes a step) and 3 distilled sigmas
@@ -34,10 +34,10 @@ in stage 2; `ltx2-two-stage:cfg` the same with plain CFG (2 passes a step: the w
 `ltx2-distilled` 8 + 3. Synthetic weights (`--weights`, made by `python -m ltx_mgpu.runners.ltx2.synthetic`)
 render noise: their timings and memory are real.
 
-    python bench/e2e.py --profile tiny --groups cpu:2 --jobs 3                    # CPU, what CI runs
-    python bench/e2e.py --profile full --weights /dev/shm/ltx2 --plan gpu2 --only 0,1,2 --out $OUT/e2e-a.jsonl
-    python bench/e2e.py --profile full --weights DIR --runner ltx2-distilled --groups 0,1 --groups '0;1'
-    python bench/e2e.py --profile full --weights DIR --plan sizes-gpu1 --out $OUT/e2e-sizes.jsonl
+    python -m bench.e2e runs --profile tiny --groups cpu:2 --jobs 3               # CPU, what CI runs
+    python -m bench.e2e runs --profile full --weights /dev/shm/ltx2 --plan gpu2 --only 0,1,2 --out $OUT/e2e-a.jsonl
+    python -m bench.e2e runs --profile full --weights DIR --runner ltx2-distilled --groups 0,1 --groups '0;1'
+    python -m bench.e2e runs --profile full --weights DIR --plan sizes-gpu1 --out $OUT/e2e-sizes.jsonl
 
 `--encode worker` (default): the worker encodes, fed while the fleet decodes; `fleet`: the driver rank before
 the fleet is free; `once`: the worker, fed after the decode; `both` / `stream-vs-once`: each run twice, then
@@ -55,17 +55,15 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.e2e_clock import denoise_beside_encode, gpu_busy_ratio, idle_gaps_ms, idle_parts_ms, pct
-from bench.e2e_plans import PLANS, RunSpec, determinism_cost, parse_size, refusal, sized, with_determinism
-from bench.e2e_stack import (
+from bench.common import emit, emit_summary, pct, say
+from bench.e2e.clock import denoise_beside_encode, gpu_busy_ratio, idle_gaps_ms, idle_parts_ms
+from bench.e2e.plans import PLANS, RunSpec, determinism_cost, parse_size, refusal, sized, with_determinism
+from bench.e2e.stack import (
     STAGES,
     GpuMemory,
     Stack,
@@ -82,21 +80,10 @@ from bench.e2e_stack import (
 )
 from worker.settings import validate_group
 
+PROG = "python -m bench.e2e runs"
 GIB = 1024**3
 #: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)
 QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
-
-
-def emit(record: dict[str, Any], out: Any) -> None:
-    line = json.dumps(record, default=str)
-    print(line, flush=True)
-    if out is not None:
-        out.write(line + "\n")
-        out.flush()
-
-
-def say(text: str) -> None:
-    print(f"[e2e {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def cold_ready(workers: Workers, ready: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,7 +155,7 @@ def rebuild(client: Any, workers: Workers, workload: Workload, args: Any, out: A
                workers)  # fmt: skip
     worker = next(e.data["worker"] for e in client.events(job_id) if e.data.get("state") == "started")
     pid, killed_at = workers.kill_rank(worker)
-    say(f"killed rank pid {pid} of {worker} during stage 1 of {job_id}")
+    say("e2e", f"killed rank pid {pid} of {worker} during stage 1 of {job_id}")
     wait_terminal(client, [job_id], args.start_timeout + args.job_timeout * 2, workers)
     killed = job_record(client, job_id)
     emit({"kind": "job", "phase": "rebuild", "runner": workload.label, "layout": ";".join(workers.groups), **killed},
@@ -241,9 +228,9 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
         "size": spec.size,
     }
     if args.profile == "full" and (refused := refusal(workload, [len(g.split(",")) for g in spec.groups])):
-        say(f"run {spec.label}: refused by the memory plan: {refused}")
+        say("e2e", f"run {spec.label}: refused by the memory plan: {refused}")
         return {**summary, "refused": refused}
-    say(f"run {spec.label}: starting workers")
+    say("e2e", f"run {spec.label}: starting workers")
     gpu.take()
     workers.start()
     client = stack.producer(workers.queue)
@@ -252,7 +239,7 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
         summary.update(cold_ready(workers, ready))
         summary["world_sizes"] = [len(h["fleet"]["devices"]) for h in ready]
         devices_of = {h["worker"]: h["fleet"]["devices"] for h in ready}
-        say(f"ready in {summary['cold_ready_s']}s: {summary.get('cold_ready')}")
+        say("e2e", f"ready in {summary['cold_ready_s']}s: {summary.get('cold_ready')}")
         warm: list[dict[str, Any]] = []
         for _ in range(spec.warm):
             (job_id,) = submit(client, workload.request, workers.queue)
@@ -265,13 +252,13 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
                        warm_failed=sum(r["state"] != "uploaded" for r in warm))  # fmt: skip
         records = list(warm)
         if spec.backlog and len(spec.groups) > 1:
-            say(f"backlog of {spec.backlog} on one fleet alone ({spec.groups[0]})")
+            say("e2e", f"backlog of {spec.backlog} on one fleet alone ({spec.groups[0]})")
             alone = backlog(client, workers, workload, spec.backlog, workers.private_queue(spec.groups[0]), args,
                             "backlog_alone", out)  # fmt: skip
             records += alone.pop("records")
             summary["alone"] = alone
         if spec.backlog:
-            say(f"backlog of {spec.backlog} on {len(spec.groups)} fleet(s)")
+            say("e2e", f"backlog of {spec.backlog} on {len(spec.groups)} fleet(s)")
             both = backlog(client, workers, workload, spec.backlog, workers.queue, args, "backlog", out)
             summary["denoise_beside_encode"] = denoise_beside_encode(warm, both["records"])
             records += both.pop("records")
@@ -285,7 +272,7 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
         summary["passes_per_step"] = next((r["passes"] for r in records if r.get("passes")), None)
         summary["peak_mem_gib"] = peak_memory(records, devices_of)
         if spec.rebuild:
-            say("rebuild: killing a rank mid-job")
+            say("e2e", "rebuild: killing a rank mid-job")
             summary.update(rebuild(client, workers, workload, args, out))
         summary["gpu_mem_used_max_gib"] = gpu.take()
     finally:
@@ -297,7 +284,7 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=("tiny", "full"), default="tiny")
     ap.add_argument("--weights", type=Path, default=None, help="checkpoint folder (full: required; tiny: made)")
     ap.add_argument("--setup-json", type=Path, default=None, help="runner setup kwargs naming the files instead")
@@ -417,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary = run(stack, spec, args, weights, workdir / f"run{i}", gpu, out)
             except (TimeoutError, RuntimeError) as exc:
                 failures.append(f"{label}: {type(exc).__name__}: {str(exc)[:2000]}")
-                say(f"run {label} FAILED: {exc}")
+                say("e2e", f"run {label} FAILED: {exc}")
                 continue
             except KeyboardInterrupt:  # SIGINT (e.g. a time limit): its workers are stopped; report what ran
                 failures.append(f"{label}: interrupted")
@@ -430,10 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         final.update(runs=runs, ratios={**ratios(runs), **determinism_cost(runs)}, skipped=skipped,
                      failures=failures, hardware=hardware(), wall_s=round(time.monotonic() - t0, 1),
                      synthetic_weights=args.profile == "full")  # fmt: skip
-        line = "SUMMARY " + json.dumps(final, default=str)
-        print(line, flush=True)
-        if out is not None:
-            out.write(line + "\n")
+        emit_summary(final, out)
     finally:
         gpu.stop()
         stack.stop()
@@ -442,9 +426,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir is None and not failures:
         shutil.rmtree(workdir, ignore_errors=True)  # servers' data, spool, logs (kept when a run failed)
     elif failures:
-        say(f"logs kept in {workdir}")
+        say("e2e", f"logs kept in {workdir}")
     return 1 if failures or not runs else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""The parts of `bench/e2e.py` that touch the real stack: weights, workloads, servers, worker processes,
+"""The parts of `python -m bench.e2e` that touch the real stack: weights, workloads, servers, worker processes,
 job submission through the producer's client, and reading each job back from its Redis Stream.
 
 Nothing here fakes a layer: Redis (or valkey) and SeaweedFS are real servers (`worker.dev.devservers`), the
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.e2e_clock import encode_window, worker_encode_stages
+from bench.e2e.clock import encode_window, worker_encode_stages
 from producer.client import JobEvent, ProducerClient
 from producer.settings import ProducerSettings
 from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive
@@ -335,7 +335,7 @@ def job_record(client: ProducerClient, job_id: str) -> dict[str, Any]:
     Stage seconds come from the runner's `timings_s` (measured between device synchronisations) when the
     output event carries them, else from the gaps between its `stage` events as the worker relayed them.
     `busy`: the runner's first to output event; `gpu_window` / `gpu_busy_s`: its own device clock
-    (`bench/e2e_clock.py`); `worker_encode*` / `encode_window`: the worker's mp4 encode, off the fleet.
+    (`bench/e2e/clock.py`); `worker_encode*` / `encode_window`: the worker's mp4 encode, off the fleet.
     """
     info, events = client.status(job_id), client.events(job_id)
     starts = [i for i, e in enumerate(events) if e.type == "state" and e.data.get("state") == "started"]

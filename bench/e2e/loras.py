@@ -1,7 +1,7 @@
 """Request LoRAs on the real stack: what a job's `loras` adds to a render, side by side with jobs
 without one, in one run on one fleet.
 
-The stack is `bench/e2e.py`'s (`bench/e2e_stack.py`: Redis, SeaweedFS, one `ltx-worker` configured only
+The stack is the other e2e mode's (`bench/e2e/stack.py`: Redis, SeaweedFS, one `ltx-worker` configured only
 through `LTX_*` variables, jobs through the producer's client). The runner is set up with `request_loras`;
 the worker gets a catalogue folder (`LTX_LORA_CATALOGUE`) holding two synthetic user LoRAs `user-a` and
 `user-b` (ranks `--switch-ranks`, default 128 and 128), an allowed S3 prefix (`LTX_LORA_S3_PREFIXES`) under
@@ -32,8 +32,8 @@ cost directly). `SUMMARY {...}`: per phase (`phases`) the p50s and their deltas 
 client sees, noisy by the spread of the other stages) and `adds_direct_s` (the p50 of `lora_direct_s`), each
 against `target_s` (`met`, `met_direct`).
 
-    python bench/loras.py --profile tiny --groups cpu:1 --baseline 1 --switches 2 --s3 1   # what CI runs, ~40 s
-    python bench/loras.py --profile full --weights /dev/shm/ltx2-full --groups 0 --budget-s 190 --out X.jsonl
+    python -m bench.e2e loras --profile tiny --groups cpu:1 --baseline 1 --switches 2 --s3 1   # what CI runs, ~40 s
+    python -m bench.e2e loras --profile full --weights /dev/shm/ltx2-full --groups 0 --budget-s 190 --out X.jsonl
 
 `--budget-s S` submits no job after S seconds (the summary counts `jobs_skipped`); a SIGINT stops the run and
 still prints the summary of what ran.
@@ -48,22 +48,19 @@ writes and three uploads, then 19 renders of ~3.5 s and three 1.7 GB fetches.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import e2e_stack as es  # (the stack, workers and job records of bench/e2e.py)
-from bench.e2e import cold_ready, emit, say
-from bench.e2e_clock import pct
+from bench.common import emit, emit_summary, pct, say
+from bench.e2e import stack as es  # (the stack, workers and job records every e2e mode shares)
+from bench.e2e.runs import cold_ready
 from worker.settings import validate_group
 
+PROG = "python -m bench.e2e loras"
 PREFIX = "loras/bench"  #: under the stack's bucket; the worker allows `<bucket>/loras/`
 TARGETS_S = {"switch": 0.3, "first_s3": 2.0}  #: what a phase may add to a render's e2e (docs/performance.md)
 
@@ -197,7 +194,7 @@ def run(args: argparse.Namespace, stack: es.Stack, workdir: Path, out: Any) -> d
            "LTX_LORA_CACHE_DIR": str(workdir / "lora-cache"),
            "LTX_DETERMINISTIC": "on" if args.deterministic else "off"}  # fmt: skip
     workers = es.Workers(stack, [args.groups], workload, workdir, extra_env=env)
-    say(f"starting the worker ({args.runner} on {args.groups}); writing the LoRAs meanwhile")
+    say("e2e", f"starting the worker ({args.runner} on {args.groups}); writing the LoRAs meanwhile")
     workers.start()
     written: dict[str, Any] = {}
     writer = threading.Thread(target=lambda: written.update(write_loras(args, catalogue, stack, staging)))
@@ -212,7 +209,8 @@ def run(args: argparse.Namespace, stack: es.Stack, workdir: Path, out: Any) -> d
         writer.join()
         if not written:
             raise RuntimeError("writing or uploading the LoRAs failed (see the traceback above)")
-        say(f"LoRAs written in {written['seconds']} s; fleet ready: {cold_ready(workers, ready)['cold_ready_s']} s")
+        ready_s = cold_ready(workers, ready)["cold_ready_s"]
+        say("e2e", f"LoRAs written in {written['seconds']} s; fleet ready: {ready_s} s")
         for phase, lora in plan:
             if args.budget_s is not None and time.monotonic() - args.t0 > args.budget_s:
                 break
@@ -226,7 +224,7 @@ def run(args: argparse.Namespace, stack: es.Stack, workdir: Path, out: Any) -> d
             emit(rec, out)
     except (TimeoutError, RuntimeError, KeyboardInterrupt) as exc:  # report what ran (SIGINT: a time limit)
         failure = f"{type(exc).__name__}: {str(exc)[:2000]}"
-        say(f"FAILED: {failure}")
+        say("e2e", f"FAILED: {failure}")
     finally:
         client.close()
         workers.stop(args.stop_timeout)
@@ -245,7 +243,7 @@ def _tiny_weights() -> dict[str, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=("tiny", "full"), default="tiny")
     ap.add_argument("--weights", type=Path, default=None, help="checkpoint folder (full: required; tiny: made)")
     ap.add_argument("--runner", default="ltx2-distilled", help="ltx2-distilled (one swap a job) or ltx2-two-stage")
@@ -299,17 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     failure = summary["failure"]
     summary.update(hardware=es.hardware(), wall_s=round(time.monotonic() - args.t0, 1),
                    synthetic_weights=args.profile == "full")  # fmt: skip
-    line = "SUMMARY " + json.dumps(summary, default=str)
-    print(line, flush=True)
+    emit_summary(summary, out)
     if out is not None:
-        out.write(line + "\n")
         out.close()
     if args.workdir is None and failure is None:
         shutil.rmtree(workdir, ignore_errors=True)
     elif failure:
-        say(f"logs kept in {workdir}")
+        say("e2e", f"logs kept in {workdir}")
     return 1 if failure or summary["jobs_failed"] else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

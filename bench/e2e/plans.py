@@ -1,4 +1,4 @@
-"""What `bench/e2e.py` runs: one `RunSpec` per worker start, the preset plans, and the request sizes.
+"""What `python -m bench.e2e runs` runs: one `RunSpec` per worker start, the preset plans, and the request sizes.
 
 Sizes: a workload's request is the one-stage default (768x512, 121 frames: LTX-2's one-stage CLI default and
 SGLang's sampling default) unless a run names another. The reference's two-stage and distilled CLIs default to
@@ -13,7 +13,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from bench.e2e_stack import Workload
+from bench.e2e.stack import Workload
 
 __all__ = ["PLANS", "SIZES", "RunSpec", "determinism_cost", "parse_size", "refusal", "sized", "with_determinism"]
 
