@@ -6,8 +6,8 @@
   `ltx_mgpu.memprofile`, `ltx_mgpu.imagesize`, shared by the request schema, the published limits and the
   runners);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
-- the control plane (`ltx_mgpu/control/`: controller, fleet, runner, transport, jobboard, devices, errors,
-  events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
+- the control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner, transport, jobboard,
+  devices, errors, events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
   imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
 - inside worker/, a layer imports only the layers before it (`WORKER_LAYERS`) and no module is on an import
@@ -187,7 +187,7 @@ class Rule:
 
 CONTROL_PLANE = tuple(
     f"ltx_mgpu.control.{m}"
-    for m in ("controller", "fleet", "runner", "transport", "jobboard", "devices", "errors", "events", "startup")
+    for m in "controller stream processes fleet runner transport jobboard devices errors events startup".split()
 )
 
 RULES = [
