@@ -167,10 +167,10 @@ def test_groups_and_labels():
 
 
 def test_resolve_runner_imports_by_path():
-    from worker.render.noop import NoopRunner
+    from ltx_mgpu.runners.noop import NoopRunner
 
     assert resolve_runner(WorkerSettings(runner="noop")) is NoopRunner
-    s = WorkerSettings(runners={"x": "worker.render.noop:Missing"}, runner="x")
+    s = WorkerSettings(runners={"x": "ltx_mgpu.runners.noop:Missing"}, runner="x")
     with pytest.raises(SettingsError, match="cannot import"):
         resolve_runner(s)
 

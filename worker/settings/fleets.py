@@ -23,7 +23,7 @@ __all__ = ["BUILTIN_RUNNERS", "FleetFields", "group_label", "resolve_runner", "v
 #: Runners every worker knows. Import paths, so nothing is imported until a fleet is built.
 BUILTIN_RUNNERS: dict[str, str] = {
     "smoke": "ltx_mgpu.runners.smoke:SmokeRunner",
-    "noop": "worker.render.noop:NoopRunner",
+    "noop": "ltx_mgpu.runners.noop:NoopRunner",
     "ltx2-distilled": "ltx_mgpu.runners.ltx2.runners:Ltx2DistilledRunner",
     "ltx2-two-stage": "ltx_mgpu.runners.ltx2.runners:Ltx2TwoStageRunner",
 }
