@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from ..requestrules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
+from ..spec.request_rules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
 
 __all__ = [
     "AsymmetricRunnerError",
@@ -48,7 +48,7 @@ class RunnerError(Exception):
 
 
 class RequestRefused(RunnerError):
-    """The runner's request rules refused the job's arguments (`ltx_mgpu.requestrules.RequestRuleError` on a
+    """The runner's request rules refused the job's arguments (`ltx_mgpu.spec.request_rules.RequestRuleError` on a
     rank): the request is wrong, not the runner (a service reports it as `invalid_request`); `field` names it."""
 
     def __init__(self, message: str, field: str = "(request)") -> None:

@@ -75,7 +75,7 @@ class FaultRunner(MGPURunner):
 
     @classmethod
     def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> Any:
-        from ltx_mgpu.memplan import FleetMemory
+        from ltx_mgpu.spec.memory_plan import FleetMemory
 
         profile = setup_kwargs.get("memory_profile")
         loras = bool(setup_kwargs.get("memory_request_loras"))  # a LoRA tracker, bound by the worker's LoRA limits

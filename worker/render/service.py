@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from ltx_mgpu import memplan
+from ltx_mgpu.spec import memory_plan as memplan
 from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
 from worker.ops.metrics import WorkerMetrics

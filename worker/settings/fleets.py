@@ -65,8 +65,8 @@ class FleetFields(BaseModel):
         "(compilation, allocator growth, caches for these sizes); their time is the warm-up of cold start",
     )
     device_memory_gib: float | None = Field(
-        None, gt=0, description="GiB each device offers the fleet's memory plan (ltx_mgpu.memplan); unset: measured "
-        "after the warm-up on GPU fleets, no limit on CPU fleets"
+        None, gt=0, description="GiB each device offers the fleet's memory plan (ltx_mgpu.spec.memory_plan); unset: "
+        "measured after the warm-up on GPU fleets, no limit on CPU fleets"
     )  # fmt: skip
     memory_headroom_gib: float = Field(
         4.0, ge=0, description="GiB the memory plan keeps free on every device beyond its predicted peak"

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from ...bounds import check_audio_budget
 from ...control.events import Stage, output_event, progress_event, stage_event
-from ...memplan import FleetMemory
 from ...parallel import check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec
 from ...parallel.vae_decode import frames_to_uint8, vae_tiles
-from ...requestrules import RequestRules
+from ...spec.bounds import check_audio_budget
+from ...spec.memory_plan import FleetMemory
+from ...spec.request_rules import RequestRules
 from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.handoff import FrameStream, deliver_video, stream_video
 from ..common.job_loras import job_lora_specs
@@ -97,10 +97,10 @@ class Ltx2Runner(Ltx2Resident):
 
     @classmethod
     def request_rules(cls, **setup_kwargs: Any) -> RequestRules:
-        """The request rules (`ltx_mgpu.requestrules`) `_job` checks on every rank, published by the worker."""
+        """The request rules (`ltx_mgpu.spec.request_rules`) `_job` checks on every rank, published by the worker."""
         return spec.request_rules(cls.memory_kind, setup_kwargs)
 
-    #: the runner kind of the memory plan (`ltx_mgpu.memplan`)
+    #: the runner kind of the memory plan (`ltx_mgpu.spec.memory_plan`)
     memory_kind = "distilled"
 
     @classmethod

@@ -19,10 +19,10 @@ from typing import Any, ClassVar
 import torch
 
 from ...control.runner import MGPURunner
-from ...memplan import sp_tokens
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy
 from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.tiling import BalancedTiling
+from ...spec.memory_plan import sp_tokens
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.job_loras import model_targets
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
@@ -87,7 +87,7 @@ class Ltx2Resident(MGPURunner):
             raise ValueError("LoRA fusion (ltx-core apply_loras) needs bfloat16 or fp8 weights: set dtype='bfloat16'")
         self.max_steps = int(max_steps)
         self.rules = spec.request_rules(self.memory_kind, {"max_steps": self.max_steps})
-        # the SP budget: the setting, else what the largest request the rules accept needs (`memplan.sp_tokens`,
+        # the SP budget: the setting, else what the largest request the rules accept needs (`memory_plan.sp_tokens`,
         # the same function the plan counts the buffers with)
         self.sp_max_tokens = sp_tokens(spec.memory_fleet(self.memory_kind, self.world_size, {
             "sp_max_tokens": sp_max_tokens, "stage1_guidance": stage1_guidance}))  # fmt: skip
@@ -215,7 +215,7 @@ class Ltx2Resident(MGPURunner):
         raise NotImplementedError
 
     def _use_memory_plan(self, plan: dict[str, Any] | None) -> None:
-        """The worker's memory plan for this job (`ltx_mgpu.memplan`; the same on every rank): `decode_chunked`
+        """The worker's memory plan for this job (`ltx_mgpu.spec.memory_plan`; the same on every rank): `decode_chunked`
         decodes each tile in ltx-core's default chunks (the reference CLI's decode tiling), and
         `release_between_stages` hands the allocator cache back after each stage. None: setup's choices."""
         plan = plan or {}

@@ -49,10 +49,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...bounds import check_audio_budget
 from ...control.events import Stage, output_event, progress_event, stage_event
 from ...control.runner import MGPURunner
 from ...parallel import check_token_budget, padded_token_count
+from ...spec.bounds import check_audio_budget
 from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.handoff import deliver_video
