@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ltx_mgpu.runners.common.media import (
+from ltx_mgpu.media.mp4 import (
     EncodeOptions,
     rgb_to_yuv420p,
     shared_host_copy,

@@ -45,7 +45,7 @@ class RenderArgs:
     enhance_prompt: bool = False
     audio: bool = True  #: decode and mux the audio track; False = a silent mp4 and no audio decode
     #: "mp4": the driver writes the mp4 at output_path; "frames": it yields a `media` event (yuv420p frames
-    #: and the waveform, `common.media.media_event`) instead and writes nothing, so the caller encodes them
+    #: and the waveform, `ltx_mgpu.media.mp4.media_event`) instead and writes nothing, so the caller encodes them
     #: while the fleet takes its next job (not a request field: the worker sets it); "stream": the same hand-off
     #: while the VAE decodes (`common.handoff.FrameStream`: the encoder starts on the first decoded frames)
     media: str = "mp4"

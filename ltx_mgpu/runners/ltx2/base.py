@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ...control.events import Stage, output_event, progress_event, stage_event
+from ...media.mp4 import AudioTrack, audio_fields
 from ...parallel import check_token_budget, padded_token_count
 from ...parallel.collectives import broadcast_tensor
 from ...parallel.lora_tracker import LoraSpec
@@ -41,7 +42,6 @@ from ...spec.request_rules import RequestRules
 from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.handoff import FrameStream, deliver_video, stream_video
 from ..common.job_loras import job_lora_specs
-from ..common.media import AudioTrack, audio_fields
 from ..common.stages import LORA_CHECK, check_finite
 from . import spec
 from .denoise import (
