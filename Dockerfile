@@ -55,12 +55,13 @@ ENTRYPOINT ["ltx-worker"]
 # ==== producer =========================================================================================
 FROM ${PYTHON_IMAGE} AS producer
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PYTHONPATH=/app
-# Exactly what the producer imports: no torch, and of ltx_mgpu only its stdlib-only request bounds and image
-# parser, shared with the runners (a test checks this stays true).
+# Exactly what the producer imports: no torch, and of ltx_mgpu only its stdlib-only request specs (ltx_mgpu/spec/:
+# bounds, request rules, image sizes, the memory plan), shared with the runners (tests check this stays true).
 RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2.13" "boto3>=1.36" "click>=8" "rich>=13"
 WORKDIR /app
 COPY producer ./producer
-COPY ltx_mgpu/__init__.py ltx_mgpu/bounds.py ltx_mgpu/imagesize.py ltx_mgpu/memplan.py ltx_mgpu/memprofile.py ltx_mgpu/requestrules.py ./ltx_mgpu/
+COPY ltx_mgpu/__init__.py ./ltx_mgpu/
+COPY ltx_mgpu/spec ./ltx_mgpu/spec
 COPY worker/__init__.py ./worker/
 COPY worker/errors.py ./worker/
 COPY ltx_mgpu/errors.py ./ltx_mgpu/

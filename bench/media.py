@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ltx_mgpu.runners.common.media import (
+from ltx_mgpu.media.mp4 import (
     EncodeOptions,
     rgb_to_yuv420p,
     shared_host_copy,

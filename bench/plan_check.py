@@ -8,7 +8,7 @@ peak, `peak_memory_bytes`, beside it): the plan must predict what the allocator 
     python -m bench.plan_check --weights /dev/shm/ltx2-full --runner ltx2-distilled --devices 0   # the presets
     python -m bench.plan_check --tiny --devices cpu,cpu --sizes 128x128x9      # a check of the script (no peaks)
 
-Each size is planned as the worker plans a job (`ltx_mgpu.memplan.plan` on the runner's `memory_fleet`, the
+Each size is planned as the worker plans a job (`ltx_mgpu.spec.memory_plan.plan` on the runner's `memory_fleet`, the
 capacity the last render measured, `device_memory_bytes`, else the device's free + reserved memory now), and
 rendered with that plan's `memory_plan` kwarg; a size the plan refuses is reported with its reason and not
 rendered. One render per size (the first of a size captures its CUDA graphs, which is what a job of a new
@@ -69,7 +69,7 @@ def capacity_gib(output: dict[str, Any] | None, ctl: Any) -> float | None:
 
 
 def main() -> None:
-    from ltx_mgpu.requestrules import PRESETS
+    from ltx_mgpu.spec.request_rules import PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", type=Path, default=None, help="the checkpoint folder (synthetic's layout)")
@@ -83,14 +83,15 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from ltx_mgpu import MGPUController, SymmetricRunnerError, memplan
+    from ltx_mgpu import MGPUController, SymmetricRunnerError
     from ltx_mgpu.runners.ltx2 import runners as ltx2
     from ltx_mgpu.runners.ltx2 import spec
+    from ltx_mgpu.spec import memory_plan
 
     if (args.weights is None) != args.tiny:
         raise SystemExit("give --weights DIR or --tiny")
     name, setup = setup_kwargs(args.runner, args.weights)
-    sizes = [memplan.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = [memory_plan.parse_size(s) for s in args.sizes.split(",") if s.strip()]
     devices: list[Any] = [d if d == "cpu" else int(d) for d in args.devices.split(",")]
     kind = spec.RUNNER_KINDS[f"ltx_mgpu.runners.ltx2.runners:{RUNNERS[name]}"]
     ctl = MGPUController(getattr(ltx2, RUNNERS[name]), devices=devices)
@@ -105,12 +106,12 @@ def main() -> None:
             for w, h, f in sizes:
                 size = f"{w}x{h}x{f}"
                 fleet = spec.memory_fleet(kind, len(devices), setup)
-                fleet = memplan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib(last, ctl),
+                fleet = memory_plan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib(last, ctl),
                                                "headroom_gib": args.headroom_gib})  # fmt: skip
-                planned = memplan.plan(fleet, w, h, f, frame_rate=args.frame_rate)
+                planned = memory_plan.plan(fleet, w, h, f, frame_rate=args.frame_rate)
                 if not planned.fits:
                     emit({"event": "refused", "size": size, "reason": planned.refusal(),
-                          "largest": memplan.largest(fleet, w, h, f, frame_rate=args.frame_rate)})  # fmt: skip
+                          "largest": memory_plan.largest(fleet, w, h, f, frame_rate=args.frame_rate)})  # fmt: skip
                     done.append({"size": size, "result": "refused"})
                     continue
                 request = {**REQUEST, "width": w, "height": h, "num_frames": f, "frame_rate": args.frame_rate}

@@ -28,8 +28,8 @@ from typing import Any
 
 from bench.common import emit, emit_summary
 from bench.media import content_clip, noise_clip
-from ltx_mgpu.runners.common.media import EncodeOptions, shared_empty, to_yuv420p, write_mp4_yuv
-from ltx_mgpu.runners.common.mp4stream import Mp4Stream
+from ltx_mgpu.media.mp4 import EncodeOptions, shared_empty, to_yuv420p, write_mp4_yuv
+from ltx_mgpu.media.mp4_stream import Mp4Stream
 
 
 def _decode(buffer: Any, yuv: Any, chunks: int, decode_s: float, on_chunk: Any) -> float:

@@ -20,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .control.controller import MGPUController, Stream
+    from .control.controller import MGPUController
     from .control.devices import canonical_group, parse_device_group
     from .control.errors import (
         AsymmetricRunnerError,
@@ -35,12 +35,13 @@ if TYPE_CHECKING:
         SymmetricRunnerError,
     )
     from .control.runner import MGPURunner, ProcessGroups, RankContext
+    from .control.stream import Stream
     from .errors import LtxMgpuError
 
 #: public name → the submodule that defines it
 _EXPORTS: dict[str, str] = {
     "MGPUController": "control.controller",
-    "Stream": "control.controller",
+    "Stream": "control.stream",
     "canonical_group": "control.devices",
     "parse_device_group": "control.devices",
     "AsymmetricRunnerError": "control.errors",

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from ltx_mgpu.runners.common.media import AudioTrack, probe_mp4, read_audio, write_mp4
+from ltx_mgpu.media.mp4 import AudioTrack, probe_mp4, read_audio, write_mp4
 
 RATE = 24000
 AAC_FRAME = 1024

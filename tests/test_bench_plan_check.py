@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 
 from bench.plan_check import GIB, stage_rows
-from ltx_mgpu import memplan
+from ltx_mgpu.spec import memory_plan
 
 
 def test_each_plan_stage_is_compared_on_its_worst_rank():
-    planned = memplan.plan(memplan.FleetMemory("distilled", 2), 1536, 1024, 241)
+    planned = memory_plan.plan(memory_plan.FleetMemory("distilled", 2), 1536, 1024, 241)
     reserved = {s.stage: [int(s.reserved_gib * GIB * 0.9), int(s.reserved_gib * GIB)] for s in planned.stages}
     output = {"peak_reserved_bytes": {**reserved, "decode": [0, 0]}, "peak_memory_bytes": {"stage1": [GIB, 2 * GIB]},
               "timings_s": {"stage1": 3.5}}  # fmt: skip
     rows = {r["stage"]: r for r in stage_rows("1536x1024x241", planned, output)}
-    assert list(rows) == list(memplan.STAGES)
+    assert list(rows) == list(memory_plan.STAGES)
     assert rows["stage1"]["error"] == pytest.approx(0.0, abs=0.01) and rows["stage1"]["measured_allocated_gib"] == 2.0
     assert rows["stage1"]["seconds"] == 3.5
     assert "error" not in rows["decode"]  # nothing measured (a CPU fleet): no error claimed

@@ -1,6 +1,6 @@
-"""The engine's control plane (`ltx_mgpu/control/`: controller, fleet, runner contract, transport, job
-board, devices, errors, events, startup) names nothing of the data plane (`ltx_mgpu.parallel`) or of the model runners
-(`ltx_mgpu.runners`): not at import time, not in a function body, not under `TYPE_CHECKING`.
+"""The engine's control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner contract,
+transport, job board, devices, errors, events, startup) names nothing of the data plane (`ltx_mgpu.parallel`) or
+of the model runners (`ltx_mgpu.runners`): not at import time, not in a function body, not under `TYPE_CHECKING`.
 
 Why by reading the source (AST) rather than importing: `tests/test_import_contracts.py` sees what an import
 pulls in, which misses a lazy import inside a function (the runner contract used to build the data plane's
@@ -50,7 +50,8 @@ def control_modules() -> list[str]:
 
 
 def test_the_control_folder_holds_the_control_plane() -> None:
-    assert {"controller", "fleet", "runner", "transport", "jobboard", "startup"} <= set(control_modules())
+    expected = {"controller", "stream", "processes", "fleet", "runner", "transport", "jobboard", "startup"}
+    assert expected <= set(control_modules())
 
 
 @pytest.mark.parametrize("name", control_modules())

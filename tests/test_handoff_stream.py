@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, read_mp4, shared_empty, write_mp4_yuv
-from ltx_mgpu.runners.common.mp4stream import Mp4Stream
+from ltx_mgpu.media.mp4 import AudioTrack, EncodeOptions, read_mp4, shared_empty, write_mp4_yuv
+from ltx_mgpu.media.mp4_stream import Mp4Stream
 from tests.support.wait import wait_for
 
 W = H = 64

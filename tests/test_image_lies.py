@@ -1,6 +1,6 @@
 """Images whose header lies (docs/security.md, the review's attacks): real small files made with PyAV, then
 patched the way the review's attack files were. Each must be refused by the container parser
-(`ltx_mgpu.imagesize`), so by the request schema (the producer and the worker) and by the runner's decoder
+(`ltx_mgpu.spec.image_size`), so by the request schema (the producer and the worker) and by the runner's decoder
 before FFmpeg opens it.
 
 Before, only the first header was read: a 9.8 KB WebP with a 16x16 VP8X canvas around a 16000x16000 VP8L
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from ltx_mgpu.imagesize import MAX_DECLARED_PIXELS, ImageRefused, image_size
 from ltx_mgpu.runners.ltx2 import images as runner_images
+from ltx_mgpu.spec.image_size import MAX_DECLARED_PIXELS, ImageRefused, image_size
 from tests.test_worker_imagesize import _encode
 from worker.protocol.schema import RenderRequest
 

@@ -1,21 +1,20 @@
 """The layering rules, held by imports in fresh interpreters (README.md, "Layout": arrows point down only).
 
 `producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
-- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request bounds and rules,
-  memory plan and image parser (`ltx_mgpu.bounds`, `ltx_mgpu.requestrules`, `ltx_mgpu.memplan` with
-  `ltx_mgpu.memprofile`, `ltx_mgpu.imagesize`, shared by the request schema, the published limits and the
-  runners);
+- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request specs (`ltx_mgpu.spec`:
+  bounds, request rules, image sizes, the memory plan and profiles, shared by the request schema, the published
+  limits and the runners), which import nothing of ltx_mgpu outside that package (the producer image holds no more);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
-- the control plane (`ltx_mgpu/control/`: controller, fleet, runner, transport, jobboard, devices, errors,
-  events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
+- the control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner, transport, jobboard,
+  devices, errors, events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
   imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
 - inside worker/, a layer imports only the layers before it (`WORKER_LAYERS`) and no module is on an import
   cycle; these and the other `SOURCE_RULES` read the source, so an import inside a function counts;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.bounds`, `ltx_mgpu.requestrules`,
-  `ltx_mgpu.memplan`, `ltx_mgpu.imagesize` and the ltx2 runners' description (`ltx_mgpu.runners.ltx2.spec`,
-  what `ltx-worker plan` reads) import no torch (the worker's settings and dev servers and the producer use them).
+- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.spec.*` and the ltx2 runners'
+  description (`ltx_mgpu.runners.ltx2.spec`, what `ltx-worker plan` reads) import no torch (the worker's
+  settings and dev servers and the producer use them).
 
 Each rule imports every module of its packages in a process of its own, forked from one new interpreter
 (its `sys.modules` holds only the standard library and third-party modules the rule does not forbid, so an
@@ -185,17 +184,20 @@ class Rule:
         return root, [*modules_under(root, *self.packages), *self.modules], self.forbidden
 
 
-CONTROL_PLANE = tuple(
-    f"ltx_mgpu.control.{m}"
-    for m in ("controller", "fleet", "runner", "transport", "jobboard", "devices", "errors", "events", "startup")
-)
+CONTROL_PLANE = tuple(f"ltx_mgpu.control.{m}" for m in (
+    "controller stream processes fleet runner transport jobboard devices errors events startup").split())
+
+#: Every module of the request specs (`ltx_mgpu/spec/`), and the exact names the producer and they may import
+SPEC = tuple(modules_under(ROOT, "ltx_mgpu/spec"))
+SHARED = ("!ltx_mgpu", "!ltx_mgpu.errors", *(f"!{m}" for m in SPEC))
 
 RULES = [
-    # (but the request bounds and the image parser: stdlib only, shared by the schema and the runners)
-    Rule("producer: no torch, no ltx_mgpu", packages=("producer",),
-         forbidden=("torch", "ltx_mgpu", "!ltx_mgpu", "!ltx_mgpu.bounds", "!ltx_mgpu.memplan", "!ltx_mgpu.imagesize",
-                    "!ltx_mgpu.requestrules", "!ltx_mgpu.memprofile", "!ltx_mgpu.errors", "tests"),
+    Rule("producer: no torch, no ltx_mgpu but its specs", packages=("producer",),
+         forbidden=("torch", "ltx_mgpu", *SHARED, "tests"),
          plant=("producer/display.py", "import ltx_mgpu.control.controller")),
+    Rule("specs: stdlib only, nothing of ltx_mgpu outside them", packages=("ltx_mgpu/spec",),
+         forbidden=("torch", "ltx_mgpu", *SHARED, "worker", "producer", "tests"),
+         plant=("ltx_mgpu/spec/bounds.py", "import ltx_mgpu.ports")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
          plant=("ltx_mgpu/parallel/layout.py", "import redis")),
@@ -208,10 +210,8 @@ RULES = [
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.control.devices")),
     Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
-    Rule("ltx_mgpu, its device parser, port picker, request bounds, memory plan, image parser and LoRA file "
-         "check: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.control.devices", "ltx_mgpu.ports", "ltx_mgpu.bounds", "ltx_mgpu.memplan",
-                  "ltx_mgpu.imagesize", "ltx_mgpu.lorafile", "ltx_mgpu.requestrules", "ltx_mgpu.memprofile",
+    Rule("ltx_mgpu, its device parser, port picker, request specs, LoRA file check: no torch",
+         modules=("ltx_mgpu", "ltx_mgpu.control.devices", "ltx_mgpu.ports", *SPEC, "ltx_mgpu.lorafile",
                   "ltx_mgpu.runners.ltx2.spec"),
          forbidden=("torch",),
          plant=("ltx_mgpu/control/devices.py", "import torch")),

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from ltx_mgpu.runners.common.media import (
+from ltx_mgpu.media.mp4 import (
     EncodeOptions,
     read_mp4,
     rgb_to_yuv420p,
@@ -155,7 +155,7 @@ def test_segments_joined_by_the_muxer_are_one_seamless_video(tmp_path: Path) -> 
 
 def test_segments_keep_the_aac_track_beside_them(tmp_path: Path) -> None:
     """The runs are muxed before the audio is encoded: the file still has both streams, whole."""
-    from ltx_mgpu.runners.common.media import AudioTrack, probe_mp4
+    from ltx_mgpu.media.mp4 import AudioTrack, probe_mp4
 
     t = torch.arange(5 * 24000, dtype=torch.float32) / 24000
     wave = torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * t)] * 2)
@@ -173,9 +173,9 @@ def test_a_run_whose_headers_differ_from_the_stream_header_is_not_joined(tmp_pat
     """SPS/PPS are written once, in the mp4 header, from the stream's own encoder: a run encoded with other
     parameters (here 3 reference frames instead of 1) would decode wrongly, so the encode fails and leaves
     no file."""
-    from ltx_mgpu.runners.common import x264segments
+    from ltx_mgpu.media import x264_segments
 
-    real = x264segments._encode_run
+    real = x264_segments._encode_run
 
     def other_headers(frames, lo, hi, width, height, rate, settings):  # type: ignore[no-untyped-def]
         if lo > 0:
@@ -183,7 +183,7 @@ def test_a_run_whose_headers_differ_from_the_stream_header_is_not_joined(tmp_pat
             settings = dict(settings, options=options)
         return real(frames, lo, hi, width, height, rate, settings)
 
-    monkeypatch.setattr(x264segments, "_encode_run", other_headers)
+    monkeypatch.setattr(x264_segments, "_encode_run", other_headers)
     path = tmp_path / "bad.mp4"
     yuv = rgb_to_yuv420p(torch.zeros((48, 64, 64, 3), dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="SPS/PPS"):
@@ -193,20 +193,20 @@ def test_a_run_whose_headers_differ_from_the_stream_header_is_not_joined(tmp_pat
 
 def test_the_segment_pool_is_bounded_by_the_runs_asked_for(tmp_path: Path, monkeypatch) -> None:
     """Threads, not a process per run: a pool of at most as many as the largest segment count asked for."""
-    from ltx_mgpu.runners.common import x264segments
+    from ltx_mgpu.media import x264_segments
 
-    monkeypatch.setattr(x264segments, "_pool", None)  # (a pool of this process's earlier encodes stays apart)
-    monkeypatch.setattr(x264segments, "_pool_size", 0)
+    monkeypatch.setattr(x264_segments, "_pool", None)  # (a pool of this process's earlier encodes stays apart)
+    monkeypatch.setattr(x264_segments, "_pool_size", 0)
     yuv = rgb_to_yuv420p(torch.zeros((48, 64, 64, 3), dtype=torch.uint8))
     try:
         for segments in (3, 2, 3):
             options = EncodeOptions(threads=3, segments=segments)
             write_mp4_yuv(yuv, tmp_path / "b.mp4", 24.0, width=64, options=options)
-        pool = x264segments._pool
-        assert pool is not None and x264segments._pool_size == 3 and 1 <= len(pool._threads) <= 3
+        pool = x264_segments._pool
+        assert pool is not None and x264_segments._pool_size == 3 and 1 <= len(pool._threads) <= 3
     finally:
-        if x264segments._pool is not None:
-            x264segments._pool.shutdown(wait=True)
+        if x264_segments._pool is not None:
+            x264_segments._pool.shutdown(wait=True)
 
 
 def test_bench_media_quick_reports_old_and_new_per_case(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltx_mgpu.runners.common.media import rgb_to_yuv420p, shared_host_copy
+from ltx_mgpu.media.mp4 import rgb_to_yuv420p, shared_host_copy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,5 @@
-"""The memory plan (`ltx_mgpu.memplan`), its limits (`worker.protocol.limits`) and `ltx-worker plan`, without a fleet.
+"""The memory plan (`ltx_mgpu.spec.memory_plan`), its limits (`worker.protocol.limits`) and `ltx-worker plan`,
+without a fleet.
 
 Calibration: the plan reproduces the peaks measured on one H200 with synthetic full-size weights
 (docs/performance.md, "Measured peaks"): distilled 71 GiB at 768x512x121 and 90 GiB at 1536x1024x121 (allocator peaks),
@@ -13,8 +14,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from ltx_mgpu import memplan
-from ltx_mgpu.memplan import FleetMemory, plan
+from ltx_mgpu.spec import memory_plan
+from ltx_mgpu.spec.memory_plan import FleetMemory, plan
 from worker.protocol.limits import MemoryViolation, RunnerLimits
 from worker.protocol.schema import RenderRequest
 
@@ -85,7 +86,7 @@ def test_the_preset_sizes_on_one_and_two_gpus(runner, world):
 def test_two_gpus_lower_the_peak_and_shard_the_lora_backup():
     one, two = plan(_fleet("two-stage", 1), 1536, 1024, 121), plan(_fleet("two-stage", 2), 1536, 1024, 121)
     assert two.peak.reserved_gib < one.peak.reserved_gib
-    unit = memplan.LTX2_19B.lora_unit_gib  # the owner balance leaves a rank at most one weight over 1/W
+    unit = memory_plan.LTX2_19B.lora_unit_gib  # the owner balance leaves a rank at most one weight over 1/W
     assert two.resident_gib[0]["lora_backup"] == pytest.approx(one.resident_gib[0]["lora_backup"] / 2 + unit, abs=1e-3)
     assert two.decode_tiles == 2 and one.decode_tiles == 1
 
@@ -94,10 +95,10 @@ def test_the_largest_request_is_refused_up_front_with_what_fits():
     fleet = _fleet("distilled", 1, capacity_gib=H200_GIB)
     p = plan(fleet, 3840, 2176, 481)
     assert not p.fits and p.refusal()
-    best = memplan.largest(fleet, 3840, 2176, 481)
+    best = memory_plan.largest(fleet, 3840, 2176, 481)
     for text in best.values():
-        assert text is not None and plan(fleet, *memplan.parse_size(text)).fits
-    w, h, f = memplan.parse_size(best["frames"])
+        assert text is not None and plan(fleet, *memory_plan.parse_size(text)).fits
+    w, h, f = memory_plan.parse_size(best["frames"])
     assert (w, h) == (3840, 2176) and not plan(fleet, w, h, f + 8).fits  # the most frames that fit
     # memory alone (a budget that allows the tokens): the refusal names the limit and the stage
     big = _fleet("distilled", 1, capacity_gib=60.0, sp_max_tokens=1 << 20)
@@ -115,7 +116,7 @@ def test_the_fleet_memory_travels_as_json_and_junk_is_ignored():
         assert FleetMemory.from_json(junk) is None
     assert plan(fleet, 768, 512, 121).notes  # Gemma on the driver: the plan says a later rank has room
     with pytest.raises(ValueError):
-        memplan.parse_size("1536x1024")
+        memory_plan.parse_size("1536x1024")
 
 
 def test_the_ltx2_runners_describe_their_memory_from_their_setup():
@@ -129,7 +130,7 @@ def test_the_ltx2_runners_describe_their_memory_from_their_setup():
     assert (distilled.runner, distilled.world_size, distilled.sp_max_tokens) == ("distilled", 2, 4096)
     assert (distilled.gemma_rank, distilled.vae_overlap, distilled.profile) == (0, 2, "ltx2-19b")
     fp8 = Ltx2DistilledRunner.memory_fleet(1, quantization="fp8-mm")
-    p = memplan.LTX2_19B  # fp8-mm: blocks 1-42 in e4m3 + scales, blocks 0 and 43-47 and the projections bf16
+    p = memory_plan.LTX2_19B  # fp8-mm: blocks 1-42 in e4m3 + scales, blocks 0 and 43-47 and the projections bf16
     fp8_gib = p.transformer_gib - p.lora_weights_gib + p.lora_weights_fp8_gib
     assert fp8.fp8_transformer and plan(fp8, 768, 512, 121).resident_gib[0]["transformer"] == pytest.approx(fp8_gib)
     everywhere = Ltx2DistilledRunner.memory_fleet(2, text_encoder="batch-parallel")

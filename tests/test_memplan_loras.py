@@ -16,9 +16,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ltx_mgpu import memplan
-from ltx_mgpu.memplan import GIB, FleetMemory, lora_figures, lora_parts, plan
 from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker, assign_owners, lora_units, tracked_tensors
+from ltx_mgpu.spec import memory_plan
+from ltx_mgpu.spec.memory_plan import GIB, FleetMemory, lora_figures, lora_parts, plan
 
 H200_GIB = 139.5  # what one H200 offers a rank (tests/test_memplan.py)
 WORKER_DEFAULTS = (4, 4 << 30, 256)  # worker settings lora_max_per_request, lora_max_file_bytes, lora_max_rank
@@ -27,7 +27,7 @@ WORKER_DEFAULTS = (4, 4 << 30, 256)  # worker settings lora_max_per_request, lor
 def _distilled(world: int = 1, loras: tuple[int, int, int] | None = WORKER_DEFAULTS, **kw: object) -> FleetMemory:
     fleet = FleetMemory("distilled", world, capacity_gib=H200_GIB, lora_tracker=loras is not None,
                         request_loras=1 if loras else 0, **kw)  # type: ignore[arg-type]  # fmt: skip
-    return fleet if loras is None else memplan.with_lora_limits(fleet, *loras)
+    return fleet if loras is None else memory_plan.with_lora_limits(fleet, *loras)
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -65,22 +65,22 @@ def test_request_loras_on_one_gpu_refuse_what_the_fleet_admits_without_them():
     assert bare.fits and not bare.decode_chunked and "lora_backup" not in bare.resident_gib[0]
     default = plan(_distilled(), 1536, 1024, 121)
     parts = default.resident_gib[0]
-    assert parts["lora_backup"] == pytest.approx(memplan.LTX2_19B.lora_weights_gib, abs=1e-3)
+    assert parts["lora_backup"] == pytest.approx(memory_plan.LTX2_19B.lora_weights_gib, abs=1e-3)
     assert parts["lora_job_factors"] == pytest.approx(16.0)
     assert default.fits and default.decode_chunked
     eight = plan(_distilled(loras=(8, 4 << 30, 256)), 1536, 1024, 121)
     assert not eight.fits and "1536x1024x121 needs" in (eight.refusal() or "")
     # a file limit below what the rank allows binds first; a small rank below the file limit binds instead
-    ranked = lora_parts(_distilled(loras=(1, 4 << 30, 32)), memplan.LTX2_19B)
-    assert ranked["lora_job_factors"] == pytest.approx(32 * memplan.LTX2_19B.lora_width_sum * 4 / GIB)
+    ranked = lora_parts(_distilled(loras=(1, 4 << 30, 32)), memory_plan.LTX2_19B)
+    assert ranked["lora_job_factors"] == pytest.approx(32 * memory_plan.LTX2_19B.lora_width_sum * 4 / GIB)
 
 
 def test_two_ranks_hold_half_the_clean_copy_but_a_request_lora_may_land_on_one():
-    one, two = lora_parts(_distilled(1), memplan.LTX2_19B), lora_parts(_distilled(2), memplan.LTX2_19B)
-    p = memplan.LTX2_19B
+    one, two = lora_parts(_distilled(1), memory_plan.LTX2_19B), lora_parts(_distilled(2), memory_plan.LTX2_19B)
+    p = memory_plan.LTX2_19B
     assert one["lora_backup"] == pytest.approx(p.lora_weights_gib)
     assert two["lora_backup"] == pytest.approx(p.lora_weights_gib / 2 + p.lora_unit_gib)
-    assert two["lora_staging"] == memplan.LORA_STAGING_GIB and "lora_staging" not in one
+    assert two["lora_staging"] == memory_plan.LORA_STAGING_GIB and "lora_staging" not in one
     assert two["lora_job_factors"] == one["lora_job_factors"]  # bounded per LoRA, not per rank
     eight = _distilled(2, loras=(8, 4 << 30, 256))
     assert plan(eight, 1536, 1024, 121).fits  # what one GPU refuses, two take
@@ -91,8 +91,8 @@ def test_two_ranks_hold_half_the_clean_copy_but_a_request_lora_may_land_on_one()
 
 
 def test_fp8_keeps_an_e4m3_clean_copy():
-    fp8 = lora_parts(_distilled(1, fp8_transformer=True), memplan.LTX2_19B)
-    assert fp8["lora_backup"] == pytest.approx(memplan.LTX2_19B.lora_weights_fp8_gib)
+    fp8 = lora_parts(_distilled(1, fp8_transformer=True), memory_plan.LTX2_19B)
+    assert fp8["lora_backup"] == pytest.approx(memory_plan.LTX2_19B.lora_weights_fp8_gib)
 
 
 def test_the_profiles_figures_are_the_configs_shapes():
@@ -102,7 +102,7 @@ def test_the_profiles_figures_are_the_configs_shapes():
     from ltx_mgpu.runners.ltx2.synthetic.plan import transformer_meta
     from ltx_mgpu.runners.ltx2.synthetic.profiles import profile
 
-    for name, prof in (("tiny", memplan.TINY), ("full", memplan.LTX2_19B)):
+    for name, prof in (("tiny", memory_plan.TINY), ("full", memory_plan.LTX2_19B)):
         meta = transformer_meta(profile(name))
         plain = lora_figures(lora_units(meta, float_bytes=2).values())
         fp8 = lora_figures(lora_units(convert_linears(copy.deepcopy(meta)), float_bytes=2).values())
@@ -128,7 +128,7 @@ def test_the_plan_equals_what_a_tracker_holds_on_the_tiny_model(tmp_path, fp8):
     path = _write_lora(tmp_path / "user.safetensors", model, rank)
     figures = lora_figures(lora_units(model).values())
     weights = "lora_weights_fp8_gib" if fp8 else "lora_weights_gib"
-    prof = replace(memplan.TINY, **{weights: figures["weights_gib"]}, lora_unit_gib=figures["unit_gib"],
+    prof = replace(memory_plan.TINY, **{weights: figures["weights_gib"]}, lora_unit_gib=figures["unit_gib"],
                    lora_width_sum=figures["width_sum"])  # fmt: skip
     fleet = _distilled(1, loras=(1, 1 << 30, rank), profile="tiny", fp8_transformer=fp8)
     predicted = {k: round(v * GIB) for k, v in lora_parts(fleet, prof).items()}
@@ -139,7 +139,7 @@ def test_the_plan_equals_what_a_tracker_holds_on_the_tiny_model(tmp_path, fp8):
     tracker.apply([LoraSpec(path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)])
     assert tracker.held_bytes()["factors"] == predicted["lora_job_factors"]
     if not fp8:
-        assert prof.lora_weights_gib == pytest.approx(memplan.TINY.lora_weights_gib, rel=1e-4)
+        assert prof.lora_weights_gib == pytest.approx(memory_plan.TINY.lora_weights_gib, rel=1e-4)
 
     sizes = {k: t.numel() * t.element_size() for k, t in tracked_tensors(model).items()}
     owners = assign_owners(sizes, 2)
@@ -156,7 +156,7 @@ def test_the_runners_and_the_worker_describe_their_loras(monkeypatch):
 
     assert not Ltx2DistilledRunner.memory_fleet(1).has_tracker
     request = Ltx2DistilledRunner.memory_fleet(1, request_loras=True)
-    assert request.has_tracker and request.request_loras == memplan.DEFAULT_REQUEST_LORAS
+    assert request.has_tracker and request.request_loras == memory_plan.DEFAULT_REQUEST_LORAS
     assert Ltx2DistilledRunner.memory_fleet(1, loras=[("/nowhere.safetensors", 1.0)]).has_tracker
     assert Ltx2TwoStageRunner.memory_fleet(1).has_tracker
     limits = RunnerLimits.of("ltx2-distilled", Ltx2DistilledRunner, {"request_loras": True}, world_size=1,

@@ -1,4 +1,4 @@
-"""One set of request rules (`ltx_mgpu.requestrules`) for the schema, the memory plan, `ltx-worker plan`, the
+"""One set of request rules (`ltx_mgpu.spec.request_rules`) for the schema, the memory plan, `ltx-worker plan`, the
 runners and the producer.
 
 Before: `ltx-worker plan` said "fits" for 3840x2176x121 (which the schema refused) and for 1000x500x10 (which
@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from rq import Queue
 from rq.worker import Worker
 
-from ltx_mgpu import memplan
-from ltx_mgpu.memplan import FleetMemory, plan
-from ltx_mgpu.requestrules import GENERIC, MAX_DURATION_S, PRESETS, RequestRuleError, RequestRules, ltx2_rules
 from ltx_mgpu.runners.ltx2 import spec
+from ltx_mgpu.spec import memory_plan
+from ltx_mgpu.spec.memory_plan import FleetMemory, plan
+from ltx_mgpu.spec.request_rules import GENERIC, MAX_DURATION_S, PRESETS, RequestRuleError, RequestRules, ltx2_rules
 from producer.exitcodes import ExitCode
 from worker.protocol.keys import worker_health_key
 from worker.protocol.limits import RuleViolation, RunnerLimits
@@ -62,9 +62,9 @@ def test_whatever_the_plan_calls_fitting_passes_the_schema_and_the_runner(kind, 
         _passes_everything(kind, size)
     else:
         assert p.refusal()
-    for suggestion in memplan.largest(fleet, *size).values():
+    for suggestion in memory_plan.largest(fleet, *size).values():
         if suggestion is not None:
-            found = memplan.parse_size(suggestion)
+            found = memory_plan.parse_size(suggestion)
             _passes_everything(kind, found)
             assert plan(fleet, *found).fits, suggestion
 
@@ -77,7 +77,7 @@ def test_the_sizes_of_the_issue_are_refused_or_admitted_alike_everywhere():
         ltx2_rules("two-stage").check(width=1000, height=500, num_frames=9)
     assert refused.value.field == "size"
     for preset in PRESETS:  # the schema takes every preset now (4K was refused), and so do both runners
-        _passes_everything("distilled", memplan.parse_size(preset))
+        _passes_everything("distilled", memory_plan.parse_size(preset))
     with pytest.raises(ValueError, match="pixels a frame"):
         RenderRequest(prompt="x", width=3840, height=3840, num_frames=9)  # past the largest frame (4K)
     assert GENERIC.size_problem(96, 96, 9) is None and ltx2_rules("distilled").size_problem(96, 96, 9)
@@ -192,13 +192,13 @@ def test_the_audio_is_in_the_plan_and_in_the_limits():
     """On the CPU stack, 64x64x257 at 1 fps held 4.86 GB of rank memory against 0.77 GB at 25 fps."""
     fleet = FleetMemory("distilled", 1)
     slow, fast = plan(fleet, 64, 64, 257, frame_rate=1.0), plan(fleet, 64, 64, 257, frame_rate=25.0)
-    prof = memplan.LTX2_19B
-    audio_decode = prof.audio_decode_bytes_per_s * (257 / 1.0 - 257 / 25.0) / memplan.GIB
+    prof = memory_plan.LTX2_19B
+    audio_decode = prof.audio_decode_bytes_per_s * (257 / 1.0 - 257 / 25.0) / memory_plan.GIB
     assert slow.stages[-1].allocated_gib - fast.stages[-1].allocated_gib == pytest.approx(audio_decode, abs=0.02)
     assert slow.peak.reserved_gib > fast.peak.reserved_gib + 3.0  # (16 MiB a second of clip, 247 s more)
     stage2 = {s.stage: s for s in slow.stages}["stage2"].allocated_gib - {s.stage: s for s in fast.stages}[
         "stage2"].allocated_gib  # fmt: skip
-    assert stage2 == pytest.approx(prof.audio_token_bytes * (6425 - 257) / memplan.GIB, abs=0.02)
+    assert stage2 == pytest.approx(prof.audio_token_bytes * (6425 - 257) / memory_plan.GIB, abs=0.02)
     # and the duration rule refuses it outright, at the edge and on the rank
     problems = dict(ltx2_rules("distilled").problems({"width": 64, "height": 64, "num_frames": 257, "frame_rate": 1}))
     assert f"over the {MAX_DURATION_S:g} s" in problems["frame_rate"]
@@ -213,18 +213,18 @@ def test_the_default_sp_budget_admits_every_size_the_rules_accept():
     for kind, passes in (("distilled", 1), ("two-stage", 4)):
         for world in (1, 2, 4, 8):
             fleet = FleetMemory(kind, world, passes=passes)
-            budget = memplan.sp_tokens(fleet)
-            assert budget == memplan.needed_tokens(fleet, 3840, 2176, 481)
+            budget = memory_plan.sp_tokens(fleet)
+            assert budget == memory_plan.needed_tokens(fleet, 3840, 2176, 481)
             for preset in (*PRESETS, "2176x3840x481"):
-                assert plan(fleet, *memplan.parse_size(preset)).token_problem is None, (kind, world, preset)
+                assert plan(fleet, *memory_plan.parse_size(preset)).token_problem is None, (kind, world, preset)
             parts = plan(fleet, 768, 512, 121).resident_gib[0]
             if world == 1:
                 assert "sp_buffers" not in parts  # one rank exchanges nothing
             else:  # a rank's share of the budget, counted in the plan
-                share = math.ceil(budget / world) * memplan.LTX2_19B.sp_buffer_bytes / memplan.GIB
+                share = math.ceil(budget / world) * memory_plan.LTX2_19B.sp_buffer_bytes / memory_plan.GIB
                 assert parts["sp_buffers"] == pytest.approx(share, abs=1e-3)
-    assert memplan.sp_tokens(FleetMemory("distilled", 1)) == 120 * 68 * 61  # 4K x 481 frames at stage 2
-    assert memplan.sp_tokens(FleetMemory("distilled", 1, sp_max_tokens=4096)) == 4096  # a setting wins
+    assert memory_plan.sp_tokens(FleetMemory("distilled", 1)) == 120 * 68 * 61  # 4K x 481 frames at stage 2
+    assert memory_plan.sp_tokens(FleetMemory("distilled", 1, sp_max_tokens=4096)) == 4096  # a setting wins
     assert plan(FleetMemory("distilled", 1, sp_max_tokens=32768), 1536, 1024, 241).token_problem
 
 
@@ -256,7 +256,7 @@ def test_ltx_worker_plan_tables_the_presets_without_importing_torch():
     for row in rows:
         for suggestion in (row["largest"] or {}).values() if not row["fits"] else ():
             if suggestion:
-                _passes_everything("two-stage", memplan.parse_size(suggestion))
+                _passes_everything("two-stage", memory_plan.parse_size(suggestion))
     odd = _plan_cli("--runner", "ltx2-two-stage", "--group", "0", "--size", "1000x500x10")
     assert (
         odd.stdout.splitlines()[-1] == "NO-TORCH 1"

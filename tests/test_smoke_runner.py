@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ltx_mgpu import JobCancelledError, MGPUController, SymmetricRunnerError
-from ltx_mgpu.runners.common.media import AudioTrack, probe_mp4, read_audio, read_mp4, write_mp4
+from ltx_mgpu.media.mp4 import AudioTrack, probe_mp4, read_audio, read_mp4, write_mp4
 from ltx_mgpu.runners.smoke import SmokeRunner, ensure_smoke_checkpoint
 
 START_TIMEOUT = 180
@@ -146,7 +146,7 @@ def test_media_frames_hands_off_yuv_and_audio_and_encodes_to_the_same_video(flee
     """`media="frames"` (the worker's path): no mux stage and no file; a `media` event carries
     yuv420p frames and the waveform through the controller's tensor path, and encoding them beside the fleet
     gives the very video the fleet's own mp4 path writes. The output event carries the device-busy clock."""
-    from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, write_mp4_yuv
+    from ltx_mgpu.media.mp4 import AudioTrack, EncodeOptions, write_mp4_yuv
 
     ctl = fleets[2]
     on_fleet = tmp_path / "fleet.mp4"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController, SymmetricRunnerError
-from ltx_mgpu.runners.common.media import probe_mp4, read_audio, read_mp4
+from ltx_mgpu.media.mp4 import probe_mp4, read_audio, read_mp4
 from ltx_mgpu.runners.smoke import SmokeRunner
 
 pytestmark = [
@@ -61,7 +61,7 @@ def test_smoke_render_on_one_gpu_world_1_and_2(tmp_path: Path, dtype: str) -> No
 def test_media_frames_hand_off_from_the_gpu_matches_the_fleets_own_mp4(tmp_path: Path) -> None:
     """`media="frames"` on CUDA: yuv420p made on the device and copied once into shared memory; encoded
     beside the fleet it is the video the fleet's own mp4 path writes (both lossless here)."""
-    from ltx_mgpu.runners.common.media import AudioTrack, EncodeOptions, write_mp4_yuv
+    from ltx_mgpu.media.mp4 import AudioTrack, EncodeOptions, write_mp4_yuv
 
     ctl = MGPUController(SmokeRunner, devices=[0])
     try:

@@ -327,7 +327,7 @@ def test_an_image_declaring_huge_dimensions_is_refused_before_decoding(worker):
 
 
 def test_an_image_format_that_cannot_be_sized_is_refused_and_the_fleet_stays_warm(worker):
-    """Regression: formats `worker.protocol.imagesize` cannot read (TIFF here) reached the runner's decoder
+    """Regression: formats `ltx_mgpu.spec.image_size` cannot read (TIFF here) reached the runner's decoder
     unchecked."""
     import base64
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ltx_mgpu.runners.common.media import EncodeOptions, read_mp4, to_yuv420p, write_mp4_yuv
+from ltx_mgpu.media.mp4 import EncodeOptions, read_mp4, to_yuv420p, write_mp4_yuv
 from tests.support.fleet import metric, running_worker
 from tests.support.runners import noise_frames
 from tests.support.wait import wait_for

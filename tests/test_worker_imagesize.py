@@ -1,4 +1,4 @@
-"""`worker.protocol.imagesize`: the declared size of real image files of every supported format (encoded with
+"""`ltx_mgpu.spec.image_size`: the declared size of real image files of every supported format (encoded with
 PyAV/FFmpeg), and the request check that uses it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from worker.protocol.imagesize import MAX_IMAGE_SIDE, image_size
+from ltx_mgpu.spec.image_size import MAX_IMAGE_SIDE, image_size
 from worker.protocol.schema import RenderRequest
 
 

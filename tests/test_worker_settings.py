@@ -36,8 +36,8 @@ def test_defaults_are_valid_and_settings_cli_supervisor_never_import_torch():
         "import sys; import worker.cli, worker.runtime.supervisor, worker.protocol.keys, worker.protocol.control; "
         "from worker.settings import load_settings; load_settings(); "
         "engine = {m for m in sys.modules if m.startswith('ltx_mgpu')} - {'ltx_mgpu', 'ltx_mgpu.control', "
-        "'ltx_mgpu.control.devices', 'ltx_mgpu.bounds', 'ltx_mgpu.imagesize', 'ltx_mgpu.requestrules',"
-        " 'ltx_mgpu.errors'}; "
+        "'ltx_mgpu.control.devices', 'ltx_mgpu.spec', 'ltx_mgpu.spec.bounds', 'ltx_mgpu.spec.image_size', "
+        "'ltx_mgpu.spec.request_rules', 'ltx_mgpu.errors'}; "
         "assert 'torch' not in sys.modules and not engine, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -168,10 +168,10 @@ def test_groups_and_labels():
 
 
 def test_resolve_runner_imports_by_path():
-    from worker.render.noop import NoopRunner
+    from ltx_mgpu.runners.noop import NoopRunner
 
     assert resolve_runner(WorkerSettings(runner="noop")) is NoopRunner
-    s = WorkerSettings(runners={"x": "worker.render.noop:Missing"}, runner="x")
+    s = WorkerSettings(runners={"x": "ltx_mgpu.runners.noop:Missing"}, runner="x")
     with pytest.raises(SettingsError, match="cannot import"):
         resolve_runner(s)
 

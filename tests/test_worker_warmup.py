@@ -112,7 +112,7 @@ def test_the_capacity_reported_after_setup_plans_the_warm_up_like_a_job(tmp_path
     already takes the chunked decode), and 1024x1024x121 is refused by the plan, dropped unsent."""
     from types import SimpleNamespace
 
-    from ltx_mgpu import memplan
+    from ltx_mgpu.spec import memory_plan
     from worker.protocol.limits import RunnerLimits
     from worker.render.fleet import WarmFleet
     from worker.render.service import RenderService
@@ -125,7 +125,7 @@ def test_the_capacity_reported_after_setup_plans_the_warm_up_like_a_job(tmp_path
                       warmup_dir=tmp_path)  # fmt: skip
     service = RenderService.__new__(RenderService)  # (only its planning: settings, limits, the fleet)
     service.settings, service.fleet, service.takes_memory_plan = SimpleNamespace(device_memory_gib=None), fleet, True
-    memory = memplan.FleetMemory("distilled", 1, profile="tiny", headroom_gib=0.5)
+    memory = memory_plan.FleetMemory("distilled", 1, profile="tiny", headroom_gib=0.5)
     service._limits = RunnerLimits("fault", {}, memory)
     fleet.warm.plans = service.warmup_plans
     assert service.limits.memory.capacity_gib is None  # nothing measured before the fleet started

@@ -4,7 +4,7 @@ Sizes: a workload's request is the one-stage default (768x512, 121 frames: LTX-2
 SGLang's sampling default) unless a run names another. The reference's two-stage and distilled CLIs default to
 1536x1024, and a ten-second video at 24 fps is 241 frames, so the `sizes-*` plans cover 768x512x121,
 1536x1024x121 and 1536x1024x241 for both runner families on one GPU and on two. A size a fleet cannot hold is
-refused by the worker's memory plan (`ltx_mgpu.memplan`) before any GPU work: the run records the refusal.
+refused by the worker's memory plan (`ltx_mgpu.spec.memory_plan`) before any GPU work: the run records the refusal.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def parse_size(text: str) -> tuple[int, int, int]:
 
 def sized(workload: Workload, size: str | None) -> Workload:
     """`workload` with its request at `size` ("WxHxF"; None: as it is). The setup is left as it is: the
-    runners' default SP budget (`memplan.sp_tokens`) takes every size their rules accept."""
+    runners' default SP budget (`memory_plan.sp_tokens`) takes every size their rules accept."""
     if size is None:
         return workload
     width, height, frames = parse_size(size)
@@ -43,16 +43,16 @@ def sized(workload: Workload, size: str | None) -> Workload:
 
 
 def refusal(workload: Workload, world_sizes: list[int]) -> str | None:
-    """What the memory plan (`ltx_mgpu.memplan`, without a capacity: only the token budget) refuses before any
+    """What the memory plan (`ltx_mgpu.spec.memory_plan`, without a capacity: only the token budget) refuses before any
     worker starts: a run the fleet would refuse costs no cold start."""
-    from ltx_mgpu import memplan
     from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
+    from ltx_mgpu.spec import memory_plan
 
     runner_cls = Ltx2DistilledRunner if workload.runner == "ltx2-distilled" else Ltx2TwoStageRunner
     r = workload.request
     for world in world_sizes:
         fleet = runner_cls.memory_fleet(world, **workload.setup)
-        if message := memplan.plan(fleet, r["width"], r["height"], r["num_frames"]).refusal():
+        if message := memory_plan.plan(fleet, r["width"], r["height"], r["num_frames"]).refusal():
             return message
     return None
 

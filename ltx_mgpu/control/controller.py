@@ -23,9 +23,10 @@ Contract (written once here; docs/controller.md links to it):
   rank sets before its first CUDA work (`determinism.py`: same kwargs, layout and software, same frames);
   `controller.deterministic` is the running fleet's resolved mode.
 
-Over 450 lines on purpose: the caller's whole side (start, dispatch, the monitor, result collection and
-error classification) works under one lock on one fleet handle; split, the one-job invariant would be
-kept across modules. The rank side is `fleet.py`, the wire types `transport.py`.
+The caller's whole side of a job (start, dispatch, the monitor, reading results) works here under one
+lock on one fleet handle, so the one-job invariant is kept in one place. Spawning, watching and killing the
+rank processes is `processes.py`, the job handle and how a job's end is classified `stream.py`, the rank
+side `fleet.py`, the wire types `transport.py`.
 """
 
 from __future__ import annotations
@@ -33,40 +34,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
-import os
-import shutil
-import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from ..oslimits import raise_open_files_limit
 from . import determinism
 from .devices import choose_backend, normalize_devices
-from .errors import (
-    AsymmetricRunnerError,
-    ControllerBusyError,
-    FleetFailure,
-    FleetTimeoutError,
-    JobCancelledError,
-    RunnerCancelled,
-    RunnerError,
-    SymmetricRunnerError,
-)
-from .fleet import FleetChannels, RankBoot, check_job_kwargs, rank_main, ship_runner
+from .errors import ControllerBusyError, FleetFailure, FleetTimeoutError
+from .fleet import check_job_kwargs
 from .jobboard import cancel_key
+from .processes import FleetProcesses, await_ready, exited_rank_failure, spawn_fleet
 from .runner import MGPURunner
-from .startup import FleetStartup, RankStartup
-from .transport import ChannelClosed, ChannelTimeout, Job, MessageKind, Result, Waker, receive_any, split_tensors
+from .startup import FleetStartup
+from .stream import Stream
+from .transport import ChannelClosed, ChannelTimeout, Job, Result, receive_any, split_tensors
 
-__all__ = ["MGPUController", "Stream"]
+__all__ = ["MGPUController"]
 
 log = logging.getLogger("ltx_mgpu.control.controller")
 
@@ -75,80 +65,6 @@ _MONITOR_POLL_S = 0.1
 # so a dispatch that finds no room in a pipe for this long means the fleet is wedged (it is poisoned).
 _DISPATCH_TIMEOUT_S = 60.0
 _DEAD_MESSAGE = "MGPUController is dead; create a new one."
-
-
-#: The longest path a Unix socket can have (Linux `sun_path`: 108 bytes with its NUL).
-_SUN_PATH_MAX = 107
-#: What goes below the system's temporary directory before a rank's fd-sharing socket: the scratch directory
-#: (`/ltxf-XXXXXXXX`), then multiprocessing's own (`/pymp-XXXXXXXX`) and its listener (`/listener-XXXXXXXX`).
-_SOCKET_TAIL = len("/ltxf-XXXXXXXX/pymp-XXXXXXXX/listener-XXXXXXXX")
-
-
-def _scratch_base() -> str | None:
-    """Where the fleet's scratch directory goes: the system's temporary directory, unless a rank's socket
-    path would not fit below it (a deep `TMPDIR`, as pytest's or a container's can be). A rank that yields
-    a tensor then failed with `OSError: AF_UNIX path too long` and took the fleet down. A short standard
-    folder is used instead; the controller removes the scratch directory at every teardown either way."""
-    if len(tempfile.gettempdir()) + _SOCKET_TAIL <= _SUN_PATH_MAX:
-        return None
-    for short in ("/tmp", "/dev/shm", "/var/tmp"):
-        if os.path.isdir(short) and os.access(short, os.W_OK | os.X_OK):
-            return short
-    return None  # (nothing shorter to offer: the failure names the cause)
-
-
-def _fit_callers_socket_dir() -> None:
-    """The caller's side of the same limit: tensor kwargs are shared with the driver rank through a socket
-    below multiprocessing's temporary directory of this process. Under a deep `TMPDIR` that directory is made
-    in a short folder instead, the way newer Pythons do it themselves (3.11's `multiprocessing.util` does not:
-    this reaches into its per-process config, and registers the same clean-up it would)."""
-    from multiprocessing import process, util
-
-    config = process.current_process()._config
-    base = _scratch_base()
-    if config.get("tempdir") is not None or base is None:
-        return
-    scratch = tempfile.mkdtemp(prefix="pymp-", dir=base)
-    util.Finalize(None, util._remove_temp_dir, args=(shutil.rmtree, scratch), exitpriority=-100)
-    config["tempdir"] = scratch
-
-
-class _Fleet:
-    """One generation of rank processes and their channels (replaced on every `start()`)."""
-
-    def __init__(self, procs: list[Any], channels: FleetChannels, store: dist.TCPStore, scratch_dir: str) -> None:
-        self.procs = procs
-        self.channels = channels
-        self.store = store
-        self.scratch_dir = scratch_dir  # the ranks' temporary files (rank_main points tempfile here)
-        self.waker = Waker()  # wakes the iterating thread when the fleet is poisoned
-
-    def terminate(self, grace_s: float = 3.0) -> None:
-        """SIGTERM, wait, SIGKILL, reap; then remove the ranks' scratch directory (a killed rank runs no exit
-        handlers, so its temporary files are only removed here). Idempotent, never raises."""
-        for p in self.procs:
-            with contextlib.suppress(Exception):
-                if p.is_alive():
-                    p.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            with contextlib.suppress(Exception):
-                p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            with contextlib.suppress(Exception):
-                if p.is_alive():
-                    p.kill()
-                p.join(5.0)
-        shutil.rmtree(self.scratch_dir, ignore_errors=True)
-
-    def close(self) -> None:
-        """Close every pipe (after `terminate()`); idempotent."""
-        for channel in self.channels.all():
-            channel.close()
-        self.waker.close()
-
-    def all_exited(self) -> bool:
-        return all(p.exitcode is not None for p in self.procs)
 
 
 class MGPUController:
@@ -192,7 +108,7 @@ class MGPUController:
         self._next_job_id = 0  # monotonic over the controller's life (desync detection)
         self._inflight: Stream | None = None
         self._fatal: FleetFailure | None = None  # one-way poison per fleet generation
-        self._fleet: _Fleet | None = None
+        self._fleet: FleetProcesses | None = None
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()  # set while shutdown() tears the fleet down
         self._finalizer: weakref.finalize | None = None
@@ -244,44 +160,12 @@ class MGPUController:
             self._stopping.clear()
             self.startup = None
             started_at = time.time()
-            store = dist.TCPStore(
-                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+            self._fleet = spawn_fleet(
+                self._ctx, self._runner_cls, devices, self.backend, timeout_s, setup_kwargs, self.deterministic
             )
-            channels = FleetChannels.create(self._ctx, devices)
-            scratch_dir = tempfile.mkdtemp(prefix="ltxf-", dir=_scratch_base())
-            _fit_callers_socket_dir()
-            payload = ship_runner(self._runner_cls)
-            procs: list[Any] = []
-            try:
-                for rank in range(self.world_size):
-                    boot = RankBoot(
-                        rank,
-                        self.world_size,
-                        devices,
-                        self.backend,
-                        store.port,
-                        timeout_s,
-                        payload,
-                        setup_kwargs,
-                        channels.for_rank(rank),
-                        scratch_dir,
-                        self.deterministic,
-                    )
-                    proc = self._ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
-                    procs.append(proc)  # (before start: a start interrupted half-way may have made the child)
-                    proc.start()
-            except BaseException:
-                # A signal (the worker's startup interrupt) or a failed spawn between two ranks: the ranks
-                # already running are in no `_Fleet` yet, so `shutdown()` cannot see them, and the caller's
-                # exit would wait for them (multiprocessing joins its children at exit). Kill them here.
-                half = _Fleet(procs, channels, store, scratch_dir)
-                half.terminate(0.0)
-                half.close()
-                raise
-            self._fleet = _Fleet(procs, channels, store, scratch_dir)
-            self._finalizer = weakref.finalize(self, _Fleet.terminate, self._fleet, 1.0)
+            self._finalizer = weakref.finalize(self, FleetProcesses.terminate, self._fleet, 1.0)
         try:
-            ranks = self._await_ready(self._fleet, timeout_s)
+            ranks = await_ready(self._fleet, self.world_size, timeout_s)
         except BaseException:
             self.shutdown(graceful_timeout=0)
             raise
@@ -299,28 +183,6 @@ class MGPUController:
         if count <= 0:
             raise ValueError(f"No GPUs available: num_gpus={self._num_gpus}.")
         return [f"cuda:{i}" for i in range(count)]
-
-    def _await_ready(self, fleet: _Fleet, timeout_s: float) -> list[RankStartup]:
-        """Wait for every rank's check-in, watching for crashes (exits) and wedges (the deadline)."""
-        deadline = time.monotonic() + timeout_s
-        seen: dict[int, RankStartup] = {}
-        while len(seen) < self.world_size:
-            failure = self._exited_rank_failure(fleet, during="startup")
-            if failure is not None:
-                raise failure
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(seen))
-                raise FleetTimeoutError(
-                    f"MGPU startup: {len(seen)}/{self.world_size} workers ready after {timeout_s:.0f}s; "
-                    f"ranks {missing} never checked in -- stuck in init_process_group / group creation / "
-                    "setup()? Check the worker logs.",
-                    reason="timeout",
-                )
-            got = receive_any(fleet.channels.up, 0.05)
-            if got is not None and got[1].kind is MessageKind.READY:
-                stamp: RankStartup = got[1].value
-                seen[stamp.rank] = stamp
-        return list(seen.values())
 
     def shutdown(self, *, graceful_timeout: float = 60.0) -> None:
         """Stop every rank: announce shutdown, wait up to `graceful_timeout` s, then SIGTERM/SIGKILL.
@@ -393,7 +255,7 @@ class MGPUController:
             raise
         return stream
 
-    def _dispatch(self, fleet: _Fleet, job: Job) -> None:
+    def _dispatch(self, fleet: FleetProcesses, job: Job) -> None:
         """Hand the job to the fleet: its top-level tensors to every CPU rank > 0 (see fleet.py), then the
         job to the driver rank. Bounded: a poisoned fleet or a pipe nobody empties raises instead of blocking."""
 
@@ -424,7 +286,7 @@ class MGPUController:
         with contextlib.suppress(Exception):
             stream._fleet.store.delete_key(cancel_key(stream.job_id))
 
-    def _poison(self, fleet: _Fleet, failure: FleetFailure, *, terminate: bool) -> None:
+    def _poison(self, fleet: FleetProcesses, failure: FleetFailure, *, terminate: bool) -> None:
         """Record the first fatal error, wake the iterating thread, optionally kill the ranks."""
         with self._lock:
             if fleet is not self._fleet:
@@ -448,14 +310,14 @@ class MGPUController:
 
     # ==== monitoring ================================================================================
 
-    def _monitor_loop(self, fleet: _Fleet) -> None:
+    def _monitor_loop(self, fleet: FleetProcesses) -> None:
         """Notice dead ranks and blown job deadlines without anyone iterating the stream."""
         sentinels = [p.sentinel for p in fleet.procs]
         while not self._stopping.is_set() and self._fatal is None:
             multiprocessing.connection.wait(sentinels, timeout=_MONITOR_POLL_S)
             if self._stopping.is_set():
                 return
-            failure = self._exited_rank_failure(fleet, during=None)
+            failure = exited_rank_failure(fleet, during=None)
             if failure is not None:
                 self._poison(fleet, failure, terminate=True)
                 return
@@ -473,34 +335,6 @@ class MGPUController:
                         terminate=True,
                     )
                     return
-
-    def _exited_rank_failure(self, fleet: _Fleet, *, during: str | None) -> FleetFailure | None:
-        exited = [(r, p) for r, p in enumerate(fleet.procs) if p.exitcode is not None]
-        if not exited:
-            return None
-        tracebacks: dict[int, str] = {}
-        # A crashing rank writes its traceback before exiting; collect what arrived (briefly).
-        drain_until = time.monotonic() + 0.5
-        while time.monotonic() < drain_until and not all(r in tracebacks for r, _ in exited):
-            got = receive_any([fleet.channels.failures[r] for r, _ in exited], 0.05)
-            if got is not None:
-                tracebacks[got[1].rank] = got[1].traceback
-            elif tracebacks or time.monotonic() > drain_until - 0.4:
-                break
-        where = f" during {during}" if during else ""
-        lines = [f"MGPU worker(s) failed{where}:"]
-        for rank, proc in exited:
-            lines.append(f"  rank {rank} (pid {proc.pid}) exit {proc.exitcode}:")
-            tb = tracebacks.get(rank)
-            lines.append(_indent(tb) if tb else "    (no traceback: the process died without reporting)")
-        rank0, proc0 = exited[0]
-        return FleetFailure(
-            "\n".join(lines),
-            reason="rank_failed" if tracebacks else "rank_exited",
-            rank=rank0,
-            pid=proc0.pid,
-            exitcode=proc0.exitcode,
-        )
 
     # ==== used by Stream ============================================================================
 
@@ -530,115 +364,3 @@ class MGPUController:
                 self._poison(fleet, failure, terminate=True)
                 raise self._fatal or failure
             return msg
-
-
-class Stream(Iterator[Any]):
-    """The handle of one dispatched job. Iterate it from the dispatching thread only.
-
-    Elements are the ranks' yields in arrival order. At the end: `StopIteration` carrying the per-rank
-    return values ordered by rank (`result = yield from stream`), or a classified error.
-    """
-
-    def __init__(
-        self,
-        controller: MGPUController,
-        fleet: _Fleet,
-        job_id: int,
-        thread_id: int,
-        deadline: float | None,
-        timeout: float | None,
-    ) -> None:
-        self.job_id = job_id
-        self._controller = controller
-        self._fleet = fleet
-        self._thread_id = thread_id
-        self._deadline = deadline
-        self._timeout = timeout
-        self._terminals: dict[int, BaseException | StopIteration] = {}
-        self._settle_deadline: float | None = None  # set by the first error terminal (`_split_failure`)
-        self._finished = False
-        self.result: list[Any] | None = None  #: per-rank return values once the job ended cleanly
-
-    def __iter__(self) -> Stream:
-        return self
-
-    def __next__(self) -> Any:
-        if threading.get_ident() != self._thread_id:
-            raise RuntimeError(
-                f"Stream for job {self.job_id} is single-threaded: dispatched on thread {self._thread_id}, "
-                f"iterated from thread {threading.get_ident()} -- a job belongs to its dispatching thread."
-            )
-        if self._finished:
-            raise StopIteration
-        world = self._controller.world_size
-        while True:
-            try:
-                msg = self._controller._next_result(self)
-            except FleetFailure:
-                self._finished = True
-                raise
-            if msg.kind is MessageKind.YIELD:
-                return msg.value
-            self._terminals[msg.rank] = StopIteration(msg.value) if msg.kind is MessageKind.DONE else msg.value
-            if msg.kind is not MessageKind.DONE and self._settle_deadline is None:
-                self._settle_deadline = time.monotonic() + self._controller._error_settle_s
-            if len(self._terminals) == world:
-                self._finished = True
-                self._controller._finish(self)
-                self._classify()
-
-    def _classify(self) -> NoReturn:
-        """Raise how the job ended: `StopIteration(result)` when no rank raised, else the classified error."""
-        terminals = [self._terminals[r] for r in range(len(self._terminals))]
-        errors = [t for t in terminals if isinstance(t, RunnerError)]
-        if not errors:
-            self.result = [t.value for t in terminals]  # type: ignore[union-attr]
-            raise StopIteration(self.result)
-        if len(errors) == len(terminals):
-            if all(isinstance(e, RunnerCancelled) for e in errors):
-                raise JobCancelledError(errors)
-            raise SymmetricRunnerError(errors)
-        log.error("asymmetric RunnerError across ranks: %r", terminals)
-        raise AsymmetricRunnerError(terminals)
-
-    def _split_failure(self) -> FleetFailure | None:
-        """(monitor) Some ranks ended the job with an error and the others have not ended it within the
-        settle time: they are blocked in a collective the raising ranks left, and only killing them
-        unblocks them. The fleet-level failure to poison with, or None."""
-        deadline = self._settle_deadline
-        if deadline is None or time.monotonic() <= deadline:
-            return None
-        terminals = dict(self._terminals)
-        raised = {r: t for r, t in terminals.items() if not isinstance(t, StopIteration)}
-        pending = [r for r in range(self._controller.world_size) if r not in terminals]
-        if not raised or not pending:
-            return None
-        first = next(iter(raised.values()))
-        return FleetFailure(
-            f"MGPU job {self.job_id}: rank(s) {sorted(raised)} ended it with an error ({first}) and rank(s) "
-            f"{pending} did not end it within {self._controller._error_settle_s:g}s (blocked in a collective "
-            "the others left); the fleet is poisoned",
-            reason="split",
-            rank=pending[0],
-        )
-
-    def drain(self) -> None:
-        """Consume to the end, discarding yields and recoverable errors; fatal errors propagate."""
-        with contextlib.suppress(SymmetricRunnerError, AsymmetricRunnerError):
-            for _ in self:
-                pass
-
-    def cancel(self) -> None:
-        """Ask the runner to stop at its next `raise_if_cancelled()` point. Any thread; idempotent."""
-        if self._finished:
-            return
-        with contextlib.suppress(Exception):
-            self._fleet.store.set(cancel_key(self.job_id), b"1")
-
-    @property
-    def done(self) -> bool:
-        return self._finished
-
-
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in text.rstrip().splitlines())

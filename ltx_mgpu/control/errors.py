@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from ..errors import LtxMgpuError
-from ..requestrules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
+from ..spec.request_rules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
 
 __all__ = [
     "AsymmetricRunnerError",
@@ -49,7 +49,7 @@ class RunnerError(LtxMgpuError):
 
 
 class RequestRefused(RunnerError):
-    """The runner's request rules refused the job's arguments (`ltx_mgpu.requestrules.RequestRuleError` on a
+    """The runner's request rules refused the job's arguments (`ltx_mgpu.spec.request_rules.RequestRuleError` on a
     rank): the request is wrong, not the runner (a service reports it as `invalid_request`); `field` names it."""
 
     def __init__(self, message: str, field: str = "(request)") -> None:

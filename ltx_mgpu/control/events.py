@@ -9,7 +9,7 @@ them into a Redis Stream unchanged.
 - `{"type": "output", "path": str, "frames": int, "fps": float, "width": int, "height": int,
    "bytes": int, "content_type": str}`: a finished file on the driver rank's filesystem.
 - `{"type": "media", "video": uint8 tensor, ...}`: with `media="frames"`, the frames to encode (not JSON:
-  the caller consumes it; `ltx_mgpu.runners.common.media.media_event`).
+  the caller consumes it; `ltx_mgpu.media.mp4.media_event`).
 - With `media="stream"` (`ltx_mgpu.runners.common.handoff.FrameStream`): `{"type": "media_open", "video":
   uint8 tensor, "frames": int, ...}` as the decode starts (the whole video's buffer, still empty), one
   `{"type": "media_frames", "ready": int, "at": float}` per decoded chunk (frames [0, ready) are final), then

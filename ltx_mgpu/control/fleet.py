@@ -1,5 +1,5 @@
 """The fleet: spawning one process per rank, the rank-side loops, and teardown. No job semantics here
-beyond running one generator per announced job; classification lives in `controller.py`.
+beyond running one generator per announced job; classification lives in `stream.py`.
 
 Rank lifecycle (every rank, SPMD):
   1. ignore SIGINT (Ctrl+C stops the controller, which stops its ranks), start a parent watchdog, keep NVLink

@@ -114,7 +114,7 @@ def tracked_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def lora_units(model: torch.nn.Module, *, float_bytes: int | None = None) -> dict[str, tuple[int, int, int]]:
-    """Weight name -> (out, in, bytes with its scale) of what `attach` backs up: `memplan.lora_figures`'
+    """Weight name -> (out, in, bytes with its scale) of what `attach` backs up: `memory_plan.lora_figures`'
     input, so the memory plan's LoRA figures come from the same selection as the tracker's allocations.
     `float_bytes`: count the non-float8 weights at this width (a meta model built in float32 standing for
     the bfloat16 one a runner loads); scales keep their own width."""

@@ -75,7 +75,7 @@ class FaultRunner(MGPURunner):
 
     @classmethod
     def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> Any:
-        from ltx_mgpu.memplan import FleetMemory
+        from ltx_mgpu.spec.memory_plan import FleetMemory
 
         profile = setup_kwargs.get("memory_profile")
         loras = bool(setup_kwargs.get("memory_request_loras"))  # a LoRA tracker, bound by the worker's LoRA limits
@@ -180,7 +180,7 @@ def noise_frames(frames: int, width: int, height: int, seed: int) -> torch.Tenso
 
 def _noise_media(frames: int, width: int, height: int, fps: float, seed: int) -> dict[str, Any]:
     """A `media` hand-off of `noise_frames` in yuv420p."""
-    from ltx_mgpu.runners.common.media import media_event, shared_host_copy, to_yuv420p
+    from ltx_mgpu.media.mp4 import media_event, shared_host_copy, to_yuv420p
 
     yuv = to_yuv420p(noise_frames(frames, width, height, seed))
     return media_event(shared_host_copy(yuv), width=width, height=height, fps=fps, audio=None)

@@ -8,13 +8,13 @@ failed in the worker with `runner_error`. Now the runner class states its limits
 snapshot in Redis (`limits`, next to `queues` and `runner`; it expires with the worker), and the producer
 checks a request against every live worker on the target queue: any of them may take the job.
 
-Memory (`memory`, a `ltx_mgpu.memplan.FleetMemory`): a runner that describes its memory
+Memory (`memory`, a `ltx_mgpu.spec.memory_plan.FleetMemory`): a runner that describes its memory
 (`memory_fleet(world_size, **setup_kwargs)`, the ltx2 runners) publishes its fleet's layout, profile and the
 memory each device offers (`LTX_DEVICE_MEMORY_GIB`, or measured after the warm-up on GPU fleets); a request
 its plan says cannot fit (or that is over the runner's SP token budget) is a violation of field `size`,
 naming the limit and the largest sizes that fit, at the edge and in the worker alike.
 
-Rules (`rules`, a `ltx_mgpu.requestrules.RequestRules`): what the runner accepts besides ranges (size
+Rules (`rules`, a `ltx_mgpu.spec.request_rules.RequestRules`): what the runner accepts besides ranges (size
 multiples and the largest frame, 8k+1 frames, the clip's duration, fields it refuses such as the distilled
 runner's negative prompt); the same object the runner checks on every rank, so a request it would refuse is
 refused at submit, in one line.
@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ltx_mgpu import memplan
-from ltx_mgpu.bounds import audio_latents
-from ltx_mgpu.requestrules import RequestRules
+from ltx_mgpu.spec import memory_plan
+from ltx_mgpu.spec.bounds import audio_latents
+from ltx_mgpu.spec.request_rules import RequestRules
 from worker.protocol.schema import RenderRequest
 
 __all__ = ["DERIVED", "LimitViolation", "MemoryViolation", "RuleViolation", "RunnerLimits"]
@@ -60,7 +60,7 @@ class LimitViolation:
 
 @dataclass(frozen=True)
 class MemoryViolation(LimitViolation):
-    """The request's size does not fit the fleet (`ltx_mgpu.memplan`): `text` says why and what fits."""
+    """The request's size does not fit the fleet (`ltx_mgpu.spec.memory_plan`): `text` says why and what fits."""
 
     text: str = ""
 
@@ -70,7 +70,7 @@ class MemoryViolation(LimitViolation):
 
 @dataclass(frozen=True)
 class RuleViolation(LimitViolation):
-    """A runner's request rule refuses the request (`ltx_mgpu.requestrules`): `text` says which and why."""
+    """A runner's request rule refuses the request (`ltx_mgpu.spec.request_rules`): `text` says which and why."""
 
     text: str = ""
 
@@ -78,15 +78,15 @@ class RuleViolation(LimitViolation):
         return self.text
 
 
-def memory_violation(memory: memplan.FleetMemory, request: RenderRequest, runner: str) -> MemoryViolation | None:
+def memory_violation(memory: memory_plan.FleetMemory, request: RenderRequest, runner: str) -> MemoryViolation | None:
     """The refusal of `request` by the memory plan of `memory` (None: it fits)."""
     w, h, f = int(request.width), int(request.height), int(request.num_frames)
     rate = float(request.frame_rate)
-    plan = memplan.plan(memory, w, h, f, frame_rate=rate)
+    plan = memory_plan.plan(memory, w, h, f, frame_rate=rate)
     refusal = plan.refusal()
     if refusal is None:
         return None
-    fits = memplan.largest(memory, w, h, f, frame_rate=rate)
+    fits = memory_plan.largest(memory, w, h, f, frame_rate=rate)
     sizes = [s for s in (fits["frames"], fits["area"]) if s]
     what = f"largest that fits: {' or '.join(sizes)}" if sizes else "no size near it fits"
     return MemoryViolation("size", plan.peak.reserved_gib, 0.0, plan.limit_gib or 0.0, runner,
@@ -100,7 +100,7 @@ class RunnerLimits:
 
     runner: str
     ranges: Mapping[str, tuple[float, float]]
-    memory: memplan.FleetMemory | None = None
+    memory: memory_plan.FleetMemory | None = None
     rules: RequestRules | None = None  #: None: the runner states none (the schema's structural rules only)
 
     def with_capacity(self, capacity_gib: float | None) -> RunnerLimits:
@@ -118,7 +118,7 @@ class RunnerLimits:
         *,
         world_size: int = 1,
         capacity_gib: float | None = None,
-        headroom_gib: float = memplan.DEFAULT_HEADROOM_GIB,
+        headroom_gib: float = memory_plan.DEFAULT_HEADROOM_GIB,
         lora_limits: tuple[int, int, int] | None = None,
     ) -> RunnerLimits:
         """Ask the runner class (no fleet needed). Fields it names must be numeric request fields.
@@ -140,7 +140,7 @@ class RunnerLimits:
             if memory is not None:
                 memory = replace(memory, capacity_gib=capacity_gib, headroom_gib=float(headroom_gib))
                 if lora_limits is not None:
-                    memory = memplan.with_lora_limits(memory, *lora_limits)
+                    memory = memory_plan.with_lora_limits(memory, *lora_limits)
         state = getattr(runner_cls, "request_rules", None)
         rules = state(**setup_kwargs) if state is not None else None
         if rules is not None and not isinstance(rules, RequestRules):
@@ -160,7 +160,7 @@ class RunnerLimits:
         """Read what a worker published; None if it is missing or malformed (an older worker)."""
         try:
             ranges = {str(k): (float(v[0]), float(v[1])) for k, v in data["ranges"].items()}
-            return cls(str(data["runner"]), ranges, memplan.FleetMemory.from_json(data.get("memory")),
+            return cls(str(data["runner"]), ranges, memory_plan.FleetMemory.from_json(data.get("memory")),
                        RequestRules.from_json(data.get("rules")))  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             return None

@@ -1,8 +1,8 @@
 """The render request: one validated pydantic model shared by the producer (edge) and the worker (job).
 
-Imports no torch, so the producer CLI stays light; of the engine only `ltx_mgpu.bounds` and
-`ltx_mgpu.requestrules` (stdlib only), where the numeric ranges and the size rules live that the runners check
-again on every rank. Limits here are structural (`requestrules.GENERIC`: what any LTX-2 runner accepts);
+Imports no torch, so the producer CLI stays light; of the engine only `ltx_mgpu.spec.bounds` and
+`ltx_mgpu.spec.request_rules` (stdlib only), where the numeric ranges and the size rules live that the runners check
+again on every rank. Limits here are structural (`request_rules.GENERIC`: what any LTX-2 runner accepts);
 per-runner rules (multiples of 64, fields a runner refuses, the clip's duration, steps, the memory plan) are
 published by each worker (`worker.protocol.limits`) and checked again in the runner, identically on every
 rank, so a request that slips past the edge still fails cleanly without hurting the fleet.
@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ltx_mgpu.bounds import FLOAT_FIELDS, RANGES
-from ltx_mgpu.requestrules import GENERIC
-from worker.protocol.imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
+from ltx_mgpu.spec.bounds import FLOAT_FIELDS, RANGES
+from ltx_mgpu.spec.image_size import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
+from ltx_mgpu.spec.request_rules import GENERIC
 from worker.protocol.lorarefs import MAX_LORAS, LoraRef, strength_problem
 
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
@@ -31,7 +31,7 @@ MAX_IMAGE_BYTES = 8 << 20  #: decoded size of one image file (the request travel
 
 
 def _bounds(name: str) -> dict[str, Any]:
-    """Field constraints from `ltx_mgpu.bounds` (the runners check the same ranges on every rank); floats
+    """Field constraints from `ltx_mgpu.spec.bounds` (the runners check the same ranges on every rank); floats
     must be finite (JSON files may say `NaN` or `Infinity`)."""
     low, high = RANGES[name]
     if name in FLOAT_FIELDS:
@@ -42,7 +42,7 @@ def _bounds(name: str) -> dict[str, Any]:
 class ConditioningImage(BaseModel):
     """An image the video is conditioned on, carried inline so the request never names a worker path.
 
-    `data` is a base64-encoded PNG, JPEG, WebP, GIF or BMP file (`worker.protocol.imagesize` reads its size from the
+    `data` is a base64-encoded PNG, JPEG, WebP, GIF or BMP file (`ltx_mgpu.spec.image_size` reads its size from the
     header; any other format is refused, since its size could not be checked before decoding); `frame` the
     video frame it pins (0, or a
     multiple of 8: one latent frame); `strength` how strongly (1.0 = keep the image exactly).
@@ -119,7 +119,7 @@ class RenderRequest(BaseModel):
 
     @model_validator(mode="after")
     def _size_rules(self) -> RenderRequest:
-        """What no runner renders (`requestrules.GENERIC`: e.g. more pixels a frame than 4K); each runner
+        """What no runner renders (`request_rules.GENERIC`: e.g. more pixels a frame than 4K); each runner
         publishes narrower rules (`worker.protocol.limits`)."""
         if (problem := GENERIC.size_problem(self.width, self.height, self.num_frames)) is not None:
             raise ValueError(

@@ -2,7 +2,7 @@
 
 Why: H100/H200 have no NVENC, and an encode on the fleet's driver rank held every GPU of the group for it
 (1.3 s of a 4.1 s distilled render at 768x512, 3.1 s at 1536x1024). The fleet now ends a job at its last
-device operation: it yields yuv420p frames and the waveform (`ltx_mgpu.runners.common.media.media_event`,
+device operation: it yields yuv420p frames and the waveform (`ltx_mgpu.media.mp4.media_event`,
 tensors in shared memory, no pickling) and the job function hands them here and returns; the worker's
 next dequeue follows at once while this stage encodes (parallel x264 runs on every core, `encode_*`
 settings), commits the mp4 to the spool and passes it to the upload pipeline.
@@ -19,7 +19,7 @@ Order for one job (RQ job id as the key):
 
 Streamed hand-off (`encode_stream`, `media="stream"`): the fleet yields the video's buffer as its decode
 starts and announces frames as they are final; the job function feeds them to `open_stream()`'s
-`Mp4Stream` (`ltx_mgpu.runners.common.mp4stream`), whose x264 runs start in the shared pool while the VAE
+`Mp4Stream` (`ltx_mgpu.media.mp4_stream`), whose x264 runs start in the shared pool while the VAE
 still decodes (behind the runs of videos queued before). The item reaches this stage as above; the encoder
 thread then only waits for the last runs and muxes them with the audio (the same file as the one-shot
 encode). The order and the crash rule are unchanged: nothing is spooled before the mp4, and a render that
@@ -119,7 +119,7 @@ class EncodeStage:
         item.claim = self.spool.claim(item.job_id)
 
     def options(self) -> Any:
-        from ltx_mgpu.runners.common.media import EncodeOptions
+        from ltx_mgpu.media.mp4 import EncodeOptions
 
         s = self.settings
         return EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, tune=s.encode_tune, bframes=s.encode_bframes,
@@ -127,7 +127,7 @@ class EncodeStage:
 
     def open_stream(self, event: dict[str, Any]) -> Any:
         """A streamed hand-off begins (`media_open`): its `Mp4Stream`, fed by the job function."""
-        from ltx_mgpu.runners.common.mp4stream import Mp4Stream
+        from ltx_mgpu.media.mp4_stream import Mp4Stream
 
         return Mp4Stream(event, self.options())
 
@@ -204,8 +204,8 @@ class EncodeStage:
                 self._publish()
 
     def _encode_and_commit(self, item: PendingEncode, *, hash_now: bool) -> SpoolEntry:
+        from ltx_mgpu.media.mp4 import AudioTrack, write_mp4_yuv
         from ltx_mgpu.runners.common.digest import MediaDigest
-        from ltx_mgpu.runners.common.media import AudioTrack, write_mp4_yuv
 
         media, stream = item.media, item.media.get("stream")
         _safe(item.relay.emit, {"type": "stage", "stage": "mux", "by": "worker"})

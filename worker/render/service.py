@@ -13,7 +13,7 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
    audio off instead of writing the file, and `worker.render.encoder.EncodeStage` encodes them beside the next job
    (the job function returns at `rendering`; the encoder commits and feeds the upload pipeline); with
    `encode_stream` (runners that list "stream" in `media_modes`) the frames arrive while the VAE decodes and
-   the encoder's x264 runs start on the first of them (`ltx_mgpu.runners.common.mp4stream`); a render that
+   the encoder's x264 runs start on the first of them (`ltx_mgpu.media.mp4_stream`); a render that
    fails after that aborts them (`_render`'s `finally`);
 4. commit the file to the spool (manifest written atomically), then either
    - (`upload_pipeline`, the default) hand it to the background `UploadPipeline` and return a small
@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from ltx_mgpu import memplan
+from ltx_mgpu.spec import memory_plan as memplan
 from worker.errors import WorkerError
 from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count

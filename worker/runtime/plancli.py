@@ -8,7 +8,7 @@ The runner comes from the worker's registry and its setup kwargs from the worker
 (`LTX_RUNNER_SETUP`, `--settings FILE`), so the plan is the one the worker would make; `--free-gib` stands in
 for the memory a GPU fleet measures after its warm-up (default `LTX_DEVICE_MEMORY_GIB`; neither: no limit,
 but the table assumes one H200, 139.5 GiB). With `--group` and `--size`: that plan in full; otherwise a table
-of each size (default: `requestrules.PRESETS`) on `--gpus` ranks: fits, or why not and the largest size
+of each size (default: `request_rules.PRESETS`) on `--gpus` ranks: fits, or why not and the largest size
 that fits (a size the runner's rules and the request schema accept).
 
 Arithmetic only: the ltx2 runners are described by `ltx_mgpu.runners.ltx2.spec` (no torch); another runner's
@@ -27,14 +27,14 @@ import click
 from worker.settings import SettingsError, WorkerSettings, load_settings, resolve_runner, validate_group
 
 if TYPE_CHECKING:  # (imported when the command runs: `ltx-worker` itself stays free of the engine)
-    from ltx_mgpu import memplan
+    from ltx_mgpu.spec import memory_plan
 
 __all__ = ["command", "fleet_memory", "render_table", "render_text"]
 
 H200_GIB = 139.5  #: what one H200 offers a rank after its CUDA context: the table's default
 
 
-def render_text(plan: memplan.MemoryPlan, runner: str, group: str, largest: dict[str, str | None] | None) -> str:
+def render_text(plan: memory_plan.MemoryPlan, runner: str, group: str, largest: dict[str, str | None] | None) -> str:
     """The plan as an operator reads it: resident parts per rank, releases, decode tiling, stage peaks."""
     f = plan.fleet
     w, h, n = plan.size
@@ -76,12 +76,12 @@ def _fail(message: str) -> None:
 
 
 def fleet_memory(settings: WorkerSettings, world_size: int, capacity_gib: float | None,
-                 headroom_gib: float) -> memplan.FleetMemory:  # fmt: skip
+                 headroom_gib: float) -> memory_plan.FleetMemory:  # fmt: skip
     """The fleet the worker with `settings` would plan for on `world_size` ranks: the ltx2 runners from their
     torch-free description (`ltx_mgpu.runners.ltx2.spec`), any other runner from its class (imported).
     `SettingsError` when the runner describes no memory."""
-    from ltx_mgpu import memplan
     from ltx_mgpu.runners.ltx2 import spec
+    from ltx_mgpu.spec import memory_plan
 
     kind = spec.describe(settings.runner_registry[settings.runner])
     if kind is not None:
@@ -91,8 +91,8 @@ def fleet_memory(settings: WorkerSettings, world_size: int, capacity_gib: float 
         if describe is None:
             raise SettingsError(f"runner {settings.runner!r} describes no memory (only the ltx2 runners do)")
         fleet = describe(world_size, **settings.runner_setup)
-    fleet = memplan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib, "headroom_gib": headroom_gib})
-    return memplan.with_lora_limits(fleet, *settings.lora_limits())
+    fleet = memory_plan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib, "headroom_gib": headroom_gib})
+    return memory_plan.with_lora_limits(fleet, *settings.lora_limits())
 
 
 def render_table(rows: list[dict[str, Any]], runner: str, capacity: float | None, headroom: float) -> str:
@@ -129,14 +129,14 @@ def command(runner: str, group: str | None, sizes: tuple[str, ...], gpus: str, f
             free_gib: float | None, headroom_gib: float | None, low_memory: bool, settings_file: str | None,
             as_json: bool) -> None:  # fmt: skip
     """Print the memory plan of one request on a fleet layout, or a table of sizes on 1-8 GPUs (no GPU needed)."""
-    from ltx_mgpu import memplan
     from ltx_mgpu.control.devices import parse_device_group
-    from ltx_mgpu.requestrules import PRESETS
+    from ltx_mgpu.spec import memory_plan
+    from ltx_mgpu.spec.request_rules import PRESETS
 
-    rate = memplan.DEFAULT_FRAME_RATE if frame_rate is None else float(frame_rate)
+    rate = memory_plan.DEFAULT_FRAME_RATE if frame_rate is None else float(frame_rate)
     try:
         settings = load_settings(settings_file, runner=runner)
-        parsed = [memplan.parse_size(s) for s in (sizes or PRESETS)]
+        parsed = [memory_plan.parse_size(s) for s in (sizes or PRESETS)]
         worlds = [len(parse_device_group(validate_group(group)))] if group else [int(g) for g in gpus.split(",")]
         if not 0 < rate <= 1000 or any(not 1 <= w <= 4096 for w in worlds):
             raise ValueError("--frame-rate must be in (0, 1000] and --gpus counts in [1, 4096]")
@@ -149,8 +149,8 @@ def command(runner: str, group: str | None, sizes: tuple[str, ...], gpus: str, f
         _fail(str(exc))
     if group and len(parsed) == 1:
         fleet = fleets[worlds[0]]
-        plan = memplan.plan(fleet, *parsed[0], low_memory=low_memory, frame_rate=rate)
-        largest = None if plan.fits else memplan.largest(fleet, *parsed[0], frame_rate=rate)
+        plan = memory_plan.plan(fleet, *parsed[0], low_memory=low_memory, frame_rate=rate)
+        largest = None if plan.fits else memory_plan.largest(fleet, *parsed[0], frame_rate=rate)
         if as_json:
             out: dict[str, Any] = {"runner": runner, "group": group, **plan.to_json(), "largest": largest}
             click.echo(json.dumps(out, sort_keys=True))
@@ -160,10 +160,11 @@ def command(runner: str, group: str | None, sizes: tuple[str, ...], gpus: str, f
     rows = []
     for size in parsed:
         for world, fleet in fleets.items():
-            p = memplan.plan(fleet, *size, low_memory=low_memory, frame_rate=rate)
+            p = memory_plan.plan(fleet, *size, low_memory=low_memory, frame_rate=rate)
+            largest = None if p.fits else memory_plan.largest(fleet, *size, frame_rate=rate)
             rows.append({"size": "x".join(map(str, size)), "gpus": world, "fits": p.fits, "low_memory": p.low_memory,
                          "peak_gib": p.peak.reserved_gib, "stage": p.peak.stage, "reason": p.refusal(),
-                         "largest": None if p.fits else memplan.largest(fleet, *size, frame_rate=rate)})  # fmt: skip
+                         "largest": largest})  # fmt: skip
     if as_json:
         click.echo("\n".join(json.dumps({"runner": runner, **row}, sort_keys=True) for row in rows))
     else:

@@ -23,7 +23,7 @@ __all__ = ["BUILTIN_RUNNERS", "FleetFields", "group_label", "resolve_runner", "v
 #: Runners every worker knows. Import paths, so nothing is imported until a fleet is built.
 BUILTIN_RUNNERS: dict[str, str] = {
     "smoke": "ltx_mgpu.runners.smoke:SmokeRunner",
-    "noop": "worker.render.noop:NoopRunner",
+    "noop": "ltx_mgpu.runners.noop:NoopRunner",
     "ltx2-distilled": "ltx_mgpu.runners.ltx2.runners:Ltx2DistilledRunner",
     "ltx2-two-stage": "ltx_mgpu.runners.ltx2.runners:Ltx2TwoStageRunner",
 }
@@ -65,8 +65,8 @@ class FleetFields(BaseModel):
         "(compilation, allocator growth, caches for these sizes); their time is the warm-up of cold start",
     )
     device_memory_gib: float | None = Field(
-        None, gt=0, description="GiB each device offers the fleet's memory plan (ltx_mgpu.memplan); unset: measured "
-        "after the warm-up on GPU fleets, no limit on CPU fleets"
+        None, gt=0, description="GiB each device offers the fleet's memory plan (ltx_mgpu.spec.memory_plan); unset: "
+        "measured after the warm-up on GPU fleets, no limit on CPU fleets"
     )  # fmt: skip
     memory_headroom_gib: float = Field(
         4.0, ge=0, description="GiB the memory plan keeps free on every device beyond its predicted peak"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ...bounds import RANGES, check_numbers
+from ...spec.bounds import RANGES, check_numbers
 
 __all__ = ["MEDIA_MODES", "RenderArgs", "job_entry", "job_signature"]
 
@@ -45,12 +45,12 @@ class RenderArgs:
     enhance_prompt: bool = False
     audio: bool = True  #: decode and mux the audio track; False = a silent mp4 and no audio decode
     #: "mp4": the driver writes the mp4 at output_path; "frames": it yields a `media` event (yuv420p frames
-    #: and the waveform, `common.media.media_event`) instead and writes nothing, so the caller encodes them
+    #: and the waveform, `ltx_mgpu.media.mp4.media_event`) instead and writes nothing, so the caller encodes them
     #: while the fleet takes its next job (not a request field: the worker sets it); "stream": the same hand-off
     #: while the VAE decodes (`common.handoff.FrameStream`: the encoder starts on the first decoded frames)
     media: str = "mp4"
     loras: list | None = None  #: [{"path", "strength"}]: request LoRAs the worker resolved and checked
-    #: the worker's memory plan for this job (`ltx_mgpu.memplan.MemoryPlan.job_kwargs`: `decode_chunked`,
+    #: the worker's memory plan for this job (`ltx_mgpu.spec.memory_plan.MemoryPlan.job_kwargs`: `decode_chunked`,
     #: `release_between_stages`); not a request field. None: the runner's setup decides (the fast plan)
     memory_plan: dict | None = None
 
@@ -64,7 +64,7 @@ class RenderArgs:
             raise ValueError(f"memory_plan must be an object, got {type(self.memory_plan).__name__}")
         if self.media not in MEDIA_MODES:
             raise ValueError(f"media must be one of {', '.join(map(repr, MEDIA_MODES))}, got {self.media!r}")
-        # Every number inside the service's ranges (`ltx_mgpu.bounds`): finite, of its type, bounded.
+        # Every number inside the service's ranges (`ltx_mgpu.spec.bounds`): finite, of its type, bounded.
         check_numbers(**{name: getattr(self, name) for name in RANGES if hasattr(self, name)})
 
     @property

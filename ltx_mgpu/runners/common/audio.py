@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from ...media.mp4 import AudioTrack
 from .loading import build_checked, file_builder
-from .media import AudioTrack
 from .weights import TensorSpec, module_specs
 
 __all__ = [

@@ -15,8 +15,8 @@ decoded chunk of final frames is converted, copied into its place (the copy sync
 event) and announced (`media_frames`: frames [0, ready) are final and never written again); the audio
 follows in the closing `media` event (`streamed: True`, no `video`). A runner whose decode is one piece
 (no temporal chunks) announces every frame at once, before the audio decode. The caller's side is
-`mp4stream.Mp4Stream`. Whatever ends the render early (an error, a cancellation, out of memory), the
-buffer is unlocked (`FrameStream.release`, in a `finally`) and freed with its last reference.
+`ltx_mgpu.media.mp4_stream.Mp4Stream`. Whatever ends the render early (an error, a cancellation, out of
+memory), the buffer is unlocked (`FrameStream.release`, in a `finally`) and freed with its last reference.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from ...control.events import MEDIA, MEDIA_FRAMES, MEDIA_OPEN, Stage, stage_event
-from .args import RenderArgs
-from .media import (
+from ...media.mp4 import (
     AudioTrack,
     EncodeOptions,
     media_event,
@@ -39,6 +38,7 @@ from .media import (
     to_yuv420p,
     write_mp4,
 )
+from .args import RenderArgs
 from .stages import StageClock
 
 __all__ = ["FrameStream", "deliver_video", "stream_video"]

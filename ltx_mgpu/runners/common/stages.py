@@ -17,7 +17,7 @@ CPU-only `mux`) and the wall-clock window from the start of its first stage to t
 stage, so a service can measure fleet idle from the last device work of one job to the first of the next
 instead of from event gaps (which hid a whole mp4 encode per video). On CUDA it also gives
 `device_memory_bytes`: what the driver's device offers this rank (free + this allocator's reservation), the
-capacity the worker's memory plan (`ltx_mgpu.memplan`) checks requests against after its warm-up. Under
+capacity the worker's memory plan (`ltx_mgpu.spec.memory_plan`) checks requests against after its warm-up. Under
 deterministic algorithms (`ltx_mgpu.control.determinism`) it is the device's total memory instead: free
 memory differs from one fleet build to the next, and the plan's choice of a chunked decode (other frames)
 must depend only on the request and the GPU model; the plan's headroom covers the CUDA context.

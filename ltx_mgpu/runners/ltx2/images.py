@@ -2,7 +2,7 @@
 
 Images arrive in the job kwargs as base64-encoded PNG, JPEG, WebP, GIF or BMP files, so a request is
 self-contained and never names a path on the worker. The request check (`worker.protocol.schema`, at the producer and
-in the worker) and this decoder read the same container parser (`ltx_mgpu.imagesize`): other formats, sizes
+in the worker) and this decoder read the same container parser (`ltx_mgpu.spec.image_size`): other formats, sizes
 over 4096 pixels per side and containers whose parts disagree are refused before FFmpeg opens the file (it
 decodes while it probes); the codec FFmpeg detects must be one of the five, and the decoded picture must be
 the size the container declared. Decoding runs on every rank from
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...imagesize import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
+from ...spec.image_size import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
 
 __all__ = ["DecodedImage", "decode_image", "parse_images", "to_model_input"]
 
@@ -40,7 +40,7 @@ class DecodedImage:
 
 def decode_image(data: bytes) -> torch.Tensor:
     """uint8 (H, W, 3) RGB pixels of the first picture in `data`; `ValueError` if it is not an image, if its
-    container declares more than the budget or contradicts itself (`ltx_mgpu.imagesize`, read before FFmpeg
+    container declares more than the budget or contradicts itself (`ltx_mgpu.spec.image_size`, read before FFmpeg
     sees a byte: FFmpeg decodes while it probes), or if the decoded picture is not the size declared."""
     import av
 

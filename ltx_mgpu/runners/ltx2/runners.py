@@ -1,7 +1,8 @@
 """The two LTX-2 runners under the import path the worker's runner registry names
 (`ltx_mgpu.runners.ltx2.runners:Ltx2DistilledRunner`, `...:Ltx2TwoStageRunner`).
 
-The runners themselves: `base.py` (shared stages), `distilled.py`, `two_stage.py`; see docs/runners.md.
+The runners themselves: `base.py` (shared stages; `resident.py`: setup), `distilled.py`, `two_stage.py`; see
+docs/runners.md.
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...memplan import DEFAULT_REQUEST_LORAS, FleetMemory, sp_tokens
-from ...requestrules import RequestRules, ltx2_rules
+from ...spec.memory_plan import DEFAULT_REQUEST_LORAS, FleetMemory, sp_tokens
+from ...spec.request_rules import RequestRules, ltx2_rules
 
 __all__ = ["RUNNER_KINDS", "SETUP_DEFAULTS", "describe", "memory_fleet", "request_limits", "request_rules"]
 
-#: The registry import paths of the ltx2 runners and their kind (`memplan.FleetMemory.runner`).
+#: The registry import paths of the ltx2 runners and their kind (`memory_plan.FleetMemory.runner`).
 RUNNER_KINDS = {
     "ltx_mgpu.runners.ltx2.runners:Ltx2DistilledRunner": "distilled",
     "ltx_mgpu.runners.ltx2.distilled:Ltx2DistilledRunner": "distilled",
@@ -52,7 +52,7 @@ def passes(kind: str, setup_kwargs: Mapping[str, Any]) -> int:
 
 
 def request_rules(kind: str, setup_kwargs: Mapping[str, Any]) -> RequestRules:
-    """The request rules of this runner with this setup (`requestrules.ltx2_rules`)."""
+    """The request rules of this runner with this setup (`request_rules.ltx2_rules`)."""
     return ltx2_rules(kind, {"max_steps": int(_setup("max_steps", setup_kwargs))})
 
 

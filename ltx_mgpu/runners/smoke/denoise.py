@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...bounds import AUDIO_LATENTS_PER_SECOND, audio_latents
+from ...spec.bounds import AUDIO_LATENTS_PER_SECOND, audio_latents
 
 __all__ = [
     "AUDIO_LATENTS_PER_SECOND",

@@ -49,15 +49,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...bounds import check_audio_budget
 from ...control.events import Stage, output_event, progress_event, stage_event
 from ...control.runner import MGPURunner
+from ...media.mp4 import AudioTrack, EncodeOptions, audio_fields
 from ...parallel import check_token_budget, padded_token_count
+from ...spec.bounds import check_audio_budget
 from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.handoff import deliver_video
 from ..common.loading import build_checked, build_sp_transformer
-from ..common.media import AudioTrack, EncodeOptions, audio_fields
 from ..common.stages import StageClock, check_finite, ltx2_sigmas
 from .checkpoint import ensure_smoke_checkpoint
 from .denoise import SmokeGeometry, audio_latent, decode_frames, denoise_step, initial_states, prompt_embedding

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ltx_mgpu import MGPURunner
-from ltx_mgpu.control.events import Stage, output_event, progress_event, stage_event
+from ..control.events import Stage, output_event, progress_event, stage_event
+from ..control.runner import MGPURunner
 
 __all__ = ["NoopRunner"]
 

@@ -14,7 +14,7 @@ The fast path: RGB becomes yuv420p with torch ops on the device that decoded it
 (`rgb_to_yuv420p`: BT.601 limited range, 2x2 chroma averaging: what swscale's default rgb24 -> yuv420p did
 for untagged input, and the stream is tagged BT.601 so players do not guess BT.709 for HD sizes), so half
 the bytes cross to the host and no swscale runs; x264 then encodes runs of frames in parallel on every
-core, joined by the muxer (`EncodeOptions`, `x264segments`), by default with `tune=fastdecode` and no
+core, joined by the muxer (`EncodeOptions`, `x264_segments`), by default with `tune=fastdecode` and no
 B-frames: 3.4x less CPU than `veryfast` alone on noise at the same PSNR, for +16% bytes there and +52% on
 a smooth clip (docs/performance.md, "The mp4 encode"). `media_event` hands the converted frames and the
 audio off to whoever encodes them (the worker, beside the next job); `write_mp4` keeps the runner-side path
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...control.events import MEDIA
+from ..control.events import MEDIA
 
 __all__ = [
     "MEDIA",
@@ -78,7 +78,7 @@ class EncodeOptions:
     """H.264 settings: `crf` (quality, 0 = lossless), `preset` (x264 speed/size trade-off), `tune` (an x264
     tune or ""), `threads` (cores the encode may use; 0 = every core this process may run on, `usable_cores()`: 16
     on the GPU hosts, 2 in CI) and `segments`: the video is cut into that many runs of frames, each encoded
-    by its own x264 in a thread (`x264segments`) on `threads // segments` frame threads, the packets joined
+    by its own x264 in a thread (`x264_segments`) on `threads // segments` frame threads, the packets joined
     by the muxer. 0 (the default) = as many runs as threads, each at least `_MIN_SEGMENT_FRAMES` long; 1 =
     one x264 with frame threads on every core."""
 
@@ -302,7 +302,7 @@ def write_mp4_yuv(
     """Encode yuv420p frames (F, H * 3 // 2, W) uint8 on the CPU (`rgb_to_yuv420p`) as H.264 with x264
     frame threads, plus `audio` as AAC stereo, into `path` (written under a temporary name, then renamed);
     return the file size in bytes. `stream`: the runs of these frames already started as they arrived
-    (`mp4stream.segment_stream`, the same runs this call would start)."""
+    (`mp4_stream.segment_stream`, the same runs this call would start)."""
     import av
 
     options = options or EncodeOptions()
@@ -339,9 +339,9 @@ def write_mp4_yuv(
 
 def _mux_segments(container: Any, video: Any, frames: np.ndarray, options: EncodeOptions, segments: int,
                   rate: Fraction, stream: Any = None) -> None:  # fmt: skip
-    """Parallel x264 runs (`x264segments`) muxed in order as each finishes; every run's SPS/PPS must be the
+    """Parallel x264 runs (`x264_segments`) muxed in order as each finishes; every run's SPS/PPS must be the
     header's byte for byte (a decoder uses the header's for every frame), else the file is not written."""
-    from .x264segments import encode_segments
+    from .x264_segments import encode_segments
 
     container.start_encoding()  # opens the stream's encoder: its extradata is what the header carries
     header = bytes(video.codec_context.extradata or b"")
@@ -357,7 +357,7 @@ def _mux_segments(container: Any, video: Any, frames: np.ndarray, options: Encod
 
 
 def segment_settings(options: EncodeOptions, segments: int) -> dict[str, Any]:
-    """What each x264 run of a `segments`-run encode gets (`x264segments`)."""
+    """What each x264 run of a `segments`-run encode gets (`x264_segments`)."""
     return {"options": _x264_options(options), "threads": options.threads_per_segment(segments)}
 
 

@@ -44,7 +44,7 @@ AUDIO_LATENTS_PER_SECOND = 25  #: LTX-2's audio latent rate (16 kHz, hop 160, x4
 #: Inclusive ranges of the numeric request fields (and of a conditioning image's `frame` and `strength`).
 RANGES: dict[str, tuple[float, float]] = {
     "seed": (0, 2**32 - 1),
-    "width": (32, 3840),  # 4K (3840x2176): the largest preset (`requestrules.PRESETS`); the plan decides the rest
+    "width": (32, 3840),  # 4K (3840x2176): the largest preset (`request_rules.PRESETS`); the plan decides the rest
     "height": (32, 3840),
     "num_frames": (1, 481),  # 20 s at 24 fps
     "frame_rate": (MIN_FRAME_RATE, MAX_FRAME_RATE),

@@ -3,7 +3,7 @@ the fleet still decodes.
 
 `Mp4Stream(open_event, options)` takes the `media_open` event (the whole video's yuv420p buffer in shared
 memory, still filling) and cuts the video into the runs `write_mp4_yuv` would cut (same count, same bounds:
-`EncodeOptions.segment_count`, `x264segments.segment_bounds`); `advance(media_frames event)` starts every run
+`EncodeOptions.segment_count`, `x264_segments.segment_bounds`); `advance(media_frames event)` starts every run
 whose frames are all final; `finish(closing media event)` returns the `media` dict the encoder writes
 (`write_mp4_yuv(..., stream=...)` muxes the runs already encoding, then the audio). Same runs on the same
 frames with the same settings: the packets, and the file, are those of the one-shot encode (x264 is
@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .media import EncodeOptions, frame_rate_fraction, segment_settings
-from .x264segments import SegmentStream
+from .mp4 import EncodeOptions, frame_rate_fraction, segment_settings
+from .x264_segments import SegmentStream
 
 __all__ = ["Mp4Stream"]
 

@@ -23,7 +23,7 @@ declares (an animation of many frames is refused before its first is decoded). T
 decoded picture is the size declared here.
 
 Every walk is bounded by the file's length (each step advances), the files by `MAX_IMAGE_BYTES` upstream.
-Stdlib only: the producer imports it (through `worker.protocol.schema`), as it does `ltx_mgpu.bounds`.
+Stdlib only: the producer imports it (through `worker.protocol.schema`), as it does `ltx_mgpu.spec.bounds`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What a runner accepts in a request, in one place: the request schema (`worker/protocol/schema.py`), the
-memory plan's size search (`ltx_mgpu.memplan.largest`), `ltx-worker plan`, the runners' own checks on every
+memory plan's size search (`ltx_mgpu.spec.memory_plan.largest`), `ltx-worker plan`, the runners' own checks on every
 rank and the producer (`submit`, `--dry-run`, from the rules each worker publishes: `worker.protocol.limits`)
 all read a `RequestRules`, so none of them admits a request another refuses.
 
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ltx_mgpu.bounds import RANGES
 from ltx_mgpu.errors import LtxMgpuError
+from ltx_mgpu.spec.bounds import RANGES
 
 __all__ = [
     "GENERIC",

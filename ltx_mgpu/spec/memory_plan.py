@@ -8,7 +8,7 @@ the worst rank, and whether the request fits. `largest()` finds the largest size
 refusal's message). A request that does not fit is refused by the worker (and by `producer submit`, from the
 limits the worker publishes: `FleetMemory.to_json`) as a request error before it reaches the fleet.
 
-Stdlib only, like `ltx_mgpu.bounds`: the producer imports it (held by tests/test_import_contracts.py).
+Stdlib only, like `ltx_mgpu.spec.bounds`: the producer imports it (held by tests/test_import_contracts.py).
 
 The model (every figure in GiB = 2**30 bytes; which numbers are calibrated and which derived: docs/memory.md):
 - resident: the transformer and the video decoder on every rank (SP keeps the whole model on each); the
@@ -26,7 +26,7 @@ The model (every figure in GiB = 2**30 bytes; which numbers are calibrated and w
   and decodes the audio: `audio_decode_bytes_per_s` per second of clip).
 - CUDA graphs: each captured forward keeps its private pool (`graph_pool_bytes` per token-row) to the end of
   the job, so stage 1's pool is held through stage 2 and the decode, and stage 2's through the decode.
-- sizes: `ltx_mgpu.requestrules` (the runner's rules) decides which sizes exist at all; a size they refuse
+- sizes: `ltx_mgpu.spec.request_rules` (the runner's rules) decides which sizes exist at all; a size they refuse
   never fits, and `largest()` suggests only sizes they accept.
 - the allocator caches above its peak (`cache_fraction`): the predicted reservation is what must fit.
 The decode is the peak at the sizes people ask for; when the plain decode (one spatial tile per rank, the
@@ -47,9 +47,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ltx_mgpu.bounds import audio_latents
-from ltx_mgpu.memprofile import LTX2_19B, PROFILES, TINY, ModelProfile
-from ltx_mgpu.requestrules import RequestRules, ltx2_rules
+from ltx_mgpu.spec.bounds import audio_latents
+from ltx_mgpu.spec.memory_profile import LTX2_19B, PROFILES, TINY, ModelProfile
+from ltx_mgpu.spec.request_rules import RequestRules, ltx2_rules
 
 __all__ = [
     "DEFAULT_FRAME_RATE",
@@ -68,7 +68,7 @@ __all__ = [
     "sp_tokens",
     "with_lora_limits",
 ]
-_ = (LTX2_19B, TINY)  # (re-exported: `memplan.LTX2_19B`, `memplan.TINY`)
+_ = (LTX2_19B, TINY)  # (re-exported: `memory_plan.LTX2_19B`, `memory_plan.TINY`)
 
 GIB = float(1 << 30)
 DEFAULT_FRAME_RATE = 24.0  #: the request schema's default
@@ -157,7 +157,7 @@ class FleetMemory:
 
     @property
     def rules(self) -> RequestRules:
-        """The size rules of this fleet's runner (`ltx_mgpu.requestrules`)."""
+        """The size rules of this fleet's runner (`ltx_mgpu.spec.request_rules`)."""
         return ltx2_rules(self.runner)
 
     @property
@@ -200,7 +200,7 @@ class MemoryPlan:
     decode_tiles: int  #: spatial tiles, one per rank
     stages: tuple[StagePeak, ...]
     token_problem: str | None = None  #: the SP token budget refuses this size (memory aside)
-    rule_problem: str | None = None  #: the runner's size rules refuse this size (`requestrules`)
+    rule_problem: str | None = None  #: the runner's size rules refuse this size (`request_rules`)
     frame_rate: float = DEFAULT_FRAME_RATE
     notes: tuple[str, ...] = field(default=())
 

@@ -1,4 +1,4 @@
-"""The model profiles of the memory plan (`ltx_mgpu.memplan`): what each component of a checkpoint weighs and
+"""The model profiles of the memory plan (`ltx_mgpu.spec.memory_plan`): what each component of a checkpoint weighs and
 what its activations cost per unit of work. Which figures are calibrated on the GPU and which derived:
 docs/memory.md ("The model").
 
