@@ -185,7 +185,7 @@ class Rule:
 
 
 CONTROL_PLANE = tuple(f"ltx_mgpu.control.{m}" for m in (
-    "controller stream processes fleet runner transport jobboard devices errors events startup").split())
+    "controller stream processes fleet runner transport jobboard devices errors events startup").split())  # fmt: skip
 
 #: Every module of the request specs (`ltx_mgpu/spec/`), and the exact names the producer and they may import
 SPEC = tuple(modules_under(ROOT, "ltx_mgpu/spec"))
