@@ -19,6 +19,7 @@ import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -30,7 +31,7 @@ from worker.dev.devservers import find_weed
 from worker.dev.s3gateway import S3Gateway, make_secrets
 from worker.settings import WorkerSettings
 from worker.uploads.spool import Spool
-from worker.uploads.storage import S3Storage
+from worker.uploads.storage import S3Storage, new_render_id
 from worker.uploads.uploader import Uploader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,27 +155,69 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
     assert http_exc.value.code == 403
 
 
-def test_producer_fetch_works_with_the_read_only_key(gateway: S3Gateway, redis_client, redis_url, tmp_path: Path):
+def _fetch_as_producer(gateway: S3Gateway, redis_client: Any, redis_url: str, result: dict[str, Any],
+                       out: Path) -> tuple[str, Any]:  # fmt: skip
+    """A job hash (queue `gw-fetch`) whose result records `result`, fetched by `producer fetch`'s client with
+    the read-only key: (the job id, what `fetch` returned)."""
     from producer.client import ProducerClient
     from producer.settings import load_settings
 
-    key, data = "gw/fetch-job/t1/video.mp4", os.urandom(100_000)
-    writer = gateway.client(*gateway.worker_keys)
-    sha = hashlib.sha256(data).hexdigest()
-    writer.put_object(Bucket=gateway.bucket, Key=key, Body=data, Metadata={"sha256": sha})
     queue = "gw-fetch"
     job = Queue(queue, connection=redis_client, serializer=JSONSerializer).create_job(
-        "worker.job.render", args=({"prompt": "t"},),
-        meta={"state": "uploaded", "result": {"bucket": gateway.bucket, "key": key, "sha256": sha, "size": len(data)}},
-    )  # fmt: skip
+        "worker.job.render", args=({"prompt": "t"},), meta={"state": "uploaded", "result": result}
+    )
     job.save()
     fields = {k.removeprefix("LTX_").lower(): v for k, v in gateway.producer_env().items()}
     settings = load_settings(redis_url=redis_url, queues=queue, operator=True, **fields)
     assert settings.has_s3_credentials
     assert settings.s3_access_key_id.get_secret_value() == gateway.producer_keys[0]
     with ProducerClient(settings) as client:
-        got = client.fetch(job.id, tmp_path / "video.mp4")
+        return job.id, client.fetch(job.id, out)
+
+
+def test_producer_fetch_works_with_the_read_only_key(gateway: S3Gateway, redis_client, redis_url, tmp_path: Path):
+    key, data = "gw/fetch-job/t1/video.mp4", os.urandom(100_000)
+    writer = gateway.client(*gateway.worker_keys)
+    sha = hashlib.sha256(data).hexdigest()
+    writer.put_object(Bucket=gateway.bucket, Key=key, Body=data, Metadata={"sha256": sha})
+    result = {"bucket": gateway.bucket, "key": key, "sha256": sha, "size": len(data)}
+    _, got = _fetch_as_producer(gateway, redis_client, redis_url, result, tmp_path / "video.mp4")
     assert got.sha256 == sha and (tmp_path / "video.mp4").read_bytes() == data
+
+
+def test_the_read_key_cannot_confirm_a_job_id_and_fetch_still_works(
+    gateway: S3Gateway, redis_client: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """Regression: keys were `<prefix><job id>/<render id>/<file>`, and every tenant reads
+    with the one producer key, so `HEAD <prefix><job id>/` answered 200 for another tenant's job. The worker's
+    own key builder (`S3Storage.key_for`) and uploader make the object; the key recorded in the job is all a
+    client needs."""
+    storage = S3Storage(WorkerSettings(**_worker_fields(gateway), s3_prefix="gw/"))
+    spool = Spool(tmp_path / "spool")
+    data = os.urandom(50_000)
+    job_id = f"tenant-{os.urandom(4).hex()}"
+    spool.prepare(job_id, "video.mp4").write_bytes(data)
+    key = storage.key_for(job_id, new_render_id(), "video.mp4")
+    entry = spool.commit(job_id, file_name="video.mp4", key=key, content_type="video/mp4")
+    stored = Uploader(storage, spool, attempts=1, backoff_s=0.1, backoff_max_s=0.1).upload(entry)
+    reader = gateway.client(*gateway.producer_keys)
+
+    def head(k: str) -> str:
+        try:
+            reader.head_object(Bucket=gateway.bucket, Key=k)
+        except ClientError as exc:
+            return str(exc.response["Error"]["Code"])
+        return "200"
+
+    # folder HEADs do confirm folders on this server (the folder the object is really under answers 200) ...
+    assert head(key.rsplit("/", 1)[0] + "/") == "200"
+    # ... but no key built from the job id names anything: not the old layout's folder, nor the object there
+    assert head(f"gw/{job_id}/") == "404"
+    assert head(f"gw/{job_id}") == "404"
+    assert job_id not in key.split("/")[1] and len(key.split("/")[1]) >= 16  # the first folder: the render id
+    result = {"bucket": gateway.bucket, "key": stored.key, "sha256": stored.sha256, "size": stored.size}
+    _, got = _fetch_as_producer(gateway, redis_client, redis_url, result, tmp_path / "video.mp4")
+    assert got.sha256 == stored.sha256 and (tmp_path / "video.mp4").read_bytes() == data
 
 
 # ==== what a start leaves on disk, and how fast it stops ===============================================
