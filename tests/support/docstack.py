@@ -306,7 +306,8 @@ class DocStack:
 
     def bucket_error(self) -> str | None:
         for line in self.text("worker.log").splitlines():
-            if "bucket" in line.lower() and ("cannot start" in line or ("Bucket" in line and "rror" in line)):
+            low = line.lower()
+            if "bucket" in low and any(word in low for word in ("cannot", "error", "bucketalready")):
                 return line.strip()[:300]
         return None
 
@@ -358,7 +359,7 @@ class DocStack:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m tests.support.docstack WORK`: one fresh start in WORK (made; deleted after), one JSON line."""
+    """`python -m tests.support.docstack WORK`: one fresh start in WORK (made), stopped; one JSON line."""
     work = Path(argv[0])
     stack = DocStack(work)
     try:
