@@ -44,6 +44,9 @@ def test_the_docs_shell_blocks_run_as_written_on_a_live_cpu_stack(request: pytes
             outputs[where] = out.stdout
     finally:
         stack.stop()
+    from worker.ops.procs import pid_alive
+
+    assert not [n for n in ("worker", "s3", "redis") if pid_alive(stack.pid(n) or 0)], "a server outlived the stack"
     _check_what_the_blocks_did(work, blocks, outputs)
     assert not any((work / "tmp").iterdir()), sorted(p.name for p in (work / "tmp").iterdir())  # weed's, the key's
 
