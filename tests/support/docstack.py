@@ -338,10 +338,17 @@ class DocStack:
         return self.text(name)[-chars:]
 
     def stop(self) -> None:
-        """The worker first (SIGTERM: it stops its fleets), then weed and Redis; the whole session is killed
-        after that, so nothing the recipe started outlives the stack."""
+        """The worker first (SIGTERM: it stops its fleets), then weed (SIGKILL after 3 s, as operations.md
+        says) and Redis; each is waited for, then the whole session is killed, so nothing the recipe
+        started outlives the stack. weed's sockets are s3-start.sh's watcher's to delete (within a second)."""
         from worker.dev.devservers import remove_weed_sockets
         from worker.ops.procs import pid_alive
+
+        def gone(pid: int, seconds: float) -> bool:
+            deadline = time.monotonic() + seconds
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return not pid_alive(pid)
 
         for name, grace in (("worker", 60.0), ("s3", 3.0), ("redis", 10.0)):
             pid = self.pid(name)
@@ -349,9 +356,11 @@ class DocStack:
                 continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            if not gone(pid, grace):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                gone(pid, 10.0)
+        time.sleep(1.5)  # (the watcher polls weed every second)
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
