@@ -19,8 +19,9 @@
 # more than once while it starts (a named pipe does not do), so a watcher beside weed deletes it as soon
 # as the S3 API answers /healthz (the identities are loaded by then), and the whole directory if it is a
 # temporary one; if weed exits first, the watcher deletes them then. It needs wget or curl (the SeaweedFS
-# image has wget); without either the file stays, with a warning. tests/test_s3_gateway.py checks that
-# nothing is left and that the identities and the gRPC lock still hold.
+# image has wget); without either the file stays, with a warning. When weed ends, however it ends, the
+# watcher deletes the sockets and /tmp logs weed leaves. tests/test_s3_gateway.py checks that nothing is
+# left, that no ERROR is logged, and that the identities and the gRPC lock still hold.
 set -eu
 secrets=${LTX_S3_SECRETS:-/run/secrets}
 bucket=${LTX_S3_BUCKET:-videos}
@@ -60,7 +61,11 @@ printf '{"identities": [
     "$(read_key s3_producer_access_key)" "$(read_key s3_producer_secret_key)" "$bucket" \
     > "$conf/identities.json"
 
-printf '[grpc]\nca = "%s"\n\n[grpc.s3]\ncert = "%s"\nkey = "%s"\n' \
+# The filer's signing key: a fresh random one per start (JWTs it signs live seconds; nothing stored needs
+# it again). Without one, weed logs an ERROR at every start (its STS service has no key) and leaves the
+# filer's IAM gRPC service unauthenticated.
+filer_key=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+printf '[jwt.filer_signing]\nkey = "%s"\n\n[grpc]\nca = "%s"\n\n[grpc.s3]\ncert = "%s"\nkey = "%s"\n' "$filer_key" \
     "$secrets/s3_grpc_ca" "$secrets/s3_grpc_cert" "$secrets/s3_grpc_key" > "$conf/security.toml"
 
 # Where the S3 API answers: -s3.port (default 8333) on -s3.ip.bind (every interface: loopback).
@@ -79,20 +84,55 @@ elif command -v curl > /dev/null 2>&1; then
     probe="curl -fsS -m 2 -o /dev/null"
 else
     probe=
-    echo "s3-start: neither wget nor curl: $conf/identities.json (the S3 keys) stays until you delete it" >&2
+    echo "s3-start: neither wget nor curl: $conf/identities.json (the S3 keys) stays while weed runs" >&2
 fi
-if [ -n "$probe" ]; then
-    weed_pid=$$  # (after `exec`, this shell's pid is weed's)
-    # Started through a subshell that exits at once, so the watcher is not weed's child: weed never reaps
-    # children it did not start, and a watcher that ended stayed <defunct> beside it for weed's lifetime.
-    ( (
+# The ports weed's services listen on (flag, else default; gRPC: flag, else port + 10000): a weed that is
+# killed leaves /tmp/seaweedfs-<service>[-grpc]-<port>.sock for them (only a graceful stop, 25 s of weed's
+# timers, removes them).
+weed_ports=
+for spec in master:9333 volume:8080 filer:8888 s3:8333; do
+    service=${spec%%:*}
+    p=${spec#*:}
+    g=
+    for arg in "$@"; do
+        case "$arg" in
+            "-$service.port="*) p=${arg#*=} ;;
+            "-$service.port.grpc="*) g=${arg#*=} ;;
+        esac
+    done
+    case "$p$g" in *[!0-9]*) continue ;; esac
+    weed_ports="$weed_ports $p ${g:-$((p + 10000))}"
+done
+weed_pid=$$  # (after `exec`, this shell's pid is weed's)
+# The watcher: deletes the identities once the S3 API answers, then waits for weed to end and deletes what
+# weed leaves outside its folders: the sockets of its ports and, when no -dir gave its logs a folder, its
+# log files in $TMPDIR (weed.<host>.<user>.log.<level>.<time>.<its pid>, and the weed.<LEVEL> links to them).
+# Started through a subshell that exits at once, so the watcher is not weed's child: weed never reaps
+# children it did not start, and a watcher that ended stayed <defunct> beside it for weed's lifetime.
+( (
+    if [ -n "$probe" ]; then
         while kill -0 "$weed_pid" 2> /dev/null && ! $probe "http://$host:$port/healthz" 2> /dev/null; do
             sleep 0.2
         done
         rm -f "$conf/identities.json"
         if [ -n "$own_conf" ]; then rm -rf "$conf"; fi
-    ) < /dev/null > /dev/null 2>&1 & )
-fi
+    fi
+    while kill -0 "$weed_pid" 2> /dev/null; do sleep 1; done
+    if [ -z "$probe" ]; then
+        rm -f "$conf/identities.json"
+        if [ -n "$own_conf" ]; then rm -rf "$conf"; fi
+    fi
+    for p in $weed_ports; do
+        for sock in /tmp/seaweedfs-*-"$p".sock; do
+            if [ -S "$sock" ]; then rm -f "$sock"; fi
+        done
+    done
+    tmp=${TMPDIR:-/tmp}
+    rm -f "$tmp"/weed.*.log.*."$weed_pid"
+    for level in INFO WARNING ERROR FATAL; do
+        if [ -L "$tmp/weed.$level" ] && [ ! -e "$tmp/weed.$level" ]; then rm -f "$tmp/weed.$level"; fi
+    done
+) < /dev/null > /dev/null 2>&1 & )
 
 # weed's own log files go to <-dir>/logs (by default they pile up in /tmp as weed.<host>.<user>.log.*).
 logdir=

@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from ltx_mgpu.ports import free_port
+from tests.support.docstack import shell_blocks
 from tests.support.wait import wait_for
 from tests.support.workers import ROOT
 from tests.test_docs_sync import DOCS, section
@@ -120,50 +121,8 @@ def test_every_documented_redis_dir_is_made_first() -> None:
                 assert f"mkdir -p {match.group(1)}" in before, f"docs/{page}: --dir {match.group(1)} is never made"
 
 
-# ==== every shell block of README.md and docs/*.md: run here, or skipped with the reason ==================
-
-#: (page, the start of the block's first line) -> why no CPU test runs it. A new block must be run by
-#: a test or listed here; a listed block that is gone fails too (the list stays the docs' own).
-NOT_RUN = {
-    ("README.md", "bash scripts/demo.sh"): "sets up a virtualenv (minutes); test_producer_demo.py runs ltx-demo",
-    ("README.md", "bash scripts/test.sh"): "the whole test suite",
-    ("README.md", "cp examples/.env.example .env"): "Docker Compose (test_compose.py checks the file)",
-    ("README.md", "ltx-worker --group 0,1,2,3"): "GPUs 0-7",
-    ("docs/kernels.md", ".venv/bin/pip install"): "builds the CUDA kernels (CUDA toolkit)",
-    ("docs/kernels.md", "python3 -m pip install"): "a GPU machine's wheel install",
-    ("docs/operations.md", "# Redis: AOF on"): "GPUs 0-7, system paths; its S3 part runs in test_s3_gateway.py",
-    ("docs/producer.md", "export LTX_REDIS_URL="): "a live stack; test_producer_service.py runs these commands",
-    ("docs/producer.md", "producer backfill examples/"): "a live stack; test_producer_service.py runs backfill",
-    ("docs/producer.md", "cp examples/.env.example .env"): "Docker Compose",
-    ("docs/security.md", "# the limits a worker enforces"): "a live worker's metrics, an admin's ACL LOG (line 1 runs)",
-}
-#: pages whose every shell block is a GPU benchmark or a GPU session (not listed one by one)
-GPU_PAGES = {"docs/performance.md": "GPU benchmarks and sessions (H200), or CPU benches that take minutes"}
-#: blocks run in this file (`recipes()`)
-RUN_HERE = ("# one password file per user", "openssl rand -hex 24 > /etc/ltx/redis-secrets/carol",
-            "mkdir -p /etc/ltx/redis-tls")  # fmt: skip
-
-
-def shell_blocks() -> list[tuple[str, str]]:
-    """(page, block) for every ```bash/sh/shell block of README.md and docs/*.md."""
-    out = []
-    for path in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
-        page = str(path.relative_to(ROOT))
-        out += [(page, b) for b in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", path.read_text(), re.S)]
-    return out
-
-
-def test_every_shell_block_of_the_docs_is_run_or_skipped_with_a_reason() -> None:
-    seen: set[tuple[str, str]] = set()
-    for page, block in shell_blocks():
-        first = block.strip().splitlines()[0]
-        if page in GPU_PAGES or (page == "docs/operations.md" and any(first.startswith(r) for r in RUN_HERE)):
-            continue
-        keys = [key for key in NOT_RUN if key[0] == page and first.startswith(key[1])]
-        assert keys, f"{page}: a shell block no test runs and NOT_RUN does not list: {first!r}"
-        seen.update(keys)
-    assert set(NOT_RUN) <= seen, f"NOT_RUN lists blocks the docs no longer have: {set(NOT_RUN) - seen}"
-
+# ==== what every shell block of README.md and docs/*.md names ============================================
+# (which block runs where: tests/support/docstack.py; tests/test_docs_sync.py checks the lists)
 
 _REPO_PATH = r"(?<![\w/.$-])((?:examples|scripts|bench|\.?/?kernels)/[\w./-]+|[\w-]+\.jsonl?)\b"
 
@@ -172,10 +131,9 @@ def test_every_file_a_shell_block_names_exists() -> None:
     """Regression: README's and producer.md's `producer backfill prompts.jsonl` named a file that is at
     examples/prompts.jsonl. Every repository file a block reads (examples/, scripts/, bench/) must exist."""
     missing = []
-    for page, block in shell_blocks():
-        for word in re.findall(
-            r"(?<![\w/.$-])((?:examples|scripts|bench|\.?/?kernels)/[\w./-]+|[\w-]+\.jsonl?)\b", block
-        ):
+    for block in shell_blocks():
+        page = block.page
+        for word in re.findall(_REPO_PATH, block.script):
             if word.endswith(".manifest.jsonl") or word == "sp_scaling.jsonl":
                 continue  # (files the command writes)
             if not (ROOT / word).exists() and not any(ROOT.glob(word)):
@@ -205,8 +163,8 @@ def test_every_bench_module_the_docs_run_exists() -> None:
 
 def test_the_settings_line_of_security_md_runs_as_written(tmp_path: Path) -> None:
     """The first command of security.md's checklist block needs no live service: run it, as written."""
-    ((_, block),) = [(p, b) for p, b in shell_blocks() if b.startswith("# the limits a worker enforces")]
-    line = next(x for x in block.splitlines() if x.startswith("ltx-worker settings"))
+    (block,) = [b for b in shell_blocks() if b.first.startswith("# the limits a worker enforces")]
+    line = next(x for x in block.script.splitlines() if x.startswith("ltx-worker settings"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LTX_")}
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}", PYTHONPATH=str(ROOT))
     out = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, env=env, capture_output=True,

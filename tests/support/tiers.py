@@ -41,7 +41,7 @@ PROCESS_MODULES = frozenset({
     "test_smoke_runner", "test_sp_parallel", "test_sp_scaling_bench", "test_synthetic", "test_tdp",
     "test_text_encoder", "test_vae_decode", "test_worker_units", "test_bench_attention",
     "test_bench_e2e", "test_bench_loras", "test_fp8_runners", "test_fp8_lora_kernel", "test_cancel_points",
-    "test_audio", "test_kernels_host", "test_memplan", "test_lora_tracker", "test_layout", "test_fp8",
+    "test_audio", "test_kernels_host", "test_doc_stack", "test_memplan", "test_lora_tracker", "test_layout", "test_fp8",
 })  # fmt: skip
 
 

@@ -5,15 +5,17 @@ both backends share them. Every put is idempotent: the key is fixed when the ren
 spool and recorded in its manifest (every attempt, and a re-upload after a restart, writes the same object),
 and an object that already holds the same sha256 is not uploaded again.
 
-Object keys are `<prefix><job id>/<render id>/<file>`, the render id a random token the worker draws when it
+Object keys are `<prefix><render id>/<job id>/<file>`, the render id a random token the worker draws when it
 commits a render (`new_render_id`). Why not per job id alone: a job id reused after the first job expired
-overwrote the first submission's video. Why not an id from Redis (a token kept in the job's meta, or RQ's
-`created_at`): whoever enqueues writes the job hash, so a hostile client could copy another submission's
-value there and steer its render onto that submission's object. The render id never leaves the worker
-before the object exists (it is in the local spool manifest, then in the result), so no client can choose
-it. A re-render (the spool copy lost with its host) gets a new key: its bytes differ anyway. A put is
-*confirmed* only after the stored object has been read back (size and sha256 metadata match); the spool
-deletes its copy only after that.
+overwrote the first submission's video. Why the render id first: every tenant reads with the same S3 key, and
+a `HEAD <prefix><job id>/` answered 200 for any job that had a video, confirming another tenant's job id;
+under an unguessable first folder, no key a client can build from a job id names anything. Why not an id from
+Redis (a token kept in the job's meta, or RQ's `created_at`): whoever enqueues writes the job hash, so a
+hostile client could copy another submission's value there and steer its render onto that submission's object.
+The render id never leaves the worker before the object exists (it is in the local spool manifest, then in the
+result), so no client can choose it. A re-render (the spool copy lost with its host) gets a new key: its bytes
+differ anyway. A put is *confirmed* only after the stored object has been read back (size and sha256 metadata
+match); the spool deletes its copy only after that.
 
 S3 notes (measured against SeaweedFS, MinIO and AWS behaviour):
 - multipart above `upload_multipart_threshold`, parts of `upload_multipart_chunksize`, threads per file;
@@ -83,7 +85,7 @@ def new_render_id() -> str:
 
 
 def _key(prefix: str, job_id: str, render_id: str, file_name: str) -> str:
-    return f"{prefix}{job_id}/{render_id}/{file_name}"
+    return f"{prefix}{render_id}/{job_id}/{file_name}"
 
 
 class Storage(Protocol):
