@@ -116,7 +116,7 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     state, and a reader in between got RQ's placeholder from when the render returned (KeyError 'bucket')."""
     from types import SimpleNamespace
 
-    from worker.render import pipeline as pipeline_module
+    from worker.stages import upload as pipeline_module
 
     order: list[str] = []
     monkeypatch.setattr(pipeline_module.rqcompat, "record_success_after_return",
@@ -138,7 +138,7 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
     from types import SimpleNamespace
 
     from worker.protocol import rqcompat
-    from worker.render import pipeline as pipeline_module
+    from worker.stages import upload as pipeline_module
 
     job = Queue(unique_name, connection=redis_client, serializer=JSONSerializer).enqueue("worker.job.render", {})
     real, calls = rqcompat.record_success_after_return, []

@@ -10,7 +10,7 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
    after an upload failure uploads instead of rendering again);
    With `encode_in_worker` (the default, for runners that take `media`) the fleet hands yuv420p frames and
-   audio off instead of writing the file, and `worker.render.encoder.EncodeStage` encodes them beside the next job
+   audio off instead of writing the file, and `worker.stages.encode.EncodeStage` encodes them beside the next job
    (the job function returns at `rendering`; the encoder commits and feeds the upload pipeline); with
    `encode_stream` (runners that list "stream" in `media_modes`) the frames arrive while the VAE decodes and
    the encoder's x264 runs start on the first of them (`ltx_mgpu.runners.common.mp4stream`); a render that
@@ -56,12 +56,12 @@ from worker.protocol.limits import RunnerLimits
 from worker.protocol.relay import EventRelay
 from worker.protocol.schema import RenderRequest
 from worker.protocol.states import RUNNING_STATES, FailureReason, JobState
-from worker.render.encoder import EncodeStage, PendingEncode
 from worker.render.fleet import WarmFleet
 from worker.render.loras import LoraRefused, LoraResolver
-from worker.render.pipeline import PendingUpload, UploadPipeline
 from worker.render.warmup import WarmupRefused, is_out_of_memory
 from worker.settings import WorkerSettings
+from worker.stages.encode import EncodeStage, PendingEncode
+from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, StoredObject, new_render_id
 from worker.uploads.uploader import Uploader, UploadFailed
@@ -658,7 +658,7 @@ class RenderService:
 
     def _handoff(self, job: Any, entry: SpoolEntry | None, render_s: float) -> dict[str, Any]:
         """The job function's return value with the pipeline on (`worker.protocol.handoff`). `entry` None:
-        the video is still being encoded (`worker.render.encoder`)."""
+        the video is still being encoded (`worker.stages.encode`)."""
         if entry is None:
             handoff = HandOff(job.id, JobState.RENDERING.value, encode="pending")
         else:

@@ -60,7 +60,7 @@ from worker.uploads.uploader import Uploader, UploadFailed
 
 __all__ = ["PendingUpload", "UploadPipeline"]
 
-log = logging.getLogger("worker.render.pipeline")
+log = logging.getLogger("worker.stages.upload")
 _RECOVERY_REDIS_WAIT_S = 300.0  # how long recovery waits for Redis before leaving a render in the spool
 _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
 
@@ -111,7 +111,7 @@ class UploadPipeline:
     uploaded: int = field(default=0, init=False)
     failed: int = field(default=0, init=False)
     connection: Any = field(default=None, init=False)
-    #: the `worker.render.encoder.EncodeStage` feeding this pipeline (sets itself)
+    #: the `worker.stages.encode.EncodeStage` feeding this pipeline (sets itself)
     encoder: Any = field(default=None, init=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
     _queue: deque[PendingUpload] = field(default_factory=deque, init=False, repr=False)

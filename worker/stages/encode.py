@@ -54,12 +54,12 @@ import redis
 from worker.protocol import rqcompat
 from worker.protocol.relay import EventRelay, with_redis_retry
 from worker.protocol.states import FailureReason, JobState
-from worker.render.pipeline import PendingUpload, UploadPipeline
+from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
 
 __all__ = ["MARKER_NAME", "EncodeStage", "PendingEncode"]
 
-log = logging.getLogger("worker.render.encoder")
+log = logging.getLogger("worker.stages.encode")
 MARKER_NAME = "encoding.json"
 _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
 
