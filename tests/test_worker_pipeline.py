@@ -55,4 +55,4 @@ def test_spool_recovery_waits_for_redis_instead_of_orphaning_live_jobs(redis_ser
     finally:
         restart.join()
     (item,) = queued
-    assert item.job is not None and item.job.id == job.id  # recorded into its job, not uploaded as an orphan
+    assert item.attempt is not None and item.attempt.id == job.id  # recorded into its job, not uploaded as an orphan

@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,11 +47,12 @@ from typing import Any
 
 import redis
 
+from worker.jobs.attempt import JobAttempt
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
 from worker.protocol.health import UploadsHealth
-from worker.protocol.relay import EventRelay, with_redis_retry
+from worker.protocol.relay import with_redis_retry
 from worker.protocol.states import FailureReason, JobState
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import StoredObject
@@ -70,12 +70,10 @@ class PendingUpload:
     """One render waiting for (or in) upload, with what is needed to record the job's outcome."""
 
     entry: SpoolEntry
-    job: Any | None  #: the RQ job; None when a recovered entry's job no longer exists in Redis
-    relay: EventRelay | None
-    attempt: int = 1
-    queue_wait_s: float | None = None
+    #: the execution that rendered it (its relay, outcome, number and timings); None when a recovered
+    #: entry's job no longer exists in Redis
+    attempt: JobAttempt | None
     render_s: float = 0.0
-    t0: float = field(default_factory=time.time)  #: wall clock at the start of the job's execution
     released: threading.Event = field(default_factory=threading.Event)
     recovered: bool = False
     submitted: float = field(default_factory=time.monotonic)
@@ -239,15 +237,11 @@ class UploadPipeline:
                          entry.job_id, result.get("key"))  # fmt: skip
                 self.spool.release(entry)
                 continue
-            item = PendingUpload(
-                entry=entry,
-                job=job,
-                relay=self.outcomes.relay(job) if job is not None else None,
-                attempt=int(meta.get("attempt") or 1),
-                render_s=float(entry.info.get("render_s") or 0.0),
-                t0=entry.created_at,
-                recovered=True,
-            )
+            attempt = None
+            if job is not None:
+                attempt = JobAttempt(job, self.outcomes, number=int(meta.get("attempt") or 1), t0=entry.created_at)
+            item = PendingUpload(entry=entry, attempt=attempt, render_s=float(entry.info.get("render_s") or 0.0),
+                                 recovered=True)  # fmt: skip
             item.released.set()
             if self.submit(item):
                 queued += 1
@@ -349,11 +343,11 @@ class UploadPipeline:
             log.error("job %s: spool file unreadable (%s); cannot upload it", item.job_id, exc)
             return
         item.entry = entry
-        relay = item.relay
-        emit = self._event_fn(relay)
-        if relay is not None:
+        attempt = item.attempt
+        emit = self._event_fn(attempt)
+        if attempt is not None:
             extra = {"recovered": True} if item.recovered else {}
-            self._safe(relay.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
+            self._safe(attempt.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
                        worker=self.worker_name, **extra)  # fmt: skip
         t_up = time.monotonic()
         wait_s = t_up - item.submitted
@@ -379,8 +373,8 @@ class UploadPipeline:
     # ---- outcomes -------------------------------------------------------------------------------------
     def _record_success(self, item: PendingUpload, stored: StoredObject, upload_s: float, wait_s: float) -> None:
         self.uploaded += 1
-        job = item.job
-        if job is None or item.relay is None:
+        attempt = item.attempt
+        if attempt is None:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
         result = self.make_result(item, stored, upload_s, wait_s)
@@ -389,9 +383,9 @@ class UploadPipeline:
         # written again); giving up on the first connection error left the job `uploading` until the worker
         # restarted and recovered its spool.
         with_redis_retry(lambda: rqcompat.record_success_after_return(
-            job, result, self.outcomes.result_ttl(job), self.worker_name, recovered=item.recovered))  # fmt: skip
-        self.outcomes.uploaded(job, item.relay, result)
-        self._safe(rqcompat.finish_if_uploaded, job, self.outcomes.result_ttl(job),  # a late abandoned-job cleanup
+            attempt.job, result, attempt.result_ttl(), self.worker_name, recovered=item.recovered))  # fmt: skip
+        attempt.uploaded(result)
+        self._safe(rqcompat.finish_if_uploaded, attempt.job, attempt.result_ttl(),  # a late abandoned-job cleanup
                    uploaded_state=JobState.UPLOADED.value)  # fmt: skip
         if self.on_uploaded is not None:
             self.on_uploaded()
@@ -399,29 +393,20 @@ class UploadPipeline:
 
     def _record_failure(self, item: PendingUpload, exc: UploadFailed) -> None:
         self.failed += 1
-        job, relay = item.job, item.relay
-        if job is None or relay is None:
+        if item.attempt is None:
             log.error("recovered render %s: %s", item.job_id, exc)
             return
-        reason = FailureReason.UPLOAD_FAILED
-        retry = self.outcomes.failed(job, reason, str(exc), relay=relay, retryable=exc.retryable,
-                                     spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
-        # RQ saw this job finish (it returned at `rendered`): move it back by hand
-        if retry:
-            token = uuid.uuid4().hex
-            with_redis_retry(lambda: rqcompat.requeue_after_return(job, token))
-        else:  # (retried like the success: a lost reply can at worst leave a second failure result)
-            message = f"JobFailed: {reason.value}: {exc}"
-            with_redis_retry(lambda: rqcompat.fail_after_return(job, message, self.outcomes.failure_ttl(job),
-                                                                self.worker_name))  # fmt: skip
+        # RQ saw this job finish (it returned at `rendered`): `failed_after_return` moves it back by hand
+        item.attempt.failed_after_return(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
+                                         spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
 
     # ---- helpers --------------------------------------------------------------------------------------
-    def _event_fn(self, relay: EventRelay | None) -> Callable[[dict[str, Any]], None]:
+    def _event_fn(self, attempt: JobAttempt | None) -> Callable[[dict[str, Any]], None]:
         def emit(event: dict[str, Any]) -> None:
             if "error" in event:
                 self.metrics.upload_retries.labels(self.group).inc()
-            if relay is not None:
-                self._safe(relay.emit, event)
+            if attempt is not None:
+                self._safe(attempt.emit, event)
 
         return emit
 
