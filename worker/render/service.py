@@ -3,8 +3,9 @@
 One instance per worker process (one fleet). `run_job()` is the body of the RQ job function
 (`worker.job.render`):
 
-1. bookkeeping: attempt counter (the hard cap `max_attempts`), the `worker_lost` budget of executions that
-   vanished unrecorded (RQ's timeout and the TTLs were set from the settings before, `JobOutcomes.own_limits`);
+1. bookkeeping (`JobAttempt.start`): attempt counter (the hard cap `max_attempts`), the `worker_lost` budget of
+   executions that vanished unrecorded (RQ's timeout and the TTLs were set from the settings before,
+   `JobOutcomes.own_limits`); a job whose renders poisoned fleets is refused (`worker.jobs.poison`);
 2. validate the request (`RenderRequest`); a bad one fails at once naming the field, the fleet untouched;
 3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
@@ -30,9 +31,6 @@ Each execution is one `worker.jobs.attempt.JobAttempt` (the job, its relay, how 
 encode and upload stages. Failures raise `JobFailed(reason, ...)` after `worker.jobs.outcomes` recorded the
 attempt (a terminal or `retrying` state event) and set RQ's retry decision from the settings' budget for that
 reason, which RQ's failure handling then honours. The worker, not the enqueuer, owns the retry policy.
-
-Over 450 lines on purpose: one class, the steps of one job in order, each a short method; the attempt, the
-fleet's stream, the stages, the outcomes and the spool are modules of their own.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +47,6 @@ from ltx_mgpu import memplan
 from worker.jobs.attempt import JobAttempt
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.handoff import HandOff
 from worker.protocol.health import StorageHealth
 from worker.protocol.keys import job_tenant
 from worker.protocol.limits import RunnerLimits
@@ -59,12 +55,13 @@ from worker.protocol.states import FailureReason, JobState
 from worker.render.fleet import WarmFleet
 from worker.render.fleet_render import FleetRender
 from worker.render.loras import LoraRefused, LoraResolver
+from worker.render.results import JobResults
 from worker.render.warmup import WarmupRefused
 from worker.settings import WorkerSettings
 from worker.stages.encode import EncodeStage, PendingEncode
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import Spool, SpoolEntry
-from worker.uploads.storage import Storage, StoredObject, new_render_id
+from worker.uploads.storage import Storage, new_render_id
 from worker.uploads.uploader import Uploader, UploadFailed
 
 if TYPE_CHECKING:
@@ -78,54 +75,20 @@ log = logging.getLogger("worker.render.service")
 class RenderService:
     """Per-process job logic around one `WarmFleet`; see the module docstring."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        *,
-        group: str,
-        worker_name: str,
-        fleet: WarmFleet,
-        storage: Storage,
-        spool: Spool,
-        metrics: WorkerMetrics,
-        limits: RunnerLimits | None = None,
-    ) -> None:
+    def __init__(self, settings: WorkerSettings, *, group: str, worker_name: str, fleet: WarmFleet, storage: Storage,
+                 spool: Spool, metrics: WorkerMetrics, limits: RunnerLimits | None = None) -> None:  # fmt: skip
         self.settings = settings
         self._limits = limits or RunnerLimits(settings.runner, {})
-        self.group = group
-        self.worker_name = worker_name
-        self.fleet = fleet
-        self.storage = storage
-        self.spool = spool
-        self.metrics = metrics
+        self.group, self.worker_name, self.fleet = group, worker_name, fleet
+        self.storage, self.spool, self.metrics = storage, spool, metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
         #: request LoRAs: fetched, cached and checked before the fleet sees them (worker.render.loras)
         self.loras = LoraResolver(settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics)
-        self.uploader = Uploader(
-            storage,
-            spool,
-            attempts=settings.upload_attempts,
-            backoff_s=settings.upload_backoff_s,
-            backoff_max_s=settings.upload_backoff_max_s,
-        )
+        self.uploader = Uploader(storage, spool, attempts=settings.upload_attempts, backoff_s=settings.upload_backoff_s,
+                                 backoff_max_s=settings.upload_backoff_max_s)  # fmt: skip
         self.stop_uploads = threading.Event()  # set on cold shutdown: cut upload back-offs short
-        # The background uploader. It always exists (it recovers the spool at start); jobs use it only
-        # with `upload_pipeline` on, otherwise the job function uploads before it returns.
-        self.pipeline = UploadPipeline(
-            uploader=self.uploader,
-            spool=spool,
-            metrics=metrics,
-            group=group,
-            worker_name=worker_name,
-            threads=settings.upload_threads,
-            max_pending=settings.max_pending_uploads,
-            max_pending_bytes=settings.max_pending_bytes,
-            outcomes=self.outcomes,
-            make_result=self._pipeline_result,
-            stop=self.stop_uploads,
-            on_uploaded=self._count_done,
-            on_upload_failed=self._upload_failed,
-        )
+        self.results = JobResults(storage, fleet, group, worker_name)
+        self.pipeline = self._upload_stage()
         self.encoder = EncodeStage(spool=spool, pipeline=self.pipeline, settings=settings, metrics=metrics, group=group)
         self.hand_off_media = settings.encode_in_worker and _takes(fleet.runner_cls, "media")
         streams = settings.encode_stream and "stream" in getattr(fleet.runner_cls, "media_modes", ())
@@ -141,6 +104,16 @@ class RenderService:
         self.storage_error: str | None = None  # set while storage is degraded (see set_storage_state)
         self.process_started_at: float | None = None  #: wall clock when this worker process started
         self._lock = threading.Lock()
+
+    def _upload_stage(self) -> UploadPipeline:
+        """The background uploader. It always exists (it recovers the spool at start); jobs use it only with
+        `upload_pipeline` on, otherwise the job function uploads before it returns."""
+        s = self.settings
+        return UploadPipeline(uploader=self.uploader, spool=self.spool, metrics=self.metrics, group=self.group,
+                              worker_name=self.worker_name, threads=s.upload_threads, max_pending=s.max_pending_uploads,
+                              max_pending_bytes=s.max_pending_bytes, outcomes=self.outcomes,
+                              make_result=self.results.for_upload, stop=self.stop_uploads,
+                              on_uploaded=self._count_done, on_upload_failed=self._upload_failed)  # fmt: skip
 
     @property
     def limits(self) -> RunnerLimits:
@@ -296,7 +269,7 @@ class RenderService:
         if entry is not None:
             log.info("job %s: complete render found in the spool; uploading it instead of rendering", attempt.id)
             if self.pipeline.hold(attempt.id):  # recovery already queued it: let that upload finish it
-                return self._handoff(attempt, entry, render_s)
+                return self.results.handoff(attempt, entry, render_s)
             attempt.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256 or None, bytes=entry.size)
             return self._deliver(attempt, entry, render_s)
         return self._deliver(attempt, *self._render(attempt, req))
@@ -346,11 +319,11 @@ class RenderService:
         if isinstance(entry, PendingEncode):  # frames, not a file: encoded beside the next job
             if self.settings.upload_pipeline:
                 self.encoder.submit(entry)
-                return self._handoff(attempt, None, render_s)
+                return self.results.handoff(attempt, None, render_s)
             entry = self._encode_now(attempt, entry)
         if self.settings.upload_pipeline:  # the background uploader; the fleet takes the next job now
             self.pipeline.submit(PendingUpload(entry=entry, attempt=attempt, render_s=render_s))
-            return self._handoff(attempt, entry, render_s)
+            return self.results.handoff(attempt, entry, render_s)
         return self._upload_now(attempt, entry, render_s)
 
     def _upload_now(self, attempt: JobAttempt, entry: SpoolEntry, render_s: float) -> dict[str, Any]:
@@ -359,7 +332,7 @@ class RenderService:
         attempt.state(JobState.UPLOADING, key=entry.key, bytes=entry.size)
         t_up = time.monotonic()
         try:
-            stored = self.uploader.upload(entry, on_event=self._upload_event(attempt), stop=self.stop_uploads)
+            stored = self.uploader.upload(entry, on_event=self.pipeline.event_fn(attempt), stop=self.stop_uploads)
         except UploadFailed as exc:
             self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
             self._upload_failed(exc)
@@ -368,7 +341,7 @@ class RenderService:
         upload_s = time.monotonic() - t_up
         self.metrics.upload_seconds.labels(self.group).observe(upload_s)
         self.metrics.upload_bytes.labels(self.group).inc(stored.size)
-        result = self._result(attempt, entry, stored, render_s, upload_s)
+        result = self.results.uploaded(attempt, entry, stored, render_s, upload_s)
         attempt.uploaded(result)
         self._count_done()
         return result
@@ -462,73 +435,6 @@ class RenderService:
         except Exception as exc:
             self.spool.discard_incomplete(attempt.id)
             attempt.fail(FailureReason.INTERNAL, f"encode: {type(exc).__name__}: {exc}")
-
-    # ---- helpers ------------------------------------------------------------------------------------
-    def _upload_event(self, attempt: JobAttempt) -> Any:
-        def emit(event: dict[str, Any]) -> None:
-            if "error" in event:
-                self.metrics.upload_retries.labels(self.group).inc()
-            try:
-                attempt.emit(event)
-            except Exception:
-                log.warning("could not relay upload event", exc_info=True)
-
-        return emit
-
-    def _handoff(self, attempt: JobAttempt, entry: SpoolEntry | None, render_s: float) -> dict[str, Any]:
-        """The job function's return value with the pipeline on (`worker.protocol.handoff`). `entry` None:
-        the video is still being encoded (`worker.stages.encode`)."""
-        if entry is None:
-            handoff = HandOff(attempt.id, JobState.RENDERING.value, encode="pending")
-        else:
-            handoff = HandOff(attempt.id, JobState.RENDERED.value, key=entry.key, bytes=entry.size)
-        return replace(handoff, render_s=round(render_s, 4), worker=self.worker_name).to_json()
-
-    def _pipeline_result(
-        self, item: PendingUpload, stored: StoredObject, upload_s: float, wait_s: float
-    ) -> dict[str, Any]:
-        result = self._result(item.attempt, item.entry, stored, item.render_s, upload_s)
-        result["timings"]["upload_wait_s"] = round(wait_s, 4)
-        if item.recovered:
-            result["recovered"] = True
-        return result
-
-    def _result(self, attempt: JobAttempt, entry: SpoolEntry, stored: StoredObject, render_s: float,
-                upload_s: float) -> dict[str, Any]:  # fmt: skip
-        url, url_expires_at = stored.url, stored.url_expires_at
-        kept = attempt.kept_result_ttl()
-        if url_expires_at is not None and kept > 0 and url_expires_at > time.time() + kept:
-            # a URL must not outlive the result it is recorded in: once the job expired its id can be reused,
-            # and the old URL would serve the new owner's video
-            url, url_expires_at = self.storage.url_for(stored.key, expiry_s=kept)
-        return {
-            "job_id": attempt.id,
-            "state": JobState.UPLOADED.value,
-            "storage": stored.backend,
-            "bucket": stored.bucket,
-            "key": stored.key,
-            "size": stored.size,
-            "sha256": stored.sha256,
-            "digests": entry.info.get("digests"),  #: the frames' and audio's sha256 (`runners.common.digest`)
-            "content_type": stored.content_type,
-            "url": url,
-            "url_expires_at": url_expires_at,
-            "reused_object": stored.reused,
-            "output": {k: v for k, v in entry.info.items() if k in ("frames", "fps", "width", "height")},
-            "timings": {
-                "queue_wait_s": None if attempt.queue_wait_s is None else round(attempt.queue_wait_s, 4),
-                "render_s": round(render_s, 4),
-                "upload_s": round(upload_s, 4),
-                "total_s": round(time.time() - attempt.t0, 4),
-            },
-            "fleet": {
-                "group": self.group,
-                "devices": [str(d) for d in self.fleet.devices],
-                "world_size": self.fleet.world_size,
-                "worker": self.worker_name,
-            },
-            "attempt": attempt.number,
-        }
 
 
 def _takes(runner_cls: Any, name: str) -> bool:

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from worker.jobs.attempt import JobAttempt
 from worker.jobs.outcomes import JobOutcomes
@@ -199,55 +201,63 @@ class UploadPipeline:
     def recover(self) -> int:
         """Queue every complete render left in the spool (a previous process died or stopped cold, or an
         upload finally failed). Returns how many were queued."""
-        from rq.job import Job
-        from rq.serializers import JSONSerializer
-
         queued = 0
         for entry in self.spool.pending():
-            if self.is_pending(entry.job_id):
-                continue
-            job = None
-            try:
-                job = self._fetch_when_redis_answers(
-                    lambda e=entry: Job.fetch(e.job_id, connection=self.connection, serializer=JSONSerializer)
-                )
-                if not isinstance(job.meta, dict):
-                    job.meta = {}
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # not "the job is gone": leave the render in the spool for the next start's recovery
-                log.error("spool entry %s: Redis unreachable for %.0fs (%s); left in the spool", entry.job_id,
-                          _RECOVERY_REDIS_WAIT_S, type(exc).__name__)  # fmt: skip
-                continue
-            except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
-                log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
-                            entry.job_id, type(exc).__name__)  # fmt: skip
-                job = None
-            if job is not None and not entry.belongs_to(rqcompat.submission_of(job)):
-                # the id was submitted again after this render's job expired: upload it as an orphan
-                # (its object key is its own), never into the new job
-                log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
-                            "without recording it into the current job", entry.job_id)  # fmt: skip
-                job = None
-            meta = job.meta if job is not None else {}
-            result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
-            if meta.get("state") == JobState.UPLOADED.value and result.get("key"):
-                # (its key may differ: another render of the job, e.g. re-run elsewhere after this host
-                # vanished, was recorded first; recording this one too would end the job twice)
-                log.info("spool entry %s: job already recorded as uploaded (%s); releasing the copy",
-                         entry.job_id, result.get("key"))  # fmt: skip
-                self.spool.release(entry)
-                continue
-            attempt = None
-            if job is not None:
-                attempt = JobAttempt(job, self.outcomes, number=int(meta.get("attempt") or 1), t0=entry.created_at)
-            item = PendingUpload(entry=entry, attempt=attempt, render_s=float(entry.info.get("render_s") or 0.0),
-                                 recovered=True)  # fmt: skip
-            item.released.set()
-            if self.submit(item):
+            if not self.is_pending(entry.job_id) and (item := self._recovered(entry)) is not None and self.submit(item):
                 queued += 1
         if queued:
             log.info("recovery: %d render(s) from the spool queued for upload", queued)
         return queued
+
+    def _recovered(self, entry: SpoolEntry) -> PendingUpload | None:
+        """The upload of a render found in the spool; None when it waits for the next start (Redis does not
+        answer) or its job is recorded as uploaded already (the copy is released)."""
+        try:
+            job = self._job_for(entry)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # not "the job is gone": leave the render in the spool for the next start's recovery
+            log.error("spool entry %s: Redis unreachable for %.0fs (%s); left in the spool", entry.job_id,
+                      _RECOVERY_REDIS_WAIT_S, type(exc).__name__)  # fmt: skip
+            return None
+        meta = job.meta if job is not None else {}
+        result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
+        if meta.get("state") == JobState.UPLOADED.value and result.get("key"):
+            # (its key may differ: another render of the job, e.g. re-run elsewhere after this host
+            # vanished, was recorded first; recording this one too would end the job twice)
+            log.info("spool entry %s: job already recorded as uploaded (%s); releasing the copy",
+                     entry.job_id, result.get("key"))  # fmt: skip
+            self.spool.release(entry)
+            return None
+        attempt = None
+        if job is not None:
+            attempt = JobAttempt(job, self.outcomes, number=int(meta.get("attempt") or 1), t0=entry.created_at)
+        item = PendingUpload(entry=entry, attempt=attempt, render_s=float(entry.info.get("render_s") or 0.0),
+                             recovered=True)  # fmt: skip
+        item.released.set()
+        return item
+
+    def _job_for(self, entry: SpoolEntry) -> Job | None:
+        """The job a recovered render is recorded into: None when it is gone, unreadable, or a later
+        submission of its id (the render is then uploaded as an orphan). Raises Redis's connection errors."""
+        try:
+            job = self._fetch_when_redis_answers(
+                lambda: Job.fetch(entry.job_id, connection=self.connection, serializer=JSONSerializer)
+            )
+            if not isinstance(job.meta, dict):
+                job.meta = {}
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
+            log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
+                        entry.job_id, type(exc).__name__)  # fmt: skip
+            return None
+        if not entry.belongs_to(rqcompat.submission_of(job)):
+            # the id was submitted again after this render's job expired: upload it as an orphan
+            # (its object key is its own), never into the new job
+            log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
+                        "without recording it into the current job", entry.job_id)  # fmt: skip
+            return None
+        return job
 
     def _fetch_when_redis_answers(self, fetch: Callable[[], Any]) -> Any:
         """`fetch()`, retried while Redis does not answer (a restart of Redis while this worker started:
@@ -344,7 +354,7 @@ class UploadPipeline:
             return
         item.entry = entry
         attempt = item.attempt
-        emit = self._event_fn(attempt)
+        emit = self.event_fn(attempt)
         if attempt is not None:
             extra = {"recovered": True} if item.recovered else {}
             self._safe(attempt.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
@@ -401,7 +411,9 @@ class UploadPipeline:
                                          spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
 
     # ---- helpers --------------------------------------------------------------------------------------
-    def _event_fn(self, attempt: JobAttempt | None) -> Callable[[dict[str, Any]], None]:
+    def event_fn(self, attempt: JobAttempt | None) -> Callable[[dict[str, Any]], None]:
+        """An upload's `on_event` for `attempt`'s stream (retries counted in the metrics; a relay error only logged)."""
+
         def emit(event: dict[str, Any]) -> None:
             if "error" in event:
                 self.metrics.upload_retries.labels(self.group).inc()
