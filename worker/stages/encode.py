@@ -23,7 +23,7 @@ starts and announces frames as they are final; the job function feeds them to `o
 still decodes (behind the runs of videos queued before). The item reaches this stage as above; the encoder
 thread then only waits for the last runs and muxes them with the audio (the same file as the one-shot
 encode). The order and the crash rule are unchanged: nothing is spooled before the mp4, and a render that
-fails after the first frames aborts the runs in the job function (`RenderService._render`). `rendered`
+fails after the first frames aborts the runs in the job function (`FleetRender.abort_stream`). `rendered`
 adds `encode_overlap_s` / `encode_tail_s` (the encode's seconds before and after the decode ended).
 
 Crash rule: a worker that dies mid-encode loses only the frames (they lived in its memory). The marker
