@@ -190,7 +190,7 @@ def test_a_decode_that_fails_mid_stream_ends_the_render_and_frees_the_buffer(loc
                 elif e.get("type") == "media_frames":
                     stream.advance(e)
         except BaseException:
-            stream.abort()  # what the worker does (`RenderService._render`)
+            stream.abort()  # what the worker does (`worker.render.fleet_render.FleetRender.abort_stream`)
             raise
     assert "media_open" in seen and "media_frames" in seen and "media" not in seen and "output" not in seen
     assert 0 < stream.ready < 121

@@ -334,13 +334,10 @@ SOURCE_RULES = [
 
 
 #: worker/'s layers, lowest first (`LayerRule`): a folder of worker/ or a module at its top (`__init__` is
-#: worker/__init__.py). A new folder goes after every layer it imports, before every layer importing it (a
-#: stage folder render/ drives, using jobs/ and uploads/: between `jobs` and `render`); `dev` last (no
-#: production module imports it: "production: no worker.dev").
-WORKER_LAYERS = (
-    "__init__", "errors",
-    "protocol", "settings", "ops", "uploads", "jobs", "render", "job", "runtime", "cli", "__main__", "dev",
-)  # fmt: skip
+#: worker/__init__.py). A new folder goes after every layer it imports, before every layer importing it (`stages`,
+#: driven by render/: before it); `dev` last (no production module imports it: "production: no worker.dev").
+WORKER_LAYERS = ("__init__", "errors", "protocol", "settings", "ops", "uploads", "jobs", "stages", "render", "job",
+                 "runtime", "cli", "__main__", "dev")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -418,16 +415,19 @@ SOURCE_RULES += [
 def test_a_new_folder_fails_the_layer_rule_until_it_is_placed(tmp_path: Path) -> None:
     """A folder WORKER_LAYERS lacks is named, in itself and where it is imported; placed, it passes."""
     rule = next(r for r in SOURCE_RULES if isinstance(r, LayerRule))
-    assert [rule.layer_of(m) for m in ("worker.stages.encode", "worker.job", "worker")] == ["stages", "job", "__init__"]
-    (tmp_path / "worker" / "stages").mkdir(parents=True)
+    assert [rule.layer_of(m) for m in ("worker.hooks.encode", "worker.job", "worker")] == ["hooks", "job", "__init__"]
+    (tmp_path / "worker" / "hooks").mkdir(parents=True)
     (tmp_path / "worker" / "__init__.py").write_text("")
-    (tmp_path / "worker" / "stages" / "encode.py").write_text("from worker.jobs import outcomes\n")
-    (tmp_path / "worker" / "render.py").write_text("def f():\n    from worker.stages import encode\n")
+    (tmp_path / "worker" / "hooks" / "encode.py").write_text("from worker.jobs import outcomes\n")
+    (tmp_path / "worker" / "render.py").write_text("def f():\n    from worker.hooks import encode\n")
     found = rule.violations(tmp_path)
-    assert found["worker/stages/encode.py"] == ["stages: in no layer (add it to WORKER_LAYERS)"]
-    assert found["worker/render.py"] == [f"worker.stages{m} (stages: in no layer)" for m in ("", ".encode")]
-    placed = LayerRule(rule.name, (*rule.layers[: (at := rule.layers.index("render"))], "stages", *rule.layers[at:]))
+    assert found["worker/hooks/encode.py"] == ["hooks: in no layer (add it to WORKER_LAYERS)"]
+    assert found["worker/render.py"] == [f"worker.hooks{m} (hooks: in no layer)" for m in ("", ".encode")]
+    placed = LayerRule(rule.name, (*rule.layers[: (at := rule.layers.index("render"))], "hooks", *rule.layers[at:]))
     assert placed.violations(tmp_path) == {}
+    (tmp_path / "worker" / "stages").mkdir()  # (below render/, which feeds them: a stage never imports it)
+    (tmp_path / "worker" / "stages" / "upload.py").write_text("def f():\n    from worker.render import service\n")
+    assert rule.violations(tmp_path)["worker/stages/upload.py"] == ["worker.render", "worker.render.service"]
 
 
 def test_cycles_are_found_around_a_loop() -> None:

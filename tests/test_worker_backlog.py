@@ -1,4 +1,4 @@
-"""The background upload pipeline (`worker/render/pipeline.py`) end to end: real Redis, real S3 (SeaweedFS)
+"""The background upload pipeline (`worker/stages/upload.py`) end to end: real Redis, real S3 (SeaweedFS)
 behind a `TcpProxy` that a test blocks to make storage unreachable, real `ltx-worker one` processes with CPU
 fleets running the fault-injection runner.
 

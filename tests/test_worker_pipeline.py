@@ -31,7 +31,7 @@ def test_spool_recovery_waits_for_redis_instead_of_orphaning_live_jobs(redis_ser
 
     from worker.protocol.keys import RENDER_FUNC
     from worker.protocol.rqcompat import submission_of
-    from worker.render.pipeline import UploadPipeline
+    from worker.stages.upload import UploadPipeline
     from worker.uploads.spool import Spool
 
     server = redis_server_factory(appendonly=True)
@@ -55,4 +55,4 @@ def test_spool_recovery_waits_for_redis_instead_of_orphaning_live_jobs(redis_ser
     finally:
         restart.join()
     (item,) = queued
-    assert item.job is not None and item.job.id == job.id  # recorded into its job, not uploaded as an orphan
+    assert item.attempt is not None and item.attempt.id == job.id  # recorded into its job, not uploaded as an orphan

@@ -116,7 +116,8 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     state, and a reader in between got RQ's placeholder from when the render returned (KeyError 'bucket')."""
     from types import SimpleNamespace
 
-    from worker.render import pipeline as pipeline_module
+    from worker.jobs.attempt import JobAttempt
+    from worker.stages import upload as pipeline_module
 
     order: list[str] = []
     monkeypatch.setattr(pipeline_module.rqcompat, "record_success_after_return",
@@ -125,7 +126,8 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     up = pipeline_module.UploadPipeline.__new__(pipeline_module.UploadPipeline)
     up.uploaded, up.outcomes, up.worker_name, up.on_uploaded = 0, outcomes, "w", None
     up.make_result = lambda *a: {"bucket": "b", "key": "k"}
-    item = SimpleNamespace(job=object(), relay=object(), recovered=False, job_id="j")
+    attempt = JobAttempt(SimpleNamespace(id="j"), outcomes, relay=object())
+    item = SimpleNamespace(attempt=attempt, recovered=False, job_id="j")
     up._record_success(item, SimpleNamespace(key="k"), 0.1, 0.0)
     assert order == ["rq result", "uploaded state"]
 
@@ -137,8 +139,9 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
     lost reply (`applied`: the MULTI went through) does not write a second result."""
     from types import SimpleNamespace
 
+    from worker.jobs.attempt import JobAttempt
     from worker.protocol import rqcompat
-    from worker.render import pipeline as pipeline_module
+    from worker.stages import upload as pipeline_module
 
     job = Queue(unique_name, connection=redis_client, serializer=JSONSerializer).enqueue("worker.job.render", {})
     real, calls = rqcompat.record_success_after_return, []
@@ -158,7 +161,7 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
     up.uploaded, up.outcomes, up.worker_name, up.on_uploaded = 0, outcomes, "w", None
     up.make_result = lambda *a: {"state": "uploaded", "bucket": "b", "key": "k"}
     up._safe = lambda fn, *a, **k: None  # (the abandoned-job repair is not what this test is about)
-    item = SimpleNamespace(job=job, relay=object(), recovered=True, job_id=job.id)
+    item = SimpleNamespace(attempt=JobAttempt(job, outcomes, relay=object()), recovered=True, job_id=job.id)
     up._record_success(item, SimpleNamespace(key="k"), 0.1, 0.0)
     assert len(calls) == 2 and states == ["uploaded"]
     results = [r for r in Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).results()

@@ -62,7 +62,7 @@ def test_two_groups_render_concurrently(pair):
         evts = {e.get("state"): e["ts"] for e in events(pair.conn, job.id) if e["type"] == "state"}
         spans.append((evts["rendering"], evts["rendered"]))
     assert max(s for s, _ in spans) < min(e for _, e in spans), f"render intervals do not overlap: {spans}"
-    # `uploaded` is announced just before the full result replaces RQ's hand-off value (worker/render/pipeline.py):
+    # `uploaded` is announced just before the full result replaces RQ's hand-off value (worker/stages/upload.py):
     # wait for the replacement rather than race it.
     results = [wait_for(lambda j=job: "fleet" in (r := j.latest_result().return_value) and r, 10, "the full result")
                for job in jobs]  # fmt: skip

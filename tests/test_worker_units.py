@@ -343,12 +343,13 @@ def test_a_cancel_before_the_render_begins_stops_that_render_and_no_other():
     svc = RenderService.__new__(RenderService)
     svc._lock, svc.current, svc._cancel_before_start = threading.Lock(), None, None
     svc.loras = SimpleNamespace(cache=SimpleNamespace(release=lambda: None))  # (pins released after each run)
-    svc._run = lambda job, request, cur, t0: cur.cancel.is_set()  # (what the render sees when it begins)
+    svc.outcomes = SimpleNamespace(relay=lambda job: None)  # (each run's JobAttempt: no Redis here)
+    svc._run = lambda attempt, request: attempt.cancel.is_set()  # (what the render sees when it begins)
     svc.cancel_before_start("j1")
     assert svc.run_job(SimpleNamespace(id="j2"), None) is False  # another job: untouched
     assert svc.run_job(SimpleNamespace(id="j1"), None) is True  # that job: cancelled from its first step
     assert svc.run_job(SimpleNamespace(id="j1"), None) is False  # forgotten once its run ended (a retry runs)
     seen = []
-    svc._run = lambda job, request, cur, t0: (svc.cancel_before_start(job.id), seen.append(cur.cancel.is_set()))
+    svc._run = lambda attempt, request: (svc.cancel_before_start(attempt.id), seen.append(attempt.cancel.is_set()))
     svc.run_job(SimpleNamespace(id="j3"), None)  # while it runs: an ordinary cancel
     assert seen == [True] and svc._cancel_before_start is None

@@ -63,7 +63,7 @@ from typing import Any
 
 import redis
 from rq.exceptions import NoSuchJobError
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
@@ -130,7 +130,7 @@ class Admission:
                 self.police(None)
                 self.drain(tick=tick)
 
-    def admit(self, job: Any, queue: Queue, tick: Callable[[], Any] | None = None) -> bool:
+    def admit(self, job: Job, queue: Queue, tick: Callable[[], Any] | None = None) -> bool:
         """The pass right after `job` was taken from `queue`: False when `job` itself is refused (it left the
         intermediate list for the refusals list; do not run it). Refusals are recorded before it starts."""
         if not self.enabled:

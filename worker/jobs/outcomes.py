@@ -26,13 +26,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.ops.errorids import public_message
 from worker.protocol import rqcompat
 from worker.protocol.relay import EventRelay
 from worker.protocol.states import FailureReason, JobState
 from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from rq.job import Job
 
 __all__ = ["RQ_TIMEOUT_MARGIN_S", "JobOutcomes", "attempt_count"]
 
@@ -67,7 +70,7 @@ class JobOutcomes:
             FailureReason.OUT_OF_MEMORY: 1,
         }.get(reason, 0)
 
-    def attempts_left(self, job: Any) -> int:
+    def attempts_left(self, job: Job) -> int:
         """Executions the hard cap (`max_attempts`) still allows after the current one (meta `attempt`)."""
         return max(0, self.settings.max_attempts - attempt_count(_meta(job)))
 
@@ -80,25 +83,25 @@ class JobOutcomes:
         render = math.ceil(self.settings.render_timeout) + RQ_TIMEOUT_MARGIN_S
         return render if self.settings.upload_pipeline else 2 * render
 
-    def kept_result_ttl(self, job: Any) -> int:
+    def kept_result_ttl(self, job: Job) -> int:
         """The job's `result_ttl` in RQ's meaning (-1: forever, 0: not kept), capped by the settings'."""
         cap, ttl = self.settings.result_ttl, job.result_ttl
         if ttl is None or (cap >= 0 and (ttl < 0 or ttl > cap)):
             return cap
         return int(ttl)
 
-    def result_ttl(self, job: Any) -> int:
+    def result_ttl(self, job: Job) -> int:
         """Seconds a successful job's records (stream, result) live: the kept result TTL, or the failure
         TTL when the result is kept forever or not at all (its events still need an expiry)."""
         ttl = self.kept_result_ttl(job)
         return ttl if ttl > 0 else self.settings.failure_ttl
 
-    def failure_ttl(self, job: Any) -> int:
+    def failure_ttl(self, job: Job) -> int:
         """The job's `failure_ttl` capped by the settings' (a client asked for 10^9 s)."""
         cap, ttl = self.settings.failure_ttl, job.failure_ttl
         return min(int(ttl), cap) if ttl and ttl > 0 else cap
 
-    def own_limits(self, job: Any) -> None:
+    def own_limits(self, job: Job) -> None:
         """Before an execution: RQ's timeout from the settings and the TTLs capped, on the job object (RQ's
         death penalty and its success/failure handling read them there) and in the hash (the cleanups and
         tools of other processes read them there)."""
@@ -108,12 +111,12 @@ class JobOutcomes:
         job.connection.hset(job.key, mapping={"timeout": job.timeout, "result_ttl": job.result_ttl,
                                               "failure_ttl": job.failure_ttl})  # fmt: skip
 
-    def running_ttl(self, job: Any) -> int:
+    def running_ttl(self, job: Job) -> int:
         """The event stream's expiry while the job is not finished: outlives the longest run, then the
         longest of the TTLs a terminal state will set."""
         return self.rq_timeout() + max(self.result_ttl(job), self.failure_ttl(job)) + 3600
 
-    def relay(self, job: Any) -> EventRelay:
+    def relay(self, job: Job) -> EventRelay:
         meta = _meta(job)
         job.meta = meta
         return EventRelay(job.connection, job, maxlen=self.settings.events_maxlen, running_ttl=self.running_ttl(job))
@@ -121,7 +124,7 @@ class JobOutcomes:
     # ==== attempts that did not succeed =================================================================
     def failed(
         self,
-        job: Any,
+        job: Job,
         reason: FailureReason,
         message: str,
         *,
@@ -168,7 +171,7 @@ class JobOutcomes:
                     _attempts_text(attempts))  # fmt: skip
         return retry
 
-    def lost_unrecorded(self, job: Any, relay: EventRelay) -> None:
+    def lost_unrecorded(self, job: Job, relay: EventRelay) -> None:
         """A new execution found the job in a running state: the previous one vanished and nobody recorded
         it (e.g. the cleanup's write failed). It is a real loss: count it against `worker_lost`."""
         meta = relay.meta
@@ -180,20 +183,20 @@ class JobOutcomes:
         relay.update_summary(retries=retries, attempts=_history(meta, entry))
 
     # ==== the other ends =================================================================================
-    def cancelled(self, job: Any, relay: EventRelay | None = None, **extra: Any) -> None:
+    def cancelled(self, job: Job, relay: EventRelay | None = None, **extra: Any) -> None:
         """Record a cancel (terminal; never retried)."""
         rqcompat.set_retry(job, False)
         (relay or self.relay(job)).state(JobState.CANCELLED, ttl=self.failure_ttl(job), **extra)
         self._count("cancelled", None)
 
-    def uploaded(self, job: Any, relay: EventRelay, result: dict[str, Any]) -> None:
+    def uploaded(self, job: Job, relay: EventRelay, result: dict[str, Any]) -> None:
         """Record success: the result, the stream's result TTL; the current error is cleared (the attempt
         history stays in meta `attempts`)."""
         relay.state(JobState.UPLOADED, result=result, ttl=self.result_ttl(job))
         self._count("uploaded", None)
 
     # ==== helpers ======================================================================================
-    def _attempt_entry(self, job: Any, meta: dict[str, Any], outcome: str, reason: FailureReason, message: str,
+    def _attempt_entry(self, job: Job, meta: dict[str, Any], outcome: str, reason: FailureReason, message: str,
                        details: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
         worker = details.get("worker") or meta.get("worker") or getattr(job, "worker_name", None) or None
         entry = {"attempt": meta.get("attempt"), "worker": worker, "outcome": outcome, "reason": reason.value,
@@ -218,7 +221,7 @@ def attempt_count(meta: dict[str, Any]) -> int:
     return 1 << 30
 
 
-def _meta(job: Any) -> dict[str, Any]:
+def _meta(job: Job) -> dict[str, Any]:
     return job.meta if isinstance(job.meta, dict) else {}
 
 

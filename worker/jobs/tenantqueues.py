@@ -43,6 +43,7 @@ from typing import Any
 import redis
 from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.intermediate_queue import IntermediateQueue
+from rq.job import Job
 from rq.queue import Queue
 
 from worker.jobs.admission import Admission
@@ -222,5 +223,5 @@ class TenantAdmissions:
         if over:
             first.drain(tick=tick)
 
-    def admit(self, job: Any, queue: Queue, tick: Callable[[], Any] | None = None) -> bool:
+    def admit(self, job: Job, queue: Queue, tick: Callable[[], Any] | None = None) -> bool:
         return self.by_tenant[queue_tenant(queue.name)].admit(job, queue, tick=tick)

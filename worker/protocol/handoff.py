@@ -1,5 +1,5 @@
 """`HandOff`: what the render job returns to RQ when the video goes on to the background encoder and
-uploader (`LTX_UPLOAD_PIPELINE`, `worker.render.pipeline`). RQ stores it as the execution's result and marks
+uploader (`LTX_UPLOAD_PIPELINE`, `worker.stages.upload`). RQ stores it as the execution's result and marks
 the job `finished` while the service state is `rendering` (video still encoding) or `rendered` (in the
 spool); once the object is confirmed, `worker.protocol.rqcompat.record_success_after_return` deletes it and
 records the full upload result in its place.

@@ -49,7 +49,7 @@ class FleetHealth:
 
 @dataclass(frozen=True)
 class UploadsHealth:
-    """The background upload pipeline (`worker.render.pipeline`) and the worker's back-pressure."""
+    """The background upload pipeline (`worker.stages.upload`) and the worker's back-pressure."""
 
     pending: int = 0  #: renders in the spool waiting for their upload
     encoding: int = 0  #: renders whose video is still being encoded

@@ -27,11 +27,14 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
 from worker.protocol.redisconn import single_try
 from worker.protocol.states import TERMINAL_STATES, EventType, JobState
+
+if TYPE_CHECKING:
+    from rq.job import Job
 
 __all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
 
@@ -67,7 +70,7 @@ class EventRelay:
     def __init__(
         self,
         connection: Any,
-        job: Any,
+        job: Job,
         *,
         maxlen: int,
         running_ttl: int,

@@ -289,7 +289,7 @@ def beat(worker: Any, job: Job, connection: Any, ttl: int) -> None:
 # ==== the job hash ========================================================================================
 
 
-def submission_of(job: Any) -> str | None:
+def submission_of(job: Job) -> str | None:
     """Which submission a job hash is: its RQ `created_at` (set when the job is created, kept by re-queues
     and retries; a new job with a reused id gets its own). None when the hash has none."""
     created = getattr(job, "created_at", None)

@@ -7,7 +7,7 @@ Job lifecycle (`JobState`, stored in meta `state` and announced by `state` event
 (with a `FailureReason`) or `cancelled`; `retrying` when the worker re-queues the job itself (then the
 next attempt starts again at `started`). The terminal states are `uploaded`, `failed`, `cancelled`.
 A client waiting for the video waits for `uploaded`, never for RQ's `finished` alone: with the
-background uploader (`worker/render/pipeline.py`) the RQ job finishes at `rendered` and the upload completes afterwards.
+background uploader (`worker/stages/upload.py`) the RQ job finishes at `rendered` and the upload completes afterwards.
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""What a worker does with a job: the render service, the warm fleet (built, watched, rebuilt), per-request LoRAs,
-the mp4 encode stage and the background upload pipeline, plus the no-op runner for benchmarks."""
+"""What a worker does with a job: the render service, one attempt's drive of the fleet (`fleet_render`) and its
+results (`results`), the warm fleet (built, watched, rebuilt), per-request LoRAs, plus the no-op runner for
+benchmarks. The encode and upload that follow a render are `worker.stages`."""

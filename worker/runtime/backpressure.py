@@ -1,6 +1,6 @@
 """Back-pressure: the worker takes no job while its uploads or its spool's disk cannot take another render.
 
-While the background uploader (`worker.render.pipeline`) holds `max_pending_uploads` renders (or
+While the background uploader (`worker.stages.upload`) holds `max_pending_uploads` renders (or
 `max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
 `_SPOOL_MIN_FREE_INODES` inodes: a full spool would fail every job), `Backpressure.wait` blocks before the
 dequeue. The worker stays registered (`tick`: its heartbeat), idle (a warm stop interrupts the wait like an

@@ -24,11 +24,11 @@ from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.worker import SimpleWorker
 
+from worker.jobs.attempt import JobCancelledByClient, JobFailed
 from worker.jobs.outcomes import JobOutcomes
 from worker.protocol import rqcompat
 from worker.protocol.renderjob import RefusedJob
 from worker.protocol.states import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, JobState
-from worker.render.service import JobCancelledByClient, JobFailed
 from worker.settings import WorkerSettings
 
 __all__ = ["EndingWorker", "maintenance_lock_ttl"]

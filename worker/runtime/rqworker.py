@@ -177,7 +177,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             fleet=FleetHealth(fleet.state, fleet.is_alive, tuple(fleet.pids), fleet.world_size,
                               tuple(str(d) for d in fleet.devices), fleet.builds, fleet.rebuilds, fleet.failures,
                               fleet.ready_at, fleet.last_failure, fleet.startup),
-            current_job=cur.job_id if cur else None,
+            current_job=cur.id if cur else None,
             uploads=replace(self.service.pipeline.snapshot(), backpressure=self.backpressure.active,
                             backpressure_reason=self.backpressure.why if self.backpressure.active else None,
                             background=self.settings.upload_pipeline),

@@ -12,7 +12,7 @@ lost" hold across upload failures, worker crashes and restarts: a re-run of the 
 manifest and uploads instead of rendering again, and a worker can list `pending()` entries at start.
 
 The manifest carries everything an uploader needs without Redis (key, sha256, size, content type, job
-and queue ids), so the background uploader (`worker/render/pipeline.py`) can be fed from `pending()` alone.
+and queue ids), so the background uploader (`worker/stages/upload.py`) can be fed from `pending()` alone.
 """
 
 from __future__ import annotations

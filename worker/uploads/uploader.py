@@ -2,7 +2,7 @@
 
 `Uploader.upload(entry)` is synchronous: the job function calls it after the render when
 `LTX_UPLOAD_PIPELINE=false`. It owns everything that must stay true whoever calls it, so the background
-uploader (`worker/render/pipeline.py`) is a thread that feeds `upload()` from a queue (and from `Spool.pending()` at
+uploader (`worker/stages/upload.py`) is a thread that feeds `upload()` from a queue (and from `Spool.pending()` at
 start) without changing this module:
 
 - every attempt is recorded in the entry's manifest (`attempts`, `last_error`) before sleeping, so a

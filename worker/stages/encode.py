@@ -23,7 +23,7 @@ starts and announces frames as they are final; the job function feeds them to `o
 still decodes (behind the runs of videos queued before). The item reaches this stage as above; the encoder
 thread then only waits for the last runs and muxes them with the audio (the same file as the one-shot
 encode). The order and the crash rule are unchanged: nothing is spooled before the mp4, and a render that
-fails after the first frames aborts the runs in the job function (`RenderService._render`). `rendered`
+fails after the first frames aborts the runs in the job function (`FleetRender.abort_stream`). `rendered`
 adds `encode_overlap_s` / `encode_tail_s` (the encode's seconds before and after the decode ended).
 
 Crash rule: a worker that dies mid-encode loses only the frames (they lived in its memory). The marker
@@ -43,7 +43,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,15 +50,15 @@ from typing import Any
 
 import redis
 
+from worker.jobs.attempt import JobAttempt
 from worker.protocol import rqcompat
-from worker.protocol.relay import EventRelay, with_redis_retry
 from worker.protocol.states import FailureReason, JobState
-from worker.render.pipeline import PendingUpload, UploadPipeline
+from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
 
 __all__ = ["MARKER_NAME", "EncodeStage", "PendingEncode"]
 
-log = logging.getLogger("worker.render.encoder")
+log = logging.getLogger("worker.stages.encode")
 MARKER_NAME = "encoding.json"
 _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
 
@@ -68,16 +67,12 @@ _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this onl
 class PendingEncode:
     """One rendered video waiting for (or in) the encoder, with what its upload needs afterwards."""
 
-    job: Any
-    relay: EventRelay
+    attempt: JobAttempt  #: the execution that rendered it (its relay, its outcome, number and timings)
     output_path: Path  #: where the mp4 goes (inside the job's spool directory)
     media: dict[str, Any]  #: the runner's `media` event (yuv420p frames, waveform)
     output: dict[str, Any]  #: the runner's `output` event (frames, fps, size, timings)
     key: str  #: storage key of this render
-    attempt: int = 1
-    queue_wait_s: float | None = None
     render_s: float = 0.0
-    t0: float = field(default_factory=time.time)
     released: threading.Event = field(default_factory=threading.Event)
     claim: int | None = None  #: the spool entry's ownership lock while the frames exist only here
     #: recorded beside the frames and audio hashes (`deterministic`: the fleet's mode when it rendered them)
@@ -85,7 +80,7 @@ class PendingEncode:
 
     @property
     def job_id(self) -> str:
-        return str(self.job.id)
+        return self.attempt.id
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +106,7 @@ class EncodeStage:
     def prepare(self, item: PendingEncode) -> None:
         """Write the crash marker and take the entry's lock, before the job function returns."""
         directory = self.spool.job_dir(item.job_id)
-        marker = {"job_id": item.job_id, "queue": item.job.origin, "submission": rqcompat.submission_of(item.job),
+        marker = {"job_id": item.job_id, "queue": item.attempt.job.origin, "submission": item.attempt.submission,
                   "created_at": time.time()}  # fmt: skip
         tmp = directory / f".{MARKER_NAME}.tmp"
         tmp.write_text(json.dumps(marker))
@@ -208,7 +203,7 @@ class EncodeStage:
         from ltx_mgpu.runners.common.digest import MediaDigest
 
         media, stream = item.media, item.media.get("stream")
-        _safe(item.relay.emit, {"type": "stage", "stage": "mux", "by": "worker"})
+        _safe(item.attempt.emit, {"type": "stage", "stage": "mux", "by": "worker"})
         t0 = time.monotonic()
         digest = MediaDigest(media["video"], media.get("audio"))  # (hashes in its thread beside the x264 runs)
         audio = None
@@ -227,12 +222,12 @@ class EncodeStage:
         info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4), **overlap, digests=digests)
         entry = self.spool.commit(item.job_id, file_name=item.output_path.name, key=item.key,
                                   content_type=str(item.output.get("content_type") or "video/mp4"),
-                                  queue=item.job.origin, info=info, hash_now=hash_now,
-                                  submission=rqcompat.submission_of(item.job))  # fmt: skip
+                                  queue=item.attempt.job.origin, info=info, hash_now=hash_now,
+                                  submission=item.attempt.submission)  # fmt: skip
         (self.spool.job_dir(item.job_id) / MARKER_NAME).unlink(missing_ok=True)
         self.encoded += 1
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
-        _safe(item.relay.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
+        _safe(item.attempt.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
               encode_s=round(encode_s, 4), **overlap, **sha, digests=digests)  # fmt: skip
         return entry
 
@@ -240,8 +235,7 @@ class EncodeStage:
         if item.claim is not None:  # the pipeline takes its own lock on the entry (same process: release first)
             self.spool.unclaim(item.claim)
             item.claim = None
-        upload = PendingUpload(entry=entry, job=item.job, relay=item.relay, attempt=item.attempt,
-                               queue_wait_s=item.queue_wait_s, render_s=item.render_s, t0=item.t0)  # fmt: skip
+        upload = PendingUpload(entry=entry, attempt=item.attempt, render_s=item.render_s)
         upload.released.set()
         self.pipeline.submit(upload)
 
@@ -255,7 +249,7 @@ class EncodeStage:
         if item.claim is not None:
             self.spool.unclaim(item.claim)
             item.claim = None
-        _record_lost(self.pipeline, item.job, item.relay, reason, f"encode: {type(exc).__name__}: {exc}")
+        item.attempt.failed_after_return(reason, f"encode: {type(exc).__name__}: {exc}")
 
     # ---- recovery (at start) ---------------------------------------------------------------------------
     def recover(self, connection: Any) -> int:
@@ -281,9 +275,8 @@ class EncodeStage:
                 # started registry, and the abandoned-job cleanup re-queues it (twice would run it twice)
                 returned = job.get_status(refresh=False) == JobStatus.FINISHED
                 if returned and rqcompat.submission_of(job) == info.get("submission") and state == JobState.RENDERING:
-                    relay = self.pipeline.outcomes.relay(job)
-                    _record_lost(self.pipeline, job, relay, FailureReason.WORKER_LOST,
-                                 "the worker stopped while encoding the video; it renders again")  # fmt: skip
+                    lost = "the worker stopped while encoding the video; it renders again"
+                    JobAttempt(job, self.pipeline.outcomes).failed_after_return(FailureReason.WORKER_LOST, lost)
                     found += 1
             except (redis.ConnectionError, redis.TimeoutError):
                 log.error("encode marker %s: Redis unreachable; kept for the next start", directory.name)
@@ -301,18 +294,6 @@ class EncodeStage:
     def _publish(self) -> None:
         self.metrics.encode_pending.labels(self.group).set(self.pending_count())
         self.pipeline.notify()
-
-
-def _record_lost(pipeline: UploadPipeline, job: Any, relay: EventRelay, reason: FailureReason, message: str) -> None:
-    """Record a failed attempt of a job RQ saw finish, then re-queue it or fail it for good (its budget)."""
-    outcomes = pipeline.outcomes
-    retry = outcomes.failed(job, reason, message, relay=relay, retryable=True)
-    if retry:
-        token = uuid.uuid4().hex
-        with_redis_retry(lambda: rqcompat.requeue_after_return(job, token))
-    else:
-        final, ttl = f"JobFailed: {reason.value}: {message}", outcomes.failure_ttl(job)
-        with_redis_retry(lambda: rqcompat.fail_after_return(job, final, ttl, pipeline.worker_name))
 
 
 def _abort_stream(media: dict[str, Any]) -> None:

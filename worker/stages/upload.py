@@ -40,19 +40,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
+from worker.jobs.attempt import JobAttempt
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rqcompat
 from worker.protocol.health import UploadsHealth
-from worker.protocol.relay import EventRelay, with_redis_retry
+from worker.protocol.relay import with_redis_retry
 from worker.protocol.states import FailureReason, JobState
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import StoredObject
@@ -60,7 +62,7 @@ from worker.uploads.uploader import Uploader, UploadFailed
 
 __all__ = ["PendingUpload", "UploadPipeline"]
 
-log = logging.getLogger("worker.render.pipeline")
+log = logging.getLogger("worker.stages.upload")
 _RECOVERY_REDIS_WAIT_S = 300.0  # how long recovery waits for Redis before leaving a render in the spool
 _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
 
@@ -70,12 +72,10 @@ class PendingUpload:
     """One render waiting for (or in) upload, with what is needed to record the job's outcome."""
 
     entry: SpoolEntry
-    job: Any | None  #: the RQ job; None when a recovered entry's job no longer exists in Redis
-    relay: EventRelay | None
-    attempt: int = 1
-    queue_wait_s: float | None = None
+    #: the execution that rendered it (its relay, outcome, number and timings); None when a recovered
+    #: entry's job no longer exists in Redis
+    attempt: JobAttempt | None
     render_s: float = 0.0
-    t0: float = field(default_factory=time.time)  #: wall clock at the start of the job's execution
     released: threading.Event = field(default_factory=threading.Event)
     recovered: bool = False
     submitted: float = field(default_factory=time.monotonic)
@@ -111,7 +111,7 @@ class UploadPipeline:
     uploaded: int = field(default=0, init=False)
     failed: int = field(default=0, init=False)
     connection: Any = field(default=None, init=False)
-    #: the `worker.render.encoder.EncodeStage` feeding this pipeline (sets itself)
+    #: the `worker.stages.encode.EncodeStage` feeding this pipeline (sets itself)
     encoder: Any = field(default=None, init=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
     _queue: deque[PendingUpload] = field(default_factory=deque, init=False, repr=False)
@@ -201,59 +201,63 @@ class UploadPipeline:
     def recover(self) -> int:
         """Queue every complete render left in the spool (a previous process died or stopped cold, or an
         upload finally failed). Returns how many were queued."""
-        from rq.job import Job
-        from rq.serializers import JSONSerializer
-
         queued = 0
         for entry in self.spool.pending():
-            if self.is_pending(entry.job_id):
-                continue
-            job = None
-            try:
-                job = self._fetch_when_redis_answers(
-                    lambda e=entry: Job.fetch(e.job_id, connection=self.connection, serializer=JSONSerializer)
-                )
-                if not isinstance(job.meta, dict):
-                    job.meta = {}
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                # not "the job is gone": leave the render in the spool for the next start's recovery
-                log.error("spool entry %s: Redis unreachable for %.0fs (%s); left in the spool", entry.job_id,
-                          _RECOVERY_REDIS_WAIT_S, type(exc).__name__)  # fmt: skip
-                continue
-            except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
-                log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
-                            entry.job_id, type(exc).__name__)  # fmt: skip
-                job = None
-            if job is not None and not entry.belongs_to(rqcompat.submission_of(job)):
-                # the id was submitted again after this render's job expired: upload it as an orphan
-                # (its object key is its own), never into the new job
-                log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
-                            "without recording it into the current job", entry.job_id)  # fmt: skip
-                job = None
-            meta = job.meta if job is not None else {}
-            result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
-            if meta.get("state") == JobState.UPLOADED.value and result.get("key"):
-                # (its key may differ: another render of the job, e.g. re-run elsewhere after this host
-                # vanished, was recorded first; recording this one too would end the job twice)
-                log.info("spool entry %s: job already recorded as uploaded (%s); releasing the copy",
-                         entry.job_id, result.get("key"))  # fmt: skip
-                self.spool.release(entry)
-                continue
-            item = PendingUpload(
-                entry=entry,
-                job=job,
-                relay=self.outcomes.relay(job) if job is not None else None,
-                attempt=int(meta.get("attempt") or 1),
-                render_s=float(entry.info.get("render_s") or 0.0),
-                t0=entry.created_at,
-                recovered=True,
-            )
-            item.released.set()
-            if self.submit(item):
+            if not self.is_pending(entry.job_id) and (item := self._recovered(entry)) is not None and self.submit(item):
                 queued += 1
         if queued:
             log.info("recovery: %d render(s) from the spool queued for upload", queued)
         return queued
+
+    def _recovered(self, entry: SpoolEntry) -> PendingUpload | None:
+        """The upload of a render found in the spool; None when it waits for the next start (Redis does not
+        answer) or its job is recorded as uploaded already (the copy is released)."""
+        try:
+            job = self._job_for(entry)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # not "the job is gone": leave the render in the spool for the next start's recovery
+            log.error("spool entry %s: Redis unreachable for %.0fs (%s); left in the spool", entry.job_id,
+                      _RECOVERY_REDIS_WAIT_S, type(exc).__name__)  # fmt: skip
+            return None
+        meta = job.meta if job is not None else {}
+        result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
+        if meta.get("state") == JobState.UPLOADED.value and result.get("key"):
+            # (its key may differ: another render of the job, e.g. re-run elsewhere after this host
+            # vanished, was recorded first; recording this one too would end the job twice)
+            log.info("spool entry %s: job already recorded as uploaded (%s); releasing the copy",
+                     entry.job_id, result.get("key"))  # fmt: skip
+            self.spool.release(entry)
+            return None
+        attempt = None
+        if job is not None:
+            attempt = JobAttempt(job, self.outcomes, number=int(meta.get("attempt") or 1), t0=entry.created_at)
+        item = PendingUpload(entry=entry, attempt=attempt, render_s=float(entry.info.get("render_s") or 0.0),
+                             recovered=True)  # fmt: skip
+        item.released.set()
+        return item
+
+    def _job_for(self, entry: SpoolEntry) -> Job | None:
+        """The job a recovered render is recorded into: None when it is gone, unreadable, or a later
+        submission of its id (the render is then uploaded as an orphan). Raises Redis's connection errors."""
+        try:
+            job = self._fetch_when_redis_answers(
+                lambda: Job.fetch(entry.job_id, connection=self.connection, serializer=JSONSerializer)
+            )
+            if not isinstance(job.meta, dict):
+                job.meta = {}
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
+            log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
+                        entry.job_id, type(exc).__name__)  # fmt: skip
+            return None
+        if not entry.belongs_to(rqcompat.submission_of(job)):
+            # the id was submitted again after this render's job expired: upload it as an orphan
+            # (its object key is its own), never into the new job
+            log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
+                        "without recording it into the current job", entry.job_id)  # fmt: skip
+            return None
+        return job
 
     def _fetch_when_redis_answers(self, fetch: Callable[[], Any]) -> Any:
         """`fetch()`, retried while Redis does not answer (a restart of Redis while this worker started:
@@ -349,11 +353,11 @@ class UploadPipeline:
             log.error("job %s: spool file unreadable (%s); cannot upload it", item.job_id, exc)
             return
         item.entry = entry
-        relay = item.relay
-        emit = self._event_fn(relay)
-        if relay is not None:
+        attempt = item.attempt
+        emit = self.event_fn(attempt)
+        if attempt is not None:
             extra = {"recovered": True} if item.recovered else {}
-            self._safe(relay.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
+            self._safe(attempt.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
                        worker=self.worker_name, **extra)  # fmt: skip
         t_up = time.monotonic()
         wait_s = t_up - item.submitted
@@ -379,8 +383,8 @@ class UploadPipeline:
     # ---- outcomes -------------------------------------------------------------------------------------
     def _record_success(self, item: PendingUpload, stored: StoredObject, upload_s: float, wait_s: float) -> None:
         self.uploaded += 1
-        job = item.job
-        if job is None or item.relay is None:
+        attempt = item.attempt
+        if attempt is None:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
         result = self.make_result(item, stored, upload_s, wait_s)
@@ -389,9 +393,9 @@ class UploadPipeline:
         # written again); giving up on the first connection error left the job `uploading` until the worker
         # restarted and recovered its spool.
         with_redis_retry(lambda: rqcompat.record_success_after_return(
-            job, result, self.outcomes.result_ttl(job), self.worker_name, recovered=item.recovered))  # fmt: skip
-        self.outcomes.uploaded(job, item.relay, result)
-        self._safe(rqcompat.finish_if_uploaded, job, self.outcomes.result_ttl(job),  # a late abandoned-job cleanup
+            attempt.job, result, attempt.result_ttl(), self.worker_name, recovered=item.recovered))  # fmt: skip
+        attempt.uploaded(result)
+        self._safe(rqcompat.finish_if_uploaded, attempt.job, attempt.result_ttl(),  # a late abandoned-job cleanup
                    uploaded_state=JobState.UPLOADED.value)  # fmt: skip
         if self.on_uploaded is not None:
             self.on_uploaded()
@@ -399,29 +403,22 @@ class UploadPipeline:
 
     def _record_failure(self, item: PendingUpload, exc: UploadFailed) -> None:
         self.failed += 1
-        job, relay = item.job, item.relay
-        if job is None or relay is None:
+        if item.attempt is None:
             log.error("recovered render %s: %s", item.job_id, exc)
             return
-        reason = FailureReason.UPLOAD_FAILED
-        retry = self.outcomes.failed(job, reason, str(exc), relay=relay, retryable=exc.retryable,
-                                     spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
-        # RQ saw this job finish (it returned at `rendered`): move it back by hand
-        if retry:
-            token = uuid.uuid4().hex
-            with_redis_retry(lambda: rqcompat.requeue_after_return(job, token))
-        else:  # (retried like the success: a lost reply can at worst leave a second failure result)
-            message = f"JobFailed: {reason.value}: {exc}"
-            with_redis_retry(lambda: rqcompat.fail_after_return(job, message, self.outcomes.failure_ttl(job),
-                                                                self.worker_name))  # fmt: skip
+        # RQ saw this job finish (it returned at `rendered`): `failed_after_return` moves it back by hand
+        item.attempt.failed_after_return(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
+                                         spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
 
     # ---- helpers --------------------------------------------------------------------------------------
-    def _event_fn(self, relay: EventRelay | None) -> Callable[[dict[str, Any]], None]:
+    def event_fn(self, attempt: JobAttempt | None) -> Callable[[dict[str, Any]], None]:
+        """An upload's `on_event` for `attempt`'s stream (retries counted in the metrics; a relay error only logged)."""
+
         def emit(event: dict[str, Any]) -> None:
             if "error" in event:
                 self.metrics.upload_retries.labels(self.group).inc()
-            if relay is not None:
-                self._safe(relay.emit, event)
+            if attempt is not None:
+                self._safe(attempt.emit, event)
 
         return emit
 
