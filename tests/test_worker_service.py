@@ -129,7 +129,7 @@ def test_job_result_object_and_rq_summary(fleet, s3_server):
     assert wait_state(job, {"uploaded", "failed"}, 60, fleet.proc) == "uploaded"
     result = job.latest_result().return_value
     _check_object(s3_server, result, output_bytes(3, 100000))
-    assert re.fullmatch(rf"videos/{job.id}/[0-9a-f]{{16}}/video\.mp4", result["key"]), result["key"]  # one per render
+    assert re.fullmatch(rf"videos/[0-9a-f]{{16}}/{job.id}/video\.mp4", result["key"]), result["key"]  # one per render
     # upload_wait_s: time in the background uploader's queue (the pipeline is on by default)
     assert set(result["timings"]) == {"queue_wait_s", "render_s", "upload_s", "upload_wait_s", "total_s"}
     kinds = _types(events(fleet.conn, job.id))
