@@ -30,11 +30,11 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from bench.common import emit, emit_summary
-from worker.dev.devservers import RedisServer
+from devstack.dev_servers import RedisServer
 from worker.jobs.admission import QUOTA_WINDOW, Admission
 from worker.jobs.outcomes import JobOutcomes
 from worker.protocol.keys import REFUSALS_KEY, RENDER_FUNC
-from worker.protocol.renderjob import RenderJob
+from worker.protocol.render_job import RenderJob
 from worker.settings import WorkerSettings
 
 

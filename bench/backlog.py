@@ -84,8 +84,8 @@ def main() -> None:
     from rq.serializers import JSONSerializer
 
     from bench.common import emit, pct
-    from worker.dev.devservers import RedisServer, S3Server
-    from worker.dev.tcpproxy import TcpProxy
+    from devstack.dev_servers import RedisServer, S3Server
+    from devstack.tcp_proxy import TcpProxy
     from worker.protocol.keys import RENDER_FUNC
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

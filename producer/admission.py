@@ -28,8 +28,8 @@ from rq.utils import utcformat
 
 from producer.errors import ProducerError
 from worker.protocol.keys import RQ_ENDED_STATUSES, check_client_name
-from worker.protocol.queuedepth import waiting_depth
-from worker.protocol.rqcompat import enqueue_unregistered
+from worker.protocol.queue_depth import waiting_depth
+from worker.protocol.rq_compat import enqueue_unregistered
 
 __all__ = [
     "TERMINAL_STATUSES",
@@ -56,7 +56,7 @@ def client_key(client: str) -> str:
 class AdmissionPolicy:
     """Limits applied at submit; `None` means unlimited."""
 
-    max_queue_depth: int | None = None  #: waiting jobs across the counted queues (`worker.protocol.queuedepth`)
+    max_queue_depth: int | None = None  #: waiting jobs across the counted queues (`worker.protocol.queue_depth`)
     client_quota: int | None = None  #: unfinished (queued or running) jobs of one client
 
 
@@ -116,7 +116,7 @@ def enqueue_admitted(
     connection: redis.Redis = queue.connection
     ckey = client_key(client) if client else None
     keys = [q.key for q in counted_queues] + [job.key] + ([ckey] if ckey else [])
-    ours = utcformat(job.created_at)  # (RQ's `created_at` names one submission: `rqcompat.submission_of`)
+    ours = utcformat(job.created_at)  # (RQ's `created_at` names one submission: `rq_compat.submission_of`)
     cut = False  # a connection died during a try: its EXEC may have run with the reply lost
     with connection.pipeline() as pipe:
         for _ in range(_MAX_ATTEMPTS):

@@ -33,7 +33,7 @@ import redis
 
 from producer.admission import AdmissionRefused, JobExists, SubmitRefusal
 from producer.client import JobInfo, JobNotFound, ProducerClient, ServiceUnavailable, content_job_id
-from producer.requestfile import LoadedRequest
+from producer.request_file import LoadedRequest
 from worker.protocol.keys import events_key
 from worker.protocol.states import TERMINAL_STATES, JobState
 

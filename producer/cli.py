@@ -2,7 +2,7 @@
 backfill). A thin layer over `producer.client`; see docs/producer.md.
 
 User errors (bad files, bad values, refused submits, unknown jobs) end with one line on stderr and a
-documented exit code (`producer.exitcodes`), never a traceback.
+documented exit code (`producer.exit_codes`), never a traceback.
 
 Over 450 lines on purpose: eight short click commands sharing one group, its options and the error guard;
 their logic lives in `producer.client`, `producer.backfill` and `producer.display`.
@@ -41,9 +41,9 @@ from producer.client import (
 )
 from producer.display import EventPrinter, human_bytes, printable, render_job_table, render_stats, render_status
 from producer.errors import ProducerError
-from producer.exitcodes import EXIT_CODE_HELP, ExitCode
+from producer.exit_codes import EXIT_CODE_HELP, ExitCode
 from producer.loras import first_lora_problem, with_lora_options
-from producer.requestfile import RequestFileError, load_requests
+from producer.request_file import RequestFileError, load_requests
 from producer.settings import ProducerSettingsError, load_settings
 from worker.protocol.keys import check_job_id
 from worker.protocol.states import JobState

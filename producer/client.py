@@ -61,11 +61,11 @@ from worker.protocol.control import cancel_job
 from worker.protocol.health import SnapshotError, read_health
 from worker.protocol.keys import RENDER_FUNC, check_job_id, events_key, tenant_job_id, worker_health_key
 from worker.protocol.limits import LimitViolation, RunnerLimits
-from worker.protocol.redisconn import connect
-from worker.protocol.renderjob import RenderJob
-from worker.protocol.rqcompat import live_workers
+from worker.protocol.redis_conn import connect
+from worker.protocol.render_job import RenderJob
+from worker.protocol.rq_compat import live_workers
 from worker.protocol.schema import RenderRequest
-from worker.protocol.sharedsettings import safe_redis_url
+from worker.protocol.shared_settings import safe_redis_url
 from worker.protocol.states import JobState, derive_state
 
 __all__ = [

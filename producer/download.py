@@ -92,7 +92,7 @@ class ObjectDownloads:
             try:
                 body = client.get_object(Bucket=bucket, Key=key)["Body"]
             except (BotoCoreError, ClientError) as exc:
-                from worker.protocol.s3errors import s3_error_text
+                from worker.protocol.s3_errors import s3_error_text
 
                 raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {s3_error_text(exc)}") from None
             return f"s3://{bucket}/{key}", body

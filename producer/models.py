@@ -19,7 +19,7 @@ from producer.errors import ProducerError
 from worker.protocol.health import WorkerHealth
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE
 from worker.protocol.schema import RenderRequest
-from worker.protocol.sharedsettings import safe_redis_url
+from worker.protocol.shared_settings import safe_redis_url
 from worker.protocol.states import TERMINAL_STATES, EventType
 
 #: The terminal service states as plain strings (what meta and events carry).

@@ -23,7 +23,7 @@ from producer.models import (
 )
 from worker.protocol.health import SnapshotError, read_health
 from worker.protocol.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
-from worker.protocol.rqcompat import live_workers
+from worker.protocol.rq_compat import live_workers
 
 
 class StatsQueries:
@@ -34,7 +34,7 @@ class StatsQueries:
     def queue(self, name: str | None = None) -> Any:
         """The RQ queue this client writes and reads for `name` (default: the first of `LTX_QUEUES`): a
         tenant's own `<name>:t:<client>` (the only queue its Redis user may push to, and the only one whose
-        depth counts against it: `worker.jobs.tenantqueues`), the shared queue otherwise."""
+        depth counts against it: `worker.jobs.tenant_queues`), the shared queue otherwise."""
         name = name or self.settings.default_queue
         if self.settings.tenant_ids and not self.settings.operator:
             name = tenant_queue(name, self.settings.client)

@@ -108,7 +108,7 @@ for name in ["redis", "rq", "boto3", "pydantic", "pydantic_settings", "av", "ltx
         print(f"ok   {name} {getattr(mod, '__version__', '')}")
     except Exception as exc:  # report every missing piece at once
         print(f"MISS {name}: {type(exc).__name__}: {exc}")
-from worker.dev.devservers import find_redis_server, find_weed
+from devstack.dev_servers import find_redis_server, find_weed
 print("redis-server:", find_redis_server()); print("weed:", find_weed())
 PYCHECK
       env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' || true

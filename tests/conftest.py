@@ -1,6 +1,6 @@
 """Shared pytest fixtures: real Redis and real S3 (SeaweedFS) servers.
 
-The server classes live in the product (`worker.dev.devservers`, `worker.dev.tcpproxy`), shared with the demo and
+The server classes live in the product (`devstack.dev_servers`, `devstack.tcp_proxy`), shared with the demo and
 the benchmarks. Fixtures here:
 
 - `redis_server` (session): one redis-server without persistence; `redis_url`, `redis_client` on top.
@@ -41,9 +41,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.pop("COLUMNS", None)
     os.environ.pop("LINES", None)
 
+from devstack.dev_servers import RedisServer, S3Server, find_redis_server, find_weed  # noqa: E402
+from devstack.tcp_proxy import TcpProxy  # noqa: E402
 from tests.support.tiers import tier_of  # noqa: E402
-from worker.dev.devservers import RedisServer, S3Server, find_redis_server, find_weed  # noqa: E402
-from worker.dev.tcpproxy import TcpProxy  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers

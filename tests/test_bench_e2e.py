@@ -17,7 +17,7 @@ import pytest
 from bench.e2e.clock import gpu_busy_ratio, idle_gaps_ms
 from bench.e2e.runs import cold_ready, ratios
 from bench.e2e.stack import discover_weights, make_workload
-from worker.dev.devservers import pid_alive
+from devstack.dev_servers import pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = ["profile", "runner", "layout", "cold_ready_s", "e2e_p50_s", "e2e_p90_s", "stages_p50_s",

@@ -1,4 +1,4 @@
-"""Cancellation without a host rendezvous per step (`jobboard.CancelPoints`): every rank takes the same
+"""Cancellation without a host rendezvous per step (`job_board.CancelPoints`): every rank takes the same
 decision at the same call, rank 0 never waits for another rank, and no decision key outlives the next job.
 A real TCPStore (in-process) for the unit contract; a two-rank CPU fleet for the end-to-end one."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from ltx_mgpu import JobCancelledError, MGPUController, MGPURunner
-from ltx_mgpu.control.jobboard import CancelPoints, cancel_key
+from ltx_mgpu.control.job_board import CancelPoints, cancel_key
 
 
 @pytest.fixture()

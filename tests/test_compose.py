@@ -130,7 +130,7 @@ def test_redis_image_is_the_series_the_restart_test_passed_on() -> None:
 def test_redis_memory_flags_match_the_dev_servers_and_the_recipes() -> None:
     """The output-buffer and bulk caps in compose, the dev servers and both of
     docs/operations.md's command lines: the same flags, the same values."""
-    from worker.protocol.redisacl import REDIS_MEMORY_ARGS
+    from worker.protocol.redis_acl import REDIS_MEMORY_ARGS
 
     command = [str(c) for c in SERVICES["redis"]["command"]]
     pairs = list(zip(REDIS_MEMORY_ARGS[::2], REDIS_MEMORY_ARGS[1::2], strict=True))
@@ -148,7 +148,7 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     """Redis loads the users file the `redis-acl` one-shot writes from the password secrets; `default` is off;
     the worker and the producer log in as users of that file with their password files; no password is
     in any environment block; `maxmemory` is set with `noeviction`."""
-    from worker.protocol.redisacl import command as redis_acl
+    from worker.protocol.redis_acl import command as redis_acl
 
     redis = SERVICES["redis"]
     command = [substitute(str(c)) for c in redis["command"]]
@@ -159,7 +159,7 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     volume = next(v for v in init["volumes"] if v.endswith(":/acl"))
     assert f"{volume.split(':')[0]}:/acl:ro" in redis["volumes"] and aclfile.startswith("/acl/")
     assert init["build"]["target"] == "producer" and "COPY worker/protocol ./worker/protocol" in stage_text("producer")
-    assert init["entrypoint"] == ["python", "-m", "worker.protocol.redisacl"]
+    assert init["entrypoint"] == ["python", "-m", "worker.protocol.redis_acl"]
     # run the one-shot's command here, with its secrets as compose mounts them
     args = [substitute(str(a)) for a in init["command"]]
     files = mounted_secrets("redis-acl", tmp_path)
@@ -230,7 +230,7 @@ def test_s3_keys_come_from_secret_files_and_the_producer_gets_the_read_only_one(
             expected |= {"s3_producer_access_key", "s3_producer_secret_key"}
         assert {n for n in s3_secrets if n.startswith("s3_")} == expected, service  # and no other service's key
     # every secret compose mounts is a file scripts/secrets.sh makes
-    from worker.dev.s3gateway import make_secrets
+    from devstack.s3_gateway import make_secrets
 
     made = {p.name for p in make_secrets(tmp_path / "secrets").iterdir()}
     assert {Path(spec["file"]).name for spec in COMPOSE["secrets"].values()} == made
@@ -361,7 +361,7 @@ def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
         # the editable install's finder would serve any module the image lacks from the checkout
         "sys.meta_path = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from producer.cli import cli\nimport producer.client, producer.backfill, worker.protocol.redisacl\n"
+        "from producer.cli import cli\nimport producer.client, producer.backfill, worker.protocol.redis_acl\n"
         "assert all(m.__file__.startswith(sys.path[0]) for n, m in sys.modules.items() if n.startswith('worker')), "
         "[m.__file__ for n, m in sys.modules.items() if n.startswith('worker')]\n"
         "assert producer.client.__file__.startswith(sys.path[0]), producer.client.__file__\n"
@@ -413,7 +413,7 @@ def test_operations_recipe_without_docker_matches_compose(tmp_path: Path) -> Non
     for name in exported:
         assert name.removeprefix("LTX_").lower() in WorkerSettings.model_fields, name
     # whatever the recipe sets as it stands must be valid settings (with the secret files made)
-    from worker.dev.s3gateway import make_secrets
+    from devstack.s3_gateway import make_secrets
 
     made = make_secrets(tmp_path / "secrets")
     exported = {k: v.replace(secrets_dir, str(made)) for k, v in exported.items()}

@@ -50,7 +50,7 @@ def control_modules() -> list[str]:
 
 
 def test_the_control_folder_holds_the_control_plane() -> None:
-    expected = {"controller", "stream", "processes", "fleet", "runner", "transport", "jobboard", "startup"}
+    expected = {"controller", "stream", "processes", "fleet", "runner", "transport", "job_board", "startup"}
     assert expected <= set(control_modules())
 
 

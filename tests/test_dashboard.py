@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
+from devstack.dev_servers import LOOPBACK, free_port, stop_process
 from tests.support.wait import wait_for
 from tests.test_compose import SERVICES, stage_text
 from tests.test_redis_acl_rules import _passwords
-from worker.dev.devservers import LOOPBACK, free_port, stop_process
-from worker.protocol.redisacl import AclUsers, generate
+from worker.protocol.redis_acl import AclUsers, generate
 
 
 def _pinned(package: str) -> str:
@@ -61,8 +61,8 @@ class Dashboard:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Dashboard, Path]]:
-    from worker.dev.devsecure import SecureRedisServer
-    from worker.dev.devservers import find_redis_server
+    from devstack.dev_secure import SecureRedisServer
+    from devstack.dev_servers import find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")
@@ -104,7 +104,7 @@ def test_the_queue_list_job_list_and_job_pages_show_our_jobs(stack: tuple[Any, D
 
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
-    from worker.protocol import rqcompat
+    from worker.protocol import rq_compat
     from worker.protocol.keys import tenant_queue
     from worker.protocol.schema import RenderRequest
 
@@ -112,7 +112,7 @@ def test_the_queue_list_job_list_and_job_pages_show_our_jobs(stack: tuple[Any, D
     configured = f"q-{uuid.uuid4().hex[:8]}"
     queue = tenant_queue(configured, "alice")  # (alice submits to her own queue, which the workers register)
     with server.client() as admin:  # (as the worker serving it does when it starts: tenants may not)
-        rqcompat.register_queues(admin, [Queue(queue, connection=admin)])
+        rq_compat.register_queues(admin, [Queue(queue, connection=admin)])
     settings = ProducerSettings(redis_url=server.url, redis_username="alice", redis_password_file=secrets / "alice",
                                 queues=[configured])  # fmt: skip
     with ProducerClient(settings) as alice:

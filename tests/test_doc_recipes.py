@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import redis
 
-from ltx_mgpu.ports import free_port
+from devstack.dev_servers import pid_alive
+from devstack.ports import free_port
 from tests.support.docstack import shell_blocks
 from tests.support.wait import wait_for
 from tests.support.workers import ROOT
 from tests.test_docs_sync import DOCS, section
-from worker.dev.devservers import pid_alive
 
 _SERVER = """
 set -euo pipefail
@@ -78,7 +78,7 @@ def user(work: Path, port: int, name: str, **kwargs: Any) -> Any:
 
 
 def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path) -> None:
-    from worker.dev.devservers import find_redis_server
+    from devstack.dev_servers import find_redis_server
 
     if find_redis_server() is None or Path(find_redis_server() or "").name != "redis-server":
         pytest.skip("redis-server and redis-cli not found (apt-get install -y redis-server)")

@@ -35,8 +35,8 @@ def python_block(page: str, after: str) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Iterator[tuple[Any, Any]]:
+    from devstack.dev_servers import RedisServer, find_redis_server
     from producer.settings import ProducerSettings
-    from worker.dev.devservers import RedisServer, find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")

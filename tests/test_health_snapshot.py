@@ -20,7 +20,7 @@ from . import test_producer_cli
 env = test_producer_cli.env
 run = test_producer_cli.run
 
-#: A snapshot as `worker.runtime.rqworker` writes it (every key, in its order).
+#: A snapshot as `worker.runtime.rq_worker` writes it (every key, in its order).
 SNAPSHOT = {
     "worker": "ltx-cpu.abc123", "group": "cpu:2", "queues": ["ltx"], "runner": "smoke",
     "limits": {"runner": "smoke", "ranges": {"num_inference_steps": [1, 50]}},

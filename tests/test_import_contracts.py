@@ -5,14 +5,14 @@
   bounds, request rules, image sizes, the memory plan and profiles, shared by the request schema, the published
   limits and the runners), which import nothing of ltx_mgpu outside that package (the producer image holds no more);
 - ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
-- the control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner, transport, jobboard,
+- the control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner, transport, job_board,
   devices, errors, events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
   imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
 - inside worker/, a layer imports only the layers before it (`WORKER_LAYERS`) and no module is on an import
   cycle; these and the other `SOURCE_RULES` read the source, so an import inside a function counts;
 - no package, bench/ included, imports tests;
-- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `ltx_mgpu.ports`, `ltx_mgpu.spec.*` and the ltx2 runners'
+- `import ltx_mgpu`, `ltx_mgpu.control.devices`, `devstack.ports`, `ltx_mgpu.spec.*` and the ltx2 runners'
   description (`ltx_mgpu.runners.ltx2.spec`, what `ltx-worker plan` reads) import no torch (the worker's
   settings and dev servers and the producer use them).
 
@@ -185,7 +185,7 @@ class Rule:
 
 
 CONTROL_PLANE = tuple(f"ltx_mgpu.control.{m}" for m in (
-    "controller stream processes fleet runner transport jobboard devices errors events startup").split())  # fmt: skip
+    "controller stream processes fleet runner transport job_board devices errors events startup").split())  # fmt: skip
 
 #: Every module of the request specs (`ltx_mgpu/spec/`), and the exact names the producer and they may import
 SPEC = tuple(modules_under(ROOT, "ltx_mgpu/spec"))
@@ -197,21 +197,21 @@ RULES = [
          plant=("producer/display.py", "import ltx_mgpu.control.controller")),
     Rule("specs: stdlib only, nothing of ltx_mgpu outside them", packages=("ltx_mgpu/spec",),
          forbidden=("torch", "ltx_mgpu", *SHARED, "worker", "producer", "tests"),
-         plant=("ltx_mgpu/spec/bounds.py", "import ltx_mgpu.ports")),
+         plant=("ltx_mgpu/spec/bounds.py", "import ltx_mgpu.control.devices")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
          plant=("ltx_mgpu/parallel/layout.py", "import redis")),
     Rule("control plane: no runners, no data plane", modules=CONTROL_PLANE,
          forbidden=("ltx_mgpu.runners", "ltx_mgpu.parallel"),
-         plant=("ltx_mgpu/control/jobboard.py", "import ltx_mgpu.runners.common.args")),
+         plant=("ltx_mgpu/control/job_board.py", "import ltx_mgpu.runners.common.args")),
     Rule("worker: no producer, no tests", packages=("worker",), forbidden=("producer", "tests"),
-         plant=("worker/protocol/keys.py", "import producer.exitcodes")),
+         plant=("worker/protocol/keys.py", "import producer.exit_codes")),
     Rule("kernels: the bottom layer", packages=("kernels",), forbidden=("ltx_mgpu", "worker", "producer", "tests"),
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.control.devices")),
-    Rule("bench: no tests", packages=("bench",), forbidden=("tests",),
+    Rule("bench and devstack: no tests", packages=("bench", "devstack"), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
     Rule("ltx_mgpu, its device parser, port picker, request specs, LoRA file check: no torch",
-         modules=("ltx_mgpu", "ltx_mgpu.control.devices", "ltx_mgpu.ports", *SPEC, "ltx_mgpu.lorafile",
+         modules=("ltx_mgpu", "ltx_mgpu.control.devices", "devstack.ports", *SPEC, "ltx_mgpu.lora_file",
                   "ltx_mgpu.runners.ltx2.spec"),
          forbidden=("torch",),
          plant=("ltx_mgpu/control/devices.py", "import torch")),
@@ -325,9 +325,9 @@ SOURCE_RULES = [
                plant=("worker/protocol/keys.py", "from worker.settings import WorkerSettings")),
     # Development servers, the TLS Redis, the S3 gateway, the TCP proxy and the demo stay out of production
     # (bench/ and scripts/ are development tooling and may use them).
-    SourceRule("production: no worker.dev", folders=("worker", "producer", "ltx_mgpu", "kernels"),
-               forbidden=("worker.dev",), excluded=("worker/dev",),
-               plant=("worker/render/fleet.py", "from worker.dev.devservers import pid_alive")),
+    SourceRule("production: no devstack", folders=("worker", "producer", "ltx_mgpu", "kernels"),
+               forbidden=("devstack",), excluded=("devstack",),
+               plant=("worker/render/fleet.py", "from devstack.dev_servers import pid_alive")),
     SourceRule("worker.uploads: bytes only, no redis or rq", folders=("worker/uploads",), forbidden=("redis", "rq"),
                plant=("worker/uploads/uploader.py", "import redis")),
 ]  # fmt: skip
@@ -335,9 +335,9 @@ SOURCE_RULES = [
 
 #: worker/'s layers, lowest first (`LayerRule`): a folder of worker/ or a module at its top (`__init__` is
 #: worker/__init__.py). A new folder goes after every layer it imports, before every layer importing it (`stages`,
-#: driven by render/: before it); `dev` last (no production module imports it: "production: no worker.dev").
+#: driven by render/: before it). Development servers live outside worker/, in devstack/ ("production: no devstack").
 WORKER_LAYERS = ("__init__", "errors", "protocol", "settings", "ops", "uploads", "jobs", "stages", "render", "job",
-                 "runtime", "cli", "__main__", "dev")  # fmt: skip
+                 "runtime", "cli", "__main__")  # fmt: skip
 
 
 @dataclass(frozen=True)

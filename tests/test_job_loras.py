@@ -42,7 +42,7 @@ def files(tiny, tmp_path_factory):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from ltx_mgpu.lorafile import read_header, transformer_targets
+    from ltx_mgpu.lora_file import read_header, transformer_targets
 
     root = tmp_path_factory.mktemp("job-loras")
     kw = tiny.setup_kwargs()

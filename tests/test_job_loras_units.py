@@ -99,7 +99,7 @@ def test_overlapping_request_and_distilled_loras_stay_within_the_derived_bound(f
 def test_synthetic_user_loras_pass_the_check_against_their_checkpoint(tmp_path) -> None:
     """The generator's user LoRAs (attention projections, ranks 32 and 128) are LoRAs of the synthetic
     transformer: the worker's header check accepts them with the rank they were written at."""
-    from ltx_mgpu.lorafile import LoraLimits, check_lora, transformer_targets
+    from ltx_mgpu.lora_file import LoraLimits, check_lora, transformer_targets
     from ltx_mgpu.runners.ltx2.synthetic.profiles import profile
     from ltx_mgpu.runners.ltx2.synthetic.user_loras import main, user_lora_plan
     from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
@@ -117,7 +117,7 @@ def test_synthetic_user_loras_pass_the_check_against_their_checkpoint(tmp_path) 
 def test_synthetic_user_loras_of_different_seeds_are_different_loras_of_one_shape(tmp_path) -> None:
     """`python -m bench.e2e loras` needs several first uses of a rank-128 LoRA: files of different seeds have the same
     tensors and shapes but other bytes (so other cache keys and ETags); the same seed writes the same file."""
-    from ltx_mgpu.lorafile import read_header
+    from ltx_mgpu.lora_file import read_header
     from ltx_mgpu.runners.ltx2.synthetic.user_loras import write_user_lora
 
     paths = [tmp_path / f"{name}.safetensors" for name in ("a", "b", "a-again")]

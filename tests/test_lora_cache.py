@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.render import loracache
-from worker.render.loracache import LoraCache
+from worker.render import lora_cache
+from worker.render.lora_cache import LoraCache
 
 
 def _commit(cache: LoraCache, key: str, data: bytes) -> Path:
@@ -35,13 +35,13 @@ def test_a_commit_is_usable_before_its_fsync_and_durable_after(tmp_path: Path, m
         synced.append(fd)
         real_fsync(fd)
 
-    monkeypatch.setattr(loracache.os, "fsync", slow_fsync)
+    monkeypatch.setattr(lora_cache.os, "fsync", slow_fsync)
     path = _commit(cache, "a", b"factors")
     assert path.read_bytes() == b"factors" and cache.get("a") == path  # in use while its fsync waits
     assert not synced and not cache.wait_durable(timeout=0.05)
     release.set()
     assert cache.wait_durable(timeout=30) and synced
-    assert os.getxattr(path, loracache._DURABLE_XATTR) == b"1"
+    assert os.getxattr(path, lora_cache._DURABLE_XATTR) == b"1"
 
 
 def test_a_file_from_an_earlier_boot_is_kept_only_if_marked_durable(tmp_path: Path) -> None:
@@ -66,8 +66,8 @@ def test_without_xattrs_a_commit_fsyncs_before_its_rename(tmp_path: Path, monkey
     cache._xattrs = False  # (a file system without user xattrs: nothing could mark a file durable later)
     order: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(loracache.os, "fsync", lambda fd: (order.append("fsync"), real_fsync(fd))[1])
-    monkeypatch.setattr(loracache.os, "replace", lambda a, b: (order.append("replace"), real_replace(a, b))[1])
+    monkeypatch.setattr(lora_cache.os, "fsync", lambda fd: (order.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(lora_cache.os, "replace", lambda a, b: (order.append("replace"), real_replace(a, b))[1])
     path = _commit(cache, "a", b"x")
     assert order == ["fsync", "replace"] and cache.get("a") == path
     old = float(cache.boot_time or 0) - 100

@@ -113,9 +113,9 @@ def test_the_runners_setting_is_its_own_line_in_the_memory_plan(monkeypatch) -> 
 
 
 def test_the_staged_factor_reader_fuses_the_same_bytes_and_reads_each_file_once(setup) -> None:
-    """The runners read factors through `fastload` (one staged read per file, not one copy per tensor): the
+    """The runners read factors through `fast_load` (one staged read per file, not one copy per tensor): the
     weights after every swap are those of the tensor-by-tensor read, byte for byte, for the same file bytes."""
-    from ltx_mgpu.runners.common.fastload import StagedSafetensorsLoader
+    from ltx_mgpu.runners.common.fast_load import StagedSafetensorsLoader
 
     model, files = setup
     reads: list[tuple[str, int]] = []

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.lorarefs import LoraRef
-from worker.render.loracache import LoraCache, LoraCacheFull
+from worker.protocol.lora_refs import LoraRef
+from worker.render.lora_cache import LoraCache, LoraCacheFull
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.settings import WorkerSettings
 

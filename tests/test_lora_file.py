@@ -1,4 +1,4 @@
-"""`ltx_mgpu.lorafile`: a LoRA file is checked from its header alone, and each bad kind is refused with a
+"""`ltx_mgpu.lora_file`: a LoRA file is checked from its header alone, and each bad kind is refused with a
 message naming what is wrong. Files are crafted byte by byte (no torch needed); one case checks a real
 ComfyUI-style LoRA written with safetensors against a real tiny transformer checkpoint, so the naming the
 checker expects is the naming ltx-core fuses.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ltx_mgpu.lorafile import LoraFileError, LoraLimits, check_lora, read_header, transformer_targets
+from ltx_mgpu.lora_file import LoraFileError, LoraLimits, check_lora, read_header, transformer_targets
 
 TARGETS = {"transformer_blocks.0.attn1.to_q.weight": (64, 32), "transformer_blocks.0.ff.net.0.proj.weight": (128, 64)}
 _SIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}

@@ -1,6 +1,6 @@
 """The `loras` request field at the edge: its schema (count, strength, name, uri), `producer submit --lora`
 and `--dry-run` against what a live worker publishes (real Redis; the worker is an RQ worker registration
-with a health snapshot, as `worker.runtime.rqworker` writes it).
+with a health snapshot, as `worker.runtime.rq_worker` writes it).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from rq import Queue
 from rq.worker import Worker
 
-from producer.exitcodes import ExitCode
+from producer.exit_codes import ExitCode
 from worker.protocol.keys import worker_health_key
-from worker.protocol.lorarefs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed
+from worker.protocol.lora_refs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed
 from worker.protocol.schema import RenderRequest
 
 from . import test_producer_cli

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from ltx_mgpu.lorafile import LoraFileError, check_lora
+from ltx_mgpu.lora_file import LoraFileError, check_lora
 from producer.loras import lora_problems
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol.health import LoraOffer
-from worker.protocol.lorarefs import LoraRef, uri_problem
+from worker.protocol.lora_refs import LoraRef, uri_problem
 from worker.protocol.schema import RenderRequest
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.settings import WorkerSettings

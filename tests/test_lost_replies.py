@@ -11,7 +11,7 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from worker.dev.tcpproxy import TcpProxy
+from devstack.tcp_proxy import TcpProxy
 from worker.protocol.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key
 from worker.protocol.relay import EventRelay
 from worker.protocol.states import JobState
@@ -69,7 +69,7 @@ def test_requeue_after_a_failed_upload_pushes_the_id_once_through_a_lost_reply(r
     from rq.job import JobStatus
     from rq.registry import FinishedJobRegistry
 
-    from worker.protocol import rqcompat
+    from worker.protocol import rq_compat
     from worker.protocol.relay import with_redis_retry
 
     proxy, conn = _proxied(redis_server_factory)
@@ -85,11 +85,11 @@ def test_requeue_after_a_failed_upload_pushes_the_id_once_through_a_lost_reply(r
             pipe.execute()
         token = uuid.uuid4().hex
         proxy.drop_replies(1, after=b"EXEC")
-        with_redis_retry(lambda: rqcompat.requeue_after_return(job, token))
+        with_redis_retry(lambda: rq_compat.requeue_after_return(job, token))
         assert conn.lrange(queue.key, 0, -1) == [job.id.encode()]
         assert job.get_status(refresh=True) == JobStatus.QUEUED and job.id not in finished.get_job_ids()
         assert conn.ttl(job.key) == -1
-        rqcompat.requeue_after_return(job, token)  # (a retry that finds its own token writes nothing)
+        rq_compat.requeue_after_return(job, token)  # (a retry that finds its own token writes nothing)
         assert conn.lrange(queue.key, 0, -1) == [job.id.encode()]
     finally:
         conn.close()

@@ -1,4 +1,4 @@
-"""`ltx_mgpu.oslimits`: a process whose soft open-files limit is low (an ordinary user's 1,024, here 256) gets
+"""`ltx_mgpu.os_limits`: a process whose soft open-files limit is low (an ordinary user's 1,024, here 256) gets
 it raised to what its hard limit allows before a fleet starts, never lowered, and its children inherit it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = """
 import resource, subprocess, sys
-from ltx_mgpu.oslimits import raise_open_files_limit, WANTED_OPEN_FILES
+from ltx_mgpu.os_limits import raise_open_files_limit, WANTED_OPEN_FILES
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 assert soft == 256, soft
 got = raise_open_files_limit()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ltx_mgpu.oslimits import raise_open_files_limit
+from ltx_mgpu.os_limits import raise_open_files_limit
 from tests.support.fleet import running_worker
 from tests.support.workers import enqueue, wait_state
 
@@ -59,7 +59,7 @@ class Flood:
 
     def _run(self) -> None:
         # The flood's sockets are this process's files: an ordinary user's soft limit is often 1,024. Raised as
-        # the worker raises its own (`ltx_mgpu.oslimits`); where the hard limit is lower, a smaller flood.
+        # the worker raises its own (`ltx_mgpu.os_limits`); where the hard limit is lower, a smaller flood.
         soft = raise_open_files_limit()
         for i in range(FLOOD if soft is None else min(FLOOD, soft - 256)):
             self._open(slow=i % 10 == 0)
@@ -127,7 +127,7 @@ def test_slow_clients_on_the_metrics_port_never_starve_the_worker(tmp_path, redi
 
 
 def test_the_probe_server_caps_connections_and_expires_slow_ones() -> None:
-    from worker.ops.probeserver import ProbeServer
+    from worker.ops.probe_server import ProbeServer
 
     server = ProbeServer(lambda path: (200, path.encode(), "text/plain"), max_connections=50, timeout_s=1.0).start()
     socks: list[Any] = []

@@ -13,7 +13,7 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from producer.exitcodes import ExitCode
+from producer.exit_codes import ExitCode
 from tests.test_producer_cli import env, run  # noqa: F401  (the `env` fixture)
 
 

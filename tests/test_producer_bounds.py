@@ -11,7 +11,7 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from producer.exitcodes import ExitCode
+from producer.exit_codes import ExitCode
 from tests.test_producer_cli import env, run, write  # noqa: F401  (the `env` fixture)
 
 ATTACK = '{"prompt":"a fox","width":128,"height":96,"num_frames":9,"frame_rate":%s,"steps":2}'
@@ -52,7 +52,7 @@ def test_a_5000_digit_integer_in_a_request_file_is_one_clear_line(tmp_path, env)
     _one_line(err)
     assert f"{lines}:2:26: an integer of 5000 digits" in err
     # the Python API (no file to parse) says the same without a traceback
-    from producer.requestfile import RequestFileError, validate_request
+    from producer.request_file import RequestFileError, validate_request
 
     with pytest.raises(RequestFileError, match="seed: input should be less than or equal to 4294967295 "
                                                r"\(got an integer of about 5001 digits\)"):  # fmt: skip

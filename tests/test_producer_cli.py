@@ -1,5 +1,5 @@
 """The producer CLI without a worker: request files, admission, cancel of a waiting job, exit codes, the
-import-lightness rule. A real Redis (worker/dev/devservers.py); queues nobody consumes."""
+import-lightness rule. A real Redis (devstack/dev_servers.py); queues nobody consumes."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from producer.cli import cli
 from producer.client import content_job_id
-from producer.exitcodes import ExitCode
-from producer.jsonpos import locate, position_at
-from producer.requestfile import load_requests
+from producer.exit_codes import ExitCode
+from producer.json_pos import locate, position_at
+from producer.request_file import load_requests
 from worker.protocol.keys import RENDER_FUNC, events_key
 from worker.protocol.states import JobState
 

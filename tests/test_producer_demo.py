@@ -40,7 +40,7 @@ def test_demo_renders_uploads_verifies_and_leaves_nothing_running(
     work.mkdir()
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.dev.demo", "--output-dir", str(work / "out")],
+        [sys.executable, "-m", "devstack.demo", "--output-dir", str(work / "out")],
         cwd=clone, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     elapsed = time.monotonic() - t0

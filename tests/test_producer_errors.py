@@ -22,11 +22,11 @@ from click.testing import CliRunner
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from ltx_mgpu.ports import free_port
+from devstack.ports import free_port
 from producer.cli import cli
 from producer.client import ProducerClient
 from producer.display import printable
-from producer.exitcodes import ExitCode
+from producer.exit_codes import ExitCode
 from producer.settings import load_settings
 from tests.support.wait import wait_for
 from worker.ops.logs import event_text

@@ -26,12 +26,12 @@ from click.testing import CliRunner
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from devstack.dev_servers import RedisServer, S3Server
 from producer.cli import cli
 from producer.client import ProducerClient
-from producer.exitcodes import ExitCode
+from producer.exit_codes import ExitCode
 from producer.settings import load_settings
 from tests.support.wait import wait_for
-from worker.dev.devservers import RedisServer, S3Server
 from worker.protocol.keys import events_key, worker_health_key
 from worker.protocol.states import JobState
 

@@ -2,7 +2,7 @@
 `tests/test_redis_acl_rules.py`).
 
 The stack: one redis-server with the ACL file `ltx-worker redis-acl` writes (users `worker`, `alice`, `bob`;
-`default` off), listening on TLS only with a throwaway CA (`worker.dev.devsecure`); one `ltx-worker one` (CPU
+`default` off), listening on TLS only with a throwaway CA (`devstack.dev_secure`); one `ltx-worker one` (CPU
 fleet, fault runner) logged in as `worker` over `rediss://` with its password from a file and tenant ids
 on; real SeaweedFS. Tenants use `ProducerClient` (and the CLI) as their own users: submit, watch, ls,
 status, cancel (queued and running) and fetch work end to end; each attack a tenant could make with raw
@@ -28,7 +28,7 @@ from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, events, wait_ready
 from tests.test_redis_acl_rules import _passwords
 from worker.protocol.keys import REFUSALS_KEY
-from worker.protocol.redisacl import AclUsers, generate
+from worker.protocol.redis_acl import AclUsers, generate
 
 # ==== the stack: TLS + ACL Redis, a worker as `worker`, tenants as themselves ==============================
 
@@ -78,8 +78,8 @@ def _text(value: Any) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
-    from worker.dev.devsecure import SecureRedisServer
-    from worker.dev.devservers import find_redis_server
+    from devstack.dev_secure import SecureRedisServer
+    from devstack.dev_servers import find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")
@@ -110,7 +110,7 @@ def tenant_enqueue(conn: Any, queue: str, request: dict[str, Any], *, job_id: st
     from rq.serializers import JSONSerializer
 
     from worker.protocol.keys import RENDER_FUNC
-    from worker.protocol.rqcompat import enqueue_unregistered
+    from worker.protocol.rq_compat import enqueue_unregistered
 
     q = Queue(queue, connection=conn, serializer=JSONSerializer)
     job = q.create_job(RENDER_FUNC, args=(request,), job_id=job_id, meta=meta, timeout=600, result_ttl=3600,
@@ -188,7 +188,7 @@ def test_a_tenant_backfill_re_runs_its_cancelled_job_under_the_same_id(stack: St
     shared registries, which a tenant may not write: the tenant path deletes only its own keys."""
     from producer.backfill import Backfill
     from producer.models import content_job_id
-    from producer.requestfile import LoadedRequest
+    from producer.request_file import LoadedRequest
 
     request = _request(f"t backfill {uuid.uuid4().hex[:6]}")
     job_id = content_job_id(request)

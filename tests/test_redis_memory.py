@@ -1,5 +1,5 @@
 """Redis memory under a hostile client, against real redis-servers started with the
-service's memory flags (`worker.dev.devservers.REDIS_MEMORY_ARGS`) and a small `maxmemory`.
+service's memory flags (`devstack.dev_servers.REDIS_MEMORY_ARGS`) and a small `maxmemory`.
 
 - a client that sends `HGETALL`s of a big hash and never reads the replies is disconnected, and the memory
   its output buffer held comes back (it used to stay past `maxmemory`, failing every write);
@@ -27,7 +27,7 @@ import redis
 from tests.support.fleet import running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import enqueue, wait_state
-from worker.jobs.tenantmemory import RESERVE_BYTES
+from worker.jobs.tenant_memory import RESERVE_BYTES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -125,7 +125,7 @@ def test_a_submit_to_a_redis_out_of_memory_is_one_line_and_exit_6(redis_server_f
     from click.testing import CliRunner
 
     from producer.cli import cli
-    from producer.exitcodes import ExitCode
+    from producer.exit_codes import ExitCode
 
     server = redis_server_factory()
     filler = server.client()
@@ -191,7 +191,7 @@ def test_a_stop_signal_during_a_lost_connection_is_a_stop_not_an_outage() -> Non
     worker ran until it was killed. Only the refusal itself is an outage."""
     from rq.exceptions import StopRequested
 
-    from worker.protocol.redisoutage import outage_reason
+    from worker.protocol.redis_outage import outage_reason
 
     lost = redis.exceptions.ConnectionError("Connection closed by server.")
     try:

@@ -32,7 +32,7 @@ from tests.support.acl_stack import acl_worker
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, wait_ready
 from tests.test_redis_acl_rules import _passwords
-from worker.protocol.redisacl import AclUsers, generate
+from worker.protocol.redis_acl import AclUsers, generate
 
 
 def _valkey_server() -> str | None:
@@ -45,7 +45,7 @@ def _valkey_server() -> str | None:
 
 
 def _redis_server() -> str | None:
-    from worker.dev.devservers import find_redis_server
+    from devstack.dev_servers import find_redis_server
 
     found = find_redis_server()
     return found if found and Path(found).name == "redis-server" else None
@@ -79,7 +79,7 @@ class Stack:
 
 @pytest.fixture(scope="module", params=["redis-server", "valkey-server"])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Iterator[Stack]:
-    from worker.dev.devsecure import SecureRedisServer
+    from devstack.dev_secure import SecureRedisServer
 
     binary = _redis_server() if request.param == "redis-server" else _valkey_server()
     if binary is None:

@@ -27,7 +27,7 @@ from ltx_mgpu.runners.ltx2 import spec
 from ltx_mgpu.spec import memory_plan
 from ltx_mgpu.spec.memory_plan import FleetMemory, plan
 from ltx_mgpu.spec.request_rules import GENERIC, MAX_DURATION_S, PRESETS, RequestRuleError, RequestRules, ltx2_rules
-from producer.exitcodes import ExitCode
+from producer.exit_codes import ExitCode
 from worker.protocol.keys import worker_health_key
 from worker.protocol.limits import RuleViolation, RunnerLimits
 from worker.protocol.schema import RenderRequest

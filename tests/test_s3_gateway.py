@@ -27,8 +27,8 @@ from botocore.exceptions import ClientError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from worker.dev.devservers import find_weed
-from worker.dev.s3gateway import S3Gateway, make_secrets
+from devstack.dev_servers import find_weed
+from devstack.s3_gateway import S3Gateway, make_secrets
 from worker.settings import WorkerSettings
 from worker.uploads.spool import Spool
 from worker.uploads.storage import S3Storage, new_render_id
@@ -277,9 +277,9 @@ def test_a_hand_start_logs_no_error_and_leaves_no_socket_log_or_zombie(tmp_path:
     import tempfile
     import urllib.request
 
+    from devstack.dev_servers import free_ports
+    from devstack.s3_gateway import PORT_FLAGS, START_SCRIPT
     from tests.support.wait import wait_for
-    from worker.dev.devservers import free_ports
-    from worker.dev.s3gateway import PORT_FLAGS, START_SCRIPT
     from worker.ops.procs import pid_alive
 
     if find_weed() is None:

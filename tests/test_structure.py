@@ -1,6 +1,6 @@
 """Structure the tree keeps: files stay under 450 lines unless their module docstring says why (it names the
 "450 lines" it is over and the reason), so a file that keeps growing is split while splitting is still
-cheap; and one free-port picker (`ltx_mgpu/ports.py`) serves the engine, the dev servers and the tests."""
+cheap; and one free-port picker (`devstack/ports.py`) serves the dev servers, the benchmarks and the tests."""
 
 from __future__ import annotations
 
@@ -49,6 +49,6 @@ def test_one_free_port_picker() -> None:
     pickers = sorted(
         f for f in _python_files() if (ROOT / f).is_file() and _PICKS_A_PORT.search((ROOT / f).read_text())
     )
-    assert pickers == ["ltx_mgpu/ports.py"], f"pick ports with ltx_mgpu.ports, not in {pickers}"
+    assert pickers == ["devstack/ports.py"], f"pick ports with devstack.ports, not in {pickers}"
     planted = "s.bind" + '(("127.0.0.1", 0))'  # (split so this file does not match itself)
     assert _PICKS_A_PORT.search(planted) and _PICKS_A_PORT.search("return s.getsockname" + "()[1]")

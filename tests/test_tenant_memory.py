@@ -2,7 +2,7 @@
 has no per-user memory limit), against a real redis-server with the service's memory flags and a real
 worker serving tenants (`LTX_TENANT_IDS`, `LTX_TENANTS=alice,bob`) on a CPU rank, real SeaweedFS.
 
-Before `worker.jobs.tenantmemory` the worker waited, degraded, until an operator deleted her keys: bob's job
+Before `worker.jobs.tenant_memory` the worker waited, degraded, until an operator deleted her keys: bob's job
 in flight never recorded its outcome and his next job never ran. Now the worker trims the tenant over
 her budget (half of `maxmemory` shared between the two tenants), releases its reserve when refused, and
 bob's jobs end `uploaded` without an operator and without a worker restart.
@@ -21,7 +21,7 @@ import redis
 from tests.support.fleet import running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import enqueue, wait_state
-from worker.jobs.tenantmemory import key_tenant
+from worker.jobs.tenant_memory import key_tenant
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,7 +102,7 @@ def test_the_sweep_trims_only_the_tenant_over_budget_ended_first_never_a_running
     """`TenantMemory.sweep` on a real Redis: alice over her budget loses her largest ended keys first, then
     queued ones, never a started job's; bob, under his, keeps everything; the reserve is released when Redis
     refuses for memory and taken again only when there is room for it twice over."""
-    from worker.jobs.tenantmemory import TenantMemory
+    from worker.jobs.tenant_memory import TenantMemory
 
     redis_client = redis_server_factory().client()  # (its own server: the sweep looks at every key)
     tag = uuid.uuid4().hex[:6]
@@ -143,11 +143,11 @@ def test_the_sweep_trims_only_the_tenant_over_budget_ended_first_never_a_running
 def test_the_sweep_runs_as_the_worker_acl_user_and_a_tenant_cannot_touch_the_reserve(tmp_path) -> None:
     """Under the generated ACL users: `SCAN`, `MEMORY USAGE`, `INFO` and `DEL` pass as `worker`; alice can
     fill her own keys but cannot read or delete a worker's reserve."""
+    from devstack.dev_secure import SecureRedisServer
+    from devstack.dev_servers import find_redis_server
     from tests.test_redis_acl_rules import _passwords
-    from worker.dev.devsecure import SecureRedisServer
-    from worker.dev.devservers import find_redis_server
-    from worker.jobs.tenantmemory import TenantMemory
-    from worker.protocol.redisacl import AclUsers, generate
+    from worker.jobs.tenant_memory import TenantMemory
+    from worker.protocol.redis_acl import AclUsers, generate
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")

@@ -2,7 +2,7 @@
 redis-server with the ACL users `ltx-worker redis-acl` writes (`worker`, `alice`, `bob`), one
 `ltx-worker one` on a CPU rank serving both tenants' queues (`LTX_TENANTS`) with `LTX_MAX_QUEUE_DEPTH=5`,
 real SeaweedFS. alice attacks with raw Redis; bob only uses the producer. Each attack's test failed before
-tenant queues (`worker.jobs.tenantqueues`); the last two check the pieces on a plain Redis.
+tenant queues (`worker.jobs.tenant_queues`); the last two check the pieces on a plain Redis.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.support.wait import wait_for
 from tests.support.workers import events, wait_ready
 from tests.test_redis_acl import Stack, _request, _wait_state, tenant_enqueue
 from tests.test_redis_acl_rules import _passwords
-from worker.protocol.redisacl import AclUsers, generate
+from worker.protocol.redis_acl import AclUsers, generate
 
 DEPTH = 5
 _REQUEST = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}
@@ -29,8 +29,8 @@ _REQUEST = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
-    from worker.dev.devsecure import SecureRedisServer
-    from worker.dev.devservers import find_redis_server
+    from devstack.dev_secure import SecureRedisServer
+    from devstack.dev_servers import find_redis_server
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")
@@ -188,7 +188,7 @@ def test_an_operator_sees_every_tenant_queue_the_workers_serve(stack: Stack) -> 
 
 
 def test_tenants_take_turns_within_a_priority_never_across() -> None:
-    from worker.jobs.tenantqueues import rotate, served_queue_names
+    from worker.jobs.tenant_queues import rotate, served_queue_names
 
     names = served_queue_names(["hi", "lo"], ["alice", "bob"])
     assert names == ["hi", "hi:t:alice", "hi:t:bob", "lo", "lo:t:alice", "lo:t:bob"]
@@ -202,8 +202,8 @@ def test_one_dequeue_drops_a_bounded_number_of_junk_ids_and_reaches_the_next_ten
     them (counted), then takes bob's job. RQ's own dequeue skipped missing ids in one loop over the queue."""
     from rq.serializers import JSONSerializer
 
-    from worker.jobs.tenantqueues import JUNK_PER_QUEUE, TakingQueue
-    from worker.protocol.renderjob import RenderJob
+    from worker.jobs.tenant_queues import JUNK_PER_QUEUE, TakingQueue
+    from worker.protocol.render_job import RenderJob
 
     conn = redis_server.client()
     base = f"q-{uuid.uuid4().hex[:6]}"

@@ -22,7 +22,7 @@ from tests.support.wait import wait_for
 from tests.support.workers import events, wait_state
 from tests.test_worker_abuse import Worker as AbuseWorker
 from worker.jobs.admission import Admission
-from worker.jobs.admissionrule import STALE, Waiting, plan
+from worker.jobs.admission_rule import STALE, Waiting, plan
 from worker.protocol.states import FailureReason
 
 pytestmark = pytest.mark.timeout(240)
@@ -186,7 +186,7 @@ def test_ids_without_a_job_pushed_ahead_of_admitted_jobs_count_for_nothing(redis
     """Regression: with no ACL, LTX_MAX_QUEUE_DEPTH=5, a client's admitted job waiting, then 10 ids with no
     job hash LPUSHed onto the shared queue: the pass counted 11 waiting and ended the job `queue_full`.
     Entries that are not jobs (no hash, an ended job) count for nothing, in the worker's pass and in the
-    producer's admission alike (`worker.protocol.queuedepth`)."""
+    producer's admission alike (`worker.protocol.queue_depth`)."""
     from rq import Queue
     from rq.job import Job
 

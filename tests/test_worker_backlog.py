@@ -91,7 +91,7 @@ def _first_ts(evts: list[dict[str, Any]], state: str) -> float:
 
 @pytest.fixture
 def proxy(s3_server: Any) -> Any:
-    from worker.dev.tcpproxy import TcpProxy
+    from devstack.tcp_proxy import TcpProxy
 
     p = TcpProxy(s3_server.s3_port).start()
     try:

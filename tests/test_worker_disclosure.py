@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import yaml
 
+from devstack.dev_servers import find_weed
+from devstack.s3_gateway import S3Gateway, make_secrets
 from tests.support.fleet import running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import enqueue, wait_state
-from worker.dev.devservers import find_weed
-from worker.dev.s3gateway import S3Gateway, make_secrets
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -41,7 +41,7 @@ def lora_tensors(targets: dict[str, tuple[int, int]], *, rank: int = 4, dtype: s
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
-    from ltx_mgpu.lorafile import transformer_targets
+    from ltx_mgpu.lora_file import transformer_targets
     from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
 
     tiny = ensure_tiny_ltx2()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.lorarefs import LoraRef
-from worker.render.loracache import LoraCacheFull
+from worker.protocol.lora_refs import LoraRef
+from worker.render.lora_cache import LoraCacheFull
 from worker.render.loras import LoraCache, LoraRefused, LoraResolver
 from worker.settings import WorkerSettings
 

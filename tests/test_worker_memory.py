@@ -15,7 +15,7 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from producer.exitcodes import ExitCode
+from producer.exit_codes import ExitCode
 from tests.support.fleet import running_worker
 from tests.support.runners import read_records
 from tests.support.workers import enqueue, wait_rq_status, wait_state

@@ -120,7 +120,7 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     from worker.stages import upload as pipeline_module
 
     order: list[str] = []
-    monkeypatch.setattr(pipeline_module.rqcompat, "record_success_after_return",
+    monkeypatch.setattr(pipeline_module.rq_compat, "record_success_after_return",
                         lambda *a, **k: order.append("rq result"))  # fmt: skip
     outcomes = SimpleNamespace(uploaded=lambda *a: order.append("uploaded state"), result_ttl=lambda job: 60)
     up = pipeline_module.UploadPipeline.__new__(pipeline_module.UploadPipeline)
@@ -140,11 +140,11 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
     from types import SimpleNamespace
 
     from worker.jobs.attempt import JobAttempt
-    from worker.protocol import rqcompat
+    from worker.protocol import rq_compat
     from worker.stages import upload as pipeline_module
 
     job = Queue(unique_name, connection=redis_client, serializer=JSONSerializer).enqueue("worker.job.render", {})
-    real, calls = rqcompat.record_success_after_return, []
+    real, calls = rq_compat.record_success_after_return, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -154,7 +154,7 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
             raise redis.ConnectionError("Connection closed by server (test)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_module.rqcompat, "record_success_after_return", flaky)
+    monkeypatch.setattr(pipeline_module.rq_compat, "record_success_after_return", flaky)
     states: list[str] = []
     outcomes = SimpleNamespace(uploaded=lambda *a: states.append("uploaded"), result_ttl=lambda job: 60)
     up = pipeline_module.UploadPipeline.__new__(pipeline_module.UploadPipeline)

@@ -1,4 +1,4 @@
-"""`worker.protocol.rqcompat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
+"""`worker.protocol.rq_compat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
 and string it (and `FleetWorker`'s overrides) relies on. An RQ upgrade that changes one fails here, not in
 production (RQ's main branch already changed `perform_job`'s signature)."""
 
@@ -18,8 +18,8 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, StartedJobRegistry
 from rq.worker import SimpleWorker
 
-from worker.protocol import rqcompat
-from worker.runtime.rqworker import FleetWorker
+from worker.protocol import rq_compat
+from worker.runtime.rq_worker import FleetWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def _params(fn: object) -> list[str]:
 
 def test_rq_is_the_pinned_minor_version() -> None:
     major, minor = (int(x) for x in version("rq").split(".")[:2])
-    assert (major, minor) == rqcompat.RQ_MINOR
+    assert (major, minor) == rq_compat.RQ_MINOR
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"rq>={major}.{minor},<{major}.{minor + 1}"' in pyproject
 
@@ -78,23 +78,23 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     assert _params(StartedJobRegistry.add_execution) == ["self", "execution", "pipeline", "ttl", "xx"]
     # worker.jobs.admission reads running job ids from started-registry members `<job id>:<execution id>`
     member = Execution(id="e1", job_id="j1", connection=redis_client).composite_key
-    assert rqcompat.started_member_job_id(member.encode()) == "j1"
-    assert rqcompat.started_member_job_id(b"j1") == "j1"
-    # the intermediate-queue cleanup fails a stuck job with this exact string (rqcompat matches on it)
+    assert rq_compat.started_member_job_id(member.encode()) == "j1"
+    assert rq_compat.started_member_job_id(b"j1") == "j1"
+    # the intermediate-queue cleanup fails a stuck job with this exact string (rq_compat matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
-    assert f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}." in source
+    assert f"exc_string='{rq_compat.STUCK_IN_INTERMEDIATE}." in source
 
 
 def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
-    """`worker.jobs.tenantqueues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
-    `rqcompat.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
+    """`worker.jobs.tenant_queues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
+    `rq_compat.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
     its SREM."""
     from rq import worker_registration
     from rq.intermediate_queue import IntermediateQueue
     from rq.queue import Queue
     from rq.worker import Worker
 
-    from worker.jobs.tenantqueues import TakingQueue
+    from worker.jobs.tenant_queues import TakingQueue
 
     dequeue = ["cls", "queues", "timeout", "connection", "job_class", "serializer", "death_penalty_class"]
     assert _params(Queue.dequeue_any.__func__) == dequeue and _params(TakingQueue.dequeue_any.__func__) == dequeue
@@ -108,7 +108,7 @@ def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
 
 
 def test_rq_maintenance_steps_mirrored_by_rqcompat_exist() -> None:
-    """`rqcompat.clean_registries` repeats RQ's maintenance steps with its own lock: RQ's must still be these."""
+    """`rq_compat.clean_registries` repeats RQ's maintenance steps with its own lock: RQ's must still be these."""
     from rq import worker_registration
     from rq.intermediate_queue import IntermediateQueue
     from rq.queue import Queue
@@ -119,7 +119,7 @@ def test_rq_maintenance_steps_mirrored_by_rqcompat_exist() -> None:
     assert _params(IntermediateQueue.cleanup) == ["self", "worker", "queue"]
     cleanup = inspect.getsource(IntermediateQueue.cleanup)  # (`clean_intermediate` repeats these steps)
     for step in ("set_first_seen(job_id)", "should_be_cleaned_up(job_id)", "started_job_registry",
-                 f"exc_string='{rqcompat.STUCK_IN_INTERMEDIATE}.'"):  # fmt: skip
+                 f"exc_string='{rq_compat.STUCK_IN_INTERMEDIATE}.'"):  # fmt: skip
         assert step in cleanup, step
     assert isinstance(Queue.registry_cleaning_key, property) and callable(Queue.release_maintenance_lock)
     source = inspect.getsource(SimpleWorker.clean_registries)
@@ -141,13 +141,13 @@ def test_a_cleanup_lock_is_bounded_and_released_even_when_the_cleanup_fails(redi
         seen.append(redis_client.ttl(q.registry_cleaning_key))
         raise ConnectionError("Redis went away mid-cleanup")
 
-    monkeypatch.setattr(rqcompat, "clean_queue_registries", failing_clean)
+    monkeypatch.setattr(rq_compat, "clean_queue_registries", failing_clean)
     with pytest.raises(ConnectionError):
-        rqcompat.clean_registries(worker, lock_ttl_s=30)
+        rq_compat.clean_registries(worker, lock_ttl_s=30)
     assert 0 < seen[0] <= 30  # while held: bounded (RQ's own: 899)
     assert not redis_client.exists(queue.registry_cleaning_key)  # released on the way out
     monkeypatch.undo()
-    rqcompat.clean_registries(worker, lock_ttl_s=30)  # the real steps run and record the time
+    rq_compat.clean_registries(worker, lock_ttl_s=30)  # the real steps run and record the time
     assert worker.last_cleaned_at is not None and not redis_client.exists(queue.registry_cleaning_key)
     assert maintenance_lock_ttl(2) == 30 and maintenance_lock_ttl(60) == 180
 
@@ -162,11 +162,11 @@ def test_an_upload_recorded_twice_leaves_one_uploaded_result(redis_client) -> No
     job = queue.enqueue("worker.job.render", {"prompt": "x"})
     result = {"state": "uploaded", "key": f"videos/{job.id}/video.mp4", "bucket": "b"}
     for recovered in (False, True):
-        rqcompat.record_success_after_return(job, result, 60, "w", recovered=recovered)
+        rq_compat.record_success_after_return(job, result, 60, "w", recovered=recovered)
     uploads = [r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]
     assert len(uploads) == 1 and uploads[0].return_value["bucket"] == "b"
     other = {**result, "key": "videos/other/video.mp4"}  # a different object is a different upload
-    rqcompat.record_success_after_return(job, other, 60, "w", recovered=False)
+    rq_compat.record_success_after_return(job, other, 60, "w", recovered=False)
     assert len([r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]) == 2
 
 
@@ -186,20 +186,20 @@ def test_a_cancelled_job_deleted_after_its_dequeue_is_not_written_back(redis_cli
         return job
 
     recorded = dequeued("kept")  # the usual case: recorded as RQ records a cancelled queued job
-    assert rqcompat.drop_cancelled_dequeued(recorded, queue, 60)
+    assert rq_compat.drop_cancelled_dequeued(recorded, queue, 60)
     assert recorded.get_status(refresh=True) == JobStatus.CANCELED
     assert recorded.id in CanceledJobRegistry(queue.name, connection=redis_client).get_job_ids()
 
     deleted = dequeued("deleted")
     redis_client.delete(deleted.key)
-    assert not rqcompat.drop_cancelled_dequeued(deleted, queue, 60)
+    assert not rq_compat.drop_cancelled_dequeued(deleted, queue, 60)
     assert not redis_client.exists(deleted.key)
 
     replaced = dequeued("replaced")
     redis_client.delete(replaced.key)
     time.sleep(0.002)  # (RQ's created_at has microseconds: the new submission's differs)
     again = queue.enqueue("worker.job.render", {"prompt": "replaced"}, job_id=replaced.id)
-    assert not rqcompat.drop_cancelled_dequeued(replaced, queue, 60)
+    assert not rq_compat.drop_cancelled_dequeued(replaced, queue, 60)
     assert again.get_status(refresh=True) == JobStatus.QUEUED
     assert not redis_client.hget(again.key, "ended_at")
     assert redis_client.ttl(again.key) == -1
@@ -209,7 +209,7 @@ def test_a_cancelled_job_deleted_after_its_dequeue_is_not_written_back(redis_cli
 
 def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: list[Any]) -> tuple[Any, list[str]]:
     """`jobs` in `queue`'s intermediate list, first seen 10 minutes ago, then RQ's cleanup of that list by a
-    `FleetWorker` (`rqcompat.clean_intermediate`, RQ's steps): (the list, the ids it recorded lost)."""
+    `FleetWorker` (`rq_compat.clean_intermediate`, RQ's steps): (the list, the ids it recorded lost)."""
     from rq.intermediate_queue import IntermediateQueue
     from rq.utils import now
 
@@ -221,7 +221,7 @@ def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: l
     lost: list[str] = []
     monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
     monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
-    rqcompat.clean_intermediate(worker, queue)
+    rq_compat.clean_intermediate(worker, queue)
     return intermediate, lost
 
 
@@ -240,7 +240,7 @@ def test_a_stale_intermediate_entry_does_not_queue_a_job_twice(redis_client, mon
     assert lost == [stuck.id]  # the really stuck one is recorded lost (and re-queued by its budget)
     assert redis_client.lrange(queue.key, 0, -1).count(waiting.id.encode()) == 1
     assert intermediate.get_job_ids() == []
-    assert rqcompat.stale_intermediate_entry(waiting, queue) and not rqcompat.stale_intermediate_entry(stuck, queue)
+    assert rq_compat.stale_intermediate_entry(waiting, queue) and not rq_compat.stale_intermediate_entry(stuck, queue)
 
 
 def test_another_queues_job_on_an_intermediate_list_is_not_recorded_lost(redis_client, monkeypatch) -> None:
@@ -257,7 +257,7 @@ def test_another_queues_job_on_an_intermediate_list_is_not_recorded_lost(redis_c
     foreign.save()
     intermediate, lost = _clean_intermediate(redis_client, monkeypatch, mine, [foreign])
     assert lost == [] and intermediate.get_job_ids() == []
-    assert rqcompat.stale_intermediate_entry(foreign, mine)
+    assert rq_compat.stale_intermediate_entry(foreign, mine)
 
 
 def _rq_private_names() -> set[str]:
@@ -274,14 +274,14 @@ def _rq_private_names() -> set[str]:
 
 
 def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
-    """Places in worker/ and producer/ outside rqcompat that touch RQ's private state: `x._name` on anything
+    """Places in worker/ and producer/ outside rq_compat that touch RQ's private state: `x._name` on anything
     but `self`, and `self._name` or `def _name` inside a class derived from an RQ class, for the names
-    RQ keeps private; plus any `horse_pid` (a stand-in pid only rqcompat may fake)."""
+    RQ keeps private; plus any `horse_pid` (a stand-in pid only rq_compat may fake)."""
     import ast
 
     trees = {p: ast.parse(p.read_text()) for d in ("worker", "producer") for p in sorted((root / d).rglob("*.py"))
-             if p.name != "rqcompat.py"}  # fmt: skip
-    rq_names = {"GuardedJob"}  # (rqcompat's RQ subclass)
+             if p.name != "rq_compat.py"}  # fmt: skip
+    rq_names = {"GuardedJob"}  # (rq_compat's RQ subclass)
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq":
@@ -313,7 +313,7 @@ def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
 
 
 def test_nothing_but_rqcompat_touches_rq_private_state() -> None:
-    """An RQ upgrade must be a review of rqcompat alone: no other module overrides or reads what RQ keeps
+    """An RQ upgrade must be a review of rq_compat alone: no other module overrides or reads what RQ keeps
     private (`Job._execute`, `Worker._ordered_queues`, ...) or fakes a horse pid."""
     private = _rq_private_names()
     assert {"_execute", "_ordered_queues", "_stopped_job_id"} <= private  # (the scan sees RQ's source)
@@ -354,11 +354,11 @@ def test_entries_that_are_no_jobs_do_not_stop_the_intermediate_cleanup(redis_cli
     lost: list[str] = []
     monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
     monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
-    rqcompat.clean_intermediate(worker, queue)  # first pass: junk dropped, the rest only seen
+    rq_compat.clean_intermediate(worker, queue)  # first pass: junk dropped, the rest only seen
     assert redis_client.lrange(intermediate.key, 0, -1) == [b"unreadable-1", stuck.id.encode()] and lost == []
     for job_id in ("unreadable-1", stuck.id):  # ... ten minutes later
         redis_client.set(intermediate.get_first_seen_key(job_id), now().timestamp() - 600)
-    rqcompat.clean_intermediate(worker, queue)
+    rq_compat.clean_intermediate(worker, queue)
     assert redis_client.lrange(intermediate.key, 0, -1) == [] and lost == [stuck.id]
     assert redis_client.hget("rq:job:unreadable-1", "status") == b"failed"
 

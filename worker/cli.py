@@ -5,8 +5,8 @@
     ltx-worker one --group 0,1                      # a single worker in this process (no supervisor)
     ltx-worker health --port 9400                   # probe a worker's /readyz (exit 0 when ready)
     ltx-worker settings                             # print the effective settings (secrets masked)
-    ltx-worker plan --runner ltx2-distilled --group 0,1 --size 1536x1024x241   # a memory plan (runtime/plancli.py)
-    ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/protocol/redisacl.py)
+    ltx-worker plan --runner ltx2-distilled --group 0,1 --size 1536x1024x241   # a memory plan (runtime/plan_cli.py)
+    ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/protocol/redis_acl.py)
 
 Every setting is an environment variable (`LTX_<FIELD>`) or a settings-file entry (`--settings FILE` /
 `LTX_SETTINGS_FILE`); the flags below override the most common ones. See docs/worker.md.
@@ -190,15 +190,15 @@ def show_settings(ctx: click.Context, settings_file: str | None, queues: tuple[s
 
 
 def _add_redis_acl() -> None:
-    from worker.protocol.redisacl import (
-        command,  # (light: the producer image runs it as `python -m worker.protocol.redisacl`)
+    from worker.protocol.redis_acl import (
+        command,  # (light: the producer image runs it as `python -m worker.protocol.redis_acl`)
     )
 
     main.add_command(command, "redis-acl")
 
 
 def _add_plan() -> None:
-    from worker.runtime.plancli import command  # (light until run: the runner class is imported by the command)
+    from worker.runtime.plan_cli import command  # (light until run: the runner class is imported by the command)
 
     main.add_command(command, "plan")
 

@@ -1,7 +1,7 @@
 """The parts of `python -m bench.e2e` that touch the real stack: weights, workloads, servers, worker processes,
 job submission through the producer's client, and reading each job back from its Redis Stream.
 
-Nothing here fakes a layer: Redis (or valkey) and SeaweedFS are real servers (`worker.dev.devservers`), the
+Nothing here fakes a layer: Redis (or valkey) and SeaweedFS are real servers (`devstack.dev_servers`), the
 workers are `ltx-worker` processes configured only through `LTX_*` variables (as an operator would), and
 jobs go in through `producer.client.ProducerClient` and come back as the events clients see.
 """
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e.clock import encode_window, worker_encode_stages
+from devstack.dev_servers import RedisServer, S3Server, descendants, pid_alive
 from producer.client import JobEvent, ProducerClient
 from producer.settings import ProducerSettings
-from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive
 from worker.protocol.keys import worker_health_key
 from worker.protocol.schema import RenderRequest
 from worker.protocol.states import TERMINAL_STATES

@@ -2,7 +2,7 @@
 
 `controller` (the `MGPUController` a service holds), `fleet` (each rank's process: boot, job loop, error
 semantics), `runner` (the contract a model pipeline implements), `transport` (driver <-> rank channels),
-`jobboard` (cancellation), `startup` (timed fleet start), `events`, `errors`, `devices`.
+`job_board` (cancellation), `startup` (timed fleet start), `events`, `errors`, `devices`.
 
 It is model-agnostic and knows nothing of the data plane: no module here names `ltx_mgpu.parallel` or
 `ltx_mgpu.runners`, not even lazily (`tests/test_control_plane_contract.py`); those depend on this folder,

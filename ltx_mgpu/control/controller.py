@@ -44,12 +44,12 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-from ..oslimits import raise_open_files_limit
+from ..os_limits import raise_open_files_limit
 from . import determinism
 from .devices import choose_backend, normalize_devices
 from .errors import ControllerBusyError, FleetFailure, FleetTimeoutError
 from .fleet import check_job_kwargs
-from .jobboard import cancel_key
+from .job_board import cancel_key
 from .processes import FleetProcesses, await_ready, exited_rank_failure, spawn_fleet
 from .runner import MGPURunner
 from .startup import FleetStartup

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from . import determinism
 from .devices import MULTICAST_OFF_ENV
 from .errors import RenderFault, RenderOutOfMemory, RunnerError, value_error_terminal
-from .jobboard import CancelPoints, JobBoard, cancel_key
+from .job_board import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import RankStartup
 from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders

@@ -80,7 +80,7 @@ class MGPURunner(ABC):
 
     _groups: ProcessGroups | None = None
     _ctx: RankContext | None = None
-    _cancel_points: Any = None  # jobboard.CancelPoints of the current job, injected by the fleet on every rank
+    _cancel_points: Any = None  # job_board.CancelPoints of the current job, injected by the fleet on every rank
     _import_thread: threading.Thread | None = None
 
     #: modules setup() imports late and slowly, imported on a side thread from the rank's start (see the
@@ -148,7 +148,7 @@ class MGPURunner(ABC):
 
         Call it at the same safe points on every rank (e.g. once per denoising step). Every `cancel_every`-th
         call, rank 0 reads the caller's flag once and leaves its answer in the fleet's store for the others
-        (`jobboard.CancelPoints`): every rank takes the same branch even if the flag flips between reads, and
+        (`job_board.CancelPoints`): every rank takes the same branch even if the flag flips between reads, and
         no rank waits for any other rank but rank 0 (no collective, no host rendezvous of the group).
         """
         points = self._cancel_points

@@ -23,7 +23,7 @@ from .errors import (
     RunnerError,
     SymmetricRunnerError,
 )
-from .jobboard import cancel_key
+from .job_board import cancel_key
 from .transport import MessageKind
 
 if TYPE_CHECKING:

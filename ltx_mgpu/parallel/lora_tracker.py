@@ -167,7 +167,7 @@ class LoraWeightTracker:
         factor_reader: `(path, names, device) -> {name: tensor}`, how kept factors are read from a LoRA file
             (None: safetensors tensor by tensor, each a synchronous copy from pageable memory: 2,304 of them,
             ~0.5 s, for a rank-128 19B LoRA on an H200). The runners pass the staged reader of
-            `runners.common.fastload`; the bytes, hence the fusion, are the same either way.
+            `runners.common.fast_load`; the bytes, hence the fusion, are the same either way.
     """
 
     def __init__(

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import LtxMgpuError
-from ..oslimits import raise_open_files_limit
+from ..os_limits import raise_open_files_limit
 
 __all__ = ["LocalWorld", "WorldContext", "WorldError", "WorldPool"]
 

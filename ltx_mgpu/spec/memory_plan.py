@@ -85,7 +85,7 @@ SPATIAL_SCALE, TEMPORAL_SCALE = 32, 8  #: LTX-2's video VAE: one latent cell per
 STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
 DEFAULT_REQUEST_LORAS = 4  #: a runner set up with `request_loras`, until the worker says its own (`with_lora_limits`)
 LORA_STAGING_GIB = 0.25  #: `LoraWeightTracker(bucket_bytes=256 MiB)`: its broadcast buffer, kept on W > 1
-LORA_FACTOR_BYTES = 4  #: the widest factor dtype a LoRA file may hold (F32, `lorafile.LORA_DTYPES`): kept as read
+LORA_FACTOR_BYTES = 4  #: the widest factor dtype a LoRA file may hold (F32, `lora_file.LORA_DTYPES`): kept as read
 
 
 RUNNER_KINDS = ("distilled", "two-stage")

@@ -42,8 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from devstack.dev_servers import S3Server
 from tests.chaos.engine import Report, run_chaos
-from worker.dev.devservers import S3Server
 
 PLANTS = {
     "retry0": {f"retry_{r}": 0 for r in ("fleet_failure", "worker_lost", "upload_failed", "worker_shutdown")},

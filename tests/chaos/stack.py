@@ -17,12 +17,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from devstack.dev_servers import RedisServer, S3Server
+from devstack.tcp_proxy import TcpProxy
 from tests.chaos.runner import RUNNER_NAME, RUNNER_PATH
 from tests.support.runners import RUNNERS
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, pid_alive, worker_env, worker_health
-from worker.dev.devservers import RedisServer, S3Server
-from worker.dev.tcpproxy import TcpProxy
 
 __all__ = ["ChaosStack", "marked_processes"]
 

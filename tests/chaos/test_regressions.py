@@ -18,7 +18,7 @@ from tests.chaos.hostile import VALID, canary_paths, raw_job_hashes
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, enqueue, wait_ready, wait_state, worker_env
 from worker.protocol.keys import RENDER_FUNC
-from worker.protocol.renderjob import RefusedJob, RenderJob
+from worker.protocol.render_job import RefusedJob, RenderJob
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -227,8 +227,8 @@ def test_worker_starting_while_s3_is_unreachable_serves_renders(
     """A worker restarting during an S3 outage used to exit 2 (as if misconfigured); the supervisor gave up
     after 5 quick exits and the service was down. Now it starts with storage `degraded` (health, metrics),
     renders into the spool while uploads retry, and the job is uploaded once S3 is back."""
+    from devstack.tcp_proxy import TcpProxy
     from tests.support.workers import worker_health
-    from worker.dev.tcpproxy import TcpProxy
 
     proxy = TcpProxy(s3_server.s3_port).start()
     proxy.block()

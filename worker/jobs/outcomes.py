@@ -12,13 +12,13 @@ handler (a job that failed before the service saw it). Each calls `JobOutcomes`,
   execution never got to write cannot be missing);
 - records it: a `retrying` or terminal state event with the error, meta `attempts` (one entry per attempt
   that did not succeed: which attempt, which worker, how it ended), the stream's TTL;
-- tells RQ through `rqcompat.set_retry` (RQ's own failure handling and cleanup then re-queue or fail it);
+- tells RQ through `rq_compat.set_retry` (RQ's own failure handling and cleanup then re-queue or fail it);
 - counts it in the metrics.
 
 The limits the worker owns are applied here (`own_limits`): RQ's `job_timeout` comes from the settings and
 the result/failure TTLs are capped by them, whatever the enqueuer wrote. TTLs (result, failure, the
 running stream's) are computed here too, and `uploaded`/`cancelled` are
-recorded here. RQ's registries are touched only by `worker.protocol.rqcompat`.
+recorded here. RQ's registries are touched only by `worker.protocol.rq_compat`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from worker.ops.errorids import public_message
-from worker.protocol import rqcompat
+from worker.ops.error_ids import public_message
+from worker.protocol import rq_compat
 from worker.protocol.relay import EventRelay
 from worker.protocol.states import FailureReason, JobState
 from worker.settings import WorkerSettings
@@ -156,7 +156,7 @@ class JobOutcomes:
                                                             message, details))  # fmt: skip
         error = {"reason": reason.value, "message": message, "retryable": bool(retryable), **details,
                  "attempts": attempts}  # fmt: skip
-        rqcompat.set_retry(job, retry)
+        rq_compat.set_retry(job, retry)
         if retry:
             retries[reason.value] = used + 1
             relay.update_summary(retries=retries, attempts=attempts)
@@ -185,7 +185,7 @@ class JobOutcomes:
     # ==== the other ends =================================================================================
     def cancelled(self, job: Job, relay: EventRelay | None = None, **extra: Any) -> None:
         """Record a cancel (terminal; never retried)."""
-        rqcompat.set_retry(job, False)
+        rq_compat.set_retry(job, False)
         (relay or self.relay(job)).state(JobState.CANCELLED, ttl=self.failure_ttl(job), **extra)
         self._count("cancelled", None)
 

@@ -5,7 +5,7 @@
 - `GET /healthz`: liveness, 200 while the work loop has beaten recently; 503 otherwise.
 - `GET /readyz`: readiness, 200 only while the fleet is up (warm and not poisoned); 503 otherwise.
 Both return the JSON health snapshot (group, fleet state, pids, current job, counters). Served by
-`worker.ops.probeserver` (one thread, bounded connections, a deadline per connection).
+`worker.ops.probe_server` (one thread, bounded connections, a deadline per connection).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from worker.ops.probeserver import ProbeServer, Reply
+from worker.ops.probe_server import ProbeServer, Reply
 from worker.protocol.health import WorkerHealth
 
 __all__ = ["HealthServer", "WorkerMetrics"]
@@ -48,10 +48,10 @@ class WorkerMetrics:
                                         registry=r)  # fmt: skip
         self.dropped_queue_entries = Counter("ltx_worker_dropped_queue_entries", "Queue entries dropped without "
                                              "counting or running (no such job, ended, another tenant's, another "
-                                             "queue's, malformed; worker.jobs.tenantqueues)", [*labels, "reason"],
+                                             "queue's, malformed; worker.jobs.tenant_queues)", [*labels, "reason"],
                                              registry=r)  # fmt: skip
         self.requeued_lost_pops = Counter("ltx_worker_requeued_lost_pops", "Jobs queued again after a wait for "
-                                          "a job lost its reply and the id it took (worker.jobs.lostpops)", labels,
+                                          "a job lost its reply and the id it took (worker.jobs.lost_pops)", labels,
                                           registry=r)  # fmt: skip
         self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
                                             labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip
@@ -140,7 +140,7 @@ class WorkerMetrics:
 
 
 class HealthServer:
-    """`/metrics`, `/healthz`, `/readyz` on one bounded thread (`worker.ops.probeserver`: a flood of slow or
+    """`/metrics`, `/healthz`, `/readyz` on one bounded thread (`worker.ops.probe_server`: a flood of slow or
     half-open connections costs sockets, never threads). `snapshot()` returns (live, ready, info)."""
 
     def __init__(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.protocol.limits import RunnerLimits
-from worker.protocol.typedjson import SnapshotError, dump, load
+from worker.protocol.typed_json import SnapshotError, dump, load
 
 __all__ = [
     "FleetHealth",
@@ -73,7 +73,7 @@ class StorageHealth:
 
 @dataclass(frozen=True)
 class RedisHealth:
-    """`worker.protocol.redisoutage.RedisOutage`: whether the worker reaches Redis."""
+    """`worker.protocol.redis_outage.RedisOutage`: whether the worker reaches Redis."""
 
     up: bool = True
     since: float | None = None  #: wall clock of the last change

@@ -1,7 +1,7 @@
 """Redis names of the render service: keys, job ids, tenants and queues, job owners, in one place.
 
 Job states, event types and failure reasons: `worker.protocol.states`; the checks of the `LTX_*` settings
-the worker and the producer share: `worker.protocol.sharedsettings`.
+the worker and the producer share: `worker.protocol.shared_settings`.
 
 Imports only the standard library so the producer (and any non-Python client that reads this file as
 documentation) can share it without pulling in torch, rq or boto3.
@@ -23,7 +23,7 @@ JSON too):
 Tenant queues (`LTX_TENANTS`): every tenant pushes only onto its own RQ queue `<queue>:t:<tenant>` (one per
 configured queue, so priorities hold), each with RQ's own registries (`rq:wip:<queue>:t:<tenant>`, ...).
 Workers serve the shared queue and every tenant queue of each configured queue, tenants in turn, and check
-each id before it counts or runs (`worker.jobs.tenantqueues`): what a tenant pushes lands where only its own
+each id before it counts or runs (`worker.jobs.tenant_queues`): what a tenant pushes lands where only its own
 jobs are counted.
 
 The event stream is capped with `XADD ... MAXLEN ~ events_maxlen` and expires with the job (result TTL
@@ -141,7 +141,7 @@ def base_queue(queue: str) -> str:
 CANCEL_REQUESTED_FIELD = KEY_PREFIX + "_cancel_requested"
 
 #: Job-hash field the worker writes with the (random) token of each re-queue of a job RQ saw finish
-#: (`worker.protocol.rqcompat.requeue_after_return`): a retry after a lost reply finds its own token and
+#: (`worker.protocol.rq_compat.requeue_after_return`): a retry after a lost reply finds its own token and
 #: pushes nothing a second time. A tenant may write the field but cannot guess a token.
 REQUEUE_TOKEN_FIELD = KEY_PREFIX + "_requeued"
 

@@ -15,7 +15,7 @@ back-off; with AOF nothing acknowledged is lost. A write can also be applied wit
 by SIGTERM persists what it executed but may close the socket before the reply leaves): a plain retry (or
 redis-py's own silent ones, 10 by default in redis-py 8) would add the event twice, and a consumer would see a
 job end twice.
-So the relay writes through a client that sends each command once (`redisconn.single_try`), and its own
+So the relay writes through a client that sends each command once (`redis_conn.single_try`), and its own
 retry first looks for the event among the stream's newest entries (each event's payload is unique: it
 carries its emit time) and only completes the rest of the write when it is there: every event appears
 exactly once.
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
-from worker.protocol.redisconn import single_try
+from worker.protocol.redis_conn import single_try
 from worker.protocol.states import TERMINAL_STATES, EventType, JobState
 
 if TYPE_CHECKING:
@@ -45,8 +45,8 @@ _RETRY_LOOKBACK = 16  #: newest stream entries a retried write searches for its 
 def with_redis_retry(fn: Callable[[], Any], *, outage_s: float = REDIS_OUTAGE_S) -> Any:
     """Call `fn` (one Redis write), retrying with back-off for up to `outage_s` seconds while Redis refuses
     for a reason that clears by itself: unreachable, out of memory, read-only, loading
-    (`worker.protocol.redisoutage.outage_reason`): a render's events must not fail its job on a full Redis."""
-    from worker.protocol.redisoutage import memory_refused, outage_reason
+    (`worker.protocol.redis_outage.outage_reason`): a render's events must not fail its job on a full Redis."""
+    from worker.protocol.redis_outage import memory_refused, outage_reason
 
     deadline = time.monotonic() + outage_s
     delay = 0.05

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ltx_mgpu.spec.bounds import FLOAT_FIELDS, RANGES
 from ltx_mgpu.spec.image_size import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
 from ltx_mgpu.spec.request_rules import GENERIC
-from worker.protocol.lorarefs import MAX_LORAS, LoraRef, strength_problem
+from worker.protocol.lora_refs import MAX_LORAS, LoraRef, strength_problem
 
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
@@ -100,7 +100,7 @@ class RenderRequest(BaseModel):
         default=True, description="decode the generated audio into the mp4 (AAC); false = a silent mp4, faster"
     )
     loras: list[LoraRef] | None = Field(
-        default=None, max_length=MAX_LORAS, description="LoRAs fused for this job only (worker.protocol.lorarefs)"
+        default=None, max_length=MAX_LORAS, description="LoRAs fused for this job only (worker.protocol.lora_refs)"
     )
 
     @field_validator("width", "height")

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.errors import WorkerError
-from worker.ops.errorids import public_message
+from worker.ops.error_ids import public_message
 from worker.ops.procs import pid_alive
 from worker.protocol.states import EventType
 from worker.render.warmup import WarmUp
@@ -276,7 +276,7 @@ class WarmFleet:
     @staticmethod
     def describe(failure: BaseException) -> dict[str, Any]:
         """A FleetFailure, machine-readable, with a one-line message (health snapshots and job errors are
-        read by tenants: the ranks' tracebacks stay in the worker log under `error_id`; `worker.ops.errorids`).
+        read by tenants: the ranks' tracebacks stay in the worker log under `error_id`; `worker.ops.error_ids`).
         The same failure object is described once (its monitor and the job that hit it both report it)."""
         cached = getattr(failure, "_ltx_description", None)
         if isinstance(cached, dict):

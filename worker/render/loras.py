@@ -1,7 +1,7 @@
 """Per-request LoRAs, worker side: a request's `loras` resolved to checked local files before the fleet sees them.
 
 `LoraResolver.resolve(refs)` turns each `LoraRef` into a file of the on-disk cache and checks it
-(`ltx_mgpu.lorafile.check_lora`, header only, against the transformer the runner loads) or raises
+(`ltx_mgpu.lora_file.check_lora`, header only, against the transformer the runner loads) or raises
 `LoraRefused` naming the entry and what is wrong; the service fails the job as `invalid_request` (never
 retried) and the fleet's weights are never touched. What the fleet gets is `[{"path", "strength"}]`.
 
@@ -9,15 +9,15 @@ Sources:
 - `name`: `<LTX_LORA_CATALOGUE>/<name>.safetensors` (the name pattern has no separator; the resolved path
   must stay inside the catalogue, so a symlink out of it is refused);
 - `uri`: `s3://bucket/key` under `LTX_LORA_S3_PREFIXES` (with tenants, under the job's tenant's folder there
-  or a shared prefix: `worker.protocol.lorarefs.uri_problem`), read with the worker's S3 client. Its size
+  or a shared prefix: `worker.protocol.lora_refs.uri_problem`), read with the worker's S3 client. Its size
   comes from a HEAD, so an over-limit object is refused before a byte is fetched, and its header from a
   ranged GET of its first bytes, checked before the body is fetched.
 
 Before anything is fetched, the sizes of a job's distinct LoRAs must fit the cache's cap together
 (`lora_too_large`): one job can never pin more than the cache may hold. Strengths of one file (by content)
-add up and are bounded in sum (`worker.protocol.lorarefs.strength_problem`).
+add up and are bounded in sum (`worker.protocol.lora_refs.strength_problem`).
 
-The cache (`worker.render.loracache.LoraCache`) is a folder of checked files named by content (and, for S3
+The cache (`worker.render.lora_cache.LoraCache`) is a folder of checked files named by content (and, for S3
 objects, by tenant: one tenant's `cached` or `fetch_bytes` never tells whether another used an object),
 shared by the worker's fleets; its module says how its cap holds and how files in use stay pinned. A write
 that fails (a full disk) raises `OSError`: the service fails the job as `spool_error`, never `internal`.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ltx_mgpu.lorafile import (
+from ltx_mgpu.lora_file import (
     LoraFileError,
     LoraLimits,
     check_header,
@@ -45,8 +45,8 @@ from ltx_mgpu.lorafile import (
 )
 from worker.errors import WorkerError
 from worker.protocol.health import LoraOffer
-from worker.protocol.lorarefs import LoraRef, split_s3_uri, strength_problem, uri_problem
-from worker.render.loracache import LoraCache
+from worker.protocol.lora_refs import LoraRef, split_s3_uri, strength_problem, uri_problem
+from worker.render.lora_cache import LoraCache
 
 __all__ = ["LoraCache", "LoraRefused", "LoraResolver", "ResolvedLora"]
 

@@ -13,7 +13,7 @@ fleet start (blocks until the model is warm), then RQ's work loop — and return
 |      | machine whose torch sees no such GPU                                                        |
 | 3    | the fleet could not be (re)built `max_rebuild_failures` times in a row                      |
 
-(`worker.runtime.exitcodes` holds them; the supervisor restarts every exit but 2, with back-off, and never gives up.)
+(`worker.runtime.exit_codes` holds them; the supervisor restarts every exit but 2, with back-off, and never gives up.)
 
 Configuration errors end the process at once with one line saying what to fix (and the supervisor does
 not restart a worker that exits 2). Transient ones wait: Redis not reachable yet (a start before the
@@ -29,8 +29,8 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from worker.ops.logs import event_text
-from worker.protocol.sharedsettings import safe_redis_url
-from worker.runtime.exitcodes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
+from worker.protocol.shared_settings import safe_redis_url
+from worker.runtime.exit_codes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
 from worker.settings import SettingsError, WorkerSettings, resolve_runner
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_OK", "build_worker", "process_started_at", "run_worker"]
@@ -53,7 +53,7 @@ def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_
 
     import redis
 
-    from worker.protocol.redisconn import connect
+    from worker.protocol.redis_conn import connect
 
     url = settings.redis_url
     client = connect(settings, socket_connect_timeout=3, socket_timeout=3)
@@ -109,10 +109,10 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     from worker.job import install_service
     from worker.ops.metrics import WorkerMetrics
     from worker.protocol.limits import RunnerLimits
-    from worker.protocol.redisconn import connect
+    from worker.protocol.redis_conn import connect
     from worker.render.fleet import WarmFleet
     from worker.render.service import RenderService
-    from worker.runtime.rqworker import FleetWorker
+    from worker.runtime.rq_worker import FleetWorker
     from worker.uploads.spool import Spool
     from worker.uploads.storage import StorageError, make_storage
 
@@ -252,11 +252,11 @@ def run_worker(
     # RQ installs its handlers only once its loop starts, after it has registered the worker: a signal in
     # between would take the default action and kill the process (-15) with the fleet still up. Until then a
     # signal asks the loop to stop at its first turn: a warm stop like any other.
-    from worker.protocol import rqcompat
+    from worker.protocol import rq_compat
 
     def stop_when_the_loop_starts(signum: int, frame: FrameType | None) -> None:
         log.info("stop requested (%s) while the work loop starts", signal.Signals(signum).name)
-        rqcompat.stop_at_first_turn(worker)
+        rq_compat.stop_at_first_turn(worker)
 
     signal.signal(signal.SIGTERM, stop_when_the_loop_starts)
     signal.signal(signal.SIGINT, stop_when_the_loop_starts)

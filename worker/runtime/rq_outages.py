@@ -1,10 +1,10 @@
-"""Redis refusing the worker (out of memory, read-only, loading, unreachable: `worker.protocol.redisoutage`).
+"""Redis refusing the worker (out of memory, read-only, loading, unreachable: `worker.protocol.redis_outage`).
 
 RQ's work loop quits on the first refused command. `OutageTolerantWorker` overrides the hooks where RQ talks to
 Redis outside a job (registration, the state write in `bootstrap`, deregistration, maintenance, the suspension
 check, the worker heartbeat) so that each waits the outage out with back-off and reports it (health,
 `ltx_worker_redis_up`). Out of memory, it first drops job hashes no job of this service can fill
-(`rqcompat.sweep_oversized`), at most every `_SWEEP_EVERY_S`.
+(`rq_compat.sweep_oversized`), at most every `_SWEEP_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from redis.client import Pipeline
 from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker
 
-from worker.jobs.tenantmemory import TenantMemory
+from worker.jobs.tenant_memory import TenantMemory
 from worker.ops.health import HealthPublisher
-from worker.protocol import rqcompat
-from worker.protocol.redisoutage import RedisOutage
-from worker.protocol.renderjob import RenderJob
+from worker.protocol import rq_compat
+from worker.protocol.redis_outage import RedisOutage
+from worker.protocol.render_job import RenderJob
 from worker.render.service import RenderService
 from worker.settings import WorkerSettings
 
@@ -66,7 +66,7 @@ class OutageTolerantWorker(SimpleWorker):
         if isinstance(exc, redis.exceptions.OutOfMemoryError) and time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
             try:
-                rqcompat.sweep_oversized(self.connection, self.job_class.max_hash_bytes(), self.settings.failure_ttl)
+                rq_compat.sweep_oversized(self.connection, self.job_class.max_hash_bytes(), self.settings.failure_ttl)
             except Exception:
                 log.warning("sweep of oversized job hashes failed", exc_info=True)
         time.sleep(delay)
@@ -80,12 +80,12 @@ class OutageTolerantWorker(SimpleWorker):
         while True:
             try:
                 super().register_birth()
-                # The queues this worker serves, registered with it (tenants may not: worker.protocol.redisacl),
+                # The queues this worker serves, registered with it (tenants may not: worker.protocol.redis_acl),
                 # inside the outage handling: a worker started against a Redis over `maxmemory` waits, it does not
                 # crash.
-                rqcompat.register_queues(self.connection, self.queues)
+                rq_compat.register_queues(self.connection, self.queues)
             except Exception as exc:
-                if rqcompat.stop_requested(self):  # (before RQ's loop: a stop signal only sets the flag)
+                if rq_compat.stop_requested(self):  # (before RQ's loop: a stop signal only sets the flag)
                     raise StopRequested() from exc
                 if not self._wait_out_redis(exc, "registration"):
                     raise
@@ -102,7 +102,7 @@ class OutageTolerantWorker(SimpleWorker):
                 super().set_state(state, pipeline=pipeline)
                 return
             except Exception as exc:
-                if pipeline is None and rqcompat.stop_requested(self):
+                if pipeline is None and rq_compat.stop_requested(self):
                     raise StopRequested() from exc
                 if pipeline is not None or not self._wait_out_redis(exc, "state"):
                     raise
@@ -118,8 +118,8 @@ class OutageTolerantWorker(SimpleWorker):
         self.tenant_memory.maintain()  # (first: what it frees lets the cleanup below record its outcomes)
         try:
             super().run_maintenance_tasks()
-        except rqcompat.OversizedJob as exc:  # a hash grown past any job's size since it was taken
-            rqcompat.drop_oversized(self.connection, exc.job_id, exc, self.settings.failure_ttl)
+        except rq_compat.OversizedJob as exc:  # a hash grown past any job's size since it was taken
+            rq_compat.drop_oversized(self.connection, exc.job_id, exc, self.settings.failure_ttl)
         except Exception as exc:
             if self.redis_outage.refused(exc, "maintenance") is None:
                 raise

@@ -10,12 +10,12 @@ exited *never ready*, however long it ran (a warm-up can take minutes before it 
 off exponentially, `backoff_s` doubling per never-ready exit in a row up to `backoff_max_s`. A child that
 became ready resets the count (its restart after a later exit waits `backoff_s`). From `alarm_after` never-ready
 exits in a row the supervisor says so loudly: a critical log line per exit naming the group and the last
-exit code, `ltx_supervisor_crash_loop{group}` 1, and its `/readyz` (`worker.ops.supervisorprobe`, when a port
+exit code, `ltx_supervisor_crash_loop{group}` 1, and its `/readyz` (`worker.ops.supervisor_probe`, when a port
 is given) 503 with the reason, until a child of that group is ready. It never gives up on such a worker:
 the cause may clear by itself (Redis out of memory or read-only, a GPU held by another process, storage
 down), and a supervisor that exited after five quick exits left the service down once Redis had memory
 again. A worker whose exit code is permanent
-(`worker.runtime.exitcodes.PERMANENT_EXITS`: 2, a configuration error: settings, storage credentials, a missing
+(`worker.runtime.exit_codes.PERMANENT_EXITS`: 2, a configuration error: settings, storage credentials, a missing
 GPU) is never restarted: restarting cannot fix it, so the supervisor stops the others and exits 2 at once.
 A worker that exits 0 unasked is restarted the same way (Redis pubsub must not be a way to stop the
 service).
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from worker.ops.supervisorprobe import SupervisorMetrics, SupervisorProbes
-from worker.runtime.exitcodes import EXIT_BAD_CONFIG, PERMANENT_EXITS
+from worker.ops.supervisor_probe import SupervisorMetrics, SupervisorProbes
+from worker.runtime.exit_codes import EXIT_BAD_CONFIG, PERMANENT_EXITS
 
 __all__ = ["EXIT_BAD_CONFIG", "READY_FD_ENV", "Supervisor", "tell_supervisor_ready"]
 

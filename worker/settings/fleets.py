@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import NoDecode
 
 from ltx_mgpu.control.devices import canonical_group
-from worker.protocol.sharedsettings import split_list
+from worker.protocol.shared_settings import split_list
 from worker.settings.base import ENV_PREFIX, SettingsError
 
 __all__ = ["BUILTIN_RUNNERS", "FleetFields", "group_label", "resolve_runner", "validate_group"]

@@ -8,14 +8,14 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import NoDecode
 
 from worker.protocol.keys import check_tenant_name
-from worker.protocol.sharedsettings import split_list
+from worker.protocol.shared_settings import split_list
 
 __all__ = ["QueueFields"]
 
 
 class QueueFields(BaseModel):
     """Redis/RQ, tenant and admission fields; `redis_url` and `queues` are checked by
-    `worker.protocol.redisconn.ServiceAccess`, the other base of `WorkerSettings`."""
+    `worker.protocol.redis_conn.ServiceAccess`, the other base of `WorkerSettings`."""
 
     # ---- Redis / RQ ---------------------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for queues, job state and events")
@@ -48,7 +48,7 @@ class QueueFields(BaseModel):
         0,
         ge=-1,
         description="Redis memory each tenant's keys may hold before workers delete them, largest and "
-        "ended first (worker.jobs.tenantmemory); 0: half of Redis's maxmemory shared among the tenants; -1: off",
+        "ended first (worker.jobs.tenant_memory); 0: half of Redis's maxmemory shared among the tenants; -1: off",
     )
     max_request_bytes: int = Field(
         1 << 20, ge=4096, description="largest job data (the request) decompressed; a bigger job is refused"

@@ -51,7 +51,7 @@ from typing import Any
 import redis
 
 from worker.jobs.attempt import JobAttempt
-from worker.protocol import rqcompat
+from worker.protocol import rq_compat
 from worker.protocol.states import FailureReason, JobState
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
@@ -274,7 +274,7 @@ class EncodeStage:
                 # only a job whose return RQ recorded (`finished`): one killed before that is still in RQ's
                 # started registry, and the abandoned-job cleanup re-queues it (twice would run it twice)
                 returned = job.get_status(refresh=False) == JobStatus.FINISHED
-                if returned and rqcompat.submission_of(job) == info.get("submission") and state == JobState.RENDERING:
+                if returned and rq_compat.submission_of(job) == info.get("submission") and state == JobState.RENDERING:
                     lost = "the worker stopped while encoding the video; it renders again"
                     JobAttempt(job, self.pipeline.outcomes).failed_after_return(FailureReason.WORKER_LOST, lost)
                     found += 1

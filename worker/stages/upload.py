@@ -29,7 +29,7 @@ holds the same sha256, so a crash between confirmation and the record costs one 
 
 Bounds: `full()` is true while `max_pending_uploads` renders or `max_pending_bytes` bytes are pending
 (queued or in flight); the worker does not take another job meanwhile (back-pressure, see
-`worker.runtime.rqworker`). A render in progress can overshoot the byte bound by its own size.
+`worker.runtime.rq_worker`). A render in progress can overshoot the byte bound by its own size.
 
 Stopping: `drain(timeout)` (warm stop) waits for pending uploads; what is left (all, on a cold stop) stays
 in the spool. `stop` cuts back-off sleeps short; an upload interrupted that way is not recorded as failed.
@@ -52,7 +52,7 @@ from rq.serializers import JSONSerializer
 from worker.jobs.attempt import JobAttempt
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol import rqcompat
+from worker.protocol import rq_compat
 from worker.protocol.health import UploadsHealth
 from worker.protocol.relay import with_redis_retry
 from worker.protocol.states import FailureReason, JobState
@@ -251,7 +251,7 @@ class UploadPipeline:
             log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
                         entry.job_id, type(exc).__name__)  # fmt: skip
             return None
-        if not entry.belongs_to(rqcompat.submission_of(job)):
+        if not entry.belongs_to(rq_compat.submission_of(job)):
             # the id was submitted again after this render's job expired: upload it as an orphan
             # (its object key is its own), never into the new job
             log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
@@ -392,10 +392,10 @@ class UploadPipeline:
         # Retried through a Redis restart (it is idempotent: one MULTI, and a result already there is not
         # written again); giving up on the first connection error left the job `uploading` until the worker
         # restarted and recovered its spool.
-        with_redis_retry(lambda: rqcompat.record_success_after_return(
+        with_redis_retry(lambda: rq_compat.record_success_after_return(
             attempt.job, result, attempt.result_ttl(), self.worker_name, recovered=item.recovered))  # fmt: skip
         attempt.uploaded(result)
-        self._safe(rqcompat.finish_if_uploaded, attempt.job, attempt.result_ttl(),  # a late abandoned-job cleanup
+        self._safe(rq_compat.finish_if_uploaded, attempt.job, attempt.result_ttl(),  # a late abandoned-job cleanup
                    uploaded_state=JobState.UPLOADED.value)  # fmt: skip
         if self.on_uploaded is not None:
             self.on_uploaded()

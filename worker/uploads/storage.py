@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from worker.errors import WorkerError
-from worker.protocol.s3errors import s3_error_text
+from worker.protocol.s3_errors import s3_error_text
 from worker.settings import WorkerSettings
 from worker.uploads.spool import SpoolEntry, sha256_file
 

@@ -2,7 +2,7 @@
 
 The worker resolves a request's `loras` to checked local files (`worker.render.loras`) and passes
 `[{"path", "strength"}]` as the job kwarg. The ranks do not trust that: each rank re-reads every file's
-header against the weights the tracker holds (`ltx_mgpu.lorafile.check_lora`, shapes from the resident
+header against the weights the tracker holds (`ltx_mgpu.lora_file.check_lora`, shapes from the resident
 model, so a file changed after the worker's check is still refused) and raises `ValueError`, the same on
 every rank, so a bad job is a `SymmetricRunnerError` and the fleet stays up with its weights untouched.
 
@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...lorafile import LoraFileError, LoraLimits, check_lora
+from ...lora_file import LoraFileError, LoraLimits, check_lora
 from ...parallel.lora_tracker import LoraSpec
 
 __all__ = ["job_lora_specs", "model_targets"]

@@ -44,18 +44,18 @@ def file_builder(
 ) -> Any:
     """ltx-core's `SingleGPUModelBuilder` for `configurator` over the safetensors file `path` (which must
     exist: `FileNotFoundError` naming `what`), with the loader's key ops and module ops; CUDA loads read
-    through `fastload.StagedSafetensorsLoader`."""
+    through `fast_load.StagedSafetensorsLoader`."""
     from ltx_core.loader.registry import DummyRegistry
     from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
 
-    from .fastload import staged_model_loader
+    from .fast_load import staged_model_loader
 
     return SingleGPUModelBuilder(
         configurator,
         require_file(path, what),
         model_sd_ops=sd_ops,
         module_ops=tuple(module_ops),
-        model_loader=staged_model_loader(),  # weights to the GPU through pinned buffers (see fastload)
+        model_loader=staged_model_loader(),  # weights to the GPU through pinned buffers (see fast_load)
         registry=registry or DummyRegistry(),
     )
 

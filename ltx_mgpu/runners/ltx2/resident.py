@@ -148,7 +148,7 @@ class Ltx2Resident(MGPURunner):
             if not 0.0 <= float(lora_device_cache_gib) < 1024:
                 raise ValueError(f"lora_device_cache_gib must be in [0, 1024), got {lora_device_cache_gib}")
             cache_bytes = int(float(lora_device_cache_gib) * (1 << 30))  # past jobs' LoRA factors, per rank
-            from ..common.fastload import StagedSafetensorsLoader
+            from ..common.fast_load import StagedSafetensorsLoader
 
             self.tracker = LoraWeightTracker(self.groups.transformer_group, device_cache_bytes=cache_bytes,
                                              factor_reader=StagedSafetensorsLoader().read_tensors)  # fmt: skip

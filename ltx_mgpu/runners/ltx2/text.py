@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..common.fastload import StagedSafetensorsLoader
+from ..common.fast_load import StagedSafetensorsLoader
 from ..common.loading import check_materialized
 
 __all__ = [

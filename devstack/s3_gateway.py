@@ -1,6 +1,6 @@
 """`S3Gateway`: SeaweedFS as the compose deployment runs it: split S3 identities, internals on loopback.
 
-`worker.dev.devservers.S3Server` is the quick development server (`weed mini`, one identity, everything on
+`devstack.dev_servers.S3Server` is the quick development server (`weed mini`, one identity, everything on
 loopback). This one starts `weed` through `scripts/s3-start.sh`, the compose S3 service's own entrypoint,
 with the weed arguments a caller gives (the tests pass the compose file's `command:` as is), so what is
 tested is what compose runs:
@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Self
 
-from worker.dev.devservers import (
+from devstack.dev_servers import (
     LOOPBACK,
     ServerError,
     _ServerProcess,

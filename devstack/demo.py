@@ -42,7 +42,7 @@ from types import FrameType
 
 import click
 
-from worker.dev.devservers import RedisServer, S3Server, descendants, pid_alive, remove_weed_sockets
+from devstack.dev_servers import RedisServer, S3Server, descendants, pid_alive, remove_weed_sockets
 from worker.errors import WorkerError
 
 __all__ = ["main"]

@@ -29,7 +29,7 @@ with no `-` in a name, `alice-*` never matches another tenant's keys. What each 
 (every command of the end-to-end run passes the ACL; each attack is refused).
 
 Run as `ltx-worker redis-acl` or, where only the producer's files are installed (its image, compose's
-`redis-acl` service), `python -m worker.protocol.redisacl`; it imports click and `worker.protocol.keys` only.
+`redis-acl` service), `python -m worker.protocol.redis_acl`; it imports click and `worker.protocol.keys` only.
 
 Passwords never appear on the command line: each user's password is read from `<password-dir>/<user>`
 (docker or k8s secrets) or from the environment variable `LTX_REDIS_ACL_PASSWORD_<USER>`; only their
@@ -67,7 +67,7 @@ __all__ = [
 ACL_PASSWORD_ENV_PREFIX = "LTX_REDIS_ACL_PASSWORD_"
 
 #: Memory limits every Redis of the service runs with, next to its users (docker-compose.yml and
-#: docs/operations.md repeat them; tests/test_compose.py keeps the three in step; `worker.dev.devservers` starts
+#: docs/operations.md repeat them; tests/test_compose.py keeps the three in step; `devstack.dev_servers` starts
 #: every development Redis with them). A client that asks for replies and does not read them (three
 #: `HGETALL`s of a 90 MB hash on a raw socket held 476 MB against a 300 MB `maxmemory`, and every write
 #: failed) is disconnected once its output buffer passes 32 MB, or 8 MB for 10 s; no single value (a hash

@@ -16,10 +16,10 @@ so a test run interrupted from its terminal takes its servers with it.
 - `S3Server`: `weed mini` (master + volume + filer + S3 in one process) with SigV4 credentials checked and
   one bucket created; ready means the bucket answers a signed request.
 - `descendants()`, `stop_process()` and `pid_alive()` (from `worker.ops.procs`): process helpers for
-  whoever has to leave nothing running; `free_port()` / `free_ports()` re-exported from `ltx_mgpu.ports`,
+  whoever has to leave nothing running; `free_port()` / `free_ports()` re-exported from `devstack.ports`,
   the one port picker.
 
-`worker.dev.tcpproxy.TcpProxy` sits in front of either server to make it unreachable or slow on demand."""
+`devstack.tcp_proxy.TcpProxy` sits in front of either server to make it unreachable or slow on demand."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
-from ltx_mgpu.ports import LOOPBACK, free_port, free_ports
+from devstack.ports import LOOPBACK, free_port, free_ports
 from worker.errors import WorkerError
 from worker.ops.procs import pid_alive
-from worker.protocol.redisacl import REDIS_MEMORY_ARGS
+from worker.protocol.redis_acl import REDIS_MEMORY_ARGS
 
 __all__ = ["LOOPBACK", "RedisServer", "S3Server", "ServerError", "descendants", "find_redis_server", "find_weed",
            "free_port", "free_ports", "pid_alive", "remove_weed_sockets", "s3_client", "stop_process"]  # fmt: skip
@@ -283,7 +283,7 @@ class RedisServer(_ServerProcess):
         return self
 
     def extra_args(self) -> list[str]:
-        """More redis-server arguments (`worker.dev.devsecure`: ACL file, TLS)."""
+        """More redis-server arguments (`devstack.dev_secure`: ACL file, TLS)."""
         return []
 
     def _wait_ping(self, timeout: float) -> None:

@@ -74,7 +74,7 @@ def plan(
 ) -> Plan:
     """Walk the unfinished jobs in serving order (running, the taken job `(id, queue, owner)`, the waiting
     ones) and refuse what the rule (`worker.jobs.admission`'s docstring) refuses. A STALE entry (not a
-    job: no hash, ended, a repeat; `worker.protocol.queuedepth`) counts for nothing. Positions past a
+    job: no hash, ended, a repeat; `worker.protocol.queue_depth`) counts for nothing. Positions past a
     queue's window are unknown: they count for nothing, and are trimmed only when `depth_cap` jobs are
     admitted ahead of them.
 

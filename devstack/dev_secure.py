@@ -1,9 +1,9 @@
 """A development Redis with the production hardening on: ACL users from a file, TLS with a throwaway CA.
 
-`SecureRedisServer` is a `worker.dev.devservers.RedisServer` (same lifecycle: free loopback port, private
+`SecureRedisServer` is a `devstack.dev_servers.RedisServer` (same lifecycle: free loopback port, private
 directory, stopped by pid) that adds
 
-- `--aclfile`: the text it is given (e.g. `worker.protocol.redisacl.render_acl(...)`) plus an `admin` user with a
+- `--aclfile`: the text it is given (e.g. `worker.protocol.redis_acl.render_acl(...)`) plus an `admin` user with a
   random password that only the server object knows (tests read `ACL LOG` and set up keys with it; the
   service's users never get such rights);
 - TLS (`tls=True`): a CA and a server certificate for 127.0.0.1, made with the `openssl` command line
@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from worker.dev.devservers import LOOPBACK, RedisServer, ServerError
+from devstack.dev_servers import LOOPBACK, RedisServer, ServerError
 
 __all__ = ["ADMIN_USER", "SecureRedisServer", "make_test_ca"]
 

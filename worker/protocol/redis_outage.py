@@ -34,7 +34,7 @@ TRANSIENT_REPLIES = ("OOM", "READONLY", "LOADING", "MASTERDOWN", "BUSY", "NOREPL
                      "CLUSTERDOWN")  # fmt: skip
 
 #: Called (no arguments, must not raise) whenever a write of this process is refused for memory, from the
-#: refusing thread: the worker releases its reserve and trims tenants over budget (worker.jobs.tenantmemory).
+#: refusing thread: the worker releases its reserve and trims tenants over budget (worker.jobs.tenant_memory).
 _memory_hooks: list[Callable[[], None]] = []
 
 

@@ -1,7 +1,7 @@
 """Free loopback TCP ports: the one port picker of the repository (stdlib only; imports no torch).
 
-The service's development servers (`worker.dev.devservers`: Redis, SeaweedFS, `TcpProxy`) and the benchmarks
-need several at once; it lives in the engine because `ltx_mgpu` never imports `worker`. The engine's own
+The development servers (`devstack.dev_servers`: Redis, SeaweedFS, `TcpProxy`), the benchmarks and the tests
+need several at once; no production module picks ports this way (tests/test_import_contracts.py). The engine's own
 rendezvous does not use it: its stores are bound by the parent before any rank starts (port 0), so no
 other process can take the port in between.
 A picked port was free a moment ago: the kernel chose it, and it is handed out unbound, so another

@@ -32,7 +32,7 @@ from rq.utils import now, utcformat
 from worker.errors import WorkerError
 from worker.protocol.handoff import HandOff
 from worker.protocol.keys import CANCEL_REQUESTED_FIELD, REQUEUE_TOKEN_FIELD
-from worker.protocol.redisconn import single_try
+from worker.protocol.redis_conn import single_try
 
 __all__ = [
     "RQ_MINOR",
@@ -108,7 +108,7 @@ def clean_intermediate(worker: Any, queue: Queue) -> None:
     RQ's version fetches every entry and raised on the first that is no valid job id, is not UTF-8 or names an
     unreadable hash; the exception ended the worker's loop and the worker quit (the supervisor restarted it: the
     chaos soak, seed 13 under load). Such entries pass through the list by design: a worker moves each id there
-    before it checks it (`worker.jobs.tenantqueues`), and a tenant's queue may hold anything. Here an entry that
+    before it checks it (`worker.jobs.tenant_queues`), and a tenant's queue may hold anything. Here an entry that
     can never name a job is dropped; one whose hash cannot be read is left to the worker that took it (it fails
     the job: `fail_unreadable`), or failed the same way once stuck, if that worker died first."""
     from rq.job import validate_job_id
@@ -183,7 +183,7 @@ def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any
 
 class OversizedJob(WorkerError, RuntimeError):
     """The job hash takes more memory than any job of this service: refused without reading it (raised by
-    `worker.protocol.renderjob.RenderJob.refresh`, recorded by `drop_oversized`)."""
+    `worker.protocol.render_job.RenderJob.refresh`, recorded by `drop_oversized`)."""
 
     def __init__(self, job_id: str, size: int, cap: int) -> None:
         super().__init__(f"the job hash takes {size} bytes in Redis, over {cap}: refused without reading it")
@@ -472,7 +472,7 @@ def record_success_after_return(job: Job, result: dict[str, Any], ttl: int, work
         return
     status = job.get_status(refresh=True)
     recorded = _uploaded_result_exists(job, result)
-    # Sent once (`redisconn.single_try`): redis-py would re-send the whole MULTI after a reply lost in a Redis
+    # Sent once (`redis_conn.single_try`): redis-py would re-send the whole MULTI after a reply lost in a Redis
     # restart and add a second result; the caller retries this call, and the check above sees the first.
     with single_try(job.connection).pipeline() as pipe:
         if not recorded:  # (a spool recovery after a crash between this and the `uploaded` state: once only)

@@ -1,6 +1,6 @@
 """`TcpProxy`: a loopback TCP forwarder that can refuse connections on demand or behave like a remote link.
 
-Used in front of the development servers (`worker.dev.devservers`): tests make S3 or Redis "unreachable" for a
+Used in front of the development servers (`devstack.dev_servers`): tests make S3 or Redis "unreachable" for a
 while without restarting the (slow to start) server, and benchmarks make a local bucket remote-like
 (capped bandwidth, added latency). Threads only; stopped with `block()`.
 """
@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 
-from worker.dev.devservers import LOOPBACK, free_port
+from devstack.dev_servers import LOOPBACK, free_port
 
 __all__ = ["TcpProxy"]
 

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from producer.errors import ProducerError
-from producer.jsonpos import Position, locate, position_at
+from producer.json_pos import Position, locate, position_at
 from worker.protocol.schema import RenderRequest
 
 __all__ = ["LoadedRequest", "RequestFileError", "load_requests", "validate_request"]

@@ -228,7 +228,7 @@ class StagedSafetensorsLoader:
                     filled[index] = result
                     ready.notify_all()
 
-        threads = [threading.Thread(target=reader, daemon=True, name=f"fastload-{i}") for i in range(self.readers)]
+        threads = [threading.Thread(target=reader, daemon=True, name=f"fast_load-{i}") for i in range(self.readers)]
         for index in range(len(chunks)):
             tasks.put(index)
         for t in threads:

@@ -9,7 +9,7 @@ dequeued job's status).
 
 The layout (`worker.protocol.keys`): with `LTX_TENANTS`, each tenant may push only onto its own RQ queue
 `<queue>:t:<tenant>` (one per configured queue; its Redis ACL user may `RPUSH`/`LPUSH` nothing else:
-`worker.protocol.redisacl`). A worker serves, per configured queue in priority order, the shared queue (operators,
+`worker.protocol.redis_acl`). A worker serves, per configured queue in priority order, the shared queue (operators,
 the worker's own re-queues of jobs enqueued there) and every tenant's queue, and:
 - **takes tenants in turn** (`rotate`): after a job from one queue, the next queue of the same priority
   comes first, so a tenant with a long queue cannot keep another waiting behind it;
@@ -47,9 +47,9 @@ from rq.job import Job
 from rq.queue import Queue
 
 from worker.jobs.admission import Admission
-from worker.jobs.lostpops import LostPops
+from worker.jobs.lost_pops import LostPops
 from worker.protocol.keys import CANCEL_REQUESTED_FIELD, base_queue, job_tenant, queue_tenant, tenant_queue
-from worker.protocol.redisconn import single_try
+from worker.protocol.redis_conn import single_try
 
 __all__ = ["JUNK_PER_QUEUE", "TakingQueue", "TenantAdmissions", "entry_problem", "rotate", "served_queue_names"]
 
@@ -148,7 +148,7 @@ class TakingQueue(Queue):
         # Every queue was empty: wait for a push on any of them. BLPOP has no multi-key move: the id goes to
         # the intermediate list right after (RQ's multi-queue dequeue never put it there at all). Sent once
         # (redis-py would send it again after a lost reply, and the id it took would be gone unnoticed): a
-        # lost reply is reported to `worker.jobs.lostpops`, whose sweep finds the id's job, and raised as the
+        # lost reply is reported to `worker.jobs.lost_pops`, whose sweep finds the id's job, and raised as the
         # connection error RQ's dequeue loop waits out.
         began = time.time()
         try:

@@ -41,7 +41,7 @@ __all__ = ["LoraCache", "LoraCacheFull", "boot_time"]
 _SUFFIX = ".safetensors"
 _INCOMING = ".incoming-"  #: + "<reserved bytes>-<random>" + _SUFFIX: a fetch in flight
 _DURABLE_XATTR = "user.ltx_mgpu.durable"  #: set on a cache file once its bytes are fsynced
-log = logging.getLogger("worker.render.loracache")
+log = logging.getLogger("worker.render.lora_cache")
 
 
 def boot_time() -> float | None:

@@ -1,7 +1,7 @@
 """`FleetWorker`: an RQ `SimpleWorker` that runs jobs in-process next to its warm fleet.
 
 Why it overrides RQ (measured behaviours of rq 2.12). Everything that reaches into RQ's registries or private
-state lives in `worker.protocol.rqcompat`; how a job's attempt ends is decided and recorded by
+state lives in `worker.protocol.rq_compat`; how a job's attempt ends is decided and recorded by
 `worker.jobs.outcomes`. The overrides are grouped by responsibility, one base class each, all sharing the
 state `FleetWorker.__init__` sets: Redis outages (`rq_outages`), the job heartbeat thread (`rq_beats`), how an
 execution ends and abandoned jobs (`rq_endings`), signals, pubsub commands and teardown (`rq_stops`);
@@ -9,13 +9,13 @@ back-pressure is an object of its own (`backpressure`). This module holds the lo
 - `SimpleWorker`, never the forking `Worker`: the fleet's IPC handles and CUDA state cannot cross a fork,
   and the model must stay loaded between jobs.
 - JSON serializer: no pickle crosses Redis (job args, meta and results are JSON); the job class is
-  `worker.protocol.renderjob.RenderJob` with the settings' size limits.
+  `worker.protocol.render_job.RenderJob` with the settings' size limits.
 - No job is taken without a warm fleet: the dequeue blocks in slices of `_DEQUEUE_SLICE_S` and checks the
   fleet before each; a fleet that died while idle is reported by its controller's monitor at once (metrics,
   health) and rebuilt at once in the background (`WarmFleet.rebuild_soon`); the dequeue waits for
   it, and a job dequeued in the slice during which the fleet died is given back untouched.
   `FleetUnrecoverable` ends the worker with a non-zero exit code.
-- Dequeue (`worker.jobs.tenantqueues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
+- Dequeue (`worker.jobs.tenant_queues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
   tenants in turn within a priority (`reorder_queues`); each id is checked (hash, `queued` status, origin,
   tenant) before it counts or runs, junk is dropped at a bounded rate per dequeue, and every taken id sits
   in its queue's intermediate list until it starts (`prepare_job_execution`).
@@ -45,21 +45,21 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from worker.jobs.lostpops import LostPops
-from worker.jobs.tenantmemory import TenantMemory
-from worker.jobs.tenantqueues import TakingQueue, TenantAdmissions, rotate, served_queue_names
+from worker.jobs.lost_pops import LostPops
+from worker.jobs.tenant_memory import TenantMemory
+from worker.jobs.tenant_queues import TakingQueue, TenantAdmissions, rotate, served_queue_names
 from worker.ops.health import HealthPublisher
 from worker.ops.logs import bind_job
-from worker.protocol import rqcompat
+from worker.protocol import rq_compat
 from worker.protocol.health import FleetHealth, WorkerHealth
 from worker.protocol.keys import worker_health_key
-from worker.protocol.redisoutage import RedisOutage, add_memory_hook, outage_reason
-from worker.protocol.renderjob import RenderJob
+from worker.protocol.redis_outage import RedisOutage, add_memory_hook, outage_reason
+from worker.protocol.render_job import RenderJob
 from worker.protocol.states import JobState
 from worker.render.fleet import FleetUnrecoverable
 from worker.render.service import RenderService
 from worker.runtime.backpressure import Backpressure
-from worker.runtime.exitcodes import EXIT_FLEET_UNRECOVERABLE
+from worker.runtime.exit_codes import EXIT_FLEET_UNRECOVERABLE
 from worker.runtime.rq_beats import HeartbeatingWorker, open_side_connection
 from worker.runtime.rq_endings import EndingWorker
 from worker.runtime.rq_outages import OutageTolerantWorker
@@ -87,7 +87,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
         kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
         kwargs.setdefault("name", service.worker_name)
-        # checked, bounded dequeues over the shared queues and every tenant's own (worker.jobs.tenantqueues)
+        # checked, bounded dequeues over the shared queues and every tenant's own (worker.jobs.tenant_queues)
         self.lost_pops = LostPops(settings.tenants)  # (waits whose reply, and the id they took, were lost)
         kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry, self.lost_pops))
         if isinstance(queues, list | tuple) and all(isinstance(q, str) for q in queues):
@@ -106,7 +106,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
         self.last_loop_beat = time.monotonic()
         self.redis_outage = RedisOutage(self._redis_changed)
         self._next_sweep = 0.0
-        # a per-tenant memory budget and this worker's reserve for recording outcomes (worker.jobs.tenantmemory)
+        # a per-tenant memory budget and this worker's reserve for recording outcomes (worker.jobs.tenant_memory)
         budget = settings.tenant_redis_bytes if settings.tenant_ids else -1
         self.tenant_memory = TenantMemory(self.connection, worker_name=self.name, tenants=settings.tenants,
                                           budget_bytes=budget, reserve_ttl=2 * max(settings.worker_ttl,
@@ -131,7 +131,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
                         "producers submit) are not served by this worker")  # fmt: skip
 
     def _sweep_lost_pops(self) -> None:
-        """`worker.jobs.lostpops`: an outage propagates (waited out, the sweep stays pending); any other Redis
+        """`worker.jobs.lost_pops`: an outage propagates (waited out, the sweep stays pending); any other Redis
         refusal (a user without SCAN) is logged and the sweep given up: never a reason to stop the worker."""
         try:
             requeued = self.lost_pops.sweep(self.connection)
@@ -150,12 +150,12 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         """RQ removes the id from the intermediate list only when a worker serves one queue (its multi-queue
-        dequeue never put it there); ours always does (worker.jobs.tenantqueues)."""
+        dequeue never put it there); ours always does (worker.jobs.tenant_queues)."""
         super().prepare_job_execution(job, True)
 
     def reorder_queues(self, reference_queue: Queue) -> None:
-        """Tenants in turn within each priority (worker.jobs.tenantqueues.rotate)."""
-        rqcompat.reorder_polled_queues(self, lambda queues: rotate(queues, reference_queue, lambda q: q.name))
+        """Tenants in turn within each priority (worker.jobs.tenant_queues.rotate)."""
+        rq_compat.reorder_polled_queues(self, lambda queues: rotate(queues, reference_queue, lambda q: q.name))
 
     # ==== health ======================================================================================
     def write_health(self) -> None:
@@ -220,7 +220,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             self.set_state("idle")
 
     def _execute_job(self, job: Job, queue: Queue) -> None:
-        rqcompat.mark_stopped(self, None)
+        rq_compat.mark_stopped(self, None)
         self.outcomes.own_limits(job)  # RQ's timeout and the TTLs from the settings, never the enqueuer's
         self.prepare_execution(job)
         self._start_beats(job)
@@ -232,7 +232,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
                 self._ensure_fleet()
             except SystemExit:
                 self._stop_beats()
-                rqcompat.give_back_started(self, job, queue)
+                rq_compat.give_back_started(self, job, queue)
                 raise
         try:
             with bind_job(job.id):
@@ -285,14 +285,14 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             return False, None
         job, queue = result
         if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
-            rqcompat.give_back_dequeued(job, queue)
+            rq_compat.give_back_dequeued(job, queue)
             return False, None
         return self._accept(job, queue), result
 
     def _accept(self, job: Job, queue: Queue) -> bool:
         """Whether a dequeued job runs now: not if a client cancelled it while it waited, nor if it is past
         the depth cap or its client's quota (both end it without running; burst mode included)."""
-        if rqcompat.cancel_requested(self.connection, job):
+        if rq_compat.cancel_requested(self.connection, job):
             self._skip_cancelled(job, queue)
             return False
         return self.admission.admit(job, queue, tick=self.heartbeat)
@@ -300,7 +300,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
     def _skip_cancelled(self, job: Job, queue: Queue) -> None:
         """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
         take it out of the shared queue: `worker.protocol.control`): record it cancelled, never run it."""
-        if not rqcompat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job)):
+        if not rq_compat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job)):
             log.info("job %s was cancelled while queued, then deleted or submitted again: entry dropped", job.id)
             return  # (its hash is gone or another submission's: nothing of this one to record)
         meta = job.meta if isinstance(job.meta, dict) else {}
@@ -320,11 +320,11 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
                 job_id = getattr(exc, "job_id", None)
                 if job_id is None:
                     raise
-                if isinstance(exc, rqcompat.OversizedJob):
-                    rqcompat.drop_oversized(self.connection, job_id, exc, self.settings.failure_ttl,
+                if isinstance(exc, rq_compat.OversizedJob):
+                    rq_compat.drop_oversized(self.connection, job_id, exc, self.settings.failure_ttl,
                                             getattr(exc, "queue", None))  # fmt: skip
                     continue
-                rqcompat.fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc,
+                rq_compat.fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc,
                                          self.settings.failure_ttl)  # fmt: skip
 
     def _ensure_fleet(self) -> None:

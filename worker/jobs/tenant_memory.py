@@ -2,8 +2,8 @@
 worker record outcomes when Redis is full.
 
 Redis has no per-user memory limit, and a tenant's Redis user may write its own keys (job hashes, event
-streams, its admission set, its queues: `worker.protocol.redisacl`) as often as it likes: each stays under the
-value cap (`--proto-max-bulk-len`) and the job-hash bound (`worker.protocol.renderjob`), yet a few hundred of them
+streams, its admission set, its queues: `worker.protocol.redis_acl`) as often as it likes: each stays under the
+value cap (`--proto-max-bulk-len`) and the job-hash bound (`worker.protocol.render_job`), yet a few hundred of them
 fill `maxmemory`. Then every write fails, the workers cannot record the outcome of the job they are
 running and wait, degraded, until an operator deletes the keys. So the workers measure and trim:
 
@@ -15,7 +15,7 @@ running and wait, degraded, until an operator deletes the keys. So the workers m
   USAGE` of each tenant key (pipelined), then for every tenant over its budget: its keys deleted, largest
   first, ended or unreadable jobs before queued ones, until it is under; a key of a job some worker is
   running (`status` `started`) is never deleted. A deleted queued job's id left in a queue is dropped
-  uncounted when taken (`worker.jobs.tenantqueues`). `SCAN`, `MEMORY USAGE`, `HGET` and `DEL` need no memory, so
+  uncounted when taken (`worker.jobs.tenant_queues`). `SCAN`, `MEMORY USAGE`, `HGET` and `DEL` need no memory, so
   the sweep works while Redis refuses writes. It runs when Redis refuses a worker for memory (at most every
   `SWEEP_EVERY_S`) and at each maintenance pass once Redis uses more than `SWEEP_ABOVE` of `maxmemory`.
 - **Reserve.** Each worker holds a string of `RESERVE_BYTES` under `ltx:worker:reserve:<slot>` (tenants
@@ -44,7 +44,7 @@ from worker.protocol.keys import KEY_PREFIX, TENANT_QUEUE_INFIX
 
 __all__ = ["MAX_KEYS", "RESERVE_BYTES", "SWEEP_ABOVE", "SWEEP_EVERY_S", "TenantMemory", "key_tenant"]
 
-log = logging.getLogger("worker.jobs.tenantmemory")
+log = logging.getLogger("worker.jobs.tenant_memory")
 
 RESERVE_BYTES = 2 << 20  #: the headroom each worker keeps for recording outcomes (a few hundred events)
 SWEEP_EVERY_S = 5.0  #: while Redis refuses for memory, how often the tenants are measured

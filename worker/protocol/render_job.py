@@ -7,7 +7,7 @@ zlib bomb takes a worker to 3.3 GB), and rewrites a meta of any size on every ev
 (`created_at: "yesterday"`) or whose meta is not JSON ends the worker process and its warm fleet. This class:
 
 - executes only `worker.protocol.keys.RENDER_FUNC` (checked in `check_runnable`, RQ's last step before the
-  call: `worker.protocol.rqcompat.GuardedJob`); any other function, a job id `worker.protocol.keys.check_job_id`
+  call: `worker.protocol.rq_compat.GuardedJob`); any other function, a job id `worker.protocol.keys.check_job_id`
   refuses, an owner (meta `client`) that `worker.protocol.keys.check_client_name` refuses, or a hash carrying
   fields this service never writes (callbacks, repeats, dependencies, webhooks) fails the job with
   `RefusedJob` (recorded as `invalid_request`); those fields are dropped on load, so RQ never acts on
@@ -18,11 +18,11 @@ zlib bomb takes a worker to 3.3 GB), and rewrites a meta of any size on every ev
 - `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
   replaced by an empty one and refused the same way;
 - a hash bigger in Redis than a job of this service can be (`max_hash_bytes()`: twice the request and
-  meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `rqcompat.OversizedJob`, and the
-  worker deletes it and records the failure (`rqcompat.drop_oversized`): a tenant who writes 90 MB into her own
+  meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `rq_compat.OversizedJob`, and the
+  worker deletes it and records the failure (`rq_compat.drop_oversized`): a tenant who writes 90 MB into her own
   job hash spends the service's memory, and every read of it would copy the 90 MB again;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
-- `worker.protocol.rqcompat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
+- `worker.protocol.rq_compat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
   failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
 
 The limits come from the worker's settings through `RenderJob.with_limits()`, a subclass per worker.
@@ -39,7 +39,7 @@ from rq.utils import decode_redis_hash
 
 from worker.errors import WorkerError
 from worker.protocol.keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
-from worker.protocol.rqcompat import GuardedJob, OversizedJob
+from worker.protocol.rq_compat import GuardedJob, OversizedJob
 
 __all__ = ["REFUSED_HASH_FIELDS", "RefusedJob", "RenderJob", "check_job_owner"]
 

@@ -12,7 +12,7 @@ refused connection says nothing about why. The supervisor sees every exit, so it
 - `GET /healthz`: 200 while the supervisor's loop runs;
 - `GET /readyz`: 200 only while every group's worker process runs and has reported ready; else 503 with
   `reason` naming each group that is not (and, in a crash loop, its exits in a row and last exit code).
-Both return `{"live", "ready", "reason", "groups": [...]}` as JSON. Served by `worker.ops.probeserver`.
+Both return `{"live", "ready", "reason", "groups": [...]}` as JSON. Served by `worker.ops.probe_server`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from worker.ops.probeserver import ProbeServer, Reply
+from worker.ops.probe_server import ProbeServer, Reply
 
 __all__ = ["SupervisorMetrics", "SupervisorProbes"]
 

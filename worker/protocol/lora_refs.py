@@ -9,7 +9,7 @@ worker, and it answers before any object is looked at (the same words whether th
 What this module checks is what any worker would refuse (syntax, count, a finite strength in range, strengths
 of one file in sum); which names and prefixes exist is the worker's
 (`worker.render.loras`), and the file itself is checked from its header before any fleet sees it
-(`ltx_mgpu.lorafile`). Imports only pydantic, so the producer uses it without torch.
+(`ltx_mgpu.lora_file`). Imports only pydantic, so the producer uses it without torch.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
-from worker.protocol.sharedsettings import (
+from worker.protocol.shared_settings import (
     check_queue_names,
     check_redis_url,
     read_secret_file,

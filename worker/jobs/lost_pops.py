@@ -1,11 +1,11 @@
 """Jobs whose id a lost reply took off every list: found after the loss and queued again.
 
 An idle worker that serves several queues waits for a push on any of them with BLPOP (Redis has no blocking
-move from several lists: `worker.jobs.tenantqueues`). Redis takes the id off its queue when it runs the
+move from several lists: `worker.jobs.tenant_queues`). Redis takes the id off its queue when it runs the
 BLPOP; the worker then records it in RQ's intermediate list. If the connection drops after Redis ran the
 BLPOP and before its reply arrived (a restart, a network cut), the id is in no list, and the job would stay
 `queued` forever without running. (redis-py would even send the BLPOP again by itself and hide the error:
-the wait goes through `worker.protocol.redisconn.single_try`, so the worker knows.)
+the wait goes through `worker.protocol.redis_conn.single_try`, so the worker knows.)
 
 After such an error (`LostPops.suspect`), once Redis answers again, the worker looks for jobs that are
 `queued`, belong to a queue the BLPOP waited on, were enqueued no earlier than `ENQUEUE_SLACK_S` before the
@@ -38,7 +38,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.utils import utcparse
 
-from worker.jobs.admissionrule import Refusal
+from worker.jobs.admission_rule import Refusal
 from worker.protocol.keys import REFUSALS_KEY, job_tenant, queue_tenant
 
 __all__ = [
@@ -46,7 +46,7 @@ __all__ = [
     "find_orphans", "requeue_orphan", "scan_orphans",
 ]  # fmt: skip
 
-log = logging.getLogger("worker.jobs.lostpops")
+log = logging.getLogger("worker.jobs.lost_pops")
 
 ENQUEUE_SLACK_S = 300.0  #: how much earlier than the lost BLPOP a job may say it was enqueued (clock skew)
 #: orphans queued again per queue and sweep, the newest: a lost wait takes one id, so a queue with more is
@@ -223,7 +223,7 @@ def requeue_orphan(connection: Any, orphan: Orphan) -> bool:
 class LostPops:
     """The waits of one worker whose reply was lost, and the sweep that finds their jobs.
 
-    `suspect()` is called by the dequeue (`worker.jobs.tenantqueues.TakingQueue`) when a BLPOP failed with a
+    `suspect()` is called by the dequeue (`worker.jobs.tenant_queues.TakingQueue`) when a BLPOP failed with a
     connection error; `sweep()` by the worker before its next dequeues, until one completes."""
 
     def __init__(self, tenants: Sequence[str] = (), *, confirm_s: float = CONFIRM_S,
