@@ -35,39 +35,14 @@ from worker.protocol.keys import CANCEL_REQUESTED_FIELD, REQUEUE_TOKEN_FIELD
 from worker.protocol.redis_conn import single_try
 
 __all__ = [
-    "RQ_MINOR",
-    "STUCK_IN_INTERMEDIATE",
-    "FleetHorse",
-    "GuardedJob",
-    "OversizedJob",
-    "beat",
-    "cancel_requested",
-    "clean_intermediate",
-    "clean_registries",
-    "cold_stop_is_repeat",
-    "drop_cancelled_dequeued",
-    "enqueue_unregistered",
-    "exception_handlers",
-    "fail_after_return",
-    "fail_unreadable",
-    "fail_unstarted",
-    "finish_if_uploaded",
-    "give_back_dequeued",
-    "give_back_started",
-    "live_workers",
-    "mark_stopped",
-    "record_cancelled_execution",
-    "record_success_after_return",
-    "register_queues",
-    "reorder_polled_queues",
-    "requeue_after_return",
-    "set_retry",
-    "stale_intermediate_entry",
-    "started_member_job_id",
-    "stop_at_first_turn",
-    "stop_requested",
-    "stopped_job_id",
-]
+    "RQ_MINOR", "STUCK_IN_INTERMEDIATE", "FleetHorse", "GuardedJob", "OversizedJob", "beat", "cancel_requested",
+    "clean_intermediate", "clean_registries", "cold_stop_is_repeat", "drop_cancelled_dequeued",
+    "enqueue_unregistered", "exception_handlers", "fail_after_return", "fail_unreadable", "fail_unstarted",
+    "finish_if_uploaded", "give_back_dequeued", "give_back_started", "live_workers", "mark_stopped",
+    "record_cancelled_execution", "record_success_after_return", "register_queues", "reorder_polled_queues",
+    "requeue_after_return", "set_retry", "stale_intermediate_entry", "started_member_job_id",
+    "stop_at_first_turn", "stop_requested", "stopped_job_id",
+]  # fmt: skip
 
 log = logging.getLogger("worker.rq")
 
