@@ -219,7 +219,7 @@ RULES = [
 
 
 def _copy_tree(dest: Path) -> Path:
-    for package in ("producer", "worker", "ltx_mgpu", "kernels", "bench", "tests"):
+    for package in ("producer", "worker", "ltx_mgpu", "kernels", "bench", "devstack", "tests"):
         shutil.copytree(ROOT / package, dest / package, symlinks=True)  # with __pycache__: saves recompiling
     return dest
 
