@@ -47,7 +47,7 @@ from worker.errors import WorkerError
 
 __all__ = ["main"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPT = ROOT / "examples" / "prompt.json"
 BUCKET = "videos"
 # Used when the package is installed without the repository's examples/ directory.

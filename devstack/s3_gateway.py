@@ -36,7 +36,7 @@ from devstack.dev_servers import (
 
 __all__ = ["PORT_FLAGS", "S3Gateway", "listening_addresses", "make_secrets"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 START_SCRIPT = ROOT / "scripts" / "s3-start.sh"
 SECRETS_SCRIPT = ROOT / "scripts" / "secrets.sh"
 

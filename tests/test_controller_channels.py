@@ -7,12 +7,15 @@ rank read, so the 64 KiB pipe filled after ~176 jobs and `stream()` blocked fore
 from __future__ import annotations
 
 import fcntl
+import io
 import multiprocessing
+import os
 import pickle
 import queue
 import resource
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
@@ -21,15 +24,31 @@ from ltx_mgpu import MGPUController
 from ltx_mgpu.control.transport import Channel, ChannelClosed, ChannelTimeout
 from tests.support.controller_runners import ScriptedRunner
 
-JOBS = 1000
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)  # (Linux; the constant is in fcntl from Python 3.10)
 
 
-def _run_jobs(ctl: MGPUController, world: int, progress: list[int], failures: list[str]) -> None:
-    for j in range(JOBS):
-        x = torch.full((4,), float(j))  # a fresh tensor per job: stale deliveries would show in the sum
-        nested = {"t": torch.full((5,), float(j % 7))}
-        items = list(ctl.stream(mode="tensors", x=x, nested=nested))
+def _kwargs(j: int) -> dict[str, object]:
+    """Job `j`'s tensor kwargs: fresh tensors per job, so stale deliveries would show in the sums."""
+    return {"x": torch.full((4,), float(j)), "nested": {"t": torch.full((5,), float(j % 7))}}
+
+
+def _jobs_that_fill_an_unread_pipe() -> int:
+    """Jobs after which a pipe nobody reads is full, if each job wrote nothing but its tensor kwargs to it,
+    framed as `Channel.put` frames them (a real job's message carries more, so it jams sooner)."""
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(_kwargs(0))
+    reader, writer = os.pipe()
+    try:
+        capacity = fcntl.fcntl(writer, _F_GETPIPE_SZ)
+    finally:
+        os.close(reader)
+        os.close(writer)
+    return -(-capacity // (4 + len(buf.getvalue())))
+
+
+def _run_jobs(ctl: MGPUController, world: int, jobs: int, progress: list[int], failures: list[str]) -> None:
+    for j in range(jobs):
+        items = list(ctl.stream(mode="tensors", **_kwargs(j)))
         sums = sorted(item["x_sum_all_ranks"] for item in items)
         nested_sums = sorted(item["nested_sum"] for item in items)
         if sums != [world * 4.0 * j] * world or nested_sums != [5.0 * (j % 7)] * world:
@@ -40,11 +59,14 @@ def _run_jobs(ctl: MGPUController, world: int, progress: list[int], failures: li
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
-def test_thousand_jobs_with_tensor_kwargs_never_jam(world: int) -> None:
+def test_jobs_with_tensor_kwargs_never_jam(world: int) -> None:
+    """Three times the jobs that would fill an unread per-rank pipe (~154 at 64 KiB; the regression jammed
+    at ~176): a channel that no rank reads jams within the first third of the run."""
+    jobs = 3 * _jobs_that_fill_an_unread_pipe()
     ctl = MGPUController(ScriptedRunner, devices=["cpu"] * world)
     ctl.start(timeout=120)
     progress, failures = [0], []
-    worker = threading.Thread(target=_run_jobs, args=(ctl, world, progress, failures), daemon=True)
+    worker = threading.Thread(target=_run_jobs, args=(ctl, world, jobs, progress, failures), daemon=True)
     try:
         worker.start()
         # Generous (a job takes ~5 ms here, ~60 ms on a loaded machine): the check is "it finishes", and a jam
@@ -57,9 +79,9 @@ def test_thousand_jobs_with_tensor_kwargs_never_jam(world: int) -> None:
                 last, last_move = progress[0], time.monotonic()
             elif time.monotonic() - last_move > 90:
                 break
-        assert not worker.is_alive(), f"jammed: the caller is stuck after {progress[0]} of {JOBS} jobs"
+        assert not worker.is_alive(), f"jammed: the caller is stuck after {progress[0]} of {jobs} jobs"
         assert not failures, failures
-        assert progress[0] == JOBS
+        assert progress[0] == jobs
         assert ctl.is_alive
     finally:
         ctl.shutdown(graceful_timeout=5)  # also unblocks a stuck writer (its pipe breaks)

@@ -31,7 +31,7 @@ from worker.protocol.schema import RenderRequest
 from worker.protocol.states import TERMINAL_STATES
 from worker.settings import group_label
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = {s.value for s in TERMINAL_STATES}
 #: Stage-2 refinement with the three distilled sigmas (ltx_mgpu.runners.ltx2.denoise.STAGE2_DISTILLED_SIGMAS);
 #: the two-stage runner would otherwise use its two-sigma tiled schedule on more than one rank.

@@ -370,5 +370,6 @@ def _run_steps(dog: Watchdog, stack: ChaosStack, rng: random.Random, report: Rep
     report.details.update(lost=verdict.lost, duplicated=verdict.duplicated, corrupt=verdict.corrupt,
                           unexpected=verdict.unexpected, memory=verdict.memory, leaked=leaked, supervisor_rc=rc,
                           stats=verdict.stats, canaries_ok=canaries_ok, not_injected=run.not_injected,
+                          injected=sorted({kind for kind, _ in run.fault_jobs}),
                           not_rejected=[(b.door, b.label, b.detail) for b in inputs if not b.rejected])  # fmt: skip
     return verdict

@@ -18,12 +18,15 @@ from tests.chaos.engine import FAULT_KINDS, run_chaos
 pytestmark = pytest.mark.timeout(600)
 
 SEED = 20240607
+#: Jobs in the CI run: the faults' own (20 for 2 of each kind), 37 normal ones spread between the faults, a probe
+#: and two canaries. (45 jobs ran no faster: the faults' waits, not the renders, take the time.)
+JOBS = 60
 
 
 def test_chaos_ci(tmp_path: Any, s3_server: Any, redis_server: Any) -> None:
     del redis_server  # (only to fail early when redis-server is missing; the run starts its own with AOF)
     events: list[dict[str, Any]] = []
-    report, verdict = run_chaos(tmp_path, seed=SEED, jobs=60, faults=2 * len(FAULT_KINDS), bad_inputs=30,
+    report, verdict = run_chaos(tmp_path, seed=SEED, jobs=JOBS, faults=2 * len(FAULT_KINDS), bad_inputs=30,
                                 s3=s3_server, settle_timeout=150, log=events.append)  # fmt: skip
     print(report.line(), f"({report.seconds}s)")
     violations = {k: report.details.get(k) for k in ("unexpected", "lost", "duplicated", "corrupt", "leaked",
@@ -31,7 +34,8 @@ def test_chaos_ci(tmp_path: Any, s3_server: Any, redis_server: Any) -> None:
                   if report.details.get(k)}  # fmt: skip
     print("violations:", json.dumps(violations, default=str)[:6000])  # (first: the summary below is long)
     summary = json.dumps({"details": report.details, "events": events}, default=str, indent=1)[:20000]
-    assert report.faults >= len(FAULT_KINDS) and report.jobs >= 55, summary
+    # each kind twice: one whose target never reached the state to hit (a worker held back) has a second chance
+    assert report.details.get("injected") == sorted(FAULT_KINDS) and report.jobs >= JOBS - 5, summary
     assert report.unexpected == 0 and not verdict.unexpected, summary
     assert report.lost == 0 and report.duplicated == 0 and report.corrupt == 0, summary
     assert report.leaked == 0 and report.stalled == 0, summary
