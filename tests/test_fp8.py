@@ -335,7 +335,7 @@ def test_bench_runs_its_cpu_smoke_version():
 
 
 def test_e2e_bench_passes_the_quantization_to_the_runners_setup(monkeypatch):
-    from bench import e2e
+    from bench.e2e import runs as e2e
 
     args = e2e.parse_args(["--quantization", "fp8-mm"])
     seen = {}

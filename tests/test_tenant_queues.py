@@ -109,7 +109,7 @@ def test_100k_bogus_ids_on_a_tenants_queue_neither_refuse_nor_stall_another(stac
     assert took < 3 * baseline + 5, (took, baseline)
     # An idle worker goes on dropping junk, dequeue after dequeue, until the queue is empty. Five dequeues' worth
     # show that as well as the ~1000 the whole pile takes (each id costs its round trips: over a minute here).
-    from worker.jobs.tenantqueues import JUNK_PER_QUEUE
+    from worker.jobs.tenant_queues import JUNK_PER_QUEUE
 
     stack.admin.ltrim(key, -5 * JUNK_PER_QUEUE, -1)
     wait_for(lambda: stack.admin.llen(key) == 0, 60, "alice's queue cleaned", on_fail=stack.worker.log_tail)
