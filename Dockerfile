@@ -60,11 +60,9 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PYTHON
 RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2.13" "boto3>=1.36" "click>=8" "rich>=13"
 WORKDIR /app
 COPY producer ./producer
-COPY ltx_mgpu/__init__.py ./ltx_mgpu/
+COPY ltx_mgpu/__init__.py ltx_mgpu/errors.py ./ltx_mgpu/
 COPY ltx_mgpu/spec ./ltx_mgpu/spec
-COPY worker/__init__.py ./worker/
-COPY worker/errors.py ./worker/
-COPY ltx_mgpu/errors.py ./ltx_mgpu/
+COPY worker/__init__.py worker/errors.py ./worker/
 COPY worker/protocol ./worker/protocol
 COPY examples ./examples
 RUN useradd --create-home --uid 1000 ltx
