@@ -7,6 +7,11 @@ peak, `peak_memory_bytes`, beside it): the plan must predict what the allocator 
         --sizes 1536x1024x121,1536x1024x241
     python -m bench.plan_check --weights /dev/shm/ltx2-full --runner ltx2-distilled --devices 0   # the presets
     python -m bench.plan_check --tiny --devices cpu,cpu --sizes 128x128x9      # a check of the script (no peaks)
+    python -m bench.plan_check --weights DIR --runner ltx2-distilled --quantization fp8-mm+attn --devices 0
+
+The fleet is placed as the worker places it (`ltx_mgpu.spec.placement.choose` for the local card and the host
+memory it may pin, `--host-gib`; `--placement JSON` fixes it): the placement and each rank's resident set as
+measured after setup (`setup_memory_gib`, per part) are printed beside the plan's resident figures.
 
 Each size is planned as the worker plans a job (`ltx_mgpu.spec.memory_plan.plan` on the runner's `memory_fleet`, the
 capacity the last render measured, `device_memory_bytes`, else the device's free + reserved memory now), and
@@ -14,7 +19,8 @@ rendered with that plan's `memory_plan` kwarg; a size the plan refuses is report
 rendered. One render per size (the first of a size captures its CUDA graphs, which is what a job of a new
 size does too); `--warm` renders each size twice and reports the second. A size that runs out of memory is
 reported (`oom`) and the next size runs on the same fleet. Prints one JSON line per stage and size, then
-`SUMMARY {...}` with the worst relative error of the reserved peak over the rendered sizes.
+`SUMMARY {...}` with the worst relative error of the reserved peak over the rendered sizes and `admitted_oom`,
+the sizes the plan admitted that ran out of memory (each one a bug of the plan).
 """
 
 from __future__ import annotations
@@ -68,6 +74,33 @@ def capacity_gib(output: dict[str, Any] | None, ctl: Any) -> float | None:
     return None if measured is None else round(float(measured) / GIB, 2)
 
 
+def place(kind: str, devices: list[Any], setup: dict[str, Any], sizes: list, args: Any) -> dict[str, str]:
+    """The placement the worker would choose for this fleet on the local card (or `--placement`)."""
+    import json
+
+    from ltx_mgpu.runners.ltx2 import spec
+    from ltx_mgpu.spec import placement as pl
+
+    if args.placement != "auto":
+        return spec.placement({"placement": json.loads(args.placement)})
+    from worker.render.fleet_plan import local_card
+
+    found = local_card([f"cuda:{d}" for d in devices if d != "cpu"])
+    if found is None:
+        return spec.placement({})
+    fleet = spec.memory_fleet(kind, len(devices), setup)
+    host = args.host_gib
+    if host is None:
+        with open("/proc/meminfo") as fh:
+            available = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable")) / 2**20
+        host = max(0.0, available - 8.0)
+    best, judged = pl.choose(fleet, found[0], host_gib=host, sizes=sizes[:1])
+    emit({"event": "placement", "card": found[0].describe(), "host_gib": round(host, 1),
+          "judged": [{**c.placement, "host_gib": c.host_gib, "seconds": c.seconds, "problem": c.problem}
+                     for c in judged]})  # fmt: skip
+    return (best or judged[0]).placement
+
+
 def main() -> None:
     from ltx_mgpu.spec.request_rules import PRESETS
 
@@ -80,6 +113,9 @@ def main() -> None:
     ap.add_argument("--frame-rate", type=float, default=24.0)
     ap.add_argument("--headroom-gib", type=float, default=4.0)
     ap.add_argument("--warm", action="store_true", help="render each size twice, report the second")
+    ap.add_argument("--quantization", default=None, help="the runners' setup quantization (fp8-mm, fp8-mm+attn)")
+    ap.add_argument("--placement", default="auto", help="auto (as the worker chooses) or a JSON placement")
+    ap.add_argument("--host-gib", type=float, default=None, help="pinned host memory the fleet may take (auto)")
     args = ap.parse_args()
     import torch
 
@@ -91,15 +127,22 @@ def main() -> None:
     if (args.weights is None) != args.tiny:
         raise SystemExit("give --weights DIR or --tiny")
     name, setup = setup_kwargs(args.runner, args.weights)
+    if args.quantization:
+        setup["quantization"] = args.quantization
     sizes = [memory_plan.parse_size(s) for s in args.sizes.split(",") if s.strip()]
     devices: list[Any] = [d if d == "cpu" else int(d) for d in args.devices.split(",")]
     kind = spec.RUNNER_KINDS[f"ltx_mgpu.runners.ltx2.runners:{RUNNERS[name]}"]
+    setup["placement"] = place(kind, devices, setup, sizes, args)
     ctl = MGPUController(getattr(ltx2, RUNNERS[name]), devices=devices)
     t0 = time.perf_counter()
     ctl.start(timeout=900, **setup)
-    emit({"event": "started", "start_s": round(time.perf_counter() - t0, 1)})
+    plan_resident = memory_plan.plan(spec.memory_fleet(kind, len(devices), setup), *sizes[0]).resident_gib
+    emit({"event": "started", "start_s": round(time.perf_counter() - t0, 1), "placement": setup["placement"],
+          "measured_setup_gib": [r.setup_memory_gib for r in ctl.startup.ranks],
+          "planned_resident_gib": plan_resident})  # fmt: skip
     errors: list[float] = []
     done: list[dict[str, Any]] = []
+    admitted_oom = 0
     last: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -120,6 +163,7 @@ def main() -> None:
                         output = render(ctl, Path(tmp), request, planned.job_kwargs())
                 except SymmetricRunnerError as exc:
                     result = "oom" if exc.out_of_memory else "error"
+                    admitted_oom += result == "oom"
                     emit({"event": result, "size": size, "message": str(exc)[:400],
                                       "predicted_peak_gib": planned.peak.reserved_gib})  # fmt: skip
                     done.append({"size": size, "result": result})
@@ -136,7 +180,8 @@ def main() -> None:
         finally:
             ctl.shutdown(graceful_timeout=60)
     summary = {"runner": args.runner, "devices": devices, "sizes": done, "frame_rate": args.frame_rate,
-               "worst_error": max(errors, key=abs) if errors else None,
+               "worst_error": max(errors, key=abs) if errors else None, "admitted_oom": admitted_oom,
+               "placement": setup["placement"], "quantization": args.quantization,
                "gpu": "cpu" if devices[0] == "cpu" else torch.cuda.get_device_name(devices[0]),
                "torch": torch.__version__}  # fmt: skip
     emit_summary(summary)

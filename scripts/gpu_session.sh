@@ -28,6 +28,11 @@
 #              ONLY="0,1" (a comma list of plan indices) picks other runs for either phase
 #   loras      python -m bench.e2e loras at real size on GPU 0: request LoRAs switched, fetched from S3,
 #              swapped back (~2.5-3 min; SIGINT at 235 s; no kernel build: one GPU exchanges no heads)
+#   facts      the box: GPU, PCIe link, host memory, disks; python -m bench.host_link (pinned copy rates) (~40 s)
+#   weights-split  the full synthetic weights with Gemma and the distilled LoRA on disk ($DISK_WEIGHTS, linked
+#              into $WEIGHTS) and the rest in /dev/shm: a 128 GiB host cannot hold 70 GiB of weights in /dev/shm
+#              and the 65 GiB of pinned host tiers an 80 GB card's two-stage fleet takes (docs/memory.md)
+#   plan-check python -m bench.plan_check: RUNNER (ltx2-distilled), SIZES, QUANT (none), PLACEMENT (auto)
 #   attn       FP8 attention: installs the carried .whl3/ (nvidia-cudnn-frontend, sageattention; fill it with the
 #              pip download in docs/performance.md) into $SITE, then python -m bench.attention with the candidates at
 #              LTX-2's shapes and tests/test_fp8_attention_gpu.py; every step runs even if one before failed
@@ -35,7 +40,7 @@
 # Every phase builds the extension first if it is missing. Exit code: the phase's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?usage: bash scripts/gpu_session.sh wheels|check|build|tests|all2all|weights|e2e-tiny|e2e-a|e2e-b|loras|attn}
+PHASE=${1:?usage: bash scripts/gpu_session.sh wheels|check|build|tests|all2all|weights|weights-split|facts|plan-check|e2e-tiny|e2e-a|e2e-b|loras|attn}
 OUT=${OUT:-/tmp/ltx-out}
 SITE=${SITE:-/tmp/site}
 WEIGHTS=${WEIGHTS:-/dev/shm/ltx2-full}
@@ -152,6 +157,35 @@ PYCHECK
     ;;
   loras)
     MODE=loras LIMIT=235 e2e loras --profile full --weights "$WEIGHTS" --groups 0 --budget-s 190
+    ;;
+  facts)
+    {
+      nvidia-smi --query-gpu=name,memory.total,memory.used,pcie.link.gen.current,pcie.link.width.current \
+        --format=csv || true
+      free -g; df -h / /tmp /var/tmp /dev/shm 2>/dev/null || true
+      "$PY" -m bench.host_link --gib 8 --iters 3 --disk /var/tmp --disk-gib 4
+    } 2>&1 | tee "$OUT/facts.txt"
+    ;;
+  weights-split)
+    DISK_WEIGHTS=${DISK_WEIGHTS:-/var/tmp/ltx2-disk}
+    mkdir -p "$WEIGHTS" "$DISK_WEIGHTS"
+    "$PY" -m ltx_mgpu.runners.ltx2.synthetic --profile full --out "$DISK_WEIGHTS" --device cuda \
+      --components gemma,lora | tee "$OUT/weights-disk.jsonl"
+    "$PY" -m ltx_mgpu.runners.ltx2.synthetic --profile full --out "$WEIGHTS" --device cuda \
+      --components monolith,upsampler | tee "$OUT/weights.jsonl"
+    ln -sfn "$DISK_WEIGHTS/gemma" "$WEIGHTS/gemma"
+    ln -sfn "$DISK_WEIGHTS/distilled_lora.safetensors" "$WEIGHTS/distilled_lora.safetensors"
+    du -shL "$WEIGHTS" "$DISK_WEIGHTS"; free -g
+    ;;
+  plan-check)
+    set +e
+    timeout -s INT -k 60 "${LIMIT:-300}" "$PY" -m bench.plan_check --weights "$WEIGHTS" \
+      --runner "${RUNNER:-ltx2-distilled}" --devices 0 --sizes "${SIZES:-768x512x121}" \
+      ${QUANT:+--quantization "$QUANT"} --placement "${PLACEMENT:-auto}" ${HOST_GIB:+--host-gib "$HOST_GIB"} \
+      >>"$OUT/plan-check.jsonl" 2>>"$OUT/plan-check.log"
+    rc=$?
+    tail -c 2500 "$OUT/plan-check.jsonl"; tail -5 "$OUT/plan-check.log"
+    exit $rc
     ;;
   attn)
     set +e

@@ -75,7 +75,9 @@ def render(ctl, path, **job):
     out = outputs[0]
     stages = [e["stage"] for e in events if isinstance(e, dict) and e.get("type") == "stage"]
     swaps = {k for k in out["timings_s"] if k.startswith("lora_swap_")}  # timed, not announced as stages
-    assert set(out["timings_s"]) - swaps == set(stages) and out["synthetic_weights"] is True
+    parked = {"unpark"} if (job.get("memory_plan") or {}).get("park_text_encoder") else set()  # timed too
+    assert set(out["timings_s"]) - swaps - parked == set(stages) and out["synthetic_weights"] is True
+    assert parked <= set(out["timings_s"])
     # a request's LoRAs: their header checks on the ranks are part of the job's swap cost, timed
     assert ("lora_swap_check" in swaps) == bool(job.get("loras"))
     expected = {"lora_swap_stage1", "lora_swap_stage2"} if "tdp" in str(events) else set()

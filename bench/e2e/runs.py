@@ -214,8 +214,9 @@ def run(stack: Stack, spec: RunSpec, args: Any, weights: dict[str, str], workdir
     chunks = {"vae_chunk_frames": int(args.vae_chunk_frames)} if args.vae_chunk_frames else {}
     workload = sized(make_workload(spec.runner, args.profile, {**weights, "quantization": args.quantization, **chunks}),
                      spec.size)  # fmt: skip
+    extra = dict(item.split("=", 1) for item in args.worker_env or ())
     workers = Workers(stack, list(spec.groups), workload, workdir, warmup=not args.no_warmup,
-                      extra_env=spec.worker_env())  # fmt: skip
+                      extra_env={**spec.worker_env(), **extra})  # fmt: skip
     summary: dict[str, Any] = {
         "kind": "run",
         "profile": args.profile,
@@ -314,7 +315,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="fp8-mm (linears), fp8-mm+attn (and attention): docs/runners.md")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON lines here")
     ap.add_argument("--workdir", type=Path, default=None, help="logs and spool (default: a temp dir)")
+    ap.add_argument("--worker-env", action="append", default=None, metavar="LTX_NAME=VALUE",
+                    help="a worker setting for every run (repeatable), e.g. LTX_HOST_MEMORY_GIB=66")  # fmt: skip
     args = ap.parse_args(argv)
+    if any("=" not in item or not item.startswith("LTX_") for item in args.worker_env or ()):
+        ap.error("--worker-env takes LTX_NAME=VALUE")
     full = args.profile == "full"
     args.start_timeout = args.start_timeout or (900.0 if full else 300.0)
     args.job_timeout = args.job_timeout or (600.0 if full else 300.0)

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from . import determinism
-from .devices import MULTICAST_OFF_ENV
+from .devices import ALLOCATOR_ENV, MULTICAST_OFF_ENV
 from .errors import RenderFault, RenderOutOfMemory, RunnerError, value_error_terminal
 from .job_board import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
@@ -149,7 +149,7 @@ def rank_main(boot: RankBoot) -> None:
     """Spawn target. Never returns normally on failure: reports, then `os._exit(1)`."""
     booted_at = time.time()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for key, value in MULTICAST_OFF_ENV.items():  # before any communicator exists in this process
+    for key, value in {**MULTICAST_OFF_ENV, **ALLOCATOR_ENV}.items():  # before any communicator or allocation
         os.environ.setdefault(key, value)
     # Temporary files of this process (multiprocessing's `pymp-*` directory, made when a yielded tensor is
     # shared by file descriptor) go into the fleet's scratch directory: a rank that is killed or exits
@@ -218,18 +218,18 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
         setup_began_at = time.time()
         runner.setup(**boot.setup_kwargs)
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None  # (offered: a plan's capacity)
+        offered = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() if device.type == "cuda" else None
         stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner),
-                            None if free is None else free + torch.cuda.memory_reserved(device))  # fmt: skip
+                            offered, _setup_phases(runner, "setup_memory_gib"))  # fmt: skip
         boot.channels.up.put(Result(kind=MessageKind.READY, job_id=-1, rank=boot.rank, value=stamp))
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)
 
 
-def _setup_phases(runner: MGPURunner) -> dict[str, float]:
-    """The runner's optional per-part setup timings (`setup_phases_s`), kept only if JSON-safe."""
-    phases = getattr(runner, "setup_phases_s", None)
+def _setup_phases(runner: MGPURunner, attribute: str = "setup_phases_s") -> dict[str, float]:
+    """The runner's optional per-part setup figures (seconds, device GiB), kept only if JSON-safe."""
+    phases = getattr(runner, attribute, None)
     if not isinstance(phases, dict):
         return {}
     return {str(k): round(float(v), 3) for k, v in phases.items() if isinstance(v, int | float)}

@@ -38,6 +38,9 @@ class RankStartup:
     #: what the rank's device offers it once `setup()` returned (free + its allocator's reservation; CUDA
     #: ranks only): the capacity a memory plan checks requests against, known before any job or warm-up runs
     device_memory_bytes: int | None = None
+    #: GiB each named part of `setup()` left allocated on the rank's device, where the runner measures it
+    #: (`setup_memory_gib`): the resident set as measured, beside the memory plan's figures
+    setup_memory_gib: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

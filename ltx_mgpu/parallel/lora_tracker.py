@@ -35,10 +35,8 @@ Only tensors are moved; the model's module structure (and any shared-weight sibl
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,108 +44,13 @@ import torch.distributed as dist
 
 from ..fp8.lora import fuse_rowwise, is_rowwise_fp8
 from .collectives import needs_host_staging
+from .lora_units import SCALE_SUFFIX, LoraSpec, assign_owners, lora_targets, lora_units, tracked_tensors
 
 __all__ = ["LoraSpec", "LoraWeightTracker", "assign_owners", "lora_units", "tracked_tensors"]
+_ = lora_units  # (re-exported: the tracker's selection lives in `lora_units`)
 
-_SCALE_SUFFIX = ".weight_scale"
+_SCALE_SUFFIX = SCALE_SUFFIX
 _FUSABLE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  #: what ltx-core's apply_loras fuses
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """One LoRA to fuse: a safetensors file, a strength and the key mapping (ltx-core `SDOps` or None)."""
-
-    path: str
-    strength: float = 1.0
-    sd_ops: Any = None
-
-    @property
-    def identity(self) -> tuple[str, float, str]:
-        return (str(self.path), float(self.strength), getattr(self.sd_ops, "name", "") or "")
-
-    @property
-    def factor_key(self) -> tuple[str, str]:
-        """What the kept factors depend on: the file and the key mapping, not the strength."""
-        return (str(self.path), getattr(self.sd_ops, "name", "") or "")
-
-    @classmethod
-    def coerce(cls, lora: Any) -> LoraSpec:
-        """Accept a `LoraSpec`, an ltx-core `LoraPathStrengthAndSDOps` or a (path, strength[, sd_ops]) tuple."""
-        if isinstance(lora, LoraSpec):
-            return lora
-        if hasattr(lora, "path") and hasattr(lora, "strength"):
-            return cls(str(lora.path), float(lora.strength), getattr(lora, "sd_ops", None))
-        path, strength, *rest = lora
-        return cls(str(path), float(strength), rest[0] if rest else None)
-
-
-def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
-    """Deterministic greedy balance: units (a weight plus its scale) by descending bytes, each to the
-    least-loaded rank (ties: lowest rank). Same answer on every rank for the same names and sizes."""
-    units: dict[str, list[str]] = {}
-    for key in sizes:
-        base = key[: -len(_SCALE_SUFFIX)] + ".weight" if key.endswith(_SCALE_SUFFIX) else key
-        units.setdefault(base, []).append(key)
-    order = sorted(units, key=lambda b: (-sum(sizes[k] for k in units[b]), b))
-    load = [0] * world_size
-    owners: dict[str, int] = {}
-    for base in order:
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        for key in units[base]:
-            owners[key] = rank
-        load[rank] += sum(sizes[k] for k in units[base])
-    return owners
-
-
-def tracked_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor `attach` backs up: each >= 2-D floating `*.weight` and its `*.weight_scale` if any."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    working: dict[str, torch.Tensor] = {}
-    for name, p in params.items():
-        if name.endswith(".weight") and p.dim() >= 2 and torch.is_floating_point(p):
-            working[name] = p.data
-            scale = name[: -len(".weight")] + _SCALE_SUFFIX
-            if scale in params or scale in buffers:
-                working[scale] = (params.get(scale) if scale in params else buffers[scale]).data
-    return working
-
-
-def lora_units(model: torch.nn.Module, *, float_bytes: int | None = None) -> dict[str, tuple[int, int, int]]:
-    """Weight name -> (out, in, bytes with its scale) of what `attach` backs up: `memory_plan.lora_figures`'
-    input, so the memory plan's LoRA figures come from the same selection as the tracker's allocations.
-    `float_bytes`: count the non-float8 weights at this width (a meta model built in float32 standing for
-    the bfloat16 one a runner loads); scales keep their own width."""
-    tensors = tracked_tensors(model)
-    units: dict[str, tuple[int, int, int]] = {}
-    for name, t in tensors.items():
-        if name.endswith(_SCALE_SUFFIX):
-            continue
-        width = t.element_size() if float_bytes is None or t.element_size() == 1 else float_bytes
-        scale = tensors.get(name[: -len(".weight")] + _SCALE_SUFFIX)
-        extra = 0 if scale is None else scale.numel() * scale.element_size()
-        units[name] = (int(t.shape[0]), int(math.prod(t.shape[1:])), t.numel() * width + extra)
-    return units
-
-
-def _lora_targets(spec: LoraSpec) -> dict[str, tuple[str, str]]:
-    """Model weight key -> (raw lora_A name, raw lora_B name) in the file, from the header only."""
-    from safetensors import safe_open
-
-    mapped: dict[str, str] = {}
-    with safe_open(spec.path, framework="pt") as f:
-        for raw in f.keys():
-            key = raw if spec.sd_ops is None else spec.sd_ops.apply_to_key(raw)
-            if key is not None:
-                mapped[key] = raw
-    out: dict[str, tuple[str, str]] = {}
-    for key, raw in mapped.items():
-        if key.endswith(".lora_A.weight"):
-            prefix = key[: -len(".lora_A.weight")]
-            raw_b = mapped.get(f"{prefix}.lora_B.weight")
-            if raw_b is not None:
-                out[f"{prefix}.weight"] = (raw, raw_b)
-    return out
 
 
 class LoraWeightTracker:
@@ -156,14 +59,16 @@ class LoraWeightTracker:
     Args:
         group: process group whose ranks share the work (None = default group; world 1 works too).
         bucket_bytes: size of the broadcast staging buffer (the reference uses 256 MiB).
-        backup_device: where the clean shards live (default: each weight's own device; "cpu" saves
-            accelerator memory at the cost of slower swaps).
+        backup_device: where the clean shards live (default: each weight's own device; "cpu": one page-locked
+            host buffer, the memory plan's `lora_backup_at="host"`: a restore copies them back over the host link).
         lora_load_device: where LoRA tensors are read to (default CPU, as ltx-core's builder does).
         keep_loras: keep the LoRA factors of this rank's keys on their weight's device after the first
             fusion, so later swaps read nothing from disk (at real size, re-reading a rank's share of a
             7 GB LoRA from the file per swap is most of a swap). Costs the owned share of the LoRA files.
         device_cache_bytes: bytes of factors of LoRAs neither kept by `drop_factors` nor current that this
             rank still holds, least recently used dropped first (0: none; the runners' `lora_device_cache_gib`).
+        factor_device: where kept factors live (default: their weight's device; "cpu": page-locked host memory, the
+            plan's `lora_factors_at="host"`: each fusion copies a weight's factors to its device first).
         factor_reader: `(path, names, device) -> {name: tensor}`, how kept factors are read from a LoRA file
             (None: safetensors tensor by tensor, each a synchronous copy from pageable memory: 2,304 of them,
             ~0.5 s, for a rank-128 19B LoRA on an H200). The runners pass the staged reader of
@@ -180,6 +85,7 @@ class LoraWeightTracker:
         keep_loras: bool = True,
         device_cache_bytes: int = 0,
         factor_reader: Callable[[str, Sequence[str], torch.device], dict[str, torch.Tensor]] | None = None,
+        factor_device: torch.device | str | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be > 0")
@@ -198,6 +104,8 @@ class LoraWeightTracker:
         self.keep_loras = keep_loras
         self.device_cache_bytes = max(0, int(device_cache_bytes))
         self.factor_reader = factor_reader
+        self.factor_device = None if factor_device is None else torch.device(factor_device)
+        self._restored: Any = None  # the event of an asynchronous `reset` still copying (one rank only)
         # factor_key -> {"<prefix>.lora_A.weight" / "...lora_B.weight": factor on the weight's device}, least
         # recently used first (a use moves a key to the end)
         self._factors: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
@@ -216,11 +124,15 @@ class LoraWeightTracker:
             if not t.is_contiguous():
                 raise RuntimeError(f"LoraWeightTracker: weight '{name}' is not contiguous")
         self._owners = assign_owners({k: t.numel() * t.element_size() for k, t in working.items()}, self.world_size)
-        self._clean = {
-            k: t.detach().to(device=self.backup_device or t.device, copy=True)
-            for k, t in working.items()
-            if self._owners[k] == self.rank
-        }
+        mine = [k for k in working if self._owners[k] == self.rank]
+        if self.backup_device is not None and self.backup_device.type == "cpu" and mine:
+            from ..runners.common.host_tier import pack_pinned  # one page-locked buffer, not 1,000 rounded blocks
+
+            device = working[mine[0]].device
+            self._clean = dict(zip(mine, pack_pinned([working[k].detach() for k in mine], device), strict=True))
+        else:
+            self._clean = {k: working[k].detach().to(device=self.backup_device or working[k].device, copy=True)
+                           for k in mine}  # fmt: skip
         self._working = working
 
     @property
@@ -260,12 +172,41 @@ class LoraWeightTracker:
         """Collective: restore the exact clean weights of every key a LoRA changed."""
         self.apply(())
 
+    def reset_async(self) -> bool:
+        """`reset()` started on a side stream, on one rank with its clean copy in host memory: the copy back runs
+        beside whatever the device does next (the video decode) and the next `apply` (or `wait_restored`) waits
+        for it. Several ranks restore through broadcasts, which must not run beside the decode's collectives:
+        there it is the plain `reset()`. Returns whether it went asynchronous."""
+        if self._working is None or not self._current:
+            return False
+        device = next(iter(self._working.values())).device
+        host = self.backup_device is not None and self.backup_device.type == "cpu"
+        if self.world_size != 1 or device.type != "cuda" or not host:
+            self.reset()
+            return False
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # (after the last kernel that reads the fused weights)
+        with torch.cuda.stream(side):
+            self.apply(())
+            event = torch.cuda.Event()
+            event.record(side)
+        self._restored = (device, event)
+        return True
+
+    def wait_restored(self) -> None:
+        """Order the current stream after an asynchronous `reset_async` copy (a no-op when none is in flight)."""
+        if self._restored is not None:
+            device, event = self._restored
+            torch.cuda.current_stream(device).wait_event(event)
+            self._restored = None
+
     def apply(self, loras: Iterable[Any], *, keep_factors: Iterable[Any] | None = None) -> None:
         """Collective: make the fused LoRAs exactly `loras` (see the module docstring). `keep_factors`: free
         first the kept factors of every LoRA neither in it nor in `loras` (`drop_factors`), so a past job's
         factors and this one's are never held together (the memory plan counts one job's)."""
         if self._working is None:
             raise RuntimeError("LoraWeightTracker.apply before attach(model)")
+        self.wait_restored()
         specs = tuple(s for s in (LoraSpec.coerce(x) for x in loras) if s.strength != 0.0)
         for spec in specs:  # a use: the most recently used (`drop_factors` evicts the least first)
             if spec.factor_key in self._factors:
@@ -279,7 +220,7 @@ class LoraWeightTracker:
         for spec in specs:
             if not os.path.isfile(spec.path):
                 raise ValueError(f"LoRA file not found: {spec.path}")
-        targets = [_lora_targets(s) for s in specs]
+        targets = [lora_targets(s) for s in specs]
         touched_new = set().union(*(t.keys() for t in targets)) & set(self._working) if targets else set()
         unsupported = sorted(k for k in touched_new if self._working[k].dtype not in _FUSABLE_DTYPES)
         if unsupported:
@@ -294,7 +235,7 @@ class LoraWeightTracker:
         dirty = self._with_scales(self._touched_current)
         with torch.no_grad():
             for key in (k for k in mine if k in dirty):  # restore clean first: fusion starts from clean bytes
-                self._working[key].copy_(self._clean[key])
+                self._working[key].copy_(self._clean[key], non_blocking=True)  # (stream-ordered; pinned: async)
                 self.stats["keys_restored"] += 1
             self._fuse(sorted(k for k in mine if k in touched_new), specs, targets)
             self._broadcast(sorted(affected))
@@ -329,7 +270,8 @@ class LoraWeightTracker:
                 with safe_open(spec.path, framework="pt", device=str(self.lora_load_device)) as f:
                     for key, (raw_a, raw_b) in missing.items():
                         prefix = key[: -len(".weight")]
-                        device = self._working[key].device if self.keep_loras else self.lora_load_device
+                        home = self.factor_device or self._working[key].device
+                        device = home if self.keep_loras else self.lora_load_device
                         for name, raw in ((f"{prefix}.lora_A.weight", raw_a), (f"{prefix}.lora_B.weight", raw_b)):
                             value = self._mapped(spec, raw, f.get_tensor(raw)).to(device)
                             kept[name] = value
@@ -338,7 +280,7 @@ class LoraWeightTracker:
             for key in wanted:
                 prefix = key[: -len(".weight")]
                 for name in (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"):
-                    sd[name] = kept[name]
+                    sd[name] = kept[name]  # (host-tier factors travel in the key loop below, one weight at a time)
             size = sum(t.nbytes for t in sd.values())
             where = next(iter(sd.values())).device if sd else self.lora_load_device
             sd_obj = StateDict(sd, where, size, {t.dtype for t in sd.values()})
@@ -351,9 +293,10 @@ class LoraWeightTracker:
                 part[scale] = self._working[scale]
             if is_rowwise_fp8(self._working[key], part.get(scale)):  # fp8-mm's layout: not ltx-core's
                 prefix = key[: -len(".weight")]
+                device = self._working[key].device
                 factors = [
-                    (lsd.state_dict.sd[f"{prefix}.lora_A.weight"], lsd.state_dict.sd[f"{prefix}.lora_B.weight"],
-                     lsd.strength)
+                    (lsd.state_dict.sd[f"{prefix}.lora_A.weight"].to(device, non_blocking=True),
+                     lsd.state_dict.sd[f"{prefix}.lora_B.weight"].to(device, non_blocking=True), lsd.strength)
                     for lsd in lora_sds
                     if f"{prefix}.lora_A.weight" in lsd.state_dict.sd
                 ]  # fmt: skip
@@ -372,15 +315,21 @@ class LoraWeightTracker:
         """`missing` keys' factors through `factor_reader`, one read per device their weights live on."""
         by_device: dict[torch.device, list[str]] = {}
         for key in missing:
-            by_device.setdefault(self._working[key].device, []).append(key)
+            by_device.setdefault(self.factor_device or self._working[key].device, []).append(key)
         for device, keys in by_device.items():
             raws = [raw for key in keys for raw in missing[key]]
             got = self.factor_reader(spec.path, raws, device)
+            fresh: dict[str, torch.Tensor] = {}
             for key in keys:
                 prefix = key[: -len(".weight")]
                 for name, raw in zip((f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"), missing[key], strict=True):
-                    kept[name] = self._mapped(spec, raw, got[raw])
-                    self.stats["lora_bytes_read"] += kept[name].nbytes
+                    fresh[name] = self._mapped(spec, raw, got[raw])
+                    self.stats["lora_bytes_read"] += fresh[name].nbytes
+            if device.type == "cpu" and self._working[keys[0]].device.type == "cuda":  # host tier: page-locked
+                from ..runners.common.host_tier import pack_pinned
+
+                fresh = dict(zip(fresh, pack_pinned(list(fresh.values()), self._working[keys[0]].device), strict=True))
+            kept.update(fresh)
 
     @staticmethod
     def _mapped(spec: LoraSpec, raw: str, value: torch.Tensor) -> torch.Tensor:

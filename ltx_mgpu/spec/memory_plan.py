@@ -83,6 +83,7 @@ DECODE_ELEMENTS_PER_PIXEL = 8.2
 INDEX_LIMIT = 0.9 * 2**31
 SPATIAL_SCALE, TEMPORAL_SCALE = 32, 8  #: LTX-2's video VAE: one latent cell per 32x32 px, 8 frames
 STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
+UINT8_FRAME_BYTES = 3  #: the driver's decoded frames (uint8 RGB) per pixel-frame, held until they leave the device
 DEFAULT_REQUEST_LORAS = 4  #: a runner set up with `request_loras`, until the worker says its own (`with_lora_limits`)
 LORA_STAGING_GIB = 0.25  #: `LoraWeightTracker(bucket_bytes=256 MiB)`: its broadcast buffer, kept on W > 1
 LORA_FACTOR_BYTES = 4  #: the widest factor dtype a LoRA file may hold (F32, `lora_file.LORA_DTYPES`): kept as read
@@ -125,6 +126,10 @@ class FleetMemory:
     lora_device_cache_gib: float = 0.0  #: setup `lora_device_cache_gib`: past request LoRAs' factors, per rank
     capacity_gib: float | None = None  #: what one device offers this fleet's rank; None: no limit
     headroom_gib: float = DEFAULT_HEADROOM_GIB
+    #: placement (`ltx_mgpu.spec.placement`): "gpu" resident, "park" a pinned host mirror, parked per job
+    text_encoder_at: str = "gpu"
+    lora_backup_at: str = "gpu"  #: "host": the tracker's clean copy in pinned host memory
+    lora_factors_at: str = "gpu"  #: "host": the setup LoRAs' kept factors in pinned host memory
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNER_KINDS:
@@ -144,6 +149,10 @@ class FleetMemory:
             raise ValueError(f"lora_tracker must be a boolean or null, got {self.lora_tracker!r}")
         if self.text_encoder_rank is not None:
             _check_int("text_encoder_rank", self.text_encoder_rank, 0, self.world_size - 1)
+        for name, allowed in (("text_encoder_at", ("gpu", "park")), ("lora_backup_at", ("gpu", "host")),
+                              ("lora_factors_at", ("gpu", "host"))):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name, value in (("capacity_gib", self.capacity_gib), ("headroom_gib", self.headroom_gib),
                             ("setup_lora_gib", self.setup_lora_gib),
                             ("lora_device_cache_gib", self.lora_device_cache_gib)):  # fmt: skip
@@ -166,6 +175,12 @@ class FleetMemory:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Where the movable components live (`ltx_mgpu.spec.placement`), the runners' setup kwarg `placement`."""
+        return {"text_encoder": self.text_encoder_at, "lora_backup": self.lora_backup_at,
+                "lora_factors": self.lora_factors_at}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: Any) -> FleetMemory | None:
@@ -203,6 +218,13 @@ class MemoryPlan:
     rule_problem: str | None = None  #: the runner's size rules refuse this size (`request_rules`)
     frame_rate: float = DEFAULT_FRAME_RATE
     notes: tuple[str, ...] = field(default=())
+    park_text_encoder: bool = False  #: the text encoder's GPU copy is dropped after the encode, back after the decode
+
+    @property
+    def is_lowest(self) -> bool:
+        """No plan lower in memory exists for this request on this fleet (an out-of-memory retry has nowhere to go)."""
+        parked = self.park_text_encoder or self.fleet.text_encoder_at != "park"
+        return self.decode_chunked and self.release_between_stages and parked
 
     @property
     def peak(self) -> StagePeak:
@@ -221,12 +243,15 @@ class MemoryPlan:
 
     @property
     def low_memory(self) -> bool:
-        return self.decode_chunked or self.release_between_stages
+        return self.decode_chunked or self.release_between_stages or self.park_text_encoder
 
     def job_kwargs(self) -> dict[str, Any]:
         """The runner's `memory_plan` job kwarg."""
-        return {"decode_chunked": self.decode_chunked, "release_between_stages": self.release_between_stages,
-                "predicted_peak_gib": round(self.peak.reserved_gib, 2)}  # fmt: skip
+        out = {"decode_chunked": self.decode_chunked, "release_between_stages": self.release_between_stages,
+               "predicted_peak_gib": round(self.peak.reserved_gib, 2)}  # fmt: skip
+        if self.park_text_encoder:
+            out["park_text_encoder"] = True
+        return out
 
     def refusal(self) -> str | None:
         """Why this request cannot run on this fleet (None if it fits)."""
@@ -251,6 +276,7 @@ class MemoryPlan:
                 "release_between_stages": self.release_between_stages, "token_problem": self.token_problem,
                 "rule_problem": self.rule_problem, "frame_rate": self.frame_rate, "sp_tokens": sp_tokens(self.fleet),
                 "stages": [asdict(s) for s in self.stages], "peak": asdict(self.peak),
+                "park_text_encoder": self.park_text_encoder, "placement": self.fleet.placement,
                 "notes": list(self.notes)}  # fmt: skip
 
 
@@ -285,7 +311,9 @@ def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
       rank owns. The setup's (the distilled LoRA: every block linear) split like the weights; a job's
       (`lora_job_factors`) are bounded per LoRA by the worker's limits, file bytes and rank x `lora_width_sum`
       x 4 (float32, kept as read), not divided by W: a LoRA may name only weights one rank owns.
-    - `lora_cache`: past jobs' factors `drop_factors` keeps, at most `lora_device_cache_gib` per rank."""
+    - `lora_cache`: past jobs' factors `drop_factors` keeps, at most `lora_device_cache_gib` per rank.
+    Parts the placement keeps in host memory (`lora_backup_at`, `lora_factors_at` "host") are not on the GPU and
+    not listed (`placement.host_parts` counts them)."""
     if not fleet.has_tracker:
         return {}
     world = fleet.world_size
@@ -294,8 +322,8 @@ def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
     setup = fleet.setup_lora_gib
     setup = (p.lora_factors_gib if fleet.runner == "two-stage" else 0.0) if setup is None else setup
     per_lora = min(fleet.lora_max_file_bytes, fleet.lora_max_rank * p.lora_width_sum * LORA_FACTOR_BYTES) / GIB
-    parts = {"lora_backup": share}
-    if setup:
+    parts = {"lora_backup": share} if fleet.lora_backup_at == "gpu" else {}
+    if setup and fleet.lora_factors_at == "gpu":
         parts["lora_factors"] = setup * (share / total if total else 1.0)
     if world > 1:
         parts["lora_staging"] = LORA_STAGING_GIB
@@ -370,8 +398,12 @@ def _token_problem(fleet: FleetMemory, size: tuple[int, int, int]) -> str | None
     return None
 
 
-def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int], resident: dict[int, dict[str, float]],
-                 chunked: bool, frame_rate: float) -> tuple[StagePeak, ...]:  # fmt: skip
+def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int],
+                 resident: dict[int, dict[str, float]], chunked: bool, frame_rate: float,
+                 park: bool = False) -> tuple[StagePeak, ...]:  # fmt: skip
+    """The worst rank of every stage. `park`: the text encoder's GPU copy is gone from stage 1 to the decode and
+    comes back after it (`unpark`: resident again, the job's CUDA graphs dropped first; the driver's frames are
+    still on its device)."""
     w, h, f = size
     world = fleet.world_size
     t1, t2 = _padded(_tokens(w, h, f, 2), world), _padded(_tokens(w, h, f, 1), world)
@@ -382,24 +414,23 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
     pixels = w * h * f
     tile_pixels = math.ceil(w * h / world) * f  # one spatial tile per rank
     decoded_at_once = min(math.ceil(w * h / world), CHUNK_PIXELS) * min(f, CHUNK_FRAMES) if chunked else tile_pixels
+    activations = {
+        "encode": lambda rank: p.encode_gib * GIB if _holds_gemma(fleet, rank) else 0.0,
+        "stage1": lambda rank: p.token_bytes * rows * t1 / world + p.audio_token_bytes * rows * audio,
+        "upsample": lambda rank: pool1 + (p.upsample_bytes * _tokens(w, h, f, 1) if rank == 0 else 0.0),
+        "stage2": lambda rank: pool1 + p.token_bytes * t2 / world + p.audio_token_bytes * audio,
+        "decode": lambda rank: pool1 + pool2 + p.decode_bytes * decoded_at_once
+        + (p.frame_bytes * pixels + p.audio_decode_bytes_per_s * f / frame_rate if rank == 0 else 0.0),
+        "unpark": lambda rank: UINT8_FRAME_BYTES * pixels if rank == 0 else 0.0,
+    }
     peaks = []
-    for stage in STAGES:
+    for stage in (*STAGES, "unpark") if park else STAGES:
         worst: StagePeak | None = None
         for rank, parts in resident.items():
-            act = 0.0
-            if stage == "encode" and (rank == fleet.gemma_rank or fleet.gemma_every_rank):
-                act = p.encode_gib * GIB
-            elif stage == "stage1":
-                act = p.token_bytes * rows * t1 / world + p.audio_token_bytes * rows * audio
-            elif stage == "upsample":
-                act = pool1 + (p.upsample_bytes * _tokens(w, h, f, 1) if rank == 0 else 0.0)
-            elif stage == "stage2":
-                act = pool1 + p.token_bytes * t2 / world + p.audio_token_bytes * audio
-            elif stage == "decode":
-                act = pool1 + pool2 + p.decode_bytes * decoded_at_once
-                if rank == 0:
-                    act += p.frame_bytes * pixels + p.audio_decode_bytes_per_s * f / frame_rate
-            allocated = sum(parts.values()) + act / GIB
+            held = sum(parts.values())
+            if park and stage not in ("encode", "unpark") and _holds_gemma(fleet, rank):
+                held -= parts.get("text_encoder", 0.0)
+            allocated = held + activations[stage](rank) / GIB
             peak = StagePeak(stage, rank, round(allocated, 2), round(allocated * (1 + p.cache_fraction), 2))
             if worst is None or peak.reserved_gib > worst.reserved_gib:
                 worst = peak
@@ -408,12 +439,18 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
     return tuple(peaks)
 
 
+def _holds_gemma(fleet: FleetMemory, rank: int) -> bool:
+    return rank == fleet.gemma_rank or fleet.gemma_every_rank
+
+
 def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_memory: bool = False,
          frame_rate: float = DEFAULT_FRAME_RATE) -> MemoryPlan:  # fmt: skip
-    """The plan for one request: the fast plan if it fits (or nothing limits the fleet), else the lower-memory
-    one (chunked decode, cache released between stages); `low_memory` forces the latter (an out-of-memory
-    retry). `frame_rate` sets the clip's duration, so its audio. `fits` says whether even that fits (and the
-    runner's size rules accept the size)."""
+    """The plan for one request: the first of these that fits (or the first when nothing limits the fleet):
+    the fast plan; the chunked decode (ltx-core's default chunks, the cache released between stages); with a
+    parkable text encoder (`text_encoder_at="park"`) the same two with it parked (its copy back costs its
+    bytes over the host link, measured dearer than the chunks at 768x512). The last is the lower-memory plan;
+    `low_memory` takes it (an out-of-memory retry). `frame_rate` sets the clip's duration, so its
+    audio. `fits` says whether the chosen one fits (and the runner's size rules accept the size)."""
     p = PROFILES[fleet.profile]
     size = (int(width), int(height), int(num_frames))
     frame_rate = float(frame_rate) if frame_rate and frame_rate > 0 else DEFAULT_FRAME_RATE
@@ -421,19 +458,32 @@ def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_me
     notes = []
     if fleet.world_size > 1 and fleet.gemma_rank == 0 and not fleet.gemma_every_rank:
         notes.append("Gemma shares the driver rank with the encoder, upsampler and audio: a later rank has room")
-    fast = _stage_peaks(fleet, p, size, resident, chunked=False, frame_rate=frame_rate)
     limit = None if fleet.capacity_gib is None else fleet.capacity_gib - fleet.headroom_gib
     over_index = math.ceil(size[0] * size[1] / fleet.world_size) * size[2] * DECODE_ELEMENTS_PER_PIXEL > INDEX_LIMIT
-    need_low = low_memory or over_index or (limit is not None and max(s.reserved_gib for s in fast) > limit)
-    stages = _stage_peaks(fleet, p, size, resident, chunked=True, frame_rate=frame_rate) if need_low else fast
+    parkable = fleet.text_encoder_at == "park"
+    variants = [(False, False), (True, False)] + ([(False, True), (True, True)] if parkable else [])
+    if over_index:  # the one-piece decode is refused by torch whatever memory is free
+        variants = [v for v in variants if v[0]]
+    if low_memory:
+        variants = variants[-1:]
+    chosen = variants[-1]
+    stages = ()
+    for chunked, park in variants:
+        stages = _stage_peaks(fleet, p, size, resident, chunked=chunked, frame_rate=frame_rate, park=park)
+        chosen = (chunked, park)
+        if limit is None or max(s.reserved_gib for s in stages) <= limit:
+            break
+    chunked, park = chosen
     if over_index and not low_memory:
         notes.append("a one-piece decode would pass 32-bit indexing: the decode runs in ltx-core's default chunks")
-    elif need_low and not low_memory:
+    elif chunked and not low_memory:
         notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
-    return MemoryPlan(fleet, size, resident, decode_chunked=need_low, release_between_stages=need_low,
+    if park and not low_memory:
+        notes.append("the text encoder is parked in host memory from stage 1 to the decode (its room is needed)")
+    return MemoryPlan(fleet, size, resident, decode_chunked=chunked, release_between_stages=chunked,
                       decode_tiles=fleet.world_size, stages=stages, token_problem=_token_problem(fleet, size),
                       rule_problem=fleet.rules.size_problem(*size), frame_rate=frame_rate,
-                      notes=tuple(notes))  # fmt: skip
+                      notes=tuple(notes), park_text_encoder=park)  # fmt: skip
 
 
 def largest(fleet: FleetMemory, width: int, height: int, num_frames: int,

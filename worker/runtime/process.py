@@ -103,6 +103,20 @@ def check_devices(devices: list[str], group: str) -> None:
                             f"{seen}; on a machine without GPUs use --group cpu:N")  # fmt: skip
 
 
+def place_for(settings: WorkerSettings, runner_cls: type, devices: list[str]) -> Any:
+    """The fleet's placement and setup kwargs (`worker.render.fleet_plan`); a fleet that fits in no placement is
+    a `SettingsError` (one line), as is a runner whose memory description fails."""
+    from worker.render.fleet_plan import place_fleet
+
+    describe = getattr(runner_cls, "memory_fleet", None)
+    setup = {k: v for k, v in settings.runner_setup.items() if k != "placement"}
+    try:
+        fleet = describe(len(devices), **setup) if describe is not None else None
+    except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
+        raise SettingsError(f"runner ({settings.runner!r}) memory description: {type(exc).__name__}: {exc}") from exc
+    return place_fleet(settings, devices, fleet)
+
+
 def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
     """Build (but do not start) the `FleetWorker` for `group`, with its service, fleet and storage."""
     from ltx_mgpu.control.devices import parse_device_group
@@ -133,8 +147,10 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         log.warning("storage degraded at start (renders wait in the spool, uploads retry): %s", exc)
     spool = Spool(settings.spool_dir)
     runner_cls = resolve_runner(settings)
+    placed = place_for(settings, runner_cls, devices)  # before anything loads: exit 2 if it can never fit
+    log.info("fleet %s: %s", group, placed.describe())
     try:
-        limits = RunnerLimits.of(settings.runner, runner_cls, settings.runner_setup, world_size=len(devices),
+        limits = RunnerLimits.of(settings.runner, runner_cls, placed.setup_kwargs, world_size=len(devices),
                                  capacity_gib=settings.device_memory_gib,
                                  headroom_gib=settings.memory_headroom_gib,
                                  lora_limits=settings.lora_limits())  # fmt: skip
@@ -157,7 +173,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     fleet = WarmFleet(
         runner_cls,
         devices,
-        setup_kwargs=settings.runner_setup,
+        setup_kwargs=placed.setup_kwargs,
         start_timeout=settings.fleet_start_timeout,
         shutdown_timeout=settings.fleet_shutdown_timeout,
         error_settle_s=settings.fleet_error_settle_s,

@@ -8,6 +8,7 @@ import torch.
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -71,6 +72,16 @@ class FleetFields(BaseModel):
     memory_headroom_gib: float = Field(
         4.0, ge=0, description="GiB the memory plan keeps free on every device beyond its predicted peak"
     )
+    placement: str = Field(
+        "auto", description="where the fleet keeps its text encoder and its LoRA tracker's copies "
+        "(ltx_mgpu.spec.placement): auto = the fastest placement that fits the card and the host memory, chosen "
+        "before the fleet loads (a fleet that fits none is refused: exit 2); or JSON, e.g. "
+        '{"text_encoder": "park", "lora_backup": "host", "lora_factors": "host"} (unnamed parts stay on the GPU)'
+    )  # fmt: skip
+    host_memory_gib: float | None = Field(
+        None, gt=0, description="GiB of pinned host memory this worker's fleet may take for its placement's host "
+        "tiers; unset: the memory available at start less 8 GiB, shared equally by the groups"
+    )  # fmt: skip
     render_timeout: float = Field(3600.0, gt=0, description="seconds one render may take in the fleet")
     fleet_shutdown_timeout: float = Field(30.0, ge=0, description="graceful seconds when stopping a fleet")
     fleet_error_settle_s: float = Field(
@@ -106,6 +117,20 @@ class FleetFields(BaseModel):
     max_attempts: int = Field(
         5, ge=1, description="hard cap on executions of one job, whatever the reasons (bounds every retry path)"
     )
+
+    @field_validator("placement")
+    @classmethod
+    def _check_placement(cls, value: str) -> str:
+        if value.strip() == "auto":
+            return "auto"
+        from ltx_mgpu.runners.ltx2.spec import placement
+
+        try:
+            given = json.loads(value)
+            placement({"placement": given})
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"placement must be 'auto' or a JSON object of component -> tier: {exc}") from None
+        return json.dumps(given, sort_keys=True)
 
     @field_validator("groups", mode="before")
     @classmethod

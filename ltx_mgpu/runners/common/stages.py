@@ -9,8 +9,9 @@ Stage names used by the runners (the `output` event's `timings_s` keys): `encode
 `stage2` (ltx2) or `denoise` (smoke), `decode` (video), `audio_decode`, `mux` (the runner writes the mp4) or
 `handoff` (yuv420p conversion on the device and the copy out: the worker encodes), and `lora_swap_stage1` /
 `lora_swap_stage2` where a runner fuses LoRAs per stage, plus `lora_swap_check` (the request LoRAs' header
-checks, host only, timed before the clock starts and added after `reset()`). A stage a runner does not
-have, or skipped for this job (no audio asked), is absent.
+checks, host only, timed before the clock starts and added after `reset()`), and `unpark` where a job parked
+the text encoder (its CUDA graphs dropped and the encoder's copy back started: `Ltx2Resident._unpark_text`).
+A stage a runner does not have, or skipped for this job (no audio asked), is absent.
 
 The honest clock: `gpu_report()` gives the job's device-busy seconds (every stage but the
 CPU-only `mux`) and the wall-clock window from the start of its first stage to the end of its last device
@@ -46,13 +47,20 @@ INJECT_OOM_ENV = "LTX_MGPU_INJECT_OOM"
 class SetupLaps:
     """Seconds per part of a runner's `setup()`, lap by lap (`lap(name)` closes the part that just ran).
 
-    The device is synchronised at each lap so a part's asynchronous copies are charged to it. The result
-    (`phases_s`) travels with the rank's ready message (`ltx_mgpu.control.startup.RankStartup.setup_phases_s`)."""
+    The device is synchronised at each lap so a part's asynchronous copies are charged to it. The results travel
+    with the rank's ready message (`ltx_mgpu.control.startup.RankStartup`): `phases_s`, and on CUDA `memory_gib`,
+    what each part left allocated on the device (GiB): the resident set as measured, part by part, which the
+    memory plan's figures are checked against (docs/memory.md)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.phases_s: dict[str, float] = {}
+        self.memory_gib: dict[str, float] = {}
         self._last = time.perf_counter()
+        self._held = self._allocated()
+
+    def _allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
 
     def lap(self, name: str) -> None:
         if self.device.type == "cuda":
@@ -60,6 +68,10 @@ class SetupLaps:
         now = time.perf_counter()
         self.phases_s[name] = round(self.phases_s.get(name, 0.0) + now - self._last, 3)
         self._last = now
+        if self.device.type == "cuda":
+            held = self._allocated()
+            self.memory_gib[name] = round(self.memory_gib.get(name, 0.0) + (held - self._held) / 2**30, 3)
+            self._held = held
 
 
 #: a job's LoRA header checks on the driver rank (`job_loras`), before its first stage: host work, and part of
@@ -103,8 +115,11 @@ class StageClock:
             torch.cuda.empty_cache()
 
     def _sync(self) -> None:
+        # the stage's own stream (NCCL work joins it): copies a stage starts on a side stream on purpose (a text
+        # encoder's copy back, a clean-weight restore) run on beside the next stages and are waited for by
+        # the stage that needs them, which is where their remaining time shows
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:

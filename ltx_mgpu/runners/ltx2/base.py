@@ -4,6 +4,9 @@ A job is a fixed sequence of stages, each a method a runner may override:
 
     render(args):  _encode -> _stage1 -> _upsample -> _stage2 -> _decode_video -> _decode_audio -> _mux
 
+(with the placement hooks of `Ltx2Resident` between them: a parked text encoder leaves after `_encode` and comes
+back after the decode; a clean copy in host memory starts back after `_stage2`.)
+
 The stages are written once, here; `Ltx2DistilledRunner` (distilled.py) and `Ltx2TwoStageRunner`
 (two_stage.py) fill in what differs through small hooks: `_stage1_sigmas` / `_stage1_step` (schedule and
 step function: plain or guided), `_stage2_step` (SP or TDP model) / `_stage2_audio` (refine or keep stage
@@ -121,18 +124,21 @@ class Ltx2Runner(Ltx2Resident):
         if job.loras:  # part of the job's LoRA cost: `lora_swap_*` counts every part of it (a host-only stage)
             self.clock.timings_s[LORA_CHECK] = round(job.lora_check_s, 6)
         prompt = yield from self._encode(job)
+        self._park_text()
         self._between_stages()
         video1, audio1 = yield from self._stage1(job, prompt)
         self._between_stages()
         upscaled = yield from self._upsample(job, video1)
         self._between_stages()
         video2, audio2 = yield from self._stage2(job, prompt, upscaled, audio1)
+        self._restore_clean_early()
         self._between_stages()
         check_finite(video=video2, audio=audio2)  # identical latents on every rank: a symmetric failure
         if args.media == "stream":  # the frames leave chunk by chunk while the VAE decodes (`common.handoff`)
             streamed = yield from self._stream_video(job, video2)
         else:
             frames = yield from self._decode_video(job, video2)
+        self._unpark_text()
         peaks = self.clock.peak_report(self.world_size, self.groups.control_group)  # last collective
         if not self.is_driver:
             return
@@ -214,6 +220,7 @@ class Ltx2Runner(Ltx2Resident):
         if self.is_driver:
             yield stage_event(Stage.ENCODE)
         with self.clock.stage(Stage.ENCODE):
+            self._text_ready()
             prompt = job.args.prompt
             if job.args.enhance_prompt:
                 first = next((img.pixels for img in job.images if img.frame == 0), None)

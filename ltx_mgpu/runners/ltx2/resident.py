@@ -4,9 +4,16 @@
 transformer behind its attention router and CUDA-graph wrapper, the LoRA tracker that fuses LoRAs into those
 weights in place, the distributed VAE decoder (every rank), the encoder, upsampler and audio decoding (the
 driver), and the prompt encoder. A job changes that state only through `_use_loras` (fuse exactly a job's
-LoRAs), `_use_memory_plan` (the worker's plan: chunked decode, releasing the allocator cache between stages)
-and `_between_stages`. The runners fill in the stage-2 models through the setup hooks `_stage2_extra_loras`,
-`_setup_stage2` and `_default_stage2_sigmas`.
+LoRAs), `_use_memory_plan` (the worker's plan: chunked decode, releasing the allocator cache between stages,
+parking the text encoder), `_between_stages` and the placement hooks `_text_ready`, `_park_text`,
+`_unpark_text` and `_restore_clean_early`.
+
+Placement (setup `placement`, `ltx_mgpu.spec.placement`, chosen by the worker before the fleet loads): the LoRA
+tracker's clean copy and the setup LoRAs' factors in GPU or pinned host memory, and a text encoder that may be
+parked in pinned host memory by a job whose plan needs its room.
+
+The runners fill in the stage-2 models through the setup hooks `_stage2_extra_loras`, `_setup_stage2` and
+`_default_stage2_sigmas`.
 
 Setup kwargs (every rank; the table is in docs/runners.md): `checkpoint_path` (the LTX-2 monolith),
 `spatial_upsampler_path`, `gemma_root`, `distilled_lora_path` (two-stage), and the tuning options of `setup`.
@@ -74,7 +81,9 @@ class Ltx2Resident(MGPURunner):
         request_loras: bool = False,
         lora_device_cache_gib: float = spec.SETUP_DEFAULTS["lora_device_cache_gib"],
         fused_elementwise: bool = False,
+        placement: dict[str, str] | None = None,
     ) -> None:
+        self.placement = spec.placement({"placement": placement})  # (every rank, before anything loads)
         self.dtype = comp.parse_dtype(dtype)
         policy = comp.quantization_policy(quantization)
         if policy is not None and self.dtype != torch.bfloat16:
@@ -150,8 +159,11 @@ class Ltx2Resident(MGPURunner):
             cache_bytes = int(float(lora_device_cache_gib) * (1 << 30))  # past jobs' LoRA factors, per rank
             from ..common.fast_load import StagedSafetensorsLoader
 
+            host = {k: "cpu" if self.placement[k] == "host" else None for k in ("lora_backup", "lora_factors")}
             self.tracker = LoraWeightTracker(self.groups.transformer_group, device_cache_bytes=cache_bytes,
-                                             factor_reader=StagedSafetensorsLoader().read_tensors)  # fmt: skip
+                                             factor_reader=StagedSafetensorsLoader().read_tensors,
+                                             backup_device=host["lora_backup"],
+                                             factor_device=host["lora_factors"])  # fmt: skip
             self.tracker.attach(self.sp_model.model)
             self.tracker.apply(self.base_loras)
             self.lora_targets = model_targets(self.sp_model.model)
@@ -198,8 +210,16 @@ class Ltx2Resident(MGPURunner):
             max_tokens=int(prompt_tokens),
             enhance_max_new_tokens=int(enhance_max_new_tokens),
         )
+        self.parkable_text = None  # this rank's Gemma with a pinned mirror (`placement["text_encoder"] == "park"`)
+        local = getattr(self.text, "encoder", None)
+        if self.placement["text_encoder"] == "park" and local is not None:
+            from ..common.host_tier import ParkableWeights
+
+            self.parkable_text = ParkableWeights(local.text_encoder, self.device)
+        self.park_this_job = False
         laps.lap("text_encoder")
         self.setup_phases_s = laps.phases_s
+        self.setup_memory_gib = laps.memory_gib
 
     # ---- hooks for the runners -------------------------------------------------------------------------
     def _stage2_extra_loras(self, path: str | None, strength: float) -> tuple[LoraSpec, ...]:
@@ -226,10 +246,47 @@ class Ltx2Resident(MGPURunner):
             chunk = TilingConfig.default()
         self.decoder.chunk_tiling = chunk
         self.release_between_stages = bool(plan.get("release_between_stages"))
+        self.park_this_job = bool(plan.get("park_text_encoder"))  # (every rank: the graphs are dropped on all)
 
     def _between_stages(self) -> None:
         if self.release_between_stages:
             self.clock.release()
+
+    # ---- placement: a parked text encoder, the clean weights back early -----------------------------------
+    def _text_ready(self) -> None:
+        """Before an encode: the text encoder on its GPU (back from a job that failed while it was parked), and
+        the stream ordered after a copy still in flight."""
+        if self.parkable_text is not None:
+            self.parkable_text.unpark()
+            self.parkable_text.ensure()
+
+    def _park_text(self) -> None:
+        """After the encode of a job whose plan parks it: drop the text encoder's GPU copy (its pinned mirror
+        stays) and hand the memory back, so the denoise and the decode have the room."""
+        if self.park_this_job and self.parkable_text is not None:
+            self.parkable_text.park()
+            self.clock.release()
+
+    def _unpark_text(self) -> None:
+        """After the decode of a job that parked the text encoder (every rank: symmetric): drop the CUDA graphs
+        (their private pool would otherwise stay beside the returning encoder, and a large job's pool is
+        large), hand the memory back, and start the encoder's copy back (a side stream: it runs beside the
+        driver's audio decode and the hand-off; the next encode waits for it)."""
+        if not self.park_this_job:
+            return
+        with self.clock.stage("unpark"):
+            self.x0_graphed.reset()
+            self.clock.release()
+            if self.parkable_text is not None:
+                self.parkable_text.unpark()
+
+    def _restore_clean_early(self) -> None:
+        """After the last stage that uses LoRAs differing from stage 1's: with the clean copy in host memory on
+        one GPU, start restoring it beside the decode (`LoraWeightTracker.reset_async`); elsewhere the next
+        job's stage-1 swap restores it, as before."""
+        host = self.placement["lora_backup"] == "host"
+        if self.tracker is not None and host and self.world_size == 1 and self.stage2_loras != self.base_loras:
+            self.tracker.reset_async()
 
     def _use_loras(self, loras: tuple[LoraSpec, ...], stage: str) -> None:
         """Collective: fuse exactly `loras` into the resident weights (a no-op when already so), timed as

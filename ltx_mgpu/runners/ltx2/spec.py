@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...spec.memory_plan import DEFAULT_REQUEST_LORAS, FleetMemory, sp_tokens
+from ...spec.placement import TIERS
 from ...spec.request_rules import RequestRules, ltx2_rules
 
-__all__ = ["RUNNER_KINDS", "SETUP_DEFAULTS", "describe", "memory_fleet", "request_limits", "request_rules"]
+__all__ = ["RUNNER_KINDS", "SETUP_DEFAULTS", "describe", "memory_fleet", "placement", "request_limits", "request_rules"]
 
 #: The registry import paths of the ltx2 runners and their kind (`memory_plan.FleetMemory.runner`).
 RUNNER_KINDS = {
@@ -68,6 +69,7 @@ def memory_fleet(kind: str, world_size: int, setup_kwargs: Mapping[str, Any]) ->
     request = bool(setup_kwargs.get("request_loras"))
     found = bool(lora_files) and all(os.path.isfile(p) for p in lora_files)  # else: the profile's LoRA
     budget = _setup("sp_max_tokens", setup_kwargs)
+    where = placement(setup_kwargs)
     return FleetMemory(kind, int(world_size), profile="tiny" if small else "ltx2-19b",
                        lora_tracker=bool(lora_files) or request or kind == "two-stage",
                        setup_lora_gib=sum(os.path.getsize(p) for p in lora_files) / (1 << 30) if found else None,
@@ -77,7 +79,26 @@ def memory_fleet(kind: str, world_size: int, setup_kwargs: Mapping[str, Any]) ->
                        gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
                        fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
                        passes=passes(kind, setup_kwargs), vae_overlap=int(_setup("vae_overlap", setup_kwargs)),
-                       sp_max_tokens=None if budget is None else int(budget))  # fmt: skip
+                       sp_max_tokens=None if budget is None else int(budget), text_encoder_at=where["text_encoder"],
+                       lora_backup_at=where["lora_backup"], lora_factors_at=where["lora_factors"])  # fmt: skip
+
+
+def placement(setup_kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """The setup kwarg `placement` (`ltx_mgpu.spec.placement.TIERS`), every component named, defaults "gpu"; a
+    `ValueError` for an unknown component or tier (checked the same way by the runner's setup on every rank)."""
+    given = setup_kwargs.get("placement") or {}
+    if not isinstance(given, Mapping):
+        raise ValueError(f"placement must be a mapping of component -> tier, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(TIERS))
+    if unknown:
+        raise ValueError(f"placement: unknown component(s) {unknown}; known: {sorted(TIERS)}")
+    out = {}
+    for component, tiers in TIERS.items():
+        tier = str(given.get(component, tiers[0]))
+        if tier not in tiers:
+            raise ValueError(f"placement[{component!r}] must be one of {tiers}, got {tier!r}")
+        out[component] = tier
+    return out
 
 
 def request_limits(kind: str, setup_kwargs: Mapping[str, Any]) -> dict[str, tuple[float, float]]:

@@ -1,0 +1,143 @@
+"""Weights that live in pinned host memory and visit the GPU: the memory plan's host tiers
+(`ltx_mgpu.spec.placement`, docs/memory.md "Placement").
+
+- `pinned_buffer(nbytes, device)`: page-locked host bytes, exactly `nbytes` (registered with the CUDA driver:
+  torch's pinned allocator rounds every block up to a power of two, which would nearly double a 35 GiB copy),
+  so copies to the device run at the link's full rate and need not block the host. A plain host buffer on CPU
+  ranks, or where the driver refuses to lock that much (copies then run synchronously, and a warning says so).
+- `pack_pinned(tensors, device)`: tensors packed into one such buffer, returned as views of it.
+- `ParkableWeights`: a module whose parameters can leave the GPU between uses. Its pinned mirror is made once
+  (the weights never change), so `park()` only drops the GPU copy (no device-to-host copy) and `unpark()` copies
+  the mirror back in ONE transfer into ONE allocation, laid out as the mirror is. The copy runs on a side
+  stream; the stream that uses the module next waits for it (`ensure()`), so a caller can start it as early as
+  the room exists and pay for it only where nothing else hides it.
+
+On CPU ranks the same calls run (the "GPU copy" is a second host tensor), so the CPU test suite covers the
+bookkeeping; the speed only shows on a GPU (`bench.host_link`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["ParkableWeights", "pack_pinned", "pinned_buffer"]
+
+log = logging.getLogger("ltx_mgpu.runners.host_tier")
+
+_ALIGN = 256  #: byte alignment of every parameter in the mirror and in the device buffer
+
+
+def _pin_ok(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def pinned_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` host bytes (uint8), page-locked for copies to `device` when it is a CUDA device."""
+    buffer = torch.empty(max(1, int(nbytes)), dtype=torch.uint8)
+    if not _pin_ok(torch.device(device)):
+        return buffer
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    if int(getattr(err, "value", err)) != 0:  # (RLIMIT_MEMLOCK, a driver limit): slower copies, still correct
+        log.warning("could not page-lock %.1f GiB of host memory (%s): copies to the GPU will be synchronous",
+                    nbytes / 2**30, err)  # fmt: skip
+    return buffer
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def pack_pinned(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host copies of `tensors` as views of one `pinned_buffer` (each at a 256-byte boundary)."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += _aligned(t.numel() * t.element_size())
+    buffer = pinned_buffer(total, device)
+    out = []
+    for t, start in zip(tensors, offsets, strict=True):
+        view = buffer[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+    return out
+
+
+class ParkableWeights:
+    """`module`'s parameters (each once, tied ones shared) with a pinned host mirror; see the module docstring.
+
+    Buffers stay where they are (rotary tables, scales: small). Not thread-safe; one rank's own module.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = torch.device(device)
+        seen: dict[int, torch.nn.Parameter] = {}
+        for p in module.parameters():
+            seen.setdefault(id(p), p)
+        self._params = list(seen.values())
+        self._layout: list[tuple[int, int]] = []  # (byte offset, bytes) per parameter
+        offset = 0
+        for p in self._params:
+            self._layout.append((offset, p.numel() * p.element_size()))
+            offset += _aligned(p.numel() * p.element_size())
+        self.nbytes = offset
+        self._mirror = pinned_buffer(offset, self.device)
+        for p, (start, size) in zip(self._params, self._layout, strict=True):
+            self._mirror[start : start + size].copy_(p.detach().reshape(-1).view(torch.uint8))
+        self.parked = False
+        self._ready: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self.stats = {"parks": 0, "unparks": 0}
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            buffer[start : start + size].view(p.dtype).view(p.shape)
+            for p, (start, size) in zip(self._params, self._layout, strict=True)
+        ]
+
+    def park(self) -> None:
+        """Drop the GPU copy: the parameters point at the pinned mirror until `unpark()`. Idempotent."""
+        if self.parked:
+            return
+        self.ensure()  # (a copy still in flight targets the memory being dropped)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the last use of the GPU copy has finished
+        for p, view in zip(self._params, self._views(self._mirror), strict=True):
+            p.data = view
+        self.parked = True
+        self.stats["parks"] += 1
+
+    def unpark(self) -> None:
+        """Copy the mirror back to the GPU in one transfer (a side stream on CUDA; `ensure()` orders the next
+        use after it). Idempotent."""
+        if not self.parked:
+            return
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        if self.device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # (the buffer's memory is free there)
+            with torch.cuda.stream(self._stream):
+                buffer.copy_(self._mirror, non_blocking=True)
+                self._ready = torch.cuda.Event()
+                self._ready.record(self._stream)
+            buffer.record_stream(self._stream)
+        else:
+            buffer.copy_(self._mirror)
+        for p, view in zip(self._params, self._views(buffer), strict=True):
+            p.data = view
+        self.parked = False
+        self.stats["unparks"] += 1
+
+    def ensure(self) -> None:
+        """Make the current stream wait for an `unpark()` copy still in flight (a no-op otherwise)."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            self._ready = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"bytes": self.nbytes, "parked": self.parked, "pinned": self._mirror.is_pinned(), **self.stats}
