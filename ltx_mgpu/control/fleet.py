@@ -218,13 +218,21 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
         setup_began_at = time.time()
         runner.setup(**boot.setup_kwargs)
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None  # (offered: a plan's capacity)
-        stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner),
-                            None if free is None else free + torch.cuda.memory_reserved(device))  # fmt: skip
+        stamp = ready_stamp(boot.rank, runner, device, booted_at, setup_began_at)
         boot.channels.up.put(Result(kind=MessageKind.READY, job_id=-1, rank=boot.rank, value=stamp))
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)
+
+
+def ready_stamp(
+    rank: int, runner: MGPURunner, device: torch.device, booted_at: float, setup_began_at: float
+) -> RankStartup:
+    """This rank's ready message, sent once `setup()` returned. Its device memory is what the device offers
+    (`determinism.offered_memory_bytes`): the memory plan's capacity, a constant of the GPU model under the
+    deterministic mode (free memory varies between fleet builds and would change the plan)."""
+    offered = determinism.offered_memory_bytes(device)
+    return RankStartup(rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner), offered)
 
 
 def _setup_phases(runner: MGPURunner) -> dict[str, float]:

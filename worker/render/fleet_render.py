@@ -54,6 +54,8 @@ class FleetRender:
     group: str
     #: an out-of-memory end is retried only onto a strictly lower-memory plan (never the one that ran out)
     lower_plan_left: bool = True
+    #: the fleet's deterministic mode ("on", "strict", "off"; None: unknown), added to the relayed `output` event
+    deterministic: str | None = None
     output: dict[str, Any] | None = None  #: the runner's `output` event
     media: dict[str, Any] | None = None  #: the runner's frames hand-off (`media`), for the encode stage
     streamed: Any = None  #: the encoder's side of a streamed hand-off (`Mp4Stream`) once it began
@@ -131,7 +133,7 @@ class FleetRender:
         elif kind == "output":
             self.output = item
             self.metrics.fleet_busy_seconds.labels(self.group).inc(float(item.get("gpu_busy_s") or 0.0))
-            self.attempt.emit(_public_output(item))
+            self.attempt.emit({**_public_output(item), "deterministic": self.deterministic})
         else:
             self.attempt.emit(item)
 

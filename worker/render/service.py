@@ -354,9 +354,19 @@ class RenderService:
         memory_plan, lower_left = self._memory_plan(attempt, req)
         if memory_plan is not None:
             kwargs["memory_plan"] = memory_plan
-        attempt.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
-        run = FleetRender(attempt, self.fleet, self.encoder, self.spool, self.metrics, self.group,
-                          lower_plan_left=lower_left)  # fmt: skip
+        # (the fleet's mode, recorded in the summary from here on and beside every hash: docs/producer.md)
+        mode = self.deterministic_mode()
+        attempt.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size, deterministic=mode)
+        run = FleetRender(
+            attempt,
+            self.fleet,
+            self.encoder,
+            self.spool,
+            self.metrics,
+            self.group,
+            lower_plan_left=lower_left,
+            deterministic=mode,
+        )
         t_render = time.monotonic()
         # (the worker's timeout alone: RQ's job_timeout is set from it, never a client's)
         run.run(kwargs, float(self.settings.render_timeout))
@@ -372,7 +382,7 @@ class RenderService:
             attempt.fail(FailureReason.NO_OUTPUT, message)
         if run.media is not None:
             return self._pending_encode(attempt, run, output_path, render_s), render_s
-        return self._commit(attempt, run.output, output_path, render_s), render_s
+        return self._commit(attempt, run, output_path, render_s), render_s
 
     def _runner_kwargs(self, attempt: JobAttempt, req: RenderRequest) -> dict[str, Any]:
         """The request's runner kwargs with its LoRAs (fetched and checked: a bad one is a request error that
@@ -396,9 +406,15 @@ class RenderService:
     def _pending_encode(self, attempt: JobAttempt, run: FleetRender, path: Path, render_s: float) -> PendingEncode:
         """Frames, not a file: the encode stage's crash marker written, the item for it (`_deliver`)."""
         key = self.storage.key_for(attempt.id, new_render_id(), path.name)
-        digest_extra = {"deterministic": self.deterministic_mode()}
-        pending = PendingEncode(attempt=attempt, output_path=path, media=run.media, output=run.output, key=key,
-                                render_s=render_s, digest_extra=digest_extra)  # fmt: skip
+        pending = PendingEncode(
+            attempt=attempt,
+            output_path=path,
+            media=run.media,
+            output=run.output,
+            key=key,
+            render_s=render_s,
+            deterministic=run.deterministic,
+        )
         try:
             self.encoder.prepare(pending)
         except OSError as exc:
@@ -407,11 +423,14 @@ class RenderService:
             attempt.spool_failed(exc)
         return pending
 
-    def _commit(self, attempt: JobAttempt, output: dict[str, Any], path: Path, render_s: float) -> SpoolEntry:
+    def _commit(self, attempt: JobAttempt, run: FleetRender, path: Path, render_s: float) -> SpoolEntry:
         """The runner's file committed to the spool (manifest written atomically): `rendered`. The pipeline
-        hashes it in its own thread, off the critical path; one storage object per render (`new_render_id`)."""
+        hashes it in its own thread, off the critical path; one storage object per render (`new_render_id`).
+        The manifest keeps the fleet's mode: the result of a render recovered after a restart names it."""
+        output = run.output
+        assert output is not None  # (checked by `_render`)
         info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
-        info["render_s"] = round(render_s, 4)
+        info.update(render_s=round(render_s, 4), deterministic=run.deterministic)
         key = self.storage.key_for(attempt.id, new_render_id(), path.name)
         try:
             entry = self.spool.commit(attempt.id, file_name=path.name, key=key, info=info, queue=attempt.job.origin,
