@@ -254,6 +254,8 @@ def render_status(console: Console, info: JobInfo) -> None:
         _row(table, "stage", f"{meta['stage']}{step}{pct}{eta}")
     if meta.get("worker"):
         _row(table, "worker", f"{meta.get('worker')} (fleet {meta.get('fleet')}, attempt {meta.get('attempt')})")
+    if meta.get("deterministic"):  # (the fleet's mode: docs/producer.md, "Reproducible renders")
+        _row(table, "deterministic", str(meta["deterministic"]))
     _row(table, "enqueued", _ago(info.enqueued_at))
     if info.requeued_at:
         _row(table, "re-queued", _ago(info.requeued_at))

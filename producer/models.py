@@ -141,6 +141,8 @@ class JobInfo:
             "attempts": self.meta.get("attempts") or [],
             # what was rendered: sha256 of the frames and the audio (from `rendered` on), beside the mp4's
             "digests": self.meta.get("digests"),
+            # the fleet's deterministic mode ("on", "strict", "off"): equal digests are promised only under it
+            "deterministic": self.meta.get("deterministic"),
             # the request's LoRAs as this job used them (cached or bytes fetched) and the fleet's swap time
             "loras": self.meta.get("loras") if isinstance(self.meta.get("loras"), list) else [],
             "lora_swap_s": self.meta.get("lora_swap_s"),

@@ -98,7 +98,7 @@ case "$PHASE" in
         *) "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$whl" ;;
       esac
     done
-    ls "$SITE" "$SITE-weed/bin" 2>/dev/null | tr '\n' ' '; echo
+    { ls "$SITE" "$SITE-weed/bin" 2>/dev/null || true; } | tr "\n" " "; echo
     ;;
   check)
     {

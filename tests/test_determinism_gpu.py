@@ -1,7 +1,11 @@
-"""Deterministic renders on CUDA (`ltx_mgpu.control.determinism`): five same-seed jobs of each LTX-2 runner on
-tiny checkpoints give one frames hash and one audio hash, and a rebuilt fleet (new processes, new CUDA
-contexts, new cuDNN/cuBLAS handles) gives the same two. Hashes as the worker computes them
+"""Deterministic renders on CUDA (`ltx_mgpu.control.determinism`), in the default mode (no
+`LTX_DETERMINISTIC`: `auto`, which is `on` on GPU fleets too): five same-seed jobs of each LTX-2 runner on
+tiny checkpoints give one frames hash and one audio hash (the audio VAE decoder's and vocoder's convolutions
+included: under `off` the audio hash differed job to job on an H100), and a rebuilt fleet (new processes,
+new CUDA contexts, new cuDNN/cuBLAS handles) gives the same two. Hashes as the worker computes them
 (`runners.common.digest.MediaDigest` over the `media="frames"` hand-off: yuv420p frames, float32 audio).
+Every rank of a default fleet has the switches before its runner exists (`SwitchProbe`), and offers the
+memory plan the device's total memory from its ready stamp on.
 
 Layouts: one GPU; two ranks with a GPU each over NCCL when the machine has two (SP, tiled stage 2 with its
 rank-ordered sum). Two layouts need not agree with each other, and are not compared. `strict` (torch's
@@ -20,8 +24,10 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController
+from ltx_mgpu.control import determinism
 from ltx_mgpu.runners.common.digest import MediaDigest
 from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
+from tests.test_determinism import ON_SWITCHES, probe_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,18 +68,44 @@ def _render(ctl: MGPUController, **change: Any) -> tuple[tuple[str | None, str |
     return (digest["frames_sha256"], digest["audio_sha256"]), output
 
 
-def _fleet(runner: type, devices: list[int], tiny: Any, mode: str) -> MGPUController:
+@pytest.fixture
+def default_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `LTX_DETERMINISTIC` and no `CUBLAS_WORKSPACE_CONFIG` in the environment the ranks inherit: the
+    worker's default, with nothing set beforehand by the shell."""
+    monkeypatch.delenv(determinism.ENV, raising=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+
+
+def _fleet(runner: type, devices: list[int], tiny: Any, mode: str | None) -> MGPUController:
+    """A started fleet in `mode` (None: the default, which must resolve to `on`)."""
     ctl = MGPUController(runner, devices=devices, deterministic=mode)
     ctl.start(timeout=600, **_setup(tiny, runner))
-    assert ctl.deterministic == mode
+    assert ctl.deterministic == (mode or "on")
     return ctl
+
+
+def _total_memory(devices: list[int]) -> int:
+    return min(torch.cuda.get_device_properties(d).total_memory for d in devices)
+
+
+@pytest.mark.parametrize("devices", _layouts(), ids=lambda d: f"gpus{len(d)}")
+def test_every_rank_of_a_default_gpu_fleet_has_the_switches_before_its_runner_exists(default_mode, devices):
+    """On CUDA the switches must be set before the rank's first cuBLAS handle (the workspace size is read
+    then) and before cuDNN picks an algorithm: the fleet sets them before it builds the runner."""
+    mode, reports = probe_ranks(devices, None)
+    assert mode == "on"
+    assert [r["rank"] for r in reports] == list(range(len(devices)))
+    for report in reports:
+        assert report["at_init"] == ON_SWITCHES and report["in_job"] == ON_SWITCHES, report
 
 
 @pytest.mark.parametrize("devices", _layouts(), ids=lambda d: f"gpus{len(d)}")
 @pytest.mark.parametrize(("name", "runner"), RUNNERS)
-def test_same_seed_renders_one_video_across_jobs_and_a_rebuild(tiny, capsys, name, runner, devices):
-    ctl = _fleet(runner, devices, tiny, "on")
+def test_same_seed_renders_one_video_across_jobs_and_a_rebuild(tiny, default_mode, capsys, name, runner, devices):
+    ctl = _fleet(runner, devices, tiny, None)
     try:
+        # every rank offered the plan the device's total memory after setup (free memory varies per build)
+        assert ctl.startup is not None and ctl.startup.device_memory_bytes == _total_memory(devices)
         hashes = []
         for _ in range(REPEATS):
             h, output = _render(ctl)
@@ -81,11 +113,11 @@ def test_same_seed_renders_one_video_across_jobs_and_a_rebuild(tiny, capsys, nam
         other, _ = _render(ctl, seed=12)
         # the plan's capacity is the device's total memory, not its free memory (the decode's chunking
         # must not change with what else holds the GPU)
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(devices[0]).total_memory
         assert output.get("device_memory_bytes") == total, output.get("device_memory_bytes")
     finally:
         ctl.shutdown(graceful_timeout=30)
-    ctl = _fleet(runner, devices, tiny, "on")  # a rebuild: new processes, contexts and library handles
+    ctl = _fleet(runner, devices, tiny, None)  # a rebuild: new processes, contexts and library handles
     try:
         rebuilt = [_render(ctl)[0] for _ in range(2)]
     finally:
@@ -94,8 +126,8 @@ def test_same_seed_renders_one_video_across_jobs_and_a_rebuild(tiny, capsys, nam
         print(f"\n[determinism gpu] {name} devices={devices}: {len(set(hashes))} distinct of {len(hashes)}, "
               f"after a rebuild {len(set(rebuilt) | set(hashes))} distinct; frames {hashes[0][0][:16]}…")  # fmt: skip
     assert hashes[0][1] is not None  # (the tiny runners render audio on the GPU)
-    assert len({h[0] for h in hashes}) == 1, hashes
-    assert len({h[1] for h in hashes}) == 1, hashes
+    assert len({h[0] for h in hashes}) == 1, hashes  # one frames hash for the five jobs
+    assert len({h[1] for h in hashes}) == 1, hashes  # one audio hash (the vocoder's convolutions included)
     assert set(rebuilt) == {hashes[0]}, (hashes[0], rebuilt)
     assert other[0] != hashes[0][0]  # (another seed, other frames: the hash is not a constant)
 

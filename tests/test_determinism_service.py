@@ -1,12 +1,13 @@
-"""Reproducible renders through the whole service on a CPU fleet (deterministic by default there): real Redis,
-real S3 (SeaweedFS), a real `ltx-worker one` with the smoke model on two CPU ranks (SP over gloo), and with the
-tiny LTX-2 distilled runner on one.
+"""Reproducible renders through the whole service on a CPU fleet (deterministic by default, as on GPUs): real
+Redis, real S3 (SeaweedFS), a real `ltx-worker one` with the smoke model on two CPU ranks (SP over gloo), and
+with the tiny LTX-2 distilled runner on one.
 
 The same request and seed renders the same frames and audio, job after job and across a fleet rebuild (a rank
 killed between them); another seed renders other frames (so equal hashes are not a constant); and the hashes
 appear where a user reads them: `producer status --json` (`digests`) and the job's result, beside the mp4's
-sha256. LoRA jobs between equal ones (the tiny LTX-2 runner) are in tests/test_bench_loras.py
-(`python -m bench.e2e loras` compares its phases by these hashes)."""
+sha256, with the mode that rendered them (`deterministic`: summary, result, `rendering` and `output` events;
+`LTX_DETERMINISTIC=off`, the opt-out, is recorded the same way). LoRA jobs between equal ones (the tiny LTX-2
+runner) are in tests/test_bench_loras.py (`python -m bench.e2e loras` compares its phases by these hashes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from producer.cli import cli
+from tests.support.workers import events
 from tests.test_worker_service import running_worker
 from tests.test_worker_support import enqueue, wait_for, wait_state
 
@@ -54,9 +56,22 @@ def _status_json(redis_url: str, job_id: str) -> dict[str, Any]:
 
 
 def _render(fleet: Any, redis_url: str, request: dict[str, Any], **change: Any) -> dict[str, Any]:
+    """`producer status --json` of one uploaded job, with `events`: its Redis Stream as a client reads it."""
     job = enqueue(fleet.conn, fleet.queue, {**request, **change})
     assert wait_state(job, {"uploaded", "failed"}, 240, fleet.proc) == "uploaded", fleet.proc.log_tail()
-    return _status_json(redis_url, job.id)
+    return {**_status_json(redis_url, job.id), "events": events(fleet.conn, job.id)}
+
+
+def _modes_recorded(job: dict[str, Any]) -> dict[str, Any]:
+    """Where a job says which deterministic mode rendered it: the summary (`status --json`), the result, the
+    `rendering` state event and the relayed `output` event."""
+    by_type = {(e["type"], e.get("state")): e for e in job["events"]}
+    return {
+        "summary": job["deterministic"],
+        "result": job["result"]["deterministic"],
+        "rendering": by_type[("state", "rendering")].get("deterministic"),
+        "output": by_type[("output", None)].get("deterministic"),
+    }
 
 
 def _kill_a_rank_and_wait_for_the_rebuild(fleet: Any) -> None:
@@ -86,7 +101,8 @@ def test_same_request_same_frames_and_audio_across_jobs_and_a_rebuild(tmp_path, 
     assert set(digests["frames_sha256"]) <= HEX and len(digests["frames_sha256"]) == 64
     assert set(digests["audio_sha256"]) <= HEX and len(digests["audio_sha256"]) == 64  # (both render audio)
     assert digests["frames_layout"] == "yuv420p-uint8-FHW" and digests["audio_layout"] == "float32le-CS"
-    assert digests["deterministic"] == "on"  # (`auto` on a CPU fleet)
+    assert digests["deterministic"] == "on"  # (the default, `auto`)
+    assert set(_modes_recorded(first).values()) == {"on"}, _modes_recorded(first)
     # the job's result carries them beside the mp4's sha256
     assert first["result"]["digests"] == digests and len(first["result"]["sha256"]) == 64
 
@@ -98,3 +114,17 @@ def test_same_request_same_frames_and_audio_across_jobs_and_a_rebuild(tmp_path, 
     assert second["result"]["sha256"] == first["result"]["sha256"]  # (equal frames and audio: the same mp4)
     assert other_seed["digests"]["frames_sha256"] != digests["frames_sha256"]
     assert other_seed["digests"]["audio_sha256"] != digests["audio_sha256"]
+
+
+def test_the_opt_out_is_recorded_where_the_mode_is_read(tmp_path, redis_server, s3_server):
+    """`LTX_DETERMINISTIC=off` (the switch away from the default): the job says `off` in its summary, result,
+    `rendering` and `output` events, also when the fleet writes the mp4 itself (`LTX_ENCODE_IN_WORKER=false`:
+    no frames hand-off, so no `digests`, and the mode must still be there)."""
+    settings = {"deterministic": "off", "encode_in_worker": "false"}
+    with running_worker(tmp_path, redis_server, s3_server, runner="smoke", group="cpu:1", **settings) as fleet:
+        job = _render(fleet, redis_server.url, SMOKE)
+    assert set(_modes_recorded(job).values()) == {"off"}, _modes_recorded(job)
+    assert job["digests"] is None  # (nothing handed off to hash)
+    shown = CliRunner().invoke(cli, ["status", job["job_id"]], env={"LTX_REDIS_URL": redis_server.url})
+    assert shown.exit_code == 0, shown.output
+    assert any(line.split()[:2] == ["deterministic", "off"] for line in shown.output.splitlines()), shown.output

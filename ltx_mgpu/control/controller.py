@@ -19,9 +19,10 @@ Contract (written once here; docs/controller.md links to it):
   `start()` may be called again afterwards.
 - `add_failure_callback(fn)`: `fn(failure)` runs once per poisoned fleet, on the thread that noticed it
   (usually the monitor, so also while the fleet is idle), e.g. to rebuild at once instead of at the next job.
-- `deterministic` ("auto", "on", "strict", "off", a bool; None reads `LTX_DETERMINISTIC`): the switches every
-  rank sets before its first CUDA work (`determinism.py`: same kwargs, layout and software, same frames);
-  `controller.deterministic` is the running fleet's resolved mode.
+- `deterministic` ("auto", "on", "strict", "off", a bool; None reads `LTX_DETERMINISTIC`; "auto", the default,
+  is "on" on CPU and GPU fleets alike): the switches every rank sets before its first CUDA work
+  (`determinism.py`: same kwargs, layout and software, same frames and audio); `controller.deterministic` is
+  the running fleet's resolved mode.
 
 The caller's whole side of a job (start, dispatch, the monitor, reading results) works here under one
 lock on one fleet handle, so the one-job invariant is kept in one place. Spawning, watching and killing the
@@ -101,7 +102,7 @@ class MGPUController:
         # are taken to be blocked in a collective the raising ranks left, and the fleet is poisoned.
         self._error_settle_s = float(error_settle_s)
         if deterministic is not None:
-            determinism.resolve(deterministic, ["cpu"])  # (a bad value fails here, not in the ranks)
+            determinism.resolve(deterministic)  # (a bad value fails here, not in the ranks)
         self._deterministic = deterministic
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()  # guards the in-flight check-and-set and the lifecycle fields
@@ -152,7 +153,7 @@ class MGPUController:
             self.devices = devices
             self.world_size = len(devices)
             self.backend = self._backend_override or choose_backend(devices)
-            self.deterministic = determinism.resolve(self._deterministic, devices)
+            self.deterministic = determinism.resolve(self._deterministic)
             if self.backend == "nccl" and len(set(devices)) != len(devices):
                 raise ValueError("NCCL needs one distinct GPU per rank; use backend='gloo' to share GPUs")
             self._fatal = None

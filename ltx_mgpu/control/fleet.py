@@ -56,7 +56,7 @@ from .devices import ALLOCATOR_ENV, MULTICAST_OFF_ENV
 from .errors import RenderFault, RenderOutOfMemory, RunnerError, value_error_terminal
 from .job_board import CancelPoints, JobBoard, cancel_key
 from .runner import MGPURunner, ProcessGroups, RankContext
-from .startup import RankStartup
+from .startup import ready_stamp
 from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders
 
 __all__ = ["FleetChannels", "RankBoot", "RankChannels", "ship_runner"]
@@ -218,21 +218,11 @@ def _run_rank(boot: RankBoot, booted_at: float) -> None:
         runner._ctx = RankContext(boot.rank, boot.world_size, device, boot.backend)
         setup_began_at = time.time()
         runner.setup(**boot.setup_kwargs)
-        offered = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() if device.type == "cuda" else None
-        stamp = RankStartup(boot.rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner),
-                            offered, _setup_phases(runner, "setup_memory_gib"))  # fmt: skip
+        stamp = ready_stamp(boot.rank, runner, device, booted_at, setup_began_at)
         boot.channels.up.put(Result(kind=MessageKind.READY, job_id=-1, rank=boot.rank, value=stamp))
         _job_loop(boot, runner, store, device)
     finally:
         _teardown(device)
-
-
-def _setup_phases(runner: MGPURunner, attribute: str = "setup_phases_s") -> dict[str, float]:
-    """The runner's optional per-part setup figures (seconds, device GiB), kept only if JSON-safe."""
-    phases = getattr(runner, attribute, None)
-    if not isinstance(phases, dict):
-        return {}
-    return {str(k): round(float(v), 3) for k, v in phases.items() if isinstance(v, int | float)}
 
 
 def _job_loop(boot: RankBoot, runner: MGPURunner, store: dist.Store, device: torch.device) -> None:

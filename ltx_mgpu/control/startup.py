@@ -10,16 +10,21 @@ keeps them with its own start time.
     started_at ── spawn, imports, init_process_group ──▶ setup_began_at ── setup() ──▶ ready_at
                  └────────────── process_start_s ──────┘                └─ weight_load_s ─┘
 
-The fleet-wide split uses the slowest rank at each point (the fleet is ready when its last rank is).
-Imports only the standard library.
+The fleet-wide split uses the slowest rank at each point (the fleet is ready when its last rank is). The ready
+message also carries what the rank's device offers the memory plan (`ready_stamp`). Imports only the standard
+library (`determinism` imports torch when called).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["FleetStartup", "RankStartup"]
+from . import determinism
+
+__all__ = ["FleetStartup", "RankStartup", "ready_stamp"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,20 @@ class FleetStartup:
             "ready_s": round(self.ready_s, 3),
             "ranks": [asdict(r) for r in sorted(self.ranks, key=lambda r: r.rank)],
         }
+
+
+def ready_stamp(rank: int, runner: Any, device: Any, booted_at: float, setup_began_at: float) -> RankStartup:
+    """This rank's ready message, made once `setup()` returned. Its device memory is what the device offers
+    (`determinism.offered_memory_bytes`): the memory plan's capacity, a constant of the GPU model in the
+    deterministic mode (free memory varies between fleet builds and would change the plan)."""
+    offered = determinism.offered_memory_bytes(device)
+    return RankStartup(rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner), offered,
+                       _setup_phases(runner, "setup_memory_gib"))
+
+
+def _setup_phases(runner: Any, attribute: str = "setup_phases_s") -> dict[str, float]:
+    """The runner's optional per-part setup figures (seconds, device GiB), kept only if JSON-safe."""
+    phases = getattr(runner, attribute, None)
+    if not isinstance(phases, dict):
+        return {}
+    return {str(k): round(float(v), 3) for k, v in phases.items() if isinstance(v, int | float)}

@@ -160,8 +160,8 @@ class EventRelay:
 
     def state(self, state: JobState, *, ttl: int | None = None, **extra: Any) -> str:
         """Announce a state change (event + summary). Extra keys go into the event; `error`/`result`/
-        `digests` (and `attempt`, `worker`, `fleet`) also go into the summary. A success or a cancel clears the
-        summary's `error` (the error of an earlier attempt, kept in meta `attempts`)."""
+        `digests` (and `attempt`, `worker`, `fleet`, `deterministic`) also go into the summary. A success or a
+        cancel clears the summary's `error` (the error of an earlier attempt, kept in meta `attempts`)."""
         summary: dict[str, Any] = {"state": state.value}
         if state in TERMINAL_STATES:
             summary["ended_at"] = time.time()  # the job's end (with the pipeline: the upload's, not the render's)
@@ -171,7 +171,7 @@ class EventRelay:
             # A cancel is the job's outcome, not its last attempt's failure: an error an earlier attempt left
             # (a `retrying` fleet_failure) would read as why it ended. That attempt stays in meta `attempts`.
             summary["error"] = None
-        for key in ("error", "result", "attempt", "worker", "fleet", "digests"):
+        for key in ("error", "result", "attempt", "worker", "fleet", "digests", "deterministic"):
             if key in extra:
                 summary[key] = extra[key]
         return self.emit({"type": EventType.STATE.value, "state": state.value, **extra}, summary=summary, ttl=ttl)

@@ -174,4 +174,5 @@ SUMMARY_FIELDS = (
     "retries",  # re-queues so far per failure reason: {"fleet_failure": 1, ...} (what the retry budgets count)
     "attempts",  # how each attempt that did not succeed ended: [{"attempt", "worker", "outcome", "reason", ...}]
     "digests",  # sha256 of the rendered frames and audio (`ltx_mgpu.runners.common.digest`), from `rendered` on
+    "deterministic",  # the fleet's deterministic mode ("on", "strict", "off"), from `rendering` on
 )

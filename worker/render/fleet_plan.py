@@ -35,6 +35,11 @@ class FleetPlacement:
     card: Any = None  #: `ltx_mgpu.spec.placement.Card`, None on CPU fleets without a memory setting
     choice: Any = None  #: the chosen `placement.Choice`, None where nothing was chosen (CPU, not an ltx2 runner)
 
+    @property
+    def capacity_gib(self) -> float | None:
+        """What one device of the card offers a rank (the plan's capacity before the fleet measures its own)."""
+        return None if self.card is None else float(self.card.offered_gib)
+
     def describe(self) -> str:
         if self.choice is None:
             return "placement: the runner's own (no card to plan for)"

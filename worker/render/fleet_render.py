@@ -54,6 +54,9 @@ class FleetRender:
     group: str
     #: an out-of-memory end is retried only onto a strictly lower-memory plan (never the one that ran out)
     lower_plan_left: bool = True
+    #: the deterministic mode of the controller it was dispatched to ("on", "strict", "off"; None: unknown):
+    #: added to the relayed `output` event, kept beside the render's hashes and in its result
+    deterministic: str | None = None
     output: dict[str, Any] | None = None  #: the runner's `output` event
     media: dict[str, Any] | None = None  #: the runner's frames hand-off (`media`), for the encode stage
     streamed: Any = None  #: the encoder's side of a streamed hand-off (`Mp4Stream`) once it began
@@ -108,6 +111,8 @@ class FleetRender:
             raise FleetFailure("fleet is not running", reason="rank_exited")
         # (a poisoned controller's stream() raises "MGPUController is dead" caused by its own failure, the same
         # object its monitor reported: counted once)
+        mode = getattr(ctl, "deterministic", None)
+        self.deterministic = mode if isinstance(mode, str) else None
         try:
             return ctl.stream(timeout=timeout, **kwargs)
         except TypeError as exc:  # kwargs the runner does not accept: the request, not the fleet
@@ -131,7 +136,7 @@ class FleetRender:
         elif kind == "output":
             self.output = item
             self.metrics.fleet_busy_seconds.labels(self.group).inc(float(item.get("gpu_busy_s") or 0.0))
-            self.attempt.emit(_public_output(item))
+            self.attempt.emit({**_public_output(item), "deterministic": self.deterministic})
         else:
             self.attempt.emit(item)
 

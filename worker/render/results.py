@@ -64,6 +64,8 @@ class JobResults:
             "size": stored.size,
             "sha256": stored.sha256,
             "digests": entry.info.get("digests"),  #: the frames' and audio's sha256 (`runners.common.digest`)
+            #: the fleet's deterministic mode when it rendered the video (kept in the spool's manifest)
+            "deterministic": entry.info.get("deterministic"),
             "content_type": stored.content_type,
             "url": url,
             "url_expires_at": url_expires_at,

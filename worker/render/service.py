@@ -79,6 +79,8 @@ class RenderService:
                  spool: Spool, metrics: WorkerMetrics, limits: RunnerLimits | None = None) -> None:  # fmt: skip
         self.settings = settings
         self._limits = limits or RunnerLimits(settings.runner, {})
+        #: the card's offered memory, known before loading (`fleet_plan.local_card`): a measurement never raises it
+        self._card_gib = self._limits.memory.capacity_gib if self._limits.memory is not None else None
         self.group, self.worker_name, self.fleet = group, worker_name, fleet
         self.storage, self.spool, self.metrics = storage, spool, metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
@@ -118,14 +120,16 @@ class RenderService:
     @property
     def limits(self) -> RunnerLimits:
         """The runner's limits (published in the health snapshot, checked before each render), with the memory
-        each device offers: `LTX_DEVICE_MEMORY_GIB`, else what the fleet measured after its ranks' setup (and
-        its warm-up renders; GPU fleets), known before the warm-up."""
+        each device offers: `LTX_DEVICE_MEMORY_GIB`, else the least of the card's measured figure (known before
+        loading, the same for every fleet on that GPU model) and what the fleet measured after its ranks' setup
+        (and its warm-up renders; GPU fleets: less where other processes hold memory)."""
         memory = self._limits.memory
         if memory is None or self.settings.device_memory_gib is not None:
             return self._limits
         measured = getattr(self.fleet, "device_memory_bytes", None)
         if isinstance(measured, int | float) and measured > 0:
-            self._limits = self._limits.with_capacity(round(float(measured) / 2**30, 2))
+            capacity = round(float(measured) / 2**30, 2)
+            self._limits = self._limits.with_capacity(min(capacity, self._card_gib or capacity))
         return self._limits
 
     def deterministic_mode(self) -> str | None:
@@ -354,7 +358,8 @@ class RenderService:
         memory_plan, lower_left = self._memory_plan(attempt, req)
         if memory_plan is not None:
             kwargs["memory_plan"] = memory_plan
-        attempt.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size)
+        mode = self.deterministic_mode()  # (in the summary from here on: docs/producer.md, "Reproducible renders")
+        attempt.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size, deterministic=mode)
         run = FleetRender(attempt, self.fleet, self.encoder, self.spool, self.metrics, self.group,
                           lower_plan_left=lower_left)  # fmt: skip
         t_render = time.monotonic()
@@ -372,7 +377,7 @@ class RenderService:
             attempt.fail(FailureReason.NO_OUTPUT, message)
         if run.media is not None:
             return self._pending_encode(attempt, run, output_path, render_s), render_s
-        return self._commit(attempt, run.output, output_path, render_s), render_s
+        return self._commit(attempt, run, output_path, render_s), render_s
 
     def _runner_kwargs(self, attempt: JobAttempt, req: RenderRequest) -> dict[str, Any]:
         """The request's runner kwargs with its LoRAs (fetched and checked: a bad one is a request error that
@@ -396,9 +401,8 @@ class RenderService:
     def _pending_encode(self, attempt: JobAttempt, run: FleetRender, path: Path, render_s: float) -> PendingEncode:
         """Frames, not a file: the encode stage's crash marker written, the item for it (`_deliver`)."""
         key = self.storage.key_for(attempt.id, new_render_id(), path.name)
-        digest_extra = {"deterministic": self.deterministic_mode()}
         pending = PendingEncode(attempt=attempt, output_path=path, media=run.media, output=run.output, key=key,
-                                render_s=render_s, digest_extra=digest_extra)  # fmt: skip
+                                render_s=render_s, deterministic=run.deterministic)  # fmt: skip
         try:
             self.encoder.prepare(pending)
         except OSError as exc:
@@ -407,11 +411,13 @@ class RenderService:
             attempt.spool_failed(exc)
         return pending
 
-    def _commit(self, attempt: JobAttempt, output: dict[str, Any], path: Path, render_s: float) -> SpoolEntry:
+    def _commit(self, attempt: JobAttempt, run: FleetRender, path: Path, render_s: float) -> SpoolEntry:
         """The runner's file committed to the spool (manifest written atomically): `rendered`. The pipeline
-        hashes it in its own thread, off the critical path; one storage object per render (`new_render_id`)."""
+        hashes it in its own thread, off the critical path; one storage object per render (`new_render_id`).
+        The manifest keeps the fleet's mode: the result of a render recovered after a restart names it."""
+        output = run.output or {}  # (never None here: `_render` checked it)
         info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
-        info["render_s"] = round(render_s, 4)
+        info.update(render_s=round(render_s, 4), deterministic=run.deterministic)
         key = self.storage.key_for(attempt.id, new_render_id(), path.name)
         try:
             entry = self.spool.commit(attempt.id, file_name=path.name, key=key, info=info, queue=attempt.job.origin,

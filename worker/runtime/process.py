@@ -151,7 +151,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     log.info("fleet %s: %s", group, placed.describe())
     try:
         limits = RunnerLimits.of(settings.runner, runner_cls, placed.setup_kwargs, world_size=len(devices),
-                                 capacity_gib=settings.device_memory_gib,
+                                 capacity_gib=settings.device_memory_gib or placed.capacity_gib,
                                  headroom_gib=settings.memory_headroom_gib,
                                  lora_limits=settings.lora_limits())  # fmt: skip
     except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line

@@ -91,7 +91,8 @@ class FleetFields(BaseModel):
     deterministic: Literal["auto", "on", "off", "strict"] = Field(
         "auto", description="deterministic renders (same request, seed, layout and software: the same frames and "
         "audio; ltx_mgpu.control.determinism): on, strict (torch refuses every nondeterministic op, cuDNN's "
-        "attention included), off; auto = on for CPU fleets, off for GPU fleets"
+        "attention included), off (the opt-out: buys back the mode's cost, docs/runners.md); auto = on for CPU "
+        "and GPU fleets alike"
     )  # fmt: skip
     max_rebuild_failures: int = Field(
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"

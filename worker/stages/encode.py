@@ -75,8 +75,8 @@ class PendingEncode:
     render_s: float = 0.0
     released: threading.Event = field(default_factory=threading.Event)
     claim: int | None = None  #: the spool entry's ownership lock while the frames exist only here
-    #: recorded beside the frames and audio hashes (`deterministic`: the fleet's mode when it rendered them)
-    digest_extra: dict[str, Any] = field(default_factory=dict)
+    #: the fleet's deterministic mode when it rendered them, recorded beside the frames and audio hashes
+    deterministic: str | None = None
 
     @property
     def job_id(self) -> str:
@@ -211,7 +211,7 @@ class EncodeStage:
             audio = AudioTrack(media["audio"], int(media["audio_sample_rate"]))
         write_mp4_yuv(media["video"], item.output_path, float(media["fps"]), width=int(media["width"]), audio=audio,
                       options=self.options(), stream=None if stream is None else stream.runs)  # fmt: skip
-        digests = {**digest.result(), **item.digest_extra}
+        digests = {**digest.result(), "deterministic": item.deterministic}
         ended = time.monotonic()
         # a streamed encode began with its first run, while the fleet still decoded
         started = min(t0, (stream.started_at() if stream is not None else None) or t0)
@@ -220,6 +220,7 @@ class EncodeStage:
         self.metrics.encode_seconds.labels(self.group).observe(encode_s)
         info = {k: item.output.get(k) for k in ("frames", "fps", "width", "height")}
         info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4), **overlap, digests=digests)
+        info["deterministic"] = item.deterministic  # (the result reads it here, also after a restart)
         entry = self.spool.commit(item.job_id, file_name=item.output_path.name, key=item.key,
                                   content_type=str(item.output.get("content_type") or "video/mp4"),
                                   queue=item.attempt.job.origin, info=info, hash_now=hash_now,

@@ -17,11 +17,9 @@ The honest clock: `gpu_report()` gives the job's device-busy seconds (every stag
 CPU-only `mux`) and the wall-clock window from the start of its first stage to the end of its last device
 stage, so a service can measure fleet idle from the last device work of one job to the first of the next
 instead of from event gaps (which hid a whole mp4 encode per video). On CUDA it also gives
-`device_memory_bytes`: what the driver's device offers this rank (free + this allocator's reservation), the
-capacity the worker's memory plan (`ltx_mgpu.spec.memory_plan`) checks requests against after its warm-up. Under
-deterministic algorithms (`ltx_mgpu.control.determinism`) it is the device's total memory instead: free
-memory differs from one fleet build to the next, and the plan's choice of a chunked decode (other frames)
-must depend only on the request and the GPU model; the plan's headroom covers the CUDA context.
+`device_memory_bytes`: what the driver's device offers this rank (`determinism.offered_memory_bytes`: the
+device's total memory under deterministic algorithms, the default, else free + this allocator's reservation),
+the capacity the worker's memory plan (`ltx_mgpu.spec.memory_plan`) checks requests against after its warm-up.
 
 Fault injection (tests, and the GPU check of docs/memory.md): with `LTX_MGPU_INJECT_OOM` naming a file, a
 stage whose name is a line of that file raises `torch.OutOfMemoryError` as it starts, on every rank that runs
@@ -38,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ...control.determinism import offered_memory_bytes
 
 __all__ = ["CPU_STAGES", "INJECT_OOM_ENV", "LORA_CHECK", "SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
 
@@ -101,11 +101,8 @@ class StageClock:
         busy = sum(v for k, v in self.timings_s.items() if k not in CPU_STAGES)
         started, ended = self.window if self.window else (None, None)
         report: dict[str, object] = {"gpu_busy_s": round(busy, 6), "gpu_started_at": started, "gpu_ended_at": ended}
-        if self.device.type == "cuda" and torch.are_deterministic_algorithms_enabled():
-            report["device_memory_bytes"] = int(torch.cuda.get_device_properties(self.device).total_memory)
-        elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            report["device_memory_bytes"] = int(free + torch.cuda.memory_reserved(self.device))
+        if (offered := offered_memory_bytes(self.device)) is not None:
+            report["device_memory_bytes"] = offered
         return report
 
     def release(self) -> None:
