@@ -79,8 +79,6 @@ class RenderService:
                  spool: Spool, metrics: WorkerMetrics, limits: RunnerLimits | None = None) -> None:  # fmt: skip
         self.settings = settings
         self._limits = limits or RunnerLimits(settings.runner, {})
-        #: the card's offered memory, known before loading (`fleet_plan.local_card`): a measurement never raises it
-        self._card_gib = self._limits.memory.capacity_gib if self._limits.memory is not None else None
         self.group, self.worker_name, self.fleet = group, worker_name, fleet
         self.storage, self.spool, self.metrics = storage, spool, metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
@@ -120,16 +118,14 @@ class RenderService:
     @property
     def limits(self) -> RunnerLimits:
         """The runner's limits (published in the health snapshot, checked before each render), with the memory
-        each device offers: `LTX_DEVICE_MEMORY_GIB`, else the least of the card's measured figure (known before
-        loading, the same for every fleet on that GPU model) and what the fleet measured after its ranks' setup
-        (and its warm-up renders; GPU fleets: less where other processes hold memory)."""
+        each device offers: `LTX_DEVICE_MEMORY_GIB`, else the least of the card's figure (known before loading)
+        and what the fleet measured after its ranks' setup and its warm-ups (GPU fleets)."""
         memory = self._limits.memory
         if memory is None or self.settings.device_memory_gib is not None:
             return self._limits
         measured = getattr(self.fleet, "device_memory_bytes", None)
-        if isinstance(measured, int | float) and measured > 0:
-            capacity = round(float(measured) / 2**30, 2)
-            self._limits = self._limits.with_capacity(min(capacity, self._card_gib or capacity))
+        if isinstance(measured, int | float) and measured > 0:  # (the least seen: the card's figure is never raised)
+            self._limits = self._limits.with_capacity(min(round(measured / 2**30, 2), memory.capacity_gib or 1e9))
         return self._limits
 
     def deterministic_mode(self) -> str | None:
