@@ -84,6 +84,7 @@ INDEX_LIMIT = 0.9 * 2**31
 SPATIAL_SCALE, TEMPORAL_SCALE = 32, 8  #: LTX-2's video VAE: one latent cell per 32x32 px, 8 frames
 STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
 UINT8_FRAME_BYTES = 3  #: the driver's decoded frames (uint8 RGB) per pixel-frame, held until they leave the device
+SUGGESTION_MARGIN = 0.02  #: of the capacity, kept free beyond the headroom by the sizes `largest()` suggests
 DEFAULT_REQUEST_LORAS = 4  #: a runner set up with `request_loras`, until the worker says its own (`with_lora_limits`)
 LORA_STAGING_GIB = 0.25  #: `LoraWeightTracker(bucket_bytes=256 MiB)`: its broadcast buffer, kept on W > 1
 LORA_FACTOR_BYTES = 4  #: the widest factor dtype a LoRA file may hold (F32, `lora_file.LORA_DTYPES`): kept as read
@@ -439,6 +440,14 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
     return tuple(peaks)
 
 
+def _rule_problem(fleet: FleetMemory, size: tuple[int, int, int], frame_rate: float) -> str | None:
+    """Every size and duration rule the request breaks (`request_rules`: what the schema, `--dry-run` and the
+    runner check), in one message; None when it breaks none."""
+    w, h, f = size
+    found = [m for _, m in fleet.rules.problems({"width": w, "height": h, "num_frames": f, "frame_rate": frame_rate})]
+    return "; ".join(found) or None
+
+
 def _holds_gemma(fleet: FleetMemory, rank: int) -> bool:
     return rank == fleet.gemma_rank or fleet.gemma_every_rank
 
@@ -482,7 +491,7 @@ def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_me
         notes.append("the text encoder is parked in host memory from stage 1 to the decode (its room is needed)")
     return MemoryPlan(fleet, size, resident, decode_chunked=chunked, release_between_stages=chunked,
                       decode_tiles=fleet.world_size, stages=stages, token_problem=_token_problem(fleet, size),
-                      rule_problem=fleet.rules.size_problem(*size), frame_rate=frame_rate,
+                      rule_problem=_rule_problem(fleet, size, frame_rate), frame_rate=frame_rate,
                       notes=tuple(notes), park_text_encoder=park)  # fmt: skip
 
 
@@ -492,9 +501,12 @@ def largest(fleet: FleetMemory, width: int, height: int, num_frames: int,
     most frames (8k+1) at width x height, and the largest width x height (its multiples, about the same
     aspect) at `num_frames`. None where none fits."""
     rules = fleet.rules
+    # a suggestion keeps SUGGESTION_MARGIN more free than the limit: another worker on the same card may offer
+    # a little less (a context more, another process), and a size suggested by one must be taken by the next
+    margin = replace(fleet, headroom_gib=fleet.headroom_gib + SUGGESTION_MARGIN * (fleet.capacity_gib or 0.0))
 
     def fits(w: int, h: int, f: int) -> bool:
-        return plan(fleet, w, h, f, frame_rate=frame_rate).fits
+        return plan(margin, w, h, f, frame_rate=frame_rate).fits
 
     snapped = rules.fit_size(width, height, num_frames)
     if snapped is None:
@@ -508,4 +520,5 @@ def largest(fleet: FleetMemory, width: int, height: int, num_frames: int,
         if size is not None and fits(*size):
             area = "x".join(map(str, size))
             break
-    return {"frames": None if frames is None else f"{sw}x{sh}x{frames}", "area": area}
+    found = None if frames is None else f"{sw}x{sh}x{frames}"
+    return {"frames": found, "area": None if area == found else area}  # (one suggestion, not the same twice)
