@@ -108,13 +108,15 @@ def test_the_worker_refuses_before_loading_a_fleet_that_fits_no_placement(tmp_pa
     from worker.runtime.process import place_for
     from worker.settings import SettingsError
 
-    settings = _worker_settings(tmp_path, runner="ltx2-two-stage", device_memory_gib=40.0, host_memory_gib=200.0,
-                                groups=["cpu:1"])  # fmt: skip
+    settings = _worker_settings(
+        tmp_path, runner="ltx2-two-stage", device_memory_gib=40.0, host_memory_gib=200.0, groups=["cpu:1"]
+    )
     with pytest.raises(SettingsError) as caught:
         place_for(settings, Ltx2TwoStageRunner, ["cpu"])
     assert "cannot hold its resident set" in str(caught.value) and "\n" not in str(caught.value)
-    fits = _worker_settings(tmp_path, runner="ltx2-two-stage", device_memory_gib=76.9, host_memory_gib=200.0,
-                            groups=["cpu:1"])  # fmt: skip
+    fits = _worker_settings(
+        tmp_path, runner="ltx2-two-stage", device_memory_gib=76.9, host_memory_gib=200.0, groups=["cpu:1"]
+    )
     placed = place_for(fits, Ltx2TwoStageRunner, ["cpu"])
     assert placed.setup_kwargs["placement"]["lora_backup"] == "host" and placed.capacity_gib == 76.9
 
@@ -126,8 +128,16 @@ def test_ltx_worker_exits_2_at_once_without_starting_a_fleet(tmp_path, redis_ser
 
     tiny = __import__("ltx_mgpu.runners.ltx2.tiny", fromlist=["x"]).ensure_tiny_ltx2()
     setup = json.dumps({**tiny.setup_kwargs(), "prompt_tokens": 128})
-    w = launch_worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"], runner="ltx2-two-stage",
-                      runner_setup=setup, device_memory_gib=0.05, host_memory_gib=200)  # fmt: skip
+    w = launch_worker(
+        tmp_path,
+        redis_server,
+        s3_server,
+        ["--group", "cpu:1"],
+        runner="ltx2-two-stage",
+        runner_setup=setup,
+        device_memory_gib=0.05,
+        host_memory_gib=200,
+    )
     try:
         assert w.proc.wait(timeout=120) == 2, w.proc.log_tail()
     finally:

@@ -164,8 +164,9 @@ def _candidates(fleet: FleetMemory) -> list[FleetMemory]:
     return out
 
 
-def judge(fleet: FleetMemory, card: Card, host_gib: float | None,
-          sizes: Sequence[tuple[int, int, int]] = (DESIGN_SIZE,)) -> Choice:  # fmt: skip
+def judge(
+    fleet: FleetMemory, card: Card, host_gib: float | None, sizes: Sequence[tuple[int, int, int]] = (DESIGN_SIZE,)
+) -> Choice:
     """How `fleet`'s placement fares on `card`: its plans at `sizes`, host memory, seconds, and its problem."""
     from ltx_mgpu.spec.memory_plan import plan
 
@@ -185,8 +186,13 @@ def judge(fleet: FleetMemory, card: Card, host_gib: float | None,
     return Choice(fleet, worst, round(host, 2), round(seconds, 3), problem)
 
 
-def choose(fleet: FleetMemory, card: Card, *, host_gib: float | None = None,
-           sizes: Sequence[tuple[int, int, int]] = (DESIGN_SIZE,)) -> tuple[Choice | None, list[Choice]]:  # fmt: skip
+def choose(
+    fleet: FleetMemory,
+    card: Card,
+    *,
+    host_gib: float | None = None,
+    sizes: Sequence[tuple[int, int, int]] = (DESIGN_SIZE,),
+) -> tuple[Choice | None, list[Choice]]:
     """The fastest placement of `fleet` (its capacity: the card's) that runs `sizes`, and every one judged
     (the fastest first). `host_gib`: the pinned host memory this fleet may take (None: no limit)."""
     judged = [judge(f, card, host_gib, sizes) for f in _candidates(fleet)]
@@ -211,5 +217,7 @@ def refusal(fleet: FleetMemory, card: Card, judged: list[Choice], alternatives: 
     where = ", ".join(f"{k} {v}" for k, v in closest.placement.items()) if closest is not None else ""
     fits = [label for label, choice in alternatives.items() if choice is not None]
     hint = ("; would fit: " + " or ".join(fits)) if fits else "; nothing smaller fits on this card"
-    return (f"{fleet.runner} on {fleet.world_size} x {card.describe()} cannot hold its resident set in any "
-            f"placement (closest: {where}: {what}){hint}")  # fmt: skip
+    return (
+        f"{fleet.runner} on {fleet.world_size} x {card.describe()} cannot hold its resident set in any "
+        f"placement (closest: {where}: {what}){hint}"
+    )

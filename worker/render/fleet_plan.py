@@ -44,8 +44,10 @@ class FleetPlacement:
         if self.choice is None:
             return "placement: the runner's own (no card to plan for)"
         where = ", ".join(f"{k} {v}" for k, v in self.choice.placement.items())
-        return (f"placement on {self.card.describe()}: {where}; {self.choice.host_gib:g} GiB pinned host memory, "
-                f"{self.choice.seconds:g} s of host copies per job")  # fmt: skip
+        return (
+            f"placement on {self.card.describe()}: {where}; {self.choice.host_gib:g} GiB pinned host memory, "
+            f"{self.choice.seconds:g} s of host copies per job"
+        )
 
 
 def _nvml_devices(indices: list[int]) -> list[tuple[str, int, int]] | None:
@@ -166,12 +168,14 @@ def _alternatives(fleet: Any, card: Any, host: float | None, sizes: list, world:
 
     out: dict[str, Any] = {}
     if not fleet.fp8_transformer:
-        out["quantization 'fp8-mm' (LTX_RUNNER_SETUP)"] = pl.choose(replace(fleet, fp8_transformer=True), card,
-                                                                   host_gib=host, sizes=sizes)[0]  # fmt: skip
+        out["quantization 'fp8-mm' (LTX_RUNNER_SETUP)"] = pl.choose(
+            replace(fleet, fp8_transformer=True), card, host_gib=host, sizes=sizes
+        )[0]
     for more in (2 * world, 4 * world):
         if more <= 8:
-            out[f"{more} GPUs per group"] = pl.choose(replace(fleet, world_size=more, text_encoder_rank=None), card,
-                                                      host_gib=host, sizes=sizes)[0]  # fmt: skip
+            out[f"{more} GPUs per group"] = pl.choose(
+                replace(fleet, world_size=more, text_encoder_rank=None), card, host_gib=host, sizes=sizes
+            )[0]
     if host is not None:
         unlimited = pl.choose(fleet, card, host_gib=None, sizes=sizes)[0]
         if unlimited is not None:

@@ -1,25 +1,32 @@
 """`ltx-worker plan`: the memory plan of one request on a fleet layout, without a fleet (docs/memory.md).
 
-    ltx-worker plan --runner ltx2-two-stage --group 0 --size 1536x1024x121 --free-gib 139
+    ltx-worker plan --runner ltx2-two-stage --group 0 --size 1536x1024x121 --gpu h100-80gb
     ltx-worker plan --runner ltx2-distilled --group 0,1 --size 1536x1024x241 --json
     ltx-worker plan --runner ltx2-distilled                  # the presets on 1, 2, 4 and 8 GPUs (a table)
 
 The runner comes from the worker's registry and its setup kwargs from the worker's settings
-(`LTX_RUNNER_SETUP`, `--settings FILE`), so the plan is the one the worker would make; `--free-gib` stands in
-for the memory a GPU fleet measures after its warm-up (default `LTX_DEVICE_MEMORY_GIB`; neither: no limit,
-but the table assumes one H200, 139.5 GiB). With `--group` and `--size`: that plan in full; otherwise a table
-of each size (default: `request_rules.PRESETS`) on `--gpus` ranks: fits, or why not and the largest size
-that fits (a size the runner's rules and the request schema accept).
+(`LTX_RUNNER_SETUP`, `--settings FILE`), so the plan is the one the worker would make, on a card: `--gpu NAME`
+(`ltx_mgpu.spec.placement.CARDS`), `--free-gib` (what each device offers), `LTX_DEVICE_MEMORY_GIB`, else the
+local GPU (NVML or nvidia-smi, no CUDA context); every line names it. The fleet is placed as the worker places it
+before loading (`LTX_PLACEMENT`), and a fleet that fits in no placement says so. A GPU group on a machine that
+names no card gets its plan without the memory check and exit 2 (nothing to check it against: say which card);
+the table then plans for the H100 80GB, the card most users have. A CPU group has no memory limit.
+
+With `--group` and `--size`: that plan in full; otherwise a table of each size (default: `request_rules.PRESETS`)
+on `--gpus` ranks: fits, or why not and the largest size that fits (a size the runner's rules and the request
+schema accept). Every request rule is checked (sizes, the clip's duration at `--frame-rate`), as `--dry-run` and
+the runner check it.
 
 Arithmetic only: the ltx2 runners are described by `ltx_mgpu.runners.ltx2.spec` (no torch); another runner's
-class is imported. Exit 0 when the request fits (or a table was printed), 1 when the plan refuses it, 2 on a
-usage error.
+class is imported. Exit 0 when the request fits (or some asked size fits somewhere in the table), 1 when the
+plan refuses it (every size of the table), 2 on a usage error or when no card is known to check it against.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -28,45 +35,76 @@ from worker.settings import SettingsError, WorkerSettings, load_settings, resolv
 
 if TYPE_CHECKING:  # (imported when the command runs: `ltx-worker` itself stays free of the engine)
     from ltx_mgpu.spec import memory_plan
+    from ltx_mgpu.spec.placement import Card
 
 __all__ = ["command", "fleet_memory", "render_table", "render_text"]
 
-H200_GIB = 139.5  #: what one H200 offers a rank after its CUDA context: the table's default
+TABLE_CARD = "h100-80gb"  #: the table's card when none is named or found
 
 
-def render_text(plan: memory_plan.MemoryPlan, runner: str, group: str, largest: dict[str, str | None] | None) -> str:
-    """The plan as an operator reads it: resident parts per rank, releases, decode tiling, stage peaks."""
+def _card_text(card: Card | None, headroom: float) -> str:
+    if card is None:
+        return "no card named (memory not checked)"
+    return f"{card.name}: {card.offered_gib:g} GiB per GPU less {headroom:g} headroom"
+
+
+def render_text(
+    plan: memory_plan.MemoryPlan, runner: str, group: str, largest: dict[str, str | None] | None, card: Card | None
+) -> str:
+    """The plan as an operator reads it: the card, placement, resident parts per rank, releases, decode tiling,
+    stage peaks, and the verdict, each line naming the card."""
     f = plan.fleet
     w, h, n = plan.size
-    limit = "no limit"
-    if plan.limit_gib is not None:
-        limit = f"limit {plan.limit_gib:.1f} GiB per device ({f.capacity_gib:g} GiB less {f.headroom_gib:g} headroom)"
-    lines = [f"memory plan: {runner} ({f.runner}, {f.passes} pass(es) per stage-1 step) on group {group} "
-             f"({f.world_size} rank(s)), {w}x{h}x{n}, profile {f.profile}, {limit}"]  # fmt: skip
+    where = _card_text(card, f.headroom_gib)
+    tag = f"[{card.name if card else 'no card'}]"
+    lines = [
+        f"memory plan: {runner} ({f.runner}, {f.passes} pass(es) per stage-1 step) on group {group} "
+        f"({f.world_size} rank(s)), {w}x{h}x{n} at {plan.frame_rate:g} fps, profile {f.profile}, {where}"
+    ]
+    lines.append(f"{tag} placement: " + ", ".join(f"{k} {v}" for k, v in f.placement.items()))
     ranks = sorted(plan.resident_gib)
     parts = list(dict.fromkeys(k for r in ranks for k in plan.resident_gib[r]))
-    lines.append("resident (GiB)      " + "".join(f"{'rank ' + str(r):>10}" for r in ranks))
+    lines.append(f"{tag} resident (GiB)      " + "".join(f"{'rank ' + str(r):>10}" for r in ranks))
     for part in parts:
-        cells = "".join(f"{plan.resident_gib[r][part]:>10.2f}" if part in plan.resident_gib[r] else f"{'-':>10}"
-                        for r in ranks)  # fmt: skip
-        lines.append(f"  {part:<18}{cells}")
-    lines.append("  " + f"{'total':<18}" + "".join(f"{sum(plan.resident_gib[r].values()):>10.2f}" for r in ranks))
+        cells = "".join(
+            f"{plan.resident_gib[r].get(part, 0.0):>10.2f}" if part in plan.resident_gib[r] else f"{'-':>10}"
+            for r in ranks
+        )
+        lines.append(f"{tag}   {part:<18}{cells}")
+    lines.append(f"{tag}   {'total':<18}" + "".join(f"{sum(plan.resident_gib[r].values()):>10.2f}" for r in ranks))
     released = "the allocator cache, after every stage" if plan.release_between_stages else "nothing"
-    lines.append(f"released between stages: {released} (the models above stay resident)")
-    how = ("each tile in ltx-core's default chunks (512 px tiles, 64 px overlap; 64 frames, 24 overlap)"
-           if plan.decode_chunked else "each tile whole (the fastest)")  # fmt: skip
-    lines.append(f"decode: {plan.decode_tiles} spatial tile(s), one per rank, {f.vae_overlap} latent cell(s) of "
-                 f"overlap; {how}")  # fmt: skip
-    lines.append(f"{'stage':<10}{'worst rank':>11}{'allocated':>11}{'reserved':>10}  (GiB)")
-    for s in plan.stages:
-        lines.append(f"{s.stage:<10}{s.rank:>11}{s.allocated_gib:>11.2f}{s.reserved_gib:>10.2f}")
-    lines.extend(f"note: {note}" for note in plan.notes)
-    if plan.fits:
-        lines.append(f"fits: yes (peak {plan.peak.reserved_gib:.1f} GiB at {plan.peak.stage} on rank {plan.peak.rank})")
+    parked = "; the text encoder parked from stage 1 to the decode" if plan.park_text_encoder else ""
+    lines.append(f"{tag} released between stages: {released}{parked}")
+    how = (
+        "each tile in ltx-core's default chunks (512 px tiles, 64 px overlap; 64 frames, 24 overlap)"
+        if plan.decode_chunked
+        else "each tile whole (the fastest)"
+    )
+    lines.append(
+        f"{tag} decode: {plan.decode_tiles} spatial tile(s), one per rank, {f.vae_overlap} latent cell(s) "
+        f"of overlap; {how}"
+    )
+    if plan.rule_problem is None:
+        lines.append(f"{tag} {'stage':<10}{'worst rank':>11}{'allocated':>11}{'reserved':>10}  (GiB)")
+        lines.extend(
+            f"{tag} {s.stage:<10}{s.rank:>11}{s.allocated_gib:>11.2f}{s.reserved_gib:>10.2f}" for s in plan.stages
+        )
+    lines.extend(f"{tag} note: {note}" for note in plan.notes)
+    if not plan.fits:
+        lines.append(f"{tag} fits: NO: {plan.refusal()}")
+        if largest is not None:
+            lines.append(
+                f"{tag} largest that fits: " + (" or ".join(s for s in largest.values() if s) or "none near it")
+            )
+    elif card is None and plan.fleet.capacity_gib is None and group[:3] != "cpu":
+        lines.append(
+            f"{tag} fits: UNKNOWN: the request rules accept it; name the card to check its memory "
+            "(--gpu h100-80gb|h200 or --free-gib)"
+        )
     else:
-        lines.append(f"fits: NO: {plan.refusal()}")
-        if largest:
-            lines.append("largest that fits: " + (" or ".join(s for s in largest.values() if s) or "none near it"))
+        lines.append(
+            f"{tag} fits: yes (peak {plan.peak.reserved_gib:.1f} GiB at {plan.peak.stage} on rank {plan.peak.rank})"
+        )
     return "\n".join(lines)
 
 
@@ -75,11 +113,12 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def fleet_memory(settings: WorkerSettings, world_size: int, capacity_gib: float | None,
-                 headroom_gib: float) -> memory_plan.FleetMemory:  # fmt: skip
-    """The fleet the worker with `settings` would plan for on `world_size` ranks: the ltx2 runners from their
-    torch-free description (`ltx_mgpu.runners.ltx2.spec`), any other runner from its class (imported).
-    `SettingsError` when the runner describes no memory."""
+def fleet_memory(
+    settings: WorkerSettings, world_size: int, capacity_gib: float | None, headroom_gib: float
+) -> memory_plan.FleetMemory:
+    """The fleet the worker with `settings` would plan for on `world_size` ranks (placement not yet chosen): the
+    ltx2 runners from their torch-free description (`ltx_mgpu.runners.ltx2.spec`), any other runner from its
+    class (imported). `SettingsError` when the runner describes no memory."""
     from ltx_mgpu.runners.ltx2 import spec
     from ltx_mgpu.spec import memory_plan
 
@@ -95,23 +134,67 @@ def fleet_memory(settings: WorkerSettings, world_size: int, capacity_gib: float 
     return memory_plan.with_lora_limits(fleet, *settings.lora_limits())
 
 
-def render_table(rows: list[dict[str, Any]], runner: str, capacity: float | None, headroom: float) -> str:
-    """One line per (size, GPUs): the predicted reserved peak and its stage, fits or the reason and the
-    largest size that fits."""
-    limit = "no limit" if capacity is None else f"{capacity:g} GiB per GPU less {headroom:g} headroom"
+def _placed(settings: WorkerSettings, fleet: memory_plan.FleetMemory, card: Card | None) -> memory_plan.FleetMemory:
+    """`fleet` as the worker places it on `card` (`worker.render.fleet_plan`); unplaceable: the all-GPU one, whose
+    plan then says what does not fit."""
+    from ltx_mgpu.spec import placement as pl
+    from worker.render.fleet_plan import host_budget_gib
+
+    if card is None:
+        return fleet
+    explicit = settings.runner_setup.get("placement")
+    if explicit is None and settings.placement != "auto":
+        explicit = json.loads(settings.placement)
+    if explicit is not None:
+        return replace(fleet, **{f"{k}_at": v for k, v in explicit.items()})
+    best, _ = pl.choose(fleet, card, host_gib=host_budget_gib(settings))
+    return fleet if best is None else replace(best.fleet, capacity_gib=fleet.capacity_gib)
+
+
+def render_table(rows: list[dict[str, Any]], runner: str, card: Card, headroom: float) -> str:
+    """One line per (size, GPUs), naming the card: the predicted reserved peak and its stage, the placement,
+    fits or the reason and the largest size that fits (a size the rules refuse has no peak)."""
     lines = [
-        f"memory plans (predicted, not measured): {runner}, sequence parallel over the GPUs, {limit}",
-        f"{'size':<16}{'GPUs':>5}{'peak GiB':>10}  {'at':<9}{'fits':<5} plan / why not; largest that fits",
+        f"memory plans (predicted, not measured): {runner}, sequence parallel over the GPUs, "
+        f"{_card_text(card, headroom)}",
+        f"{'size':<16}{'GPUs':>5}  {'card':<11}{'peak GiB':>9}  {'at':<9}{'fits':<5} plan / why not; largest that fits",
     ]
     for row in rows:
-        head = f"{row['size']:<16}{row['gpus']:>5}{row['peak_gib']:>10.1f}  {row['stage']:<9}"
+        peak = f"{'-':>9}  {'-':<9}" if row["rule_problem"] else f"{row['peak_gib']:>9.1f}  {row['stage']:<9}"
+        head = f"{row['size']:<16}{row['gpus']:>5}  {card.name:<11}{peak}"
         if row["fits"]:
-            how = "lower-memory (chunked decode)" if row["low_memory"] else "fast"
-            lines.append(f"{head}{'yes':<5} {how}")
+            how = ("lower-memory (chunked decode)" if row["low_memory"] else "fast") + (
+                ", text encoder parked" if row["parked"] else ""
+            )
+            lines.append(f"{head}{'yes':<5} {how}; placement {row['placement']}")
         else:
             fits = " or ".join(s for s in (row["largest"] or {}).values() if s) or "none near it"
             lines.append(f"{head}{'NO':<5} {row['reason']}; largest that fits: {fits}")
     return "\n".join(lines)
+
+
+def _card(gpu: str | None, free_gib: float | None, settings: WorkerSettings, group: str | None) -> Card | None:
+    """The card the plan is for: `--free-gib`, `--gpu`, `LTX_DEVICE_MEMORY_GIB`, else the group's local GPU."""
+    from ltx_mgpu.control.devices import parse_device_group
+    from ltx_mgpu.spec.placement import CARDS, Card
+    from worker.render.fleet_plan import local_card
+
+    if gpu is not None and gpu not in CARDS:
+        raise ValueError(f"--gpu must be one of {sorted(CARDS)} (or give --free-gib), got {gpu!r}")
+    base = CARDS[gpu] if gpu is not None else None
+    if free_gib is not None or settings.device_memory_gib is not None:
+        offered = float(free_gib if free_gib is not None else settings.device_memory_gib)
+        return Card(
+            f"{base.name}@{offered:g}" if base else f"{offered:g}GiB",
+            offered,
+            (base or CARDS[TABLE_CARD]).h2d_gbps,
+            "given",
+        )
+    if base is not None:
+        return base
+    devices = parse_device_group(group) if group else ["cuda:0"]
+    found = local_card(devices) if devices[0] != "cpu" else None
+    return None if found is None else found[0]
 
 
 @click.command("plan")
@@ -119,18 +202,31 @@ def render_table(rows: list[dict[str, Any]], runner: str, capacity: float | None
 @click.option("--group", default=None, help="the fleet's device group (0 / 0,1 / cpu:2); unset: a table over --gpus")
 @click.option("--size", "sizes", multiple=True, help="WIDTHxHEIGHTxFRAMES, e.g. 1536x1024x241 (default: the presets)")
 @click.option("--gpus", default="1,2,4,8", help="the table's fleet sizes (comma-separated)")
-@click.option("--frame-rate", type=float, default=None, help="frames per second (the clip's audio length); 24")
+@click.option("--frame-rate", type=float, default=None, help="frames per second, 1-120 (the clip's duration); 24")
+@click.option("--gpu", default=None, help="the card: h100-80gb or h200 (default: the local GPU)")
 @click.option("--free-gib", type=float, default=None, help="GiB each device offers (default LTX_DEVICE_MEMORY_GIB)")
 @click.option("--headroom-gib", type=float, default=None, help="GiB kept free (default LTX_MEMORY_HEADROOM_GIB)")
 @click.option("--low-memory", is_flag=True, help="the lower-memory plan (what an out-of-memory retry takes)")
 @click.option("--settings", "settings_file", type=click.Path(dir_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True, help="print the plan (or each row of the table) as JSON")
-def command(runner: str, group: str | None, sizes: tuple[str, ...], gpus: str, frame_rate: float | None,
-            free_gib: float | None, headroom_gib: float | None, low_memory: bool, settings_file: str | None,
-            as_json: bool) -> None:  # fmt: skip
+def command(
+    runner: str,
+    group: str | None,
+    sizes: tuple[str, ...],
+    gpus: str,
+    frame_rate: float | None,
+    gpu: str | None,
+    free_gib: float | None,
+    headroom_gib: float | None,
+    low_memory: bool,
+    settings_file: str | None,
+    as_json: bool,
+) -> None:
     """Print the memory plan of one request on a fleet layout, or a table of sizes on 1-8 GPUs (no GPU needed)."""
     from ltx_mgpu.control.devices import parse_device_group
     from ltx_mgpu.spec import memory_plan
+    from ltx_mgpu.spec.bounds import RANGES
+    from ltx_mgpu.spec.placement import CARDS
     from ltx_mgpu.spec.request_rules import PRESETS
 
     rate = memory_plan.DEFAULT_FRAME_RATE if frame_rate is None else float(frame_rate)
@@ -138,35 +234,89 @@ def command(runner: str, group: str | None, sizes: tuple[str, ...], gpus: str, f
         settings = load_settings(settings_file, runner=runner)
         parsed = [memory_plan.parse_size(s) for s in (sizes or PRESETS)]
         worlds = [len(parse_device_group(validate_group(group)))] if group else [int(g) for g in gpus.split(",")]
-        if not 0 < rate <= 1000 or any(not 1 <= w <= 4096 for w in worlds):
-            raise ValueError("--frame-rate must be in (0, 1000] and --gpus counts in [1, 4096]")
-        capacity = free_gib if free_gib is not None else settings.device_memory_gib
-        if capacity is None and not group:
-            capacity = H200_GIB
+        low, high = RANGES["frame_rate"]
+        if not low <= rate <= high or any(not 1 <= w <= 4096 for w in worlds):
+            raise ValueError(
+                f"--frame-rate must be in [{low:g}, {high:g}] (the request schema's) and --gpus counts in [1, 4096]"
+            )
+        card = _card(gpu, free_gib, settings, group)
         headroom = headroom_gib if headroom_gib is not None else settings.memory_headroom_gib
-        fleets = {w: fleet_memory(settings, w, capacity, headroom) for w in worlds}
+        if group is None and card is None:
+            card = CARDS[TABLE_CARD]
+        capacity = None if card is None else card.offered_gib
+        fleets = {w: _placed(settings, fleet_memory(settings, w, capacity, headroom), card) for w in worlds}
     except (SettingsError, ValueError) as exc:
         _fail(str(exc))
     if group and len(parsed) == 1:
-        fleet = fleets[worlds[0]]
-        plan = memory_plan.plan(fleet, *parsed[0], low_memory=low_memory, frame_rate=rate)
-        largest = None if plan.fits else memory_plan.largest(fleet, *parsed[0], frame_rate=rate)
-        if as_json:
-            out: dict[str, Any] = {"runner": runner, "group": group, **plan.to_json(), "largest": largest}
-            click.echo(json.dumps(out, sort_keys=True))
-        else:
-            click.echo(render_text(plan, runner, group, largest))
-        sys.exit(0 if plan.fits else 1)
+        _one(fleets[worlds[0]], parsed[0], runner, group, card, rate, low_memory, as_json)
+    _table(fleets, parsed, runner, card, headroom, rate, low_memory, as_json)
+
+
+def _one(
+    fleet: Any,
+    size: tuple[int, int, int],
+    runner: str,
+    group: str,
+    card: Card | None,
+    rate: float,
+    low_memory: bool,
+    as_json: bool,
+) -> None:
+    from ltx_mgpu.spec import memory_plan
+
+    plan = memory_plan.plan(fleet, *size, low_memory=low_memory, frame_rate=rate)
+    largest = None if plan.fits or plan.rule_problem else memory_plan.largest(fleet, *size, frame_rate=rate)
+    unchecked = card is None and not group.startswith("cpu") and plan.fits
+    if as_json:
+        out = {
+            "runner": runner,
+            "group": group,
+            "card": None if card is None else card.name,
+            **plan.to_json(),
+            "largest": largest,
+            "memory_checked": not unchecked,
+        }
+        click.echo(json.dumps(out, sort_keys=True))
+    else:
+        click.echo(render_text(plan, runner, group, largest, card))
+    sys.exit(2 if unchecked else 0 if plan.fits else 1)
+
+
+def _table(
+    fleets: dict[int, Any],
+    sizes: list,
+    runner: str,
+    card: Card,
+    headroom: float,
+    rate: float,
+    low_memory: bool,
+    as_json: bool,
+) -> None:
+    from ltx_mgpu.spec import memory_plan
+
     rows = []
-    for size in parsed:
+    for size in sizes:
         for world, fleet in fleets.items():
             p = memory_plan.plan(fleet, *size, low_memory=low_memory, frame_rate=rate)
-            largest = None if p.fits else memory_plan.largest(fleet, *size, frame_rate=rate)
-            rows.append({"size": "x".join(map(str, size)), "gpus": world, "fits": p.fits, "low_memory": p.low_memory,
-                         "peak_gib": p.peak.reserved_gib, "stage": p.peak.stage, "reason": p.refusal(),
-                         "largest": largest})  # fmt: skip
+            largest = None if p.fits or p.rule_problem else memory_plan.largest(fleet, *size, frame_rate=rate)
+            rows.append(
+                {
+                    "size": "x".join(map(str, size)),
+                    "gpus": world,
+                    "card": card.name,
+                    "fits": p.fits,
+                    "low_memory": p.low_memory,
+                    "parked": p.park_text_encoder,
+                    "peak_gib": p.peak.reserved_gib,
+                    "stage": p.peak.stage,
+                    "reason": p.refusal(),
+                    "rule_problem": p.rule_problem,
+                    "largest": largest,
+                    "placement": ",".join(f"{k}={v}" for k, v in fleet.placement.items()),
+                }
+            )
     if as_json:
         click.echo("\n".join(json.dumps({"runner": runner, **row}, sort_keys=True) for row in rows))
     else:
-        click.echo(render_table(rows, runner, capacity, headroom))
-    sys.exit(0)
+        click.echo(render_table(rows, runner, card, headroom))
+    sys.exit(0 if any(row["fits"] for row in rows) else 1)

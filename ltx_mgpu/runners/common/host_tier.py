@@ -42,8 +42,11 @@ def pinned_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
         return buffer
     err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     if int(getattr(err, "value", err)) != 0:  # (RLIMIT_MEMLOCK, a driver limit): slower copies, still correct
-        log.warning("could not page-lock %.1f GiB of host memory (%s): copies to the GPU will be synchronous",
-                    nbytes / 2**30, err)  # fmt: skip
+        log.warning(
+            "could not page-lock %.1f GiB of host memory (%s): copies to the GPU will be synchronous",
+            nbytes / 2**30,
+            err,
+        )
     return buffer
 
 
