@@ -103,8 +103,8 @@ def test_the_largest_request_is_refused_up_front_with_what_fits():
     # the most frames that fit with the suggestions' margin (2% of the capacity beyond the headroom) ...
     margin = replace(fleet, headroom_gib=fleet.headroom_gib + memory_plan.SUGGESTION_MARGIN * H200_GIB)
     assert (w, h) == (3840, 2176) and plan(margin, w, h, f).fits and not plan(margin, w, h, f + 8).fits
-    # ... so a worker on the same card offering a little less still takes every suggested size (issue 48: one
-    # suggested 896x576x241 at 76.9 GiB that the next worker, at 76.8, refused)
+    # ... so a worker on the same card offering a little less still takes every suggested size (a size suggested
+    # at 76.9 GiB offered was once refused by the next worker, at 76.8)
     less = replace(fleet, capacity_gib=H200_GIB - 1.0)
     assert all(plan(less, *memory_plan.parse_size(t)).fits for t in best.values() if t)
     # memory alone (a budget that allows the tokens): the refusal names the limit and the stage
