@@ -48,6 +48,7 @@ __all__ = [
     "judge",
     "refusal",
     "seconds_per_job",
+    "smallest",
 ]
 
 GB = 1e9
@@ -194,11 +195,22 @@ def choose(
     sizes: Sequence[tuple[int, int, int]] = (DESIGN_SIZE,),
 ) -> tuple[Choice | None, list[Choice]]:
     """The fastest placement of `fleet` (its capacity: the card's) that runs `sizes`, and every one judged
-    (the fastest first). `host_gib`: the pinned host memory this fleet may take (None: no limit)."""
-    judged = [judge(f, card, host_gib, sizes) for f in _candidates(fleet)]
-    judged.sort(key=lambda c: (c.problem is not None, c.seconds, _resident_after_encode(c), c.host_gib))
-    best = judged[0] if judged and judged[0].problem is None else None
-    return best, judged
+    (the fastest first). `host_gib`: the pinned host memory this fleet may take (None: no limit). Where no
+    placement runs `sizes`, the one that runs the smallest request the runner's rules accept (`smallest()`):
+    a fleet is refused only when it cannot hold its resident set and one minimal job; larger requests are then
+    refused per request, by the plan, with the sizes that fit."""
+    for tried in (list(sizes), [smallest(fleet)]):
+        judged = [judge(f, card, host_gib, tried) for f in _candidates(fleet)]
+        judged.sort(key=lambda c: (c.problem is not None, c.seconds, _resident_after_encode(c), c.host_gib))
+        if judged and judged[0].problem is None:
+            return judged[0], judged
+    return None, judged
+
+
+def smallest(fleet: FleetMemory) -> tuple[int, int, int]:
+    """The smallest request the fleet's runner accepts: one spatial multiple square, 1 + 8 frames."""
+    rules = fleet.rules
+    return (rules.spatial_multiple, rules.spatial_multiple, rules.temporal_multiple + 1)
 
 
 def _resident_after_encode(choice: Choice) -> float:
