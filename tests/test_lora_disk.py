@@ -331,10 +331,12 @@ def test_a_job_the_shared_cache_has_no_room_for_waits_and_each_gets_its_share(
         wait_ready(b.conn, b.name, 1, 120, b.proc)
         waiting = b.submit("b", loras=[{"uri": f"s3://{bucket}/loras/u/small.safetensors"}])
 
-        def deferrals() -> int:
-            return sum(e.get("outcome") == "deferred" for e in waiting.get_meta(refresh=True).get("attempts") or [])
+        def waited_twice() -> bool:
+            meta = waiting.get_meta(refresh=True)
+            assert meta.get("state") != "failed", meta["error"]  # (was: spool_error "LoRA cache full", retry too)
+            return sum(e.get("outcome") == "deferred" for e in meta.get("attempts") or []) >= 2
 
-        wait_for(lambda: deferrals() >= 2, 60, "two waits for room", on_fail=b.proc.log_tail)
+        wait_for(waited_twice, 60, "two waits for room", on_fail=b.proc.log_tail)
         meta = waiting.get_meta(refresh=True)
         assert meta["state"] != "failed" and meta["error"]["deferred"] and "LoRA cache full" in meta["error"]["message"]
         hold.write_text("go")

@@ -5,6 +5,7 @@ its body is fetched; a header nested 200,000 deep is a request error; the streng
 
 from __future__ import annotations
 
+import json
 import struct
 import uuid
 from pathlib import Path
@@ -208,3 +209,35 @@ def test_a_catalogue_lora_tells_no_tenant_whether_another_used_it(tmp_path: Path
     # the strengths of one catalogue file still add up, whichever tenant's copy a job gets
     with pytest.raises(LoraRefused, match="strengths add up to 6 for one file"):
         r.resolve([LoraRef(name="dolly", strength=3.0)] * 2, tenant="alice")
+
+
+def test_a_worker_whose_runner_fuses_no_loras_refuses_them_before_any_fetch(
+    tmp_path: Path, redis_server: Any, s3_server: Any
+) -> None:
+    """A live worker (real Redis and SeaweedFS) whose runner is set up without LoRA fusion publishes that it
+    takes none (`producer submit` refuses them) and fails a LoRA job `invalid_request` without a fetch (it
+    fetched the LoRA, then the runner refused or ignored it)."""
+    from tests.support.fleet import running_worker
+    from tests.support.workers import wait_state
+
+    good = write_st(tmp_path / "g.safetensors", lora()).read_bytes()
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key="loras/u/good.safetensors", Body=good)
+    ckpt = write_st(
+        tmp_path / "ckpt.safetensors",
+        {f"model.diffusion_model.{k}": ("BF16", list(shape)) for k, shape in TARGETS.items()},
+    )
+    cache = tmp_path / "lora-cache"
+    with running_worker(
+        tmp_path,
+        redis_server,
+        s3_server,
+        lora_cache_dir=cache,
+        lora_s3_prefixes=f"{s3_server.bucket}/loras/u",
+        runner_setup=json.dumps({"checkpoint_path": str(ckpt)}),
+    ) as w:
+        assert w.health()["loras"]["max_per_request"] == 0
+        job = w.submit("t", loras=[{"uri": f"s3://{s3_server.bucket}/loras/u/good.safetensors"}])
+        assert wait_state(job, {"uploaded", "failed"}, 60, w.proc) == "failed", job.get_meta(refresh=True)
+        error = job.get_meta(refresh=True)["error"]
+        assert error["reason"] == "invalid_request" and "takes no request LoRAs" in error["message"], error
+        assert not list(cache.glob("*.safetensors"))
