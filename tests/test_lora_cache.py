@@ -80,16 +80,16 @@ def test_a_catalogue_copy_is_the_files_bytes_and_their_sha256(tmp_path: Path, mo
     """The catalogue copy hashes one chunk while the previous one is written: the order and the digest hold."""
     import hashlib
 
-    from worker.render import loras
+    from worker.render import lora_fetch
 
-    monkeypatch.setattr(loras, "_CHUNK", 4096)  # (many chunks in flight on a small file)
+    monkeypatch.setattr(lora_fetch, "_CHUNK", 4096)  # (many chunks in flight on a small file)
     source, dest = tmp_path / "s", tmp_path / "d"
     source.write_bytes(os.urandom(size))
-    assert loras._copy_hashing(source, dest) == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert lora_fetch.copy_hashing(source, dest) == hashlib.sha256(source.read_bytes()).hexdigest()
     assert dest.read_bytes() == source.read_bytes()
 
 
-# ==== issue 48: files as well as bytes, shares ============================================================
+# ==== files as well as bytes, shares ===================================================================
 
 
 def test_the_file_cap_holds_at_every_admission_like_the_byte_cap(tmp_path: Path) -> None:

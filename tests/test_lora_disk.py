@@ -54,7 +54,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 def few_inodes(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs of 64 inodes: a disk whose inodes run out long before its bytes (issue 48, item 1)."""
+    """A 64 MiB tmpfs of 64 inodes: a disk whose inodes run out long before its bytes."""
     yield from _tmpfs(tmp_path / "inodes", "size=64m,nr_inodes=64")
 
 
@@ -227,13 +227,13 @@ def test_a_full_spool_disk_is_not_ready_and_recovers_by_itself(small_disk: Path,
         assert w.proc.stop(90) == 0, w.proc.log_tail()
 
 
-# ==== issue 48: inodes, shares, a job without room waits ===================================================
+# ==== inodes, shares, a job without room waits ============================================================
 
 
 def test_tiny_loras_never_take_the_spools_inodes(
     few_inodes: Path, tmp_path: Path, redis_server: Any, s3_server: Any
 ) -> None:
-    """Issue 48 item 1 on a disk of 64 inodes (spool and LoRA cache on it; real Redis and SeaweedFS; tenants
+    """Tiny LoRAs on a disk of 64 inodes (spool and LoRA cache on it; real Redis and SeaweedFS; tenants
     alice and bob). What an earlier worker's fetches left, tiny files down to 8 free inodes, no longer keeps
     the next worker from rendering: its back-pressure evicts them for inodes as for bytes (the spool stayed
     stuck, restarts included). Then alice's jobs, four new tiny LoRAs each, are admitted only while the disk
@@ -285,7 +285,7 @@ def test_tiny_loras_never_take_the_spools_inodes(
 def test_a_job_the_shared_cache_has_no_room_for_waits_and_each_gets_its_share(
     tmp_path: Path, redis_server: Any, s3_server: Any
 ) -> None:
-    """Issue 48 item 2: two groups (two worker processes) on one queue share a 1 MiB LoRA cache. Group A, alone,
+    """Two groups (two worker processes) on one queue share a 1 MiB LoRA cache. Group A, alone,
     pins a 590 KiB LoRA in a held render; group B starts (one job's share is half the cap now) and takes a job
     of a 440 KiB LoRA, within its share but not beside A's pin: it waits, re-queued without spending a retry
     budget or an execution (it failed `spool_error` twice, its retry included), and renders once A's job
@@ -302,33 +302,29 @@ def test_a_job_the_shared_cache_has_no_room_for_waits_and_each_gets_its_share(
         "runner_setup": lora_runner_setup(tmp_path),
     }
     queue = f"q-{uuid.uuid4().hex[:8]}"
-    a = launch_worker(
-        tmp_path,
-        redis_server,
-        s3_server,
-        ["one", "--group", "cpu:1"],
-        prefix="a",
-        queue=queue,
-        spool=tmp_path / "spool-a",
-        **settings,
-    )
-    b = None
-    hold = tmp_path / "hold"
-    try:
-        wait_ready(a.conn, a.name, 1, 120, a.proc)
-        held = a.submit(f"a hold={hold}", loras=[{"uri": f"s3://{bucket}/loras/u/big.safetensors"}])
-        assert wait_state(held, {"rendering", "failed"}, 60, a.proc) == "rendering", held.get_meta(refresh=True)
-        b = launch_worker(
+
+    def group(name: str) -> Any:
+        """One group's worker process on the shared queue and cache, ready."""
+        w = launch_worker(
             tmp_path,
             redis_server,
             s3_server,
             ["one", "--group", "cpu:1"],
-            prefix="b",
+            prefix=name,
             queue=queue,
-            spool=tmp_path / "spool-b",
+            spool=tmp_path / f"spool-{name}",
             **settings,
         )
-        wait_ready(b.conn, b.name, 1, 120, b.proc)
+        wait_ready(w.conn, w.name, 1, 120, w.proc)
+        return w
+
+    a = group("a")
+    b = None
+    hold = tmp_path / "hold"
+    try:
+        held = a.submit(f"a hold={hold}", loras=[{"uri": f"s3://{bucket}/loras/u/big.safetensors"}])
+        assert wait_state(held, {"rendering", "failed"}, 60, a.proc) == "rendering", held.get_meta(refresh=True)
+        b = group("b")
         waiting = b.submit("b", loras=[{"uri": f"s3://{bucket}/loras/u/small.safetensors"}])
 
         def waited_twice() -> bool:

@@ -80,7 +80,7 @@ def test_lora_option_syntax_and_prefixes() -> None:
 
 
 def test_prefixes_match_whole_path_segments() -> None:
-    """Issue 48 item 4: `loras/shared` allowed `loras/shared-private/...` and `loras/sharedbackup/...` (a string
+    """`loras/shared` allowed `loras/shared-private/...` and `loras/sharedbackup/...` (a string
     prefix). A prefix names a folder: the key must be inside it, whether the prefix ends in `/` or not."""
     for prefix in ("bkt/loras/shared", "bkt/loras/shared/"):
         assert uri_allowed("s3://bkt/loras/shared/a.safetensors", [prefix])

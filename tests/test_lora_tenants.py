@@ -151,7 +151,7 @@ def test_one_file_repeated_is_bounded_in_sum(tmp_path: Path, s3_client: Any, buc
         r.resolve(refs)
 
 
-# ==== issue 48 item 5: refusals that need no download come before any; no catalogue oracle ================
+# ==== refusals that need no download come before any; no catalogue oracle =======================================
 
 
 def test_refusals_that_need_no_download_come_before_any(tmp_path: Path, s3_client: Any, bucket: str) -> None:

@@ -34,7 +34,6 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,89 +41,20 @@ from typing import Any
 from ltx_mgpu.lora_file import (
     LoraFileError,
     LoraLimits,
-    check_header,
     check_lora,
-    header_length,
-    parse_header,
     transformer_targets,
 )
-from worker.errors import WorkerError
 from worker.protocol.health import LoraOffer
 from worker.protocol.lora_refs import LoraRef, split_s3_uri, strength_problem, uri_problem
 from worker.render.lora_cache import LoraCache, LoraCacheFull
+from worker.render.lora_fetch import LoraRefused, check_remote_header, copy_hashing, ranged_download
 
-__all__ = ["LoraCache", "LoraCacheFull", "LoraRefused", "LoraResolver", "ResolvedLora"]
+__all__ = ["LoraCache", "LoraCacheFull", "LoraRefused", "LoraResolver", "ResolvedLora", "runner_takes_loras"]
 
 _SUFFIX = ".safetensors"
-_CHUNK = 8 << 20
-
-
-_RANGE = 64 << 20  #: bytes per ranged GET
-_RANGE_THREADS = 8
-_HEAD_BYTES = 64 << 10  #: the first ranged GET of an object: its 8-byte length and (usually) its whole header
 #: how long one fetch waits in place for cache room (others' jobs ending, uploads freeing the disk) before the
 #: job is re-queued to wait (`worker.jobs.attempt.JobAttempt.wait_for_room`): the pause between its tries
 ROOM_WAIT_S = 5.0
-
-
-def _copy_hashing(source: Path, dest: Path) -> str:
-    """Copy `source` to `dest` and return its sha256, hashing each chunk while the one before is written on a
-    second thread (both release the GIL): a 1.7 GB catalogue LoRA took 1.5 s against 2.6 s hashed and written
-    in turn on the CPU VM. At most three chunks are in flight."""
-    digest = hashlib.sha256()
-    with open(source, "rb") as src, open(dest, "wb") as dst, ThreadPoolExecutor(1) as writer:
-        pending: list[Any] = []
-        while chunk := src.read(_CHUNK):
-            pending.append(writer.submit(dst.write, chunk))  # (one thread: the writes stay in order)
-            digest.update(chunk)
-            while len(pending) > 2:
-                pending.pop(0).result()
-        for write in pending:
-            write.result()
-    return digest.hexdigest()
-
-
-def _ranged_download(client: Any, bucket: str, key: str, etag: str, size: int, path: Path) -> None:
-    """`size` bytes of the object into `path` by parallel ranged GETs, each pinned by `IfMatch` to `etag`
-    (boto3's managed download takes no IfMatch). Each range is streamed to its offset in 8 MiB pieces."""
-    with open(path, "wb") as f:
-        f.truncate(size)
-        fd = f.fileno()
-
-        def fetch(start: int) -> None:
-            end = min(start + _RANGE, size) - 1
-            body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, Range=f"bytes={start}-{end}")["Body"]
-            offset = start
-            while chunk := body.read(_CHUNK):
-                if offset + len(chunk) > end + 1:
-                    raise LoraRefused("", f"s3://{bucket}/{key}: the range {start}-{end} returned more bytes")
-                os.pwrite(fd, chunk, offset)
-                offset += len(chunk)
-            if offset != end + 1:
-                raise LoraRefused("", f"s3://{bucket}/{key}: the range {start}-{end} ended at {offset}")
-
-        with ThreadPoolExecutor(max_workers=_RANGE_THREADS) as pool:
-            for future in [pool.submit(fetch, start) for start in range(0, size, _RANGE)]:
-                future.result()
-
-
-def _get_range(client: Any, bucket: str, key: str, etag: str, start: int, end: int) -> bytes:
-    """Bytes `start`..`end` (inclusive) of the object, pinned by `IfMatch`; never more than asked for."""
-    body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, Range=f"bytes={start}-{end}")["Body"]
-    data = body.read(end - start + 2)
-    body.close()
-    if len(data) != end - start + 1:
-        raise LoraRefused("", f"s3://{bucket}/{key}: the range {start}-{end} returned {len(data)} bytes")
-    return data
-
-
-class LoraRefused(WorkerError, ValueError):
-    """A request's LoRA cannot be used; `field` names the entry (`loras[1]`)."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.field = field
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -209,6 +139,17 @@ class LoraResolver:
         self.group = getattr(metrics, "group", "")
         self._targets: dict[str, tuple[int, int]] | None = None
         self._hashed: dict[tuple[str, int, int], str] = {}  #: (catalogue path, size, mtime_ns) -> sha256
+
+    @classmethod
+    def for_worker(cls, settings: Any, runner_cls: Any, storage: Any, metrics: Any) -> LoraResolver:
+        """A worker process's resolver: its storage's S3 client (None: not S3), whether its runner fuses request
+        LoRAs as set up (`runner_takes_loras`), and, where it serves them, its share of the cache from the
+        start (`LoraCache.join`)."""
+        fuses = runner_takes_loras(runner_cls, settings.runner_setup)
+        resolver = cls(settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics, takes_loras=fuses)
+        if fuses and (settings.lora_catalogue or settings.lora_s3_prefixes):
+            resolver.cache.join()
+        return resolver
 
     # ---- published (the producer's --dry-run checks requests against it) ----------------------------
     def published(self) -> LoraOffer:
@@ -405,8 +346,8 @@ class LoraResolver:
         t0 = time.monotonic()
         if plan.source is not None:
             check_lora(plan.source, targets, self.limits)  # (a bad catalogue file is refused before its copy)
-        else:
-            self._check_remote_header(plan, targets)  # (a bad header: refused before the body)
+        else:  # (a bad header: refused before the body)
+            check_remote_header(plan.client, plan.bucket, plan.key, plan.etag, plan.size, targets, self.limits)
         return t0, time.monotonic() - t0
 
     def _fetch(self, plan: _Plan, targets: dict[str, tuple[int, int]], checked: tuple[float, float]) -> ResolvedLora:
@@ -422,7 +363,7 @@ class LoraResolver:
             with self.cache.incoming(plan.size, wait_s=ROOM_WAIT_S) as tmp:
                 # ranged GETs in parallel (a rank-128 LoRA at real size is 1.7 GB); IfMatch pins every range
                 # to the object the HEAD sized, so a replaced object fails the fetch instead of mixing bytes
-                _ranged_download(plan.client, plan.bucket, plan.key, plan.etag, plan.size, tmp)
+                ranged_download(plan.client, plan.bucket, plan.key, plan.etag, plan.size, tmp)
                 verify_s += _timed(check_lora, tmp, targets, self.limits)
                 path = self.cache.commit(tmp, plan.ident)
         except (ClientError, BotoCoreError) as exc:
@@ -432,7 +373,7 @@ class LoraResolver:
     def _from_catalogue(self, plan: _Plan, targets: dict, t0: float, verify_s: float) -> ResolvedLora:
         assert plan.source is not None and plan.memo is not None
         with self.cache.incoming(plan.size, wait_s=ROOM_WAIT_S) as tmp:
-            digest = _copy_hashing(plan.source, tmp)
+            digest = copy_hashing(plan.source, tmp)
             self._hashed[plan.memo] = digest
             key, content = self._catalogue_key(digest, plan.owner), f"sha256-{digest}"
             if (hit := self.cache.get(key)) is not None:  # (committed meanwhile by another group's job)
@@ -440,20 +381,6 @@ class LoraResolver:
             verify_s += _timed(check_lora, tmp, targets, self.limits)
             path = self.cache.commit(tmp, key)
         return self._fetched(plan.ref, path, plan.size, time.monotonic() - t0, verify_s, content)
-
-    def _check_remote_header(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> None:
-        """The object's header, read by ranged GETs (8 + header bytes, the header within
-        `lora_max_header_bytes`), checked as `check_lora` checks a file: `LoraFileError` before its body."""
-        name, size = str(plan.ref.uri), plan.size
-        first = (
-            _get_range(plan.client, plan.bucket, plan.key, plan.etag, 0, min(size, _HEAD_BYTES) - 1) if size else b""
-        )
-        length = header_length(name, first[:8], size, max_file_bytes=self.limits.max_file_bytes,
-                               max_header_bytes=self.limits.max_header_bytes)  # fmt: skip
-        raw = first[8 : 8 + length]
-        if len(raw) < length:
-            raw += _get_range(plan.client, plan.bucket, plan.key, plan.etag, len(first), 8 + length - 1)
-        check_header(name, parse_header(name, raw, size), size, targets, self.limits)
 
     def _checked(self, ref: LoraRef, path: Path, targets: dict, content: str) -> ResolvedLora:
         verify_s = _timed(check_lora, path, targets, self.limits)  # header only: cheap, guards the cache folder too
@@ -468,16 +395,22 @@ class LoraResolver:
             self.metrics.lora_cache.labels(self.group, "miss").inc()
             self.metrics.lora_fetch_bytes.labels(self.group).inc(size)
             self.metrics.lora_fetch_seconds.labels(self.group).observe(seconds)
-        return ResolvedLora(
-            ref.label,
-            str(path),
-            ref.strength,
-            cached=False,
-            fetch_bytes=size,
-            fetch_s=seconds,
-            verify_s=verify_s,
-            content=content,
-        )
+        fetched = {"fetch_bytes": size, "fetch_s": seconds, "verify_s": verify_s, "content": content}
+        return ResolvedLora(ref.label, str(path), ref.strength, cached=False, **fetched)
+
+
+def runner_takes_loras(runner_cls: Any, setup: dict[str, Any]) -> bool:
+    """Whether the runner fuses request LoRAs as it is set up (`MGPURunner.takes_request_loras`; a runner class
+    without it: its job signature names `loras`)."""
+    import inspect
+
+    takes = getattr(runner_cls, "takes_request_loras", None)
+    if callable(takes):
+        return bool(takes(**setup))
+    try:
+        return "loras" in inspect.signature(runner_cls.__call__).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _timed(fn: Callable[..., Any], *args: Any) -> float:

@@ -83,12 +83,7 @@ class RenderService:
         self.storage, self.spool, self.metrics = storage, spool, metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
         #: request LoRAs: fetched, cached and checked before the fleet sees them (worker.render.loras)
-        takes_loras = _takes_loras(fleet.runner_cls, settings.runner_setup)
-        self.loras = LoraResolver(
-            settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics, takes_loras=takes_loras
-        )
-        if takes_loras and (settings.lora_catalogue or settings.lora_s3_prefixes):
-            self.loras.cache.join()  # (its share of the cache from the start: worker.render.lora_cache)
+        self.loras = LoraResolver.for_worker(settings, fleet.runner_cls, storage, metrics)
         self.uploader = Uploader(storage, spool, attempts=settings.upload_attempts, backoff_s=settings.upload_backoff_s,
                                  backoff_max_s=settings.upload_backoff_max_s)  # fmt: skip
         self.stop_uploads = threading.Event()  # set on cold shutdown: cut upload back-offs short
@@ -442,13 +437,6 @@ class RenderService:
         except Exception as exc:
             self.spool.discard_incomplete(attempt.id)
             attempt.fail(FailureReason.INTERNAL, f"encode: {type(exc).__name__}: {exc}")
-
-
-def _takes_loras(runner_cls: Any, setup: dict[str, Any]) -> bool:
-    """Whether the runner fuses request LoRAs as it is set up (`MGPURunner.takes_request_loras`; a runner class
-    without it: its job signature names `loras`)."""
-    takes = getattr(runner_cls, "takes_request_loras", None)
-    return bool(takes(**setup)) if callable(takes) else _takes(runner_cls, "loras")
 
 
 def _takes(runner_cls: Any, name: str) -> bool:
