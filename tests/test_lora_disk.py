@@ -6,6 +6,7 @@ LoRA job two groups' cache has no room for waits instead of failing."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -234,7 +235,7 @@ def test_tiny_loras_never_take_the_spools_inodes(
     few_inodes: Path, tmp_path: Path, redis_server: Any, s3_server: Any
 ) -> None:
     """Tiny LoRAs on a disk of 64 inodes (spool and LoRA cache on it; real Redis and SeaweedFS; tenants
-    alice and bob). What an earlier worker's fetches left, tiny files down to 8 free inodes, no longer keeps
+    alice and bob). What an earlier worker's fetches left, tiny files taking every inode, no longer keeps
     the next worker from rendering: its back-pressure evicts them for inodes as for bytes (the spool stayed
     stuck, restarts included). Then alice's jobs, four new tiny LoRAs each, are admitted only while the disk
     keeps its inode floor, and bob's job behind them renders."""
@@ -242,9 +243,14 @@ def test_tiny_loras_never_take_the_spools_inodes(
     spool.mkdir()
     cache_dir.mkdir()
     n = 0
-    while free_inodes(few_inodes) > 8:  # 554-byte files: the byte cap and the free bytes never bind
-        (cache_dir / f"s3-left{n:03d}.safetensors").write_bytes(bytes(554))
+    while True:  # 554-byte files until no inode is left: the byte cap and the free bytes never bind
+        try:
+            (cache_dir / f"s3-left{n:03d}.safetensors").write_bytes(bytes(554))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+            break
         n += 1
+    assert free_inodes(few_inodes) == 0
     bucket, s3 = s3_server.bucket, s3_server.client()
     body = write_st(tmp_path / "tiny.safetensors", lora()).read_bytes()
     w = launch_worker(

@@ -215,8 +215,12 @@ class LoraCache:
         """Count this process among those sharing the cache (idempotent; the lock goes with the process)."""
         if self._member is not None:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, _ = tempfile.mkstemp(prefix=_MEMBER, dir=self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, _ = tempfile.mkstemp(prefix=_MEMBER, dir=self.root)
+        except OSError as exc:  # (a full disk: the worker starts anyway, and joins at its first LoRA job)
+            log.warning("LoRA cache: cannot join %s yet (%s); counted once it can", self.root, exc)
+            return
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._member = fd
 
@@ -411,9 +415,11 @@ class LoraCache:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        with open(self.root / ".lock", "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        """The folder's lock, held on the folder itself: a lock file would need an inode, and a disk whose
+        inodes are all taken must still let the cache evict for the spool."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (drops the lock)

@@ -67,6 +67,15 @@ class Backpressure:
             self.notify()
         log.info("back-pressure released after %.2fs", time.monotonic() - t0)
 
+    def _cache_yields(self, floor: int, floor_inodes: int) -> bool:
+        """The LoRA cache yields to the spool where they share a disk: it evicts unpinned files until the disk
+        has the spool's floors (True if it removed any; the spool's space is then checked again)."""
+        try:
+            return bool(self.service.loras.cache.make_room(floor, floor_inodes))
+        except OSError as exc:  # (its folder unreadable: the wait goes on, its reason says why)
+            log.warning("back-pressure: the LoRA cache could not make room: %s", exc)
+            return False
+
     def reason(self) -> str | None:
         """Why no job may be taken now, or None."""
         pipeline = self.service.pipeline
@@ -77,9 +86,7 @@ class Backpressure:
         except OSError as exc:
             return f"spool unusable: {exc}"
         floor, floor_inodes = self.settings.spool_min_free_bytes, self.settings.spool_min_free_inodes
-        low = free_bytes < floor or free_inodes < floor_inodes
-        if low and self.service.loras.cache.make_room(floor, floor_inodes):
-            # (the LoRA cache yields to the spool where they share a disk: evicts unpinned files, then re-checks)
+        if (free_bytes < floor or free_inodes < floor_inodes) and self._cache_yields(floor, floor_inodes):
             free_bytes, free_inodes = self.service.spool.free()
         if free_bytes < floor or free_inodes < floor_inodes:
             return f"spool disk nearly full: {free_bytes} bytes, {free_inodes} inodes free"
