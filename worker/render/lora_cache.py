@@ -229,15 +229,19 @@ class LoraCache:
         caps divided among them, so every group's job finds room whatever the others' jobs pin."""
         self.join()
         with self._locked():
-            sharing = 0
-            for p in self.root.glob(f"{_MEMBER}*"):
-                if self._pinned_elsewhere(p):
-                    sharing += 1
-                else:  # its process died
-                    with contextlib.suppress(FileNotFoundError):
-                        p.unlink()
-        sharing = max(1, sharing)
+            sharing = max(1, self._live_members())
         return self.cap_bytes // sharing, self.cap_files // sharing, sharing
+
+    def _live_members(self) -> int:
+        """Under the folder lock: the processes sharing the cache; a dead one's file is removed (an inode back)."""
+        live = 0
+        for p in self.root.glob(f"{_MEMBER}*"):
+            if self._pinned_elsewhere(p):
+                live += 1
+            else:  # its process died
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        return live
 
     # ---- admission and eviction ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -346,11 +350,12 @@ class LoraCache:
         floors: tuple[int, int] | None = None,
         strict: bool = True,
     ) -> list[Path]:
-        """Under the folder lock: remove dead fetches' leftovers, then unpinned files (least recently used first)
-        until `need_bytes` in `need_files` more fit under the caps and leave `floors` (free bytes and inodes;
-        default `min_free_bytes`, `min_free_inodes`) free on the disk. `strict`: `LoraCacheFull` if that cannot
-        be reached."""
+        """Under the folder lock: remove dead fetches' and processes' leftovers, then unpinned files (least
+        recently used first) until `need_bytes` in `need_files` more fit under the caps and leave `floors` (free
+        bytes and inodes; default `min_free_bytes`, `min_free_inodes`) free on the disk. `strict`:
+        `LoraCacheFull` if that cannot be reached."""
         floor_bytes, floor_inodes = floors or (self.min_free_bytes, self.min_free_inodes)
+        self._live_members()  # (dead processes' files go too)
         committed, reserved = self._entries()
         removed: list[Path] = []
         for _size, p in reserved:

@@ -338,9 +338,8 @@ class LoraResolver:
             return None
         return self._checked(plan.ref, path, targets, f"sha256-{digest}" if digest else plan.content)
 
-    def _hit_or_check(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora | tuple[float, float]:
-        """A hit (pinned, its header checked again), or a miss's header checked before any fetch:
-        (when the check began, its seconds)."""
+    def _hit_or_check(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora | float:
+        """A hit (pinned, its header checked again), or a miss's header checked before any fetch: its seconds."""
         if (hit := self._hit(plan, targets)) is not None:
             return hit
         t0 = time.monotonic()
@@ -348,11 +347,12 @@ class LoraResolver:
             check_lora(plan.source, targets, self.limits)  # (a bad catalogue file is refused before its copy)
         else:  # (a bad header: refused before the body)
             check_remote_header(plan.client, plan.bucket, plan.key, plan.etag, plan.size, targets, self.limits)
-        return t0, time.monotonic() - t0
+        return time.monotonic() - t0
 
-    def _fetch(self, plan: _Plan, targets: dict[str, tuple[int, int]], checked: tuple[float, float]) -> ResolvedLora:
-        """A miss fetched (catalogue: copied and hashed) into the cache, checked and committed, pinned."""
-        t0, verify_s = checked
+    def _fetch(self, plan: _Plan, targets: dict[str, tuple[int, int]], verify_s: float) -> ResolvedLora:
+        """A miss fetched (catalogue: copied and hashed) into the cache, checked and committed, pinned. Its
+        `fetch_s` counts its header check (`verify_s` so far) and this, not the other LoRAs' work between."""
+        t0 = time.monotonic() - verify_s
         if (hit := self._hit(plan, targets)) is not None:  # (the same file earlier in this job)
             return hit
         if plan.source is not None:
