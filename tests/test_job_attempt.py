@@ -87,6 +87,33 @@ def test_spool_failed_names_the_errno_and_retries_only_what_another_host_may_fix
     assert raised.value.message.startswith("lora cache: no")
 
 
+def test_a_wait_for_room_is_retrying_without_a_budget_or_an_execution_until_its_time_is_up(make) -> None:
+    """A LoRA job the cache has no room for now is re-queued (RQ retries it) with
+    `error.deferred`, its `spool_error` budget and its execution (meta `attempt`) untouched; once
+    `lora_cache_wait_s` from its first wait has passed it fails like `spool_failed`, within that budget."""
+    from worker.render.lora_cache import LoraCacheFull
+
+    full = LoraCacheFull("LoRA cache full: 5 bytes do not fit")
+    attempt = make(retry_spool_error=0, lora_cache_wait_s=60)
+    attempt.start(worker="w.cpu1.1", fleet="cpu:1")
+    for _ in range(3):
+        with pytest.raises(JobFailed) as raised:
+            attempt.wait_for_room(full)
+        assert raised.value.retrying and raised.value.details == {"deferred": True}
+        assert attempt.job.retries_left == 1  # (RQ re-queues it)
+        attempt = JobAttempt(attempt.job, attempt.outcomes)  # the next execution, as the worker makes it
+        attempt.start(worker="w.cpu1.1", fleet="cpu:1")
+    meta = stored_meta(attempt)
+    assert meta["attempt"] == 1 and not meta.get("retries"), meta  # nothing spent: not a failure
+    assert [a["outcome"] for a in meta["attempts"]] == ["deferred"] * 3
+    assert [e["state"] for e in states(attempt)].count("retrying") == 3
+    attempt.relay.update_summary(waiting_since=meta["waiting_since"] - 61)  # (its first wait, 61 s ago)
+    with pytest.raises(JobFailed) as raised:
+        attempt.wait_for_room(full)
+    assert raised.value.reason is FailureReason.SPOOL_ERROR and not raised.value.retrying  # (budget 0)
+    assert states(attempt)[-1]["state"] == "failed" and raised.value.details["errno"] == "ENOSPC"
+
+
 def test_a_cancel_before_the_stream_stops_it_when_watched_and_is_recorded_once(make) -> None:
     attempt = make()
     attempt.check_cancelled()  # nothing asked: no record, no raise

@@ -80,10 +80,44 @@ def test_a_catalogue_copy_is_the_files_bytes_and_their_sha256(tmp_path: Path, mo
     """The catalogue copy hashes one chunk while the previous one is written: the order and the digest hold."""
     import hashlib
 
-    from worker.render import loras
+    from worker.render import lora_fetch
 
-    monkeypatch.setattr(loras, "_CHUNK", 4096)  # (many chunks in flight on a small file)
+    monkeypatch.setattr(lora_fetch, "_CHUNK", 4096)  # (many chunks in flight on a small file)
     source, dest = tmp_path / "s", tmp_path / "d"
     source.write_bytes(os.urandom(size))
-    assert loras._copy_hashing(source, dest) == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert lora_fetch.copy_hashing(source, dest) == hashlib.sha256(source.read_bytes()).hexdigest()
     assert dest.read_bytes() == source.read_bytes()
+
+
+# ==== files as well as bytes, shares ===================================================================
+
+
+def test_the_file_cap_holds_at_every_admission_like_the_byte_cap(tmp_path: Path) -> None:
+    """Tiny files under new keys: the byte cap never binds, the file cap does (each file is an inode)."""
+    from worker.render.lora_cache import LoraCacheFull
+
+    cache = LoraCache(tmp_path / "c", cap_bytes=1 << 20, cap_files=3)
+    for i in range(8):
+        _commit(cache, f"tiny{i}", b"x" * 554)
+        cache.release()
+        assert cache.files() <= 3, i  # after every admission, not eventually
+    assert cache.usage() <= 3 * 554 and cache.get("tiny7") is not None and cache.get("tiny0") is None
+    for key in ("a", "b"):  # with "tiny7" pinned above, three files pinned: nothing left to evict
+        _commit(cache, key, b"y")
+    with pytest.raises(LoraCacheFull, match=r"3 files in use, its cap is 3 \(LTX_LORA_CACHE_FILES\)"):
+        cache.incoming(1).__enter__()
+    cache.release()
+    _commit(cache, "c", b"z")  # unpinned now: the least recently used makes room
+
+
+def test_each_process_sharing_the_cache_gets_its_share(tmp_path: Path) -> None:
+    """`share()`: the caps over the live processes that joined (each LoraCache object stands for one here:
+    its own lock file); a process that died is counted out."""
+    first = LoraCache(tmp_path / "c", cap_bytes=1000, cap_files=10)
+    assert first.share() == (1000, 10, 1)
+    second = LoraCache(tmp_path / "c", cap_bytes=1000, cap_files=10)
+    second.join()
+    assert first.share() == (500, 5, 2) == second.share()
+    assert second._member is not None
+    os.close(second._member)  # (its process died: the lock went with it)
+    assert first.share() == (1000, 10, 1) and len(list((tmp_path / "c").glob(".member-*"))) == 1

@@ -1,10 +1,12 @@
-"""The LoRA cache on a real disk that fills (a 64 MiB tmpfs; skipped where mounting is refused) and with real S3
-(SeaweedFS): its cap holds at every admission whatever one tenant asks, a job cannot pin more than the cap,
-the cache keeps the spool's free-space floor and yields its unpinned files to the spool, and a worker whose
-disk is full says so in `/readyz` and recovers by itself."""
+"""The LoRA cache on a real disk that fills (a 64 MiB tmpfs, or one of 64 inodes; skipped where mounting is
+refused) and with real S3 (SeaweedFS): its caps hold at every admission whatever one tenant asks, a job cannot
+pin more than its share, the cache keeps the spool's free-space floors (bytes and inodes) and yields its
+unpinned files to the spool, a worker whose disk is full says so in `/readyz` and recovers by itself, and a
+LoRA job two groups' cache has no room for waits instead of failing."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.workers import SMALL_REQUEST, enqueue
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol.lora_refs import LoraRef
 from worker.render.lora_cache import LoraCache, LoraCacheFull
@@ -32,24 +35,57 @@ MiB = 1 << 20
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs: a disk that really fills."""
-    root = tmp_path / "disk"
+def _tmpfs(root: Path, options: str) -> Iterator[Path]:
     root.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(root)]
+    mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(root)]
     done = subprocess.run(mount, check=False, capture_output=True)
     if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()[:200]}); item 9's disk tests need one")
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()[:200]}); the disk tests need one")
     try:
         yield root
     finally:
         subprocess.run(["umount", "-l", str(root)], check=False)
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs: a disk that really fills."""
+    yield from _tmpfs(tmp_path / "disk", "size=64m")
+
+
+@pytest.fixture
+def few_inodes(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs of 64 inodes: a disk whose inodes run out long before its bytes."""
+    yield from _tmpfs(tmp_path / "inodes", "size=64m,nr_inodes=64")
+
+
 def free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def free_inodes(path: Path) -> int:
+    return os.statvfs(path).f_favail
+
+
+def lora_runner_setup(tmp_path: Path) -> str:
+    """The fault runner taking request LoRAs (it ignores them), and a checkpoint header naming `TARGETS`, from
+    which the worker checks them: what a LoRA-capable fleet looks like to the worker, at no model's cost."""
+    ckpt = write_st(
+        tmp_path / "ckpt.safetensors",
+        {f"model.diffusion_model.{k}": ("BF16", list(shape)) for k, shape in TARGETS.items()},
+    )
+    return json.dumps({"request_loras": True, "checkpoint_path": str(ckpt)})
+
+
+def tenant_job(w: Any, tenant: str, prompt: str, **request: Any) -> Any:
+    return enqueue(
+        w.conn,
+        w.queue,
+        {"prompt": prompt, **SMALL_REQUEST, **request},
+        job_id=f"{tenant}-{uuid.uuid4().hex[:8]}",
+        meta={"client": tenant},
+    )
 
 
 def big_lora(path: Path, size: int) -> bytes:
@@ -110,7 +146,8 @@ def test_the_cache_keeps_the_spools_floor_on_a_disk_that_fills(small_disk: Path,
         r.cache.release()
     kept = len(list((small_disk / "cache").glob("*.safetensors")))
     assert 1 <= kept < 8
-    pinned = [LoraRef(uri=f"s3://{bucket}/u/c{i}.safetensors") for i in range(7)]  # 28 MiB, pinned together
+    # 28 MiB, pinned together (copies of one file: their strengths, summed, within the bound)
+    pinned = [LoraRef(uri=f"s3://{bucket}/u/c{i}.safetensors", strength=0.5) for i in range(7)]
     with pytest.raises(LoraCacheFull) as info:
         r.resolve(pinned)
     assert info.value.errno == 28 and "under the spool's floor" in str(info.value)  # ENOSPC
@@ -189,3 +226,133 @@ def test_a_full_spool_disk_is_not_ready_and_recovers_by_itself(small_disk: Path,
         assert info
     finally:
         assert w.proc.stop(90) == 0, w.proc.log_tail()
+
+
+# ==== inodes, shares, a job without room waits ============================================================
+
+
+def test_tiny_loras_never_take_the_spools_inodes(
+    few_inodes: Path, tmp_path: Path, redis_server: Any, s3_server: Any
+) -> None:
+    """Tiny LoRAs on a disk of 64 inodes (spool and LoRA cache on it; real Redis and SeaweedFS; tenants
+    alice and bob). What an earlier worker's fetches left, tiny files taking every inode, no longer keeps
+    the next worker from rendering: its back-pressure evicts them for inodes as for bytes (the spool stayed
+    stuck, restarts included). Then alice's jobs, four new tiny LoRAs each, are admitted only while the disk
+    keeps its inode floor, and bob's job behind them renders."""
+    spool, cache_dir = few_inodes / "spool", few_inodes / "lora-cache"
+    spool.mkdir()
+    cache_dir.mkdir()
+    n = 0
+    while True:  # 554-byte files until no inode is left: the byte cap and the free bytes never bind
+        try:
+            (cache_dir / f"s3-left{n:03d}.safetensors").write_bytes(bytes(554))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+            break
+        n += 1
+    assert free_inodes(few_inodes) == 0
+    bucket, s3 = s3_server.bucket, s3_server.client()
+    body = write_st(tmp_path / "tiny.safetensors", lora()).read_bytes()
+    w = launch_worker(
+        tmp_path,
+        redis_server,
+        s3_server,
+        ["one", "--group", "cpu:1"],
+        prefix="i",
+        spool=spool,
+        lora_cache_dir=cache_dir,
+        spool_min_free_bytes=4 * MiB,
+        tenant_ids="true",
+        tenants="alice,bob",
+        lora_s3_prefixes=f"{bucket}/loras",
+        runner_setup=lora_runner_setup(tmp_path),
+    )
+    try:
+        wait_ready(w.conn, w.name, 1, 120, w.proc)
+        bob = tenant_job(w, "bob", "bob bytes=1000", seed=1)
+        assert wait_state(bob, {"uploaded", "failed"}, 60, w.proc) == "uploaded", bob.get_meta(refresh=True)
+        assert len(list(cache_dir.glob("s3-left*"))) < n  # evicted for the spool's inodes
+        for job in range(12):  # 48 new files in all, four a job; the disk has 64 inodes
+            refs = []
+            for i in range(4):
+                key = f"loras/alice/j{job}-{i}.safetensors"
+                s3.put_object(Bucket=bucket, Key=key, Body=body)
+                refs.append({"uri": f"s3://{bucket}/{key}", "strength": 0.5})
+            alice = tenant_job(w, "alice", "alice bytes=1000", seed=job, loras=refs)
+            assert wait_state(alice, {"uploaded", "failed"}, 60, w.proc) == "uploaded", alice.get_meta(refresh=True)
+            assert free_inodes(few_inodes) >= 16 - 4, job  # (the spool's job files come and go: 4 at most)
+        bob = tenant_job(w, "bob", "bob again bytes=1000", seed=2)
+        assert wait_state(bob, {"uploaded", "failed"}, 30, w.proc) == "uploaded", bob.get_meta(refresh=True)
+        assert len(list(cache_dir.glob("s3-*.safetensors"))) < 48
+    finally:
+        assert w.proc.stop(90) == 0, w.proc.log_tail()
+
+
+def test_a_job_the_shared_cache_has_no_room_for_waits_and_each_gets_its_share(
+    tmp_path: Path, redis_server: Any, s3_server: Any
+) -> None:
+    """Two groups (two worker processes) on one queue share a 1 MiB LoRA cache. Group A, alone,
+    pins a 590 KiB LoRA in a held render; group B starts (one job's share is half the cap now) and takes a job
+    of a 440 KiB LoRA, within its share but not beside A's pin: it waits, re-queued without spending a retry
+    budget or an execution (it failed `spool_error` twice, its retry included), and renders once A's job
+    ends. Then the 590 KiB LoRA alone is refused before any fetch: over one job's share."""
+    bucket, s3 = s3_server.bucket, s3_server.client()
+    for name, pad in (("big", 590 << 10), ("small", 440 << 10)):
+        s3.put_object(
+            Bucket=bucket, Key=f"loras/u/{name}.safetensors", Body=big_lora(tmp_path / f"{name}.safetensors", pad)
+        )
+    settings = {
+        "lora_cache_dir": tmp_path / "lora-cache",
+        "lora_cache_bytes": MiB,
+        "lora_s3_prefixes": f"{bucket}/loras/u",
+        "runner_setup": lora_runner_setup(tmp_path),
+    }
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+
+    def group(name: str) -> Any:
+        """One group's worker process on the shared queue and cache, ready."""
+        w = launch_worker(
+            tmp_path,
+            redis_server,
+            s3_server,
+            ["one", "--group", "cpu:1"],
+            prefix=name,
+            queue=queue,
+            spool=tmp_path / f"spool-{name}",
+            **settings,
+        )
+        wait_ready(w.conn, w.name, 1, 120, w.proc)
+        return w
+
+    a = group("a")
+    b = None
+    hold = tmp_path / "hold"
+    try:
+        held = a.submit(f"a hold={hold}", loras=[{"uri": f"s3://{bucket}/loras/u/big.safetensors"}])
+        assert wait_state(held, {"rendering", "failed"}, 60, a.proc) == "rendering", held.get_meta(refresh=True)
+        b = group("b")
+        waiting = b.submit("b", loras=[{"uri": f"s3://{bucket}/loras/u/small.safetensors"}])
+
+        def waited_twice() -> bool:
+            meta = waiting.get_meta(refresh=True)
+            assert meta.get("state") != "failed", meta["error"]  # (was: spool_error "LoRA cache full", retry too)
+            return sum(e.get("outcome") == "deferred" for e in meta.get("attempts") or []) >= 2
+
+        wait_for(waited_twice, 60, "two waits for room", on_fail=b.proc.log_tail)
+        meta = waiting.get_meta(refresh=True)
+        assert meta["state"] != "failed" and meta["error"]["deferred"] and "LoRA cache full" in meta["error"]["message"]
+        hold.write_text("go")
+        assert wait_state(held, {"uploaded", "failed"}, 60, a.proc) == "uploaded", held.get_meta(refresh=True)
+        assert wait_state(waiting, {"uploaded", "failed"}, 60, b.proc) == "uploaded", waiting.get_meta(refresh=True)
+        meta = waiting.get_meta(refresh=True)
+        assert not meta.get("retries") and meta["attempt"] == 1, meta  # no budget, no execution spent waiting
+        alone = a.submit("a again", loras=[{"uri": f"s3://{bucket}/loras/u/big.safetensors"}])
+        assert wait_state(alone, {"uploaded", "failed"}, 60, a.proc) == "failed"
+        error = alone.get_meta(refresh=True)["error"]
+        assert error["reason"] == "invalid_request" and "over one job's share of the LoRA cache" in error["message"]
+        assert "2 worker processes sharing it" in error["message"], error
+    finally:
+        hold.touch()
+        for w in (a, b):
+            if w is not None:
+                assert w.proc.stop(90) == 0, w.proc.log_tail()

@@ -16,7 +16,7 @@ from rq.worker import Worker
 
 from producer.exit_codes import ExitCode
 from worker.protocol.keys import worker_health_key
-from worker.protocol.lora_refs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed
+from worker.protocol.lora_refs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed, uri_problem
 from worker.protocol.schema import RenderRequest
 
 from . import test_producer_cli
@@ -77,6 +77,23 @@ def test_lora_option_syntax_and_prefixes() -> None:
     assert uri_allowed("s3://loras/a.safetensors", ["loras"])
     assert not uri_allowed("s3://loras2/a.safetensors", ["loras"])  # the bucket matches whole
     assert not uri_allowed("s3://loras/other/a.safetensors", ["loras/user/"])
+
+
+def test_prefixes_match_whole_path_segments() -> None:
+    """`loras/shared` allowed `loras/shared-private/...` and `loras/sharedbackup/...` (a string
+    prefix). A prefix names a folder: the key must be inside it, whether the prefix ends in `/` or not."""
+    for prefix in ("bkt/loras/shared", "bkt/loras/shared/"):
+        assert uri_allowed("s3://bkt/loras/shared/a.safetensors", [prefix])
+        assert uri_allowed("s3://bkt/loras/shared/deep/a.safetensors", [prefix])
+        outside = ("loras/shared-private/a.safetensors", "loras/sharedbackup/a.safetensors", "loras/shared.safetensors")
+        for key in outside:
+            assert not uri_allowed(f"s3://bkt/{key}", [prefix]), (prefix, key)
+    for shared in (["bkt/loras/shared"], ["bkt/loras/shared/"]):  # the shared list, with and without tenants
+        for tenant in (None, "alice"):
+            assert uri_problem("s3://bkt/loras/shared/a.safetensors", ["bkt/u"], shared, tenant) is None
+            assert uri_problem("s3://bkt/loras/shared-private/a.safetensors", ["bkt/u"], shared, tenant) is not None
+    assert uri_problem("s3://bkt/u/alicebackup/a.safetensors", ["bkt/u"], [], "alice") is not None  # (own folder too)
+    assert uri_allowed("s3://bkt/anything/a.safetensors", ["bkt"]) and uri_allowed("s3://bkt/a.safetensors", ["bkt/"])
 
 
 # ==== producer submit --lora / --dry-run ================================================================

@@ -5,6 +5,7 @@ its body is fetched; a header nested 200,000 deep is a request error; the streng
 
 from __future__ import annotations
 
+import json
 import struct
 import uuid
 from pathlib import Path
@@ -148,3 +149,95 @@ def test_one_file_repeated_is_bounded_in_sum(tmp_path: Path, s3_client: Any, buc
     RenderRequest(prompt="x", loras=refs)  # (the schema cannot know they are copies)
     with pytest.raises(LoraRefused, match="strengths add up to 16 for one file"):
         r.resolve(refs)
+
+
+# ==== refusals that need no download come before any; no catalogue oracle =======================================
+
+
+def test_refusals_that_need_no_download_come_before_any(tmp_path: Path, s3_client: Any, bucket: str) -> None:
+    """The strength sum of one file's copies, a runner that fuses no request LoRAs, and a bad header behind a
+    good LoRA: each refused with no body fetched and nothing left in the cache (were: the copies fetched, then
+    refused; the job failed `runner_error` after its downloads; the good LoRA fetched and cached)."""
+    good = write_st(tmp_path / "g.safetensors", lora()).read_bytes()
+    for i in range(4):
+        s3_client.put_object(Bucket=bucket, Key=f"u/c{i}.safetensors", Body=good)
+    s3_client.put_object(Bucket=bucket, Key="u/lying.safetensors", Body=struct.pack("<Q", 1 << 40) + bytes(64))
+    counting = Counting(s3_client)
+    r = resolver(tmp_path, counting, lora_s3_prefixes=[f"{bucket}/u/"])
+    copies = [LoraRef(uri=f"s3://{bucket}/u/c{i}.safetensors", strength=2.0) for i in range(3)]
+    with pytest.raises(LoraRefused, match="strengths add up to 6 for one file"):
+        r.resolve(copies)
+    assert counting.got == 0
+    with pytest.raises(LoraRefused, match=r"^loras\[1\]: .*header of 1099511627776 bytes"):
+        r.resolve([LoraRef(uri=f"s3://{bucket}/u/c0.safetensors"), LoraRef(uri=f"s3://{bucket}/u/lying.safetensors")])
+    assert counting.got <= 2 * len(good) + 72  # the two header ranges (the good one's is the whole small file)
+    assert not list((tmp_path / "cache").glob("*.safetensors"))  # the good one's body was never fetched
+    s = WorkerSettings(lora_cache_dir=tmp_path / "cache", lora_s3_prefixes=[f"{bucket}/u/"], runner="smoke")
+    counting.got = 0
+    no_fusion = LoraResolver(s, s3_client=lambda: counting, metrics=WorkerMetrics("g"), takes_loras=False)
+    with pytest.raises(LoraRefused, match="runner 'smoke' takes no request LoRAs as it is set up"):
+        no_fusion.resolve([LoraRef(uri=f"s3://{bucket}/u/c0.safetensors")])
+    assert counting.got == 0 and no_fusion.published().max_per_request == 0  # (refused at submit too)
+    assert r.metrics.registry.get_sample_value("ltx_worker_lora_fetch_bytes_total", {"group": "g"}) is None
+
+
+def test_which_runners_take_request_loras_is_known_before_a_fleet() -> None:
+    """What the worker asks before it fetches a job's LoRAs (`MGPURunner.takes_request_loras`): only a runner
+    with a LoRA tracker fuses them."""
+    from worker.settings.fleets import resolve_runner
+
+    def takes(runner: str, **setup: Any) -> bool:
+        return resolve_runner(WorkerSettings(runner=runner)).takes_request_loras(**setup)
+
+    assert not takes("ltx2-distilled") and takes("ltx2-distilled", request_loras=True)
+    assert takes("ltx2-two-stage")  # (its distilled LoRA: a tracker anyway)
+    assert not takes("smoke") and not takes("noop")
+
+
+def test_a_catalogue_lora_tells_no_tenant_whether_another_used_it(tmp_path: Path) -> None:
+    """With tenants, a catalogue file is cached per tenant like an S3 object: bob's use leaves alice's first
+    use a miss (`cached`, `fetch_bytes`, `fetch_s`), where it was a hit on the file bob's job copied."""
+    catalogue = tmp_path / "catalogue"
+    catalogue.mkdir()
+    write_st(catalogue / "dolly.safetensors", lora())
+    r = resolver(tmp_path, None, lora_catalogue=catalogue, tenant_ids=True)
+    assert not r.resolve([LoraRef(name="dolly")], tenant="bob")[0].cached
+    assert r.resolve([LoraRef(name="dolly")], tenant="bob")[0].cached
+    first = r.resolve([LoraRef(name="dolly")], tenant="alice")[0]
+    assert not first.cached and first.fetch_bytes == (catalogue / "dolly.safetensors").stat().st_size
+    assert r.resolve([LoraRef(name="dolly")], tenant="alice")[0].cached
+    # the strengths of one catalogue file still add up, whichever tenant's copy a job gets
+    with pytest.raises(LoraRefused, match="strengths add up to 6 for one file"):
+        r.resolve([LoraRef(name="dolly", strength=3.0)] * 2, tenant="alice")
+
+
+def test_a_worker_whose_runner_fuses_no_loras_refuses_them_before_any_fetch(
+    tmp_path: Path, redis_server: Any, s3_server: Any
+) -> None:
+    """A live worker (real Redis and SeaweedFS) whose runner is set up without LoRA fusion publishes that it
+    takes none (`producer submit` refuses them) and fails a LoRA job `invalid_request` without a fetch (it
+    fetched the LoRA, then the runner refused or ignored it)."""
+    from tests.support.fleet import running_worker
+    from tests.support.workers import wait_state
+
+    good = write_st(tmp_path / "g.safetensors", lora()).read_bytes()
+    s3_server.client().put_object(Bucket=s3_server.bucket, Key="loras/u/good.safetensors", Body=good)
+    ckpt = write_st(
+        tmp_path / "ckpt.safetensors",
+        {f"model.diffusion_model.{k}": ("BF16", list(shape)) for k, shape in TARGETS.items()},
+    )
+    cache = tmp_path / "lora-cache"
+    with running_worker(
+        tmp_path,
+        redis_server,
+        s3_server,
+        lora_cache_dir=cache,
+        lora_s3_prefixes=f"{s3_server.bucket}/loras/u",
+        runner_setup=json.dumps({"checkpoint_path": str(ckpt)}),
+    ) as w:
+        assert w.health()["loras"]["max_per_request"] == 0
+        job = w.submit("t", loras=[{"uri": f"s3://{s3_server.bucket}/loras/u/good.safetensors"}])
+        assert wait_state(job, {"uploaded", "failed"}, 60, w.proc) == "failed", job.get_meta(refresh=True)
+        error = job.get_meta(refresh=True)["error"]
+        assert error["reason"] == "invalid_request" and "takes no request LoRAs" in error["message"], error
+        assert not list(cache.glob("*.safetensors"))

@@ -126,10 +126,10 @@ def test_each_bad_lora_fails_its_job_and_good_ones_render_on_the_same_fleet(work
     lines = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("ltx_worker_lora")]
     samples = {name: float(value) for name, value in lines}
     group = 'group="cpu:2"'
-    # "good" is fetched once (with the first bad job) and hit by every later one whose bad entry gets past the
-    # sizes checked before any fetch (4 do not: crane, huge, the missing object, the prefix); S3 is one more miss
+    # every bad entry is refused before any fetch (from its size, its uri, or its header: a catalogue file's, an
+    # object's first range), so no bad job fetched "good"; the two good jobs are the two misses, and no job hit
     assert samples[f'ltx_worker_lora_cache_total{{{group},result="miss"}}'] == 2, samples
-    assert samples[f'ltx_worker_lora_cache_total{{{group},result="hit"}}'] >= len(BAD) - 4 - 1, samples
+    assert samples.get(f'ltx_worker_lora_cache_total{{{group},result="hit"}}', 0.0) == 0, samples
     assert samples[f"ltx_worker_lora_swap_seconds_count{{{group}}}"] == 2, samples
     after = worker.idle()["fleet"]
     assert (after["pids"], after["builds"], after["rebuilds"]) == (before["pids"], before["builds"], before["rebuilds"])

@@ -183,7 +183,7 @@ def test_s3_lora_is_fetched_once_and_bad_objects_are_refused(tmp_path: Path, s3_
 
 def test_s3_fetch_in_parallel_ranges_reassembles_the_exact_bytes(tmp_path: Path, s3_client, bucket: str,
                                                                    monkeypatch) -> None:  # fmt: skip
-    import worker.render.loras as loras_module
+    import worker.render.lora_fetch as loras_module
 
     good = write_st(tmp_path / "good.safetensors", lora(rank=8)).read_bytes()
     s3_client.put_object(Bucket=bucket, Key="u/good.safetensors", Body=good)

@@ -16,6 +16,8 @@ Request limits: `request_limits(**setup_kwargs)` (a classmethod, so no fleet is 
 range of each job kwarg the runner accepts beyond what the caller's own schema checks, e.g.
 `{"steps": (1, 50)}`. A service publishes them where clients can check a request before submitting it;
 the runner still checks them itself (the same numbers), on every rank, before any collective.
+`takes_request_loras(**setup_kwargs)` (also a classmethod) says whether a job's `loras` would be fused as
+the runner is set up, so a service refuses a request's LoRAs before it fetches them.
 
 Slow imports: `background_imports` names modules `setup()` will need late (e.g. a Hugging Face text
 encoder's modeling code, ~10 s of imports on a busy host). Each rank starts importing them on a side thread
@@ -165,6 +167,16 @@ class MGPURunner(ABC):
         """Inclusive `(low, high)` per job kwarg that this runner, set up with `setup_kwargs`, accepts (none by
         default). Must not need a fleet or a device: services call it on the class."""
         return {}
+
+    @classmethod
+    def takes_request_loras(cls, **setup_kwargs: Any) -> bool:
+        """Whether this runner, set up with `setup_kwargs`, fuses a job's `loras` (`[{"path", "strength"}]`). By
+        default: its job signature names `loras`. A runner that names it but refuses it overrides this, so a
+        service refuses a request's LoRAs before it fetches them, not after. No fleet needed."""
+        try:
+            return "loras" in inspect.signature(cls.__call__).parameters
+        except (TypeError, ValueError):
+            return False
 
     @classmethod
     def setup_default(cls, name: str, setup_kwargs: Mapping[str, Any]) -> Any:

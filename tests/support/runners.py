@@ -26,7 +26,9 @@ through the prompt: space-separated `key=value` directives, e.g. "t step_s=0.3 r
 | stream_fail=K   | with yuv, "stream": every rank raises RunnerError before chunk K (after the buffer went out) |
 
 FaultRunner describes its memory (`memory_fleet`, as the ltx2 runners do) only with the setup kwarg
-`memory_profile` (e.g. "tiny"): a worker then plans, publishes and refuses by `LTX_DEVICE_MEMORY_GIB`.
+`memory_profile` (e.g. "tiny"): a worker then plans, publishes and refuses by `LTX_DEVICE_MEMORY_GIB`. It
+takes request LoRAs (`takes_request_loras`: the worker fetches them, the runner ignores them) only with the
+setup kwarg `request_loras` (the worker reads their targets from setup `checkpoint_path`, as for ltx2).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class FaultRunner(MGPURunner):
     """A fast runner with injectable faults; see the module docstring."""
 
     media_modes = ("mp4", "frames", "stream")
+
+    @classmethod
+    def takes_request_loras(cls, **setup_kwargs: Any) -> bool:
+        return bool(setup_kwargs.get("request_loras"))
 
     @classmethod
     def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> Any:

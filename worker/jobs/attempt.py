@@ -6,8 +6,9 @@ about itself (its number, queue wait, start time, whether a client cancelled it,
 The service, the encode stage and the upload stage each receive the same object, so the `(job, relay)`
 pair is never passed by hand and an attempt ends through one of its methods only:
 
-- in the job function (the service): `fail`, `spool_failed` and `cancelled` record the end and raise what
-  RQ's failure handling sees (`JobFailed`, `JobCancelledByClient`, or the exception given to re-raise);
+- in the job function (the service): `fail`, `spool_failed`, `wait_for_room` and `cancelled` record the end
+  and raise what RQ's failure handling sees (`JobFailed`, `JobCancelledByClient`, or the exception given to
+  re-raise);
 - after the job function returned (the stages: RQ already saw it finish): `failed_after_return` records
   the end and moves the job back (re-queued within its budget) or fails it in RQ by hand;
 - success: `uploaded`.
@@ -189,6 +190,16 @@ class JobAttempt:
         message = f"{where}: {exc.strerror or exc} ({code or type(exc).__name__})"
         retryable = exc.errno != errno.ENAMETOOLONG
         self.fail(FailureReason.SPOOL_ERROR, message, errno=code, retryable=retryable)
+
+    def wait_for_room(self, exc: OSError) -> NoReturn:
+        """The LoRA cache has no room for this job's files now (others' jobs pin them, or its disk is short):
+        a wait, not a failure. The job goes back to its queue (behind the jobs waiting there) without spending
+        a retry budget or an execution of the hard cap, for up to `lora_cache_wait_s` from its first wait;
+        after that it fails like `spool_failed`."""
+        message = f"lora cache: {exc.strerror or exc}"
+        if self.outcomes.deferred(self.job, message, relay=self.relay):
+            raise JobFailed(FailureReason.SPOOL_ERROR, message, retrying=True, deferred=True) from None
+        self.spool_failed(exc, where="lora cache")
 
     # ==== ends after the job function returned (the stages) ================================================
     def failed_after_return(self, reason: FailureReason, message: str, *, retryable: bool | None = True,

@@ -182,6 +182,40 @@ class JobOutcomes:
                                     "the previous execution vanished unrecorded", {})  # fmt: skip
         relay.update_summary(retries=retries, attempts=_history(meta, entry))
 
+    def deferred(self, job: Job, message: str, *, relay: EventRelay) -> bool:
+        """Re-queue a job that waits for room (`JobAttempt.wait_for_room`) if its wait is not over: `retrying`
+        with `error.deferred`, no retry budget spent, and this execution not counted against `max_attempts`
+        (meta `attempt` back to the one before). The wait is bounded in time instead (`lora_cache_wait_s`
+        from meta `waiting_since`, its first). Returns False, recording nothing, once the wait is over."""
+        meta, now = relay.meta, time.time()
+        since = meta.get("waiting_since")
+        since = float(since) if isinstance(since, int | float) and not isinstance(since, bool) else now
+        waited = max(0.0, now - since)
+        if waited > self.settings.lora_cache_wait_s:
+            return False
+        entry = self._attempt_entry(job, meta, "deferred", FailureReason.SPOOL_ERROR, message, {})
+        attempts = _history(meta, entry)
+        error = {
+            "reason": FailureReason.SPOOL_ERROR.value,
+            "message": message,
+            "retryable": True,
+            "deferred": True,
+            "waited_s": round(waited, 3),
+            "attempts": attempts,
+        }
+        rq_compat.set_retry(job, True)
+        relay.update_summary(attempt=max(0, attempt_count(meta) - 1), attempts=attempts, waiting_since=since)
+        relay.state(JobState.RETRYING, error=error)
+        self._count("deferred", FailureReason.SPOOL_ERROR)
+        log.info(
+            "job %s: %s; re-queued to wait for room (%.0f s of %.0f)",
+            job.id,
+            message,
+            waited,
+            self.settings.lora_cache_wait_s,
+        )
+        return True
+
     # ==== the other ends =================================================================================
     def cancelled(self, job: Job, relay: EventRelay | None = None, **extra: Any) -> None:
         """Record a cancel (terminal; never retried)."""

@@ -35,7 +35,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         labels = ["group"]
-        self.jobs = Counter("ltx_worker_jobs", "Jobs by outcome (uploaded, failed, cancelled, retrying)",
+        self.jobs = Counter("ltx_worker_jobs", "Jobs by outcome (uploaded, failed, cancelled, retrying, deferred)",
                             [*labels, "outcome", "reason"], registry=r)  # fmt: skip
         self.render_seconds = Histogram("ltx_worker_render_seconds", "Fleet render time per job", labels,
                                         buckets=_DURATION_BUCKETS, registry=r)  # fmt: skip

@@ -45,11 +45,15 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def uri_allowed(uri: str, prefixes: list[str]) -> bool:
-    """Whether `uri` is under one of `prefixes` (`bucket` or `bucket/key-prefix`; the bucket matches whole)."""
+    """Whether `uri` is inside one of `prefixes` (`bucket` or `bucket/folder`). Both match whole: the bucket
+    by name and the folder by path segments, so `loras/shared` (with or without its trailing `/`) allows
+    `loras/shared/a.safetensors` but never `loras/shared-private/...` or `loras/sharedbackup/...`, which a
+    string prefix let a tenant read with the worker's bucket-wide key."""
     bucket, key = split_s3_uri(uri)
     for prefix in prefixes:
-        allowed_bucket, _, key_prefix = prefix.partition("/")
-        if bucket == allowed_bucket and key.startswith(key_prefix):
+        allowed_bucket, _, folder = prefix.partition("/")
+        folder = folder.strip("/")
+        if bucket == allowed_bucket and (not folder or key.startswith(folder + "/")):
             return True
     return False
 

@@ -4,14 +4,21 @@ Files are named by content (`sha256` of a catalogue file, `ETag`+size of an S3 o
 LoRA replaced under the same name is a new file and the tracker's per-path factor memo can never serve stale
 weights. Writes are atomic (a temporary file in the same folder, `os.replace`).
 
-The size cap holds always, not only after a commit: a fetch is admitted (`incoming(nbytes)`) only after
-least recently used files are evicted to make room for it under the cap, and with the disk keeping
-`min_free_bytes` free (the spool's back-pressure threshold: the cache never pushes the spool into it); if
-even evicting every file not pinned cannot make room, `LoraCacheFull` (an `OSError`, ENOSPC) refuses the
-fetch. A file is pinned while a job uses it: its process holds a shared `flock` on it (`get`, `commit`;
-released by `release`), and eviction skips a file it cannot lock exclusively, in any process. A fetch in
-flight is a `.incoming-<bytes>-*` file counted at its reserved size; one whose process died (no lock) is
-removed. `make_room` lets the spool reclaim the disk: the worker calls it while in back-pressure.
+The caps hold always, not only after a commit, on bytes (`cap_bytes`) and on files (`cap_files`: a file
+takes an inode whatever its size, and tiny LoRAs under new keys exhausted a small spool's inodes while the
+byte cap held): a fetch is admitted (`incoming(nbytes)`) only after least recently used files are evicted
+to make room for it under both caps, and with the disk keeping `min_free_bytes` and `min_free_inodes` free
+(the spool's back-pressure thresholds: the cache never pushes the spool into them); if even evicting every
+file not pinned cannot make room, `LoraCacheFull` (an `OSError`, ENOSPC) refuses the fetch (`wait_s`: after
+trying again for that long, others' jobs ending meanwhile). A file is pinned while a job uses it: its
+process holds a shared `flock` on it (`get`, `commit`; released by `release`), and eviction skips a file it
+cannot lock exclusively, in any process. A fetch in flight is a `.incoming-<bytes>-*` file counted at its
+reserved size; one whose process died (no lock) is removed. `make_room` lets the spool reclaim bytes and
+inodes: the worker calls it while in back-pressure (a restarted worker too: a dead process pins nothing).
+
+Shares: every worker process that serves request LoRAs `join`s the cache (a `.member-*` file it holds a
+shared lock on while it lives; a dead one's is removed), and one job may hold at most `share()`, the caps
+over the processes sharing the folder, so each group's job always finds room once unpinned files go.
 
 Durability off the job's path: a fetched file is renamed in and used at once, and fsynced afterwards on a
 background thread, which then marks the file durable (an extended attribute). Why: an fsync of a LoRA takes
@@ -31,6 +38,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +48,9 @@ __all__ = ["LoraCache", "LoraCacheFull", "boot_time"]
 
 _SUFFIX = ".safetensors"
 _INCOMING = ".incoming-"  #: + "<reserved bytes>-<random>" + _SUFFIX: a fetch in flight
+_MEMBER = ".member-"  #: + "<random>": a live process sharing the cache (holds a shared lock on it)
+_ROOM_POLL_S = 0.25  #: how often `incoming(wait_s=...)` tries again
+_NO_INODE_LIMIT = 1 << 30  #: what a file system that counts no inodes (statvfs f_files 0) offers
 _DURABLE_XATTR = "user.ltx_mgpu.durable"  #: set on a cache file once its bytes are fsynced
 log = logging.getLogger("worker.render.lora_cache")
 
@@ -58,22 +69,35 @@ def boot_time() -> float | None:
 
 
 class LoraCacheFull(WorkerError, OSError):
-    """No room for a fetch: the cap (or the disk's free-space floor) cannot be kept even after evicting every
-    file no job pins. An `OSError` (ENOSPC): the job fails as a host problem, never as `internal`."""
+    """No room for a fetch now: a cap (or the disk's free-space floor) cannot be kept even after evicting every
+    file no job pins. An `OSError` (ENOSPC): a host condition, never `internal`; the service re-queues the job
+    to wait for room (`worker.jobs.attempt.JobAttempt.wait_for_room`)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(errno.ENOSPC, message)
 
 
 class LoraCache:
-    """Content-named checked LoRA files in one folder, size-capped at all times, least recently used evicted
-    first, files in use pinned (see the module docstring)."""
+    """Content-named checked LoRA files in one folder, capped in bytes and files at all times, least recently
+    used evicted first, files in use pinned (see the module docstring)."""
 
-    def __init__(self, root: Path | str, cap_bytes: int, *, min_free_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        root: Path | str,
+        cap_bytes: int,
+        *,
+        cap_files: int = 1 << 20,
+        min_free_bytes: int = 0,
+        min_free_inodes: int = 0,
+    ) -> None:
         self.root = Path(root)
         self.cap_bytes = int(cap_bytes)
-        self.min_free_bytes = int(min_free_bytes)  # (the folder is made at the first fetch: a worker no
-        # request asks a LoRA of leaves nothing behind, the demo's TMPDIR included)
+        self.cap_files = int(cap_files)
+        self.min_free_bytes = int(min_free_bytes)
+        self.min_free_inodes = int(min_free_inodes)
+        self._member: int | None = None  # the fd holding this process's `.member-` lock (`join`)
+        # (the folder is made at the first fetch or `join`: a worker that serves no request LoRAs leaves
+        # nothing behind, the demo's TMPDIR included)
         self.boot_time = boot_time()
         self._xattrs: bool | None = None  # whether the folder's file system keeps user xattrs (probed once)
         self._syncing: set[Path] = set()  # committed here, not yet durable
@@ -186,20 +210,63 @@ class LoraCache:
             os.close(fd)  # (closing drops the probe's lock)
         return False
 
+    # ---- shares ---------------------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Count this process among those sharing the cache (idempotent; the lock goes with the process)."""
+        if self._member is not None:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, _ = tempfile.mkstemp(prefix=_MEMBER, dir=self.root)
+        except OSError as exc:  # (a full disk: the worker starts anyway, and joins at its first LoRA job)
+            log.warning("LoRA cache: cannot join %s yet (%s); counted once it can", self.root, exc)
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._member = fd
+
+    def share(self) -> tuple[int, int, int]:
+        """(bytes, files) one job may hold, and how many live processes share the cache (this one joins): the
+        caps divided among them, so every group's job finds room whatever the others' jobs pin."""
+        self.join()
+        with self._locked():
+            sharing = max(1, self._live_members())
+        return self.cap_bytes // sharing, self.cap_files // sharing, sharing
+
+    def _live_members(self) -> int:
+        """Under the folder lock: the processes sharing the cache; a dead one's file is removed (an inode back)."""
+        live = 0
+        for p in self.root.glob(f"{_MEMBER}*"):
+            if self._pinned_elsewhere(p):
+                live += 1
+            else:  # its process died
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        return live
+
     # ---- admission and eviction ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def incoming(self, nbytes: int) -> Iterator[Path]:
+    def incoming(self, nbytes: int, *, wait_s: float = 0.0) -> Iterator[Path]:
         """A temporary path for a file of `nbytes` in the cache folder (same file system, so `commit` is an
-        atomic rename), admitted only with room for it: see the module docstring. `LoraCacheFull` if none."""
+        atomic rename), admitted only with room for it: see the module docstring. `LoraCacheFull` if none
+        comes within `wait_s` seconds."""
         nbytes = max(0, int(nbytes))
         if nbytes > self.cap_bytes:
-            raise LoraCacheFull(f"LoRA cache: {nbytes} bytes do not fit its cap of {self.cap_bytes} "
-                                "(LTX_LORA_CACHE_BYTES)")  # fmt: skip
+            raise LoraCacheFull(
+                f"LoRA cache: {nbytes} bytes do not fit its cap of {self.cap_bytes} (LTX_LORA_CACHE_BYTES)"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
-        with self._locked():
-            self._evict(need_bytes=nbytes, why="fetch")
-            fd, name = tempfile.mkstemp(prefix=f"{_INCOMING}{nbytes}-", suffix=_SUFFIX, dir=self.root)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # (alive: no other process takes it for a dead fetch's leftover)
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            try:
+                with self._locked():
+                    self._evict(need_bytes=nbytes, need_files=1, why="fetch")
+                    fd, name = tempfile.mkstemp(prefix=f"{_INCOMING}{nbytes}-", suffix=_SUFFIX, dir=self.root)
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # (alive: no other process takes it for a dead fetch's leftover)
+                break
+            except LoraCacheFull:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(_ROOM_POLL_S)  # (outside the folder lock: the jobs pinning files end meanwhile)
         try:
             yield Path(name)
         finally:
@@ -233,20 +300,28 @@ class LoraCache:
         committed, reserved = self._entries()
         return sum(size for _, size, _ in committed) + sum(size for size, _ in reserved)
 
-    def make_room(self, free_bytes: int) -> list[Path]:
-        """Evict unpinned files, least recently used first, until the folder's disk has `free_bytes` free (the
-        spool needs it: the worker calls this in back-pressure). Returns what was removed."""
+    def files(self) -> int:
+        """Files the folder holds against `cap_files` (fetches in flight included)."""
+        if not self.root.is_dir():
+            return 0
+        committed, reserved = self._entries()
+        return len(committed) + len(reserved)
+
+    def make_room(self, free_bytes: int, free_inodes: int = 0) -> list[Path]:
+        """Evict unpinned files, least recently used first, until the folder's disk has `free_bytes` and
+        `free_inodes` free (the spool needs them: the worker calls this in back-pressure). Returns what was
+        removed."""
         if not self.root.is_dir():
             return []
         with self._locked():
-            return self._evict(need_bytes=0, why="spool", free_floor=int(free_bytes), strict=False)
+            return self._evict(why="spool", floors=(int(free_bytes), int(free_inodes)), strict=False)
 
     def evict(self) -> list[Path]:
-        """Evict unpinned files, least recently used first, down to the cap. Returns what was removed."""
+        """Evict unpinned files, least recently used first, down to the caps. Returns what was removed."""
         if not self.root.is_dir():
             return []
         with self._locked():
-            return self._evict(need_bytes=0, why="cap", strict=False)
+            return self._evict(why="cap", strict=False)
 
     def _entries(self) -> tuple[list[tuple[float, int, Path]], list[tuple[int, Path]]]:
         committed: list[tuple[float, int, Path]] = []
@@ -262,11 +337,25 @@ class LoraCache:
                     committed.append((st.st_mtime, st.st_size, p))
         return committed, reserved
 
-    def _evict(self, *, need_bytes: int, why: str, free_floor: int | None = None, strict: bool = True) -> list[Path]:
-        """Under the folder lock: remove dead fetches' leftovers, then unpinned files (least recently used first)
-        until `need_bytes` more fit under the cap and leave `free_floor` (default `min_free_bytes`) free on the
-        disk. `strict`: `LoraCacheFull` if that cannot be reached."""
-        floor = self.min_free_bytes if free_floor is None else free_floor
+    def _disk_free(self) -> tuple[int, int]:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize, st.f_favail if st.f_files else _NO_INODE_LIMIT
+
+    def _evict(
+        self,
+        *,
+        why: str,
+        need_bytes: int = 0,
+        need_files: int = 0,
+        floors: tuple[int, int] | None = None,
+        strict: bool = True,
+    ) -> list[Path]:
+        """Under the folder lock: remove dead fetches' and processes' leftovers, then unpinned files (least
+        recently used first) until `need_bytes` in `need_files` more fit under the caps and leave `floors` (free
+        bytes and inodes; default `min_free_bytes`, `min_free_inodes`) free on the disk. `strict`:
+        `LoraCacheFull` if that cannot be reached."""
+        floor_bytes, floor_inodes = floors or (self.min_free_bytes, self.min_free_inodes)
+        self._live_members()  # (dead processes' files go too)
         committed, reserved = self._entries()
         removed: list[Path] = []
         for _size, p in reserved:
@@ -274,12 +363,17 @@ class LoraCache:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
                     removed.append(p)
-        total = sum(size for _, size, _ in committed) + sum(s for s, p in reserved if p not in removed)
-        st = os.statvfs(self.root)
-        free = st.f_bavail * st.f_frsize
+        left = [(s, p) for s, p in reserved if p not in removed]
+        total, files = sum(size for _, size, _ in committed) + sum(s for s, _ in left), len(committed) + len(left)
+        free, inodes = self._disk_free()
 
         def fits() -> bool:
-            return total + need_bytes <= self.cap_bytes and free - need_bytes >= floor
+            return (
+                total + need_bytes <= self.cap_bytes
+                and files + need_files <= self.cap_files
+                and free - need_bytes >= floor_bytes
+                and inodes - need_files >= floor_inodes
+            )
 
         for _, size, p in sorted(committed, key=lambda f: f[0]):
             if fits():
@@ -289,25 +383,48 @@ class LoraCache:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed.append(p)
-                total -= size
-                free += size
+                total, files, free, inodes = total - size, files - 1, free + size, inodes + 1
         if removed:
-            log.info("LoRA cache: evicted %d file(s) (%s); %d bytes cached, %d free on its disk", len(removed),
-                     why, total, free)  # fmt: skip
+            log.info(
+                "LoRA cache: evicted %d file(s) (%s); %d bytes in %d files cached, %d bytes and %d inodes free "
+                "on its disk",
+                len(removed),
+                why,
+                total,
+                files,
+                free,
+                inodes,
+            )
         if strict and not fits():
-            pinned = total  # (what is left is pinned by running jobs or in flight)
-            if total + need_bytes > self.cap_bytes:
-                raise LoraCacheFull(f"LoRA cache full: {need_bytes} bytes do not fit beside {pinned} bytes in use "
-                                    f"under its cap of {self.cap_bytes} (LTX_LORA_CACHE_BYTES)")  # fmt: skip
-            raise LoraCacheFull(f"LoRA cache: {need_bytes} bytes would leave {free - need_bytes} bytes free on its "
-                                f"disk, under the spool's floor of {floor} (LTX_SPOOL_MIN_FREE_BYTES)")  # fmt: skip
+            raise LoraCacheFull(self._full(total, files, free, inodes, need_bytes, floor_bytes, floor_inodes))
         return removed
+
+    def _full(self, total: int, files: int, free: int, inodes: int, need: int, floor: int, floor_inodes: int) -> str:
+        """Why a fetch of `need` bytes cannot be admitted now (what is left is pinned by jobs or in flight)."""
+        if total + need > self.cap_bytes:
+            return (
+                f"LoRA cache full: {need} bytes do not fit beside {total} bytes in use under its cap of "
+                f"{self.cap_bytes} (LTX_LORA_CACHE_BYTES)"
+            )
+        if files + 1 > self.cap_files:
+            return f"LoRA cache full: {files} files in use, its cap is {self.cap_files} (LTX_LORA_CACHE_FILES)"
+        if free - need < floor:
+            return (
+                f"LoRA cache: {need} bytes would leave {free - need} bytes free on its disk, under the spool's "
+                f"floor of {floor} (LTX_SPOOL_MIN_FREE_BYTES)"
+            )
+        return (
+            f"LoRA cache: another file would leave {inodes - 1} inodes free on its disk, under the spool's "
+            f"floor of {floor_inodes} (LTX_SPOOL_MIN_FREE_INODES)"
+        )
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        with open(self.root / ".lock", "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        """The folder's lock, held on the folder itself: a lock file would need an inode, and a disk whose
+        inodes are all taken must still let the cache evict for the spool."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (drops the lock)

@@ -13,14 +13,19 @@ Sources:
   comes from a HEAD, so an over-limit object is refused before a byte is fetched, and its header from a
   ranged GET of its first bytes, checked before the body is fetched.
 
-Before anything is fetched, the sizes of a job's distinct LoRAs must fit the cache's cap together
-(`lora_too_large`): one job can never pin more than the cache may hold. Strengths of one file (by content)
-add up and are bounded in sum (`worker.protocol.lora_refs.strength_problem`).
+Refusals that need no download come before any download (each a `LoraRefused`, `invalid_request`): the
+count, a runner that takes no request LoRAs as it is set up (`takes_loras`: it would only fail the job
+after the fetches), the sizes of a job's distinct LoRAs over its share of the cache (`lora_too_large`: the
+cache's caps over the worker processes sharing it, `LoraCache.share`, so one job never takes the room
+another group's job needs), and the strengths of one file (by content: an S3 object's ETag and size, a
+catalogue file's sha256 once known) in sum (`worker.protocol.lora_refs.strength_problem`).
 
-The cache (`worker.render.lora_cache.LoraCache`) is a folder of checked files named by content (and, for S3
-objects, by tenant: one tenant's `cached` or `fetch_bytes` never tells whether another used an object),
-shared by the worker's fleets; its module says how its cap holds and how files in use stay pinned. A write
-that fails (a full disk) raises `OSError`: the service fails the job as `spool_error`, never `internal`.
+The cache (`worker.render.lora_cache.LoraCache`) is a folder of checked files named by content and, with
+tenants, by tenant (S3 objects and catalogue files alike: one tenant's `cached`, `fetch_bytes` or `fetch_s`
+never tells whether another used a LoRA), shared by the worker's fleets; its module says how its caps hold
+and how files in use stay pinned. A fetch the cache cannot make room for now raises `LoraCacheFull` (the
+service re-queues the job to wait for room); any other failed write (a full disk) raises `OSError`: the
+service fails the job as `spool_error`, never `internal`.
 """
 
 from __future__ import annotations
@@ -29,94 +34,27 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ltx_mgpu.lora_file import (
     LoraFileError,
     LoraLimits,
-    check_header,
     check_lora,
-    header_length,
-    parse_header,
     transformer_targets,
 )
-from worker.errors import WorkerError
 from worker.protocol.health import LoraOffer
 from worker.protocol.lora_refs import LoraRef, split_s3_uri, strength_problem, uri_problem
-from worker.render.lora_cache import LoraCache
+from worker.render.lora_cache import LoraCache, LoraCacheFull
+from worker.render.lora_fetch import LoraRefused, check_remote_header, copy_hashing, ranged_download
 
-__all__ = ["LoraCache", "LoraRefused", "LoraResolver", "ResolvedLora"]
+__all__ = ["LoraCache", "LoraCacheFull", "LoraRefused", "LoraResolver", "ResolvedLora", "runner_takes_loras"]
 
 _SUFFIX = ".safetensors"
-_CHUNK = 8 << 20
-
-
-_RANGE = 64 << 20  #: bytes per ranged GET
-_RANGE_THREADS = 8
-_HEAD_BYTES = 64 << 10  #: the first ranged GET of an object: its 8-byte length and (usually) its whole header
-
-
-def _copy_hashing(source: Path, dest: Path) -> str:
-    """Copy `source` to `dest` and return its sha256, hashing each chunk while the one before is written on a
-    second thread (both release the GIL): a 1.7 GB catalogue LoRA took 1.5 s against 2.6 s hashed and written
-    in turn on the CPU VM. At most three chunks are in flight."""
-    digest = hashlib.sha256()
-    with open(source, "rb") as src, open(dest, "wb") as dst, ThreadPoolExecutor(1) as writer:
-        pending: list[Any] = []
-        while chunk := src.read(_CHUNK):
-            pending.append(writer.submit(dst.write, chunk))  # (one thread: the writes stay in order)
-            digest.update(chunk)
-            while len(pending) > 2:
-                pending.pop(0).result()
-        for write in pending:
-            write.result()
-    return digest.hexdigest()
-
-
-def _ranged_download(client: Any, bucket: str, key: str, etag: str, size: int, path: Path) -> None:
-    """`size` bytes of the object into `path` by parallel ranged GETs, each pinned by `IfMatch` to `etag`
-    (boto3's managed download takes no IfMatch). Each range is streamed to its offset in 8 MiB pieces."""
-    with open(path, "wb") as f:
-        f.truncate(size)
-        fd = f.fileno()
-
-        def fetch(start: int) -> None:
-            end = min(start + _RANGE, size) - 1
-            body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, Range=f"bytes={start}-{end}")["Body"]
-            offset = start
-            while chunk := body.read(_CHUNK):
-                if offset + len(chunk) > end + 1:
-                    raise LoraRefused("", f"s3://{bucket}/{key}: the range {start}-{end} returned more bytes")
-                os.pwrite(fd, chunk, offset)
-                offset += len(chunk)
-            if offset != end + 1:
-                raise LoraRefused("", f"s3://{bucket}/{key}: the range {start}-{end} ended at {offset}")
-
-        with ThreadPoolExecutor(max_workers=_RANGE_THREADS) as pool:
-            for future in [pool.submit(fetch, start) for start in range(0, size, _RANGE)]:
-                future.result()
-
-
-def _get_range(client: Any, bucket: str, key: str, etag: str, start: int, end: int) -> bytes:
-    """Bytes `start`..`end` (inclusive) of the object, pinned by `IfMatch`; never more than asked for."""
-    body = client.get_object(Bucket=bucket, Key=key, IfMatch=etag, Range=f"bytes={start}-{end}")["Body"]
-    data = body.read(end - start + 2)
-    body.close()
-    if len(data) != end - start + 1:
-        raise LoraRefused("", f"s3://{bucket}/{key}: the range {start}-{end} returned {len(data)} bytes")
-    return data
-
-
-class LoraRefused(WorkerError, ValueError):
-    """A request's LoRA cannot be used; `field` names the entry (`loras[1]`)."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.field = field
-        self.reason = reason
+#: how long one fetch waits in place for cache room (others' jobs ending, uploads freeing the disk) before the
+#: job is re-queued to wait (`worker.jobs.attempt.JobAttempt.wait_for_room`): the pause between its tries
+ROOM_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +64,8 @@ class _Plan:
     ref: LoraRef
     ident: str  #: S3: the cache key; catalogue: "file:<path>"
     size: int
+    content: str  #: what its bytes are, as far as known before a fetch (strengths are summed by it)
+    owner: str = ""  #: the job's tenant where the cache keys files by tenant
     source: Path | None = None  #: catalogue
     memo: tuple[str, int, int] | None = None  #: catalogue: (path, size, mtime_ns)
     client: Any = None  #: S3
@@ -168,15 +108,28 @@ class LoraResolver:
         metrics: `WorkerMetrics` (cache hits/misses, fetch bytes and seconds) or None.
     """
 
-    def __init__(self, settings: Any, *, s3_client: Callable[[], Any] | None = None, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        s3_client: Callable[[], Any] | None = None,
+        metrics: Any = None,
+        takes_loras: bool = True,
+    ) -> None:
         self.settings = settings
+        self.takes_loras = takes_loras  #: the runner fuses request LoRAs as it is set up
         self.limits = LoraLimits(
             max_file_bytes=settings.lora_max_file_bytes,
             max_header_bytes=settings.lora_max_header_bytes,
             max_rank=settings.lora_max_rank,
         )
-        self.cache = LoraCache(settings.lora_cache_dir, settings.lora_cache_bytes,
-                               min_free_bytes=settings.spool_min_free_bytes)  # fmt: skip
+        self.cache = LoraCache(
+            settings.lora_cache_dir,
+            settings.lora_cache_bytes,
+            cap_files=settings.lora_cache_files,
+            min_free_bytes=settings.spool_min_free_bytes,
+            min_free_inodes=settings.spool_min_free_inodes,
+        )
         self.catalogue = Path(settings.lora_catalogue).resolve() if settings.lora_catalogue else None
         self.prefixes = list(settings.lora_s3_prefixes)
         self.shared = list(getattr(settings, "lora_shared_prefixes", []) or [])
@@ -187,14 +140,25 @@ class LoraResolver:
         self._targets: dict[str, tuple[int, int]] | None = None
         self._hashed: dict[tuple[str, int, int], str] = {}  #: (catalogue path, size, mtime_ns) -> sha256
 
+    @classmethod
+    def for_worker(cls, settings: Any, runner_cls: Any, storage: Any, metrics: Any) -> LoraResolver:
+        """A worker process's resolver: its storage's S3 client (None: not S3), whether its runner fuses request
+        LoRAs as set up (`runner_takes_loras`), and, where it serves them, its share of the cache from the
+        start (`LoraCache.join`)."""
+        fuses = runner_takes_loras(runner_cls, settings.runner_setup)
+        resolver = cls(settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics, takes_loras=fuses)
+        if fuses and (settings.lora_catalogue or settings.lora_s3_prefixes):
+            resolver.cache.join()
+        return resolver
+
     # ---- published (the producer's --dry-run checks requests against it) ----------------------------
     def published(self) -> LoraOffer:
         names = []
         if self.catalogue is not None and self.catalogue.is_dir():
             names = sorted(p.name[: -len(_SUFFIX)] for p in self.catalogue.glob(f"*{_SUFFIX}")
                            if self._in_catalogue(p) is not None)[:1000]  # fmt: skip
-        return LoraOffer(tuple(names), tuple(self.prefixes), self.settings.lora_max_per_request,
-                         tuple(self.shared), self.per_tenant)  # fmt: skip
+        most = self.settings.lora_max_per_request if self.takes_loras else 0  # (refused at submit, then)
+        return LoraOffer(tuple(names), tuple(self.prefixes), most, tuple(self.shared), self.per_tenant)
 
     def _in_catalogue(self, path: Path) -> Path | None:
         """`path` resolved, if it is a file inside the catalogue (a symlink out of it is not)."""
@@ -205,27 +169,76 @@ class LoraResolver:
     def resolve(self, refs: Sequence[LoraRef], tenant: str | None = None) -> list[ResolvedLora]:
         """Each ref as a checked, pinned cache file, or `LoraRefused` for the first that cannot be used.
         `tenant`: the job's tenant (with `tenant_ids`), whose S3 folder its uris must be in. The previous
-        job's pins are released first. `OSError` (`LoraCacheFull` included): the cache cannot hold them now."""
+        job's pins are released first. Every refusal that needs no download comes before the first fetch
+        (module docstring). `LoraCacheFull`: no room in the cache now; `OSError`: the cache's disk failed."""
         self.cache.release()
+        targets = self._refuse_early(refs)
+        plans = [self._field(i, ref, self._plan, ref, tenant) for i, ref in enumerate(refs)]
+        self._refuse_plans(plans)
+        # every hit pinned and every miss's header checked (a catalogue file's, an object's by one ranged GET)
+        # before the first body is fetched: a job refused for its second LoRA leaves nothing in the cache
+        found = [self._field(i, plan.ref, self._hit_or_check, plan, targets) for i, plan in enumerate(plans)]
+        out = [
+            got if isinstance(got, ResolvedLora) else self._field(i, plan.ref, self._fetch, plan, targets, got)
+            for i, (plan, got) in enumerate(zip(plans, found, strict=True))
+        ]
+        # (again by the bytes fetched: catalogue files first seen here are named by their sha256 only now)
+        self._refuse_strengths([(r.content, r.label, r.strength) for r in out])
+        return out
+
+    def _refuse_early(self, refs: Sequence[LoraRef]) -> dict[str, tuple[int, int]]:
+        """What is refused from the request and the worker alone; the runner's LoRA targets."""
+        if not refs:
+            return {}
         if len(refs) > self.settings.lora_max_per_request:
-            raise LoraRefused("loras", f"{len(refs)} LoRAs; this worker takes at most "
-                                       f"{self.settings.lora_max_per_request} (LTX_LORA_MAX_PER_REQUEST)")  # fmt: skip
+            raise LoraRefused(
+                "loras",
+                f"{len(refs)} LoRAs; this worker takes at most "
+                f"{self.settings.lora_max_per_request} (LTX_LORA_MAX_PER_REQUEST)",
+            )
+        if not self.takes_loras:
+            raise LoraRefused(
+                "loras",
+                f"runner {self.settings.runner!r} takes no request LoRAs as it is set up "
+                "(LTX_RUNNER_SETUP; an ltx2 runner needs request_loras: true)",
+            )
         try:
-            targets = self.targets("loras") if refs else {}
+            return self.targets("loras")
         except LoraFileError as exc:
             raise LoraRefused("loras", f"cannot read the runner's checkpoint header ({exc})") from None
-        plans = [self._field(i, ref, self._plan, ref, tenant) for i, ref in enumerate(refs)]
+
+    def _refuse_plans(self, plans: Sequence[_Plan]) -> None:
+        """Before any fetch: the job's distinct files (by what they are) within its share of the cache, and
+        the strengths of one file within their bound in sum."""
+        if not plans:
+            return
         sizes = {plan.ident: plan.size for plan in plans}  # (the same file twice is held once)
-        if (total := sum(sizes.values())) > (cap := self.cache.cap_bytes):
-            raise LoraRefused("loras", f"lora_too_large: these LoRAs hold {total} bytes together, over the LoRA "
-                                       f"cache's cap of {cap} (LTX_LORA_CACHE_BYTES)")  # fmt: skip
-        out = [self._field(i, plan.ref, self._one, plan, targets) for i, plan in enumerate(plans)]
+        total, cap = sum(sizes.values()), self.cache.cap_bytes
+        if total > cap:
+            raise LoraRefused(
+                "loras",
+                f"lora_too_large: these LoRAs hold {total} bytes together, over the LoRA "
+                f"cache's cap of {cap} (LTX_LORA_CACHE_BYTES)",
+            )
+        share_bytes, share_files, sharing = self.cache.share()
+        if total > share_bytes or len(sizes) > share_files:
+            raise LoraRefused(
+                "loras",
+                f"lora_too_large: these LoRAs hold {total} bytes in {len(sizes)} files, "
+                f"over one job's share of the LoRA cache ({share_bytes} bytes, {share_files} "
+                f"files: LTX_LORA_CACHE_BYTES and LTX_LORA_CACHE_FILES over the {sharing} "
+                "worker processes sharing it)",
+            )
+        self._refuse_strengths([(plan.content, plan.ref.label, plan.ref.strength) for plan in plans])
+
+    @staticmethod
+    def _refuse_strengths(items: Sequence[tuple[str, str, float]]) -> None:
+        """(content, label, strength) per LoRA: strengths of one content summed, named by its first label."""
         first_label: dict[str, str] = {}
-        for r in out:
-            first_label.setdefault(r.content or r.path, r.label)
-        if problem := strength_problem((first_label[r.content or r.path], r.strength) for r in out):
+        for content, label, _ in items:
+            first_label.setdefault(content, label)
+        if problem := strength_problem((first_label[content], strength) for content, _, strength in items):
             raise LoraRefused("loras", problem)
-        return out
 
     @staticmethod
     def _field(i: int, ref: LoraRef, fn: Callable[..., Any], *args: Any) -> Any:
@@ -276,7 +289,10 @@ class LoraResolver:
                 raise LoraRefused("", f"{ref.label}: file is {st.st_size} bytes, over the "
                                       f"{self.limits.max_file_bytes} byte limit")  # fmt: skip
             memo = (str(source), st.st_size, st.st_mtime_ns)
-            return _Plan(ref, f"file:{source}", st.st_size, source=source, memo=memo)
+            owner = (tenant or "") if self.per_tenant else ""
+            digest = self._hashed.get(memo)  # (what its bytes are, once a job has copied them)
+            content = f"sha256-{digest}" if digest else f"file:{source}"
+            return _Plan(ref, f"file:{source}", st.st_size, content, owner, source=source, memo=memo)
         uri = str(ref.uri)
         if problem := uri_problem(uri, self.prefixes, self.shared, tenant if self.per_tenant else None):
             raise LoraRefused("", problem)
@@ -302,79 +318,99 @@ class LoraResolver:
         cache_key = (
             "s3-" + hashlib.sha256(f"{owner}\0{bucket}/{key}\0{etag.strip(chr(34))}\0{size}".encode()).hexdigest()
         )
-        return _Plan(ref, cache_key, size, client=client, bucket=bucket, key=key, etag=etag or "*")
+        content = f"etag:{etag.strip(chr(34))}:{size}"
+        return _Plan(
+            ref, cache_key, size, content, owner or "", client=client, bucket=bucket, key=key, etag=etag or "*"
+        )
 
-    def _one(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
-        if plan.source is not None:
-            got = self._from_catalogue(plan, targets)
-            return replace(got, content=Path(got.path).name[: -len(_SUFFIX)])  # (named sha256-<digest>)
-        return replace(self._from_s3(plan, targets), content=f"etag:{plan.etag.strip(chr(34))}:{plan.size}")
+    def _catalogue_key(self, digest: str, owner: str) -> str:
+        """A catalogue file's cache key: its sha256, and with tenants the tenant's (module docstring)."""
+        if not owner:
+            return f"sha256-{digest}"
+        return "cat-" + hashlib.sha256(f"{owner}\0{digest}".encode()).hexdigest()
 
-    def _from_catalogue(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
-        ref, source = plan.ref, plan.source
-        assert source is not None and plan.memo is not None
-        key = self._hashed.get(plan.memo)
-        if key is not None and (hit := self.cache.get(key)) is not None:
-            return self._checked(ref, hit, targets, cached=True)
+    def _hit(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora | None:
+        """The plan's file from the cache, pinned and checked again; None on a miss (or a catalogue file whose
+        sha256, its key, no job has computed yet)."""
+        digest = self._hashed.get(plan.memo) if plan.memo is not None else None
+        key = plan.ident if plan.source is None else self._catalogue_key(digest, plan.owner) if digest else None
+        if key is None or (path := self.cache.get(key)) is None:
+            return None
+        return self._checked(plan.ref, path, targets, f"sha256-{digest}" if digest else plan.content)
+
+    def _hit_or_check(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora | float:
+        """A hit (pinned, its header checked again), or a miss's header checked before any fetch: its seconds."""
+        if (hit := self._hit(plan, targets)) is not None:
+            return hit
         t0 = time.monotonic()
-        check_lora(source, targets, self.limits)  # (refuse a bad catalogue file before copying it)
-        verify_s = time.monotonic() - t0
-        with self.cache.incoming(plan.size) as tmp:
-            key = f"sha256-{_copy_hashing(source, tmp)}"
-            self._hashed[plan.memo] = key
-            if (hit := self.cache.get(key)) is not None:
-                return self._checked(ref, hit, targets, cached=True)
-            verify_s += _timed(check_lora, tmp, targets, self.limits)
-            path = self.cache.commit(tmp, key)
-        return self._fetched(ref, path, plan.size, time.monotonic() - t0, verify_s)
+        if plan.source is not None:
+            check_lora(plan.source, targets, self.limits)  # (a bad catalogue file is refused before its copy)
+        else:  # (a bad header: refused before the body)
+            check_remote_header(plan.client, plan.bucket, plan.key, plan.etag, plan.size, targets, self.limits)
+        return time.monotonic() - t0
 
-    def _from_s3(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> ResolvedLora:
-        ref, uri = plan.ref, str(plan.ref.uri)
-        if (hit := self.cache.get(plan.ident)) is not None:
-            return self._checked(ref, hit, targets, cached=True)
+    def _fetch(self, plan: _Plan, targets: dict[str, tuple[int, int]], verify_s: float) -> ResolvedLora:
+        """A miss fetched (catalogue: copied and hashed) into the cache, checked and committed, pinned. Its
+        `fetch_s` counts its header check (`verify_s` so far) and this, not the other LoRAs' work between."""
+        t0 = time.monotonic() - verify_s
+        if (hit := self._hit(plan, targets)) is not None:  # (the same file earlier in this job)
+            return hit
+        if plan.source is not None:
+            return self._from_catalogue(plan, targets, t0, verify_s)
         from botocore.exceptions import BotoCoreError, ClientError
 
-        t0 = time.monotonic()
         try:
-            verify_s = _timed(self._check_remote_header, plan, targets)  # (a bad header: refused before the body)
-            with self.cache.incoming(plan.size) as tmp:
+            with self.cache.incoming(plan.size, wait_s=ROOM_WAIT_S) as tmp:
                 # ranged GETs in parallel (a rank-128 LoRA at real size is 1.7 GB); IfMatch pins every range
                 # to the object the HEAD sized, so a replaced object fails the fetch instead of mixing bytes
-                _ranged_download(plan.client, plan.bucket, plan.key, plan.etag, plan.size, tmp)
+                ranged_download(plan.client, plan.bucket, plan.key, plan.etag, plan.size, tmp)
                 verify_s += _timed(check_lora, tmp, targets, self.limits)
                 path = self.cache.commit(tmp, plan.ident)
         except (ClientError, BotoCoreError) as exc:
-            raise LoraRefused("", f"{uri}: fetch failed ({exc})") from None
-        return self._fetched(ref, path, plan.size, time.monotonic() - t0, verify_s)
+            raise LoraRefused("", f"{plan.ref.uri}: fetch failed ({exc})") from None
+        return self._fetched(plan.ref, path, plan.size, time.monotonic() - t0, verify_s, plan.content)
 
-    def _check_remote_header(self, plan: _Plan, targets: dict[str, tuple[int, int]]) -> None:
-        """The object's header, read by ranged GETs (8 + header bytes, the header within
-        `lora_max_header_bytes`), checked as `check_lora` checks a file: `LoraFileError` before its body."""
-        name, size = str(plan.ref.uri), plan.size
-        first = (
-            _get_range(plan.client, plan.bucket, plan.key, plan.etag, 0, min(size, _HEAD_BYTES) - 1) if size else b""
-        )
-        length = header_length(name, first[:8], size, max_file_bytes=self.limits.max_file_bytes,
-                               max_header_bytes=self.limits.max_header_bytes)  # fmt: skip
-        raw = first[8 : 8 + length]
-        if len(raw) < length:
-            raw += _get_range(plan.client, plan.bucket, plan.key, plan.etag, len(first), 8 + length - 1)
-        check_header(name, parse_header(name, raw, size), size, targets, self.limits)
+    def _from_catalogue(self, plan: _Plan, targets: dict, t0: float, verify_s: float) -> ResolvedLora:
+        assert plan.source is not None and plan.memo is not None
+        with self.cache.incoming(plan.size, wait_s=ROOM_WAIT_S) as tmp:
+            digest = copy_hashing(plan.source, tmp)
+            self._hashed[plan.memo] = digest
+            key, content = self._catalogue_key(digest, plan.owner), f"sha256-{digest}"
+            if (hit := self.cache.get(key)) is not None:  # (committed meanwhile by another group's job)
+                return self._checked(plan.ref, hit, targets, content)
+            verify_s += _timed(check_lora, tmp, targets, self.limits)
+            path = self.cache.commit(tmp, key)
+        return self._fetched(plan.ref, path, plan.size, time.monotonic() - t0, verify_s, content)
 
-    def _checked(self, ref: LoraRef, path: Path, targets: dict, *, cached: bool) -> ResolvedLora:
+    def _checked(self, ref: LoraRef, path: Path, targets: dict, content: str) -> ResolvedLora:
         verify_s = _timed(check_lora, path, targets, self.limits)  # header only: cheap, guards the cache folder too
         if self.metrics is not None:
             self.metrics.lora_cache.labels(self.group, "hit").inc()
-        return ResolvedLora(ref.label, str(path), ref.strength, cached=cached, verify_s=verify_s)
+        return ResolvedLora(ref.label, str(path), ref.strength, cached=True, verify_s=verify_s, content=content)
 
-    def _fetched(self, ref: LoraRef, path: Path, size: int, seconds: float, verify_s: float) -> ResolvedLora:
+    def _fetched(
+        self, ref: LoraRef, path: Path, size: int, seconds: float, verify_s: float, content: str
+    ) -> ResolvedLora:
         if self.metrics is not None:
             self.metrics.lora_cache.labels(self.group, "miss").inc()
             self.metrics.lora_fetch_bytes.labels(self.group).inc(size)
             self.metrics.lora_fetch_seconds.labels(self.group).observe(seconds)
-        return ResolvedLora(
-            ref.label, str(path), ref.strength, cached=False, fetch_bytes=size, fetch_s=seconds, verify_s=verify_s
-        )
+        fetched = {"fetch_bytes": size, "fetch_s": seconds, "verify_s": verify_s, "content": content}
+        return ResolvedLora(ref.label, str(path), ref.strength, cached=False, **fetched)
+
+
+def runner_takes_loras(runner_cls: Any, setup: dict[str, Any]) -> bool:
+    """Whether the runner fuses request LoRAs as it is set up (`MGPURunner.takes_request_loras`; a runner class
+    without it: its job signature names `loras`)."""
+    import inspect
+
+    takes = getattr(runner_cls, "takes_request_loras", None)
+    if callable(takes):
+        return bool(takes(**setup))
+    try:
+        return "loras" in inspect.signature(runner_cls.__call__).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _timed(fn: Callable[..., Any], *args: Any) -> float:

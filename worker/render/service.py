@@ -54,7 +54,7 @@ from worker.protocol.schema import RenderRequest
 from worker.protocol.states import FailureReason, JobState
 from worker.render.fleet import WarmFleet
 from worker.render.fleet_render import FleetRender
-from worker.render.loras import LoraRefused, LoraResolver
+from worker.render.loras import LoraCacheFull, LoraRefused, LoraResolver
 from worker.render.results import JobResults
 from worker.render.warmup import WarmupRefused
 from worker.settings import WorkerSettings
@@ -83,7 +83,7 @@ class RenderService:
         self.storage, self.spool, self.metrics = storage, spool, metrics
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
         #: request LoRAs: fetched, cached and checked before the fleet sees them (worker.render.loras)
-        self.loras = LoraResolver(settings, s3_client=lambda: getattr(storage, "client", None), metrics=metrics)
+        self.loras = LoraResolver.for_worker(settings, fleet.runner_cls, storage, metrics)
         self.uploader = Uploader(storage, spool, attempts=settings.upload_attempts, backoff_s=settings.upload_backoff_s,
                                  backoff_max_s=settings.upload_backoff_max_s)  # fmt: skip
         self.stop_uploads = threading.Event()  # set on cold shutdown: cut upload back-offs short
@@ -383,7 +383,9 @@ class RenderService:
             loras = {"loras": self.loras.for_job(req.loras, attempt.relay, tenant)} if req.loras else {}
         except LoraRefused as exc:
             attempt.fail(FailureReason.INVALID_REQUEST, str(exc), field=exc.field)
-        except OSError as exc:  # the LoRA cache's disk (full, or the cache cannot make room now): this host's
+        except LoraCacheFull as exc:  # no room now (others' jobs pin it, the disk is short): a wait, not a failure
+            attempt.wait_for_room(exc)
+        except OSError as exc:  # the LoRA cache's disk failed: this host's
             attempt.spool_failed(exc, where="lora cache")
         try:
             output_path = self.spool.prepare(attempt.id, self.settings.output_name)

@@ -1,12 +1,13 @@
 """Back-pressure: the worker takes no job while its uploads or its spool's disk cannot take another render.
 
 While the background uploader (`worker.stages.upload`) holds `max_pending_uploads` renders (or
-`max_pending_bytes`), or the spool's disk is nearly full (`spool_min_free_bytes`, or fewer than
-`_SPOOL_MIN_FREE_INODES` inodes: a full spool would fail every job), `Backpressure.wait` blocks before the
+`max_pending_bytes`), or the spool's disk is nearly full (fewer than `spool_min_free_bytes` bytes or
+`spool_min_free_inodes` inodes: a full spool would fail every job), `Backpressure.wait` blocks before the
 dequeue. The worker stays registered (`tick`: its heartbeat), idle (a warm stop interrupts the wait like an
 idle dequeue) and says so in metrics, health (`/readyz` 503, `uploads.backpressure_reason`: `active` and
 `why`) and the log. Free space is re-checked every second, the LoRA cache yielding its unpinned files to the
-spool each time, so the worker recovers by itself.
+spool each time, for bytes and for inodes alike (tiny LoRA files once took every inode while the bytes
+stayed free, and the worker waited for good, restarts included), so the worker recovers by itself.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from worker.render.service import RenderService
 __all__ = ["Backpressure"]
 
 log = logging.getLogger("worker.rq")
-
-_SPOOL_MIN_FREE_INODES = 16  # a job needs a directory, the video, a manifest and a lock file
 
 
 class Backpressure:
@@ -68,6 +67,15 @@ class Backpressure:
             self.notify()
         log.info("back-pressure released after %.2fs", time.monotonic() - t0)
 
+    def _cache_yields(self, floor: int, floor_inodes: int) -> bool:
+        """The LoRA cache yields to the spool where they share a disk: it evicts unpinned files until the disk
+        has the spool's floors (True if it removed any; the spool's space is then checked again)."""
+        try:
+            return bool(self.service.loras.cache.make_room(floor, floor_inodes))
+        except OSError as exc:  # (its folder unreadable: the wait goes on, its reason says why)
+            log.warning("back-pressure: the LoRA cache could not make room: %s", exc)
+            return False
+
     def reason(self) -> str | None:
         """Why no job may be taken now, or None."""
         pipeline = self.service.pipeline
@@ -77,10 +85,9 @@ class Backpressure:
             free_bytes, free_inodes = self.service.spool.free()
         except OSError as exc:
             return f"spool unusable: {exc}"
-        floor = self.settings.spool_min_free_bytes
-        if free_bytes < floor and self.service.loras.cache.make_room(floor):
-            # (the LoRA cache yields to the spool where they share a disk: evicts unpinned files, then re-checks)
+        floor, floor_inodes = self.settings.spool_min_free_bytes, self.settings.spool_min_free_inodes
+        if (free_bytes < floor or free_inodes < floor_inodes) and self._cache_yields(floor, floor_inodes):
             free_bytes, free_inodes = self.service.spool.free()
-        if free_bytes < floor or free_inodes < _SPOOL_MIN_FREE_INODES:
+        if free_bytes < floor or free_inodes < floor_inodes:
             return f"spool disk nearly full: {free_bytes} bytes, {free_inodes} inodes free"
         return None

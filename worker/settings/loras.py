@@ -41,7 +41,20 @@ class LoraFields(BaseModel):
     lora_cache_bytes: int = Field(
         16 * 1024 * MIB,
         ge=MIB,
-        description="size cap of lora_cache_dir (LRU), held at all times: a job's LoRAs must fit it together",
+        description="size cap of lora_cache_dir (LRU), held at all times; one job may hold this over the worker "
+        "processes sharing the folder",
+    )
+    lora_cache_files: int = Field(
+        256,
+        ge=1,
+        description="file cap of lora_cache_dir (each file takes an inode, whatever its size), held at all times "
+        "like lora_cache_bytes and shared the same way",
+    )
+    lora_cache_wait_s: float = Field(
+        3600.0,
+        ge=0,
+        description="how long a LoRA job the cache has no room for waits, re-queued without spending a retry "
+        "budget, before it fails as spool_error (a job of another group ends within a render_timeout)",
     )
 
     @field_validator("lora_s3_prefixes", "lora_shared_prefixes", mode="before")

@@ -72,6 +72,12 @@ class StorageFields(BaseModel):
         ge=0,
         description="free bytes the spool's disk must keep; below, the worker takes no job (back-pressure)",
     )
+    spool_min_free_inodes: int = Field(
+        16,
+        ge=0,
+        description="free inodes the spool's disk must keep (a job writes a folder, its video, a manifest and a "
+        "lock); below, the worker takes no job (back-pressure); the LoRA cache keeps them too",
+    )
     upload_pipeline: bool = Field(
         True,
         description="upload in a background thread so the fleet takes the next job at once (false: the "

@@ -107,6 +107,12 @@ class Ltx2Runner(Ltx2Resident):
     memory_kind = "distilled"
 
     @classmethod
+    def takes_request_loras(cls, **setup_kwargs: Any) -> bool:
+        """Only a runner that holds a LoRA tracker fuses request LoRAs (the two-stage one, one with setup
+        `loras`, or `request_loras`); the plan's `lora_tracker` is that rule."""
+        return cls.memory_fleet(1, **setup_kwargs).has_tracker
+
+    @classmethod
     def memory_fleet(cls, world_size: int, **setup_kwargs: Any) -> FleetMemory:
         """This runner's inputs to the memory plan on `world_size` ranks (no fleet needed): `spec.memory_fleet`."""
         return spec.memory_fleet(cls.memory_kind, world_size, setup_kwargs)

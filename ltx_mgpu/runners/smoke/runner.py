@@ -82,6 +82,11 @@ class SmokeRunner(MGPURunner):
     media_modes = MEDIA_MODES  #: "stream" hands the whole decode off as one chunk (`common.handoff.deliver_video`)
 
     @classmethod
+    def takes_request_loras(cls, **setup_kwargs: Any) -> bool:
+        """The smoke model takes no LoRAs (it refuses a job's `loras` on every rank)."""
+        return False
+
+    @classmethod
     def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
         """`steps` in [1, max_steps] and the audio length within the token budget (what `_validate`
         enforces on every rank)."""
