@@ -3,17 +3,15 @@
 One instance per worker process (one fleet). `run_job()` is the body of the RQ job function
 (`worker.job.render`):
 
-1. bookkeeping (`JobAttempt.start`): attempt counter (the hard cap `max_attempts`), the `worker_lost` budget of
-   executions that vanished unrecorded (RQ's timeout and the TTLs were set from the settings before,
-   `JobOutcomes.own_limits`); a job whose renders poisoned fleets is refused (`worker.jobs.poison`);
+1. bookkeeping (`JobAttempt.start`): attempts (capped: `max_attempts`), the `worker_lost` budget of executions that
+   vanished unrecorded (RQ's timeout and TTLs: `JobOutcomes.own_limits`); a job that poisoned fleets is refused;
 2. validate the request (`RenderRequest`); a bad one fails at once naming the field, the fleet untouched;
 3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
    after an upload failure uploads instead of rendering again);
    With `encode_in_worker` (the default, for runners that take `media`) the fleet hands yuv420p frames and
-   audio off instead of writing the file, and `worker.stages.encode.EncodeStage` encodes them beside the next job
-   (the job function returns at `rendering`; the encoder commits and feeds the upload pipeline); with
-   `encode_stream` (runners that list "stream" in `media_modes`) the frames arrive while the VAE decodes and
+   audio off instead of writing the file, and `worker.stages.encode.EncodeStage` encodes them beside the next job;
+   with `encode_stream` (runners that list "stream" in `media_modes`) the frames arrive while the VAE decodes and
    the encoder's x264 runs start on the first of them (`ltx_mgpu.media.mp4_stream`); a render that
    fails after that aborts them. The drive of the fleet's stream, and every way it fails, is
    `worker.render.fleet_render.FleetRender`;
