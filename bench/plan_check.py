@@ -86,6 +86,8 @@ def place(kind: str, devices: list[Any], setup: dict[str, Any], sizes: list, arg
     from worker.render.fleet_plan import local_card
 
     found = local_card([f"cuda:{d}" for d in devices if d != "cpu"])
+    if args.card:
+        found = (pl.CARDS[args.card], pl.CARDS[args.card].offered_gib)
     if found is None:
         return spec.placement({})
     fleet = spec.memory_fleet(kind, len(devices), setup)
@@ -116,6 +118,12 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="the runners' setup quantization (fp8-mm, fp8-mm+attn)")
     ap.add_argument("--placement", default="auto", help="auto (as the worker chooses) or a JSON placement")
     ap.add_argument("--host-gib", type=float, default=None, help="pinned host memory the fleet may take (auto)")
+    ap.add_argument(
+        "--card",
+        default=None,
+        help="plan for this card (h100-80gb, h200) instead of the local one; "
+        "with LTX_MGPU_MEMORY_CAP_GIB its offered memory caps the ranks' allocators (an emulation)",
+    )
     args = ap.parse_args()
     import torch
 
@@ -123,6 +131,7 @@ def main() -> None:
     from ltx_mgpu.runners.ltx2 import runners as ltx2
     from ltx_mgpu.runners.ltx2 import spec
     from ltx_mgpu.spec import memory_plan
+    from ltx_mgpu.spec import placement as pl
 
     if (args.weights is None) != args.tiny:
         raise SystemExit("give --weights DIR or --tiny")
@@ -149,7 +158,10 @@ def main() -> None:
             for w, h, f in sizes:
                 size = f"{w}x{h}x{f}"
                 fleet = spec.memory_fleet(kind, len(devices), setup)
-                fleet = memory_plan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity_gib(last, ctl),
+                capacity = capacity_gib(last, ctl)
+                if args.card:  # (the emulated card's figure, not the device's)
+                    capacity = min(capacity or 1e9, pl.CARDS[args.card].offered_gib)
+                fleet = memory_plan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity,
                                                "headroom_gib": args.headroom_gib})  # fmt: skip
                 planned = memory_plan.plan(fleet, w, h, f, frame_rate=args.frame_rate)
                 if not planned.fits:

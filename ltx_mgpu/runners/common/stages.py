@@ -39,9 +39,34 @@ import torch.distributed as dist
 
 from ...control.determinism import offered_memory_bytes
 
-__all__ = ["CPU_STAGES", "INJECT_OOM_ENV", "LORA_CHECK", "SetupLaps", "StageClock", "check_finite", "ltx2_sigmas"]
+__all__ = [
+    "CPU_STAGES",
+    "INJECT_OOM_ENV",
+    "LORA_CHECK",
+    "MEMORY_CAP_ENV",
+    "SetupLaps",
+    "StageClock",
+    "apply_memory_cap",
+    "check_finite",
+    "ltx2_sigmas",
+]
 
 INJECT_OOM_ENV = "LTX_MGPU_INJECT_OOM"
+#: A smaller card emulated on a larger one (benchmarks, the memory plan's check on an H200 as an 80 GB card): GiB
+#: this rank's caching allocator may hold (`torch.cuda.set_per_process_memory_fraction`); the CUDA context and
+#: library workspaces outside the allocator are not capped, so give what the emulated card *offers* a rank.
+MEMORY_CAP_ENV = "LTX_MGPU_MEMORY_CAP_GIB"
+
+
+def apply_memory_cap(device: torch.device) -> float | None:
+    """Cap this rank's allocator at `MEMORY_CAP_ENV` GiB when set (CUDA only); returns the cap applied."""
+    raw = os.environ.get(MEMORY_CAP_ENV)
+    if not raw or torch.device(device).type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, float(raw) * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return float(raw)
 
 
 class SetupLaps:

@@ -33,7 +33,7 @@ from ...spec.memory_plan import sp_tokens
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.job_loras import model_targets
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
-from ..common.stages import SetupLaps, StageClock
+from ..common.stages import SetupLaps, StageClock, apply_memory_cap
 from . import components as comp
 from . import spec
 
@@ -84,6 +84,7 @@ class Ltx2Resident(MGPURunner):
         placement: dict[str, str] | None = None,
     ) -> None:
         self.placement = spec.placement({"placement": placement})  # (every rank, before anything loads)
+        apply_memory_cap(self.device)  # (a smaller card emulated: benchmarks only, `LTX_MGPU_MEMORY_CAP_GIB`)
         self.dtype = comp.parse_dtype(dtype)
         policy = comp.quantization_policy(quantization)
         if policy is not None and self.dtype != torch.bfloat16:
