@@ -21,10 +21,11 @@ __all__ = ["RedisProxy", "find_haproxy"]
 
 
 def find_haproxy() -> str | None:
-    """Path of the haproxy binary: $LTX_TEST_HAPROXY, PATH, or Debian's /usr/sbin (not on a user's PATH)."""
+    """Path of the haproxy binary: $LTX_TEST_HAPROXY (None if no such file), PATH, or Debian's /usr/sbin (not on
+    a user's PATH)."""
     explicit = os.environ.get("LTX_TEST_HAPROXY")
     if explicit:
-        return explicit
+        return explicit if Path(explicit).is_file() else None
     return shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
 
 
