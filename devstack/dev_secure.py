@@ -52,12 +52,16 @@ def make_test_ca(directory: Path, *, host: str = LOOPBACK) -> tuple[Path, Path, 
 
 
 class SecureRedisServer(RedisServer):
-    """See the module docstring. `acl`: ACL file text (None: no ACL file); `tls`: TLS only."""
+    """See the module docstring. `acl`: ACL file text (None: no ACL file); `tls`: TLS only; `server_args`: more
+    redis-server arguments, last (e.g. `("--maxclients", "1024")`, as compose runs it)."""
 
-    def __init__(self, *, acl: str | None = None, tls: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *, acl: str | None = None, tls: bool = False, server_args: tuple[str, ...] = (), **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.acl = acl
         self.tls = tls
+        self.server_args = server_args
         self.admin_password = secrets.token_hex(16)
         self.ca_file: Path | None = None
 
@@ -81,7 +85,7 @@ class SecureRedisServer(RedisServer):
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
                      "--tls-key-file", str(key), "--tls-ca-cert-file", str(self.ca_file),
                      "--tls-auth-clients", "no"]  # fmt: skip
-        return args
+        return [*args, *self.server_args]
 
     def client(self, **kwargs: Any) -> Any:
         """A redis-py client for this server as the admin user (over TLS when on)."""

@@ -26,6 +26,40 @@ set -eu
 secrets=${LTX_S3_SECRETS:-/run/secrets}
 bucket=${LTX_S3_BUCKET:-videos}
 umask 077
+# The ports weed's services listen on (flag, else default; gRPC: flag, else port + 10000), as "flag=port"
+# words: checked below before anything is written, and a killed weed leaves
+# /tmp/seaweedfs-<service>[-grpc]-<port>.sock for them (only a graceful stop, 25 s of weed's timers, removes them).
+weed_ports=
+port_flags=
+for spec in master:9333 volume:8080 filer:8888 s3:8333; do
+    service=${spec%%:*}
+    p=${spec#*:}
+    g=
+    for arg in "$@"; do
+        case "$arg" in
+            "-$service.port="*) p=${arg#*=} ;;
+            "-$service.port.grpc="*) g=${arg#*=} ;;
+        esac
+    done
+    case "$p$g" in *[!0-9]*) continue ;; esac
+    weed_ports="$weed_ports $p ${g:-$((p + 10000))}"
+    port_flags="$port_flags -$service.port=$p -$service.port.grpc=${g:-$((p + 10000))}"
+done
+# A port something already listens on ends the start here, in one line naming it: weed would die on it
+# with a Go stack trace, after binding some of the others. Read from the kernel's socket tables (Linux
+# /proc/net/tcp*: every listener of this network namespace, any address), so it needs no tool weed's image
+# lacks. (A port taken between this check and weed's bind still gets weed's own error.)
+listening=" $(awk '$4 == "0A" { n = split($2, a, ":"); printf "%s ", a[n] }' /proc/net/tcp /proc/net/tcp6 2> /dev/null || true)"
+taken=
+for word in $port_flags; do
+    p=${word#*=}
+    case "$listening" in *" $(printf '%04X' "$p") "*) taken="${taken:+$taken, }$p (${word%%=*})" ;; esac
+done
+if [ -n "$taken" ]; then
+    echo "s3-start: in use, weed not started: $taken; free it or give weed another port with that flag" >&2
+    exit 2
+fi
+
 if [ -n "${LTX_S3_CONF_DIR:-}" ]; then
     conf=$LTX_S3_CONF_DIR
     own_conf=
@@ -86,23 +120,6 @@ else
     probe=
     echo "s3-start: neither wget nor curl: $conf/identities.json (the S3 keys) stays while weed runs" >&2
 fi
-# The ports weed's services listen on (flag, else default; gRPC: flag, else port + 10000): a weed that is
-# killed leaves /tmp/seaweedfs-<service>[-grpc]-<port>.sock for them (only a graceful stop, 25 s of weed's
-# timers, removes them).
-weed_ports=
-for spec in master:9333 volume:8080 filer:8888 s3:8333; do
-    service=${spec%%:*}
-    p=${spec#*:}
-    g=
-    for arg in "$@"; do
-        case "$arg" in
-            "-$service.port="*) p=${arg#*=} ;;
-            "-$service.port.grpc="*) g=${arg#*=} ;;
-        esac
-    done
-    case "$p$g" in *[!0-9]*) continue ;; esac
-    weed_ports="$weed_ports $p ${g:-$((p + 10000))}"
-done
 weed_pid=$$  # (after `exec`, this shell's pid is weed's)
 # The watcher: deletes the identities once the S3 API answers, then waits for weed to end and deletes what
 # weed leaves outside its folders: the sockets of its ports and, when no -dir gave its logs a folder, its

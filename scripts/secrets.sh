@@ -51,5 +51,12 @@ if [ ! -s "$dir/s3_grpc_cert" ] || [ ! -s "$dir/s3_grpc_key" ] || [ ! -s "$dir/s
     rm -f "$work/ca.key"  # the lock's key: gone, so no client certificate can be signed
     echo "created $dir/s3_grpc_ca, $dir/s3_grpc_cert, $dir/s3_grpc_key"
 fi
-# Readable inside the containers (they run as other users); the directory itself stays private (0700).
-chmod 644 "$dir"/s3_* "$dir"/redis_*
+# Each file readable by its owner only (0600; files an older version left 0644 too), the folder private.
+# Compose mounts each file into the containers that need it with these modes (file secrets are bind
+# mounts: compose's uid/gid/mode do not apply to them): its non-root containers run as uid 1000, so run this
+# as uid 1000, or as root with SECRETS_OWNER=1000 (the files then belong to that uid; the folder stays
+# root's, so no one on the host but root reaches them).
+chmod 600 "$dir"/s3_* "$dir"/redis_*
+if [ -n "${SECRETS_OWNER:-}" ]; then
+    chown "$SECRETS_OWNER" "$dir"/s3_* "$dir"/redis_*
+fi

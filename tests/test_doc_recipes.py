@@ -1,8 +1,10 @@
-"""docs/operations.md's "Redis users, passwords and TLS" recipes, run as written with bash: the users file
-and a tenant's submit, adding a tenant with `ACL LOAD` as the admin user, and the TLS certificates with
-Redis restarted on TLS only. Only what cannot be used here is moved: `/etc/ltx` and `/var/lib/ltx-redis`
-into a test folder, and `redis-server` / `redis-cli` get a free port (a shell function adds it and runs
-the server in the background; it is stopped by pid).
+"""docs/operations.md's "Redis users, passwords and TLS" recipes, run as written with bash: the users file,
+the tenants' capped ports (HAProxy) and a tenant's submit through hers, adding a tenant with `ACL LOAD` as
+the admin user, and the TLS certificates with Redis restarted on TLS only. Only what cannot be used here is
+moved: `/etc/ltx` and `/var/lib/ltx-redis` into a test folder, the documented ports (Redis's 6379, the
+tenants' 7001 and 7002) to free ones, the tenants' listen address to loopback, and `redis-server` /
+`redis-cli` / `haproxy` are shell functions that run the real ones on those ports, the servers in the
+background (stopped by pid).
 
 Regressions: the recipe wrote Redis's AOF into the secrets folder (it `cd`ed there), a `--dir` folder
 that did not exist stopped Redis, and the TLS paragraph had no way to make its certificates.
@@ -23,7 +25,7 @@ import pytest
 import redis
 
 from devstack.dev_servers import pid_alive
-from devstack.ports import free_port
+from devstack.ports import free_ports
 from tests.support.docstack import shell_blocks
 from tests.support.wait import wait_for
 from tests.support.workers import ROOT
@@ -40,7 +42,15 @@ redis-server() {
     echo "redis-server did not start: $(tail -5 "$WORK/redis.log")" >&2; return 1
 }
 redis-cli() { command redis-cli -p "$PORT" "$@"; }
+haproxy() {
+    command "$HAPROXY" "$@" >> "$WORK/haproxy.log" 2>&1 &
+    echo $! > "$WORK/haproxy.pid"
+    for port in $TENANT_PORTS; do
+        for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+    done
+}
 """
+_DOC_PORTS = {"6379": "PORT", "7001": "ALICE_PORT", "7002": "BOB_PORT"}  #: the page's ports -> variables here
 
 
 def recipes() -> list[str]:
@@ -48,26 +58,38 @@ def recipes() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", text, re.S)
 
 
-def run(recipe: str, work: Path, port: int) -> str:
+def run(recipe: str, work: Path, port: int, tenant_ports: tuple[int, int] = (0, 0)) -> str:
+    from devstack.haproxy import find_haproxy
+
     script = recipe.replace("/etc/ltx", str(work / "etc")).replace("/var/lib/ltx-redis", str(work / "data"))
+    script = re.sub(r"\b(6379|7001|7002)\b", lambda m: "${" + _DOC_PORTS[m.group(1)] + "}", script)
+    script = script.replace("--listen 0.0.0.0", "--listen 127.0.0.1")  # (a shared machine)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LTX_", "REDISCLI"))}
-    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
-               PYTHONPATH=str(ROOT), WORK=str(work), PORT=str(port),
-               LTX_REDIS_URL=f"redis://127.0.0.1:{port}/0")  # (the recipe's Redis is the local default)  # fmt: skip
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+        PYTHONPATH=str(ROOT),
+        WORK=str(work),
+        PORT=str(port),
+        HAPROXY=find_haproxy() or "haproxy",
+        ALICE_PORT=str(tenant_ports[0]),
+        BOB_PORT=str(tenant_ports[1]),
+        TENANT_PORTS=" ".join(map(str, tenant_ports)),
+        LTX_REDIS_URL=f"redis://127.0.0.1:{port}/0",
+    )  # (the recipe's Redis is the local default)
     out = subprocess.run(["bash", "-c", _SERVER + script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120, check=False)  # fmt: skip
     assert out.returncode == 0, f"{script}\n--- stdout\n{out.stdout[-3000:]}\n--- stderr\n{out.stderr[-3000:]}"
     return out.stdout
 
 
-def stop(work: Path) -> None:
-    pid = int((work / "redis.pid").read_text())
+def stop(work: Path, name: str = "redis") -> None:
+    pid = int((work / f"{name}.pid").read_text())
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     with contextlib.suppress(AssertionError):
-        wait_for(lambda: not pid_alive(pid), 20, f"redis-server {pid} gone")
+        wait_for(lambda: not pid_alive(pid), 20, f"{name} {pid} gone")
         return
     os.kill(pid, signal.SIGKILL)
 
@@ -77,22 +99,26 @@ def user(work: Path, port: int, name: str, **kwargs: Any) -> Any:
     return redis.Redis(host="127.0.0.1", port=port, username=name, password=password, socket_timeout=5, **kwargs)
 
 
-def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path) -> None:
+def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path, haproxy_binary: str) -> None:
     from devstack.dev_servers import find_redis_server
 
     if find_redis_server() is None or Path(find_redis_server() or "").name != "redis-server":
         pytest.skip("redis-server and redis-cli not found (apt-get install -y redis-server)")
     acl, reload, tls = recipes()
-    port = free_port()
+    port, *tenant_ports = free_ports(3)
     try:
-        run(acl, tmp_path, port)
+        run(acl, tmp_path, port, (tenant_ports[0], tenant_ports[1]))
         secrets = tmp_path / "etc" / "redis-secrets"
         assert sorted(p.name for p in secrets.iterdir()) == ["admin", "alice", "bob", "worker"]  # no AOF here
         assert any((tmp_path / "data").glob("appendonlydir/*.aof"))
         worker = user(tmp_path, port, "worker")
-        # (alice submits to her own queue: worker.protocol.keys.tenant_queue)
+        # (alice submits through her port on the proxy, to her own queue: worker.protocol.keys.tenant_queue)
         (job_id,) = [j.decode() for j in worker.lrange("rq:queue:ltx-render:t:alice", 0, -1)]
         assert job_id.startswith("alice-") and worker.hget(f"rq:job:{job_id}", "status") == b"queued"
+        config = (tmp_path / "etc" / "redis-proxy.cfg").read_text()
+        for tenant, tenant_port in zip(("alice", "bob"), tenant_ports, strict=True):
+            assert f"frontend tenant_{tenant}\n    bind 127.0.0.1:{tenant_port}\n    maxconn 64\n" in config, config
+        assert f"server redis 127.0.0.1:{port} " in config and pid_alive(int((tmp_path / "haproxy.pid").read_text()))
 
         run(reload, tmp_path, port)  # a new tenant, no restart
         assert user(tmp_path, port, "carol").hset("rq:job:carol-1", "status", "queued") == 1
@@ -106,8 +132,9 @@ def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path) -> None:
             user(tmp_path, port, "alice").ping()  # no plain-text port
         assert oct((tmp_path / "etc" / "redis-tls" / "ca.key").stat().st_mode & 0o777) == "0o600"
     finally:
-        if (tmp_path / "redis.pid").exists():
-            stop(tmp_path)
+        for name in ("haproxy", "redis"):
+            if (tmp_path / f"{name}.pid").exists():
+                stop(tmp_path, name)
 
 
 def test_every_documented_redis_dir_is_made_first() -> None:

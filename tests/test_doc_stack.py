@@ -35,6 +35,7 @@ def test_the_docs_shell_blocks_run_as_written_on_a_live_cpu_stack(request: pytes
     try:
         report = stack.start()
         assert report.ready and report.bucket_error is None, (report, stack.tail("worker.log"), stack.tail("s3.log"))
+        _check_the_servers_listen_on_loopback(stack)
         for block in blocks[1:]:
             out = stack.run(block)
             where = f"{block.page}:{block.line}"
@@ -49,6 +50,22 @@ def test_the_docs_shell_blocks_run_as_written_on_a_live_cpu_stack(request: pytes
     assert not [n for n in ("worker", "s3", "redis") if pid_alive(stack.pid(n) or 0)], "a server outlived the stack"
     _check_what_the_blocks_did(work, blocks, outputs)
     assert not any((work / "tmp").iterdir()), sorted(p.name for p in (work / "tmp").iterdir())  # weed's, the key's
+
+
+def _check_the_servers_listen_on_loopback(stack: DocStack) -> None:
+    """Regression: the recipe's `redis-server` listened on every address (it named none, and
+    this stack added `--bind` itself). Now the page binds it to 127.0.0.1, and nothing here adds one: Redis
+    and weed's internals listen on loopback only (the S3 API is bound to 127.0.0.1 here in place of the
+    page's 0.0.0.0: `DocStack.substitute`)."""
+    from devstack.s3_gateway import listening_addresses
+
+    redis_pid, weed_pid = stack.pid("redis"), stack.pid("s3")
+    assert redis_pid and weed_pid, "the recipe wrote no pid"
+    for name, pid in (("redis-server", redis_pid), ("weed", weed_pid)):
+        listeners = listening_addresses(pid)
+        assert listeners, f"{name} listens on nothing: the check would prove nothing"
+        assert all(addresses == {"127.0.0.1"} for addresses in listeners.values()), (name, listeners)
+    assert set(listening_addresses(redis_pid)) == {stack.ports["redis"]}
 
 
 def _check_what_the_blocks_did(work: Path, blocks: list[Block], outputs: dict[str, str]) -> None:

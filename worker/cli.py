@@ -7,6 +7,7 @@
     ltx-worker settings                             # print the effective settings (secrets masked)
     ltx-worker plan --runner ltx2-distilled --group 0,1 --size 1536x1024x241   # a memory plan (runtime/plan_cli.py)
     ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/protocol/redis_acl.py)
+    ltx-worker redis-proxy --tenant alice=6380 --tenant bob=6381   # per-tenant connection caps (HAProxy config)
 
 Every setting is an environment variable (`LTX_<FIELD>`) or a settings-file entry (`--settings FILE` /
 `LTX_SETTINGS_FILE`); the flags below override the most common ones. See docs/worker.md.
@@ -197,6 +198,12 @@ def _add_redis_acl() -> None:
     main.add_command(command, "redis-acl")
 
 
+def _add_redis_proxy() -> None:
+    from worker.protocol.redis_proxy import command  # (light, like redis-acl)
+
+    main.add_command(command, "redis-proxy")
+
+
 def _add_plan() -> None:
     from worker.runtime.plan_cli import command  # (light until run: the runner class is imported by the command)
 
@@ -204,4 +211,5 @@ def _add_plan() -> None:
 
 
 _add_redis_acl()
+_add_redis_proxy()
 _add_plan()
