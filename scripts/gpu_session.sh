@@ -164,7 +164,7 @@ PYCHECK
       nvidia-smi --query-gpu=name,memory.total,memory.used,pcie.link.gen.current,pcie.link.width.current \
         --format=csv || true
       free -g; df -h / /tmp /var/tmp /dev/shm 2>/dev/null || true
-      "$PY" -m bench.host_link --gib 8 --iters 3 --disk /var/tmp --disk-gib 4
+      "$PY" -m bench.host_link --gib 4 --iters 3 --disk /var/tmp --disk-gib 2
     } 2>&1 | tee "$OUT/facts.txt"
     ;;
   weights-split)
