@@ -321,7 +321,8 @@ def test_a_field_rq_cannot_parse_ends_the_job_failed_in_rq_and_in_its_recorded_s
     with ProducerClient(settings) as client:
         info = client.status(job.id)
     assert (info.state, info.rq_status, info.error["reason"]) == ("failed", "failed", "invalid_request"), info
-    assert wait_state(worker.enqueue("after an unparseable hash"), {"uploaded", "failed"}, 60, worker.proc) == "uploaded"
+    after = worker.enqueue("after an unparseable hash")
+    assert wait_state(after, {"uploaded", "failed"}, 60, worker.proc) == "uploaded"
 
 
 def test_an_oversized_meta_is_refused_and_not_rewritten_on_every_event(worker):
