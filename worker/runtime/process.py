@@ -236,9 +236,9 @@ def run_worker(
             return EXIT_FLEET_UNRECOVERABLE
         worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
         worker.service.update_spool_metrics()
-        from worker.runtime.supervisor import tell_supervisor_ready
+        from worker.runtime.readiness import report_to_supervisor
 
-        tell_supervisor_ready()  # (its restart back-off resets: this process got ready once)
+        report_to_supervisor(worker.readiness)  # (its `/readyz` answer, kept current for the supervisor's)
     except _StartupInterrupted as exc:
         log.info("stopped by %s during startup", exc)
         if worker is not None:
