@@ -20,7 +20,8 @@ zlib bomb takes a worker to 3.3 GB), and rewrites a meta of any size on every ev
   refused the same way (data that was not a call failed as `internal`: RQ's `DeserializationError`);
 - a field RQ parses on load (its dates, TTLs and timeouts, status, names) holding a value RQ's own parse
   refuses (`created_at: "yesterday"`) is dropped and the job refused the same way: the hash used to be
-  unreadable, failed in RQ by `fail_unreadable` while its recorded state stayed `queued`;
+  unreadable, failed in RQ by `fail_unreadable` while its recorded state stayed `queued` (in a worker's
+  class only, `repairs`: to a client such a hash stays unreadable);
 - a hash bigger in Redis than a job of this service can be (`max_hash_bytes()`: twice the request and
   meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `rq_compat.OversizedJob`, and the
   worker deletes it and records the failure (`rq_compat.drop_oversized`): a tenant who writes 90 MB into her own
@@ -34,11 +35,13 @@ The limits come from the worker's settings through `RenderJob.with_limits()`, a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import zlib
 from typing import Any
 
+import redis
 from rq.job import JobStatus
 from rq.utils import decode_redis_hash, parse_timeout, str_to_date
 
@@ -105,6 +108,10 @@ class RenderJob(GuardedJob):
     max_data_bytes: int = 1 << 20  #: decompressed `data` (the call and its request) accepted
     max_meta_bytes: int = 64 << 10  #: serialized meta accepted
     tenant_ids: bool = False  #: job ids are `<client>-<id>`: the owner must match (`check_job_owner`)
+    #: Refuse what RQ cannot load (a field its parse refuses, data that is no call) instead of failing the load:
+    #: a worker's class (`with_limits`), which ends the job with a record. A client reading jobs (the producer)
+    #: keeps them unreadable: it shows nothing a dropped field or a placeholder call would make up.
+    repairs: bool = False
 
     @classmethod
     def max_hash_bytes(cls) -> int:
@@ -121,8 +128,8 @@ class RenderJob(GuardedJob):
     @classmethod
     def with_limits(cls, *, max_data_bytes: int, max_meta_bytes: int, tenant_ids: bool = False) -> type[RenderJob]:
         """A subclass with these limits (one per worker, from its settings)."""
-        return type("RenderJob", (cls,), {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes,
-                                          "tenant_ids": tenant_ids})  # fmt: skip
+        limits = {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes, "tenant_ids": tenant_ids}
+        return type("RenderJob", (cls,), {**limits, "repairs": True})
 
     def restore(self, raw_data: Any) -> Any:
         obj = decode_redis_hash(raw_data)
@@ -132,7 +139,11 @@ class RenderJob(GuardedJob):
             refusals.append(f"the job hash carries {', '.join(present)}, which this service never sets")
         for name in REFUSED_HASH_FIELDS:
             obj.pop(name, None)
-        refusals += _drop_unparseable(obj)
+        if self.repairs and (dropped := _drop_unparseable(obj)):
+            refusals += [f"the job hash's {name} is not a value RQ writes ({value[:40]!r})" for name, value in dropped]
+            # (RQ re-saves only the fields it holds: the refused job's hash must read back, for clients too)
+            with contextlib.suppress(redis.RedisError):
+                self.connection.hdel(self.key, *(name for name, _ in dropped))
         data = obj.get("data")
         if isinstance(data, bytes) and (refusal := self._data_refusal(data)) is not None:
             refusals.append(refusal)
@@ -154,6 +165,8 @@ class RenderJob(GuardedJob):
         (counted without inflating more), or not what RQ's `_deserialize_data` unpacks."""
         if _decompressed_size(data, self.max_data_bytes) > self.max_data_bytes:
             return f"the job's data exceeds {self.max_data_bytes} bytes"
+        if not self.repairs:
+            return None
         try:
             call = zlib.decompress(data)  # (at most max_data_bytes: counted above)
         except zlib.error:
@@ -192,9 +205,9 @@ def check_job_owner(job_id: str, meta: Any) -> None:
                          "(tenant ids: the id must be '<client>-<id>')")  # fmt: skip
 
 
-def _drop_unparseable(obj: dict[str, Any]) -> list[str]:
-    """Drop from a job hash (decoded keys) each field whose value RQ's own parse refuses; one refusal each."""
-    refusals = []
+def _drop_unparseable(obj: dict[str, Any]) -> list[tuple[str, bytes]]:
+    """Drop from a job hash (decoded keys) each field whose value RQ's own parse refuses; (name, value) each."""
+    dropped = []
     for name, parse in _RQ_PARSED.items():
         value = obj.get(name)
         if value == b"" and name in _PARSED_WHEN_EMPTY:
@@ -204,9 +217,8 @@ def _drop_unparseable(obj: dict[str, Any]) -> list[str]:
         try:
             parse(value)
         except Exception:
-            obj.pop(name)
-            refusals.append(f"the job hash's {name} is not a value RQ writes ({value[:40]!r})")
-    return refusals
+            dropped.append((name, obj.pop(name)))
+    return dropped
 
 
 def _decompressed_size(data: bytes, limit: int) -> int:
