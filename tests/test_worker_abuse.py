@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 import uuid
 import zlib
 from pathlib import Path
@@ -22,26 +21,17 @@ import pytest
 from rq import Retry
 from rq.job import JobStatus
 
-from tests.support.fleet import Fleet, running_worker
+from tests.support.fleet import JobFleet, running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import enqueue, events, wait_rq_status, wait_state
 
 pytestmark = pytest.mark.timeout(240)
 
 
-class Worker(Fleet):
+class Worker(JobFleet):
     """Handle on the module's worker (no S3 proxy)."""
 
     tmpfs = False  #: the spool is a small tmpfs of its own (a test may fill it)
-
-    def enqueue(self, prompt: str = "t", **kwargs: Any) -> Any:
-        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9},
-                       **kwargs)  # fmt: skip
-
-    def metric(self, line_start: str) -> float:
-        port = self.health()["metrics_port"]
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
 @pytest.fixture(scope="module")
