@@ -23,12 +23,13 @@ marks storage degraded.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from types import FrameType
 from typing import Any, NoReturn
 
-from worker.ops.logs import event_text
+from worker.ops.logs import event_text, rank_logging
 from worker.protocol.shared_settings import safe_redis_url
 from worker.runtime.exit_codes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
 from worker.settings import SettingsError, WorkerSettings, resolve_runner
@@ -80,6 +81,13 @@ def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_
             return
     finally:
         client.close()
+
+
+def _controller(*args: Any, **kwargs: Any) -> Any:
+    """`MGPUController(*args, **kwargs)`, imported when the fleet is built (it imports torch)."""
+    from ltx_mgpu import MGPUController
+
+    return MGPUController(*args, **kwargs)
 
 
 def _misconfigured(exc: BaseException, url: str) -> str:
@@ -157,6 +165,9 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         if isinstance(event.get("startup"), dict):
             metrics.set_fleet_startup(event["startup"])
 
+    if controller_factory is None:  # (its ranks log as this process does: `worker.ops.logs.rank_logging`)
+        ranks_log = functools.partial(rank_logging, settings.log_level, settings.log_format, group, name)
+        controller_factory = functools.partial(_controller, rank_logging=ranks_log)
     fleet = WarmFleet(
         runner_cls,
         devices,
