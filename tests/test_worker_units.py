@@ -228,6 +228,7 @@ def term(signum, frame):
     n = len(list(out.glob(f"term-{group}-*")))
     if n >= 2: sys.exit(0)  # cold stop
 signal.signal(signal.SIGTERM, term)
+signal.signal(signal.SIGINT, term)  # (a worker stops alike on either: the supervisor forwards what it got)
 while True:
     time.sleep(0.05)
     if len(list(out.glob(f"term-{group}-*"))) == 1 and mode != "cold":

@@ -24,8 +24,9 @@ GPU) is never restarted: restarting cannot fix it, so the supervisor stops the o
 A worker that exits 0 unasked is restarted the same way (Redis pubsub must not be a way to stop the
 service).
 
-Signals: the first SIGTERM/SIGINT is forwarded to every child as SIGTERM (warm stop: running jobs
-finish, then fleets stop); a second one is forwarded again (cold stop: jobs are aborted and re-queued,
+Signals: the first SIGTERM/SIGINT is forwarded to every child as it came (warm stop: running jobs
+finish, then fleets stop; a worker treats both alike, and its log names the signal the operator sent, not
+one the supervisor chose); a second one is forwarded again (cold stop: jobs are aborted and re-queued,
 fleets killed). After both, `kill_after_s` (if set) bounds the wait before SIGKILL.
 """
 
@@ -125,7 +126,7 @@ class Supervisor:
                     len(self.children))  # fmt: skip
         if self.signals_received >= 2 and self._cold_at is None:
             self._cold_at = time.monotonic()
-        self._forward(signal.SIGTERM)
+        self._forward(signal.Signals(signum))
 
     def _forward(self, sig: signal.Signals) -> None:
         for child in self.children:
