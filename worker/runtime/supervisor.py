@@ -9,9 +9,9 @@ time its readiness changes, the very answer of its own `/readyz` (`worker.runtim
 groups the supervisor is ready while *every* group's worker is (its `/readyz` 200 means each worker's says 200;
 `groups` in its JSON, and `ltx_supervisor_worker_ready{group}`, say which are, for alerts on a partial
 loss): a machine whose groups are not all taking jobs is not what it was deployed as, even though the others
-still render. A child that exits before its first "ready" line
-exited *never ready*, however long it ran (a warm-up can take minutes before it fails): its restart backs
-off exponentially, `backoff_s` doubling per never-ready exit in a row up to `backoff_max_s`. A child that
+still render. A child that exits before its first "ready" line exited *never ready*, however long it ran
+(a warm-up can take minutes before it fails): its restart backs off exponentially, `backoff_s` doubling per
+never-ready exit in a row up to `backoff_max_s`. A child that
 became ready resets the count (its restart after a later exit waits `backoff_s`). From `alarm_after` never-ready
 exits in a row the supervisor says so loudly: a critical log line per exit naming the group and the last
 exit code, `ltx_supervisor_crash_loop{group}` 1, and its `/readyz` (`worker.ops.supervisor_probe`, when a port
@@ -165,9 +165,9 @@ class Supervisor:
                 log.info("worker for group %s is %s", child.group, "ready again" if ready else f"not ready: {reason}")
             child.ready, child.not_ready = ready, reason
             self.metrics.worker_ready.labels(child.group).set(1 if ready else 0)
-        if child.pipe.closed:
-            child.pipe = None
-            child.ready = False  # (it exited, or is stopping: its pipe closes with it)
+        if child.pipe.closed:  # (it exited, or is stopping: its pipe closes with it)
+            child.pipe, child.ready = None, False
+            self.metrics.worker_ready.labels(child.group).set(0)
 
     def _first_ready(self, child: _Child) -> None:
         child.ever_ready = True
