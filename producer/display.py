@@ -83,6 +83,16 @@ def _state_line(data: dict[str, Any]) -> str:
     return state
 
 
+def _fleet_details(data: dict[str, Any]) -> str:
+    """`key=value, ...` of a fleet event, without what says nothing: unset values, and the error id, which
+    the one-line message already ends with (`[error id ...: details in the worker log]`, printed twice)."""
+    message = str(data.get("message") or "")
+    shown = {k: v for k, v in data.items() if k not in ("type", "ts", "action") and v is not None}
+    if str(shown.get("error_id")) in message:
+        del shown["error_id"]
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
 class _StepsColumn(ProgressColumn):
     """`step/total  pct%`, or nothing while a stage's total is unknown (a stage event carries none)."""
 
@@ -189,8 +199,7 @@ class EventPrinter:
             )
             return
         if event.type == EventType.FLEET.value:
-            details = ", ".join(f"{k}={v}" for k, v in data.items() if k not in ("type", "ts", "action"))
-            self._line(f"{_clock(ts)} fleet {data.get('action')}: {details}")
+            self._line(f"{_clock(ts)} fleet {data.get('action')}: {_fleet_details(data)}")
             return
         self._line(f"{_clock(ts)} {event.type}: {data}")
 

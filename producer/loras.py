@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from rq.worker import Worker
 
 from producer.models import unavailable_on_error
-from producer.request_file import LoadedRequest
+from producer.request_file import LoadedRequest, describe_error
 from worker.protocol.health import LoraOffer, SnapshotError, read_health
 from worker.protocol.keys import worker_health_key
 from worker.protocol.lora_refs import LoraRef, parse_lora_option, uri_problem
@@ -35,9 +35,8 @@ def with_lora_options(requests: Sequence[LoadedRequest], options: Sequence[str])
         try:
             refs.append(parse_lora_option(text))
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ())) or "value"
-            raise ValueError(f"--lora {text!r}: {where}: {err.get('msg')}") from None
+            raise ValueError(f"--lora {text!r}: {describe_error(exc.errors(include_url=False)[0])}") from None
+    flags = " ".join(f"--lora {text}" for text in options)
     out = []
     for loaded in requests:
         data = loaded.request.model_dump(exclude_none=True)
@@ -45,9 +44,9 @@ def with_lora_options(requests: Sequence[LoadedRequest], options: Sequence[str])
         try:
             request = RenderRequest.model_validate(data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            raise ValueError(f"{loaded.source}: with --lora, {where}: {err.get('msg')}") from None
+            # (the file's own request was valid: what fails is what the flags added to it)
+            problem = describe_error(exc.errors(include_url=False)[0])
+            raise ValueError(f"{flags} on {loaded.source}: {problem}") from None
         out.append(replace(loaded, request=request))
     return out
 

@@ -11,15 +11,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 
 from producer.errors import ProducerError
 from worker.protocol.health import WorkerHealth
 from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE
+from worker.protocol.redis_conn import redis_problem
 from worker.protocol.schema import RenderRequest
-from worker.protocol.shared_settings import safe_redis_url
 from worker.protocol.states import TERMINAL_STATES, EventType
 
 #: The terminal service states as plain strings (what meta and events carry).
@@ -260,38 +259,6 @@ def unavailable_on_error(redis_url: str | None = None) -> Iterator[None]:
         if problem is None:
             raise
         raise ServiceUnavailable(problem[0], misconfigured=problem[1]) from None
-
-
-def redis_problem(exc: BaseException, redis_url: str | None = None) -> tuple[str, bool] | None:
-    """(one line saying what is wrong, whether the settings are) if `exc` says Redis cannot be used at all:
-    unreachable, too slow, refused credentials (WRONGPASS, NOAUTH) or command (NOPERM), no such database,
-    not speaking the Redis protocol, or a failed TLS handshake. None for errors about the data, which
-    belong to the job or the command."""
-    where = f" at {safe_redis_url(redis_url)}" if redis_url else ""
-    text = " ".join(str(exc).split())[:300]  # (one line, whatever the server sent)
-    if isinstance(exc, redis.AuthenticationError):
-        if "required" in text.lower():
-            return (f"Redis{where} requires authentication (NOAUTH): set LTX_REDIS_USERNAME and "
-                    "LTX_REDIS_PASSWORD_FILE (or the password in the URL)", True)  # fmt: skip
-        return (f"Redis authentication failed{where} (WRONGPASS: {text}): check LTX_REDIS_USERNAME and "
-                "LTX_REDIS_PASSWORD(_FILE)", True)  # fmt: skip
-    if isinstance(exc, redis.exceptions.NoPermissionError):
-        return (f"Redis{where} refused a command to this user (NOPERM: {text}): the ACL (`ltx-worker "
-                "redis-acl`) does not allow it", True)  # fmt: skip
-    if isinstance(exc, redis.ResponseError) and "db index" in text.lower():
-        db = urlsplit(redis_url).path.strip("/") if redis_url else "?"
-        return f"Redis{where} has no database {db} ({text}): fix the /N at the end of LTX_REDIS_URL", True
-    if isinstance(exc, redis.exceptions.InvalidResponse):
-        return (f"the server{where} does not speak the Redis protocol ({text}): does LTX_REDIS_URL name "
-                "another service's port?", True)  # fmt: skip
-    if isinstance(exc, redis.TimeoutError):
-        return f"Redis{where} did not answer in time ({text})", False
-    if isinstance(exc, redis.ConnectionError):
-        if "ssl" in text.lower() or "certificate" in text.lower() or "tls" in text.lower():
-            return (f"TLS with Redis{where} failed ({text}): check LTX_REDIS_CA_FILE / LTX_REDIS_CERT_FILE "
-                    "and the rediss:// URL", True)  # fmt: skip
-        return f"cannot reach Redis{where}: {text}", False
-    return None
 
 
 # ==== helpers of the client's views =====================================================================

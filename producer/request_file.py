@@ -24,7 +24,7 @@ from producer.errors import ProducerError
 from producer.json_pos import Position, locate, position_at
 from worker.protocol.schema import RenderRequest
 
-__all__ = ["LoadedRequest", "RequestFileError", "load_requests", "validate_request"]
+__all__ = ["LoadedRequest", "RequestFileError", "describe_error", "error_location", "load_requests", "validate_request"]
 
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
 
@@ -152,14 +152,22 @@ def _validate(document: Any, text: str | None, name: str, *, first_line: int, in
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]
-        loc = tuple(first["loc"])
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-        raise RequestFileError(f"{where(loc)}: {_describe(first)}{more}") from None
+        raise RequestFileError(f"{where(error_location(first))}: {describe_error(first)}{more}") from None
     return LoadedRequest(request=request, source=where(()), index=index)
 
 
-def _describe(error: dict[str, Any]) -> str:
-    """One readable clause for one pydantic error, naming the field."""
+def error_location(error: dict[str, Any]) -> tuple[str | int, ...]:
+    """Where a pydantic error points: its `loc`; for a check of the whole request (no `loc`) the request field
+    its message begins with ("loras: ...", "images[0].frame ..."), so a file position points at that field."""
+    loc = tuple(error["loc"])
+    named = re.match(r"(?:Value error, )?([a-z_]+)\b", str(error["msg"])) if not loc else None
+    return (named.group(1),) if named and named.group(1) in RenderRequest.model_fields else loc
+
+
+def describe_error(error: dict[str, Any]) -> str:
+    """One readable clause for one pydantic error, naming the field. A check of the whole request names its
+    field in its own message, and the value it refused is the whole request: not echoed (it was, in full)."""
     loc = tuple(error["loc"])
     field = ".".join(str(part) for part in loc) or "request"
     kind = error["type"]
@@ -173,6 +181,8 @@ def _describe(error: dict[str, Any]) -> str:
     message = str(error["msg"])
     message = message.removeprefix("Value error, ")
     message = message[:1].lower() + message[1:]
+    if not loc:
+        return message
     shown = _shown(error.get("input"))
     if len(shown) > 60:
         shown = shown[:57] + "..."

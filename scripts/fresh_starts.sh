@@ -9,16 +9,18 @@
 #
 # The recipe is read from the page itself and run by `python -m tests.support.docstack` (what
 # tests/test_doc_stack.py runs once): system folders and fixed ports are replaced, GPU groups become
-# `cpu:1` with the smoke model. Exit status: 0 if every start was ready with no bucket error.
+# `cpu:1` with the smoke model. Exit status: 0 if every start was ready with no bucket error. Each start's
+# clone and stack live in a fresh folder under TMPDIR (default /tmp), removed at the end.
 set -euo pipefail
 n=${1:-10}
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$root/.venv/bin/python}
 rev=$(git -C "$root" rev-parse "${REV:-HEAD}")
-base=$(mktemp -d /tmp/ltx-fresh-XXXXXX)
+base=$(mktemp -d "${TMPDIR:-/tmp}/ltx-fresh-XXXXXX")  # (clones and stacks: under TMPDIR when it is set)
 trap 'rm -rf "$base"' EXIT
 echo "fresh starts of $rev (docs/operations.md, two CPU groups), $n in a row"
 results=$base/results.jsonl
+: > "$results"
 for i in $(seq "$n"); do
     clone=$base/clone
     git clone -q --no-checkout "$root" "$clone"

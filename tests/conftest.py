@@ -153,3 +153,10 @@ def unique_name(request: pytest.FixtureRequest) -> str:
     """A short name unique to this test (queue names, key prefixes)."""
     base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40]
     return f"{base}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def env(redis_url: str, unique_name: str) -> dict[str, str]:
+    """The environment of one producer CLI test (`tests.support.cli.run`): its own queue and client on the
+    real Redis."""
+    return {"LTX_REDIS_URL": redis_url, "LTX_QUEUES": f"q-{unique_name}", "LTX_CLIENT": f"c-{unique_name}"}

@@ -17,19 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from click.testing import CliRunner
 
 from producer.settings import ProducerSettings
 from producer.settings import load_settings as load_producer_settings
+from tests.support.compose import COMPOSE, DOCKERFILE, ROOT, SERVICES, stage_text, stages
 from worker.settings import WorkerSettings
 from worker.settings import load_settings as load_worker_settings
 
-ROOT = Path(__file__).resolve().parents[1]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-DOCKERFILE = (ROOT / "Dockerfile").read_text()
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-SERVICES = COMPOSE["services"]
 _VAR = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -83,16 +79,6 @@ def service_env_here(service: str, root: Path) -> dict[str, str]:
             assert value in files, f"{service}: {name}={value} is not one of its mounted secrets"
             env[name] = str(files[value])
     return env
-
-
-def stages() -> set[str]:
-    return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", DOCKERFILE, re.M | re.I))
-
-
-def stage_text(name: str) -> str:
-    match = re.search(rf"^FROM\s+\S+\s+AS\s+{name}\b(.*?)(?=^FROM\s|\Z)", DOCKERFILE, re.M | re.S | re.I)
-    assert match, f"no stage {name}"
-    return match.group(1)
 
 
 # ==== the file and the services =========================================================================

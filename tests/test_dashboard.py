@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from devstack.dev_servers import LOOPBACK, free_port, stop_process
+from tests.support.acl_stack import write_passwords
+from tests.support.compose import SERVICES, stage_text
 from tests.support.wait import wait_for
-from tests.test_compose import SERVICES, stage_text
-from tests.test_redis_acl_rules import _passwords
 from worker.protocol.redis_acl import AclUsers, generate
 
 
@@ -69,7 +69,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Dashb
     installed = importlib.metadata.version("rq-dashboard")  # a dev dependency (pyproject), pinned like the image
     assert installed == _pinned("rq-dashboard"), (installed, _pinned("rq-dashboard"))
     tmp = tmp_path_factory.mktemp("dashboard")
-    _passwords(tmp / "secrets")
+    write_passwords(tmp / "secrets")
     server = SecureRedisServer(acl=generate(AclUsers(tenants=("alice", "bob")), password_dir=tmp / "secrets"))
     server.start()
     # compose's entrypoint, with the secret file, the Redis address and compose's `$$` escape resolved here

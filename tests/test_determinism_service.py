@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 
 from producer.cli import cli
-from tests.support.workers import events
-from tests.test_worker_service import running_worker
-from tests.test_worker_support import enqueue, wait_for, wait_state
+from tests.support.fleet import running_worker
+from tests.support.wait import wait_for
+from tests.support.workers import enqueue, events, wait_state
 
 pytestmark = pytest.mark.timeout(900)
 HEX = set("0123456789abcdef")

@@ -11,14 +11,10 @@ import pytest
 from rq import Queue
 from rq.worker import Worker
 
+from tests.support.cli import run
 from worker.protocol.handoff import HandOff
 from worker.protocol.health import FleetHealth, LoraOffer, SnapshotError, UploadsHealth, WorkerHealth, read_health
 from worker.protocol.keys import worker_health_key
-
-from . import test_producer_cli
-
-env = test_producer_cli.env
-run = test_producer_cli.run
 
 #: A snapshot as `worker.runtime.rq_worker` writes it (every key, in its order).
 SNAPSHOT = {

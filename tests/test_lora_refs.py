@@ -15,14 +15,10 @@ from rq import Queue
 from rq.worker import Worker
 
 from producer.exit_codes import ExitCode
+from tests.support.cli import run
 from worker.protocol.keys import worker_health_key
 from worker.protocol.lora_refs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed, uri_problem
 from worker.protocol.schema import RenderRequest
-
-from . import test_producer_cli
-
-env = test_producer_cli.env  #: the CLI tests' fixture: this test's own queue and client on the real Redis
-run = test_producer_cli.run
 
 
 def request(**loras_field: object) -> RenderRequest:
@@ -114,10 +110,33 @@ def test_submit_lora_option_adds_to_every_request_and_dry_run_checks_syntax(tmp_
     code, out, _ = run(["submit", str(path), "--lora", "dolly:0.5", "--dry-run"], env)
     assert code == 0 and out.count(": ok") == 2
     code, _, err = run(["submit", str(path), "--lora", "dolly:9", "--dry-run"], env)
-    assert code == ExitCode.USAGE and "--lora 'dolly:9': strength: Input should be less than or equal to 4" in err
+    assert code == ExitCode.USAGE and "--lora 'dolly:9': strength: input should be less than or equal to 4" in err
     many = [a for i in range(MAX_LORAS) for a in ("--lora", f"x{i}")]  # the second has one: MAX_LORAS + 1
     code, _, err = run(["submit", str(path), *many, "--dry-run"], env)
-    assert code == ExitCode.USAGE and "p.jsonl:2:1: with --lora, loras: List should have at most" in err
+    assert code == ExitCode.USAGE and f"x7 on {path}:2:1: loras: list should have at most 8 items" in err, err
+
+
+def test_a_strength_sum_from_the_lora_options_is_one_line_naming_the_flags(tmp_path: Path, env) -> None:
+    """`--lora dolly-in:3 --lora dolly-in:2` printed `ok64.json:1:1: with --lora, : Value error, loras: ...`:
+    an empty field, pydantic's prefix, no flag named. One line now: the flags, the request, the problem."""
+    path = tmp_path / "ok64.json"
+    path.write_text('{"prompt": "a", "width": 64, "height": 64, "num_frames": 9}')
+    code, out, err = run(["submit", str(path), "--lora", "dolly-in:3", "--lora", "dolly-in:2", "--dry-run"], env)
+    problem = "loras: dolly-in: strengths add up to 5 for one file; at most 4 in sum"
+    expected = f"producer: --lora dolly-in:3 --lora dolly-in:2 on {path}:1:1: {problem}\n"
+    assert (code, out, err) == (ExitCode.USAGE, "", expected)
+
+
+def test_a_strength_sum_in_a_request_file_points_at_loras_and_echoes_nothing(tmp_path: Path, env) -> None:
+    """The same refusal from the file's own `loras` echoed the whole request (`(got {'prompt': ...})`), the
+    prompt included, and pointed at the object's first character: now at the `loras` field, nothing echoed."""
+    path = tmp_path / "sum.json"
+    loras = '[{"name": "dolly-in", "strength": 3}, {"name": "dolly-in", "strength": 2}]'
+    path.write_text('{"prompt": "a secret prompt", "loras": ' + loras + "}")
+    code, out, err = run(["submit", str(path), "--dry-run"], env)
+    column = path.read_text().index('"loras"') + 1  # (where the field is, 1-based, as for any field)
+    expected = f"producer: {path}:1:{column}: loras: dolly-in: strengths add up to 5 for one file; at most 4 in sum\n"
+    assert (code, out, err) == (ExitCode.USAGE, "", expected)
 
 
 def test_dry_run_checks_names_prefixes_and_count_a_worker_publishes(tmp_path: Path, env, redis_client) -> None:

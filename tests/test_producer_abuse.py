@@ -14,7 +14,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.exit_codes import ExitCode
-from tests.test_producer_cli import env, run  # noqa: F401  (the `env` fixture)
+from tests.support.cli import run
 
 
 def _poison(redis_client, queue: str) -> list[str]:
@@ -38,7 +38,7 @@ def _poison(redis_client, queue: str) -> list[str]:
     return list(bad)
 
 
-def test_ls_and_stats_skip_unreadable_jobs_with_a_note(env, redis_client):  # noqa: F811
+def test_ls_and_stats_skip_unreadable_jobs_with_a_note(env, redis_client):
     queue = env["LTX_QUEUES"]
     ids = _poison(redis_client, queue)
     code, out, err = run(["ls"], env)
@@ -55,7 +55,7 @@ def test_ls_and_stats_skip_unreadable_jobs_with_a_note(env, redis_client):  # no
     assert code == ExitCode.NOT_FOUND and "cannot be read" in err, (out, err)
 
 
-def test_a_deeply_nested_request_file_is_a_clear_error(env, tmp_path: Path):  # noqa: F811
+def test_a_deeply_nested_request_file_is_a_clear_error(env, tmp_path: Path):
     path = tmp_path / "deep.json"
     path.write_text("[" * 200_000 + "]" * 200_000)
     code, out, err = run(["submit", str(path)], env)
@@ -73,7 +73,7 @@ def _uploaded_job(redis_client, queue: str, result: dict) -> str:
     return job.id
 
 
-def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_client, tmp_path):  # noqa: F811
+def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_client, tmp_path):
     from producer.client import FetchRefused, ProducerClient
     from producer.settings import load_settings
 
@@ -105,7 +105,7 @@ def test_fetch_only_downloads_over_http_from_the_configured_endpoint(env, redis_
             client.fetch(bad, tmp_path / "out.mp4")
 
 
-def test_control_characters_from_other_clients_never_reach_the_terminal_raw(env, redis_client):  # noqa: F811
+def test_control_characters_from_other_clients_never_reach_the_terminal_raw(env, redis_client):
     hostile = "\x1b]0;pwned\x07\x1b[2Jfox\r\u202e"
     q = Queue(env["LTX_QUEUES"], connection=redis_client, serializer=JSONSerializer)
     meta = {"state": "failed", "fleet": "\x1b[31m", "error": {"reason": "x\x1b[5m", "message": hostile}}
@@ -117,7 +117,7 @@ def test_control_characters_from_other_clients_never_reach_the_terminal_raw(env,
     assert "\\x1b" in out
 
 
-def test_clients_see_and_act_on_their_own_jobs_and_operators_on_all(env, tmp_path):  # noqa: F811
+def test_clients_see_and_act_on_their_own_jobs_and_operators_on_all(env, tmp_path):
     request = tmp_path / "r.json"
     request.write_text(json.dumps({"prompt": "alice's secret prompt", "width": 64, "height": 64, "num_frames": 9}))
     alice, bob = {**env, "LTX_CLIENT": "alice"}, {**env, "LTX_CLIENT": "bob"}
@@ -138,7 +138,7 @@ def test_clients_see_and_act_on_their_own_jobs_and_operators_on_all(env, tmp_pat
     assert code == 0, err
 
 
-def test_the_client_name_is_checked_at_the_api(env):  # noqa: F811
+def test_the_client_name_is_checked_at_the_api(env):
     from producer.client import ProducerClient
     from producer.settings import load_settings
     from worker.protocol.schema import RenderRequest
@@ -149,7 +149,7 @@ def test_the_client_name_is_checked_at_the_api(env):  # noqa: F811
                 client.submit(RenderRequest(prompt="t"), client=bad)
 
 
-def test_an_image_format_that_cannot_be_sized_is_refused_at_submit(env, redis_client, tmp_path: Path):  # noqa: F811
+def test_an_image_format_that_cannot_be_sized_is_refused_at_submit(env, redis_client, tmp_path: Path):
     """The edge half of the image-format check (the worker's: tests/test_worker_abuse.py): nothing enqueued."""
     import base64
 

@@ -12,7 +12,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.exit_codes import ExitCode
-from tests.test_producer_cli import env, run, write  # noqa: F401  (the `env` fixture)
+from tests.support.cli import run, write
 
 ATTACK = '{"prompt":"a fox","width":128,"height":96,"num_frames":9,"frame_rate":%s,"steps":2}'
 
@@ -28,7 +28,7 @@ def _one_line(err: str) -> None:
     ("NaN", "frame_rate: input should be a finite number"),
     ("Infinity", "frame_rate: input should be a finite number"),
 ])  # fmt: skip
-def test_a_frame_rate_the_runners_cannot_do_is_refused_at_dry_run_and_submit(tmp_path, env, redis_client, value,  # noqa: F811
+def test_a_frame_rate_the_runners_cannot_do_is_refused_at_dry_run_and_submit(tmp_path, env, redis_client, value,
                                                                              says):  # fmt: skip
     path = write(tmp_path, "attack.json", ATTACK % value)
     for args in (["submit", "--dry-run", path], ["submit", path]):
@@ -39,7 +39,7 @@ def test_a_frame_rate_the_runners_cannot_do_is_refused_at_dry_run_and_submit(tmp
     assert Queue(env["LTX_QUEUES"], connection=redis_client, serializer=JSONSerializer).count == 0
 
 
-def test_a_5000_digit_integer_in_a_request_file_is_one_clear_line(tmp_path, env):  # noqa: F811
+def test_a_5000_digit_integer_in_a_request_file_is_one_clear_line(tmp_path, env):
     digits = "9" * 5000
     path = write(tmp_path, "big.json", '{"prompt": "a", "seed": ' + digits + "}")
     code, out, err = run(["submit", "--dry-run", path], env)
@@ -63,7 +63,7 @@ def test_a_5000_digit_integer_in_a_request_file_is_one_clear_line(tmp_path, env)
     assert code == ExitCode.USAGE and "seed: input should be less than or equal to 4294967295" in err, err
 
 
-def test_a_fetch_url_whose_port_is_not_a_number_is_refused_in_one_line(tmp_path, env, redis_client):  # noqa: F811
+def test_a_fetch_url_whose_port_is_not_a_number_is_refused_in_one_line(tmp_path, env, redis_client):
     q = Queue(env["LTX_QUEUES"], connection=redis_client, serializer=JSONSerializer)
     result = {"url": "http://127.0.0.1:9000.nip.io/x", "sha256": "0" * 64, "key": "k"}
     job = q.create_job("worker.job.render", args=({"prompt": "t"},), meta={"state": "uploaded", "result": result})

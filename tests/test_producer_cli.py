@@ -19,27 +19,11 @@ from producer.client import content_job_id
 from producer.exit_codes import ExitCode
 from producer.json_pos import locate, position_at
 from producer.request_file import load_requests
+from tests.support.cli import run, write
 from worker.protocol.keys import RENDER_FUNC, events_key
 from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def env(redis_url: str, unique_name: str) -> dict[str, str]:
-    """Environment for one CLI test: its own queue, a generous cap unless a test lowers it."""
-    return {"LTX_REDIS_URL": redis_url, "LTX_QUEUES": f"q-{unique_name}", "LTX_CLIENT": f"c-{unique_name}"}
-
-
-def run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, args, env=env, catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
-
-
-def write(tmp_path: Path, name: str, text: str) -> str:
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
 
 
 # ==== validation: exit 2, one line, file position and field ============================================

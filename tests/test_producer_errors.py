@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -113,6 +114,29 @@ def _url(case: str, secured: Any, garbage: int, s3_server: Any) -> str:
         "garbage": f"redis://127.0.0.1:{garbage}/0",
         "refused": f"redis://127.0.0.1:{free_port()}/0",
     }[case]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[2] and c[0] != "garbage"])
+def test_the_worker_refuses_wrong_redis_settings_in_the_producers_words(
+    case: str, secured, garbage_port, s3_server, tmp_path: Path, unique_name: str
+) -> None:
+    """A wrong database was "Redis at URL refused us (LTX_REDIS_URL): DB index is out of range" from the
+    worker and "Redis at URL has no database 99 (...): fix the /N at the end of LTX_REDIS_URL" from the
+    producer; credentials differed the same way. One function words both now
+    (`worker.protocol.redis_conn.redis_problem`): the worker exits 2 with the producer's very line."""
+    from tests.support.workers import worker_env
+
+    url = _url(case, secured, garbage_port, s3_server)
+    code, _, err = run(["ls"], {"LTX_REDIS_URL": url, "LTX_QUEUES": f"q-{unique_name}"})
+    said = one_line(err).removeprefix("producer: ")
+    spool = tmp_path / "spool"
+    env = worker_env(url, s3_server, queue=f"q-{unique_name}", name="wrongdb", spool=spool, log_format="text")
+    cmd = [sys.executable, "-m", "worker", "one", "--group", "cpu:1"]
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, check=False, text=True, timeout=120)
+    output = res.stdout + res.stderr
+    assert (code, res.returncode) == (ExitCode.UNAVAILABLE, 2), output
+    command = re.compile(r"run the '\w+' command")  # (NOPERM names the command each ran first: ls, PING)
+    assert command.sub("", said) in command.sub("", output) and PASSWORD not in output, (said, output)
 
 
 @pytest.mark.parametrize(("case", "says", "misconfigured"), CASES, ids=[c[0] for c in CASES])

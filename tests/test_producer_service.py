@@ -154,6 +154,8 @@ def test_submit_watch_fetch_round_trip(stack: Stack, tmp_path: Path, s3_client) 
     code, out, _ = run(["status", job_id, "--json"], stack.env)
     info = json.loads(out)
     assert (code, info["state"], info["result"]["fleet"]["group"]) == (0, "uploaded", "cpu:2")
+    # (the last stage the render announced, `mux`, read as if the job were still in it)
+    assert (info["stage"], info["percent"], info["eta_s"]) == ("done", 100.0, 0.0), info
 
     dest = tmp_path / "out.mp4"
     code, out, err = run(["fetch", job_id, "-o", str(dest)], stack.env)

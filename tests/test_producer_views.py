@@ -1,5 +1,6 @@
 """What the producer shows about a job (unit tests, no Redis): the status view of a job enqueued through
-plain RQ, the LoRAs in `status --json`, and the refusal of a LoRA name when a worker has no catalogue."""
+plain RQ, the LoRAs in `status --json`, the refusal of a LoRA name when a worker has no catalogue, and a fleet
+failure as `watch` prints it."""
 
 from __future__ import annotations
 
@@ -38,3 +39,27 @@ def test_a_lora_name_against_a_worker_without_a_catalogue_says_so() -> None:
     assert "has no LoRA catalogue (LTX_LORA_CATALOGUE" in problem and "uri" in problem
     (problem,) = lora_problems(request, [("w1", LoraOffer(("dolly-in",), (), None))])
     assert "'crane' is not in the worker's catalogue" in problem
+
+
+def test_watch_shows_a_fleet_failures_error_id_once() -> None:
+    """`watch` printed `... [error id err-x: details in the worker log], error_id=err-x`: the message the worker
+    writes (`WarmFleet.describe`) already ends with the id."""
+    import io
+
+    from rich.console import Console
+
+    from producer.display import EventPrinter
+    from producer.models import JobEvent
+    from worker.render.fleet import WarmFleet
+
+    class RankDied(Exception):
+        reason, rank, pid, exitcode = "rank_died", 0, 12, -9
+
+    info = WarmFleet.describe(RankDied("rank 0 died\nrank 0 (pid 12) exit -9:\nTraceback\nRuntimeError: boom"))
+    assert info["error_id"] and info["error_id"] in info["message"]
+    out = io.StringIO()
+    printer = EventPrinter(Console(file=out, width=300), "j", live=False)
+    printer.show(JobEvent("1-0", "fleet", {"type": "fleet", "action": "failed", **info, "ts": 0.0}))
+    (line,) = out.getvalue().splitlines()
+    assert line.count(info["error_id"]) == 1, line
+    assert "fleet failed: fleet_reason=rank_died, rank=0, pid=12, exitcode=-9, message=rank 0 died" in line, line

@@ -22,58 +22,14 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tests.support.acl_stack import acl_worker
+from tests.support.acl_stack import Stack, acl_worker, small_request, tenant_enqueue, wait_client_state, write_passwords
 from tests.support.runners import output_bytes
 from tests.support.wait import wait_for
-from tests.support.workers import WorkerProcess, events, wait_ready
-from tests.test_redis_acl_rules import _passwords
+from tests.support.workers import events, wait_ready
 from worker.protocol.keys import REFUSALS_KEY
 from worker.protocol.redis_acl import AclUsers, generate
 
 # ==== the stack: TLS + ACL Redis, a worker as `worker`, tenants as themselves ==============================
-
-
-class Stack:
-    def __init__(self, server: Any, s3: Any, worker: WorkerProcess, queue: str, name: str, secrets_dir: Path) -> None:
-        self.server, self.s3, self.worker, self.queue, self.name = server, s3, worker, queue, name
-        self.secrets = secrets_dir
-        self.admin = server.client()
-
-    def settings(self, user: str, **extra: Any) -> Any:
-        from producer.settings import ProducerSettings
-
-        return ProducerSettings(redis_url=self.server.url, redis_username=user, redis_password_file=self.secrets / user,
-                                redis_ca_file=self.server.ca_file, queues=[self.queue], s3_endpoint_url=self.s3.url,
-                                **extra)  # fmt: skip
-
-    def producer(self, user: str) -> Any:
-        from producer.client import ProducerClient
-
-        return ProducerClient(self.settings(user))
-
-    def raw(self, user: str) -> Any:
-        """What a tenant can do with its credentials and no producer."""
-        return self.server.user_client(user, (self.secrets / user).read_text().strip(), socket_timeout=5)
-
-    def fleet_alive(self) -> bool:
-        return bool(wait_ready(self.admin, self.name, 1, 30, self.worker))
-
-    def denial_counts(self, user: str) -> dict[str, int]:
-        """What `user` was denied so far, with how often (Redis aggregates repeats within 60 s into one entry)."""
-        counts: dict[str, int] = {}
-        for e in self.admin.acl_log(128):
-            if _text(e["username"]) == user:
-                what = f"{_text(e['reason'])}: {_text(e['object'])}"
-                counts[what] = counts.get(what, 0) + int(e["count"])
-        return counts
-
-    def acl_denials(self, user: str) -> list[str]:
-        return [f"{_text(e['reason'])}: {_text(e['object'])}" for e in self.admin.acl_log(128)
-                if _text(e["username"]) == user]  # fmt: skip
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
         pytest.skip("redis-server not found")
     tmp = tmp_path_factory.mktemp("acl")
     secrets_dir = tmp / "secrets"
-    _passwords(secrets_dir)
+    write_passwords(secrets_dir)
     acl = generate(AclUsers(tenants=("alice", "bob")), password_dir=secrets_dir)
     server = SecureRedisServer(acl=acl, tls=True).start()
     ready = lambda admin, name, proc: wait_ready(admin, name, 1, 120, proc)  # noqa: E731
@@ -98,37 +54,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
             st.admin.close()
 
 
-def _request(prompt: str = "t", **kwargs: Any) -> Any:
-    from worker.protocol.schema import RenderRequest
-
-    return RenderRequest(prompt=prompt, width=64, height=64, num_frames=9, **kwargs)
-
-
-def tenant_enqueue(conn: Any, queue: str, request: dict[str, Any], *, job_id: str, meta: dict[str, Any]) -> Any:
-    """What a tenant can enqueue with raw Redis: RQ's job hash and push, on its own queue (no `rq:queues`)."""
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
-    from worker.protocol.keys import RENDER_FUNC
-    from worker.protocol.rq_compat import enqueue_unregistered
-
-    q = Queue(queue, connection=conn, serializer=JSONSerializer)
-    job = q.create_job(RENDER_FUNC, args=(request,), job_id=job_id, meta=meta, timeout=600, result_ttl=3600,
-                       failure_ttl=3600)  # fmt: skip
-    with conn.pipeline() as pipe:
-        enqueue_unregistered(q, job, pipeline=pipe)
-        pipe.execute()
-    return job
-
-
-def _wait_state(client: Any, job_id: str, states: set[str], stack: Stack, timeout: float = 60) -> Any:
-    return wait_for(lambda: (i := client.status(job_id)).state in states and i, timeout,
-                    f"{job_id} in {states}", on_fail=stack.worker.log_tail)  # fmt: skip
-
-
 def test_a_tenant_submits_watches_lists_and_fetches_its_job_over_tls(stack: Stack, tmp_path: Path) -> None:
     with stack.producer("alice") as alice:
-        job = alice.submit(_request(seed=7), job_id="first")
+        job = alice.submit(small_request(seed=7), job_id="first")
         assert job.id == "alice-first"
         seen = [e.type for e in alice.follow("first", deadline=time.monotonic() + 60)]
         assert "progress" in seen and seen[-1] == "state"
@@ -157,8 +85,8 @@ def test_the_cli_runs_as_a_tenant_from_environment_settings(stack: Stack, monkey
     monkeypatch.delenv("LTX_CLIENT", raising=False)
     monkeypatch.delenv("LTX_OPERATOR", raising=False)
     with stack.producer("bob") as bob:
-        bob.submit(_request(), job_id="cli")
-        _wait_state(bob, "cli", {"uploaded"}, stack)
+        bob.submit(small_request(), job_id="cli")
+        wait_client_state(bob, "cli", {"uploaded"}, stack)
     result = CliRunner().invoke(cli, ["status", "cli", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["job_id"] == "bob-cli"
@@ -166,12 +94,12 @@ def test_the_cli_runs_as_a_tenant_from_environment_settings(stack: Stack, monkey
 
 def test_a_tenant_cancels_its_queued_job_without_publish_or_queue_writes(stack: Stack) -> None:
     with stack.producer("alice") as alice:
-        alice.submit(_request("t step_s=0.3", steps=12), job_id="busy")
-        _wait_state(alice, "busy", {"rendering"}, stack)
-        alice.submit(_request(), job_id="waiting")
+        alice.submit(small_request("t step_s=0.3", steps=12), job_id="busy")
+        wait_client_state(alice, "busy", {"rendering"}, stack)
+        alice.submit(small_request(), job_id="waiting")
         assert alice.cancel("waiting") == "cancelled"
         assert alice.status("waiting").state == "cancelled"
-        _wait_state(alice, "busy", {"uploaded"}, stack)
+        wait_client_state(alice, "busy", {"uploaded"}, stack)
         # the worker dequeued it after `busy`, recorded it and never ran it
         wait_for(lambda: stack.admin.lpos(f"rq:queue:{stack.queue}:t:alice", "alice-waiting") is None, 30, "dequeued")
         time.sleep(0.5)
@@ -190,14 +118,14 @@ def test_a_tenant_backfill_re_runs_its_cancelled_job_under_the_same_id(stack: St
     from producer.models import content_job_id
     from producer.request_file import LoadedRequest
 
-    request = _request(f"t backfill {uuid.uuid4().hex[:6]}")
+    request = small_request(f"t backfill {uuid.uuid4().hex[:6]}")
     job_id = content_job_id(request)
     with stack.producer("alice") as alice:
-        alice.submit(_request("t step_s=0.3", steps=12), job_id="busy-bf")
-        _wait_state(alice, "busy-bf", {"rendering"}, stack)
+        alice.submit(small_request("t step_s=0.3", steps=12), job_id="busy-bf")
+        wait_client_state(alice, "busy-bf", {"rendering"}, stack)
         alice.submit(request, job_id=job_id)
         assert alice.cancel(job_id) == "cancelled"
-        _wait_state(alice, "busy-bf", {"uploaded"}, stack)
+        wait_client_state(alice, "busy-bf", {"uploaded"}, stack)
         run = Backfill(alice, [LoadedRequest(request, "f:1", 0)], manifest=tmp_path / "m.jsonl", concurrency=1)
         denied = stack.denial_counts("alice")
         summary = run.run()
@@ -210,10 +138,10 @@ def test_a_tenant_backfill_re_runs_its_cancelled_job_under_the_same_id(stack: St
 
 def test_a_tenant_cancels_its_running_job_and_the_fleet_survives(stack: Stack) -> None:
     with stack.producer("alice") as alice:
-        alice.submit(_request("t step_s=0.3", steps=40), job_id="long")
-        _wait_state(alice, "long", {"rendering"}, stack)
+        alice.submit(small_request("t step_s=0.3", steps=40), job_id="long")
+        wait_client_state(alice, "long", {"rendering"}, stack)
         assert alice.cancel("long") == "stop_requested"
-        info = _wait_state(alice, "long", {"cancelled"}, stack, timeout=30)
+        info = wait_client_state(alice, "long", {"cancelled"}, stack, timeout=30)
         assert info.rq_status == "canceled"
         states = [e["state"] for e in events(stack.admin, "alice-long") if e["type"] == "state"]
         assert "uploaded" not in states
@@ -236,8 +164,8 @@ def test_a_tenant_cannot_publish_rq_commands(stack: Stack) -> None:
 
 def test_a_tenant_cannot_edit_or_delete_another_tenants_job_or_events(stack: Stack) -> None:
     with stack.producer("bob") as bob:
-        bob.submit(_request(), job_id="mine")
-        _wait_state(bob, "mine", {"uploaded"}, stack)
+        bob.submit(small_request(), job_id="mine")
+        wait_client_state(bob, "mine", {"uploaded"}, stack)
     alice = stack.raw("alice")
     attacks = [
         lambda: alice.hset("rq:job:bob-mine", "meta", "{}"),
@@ -261,8 +189,8 @@ def test_a_tenant_cannot_read_another_tenants_prompt_result_or_events(stack: Sta
     every other tenant's prompts, results and presigned URLs; now only ids and counts are shared, and the
     producer's own listing never asks for another tenant's hash."""
     with stack.producer("bob") as bob:
-        bob.submit(_request("bob's secret prompt"), job_id="private")
-        _wait_state(bob, "private", {"uploaded"}, stack)
+        bob.submit(small_request("bob's secret prompt"), job_id="private")
+        wait_client_state(bob, "private", {"uploaded"}, stack)
     alice = stack.raw("alice")
     reads = [
         lambda: alice.hgetall("rq:job:bob-private"),
@@ -342,11 +270,13 @@ def test_a_worker_with_an_untrusted_certificate_or_a_wrong_password_stops_with_a
     from worker.settings import SettingsError, WorkerSettings
 
     url, ca = stack.server.url, stack.server.ca_file
-    with pytest.raises(SettingsError, match="TLS certificate not trusted"):
+    # (in the producer's words: worker.protocol.redis_conn.redis_problem)
+    untrusted = "TLS with Redis at .* failed .*CERTIFICATE_VERIFY_FAILED.*check LTX_REDIS_CA_FILE"
+    with pytest.raises(SettingsError, match=untrusted):
         wait_for_redis(
             WorkerSettings(redis_url=url, redis_username="worker", redis_password_file=stack.secrets / "worker")
         )
-    with pytest.raises(SettingsError, match="refused our credentials") as err:
+    with pytest.raises(SettingsError, match="Redis authentication failed at .*check LTX_REDIS_USERNAME") as err:
         wait_for_redis(
             WorkerSettings(redis_url=url, redis_username="worker", redis_password="wrong-pw-0123", redis_ca_file=ca)
         )

@@ -14,27 +14,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tests.support.acl_stack import USERS, write_passwords
 from worker.protocol.keys import check_tenant_name, job_tenant, tenant_job_id
 from worker.protocol.redis_acl import ACL_PASSWORD_ENV_PREFIX, AclUsers, generate, password_for, render_acl
 from worker.protocol.render_job import RefusedJob, check_job_owner
-
-USERS = ("worker", "alice", "bob")
-
-
-def _passwords(directory: Path) -> dict[str, str]:
-    directory.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for user in USERS:
-        out[user] = secrets.token_urlsafe(24)
-        (directory / user).write_text(out[user] + "\n")
-    return out
-
 
 # ==== the generator (no server) =========================================================================
 
 
 def test_acl_file_turns_default_off_and_holds_only_password_hashes(tmp_path: Path) -> None:
-    pw = _passwords(tmp_path / "secrets")
+    pw = write_passwords(tmp_path / "secrets")
     text = generate(AclUsers(tenants=("alice", "bob"), ping_user="health"), password_dir=tmp_path / "secrets")
     lines = text.splitlines()
     # off with no password: no client logs in as `default` (its permissions are for the AOF replay only,
@@ -91,7 +80,7 @@ def test_passwords_come_from_files_then_environment_never_short(tmp_path: Path) 
 def test_cli_writes_the_file_and_takes_no_password_argument(tmp_path: Path) -> None:
     from worker.cli import main
 
-    pw = _passwords(tmp_path / "secrets")
+    pw = write_passwords(tmp_path / "secrets")
     out = tmp_path / "users.acl"
     args = ["redis-acl", "--tenant", "alice", "--tenant", "bob", "--password-dir", str(tmp_path / "secrets")]
     missing = CliRunner().invoke(main, [*args, "--output", str(out)])  # the admin user is on by default

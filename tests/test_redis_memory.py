@@ -17,37 +17,18 @@ import re
 import signal
 import socket
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
 import redis
 
 from tests.support.fleet import running_worker
+from tests.support.redis_memory import MB, fill_past_maxmemory, used_memory
 from tests.support.wait import wait_for
-from tests.support.workers import enqueue, wait_state
+from tests.support.workers import enqueue, http_json, wait_state
 from worker.jobs.tenant_memory import RESERVE_BYTES
 
 pytestmark = pytest.mark.timeout(240)
-
-MB = 1 << 20
-
-
-def _used(client: Any) -> int:
-    return int(client.info("memory")["used_memory"])
-
-
-def _fill_past_maxmemory(client: Any, prefix: str, n: int = 16) -> int:
-    """`n` MB of strings, then `maxmemory` set below what is used: every write that needs memory is refused
-    (filling up to the limit is not enough: the refused write's own buffer is freed and small writes fit)."""
-    for i in range(n):
-        client.set(f"{prefix}{i}", b"x" * MB)
-    # (idle clients' query buffers shrink later; a worker releases its reserve when refused)
-    client.config_set("maxmemory", _used(client) - 4 * MB - 2 * RESERVE_BYTES)
-    with pytest.raises(redis.exceptions.OutOfMemoryError):
-        client.set(f"{prefix}probe", b"x")
-    return n
 
 
 def test_a_client_that_does_not_read_its_replies_is_disconnected(redis_server_factory: Any) -> None:
@@ -56,7 +37,7 @@ def test_a_client_that_does_not_read_its_replies_is_disconnected(redis_server_fa
     payload = {f"f{i}": b"y" * (3 * MB) for i in range(10)}  # 30 MB in one hash, every value under the cap
     for field, value in payload.items():
         client.hset("rq:job:alice-big", field, value)
-    limit = _used(client) + 40 * MB
+    limit = used_memory(client) + 40 * MB
     client.config_set("maxmemory", limit)
     raw = socket.create_connection(("127.0.0.1", server.port))
     try:
@@ -65,7 +46,7 @@ def test_a_client_that_does_not_read_its_replies_is_disconnected(redis_server_fa
 
         def dropped() -> bool:
             names = [c for c in client.client_list() if c.get("cmd") == "hgetall"]
-            return not names and _used(client) < limit
+            return not names and used_memory(client) < limit
 
         wait_for(dropped, 20, "the raw client dropped and its output buffer freed")
         client.set("ltx:probe", b"ok")  # writes work again
@@ -77,33 +58,25 @@ def test_a_client_that_does_not_read_its_replies_is_disconnected(redis_server_fa
     client.close()
 
 
-def _http(port: int, path: str) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_a_worker_waits_out_redis_refusing_writes_and_renders_after(tmp_path, redis_server_factory, s3_server):
     server = redis_server_factory()
     with running_worker(tmp_path, server, s3_server) as w:
         port = w.health()["metrics_port"]
         filler = server.client()
-        n = _fill_past_maxmemory(filler, "filler:")
-        refused = wait_for(lambda: (s := _http(port, "/readyz"))[0] == 503 and not s[1]["redis"]["up"] and s, 30,
+        n = fill_past_maxmemory(filler, "filler:")
+        refused = wait_for(lambda: (s := http_json(port, "/readyz"))[0] == 503 and not s[1]["redis"]["up"] and s, 30,
                            "/readyz saying Redis refuses the worker", on_fail=w.proc.log_tail)  # fmt: skip
         assert "OutOfMemoryError" in refused[1]["redis"]["reason"]
         time.sleep(6)  # several back-off rounds, maintenance and heartbeats all refused
         assert w.proc.proc.poll() is None, w.proc.log_tail()
-        status, info = _http(port, "/healthz")
+        status, info = http_json(port, "/healthz")
         assert status == 200 and info["live"] and not info["redis"]["up"], info
         log = w.proc.log_tail(200_000)
         assert "unhandled exception" not in log and log.count("Redis refuses the worker") == 1, log[-4000:]
         filler.delete(*[f"filler:{i}" for i in range(n)])
         job = enqueue(w.conn, w.queue, {"prompt": "after the outage", "width": 64, "height": 64, "num_frames": 9})
         assert wait_state(job, {"uploaded", "failed"}, 90, w.proc) == "uploaded", job.get_meta()
-        status, info = _http(port, "/readyz")
+        status, info = http_json(port, "/readyz")
         assert status == 200 and info["redis"]["up"] and info["redis"]["outages"] == 1, info
         # A tenant fills Redis through her own job hash (never queued): the worker, refused for memory,
         # drops hashes no job of this service can fill, and comes back without an operator.
@@ -112,9 +85,9 @@ def test_a_worker_waits_out_redis_refusing_writes_and_renders_after(tmp_path, re
         for i in range(4):
             filler.hset(bloat, f"pad{i}", b"y" * (3 * MB))
         time.sleep(2.5)  # (Redis shrinks an idle client's query buffer after 2 s: measured after it, not before)
-        filler.config_set("maxmemory", _used(filler) - 4 * MB - 2 * RESERVE_BYTES)  # (see _fill_past_maxmemory)
-        wait_for(lambda: _http(port, "/readyz")[0] == 503, 30, "Redis refusing the worker again")
-        wait_for(lambda: _http(port, "/readyz")[0] == 200, 60, "recovered by itself", on_fail=w.proc.log_tail)
+        filler.config_set("maxmemory", used_memory(filler) - 4 * MB - 2 * RESERVE_BYTES)  # (see fill_past_maxmemory)
+        wait_for(lambda: http_json(port, "/readyz")[0] == 503, 30, "Redis refusing the worker again")
+        wait_for(lambda: http_json(port, "/readyz")[0] == 200, 60, "recovered by itself", on_fail=w.proc.log_tail)
         assert filler.hget(bloat, "pad0") is None and filler.hget(bloat, "status") == b"failed"
         job = enqueue(w.conn, w.queue, {"prompt": "after the sweep", "width": 64, "height": 64, "num_frames": 9})
         assert wait_state(job, {"uploaded", "failed"}, 90, w.proc) == "uploaded", job.get_meta()
@@ -129,7 +102,7 @@ def test_a_submit_to_a_redis_out_of_memory_is_one_line_and_exit_6(redis_server_f
 
     server = redis_server_factory()
     filler = server.client()
-    _fill_past_maxmemory(filler, "filler:")
+    fill_past_maxmemory(filler, "filler:")
     request = tmp_path / "fox.json"
     request.write_text(json.dumps({"prompt": "a fox", "width": 64, "height": 64, "num_frames": 9}))
     env = {"LTX_REDIS_URL": server.url, "LTX_QUEUES": "q-oom", "LTX_CLIENT": "bob"}
@@ -148,7 +121,7 @@ def test_event_writes_wait_out_a_short_out_of_memory_spell(redis_server_factory)
 
     server = redis_server_factory()
     client = server.client()
-    n = _fill_past_maxmemory(client, "filler:")
+    n = fill_past_maxmemory(client, "filler:")
     threading.Timer(1.0, lambda: server.client().delete(*[f"filler:{i}" for i in range(n)])).start()
     t0 = time.monotonic()
     assert with_redis_retry(lambda: client.xadd("ltx:job:x:events", {"type": "progress"}), outage_s=20)
@@ -167,7 +140,7 @@ def test_a_sigterm_while_the_worker_waits_to_register_is_a_warm_stop(tmp_path, r
 
     server = redis_server_factory()
     filler = server.client()
-    _fill_past_maxmemory(filler, "filler:")
+    fill_past_maxmemory(filler, "filler:")
     env = worker_env(server.url, s3_server, queue="q-window", name="window", spool=tmp_path / "spool")
     proc = WorkerProcess(["one", "--group", "cpu:1"], env, tmp_path / "window.log").start()
     try:

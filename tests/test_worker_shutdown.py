@@ -152,6 +152,18 @@ def test_sigterm_during_fleet_start_stops_cleanly(tmp_path, redis_server, s3_ser
     assert "stopped by SIGTERM during startup" in proc.log_tail()
 
 
+def test_ctrl_c_at_the_supervisor_is_logged_as_sigint_by_its_workers(tmp_path, redis_server, s3_server):
+    """Ctrl+C (SIGINT) at `ltx-worker` was forwarded to its workers as SIGTERM, and each logged "stopped by
+    SIGTERM": the log named a signal nobody sent. The supervisor forwards the signal it got."""
+    proc, _, _, _ = _worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"], runner_setup='{"setup_s": 60}')
+    wait_for(lambda: "fleet cpu:1: starting" in proc.log_tail(), 60, "fleet start begun", on_fail=proc.log_tail)
+    proc.signal(signal.SIGINT)
+    assert proc.wait(60) == 0, proc.log_tail()
+    log = proc.log_tail(200_000)
+    assert "supervisor got SIGINT" in log and "stopped by SIGINT during startup" in log, log[-3000:]
+    assert "SIGTERM" not in log, log[-3000:]
+
+
 # ==== errors that can never fix themselves, and those that do ======================================
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.support.runners import read_records
 from tests.support.wait import wait_for
@@ -34,9 +36,12 @@ def warm_worker(tmp_path_factory: pytest.TempPathFactory, redis_server: Any, s3_
     warmup = [{"prompt": f"warm step_s={WARMUP_STEP_S} record={record}", "steps": 2, "width": 64, "height": 64,
                "num_frames": 9}]  # fmt: skip
     t_launch = time.time()
+    synthetic = tmp / "synthetic.safetensors"  # (what the LTX-2 runners warn about, from the driver rank)
+    save_file({"w": torch.zeros(1)}, str(synthetic), metadata={"synthetic": "true"})
+    setup = {"setup_s": SETUP_S, "slow_if_exists": str(slow), "slow_s": 4.0, "synthetic_checkpoint": str(synthetic)}
     w = launch_worker(tmp, redis_server, s3_server, ["one", "--group", "cpu:2"], prefix="s", log_name="worker.log",
-                      runner_setup=json.dumps({"setup_s": SETUP_S, "slow_if_exists": str(slow), "slow_s": 4.0}),
-                      warmup_requests=json.dumps(warmup), retry_fleet_failure=0)  # fmt: skip
+                      runner_setup=json.dumps(setup), warmup_requests=json.dumps(warmup),
+                      retry_fleet_failure=0)  # fmt: skip
     proc, conn, queue, name = w.proc, w.conn, w.queue, w.name
     try:
         (info,) = wait_ready(conn, name, 1, 120, proc)
@@ -94,3 +99,18 @@ def test_a_long_rebuild_keeps_the_worker_visible_with_its_fleet_starting(warm_wo
     assert len(starting) >= 2, f"health not refreshed during the rebuild: {seen}"
     assert starting[-1] - starting[0] >= 1.0, seen
     assert Path(w["record"]).exists()
+
+
+def test_the_ranks_log_json_like_the_worker(warm_worker):
+    """The driver rank's synthetic-weights warning was a plain-text line in the worker's JSON log (ranks had
+    no logging set up: Python's last resort printed the bare message). The ranks log as the worker does now:
+    a JSON record with the worker's group and name, from the rank's pid."""
+    first = warm_worker["first"]
+    lines = Path(warm_worker["proc"].log_path).read_text().splitlines()
+    warned = [line for line in lines if "SYNTHETIC weights" in line]  # (one per build: the rebuild test adds one)
+    assert warned, "\n".join(lines[-40:])
+    records = [json.loads(line) for line in warned]  # (a plain-text line fails here)
+    for record in records:
+        assert (record["level"], record["logger"], record["group"]) == ("WARNING", "ltx_mgpu.runners", "cpu:2")
+        assert record["worker"] == first["worker"] and record["pid"] != first["pid"], record  # (a rank's)
+    assert records[0]["pid"] == first["fleet"]["pids"][0]  # the first fleet's driver rank

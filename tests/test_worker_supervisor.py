@@ -170,3 +170,45 @@ def test_a_worker_that_never_gets_ready_backs_off_and_the_supervisor_says_so(tmp
         rc = w.proc.stop(60)
         w.conn.close()
     assert rc == 0, w.proc.log_tail()
+
+
+def test_the_supervisors_readyz_follows_its_workers(tmp_path, redis_server_factory, s3_server):
+    """The supervisor's `/readyz` said 200 while its worker's said 503 (here: Redis refusing the
+    worker for memory), because the worker told the supervisor only once, when it first got warm. Now each
+    change of the worker's readiness reaches the supervisor: 503 naming the group and the worker's reason,
+    200 again once the worker is. Real Redis, real S3, a real supervisor over one CPU fleet."""
+    from devstack.ports import free_port
+    from tests.support.redis_memory import fill_past_maxmemory
+    from tests.support.workers import http_json
+
+    server = redis_server_factory()
+    port = free_port()
+    w = launch_worker(tmp_path, server, s3_server, ["--group", "cpu:1"], prefix="rz", supervisor_port=port)
+    # The worker re-checks its readiness every 0.25 s and the supervisor reads its pipe every 0.1 s: the
+    # supervisor follows within a second; 10 s leaves room for a loaded 2-core machine.
+    follows_s = 10
+
+    def answers(probe_port: int, status: int, what: str, timeout: float = follows_s) -> dict[str, Any]:
+        found = wait_for(
+            lambda: (s := http_json(probe_port, "/readyz"))[0] == status and s, timeout, what, on_fail=w.proc.log_tail
+        )
+        return found[1]
+
+    try:
+        (info,) = wait_ready(w.conn, w.name, 1, 120, w.proc)
+        answers(port, 200, "the supervisor ready")
+        filler = server.client()
+        n = fill_past_maxmemory(filler, "filler:")
+        answers(info["metrics_port"], 503, "the worker not ready", timeout=30)
+        body = answers(port, 503, "the supervisor not ready either")
+        assert body["ready"] is False and body["groups"][0]["ready"] is False, body
+        assert "group cpu:1: the worker is not ready: Redis refuses the worker" in body["reason"], body
+        filler.delete(*[f"filler:{i}" for i in range(n)])
+        answers(info["metrics_port"], 200, "the worker ready again", timeout=60)
+        body = answers(port, 200, "the supervisor ready again")
+        assert body["ready"] is True and body["reason"] is None, body
+        filler.close()
+    finally:
+        rc = w.proc.stop(60)
+        w.conn.close()
+    assert rc == 0, w.proc.log_tail()

@@ -216,6 +216,11 @@ if mode == "ready-then-crash":  # ready (the supervisor's pipe), then dies: e.g.
     import os; os.write(int(os.environ["LTX_SUPERVISOR_READY_FD"]), b"1"); time.sleep(0.1); sys.exit(3)
 if mode == "clean":
     sys.exit(0)
+if mode == "ready-busy-ready":  # reports as a worker does: ready, not (back-pressure), ready again
+    import os; fd = int(os.environ["LTX_SUPERVISOR_READY_FD"])
+    os.write(fd, b"1\\n"); time.sleep(0.3); os.write(fd, b"0 back-pressure: spool disk nearly full\\n")
+    while not out.joinpath(f"resume-{group}").exists(): time.sleep(0.02)
+    os.write(fd, b"1\\n")
 if mode == "exit-once" and not out.joinpath(f"exited-{group}").exists():
     out.joinpath(f"exited-{group}").touch(); sys.exit(1)
 def term(signum, frame):
@@ -223,6 +228,7 @@ def term(signum, frame):
     n = len(list(out.glob(f"term-{group}-*")))
     if n >= 2: sys.exit(0)  # cold stop
 signal.signal(signal.SIGTERM, term)
+signal.signal(signal.SIGINT, term)  # (a worker stops alike on either: the supervisor forwards what it got)
 while True:
     time.sleep(0.05)
     if len(list(out.glob(f"term-{group}-*"))) == 1 and mode != "cold":
@@ -317,6 +323,49 @@ def test_a_worker_that_was_ready_resets_the_back_off(tmp_path):
     assert child.restarts >= 4 and set(child.exit_codes) == {3}
     assert set(child.delays) == {0.05} and child.never_ready_exits == 0  # never grew
     assert sup.metrics.crash_loop.labels("a")._value.get() == 0
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisor_answers_what_its_worker_last_reported(tmp_path):
+    """A worker reported "ready" once and the supervisor said ready from then on, while the worker's
+    own /readyz said 503. Every report counts now: not ready with the worker's reason, then ready again; and
+    being ready once still resets the never-ready count. (The live pair: test_worker_supervisor.py.)"""
+    import os
+
+    sup = Supervisor(["a"], _command(tmp_path, "ready-busy-ready"), poll_s=0.01)
+    seen: list[tuple[bool, str | None, float]] = []
+
+    def watch() -> None:
+        with contextlib.suppress(AssertionError):
+            for ready in (True, False):
+                wait_for(lambda r=ready: sup.status()[0] is r, 20, f"ready={ready}")
+                seen.append((*sup.status()[:2], sup.metrics.worker_ready.labels("a")._value.get()))
+            tmp_path.joinpath("resume-a0").touch()
+            wait_for(lambda: sup.status()[0], 20, "ready again")
+            seen.append((*sup.status()[:2], sup.metrics.worker_ready.labels("a")._value.get()))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+    assert sup.run() == 0
+    busy = "group a: the worker is not ready: back-pressure: spool disk nearly full"
+    assert seen == [(True, None, 1), (False, busy, 0), (True, None, 1)], seen
+    assert sup.children[0].never_ready_exits == 0
+
+
+def test_readiness_lines_are_one_line_each_and_fit_an_atomic_pipe_write():
+    import os
+
+    from worker.runtime.readiness import ReadinessPipe, decode, encode
+
+    assert encode((True, None)) == b"1\n" and decode(b"1") == (True, None)
+    line = encode((False, "a\nmulti-line " + "x" * 5000))
+    assert line.count(b"\n") == 1 and len(line) <= 512 and decode(line)[1].startswith("a multi-line xx")
+    read, write = os.pipe()
+    pipe = ReadinessPipe(read)
+    os.write(write, b"1\n0 back-pressure: uploads\n1")  # (a bare "1" then EOF: an older worker's one byte)
+    assert pipe.poll() == [(True, None), (False, "back-pressure: uploads")]
+    os.close(write)
+    assert pipe.poll() == [(True, None)] and pipe.closed
 
 
 @pytest.mark.timeout(60)

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from tests.test_worker_abuse import Worker
-from tests.test_worker_service import running_worker
-from tests.test_worker_support import read_records, wait_state
+from tests.support.fleet import JobFleet as Worker
+from tests.support.fleet import running_worker
+from tests.support.runners import read_records
+from tests.support.workers import wait_state
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -23,6 +23,8 @@ Contract (written once here; docs/controller.md links to it):
   is "on" on CPU and GPU fleets alike): the switches every rank sets before its first CUDA work
   (`determinism.py`: same kwargs, layout and software, same frames and audio); `controller.deterministic` is
   the running fleet's resolved mode.
+- `rank_logging`: a picklable `fn(rank)` each rank process calls first, to log as the caller does (the worker's
+  JSON lines); without it a rank logs Python's way (WARNING and above, plain text on stderr).
 
 The caller's whole side of a job (start, dispatch, the monitor, reading results) works here under one
 lock on one fleet handle, so the one-job invariant is kept in one place. Spawning, watching and killing the
@@ -85,6 +87,7 @@ class MGPUController:
         backend: str | None = None,
         error_settle_s: float = 30.0,
         deterministic: str | bool | None = None,
+        rank_logging: Callable[[int], None] | None = None,
     ) -> None:
         if num_gpus is not None and devices is not None:
             raise ValueError("Pass either num_gpus or devices, not both.")
@@ -104,6 +107,7 @@ class MGPUController:
         if deterministic is not None:
             determinism.resolve(deterministic)  # (a bad value fails here, not in the ranks)
         self._deterministic = deterministic
+        self._rank_logging = rank_logging
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()  # guards the in-flight check-and-set and the lifecycle fields
         self._next_job_id = 0  # monotonic over the controller's life (desync detection)
@@ -162,7 +166,14 @@ class MGPUController:
             self.startup = None
             started_at = time.time()
             self._fleet = spawn_fleet(
-                self._ctx, self._runner_cls, devices, self.backend, timeout_s, setup_kwargs, self.deterministic
+                self._ctx,
+                self._runner_cls,
+                devices,
+                self.backend,
+                timeout_s,
+                setup_kwargs,
+                self.deterministic,
+                rank_logging=self._rank_logging,
             )
             self._finalizer = weakref.finalize(self, FleetProcesses.terminate, self._fleet, 1.0)
         try:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -109,6 +111,8 @@ def spawn_fleet(
     timeout_s: float,
     setup_kwargs: dict[str, Any],
     deterministic: str,
+    *,
+    rank_logging: Callable[[int], None] | None = None,
 ) -> FleetProcesses:
     """Start one process per device (`fleet.rank_main`) and return them without waiting for them.
 
@@ -138,7 +142,7 @@ def spawn_fleet(
                 scratch_dir,
                 deterministic,
             )
-            proc = ctx.Process(target=rank_main, args=(boot,), name=f"ltx-mgpu-rank{rank}")
+            proc = ctx.Process(target=_rank_entry, args=(boot, rank_logging), name=f"ltx-mgpu-rank{rank}")
             procs.append(proc)  # (before start: a start interrupted half-way may have made the child)
             proc.start()
     except BaseException:
@@ -147,6 +151,17 @@ def spawn_fleet(
         half.close()
         raise
     return FleetProcesses(procs, channels, store, scratch_dir)
+
+
+def _rank_entry(boot: RankBoot, rank_logging: Callable[[int], None] | None) -> None:
+    """Spawn target: the caller's logging first (`MGPUController(rank_logging=...)`), then `fleet.rank_main`.
+    A logging setup that fails leaves Python's default and says so; the rank itself must not die of it."""
+    if rank_logging is not None:
+        try:
+            rank_logging(boot.rank)
+        except Exception as exc:
+            sys.stderr.write(f"[ltx_mgpu rank {boot.rank}] rank_logging failed ({type(exc).__name__}: {exc})\n")
+    rank_main(boot)
 
 
 def await_ready(fleet: FleetProcesses, world_size: int, timeout_s: float) -> list[RankStartup]:

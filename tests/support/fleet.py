@@ -1,5 +1,5 @@
-"""A handle on one `ltx-worker one` under test (`Fleet`): started on its own queue and name, ready with a warm
-fleet, stopped (exit 0 required) at the end; plus a reader for its /metrics page."""
+"""A handle on one `ltx-worker one` under test (`Fleet`, `JobFleet`): started on its own queue and name, ready
+with a warm fleet, stopped (exit 0 required) at the end; plus a reader for its /metrics page."""
 
 from __future__ import annotations
 
@@ -38,6 +38,20 @@ class Fleet:
     def submit(self, prompt: str, **request: Any) -> Any:
         return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9,
                                                **request})  # fmt: skip
+
+
+class JobFleet(Fleet):
+    """A `Fleet` that tests send RQ jobs to directly: `enqueue` takes RQ's keyword arguments (job id, meta,
+    TTLs, retries) for a small render, and `metric` sums a /metrics family's samples."""
+
+    def enqueue(self, prompt: str = "t", **kwargs: Any) -> Any:
+        return enqueue(self.conn, self.queue, {"prompt": prompt, "width": 64, "height": 64, "num_frames": 9}, **kwargs)
+
+    def metric(self, line_start: str) -> float:
+        """The sum of the samples on this worker's /metrics whose line starts with `line_start`."""
+        port = self.health()["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
 def start_worker(

@@ -95,11 +95,17 @@ class FaultRunner(MGPURunner):
         setup_s: float = 0.0,
         slow_if_exists: str | None = None,
         slow_s: float = 0.0,
+        synthetic_checkpoint: str | None = None,
         **_: Any,
     ) -> None:
         """`fail_if_exists`: raise if that file exists (a test creates it to make *rebuilds* fail).
         `setup_s`: sleep that long (a model load); `slow_if_exists`: sleep `slow_s` more if that file exists
-        (a test creates it to make *rebuilds* slow)."""
+        (a test creates it to make *rebuilds* slow). `synthetic_checkpoint`: check it as the LTX-2 runners
+        check theirs (`warn_if_synthetic`: the driver rank warns when it holds synthetic weights)."""
+        if synthetic_checkpoint:
+            from ltx_mgpu.runners.common.loading import warn_if_synthetic
+
+            warn_if_synthetic(synthetic_checkpoint, announce=self.is_driver)
         if fail_if_exists and os.path.exists(fail_if_exists):
             raise RuntimeError(f"injected setup failure ({fail_if_exists} exists)")
         time.sleep(setup_s + (slow_s if slow_if_exists and os.path.exists(slow_if_exists) else 0.0))

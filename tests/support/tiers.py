@@ -29,7 +29,7 @@ SERVER_FIXTURES = frozenset({"redis_server", "redis_server_factory", "s3_server"
 META_MODULES = frozenset({
     "test_structure", "test_import_contracts", "test_control_plane_contract", "test_docs_sync",
     "test_constraints", "test_compose", "test_numerics_script", "test_runner_registry", "test_tiers",
-    "test_error_hierarchy", "test_bench_package",
+    "test_error_hierarchy", "test_bench_package", "test_scripts",
 })  # fmt: skip
 
 #: Modules that start processes (fleets of several CPU ranks, `ltx-worker`, CLI subprocesses, bench scripts)

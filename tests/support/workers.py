@@ -174,6 +174,20 @@ def wait_ready(
                     on_fail=worker.log_tail if worker else None)  # fmt: skip
 
 
+def http_json(port: int, path: str, timeout: float = 10) -> tuple[int, dict[str, Any]]:
+    """GET a probe (`/readyz`, `/healthz`) on 127.0.0.1: (status, its JSON); (0, {}) while nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    except OSError:
+        return 0, {}
+
+
 # ==== jobs ==============================================================================================
 
 

@@ -2,6 +2,8 @@
 
 The job id lives in a context variable set by the worker around each job, so every log line emitted while
 a job runs (ours, RQ's, boto's) carries it without passing it around. `text` format is for terminals.
+The fleet's rank processes log the same way (`rank_logging`, given to `MGPUController`): a runner's warning on
+a rank (synthetic weights, a CUDA graph that stayed eager) was a plain-text line in the worker's JSON log.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["bind_job", "current_job_id", "event_text", "setup_logging"]
+__all__ = ["bind_job", "current_job_id", "event_text", "rank_logging", "setup_logging"]
 
 _job_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("ltx_job_id", default=None)
 _static: dict[str, str] = {}
@@ -97,3 +99,10 @@ def setup_logging(level: str = "INFO", fmt: str = "json", **static: str) -> None
     root.setLevel(level)
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+def rank_logging(level: str, fmt: str, group: str, worker: str, rank: int) -> None:
+    """In a rank process of this worker's fleet (`MGPUController(rank_logging=partial(rank_logging, level,
+    fmt, group, worker))`, called with the rank): the worker's format, level, group and name; `pid` tells
+    the ranks apart."""
+    setup_logging(level, fmt, group=group, worker=worker)

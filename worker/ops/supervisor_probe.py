@@ -5,13 +5,14 @@ its restart, or while it keeps exiting before it ever became ready, nothing answ
 refused connection says nothing about why. The supervisor sees every exit, so it says it here, on
 `LTX_SUPERVISOR_PORT` (off unless set):
 
-- `GET /metrics`: `ltx_supervisor_worker_ready{group}` (1 while that group's current worker process has
-  reported ready), `ltx_supervisor_never_ready_exits{group}` (its exits in a row before it was ever ready),
+- `GET /metrics`: `ltx_supervisor_worker_ready{group}` (1 while that group's current worker process's last
+  report says ready), `ltx_supervisor_never_ready_exits{group}` (its exits in a row before it was ever ready),
   `ltx_supervisor_crash_loop{group}` (1 from `LTX_RESTART_ALARM_AFTER` such exits until a worker is ready),
   `ltx_supervisor_restarts_total{group}`;
 - `GET /healthz`: 200 while the supervisor's loop runs;
-- `GET /readyz`: 200 only while every group's worker process runs and has reported ready; else 503 with
-  `reason` naming each group that is not (and, in a crash loop, its exits in a row and last exit code).
+- `GET /readyz`: 200 only while every group's worker process runs and its last report says ready (the very
+  answer of its own `/readyz`: `worker.runtime.readiness`); else 503 with `reason` naming each group that is
+  not, with the worker's reason (and, in a crash loop, its exits in a row and last exit code).
 Both return `{"live", "ready", "reason", "groups": [...]}` as JSON. Served by `worker.ops.probe_server`.
 """
 
@@ -34,8 +35,8 @@ class SupervisorMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.worker_ready = Gauge("ltx_supervisor_worker_ready", "1 while the group's worker process has reported "
-                                  "ready since it started", ["group"], registry=r)  # fmt: skip
+        self.worker_ready = Gauge("ltx_supervisor_worker_ready", "1 while the group's worker process's last "
+                                  "report says ready (its /readyz)", ["group"], registry=r)  # fmt: skip
         self.never_ready_exits = Gauge("ltx_supervisor_never_ready_exits", "Exits in a row of the group's worker "
                                        "before it was ever ready", ["group"], registry=r)  # fmt: skip
         self.crash_loop = Gauge("ltx_supervisor_crash_loop", "1 while the group's worker keeps exiting before it "

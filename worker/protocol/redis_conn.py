@@ -27,6 +27,7 @@ import threading
 import weakref
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
@@ -38,7 +39,7 @@ from worker.protocol.shared_settings import (
     split_list,
 )
 
-__all__ = ["RedisAccess", "ServiceAccess", "connect", "connection_kwargs", "single_try"]
+__all__ = ["RedisAccess", "ServiceAccess", "connect", "connection_kwargs", "redis_problem", "single_try"]
 
 
 class RedisAccess(BaseModel):
@@ -167,3 +168,53 @@ def single_try(client: Any) -> Any:
                 connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs))  # fmt: skip
             _SINGLE_TRY[pool] = found
         return found
+
+
+def redis_problem(exc: BaseException, redis_url: str | None = None) -> tuple[str, bool] | None:
+    """(one line saying what is wrong, whether the settings are) if `exc` says Redis cannot be used at all:
+    unreachable, too slow, refused credentials (WRONGPASS, NOAUTH) or command (NOPERM), no such database,
+    not speaking the Redis protocol, or a failed TLS handshake. None for errors about the data, which
+    belong to the job or the command. The one wording of these for the producer and the worker (the worker
+    exits 2 with it where the settings are wrong: `worker.runtime.process.wait_for_redis`)."""
+    import redis
+
+    where = f" at {safe_redis_url(redis_url)}" if redis_url else ""
+    text = " ".join(str(exc).split())[:300]  # (one line, whatever the server sent)
+    if isinstance(exc, redis.AuthenticationError):
+        if "required" in text.lower() or "already authenticated" in text.lower():  # (RESP3's HELLO says so)
+            return (
+                f"Redis{where} requires authentication (NOAUTH): set LTX_REDIS_USERNAME and "
+                "LTX_REDIS_PASSWORD_FILE (or the password in the URL)",
+                True,
+            )
+        return (
+            f"Redis authentication failed{where} (WRONGPASS: {text}): check LTX_REDIS_USERNAME and "
+            "LTX_REDIS_PASSWORD(_FILE)",
+            True,
+        )
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (
+            f"Redis{where} refused a command to this user (NOPERM: {text}): the ACL (`ltx-worker "
+            "redis-acl`) does not allow it",
+            True,
+        )
+    if isinstance(exc, redis.ResponseError) and "db index" in text.lower():
+        db = urlsplit(redis_url).path.strip("/") if redis_url else "?"
+        return f"Redis{where} has no database {db} ({text}): fix the /N at the end of LTX_REDIS_URL", True
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return (
+            f"the server{where} does not speak the Redis protocol ({text}): does LTX_REDIS_URL name "
+            "another service's port?",
+            True,
+        )
+    if isinstance(exc, redis.TimeoutError):
+        return f"Redis{where} did not answer in time ({text})", False
+    if isinstance(exc, redis.ConnectionError):
+        if "ssl" in text.lower() or "certificate" in text.lower() or "tls" in text.lower():
+            return (
+                f"TLS with Redis{where} failed ({text}): check LTX_REDIS_CA_FILE / LTX_REDIS_CERT_FILE "
+                "and the rediss:// URL",
+                True,
+            )
+        return f"cannot reach Redis{where}: {text}", False
+    return None

@@ -36,8 +36,9 @@ from worker.protocol.states import TERMINAL_STATES, EventType, JobState
 if TYPE_CHECKING:
     from rq.job import Job
 
-__all__ = ["REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
+__all__ = ["DONE_STAGE", "REDIS_OUTAGE_S", "EventRelay", "with_redis_retry"]
 
+DONE_STAGE = "done"  #: the summary's `stage` once a job is uploaded (no runner stage runs any more)
 REDIS_OUTAGE_S = 30.0  #: how long relay writes keep retrying while Redis is unreachable
 _RETRY_LOOKBACK = 16  #: newest stream entries a retried write searches for its own event
 
@@ -165,8 +166,8 @@ class EventRelay:
         summary: dict[str, Any] = {"state": state.value}
         if state in TERMINAL_STATES:
             summary["ended_at"] = time.time()  # the job's end (with the pipeline: the upload's, not the render's)
-        if state is JobState.UPLOADED:
-            summary.update(percent=100.0, eta_s=0.0, error=None)  # earlier attempts stay in meta `attempts`
+        if state is JobState.UPLOADED:  # (the runner's last stage, `mux`, is long over: the whole job is done)
+            summary.update(stage=DONE_STAGE, percent=100.0, eta_s=0.0, error=None)  # (earlier attempts: `attempts`)
         elif state is JobState.CANCELLED:
             # A cancel is the job's outcome, not its last attempt's failure: an error an earlier attempt left
             # (a `retrying` fleet_failure) would read as why it ended. That attempt stays in meta `attempts`.

@@ -15,14 +15,19 @@ zlib bomb takes a worker to 3.3 GB), and rewrites a meta of any size on every ev
 - with tenant job ids on (`LTX_TENANT_IDS`: tenants' Redis users can write only `rq:job:<tenant>-*`), a job
   whose meta `client` is not its id's tenant prefix is refused the same way (`check_job_owner`), so a
   tenant cannot submit under another tenant's name (their quota, their `ls`);
-- `data` is decompressed with a bound (`max_data_bytes`: the request); a meta over `max_meta_bytes` is
-  replaced by an empty one and refused the same way;
+- `data` is decompressed with a bound (`max_data_bytes`: the request) and must read as a call (RQ's
+  `[function, instance, args, kwargs]`); a meta over `max_meta_bytes` is replaced by an empty one; both are
+  refused the same way (data that was not a call failed as `internal`: RQ's `DeserializationError`);
+- a field RQ parses on load (its dates, TTLs and timeouts, status, names) holding a value RQ's own parse
+  refuses (`created_at: "yesterday"`) is dropped and the job refused the same way: the hash used to be
+  unreadable, failed in RQ by `fail_unreadable` while its recorded state stayed `queued` (in a worker's
+  class only, `repairs`: to a client such a hash stays unreadable);
 - a hash bigger in Redis than a job of this service can be (`max_hash_bytes()`: twice the request and
   meta bounds plus slack) is never read at all: `MEMORY USAGE` first, then `rq_compat.OversizedJob`, and the
   worker deletes it and records the failure (`rq_compat.drop_oversized`): a tenant who writes 90 MB into her own
   job hash spends the service's memory, and every read of it would copy the 90 MB again;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`) so the job can be saved and failed;
-- `worker.protocol.rq_compat.fail_unreadable()` records a job that cannot even be loaded as failed (hash status,
+- `worker.protocol.rq_compat.fail_unreadable()` records a job that still cannot be loaded as failed (hash status,
   failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
 
 The limits come from the worker's settings through `RenderJob.with_limits()`, a subclass per worker.
@@ -30,12 +35,15 @@ The limits come from the worker's settings through `RenderJob.with_limits()`, a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import zlib
 from typing import Any
 
-from rq.utils import decode_redis_hash
+import redis
+from rq.job import JobStatus
+from rq.utils import decode_redis_hash, parse_timeout, str_to_date
 
 from worker.errors import WorkerError
 from worker.protocol.keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
@@ -59,6 +67,37 @@ REFUSED_HASH_FIELDS = (
 _CALL_PLACEHOLDER = zlib.compress(json.dumps([RENDER_FUNC, None, [], {}]).encode())  # never run: refused
 
 
+def _exc_text(value: bytes) -> str:
+    try:
+        value = zlib.decompress(value)
+    except zlib.error:
+        pass  # (RQ too: stored uncompressed)
+    return value.decode("utf-8")
+
+
+#: Job-hash fields RQ parses in `Job.restore`, each with the parse RQ applies to it (a value it refuses made
+#: the whole hash unreadable). RQ parses those in `_PARSED_WHEN_EMPTY` even when empty (and fails: never
+#: written so; an empty value carries nothing, so it is dropped without a refusal).
+_DATES = "created_at enqueued_at started_at ended_at last_heartbeat".split()
+_INTS = (
+    "result_ttl failure_ttl ttl number_of_retries retries_left enqueue_at_front enqueue_at_front_on_retry "
+    "allow_dependency_failures success_callback_timeout failure_callback_timeout stopped_callback_timeout"
+).split()
+_TEXTS = "origin worker_name description group_id".split()
+_RQ_PARSED: dict[str, Any] = {
+    **dict.fromkeys(_DATES, str_to_date),
+    **dict.fromkeys(_INTS, int),
+    **dict.fromkeys(_TEXTS, lambda v: v.decode("utf-8")),
+    "timeout": parse_timeout,
+    "status": lambda v: JobStatus(v.decode("utf-8")),
+    "retry_intervals": lambda v: json.loads(v.decode()),
+    "exc_info": _exc_text,
+}
+_PARSED_WHEN_EMPTY = frozenset(
+    {"enqueue_at_front", "success_callback_timeout", "failure_callback_timeout", "stopped_callback_timeout"}
+)
+
+
 class RefusedJob(WorkerError, RuntimeError):
     """The job hash is not one this service runs (another function, a bad id, refused fields): never executed."""
 
@@ -69,6 +108,10 @@ class RenderJob(GuardedJob):
     max_data_bytes: int = 1 << 20  #: decompressed `data` (the call and its request) accepted
     max_meta_bytes: int = 64 << 10  #: serialized meta accepted
     tenant_ids: bool = False  #: job ids are `<client>-<id>`: the owner must match (`check_job_owner`)
+    #: Refuse what RQ cannot load (a field its parse refuses, data that is no call) instead of failing the load:
+    #: a worker's class (`with_limits`), which ends the job with a record. A client reading jobs (the producer)
+    #: keeps them unreadable: it shows nothing a dropped field or a placeholder call would make up.
+    repairs: bool = False
 
     @classmethod
     def max_hash_bytes(cls) -> int:
@@ -85,8 +128,8 @@ class RenderJob(GuardedJob):
     @classmethod
     def with_limits(cls, *, max_data_bytes: int, max_meta_bytes: int, tenant_ids: bool = False) -> type[RenderJob]:
         """A subclass with these limits (one per worker, from its settings)."""
-        return type("RenderJob", (cls,), {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes,
-                                          "tenant_ids": tenant_ids})  # fmt: skip
+        limits = {"max_data_bytes": max_data_bytes, "max_meta_bytes": max_meta_bytes, "tenant_ids": tenant_ids}
+        return type("RenderJob", (cls,), {**limits, "repairs": True})
 
     def restore(self, raw_data: Any) -> Any:
         obj = decode_redis_hash(raw_data)
@@ -96,12 +139,15 @@ class RenderJob(GuardedJob):
             refusals.append(f"the job hash carries {', '.join(present)}, which this service never sets")
         for name in REFUSED_HASH_FIELDS:
             obj.pop(name, None)
+        if self.repairs and (dropped := _drop_unparseable(obj)):
+            refusals += [f"the job hash's {name} is not a value RQ writes ({value[:40]!r})" for name, value in dropped]
+            # (RQ re-saves only the fields it holds: the refused job's hash must read back, for clients too)
+            with contextlib.suppress(redis.RedisError):
+                self.connection.hdel(self.key, *(name for name, _ in dropped))
         data = obj.get("data")
-        if isinstance(data, bytes):
-            size = _decompressed_size(data, self.max_data_bytes)
-            if size > self.max_data_bytes:
-                refusals.append(f"the job's data exceeds {self.max_data_bytes} bytes")
-                obj["data"] = _CALL_PLACEHOLDER
+        if isinstance(data, bytes) and (refusal := self._data_refusal(data)) is not None:
+            refusals.append(refusal)
+            obj["data"] = _CALL_PLACEHOLDER
         meta = obj.get("meta")
         if isinstance(meta, bytes) and len(meta) > self.max_meta_bytes:
             refusals.append(f"the job's meta has {len(meta)} bytes, over {self.max_meta_bytes}")
@@ -113,6 +159,23 @@ class RenderJob(GuardedJob):
         # (kept across refreshes: a refresh after RQ re-saved the cleaned hash must not forget them)
         self._refusals = list(dict.fromkeys([*getattr(self, "_refusals", []), *refusals]))
         return out
+
+    def _data_refusal(self, data: bytes) -> str | None:
+        """Why `data` is not a call this worker may even read, or None: over `max_data_bytes` once inflated
+        (counted without inflating more), or not what RQ's `_deserialize_data` unpacks."""
+        if _decompressed_size(data, self.max_data_bytes) > self.max_data_bytes:
+            return f"the job's data exceeds {self.max_data_bytes} bytes"
+        if not self.repairs:
+            return None
+        try:
+            call = zlib.decompress(data)  # (at most max_data_bytes: counted above)
+        except zlib.error:
+            call = data  # (RQ takes data that is not zlib as is)
+        try:
+            _func, _instance, _args, _kwargs = self.serializer.loads(call)
+        except Exception:
+            return "the job's data is not a call ([function, instance, args, kwargs] as JSON, zlib-compressed)"
+        return None
 
     def check_runnable(self) -> None:
         """Refuse (`RefusedJob`) what the module docstring lists, before RQ calls the job function."""
@@ -140,6 +203,22 @@ def check_job_owner(job_id: str, meta: Any) -> None:
     if tenant is None or owner != tenant:
         raise RefusedJob(f"job {job_id[:60]!r} is not a tenant job of its recorded client {str(owner)[:40]!r} "
                          "(tenant ids: the id must be '<client>-<id>')")  # fmt: skip
+
+
+def _drop_unparseable(obj: dict[str, Any]) -> list[tuple[str, bytes]]:
+    """Drop from a job hash (decoded keys) each field whose value RQ's own parse refuses; (name, value) each."""
+    dropped = []
+    for name, parse in _RQ_PARSED.items():
+        value = obj.get(name)
+        if value == b"" and name in _PARSED_WHEN_EMPTY:
+            obj.pop(name)
+        if not value:
+            continue
+        try:
+            parse(value)
+        except Exception:
+            dropped.append((name, obj.pop(name)))
+    return dropped
 
 
 def _decompressed_size(data: bytes, limit: int) -> int:

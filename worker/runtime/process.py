@@ -23,12 +23,13 @@ marks storage degraded.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from types import FrameType
 from typing import Any, NoReturn
 
-from worker.ops.logs import event_text
+from worker.ops.logs import event_text, rank_logging
 from worker.protocol.shared_settings import safe_redis_url
 from worker.runtime.exit_codes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
 from worker.settings import SettingsError, WorkerSettings, resolve_runner
@@ -44,10 +45,11 @@ class _StartupInterrupted(BaseException):  # not an Exception: build-failure han
 
 def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0) -> None:
     """Return once Redis answers PING; while it is unreachable wait with back-off and say so (transient: it
-    may be starting). Refused credentials, a TLS certificate that does not verify, or a server that answers
-    but not in the Redis protocol (LTX_REDIS_URL naming another service's port) are a configuration error
-    (`SettingsError`: exit 2, not restarted). A SIGTERM/SIGINT during the wait ends it through the caller's
-    startup handler."""
+    may be starting). Refused credentials, no such database, a TLS certificate that does not verify, or a
+    server that answers but not in the Redis protocol (LTX_REDIS_URL naming another service's port) are a
+    configuration error (`SettingsError`: exit 2, not restarted), in the producer's words
+    (`worker.protocol.redis_conn.redis_problem`). A SIGTERM/SIGINT during the wait ends it through the
+    caller's startup handler."""
     import ssl
     import time
 
@@ -63,28 +65,37 @@ def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_
             try:
                 client.ping()
             except redis.AuthenticationError as exc:
-                raise SettingsError(f"Redis at {safe_redis_url(url)} refused our credentials (LTX_REDIS_URL, "
-                                    f"LTX_REDIS_USERNAME, LTX_REDIS_PASSWORD_FILE): {exc}") from exc  # fmt: skip
+                raise SettingsError(_misconfigured(exc, url)) from exc
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if isinstance(exc.__context__, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
-                    raise SettingsError(f"Redis at {safe_redis_url(url)}: TLS certificate not trusted "
-                                        f"(LTX_REDIS_CA_FILE): {exc}") from exc  # fmt: skip
+                    raise SettingsError(_misconfigured(exc, url)) from exc
                 log.warning("Redis at %s is not reachable (%s); waiting %.1fs before trying again (waited %.0fs)",
                             safe_redis_url(url), exc, delay, time.monotonic() - t0)  # fmt: skip
                 time.sleep(delay)
                 delay = min(max_delay_s, delay * 2)
                 continue
-            except redis.exceptions.InvalidResponse as exc:  # not Redis at all (an HTTP port): waiting won't help
-                text = " ".join(str(exc).split())[:200]
-                raise SettingsError(f"the server at {safe_redis_url(url)} does not speak the Redis protocol "
-                                    f"({text}): does LTX_REDIS_URL name another service's port?") from exc  # fmt: skip
-            except redis.ResponseError as exc:  # e.g. NOAUTH: a password is required
-                raise SettingsError(f"Redis at {safe_redis_url(url)} refused us (LTX_REDIS_URL): {exc}") from exc
+            except (redis.exceptions.InvalidResponse, redis.ResponseError) as exc:  # not Redis (an HTTP port),
+                raise SettingsError(_misconfigured(exc, url)) from exc  # NOAUTH, no such database: waiting won't help
             if time.monotonic() - t0 > 1:
                 log.info("Redis at %s is reachable", safe_redis_url(url))
             return
     finally:
         client.close()
+
+
+def _controller(*args: Any, **kwargs: Any) -> Any:
+    """`MGPUController(*args, **kwargs)`, imported when the fleet is built (it imports torch)."""
+    from ltx_mgpu import MGPUController
+
+    return MGPUController(*args, **kwargs)
+
+
+def _misconfigured(exc: BaseException, url: str) -> str:
+    """What is wrong with the Redis settings, in the words the producer uses for the same error."""
+    from worker.protocol.redis_conn import redis_problem
+
+    problem = redis_problem(exc, url)
+    return problem[0] if problem else f"Redis at {safe_redis_url(url)} refused us (LTX_REDIS_URL): {exc}"
 
 
 def check_devices(devices: list[str], group: str) -> None:
@@ -170,6 +181,9 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         if isinstance(event.get("startup"), dict):
             metrics.set_fleet_startup(event["startup"])
 
+    if controller_factory is None:  # (its ranks log as this process does: `worker.ops.logs.rank_logging`)
+        ranks_log = functools.partial(rank_logging, settings.log_level, settings.log_format, group, name)
+        controller_factory = functools.partial(_controller, rank_logging=ranks_log)
     fleet = WarmFleet(
         runner_cls,
         devices,
@@ -252,9 +266,9 @@ def run_worker(
             return EXIT_FLEET_UNRECOVERABLE
         worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
         worker.service.update_spool_metrics()
-        from worker.runtime.supervisor import tell_supervisor_ready
+        from worker.runtime.readiness import report_to_supervisor
 
-        tell_supervisor_ready()  # (its restart back-off resets: this process got ready once)
+        report_to_supervisor(worker.readiness)  # (its `/readyz` answer, kept current for the supervisor's)
     except _StartupInterrupted as exc:
         log.info("stopped by %s during startup", exc)
         if worker is not None:

@@ -189,8 +189,20 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             process_started_at=self.service.process_started_at,
             ts=time.time(),
         )  # fmt: skip
-        # (in back-pressure the worker takes no job: not ready, with the reason under uploads.backpressure_reason)
-        return live, fleet.is_alive and self.redis_outage.up and not self.backpressure.active, info
+        return live, self.readiness()[0], info
+
+    def readiness(self) -> tuple[bool, str | None]:
+        """(ready, why not): the fleet is warm, Redis takes our commands, no back-pressure (then the worker takes
+        no job; the reason is also under uploads.backpressure_reason). `/readyz` answers it, and the supervisor's
+        `/readyz` too (`worker.runtime.readiness`)."""
+        fleet = self.service.fleet
+        if not fleet.is_alive:
+            return False, f"fleet {fleet.state}"
+        if not self.redis_outage.up:
+            return False, f"Redis refuses the worker: {self.redis_outage.reason}"
+        if self.backpressure.active:
+            return False, f"back-pressure: {self.backpressure.why}"
+        return True, None
 
     def _fleet_failed(self, info: dict[str, Any]) -> None:
         """The controller's monitor poisoned the fleet (any thread; maybe while idle): say so at once."""

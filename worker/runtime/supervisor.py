@@ -4,10 +4,14 @@ It never imports torch or touches a GPU: it only starts `python -m worker one --
 children (each in its own session, so a terminal's Ctrl+C reaches only the supervisor, which forwards
 it once), watches them, and restarts one that exits unexpectedly.
 
-Readiness: each child gets the write end of a pipe (its number in `READY_FD_ENV`) and writes one byte once
-its fleet is warm for the first time (`worker.runtime.process`). A child that exits before that byte came
-exited *never ready*, however long it ran (a warm-up can take minutes before it fails): its restart backs
-off exponentially, `backoff_s` doubling per never-ready exit in a row up to `backoff_max_s`. A child that
+Readiness: each child gets the write end of a pipe (its number in `READY_FD_ENV`) and writes a line on it each
+time its readiness changes, the very answer of its own `/readyz` (`worker.runtime.readiness`). With several
+groups the supervisor is ready while *every* group's worker is (its `/readyz` 200 means each worker's says 200;
+`groups` in its JSON, and `ltx_supervisor_worker_ready{group}`, say which are, for alerts on a partial
+loss): a machine whose groups are not all taking jobs is not what it was deployed as, even though the others
+still render. A child that exits before its first "ready" line exited *never ready*, however long it ran
+(a warm-up can take minutes before it fails): its restart backs off exponentially, `backoff_s` doubling per
+never-ready exit in a row up to `backoff_max_s`. A child that
 became ready resets the count (its restart after a later exit waits `backoff_s`). From `alarm_after` never-ready
 exits in a row the supervisor says so loudly: a critical log line per exit naming the group and the last
 exit code, `ltx_supervisor_crash_loop{group}` 1, and its `/readyz` (`worker.ops.supervisor_probe`, when a port
@@ -20,8 +24,9 @@ GPU) is never restarted: restarting cannot fix it, so the supervisor stops the o
 A worker that exits 0 unasked is restarted the same way (Redis pubsub must not be a way to stop the
 service).
 
-Signals: the first SIGTERM/SIGINT is forwarded to every child as SIGTERM (warm stop: running jobs
-finish, then fleets stop); a second one is forwarded again (cold stop: jobs are aborted and re-queued,
+Signals: the first SIGTERM/SIGINT is forwarded to every child as it came (warm stop: running jobs
+finish, then fleets stop; a worker treats both alike, and its log names the signal the operator sent, not
+one the supervisor chose); a second one is forwarded again (cold stop: jobs are aborted and re-queued,
 fleets killed). After both, `kill_after_s` (if set) bounds the wait before SIGKILL.
 """
 
@@ -40,11 +45,9 @@ from typing import Any
 
 from worker.ops.supervisor_probe import SupervisorMetrics, SupervisorProbes
 from worker.runtime.exit_codes import EXIT_BAD_CONFIG, PERMANENT_EXITS
+from worker.runtime.readiness import READY_FD_ENV, ReadinessPipe
 
-__all__ = ["EXIT_BAD_CONFIG", "READY_FD_ENV", "Supervisor", "tell_supervisor_ready"]
-
-#: the child's environment variable naming the pipe it writes one byte to once it is ready (not a setting)
-READY_FD_ENV = "LTX_SUPERVISOR_READY_FD"
+__all__ = ["EXIT_BAD_CONFIG", "READY_FD_ENV", "Supervisor"]
 
 log = logging.getLogger("worker.runtime.supervisor")
 
@@ -55,8 +58,10 @@ class _Child:
     index: int
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
-    ready: bool = False  #: the running process reported ready
-    ready_fd: int | None = None  #: the read end of its readiness pipe (closed once it said ready, or exited)
+    ready: bool = False  #: the running process's last report says ready
+    ever_ready: bool = False  #: the running process reported ready at least once
+    not_ready: str | None = None  #: why not, from its last report
+    pipe: ReadinessPipe | None = None  #: the read end of its readiness pipe (closed once it exited)
     never_ready_exits: int = 0  #: exits in a row before the process was ever ready (reset by a ready one)
     restarts: int = 0
     next_start: float = 0.0
@@ -72,6 +77,8 @@ class _Child:
         if out["crash_loop"]:
             out["reason"] = (f"group {self.group}: the worker exited {self.never_ready_exits} times in a row before it "
                              f"was ever ready (last exit code {out['last_exit_code']}); its log says why")  # fmt: skip
+        elif not out["ready"] and running and self.ever_ready:
+            out["reason"] = f"group {self.group}: the worker is not ready: {self.not_ready}"
         elif not out["ready"]:
             out["reason"] = f"group {self.group}: the worker is {'starting' if running else 'restarting'}"
         return out
@@ -119,7 +126,7 @@ class Supervisor:
                     len(self.children))  # fmt: skip
         if self.signals_received >= 2 and self._cold_at is None:
             self._cold_at = time.monotonic()
-        self._forward(signal.SIGTERM)
+        self._forward(signal.Signals(signum))
 
     def _forward(self, sig: signal.Signals) -> None:
         for child in self.children:
@@ -134,7 +141,6 @@ class Supervisor:
     def _start(self, child: _Child) -> None:
         cmd = self.command_for(child.group, child.index)
         read_fd, write_fd = os.pipe()
-        os.set_blocking(read_fd, False)
         env = {**(os.environ if self.env is None else self.env), READY_FD_ENV: str(write_fd)}
         try:
             child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=(write_fd,))
@@ -143,40 +149,41 @@ class Supervisor:
             raise
         finally:
             os.close(write_fd)  # (the child holds its copy: EOF here once it exits)
-        self._close_ready_fd(child)
-        child.ready_fd, child.ready = read_fd, False
+        self._close_pipe(child)
+        child.pipe, child.ready, child.ever_ready, child.not_ready = ReadinessPipe(read_fd), False, False, None
         child.started_at = time.monotonic()
         log.info("started worker for group %s (pid %d)", child.group, child.proc.pid)
 
     def _poll_ready(self, child: _Child) -> None:
-        """Read the child's readiness byte if it came; a ready child resets its never-ready count."""
-        if child.ready_fd is None:
+        """Take the child's readiness reports; its first "ready" resets its never-ready count."""
+        if child.pipe is None:
             return
-        try:
-            data = os.read(child.ready_fd, 1)
-        except BlockingIOError:
-            return
-        self._close_ready_fd(child)
-        if not data:
-            return  # EOF: it exited (or closed the pipe) without saying ready
-        child.ready = True
+        for ready, reason in child.pipe.poll():
+            if ready and not child.ever_ready:
+                self._first_ready(child)
+            elif ready != child.ready:
+                log.info("worker for group %s is %s", child.group, "ready again" if ready else f"not ready: {reason}")
+            child.ready, child.not_ready = ready, reason
+            self.metrics.worker_ready.labels(child.group).set(1 if ready else 0)
+        if child.pipe.closed:  # (it exited, or is stopping: its pipe closes with it)
+            child.pipe, child.ready = None, False
+            self.metrics.worker_ready.labels(child.group).set(0)
+
+    def _first_ready(self, child: _Child) -> None:
+        child.ever_ready = True
         if child.never_ready_exits >= self.alarm_after:
             log.warning("worker for group %s is ready after %d exits in a row before readiness", child.group,
                         child.never_ready_exits)  # fmt: skip
         child.never_ready_exits = 0
-        self.metrics.worker_ready.labels(child.group).set(1)
         self.metrics.never_ready_exits.labels(child.group).set(0)
         self.metrics.crash_loop.labels(child.group).set(0)
         log.info("worker for group %s (pid %d) is ready", child.group, child.proc.pid if child.proc else -1)
 
     @staticmethod
-    def _close_ready_fd(child: _Child) -> None:
-        if child.ready_fd is not None:
-            try:
-                os.close(child.ready_fd)
-            except OSError:
-                pass
-            child.ready_fd = None
+    def _close_pipe(child: _Child) -> None:
+        if child.pipe is not None:
+            child.pipe.close()
+            child.pipe = None
 
     def status(self) -> tuple[bool, str | None, list[dict[str, Any]]]:
         """(every group's worker runs and is ready, why not, each group's status): the probes' answer."""
@@ -230,7 +237,7 @@ class Supervisor:
                 rc = child.proc.wait()
                 if rc not in (0, None) and code == 0 and self.signals_received:
                     log.warning("worker for group %s exited with %d on stop", child.group, rc)
-            self._close_ready_fd(child)
+            self._close_pipe(child)
         if probes is not None:
             probes.stop()
         return code
@@ -253,7 +260,7 @@ class Supervisor:
             lived = now - child.started_at
             child.exit_codes.append(rc)
             child.proc = None
-            self._close_ready_fd(child)
+            self._close_pipe(child)
             self.metrics.worker_ready.labels(child.group).set(0)
             if rc in PERMANENT_EXITS:
                 log.critical("worker for group %s exited %d: a configuration error (its log says which); "
@@ -261,14 +268,14 @@ class Supervisor:
                 return rc
             # (an unasked exit 0 too: the workers refuse RQ's pubsub shutdown command, so an older worker or
             # something else told it to; restarted with back-off, or anyone who can PUBLISH could end the service)
-            child.never_ready_exits = 0 if child.ready else child.never_ready_exits + 1
+            child.never_ready_exits = 0 if child.ever_ready else child.never_ready_exits + 1
             delay = self._backoff(child.never_ready_exits)
             child.restarts += 1
             child.delays.append(delay)
             child.next_start = now + delay
             self.metrics.restarts.labels(child.group).inc()
             self.metrics.never_ready_exits.labels(child.group).set(child.never_ready_exits)
-            what = "after it was ready" if child.ready else "before it was ever ready"
+            what = "after it was ready" if child.ever_ready else "before it was ever ready"
             if child.never_ready_exits >= self.alarm_after:
                 self.metrics.crash_loop.labels(child.group).set(1)
                 log.critical("worker for group %s exited %d times in a row before it was ever ready (last exit code "
@@ -295,15 +302,3 @@ def child_env(overrides: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(overrides)
     return env
-
-
-def tell_supervisor_ready() -> None:
-    """In a worker process: tell the supervisor that started it that it is ready (once; no-op otherwise)."""
-    fd = os.environ.pop(READY_FD_ENV, None)
-    if fd is None or not fd.isdigit():
-        return
-    try:
-        os.write(int(fd), b"1")
-        os.close(int(fd))
-    except OSError:
-        log.debug("could not tell the supervisor we are ready", exc_info=True)
