@@ -27,7 +27,7 @@ from ltx_mgpu import MGPUController
 from ltx_mgpu.control import determinism
 from ltx_mgpu.runners.common.digest import MediaDigest
 from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
-from tests.test_determinism import ON_SWITCHES, probe_ranks
+from tests.support.determinism import ON_SWITCHES, probe_ranks
 
 pytestmark = [
     pytest.mark.gpu,
