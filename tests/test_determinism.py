@@ -15,7 +15,7 @@ import torch
 
 from ltx_mgpu.control import determinism
 from ltx_mgpu.parallel.testing import LocalWorld
-from tests.support.determinism import ON_SWITCHES, probe_ranks
+from tests.support.determinism import ON_SWITCHES, SwitchProbe, probe_ranks
 
 
 # ---- the mode ---------------------------------------------------------------------------------------------
