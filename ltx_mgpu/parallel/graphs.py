@@ -229,8 +229,11 @@ class CudaGraphForward:
         return self._capture(state, video, audio, perturbations)
 
     def reset(self) -> None:
-        """Drop every graph (their memory returns to the pool) and every call count."""
+        """Drop every graph and every call count, and the pool they shared: once no graph holds it, its memory
+        goes back to the allocator (`torch.cuda.empty_cache()` returns it to the device); later captures start
+        a new pool."""
         self._keys.clear()
+        self._pool = None
 
     @property
     def graphs(self) -> int:
