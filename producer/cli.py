@@ -249,9 +249,9 @@ def _check_runner_limits(
                        "only the request schema was checked", err=True)  # fmt: skip
         return
     for loaded in requests:
-        if violations := client.limit_violations(loaded.request, limits):
-            more = f" (and {len(violations) - 1} more)" if len(violations) > 1 else ""
-            raise UserError(f"{loaded.source}: {violations[0].message()}{more}; nothing submitted", ExitCode.USAGE)
+        if violations := client.limit_violations(loaded.request, limits):  # every problem, not the first of them
+            said = "; ".join(dict.fromkeys(v.message() for v in violations))
+            raise UserError(f"{loaded.source}: {said}; nothing submitted", ExitCode.USAGE)
 
 
 # ==== status / watch ====================================================================================

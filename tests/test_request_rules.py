@@ -260,3 +260,63 @@ def test_ltx_worker_plan_tables_the_presets_without_importing_torch():
         and "fits: NO: width and height must be multiples of 64" in odd.stdout
     )
     assert time.process_time() - t0 < 1.0  # (this process only waits)
+
+
+def test_plan_checks_every_rule_the_dry_run_checks_and_says_what_it_could_not():
+    """`ltx-worker plan` and `producer submit --dry-run` are one rule set (duration and frame rate included); the
+    plan names the card in every line, refuses a rule-breaking size without a peak, exits 1 when no asked size fits
+    anywhere, and says it could not check the memory of a GPU group whose card it does not know."""
+    from click.testing import CliRunner
+
+    from worker.cli import main
+
+    cli = CliRunner()
+    base = ["plan", "--runner", "ltx2-distilled"]
+    env = {"LTX_DEVICE_MEMORY_GIB": None, "LTX_RUNNER_SETUP": None, "LTX_PLACEMENT": None}  # (unset)
+    # 481 frames at 1 fps is an 8-minute clip: the schema's duration rule refuses it, and so does the plan now
+    long = cli.invoke(main, [*base, "--group", "0", "--size", "64x64x481", "--frame-rate", "1", "--gpu", "h100-80gb"],
+                      env=env)
+    assert long.exit_code == 1 and "fits: NO" in long.output and "481 frames at 1 fps" in long.output, long.output
+    assert "worst rank" not in long.output  # (no peak for a size the rules refuse)
+    for rate in ("0.5", "200"):  # the schema's frame rates are 1-120
+        bad = cli.invoke(main, [*base, "--group", "0", "--size", "768x512x121", "--frame-rate", rate], env=env)
+        assert bad.exit_code == 2 and "--frame-rate must be in [1, 120]" in bad.output, bad.output
+    # every line of the plan names its card
+    named = cli.invoke(main, [*base, "--group", "0", "--size", "768x512x121", "--gpu", "h100-80gb"], env=env)
+    assert named.exit_code == 0, named.output
+    assert all("h100-80gb" in line for line in named.output.strip().splitlines()), named.output
+    # a GPU group on a machine with no GPU and no card named: the memory is not checked, and it says so (exit 2)
+    unknown = cli.invoke(main, [*base, "--group", "0", "--size", "768x512x121"], env=env)
+    if "no card" in unknown.output:  # (a machine with a GPU plans for its own card instead)
+        assert unknown.exit_code == 2 and "fits: UNKNOWN" in unknown.output and "fits: yes" not in unknown.output
+    # a table in which no asked size fits anywhere exits 1; sizes the rules refuse print no peak
+    table = cli.invoke(main, [*base, "--size", "100x100x10", "--gpus", "1,2", "--gpu", "h100-80gb"], env=env)
+    assert table.exit_code == 1, table.output
+    rows = [line for line in table.output.splitlines() if line.startswith("100x100x10")]
+    assert len(rows) == 2 and all(" - " in row and "NO" in row for row in rows), rows
+    # suggestions never repeat one size ("2880x2880x121 or 2880x2880x121")
+    big = cli.invoke(main, [*base, "--size", "3840x2176x121", "--gpus", "1", "--gpu", "h100-80gb", "--json"], env=env)
+    for line in big.output.strip().splitlines():
+        largest = json.loads(line)["largest"] or {}
+        found = [v for v in largest.values() if v]
+        assert len(found) == len(set(found)), line
+
+
+def test_dry_run_names_every_rule_a_request_breaks(tmp_path, env, redis_client):
+    """"got 128x96 (and 2 more)" named one problem of three: the refusal lists them all, in one line."""
+    setup: dict = {}
+    limits = RunnerLimits("ltx2-distilled", spec.request_limits("distilled", setup),
+                          replace_capacity(spec.memory_fleet("distilled", 1, setup), 80.0),
+                          spec.request_rules("distilled", setup))  # fmt: skip
+    worker = _publish(redis_client, env, limits)
+    try:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"prompt": "a fox", "width": 128, "height": 96, "num_frames": 9,
+                                   "negative_prompt": "blurry", "steps": 4}))  # fmt: skip
+        code, _, err = run(["submit", "--dry-run", str(bad)], env)
+        assert code == ExitCode.USAGE and err.count("\n") == 1, err
+        for says in ("got 128x96", "uses no negative prompt", "has a fixed schedule"):
+            assert says in err, err
+        assert "more)" not in err
+    finally:
+        worker.register_death()
