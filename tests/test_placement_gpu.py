@@ -27,6 +27,7 @@ def test_pinned_buffer_is_page_locked_and_exact_size():
     assert buf.numel() == 3 * (1 << 20) + 5 and buf.is_pinned()
 
 
+@torch.inference_mode()  # (as the runners run: an autograd graph would keep the parked weights alive)
 def test_a_parked_module_frees_its_memory_and_returns_byte_for_byte():
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, dtype=torch.bfloat16) for _ in range(8)]).to(CUDA)

@@ -81,8 +81,9 @@ class Card:
 
 #: Cards the figures were measured on (docs/memory.md, "Per card").
 CARDS: dict[str, Card] = {
+    # H100 link: PCIe Gen5 x16 like the H200 host's, not measured on an H100 host yet
     "h100-80gb": Card("h100-80gb", 76.9, 50.0, "offered: the worker's plan on one H100 80GB HBM3, 2026-12-07"),
-    "h200": Card("h200", 139.5, 50.0, "offered: the ranks' report on one H200, 2026-12-01"),
+    "h200": Card("h200", 139.5, 55.5, "offered: the ranks' report, 2026-12-01; link: bench.host_link, 2026-12-07"),
 }
 #: NVML / torch device-name fragments -> card
 _NAMES = (("H100", "h100-80gb"), ("H200", "h200"))
