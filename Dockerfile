@@ -2,7 +2,7 @@
 # Images of the ltx-mgpu service (used by docker-compose.yml):
 #
 #   target `worker`    CUDA torch + ltx-core + this project (+ the CUDA-IPC all2all kernel): `ltx-worker`
-#   target `producer`  the light client only (producer/ + worker/protocol/, the shared protocol): `producer`
+#   target `producer`  the light client only (producer/ + ltx_contract/, the client contract): `producer`
 #   target `dashboard` rq-dashboard, pinned to a release that works with rq 2.x
 #
 # The worker needs the NVIDIA Container Toolkit on the host (compose reserves the GPUs). Versions are build
@@ -37,6 +37,7 @@ RUN pip install --no-deps "ltx-core==${LTX_CORE_VERSION}"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY ltx_mgpu ./ltx_mgpu
+COPY ltx_contract ./ltx_contract
 COPY worker ./worker
 COPY producer ./producer
 RUN pip install .
@@ -55,15 +56,16 @@ ENTRYPOINT ["ltx-worker"]
 # ==== producer =========================================================================================
 FROM ${PYTHON_IMAGE} AS producer
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PYTHONPATH=/app
-# Exactly what the producer imports: no torch, and of ltx_mgpu only its stdlib-only request specs (ltx_mgpu/spec/:
-# bounds, request rules, image sizes, the memory plan), shared with the runners (tests check this stays true).
+# Exactly what the producer imports: the client contract (ltx_contract/: nothing of worker/, no torch) and of
+# ltx_mgpu only its stdlib-only request specs (ltx_mgpu/spec/: bounds, request rules, image sizes, the memory
+# plan), shared with the runners. tests/test_compose.py builds this file list and checks every module the
+# producer imports is in it; tests/test_import_contracts.py holds the packages to it.
 RUN pip install "pydantic>=2.7" "pydantic-settings>=2.3" "redis>=5" "rq>=2.12,<2.13" "boto3>=1.36" "click>=8" "rich>=13"
 WORKDIR /app
 COPY producer ./producer
+COPY ltx_contract ./ltx_contract
 COPY ltx_mgpu/__init__.py ltx_mgpu/errors.py ./ltx_mgpu/
 COPY ltx_mgpu/spec ./ltx_mgpu/spec
-COPY worker/__init__.py worker/errors.py ./worker/
-COPY worker/protocol ./worker/protocol
 COPY examples ./examples
 RUN useradd --create-home --uid 1000 ltx
 USER ltx

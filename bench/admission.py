@@ -31,9 +31,9 @@ from rq.serializers import JSONSerializer
 
 from bench.common import emit, emit_summary
 from devstack.dev_servers import RedisServer
+from ltx_contract.keys import REFUSALS_KEY, RENDER_FUNC
 from worker.jobs.admission import QUOTA_WINDOW, Admission
 from worker.jobs.outcomes import JobOutcomes
-from worker.protocol.keys import REFUSALS_KEY, RENDER_FUNC
 from worker.protocol.render_job import RenderJob
 from worker.settings import WorkerSettings
 

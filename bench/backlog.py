@@ -86,7 +86,7 @@ def main() -> None:
     from bench.common import emit, pct
     from devstack.dev_servers import RedisServer, S3Server
     from devstack.tcp_proxy import TcpProxy
-    from worker.protocol.keys import RENDER_FUNC
+    from ltx_contract.keys import RENDER_FUNC
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=50)

@@ -35,7 +35,7 @@ from typing import Any
 
 from bench.common import emit, pct
 from devstack.dev_servers import RedisServer, S3Server
-from worker.protocol.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key
+from ltx_contract.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key
 
 ROOT = Path(__file__).resolve().parent.parent  #: the checkout: the worker subprocesses run from it
 

@@ -194,7 +194,7 @@ class Demo:
     def wait_for_fleets(self, timeout: float) -> None:
         import redis
 
-        from worker.protocol.keys import worker_health_key
+        from ltx_contract.keys import worker_health_key
 
         worker = self.services[-1]
         client = redis.Redis.from_url(self.redis_url)

@@ -3,7 +3,7 @@
 `SecureRedisServer` is a `devstack.dev_servers.RedisServer` (same lifecycle: free loopback port, private
 directory, stopped by pid) that adds
 
-- `--aclfile`: the text it is given (e.g. `worker.protocol.redis_acl.render_acl(...)`) plus an `admin` user with a
+- `--aclfile`: the text it is given (e.g. `ltx_contract.redis_acl.render_acl(...)`) plus an `admin` user with a
   random password that only the server object knows (tests read `ACL LOG` and set up keys with it; the
   service's users never get such rights);
 - TLS (`tls=True`): a CA and a server certificate for 127.0.0.1, made with the `openssl` command line

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any, Self
 
 from devstack.ports import LOOPBACK, free_port, free_ports
+from ltx_contract.redis_acl import REDIS_MEMORY_ARGS
 from worker.errors import WorkerError
 from worker.ops.procs import pid_alive
-from worker.protocol.redis_acl import REDIS_MEMORY_ARGS
 
 __all__ = ["LOOPBACK", "RedisServer", "S3Server", "ServerError", "descendants", "find_redis_server", "find_weed",
            "free_port", "free_ports", "pid_alive", "remove_weed_sockets", "s3_client", "stop_process"]  # fmt: skip

@@ -1,6 +1,6 @@
 """`RedisProxy`: HAProxy with the configuration `ltx-worker redis-proxy` writes, in front of a development Redis.
 
-The deployment that keeps one tenant from taking every Redis connection (worker/protocol/redis_proxy.py,
+The deployment that keeps one tenant from taking every Redis connection (ltx_contract/redis_proxy.py,
 docker-compose.yml's `redis-proxy`): one port per tenant, each with its own cap, all forwarding to Redis. This
 starts the real `haproxy` (Debian's, `apt-get install haproxy`; or $LTX_TEST_HAPROXY) on free loopback ports
 with a configuration rendered by the product's own generator, in the foreground as a child process, stopped by
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Self
 
 from devstack.dev_servers import LOOPBACK, ServerError, _ServerProcess, _spawn, _wait_port, free_ports
-from worker.protocol.redis_proxy import ProxyPlan, TenantPort, render_config
+from ltx_contract.redis_proxy import ProxyPlan, TenantPort, render_config
 
 __all__ = ["RedisProxy", "find_haproxy"]
 

@@ -26,10 +26,10 @@ from rq import Queue
 from rq.job import Job
 from rq.utils import utcformat
 
+from ltx_contract.keys import RQ_ENDED_STATUSES, check_client_name
+from ltx_contract.queue_depth import waiting_depth
+from ltx_contract.rq_client import enqueue_unregistered
 from producer.errors import ProducerError
-from worker.protocol.keys import RQ_ENDED_STATUSES, check_client_name
-from worker.protocol.queue_depth import waiting_depth
-from worker.protocol.rq_compat import enqueue_unregistered
 
 __all__ = [
     "TERMINAL_STATUSES",
@@ -56,7 +56,7 @@ def client_key(client: str) -> str:
 class AdmissionPolicy:
     """Limits applied at submit; `None` means unlimited."""
 
-    max_queue_depth: int | None = None  #: waiting jobs across the counted queues (`worker.protocol.queue_depth`)
+    max_queue_depth: int | None = None  #: waiting jobs across the counted queues (`ltx_contract.queue_depth`)
     client_quota: int | None = None  #: unfinished (queued or running) jobs of one client
 
 

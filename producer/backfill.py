@@ -31,11 +31,11 @@ from typing import Any
 
 import redis
 
+from ltx_contract.keys import events_key
+from ltx_contract.states import TERMINAL_STATES, JobState
 from producer.admission import AdmissionRefused, JobExists, SubmitRefusal
 from producer.client import JobInfo, JobNotFound, ProducerClient, ServiceUnavailable, content_job_id
 from producer.request_file import LoadedRequest
-from worker.protocol.keys import events_key
-from worker.protocol.states import TERMINAL_STATES, JobState
 
 __all__ = ["Backfill", "BackfillSummary", "ManifestRecord", "default_manifest_path", "read_manifest"]
 

@@ -28,6 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rq.exceptions import InvalidJobOperation
 
+from ltx_contract.keys import check_job_id
+from ltx_contract.states import JobState
 from producer.admission import AdmissionRefused, JobExists
 from producer.backfill import Backfill, BackfillSummary, ManifestRecord, default_manifest_path
 from producer.client import (
@@ -45,8 +47,6 @@ from producer.exit_codes import EXIT_CODE_HELP, ExitCode
 from producer.loras import first_lora_problem, with_lora_options
 from producer.request_file import RequestFileError, load_requests
 from producer.settings import ProducerSettingsError, load_settings
-from worker.protocol.keys import check_job_id
-from worker.protocol.states import JobState
 
 __all__ = ["cli", "main"]
 
@@ -238,7 +238,7 @@ def submit(
 def _check_runner_limits(
     client: ProducerClient, requests: list[Any], queue: str | None, *, say_if_unchecked: bool = False
 ) -> None:
-    """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (worker.protocol.limits)."""
+    """Refuse (exit 2, nothing submitted) a request a live worker's runner would reject (ltx_contract.limits)."""
     tenant = client.settings.client if client.settings.tenant_ids else None  # (the id prefix a worker checks)
     if refused := first_lora_problem(client.connection, client.queue(queue), requests, tenant):
         raise UserError(f"{refused}; nothing submitted", ExitCode.USAGE)

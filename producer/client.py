@@ -4,10 +4,10 @@ This module holds the client and its Redis queries; `producer.models` the views 
 `producer.download` its `fetch` and `producer.stats` its `stats` (mixed in, one facade).
 
 It talks to Redis (RQ with its JSON serializer: no pickle crosses Redis) and, for `fetch`, to S3 or a
-presigned URL. It knows the worker only through `worker.protocol.schema` (the request model) and `worker.protocol.keys`
+presigned URL. It knows the worker only through `ltx_contract.schema` (the request model) and `ltx_contract.keys`
 (Redis names, states, event types): both import neither torch nor ltx_mgpu, so this stays a light client.
 
-Which state counts: the service state in the job's meta (`worker.protocol.states.JobState`) is authoritative, with
+Which state counts: the service state in the job's meta (`ltx_contract.states.JobState`) is authoritative, with
 RQ's coarser status as a fallback when no worker ever wrote one (e.g. a job cancelled while queued, or a
 worker that died before it started the job). A job is done when its state is terminal: `uploaded`
 (the video is in storage), `failed` or `cancelled`; RQ's `finished` alone is not enough, because the
@@ -28,6 +28,15 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from ltx_contract.control import cancel_job
+from ltx_contract.health import SnapshotError, read_health
+from ltx_contract.keys import RENDER_FUNC, check_job_id, events_key, tenant_job_id, worker_health_key
+from ltx_contract.limits import LimitViolation, RunnerLimits
+from ltx_contract.redis_conn import connect
+from ltx_contract.rq_client import BoundedJob, live_workers
+from ltx_contract.schema import RenderRequest
+from ltx_contract.shared_settings import safe_redis_url
+from ltx_contract.states import JobState, derive_state
 from producer.admission import AdmissionPolicy, check_client_name, enqueue_admitted
 from producer.download import ObjectDownloads
 from producer.models import (  # (the views and errors are re-exported: `from producer.client import JobInfo`)
@@ -57,16 +66,6 @@ from producer.models import (  # (the views and errors are re-exported: `from pr
 )
 from producer.settings import ProducerSettings
 from producer.stats import StatsQueries
-from worker.protocol.control import cancel_job
-from worker.protocol.health import SnapshotError, read_health
-from worker.protocol.keys import RENDER_FUNC, check_job_id, events_key, tenant_job_id, worker_health_key
-from worker.protocol.limits import LimitViolation, RunnerLimits
-from worker.protocol.redis_conn import connect
-from worker.protocol.render_job import RenderJob
-from worker.protocol.rq_compat import live_workers
-from worker.protocol.schema import RenderRequest
-from worker.protocol.shared_settings import safe_redis_url
-from worker.protocol.states import JobState, derive_state
 
 __all__ = [
     "FetchRefused",
@@ -135,7 +134,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
         `priority="high"` puts the job at the front of its queue. Raises `AdmissionRefused` (queue full or
         quota used up), `JobExists` (a `job_id` that exists), `ServiceUnavailable`, ValueError (a
-        `job_id` that `worker.protocol.keys.check_job_id` refuses).
+        `job_id` that `ltx_contract.keys.check_job_id` refuses).
         """
         if priority not in ("normal", "high"):
             raise ValueError(f"priority must be 'normal' or 'high', got {priority!r}")
@@ -152,8 +151,8 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         policy = AdmissionPolicy(max_queue_depth=depth or None, client_quota=quota or None)
         q = self.queue(queue)
         meta = {"state": JobState.QUEUED.value, "client": client, "submitted_at": time.time(), **(extra_meta or {})}
-        if len(json.dumps(meta)) > RenderJob.max_meta_bytes:  # (the worker refuses it too, per its settings)
-            raise ValueError(f"extra_meta: the job's meta would exceed {RenderJob.max_meta_bytes} bytes")
+        if len(json.dumps(meta)) > BoundedJob.max_meta_bytes:  # (the worker refuses it too, per its settings)
+            raise ValueError(f"extra_meta: the job's meta would exceed {BoundedJob.max_meta_bytes} bytes")
         with unavailable_on_error(self.settings.redis_url):
             job = q.create_job(
                 RENDER_FUNC,
@@ -171,7 +170,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
             )
 
     def runner_limits(self, queue: str | None = None) -> list[tuple[str, RunnerLimits]]:
-        """The request limits the live workers on `queue` publish (worker name, limits); see worker.protocol.limits."""
+        """The request limits the live workers on `queue` publish (worker name, limits); see ltx_contract.limits."""
         out: list[tuple[str, RunnerLimits]] = []
         with unavailable_on_error(self.settings.redis_url):
             for worker in live_workers(self.connection, queue=self.queue(queue)):
@@ -204,11 +203,11 @@ class ProducerClient(ObjectDownloads, StatsQueries):
             raise InvalidJobId(f"invalid {exc}") from None
 
     def job(self, job_id: str) -> Job:
-        """The RQ job (loaded as the worker loads it: `RenderJob` bounds what it decompresses)."""
+        """The RQ job (loaded as the worker loads it: `BoundedJob` bounds what it decompresses)."""
         job_id = self.own_job_id(job_id)
         with unavailable_on_error(self.settings.redis_url):
             try:
-                return RenderJob.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+                return BoundedJob.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
             except NoSuchJobError:
                 raise JobNotFound(f"no job {job_id!r} (never submitted, or expired)") from None
             except redis.RedisError as exc:
@@ -426,7 +425,7 @@ class ProducerClient(ObjectDownloads, StatsQueries):
 
     # ---- cancel ------------------------------------------------------------------------------------
     def cancel(self, job_id: str) -> str:
-        """Cancel a job (`worker.protocol.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
+        """Cancel a job (`ltx_contract.control.cancel_job`). Returns what happened: "cancelled" (it was waiting
         and will never run), "stop_requested" (it is running; the worker stops it cooperatively and keeps
         its fleet), or "already_<state>" when it had ended."""
         job_id = self.status(job_id).job_id  # JobNotFound for another client's job (unless an operator)

@@ -16,8 +16,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, Tex
 from rich.table import Table
 from rich.text import Text
 
+from ltx_contract.states import EventType, JobState
 from producer.client import JobEvent, JobInfo, Stats
-from worker.protocol.states import EventType, JobState
 
 __all__ = ["EventPrinter", "human_bytes", "printable", "render_job_table", "render_stats", "render_status"]
 

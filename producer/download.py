@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ltx_contract.states import JobState
 from producer.models import (
     FetchRefused,
     FetchResult,
@@ -20,7 +21,6 @@ from producer.models import (
     JobNotReady,
     ServiceUnavailable,
 )
-from worker.protocol.states import JobState
 
 
 class ObjectDownloads:
@@ -92,7 +92,7 @@ class ObjectDownloads:
             try:
                 body = client.get_object(Bucket=bucket, Key=key)["Body"]
             except (BotoCoreError, ClientError) as exc:
-                from worker.protocol.s3_errors import s3_error_text
+                from ltx_contract.s3_errors import s3_error_text
 
                 raise ServiceUnavailable(f"cannot read s3://{bucket}/{key}: {s3_error_text(exc)}") from None
             return f"s3://{bucket}/{key}", body

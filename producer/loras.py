@@ -1,6 +1,6 @@
 """`producer submit --lora NAME[:STRENGTH]`: LoRAs added to every request of a file, and checked at the edge.
 
-The schema (`worker.protocol.lora_refs`) holds what any worker refuses (syntax, count, strength). What a worker
+The schema (`ltx_contract.lora_refs`) holds what any worker refuses (syntax, count, strength). What a worker
 offers (its catalogue's names, its allowed S3 prefixes, how many LoRAs per request) is in its health
 snapshot (`loras`, published by `worker.render.loras.LoraResolver.published`); a request is checked against every
 live worker on the target queue, since any of them may take the job. The file itself is checked only in
@@ -16,12 +16,12 @@ from typing import Any
 from pydantic import ValidationError
 from rq.worker import Worker
 
+from ltx_contract.health import LoraOffer, SnapshotError, read_health
+from ltx_contract.keys import worker_health_key
+from ltx_contract.lora_refs import LoraRef, parse_lora_option, uri_problem
+from ltx_contract.schema import RenderRequest
 from producer.models import unavailable_on_error
 from producer.request_file import LoadedRequest, describe_error
-from worker.protocol.health import LoraOffer, SnapshotError, read_health
-from worker.protocol.keys import worker_health_key
-from worker.protocol.lora_refs import LoraRef, parse_lora_option, uri_problem
-from worker.protocol.schema import RenderRequest
 
 __all__ = ["first_lora_problem", "lora_problems", "published_loras", "with_lora_options"]
 
@@ -69,7 +69,7 @@ def lora_problems(
     request: RenderRequest, offers: Sequence[tuple[str, LoraOffer]], tenant: str | None = None
 ) -> list[str]:
     """What any of these workers would refuse in `request.loras` (any of them may take the job); `tenant`: the
-    client whose folder a uri must be in where a worker has tenants (`worker.protocol.lora_refs.uri_problem`)."""
+    client whose folder a uri must be in where a worker has tenants (`ltx_contract.lora_refs.uri_problem`)."""
     problems: dict[str, None] = {}
     refs = request.loras or []
     for worker, offer in offers:

@@ -14,12 +14,12 @@ from typing import Any
 
 import redis
 
+from ltx_contract.health import WorkerHealth
+from ltx_contract.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE
+from ltx_contract.redis_conn import redis_problem
+from ltx_contract.schema import RenderRequest
+from ltx_contract.states import TERMINAL_STATES, EventType
 from producer.errors import ProducerError
-from worker.protocol.health import WorkerHealth
-from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE
-from worker.protocol.redis_conn import redis_problem
-from worker.protocol.schema import RenderRequest
-from worker.protocol.states import TERMINAL_STATES, EventType
 
 #: The terminal service states as plain strings (what meta and events carry).
 TERMINAL_VALUES = {s.value for s in TERMINAL_STATES}
@@ -37,7 +37,7 @@ class ServiceUnavailable(ProducerError, RuntimeError):
 
 
 class InvalidJobId(ProducerError, ValueError):
-    """A job id no job can have (`worker.protocol.keys.check_job_id`): a usage error, never a lookup."""
+    """A job id no job can have (`ltx_contract.keys.check_job_id`): a usage error, never a lookup."""
 
 
 class FetchRefused(ProducerError, RuntimeError):
@@ -88,7 +88,7 @@ class JobEvent:
     """One entry of a job's event stream."""
 
     id: str  #: the Redis Stream entry id ("<ms>-<seq>"); resume after it
-    type: str  #: a `worker.protocol.states.EventType` value
+    type: str  #: a `ltx_contract.states.EventType` value
     data: dict[str, Any]  #: the whole event (includes `type` and the worker's `ts`)
 
     @property
@@ -104,7 +104,7 @@ class JobInfo:
     """Everything `status` shows about one job."""
 
     job_id: str
-    state: str  #: service state (`worker.protocol.states.JobState` value)
+    state: str  #: service state (`ltx_contract.states.JobState` value)
     rq_status: str | None  #: RQ's own status
     queue: str | None
     meta: dict[str, Any]

@@ -20,9 +20,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ltx_contract.schema import RenderRequest
 from producer.errors import ProducerError
 from producer.json_pos import Position, locate, position_at
-from worker.protocol.schema import RenderRequest
 
 __all__ = ["LoadedRequest", "RequestFileError", "describe_error", "error_location", "load_requests", "validate_request"]
 

@@ -6,7 +6,7 @@ variables (used by `fetch` when credentials are present, plain or through `LTX_S
 `LTX_S3_SECRET_ACCESS_KEY_FILE`: in compose the producer's key can only read; otherwise `fetch` downloads
 the presigned URL from the job result). Producer-only knobs: `LTX_CLIENT` (the name quotas are counted under),
 `LTX_MAX_QUEUE_DEPTH`, `LTX_CLIENT_QUOTA`, `LTX_JOB_TIMEOUT`, `LTX_TENANT_IDS`. Redis credentials and TLS:
-`LTX_REDIS_USERNAME`, `LTX_REDIS_PASSWORD(_FILE)`, `LTX_REDIS_CA_FILE` (`worker.protocol.redis_conn`). Unknown
+`LTX_REDIS_USERNAME`, `LTX_REDIS_PASSWORD(_FILE)`, `LTX_REDIS_CA_FILE` (`ltx_contract.redis_conn`). Unknown
 `LTX_*` variables are ignored, so the worker's variables can live in the same file. Credentials are
 `SecretStr` and never printed.
 """
@@ -20,11 +20,11 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ltx_contract.keys import check_tenant_name
+from ltx_contract.redis_conn import ServiceAccess
+from ltx_contract.shared_settings import S3_SECRET_FILE_FIELDS, read_secret_file
 from producer.admission import check_client_name
 from producer.errors import ProducerError
-from worker.protocol.keys import check_tenant_name
-from worker.protocol.redis_conn import ServiceAccess
-from worker.protocol.shared_settings import S3_SECRET_FILE_FIELDS, read_secret_file
 
 __all__ = ["ENV_PREFIX", "ProducerSettings", "ProducerSettingsError", "load_settings"]
 
@@ -44,7 +44,7 @@ def _default_client() -> str:
 
 class ProducerSettings(ServiceAccess, BaseSettings):
     """Field `x` is environment variable `LTX_X`; CLI flags override. The `redis_*` credential and TLS
-    fields, and the checks of `redis_url` and `queues`, come from `worker.protocol.redis_conn.ServiceAccess`
+    fields, and the checks of `redis_url` and `queues`, come from `ltx_contract.redis_conn.ServiceAccess`
     (shared with the worker)."""
 
     model_config = SettingsConfigDict(

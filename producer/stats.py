@@ -11,6 +11,9 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from ltx_contract.health import SnapshotError, read_health
+from ltx_contract.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
+from ltx_contract.rq_client import live_workers
 from producer.admission import TERMINAL_STATUSES, client_key
 from producer.models import (
     FailureInfo,
@@ -21,9 +24,6 @@ from producer.models import (
     WorkerInfo,
     unavailable_on_error,
 )
-from worker.protocol.health import SnapshotError, read_health
-from worker.protocol.keys import base_queue, queue_tenant, tenant_queue, worker_health_key
-from worker.protocol.rq_compat import live_workers
 
 
 class StatsQueries:

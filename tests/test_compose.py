@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 from producer.settings import ProducerSettings
 from producer.settings import load_settings as load_producer_settings
-from tests.support.compose import COMPOSE, DOCKERFILE, ROOT, SERVICES, stage_text, stages
+from tests.support.compose import COMPOSE, DOCKERFILE, ROOT, SERVICES, image_files, stage_text, stages
+from tests.support.imports import import_closure
 from worker.settings import WorkerSettings
 from worker.settings import load_settings as load_worker_settings
 
@@ -116,7 +117,7 @@ def test_redis_image_is_the_series_the_restart_test_passed_on() -> None:
 def test_redis_memory_flags_match_the_dev_servers_and_the_recipes() -> None:
     """The output-buffer and bulk caps in compose, the dev servers and both of
     docs/operations.md's command lines: the same flags, the same values."""
-    from worker.protocol.redis_acl import REDIS_MEMORY_ARGS
+    from ltx_contract.redis_acl import REDIS_MEMORY_ARGS
 
     command = [str(c) for c in SERVICES["redis"]["command"]]
     pairs = list(zip(REDIS_MEMORY_ARGS[::2], REDIS_MEMORY_ARGS[1::2], strict=True))
@@ -134,7 +135,7 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     """Redis loads the users file the `redis-acl` one-shot writes from the password secrets; `default` is off;
     the worker and the producer log in as users of that file with their password files; no password is
     in any environment block; `maxmemory` is set with `noeviction`."""
-    from worker.protocol.redis_acl import command as redis_acl
+    from ltx_contract.redis_acl import command as redis_acl
 
     redis = SERVICES["redis"]
     command = [substitute(str(c)) for c in redis["command"]]
@@ -144,8 +145,8 @@ def test_redis_runs_with_acl_users_from_secret_files_and_a_memory_cap(tmp_path: 
     assert redis["depends_on"]["redis-acl"]["condition"] == "service_completed_successfully"
     volume = next(v for v in init["volumes"] if v.endswith(":/acl"))
     assert f"{volume.split(':')[0]}:/acl:ro" in redis["volumes"] and aclfile.startswith("/acl/")
-    assert init["build"]["target"] == "producer" and "COPY worker/protocol ./worker/protocol" in stage_text("producer")
-    assert init["entrypoint"] == ["python", "-m", "worker.protocol.redis_acl"]
+    assert init["build"]["target"] == "producer" and "ltx_contract/redis_acl.py" in image_files("producer")
+    assert init["entrypoint"] == ["python", "-m", "ltx_contract.redis_acl"]
     # run the one-shot's command here, with its secrets as compose mounts them
     args = [substitute(str(a)) for a in init["command"]]
     files = mounted_secrets("redis-acl", tmp_path)
@@ -330,34 +331,72 @@ def test_bind_mounts_exist() -> None:
 
 def test_producer_image_file_list_is_enough_and_light(tmp_path: Path) -> None:
     """Copy exactly what the producer stage copies into an empty directory and import the CLI from there:
-    it must work and pull in neither torch nor ltx_mgpu's engine."""
-    for line in re.findall(r"^COPY\s+(.+)$", stage_text("producer"), re.M):
-        *sources, dest = line.split()
-        for source in sources:
-            src = ROOT / source
-            target = tmp_path / dest.removeprefix("./") / (src.name if dest.endswith("/") else "")
-            if src.is_dir():
-                shutil.copytree(src, tmp_path / dest.removeprefix("./"), dirs_exist_ok=True)
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(src, target)
+    it must work and pull in neither torch, nor the worker, nor ltx_mgpu's engine."""
+    for path, (_, src) in image_files("producer").items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, tmp_path / path)
     code = (
         "import sys\n"
         "sys.path = [p for p in sys.path if 'site-packages' in p or p.endswith('.zip') or 'lib/python' in p]\n"
         # the editable install's finder would serve any module the image lacks from the checkout
         "sys.meta_path = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from producer.cli import cli\nimport producer.client, producer.backfill, worker.protocol.redis_acl\n"
-        "assert all(m.__file__.startswith(sys.path[0]) for n, m in sys.modules.items() if n.startswith('worker')), "
-        "[m.__file__ for n, m in sys.modules.items() if n.startswith('worker')]\n"
+        "from producer.cli import cli\nimport producer.client, producer.backfill, ltx_contract.redis_acl\n"
+        "assert all(m.__file__.startswith(sys.path[0]) for n, m in sys.modules.items() if n.startswith('ltx_')), "
+        "[m.__file__ for n, m in sys.modules.items() if n.startswith('ltx_')]\n"
         "assert producer.client.__file__.startswith(sys.path[0]), producer.client.__file__\n"
         "shared = lambda m: m in ('ltx_mgpu', 'ltx_mgpu.errors') or m.split('.')[:2] == ['ltx_mgpu', 'spec']\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu') and not shared(m))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ltx_mgpu', 'worker') and not shared(m))\n"
         "print(bad)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def producer_image_starts(root: Path = ROOT) -> list[str]:
+    """What runs in the producer image: every module of producer/ (the CLI, `python -m producer`) and the
+    module each compose service built from that image runs (`python -m ...`: the ACL and proxy one-shots)."""
+    modules = [".".join(p.relative_to(root).with_suffix("").parts) for p in sorted((root / "producer").rglob("*.py"))]
+    built_on = [s for s in SERVICES.values() if s.get("build", {}).get("target") == "producer"]
+    one_shots = [s["entrypoint"][2] for s in built_on if s.get("entrypoint", [])[:2] == ["python", "-m"]]
+    assert one_shots, "no compose service runs a module of the producer image: the list below checks nothing"
+    return [m.removesuffix(".__init__") for m in modules] + one_shots
+
+
+def image_gaps(root: Path, files: dict[str, tuple[str, Path]], starts: list[str]) -> tuple[list[str], list[str]]:
+    """(the files of `root` that the modules `starts` can run need and the image's `files` lack, the COPY
+    sources of Python files none of them needs): the image must hold what runs, and nothing else of ours."""
+    needed = {path.relative_to(root).as_posix() for path in import_closure(root, starts).values()}
+    used = {files[path][0] for path in needed & files.keys()}
+    python = {source for source, src in files.values() if src.suffix == ".py"}
+    return sorted(needed - files.keys()), sorted(python - used)
+
+
+def test_producer_image_holds_every_module_the_producer_runs_and_nothing_else(tmp_path: Path) -> None:
+    """The producer image used to copy five cherry-picked parts of the worker, and a module the producer
+    reached only lazily (or through the worker) could be missing without any import test noticing. Its file
+    list, read from the Dockerfile, must hold every module of the checkout that the producer and the one-shots
+    built from it can import (transitively, lazy imports too), and no COPY line of Python that none of them
+    needs: the client contract, the request specs and the producer, nothing of the worker."""
+    files = image_files("producer")
+    assert image_gaps(ROOT, files, producer_image_starts()) == ([], [])
+    assert {path.split("/")[0] for path in files if path.endswith(".py")} == {"producer", "ltx_contract", "ltx_mgpu"}
+    engine = {path for path in files if path.startswith("ltx_mgpu/") and not path.startswith("ltx_mgpu/spec/")}
+    assert engine == {"ltx_mgpu/__init__.py", "ltx_mgpu/errors.py"}
+    # Planted: a lazy import of the worker in a producer module; a COPY line dropped; one added.
+    for package in ("ltx_contract", "ltx_mgpu", "worker"):
+        (tmp_path / package).symlink_to(ROOT / package)
+    shutil.copytree(ROOT / "producer", tmp_path / "producer", ignore=shutil.ignore_patterns("__pycache__"))
+    with (tmp_path / "producer" / "display.py").open("a") as f:
+        f.write("\n\ndef _planted():\n    from worker.jobs import poison\n")
+    missing, unused = image_gaps(tmp_path, image_files("producer", tmp_path), producer_image_starts(tmp_path))
+    assert {"worker/__init__.py", "worker/jobs/poison.py"} <= set(missing) and unused == []
+    spec = "COPY ltx_mgpu/spec ./ltx_mgpu/spec\n"  # (in the producer stage only)
+    missing, _ = image_gaps(ROOT, image_files("producer", ROOT, DOCKERFILE.replace(spec, "")), producer_image_starts())
+    assert "ltx_mgpu/spec/bounds.py" in missing
+    added = DOCKERFILE.replace(spec, spec + "COPY worker ./worker\n")
+    assert image_gaps(ROOT, image_files("producer", ROOT, added), producer_image_starts()) == ([], ["worker"])
 
 
 def test_env_example_documents_what_compose_needs() -> None:

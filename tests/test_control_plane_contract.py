@@ -11,34 +11,15 @@ usable, and testable, with any runner and without the parallel package.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
+from tests.support.imports import imported_modules
+
 ROOT = Path(__file__).resolve().parent.parent
 CONTROL = ROOT / "ltx_mgpu" / "control"
 FORBIDDEN = ("ltx_mgpu.parallel", "ltx_mgpu.runners")
-
-
-def imported_modules(source: str, module: str) -> set[str]:
-    """Every module `source` (the text of dotted `module`) imports anywhere, relative imports resolved.
-    `from a import b` yields both `a` and `a.b` (b may be a submodule)."""
-    package = module.rsplit(".", 1)[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                origin = f"{base}.{node.module}" if node.module else base
-            else:
-                origin = node.module or ""
-            found.add(origin)
-            found.update(f"{origin}.{alias.name}" for alias in node.names)
-    return found
 
 
 def violations(source: str, module: str) -> list[str]:

@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 
 from devstack.dev_servers import LOOPBACK, free_port, stop_process
+from ltx_contract.redis_acl import AclUsers, generate
 from tests.support.acl_stack import write_passwords
 from tests.support.compose import SERVICES, stage_text
 from tests.support.wait import wait_for
-from worker.protocol.redis_acl import AclUsers, generate
 
 
 def _pinned(package: str) -> str:
@@ -102,11 +102,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Dashb
 def test_the_queue_list_job_list_and_job_pages_show_our_jobs(stack: tuple[Any, Dashboard, Path]) -> None:
     from rq import Queue
 
+    from ltx_contract.keys import tenant_queue
+    from ltx_contract.schema import RenderRequest
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
     from worker.protocol import rq_compat
-    from worker.protocol.keys import tenant_queue
-    from worker.protocol.schema import RenderRequest
 
     server, dashboard, secrets = stack
     configured = f"q-{uuid.uuid4().hex[:8]}"

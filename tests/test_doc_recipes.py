@@ -112,7 +112,7 @@ def test_the_acl_reload_and_tls_recipes_run_as_written(tmp_path: Path, haproxy_b
         assert sorted(p.name for p in secrets.iterdir()) == ["admin", "alice", "bob", "worker"]  # no AOF here
         assert any((tmp_path / "data").glob("appendonlydir/*.aof"))
         worker = user(tmp_path, port, "worker")
-        # (alice submits through her port on the proxy, to her own queue: worker.protocol.keys.tenant_queue)
+        # (alice submits through her port on the proxy, to her own queue: ltx_contract.keys.tenant_queue)
         (job_id,) = [j.decode() for j in worker.lrange("rq:queue:ltx-render:t:alice", 0, -1)]
         assert job_id.startswith("alice-") and worker.hget(f"rq:job:{job_id}", "status") == b"queued"
         config = (tmp_path / "etc" / "redis-proxy.cfg").read_text()

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
+from ltx_contract.schema import RenderRequest
 from producer.settings import ProducerSettings
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.schema import RenderRequest
 from worker.settings import BUILTIN_RUNNERS, WorkerSettings
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -1,7 +1,8 @@
-"""One error hierarchy per package: every exception class of `producer`, `worker` and `ltx_mgpu` subclasses its
-package's root (`ProducerError`, `WorkerError`, `LtxMgpuError`, each alone in `<package>/errors.py`), so
-`except <Root>` catches what that package raised and nothing a library did; and no two exception classes of the
-product share a name, so a name in a traceback, a log or an `except` means one class.
+"""One error hierarchy per package: every exception class of `producer`, `ltx_contract`, `worker` and `ltx_mgpu`
+subclasses its package's root (`ProducerError`, `ContractError`, `WorkerError`, `LtxMgpuError`, each alone in
+`<package>/errors.py`), so `except <Root>` catches what that package raised and nothing a library did; and no
+two exception classes of the product share a name, so a name in a traceback, a log or an `except` means one
+class.
 
 Each class keeps its builtin parent too (`class LoraRefused(WorkerError, ValueError)`), so an `except ValueError`
 written before the roots existed still catches it. A class deriving from `BaseException` but not `Exception` is a
@@ -24,12 +25,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_import_contracts import modules_under
+from tests.support.import_probe import modules_under
 
 ROOT = Path(__file__).resolve().parent.parent
 
 #: package → its root exception class, defined in `<package>/errors.py`.
-ROOTS = {"producer": "ProducerError", "worker": "WorkerError", "ltx_mgpu": "LtxMgpuError"}
+ROOTS = {
+    "producer": "ProducerError",
+    "ltx_contract": "ContractError",
+    "worker": "WorkerError",
+    "ltx_mgpu": "LtxMgpuError",
+}
 
 # Runs in a fresh interpreter: imports every module of each package (JSON on stdin: {"paths", "packages":
 # {package: [modules]}, "roots": {package: root name}}) and prints, per package, its root's bases and every

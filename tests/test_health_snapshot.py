@@ -1,4 +1,4 @@
-"""The health snapshot as a typed protocol object (`worker.protocol.health`): what a worker writes reads
+"""The health snapshot as a typed protocol object (`ltx_contract.health`): what a worker writes reads
 back the same on the producer's side, older and newer snapshots still parse, and a malformed one reaches
 the producer as one line naming the field (real Redis for the producer; the writer's side of a real worker
 is checked by every worker test through `tests.support.workers.worker_health`)."""
@@ -11,10 +11,10 @@ import pytest
 from rq import Queue
 from rq.worker import Worker
 
+from ltx_contract.handoff import HandOff
+from ltx_contract.health import FleetHealth, LoraOffer, SnapshotError, UploadsHealth, WorkerHealth, read_health
+from ltx_contract.keys import worker_health_key
 from tests.support.cli import run
-from worker.protocol.handoff import HandOff
-from worker.protocol.health import FleetHealth, LoraOffer, SnapshotError, UploadsHealth, WorkerHealth, read_health
-from worker.protocol.keys import worker_health_key
 
 #: A snapshot as `worker.runtime.rq_worker` writes it (every key, in its order).
 SNAPSHOT = {
@@ -98,7 +98,7 @@ def test_producer_stats_reports_a_malformed_snapshot_in_one_line(env, redis_clie
             redis_client.delete(worker_health_key(worker.name))
 
 
-# ==== the hand-off result (worker.protocol.handoff) ======================================================
+# ==== the hand-off result (ltx_contract.handoff) ======================================================
 
 
 @pytest.mark.parametrize(

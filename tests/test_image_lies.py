@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from ltx_contract.schema import RenderRequest
 from ltx_mgpu.runners.ltx2 import images as runner_images
 from ltx_mgpu.spec.image_size import MAX_DECLARED_PIXELS, ImageRefused, image_size
 from tests.test_worker_imagesize import _encode
-from worker.protocol.schema import RenderRequest
 
 
 def _webp_lossless(side: int = 16) -> bytes:

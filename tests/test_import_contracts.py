@@ -1,10 +1,14 @@
 """The layering rules, held by imports in fresh interpreters (README.md, "Layout": arrows point down only).
 
-`producer -> worker -> ltx_mgpu -> kernels`, arrows down only:
-- producer never imports torch or ltx_mgpu (a light CLI), but for the stdlib-only request specs (`ltx_mgpu.spec`:
-  bounds, request rules, image sizes, the memory plan and profiles, shared by the request schema, the published
-  limits and the runners), which import nothing of ltx_mgpu outside that package (the producer image holds no more);
-- ltx_mgpu never imports worker, producer, redis, rq or boto3 (the engine knows no service);
+`producer -> ltx_contract <- worker`, `ltx_contract -> ltx_mgpu.spec`, `worker -> ltx_mgpu -> kernels`, arrows
+down only:
+- producer never imports the worker, torch or ltx_mgpu (a light CLI), but for the client contract (`ltx_contract`)
+  and the stdlib-only request specs (`ltx_mgpu.spec`: bounds, request rules, image sizes, the memory plan and
+  profiles, shared by the request schema, the published limits and the runners), which import nothing of ltx_mgpu
+  outside that package (the producer image holds no more: tests/test_compose.py checks its file list);
+- ltx_contract never imports worker, producer, torch, boto3 or ltx_mgpu outside its specs, and of RQ only its
+  client API (jobs, queues, serializers, commands, the worker list; never registries, results or executions);
+- ltx_mgpu never imports ltx_contract, worker, producer, redis, rq or boto3 (the engine knows no service);
 - the control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner, transport, job_board,
   devices, errors, events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
   imports are held by `tests/test_control_plane_contract.py`, which reads the source);
@@ -19,156 +23,25 @@
 Each rule imports every module of its packages in a process of its own, forked from one new interpreter
 (its `sys.modules` holds only the standard library and third-party modules the rule does not forbid, so an
 import done elsewhere in the test session cannot hide or fake one), and lists, per module, the forbidden
-modules that arrived with it. One interpreter for all rules: 14 of them took 30-55 s of every CI run.
+modules that arrived with it (tests/support/import_probe.py). One interpreter for all rules: 14 of them took
+30-55 s of every CI run.
 Each rule is also run on a copy of the tree with a planted violation and must fail there, so none of them
 can pass by checking nothing.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.test_control_plane_contract import imported_modules
+from tests.support.import_probe import modules_under, run_checks
+from tests.support.imports import imported_modules
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# Runs in one fresh interpreter: reads a tree of checks (JSON on stdin, see `_preload_tree`). Each node is
-# a forked process that imports its `preload` (third-party modules none of the checks below it forbids:
-# importing torch, redis and the like once instead of once per check is what makes this cheap), then forks
-# one process per check and one per child node, so every check starts from the standard library plus what
-# the nodes above it preloaded. A check first proves that nothing it forbids is loaded yet, then imports
-# its modules in order from its own root and lists what each brought in. Prints {check key: result}.
-_PROBE = r"""
-import importlib, json, os, sys
-
-def check(spec):
-    forbidden = [f for f in spec["forbidden"] if not f.startswith("!")]
-    allowed = {f[1:] for f in spec["forbidden"] if f.startswith("!")}  # exact module names exempt from the prefixes
-    def hits():
-        return {m for m in sys.modules for f in forbidden if (m == f or m.startswith(f + ".")) and m not in allowed}
-    preloaded = sorted(hits())
-    if preloaded:
-        return {"error": f"forbidden modules loaded before the check: {preloaded}"}
-    sys.path.insert(0, spec["root"])
-    found, origins, seen = {}, {}, set()
-    for name in spec["modules"]:
-        module = importlib.import_module(name)
-        origins[name] = getattr(module, "__file__", None) or ""
-        new = hits() - seen
-        seen |= new
-        if new:
-            found[name] = sorted(new)
-    return {"found": found, "origins": origins}
-
-def node(spec):
-    for name in spec["preload"]:
-        importlib.import_module(name)
-    running = [fork(check, c) for c in spec["checks"]] + [fork(node, n) for n in spec["children"]]
-    results = {}
-    for proc, key in zip(running, [c["key"] for c in spec["checks"]] + [None] * len(spec["children"])):
-        result = collect(*proc)
-        results.update({key: result} if key else result)
-    return results
-
-def fork(fn, spec):
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            result = fn(spec)
-        except BaseException as exc:
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        with os.fdopen(write, "w") as out:
-            json.dump(result, out)
-        os._exit(0)
-    os.close(write)
-    return pid, read
-
-def collect(pid, read):
-    with os.fdopen(read) as f:
-        text = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(text) if text else {"error": "the process died"}
-
-results = node(json.load(sys.stdin))
-print(json.dumps(results))
-"""
-
-# The third-party modules the packages import that take time (torch alone takes seconds). A check preloads
-# those it does not forbid; a check whose preload would bring in something it forbids says so and fails.
-PRELOAD = (
-    "torch", "numpy", "safetensors", "av", "cloudpickle", "einops", "redis", "rq", "boto3", "botocore",
-    "pydantic", "pydantic_settings", "rich", "click", "prometheus_client",
-)  # fmt: skip
-
-
-def modules_under(root: Path, *packages: str) -> list[str]:
-    """Every importable module of `packages` below `root` (entry points `__main__` excluded)."""
-    names = []
-    for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__main__" or "__pycache__" in parts:
-                continue
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            names.append(".".join(parts))
-    return names
-
-
-def _allowed(spec: dict) -> set[str]:
-    prefixes = [f for f in spec["forbidden"] if not f.startswith("!")]  # "!name": exempt, see RULES
-    return {p for p in PRELOAD if not any(p == f or p.startswith(f + ".") for f in prefixes)}
-
-
-def _preload_tree(specs: list[dict], loaded: set[str]) -> dict:
-    """The probe's plan: a node imports what all its checks may preload (beyond `loaded`, what its parent
-    holds), runs the checks that may preload nothing more, and hands the others to child nodes split on the
-    next module some of them may preload, so each module is imported once per branch, not once per check."""
-    here = loaded | set.intersection(*(_allowed(s) for s in specs))
-    node: dict = {"preload": [p for p in PRELOAD if p in here - loaded], "checks": [], "children": []}
-    rest = []
-    for spec in specs:
-        (node["checks"] if _allowed(spec) == here else rest).append(spec)
-    while rest:
-        extra = next(p for p in PRELOAD if any(p in _allowed(s) - here for s in rest))
-        node["children"].append(_preload_tree([s for s in rest if extra in _allowed(s)], here))
-        rest = [s for s in rest if extra not in _allowed(s)]
-    return node
-
-
-def run_checks(checks: dict[str, tuple[Path, list[str], tuple[str, ...]]]) -> dict[str, dict[str, list[str]]]:
-    """{key: {module: forbidden modules that arrived with it}} for checks {key: (root, modules, forbidden)},
-    all in one new interpreter (see `_PROBE` and `_preload_tree`)."""
-    specs = [{"key": key, "root": str(root), "modules": modules, "forbidden": forbidden}
-             for key, (root, modules, forbidden) in checks.items()]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE],
-        input=json.dumps(_preload_tree(specs, set())),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, f"import probe failed:\n{proc.stderr[-3000:]}"
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    found = {}
-    for key, (root, _, _) in checks.items():
-        result = report[key]
-        assert "error" not in result, f"{key}: {result['error']}"
-        for name, origin in result["origins"].items():  # the modules under test are the ones at `root`
-            assert origin.startswith(str(root)), f"{name} imported from {origin}, not from {root}"
-        found[key] = result["found"]
-    return found
 
 
 @dataclass(frozen=True)
@@ -192,21 +65,25 @@ SPEC = tuple(modules_under(ROOT, "ltx_mgpu/spec"))
 SHARED = ("!ltx_mgpu", "!ltx_mgpu.errors", *(f"!{m}" for m in SPEC))
 
 RULES = [
-    Rule("producer: no torch, no ltx_mgpu but its specs", packages=("producer",),
-         forbidden=("torch", "ltx_mgpu", *SHARED, "tests"),
+    Rule("producer: no torch, no worker, no ltx_mgpu but its specs", packages=("producer",),
+         forbidden=("torch", "ltx_mgpu", *SHARED, "worker", "tests"),
          plant=("producer/display.py", "import ltx_mgpu.control.controller")),
+    Rule("ltx_contract: no worker, producer or torch, no ltx_mgpu but its specs", packages=("ltx_contract",),
+         forbidden=("torch", "ltx_mgpu", *SHARED, "worker", "producer", "boto3", "botocore", "tests"),
+         plant=("ltx_contract/states.py", "import worker.errors")),
     Rule("specs: stdlib only, nothing of ltx_mgpu outside them", packages=("ltx_mgpu/spec",),
-         forbidden=("torch", "ltx_mgpu", *SHARED, "worker", "producer", "tests"),
+         forbidden=("torch", "ltx_mgpu", *SHARED, "ltx_contract", "worker", "producer", "tests"),
          plant=("ltx_mgpu/spec/bounds.py", "import ltx_mgpu.control.devices")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
-         forbidden=("worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
+         forbidden=("ltx_contract", "worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
          plant=("ltx_mgpu/parallel/layout.py", "import redis")),
     Rule("control plane: no runners, no data plane", modules=CONTROL_PLANE,
          forbidden=("ltx_mgpu.runners", "ltx_mgpu.parallel"),
          plant=("ltx_mgpu/control/job_board.py", "import ltx_mgpu.runners.common.args")),
     Rule("worker: no producer, no tests", packages=("worker",), forbidden=("producer", "tests"),
-         plant=("worker/protocol/keys.py", "import producer.exit_codes")),
-    Rule("kernels: the bottom layer", packages=("kernels",), forbidden=("ltx_mgpu", "worker", "producer", "tests"),
+         plant=("worker/protocol/relay.py", "import producer.exit_codes")),
+    Rule("kernels: the bottom layer", packages=("kernels",),
+         forbidden=("ltx_mgpu", "ltx_contract", "worker", "producer", "tests"),
          plant=("kernels/ltx_mgpu_kernels/_checks.py", "import ltx_mgpu.control.devices")),
     Rule("bench and devstack: no tests", packages=("bench", "devstack"), forbidden=("tests",),
          plant=("bench/controller.py", "import tests.chaos.invariants")),
@@ -219,7 +96,7 @@ RULES = [
 
 
 def _copy_tree(dest: Path) -> Path:
-    for package in ("producer", "worker", "ltx_mgpu", "kernels", "bench", "devstack", "tests"):
+    for package in ("producer", "ltx_contract", "worker", "ltx_mgpu", "kernels", "bench", "devstack", "tests"):
         shutil.copytree(ROOT / package, dest / package, symlinks=True)  # with __pycache__: saves recompiling
     return dest
 
@@ -273,10 +150,10 @@ def test_lazy_engine_names_resolve():
 
 
 def test_runner_event_types_are_the_engines():
-    """The worker relays runner events under the engine's names; `worker.protocol.keys` (stdlib only, imported by
+    """The worker relays runner events under the engine's names; `ltx_contract.keys` (stdlib only, imported by
     the producer) cannot import them, so this holds the two spellings together."""
+    from ltx_contract.states import EventType
     from ltx_mgpu.control import events
-    from worker.protocol.states import EventType
 
     assert (EventType.STAGE, EventType.PROGRESS, EventType.OUTPUT) == (events.STAGE, events.PROGRESS, events.OUTPUT)
     assert events.stage_event(events.Stage.MUX) == {"type": "stage", "stage": "mux"}
@@ -291,41 +168,61 @@ def imports_in(path: Path, root: Path) -> set[str]:
     return imported_modules(path.read_text(), ".".join(path.relative_to(root).with_suffix("").parts))
 
 
+def names_any(name: str, prefixes: tuple[str, ...]) -> bool:
+    """True if module `name` is one of `prefixes` or below one ("=name": that exact module only)."""
+    return any(name == p.removeprefix("=") or (p[0] != "=" and name.startswith(p + ".")) for p in prefixes)
+
+
 @dataclass(frozen=True)
 class SourceRule:
     name: str
     folders: tuple[str, ...]  #: every .py file below these
     forbidden: tuple[str, ...]  #: module prefixes none of them may import
-    allowed: tuple[str, ...] = ()  #: prefixes exempt from `forbidden`
+    allowed: tuple[str, ...] = ()  #: prefixes exempt from `forbidden` ("=name": that exact module only)
     excluded: tuple[str, ...] = ()  #: folders below `folders` not held to the rule
     plant: tuple[str, str] = ("", "")  #: (file to append to, import line) that must break the rule
 
     def violations(self, root: Path) -> dict[str, list[str]]:
         """{file: forbidden imports} for the tree at `root`."""
-        hit = lambda name, prefixes: any(name == p or name.startswith(p + ".") for p in prefixes)  # noqa: E731
         found = {}
         for folder in self.folders:
             for path in sorted((root / folder).rglob("*.py")):
                 rel = path.relative_to(root).as_posix()
                 if any(rel.startswith(x + "/") for x in self.excluded):
                     continue
-                bad = sorted(n for n in imports_in(path, root) if hit(n, self.forbidden) and not hit(n, self.allowed))
+                bad = sorted(
+                    n for n in imports_in(path, root) if names_any(n, self.forbidden) and not names_any(n, self.allowed)
+                )
                 if bad:
                     found[rel] = bad
         return found
 
 
+#: What the contract may import of RQ: its client API (jobs, queues, serializers, exceptions, commands, helpers,
+#: the worker list). Registries, results, executions, the intermediate queue and maintenance are the worker's.
+RQ_CLIENT_API = (
+    "=rq",
+    *(f"rq.{m}" for m in "job queue serializers exceptions command utils worker worker_registration".split()),
+)
+
 SOURCE_RULES = [
-    # The producer image copies worker/protocol/ and worker/errors.py, nothing else of worker/ (Dockerfile, `producer`).
-    SourceRule("producer: of the worker, only its protocol", folders=("producer",), forbidden=("worker",),
-               allowed=("worker.protocol", "worker.errors"),
-               plant=("producer/display.py", "from worker.jobs import poison")),
+    # The producer image copies ltx_contract/ and ltx_mgpu/spec/, nothing of worker/ (Dockerfile, `producer`).
+    SourceRule("producer: nothing of the worker", folders=("producer",), forbidden=("worker",),
+               plant=("producer/display.py", "from worker.protocol import relay")),
+    SourceRule("ltx_contract: nothing of worker or producer, no torch or boto3, of ltx_mgpu only its specs",
+               folders=("ltx_contract",),
+               forbidden=("worker", "producer", "torch", "boto3", "botocore", "ltx_mgpu", "tests"),
+               allowed=("ltx_mgpu.spec",),
+               plant=("ltx_contract/keys.py", "from worker.errors import WorkerError")),
+    SourceRule("ltx_contract: of RQ only its client API", folders=("ltx_contract",), forbidden=("rq",),
+               allowed=RQ_CLIENT_API, plant=("ltx_contract/control.py", "from rq.registry import StartedJobRegistry")),
     SourceRule("worker.protocol: nothing else of the worker", folders=("worker/protocol",),
-               forbidden=("worker", "torch", "boto3", "botocore"), allowed=("worker.protocol", "worker.errors"),
-               plant=("worker/protocol/keys.py", "from worker.settings import WorkerSettings")),
+               forbidden=("worker", "producer", "torch", "boto3", "botocore"),
+               allowed=("worker.protocol", "worker.errors"),
+               plant=("worker/protocol/relay.py", "from worker.settings import WorkerSettings")),
     # Development servers, the TLS Redis, the S3 gateway, the TCP proxy and the demo stay out of production
     # (bench/ and scripts/ are development tooling and may use them).
-    SourceRule("production: no devstack", folders=("worker", "producer", "ltx_mgpu", "kernels"),
+    SourceRule("production: no devstack", folders=("worker", "producer", "ltx_contract", "ltx_mgpu", "kernels"),
                forbidden=("devstack",), excluded=("devstack",),
                plant=("worker/render/fleet.py", "from devstack.dev_servers import pid_alive")),
     SourceRule("worker.uploads: bytes only, no redis or rq", folders=("worker/uploads",), forbidden=("redis", "rq"),

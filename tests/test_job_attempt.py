@@ -21,11 +21,11 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from ltx_contract.keys import EVENT_FIELD_DATA, events_key
+from ltx_contract.states import FailureReason
 from worker.jobs import poison
 from worker.jobs.attempt import JobAttempt, JobCancelledByClient, JobFailed
 from worker.jobs.outcomes import JobOutcomes
-from worker.protocol.keys import EVENT_FIELD_DATA, events_key
-from worker.protocol.states import FailureReason
 from worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent

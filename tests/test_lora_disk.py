@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from ltx_contract.lora_refs import LoraRef
 from tests.support.workers import SMALL_REQUEST, enqueue
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.lora_refs import LoraRef
 from worker.render.lora_cache import LoraCache, LoraCacheFull
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.settings import WorkerSettings

@@ -14,11 +14,11 @@ from pydantic import ValidationError
 from rq import Queue
 from rq.worker import Worker
 
+from ltx_contract.keys import worker_health_key
+from ltx_contract.lora_refs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed, uri_problem
+from ltx_contract.schema import RenderRequest
 from producer.exit_codes import ExitCode
 from tests.support.cli import run
-from worker.protocol.keys import worker_health_key
-from worker.protocol.lora_refs import MAX_LORAS, LoraRef, parse_lora_option, uri_allowed, uri_problem
-from worker.protocol.schema import RenderRequest
 
 
 def request(**loras_field: object) -> RenderRequest:

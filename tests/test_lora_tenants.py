@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from ltx_contract.health import LoraOffer
+from ltx_contract.lora_refs import LoraRef, uri_problem
+from ltx_contract.schema import RenderRequest
 from ltx_mgpu.lora_file import LoraFileError, check_lora
 from producer.loras import lora_problems
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.health import LoraOffer
-from worker.protocol.lora_refs import LoraRef, uri_problem
-from worker.protocol.schema import RenderRequest
 from worker.render.loras import LoraRefused, LoraResolver
 from worker.settings import WorkerSettings
 

@@ -16,6 +16,8 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from devstack.tcp_proxy import TcpProxy
+from ltx_contract.keys import REFUSALS_KEY, RENDER_FUNC
+from ltx_contract.states import FailureReason
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, enqueue, events, meta_state, wait_ready, wait_state, worker_env
 from worker.jobs.admission_rule import Refusal
@@ -28,8 +30,6 @@ from worker.jobs.lost_pops import (
     may_requeue,
     requeue_orphan,
 )
-from worker.protocol.keys import REFUSALS_KEY, RENDER_FUNC
-from worker.protocol.states import FailureReason
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,9 +12,9 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from devstack.tcp_proxy import TcpProxy
-from worker.protocol.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key
+from ltx_contract.keys import EVENT_FIELD_DATA, RENDER_FUNC, events_key
+from ltx_contract.states import JobState
 from worker.protocol.relay import EventRelay
-from worker.protocol.states import JobState
 
 
 def _proxied(redis_server_factory):
@@ -69,8 +69,8 @@ def test_requeue_after_a_failed_upload_pushes_the_id_once_through_a_lost_reply(r
     from rq.job import JobStatus
     from rq.registry import FinishedJobRegistry
 
+    from ltx_contract.redis_retry import with_redis_retry
     from worker.protocol import rq_compat
-    from worker.protocol.relay import with_redis_retry
 
     proxy, conn = _proxied(redis_server_factory)
     try:

@@ -12,7 +12,7 @@ import inspect
 import pytest
 from pydantic import ValidationError
 
-from worker.protocol.schema import MAX_IMAGES, RenderRequest
+from ltx_contract.schema import MAX_IMAGES, RenderRequest
 
 
 def test_render_args_are_the_request_fields():

@@ -1,4 +1,4 @@
-"""The memory plan (`ltx_mgpu.spec.memory_plan`), its limits (`worker.protocol.limits`) and `ltx-worker plan`,
+"""The memory plan (`ltx_mgpu.spec.memory_plan`), its limits (`ltx_contract.limits`) and `ltx-worker plan`,
 without a fleet.
 
 Calibration: the plan reproduces the peaks measured on one H200 with synthetic full-size weights
@@ -15,10 +15,10 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
+from ltx_contract.limits import MemoryViolation, RunnerLimits
+from ltx_contract.schema import RenderRequest
 from ltx_mgpu.spec import memory_plan
 from ltx_mgpu.spec.memory_plan import FleetMemory, plan
-from worker.protocol.limits import MemoryViolation, RunnerLimits
-from worker.protocol.schema import RenderRequest
 
 H200_GIB = 139.5  # what one H200 offers a rank after its CUDA context (free + reserved)
 

@@ -149,10 +149,10 @@ def test_the_plan_equals_what_a_tracker_holds_on_the_tiny_model(tmp_path, fp8):
 
 
 def test_the_runners_and_the_worker_describe_their_loras(monkeypatch):
+    from ltx_contract.limits import RunnerLimits
     from ltx_mgpu.runners.ltx2.distilled import Ltx2DistilledRunner
     from ltx_mgpu.runners.ltx2.two_stage import Ltx2TwoStageRunner
     from worker.cli import main
-    from worker.protocol.limits import RunnerLimits
 
     assert not Ltx2DistilledRunner.memory_fleet(1).has_tracker
     request = Ltx2DistilledRunner.memory_fleet(1, request_loras=True)

@@ -139,9 +139,9 @@ def test_clients_see_and_act_on_their_own_jobs_and_operators_on_all(env, tmp_pat
 
 
 def test_the_client_name_is_checked_at_the_api(env):
+    from ltx_contract.schema import RenderRequest
     from producer.client import ProducerClient
     from producer.settings import load_settings
-    from worker.protocol.schema import RenderRequest
 
     with ProducerClient(load_settings(redis_url=env["LTX_REDIS_URL"], queues=[env["LTX_QUEUES"]])) as client:
         for bad in ("x" * 10_000, "x:*\nFAKE", "a b"):

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
+from ltx_contract.keys import RENDER_FUNC
 from producer.admission import AdmissionPolicy, AdmissionRefused, JobExists, enqueue_admitted
 from producer.client import ProducerClient
 from producer.settings import load_settings
-from worker.protocol.keys import RENDER_FUNC
 
 
 def test_a_field_written_after_a_jobs_deletion_does_not_take_its_id(redis_url: str, unique_name: str) -> None:

@@ -14,14 +14,14 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ltx_contract.keys import RENDER_FUNC, events_key
+from ltx_contract.states import JobState
 from producer.cli import cli
 from producer.client import content_job_id
 from producer.exit_codes import ExitCode
 from producer.json_pos import locate, position_at
 from producer.request_file import load_requests
 from tests.support.cli import run, write
-from worker.protocol.keys import RENDER_FUNC, events_key
-from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -343,9 +343,9 @@ def test_watch_and_stats_small_print() -> None:
 
     from rich.console import Console
 
+    from ltx_contract.health import WorkerHealth
     from producer.client import Stats, WorkerInfo
     from producer.display import EventPrinter, render_stats
-    from worker.protocol.health import WorkerHealth
 
     total = 25 * 2**20
     events = _events(

@@ -24,6 +24,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from devstack.ports import free_port
+from ltx_contract.schema import RenderRequest
+from ltx_contract.states import JobState
 from producer.cli import cli
 from producer.client import ProducerClient
 from producer.display import printable
@@ -31,8 +33,6 @@ from producer.exit_codes import ExitCode
 from producer.settings import load_settings
 from tests.support.wait import wait_for
 from worker.ops.logs import event_text
-from worker.protocol.schema import RenderRequest
-from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = "s3cret-pw"
@@ -123,7 +123,7 @@ def test_the_worker_refuses_wrong_redis_settings_in_the_producers_words(
     """A wrong database was "Redis at URL refused us (LTX_REDIS_URL): DB index is out of range" from the
     worker and "Redis at URL has no database 99 (...): fix the /N at the end of LTX_REDIS_URL" from the
     producer; credentials differed the same way. One function words both now
-    (`worker.protocol.redis_conn.redis_problem`): the worker exits 2 with the producer's very line."""
+    (`ltx_contract.redis_conn.redis_problem`): the worker exits 2 with the producer's very line."""
     from tests.support.workers import worker_env
 
     url = _url(case, secured, garbage_port, s3_server)
@@ -273,7 +273,7 @@ def test_messages_render_as_text(redis_url: str, unique_name: str) -> None:
     assert "runner_error: RuntimeError: boom" in out and "second line of it" in out and '"planted"' in out
     assert printable("boom\n  at line 3\r\n\tend") == "boom\n  at line 3\n    end"
     assert printable("a\x1b[2J\rb\u202e") == "a\\x1b[2J\\rb\\u202e"  # (what could drive a terminal stays escaped)
-    from worker.protocol.states import EventType
+    from ltx_contract.states import EventType
 
     text = event_text({"type": EventType.FLEET, "action": "failed", "reason": "rank_died", "pids": [1, 2]})
     assert text == "failed reason=rank_died pids=[1, 2]"

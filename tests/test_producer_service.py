@@ -27,13 +27,13 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from devstack.dev_servers import RedisServer, S3Server
+from ltx_contract.keys import events_key, worker_health_key
+from ltx_contract.states import JobState
 from producer.cli import cli
 from producer.client import ProducerClient
 from producer.exit_codes import ExitCode
 from producer.settings import load_settings
 from tests.support.wait import wait_for
-from worker.protocol.keys import events_key, worker_health_key
-from worker.protocol.states import JobState
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"width": 64, "height": 64, "num_frames": 9, "steps": 2}
@@ -206,7 +206,7 @@ def test_follow_resumes_after_connection_loss(stack: Stack, tcp_proxy_factory) -
     proxy = tcp_proxy_factory(stack.redis.port)
     settings = load_settings(redis_url=f"redis://127.0.0.1:{proxy.port}/0", queues=[stack.queue])
     direct = ProducerClient(load_settings(redis_url=stack.redis.url, queues=[stack.queue]))
-    from worker.protocol.schema import RenderRequest
+    from ltx_contract.schema import RenderRequest
 
     job = direct.submit(RenderRequest(prompt="resume", seed=11, **{**TINY, "steps": 12}), max_queue_depth=0)
     client = ProducerClient(settings)

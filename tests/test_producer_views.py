@@ -4,11 +4,11 @@ failure as `watch` prints it."""
 
 from __future__ import annotations
 
+from ltx_contract.health import LoraOffer
+from ltx_contract.schema import RenderRequest
 from producer.display import request_line
 from producer.loras import lora_problems
 from producer.models import JobInfo
-from worker.protocol.health import LoraOffer
-from worker.protocol.schema import RenderRequest
 
 
 def _info(meta: dict) -> JobInfo:

@@ -22,12 +22,12 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from ltx_contract.keys import REFUSALS_KEY
+from ltx_contract.redis_acl import AclUsers, generate
 from tests.support.acl_stack import Stack, acl_worker, small_request, tenant_enqueue, wait_client_state, write_passwords
 from tests.support.runners import output_bytes
 from tests.support.wait import wait_for
 from tests.support.workers import events, wait_ready
-from worker.protocol.keys import REFUSALS_KEY
-from worker.protocol.redis_acl import AclUsers, generate
 
 # ==== the stack: TLS + ACL Redis, a worker as `worker`, tenants as themselves ==============================
 
@@ -270,7 +270,7 @@ def test_a_worker_with_an_untrusted_certificate_or_a_wrong_password_stops_with_a
     from worker.settings import SettingsError, WorkerSettings
 
     url, ca = stack.server.url, stack.server.ca_file
-    # (in the producer's words: worker.protocol.redis_conn.redis_problem)
+    # (in the producer's words: ltx_contract.redis_conn.redis_problem)
     untrusted = "TLS with Redis at .* failed .*CERTIFICATE_VERIFY_FAILED.*check LTX_REDIS_CA_FILE"
     with pytest.raises(SettingsError, match=untrusted):
         wait_for_redis(

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from ltx_contract.keys import check_tenant_name, job_tenant, tenant_job_id
+from ltx_contract.redis_acl import ACL_PASSWORD_ENV_PREFIX, AclUsers, generate, password_for, render_acl
 from tests.support.acl_stack import USERS, write_passwords
-from worker.protocol.keys import check_tenant_name, job_tenant, tenant_job_id
-from worker.protocol.redis_acl import ACL_PASSWORD_ENV_PREFIX, AclUsers, generate, password_for, render_acl
 from worker.protocol.render_job import RefusedJob, check_job_owner
 
 # ==== the generator (no server) =========================================================================
@@ -112,9 +112,9 @@ def test_tenant_ids_and_owner_check() -> None:
 
 
 def test_settings_read_the_password_file_and_never_show_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ltx_contract.redis_conn import connection_kwargs
     from producer.settings import ProducerSettings
     from worker.cli import main
-    from worker.protocol.redis_conn import connection_kwargs
     from worker.settings import WorkerSettings
 
     for name in ("LTX_REDIS_URL", "LTX_REDIS_PASSWORD", "LTX_CLIENT", "LTX_OPERATOR", "LTX_TENANT_IDS"):
@@ -140,7 +140,7 @@ def test_settings_read_the_password_file_and_never_show_it(tmp_path: Path, monke
 
 
 def test_tls_files_need_rediss_and_become_ssl_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.protocol.redis_conn import connection_kwargs
+    from ltx_contract.redis_conn import connection_kwargs
     from worker.settings import WorkerSettings
 
     for name in ("LTX_REDIS_URL", "LTX_REDIS_USERNAME", "LTX_REDIS_PASSWORD", "LTX_REDIS_PASSWORD_FILE"):

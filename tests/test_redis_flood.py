@@ -5,7 +5,7 @@ Regression: Redis ACLs have no per-user connection limit and `maxclients` is one
 tenant opened and authenticated locked every other client out (the other tenant's `producer submit` exited
 6). The deployment now: Redis with ACL users and compose's `--maxclients`; HAProxy in front of it with one
 port per tenant, each capped at compose's `--maxconn`, its file rendered by the generator compose's
-`redis-proxy-config` runs (`worker/protocol/redis_proxy.py`; a second tenant added, free loopback ports); a
+`redis-proxy-config` runs (`ltx_contract/redis_proxy.py`; a second tenant added, free loopback ports); a
 worker on Redis's own port.
 
 The test floods twice, each bounded in count (2,000 authenticated sockets, more than Redis's `maxclients`)
@@ -78,7 +78,7 @@ def test_tenants_reach_redis_only_through_a_capped_port_of_their_own(tmp_path: P
     by the real haproxy: compose's `redis` is a name, looked up again while HAProxy runs)."""
     from click.testing import CliRunner
 
-    from worker.protocol.redis_proxy import command as redis_proxy
+    from ltx_contract.redis_proxy import command as redis_proxy
 
     redis, proxy, conf = COMPOSE["redis"], COMPOSE["redis-proxy"], COMPOSE["redis-proxy-config"]
     assert redis["networks"] == ["backend"] and "ports" not in redis
@@ -108,7 +108,7 @@ def test_tenants_reach_redis_only_through_a_capped_port_of_their_own(tmp_path: P
     assert numbers["maxconn"] + numbers["reserve"] <= numbers["maxclients"]
     assert re.fullmatch(r"haproxy:2\.6\.\d+-alpine", proxy["image"]), proxy["image"]  # Debian 12's series
     assert proxy["command"] == ["haproxy", "-f", "/proxy/haproxy.cfg"] and "redis-proxy:/proxy:ro" in proxy["volumes"]
-    assert "redis-proxy:/proxy" in conf["volumes"] and conf["entrypoint"][-1] == "worker.protocol.redis_proxy"
+    assert "redis-proxy:/proxy" in conf["volumes"] and conf["entrypoint"][-1] == "ltx_contract.redis_proxy"
     assert proxy["depends_on"]["redis-proxy-config"]["condition"] == "service_completed_successfully"
     assert COMPOSE["producer"]["depends_on"] == {"redis-proxy": {"condition": "service_started"}}
 
@@ -209,8 +209,8 @@ def deployment(tmp_path: Path, haproxy: str) -> Iterator[Deployment]:
     """Compose's Redis and proxy, with two tenants, on free loopback ports; stopped on exit."""
     from devstack.dev_secure import SecureRedisServer
     from devstack.haproxy import RedisProxy
-    from worker.protocol.redis_acl import AclUsers, generate
-    from worker.protocol.redis_proxy import ProxyPlan, TenantPort
+    from ltx_contract.redis_acl import AclUsers, generate
+    from ltx_contract.redis_proxy import ProxyPlan, TenantPort
 
     numbers = compose_numbers()
     assert FLOOD > numbers["maxclients"] > len(TENANTS) * numbers["maxconn"] + numbers["reserve"], numbers
@@ -298,7 +298,7 @@ def test_the_proxy_file_is_refused_in_one_line_when_the_caps_do_not_fit_or_a_ten
     name that cannot own Redis keys, two tenants on one port, a port or cap that is not a number."""
     from click.testing import CliRunner
 
-    from worker.protocol.redis_proxy import command as redis_proxy
+    from ltx_contract.redis_proxy import command as redis_proxy
 
     def run(*args: str) -> Any:
         return CliRunner().invoke(redis_proxy, [*args, "--redis-maxclients", "1024"])

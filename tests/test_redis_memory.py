@@ -114,10 +114,10 @@ def test_a_submit_to_a_redis_out_of_memory_is_one_line_and_exit_6(redis_server_f
 
 
 def test_event_writes_wait_out_a_short_out_of_memory_spell(redis_server_factory) -> None:
-    """A render's events (`worker.protocol.relay`) retried only connection errors: one OOM failed the job."""
+    """A render's events (`ltx_contract.event_stream`) retried only connection errors: one OOM failed the job."""
     import threading
 
-    from worker.protocol.relay import with_redis_retry
+    from ltx_contract.redis_retry import with_redis_retry
 
     server = redis_server_factory()
     client = server.client()
@@ -164,7 +164,7 @@ def test_a_stop_signal_during_a_lost_connection_is_a_stop_not_an_outage() -> Non
     worker ran until it was killed. Only the refusal itself is an outage."""
     from rq.exceptions import StopRequested
 
-    from worker.protocol.redis_outage import outage_reason
+    from ltx_contract.redis_retry import outage_reason
 
     lost = redis.exceptions.ConnectionError("Connection closed by server.")
     try:

@@ -28,10 +28,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from ltx_contract.redis_acl import AclUsers, generate
 from tests.support.acl_stack import acl_worker, write_passwords
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, wait_ready
-from worker.protocol.redis_acl import AclUsers, generate
 
 
 def _valkey_server() -> str | None:
@@ -98,7 +98,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _request(prompt: str = "t") -> Any:
-    from worker.protocol.schema import RenderRequest
+    from ltx_contract.schema import RenderRequest
 
     return RenderRequest(prompt=prompt, width=64, height=64, num_frames=9)
 
@@ -111,7 +111,7 @@ def _wait_state(client: Any, job_id: str, states: set[str], stack: Stack, timeou
 def _snapshot(conn: Any, queue: str, jobs: list[str]) -> dict[str, Any]:
     """What must survive: every job's hash (less what a live worker's heartbeat rewrites), the queue in
     order, `rq:queues`, the registries' members, the tenants' admission sets and event streams."""
-    from worker.protocol.keys import tenant_queue
+    from ltx_contract.keys import tenant_queue
 
     volatile = {b"last_heartbeat"}
     registries = ("wip", "finished", "failed", "canceled", "deferred", "scheduled")

@@ -23,15 +23,15 @@ from hypothesis import strategies as st
 from rq import Queue
 from rq.worker import Worker
 
+from ltx_contract.keys import worker_health_key
+from ltx_contract.limits import RuleViolation, RunnerLimits
+from ltx_contract.schema import RenderRequest
 from ltx_mgpu.runners.ltx2 import spec
 from ltx_mgpu.spec import memory_plan
 from ltx_mgpu.spec.memory_plan import FleetMemory, plan
 from ltx_mgpu.spec.request_rules import GENERIC, MAX_DURATION_S, PRESETS, RequestRuleError, RequestRules, ltx2_rules
 from producer.exit_codes import ExitCode
 from tests.support.cli import run
-from worker.protocol.keys import worker_health_key
-from worker.protocol.limits import RuleViolation, RunnerLimits
-from worker.protocol.schema import RenderRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_GIB = 139.5
@@ -274,8 +274,9 @@ def test_plan_checks_every_rule_the_dry_run_checks_and_says_what_it_could_not():
     base = ["plan", "--runner", "ltx2-distilled"]
     env = {"LTX_DEVICE_MEMORY_GIB": None, "LTX_RUNNER_SETUP": None, "LTX_PLACEMENT": None}  # (unset)
     # 481 frames at 1 fps is an 8-minute clip: the schema's duration rule refuses it, and so does the plan now
-    long = cli.invoke(main, [*base, "--group", "0", "--size", "64x64x481", "--frame-rate", "1", "--gpu", "h100-80gb"],
-                      env=env)
+    long = cli.invoke(
+        main, [*base, "--group", "0", "--size", "64x64x481", "--frame-rate", "1", "--gpu", "h100-80gb"], env=env
+    )
     assert long.exit_code == 1 and "fits: NO" in long.output and "481 frames at 1 fps" in long.output, long.output
     assert "worst rank" not in long.output  # (no peak for a size the rules refuse)
     for rate in ("0.5", "200"):  # the schema's frame rates are 1-120
@@ -303,7 +304,7 @@ def test_plan_checks_every_rule_the_dry_run_checks_and_says_what_it_could_not():
 
 
 def test_dry_run_names_every_rule_a_request_breaks(tmp_path, env, redis_client):
-    """"got 128x96 (and 2 more)" named one problem of three: the refusal lists them all, in one line."""
+    """ "got 128x96 (and 2 more)" named one problem of three: the refusal lists them all, in one line."""
     setup: dict = {}
     limits = RunnerLimits("ltx2-distilled", spec.request_limits("distilled", setup),
                           replace_capacity(spec.memory_fleet("distilled", 1, setup), 80.0),

@@ -145,9 +145,9 @@ def test_the_sweep_runs_as_the_worker_acl_user_and_a_tenant_cannot_touch_the_res
     fill her own keys but cannot read or delete a worker's reserve."""
     from devstack.dev_secure import SecureRedisServer
     from devstack.dev_servers import find_redis_server
+    from ltx_contract.redis_acl import AclUsers, generate
     from tests.support.acl_stack import write_passwords
     from worker.jobs.tenant_memory import TenantMemory
-    from worker.protocol.redis_acl import AclUsers, generate
 
     if find_redis_server() is None:
         pytest.skip("redis-server not found")

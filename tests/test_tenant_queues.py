@@ -16,10 +16,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from ltx_contract.redis_acl import AclUsers, generate
 from tests.support.acl_stack import Stack, acl_worker, small_request, tenant_enqueue, wait_client_state, write_passwords
 from tests.support.wait import wait_for
 from tests.support.workers import events, wait_ready
-from worker.protocol.redis_acl import AclUsers, generate
 
 DEPTH = 5
 _REQUEST = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}

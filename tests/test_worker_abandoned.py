@@ -11,7 +11,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from worker.protocol.keys import EVENT_FIELD_DATA, events_key
+from ltx_contract.keys import EVENT_FIELD_DATA, events_key
 
 
 @pytest.mark.parametrize("lost_before", [0, 1])

@@ -61,7 +61,7 @@ def _enqueue_edited(worker: Worker, fields: dict[str, Any], **kwargs: Any) -> An
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.keys import RENDER_FUNC
+    from ltx_contract.keys import RENDER_FUNC
 
     q = Queue(worker.queue, connection=worker.conn, serializer=JSONSerializer)
     request = {"prompt": "t", "width": 64, "height": 64, "num_frames": 9}
@@ -99,9 +99,9 @@ def test_overlong_job_id_fails_once_with_a_reason_and_is_counted(worker):
 
 
 def test_the_client_api_refuses_an_overlong_job_id_or_meta_before_redis(worker, redis_server):
+    from ltx_contract.schema import RenderRequest
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
-    from worker.protocol.schema import RenderRequest
 
     with ProducerClient(ProducerSettings(redis_url=redis_server.url, queues=[worker.queue])) as client:
         for bad in ("x" * 129, "a/b", "x\nFAKE", ""):
@@ -218,7 +218,7 @@ def test_client_ttls_are_capped_by_the_worker(worker):
 def test_rq_shutdown_commands_and_junk_on_pubsub_are_ignored_and_cancels_still_work(worker):
     from rq.command import send_shutdown_command
 
-    from worker.protocol.control import cancel_job
+    from ltx_contract.control import cancel_job
 
     pid = worker.idle()["pid"]
     rq_name = worker.health()["worker"]

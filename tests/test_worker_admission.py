@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from rq.job import JobStatus
 
+from ltx_contract.states import FailureReason
 from tests.support.fleet import JobFleet as AbuseWorker
 from tests.support.fleet import running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import events, wait_state
 from worker.jobs.admission import Admission
 from worker.jobs.admission_rule import STALE, Waiting, plan
-from worker.protocol.states import FailureReason
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -123,7 +123,7 @@ def test_with_tenant_ids_a_forged_taken_job_does_not_spend_its_named_owners_quot
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.keys import REFUSALS_KEY
+    from ltx_contract.keys import REFUSALS_KEY
 
     tag = uuid.uuid4().hex[:8]
     alice, own, forged = f"alice{tag}", f"alice{tag}-1", f"mallory{tag}-1"
@@ -148,7 +148,7 @@ def test_a_huge_raw_flood_leaves_a_bounded_share_per_pass_and_nothing_is_lost(re
     from rq import Queue
     from rq.job import Job
 
-    from worker.protocol.keys import REFUSALS_KEY
+    from ltx_contract.keys import REFUSALS_KEY
 
     tag = uuid.uuid4().hex[:8]
     q = Queue(f"q-{tag}", connection=redis_client)
@@ -186,12 +186,12 @@ def test_ids_without_a_job_pushed_ahead_of_admitted_jobs_count_for_nothing(redis
     """Regression: with no ACL, LTX_MAX_QUEUE_DEPTH=5, a client's admitted job waiting, then 10 ids with no
     job hash LPUSHed onto the shared queue: the pass counted 11 waiting and ended the job `queue_full`.
     Entries that are not jobs (no hash, an ended job) count for nothing, in the worker's pass and in the
-    producer's admission alike (`worker.protocol.queue_depth`)."""
+    producer's admission alike (`ltx_contract.queue_depth`)."""
     from rq import Queue
     from rq.job import Job
 
+    from ltx_contract.keys import REFUSALS_KEY
     from producer.admission import AdmissionPolicy, enqueue_admitted
-    from worker.protocol.keys import REFUSALS_KEY
 
     tag = uuid.uuid4().hex[:8]
     q = Queue(f"q-{tag}", connection=redis_client)
@@ -343,7 +343,7 @@ def test_the_taken_job_is_refused_when_its_client_runs_its_quota_on_other_worker
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.keys import RENDER_FUNC
+    from ltx_contract.keys import RENDER_FUNC
 
     worker.idle()
     conn = worker.conn
@@ -382,10 +382,10 @@ def test_a_malformed_owner_is_refused_before_it_runs(worker):
 def test_producer_admitted_jobs_at_exactly_both_caps_all_run(worker, tmp_path, redis_server):
     """The producer admits up to the caps (same values); the worker must run every one of them. (A guard
     against over-refusal: it passes without worker-side admission too; an off-by-one in `plan` fails it.)"""
+    from ltx_contract.schema import RenderRequest
     from producer.admission import AdmissionRefused
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
-    from worker.protocol.schema import RenderRequest
 
     worker.idle()
     before = worker.refusals("queue_full") + worker.refusals("quota_exceeded")

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from rq.job import JobStatus
 
+from ltx_contract.handoff import HandOff
 from tests.support.runners import output_bytes, read_records
 from tests.support.wait import wait_for
 from tests.support.workers import events, launch_worker, pid_alive, wait_ready, wait_state, worker_health
-from worker.protocol.handoff import HandOff
 from worker.uploads.spool import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(240)

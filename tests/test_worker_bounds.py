@@ -22,11 +22,11 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from ltx_contract.keys import RENDER_FUNC
 from tests.support.fleet import JobFleet as Worker
 from tests.support.fleet import running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import enqueue, events, wait_rq_status, wait_state
-from worker.protocol.keys import RENDER_FUNC
 
 pytestmark = pytest.mark.timeout(240)
 

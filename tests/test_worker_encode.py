@@ -139,7 +139,7 @@ def test_recovery_leaves_a_job_killed_before_rq_recorded_its_return_to_the_aband
     from rq.job import JobStatus
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.keys import RENDER_FUNC
+    from ltx_contract.keys import RENDER_FUNC
     from worker.protocol.rq_compat import submission_of
     from worker.stages.encode import MARKER_NAME, EncodeStage
     from worker.stages.upload import UploadPipeline

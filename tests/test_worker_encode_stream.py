@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 
+from ltx_contract.control import cancel_job
 from ltx_mgpu.media.mp4 import EncodeOptions, read_mp4, to_yuv420p, write_mp4_yuv
 from tests.support.fleet import metric, running_worker
 from tests.support.runners import noise_frames
 from tests.support.wait import wait_for
 from tests.support.workers import events, wait_state
 from tests.test_worker_encode import _stored_video
-from worker.protocol.control import cancel_job
 
 pytestmark = pytest.mark.timeout(300)
 SIZE = {"width": 64, "height": 64}

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from ltx_contract.schema import RenderRequest
 from ltx_mgpu.spec.image_size import MAX_IMAGE_SIDE, image_size
-from worker.protocol.schema import RenderRequest
 
 
 def _encode(codec: str, width: int, height: int, pix_fmt: str = "rgb24") -> bytes:

@@ -1,4 +1,4 @@
-"""Runner request limits (worker.protocol.limits): what a runner class publishes without a fleet, and the check."""
+"""Runner request limits (ltx_contract.limits): what a runner class publishes without a fleet, and the check."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from ltx_contract.limits import RunnerLimits
+from ltx_contract.schema import RenderRequest
 from ltx_mgpu import MGPURunner
 from ltx_mgpu.runners.smoke import SmokeRunner
-from worker.protocol.limits import RunnerLimits
-from worker.protocol.schema import RenderRequest
 
 
 class _Odd(MGPURunner):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ltx_contract.lora_refs import LoraRef
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.lora_refs import LoraRef
 from worker.render.lora_cache import LoraCacheFull
 from worker.render.loras import LoraCache, LoraRefused, LoraResolver
 from worker.settings import WorkerSettings

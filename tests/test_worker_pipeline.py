@@ -29,7 +29,7 @@ def test_spool_recovery_waits_for_redis_instead_of_orphaning_live_jobs(redis_ser
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.keys import RENDER_FUNC
+    from ltx_contract.keys import RENDER_FUNC
     from worker.protocol.rq_compat import submission_of
     from worker.stages.upload import UploadPipeline
     from worker.uploads.spool import Spool

@@ -12,9 +12,9 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
+from ltx_contract.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
+from ltx_contract.states import JobState
 from worker.protocol.relay import EventRelay
-from worker.protocol.states import JobState
 
 # ==== relay =============================================================================================
 

@@ -5,6 +5,7 @@ production (RQ's main branch already changed `perform_job`'s signature)."""
 from __future__ import annotations
 
 import inspect
+import re
 import time
 import uuid
 from importlib.metadata import version
@@ -87,7 +88,7 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
 
 def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
     """`worker.jobs.tenant_queues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
-    `rq_compat.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
+    `ltx_contract.rq_client.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
     its SREM."""
     from rq import worker_registration
     from rq.intermediate_queue import IntermediateQueue
@@ -274,13 +275,13 @@ def _rq_private_names() -> set[str]:
 
 
 def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
-    """Places in worker/ and producer/ outside rq_compat that touch RQ's private state: `x._name` on anything
-    but `self`, and `self._name` or `def _name` inside a class derived from an RQ class, for the names
-    RQ keeps private; plus any `horse_pid` (a stand-in pid only rq_compat may fake)."""
+    """Places in worker/, ltx_contract/ and producer/ outside rq_compat that touch RQ's private state: `x._name`
+    on anything but `self`, and `self._name` or `def _name` inside a class derived from an RQ class, for the
+    names RQ keeps private; plus any `horse_pid` (a stand-in pid only rq_compat may fake)."""
     import ast
 
-    trees = {p: ast.parse(p.read_text()) for d in ("worker", "producer") for p in sorted((root / d).rglob("*.py"))
-             if p.name != "rq_compat.py"}  # fmt: skip
+    trees = {p: ast.parse(p.read_text()) for d in ("worker", "ltx_contract", "producer")
+             for p in sorted((root / d).rglob("*.py")) if p.name != "rq_compat.py"}  # fmt: skip
     rq_names = {"GuardedJob"}  # (rq_compat's RQ subclass)
     for tree in trees.values():
         for node in ast.walk(tree):
@@ -312,12 +313,19 @@ def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
     return uses
 
 
+#: The one private call outside rq_compat: a tenant's enqueue is RQ's `enqueue_job` minus its `SADD`, which only
+#: `Queue._enqueue_job` does, and the producer may not import the worker (its signature: the queue test above).
+CLIENT_PRIVATE_USES = ["ltx_contract/rq_client.py ._enqueue_job"]
+
+
 def test_nothing_but_rqcompat_touches_rq_private_state() -> None:
-    """An RQ upgrade must be a review of rq_compat alone: no other module overrides or reads what RQ keeps
-    private (`Job._execute`, `Worker._ordered_queues`, ...) or fakes a horse pid."""
+    """An RQ upgrade must be a review of rq_compat and the contract's client side alone: no other module
+    overrides or reads what RQ keeps private (`Job._execute`, `Worker._ordered_queues`, ...) or fakes a horse
+    pid, and the client side makes exactly the one named call."""
     private = _rq_private_names()
     assert {"_execute", "_ordered_queues", "_stopped_job_id"} <= private  # (the scan sees RQ's source)
-    assert _rq_private_uses(ROOT, private) == []
+    uses = [re.sub(r":\d+ ", " ", use) for use in _rq_private_uses(ROOT, private)]
+    assert uses == CLIENT_PRIVATE_USES
 
 
 def test_a_fleet_worker_shows_rq_a_horse_only_while_a_render_runs() -> None:
@@ -370,7 +378,7 @@ def test_a_retrying_job_cancelled_while_it_waits_keeps_no_error(redis_client) ->
     from rq.queue import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.control import CANCELLED, cancel_job
+    from ltx_contract.control import CANCELLED, cancel_job
 
     queue = Queue(f"retrying-{uuid.uuid4().hex[:6]}", connection=redis_client, serializer=JSONSerializer)
     job = queue.enqueue("worker.job.render", {"prompt": "p"})

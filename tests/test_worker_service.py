@@ -23,6 +23,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from ltx_contract.control import cancel_job
 from tests.support.fleet import Fleet, metric, running_worker, start_worker
 from tests.support.runners import output_bytes, read_records
 from tests.support.wait import wait_for
@@ -33,7 +34,6 @@ from tests.support.workers import (
     wait_rq_status,
     wait_state,
 )
-from worker.protocol.control import cancel_job
 from worker.uploads.spool import MANIFEST_NAME
 
 pytestmark = pytest.mark.timeout(240)

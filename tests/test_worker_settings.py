@@ -33,7 +33,7 @@ def test_defaults_are_valid_and_settings_cli_supervisor_never_import_torch():
     import sys
 
     code = (
-        "import sys; import worker.cli, worker.runtime.supervisor, worker.protocol.keys, worker.protocol.control; "
+        "import sys; import worker.cli, worker.runtime.supervisor, ltx_contract.keys, ltx_contract.control; "
         "from worker.settings import load_settings; load_settings(); "
         "engine = {m for m in sys.modules if m.startswith('ltx_mgpu')} - {'ltx_mgpu', 'ltx_mgpu.control', "
         "'ltx_mgpu.control.devices', 'ltx_mgpu.spec', 'ltx_mgpu.spec.bounds', 'ltx_mgpu.spec.image_size', "

@@ -219,7 +219,7 @@ def test_a_job_cancelled_after_a_retried_fleet_failure_shows_the_cancel_not_the_
     """Regression: a rank killed mid-job (the job retried), then a cancel during attempt 2: the watch ended
     `job cancelled: fleet_failure: ...` and `status --json` kept `error.reason: fleet_failure, retryable:
     true` on a cancelled job. The cancel clears the summary's error; the failed attempt stays in `attempts`."""
-    from worker.protocol.control import cancel_job
+    from ltx_contract.control import cancel_job
 
     proc, conn, queue, name = _worker(tmp_path, redis_server, s3_server, ["--group", "cpu:1"], retry_fleet_failure=1)
     try:

@@ -113,8 +113,8 @@ def test_the_capacity_reported_after_setup_plans_the_warm_up_like_a_job(tmp_path
     already takes the chunked decode), and 1024x1024x121 is refused by the plan, dropped unsent."""
     from types import SimpleNamespace
 
+    from ltx_contract.limits import RunnerLimits
     from ltx_mgpu.spec import memory_plan
-    from worker.protocol.limits import RunnerLimits
     from worker.render.fleet import WarmFleet
     from worker.render.service import RenderService
 

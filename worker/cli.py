@@ -6,7 +6,7 @@
     ltx-worker health --port 9400                   # probe a worker's /readyz (exit 0 when ready)
     ltx-worker settings                             # print the effective settings (secrets masked)
     ltx-worker plan --runner ltx2-distilled --group 0,1 --size 1536x1024x241   # a memory plan (runtime/plan_cli.py)
-    ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (worker/protocol/redis_acl.py)
+    ltx-worker redis-acl --tenant alice --password-dir /run/secrets   # a Redis ACL file (ltx_contract/redis_acl.py)
     ltx-worker redis-proxy --tenant alice=6380 --tenant bob=6381   # per-tenant connection caps (HAProxy config)
 
 Every setting is an environment variable (`LTX_<FIELD>`) or a settings-file entry (`--settings FILE` /
@@ -191,15 +191,15 @@ def show_settings(ctx: click.Context, settings_file: str | None, queues: tuple[s
 
 
 def _add_redis_acl() -> None:
-    from worker.protocol.redis_acl import (
-        command,  # (light: the producer image runs it as `python -m worker.protocol.redis_acl`)
+    from ltx_contract.redis_acl import (
+        command,  # (light: the producer image runs it as `python -m ltx_contract.redis_acl`)
     )
 
     main.add_command(command, "redis-acl")
 
 
 def _add_redis_proxy() -> None:
-    from worker.protocol.redis_proxy import command  # (light, like redis-acl)
+    from ltx_contract.redis_proxy import command  # (light, like redis-acl)
 
     main.add_command(command, "redis-proxy")
 

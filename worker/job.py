@@ -1,4 +1,4 @@
-"""The RQ job function producers enqueue: `worker.job.render` (see `worker.protocol.keys.RENDER_FUNC`).
+"""The RQ job function producers enqueue: `worker.job.render` (see `ltx_contract.keys.RENDER_FUNC`).
 
 RQ resolves it by its dotted path inside the worker process, where `worker.runtime.process` has installed the
 process's `RenderService` (one warm fleet). Enqueued elsewhere, e.g. by a plain forking RQ worker, it

@@ -24,11 +24,11 @@ from typing import Any
 
 from bench.e2e.clock import encode_window, worker_encode_stages
 from devstack.dev_servers import RedisServer, S3Server, descendants, pid_alive
+from ltx_contract.keys import worker_health_key
+from ltx_contract.schema import RenderRequest
+from ltx_contract.states import TERMINAL_STATES
 from producer.client import JobEvent, ProducerClient
 from producer.settings import ProducerSettings
-from worker.protocol.keys import worker_health_key
-from worker.protocol.schema import RenderRequest
-from worker.protocol.states import TERMINAL_STATES
 from worker.settings import group_label
 
 ROOT = Path(__file__).resolve().parents[2]

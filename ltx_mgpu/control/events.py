@@ -34,7 +34,7 @@ __all__ = [
     "stage_event",
 ]
 
-#: The `type` of each runner event (the worker relays them under the same names: `worker.protocol.states.EventType`).
+#: The `type` of each runner event (the worker relays them under the same names: `ltx_contract.states.EventType`).
 STAGE = "stage"
 PROGRESS = "progress"
 OUTPUT = "output"

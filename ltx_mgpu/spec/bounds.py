@@ -1,5 +1,5 @@
-"""The bounds of a render request, in one place: the service's request schema (`worker/protocol/schema.py`, which the
-producer uses for `submit` and `--dry-run`), the worker's published runner limits (`worker/protocol/limits.py`) and
+"""The bounds of a render request, in one place: the service's request schema (`ltx_contract/schema.py`, which the
+producer uses for `submit` and `--dry-run`), the worker's published runner limits (`ltx_contract/limits.py`) and
 the runners' own validation (`runners/common/args.py`, on every rank before any collective) all read them
 here, so the edge, the worker and a rank refuse the same requests.
 

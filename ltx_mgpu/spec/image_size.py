@@ -2,7 +2,7 @@
 
 Why: a conditioning image is decoded on every rank of the fleet; a 0.75 MB PNG declaring 16000x16000
 pixels decoded to a 0.77 GB tensor per rank before anything looked at its size. The request check
-(`worker.protocol.schema`, run by the producer and again by the worker) and the runner's decoder
+(`ltx_contract.schema`, run by the producer and again by the worker) and the runner's decoder
 (`runners/ltx2/images.py`, before FFmpeg opens the file) both call `image_size` here and refuse an image
 over `MAX_IMAGE_SIDE`, and every format this parser cannot read (the FFmpeg decoder would take TIFF, EXR,
 JPEG 2000, ... unchecked).
@@ -23,7 +23,7 @@ declares (an animation of many frames is refused before its first is decoded). T
 decoded picture is the size declared here.
 
 Every walk is bounded by the file's length (each step advances), the files by `MAX_IMAGE_BYTES` upstream.
-Stdlib only: the producer imports it (through `worker.protocol.schema`), as it does `ltx_mgpu.spec.bounds`.
+Stdlib only: the producer imports it (through `ltx_contract.schema`), as it does `ltx_mgpu.spec.bounds`.
 """
 
 from __future__ import annotations

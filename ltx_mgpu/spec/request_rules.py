@@ -1,6 +1,6 @@
-"""What a runner accepts in a request, in one place: the request schema (`worker/protocol/schema.py`), the
+"""What a runner accepts in a request, in one place: the request schema (`ltx_contract/schema.py`), the
 memory plan's size search (`ltx_mgpu.spec.memory_plan.largest`), `ltx-worker plan`, the runners' own checks on every
-rank and the producer (`submit`, `--dry-run`, from the rules each worker publishes: `worker.protocol.limits`)
+rank and the producer (`submit`, `--dry-run`, from the rules each worker publishes: `ltx_contract.limits`)
 all read a `RequestRules`, so none of them admits a request another refuses.
 
 - Size: width and height a multiple of `spatial_multiple` (the VAE's 32 px; the ltx2 runners' 64, since

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ltx_contract.keys import tenant_queue
+from ltx_contract.schema import RenderRequest
 from producer.client import ProducerClient
 from producer.settings import ProducerSettings
 from tests.chaos import hostile
@@ -44,8 +46,6 @@ from tests.chaos.invariants import TERMINAL, Accepted, Verdict, check, job_state
 from tests.chaos.stack import ChaosStack
 from tests.chaos.watchdog import Stalled, Watchdog
 from tests.support.wait import wait_for
-from worker.protocol.keys import tenant_queue
-from worker.protocol.schema import RenderRequest
 
 __all__ = ["FAULT_KINDS", "Report", "run_chaos"]
 

@@ -28,8 +28,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from ltx_contract.keys import events_key
 from tests.chaos.runner import read_exec_log
-from worker.protocol.keys import events_key
 
 __all__ = ["keep_evidence"]
 

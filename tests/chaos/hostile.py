@@ -37,8 +37,8 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from worker.protocol.keys import RENDER_FUNC
-from worker.protocol.schema import RenderRequest
+from ltx_contract.keys import RENDER_FUNC
+from ltx_contract.schema import RenderRequest
 
 __all__ = [
     "HOSTILE",

@@ -24,8 +24,8 @@ from typing import Any
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from ltx_contract.keys import EVENT_FIELD_DATA, events_key
 from tests.chaos.runner import read_exec_log
-from worker.protocol.keys import EVENT_FIELD_DATA, events_key
 
 __all__ = ["Accepted", "Verdict", "check"]
 

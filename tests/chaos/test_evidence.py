@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from ltx_contract.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
 from tests.chaos.engine import run_chaos
 from tests.chaos.evidence import keep_evidence
 from tests.chaos.runner import append_record
 from tests.support.workers import enqueue
-from worker.protocol.keys import EVENT_FIELD_DATA, EVENT_FIELD_TYPE, events_key
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -14,10 +14,10 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from ltx_contract.keys import RENDER_FUNC
 from tests.chaos.hostile import VALID, canary_paths, raw_job_hashes
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, enqueue, wait_ready, wait_state, worker_env
-from worker.protocol.keys import RENDER_FUNC
 from worker.protocol.render_job import RefusedJob, RenderJob
 
 pytestmark = pytest.mark.timeout(240)
@@ -92,8 +92,8 @@ def test_relay_rides_out_a_redis_restart(redis_server_factory: Any) -> None:
     import threading
     import time
 
+    from ltx_contract.states import JobState
     from worker.protocol.relay import EventRelay
-    from worker.protocol.states import JobState
 
     server = redis_server_factory(appendonly=True)
     conn = server.client()
@@ -170,7 +170,7 @@ def _complete_render_of_a_dead_worker(conn: Any, queue: str, spool_dir: Path) ->
 def _assert_uploaded_once(conn: Any, job: Any) -> None:
     import json as _json
 
-    from worker.protocol.keys import EVENT_FIELD_DATA, events_key
+    from ltx_contract.keys import EVENT_FIELD_DATA, events_key
 
     events = [_json.loads(f[EVENT_FIELD_DATA.encode()]) for _, f in conn.xrange(events_key(job.id))]
     states = [e["state"] for e in events if e["type"] == "state"]

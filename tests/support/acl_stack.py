@@ -105,7 +105,7 @@ def _text(value: Any) -> str:
 
 def small_request(prompt: str = "t", **kwargs: Any) -> Any:
     """A `RenderRequest` the fault runner renders in a moment (64x64, 9 frames)."""
-    from worker.protocol.schema import RenderRequest
+    from ltx_contract.schema import RenderRequest
 
     return RenderRequest(prompt=prompt, width=64, height=64, num_frames=9, **kwargs)
 
@@ -115,8 +115,8 @@ def tenant_enqueue(conn: Any, queue: str, request: dict[str, Any], *, job_id: st
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.keys import RENDER_FUNC
-    from worker.protocol.rq_compat import enqueue_unregistered
+    from ltx_contract.keys import RENDER_FUNC
+    from ltx_contract.rq_client import enqueue_unregistered
 
     q = Queue(queue, connection=conn, serializer=JSONSerializer)
     job = q.create_job(

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from devstack.dev_servers import pid_alive
+from ltx_contract.health import WorkerHealth
 from tests.support.runners import RUNNERS
 from tests.support.wait import wait_for
-from worker.protocol.health import WorkerHealth
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,7 +196,7 @@ def enqueue(conn: Any, queue: str, request: dict[str, Any], **kwargs: Any) -> An
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.protocol.keys import RENDER_FUNC
+    from ltx_contract.keys import RENDER_FUNC
 
     q = Queue(queue, connection=conn, serializer=JSONSerializer)
     kwargs.setdefault("job_timeout", 600)
@@ -236,6 +236,6 @@ def wait_rq_status(job: Any, statuses: set[str], timeout: float, worker: WorkerP
 
 
 def events(conn: Any, job_id: str) -> list[dict[str, Any]]:
-    from worker.protocol.keys import EVENT_FIELD_DATA, events_key
+    from ltx_contract.keys import EVENT_FIELD_DATA, events_key
 
     return [json.loads(fields[EVENT_FIELD_DATA.encode()]) for _, fields in conn.xrange(events_key(job_id))]

@@ -10,12 +10,12 @@ started registries, then MULTI/EXEC for what it changes) and lists the unfinishe
 order: the running ones (started registries of the worker's queues), then the job this worker just took
 (if any), then the waiting ones (queues in priority order, each from head to tail). Walking that order,
 a job is admitted unless
-- its owner (meta `client`; none: `anonymous`, see `worker.protocol.keys.job_owner`; with tenant job ids, only a
+- its owner (meta `client`; none: `anonymous`, see `ltx_contract.keys.job_owner`; with tenant job ids, only a
   client that is also the id's tenant prefix: a tenant cannot spend another's quota) already has `quota` admitted
   jobs before it (`quota_exceeded`), or
 - `max_queue_depth` waiting jobs are already admitted before it (`queue_full`: the newest plain enqueues).
 Running jobs are always admitted (they count, they are never stopped). An entry that is not a waiting job
-(no hash, an ended job, a repeat: `worker.protocol.queue_depth`, the rule the producer counts by too) counts
+(no hash, an ended job, a repeat: `ltx_contract.queue_depth`, the rule the producer counts by too) counts
 for nothing, so junk pushed onto a shared queue cannot end a job behind it; a job with a malformed owner
 counts for nobody's quota (it is refused as `invalid_request` when taken: `worker.protocol.render_job`).
 
@@ -36,7 +36,7 @@ within them; entries further back count for nothing and are trimmed only once th
 found ahead of them (otherwise they are judged once they move up).
 
 **Nothing is lost.** Refused jobs leave their queue in the same transaction that moves them onto the
-`worker.protocol.keys.REFUSALS_KEY` list; from there they are recorded (meta error, a `failed` state event, RQ's
+`ltx_contract.keys.REFUSALS_KEY` list; from there they are recorded (meta error, a `failed` state event, RQ's
 failed registry and a failure result, `ltx_worker_jobs{outcome="failed",reason}`) in batches by one worker
 at a time, idempotently: a worker killed in between leaves them for the next pass, never queued again.
 
@@ -67,12 +67,12 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
+from ltx_contract.keys import REFUSALS_KEY, job_owner, job_tenant
+from ltx_contract.queue_depth import DEPTH_WINDOW, counts_as_waiting
+from ltx_contract.states import FailureReason, JobState
 from worker.jobs.admission_rule import STALE, Owner, Refusal, Waiting, plan
 from worker.jobs.outcomes import JobOutcomes
 from worker.protocol import rq_compat
-from worker.protocol.keys import REFUSALS_KEY, job_owner, job_tenant
-from worker.protocol.queue_depth import DEPTH_WINDOW, counts_as_waiting
-from worker.protocol.states import FailureReason, JobState
 
 __all__ = ["QUOTA_WINDOW", "Admission"]
 
@@ -230,7 +230,7 @@ class Admission:
         return True
 
     def _owners_of(self, ids: Sequence[str], *, read_owners: bool = True) -> dict[str, Owner]:
-        """Owner (or STALE: not a waiting job, `worker.protocol.queue_depth.counts_as_waiting`) of each job:
+        """Owner (or STALE: not a waiting job, `ltx_contract.queue_depth.counts_as_waiting`) of each job:
         status and meta length of all in one round trip, metas only of jobs not seen before (and within the
         meta limit: a bigger one is refused when taken). Without `read_owners` (no quota to count) only the
         statuses are read and a waiting job's owner is None."""

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.protocol.states import FailureReason
+from ltx_contract.states import FailureReason
 
 __all__ = ["STALE", "Owner", "Plan", "Refusal", "Waiting", "plan"]
 
@@ -74,7 +74,7 @@ def plan(
 ) -> Plan:
     """Walk the unfinished jobs in serving order (running, the taken job `(id, queue, owner)`, the waiting
     ones) and refuse what the rule (`worker.jobs.admission`'s docstring) refuses. A STALE entry (not a
-    job: no hash, ended, a repeat; `worker.protocol.queue_depth`) counts for nothing. Positions past a
+    job: no hash, ended, a repeat; `ltx_contract.queue_depth`) counts for nothing. Positions past a
     queue's window are unknown: they count for nothing, and are trimmed only when `depth_cap` jobs are
     admitted ahead of them.
 

@@ -25,12 +25,13 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+from ltx_contract.redis_retry import with_redis_retry
+from ltx_contract.states import RUNNING_STATES, FailureReason, JobState
 from worker.errors import WorkerError
 from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
 from worker.protocol import rq_compat
-from worker.protocol.relay import EventRelay, with_redis_retry
-from worker.protocol.states import RUNNING_STATES, FailureReason, JobState
+from worker.protocol.relay import EventRelay
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ move from several lists: `worker.jobs.tenant_queues`). Redis takes the id off it
 BLPOP; the worker then records it in RQ's intermediate list. If the connection drops after Redis ran the
 BLPOP and before its reply arrived (a restart, a network cut), the id is in no list, and the job would stay
 `queued` forever without running. (redis-py would even send the BLPOP again by itself and hide the error:
-the wait goes through `worker.protocol.redis_conn.single_try`, so the worker knows.)
+the wait goes through `ltx_contract.redis_conn.single_try`, so the worker knows.)
 
 After such an error (`LostPops.suspect`), once Redis answers again, the worker looks for jobs that are
 `queued`, belong to a queue the BLPOP waited on, were enqueued no earlier than `ENQUEUE_SLACK_S` before the
@@ -38,8 +38,8 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.utils import utcparse
 
+from ltx_contract.keys import REFUSALS_KEY, job_tenant, queue_tenant
 from worker.jobs.admission_rule import Refusal
-from worker.protocol.keys import REFUSALS_KEY, job_tenant, queue_tenant
 
 __all__ = [
     "CONFIRM_S", "ENQUEUE_SLACK_S", "MAX_PER_QUEUE", "SWEEP_MAX_KEYS", "SWEEP_MAX_S", "LostPops", "Orphan",

@@ -28,10 +28,10 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from ltx_contract.states import FailureReason, JobState
 from worker.ops.error_ids import public_message
 from worker.protocol import rq_compat
 from worker.protocol.relay import EventRelay
-from worker.protocol.states import FailureReason, JobState
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from worker.protocol.keys import KEY_PREFIX
+from ltx_contract.keys import KEY_PREFIX
 
 __all__ = ["NON_TRANSIENT", "POISONED_KEY_TEMPLATE", "lasting", "oom_kills", "poisoned_key", "record", "refusal"]
 

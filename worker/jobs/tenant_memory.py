@@ -2,7 +2,7 @@
 worker record outcomes when Redis is full.
 
 Redis has no per-user memory limit, and a tenant's Redis user may write its own keys (job hashes, event
-streams, its admission set, its queues: `worker.protocol.redis_acl`) as often as it likes: each stays under the
+streams, its admission set, its queues: `ltx_contract.redis_acl`) as often as it likes: each stays under the
 value cap (`--proto-max-bulk-len`) and the job-hash bound (`worker.protocol.render_job`), yet a few hundred of them
 fill `maxmemory`. Then every write fails, the workers cannot record the outcome of the job they are
 running and wait, degraded, until an operator deletes the keys. So the workers measure and trim:
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.protocol.keys import KEY_PREFIX, TENANT_QUEUE_INFIX
+from ltx_contract.keys import KEY_PREFIX, TENANT_QUEUE_INFIX
 
 __all__ = ["MAX_KEYS", "RESERVE_BYTES", "SWEEP_ABOVE", "SWEEP_EVERY_S", "TenantMemory", "key_tenant"]
 

@@ -7,9 +7,9 @@ submits refused; a burst of them refuses every producer and holds the worker for
 takes; and a re-pushed failed id of another tenant renders that job again (RQ's dequeue does not check a
 dequeued job's status).
 
-The layout (`worker.protocol.keys`): with `LTX_TENANTS`, each tenant may push only onto its own RQ queue
+The layout (`ltx_contract.keys`): with `LTX_TENANTS`, each tenant may push only onto its own RQ queue
 `<queue>:t:<tenant>` (one per configured queue; its Redis ACL user may `RPUSH`/`LPUSH` nothing else:
-`worker.protocol.redis_acl`). A worker serves, per configured queue in priority order, the shared queue (operators,
+`ltx_contract.redis_acl`). A worker serves, per configured queue in priority order, the shared queue (operators,
 the worker's own re-queues of jobs enqueued there) and every tenant's queue, and:
 - **takes tenants in turn** (`rotate`): after a job from one queue, the next queue of the same priority
   comes first, so a tenant with a long queue cannot keep another waiting behind it;
@@ -46,10 +46,10 @@ from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.queue import Queue
 
+from ltx_contract.keys import CANCEL_REQUESTED_FIELD, base_queue, job_tenant, queue_tenant, tenant_queue
+from ltx_contract.redis_conn import single_try
 from worker.jobs.admission import Admission
 from worker.jobs.lost_pops import LostPops
-from worker.protocol.keys import CANCEL_REQUESTED_FIELD, base_queue, job_tenant, queue_tenant, tenant_queue
-from worker.protocol.redis_conn import single_try
 
 __all__ = ["JUNK_PER_QUEUE", "TakingQueue", "TenantAdmissions", "entry_problem", "rotate", "served_queue_names"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from worker.protocol.health import WorkerHealth
+from ltx_contract.health import WorkerHealth
 
 __all__ = ["HealthPublisher"]
 

@@ -17,8 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ltx_contract.health import WorkerHealth
 from worker.ops.probe_server import ProbeServer, Reply
-from worker.protocol.health import WorkerHealth
 
 __all__ = ["HealthServer", "WorkerMetrics"]
 

@@ -9,7 +9,8 @@ dequeue and admission, the bookkeeping around a job, heartbeats) catch these err
 a back-off (0.5 s doubling to 10 s), one log line per outage (not a traceback per attempt), the
 `ltx_worker_redis_up` gauge and the `redis` entry of the health snapshot (`/healthz` stays 200 while the loop turns:
 a restart would not help; `/readyz` says 503: no job is taken meanwhile). Any other error still propagates: a bug is
-not an outage.
+not an outage. Which refusals are outages (`outage_reason`) and the memory hooks are the contract's
+(`ltx_contract.redis_retry`): the producer's writes wait out the same refusals.
 """
 
 from __future__ import annotations
@@ -19,70 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 
-import redis
-from rq.exceptions import StopRequested
+from ltx_contract.health import RedisHealth
+from ltx_contract.redis_retry import memory_refused, outage_reason
 
-from worker.protocol.health import RedisHealth
-
-__all__ = ["RedisOutage", "add_memory_hook", "memory_refused", "outage_reason", "remove_memory_hook"]
+__all__ = ["RedisOutage"]
 
 log = logging.getLogger("worker.redis")
-
-#: Error replies that mean "not now" rather than "never": out of memory, a replica or failover, a server
-#: still loading, a script running too long, a failed background save refusing writes, a cluster moving.
-TRANSIENT_REPLIES = ("OOM", "READONLY", "LOADING", "MASTERDOWN", "BUSY", "NOREPLICAS", "TRYAGAIN", "MISCONF",
-                     "CLUSTERDOWN")  # fmt: skip
-
-#: Called (no arguments, must not raise) whenever a write of this process is refused for memory, from the
-#: refusing thread: the worker releases its reserve and trims tenants over budget (worker.jobs.tenant_memory).
-_memory_hooks: list[Callable[[], None]] = []
-
-
-def add_memory_hook(fn: Callable[[], None]) -> None:
-    _memory_hooks.append(fn)
-
-
-def remove_memory_hook(fn: Callable[[], None]) -> None:
-    if fn in _memory_hooks:
-        _memory_hooks.remove(fn)
-
-
-def memory_refused(exc: BaseException | None) -> bool:
-    """If `exc` (or what it was raised from) is Redis refusing for memory, run the memory hooks; True if so."""
-    seen = 0
-    while exc is not None and seen < 5:
-        if isinstance(exc, redis.exceptions.OutOfMemoryError) or (
-            isinstance(exc, redis.ResponseError) and str(exc).upper().startswith("OOM")
-        ):
-            for fn in list(_memory_hooks):
-                fn()
-            return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return False
-
-
-_TRANSIENT_CLASSES = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError, redis.BusyLoadingError)
-
-
-def outage_reason(exc: BaseException | None) -> str | None:
-    """One line saying why Redis refused us if `exc` (or what it was raised from) is a transient refusal;
-    None for anything else."""
-    if isinstance(exc, StopRequested):  # (a stop signal raised while RQ waited on a lost connection: a stop)
-        return None
-    seen = 0
-    while exc is not None and seen < 5:
-        if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
-            return f"{type(exc).__name__}: {str(exc)[:200]}"
-        if isinstance(exc, _TRANSIENT_CLASSES):  # (redis-py strips the reply's prefix from these)
-            return f"{type(exc).__name__}: {str(exc)[:200]}"
-        if isinstance(exc, redis.ResponseError):
-            text = str(exc)
-            if text.split(" ", 1)[0].upper() in TRANSIENT_REPLIES:
-                return text[:200]
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return None
 
 
 class RedisOutage:

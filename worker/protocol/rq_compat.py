@@ -8,8 +8,9 @@ between minor versions (its main branch already changed `perform_job`'s signatur
 RQ, so an upgrade fails there rather than in production. Nothing else in `worker/` (or `producer/`)
 touches RQ's registries or private state (`test_nothing_but_rqcompat_touches_rq_private_state`): `RenderJob`
 and `FleetWorker` override only RQ's public hooks and the ones defined here (`GuardedJob`, `FleetHorse`), and
-call these functions. Over 450 lines on purpose: every reach into RQ's internals in one file is what makes
-an RQ upgrade a review of one file.
+call these functions. Over 450 lines on purpose: every reach of the worker into RQ's internals in one file is
+what makes an RQ upgrade a review of this file and the client's side (`ltx_contract.rq_client`: the bounded
+job load, the enqueue without `SADD`, the live workers; its one private call is named by the same test).
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ from rq.registry import clean_registries as clean_queue_registries
 from rq.results import Result
 from rq.utils import now, utcformat
 
-from worker.errors import WorkerError
-from worker.protocol.handoff import HandOff
-from worker.protocol.keys import CANCEL_REQUESTED_FIELD, REQUEUE_TOKEN_FIELD
-from worker.protocol.redis_conn import single_try
+from ltx_contract.handoff import HandOff
+from ltx_contract.keys import CANCEL_REQUESTED_FIELD, REQUEUE_TOKEN_FIELD
+from ltx_contract.redis_conn import single_try
+from ltx_contract.rq_client import OversizedJob
 
 __all__ = [
-    "RQ_MINOR", "STUCK_IN_INTERMEDIATE", "FleetHorse", "GuardedJob", "OversizedJob", "beat", "cancel_requested",
+    "RQ_MINOR", "STUCK_IN_INTERMEDIATE", "FleetHorse", "GuardedJob", "beat", "cancel_requested",
     "clean_intermediate", "clean_registries", "cold_stop_is_repeat", "drop_cancelled_dequeued",
-    "enqueue_unregistered", "exception_handlers", "fail_after_return", "fail_unreadable", "fail_unstarted",
-    "finish_if_uploaded", "give_back_dequeued", "give_back_started", "live_workers", "mark_stopped",
+    "exception_handlers", "fail_after_return", "fail_unreadable", "fail_unstarted",
+    "finish_if_uploaded", "give_back_dequeued", "give_back_started", "mark_stopped",
     "record_cancelled_execution", "record_success_after_return", "register_queues", "reorder_polled_queues",
     "requeue_after_return", "set_retry", "stale_intermediate_entry", "started_member_job_id",
     "stop_at_first_turn", "stop_requested", "stopped_job_id",
@@ -115,15 +116,7 @@ def clean_intermediate(worker: Any, queue: Queue) -> None:
             intermediate.remove(job_id)
 
 
-# ==== queues and workers as clients see them ==============================================================
-
-
-def enqueue_unregistered(queue: Queue, job: Job, *, pipeline: Any, at_front: bool = False) -> Job:
-    """RQ's `Queue.enqueue_job` for a job without dependencies, minus its `SADD rq:queues`: a tenant's Redis
-    user may not add names to that set (it could add them without bound); workers register the queues they
-    serve (`register_queues`). The job hash and the push are RQ's own."""
-    job.origin = queue.name
-    return queue._enqueue_job(job, pipeline=pipeline, at_front=at_front)
+# ==== queues ================================================================================================
 
 
 def register_queues(connection: Any, queues: list[Queue]) -> None:
@@ -132,37 +125,7 @@ def register_queues(connection: Any, queues: list[Queue]) -> None:
         connection.sadd(Queue.redis_queues_keys, *[q.key for q in queues])
 
 
-def live_workers(connection: Any, *, queue: Queue | None = None, serializer: Any = None) -> list[Any]:
-    """RQ's `Worker.all()` without its writes: RQ removes a dead worker's entry from `rq:workers` with SREM
-    while listing, which a tenant's Redis user may not do (every `producer submit` and `stats` crashed after
-    a worker died). Entries whose key is gone are skipped; the workers' own cleanup removes them."""
-    from rq.worker import Worker
-
-    keys = [
-        k.decode() if isinstance(k, bytes) else k
-        for k in worker_registration.get_keys(queue=queue, connection=connection)
-    ]
-    prefix = Worker.redis_worker_namespace_prefix
-    out = []
-    for key in sorted(keys):
-        if not key.startswith(prefix) or not connection.exists(key):
-            continue
-        worker = Worker([], key[len(prefix) :], connection=connection, prepare_for_work=False, serializer=serializer)
-        worker.refresh()  # (reads the hash; a key that vanished meanwhile leaves the defaults)
-        out.append(worker)
-    return out
-
-
 # ==== hooks RQ does not offer ===============================================================================
-
-
-class OversizedJob(WorkerError, RuntimeError):
-    """The job hash takes more memory than any job of this service: refused without reading it (raised by
-    `worker.protocol.render_job.RenderJob.refresh`, recorded by `drop_oversized`)."""
-
-    def __init__(self, job_id: str, size: int, cap: int) -> None:
-        super().__init__(f"the job hash takes {size} bytes in Redis, over {cap}: refused without reading it")
-        self.job_id = job_id
 
 
 class GuardedJob(Job):
@@ -370,7 +333,7 @@ def fail_unstarted(job: Job, message: str, ttl: int, worker_name: str) -> None:
 
 def cancel_requested(connection: Any, job: Job) -> bool:
     """True if a client cancelled `job` in Redis: RQ status `canceled`, or the cancel field a client without
-    RQ's cancel rights sets (`worker.protocol.control`). One round trip; read fresh, never from the loaded job."""
+    RQ's cancel rights sets (`ltx_contract.control`). One round trip; read fresh, never from the loaded job."""
     status, flag = connection.hmget(job.key, "status", CANCEL_REQUESTED_FIELD)
     return flag is not None or (status is not None and status.decode() == JobStatus.CANCELED.value)
 

@@ -33,10 +33,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ltx_contract.states import EventType
 from worker.errors import WorkerError
 from worker.ops.error_ids import public_message
 from worker.ops.procs import pid_alive
-from worker.protocol.states import EventType
 from worker.render.warmup import WarmUp
 
 __all__ = ["FleetUnrecoverable", "WarmFleet", "await_released"]

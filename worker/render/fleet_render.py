@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from ltx_contract.states import FailureReason
 from worker.jobs import poison
 from worker.jobs.attempt import JobAttempt, JobCancelledByClient, JobFailed
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.states import FailureReason
 from worker.render.fleet import WarmFleet
 from worker.render.warmup import is_out_of_memory
 from worker.stages.encode import EncodeStage

@@ -9,7 +9,7 @@ Sources:
 - `name`: `<LTX_LORA_CATALOGUE>/<name>.safetensors` (the name pattern has no separator; the resolved path
   must stay inside the catalogue, so a symlink out of it is refused);
 - `uri`: `s3://bucket/key` under `LTX_LORA_S3_PREFIXES` (with tenants, under the job's tenant's folder there
-  or a shared prefix: `worker.protocol.lora_refs.uri_problem`), read with the worker's S3 client. Its size
+  or a shared prefix: `ltx_contract.lora_refs.uri_problem`), read with the worker's S3 client. Its size
   comes from a HEAD, so an over-limit object is refused before a byte is fetched, and its header from a
   ranged GET of its first bytes, checked before the body is fetched.
 
@@ -18,7 +18,7 @@ count, a runner that takes no request LoRAs as it is set up (`takes_loras`: it w
 after the fetches), the sizes of a job's distinct LoRAs over its share of the cache (`lora_too_large`: the
 cache's caps over the worker processes sharing it, `LoraCache.share`, so one job never takes the room
 another group's job needs), and the strengths of one file (by content: an S3 object's ETag and size, a
-catalogue file's sha256 once known) in sum (`worker.protocol.lora_refs.strength_problem`).
+catalogue file's sha256 once known) in sum (`ltx_contract.lora_refs.strength_problem`).
 
 The cache (`worker.render.lora_cache.LoraCache`) is a folder of checked files named by content and, with
 tenants, by tenant (S3 objects and catalogue files alike: one tenant's `cached`, `fetch_bytes` or `fetch_s`
@@ -38,14 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ltx_contract.health import LoraOffer
+from ltx_contract.lora_refs import LoraRef, split_s3_uri, strength_problem, uri_problem
 from ltx_mgpu.lora_file import (
     LoraFileError,
     LoraLimits,
     check_lora,
     transformer_targets,
 )
-from worker.protocol.health import LoraOffer
-from worker.protocol.lora_refs import LoraRef, split_s3_uri, strength_problem, uri_problem
 from worker.render.lora_cache import LoraCache, LoraCacheFull
 from worker.render.lora_fetch import LoraRefused, check_remote_header, copy_hashing, ranged_download
 

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ltx_contract.handoff import HandOff
+from ltx_contract.states import JobState
 from worker.jobs.attempt import JobAttempt
-from worker.protocol.handoff import HandOff
-from worker.protocol.states import JobState
 from worker.render.fleet import WarmFleet
 from worker.stages.upload import PendingUpload
 from worker.uploads.spool import SpoolEntry
@@ -29,7 +29,7 @@ class JobResults:
     worker_name: str
 
     def handoff(self, attempt: JobAttempt, entry: SpoolEntry | None, render_s: float) -> dict[str, Any]:
-        """The job function's return value with the pipeline on (`worker.protocol.handoff`). `entry` None:
+        """The job function's return value with the pipeline on (`ltx_contract.handoff`). `entry` None:
         the video is still being encoded (`worker.stages.encode`)."""
         if entry is None:
             handoff = HandOff(attempt.id, JobState.RENDERING.value, encode="pending")

@@ -41,15 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from ltx_contract.health import StorageHealth
+from ltx_contract.keys import job_tenant
+from ltx_contract.limits import RunnerLimits
+from ltx_contract.schema import RenderRequest
+from ltx_contract.states import FailureReason, JobState
 from ltx_mgpu.spec import memory_plan as memplan
 from worker.jobs.attempt import JobAttempt
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol.health import StorageHealth
-from worker.protocol.keys import job_tenant
-from worker.protocol.limits import RunnerLimits
-from worker.protocol.schema import RenderRequest
-from worker.protocol.states import FailureReason, JobState
 from worker.render.fleet import WarmFleet
 from worker.render.fleet_render import FleetRender
 from worker.render.loras import LoraCacheFull, LoraRefused, LoraResolver

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ltx_contract.states import EventType
 from worker.errors import WorkerError
-from worker.protocol.states import EventType
 
 __all__ = ["PlanFn", "WarmUp", "WarmupRefused", "is_out_of_memory"]
 

@@ -29,8 +29,8 @@ import signal
 from types import FrameType
 from typing import Any, NoReturn
 
+from ltx_contract.shared_settings import safe_redis_url
 from worker.ops.logs import event_text, rank_logging
-from worker.protocol.shared_settings import safe_redis_url
 from worker.runtime.exit_codes import EXIT_BAD_CONFIG, EXIT_FLEET_UNRECOVERABLE, EXIT_OK
 from worker.settings import SettingsError, WorkerSettings, resolve_runner
 
@@ -48,14 +48,14 @@ def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_
     may be starting). Refused credentials, no such database, a TLS certificate that does not verify, or a
     server that answers but not in the Redis protocol (LTX_REDIS_URL naming another service's port) are a
     configuration error (`SettingsError`: exit 2, not restarted), in the producer's words
-    (`worker.protocol.redis_conn.redis_problem`). A SIGTERM/SIGINT during the wait ends it through the
+    (`ltx_contract.redis_conn.redis_problem`). A SIGTERM/SIGINT during the wait ends it through the
     caller's startup handler."""
     import ssl
     import time
 
     import redis
 
-    from worker.protocol.redis_conn import connect
+    from ltx_contract.redis_conn import connect
 
     url = settings.redis_url
     client = connect(settings, socket_connect_timeout=3, socket_timeout=3)
@@ -92,7 +92,7 @@ def _controller(*args: Any, **kwargs: Any) -> Any:
 
 def _misconfigured(exc: BaseException, url: str) -> str:
     """What is wrong with the Redis settings, in the words the producer uses for the same error."""
-    from worker.protocol.redis_conn import redis_problem
+    from ltx_contract.redis_conn import redis_problem
 
     problem = redis_problem(exc, url)
     return problem[0] if problem else f"Redis at {safe_redis_url(url)} refused us (LTX_REDIS_URL): {exc}"
@@ -130,11 +130,11 @@ def place_for(settings: WorkerSettings, runner_cls: type, devices: list[str]) ->
 
 def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
     """Build (but do not start) the `FleetWorker` for `group`, with its service, fleet and storage."""
+    from ltx_contract.limits import RunnerLimits
+    from ltx_contract.redis_conn import connect
     from ltx_mgpu.control.devices import parse_device_group
     from worker.job import install_service
     from worker.ops.metrics import WorkerMetrics
-    from worker.protocol.limits import RunnerLimits
-    from worker.protocol.redis_conn import connect
     from worker.render.fleet import WarmFleet
     from worker.render.service import RenderService
     from worker.runtime.rq_worker import FleetWorker
@@ -167,7 +167,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
                                  lora_limits=settings.lora_limits())  # fmt: skip
     except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
         raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
-    from worker.protocol.schema import RenderRequest
+    from ltx_contract.schema import RenderRequest
 
     for i, raw in enumerate(settings.warmup_requests):  # refused by the limits, a warm-up would fail every build
         if refused := limits.violations(RenderRequest.model_validate(raw)):

@@ -24,11 +24,11 @@ from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.worker import SimpleWorker
 
+from ltx_contract.states import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, JobState
 from worker.jobs.attempt import JobCancelledByClient, JobFailed
 from worker.jobs.outcomes import JobOutcomes
 from worker.protocol import rq_compat
 from worker.protocol.render_job import RefusedJob
-from worker.protocol.states import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, JobState
 from worker.settings import WorkerSettings
 
 __all__ = ["EndingWorker", "maintenance_lock_ttl"]

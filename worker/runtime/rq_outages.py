@@ -17,6 +17,7 @@ from redis.client import Pipeline
 from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker
 
+from ltx_contract.rq_client import OversizedJob
 from worker.jobs.tenant_memory import TenantMemory
 from worker.ops.health import HealthPublisher
 from worker.protocol import rq_compat
@@ -80,7 +81,7 @@ class OutageTolerantWorker(SimpleWorker):
         while True:
             try:
                 super().register_birth()
-                # The queues this worker serves, registered with it (tenants may not: worker.protocol.redis_acl),
+                # The queues this worker serves, registered with it (tenants may not: ltx_contract.redis_acl),
                 # inside the outage handling: a worker started against a Redis over `maxmemory` waits, it does not
                 # crash.
                 rq_compat.register_queues(self.connection, self.queues)
@@ -118,7 +119,7 @@ class OutageTolerantWorker(SimpleWorker):
         self.tenant_memory.maintain()  # (first: what it frees lets the cleanup below record its outcomes)
         try:
             super().run_maintenance_tasks()
-        except rq_compat.OversizedJob as exc:  # a hash grown past any job's size since it was taken
+        except OversizedJob as exc:  # a hash grown past any job's size since it was taken
             rq_compat.drop_oversized(self.connection, exc.job_id, exc, self.settings.failure_ttl)
         except Exception as exc:
             if self.redis_outage.refused(exc, "maintenance") is None:

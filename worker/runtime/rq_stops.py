@@ -26,10 +26,10 @@ from rq.command import parse_payload
 from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker
 
+from ltx_contract.redis_retry import remove_memory_hook
 from worker.jobs.tenant_memory import TenantMemory
 from worker.ops.health import HealthPublisher
 from worker.protocol import rq_compat
-from worker.protocol.redis_outage import remove_memory_hook
 from worker.render.service import RenderService
 from worker.settings import WorkerSettings
 

@@ -19,7 +19,7 @@ back-pressure is an object of its own (`backpressure`). This module holds the lo
   tenants in turn within a priority (`reorder_queues`); each id is checked (hash, `queued` status, origin,
   tenant) before it counts or runs, junk is dropped at a bounded rate per dequeue, and every taken id sits
   in its queue's intermediate list until it starts (`prepare_job_execution`).
-- Cancel before start: a job a client cancelled while it waited (`worker.protocol.control`: the cancel
+- Cancel before start: a job a client cancelled while it waited (`ltx_contract.control`: the cancel
   field a tenant's Redis user may set) is recorded `cancelled` when dequeued and never runs (`_skip_cancelled`).
 - Admission (`worker.jobs.admission`): before and right after every dequeue the worker ends, without running
   them, the jobs past `LTX_MAX_QUEUE_DEPTH` waiting jobs and past a client's `LTX_CLIENT_QUOTA`
@@ -45,17 +45,19 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
+from ltx_contract.health import FleetHealth, WorkerHealth
+from ltx_contract.keys import worker_health_key
+from ltx_contract.redis_retry import add_memory_hook, outage_reason
+from ltx_contract.rq_client import OversizedJob
+from ltx_contract.states import JobState
 from worker.jobs.lost_pops import LostPops
 from worker.jobs.tenant_memory import TenantMemory
 from worker.jobs.tenant_queues import TakingQueue, TenantAdmissions, rotate, served_queue_names
 from worker.ops.health import HealthPublisher
 from worker.ops.logs import bind_job
 from worker.protocol import rq_compat
-from worker.protocol.health import FleetHealth, WorkerHealth
-from worker.protocol.keys import worker_health_key
-from worker.protocol.redis_outage import RedisOutage, add_memory_hook, outage_reason
+from worker.protocol.redis_outage import RedisOutage
 from worker.protocol.render_job import RenderJob
-from worker.protocol.states import JobState
 from worker.render.fleet import FleetUnrecoverable
 from worker.render.service import RenderService
 from worker.runtime.backpressure import Backpressure
@@ -172,7 +174,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             group=self.service.group,
             queues=tuple(self.queue_names()),
             runner=self.settings.runner,
-            limits=self.service.limits.to_json(),  # checked by `producer submit` (worker.protocol.limits)
+            limits=self.service.limits.to_json(),  # checked by `producer submit` (ltx_contract.limits)
             loras=self.service.loras.published(),  # catalogue names, S3 prefixes, count (producer.loras)
             fleet=FleetHealth(fleet.state, fleet.is_alive, tuple(fleet.pids), fleet.world_size,
                               tuple(str(d) for d in fleet.devices), fleet.builds, fleet.rebuilds, fleet.failures,
@@ -311,7 +313,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
 
     def _skip_cancelled(self, job: Job, queue: Queue) -> None:
         """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
-        take it out of the shared queue: `worker.protocol.control`): record it cancelled, never run it."""
+        take it out of the shared queue: `ltx_contract.control`): record it cancelled, never run it."""
         if not rq_compat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job)):
             log.info("job %s was cancelled while queued, then deleted or submitted again: entry dropped", job.id)
             return  # (its hash is gone or another submission's: nothing of this one to record)
@@ -332,7 +334,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
                 job_id = getattr(exc, "job_id", None)
                 if job_id is None:
                     raise
-                if isinstance(exc, rq_compat.OversizedJob):
+                if isinstance(exc, OversizedJob):
                     rq_compat.drop_oversized(self.connection, job_id, exc, self.settings.failure_ttl,
                                             getattr(exc, "queue", None))  # fmt: skip
                     continue

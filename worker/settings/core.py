@@ -25,8 +25,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from worker.protocol.redis_conn import ServiceAccess
-from worker.protocol.shared_settings import S3_SECRET_FILE_FIELDS, read_secret_file, safe_redis_url
+from ltx_contract.redis_conn import ServiceAccess
+from ltx_contract.shared_settings import S3_SECRET_FILE_FIELDS, read_secret_file, safe_redis_url
 from worker.settings.base import ENV_PREFIX, SETTINGS_FILE_ENV, SettingsError
 from worker.settings.fleets import FleetFields, group_label
 from worker.settings.loras import LoraFields
@@ -42,7 +42,7 @@ class WorkerSettings(
 ):
     """Every knob of a worker process. Field `x` is environment variable `LTX_X` (case-insensitive); the
     `redis_*` credential and TLS fields, and the checks of `redis_url` and `queues`, come from
-    `worker.protocol.redis_conn.ServiceAccess`."""
+    `ltx_contract.redis_conn.ServiceAccess`."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,

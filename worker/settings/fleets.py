@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import NoDecode
 
+from ltx_contract.shared_settings import split_list
 from ltx_mgpu.control.devices import canonical_group
-from worker.protocol.shared_settings import split_list
 from worker.settings.base import ENV_PREFIX, SettingsError
 
 __all__ = ["BUILTIN_RUNNERS", "FleetFields", "group_label", "resolve_runner", "validate_group"]
@@ -152,7 +152,7 @@ class FleetFields(BaseModel):
     @field_validator("warmup_requests")
     @classmethod
     def _check_warmup(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from worker.protocol.schema import RenderRequest
+        from ltx_contract.schema import RenderRequest
 
         for i, request in enumerate(value):
             try:
@@ -177,7 +177,7 @@ class FleetFields(BaseModel):
 
     def warmup_jobs(self) -> list[dict[str, Any]]:
         """The warm-up requests as runner job kwargs (unset fields left to the runner, like real jobs)."""
-        from worker.protocol.schema import RenderRequest
+        from ltx_contract.schema import RenderRequest
 
         return [RenderRequest.model_validate(r).runner_kwargs() for r in self.warmup_requests]
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import NoDecode
 
-from worker.protocol.shared_settings import split_list
+from ltx_contract.shared_settings import split_list
 from worker.settings.base import MIB
 
 __all__ = ["LoraFields"]

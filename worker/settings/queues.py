@@ -7,15 +7,15 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import NoDecode
 
-from worker.protocol.keys import check_tenant_name
-from worker.protocol.shared_settings import split_list
+from ltx_contract.keys import check_tenant_name
+from ltx_contract.shared_settings import split_list
 
 __all__ = ["QueueFields"]
 
 
 class QueueFields(BaseModel):
     """Redis/RQ, tenant and admission fields; `redis_url` and `queues` are checked by
-    `worker.protocol.redis_conn.ServiceAccess`, the other base of `WorkerSettings`."""
+    `ltx_contract.redis_conn.ServiceAccess`, the other base of `WorkerSettings`."""
 
     # ---- Redis / RQ ---------------------------------------------------------------------------------
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for queues, job state and events")

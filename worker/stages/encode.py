@@ -50,9 +50,9 @@ from typing import Any
 
 import redis
 
+from ltx_contract.states import FailureReason, JobState
 from worker.jobs.attempt import JobAttempt
 from worker.protocol import rq_compat
-from worker.protocol.states import FailureReason, JobState
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
 

@@ -49,13 +49,13 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from ltx_contract.health import UploadsHealth
+from ltx_contract.redis_retry import with_redis_retry
+from ltx_contract.states import FailureReason, JobState
 from worker.jobs.attempt import JobAttempt
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.protocol import rq_compat
-from worker.protocol.health import UploadsHealth
-from worker.protocol.relay import with_redis_retry
-from worker.protocol.states import FailureReason, JobState
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import StoredObject
 from worker.uploads.uploader import Uploader, UploadFailed

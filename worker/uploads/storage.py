@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ltx_contract.s3_errors import s3_error_text
 from worker.errors import WorkerError
-from worker.protocol.s3_errors import s3_error_text
 from worker.settings import WorkerSettings
 from worker.uploads.spool import SpoolEntry, sha256_file
 

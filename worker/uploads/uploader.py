@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from ltx_contract.states import EventType
 from worker.errors import WorkerError
-from worker.protocol.states import EventType
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, StorageError, StoredObject
 

@@ -1,7 +1,7 @@
 """The job arguments of a render, declared once.
 
 `RenderArgs` is what a render job carries: the fields of the service's request schema
-(`worker/protocol/schema.py RenderRequest`, checked against this class by a test) plus `output_path`. A runner
+(`ltx_contract/schema.py RenderRequest`, checked against this class by a test) plus `output_path`. A runner
 family with other defaults subclasses it and redeclares only those fields.
 
 `job_entry(RenderArgs)` makes a runner's `__call__` from it: `runner(**job)` builds the dataclass and

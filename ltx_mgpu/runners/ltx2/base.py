@@ -18,7 +18,7 @@ CUDA peak memory between device synchronisations), reported in the `output` even
 
 The resident models (`setup()`, LoRA fusion, the job's memory plan) are `Ltx2Resident` (resident.py).
 
-Job kwargs: `common.args.RenderArgs` (worker/protocol/schema.py `RenderRequest` + `output_path`). Every request
+Job kwargs: `common.args.RenderArgs` (ltx_contract/schema.py `RenderRequest` + `output_path`). Every request
 check runs on every rank before any collective and raises `ValueError` (a recoverable
 `SymmetricRunnerError`).
 """

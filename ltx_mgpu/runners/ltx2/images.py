@@ -1,7 +1,7 @@
 """Conditioning images in: decoded with PyAV and torch only (no pillow or torchvision needed).
 
 Images arrive in the job kwargs as base64-encoded PNG, JPEG, WebP, GIF or BMP files, so a request is
-self-contained and never names a path on the worker. The request check (`worker.protocol.schema`, at the producer and
+self-contained and never names a path on the worker. The request check (`ltx_contract.schema`, at the producer and
 in the worker) and this decoder read the same container parser (`ltx_mgpu.spec.image_size`): other formats, sizes
 over 4096 pixels per side and containers whose parts disagree are refused before FFmpeg opens the file (it
 decodes while it probes); the codec FFmpeg detects must be one of the five, and the decoded picture must be

@@ -8,7 +8,7 @@ config, x32/x8 geometry), the ltx-core audio VAE decoder and vocoder (tiny confi
 rank. It exists so the service, CI and demos exercise the whole path, SP included, on CPUs and GPUs
 without real weights.
 
-Request fields (`SmokeArgs`: worker/protocol/schema.py `RenderRequest` + `output_path`) and what the smoke model
+Request fields (`SmokeArgs`: ltx_contract/schema.py `RenderRequest` + `output_path`) and what the smoke model
 does with them:
 
 | field            | used as |

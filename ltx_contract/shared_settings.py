@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from worker.protocol.keys import TENANT_QUEUE_INFIX
+from ltx_contract.keys import TENANT_QUEUE_INFIX
 
 __all__ = [
     "S3_SECRET_FILE_FIELDS",

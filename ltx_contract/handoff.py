@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.protocol.typed_json import OMIT_NONE, SnapshotError, dump, load
+from ltx_contract.typed_json import OMIT_NONE, SnapshotError, dump, load
 
 __all__ = ["HandOff"]
 

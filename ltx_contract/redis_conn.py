@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
-from worker.protocol.shared_settings import (
+from ltx_contract.shared_settings import (
     check_queue_names,
     check_redis_url,
     read_secret_file,

@@ -8,7 +8,7 @@ Cancellation has two paths because RQ has two:
   the render at the next denoising step (the fleet survives) and records it: `cancelled` state event, RQ
   status `canceled` in the canceled registry (`worker.jobs.outcomes`, `worker.protocol.rq_compat`).
 
-A tenant's Redis user (`worker.protocol.redis_acl`) may do neither: RQ's cancel removes the id from the shared queue
+A tenant's Redis user (`ltx_contract.redis_acl`) may do neither: RQ's cancel removes the id from the shared queue
 list and registries, and the stop-job command is a `PUBLISH`. When Redis answers NOPERM the cancel is
 written into the job's own hash instead (`CANCEL_REQUESTED_FIELD`, and for a waiting job status
 `canceled` plus its `cancelled` state): a worker that dequeues such a job records it cancelled and never
@@ -30,9 +30,9 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 
-from worker.protocol.keys import CANCEL_REQUESTED_FIELD
-from worker.protocol.relay import EventRelay
-from worker.protocol.states import TERMINAL_STATES, JobState, derive_state
+from ltx_contract.event_stream import EventWriter
+from ltx_contract.keys import CANCEL_REQUESTED_FIELD
+from ltx_contract.states import TERMINAL_STATES, JobState, derive_state
 
 __all__ = ["CANCELLED", "STOP_REQUESTED", "cancel_job"]
 
@@ -125,7 +125,7 @@ def _transact(connection: Any, job: Job, write: Callable[[Any, str | None], str 
 def _record_queued_cancel(connection: Any, job: Job, failure_ttl: int, message: str) -> None:
     """The terminal `cancelled` state of a job that never ran (no worker will write it)."""
     ttl = int(job.failure_ttl or failure_ttl)
-    EventRelay(connection, job, maxlen=1000, running_ttl=ttl).state(
+    EventWriter(connection, job, maxlen=1000, running_ttl=ttl).state(
         JobState.CANCELLED, ttl=ttl, by="client", message=message
     )
 

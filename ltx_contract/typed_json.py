@@ -8,7 +8,7 @@ field's default (an older writer), an unknown key is ignored (a newer writer), a
 type, or a missing key the field has no default for, raises `SnapshotError` naming the field, in one
 line. Field types are the few JSON has: str, int, float, bool, None unions, `tuple[X, ...]`,
 `dict[str, Any]` (kept as it is) and nested dataclasses.
-Stdlib only (the producer image copies worker/protocol/).
+Stdlib only (the producer image copies ltx_contract/).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from worker.errors import WorkerError
+from ltx_contract.errors import ContractError
 
 __all__ = ["OMIT_NONE", "SnapshotError", "dump", "load"]
 
@@ -28,7 +28,7 @@ T = TypeVar("T")
 OMIT_NONE = {"omit_none": True}
 
 
-class SnapshotError(WorkerError, ValueError):
+class SnapshotError(ContractError, ValueError):
     """A JSON object does not have the shape its dataclass says (the message is one line)."""
 
 

@@ -23,13 +23,13 @@ job hash, `FLUSHALL`s (docs/security.md). The file this module writes gives Redi
 |               | `INFO`, `CLIENT LIST`, `SLOWLOG GET`; no key, no channel, no other admin command      |
 
 A tenant's job ids therefore start with `t-` (`LTX_TENANT_IDS`, implied for the producer by
-`LTX_REDIS_USERNAME`), and tenant names are 1-32 letters, digits or `_` (`worker.protocol.keys.check_tenant_name`):
+`LTX_REDIS_USERNAME`), and tenant names are 1-32 letters, digits or `_` (`ltx_contract.keys.check_tenant_name`):
 with no `-` in a name, `alice-*` never matches another tenant's keys. What each grant is for was read off
 `MONITOR` while the producer submitted, cancelled and fetched, and is held by `tests/test_redis_acl.py`
 (every command of the end-to-end run passes the ACL; each attack is refused).
 
 Run as `ltx-worker redis-acl` or, where only the producer's files are installed (its image, compose's
-`redis-acl` service), `python -m worker.protocol.redis_acl`; it imports click and `worker.protocol.keys` only.
+`redis-acl` service), `python -m ltx_contract.redis_acl`; it imports click and `ltx_contract.keys` only.
 
 Passwords never appear on the command line: each user's password is read from `<password-dir>/<user>`
 (docker or k8s secrets) or from the environment variable `LTX_REDIS_ACL_PASSWORD_<USER>`; only their
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import click
 
-from worker.protocol.keys import KEY_PREFIX, TENANT_QUEUE_INFIX, check_tenant_name
+from ltx_contract.keys import KEY_PREFIX, TENANT_QUEUE_INFIX, check_tenant_name
 
 __all__ = [
     "ACL_PASSWORD_ENV_PREFIX",
@@ -110,7 +110,7 @@ def tenant_rules(tenant: str) -> str:
     commands = ("-@all +@read -@dangerous +@connection -select -client +client|setname +client|getname +client|id "
                 "+multi +exec +discard +watch +unwatch +hset +hsetnx +hdel +expire +pexpire +persist +del +unlink "
                 "+xadd +xtrim +zadd +zrem +zremrangebyscore")  # fmt: skip
-    # Selector: the tenant's own queues (`<queue>:t:<t>`, worker.protocol.keys.tenant_queue) may only be appended to;
+    # Selector: the tenant's own queues (`<queue>:t:<t>`, ltx_contract.keys.tenant_queue) may only be appended to;
     # never the shared queue, RQ's intermediate lists (`...:t:<t>:intermediate` does not match) or the set
     # of queues (workers register the queues they serve: a tenant could add names without bound).
     selectors = f"(+rpush +lpush %W~rq:queue:*{TENANT_QUEUE_INFIX}{t})"

@@ -5,7 +5,7 @@ with `live` and `ready` added), typed once for the worker that writes it and the
 version: a missing key takes its default (None for what an older worker did not publish), an unknown key
 is ignored, and a value of the wrong type raises `SnapshotError` with one line naming the field
 (`read_health` does the same for the raw bytes from Redis). Open-ended parts stay plain objects: `limits`
-(read with `runner_limits()`, see `worker.protocol.limits`), the fleet's `startup` report and its
+(read with `runner_limits()`, see `ltx_contract.limits`), the fleet's `startup` report and its
 `last_failure`.
 """
 
@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from worker.protocol.limits import RunnerLimits
-from worker.protocol.typed_json import SnapshotError, dump, load
+from ltx_contract.limits import RunnerLimits
+from ltx_contract.typed_json import SnapshotError, dump, load
 
 __all__ = [
     "FleetHealth",

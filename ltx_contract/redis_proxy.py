@@ -23,8 +23,8 @@ idle connection is closed after `IDLE_TIMEOUT` (the producer pings every 15 s an
 Redis named by a host name (compose's `redis`) is looked up again while HAProxy runs (`resolvers`), so a
 Redis container that comes back on another address is found.
 
-Run as `ltx-worker redis-proxy` or `python -m worker.protocol.redis_proxy` (compose's `redis-proxy-config`
-one-shot, in the producer image); it imports click and `worker.protocol.keys` only.
+Run as `ltx-worker redis-proxy` or `python -m ltx_contract.redis_proxy` (compose's `redis-proxy-config`
+one-shot, in the producer image); it imports click and `ltx_contract.keys` only.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import click
 
-from worker.protocol.keys import check_tenant_name
+from ltx_contract.keys import check_tenant_name
 
 __all__ = [
     "DEFAULT_RESERVE",
@@ -127,7 +127,7 @@ class ProxyPlan:
 def render_config(plan: ProxyPlan) -> str:
     """The HAProxy configuration: one `frontend` per tenant (its port, its `maxconn`), one backend (Redis)."""
     lines = [
-        "# written by `ltx-worker redis-proxy` (worker/protocol/redis_proxy.py): one port per tenant, each",
+        "# written by `ltx-worker redis-proxy` (ltx_contract/redis_proxy.py): one port per tenant, each",
         f"# capped; Redis at {plan.redis} keeps {plan.redis_maxclients - plan.total} of its {plan.redis_maxclients} "
         "clients for everyone else (the workers).",
         "global",

@@ -1,7 +1,7 @@
 """A runner's request limits, known at the edge: published by every worker, checked by `producer submit`
 (and `--dry-run`) before anything is enqueued, and by the worker before it renders.
 
-The request schema (`worker.protocol.schema`) holds what any LTX-2 runner accepts; a runner narrows it (the smoke
+The request schema (`ltx_contract.schema`) holds what any LTX-2 runner accepts; a runner narrows it (the smoke
 model takes at most 50 steps). Before, a request over such a limit passed `--dry-run` and `submit` and
 failed in the worker with `runner_error`. Now the runner class states its limits
 (`MGPURunner.request_limits(**setup_kwargs)`, no fleet needed), the worker writes them into its health
@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ltx_contract.schema import RenderRequest
 from ltx_mgpu.spec import memory_plan
 from ltx_mgpu.spec.bounds import audio_latents
 from ltx_mgpu.spec.request_rules import RequestRules
-from worker.protocol.schema import RenderRequest
 
 __all__ = ["DERIVED", "LimitViolation", "MemoryViolation", "RuleViolation", "RunnerLimits"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from worker.protocol.keys import RQ_ENDED_STATUSES
+from ltx_contract.keys import RQ_ENDED_STATUSES
 
 __all__ = ["DEPTH_WINDOW", "counts_as_waiting", "waiting_depth"]
 

@@ -4,7 +4,7 @@ Imports no torch, so the producer CLI stays light; of the engine only `ltx_mgpu.
 `ltx_mgpu.spec.request_rules` (stdlib only), where the numeric ranges and the size rules live that the runners check
 again on every rank. Limits here are structural (`request_rules.GENERIC`: what any LTX-2 runner accepts);
 per-runner rules (multiples of 64, fields a runner refuses, the clip's duration, steps, the memory plan) are
-published by each worker (`worker.protocol.limits`) and checked again in the runner, identically on every
+published by each worker (`ltx_contract.limits`) and checked again in the runner, identically on every
 rank, so a request that slips past the edge still fails cleanly without hurting the fleet.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ltx_contract.lora_refs import MAX_LORAS, LoraRef, strength_problem
 from ltx_mgpu.spec.bounds import FLOAT_FIELDS, RANGES
 from ltx_mgpu.spec.image_size import IMAGE_FORMATS, MAX_IMAGE_SIDE, image_size
 from ltx_mgpu.spec.request_rules import GENERIC
-from worker.protocol.lora_refs import MAX_LORAS, LoraRef, strength_problem
 
 __all__ = ["MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_PROMPT_CHARS", "ConditioningImage", "RenderRequest"]
 
@@ -100,7 +100,7 @@ class RenderRequest(BaseModel):
         default=True, description="decode the generated audio into the mp4 (AAC); false = a silent mp4, faster"
     )
     loras: list[LoraRef] | None = Field(
-        default=None, max_length=MAX_LORAS, description="LoRAs fused for this job only (worker.protocol.lora_refs)"
+        default=None, max_length=MAX_LORAS, description="LoRAs fused for this job only (ltx_contract.lora_refs)"
     )
 
     @field_validator("width", "height")
@@ -120,7 +120,7 @@ class RenderRequest(BaseModel):
     @model_validator(mode="after")
     def _size_rules(self) -> RenderRequest:
         """What no runner renders (`request_rules.GENERIC`: e.g. more pixels a frame than 4K); each runner
-        publishes narrower rules (`worker.protocol.limits`)."""
+        publishes narrower rules (`ltx_contract.limits`)."""
         if (problem := GENERIC.size_problem(self.width, self.height, self.num_frames)) is not None:
             raise ValueError(
                 problem.replace(" (runner 'any')", "").replace(" runner 'any' renders", " any runner renders")

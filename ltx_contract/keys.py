@@ -1,7 +1,7 @@
 """Redis names of the render service: keys, job ids, tenants and queues, job owners, in one place.
 
-Job states, event types and failure reasons: `worker.protocol.states`; the checks of the `LTX_*` settings
-the worker and the producer share: `worker.protocol.shared_settings`.
+Job states, event types and failure reasons: `ltx_contract.states`; the checks of the `LTX_*` settings
+the worker and the producer share: `ltx_contract.shared_settings`.
 
 Imports only the standard library so the producer (and any non-Python client that reads this file as
 documentation) can share it without pulling in torch, rq or boto3.
@@ -136,7 +136,7 @@ def base_queue(queue: str) -> str:
 
 
 #: Job-hash field a client sets to cancel a job without `PUBLISH` or access to the shared queue list (a
-#: tenant's Redis user: `worker.protocol.control`). Workers skip a dequeued job that carries it and stop a running
+#: tenant's Redis user: `ltx_contract.control`). Workers skip a dequeued job that carries it and stop a running
 #: one at the next heartbeat. Neither RQ nor the worker ever writes or clears it, so no save can undo it.
 CANCEL_REQUESTED_FIELD = KEY_PREFIX + "_cancel_requested"
 
