@@ -149,7 +149,7 @@ def single_try(client: Any) -> Any:
     Redis executed just before the connection dropped (a restart: Redis persists what it ran and may close
     the socket before the reply leaves) is then applied twice: an event, a result, a queue push. Writers
     whose repetition matters use this client and retry themselves, knowing what a retry may repeat
-    (`worker.protocol.relay`). One per connection pool (its own pool, the same limits); a test double
+    (`ltx_contract.event_stream`). One per connection pool (its own pool, the same limits); a test double
     without a pool is returned as it is."""
     import redis
     from redis.backoff import NoBackoff

@@ -2,8 +2,8 @@
 
 Each class also keeps the builtin it has always been (`RuntimeError`, `ValueError`, `OSError`, ...), so every
 `except` written against the builtin still catches it; `except WorkerError` catches whatever the worker itself
-raised, and nothing a library raised (tests/test_error_hierarchy.py). Stdlib only and below every worker layer:
-`worker.protocol`, which the producer image ships, imports it.
+raised, and nothing a library raised (tests/test_error_hierarchy.py). Stdlib only and below every worker layer.
+The client contract (`ltx_contract`, which the producer image ships) has a root of its own, `ContractError`.
 
 A control-flow signal that `except Exception` must not swallow (like `KeyboardInterrupt`) derives from
 `BaseException` and stays private to its module; it is no error and not a `WorkerError`.

@@ -6,6 +6,7 @@
 - `memory_plan`: the per-job memory plan (what fits, chunked decode, releasing caches between stages).
 - `memory_profile`: the model profiles the memory plan counts with.
 
-The producer image ships `ltx_mgpu/__init__.py` and this package only (Dockerfile); the import contracts
+The producer image ships `ltx_mgpu/__init__.py`, `ltx_mgpu/errors.py` and this package only (Dockerfile, beside the
+client contract `ltx_contract`, whose request schema and limits use them); the import contracts
 (`tests/test_import_contracts.py`) keep every module here stdlib-only.
 """

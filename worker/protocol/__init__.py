@@ -1,4 +1,5 @@
-"""What the worker shares with the producer and every other client: Redis key names and job states, the
-request schema and its limits, job events, cancellation, the RQ job class and RQ access, ACL generation and
-the Redis connection. Light (pydantic, redis and rq; never torch or boto3): the producer image copies this
-folder and nothing else of worker/ (tests/test_import_contracts.py holds both)."""
+"""The worker's side of the wire, below every other worker layer: the RQ job class it runs (`render_job`), every
+touch of RQ's internals (`rq_compat`), the relay that writes a running job's events (`relay`) and the work loop's
+view of Redis outages (`redis_outage`). What clients share with the worker (Redis names, states, the request,
+events written exactly once, cancel, connections) is the client contract, `ltx_contract`, which this folder
+imports and the producer imports instead of it (tests/test_import_contracts.py)."""
