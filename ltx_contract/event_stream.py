@@ -105,8 +105,7 @@ class EventWriter:
         the event's `data`). None here: a running job's relay derives its stage and progress from them."""
         return {}
 
-    def _write(self, payload: str, etype: str, changes: dict[str, Any], ttl: int | None, *,
-               maybe_written: bool) -> Any:  # fmt: skip
+    def _write(self, payload: str, etype: str, changes: dict[str, Any], ttl: int | None, *, maybe_written: bool) -> Any:
         """One pipeline: XADD, the stream's expiry, the summary. Safe to repeat after a connection error:
         with `maybe_written` (an earlier try failed) the XADD is skipped when the event is already there."""
         written = self._find_entry(payload) if maybe_written else None

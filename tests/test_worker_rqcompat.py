@@ -280,8 +280,8 @@ def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
     names RQ keeps private; plus any `horse_pid` (a stand-in pid only rq_compat may fake)."""
     import ast
 
-    trees = {p: ast.parse(p.read_text()) for d in ("worker", "ltx_contract", "producer")
-             for p in sorted((root / d).rglob("*.py")) if p.name != "rq_compat.py"}  # fmt: skip
+    paths = [p for d in ("worker", "ltx_contract", "producer") for p in sorted((root / d).rglob("*.py"))]
+    trees = {p: ast.parse(p.read_text()) for p in paths if p.name != "rq_compat.py"}
     rq_names = {"GuardedJob"}  # (rq_compat's RQ subclass)
     for tree in trees.values():
         for node in ast.walk(tree):
