@@ -100,8 +100,16 @@ def ready_stamp(rank: int, runner: Any, device: Any, booted_at: float, setup_beg
     (`determinism.offered_memory_bytes`): the memory plan's capacity, a constant of the GPU model in the
     deterministic mode (free memory varies between fleet builds and would change the plan)."""
     offered = determinism.offered_memory_bytes(device)
-    return RankStartup(rank, os.getpid(), booted_at, setup_began_at, time.time(), _setup_phases(runner), offered,
-                       _setup_phases(runner, "setup_memory_gib"))
+    return RankStartup(
+        rank,
+        os.getpid(),
+        booted_at,
+        setup_began_at,
+        time.time(),
+        _setup_phases(runner),
+        offered,
+        _setup_phases(runner, "setup_memory_gib"),
+    )
 
 
 def _setup_phases(runner: Any, attribute: str = "setup_phases_s") -> dict[str, float]:

@@ -420,8 +420,12 @@ def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]
         "stage1": lambda rank: p.token_bytes * rows * t1 / world + p.audio_token_bytes * rows * audio,
         "upsample": lambda rank: pool1 + (p.upsample_bytes * _tokens(w, h, f, 1) if rank == 0 else 0.0),
         "stage2": lambda rank: pool1 + p.token_bytes * t2 / world + p.audio_token_bytes * audio,
-        "decode": lambda rank: pool1 + pool2 + p.decode_bytes * decoded_at_once
-        + (p.frame_bytes * pixels + p.audio_decode_bytes_per_s * f / frame_rate if rank == 0 else 0.0),
+        "decode": lambda rank: (
+            pool1
+            + pool2
+            + p.decode_bytes * decoded_at_once
+            + (p.frame_bytes * pixels + p.audio_decode_bytes_per_s * f / frame_rate if rank == 0 else 0.0)
+        ),
         "unpark": lambda rank: UINT8_FRAME_BYTES * pixels if rank == 0 else 0.0,
     }
     peaks = []
