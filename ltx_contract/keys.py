@@ -83,8 +83,10 @@ def check_job_id(job_id: str) -> str:
     than the start of a long id)."""
     if not isinstance(job_id, str) or not 0 < len(job_id) <= JOB_ID_MAX_LEN or not _JOB_ID.fullmatch(job_id):
         shown = repr(job_id[:40]) + ("..." if len(job_id) > 40 else "") if isinstance(job_id, str) else repr(job_id)
-        raise ValueError(f"job id {shown} ({len(job_id) if isinstance(job_id, str) else '?'} characters): "
-                         f"use 1-{JOB_ID_MAX_LEN} letters, digits, _ or -")  # fmt: skip
+        raise ValueError(
+            f"job id {shown} ({len(job_id) if isinstance(job_id, str) else '?'} characters): "
+            f"use 1-{JOB_ID_MAX_LEN} letters, digits, _ or -"
+        )
     return job_id
 
 

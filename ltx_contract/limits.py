@@ -37,9 +37,11 @@ __all__ = ["DERIVED", "LimitViolation", "MemoryViolation", "RuleViolation", "Run
 
 #: Limits on quantities derived from several fields (a runner may publish these names too), with what they are.
 DERIVED = {
-    "audio_latents": ("the audio length in latents: num_frames / frame_rate x 25",
-                      lambda r: audio_latents(r.num_frames, r.frame_rate)),
-}  # fmt: skip
+    "audio_latents": (
+        "the audio length in latents: num_frames / frame_rate x 25",
+        lambda r: audio_latents(r.num_frames, r.frame_rate),
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,10 @@ class LimitViolation:
 
     def message(self) -> str:
         what = f" ({DERIVED[self.field][0]})" if self.field in DERIVED else ""
-        return f"{self.field}{what}: {_num(self.value)} is outside [{_num(self.low)}, {_num(self.high)}] " \
-               f"accepted by runner {self.runner!r}"  # fmt: skip
+        return (
+            f"{self.field}{what}: {_num(self.value)} is outside [{_num(self.low)}, {_num(self.high)}] "
+            f"accepted by runner {self.runner!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,14 @@ def memory_violation(memory: memory_plan.FleetMemory, request: RenderRequest, ru
     fits = memory_plan.largest(memory, w, h, f, frame_rate=rate)
     sizes = [s for s in (fits["frames"], fits["area"]) if s]
     what = f"largest that fits: {' or '.join(sizes)}" if sizes else "no size near it fits"
-    return MemoryViolation("size", plan.peak.reserved_gib, 0.0, plan.limit_gib or 0.0, runner,
-                           text=f"{refusal}; {what} (runner {runner!r})")  # fmt: skip
+    return MemoryViolation(
+        "size",
+        plan.peak.reserved_gib,
+        0.0,
+        plan.limit_gib or 0.0,
+        runner,
+        text=f"{refusal}; {what} (runner {runner!r})",
+    )
 
 
 @dataclass(frozen=True)
@@ -160,8 +170,12 @@ class RunnerLimits:
         """Read what a worker published; None if it is missing or malformed (an older worker)."""
         try:
             ranges = {str(k): (float(v[0]), float(v[1])) for k, v in data["ranges"].items()}
-            return cls(str(data["runner"]), ranges, memory_plan.FleetMemory.from_json(data.get("memory")),
-                       RequestRules.from_json(data.get("rules")))  # fmt: skip
+            return cls(
+                str(data["runner"]),
+                ranges,
+                memory_plan.FleetMemory.from_json(data.get("memory")),
+                RequestRules.from_json(data.get("rules")),
+            )
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             return None
 

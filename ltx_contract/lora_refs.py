@@ -20,9 +20,16 @@ from collections.abc import Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
-    "MAX_LORAS", "MAX_LORA_STRENGTH", "LoraRef", "parse_lora_option", "split_s3_uri", "strength_problem",
-    "tenant_prefixes", "uri_allowed", "uri_problem",
-]  # fmt: skip
+    "MAX_LORAS",
+    "MAX_LORA_STRENGTH",
+    "LoraRef",
+    "parse_lora_option",
+    "split_s3_uri",
+    "strength_problem",
+    "tenant_prefixes",
+    "uri_allowed",
+    "uri_problem",
+]
 
 MAX_LORAS = 8  #: LoRAs per request, structurally (a worker may allow fewer: `LTX_LORA_MAX_PER_REQUEST`)
 MAX_LORA_STRENGTH = 4.0  #: |strength|; past this a LoRA's delta swamps the weight it is added to

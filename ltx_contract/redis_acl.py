@@ -86,8 +86,10 @@ DEFAULT_USER_RULE = "user default off resetpass resetkeys resetchannels ~* &* +@
 def admin_rules() -> str:
     """ACL rules of the admin user: reload and inspect the ACLs, read server state; no data, no other admin
     command (`ACL SETUSER` would let it grant itself anything: users change through the file)."""
-    return ("resetkeys resetchannels -@all +@connection -client +client|list +client|id +client|setname "
-            "+info +slowlog|get +acl|load +acl|log +acl|list +acl|users +acl|getuser +acl|whoami")  # fmt: skip
+    return (
+        "resetkeys resetchannels -@all +@connection -client +client|list +client|id +client|setname "
+        "+info +slowlog|get +acl|load +acl|log +acl|list +acl|users +acl|getuser +acl|whoami"
+    )
 
 
 def worker_rules() -> str:
@@ -101,15 +103,28 @@ def tenant_rules(tenant: str) -> str:
     t = check_tenant_name(tenant)
     own = f"~rq:job:{t}-* ~{KEY_PREFIX}:job:{t}-* ~{KEY_PREFIX}:producer:client:{t}:jobs"
     # Shared structure only: ids and counts, never another tenant's prompts, results, URLs or events.
-    shared = ("rq:queue:*", "rq:queues", "rq:wip:*", "rq:finished:*", "rq:failed:*", "rq:canceled:*",
-              "rq:deferred:*", "rq:scheduled:*", "rq:workers", "rq:workers:*", "rq:worker:*",
-              f"{KEY_PREFIX}:worker:*:health")  # fmt: skip
+    shared = (
+        "rq:queue:*",
+        "rq:queues",
+        "rq:wip:*",
+        "rq:finished:*",
+        "rq:failed:*",
+        "rq:canceled:*",
+        "rq:deferred:*",
+        "rq:scheduled:*",
+        "rq:workers",
+        "rq:workers:*",
+        "rq:worker:*",
+        f"{KEY_PREFIX}:worker:*:health",
+    )
     reads = " ".join([f"%R~rq:results:{t}-*", *(f"%R~{pattern}" for pattern in shared)])
     # No SELECT: key patterns hold in every database, so databases 1-15 would give a tenant keyspaces that
     # no worker serves or cleans; clients stay in the database of their URL (0 in compose).
-    commands = ("-@all +@read -@dangerous +@connection -select -client +client|setname +client|getname +client|id "
-                "+multi +exec +discard +watch +unwatch +hset +hsetnx +hdel +expire +pexpire +persist +del +unlink "
-                "+xadd +xtrim +zadd +zrem +zremrangebyscore")  # fmt: skip
+    commands = (
+        "-@all +@read -@dangerous +@connection -select -client +client|setname +client|getname +client|id "
+        "+multi +exec +discard +watch +unwatch +hset +hsetnx +hdel +expire +pexpire +persist +del +unlink "
+        "+xadd +xtrim +zadd +zrem +zremrangebyscore"
+    )
     # Selector: the tenant's own queues (`<queue>:t:<t>`, ltx_contract.keys.tenant_queue) may only be appended to;
     # never the shared queue, RQ's intermediate lists (`...:t:<t>:intermediate` does not match) or the set
     # of queues (workers register the queues they serve: a tenant could add names without bound).
@@ -187,13 +202,24 @@ def generate(users: AclUsers, *, password_dir: Path | None, environ: Mapping[str
 @click.option("--worker-user", default="worker", show_default=True, help="the workers' (and operators') user")
 @click.option("--tenant", "tenants", multiple=True, help="a producer user per tenant (1-32 letters, digits, _)")
 @click.option("--ping-user", default=None, help="also a password-less user that can only PING (health checks)")
-@click.option("--admin-user", default="admin", show_default=True,
-              help="the user for ACL LOAD / ACL LOG (operators); '' for none")  # fmt: skip
-@click.option("--password-dir", type=click.Path(file_okay=False, exists=True), default=None,
-              help="directory with one password file per user, named after it (e.g. /run/secrets)")  # fmt: skip
+@click.option(
+    "--admin-user", default="admin", show_default=True, help="the user for ACL LOAD / ACL LOG (operators); '' for none"
+)
+@click.option(
+    "--password-dir",
+    type=click.Path(file_okay=False, exists=True),
+    default=None,
+    help="directory with one password file per user, named after it (e.g. /run/secrets)",
+)
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="write here (default: stdout)")
-def command(worker_user: str, tenants: tuple[str, ...], ping_user: str | None, admin_user: str,
-            password_dir: str | None, output: str | None) -> None:  # fmt: skip
+def command(
+    worker_user: str,
+    tenants: tuple[str, ...],
+    ping_user: str | None,
+    admin_user: str,
+    password_dir: str | None,
+    output: str | None,
+) -> None:
     """Print a Redis ACL file (`redis-server --aclfile`) for the worker and one user per tenant.
 
     Passwords come from <password-dir>/<user> or LTX_REDIS_ACL_PASSWORD_<USER>, never from the command

@@ -63,16 +63,22 @@ class RedisAccess(BaseModel):
             object.__setattr__(self, "redis_password", SecretStr(text))
         user_in_url, password_in_url = _url_credentials(url)
         if self.redis_password is not None and password_in_url:
-            raise ValueError("the Redis password is set both in LTX_REDIS_URL and in LTX_REDIS_PASSWORD(_FILE): "
-                             "keep one (the URL's would win)")  # fmt: skip
+            raise ValueError(
+                "the Redis password is set both in LTX_REDIS_URL and in LTX_REDIS_PASSWORD(_FILE): "
+                "keep one (the URL's would win)"
+            )
         if self.redis_username is not None and user_in_url:
             raise ValueError("the Redis user is set both in LTX_REDIS_URL and in LTX_REDIS_USERNAME: keep one")
-        tls_files = {"LTX_REDIS_CA_FILE": self.redis_ca_file, "LTX_REDIS_CERT_FILE": self.redis_cert_file,
-                     "LTX_REDIS_KEY_FILE": self.redis_key_file}  # fmt: skip
+        tls_files = {
+            "LTX_REDIS_CA_FILE": self.redis_ca_file,
+            "LTX_REDIS_CERT_FILE": self.redis_cert_file,
+            "LTX_REDIS_KEY_FILE": self.redis_key_file,
+        }
         given = [name for name, path in tls_files.items() if path is not None]
         if given and not url.startswith("rediss://"):
-            raise ValueError(f"{', '.join(given)}: TLS files go with a rediss:// LTX_REDIS_URL, "
-                             f"not {safe_redis_url(url)}")  # fmt: skip
+            raise ValueError(
+                f"{', '.join(given)}: TLS files go with a rediss:// LTX_REDIS_URL, not {safe_redis_url(url)}"
+            )
         if (self.redis_cert_file is None) != (self.redis_key_file is None):
             raise ValueError("LTX_REDIS_CERT_FILE and LTX_REDIS_KEY_FILE: set both or neither")
         for name, path in tls_files.items():
@@ -164,8 +170,11 @@ def single_try(client: Any) -> Any:
             # (the maintenance-notification handler belongs to its pool: the new pool makes its own)
             kwargs = {k: v for k, v in pool.connection_kwargs.items() if k != "maint_notifications_pool_handler"}
             kwargs["retry"] = Retry(NoBackoff(), 0)
-            found = redis.Redis(connection_pool=redis.ConnectionPool(
-                connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs))  # fmt: skip
+            found = redis.Redis(
+                connection_pool=redis.ConnectionPool(
+                    connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+                )
+            )
             _SINGLE_TRY[pool] = found
         return found
 

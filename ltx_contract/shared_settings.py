@@ -88,6 +88,7 @@ def check_redis_url(url: str) -> str:
     if not url.startswith("unix://") and db is None and parts.path not in ("", "/"):
         number = parts.path[1:]
         if not (number.isdigit() and number.isascii()):
-            raise ValueError(f"{safe_redis_url(url)}: the path must be a database number (/0, /1, ...), "
-                             f"not {parts.path!r}")  # fmt: skip
+            raise ValueError(
+                f"{safe_redis_url(url)}: the path must be a database number (/0, /1, ...), not {parts.path!r}"
+            )
     return url

@@ -307,10 +307,16 @@ class Backfill:
     def _record(self, out: Any, item: _Item, *, expired: bool) -> None:
         if expired:
             record = ManifestRecord(
-                job_id=item.job_id, state=JobState.FAILED.value, key=None, bucket=None, sha256=None, size=None,
-                seconds=None, source=item.loaded.source,
+                job_id=item.job_id,
+                state=JobState.FAILED.value,
+                key=None,
+                bucket=None,
+                sha256=None,
+                size=None,
+                seconds=None,
+                source=item.loaded.source,
                 error={"reason": "expired", "message": "the job disappeared from Redis before it ended"},
-            )  # fmt: skip
+            )
         else:
             try:
                 info = self.client.status(item.job_id)

@@ -107,8 +107,10 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         try:
             pool.release(pool.get_connection())
         except redis.RedisError as exc:  # (a refused handshake is a Redis problem, whatever its class)
-            message, bad = redis_problem(exc, url) or (f"Redis at {safe_redis_url(url)} refused the connection: "
-                                                       f"{' '.join(str(exc).split())[:300]}", True)  # fmt: skip
+            message, bad = redis_problem(exc, url) or (
+                f"Redis at {safe_redis_url(url)} refused the connection: {' '.join(str(exc).split())[:300]}",
+                True,
+            )
             raise ServiceUnavailable(message, misconfigured=bad) from None
 
     def __enter__(self) -> ProducerClient:
@@ -223,8 +225,10 @@ class ProducerClient(ObjectDownloads, StatsQueries):
         self.own_job_id(job_id)  # (a malformed id is the caller's error; one listed from Redis is a note: _read)
         info = self._read(job_id)
         if not self._visible(info):
-            raise JobNotFound(f"no job {job_id!r} of client {self.settings.client!r} (another client's job; "
-                              "operators, LTX_OPERATOR=true, see every job)")  # fmt: skip
+            raise JobNotFound(
+                f"no job {job_id!r} of client {self.settings.client!r} (another client's job; "
+                "operators, LTX_OPERATOR=true, see every job)"
+            )
         return info
 
     def _may_read(self, job_id: str) -> bool:

@@ -337,8 +337,16 @@ def render_stats(console: Console, stats: Stats) -> None:
             fleet_text += f" ({_count(len(fleet.pids), 'rank')}"
             fleet_text += f", {fleet.rebuilds} rebuilds)" if fleet.rebuilds else ")"
         jobs_done = w.health.jobs_done if w.health is not None else None
-        _row(workers, w.name, w.group or "?", w.state, fleet_text, w.current_job or "-",
-                        "-" if jobs_done is None else str(jobs_done), _ago(w.last_heartbeat))  # fmt: skip
+        _row(
+            workers,
+            w.name,
+            w.group or "?",
+            w.state,
+            fleet_text,
+            w.current_job or "-",
+            "-" if jobs_done is None else str(jobs_done),
+            _ago(w.last_heartbeat),
+        )
     if not stats.workers:
         _row(workers, "(none)", "", "", "", "", "", "")
     console.print(workers)
@@ -372,7 +380,14 @@ def request_line(req: dict[str, Any]) -> str:
     """One line for a request: size, frames and seed as far as it names them (a job enqueued through plain
     RQ may carry only a prompt: the worker's defaults apply, and nothing reads `None frames, seed None`)."""
     size = f"{req['width']}x{req['height']}" if req.get("width") and req.get("height") else None
-    parts = [p for p in (size, f"{req['num_frames']} frames" if req.get("num_frames") is not None else None,
-                         f"seed {req['seed']}" if req.get("seed") is not None else None) if p]  # fmt: skip
+    parts = [
+        p
+        for p in (
+            size,
+            f"{req['num_frames']} frames" if req.get("num_frames") is not None else None,
+            f"seed {req['seed']}" if req.get("seed") is not None else None,
+        )
+        if p
+    ]
     prompt = f'"{str(req.get("prompt"))[:60]}"'  # (quoted as text: a repr showed escapes)
     return f"{', '.join(parts)}: {prompt}" if parts else prompt

@@ -128,8 +128,10 @@ class ObjectDownloads:
         where = ", ".join(sorted(allowed)) or "AWS S3 (*.amazonaws.com)"
         if s.local_storage_dir is not None:
             where += f", or files under {s.local_storage_dir}"
-        raise FetchRefused(f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
-                             "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL / LTX_LOCAL_STORAGE_DIR)")  # fmt: skip
+        raise FetchRefused(
+            f"refusing to fetch {url.split('?', 1)[0][:200]!r}: only http(s) from {where} "
+            "(LTX_S3_PUBLIC_ENDPOINT_URL / LTX_S3_ENDPOINT_URL / LTX_LOCAL_STORAGE_DIR)"
+        )
 
 
 class _RefuseRedirects(urllib.request.HTTPRedirectHandler):

@@ -86,8 +86,10 @@ def _refused_by(refs: Sequence[LoraRef], offer: LoraOffer, tenant: str | None) -
     owner = tenant if offer.per_tenant else None
     for i, ref in enumerate(refs):
         if ref.name is not None and offer.names is not None and not offer.names:
-            out.append(f"loras[{i}].name: {ref.name!r}: the worker has no LoRA catalogue (LTX_LORA_CATALOGUE "
-                       "unset or empty); name the file by `uri` instead")  # fmt: skip
+            out.append(
+                f"loras[{i}].name: {ref.name!r}: the worker has no LoRA catalogue (LTX_LORA_CATALOGUE "
+                "unset or empty); name the file by `uri` instead"
+            )
         elif ref.name is not None and offer.names is not None and ref.name not in offer.names:
             out.append(f"loras[{i}].name: {ref.name!r} is not in the worker's catalogue")
         if ref.uri is not None and (problem := uri_problem(ref.uri, offer.s3_prefixes, offer.shared_prefixes, owner)):

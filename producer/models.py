@@ -243,9 +243,19 @@ UNREADABLE = "unreadable"
 
 
 def unreadable_info(job_id: str, queue: str, exc: JobUnreadable) -> JobInfo:
-    return JobInfo(job_id=job_id, state=UNREADABLE, rq_status=None, queue=queue, meta={}, result=None,
-                   error={"reason": UNREADABLE, "message": str(exc)}, request=None, enqueued_at=None,
-                   started_at=None, ended_at=None)  # fmt: skip
+    return JobInfo(
+        job_id=job_id,
+        state=UNREADABLE,
+        rq_status=None,
+        queue=queue,
+        meta={},
+        result=None,
+        error={"reason": UNREADABLE, "message": str(exc)},
+        request=None,
+        enqueued_at=None,
+        started_at=None,
+        ended_at=None,
+    )
 
 
 @contextlib.contextmanager

@@ -93,8 +93,9 @@ def _parse_json(text: str, name: str, *, first_line: int = 1) -> Any:
         found = re.search(rf"-?\d{{{MAX_INTEGER_DIGITS + 1},}}", text)
         where = f":{position_at(text, found.start(), first_line=first_line)}" if found else ""
         digits = len(found.group().lstrip("-")) if found else MAX_INTEGER_DIGITS + 1
-        raise RequestFileError(f"{name}{where}: an integer of {digits} digits; no request field takes one "
-                               f"longer than {MAX_INTEGER_DIGITS}") from None  # fmt: skip
+        raise RequestFileError(
+            f"{name}{where}: an integer of {digits} digits; no request field takes one longer than {MAX_INTEGER_DIGITS}"
+        ) from None
 
 
 def validate_request(data: Any, *, source: str = "<request>") -> RenderRequest:

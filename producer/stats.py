@@ -86,8 +86,9 @@ class StatsQueries:
                     if not self._visible(info):
                         continue
                 except JobUnreadable as exc:
-                    recent.append(FailureInfo(job_id=job_id, queue=name, reason="unreadable", message=str(exc),
-                                              ended_at=None))  # fmt: skip
+                    recent.append(
+                        FailureInfo(job_id=job_id, queue=name, reason="unreadable", message=str(exc), ended_at=None)
+                    )
                     continue
                 except JobNotFound:
                     continue

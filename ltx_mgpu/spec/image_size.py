@@ -70,8 +70,10 @@ def image_size(raw: bytes) -> tuple[str, int, int] | None:
     if width < 1 or height < 1:
         raise ImageRefused(f"{name} declares a {width}x{height} picture")
     if max(width, height) <= MAX_IMAGE_SIDE and sum(w * h for w, h in frames) > MAX_DECLARED_PIXELS:
-        raise ImageRefused(f"{name} declares {len(frames)} frames of {sum(w * h for w, h in frames)} pixels in all; "
-                           f"at most {MAX_DECLARED_PIXELS}")  # fmt: skip
+        raise ImageRefused(
+            f"{name} declares {len(frames)} frames of {sum(w * h for w, h in frames)} pixels in all; "
+            f"at most {MAX_DECLARED_PIXELS}"
+        )
     return name, width, height
 
 
@@ -111,8 +113,13 @@ def _gif(raw: bytes) -> _Found:
         elif block == 0x2C:  # image descriptor
             if i + 10 > len(raw):
                 break
-            x, y, w, h, flags = _le(raw[i + 1 : i + 3]), _le(raw[i + 3 : i + 5]), _le(raw[i + 5 : i + 7]), \
-                _le(raw[i + 7 : i + 9]), raw[i + 9]  # fmt: skip
+            x, y, w, h, flags = (
+                _le(raw[i + 1 : i + 3]),
+                _le(raw[i + 3 : i + 5]),
+                _le(raw[i + 5 : i + 7]),
+                _le(raw[i + 7 : i + 9]),
+                raw[i + 9],
+            )
             _inside("GIF", "frame", (w, h, x, y), width, height)
             frames.append((w, h))
             i += 10 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # the local colour table
@@ -213,8 +220,9 @@ def _jpeg(raw: bytes) -> _Found | None:
     if not sofs:
         return None
     if len(sofs) > 1:
-        raise ImageRefused(f"JPEG with {len(sofs)} frame headers ({', '.join(_dims(s) for s in sofs[:4])}); "
-                           "one expected")  # fmt: skip
+        raise ImageRefused(
+            f"JPEG with {len(sofs)} frame headers ({', '.join(_dims(s) for s in sofs[:4])}); one expected"
+        )
     return "JPEG", *sofs[0], sofs
 
 

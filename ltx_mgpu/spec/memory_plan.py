@@ -150,15 +150,22 @@ class FleetMemory:
             raise ValueError(f"lora_tracker must be a boolean or null, got {self.lora_tracker!r}")
         if self.text_encoder_rank is not None:
             _check_int("text_encoder_rank", self.text_encoder_rank, 0, self.world_size - 1)
-        for name, allowed in (("text_encoder_at", ("gpu", "park")), ("lora_backup_at", ("gpu", "host")),
-                              ("lora_factors_at", ("gpu", "host"))):  # fmt: skip
+        for name, allowed in (
+            ("text_encoder_at", ("gpu", "park")),
+            ("lora_backup_at", ("gpu", "host")),
+            ("lora_factors_at", ("gpu", "host")),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name, value in (("capacity_gib", self.capacity_gib), ("headroom_gib", self.headroom_gib),
-                            ("setup_lora_gib", self.setup_lora_gib),
-                            ("lora_device_cache_gib", self.lora_device_cache_gib)):  # fmt: skip
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or not math.isfinite(value) or value < 0):  # fmt: skip
+        for name, value in (
+            ("capacity_gib", self.capacity_gib),
+            ("headroom_gib", self.headroom_gib),
+            ("setup_lora_gib", self.setup_lora_gib),
+            ("lora_device_cache_gib", self.lora_device_cache_gib),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
+            ):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @property
@@ -180,8 +187,11 @@ class FleetMemory:
     @property
     def placement(self) -> dict[str, str]:
         """Where the movable components live (`ltx_mgpu.spec.placement`), the runners' setup kwarg `placement`."""
-        return {"text_encoder": self.text_encoder_at, "lora_backup": self.lora_backup_at,
-                "lora_factors": self.lora_factors_at}  # fmt: skip
+        return {
+            "text_encoder": self.text_encoder_at,
+            "lora_backup": self.lora_backup_at,
+            "lora_factors": self.lora_factors_at,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> FleetMemory | None:
@@ -248,8 +258,11 @@ class MemoryPlan:
 
     def job_kwargs(self) -> dict[str, Any]:
         """The runner's `memory_plan` job kwarg."""
-        out = {"decode_chunked": self.decode_chunked, "release_between_stages": self.release_between_stages,
-               "predicted_peak_gib": round(self.peak.reserved_gib, 2)}  # fmt: skip
+        out = {
+            "decode_chunked": self.decode_chunked,
+            "release_between_stages": self.release_between_stages,
+            "predicted_peak_gib": round(self.peak.reserved_gib, 2),
+        }
         if self.park_text_encoder:
             out["park_text_encoder"] = True
         return out
@@ -264,21 +277,32 @@ class MemoryPlan:
             return None
         w, h, f = self.size
         peak = self.peak
-        return (f"{w}x{h}x{f} needs {peak.reserved_gib:.1f} GiB on rank {peak.rank} at stage {peak.stage} "
-                f"(with the lower-memory plan), over this fleet's limit of {self.limit_gib:.1f} GiB per device "
-                f"({self.fleet.capacity_gib:.1f} GiB less {self.fleet.headroom_gib:g} GiB headroom, "
-                f"{self.fleet.world_size} GPU(s), {self.fleet.runner})")  # fmt: skip
+        return (
+            f"{w}x{h}x{f} needs {peak.reserved_gib:.1f} GiB on rank {peak.rank} at stage {peak.stage} "
+            f"(with the lower-memory plan), over this fleet's limit of {self.limit_gib:.1f} GiB per device "
+            f"({self.fleet.capacity_gib:.1f} GiB less {self.fleet.headroom_gib:g} GiB headroom, "
+            f"{self.fleet.world_size} GPU(s), {self.fleet.runner})"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"fleet": self.fleet.to_json(), "size": "x".join(map(str, self.size)), "fits": self.fits,
-                "limit_gib": self.limit_gib, "resident_gib": {str(r): v for r, v in self.resident_gib.items()},
-                "decode": {"tiles": self.decode_tiles, "overlap": self.fleet.vae_overlap,
-                           "chunked": self.decode_chunked},
-                "release_between_stages": self.release_between_stages, "token_problem": self.token_problem,
-                "rule_problem": self.rule_problem, "frame_rate": self.frame_rate, "sp_tokens": sp_tokens(self.fleet),
-                "stages": [asdict(s) for s in self.stages], "peak": asdict(self.peak),
-                "park_text_encoder": self.park_text_encoder, "placement": self.fleet.placement,
-                "notes": list(self.notes)}  # fmt: skip
+        return {
+            "fleet": self.fleet.to_json(),
+            "size": "x".join(map(str, self.size)),
+            "fits": self.fits,
+            "limit_gib": self.limit_gib,
+            "resident_gib": {str(r): v for r, v in self.resident_gib.items()},
+            "decode": {"tiles": self.decode_tiles, "overlap": self.fleet.vae_overlap, "chunked": self.decode_chunked},
+            "release_between_stages": self.release_between_stages,
+            "token_problem": self.token_problem,
+            "rule_problem": self.rule_problem,
+            "frame_rate": self.frame_rate,
+            "sp_tokens": sp_tokens(self.fleet),
+            "stages": [asdict(s) for s in self.stages],
+            "peak": asdict(self.peak),
+            "park_text_encoder": self.park_text_encoder,
+            "placement": self.fleet.placement,
+            "notes": list(self.notes),
+        }
 
 
 # ==== the plan ==============================================================================================
@@ -287,8 +311,9 @@ class MemoryPlan:
 def with_lora_limits(fleet: FleetMemory, per_request: int, max_file_bytes: int, max_rank: int) -> FleetMemory:
     """`fleet` with the worker's request-LoRA limits (`lora_max_*` settings), where it takes request LoRAs."""
     if fleet.request_loras:
-        fleet = replace(fleet, request_loras=int(per_request), lora_max_file_bytes=int(max_file_bytes),
-                        lora_max_rank=int(max_rank))  # fmt: skip
+        fleet = replace(
+            fleet, request_loras=int(per_request), lora_max_file_bytes=int(max_file_bytes), lora_max_rank=int(max_rank)
+        )
     return fleet
 
 
@@ -298,8 +323,11 @@ def lora_figures(units: Any) -> dict[str, float]:
     its largest unit (GiB) and the sum of out + in (`ModelProfile`'s `lora_*` fields)."""
     units = list(units)
     sizes = [int(b) for _, _, b in units]
-    return {"weights_gib": sum(sizes) / GIB, "unit_gib": max(sizes, default=0) / GIB,
-            "width_sum": sum(int(o) + int(i) for o, i, _ in units)}  # fmt: skip
+    return {
+        "weights_gib": sum(sizes) / GIB,
+        "unit_gib": max(sizes, default=0) / GIB,
+        "width_sum": sum(int(o) + int(i) for o, i, _ in units),
+    }
 
 
 def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
@@ -394,14 +422,22 @@ def _token_problem(fleet: FleetMemory, size: tuple[int, int, int]) -> str | None
         checks.append(("stage 2", _padded(_tokens(w, h, f, 1), fleet.world_size)))
     for stage, tokens in checks:
         if tokens > budget:
-            return (f"{w}x{h}x{f}: {stage} has {tokens} video tokens, over the runner's SP token budget "
-                    f"(setup sp_max_tokens={budget})")  # fmt: skip
+            return (
+                f"{w}x{h}x{f}: {stage} has {tokens} video tokens, over the runner's SP token budget "
+                f"(setup sp_max_tokens={budget})"
+            )
     return None
 
 
-def _stage_peaks(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int],
-                 resident: dict[int, dict[str, float]], chunked: bool, frame_rate: float,
-                 park: bool = False) -> tuple[StagePeak, ...]:  # fmt: skip
+def _stage_peaks(
+    fleet: FleetMemory,
+    p: ModelProfile,
+    size: tuple[int, int, int],
+    resident: dict[int, dict[str, float]],
+    chunked: bool,
+    frame_rate: float,
+    park: bool = False,
+) -> tuple[StagePeak, ...]:
     """The worst rank of every stage. `park`: the text encoder's GPU copy is gone from stage 1 to the decode and
     comes back after it (`unpark`: resident again, the job's CUDA graphs dropped first; the driver's frames are
     still on its device)."""
@@ -456,8 +492,15 @@ def _holds_gemma(fleet: FleetMemory, rank: int) -> bool:
     return rank == fleet.gemma_rank or fleet.gemma_every_rank
 
 
-def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_memory: bool = False,
-         frame_rate: float = DEFAULT_FRAME_RATE) -> MemoryPlan:  # fmt: skip
+def plan(
+    fleet: FleetMemory,
+    width: int,
+    height: int,
+    num_frames: int,
+    *,
+    low_memory: bool = False,
+    frame_rate: float = DEFAULT_FRAME_RATE,
+) -> MemoryPlan:
     """The plan for one request: the first of these that fits (or the first when nothing limits the fleet):
     the fast plan; the chunked decode (ltx-core's default chunks, the cache released between stages); with a
     parkable text encoder (`text_encoder_at="park"`) the same two with it parked (its copy back costs its
@@ -493,14 +536,25 @@ def plan(fleet: FleetMemory, width: int, height: int, num_frames: int, *, low_me
         notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
     if park and not low_memory:
         notes.append("the text encoder is parked in host memory from stage 1 to the decode (its room is needed)")
-    return MemoryPlan(fleet, size, resident, decode_chunked=chunked, release_between_stages=chunked,
-                      decode_tiles=fleet.world_size, stages=stages, token_problem=_token_problem(fleet, size),
-                      rule_problem=_rule_problem(fleet, size, frame_rate), frame_rate=frame_rate,
-                      notes=tuple(notes), park_text_encoder=park)  # fmt: skip
+    return MemoryPlan(
+        fleet,
+        size,
+        resident,
+        decode_chunked=chunked,
+        release_between_stages=chunked,
+        decode_tiles=fleet.world_size,
+        stages=stages,
+        token_problem=_token_problem(fleet, size),
+        rule_problem=_rule_problem(fleet, size, frame_rate),
+        frame_rate=frame_rate,
+        notes=tuple(notes),
+        park_text_encoder=park,
+    )
 
 
-def largest(fleet: FleetMemory, width: int, height: int, num_frames: int,
-            frame_rate: float = DEFAULT_FRAME_RATE) -> dict[str, str | None]:  # fmt: skip
+def largest(
+    fleet: FleetMemory, width: int, height: int, num_frames: int, frame_rate: float = DEFAULT_FRAME_RATE
+) -> dict[str, str | None]:
     """The largest sizes that fit this fleet near the asked one, each a size the runner's rules accept: the
     most frames (8k+1) at width x height, and the largest width x height (its multiples, about the same
     aspect) at `num_frames`. None where none fits."""

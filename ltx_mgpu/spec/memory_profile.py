@@ -86,9 +86,24 @@ LTX2_19B = ModelProfile(
     graph_pool_bytes=GRAPH_POOL_BYTES,
 )
 #: The tiny test checkpoints (CPU fleets): the same shape of plan, with negligible bytes.
-TINY = replace(LTX2_19B, name="tiny", transformer_gib=0.01, text_encoder_gib=0.01, video_decoder_gib=0.001,
-               video_encoder_gib=0.001, upsampler_gib=0.001, audio_gib=0.001, lora_factors_gib=0.001,
-               two_stage_extra_gib=0.0, runtime_gib=0.05, sp_buffer_bytes=64.0, graph_pool_bytes=0.0,
-               audio_token_bytes=256.0, lora_weights_gib=0.0049324, lora_weights_fp8_gib=0.0041599,
-               lora_unit_gib=0.000412, lora_width_sum=28768)  # fmt: skip
+TINY = replace(
+    LTX2_19B,
+    name="tiny",
+    transformer_gib=0.01,
+    text_encoder_gib=0.01,
+    video_decoder_gib=0.001,
+    video_encoder_gib=0.001,
+    upsampler_gib=0.001,
+    audio_gib=0.001,
+    lora_factors_gib=0.001,
+    two_stage_extra_gib=0.0,
+    runtime_gib=0.05,
+    sp_buffer_bytes=64.0,
+    graph_pool_bytes=0.0,
+    audio_token_bytes=256.0,
+    lora_weights_gib=0.0049324,
+    lora_weights_fp8_gib=0.0041599,
+    lora_unit_gib=0.000412,
+    lora_width_sum=28768,
+)
 PROFILES: dict[str, ModelProfile] = {p.name: p for p in (LTX2_19B, TINY)}

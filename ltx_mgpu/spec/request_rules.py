@@ -92,8 +92,9 @@ class RequestRules:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.spatial_multiple % VAE_SPATIAL or self.temporal_multiple % VAE_TEMPORAL:
             raise ValueError("the multiples must be multiples of the VAE's (32 px, 8 frames)")
-        if self.max_duration_s is not None and not (isinstance(self.max_duration_s, int | float)
-                                                    and 0 < self.max_duration_s < 1e6):  # fmt: skip
+        if self.max_duration_s is not None and not (
+            isinstance(self.max_duration_s, int | float) and 0 < self.max_duration_s < 1e6
+        ):
             raise ValueError(f"max_duration_s must be a positive number, got {self.max_duration_s!r}")
         unknown = set(self.refused_fields) - set(_REFUSED_WHY)
         if unknown:
@@ -104,14 +105,20 @@ class RequestRules:
         """Why the size rules refuse `width x height x num_frames` (None: they accept it)."""
         m, t = self.spatial_multiple, self.temporal_multiple
         if width % m or height % m or not (m <= width <= self.max_side and m <= height <= self.max_side):
-            return (f"width and height must be multiples of {m} from {m} to {self.max_side} (runner "
-                    f"{self.runner!r}), got {width}x{height}")  # fmt: skip
+            return (
+                f"width and height must be multiples of {m} from {m} to {self.max_side} (runner "
+                f"{self.runner!r}), got {width}x{height}"
+            )
         if width * height > self.max_pixels:
-            return (f"{width}x{height} is {width * height} pixels a frame, over the {self.max_pixels} (e.g. "
-                    f"3840x2176) runner {self.runner!r} renders")  # fmt: skip
+            return (
+                f"{width}x{height} is {width * height} pixels a frame, over the {self.max_pixels} (e.g. "
+                f"3840x2176) runner {self.runner!r} renders"
+            )
         if num_frames < 1 or (num_frames - 1) % t or num_frames > self.max_frames:
-            return (f"num_frames must be {t}k+1 (1, {t + 1}, {2 * t + 1}, ...) up to {self.max_frames} (runner "
-                    f"{self.runner!r}), got {num_frames}")  # fmt: skip
+            return (
+                f"num_frames must be {t}k+1 (1, {t + 1}, {2 * t + 1}, ...) up to {self.max_frames} (runner "
+                f"{self.runner!r}), got {num_frames}"
+            )
         return None
 
     def problems(self, fields: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -125,9 +132,14 @@ class RequestRules:
             if self.max_duration_s is not None and isinstance(rate, int | float) and rate > 0:
                 seconds = int(f) / float(rate)  # type: ignore[arg-type]
                 if seconds > self.max_duration_s:
-                    out.append(("frame_rate", f"the clip is {f} frames at {rate:g} fps = {seconds:.1f} s (video and "
-                                f"audio), over the {self.max_duration_s:g} s runner {self.runner!r} renders; "
-                                "use a higher frame_rate or fewer frames"))  # fmt: skip
+                    out.append(
+                        (
+                            "frame_rate",
+                            f"the clip is {f} frames at {rate:g} fps = {seconds:.1f} s (video and "
+                            f"audio), over the {self.max_duration_s:g} s runner {self.runner!r} renders; "
+                            "use a higher frame_rate or fewer frames",
+                        )
+                    )
         for name in self.refused_fields:
             if not _unset(fields.get(name)):
                 out.append((name, f"runner {self.runner!r} {_REFUSED_WHY[name]}"))
