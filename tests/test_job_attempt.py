@@ -26,6 +26,7 @@ from ltx_contract.states import FailureReason
 from worker.jobs import poison
 from worker.jobs.attempt import JobAttempt, JobCancelledByClient, JobFailed
 from worker.jobs.outcomes import JobOutcomes
+from worker.rq.record import JobRecord
 from worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,27 +34,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def make(redis_client: Any, unique_name: str) -> Any:
-    """`make(meta=..., **settings)`: a fresh RQ job (as RQ hands it to the job function) and its attempt."""
+    """`make(meta=..., **settings)`: a fresh RQ job (as RQ hands it to the job function) and its attempt; the
+    RQ job itself is `make.jobs[attempt.id]` (what RQ's own handling of the job reads)."""
     queue = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
 
     def build(meta: dict[str, Any] | None = None, **settings: Any) -> JobAttempt:
         job = queue.enqueue("worker.job.render", {"prompt": "x"}, meta=meta or {})
         queue.remove(job.id)  # (dequeued: the worker runs it)
-        return JobAttempt(job, JobOutcomes(WorkerSettings(**settings), worker_name="w.cpu1.1"))
+        build.jobs[job.id] = job
+        return JobAttempt(JobRecord(job), JobOutcomes(WorkerSettings(**settings), worker_name="w.cpu1.1"))
 
     build.queue = queue
+    build.jobs = {}
     return build
 
 
 def states(attempt: JobAttempt) -> list[dict[str, Any]]:
     """The state events in the job's stream, oldest first."""
-    entries = attempt.job.connection.xrange(events_key(attempt.id))
+    entries = attempt.record.connection.xrange(events_key(attempt.id))
     events = [json.loads(fields[EVENT_FIELD_DATA.encode()]) for _, fields in entries]
     return [e for e in events if e.get("type") == "state"]
 
 
 def stored_meta(attempt: JobAttempt) -> dict[str, Any]:
-    return Job.fetch(attempt.id, connection=attempt.job.connection, serializer=JSONSerializer).get_meta()
+    return Job.fetch(attempt.id, connection=attempt.record.connection, serializer=JSONSerializer).get_meta()
 
 
 def test_fail_records_one_terminal_state_and_raises_job_failed(make) -> None:
@@ -100,8 +104,8 @@ def test_a_wait_for_room_is_retrying_without_a_budget_or_an_execution_until_its_
         with pytest.raises(JobFailed) as raised:
             attempt.wait_for_room(full)
         assert raised.value.retrying and raised.value.details == {"deferred": True}
-        assert attempt.job.retries_left == 1  # (RQ re-queues it)
-        attempt = JobAttempt(attempt.job, attempt.outcomes)  # the next execution, as the worker makes it
+        assert make.jobs[attempt.id].retries_left == 1  # (RQ re-queues it)
+        attempt = JobAttempt(attempt.record, attempt.outcomes)  # the next execution, as the worker makes it
         attempt.start(worker="w.cpu1.1", fleet="cpu:1")
     meta = stored_meta(attempt)
     assert meta["attempt"] == 1 and not meta.get("retries"), meta  # nothing spent: not a failure
@@ -155,7 +159,7 @@ def test_a_poisoning_job_is_refused_on_that_group(make) -> None:
     assert attempt.poisoned("rank_exited", group="cpu1", lasting=False) is None  # (transient, within budget)
     refused = attempt.poisoned("split", group="cpu1", lasting=True)
     assert refused is not None and "cpu1" in refused
-    assert attempt.job.connection.ttl(poison.poisoned_key(attempt.id)) > 0  # (expires with the failure TTL)
+    assert attempt.record.connection.ttl(poison.poisoned_key(attempt.id)) > 0  # (expires with the failure TTL)
     with pytest.raises(JobFailed) as raised:
         attempt.check_poison("cpu1")
     assert raised.value.reason is FailureReason.FLEET_FAILURE and raised.value.details == {"poisoned": True}
@@ -166,20 +170,23 @@ def test_uploaded_records_the_result_an_execution_after_it_finds(make) -> None:
     assert attempt.recorded_result() is None
     attempt.uploaded({"key": "k", "bucket": "b"})
     assert [e["state"] for e in states(attempt)] == ["uploaded"]
-    again = JobAttempt(Job.fetch(attempt.id, connection=attempt.job.connection, serializer=JSONSerializer),
-                       attempt.outcomes)  # fmt: skip
+    again = JobAttempt(
+        JobRecord(Job.fetch(attempt.id, connection=attempt.record.connection, serializer=JSONSerializer)),
+        attempt.outcomes,
+    )
     assert again.recorded_result() == {"key": "k", "bucket": "b"}
 
 
 def test_failed_after_return_requeues_within_the_budget_then_fails_in_rq(make) -> None:
     attempt = make(retry_upload_failed=1)
-    attempt.job.set_status(JobStatus.FINISHED)  # (the job function returned at `rendered`)
+    make.jobs[attempt.id].set_status(JobStatus.FINISHED)  # (the job function returned at `rendered`)
     assert attempt.failed_after_return(FailureReason.UPLOAD_FAILED, "s3 down") is True
-    assert attempt.id in make.queue.get_job_ids() and attempt.job.get_status(refresh=True) == JobStatus.QUEUED
-    again = JobAttempt(make.queue.fetch_job(attempt.id), attempt.outcomes)
+    assert attempt.id in make.queue.get_job_ids() and make.jobs[attempt.id].get_status(refresh=True) == JobStatus.QUEUED
+    again_job = make.queue.fetch_job(attempt.id)
+    again = JobAttempt(JobRecord(again_job), attempt.outcomes)
     make.queue.remove(again.id)
     assert again.failed_after_return(FailureReason.UPLOAD_FAILED, "s3 down") is False
-    assert again.job.get_status(refresh=True) == JobStatus.FAILED
+    assert again_job.get_status(refresh=True) == JobStatus.FAILED
     assert [e["state"] for e in states(again)] == ["retrying", "failed"]
 
 
@@ -187,7 +194,7 @@ def test_out_of_memory_retries_and_queue_wait_come_from_the_job(make) -> None:
     assert make(meta={"retries": {"out_of_memory": 1}}).out_of_memory_retries() == 1
     assert make(meta={"retries": "junk"}).out_of_memory_retries() == 0
     attempt = make()
-    attempt.job.started_at = attempt.job.enqueued_at
+    make.jobs[attempt.id].started_at = make.jobs[attempt.id].enqueued_at
     attempt.start(worker="w", fleet="g")
     assert attempt.queue_wait_s == 0.0
 
@@ -223,15 +230,15 @@ _UNTYPED_JOB = re.compile(r"\bjob\s*:\s*(?:\"Any\"|'Any'|Any\b)")
 
 
 def untyped_jobs(text: str) -> list[int]:
-    """Lines (1-based) of `text` annotating a `job` as `Any`: the worker's jobs are `rq.job.Job`, or, for one
-    execution, a `worker.jobs.attempt.JobAttempt`."""
+    """Lines (1-based) of `text` annotating a `job` as `Any`: the worker's jobs are `rq.job.Job` in the RQ wing,
+    `worker.rq.record.JobRecord` outside it, or, for one execution, a `worker.jobs.attempt.JobAttempt`."""
     return [n for n, line in enumerate(text.splitlines(), 1) if _UNTYPED_JOB.search(line)]
 
 
 def test_no_untyped_job_in_the_worker() -> None:
     found = {str(p.relative_to(ROOT)): lines for p in sorted((ROOT / "worker").rglob("*.py"))
              if (lines := untyped_jobs(p.read_text()))}  # fmt: skip
-    assert found == {}, "type jobs as rq.job.Job (file: lines)"
+    assert found == {}, "type jobs as rq.job.Job or JobRecord (file: lines)"
     planted = "def f(self, job: Any) -> None:\n    x: 'Job'\n    pending: Any | None  # job: Any | None\n"
     assert untyped_jobs(planted) == [1, 3]
     assert untyped_jobs("def f(job: Job, jobs: Any, job_id: Any) -> None: ...") == []

@@ -1,10 +1,10 @@
 """`JobAttempt`: one execution of one render job, with everything that decides and records how it ends.
 
-An attempt is the RQ job (`rq.job.Job`), its event relay (the job's Redis Stream and meta summary), the
-outcome rules (`worker.jobs.outcomes.JobOutcomes`: budgets, TTLs, records) and what this execution knows
-about itself (its number, queue wait, start time, whether a client cancelled it, the fleet stream to stop).
-The service, the encode stage and the upload stage each receive the same object, so the `(job, relay)`
-pair is never passed by hand and an attempt ends through one of its methods only:
+An attempt is the job as the queue stores it (`worker.rq.record.JobRecord`), its event relay (the job's Redis Stream
+and meta summary), the outcome rules (`worker.jobs.outcomes.JobOutcomes`: budgets, TTLs, records) and what this
+execution knows about itself (its number, queue wait, start time, whether a client cancelled it, the fleet stream to
+stop). The service, the encode stage and the upload stage each receive the same object, so the `(job, relay)` pair
+is never passed by hand and an attempt ends through one of its methods only:
 
 - in the job function (the service): `fail`, `spool_failed`, `wait_for_room` and `cancelled` record the end
   and raise what RQ's failure handling sees (`JobFailed`, `JobCancelledByClient`, or the exception given to
@@ -23,21 +23,18 @@ import errno
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 from ltx_contract.redis_retry import with_redis_retry
 from ltx_contract.states import RUNNING_STATES, FailureReason, JobState
 from worker.errors import WorkerError
 from worker.jobs import poison
 from worker.jobs.outcomes import JobOutcomes, attempt_count
-from worker.protocol import rq_compat
 from worker.protocol.relay import EventRelay
+from worker.rq.record import JobRecord
 from worker.settings import WorkerSettings
 
-if TYPE_CHECKING:
-    from rq.job import Job
-
-__all__ = ["JobAttempt", "JobCancelledByClient", "JobFailed", "queue_wait_of"]
+__all__ = ["JobAttempt", "JobCancelledByClient", "JobFailed"]
 
 
 class JobFailed(WorkerError):
@@ -64,11 +61,11 @@ class Cancellable(Protocol):
 class JobAttempt:
     """One execution of one job; see the module docstring."""
 
-    def __init__(self, job: Job, outcomes: JobOutcomes, *, relay: EventRelay | None = None, number: int = 1,
+    def __init__(self, record: JobRecord, outcomes: JobOutcomes, *, relay: EventRelay | None = None, number: int = 1,
                  t0: float | None = None, queue_wait_s: float | None = None) -> None:  # fmt: skip
-        self.job = job
+        self.record = record
         self.outcomes = outcomes
-        self.relay: EventRelay = relay if relay is not None else outcomes.relay(job)
+        self.relay: EventRelay = relay if relay is not None else outcomes.relay(record)
         self.number = number  #: this execution's count (meta `attempt`), set by `start`
         self.t0 = time.time() if t0 is None else t0  #: wall clock when the execution began
         self.queue_wait_s = queue_wait_s
@@ -78,7 +75,7 @@ class JobAttempt:
 
     @property
     def id(self) -> str:
-        return str(self.job.id)
+        return str(self.record.id)
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -91,8 +88,8 @@ class JobAttempt:
 
     @property
     def submission(self) -> str | None:
-        """Which submission of this job id this is (`rq_compat.submission_of`)."""
-        return rq_compat.submission_of(self.job)
+        """Which submission of this job id this is (`JobRecord.submission`)."""
+        return self.record.submission
 
     # ==== state transitions =============================================================================
     def state(self, state: JobState, **fields: Any) -> None:
@@ -111,9 +108,9 @@ class JobAttempt:
         write `started`, then enforce the hard cap (`max_attempts`) and the `worker_lost` budget."""
         lost_before = self.meta.get("state") in RUNNING_STATES
         if lost_before:
-            self.outcomes.lost_unrecorded(self.job, self.relay)
+            self.outcomes.lost_unrecorded(self.record, self.relay)
         self.number = attempt_count(self.meta) + 1
-        self.queue_wait_s = queue_wait_of(self.job)
+        self.queue_wait_s = self.record.queue_wait_s()
         wait = None if self.queue_wait_s is None else round(self.queue_wait_s, 4)
         self.state(JobState.STARTED, attempt=self.number, worker=worker, fleet=fleet, queue_wait_s=wait,
                    **({"previous_attempt_lost": True} if lost_before else {}))  # fmt: skip
@@ -135,15 +132,15 @@ class JobAttempt:
     # ==== poison (worker.jobs.poison) =====================================================================
     def check_poison(self, group: str) -> None:
         """A job whose renders poisoned fleets is not rendered again (re-pushed by id): fail it for good."""
-        refused = poison.refusal(self.job.connection, self.id, self.settings.retry_fleet_failure, group=group)
+        refused = poison.refusal(self.record.connection, self.id, self.settings.retry_fleet_failure, group=group)
         if refused:
             self.fail(FailureReason.FLEET_FAILURE, refused, retryable=False, poisoned=True)
 
     def poisoned(self, fleet_reason: str | None, *, group: str, lasting: bool) -> str | None:
         """Record that this attempt's render poisoned `group`'s fleet; why the job must not run again, if so."""
-        entries = poison.record(self.job.connection, self.id, fleet_reason, self.failure_ttl(), group=group,
+        entries = poison.record(self.record.connection, self.id, fleet_reason, self.failure_ttl(), group=group,
                                 lasting=lasting)  # fmt: skip
-        return poison.refusal(self.job.connection, self.id, self.settings.retry_fleet_failure, entries, group=group)
+        return poison.refusal(self.record.connection, self.id, self.settings.retry_fleet_failure, entries, group=group)
 
     # ==== cancel (any thread) ===========================================================================
     def request_cancel(self) -> None:
@@ -172,13 +169,13 @@ class JobAttempt:
 
     # ==== ends in the job function (these raise what RQ's failure handling sees) ==========================
     def cancelled(self) -> NoReturn:
-        self.outcomes.cancelled(self.job, self.relay)
+        self.outcomes.cancelled(self.record, self.relay)
         raise JobCancelledByClient(f"job {self.id} cancelled")
 
     def fail(self, reason: FailureReason, message: str, *, retryable: bool | None = None,
              reraise: BaseException | None = None, **details: Any) -> NoReturn:  # fmt: skip
         """Record the failed attempt (retrying or terminal) and raise: `reraise` if given, else `JobFailed`."""
-        retry = self.outcomes.failed(self.job, reason, message, relay=self.relay, retryable=retryable, **details)
+        retry = self.outcomes.failed(self.record, reason, message, relay=self.relay, retryable=retryable, **details)
         if reraise is not None:
             raise reraise
         raise JobFailed(reason, message, retrying=retry, **details) from None
@@ -198,7 +195,7 @@ class JobAttempt:
         a retry budget or an execution of the hard cap, for up to `lora_cache_wait_s` from its first wait;
         after that it fails like `spool_failed`."""
         message = f"lora cache: {exc.strerror or exc}"
-        if self.outcomes.deferred(self.job, message, relay=self.relay):
+        if self.outcomes.deferred(self.record, message, relay=self.relay):
             raise JobFailed(FailureReason.SPOOL_ERROR, message, retrying=True, deferred=True) from None
         self.spool_failed(exc, where="lora cache")
 
@@ -207,38 +204,25 @@ class JobAttempt:
                             **details: Any) -> bool:  # fmt: skip
         """Record a failed attempt of a job RQ saw finish (it returned at `rendering`/`rendered`), then move it
         back by hand: re-queued within its budget, else failed in RQ. Returns True when re-queued."""
-        retry = self.outcomes.failed(self.job, reason, message, relay=self.relay, retryable=retryable, **details)
+        retry = self.outcomes.failed(self.record, reason, message, relay=self.relay, retryable=retryable, **details)
         if retry:
             token = uuid.uuid4().hex
-            with_redis_retry(lambda: rq_compat.requeue_after_return(self.job, token))
+            with_redis_retry(lambda: self.record.requeue_after_return(token))
         else:  # (retried like the success: a lost reply can at worst leave a second failure result)
             final, ttl, worker = f"JobFailed: {reason.value}: {message}", self.failure_ttl(), self.outcomes.worker_name
-            with_redis_retry(lambda: rq_compat.fail_after_return(self.job, final, ttl, worker))
+            with_redis_retry(lambda: self.record.fail_after_return(final, ttl, worker))
         return retry
 
     def uploaded(self, result: dict[str, Any]) -> None:
         """Record success (`uploaded`, with the result and the result TTL)."""
-        self.outcomes.uploaded(self.job, self.relay, result)
+        self.outcomes.uploaded(self.record, self.relay, result)
 
     # ==== TTLs (the worker's, never the enqueuer's: worker.jobs.outcomes) ===================================
     def result_ttl(self) -> int:
-        return self.outcomes.result_ttl(self.job)
+        return self.outcomes.result_ttl(self.record)
 
     def kept_result_ttl(self) -> int:
-        return self.outcomes.kept_result_ttl(self.job)
+        return self.outcomes.kept_result_ttl(self.record)
 
     def failure_ttl(self) -> int:
-        return self.outcomes.failure_ttl(self.job)
-
-
-def queue_wait_of(job: Job) -> float | None:
-    """Seconds the job waited in its queue (enqueued to started), None where RQ did not record it."""
-    enq = getattr(job, "enqueued_at", None)
-    if enq is None:
-        return None
-    start = getattr(job, "started_at", None)
-    try:
-        end = start.timestamp() if start is not None else time.time()
-        return max(0.0, end - enq.timestamp())
-    except (AttributeError, OSError, ValueError):
-        return None
+        return self.outcomes.failure_ttl(self.record)

@@ -12,13 +12,13 @@ handler (a job that failed before the service saw it). Each calls `JobOutcomes`,
   execution never got to write cannot be missing);
 - records it: a `retrying` or terminal state event with the error, meta `attempts` (one entry per attempt
   that did not succeed: which attempt, which worker, how it ended), the stream's TTL;
-- tells RQ through `rq_compat.set_retry` (RQ's own failure handling and cleanup then re-queue or fail it);
+- tells RQ through `JobRecord.set_retry` (RQ's own failure handling and cleanup then re-queue or fail it);
 - counts it in the metrics.
 
 The limits the worker owns are applied here (`own_limits`): RQ's `job_timeout` comes from the settings and
 the result/failure TTLs are capped by them, whatever the enqueuer wrote. TTLs (result, failure, the
 running stream's) are computed here too, and `uploaded`/`cancelled` are
-recorded here. RQ's registries are touched only by `worker.protocol.rq_compat`.
+recorded here. RQ's registries are touched only by the RQ wing (`worker.rq`).
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ltx_contract.states import FailureReason, JobState
 from worker.ops.error_ids import public_message
-from worker.protocol import rq_compat
 from worker.protocol.relay import EventRelay
+from worker.rq.record import JobRecord
 from worker.settings import WorkerSettings
-
-if TYPE_CHECKING:
-    from rq.job import Job
 
 __all__ = ["RQ_TIMEOUT_MARGIN_S", "JobOutcomes", "attempt_count"]
 
@@ -70,7 +67,7 @@ class JobOutcomes:
             FailureReason.OUT_OF_MEMORY: 1,
         }.get(reason, 0)
 
-    def attempts_left(self, job: Job) -> int:
+    def attempts_left(self, job: JobRecord) -> int:
         """Executions the hard cap (`max_attempts`) still allows after the current one (meta `attempt`)."""
         return max(0, self.settings.max_attempts - attempt_count(_meta(job)))
 
@@ -83,40 +80,38 @@ class JobOutcomes:
         render = math.ceil(self.settings.render_timeout) + RQ_TIMEOUT_MARGIN_S
         return render if self.settings.upload_pipeline else 2 * render
 
-    def kept_result_ttl(self, job: Job) -> int:
+    def kept_result_ttl(self, job: JobRecord) -> int:
         """The job's `result_ttl` in RQ's meaning (-1: forever, 0: not kept), capped by the settings'."""
         cap, ttl = self.settings.result_ttl, job.result_ttl
         if ttl is None or (cap >= 0 and (ttl < 0 or ttl > cap)):
             return cap
         return int(ttl)
 
-    def result_ttl(self, job: Job) -> int:
+    def result_ttl(self, job: JobRecord) -> int:
         """Seconds a successful job's records (stream, result) live: the kept result TTL, or the failure
         TTL when the result is kept forever or not at all (its events still need an expiry)."""
         ttl = self.kept_result_ttl(job)
         return ttl if ttl > 0 else self.settings.failure_ttl
 
-    def failure_ttl(self, job: Job) -> int:
+    def failure_ttl(self, job: JobRecord) -> int:
         """The job's `failure_ttl` capped by the settings' (a client asked for 10^9 s)."""
         cap, ttl = self.settings.failure_ttl, job.failure_ttl
         return min(int(ttl), cap) if ttl and ttl > 0 else cap
 
-    def own_limits(self, job: Job) -> None:
+    def own_limits(self, job: JobRecord) -> None:
         """Before an execution: RQ's timeout from the settings and the TTLs capped, on the job object (RQ's
         death penalty and its success/failure handling read them there) and in the hash (the cleanups and
         tools of other processes read them there)."""
-        job.timeout = self.rq_timeout()
-        job.result_ttl = self.kept_result_ttl(job)
-        job.failure_ttl = self.failure_ttl(job)
-        job.connection.hset(job.key, mapping={"timeout": job.timeout, "result_ttl": job.result_ttl,
-                                              "failure_ttl": job.failure_ttl})  # fmt: skip
+        job.own_limits(
+            timeout=self.rq_timeout(), result_ttl=self.kept_result_ttl(job), failure_ttl=self.failure_ttl(job)
+        )
 
-    def running_ttl(self, job: Job) -> int:
+    def running_ttl(self, job: JobRecord) -> int:
         """The event stream's expiry while the job is not finished: outlives the longest run, then the
         longest of the TTLs a terminal state will set."""
         return self.rq_timeout() + max(self.result_ttl(job), self.failure_ttl(job)) + 3600
 
-    def relay(self, job: Job) -> EventRelay:
+    def relay(self, job: JobRecord) -> EventRelay:
         meta = _meta(job)
         job.meta = meta
         return EventRelay(job.connection, job, maxlen=self.settings.events_maxlen, running_ttl=self.running_ttl(job))
@@ -124,7 +119,7 @@ class JobOutcomes:
     # ==== attempts that did not succeed =================================================================
     def failed(
         self,
-        job: Job,
+        job: JobRecord,
         reason: FailureReason,
         message: str,
         *,
@@ -156,7 +151,7 @@ class JobOutcomes:
                                                             message, details))  # fmt: skip
         error = {"reason": reason.value, "message": message, "retryable": bool(retryable), **details,
                  "attempts": attempts}  # fmt: skip
-        rq_compat.set_retry(job, retry)
+        job.set_retry(retry)
         if retry:
             retries[reason.value] = used + 1
             relay.update_summary(retries=retries, attempts=attempts)
@@ -171,7 +166,7 @@ class JobOutcomes:
                     _attempts_text(attempts))  # fmt: skip
         return retry
 
-    def lost_unrecorded(self, job: Job, relay: EventRelay) -> None:
+    def lost_unrecorded(self, job: JobRecord, relay: EventRelay) -> None:
         """A new execution found the job in a running state: the previous one vanished and nobody recorded
         it (e.g. the cleanup's write failed). It is a real loss: count it against `worker_lost`."""
         meta = relay.meta
@@ -182,7 +177,7 @@ class JobOutcomes:
                                     "the previous execution vanished unrecorded", {})  # fmt: skip
         relay.update_summary(retries=retries, attempts=_history(meta, entry))
 
-    def deferred(self, job: Job, message: str, *, relay: EventRelay) -> bool:
+    def deferred(self, job: JobRecord, message: str, *, relay: EventRelay) -> bool:
         """Re-queue a job that waits for room (`JobAttempt.wait_for_room`) if its wait is not over: `retrying`
         with `error.deferred`, no retry budget spent, and this execution not counted against `max_attempts`
         (meta `attempt` back to the one before). The wait is bounded in time instead (`lora_cache_wait_s`
@@ -203,7 +198,7 @@ class JobOutcomes:
             "waited_s": round(waited, 3),
             "attempts": attempts,
         }
-        rq_compat.set_retry(job, True)
+        job.set_retry(True)
         relay.update_summary(attempt=max(0, attempt_count(meta) - 1), attempts=attempts, waiting_since=since)
         relay.state(JobState.RETRYING, error=error)
         self._count("deferred", FailureReason.SPOOL_ERROR)
@@ -217,22 +212,22 @@ class JobOutcomes:
         return True
 
     # ==== the other ends =================================================================================
-    def cancelled(self, job: Job, relay: EventRelay | None = None, **extra: Any) -> None:
+    def cancelled(self, job: JobRecord, relay: EventRelay | None = None, **extra: Any) -> None:
         """Record a cancel (terminal; never retried)."""
-        rq_compat.set_retry(job, False)
+        job.set_retry(False)
         (relay or self.relay(job)).state(JobState.CANCELLED, ttl=self.failure_ttl(job), **extra)
         self._count("cancelled", None)
 
-    def uploaded(self, job: Job, relay: EventRelay, result: dict[str, Any]) -> None:
+    def uploaded(self, job: JobRecord, relay: EventRelay, result: dict[str, Any]) -> None:
         """Record success: the result, the stream's result TTL; the current error is cleared (the attempt
         history stays in meta `attempts`)."""
         relay.state(JobState.UPLOADED, result=result, ttl=self.result_ttl(job))
         self._count("uploaded", None)
 
     # ==== helpers ======================================================================================
-    def _attempt_entry(self, job: Job, meta: dict[str, Any], outcome: str, reason: FailureReason, message: str,
+    def _attempt_entry(self, job: JobRecord, meta: dict[str, Any], outcome: str, reason: FailureReason, message: str,
                        details: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-        worker = details.get("worker") or meta.get("worker") or getattr(job, "worker_name", None) or None
+        worker = details.get("worker") or meta.get("worker") or job.worker_name or None
         entry = {"attempt": meta.get("attempt"), "worker": worker, "outcome": outcome, "reason": reason.value,
                  "message": message[:_MESSAGE_IN_HISTORY], "at": round(time.time(), 3)}  # fmt: skip
         if details.get("fleet_reason"):
@@ -255,7 +250,7 @@ def attempt_count(meta: dict[str, Any]) -> int:
     return 1 << 30
 
 
-def _meta(job: Job) -> dict[str, Any]:
+def _meta(job: JobRecord) -> dict[str, Any]:
     return job.meta if isinstance(job.meta, dict) else {}
 
 

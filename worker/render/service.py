@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -55,15 +55,13 @@ from worker.render.fleet_render import FleetRender
 from worker.render.loras import LoraCacheFull, LoraRefused, LoraResolver
 from worker.render.results import JobResults
 from worker.render.warmup import WarmupRefused
+from worker.rq.record import JobRecord
 from worker.settings import WorkerSettings
 from worker.stages.encode import EncodeStage, PendingEncode
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import Storage, new_render_id
 from worker.uploads.uploader import Uploader, UploadFailed
-
-if TYPE_CHECKING:
-    from rq.job import Job
 
 __all__ = ["RenderService"]
 
@@ -239,8 +237,8 @@ class RenderService:
         self.pipeline.update_spool_metrics()
 
     # ==== the job =====================================================================================
-    def run_job(self, job: Job, request: Any) -> dict[str, Any]:
-        attempt = JobAttempt(job, self.outcomes)
+    def run_job(self, record: JobRecord, request: Any) -> dict[str, Any]:
+        attempt = JobAttempt(record, self.outcomes)
         with self._lock:
             self.current = attempt
             if self._cancel_before_start == attempt.id:
@@ -416,7 +414,7 @@ class RenderService:
         info.update(render_s=round(render_s, 4), deterministic=run.deterministic)
         key = self.storage.key_for(attempt.id, new_render_id(), path.name)
         try:
-            entry = self.spool.commit(attempt.id, file_name=path.name, key=key, info=info, queue=attempt.job.origin,
+            entry = self.spool.commit(attempt.id, file_name=path.name, key=key, info=info, queue=attempt.record.queue,
                                       content_type=str(output.get("content_type") or "video/mp4"),
                                       hash_now=not self.settings.upload_pipeline,
                                       submission=attempt.submission)  # fmt: skip

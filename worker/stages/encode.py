@@ -52,7 +52,7 @@ import redis
 
 from ltx_contract.states import FailureReason, JobState
 from worker.jobs.attempt import JobAttempt
-from worker.protocol import rq_compat
+from worker.rq.record import fetch_record
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
 
@@ -106,7 +106,7 @@ class EncodeStage:
     def prepare(self, item: PendingEncode) -> None:
         """Write the crash marker and take the entry's lock, before the job function returns."""
         directory = self.spool.job_dir(item.job_id)
-        marker = {"job_id": item.job_id, "queue": item.attempt.job.origin, "submission": item.attempt.submission,
+        marker = {"job_id": item.job_id, "queue": item.attempt.record.queue, "submission": item.attempt.submission,
                   "created_at": time.time()}  # fmt: skip
         tmp = directory / f".{MARKER_NAME}.tmp"
         tmp.write_text(json.dumps(marker))
@@ -223,7 +223,7 @@ class EncodeStage:
         info["deterministic"] = item.deterministic  # (the result reads it here, also after a restart)
         entry = self.spool.commit(item.job_id, file_name=item.output_path.name, key=item.key,
                                   content_type=str(item.output.get("content_type") or "video/mp4"),
-                                  queue=item.attempt.job.origin, info=info, hash_now=hash_now,
+                                  queue=item.attempt.record.queue, info=info, hash_now=hash_now,
                                   submission=item.attempt.submission)  # fmt: skip
         (self.spool.job_dir(item.job_id) / MARKER_NAME).unlink(missing_ok=True)
         self.encoded += 1
@@ -255,9 +255,6 @@ class EncodeStage:
     # ---- recovery (at start) ---------------------------------------------------------------------------
     def recover(self, connection: Any) -> int:
         """Re-queue the jobs whose worker died mid-encode (marker, no manifest, lock free). Returns how many."""
-        from rq.job import Job, JobStatus
-        from rq.serializers import JSONSerializer
-
         found = 0
         for marker in sorted(self.spool.root.glob(f"*/{MARKER_NAME}")):
             directory = marker.parent
@@ -268,16 +265,16 @@ class EncodeStage:
                 continue
             try:
                 info = json.loads(marker.read_text())
-                job = self.pipeline._fetch_when_redis_answers(  # (Redis restarting: wait, never drop the job)
-                    lambda d=directory.name: Job.fetch(d, connection=connection, serializer=JSONSerializer)
+                record = self.pipeline._fetch_when_redis_answers(  # (Redis restarting: wait, never drop the job)
+                    lambda d=directory.name: fetch_record(connection, d)
                 )
-                state = (job.meta or {}).get("state")
+                state = record.meta.get("state")
                 # only a job whose return RQ recorded (`finished`): one killed before that is still in RQ's
                 # started registry, and the abandoned-job cleanup re-queues it (twice would run it twice)
-                returned = job.get_status(refresh=False) == JobStatus.FINISHED
-                if returned and rq_compat.submission_of(job) == info.get("submission") and state == JobState.RENDERING:
+                returned = record.returned()
+                if returned and record.submission == info.get("submission") and state == JobState.RENDERING:
                     lost = "the worker stopped while encoding the video; it renders again"
-                    JobAttempt(job, self.pipeline.outcomes).failed_after_return(FailureReason.WORKER_LOST, lost)
+                    JobAttempt(record, self.pipeline.outcomes).failed_after_return(FailureReason.WORKER_LOST, lost)
                     found += 1
             except (redis.ConnectionError, redis.TimeoutError):
                 log.error("encode marker %s: Redis unreachable; kept for the next start", directory.name)

@@ -1,33 +1,34 @@
-"""`FleetWorker`: an RQ `SimpleWorker` that runs jobs in-process next to its warm fleet.
+"""`RqWorker`: RQ's `SimpleWorker` made to run render jobs in-process next to a warm fleet (the RQ half of
+`worker.runtime.fleet_worker.FleetWorker`, which adds the worker's health, readiness and fleet policy).
 
-Why it overrides RQ (measured behaviours of rq 2.12). Everything that reaches into RQ's registries or private
-state lives in `worker.protocol.rq_compat`; how a job's attempt ends is decided and recorded by
-`worker.jobs.outcomes`. The overrides are grouped by responsibility, one base class each, all sharing the
-state `FleetWorker.__init__` sets: Redis outages (`rq_outages`), the job heartbeat thread (`rq_beats`), how an
-execution ends and abandoned jobs (`rq_endings`), signals, pubsub commands and teardown (`rq_stops`);
-back-pressure is an object of its own (`backpressure`). This module holds the loop itself:
+Why it overrides RQ (measured behaviours of rq 2.12). The overrides are grouped by responsibility, one base
+class each, all sharing the state `RqWorker.__init__` sets: Redis outages (`outages`), the job heartbeat thread
+(`beats`), how an execution ends and abandoned jobs (`endings`), signals, pubsub commands and teardown
+(`stops`); what they read or write of RQ's private state is `worker_state`, its registries `registries` and
+`unstarted`. How a job's attempt ends is decided and recorded by `worker.jobs.attempt`. This module holds the loop:
 - `SimpleWorker`, never the forking `Worker`: the fleet's IPC handles and CUDA state cannot cross a fork,
   and the model must stay loaded between jobs.
 - JSON serializer: no pickle crosses Redis (job args, meta and results are JSON); the job class is
-  `worker.protocol.render_job.RenderJob` with the settings' size limits.
-- No job is taken without a warm fleet: the dequeue blocks in slices of `_DEQUEUE_SLICE_S` and checks the
-  fleet before each; a fleet that died while idle is reported by its controller's monitor at once (metrics,
-  health) and rebuilt at once in the background (`WarmFleet.rebuild_soon`); the dequeue waits for
-  it, and a job dequeued in the slice during which the fleet died is given back untouched.
-  `FleetUnrecoverable` ends the worker with a non-zero exit code.
-- Dequeue (`worker.jobs.tenant_queues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
+  `worker.rq.loop.job_class.RenderJob` with the settings' size limits.
+- No job is taken without a warm fleet: the dequeue blocks in slices of `_DEQUEUE_SLICE_S` and asks the
+  worker's `prepare_fleet` before each; a job dequeued in the slice during which the fleet died is given back
+  untouched, and one whose fleet died before it started waits for the rebuild under its heartbeat.
+- Dequeue (`worker.rq.loop.queues`): the shared queues and, with `LTX_TENANTS`, every tenant's own queue,
   tenants in turn within a priority (`reorder_queues`); each id is checked (hash, `queued` status, origin,
   tenant) before it counts or runs, junk is dropped at a bounded rate per dequeue, and every taken id sits
   in its queue's intermediate list until it starts (`prepare_job_execution`).
 - Cancel before start: a job a client cancelled while it waited (`ltx_contract.control`: the cancel
   field a tenant's Redis user may set) is recorded `cancelled` when dequeued and never runs (`_skip_cancelled`).
-- Admission (`worker.jobs.admission`): before and right after every dequeue the worker ends, without running
+- Admission (`worker.rq.loop.admission`): before and right after every dequeue the worker ends, without running
   them, the jobs past `LTX_MAX_QUEUE_DEPTH` waiting jobs and past a client's `LTX_CLIENT_QUOTA`
   unfinished jobs, whoever enqueued them (the producer's own check is only the early answer).
-- Back-pressure (`worker.runtime.backpressure`) before every dequeue; after every job the worker tells the
+- Back-pressure (the worker's `backpressure`) before every dequeue; after every job the worker tells the
   service that RQ's bookkeeping of the return is done (`job_returned`), so the uploader's `uploaded` record
   always lands after RQ's own.
-- Health: `worker.ops.health.HealthPublisher` writes the snapshot whenever something in it changes.
+
+What the rest of the worker uses of it (the interface above the wing): `RqWorker(queues, connection=...,
+service=...)`, `run()`, `stop_at_first_turn()`, `name`, `pid`, `connection`, `queue_names()`, `heartbeat()`,
+and the hooks a subclass defines: `prepare_fleet()` and the `health` and `backpressure` it sets.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from rq.exceptions import StopRequested
@@ -45,51 +45,64 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from ltx_contract.health import FleetHealth, WorkerHealth
-from ltx_contract.keys import worker_health_key
 from ltx_contract.redis_retry import add_memory_hook, outage_reason
 from ltx_contract.rq_client import OversizedJob
 from ltx_contract.states import JobState
-from worker.jobs.lost_pops import LostPops
 from worker.jobs.tenant_memory import TenantMemory
-from worker.jobs.tenant_queues import TakingQueue, TenantAdmissions, rotate, served_queue_names
+from worker.jobs.tenant_queues import rotate, served_queue_names
 from worker.ops.health import HealthPublisher
 from worker.ops.logs import bind_job
-from worker.protocol import rq_compat
 from worker.protocol.redis_outage import RedisOutage
-from worker.protocol.render_job import RenderJob
-from worker.render.fleet import FleetUnrecoverable
 from worker.render.service import RenderService
-from worker.runtime.backpressure import Backpressure
-from worker.runtime.exit_codes import EXIT_FLEET_UNRECOVERABLE
-from worker.runtime.rq_beats import HeartbeatingWorker, open_side_connection
-from worker.runtime.rq_endings import EndingWorker
-from worker.runtime.rq_outages import OutageTolerantWorker
-from worker.runtime.rq_stops import StoppingWorker
+from worker.rq.loop import unstarted, worker_state
+from worker.rq.loop.beats import HeartbeatingWorker, open_side_connection
+from worker.rq.loop.endings import EndingWorker
+from worker.rq.loop.job_class import RenderJob
+from worker.rq.loop.lost_pops import LostPops
+from worker.rq.loop.outages import OutageTolerantWorker
+from worker.rq.loop.queues import TakingQueue, TenantAdmissions
+from worker.rq.loop.stops import StoppingWorker
+from worker.rq.record import JobRecord
 
-__all__ = ["EXIT_FLEET_UNRECOVERABLE", "FleetWorker"]
+__all__ = ["RqWorker"]
 
 log = logging.getLogger("worker.rq")
 
 _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
 
 
-class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolerantWorker):
-    """See the module docstring."""
+class Waits(Protocol):
+    """What the loop asks before each dequeue (`worker.runtime.backpressure.Backpressure`)."""
+
+    active: bool
+
+    def wait(self) -> None: ...
+
+
+class RqWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolerantWorker):
+    """See the module docstring. A subclass sets `health` and `backpressure` and defines `prepare_fleet`."""
+
+    health: HealthPublisher
+    backpressure: Waits
 
     def __init__(self, queues: Sequence[str | Queue], *, service: RenderService, **kwargs: Any) -> None:
         settings = service.settings
         kwargs.setdefault("serializer", JSONSerializer)
         # runs only the render function, within the settings' size limits; survives hostile hashes
-        kwargs.setdefault("job_class", RenderJob.with_limits(max_data_bytes=settings.max_request_bytes,
-                                                             max_meta_bytes=settings.max_meta_bytes,
-                                                             tenant_ids=settings.tenant_ids))  # fmt: skip
+        kwargs.setdefault(
+            "job_class",
+            RenderJob.with_limits(
+                max_data_bytes=settings.max_request_bytes,
+                max_meta_bytes=settings.max_meta_bytes,
+                tenant_ids=settings.tenant_ids,
+            ),
+        )
         kwargs.setdefault("default_result_ttl", settings.result_ttl)
         kwargs.setdefault("worker_ttl", settings.worker_ttl)
         kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
         kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
         kwargs.setdefault("name", service.worker_name)
-        # checked, bounded dequeues over the shared queues and every tenant's own (worker.jobs.tenant_queues)
+        # checked, bounded dequeues over the shared queues and every tenant's own (worker.rq.loop.queues)
         self.lost_pops = LostPops(settings.tenants)  # (waits whose reply, and the id they took, were lost)
         kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry, self.lost_pops))
         if isinstance(queues, list | tuple) and all(isinstance(q, str) for q in queues):
@@ -110,30 +123,57 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
         self._next_sweep = 0.0
         # a per-tenant memory budget and this worker's reserve for recording outcomes (worker.jobs.tenant_memory)
         budget = settings.tenant_redis_bytes if settings.tenant_ids else -1
-        self.tenant_memory = TenantMemory(self.connection, worker_name=self.name, tenants=settings.tenants,
-                                          budget_bytes=budget, reserve_ttl=2 * max(settings.worker_ttl,
-                                          settings.maintenance_interval) + 60,
-                                          on_trim=service.metrics.tenant_trimmed)  # fmt: skip
+        reserve_ttl = 2 * max(settings.worker_ttl, settings.maintenance_interval) + 60
+        self.tenant_memory = TenantMemory(
+            self.connection,
+            worker_name=self.name,
+            tenants=settings.tenants,
+            budget_bytes=budget,
+            reserve_ttl=reserve_ttl,
+            on_trim=service.metrics.tenant_trimmed,
+        )
         add_memory_hook(self.tenant_memory.relieve)
         self.side_connection = open_side_connection(self.connection)  # heartbeat thread and health writer
-        self.health = HealthPublisher(self.side_connection, worker_health_key(self.name),
-                                      lambda: self.health_snapshot()[2], ttl_s=settings.worker_ttl + 60)  # fmt: skip
-        self.backpressure = Backpressure(service, notify=self.health.notify, tick=self.heartbeat)
-        fleet = service.fleet
-        fleet.on_failure = self._fleet_failed
-        fleet.on_change = self._fleet_changed
-        service.pipeline.on_change = self.health.notify
         self.push_exc_handler(self._abandoned_job_handler)
-        self.admission = TenantAdmissions(self.connection, self.queues, depth_cap=settings.depth_cap,
-                                          quota=settings.quota, outcomes=self.outcomes, job_class=self.job_class,
-                                          worker_name=self.name, max_meta_bytes=settings.max_meta_bytes,
-                                          tenant_ids=settings.tenant_ids)  # fmt: skip
-        if settings.tenant_ids and not settings.tenants:
-            log.warning("LTX_TENANT_IDS without LTX_TENANTS: tenants' own queues ('<queue>:t:<tenant>', where their "
-                        "producers submit) are not served by this worker")  # fmt: skip
+        self.admission = TenantAdmissions(
+            self.connection,
+            self.queues,
+            depth_cap=settings.depth_cap,
+            quota=settings.quota,
+            outcomes=self.outcomes,
+            job_class=self.job_class,
+            worker_name=self.name,
+            max_meta_bytes=settings.max_meta_bytes,
+            tenant_ids=settings.tenant_ids,
+        )
 
+    # ==== the interface above the wing ===================================================================
+    def run(self, *, burst: bool = False, max_jobs: int | None = None, logging_level: str = "INFO") -> None:
+        """RQ's work loop until it stops (a warm stop, `max_jobs`, a burst's empty queues); a stop requested
+        while RQ still registers the worker (outside its loop's own handling) ends it quietly too."""
+        try:
+            self.work(burst=burst, max_jobs=max_jobs, logging_level=logging_level, with_scheduler=False)
+        except StopRequested:
+            log.info("stopped before the work loop began")
+
+    def stop_at_first_turn(self) -> None:
+        """Stop the loop when it first checks for a stop: what a signal must do between the end of the
+        worker's startup and RQ installing its own handlers (after it registers the worker)."""
+        worker_state.stop_at_first_turn(self)
+
+    @property
+    def stop_pending(self) -> bool:
+        """A warm stop arrived during a fleet rebuild: the loop stops once the rebuild attempt ends."""
+        return self._stop_pending
+
+    def prepare_fleet(self) -> None:
+        """Make the fleet warm before a dequeue or a job (rebuild it if it died); may raise `SystemExit`.
+        Defined by the subclass (`FleetWorker`)."""
+        raise NotImplementedError
+
+    # ==== the dequeue ===================================================================================
     def _sweep_lost_pops(self) -> None:
-        """`worker.jobs.lost_pops`: an outage propagates (waited out, the sweep stays pending); any other Redis
+        """`worker.rq.loop.lost_pops`: an outage propagates (waited out, the sweep stays pending); any other Redis
         refusal (a user without SCAN) is logged and the sweep given up: never a reason to stop the worker."""
         try:
             requeued = self.lost_pops.sweep(self.connection)
@@ -152,72 +192,12 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         """RQ removes the id from the intermediate list only when a worker serves one queue (its multi-queue
-        dequeue never put it there); ours always does (worker.jobs.tenant_queues)."""
+        dequeue never put it there); ours always does (worker.rq.loop.queues)."""
         super().prepare_job_execution(job, True)
 
     def reorder_queues(self, reference_queue: Queue) -> None:
         """Tenants in turn within each priority (worker.jobs.tenant_queues.rotate)."""
-        rq_compat.reorder_polled_queues(self, lambda queues: rotate(queues, reference_queue, lambda q: q.name))
-
-    # ==== health ======================================================================================
-    def write_health(self) -> None:
-        """Publish the health snapshot under `ltx:worker:<name>:health` now (expires with the worker)."""
-        self.health.write_now()
-
-    def health_snapshot(self) -> tuple[bool, bool, WorkerHealth]:
-        fleet = self.service.fleet
-        cur = self.service.current
-        live_window = max(self.settings.worker_ttl, 3 * self.settings.heartbeat_interval)
-        live = (time.monotonic() - self.last_loop_beat) < live_window + 15 and fleet.state != "stopped"
-        info = WorkerHealth(
-            worker=self.name,
-            group=self.service.group,
-            queues=tuple(self.queue_names()),
-            runner=self.settings.runner,
-            limits=self.service.limits.to_json(),  # checked by `producer submit` (ltx_contract.limits)
-            loras=self.service.loras.published(),  # catalogue names, S3 prefixes, count (producer.loras)
-            fleet=FleetHealth(fleet.state, fleet.is_alive, tuple(fleet.pids), fleet.world_size,
-                              tuple(str(d) for d in fleet.devices), fleet.builds, fleet.rebuilds, fleet.failures,
-                              fleet.ready_at, fleet.last_failure, fleet.startup),
-            current_job=cur.id if cur else None,
-            uploads=replace(self.service.pipeline.snapshot(), backpressure=self.backpressure.active,
-                            backpressure_reason=self.backpressure.why if self.backpressure.active else None,
-                            background=self.settings.upload_pipeline),
-            storage=self.service.storage_state,
-            redis=self.redis_outage.snapshot(),
-            jobs_done=self.service.jobs_done,
-            metrics_port=getattr(self, "metrics_port", None),
-            pid=self.pid,
-            process_started_at=self.service.process_started_at,
-            ts=time.time(),
-        )  # fmt: skip
-        return live, self.readiness()[0], info
-
-    def readiness(self) -> tuple[bool, str | None]:
-        """(ready, why not): the fleet is warm, Redis takes our commands, no back-pressure (then the worker takes
-        no job; the reason is also under uploads.backpressure_reason). `/readyz` answers it, and the supervisor's
-        `/readyz` too (`worker.runtime.readiness`)."""
-        fleet = self.service.fleet
-        if not fleet.is_alive:
-            return False, f"fleet {fleet.state}"
-        if not self.redis_outage.up:
-            return False, f"Redis refuses the worker: {self.redis_outage.reason}"
-        if self.backpressure.active:
-            return False, f"back-pressure: {self.backpressure.why}"
-        return True, None
-
-    def _fleet_failed(self, info: dict[str, Any]) -> None:
-        """The controller's monitor poisoned the fleet (any thread; maybe while idle): say so at once."""
-        service = self.service
-        service.metrics.fleet_failures.labels(service.group, str(info.get("fleet_reason"))).inc()
-        if service.current is None:
-            log.warning("fleet died while idle (%s, rank %s exit %s): rebuilding now; no job is taken until it "
-                        "is warm", info.get("fleet_reason"), info.get("rank"), info.get("exitcode"))  # fmt: skip
-
-    def _fleet_changed(self) -> None:
-        fleet = self.service.fleet
-        self.service.metrics.set_fleet_state(fleet.state, alive=fleet.is_alive)
-        self.health.notify()
+        worker_state.reorder_polled_queues(self, lambda queues: rotate(queues, reference_queue, lambda q: q.name))
 
     # ==== job execution ===============================================================================
     def execute_job(self, job: Job, queue: Queue) -> None:
@@ -229,13 +209,16 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             self._stop_beats()
             # The job is in RQ's started registry (or still in its queue's intermediate list) with our name;
             # once Redis takes writes again RQ's cleanup finds it and `worker_lost` decides (its budget).
-            log.error("job %s: Redis refused its bookkeeping (%s); left for RQ's cleanup of abandoned jobs",
-                      job.id, self.redis_outage.reason)  # fmt: skip
+            log.error(
+                "job %s: Redis refused its bookkeeping (%s); left for RQ's cleanup of abandoned jobs",
+                job.id,
+                self.redis_outage.reason,
+            )
             self.set_state("idle")
 
     def _execute_job(self, job: Job, queue: Queue) -> None:
-        rq_compat.mark_stopped(self, None)
-        self.outcomes.own_limits(job)  # RQ's timeout and the TTLs from the settings, never the enqueuer's
+        worker_state.mark_stopped(self, None)
+        self.outcomes.own_limits(JobRecord(job))  # RQ's timeout and the TTLs from the settings, never the enqueuer's
         self.prepare_execution(job)
         self._start_beats(job)
         self.service.metrics.busy.labels(self.service.group).set(1)
@@ -246,7 +229,7 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
                 self._ensure_fleet()
             except SystemExit:
                 self._stop_beats()
-                rq_compat.give_back_started(self, job, queue)
+                unstarted.give_back_started(self, job, queue)
                 raise
         try:
             with bind_job(job.id):
@@ -277,14 +260,15 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             if done:  # (the outage ends with a write that went through: `heartbeat`, at every slice)
                 return result
 
-    def _dequeue_slice(self, timeout: int | None, max_idle_time: int | None, idle_deadline: float | None
-                       ) -> tuple[bool, tuple[Job, Queue] | None]:  # fmt: skip
+    def _dequeue_slice(
+        self, timeout: int | None, max_idle_time: int | None, idle_deadline: float | None
+    ) -> tuple[bool, tuple[Job, Queue] | None]:
         """One slice of the dequeue: (True, result) to return `result`, (False, None) to look again."""
         self._ensure_fleet()
         self.backpressure.wait()
         if self.lost_pops.pending:  # (after a wait that lost its reply: its job back on its queue)
             self._sweep_lost_pops()
-        self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.jobs.admission)
+        self.admission.before_dequeue(tick=self.heartbeat)  # queue depth and quotas (worker.rq.loop.admission)
         if timeout is None:
             result = self._dequeue(None, max_idle_time)
             return (result is None or self._accept(*result)), result
@@ -299,14 +283,14 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
             return False, None
         job, queue = result
         if not self.service.fleet.is_alive:  # it died during this slice: never hold a job without a fleet
-            rq_compat.give_back_dequeued(job, queue)
+            unstarted.give_back_dequeued(job, queue)
             return False, None
         return self._accept(job, queue), result
 
     def _accept(self, job: Job, queue: Queue) -> bool:
         """Whether a dequeued job runs now: not if a client cancelled it while it waited, nor if it is past
         the depth cap or its client's quota (both end it without running; burst mode included)."""
-        if rq_compat.cancel_requested(self.connection, job):
+        if unstarted.cancel_requested(self.connection, job):
             self._skip_cancelled(job, queue)
             return False
         return self.admission.admit(job, queue, tick=self.heartbeat)
@@ -314,14 +298,15 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
     def _skip_cancelled(self, job: Job, queue: Queue) -> None:
         """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
         take it out of the shared queue: `ltx_contract.control`): record it cancelled, never run it."""
-        if not rq_compat.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job)):
+        record = JobRecord(job)
+        if not unstarted.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(record)):
             log.info("job %s was cancelled while queued, then deleted or submitted again: entry dropped", job.id)
             return  # (its hash is gone or another submission's: nothing of this one to record)
         meta = job.meta if isinstance(job.meta, dict) else {}
         if meta.get("state") == JobState.CANCELLED.value:  # the client recorded it already
             self.service.metrics.job_outcome("cancelled", "")
         else:
-            self.outcomes.cancelled(job, by="client", message="cancelled while queued; skipped when dequeued")
+            self.outcomes.cancelled(record, by="client", message="cancelled while queued; skipped when dequeued")
         log.info("job %s was cancelled while queued: skipped", job.id)
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> tuple[Job, Queue] | None:
@@ -334,32 +319,22 @@ class FleetWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolera
                 job_id = getattr(exc, "job_id", None)
                 if job_id is None:
                     raise
+                queue = getattr(exc, "queue", None)
                 if isinstance(exc, OversizedJob):
-                    rq_compat.drop_oversized(self.connection, job_id, exc, self.settings.failure_ttl,
-                                            getattr(exc, "queue", None))  # fmt: skip
+                    unstarted.drop_oversized(self.connection, job_id, exc, self.settings.failure_ttl, queue)
                     continue
-                rq_compat.fail_unreadable(self.connection, job_id, getattr(exc, "queue", None), exc,
-                                         self.settings.failure_ttl)  # fmt: skip
+                unstarted.fail_unreadable(self.connection, job_id, queue, exc, self.settings.failure_ttl)
 
     def _ensure_fleet(self) -> None:
-        service = self.service
+        """`prepare_fleet` with the worker's registration kept alive meanwhile; a warm stop that arrived during
+        a rebuild stops the loop once the rebuild attempt ends (`stops.StoppingWorker.request_stop`)."""
         self._rebuilding = True
-        beats = self._beat_while_rebuilding() if not service.fleet.is_alive else None
+        beats = self._beat_while_rebuilding() if not self.service.fleet.is_alive else None
         try:
-            rebuilt = service.fleet.ensure_ready(tick=self.heartbeat)  # (RQ's worker key stays alive meanwhile)
-        except FleetUnrecoverable as exc:
-            if self._stop_pending:
-                raise StopRequested() from exc  # a warm stop interrupted the rebuild back-off
-            log.critical("%s; the worker exits with code %d", exc, EXIT_FLEET_UNRECOVERABLE)
-            service.metrics.fleet_rebuilds.labels(service.group, "failed").inc()
-            service.metrics.set_fleet_state("failed", alive=False)
-            self.exit_code = EXIT_FLEET_UNRECOVERABLE
-            raise SystemExit(EXIT_FLEET_UNRECOVERABLE) from exc
+            self.prepare_fleet()
         finally:
             self._rebuilding = False
             if beats is not None:
                 beats.set()
-        if rebuilt:
-            service.metrics.fleet_rebuilds.labels(service.group, "ok").inc()
         if self._stop_pending:
             raise StopRequested()
