@@ -15,6 +15,9 @@ down only:
 - worker never imports producer; kernels imports none of the packages above it;
 - inside worker/, a layer imports only the layers before it (`WORKER_LAYERS`) and no module is on an import
   cycle; these and the other `SOURCE_RULES` read the source, so an import inside a function counts;
+- the RQ wing (worker/rq/) is the only part of the worker that imports RQ (any of it: what the contract may use,
+  `RQ_CLIENT_API`, included), and the rest of the worker imports of the wing only its interface
+  (`RQ_WING_INTERFACE`); RQ's private state is the wing's alone too (tests/test_worker_rqcompat.py);
 - no package, bench/ included, imports tests;
 - `import ltx_mgpu`, `ltx_mgpu.control.devices`, `devstack.ports`, `ltx_mgpu.spec.*` and the ltx2 runners'
   description (`ltx_mgpu.runners.ltx2.spec`, what `ltx-worker plan` reads) import no torch (the worker's
@@ -345,6 +348,22 @@ def test_a_new_folder_fails_the_layer_rule_until_it_is_placed(tmp_path: Path) ->
     (tmp_path / "worker" / "stages").mkdir()  # (below render/, which feeds them: a stage never imports it)
     (tmp_path / "worker" / "stages" / "upload.py").write_text("def f():\n    from worker.render import service\n")
     assert rule.violations(tmp_path)["worker/stages/upload.py"] == ["worker.render", "worker.render.service"]
+
+
+def test_the_wing_is_two_layers_and_its_records_never_import_its_loop(tmp_path: Path) -> None:
+    """`worker/rq/` is one folder in two layers: its job records below the job path, its work loop above the render
+    service. A record that imports the loop (or the job path it sits below) is a layer violation."""
+    rule = next(r for r in SOURCE_RULES if isinstance(r, LayerRule))
+    assert [rule.layer_of(m) for m in ("worker.rq.record", "worker.rq.loop.worker", "worker.rq")] == [
+        "rq",
+        "rq.loop",
+        "rq",
+    ]
+    (tmp_path / "worker" / "rq" / "loop").mkdir(parents=True)
+    (tmp_path / "worker" / "rq" / "loop" / "worker.py").write_text("from worker.render import service\n")
+    (tmp_path / "worker" / "rq" / "record.py").write_text("def f():\n    from worker.rq.loop import worker\n")
+    found = rule.violations(tmp_path)
+    assert found == {"worker/rq/record.py": ["worker.rq.loop", "worker.rq.loop.worker"]}
 
 
 def test_cycles_are_found_around_a_loop() -> None:

@@ -1,8 +1,9 @@
-"""`worker.jobs.attempt.JobAttempt`: one execution of one job, and each way it ends recorded exactly once.
+"""`worker.jobs.attempt.JobAttempt`: one execution of one job, and each way it ends (a `worker.jobs.ends` value the
+attempt decides: `conclude`, `ended_after_return`) recorded exactly once.
 
 Real Redis and real RQ jobs (the records are Redis writes: state events in the job's stream, meta, RQ's
 retry decision and registries), real `JobOutcomes` with settings whose budgets the assertions name. Also
-`FleetRender` ending an attempt once when `controller.stream()` refuses the runner kwargs (it was recorded
+`FleetRender` telling an attempt's end once when `controller.stream()` refuses the runner kwargs (it was recorded
 as `invalid_request`, then again as `internal`), and the rule that no `job: Any` is left in worker/.
 """
 
@@ -24,7 +25,8 @@ from rq.serializers import JSONSerializer
 from ltx_contract.keys import EVENT_FIELD_DATA, events_key
 from ltx_contract.states import FailureReason
 from worker.jobs import poison
-from worker.jobs.attempt import JobAttempt, JobCancelledByClient, JobFailed
+from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Failure, JobCancelledByClient, JobFailed
 from worker.jobs.outcomes import JobOutcomes
 from worker.rq.record import JobRecord
 from worker.settings import WorkerSettings
@@ -60,10 +62,10 @@ def stored_meta(attempt: JobAttempt) -> dict[str, Any]:
     return Job.fetch(attempt.id, connection=attempt.record.connection, serializer=JSONSerializer).get_meta()
 
 
-def test_fail_records_one_terminal_state_and_raises_job_failed(make) -> None:
+def test_a_failure_concluded_records_one_terminal_state_and_raises_job_failed(make) -> None:
     attempt = make()
     with pytest.raises(JobFailed) as raised:
-        attempt.fail(FailureReason.RUNNER_ERROR, "boom", detail=7)
+        attempt.conclude(Failure(FailureReason.RUNNER_ERROR, "boom", details={"detail": 7}))
     assert raised.value.reason is FailureReason.RUNNER_ERROR and raised.value.retrying is False
     assert raised.value.details == {"detail": 7}
     (event,) = states(attempt)
@@ -71,21 +73,21 @@ def test_fail_records_one_terminal_state_and_raises_job_failed(make) -> None:
     assert [a["reason"] for a in stored_meta(attempt)["attempts"]] == ["runner_error"]
 
 
-def test_fail_within_the_budget_is_retrying_and_reraise_raises_the_given_exception(make) -> None:
+def test_a_failure_within_the_budget_is_retrying_and_reraise_raises_the_given_exception(make) -> None:
     attempt = make(retry_job_timeout=1)
     stop = SystemExit(1)
     with pytest.raises(SystemExit) as raised:
-        attempt.fail(FailureReason.JOB_TIMEOUT, "slow", reraise=stop)
+        attempt.conclude(Failure(FailureReason.JOB_TIMEOUT, "slow", reraise=stop))
     assert raised.value is stop
     assert [e["state"] for e in states(attempt)] == ["retrying"]
     assert stored_meta(attempt)["retries"] == {"job_timeout": 1}
 
 
 @pytest.mark.parametrize(("code", "retryable"), [(errno.ENOSPC, True), (errno.ENAMETOOLONG, False)])
-def test_spool_failed_names_the_errno_and_retries_only_what_another_host_may_fix(make, code, retryable) -> None:
+def test_a_spool_failure_names_the_errno_and_retries_only_what_another_host_may_fix(make, code, retryable) -> None:
     attempt = make(retry_spool_error=1)
     with pytest.raises(JobFailed) as raised:
-        attempt.spool_failed(OSError(code, "no"), where="lora cache")
+        attempt.conclude(Failure.spool(OSError(code, "no"), where="lora cache"))
     assert raised.value.reason is FailureReason.SPOOL_ERROR and raised.value.retrying is retryable
     assert raised.value.details["errno"] == errno.errorcode[code]
     assert raised.value.message.startswith("lora cache: no")
@@ -94,7 +96,7 @@ def test_spool_failed_names_the_errno_and_retries_only_what_another_host_may_fix
 def test_a_wait_for_room_is_retrying_without_a_budget_or_an_execution_until_its_time_is_up(make) -> None:
     """A LoRA job the cache has no room for now is re-queued (RQ retries it) with
     `error.deferred`, its `spool_error` budget and its execution (meta `attempt`) untouched; once
-    `lora_cache_wait_s` from its first wait has passed it fails like `spool_failed`, within that budget."""
+    `lora_cache_wait_s` from its first wait has passed it fails like a spool failure, within that budget."""
     from worker.render.lora_cache import LoraCacheFull
 
     full = LoraCacheFull("LoRA cache full: 5 bytes do not fit")
@@ -102,7 +104,7 @@ def test_a_wait_for_room_is_retrying_without_a_budget_or_an_execution_until_its_
     attempt.start(worker="w.cpu1.1", fleet="cpu:1")
     for _ in range(3):
         with pytest.raises(JobFailed) as raised:
-            attempt.wait_for_room(full)
+            attempt.conclude(Failure.no_room(full))
         assert raised.value.retrying and raised.value.details == {"deferred": True}
         assert make.jobs[attempt.id].retries_left == 1  # (RQ re-queues it)
         attempt = JobAttempt(attempt.record, attempt.outcomes)  # the next execution, as the worker makes it
@@ -113,14 +115,14 @@ def test_a_wait_for_room_is_retrying_without_a_budget_or_an_execution_until_its_
     assert [e["state"] for e in states(attempt)].count("retrying") == 3
     attempt.relay.update_summary(waiting_since=meta["waiting_since"] - 61)  # (its first wait, 61 s ago)
     with pytest.raises(JobFailed) as raised:
-        attempt.wait_for_room(full)
+        attempt.conclude(Failure.no_room(full))
     assert raised.value.reason is FailureReason.SPOOL_ERROR and not raised.value.retrying  # (budget 0)
     assert states(attempt)[-1]["state"] == "failed" and raised.value.details["errno"] == "ENOSPC"
 
 
 def test_a_cancel_before_the_stream_stops_it_when_watched_and_is_recorded_once(make) -> None:
     attempt = make()
-    attempt.check_cancelled()  # nothing asked: no record, no raise
+    assert attempt.check_cancelled() is None  # nothing asked: no end, no record
     assert states(attempt) == []
     stream = SimpleNamespace(cancelled=0)
     stream.cancel = lambda: setattr(stream, "cancelled", stream.cancelled + 1)
@@ -133,13 +135,13 @@ def test_a_cancel_before_the_stream_stops_it_when_watched_and_is_recorded_once(m
     attempt.request_cancel()
     assert stream.cancelled == 2
     with pytest.raises(JobCancelledByClient):
-        attempt.check_cancelled()
+        attempt.conclude(attempt.check_cancelled())
     assert [e["state"] for e in states(attempt)] == ["cancelled"]
 
 
 def test_start_counts_the_execution_and_a_vanished_one_before_it(make) -> None:
     attempt = make(meta={"state": "rendering", "attempt": 1})
-    attempt.start(worker="w.cpu1.1", fleet="cpu1")
+    assert attempt.start(worker="w.cpu1.1", fleet="cpu1") is None  # (it runs)
     (event,) = states(attempt)
     assert event["state"] == "started" and event["attempt"] == 2 and event["previous_attempt_lost"] is True
     assert attempt.number == 2 and attempt.meta["retries"] == {"worker_lost": 1}
@@ -148,20 +150,20 @@ def test_start_counts_the_execution_and_a_vanished_one_before_it(make) -> None:
 def test_start_past_the_hard_cap_fails_for_good(make) -> None:
     attempt = make(meta={"attempt": 3}, max_attempts=3)
     with pytest.raises(JobFailed) as raised:
-        attempt.start(worker="w.cpu1.1", fleet="cpu1")
+        attempt.conclude(attempt.start(worker="w.cpu1.1", fleet="cpu1"))
     assert raised.value.reason is FailureReason.ATTEMPTS_EXHAUSTED and raised.value.details["attempts_cap"] == 3
     assert [e["state"] for e in states(attempt)] == ["started", "failed"]
 
 
 def test_a_poisoning_job_is_refused_on_that_group(make) -> None:
     attempt = make(retry_fleet_failure=2)
-    attempt.check_poison("cpu1")  # never poisoned: rendered
+    assert attempt.check_poison("cpu1") is None  # never poisoned: rendered
     assert attempt.poisoned("rank_exited", group="cpu1", lasting=False) is None  # (transient, within budget)
     refused = attempt.poisoned("split", group="cpu1", lasting=True)
     assert refused is not None and "cpu1" in refused
     assert attempt.record.connection.ttl(poison.poisoned_key(attempt.id)) > 0  # (expires with the failure TTL)
     with pytest.raises(JobFailed) as raised:
-        attempt.check_poison("cpu1")
+        attempt.conclude(attempt.check_poison("cpu1"))
     assert raised.value.reason is FailureReason.FLEET_FAILURE and raised.value.details == {"poisoned": True}
 
 
@@ -180,12 +182,12 @@ def test_uploaded_records_the_result_an_execution_after_it_finds(make) -> None:
 def test_failed_after_return_requeues_within_the_budget_then_fails_in_rq(make) -> None:
     attempt = make(retry_upload_failed=1)
     make.jobs[attempt.id].set_status(JobStatus.FINISHED)  # (the job function returned at `rendered`)
-    assert attempt.failed_after_return(FailureReason.UPLOAD_FAILED, "s3 down") is True
+    assert attempt.ended_after_return(Failure(FailureReason.UPLOAD_FAILED, "s3 down", retryable=True)) is True
     assert attempt.id in make.queue.get_job_ids() and make.jobs[attempt.id].get_status(refresh=True) == JobStatus.QUEUED
     again_job = make.queue.fetch_job(attempt.id)
     again = JobAttempt(JobRecord(again_job), attempt.outcomes)
     make.queue.remove(again.id)
-    assert again.failed_after_return(FailureReason.UPLOAD_FAILED, "s3 down") is False
+    assert again.ended_after_return(Failure(FailureReason.UPLOAD_FAILED, "s3 down", retryable=True)) is False
     assert again_job.get_status(refresh=True) == JobStatus.FAILED
     assert [e["state"] for e in states(again)] == ["retrying", "failed"]
 
@@ -193,8 +195,9 @@ def test_failed_after_return_requeues_within_the_budget_then_fails_in_rq(make) -
 def test_out_of_memory_retries_and_queue_wait_come_from_the_job(make) -> None:
     assert make(meta={"retries": {"out_of_memory": 1}}).out_of_memory_retries() == 1
     assert make(meta={"retries": "junk"}).out_of_memory_retries() == 0
-    attempt = make()
-    make.jobs[attempt.id].started_at = make.jobs[attempt.id].enqueued_at
+    job = make.jobs[make().id]
+    job.started_at = job.enqueued_at  # (RQ stamps it before the job function reads the job)
+    attempt = JobAttempt(JobRecord(job), JobOutcomes(WorkerSettings(), worker_name="w.cpu1.1"))
     attempt.start(worker="w", fleet="g")
     assert attempt.queue_wait_s == 0.0
 
@@ -212,14 +215,18 @@ def test_runner_kwargs_refused_by_the_stream_end_the_attempt_once_as_a_request_e
         raise TypeError("__call__() got an unexpected keyword argument 'media'")
 
     attempt = make()
-    fleet = SimpleNamespace(controller=SimpleNamespace(stream=refuse), kill_for_rebuild=lambda: pytest.fail("killed"))
+    fleet = SimpleNamespace(
+        controller=SimpleNamespace(stream=refuse), world_size=1, kill_for_rebuild=lambda: pytest.fail("killed")
+    )
     spool = Spool(tmp_path)
     spool.prepare(attempt.id, "video.mp4")
     run = FleetRender(attempt, fleet, encoder=None, spool=spool, metrics=None, group="cpu1")
+    end = run.run({"prompt": "x", "media": "frames"}, timeout=5.0)
     with pytest.raises(JobFailed) as raised:
-        run.run({"prompt": "x", "media": "frames"}, timeout=5.0)
+        attempt.conclude(end)
     assert raised.value.reason is FailureReason.INVALID_REQUEST
-    assert [(e["state"], e["error"]["reason"]) for e in states(attempt)] == [("failed", "invalid_request")]
+    ended = [(e["state"], e.get("error", {}).get("reason")) for e in states(attempt)]
+    assert ended == [("rendering", None), ("failed", "invalid_request")]  # (`rendering`: the render's own start)
     assert len(stored_meta(attempt)["attempts"]) == 1
     assert not spool.job_dir(attempt.id).exists()  # (the prepared directory is not left behind)
 

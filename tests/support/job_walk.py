@@ -15,21 +15,23 @@ with the upload pipeline on it ends at the hand-off (`EncodeStage.submit`), what
 - `functions`: the distinct worker functions that ran;
 - `returns`: the `return` statements those functions hold (read from their source: what a reader of the path
   follows, whichever ran this time);
-- `ends_raised` (static, `raised_ends`): calls outside the attempt's own module that end a job by raising
-  through it (`attempt.fail(...)`, `.spool_failed`, `.wait_for_room`, `.cancelled`, `.check_cancelled`).
+- `ends_raised` (static, `raised_ends`): calls outside the attempt's own module to an attempt's method that ends
+  the job by raising (found in `JobAttempt`'s source: a method that raises, or calls one of its own that does).
 
-`python -m tests.support.job_walk` prints them as one JSON object (`--raw` adds the module visits in order).
+`python -m tests.support.job_walk` prints them as one JSON object (`--raw` adds the module visits in order and each
+function's returns). It measures the `worker` package it imports: with `PYTHONPATH` at another checkout (and the
+script run by its path) it measures that one, so before and after compare with one script.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import json
 import re
 import sys
 import tempfile
-import textwrap
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -37,10 +39,15 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "worker"
-#: a call that ends the attempt by raising through it (`JobAttempt`'s raising methods)
-_RAISED_END = re.compile(r"\battempt\.(fail|spool_failed|wait_for_room|cancelled|check_cancelled)\(")
+_COMPREHENSIONS = frozenset({"<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"})
+
+
+def _root() -> Path:
+    """The tree measured: the one the `worker` package is imported from (`PYTHONPATH`), so the same script
+    measures another checkout too."""
+    import worker
+
+    return Path(worker.__file__).resolve().parents[1]
 
 
 @dataclass
@@ -52,12 +59,13 @@ class Walk:
     ends_raised: int
     per_module: dict[str, int] = field(default_factory=dict)  #: visits per module
     path: list[str] = field(default_factory=list)  #: the modules in the order the walk entered them
+    per_function: dict[str, int] = field(default_factory=dict)  #: the returns of each function that ran
 
 
 def _module_of(code: CodeType) -> str | None:
     path = Path(code.co_filename)
     try:
-        rel = path.resolve().relative_to(ROOT)
+        rel = path.resolve().relative_to(_root())
     except ValueError:
         return None
     if rel.parts[0] != "worker":
@@ -67,18 +75,7 @@ def _module_of(code: CodeType) -> str | None:
 
 def returns_in(code: CodeType) -> int:
     """The `return` statements of the function `code` runs (its own body: nested functions are theirs)."""
-    lines = Path(code.co_filename).read_text().splitlines()
-    start = code.co_firstlineno - 1
-    while start < len(lines) and lines[start].lstrip().startswith("@"):
-        start += 1
-    source = []
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    for i, line in enumerate(lines[start:]):
-        if i and line.strip() and len(line) - len(line.lstrip()) <= indent:
-            break
-        source.append(line)
-    tree = ast.parse(textwrap.dedent("\n".join(source)))
-    func = tree.body[0]
+    func = _function_at(code.co_filename, code.co_firstlineno)
     count = 0
     todo: list[ast.AST] = list(ast.iter_child_nodes(func))
     while todo:
@@ -90,12 +87,47 @@ def returns_in(code: CodeType) -> int:
     return count
 
 
-def raised_ends(root: Path = ROOT) -> int:
-    """Calls outside `worker/jobs/attempt.py` that end a job by raising through its attempt (module docstring)."""
+@functools.cache
+def _functions(filename: str) -> dict[int, ast.AST]:
+    """{first line (its first decorator's, as the code object counts it): function} of a source file."""
+    found: dict[int, ast.AST] = {}
+    for node in ast.walk(ast.parse(Path(filename).read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            decorators = getattr(node, "decorator_list", [])
+            found[min([node.lineno, *(d.lineno for d in decorators)])] = node
+    return found
+
+
+def _function_at(filename: str, line: int) -> ast.AST:
+    return _functions(filename)[line]
+
+
+def raised_ends(root: Path | None = None) -> int:
+    """Calls outside `worker/jobs/attempt.py` to a `JobAttempt` method that ends the job by raising (one that
+    raises, or calls one of its own that does), on an attempt (`attempt.x(`, `self.attempt.x(`, `item.attempt.x(`)."""
+    root = root or _root()
+    tree = ast.parse((root / "worker" / "jobs" / "attempt.py").read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "JobAttempt")
+    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+    calls = {
+        name: {
+            n.func.attr
+            for n in ast.walk(f)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "self"
+        }
+        for name, f in methods.items()
+    }
+    raising = {name for name, f in methods.items() if any(isinstance(n, ast.Raise) for n in ast.walk(f))}
+    while grown := {name for name, called in calls.items() if called & raising} - raising:
+        raising |= grown
+    pattern = re.compile(rf"\battempt\.({'|'.join(sorted(raising))})\(") if raising else None
     total = 0
     for path in sorted((root / "worker").rglob("*.py")):
-        if path.relative_to(root).as_posix() != "worker/jobs/attempt.py":
-            total += len(_RAISED_END.findall(path.read_text()))
+        if pattern is not None and path.relative_to(root).as_posix() != "worker/jobs/attempt.py":
+            total += len(pattern.findall(path.read_text()))
     return total
 
 
@@ -121,7 +153,7 @@ class _Recorder:
         module = _module_of(here) if here is not None else None
         if module is None:
             return
-        if event == "call":
+        if event == "call" and code.co_name not in _COMPREHENSIONS:  # (a comprehension is part of its function)
             self.codes.add(code)
         if not self.path or self.path[-1] != module:
             self.path.append(module)
@@ -139,7 +171,12 @@ def measure(recorder: _Recorder) -> Walk:
         ends_raised=raised_ends(),
         per_module=dict(sorted(per_module.items(), key=lambda kv: -kv[1])),
         path=recorder.path,
+        per_function={f"{_module_of(c)}.{c.co_qualname}": returns_in(c) for c in sorted(recorder.codes, key=_order)},
     )
+
+
+def _order(code: CodeType) -> tuple[str, int]:
+    return code.co_filename, code.co_firstlineno
 
 
 @contextlib.contextmanager
@@ -197,10 +234,11 @@ def walk(redis_url: str, tmp: Path) -> Walk:
 
 def main(argv: list[str] | None = None) -> int:
     raw = "--raw" in (argv if argv is not None else sys.argv[1:])
-    with _redis() as url, tempfile.TemporaryDirectory() as tmp:
-        result = asdict(walk(url, Path(tmp)))
+    with _redis() as url, tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
+        result = asdict(walk(url, Path(tmp)))  # (RQ's own log lines go to stderr: stdout is the JSON)
     if not raw:
         result.pop("path")
+        result.pop("per_function")
     print(json.dumps(result, indent=1))
     return 0
 

@@ -17,6 +17,7 @@ in this process (the job function).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -39,63 +40,34 @@ log = logging.getLogger("worker.rq")
 
 
 class JobRecord:
-    """One RQ job as the job path sees it (module docstring). Wraps the `Job` object RQ itself holds, so a
-    decision written here (`set_retry`, `own_limits`) is the one RQ's own handling of the job reads."""
+    """One RQ job as the job path sees it (module docstring): the job as loaded, read once, and what RQ is to do
+    about it. Wraps the `Job` object RQ itself holds, so a decision written here (`set_retry`, `own_limits`) is the
+    one RQ's own handling of the job reads, and `meta` is the very dict RQ saves."""
 
     def __init__(self, job: Job) -> None:
         self._job = job
+        if not isinstance(job.meta, dict):
+            job.meta = {}  # (a meta that is not an object reads as an empty one)
         self.id: str = str(job.id)
         self.connection: Any = job.connection
         self.key: str = job.key  #: the job's hash (the event writer keeps the summary in its `meta` field)
         self.serializer: Any = job.serializer
+        self.meta: dict[str, Any] = job.meta  #: the summary of its events (`ltx_contract.states.SUMMARY_FIELDS`)
+        self.queue: str = str(job.origin)  #: the queue it was enqueued on (RQ's `origin`)
+        self.submission: str | None = submission_of(job)  #: which submission of this id the hash is
+        self.worker_name: str | None = getattr(job, "worker_name", None) or None  #: who dequeued it last
+        #: the TTLs on the job: the enqueuer's, or the worker's once `own_limits` capped them
+        self.result_ttl: int | None = job.result_ttl
+        self.failure_ttl: int | None = job.failure_ttl
+        #: seconds it waited in its queue (enqueued to started; to now if not started), None where RQ did not record it
+        self.queue_wait_s: float | None = None
+        enqueued, started = getattr(job, "enqueued_at", None), getattr(job, "started_at", None)
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            end = started.timestamp() if started is not None else time.time()
+            self.queue_wait_s = None if enqueued is None else max(0.0, end - enqueued.timestamp())
 
     def __repr__(self) -> str:
         return f"JobRecord({self.id!r})"
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        """The job's meta: the summary of its events (`ltx_contract.states.SUMMARY_FIELDS`), as loaded."""
-        return self._job.meta
-
-    @meta.setter
-    def meta(self, value: dict[str, Any]) -> None:
-        self._job.meta = value
-
-    @property
-    def queue(self) -> str:
-        """The queue the job was enqueued on (RQ's `origin`)."""
-        return str(self._job.origin)
-
-    @property
-    def submission(self) -> str | None:
-        """Which submission of this id the hash is (`submission_of`)."""
-        return submission_of(self._job)
-
-    @property
-    def worker_name(self) -> str | None:
-        """The worker RQ last handed the job to (who dequeued it), if recorded."""
-        return getattr(self._job, "worker_name", None) or None
-
-    @property
-    def result_ttl(self) -> int | None:
-        """The result TTL on the job (the enqueuer's, or the worker's once `own_limits` capped it)."""
-        return self._job.result_ttl
-
-    @property
-    def failure_ttl(self) -> int | None:
-        return self._job.failure_ttl
-
-    def queue_wait_s(self) -> float | None:
-        """Seconds the job waited in its queue (enqueued to started), None where RQ did not record it."""
-        enq = getattr(self._job, "enqueued_at", None)
-        if enq is None:
-            return None
-        start = getattr(self._job, "started_at", None)
-        try:
-            end = start.timestamp() if start is not None else time.time()
-            return max(0.0, end - enq.timestamp())
-        except (AttributeError, OSError, ValueError):
-            return None
 
     def returned(self) -> bool:
         """Whether RQ recorded the job function's return (status `finished`), read from the loaded hash."""
@@ -111,6 +83,7 @@ class JobRecord:
         success/failure handling read them there) and in the hash (the cleanups of other processes read them)."""
         job = self._job
         job.timeout, job.result_ttl, job.failure_ttl = timeout, result_ttl, failure_ttl
+        self.result_ttl, self.failure_ttl = result_ttl, failure_ttl
         job.connection.hset(job.key, mapping={"timeout": timeout, "result_ttl": result_ttl, "failure_ttl": failure_ttl})
 
     # ==== after the job function returned at `rendered` (RQ saw it finish) ==================================
@@ -208,13 +181,9 @@ class JobRecord:
 
 
 def fetch_record(connection: Any, job_id: str) -> JobRecord:
-    """The job `job_id` as stored (JSON serializer; a meta that is not a dict reads as an empty one). Raises
-    RQ's `NoSuchJobError` for a job that is gone, what loading raises for an unreadable hash, and Redis's
-    connection errors."""
-    job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-    if not isinstance(job.meta, dict):
-        job.meta = {}
-    return JobRecord(job)
+    """The job `job_id` as stored (JSON serializer). Raises RQ's `NoSuchJobError` for a job that is gone, what
+    loading raises for an unreadable hash, and Redis's connection errors."""
+    return JobRecord(Job.fetch(job_id, connection=connection, serializer=JSONSerializer))
 
 
 def current_record() -> JobRecord | None:

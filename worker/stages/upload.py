@@ -48,9 +48,9 @@ from typing import Any
 import redis
 
 from ltx_contract.health import UploadsHealth
-from ltx_contract.redis_retry import with_redis_retry
 from ltx_contract.states import FailureReason, JobState
 from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Failure
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.rq.record import JobRecord, fetch_record
@@ -351,7 +351,7 @@ class UploadPipeline:
         emit = self.event_fn(attempt)
         if attempt is not None:
             extra = {"recovered": True} if item.recovered else {}
-            self._safe(attempt.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
+            self._safe(attempt.relay.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
                        worker=self.worker_name, **extra)  # fmt: skip
         t_up = time.monotonic()
         wait_s = t_up - item.submitted
@@ -381,19 +381,8 @@ class UploadPipeline:
         if attempt is None:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
-        result = self.make_result(item, stored, upload_s, wait_s)
-        # RQ's result first, then `uploaded`: whoever sees it finds the final result, never RQ's placeholder.
-        # Retried through a Redis restart (it is idempotent: one MULTI, and a result already there is not
-        # written again); giving up on the first connection error left the job `uploading` until the worker
-        # restarted and recovered its spool.
-        with_redis_retry(
-            lambda: attempt.record.record_success_after_return(
-                result, attempt.result_ttl(), self.worker_name, recovered=item.recovered
-            )
-        )
-        attempt.uploaded(result)
-        self._safe(attempt.record.finish_if_uploaded, attempt.result_ttl(),  # a late abandoned-job cleanup
-                   uploaded_state=JobState.UPLOADED.value)  # fmt: skip
+        # (RQ saw this job finish at `rendered`: the attempt records the result in RQ by hand, then `uploaded`)
+        attempt.uploaded(self.make_result(item, stored, upload_s, wait_s), after_return=True, recovered=item.recovered)
         if self.on_uploaded is not None:
             self.on_uploaded()
         log.info("job %s uploaded (%.2fs after %.2fs in the queue)", item.job_id, upload_s, wait_s)
@@ -403,9 +392,10 @@ class UploadPipeline:
         if item.attempt is None:
             log.error("recovered render %s: %s", item.job_id, exc)
             return
-        # RQ saw this job finish (it returned at `rendered`): `failed_after_return` moves it back by hand
-        item.attempt.failed_after_return(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
-                                         spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
+        # RQ saw this job finish (it returned at `rendered`): `ended_after_return` moves it back by hand
+        details = {"spool_path": str(exc.entry.path), "upload_attempts": exc.attempts}
+        failure = Failure(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable, details=details)
+        item.attempt.ended_after_return(failure)
 
     # ---- helpers --------------------------------------------------------------------------------------
     def event_fn(self, attempt: JobAttempt | None) -> Callable[[dict[str, Any]], None]:
@@ -415,7 +405,7 @@ class UploadPipeline:
             if "error" in event:
                 self.metrics.upload_retries.labels(self.group).inc()
             if attempt is not None:
-                self._safe(attempt.emit, event)
+                self._safe(attempt.relay.emit, event)
 
         return emit
 

@@ -71,6 +71,8 @@ from ltx_contract.keys import REFUSALS_KEY, job_owner, job_tenant
 from ltx_contract.queue_depth import DEPTH_WINDOW, counts_as_waiting
 from ltx_contract.states import FailureReason, JobState
 from worker.jobs.admission_rule import STALE, Owner, Refusal, Waiting, plan
+from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Failure
 from worker.jobs.outcomes import JobOutcomes
 from worker.rq.loop.registries import started_member_job_id
 from worker.rq.loop.unstarted import fail_unreadable, fail_unstarted
@@ -340,10 +342,9 @@ class Admission:
         error = meta.get("error") if isinstance(meta.get("error"), dict) else {}
         message = refusal.message()
         if not (meta.get("state") == JobState.FAILED.value and error.get("reason") == refusal.reason.value):
-            self.outcomes.failed(
-                JobRecord(job), refusal.reason, message, retryable=False, quiet=True, **refusal.details
-            )
-        fail_unstarted(job, message, self.outcomes.failure_ttl(JobRecord(job)), self.worker_name)
+            failure = Failure(refusal.reason, message, retryable=False, details=refusal.details)
+            JobAttempt(JobRecord(job), self.outcomes).decide(failure, quiet=True)
+        fail_unstarted(job, message, self.outcomes.failure_ttl(job.failure_ttl), self.worker_name)
 
 
 def _owner_of_meta(meta: Any, tenant_job_id: str | None = None) -> Owner:

@@ -5,7 +5,8 @@
 - A cancel is recorded `canceled` in RQ's canceled registry, not `stopped` in its failed registry (a cancel
   is not a failure).
 - Jobs whose worker vanished (found by RQ's abandoned-job or intermediate-queue cleanup, run by any worker
-  on the queue) are recorded as `worker_lost` by `worker.jobs.outcomes` with the budget from the settings.
+  on the queue) are recorded as `worker_lost` by their `worker.jobs.attempt.JobAttempt`, with the budget from the
+  settings.
   The cleanup's lock expires after `maintenance_lock_ttl` (RQ's: 15 minutes, so one worker SIGKILLed
   mid-cleanup stopped abandoned-job recovery on the whole queue for that long).
 """
@@ -25,7 +26,8 @@ from rq.registry import StartedJobRegistry
 from rq.worker import SimpleWorker
 
 from ltx_contract.states import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, JobState
-from worker.jobs.attempt import JobCancelledByClient, JobFailed
+from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Failure, JobCancelledByClient, JobFailed
 from worker.jobs.outcomes import JobOutcomes
 from worker.rq.loop import registries, unstarted, worker_state
 from worker.rq.loop.job_class import RefusedJob
@@ -64,7 +66,7 @@ class EndingWorker(SimpleWorker):
     ) -> None:
         if worker_state.stopped_job_id(self) == job.id:
             # a cancel, not a failure: `canceled` in RQ's canceled registry (its default: failed registry)
-            unstarted.record_cancelled_execution(self, job, self.outcomes.failure_ttl(JobRecord(job)))
+            unstarted.record_cancelled_execution(self, job, self.outcomes.failure_ttl(job.failure_ttl))
             return None
         if exc_string.startswith(registries.STUCK_IN_INTERMEDIATE):
             if registries.stale_intermediate_entry(job, queue):  # RQ drops the entry after this returns
@@ -90,7 +92,8 @@ class EndingWorker(SimpleWorker):
             # a TypeError before the service started the job: arguments that do not fit render(request)
             refused = isinstance(exc, RefusedJob) or (isinstance(exc, TypeError) and state in (None, "queued"))
             reason = FailureReason.INVALID_REQUEST if refused else FailureReason.INTERNAL
-            self.outcomes.failed(JobRecord(job), reason, f"{type(exc).__name__}: {exc}"[:2000], retryable=False)
+            failure = Failure(reason, f"{type(exc).__name__}: {exc}"[:2000], retryable=False)
+            JobAttempt(JobRecord(job), self.outcomes).decide(failure)
         except StopRequested:
             raise
         except Exception:
@@ -102,7 +105,8 @@ class EndingWorker(SimpleWorker):
         try:
             meta = job.meta if isinstance(job.meta, dict) else {}
             worker = meta.get("worker") or job.worker_name or None  # (RQ's field: who dequeued it)
-            self.outcomes.failed(JobRecord(job), FailureReason.WORKER_LOST, message, worker=worker)
+            failure = Failure(FailureReason.WORKER_LOST, message, details={"worker": worker})
+            JobAttempt(JobRecord(job), self.outcomes).decide(failure)
         except StopRequested:
             raise
         except Exception:
@@ -123,8 +127,8 @@ class EndingWorker(SimpleWorker):
         recovery that recorded `uploaded` meanwhile cannot see that write, so the check after it is ours."""
         for job in self._complete_abandoned:
             with contextlib.suppress(redis.RedisError):
-                done = JobRecord(job)
-                done.finish_if_uploaded(self.outcomes.result_ttl(done), uploaded_state=JobState.UPLOADED.value)
+                ttl = self.outcomes.result_ttl(job.result_ttl)
+                JobRecord(job).finish_if_uploaded(ttl, uploaded_state=JobState.UPLOADED.value)
         self._complete_abandoned = []
 
     def _abandoned_job_handler(

@@ -48,6 +48,8 @@ from rq.serializers import JSONSerializer
 from ltx_contract.redis_retry import add_memory_hook, outage_reason
 from ltx_contract.rq_client import OversizedJob
 from ltx_contract.states import JobState
+from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Cancelled
 from worker.jobs.tenant_memory import TenantMemory
 from worker.jobs.tenant_queues import rotate, served_queue_names
 from worker.ops.health import HealthPublisher
@@ -218,7 +220,8 @@ class RqWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolerantW
 
     def _execute_job(self, job: Job, queue: Queue) -> None:
         worker_state.mark_stopped(self, None)
-        self.outcomes.own_limits(JobRecord(job))  # RQ's timeout and the TTLs from the settings, never the enqueuer's
+        # RQ's timeout and the TTLs from the settings, never the enqueuer's
+        JobRecord(job).own_limits(**self.outcomes.limits(job.result_ttl, job.failure_ttl))
         self.prepare_execution(job)
         self._start_beats(job)
         self.service.metrics.busy.labels(self.service.group).set(1)
@@ -298,15 +301,15 @@ class RqWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolerantW
     def _skip_cancelled(self, job: Job, queue: Queue) -> None:
         """A client cancelled this job while it waited, through its own hash (a tenant's Redis user cannot
         take it out of the shared queue: `ltx_contract.control`): record it cancelled, never run it."""
-        record = JobRecord(job)
-        if not unstarted.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(record)):
+        if not unstarted.drop_cancelled_dequeued(job, queue, self.outcomes.failure_ttl(job.failure_ttl)):
             log.info("job %s was cancelled while queued, then deleted or submitted again: entry dropped", job.id)
             return  # (its hash is gone or another submission's: nothing of this one to record)
         meta = job.meta if isinstance(job.meta, dict) else {}
         if meta.get("state") == JobState.CANCELLED.value:  # the client recorded it already
             self.service.metrics.job_outcome("cancelled", "")
         else:
-            self.outcomes.cancelled(record, by="client", message="cancelled while queued; skipped when dequeued")
+            cancel = Cancelled({"by": "client", "message": "cancelled while queued; skipped when dequeued"})
+            JobAttempt(JobRecord(job), self.outcomes).decide(cancel)
         log.info("job %s was cancelled while queued: skipped", job.id)
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> tuple[Job, Queue] | None:
