@@ -73,7 +73,7 @@ class JobOutcomes:
         return render if self.settings.upload_pipeline else 2 * render
 
     def limits(self, result_ttl: int | None, failure_ttl: int | None) -> dict[str, int]:
-        """What an execution runs under (`JobRecord.own_limits`), given the TTLs its enqueuer asked for: RQ's
+        """What an execution runs under (the RQ wing sets them on the job), given the TTLs its enqueuer asked for: RQ's
         timeout from the settings, the TTLs capped by them (RQ's death penalty and its success and failure
         handling read them on the job; the cleanups and tools of other processes in its hash)."""
         return {

@@ -1,14 +1,13 @@
 """`JobRecord`: one job as RQ stores it, seen from the job path (the attempt, its stages, the render service).
 
 This is the wing's interface below the work loop: `worker.jobs`, `worker.stages` and `worker.render` hold a
-`JobRecord`, never an `rq.job.Job`, and ask it only what any queue would answer: the job's id, queue, meta
-summary (read and written by `ltx_contract.event_stream`, which needs `id`, `key`, `serializer` and `meta`),
-which submission it is, the TTLs its enqueuer asked for, how long it waited; and they tell it what RQ must do
-about the job: re-queue it or not when its failure is handled (`set_retry`), run it under the worker's limits
-(`own_limits`), and, once the job function has returned at `rendered` (RQ saw it finish while its upload was
-still to come), the bookkeeping RQ does not offer: re-queue it, fail it, record the upload's result in place of
-the hand-off, or repair a `failed` written by a late abandoned-job cleanup. Each of those is one Redis
-transaction on RQ's own structures (status, registries, results), written against rq 2.12
+`JobRecord`, never an `rq.job.Job`, and ask it only what any queue would answer: the job's id, queue, meta summary
+(read and written by `ltx_contract.event_stream`, which needs `id`, `key`, `serializer` and `meta`), which
+submission it is, its TTLs, how long it waited; and they tell it what RQ must do about the job: re-queue it or not
+when its failure is handled (`set_retry`), and, once the job function has returned at `rendered` (RQ saw it finish
+while its upload was still to come), the bookkeeping RQ does not offer: re-queue it, fail it, record the upload's
+result in place of the hand-off, or repair a `failed` written by a late abandoned-job cleanup. Each of those is one
+Redis transaction on RQ's own structures (status, registries, results), written against rq 2.12
 (`worker.rq.RQ_MINOR`).
 
 `fetch_record` loads a job by id (the stages' recovery after a restart), `current_record` the one RQ is running
@@ -41,8 +40,8 @@ log = logging.getLogger("worker.rq")
 
 class JobRecord:
     """One RQ job as the job path sees it (module docstring): the job as loaded, read once, and what RQ is to do
-    about it. Wraps the `Job` object RQ itself holds, so a decision written here (`set_retry`, `own_limits`) is the
-    one RQ's own handling of the job reads, and `meta` is the very dict RQ saves."""
+    about it. Wraps the `Job` object RQ itself holds, so a decision written here (`set_retry`) is the one RQ's own
+    handling of the job reads, and `meta` is the very dict RQ saves."""
 
     def __init__(self, job: Job) -> None:
         self._job = job
@@ -56,7 +55,7 @@ class JobRecord:
         self.queue: str = str(job.origin)  #: the queue it was enqueued on (RQ's `origin`)
         self.submission: str | None = submission_of(job)  #: which submission of this id the hash is
         self.worker_name: str | None = getattr(job, "worker_name", None) or None  #: who dequeued it last
-        #: the TTLs on the job: the enqueuer's, or the worker's once `own_limits` capped them
+        #: the TTLs on the job: the worker's (the RQ worker capped the enqueuer's before the job function ran)
         self.result_ttl: int | None = job.result_ttl
         self.failure_ttl: int | None = job.failure_ttl
         #: seconds it waited in its queue (enqueued to started; to now if not started), None where RQ did not record it
@@ -77,14 +76,6 @@ class JobRecord:
     def set_retry(self, retry: bool) -> None:
         """Whether RQ re-queues the job when it handles the current failure (`set_retry`)."""
         set_retry(self._job, retry)
-
-    def own_limits(self, *, timeout: int, result_ttl: int, failure_ttl: int) -> None:
-        """Run this execution under the worker's limits: on the job object (RQ's death penalty and its
-        success/failure handling read them there) and in the hash (the cleanups of other processes read them)."""
-        job = self._job
-        job.timeout, job.result_ttl, job.failure_ttl = timeout, result_ttl, failure_ttl
-        self.result_ttl, self.failure_ttl = result_ttl, failure_ttl
-        job.connection.hset(job.key, mapping={"timeout": timeout, "result_ttl": result_ttl, "failure_ttl": failure_ttl})
 
     # ==== after the job function returned at `rendered` (RQ saw it finish) ==================================
     def requeue_after_return(self, token: str) -> None:

@@ -73,6 +73,14 @@ log = logging.getLogger("worker.rq")
 _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
 
 
+def _own_limits(job: Job, limits: dict[str, int]) -> None:
+    """Run this execution under the worker's limits (`JobOutcomes.limits`: RQ's timeout, the capped TTLs): on the
+    job object (RQ's death penalty and its success/failure handling read them there) and in the hash (the cleanups
+    and tools of other processes read them there)."""
+    job.timeout, job.result_ttl, job.failure_ttl = limits["timeout"], limits["result_ttl"], limits["failure_ttl"]
+    job.connection.hset(job.key, mapping=limits)
+
+
 class Waits(Protocol):
     """What the loop asks before each dequeue (`worker.runtime.backpressure.Backpressure`)."""
 
@@ -220,8 +228,7 @@ class RqWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolerantW
 
     def _execute_job(self, job: Job, queue: Queue) -> None:
         worker_state.mark_stopped(self, None)
-        # RQ's timeout and the TTLs from the settings, never the enqueuer's
-        JobRecord(job).own_limits(**self.outcomes.limits(job.result_ttl, job.failure_ttl))
+        _own_limits(job, self.outcomes.limits(job.result_ttl, job.failure_ttl))  # (the settings', never the enqueuer's)
         self.prepare_execution(job)
         self._start_beats(job)
         self.service.metrics.busy.labels(self.service.group).set(1)
