@@ -91,8 +91,6 @@ class JobAttempt:
     def relay(self) -> EventRelay:
         """The writer of this job's events and meta summary (made when first needed)."""
         record = self.record
-        if not isinstance(record.meta, dict):
-            record.meta = {}
         running_ttl = self.outcomes.running_ttl(record.result_ttl, record.failure_ttl)
         return EventRelay(record.connection, record, maxlen=self.settings.events_maxlen, running_ttl=running_ttl)
 

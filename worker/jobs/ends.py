@@ -74,4 +74,4 @@ class JobFailed(WorkerError):
 
 
 class JobCancelledByClient(WorkerError):
-    """The job was cancelled by a client; the worker turns this into RQ's `stopped` status."""
+    """The job was cancelled by a client; the RQ wing records it `canceled` (not RQ's `stopped`, a failure)."""

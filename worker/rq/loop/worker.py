@@ -73,6 +73,27 @@ log = logging.getLogger("worker.rq")
 _DEQUEUE_SLICE_S = 1  # longest a dequeue blocks before the fleet is checked again
 
 
+def _rq_settings(service: RenderService) -> dict[str, Any]:
+    """RQ's worker arguments from the worker's settings: JSON only (no pickle crosses Redis), a job class that runs
+    only the render function within the settings' size limits and survives hostile hashes, RQ's TTLs and
+    intervals, the worker's name."""
+    settings = service.settings
+    job_class = RenderJob.with_limits(
+        max_data_bytes=settings.max_request_bytes,
+        max_meta_bytes=settings.max_meta_bytes,
+        tenant_ids=settings.tenant_ids,
+    )
+    return {
+        "serializer": JSONSerializer,
+        "job_class": job_class,
+        "default_result_ttl": settings.result_ttl,
+        "worker_ttl": settings.worker_ttl,
+        "maintenance_interval": settings.maintenance_interval,
+        "job_monitoring_interval": max(1, int(settings.heartbeat_interval)),
+        "name": service.worker_name,
+    }
+
+
 def _own_limits(job: Job, limits: dict[str, int]) -> None:
     """Run this execution under the worker's limits (`JobOutcomes.limits`: RQ's timeout, the capped TTLs): on the
     job object (RQ's death penalty and its success/failure handling read them there) and in the hash (the cleanups
@@ -97,21 +118,7 @@ class RqWorker(StoppingWorker, EndingWorker, HeartbeatingWorker, OutageTolerantW
 
     def __init__(self, queues: Sequence[str | Queue], *, service: RenderService, **kwargs: Any) -> None:
         settings = service.settings
-        kwargs.setdefault("serializer", JSONSerializer)
-        # runs only the render function, within the settings' size limits; survives hostile hashes
-        kwargs.setdefault(
-            "job_class",
-            RenderJob.with_limits(
-                max_data_bytes=settings.max_request_bytes,
-                max_meta_bytes=settings.max_meta_bytes,
-                tenant_ids=settings.tenant_ids,
-            ),
-        )
-        kwargs.setdefault("default_result_ttl", settings.result_ttl)
-        kwargs.setdefault("worker_ttl", settings.worker_ttl)
-        kwargs.setdefault("maintenance_interval", settings.maintenance_interval)
-        kwargs.setdefault("job_monitoring_interval", max(1, int(settings.heartbeat_interval)))
-        kwargs.setdefault("name", service.worker_name)
+        kwargs = {**_rq_settings(service), **kwargs}
         # checked, bounded dequeues over the shared queues and every tenant's own (worker.rq.loop.queues)
         self.lost_pops = LostPops(settings.tenants)  # (waits whose reply, and the id they took, were lost)
         kwargs.setdefault("queue_class", TakingQueue.with_hook(self._dropped_entry, self.lost_pops))
