@@ -1,4 +1,4 @@
-"""What worker-side admission (`worker/jobs/admission.py`) costs a dequeue, with long queues.
+"""What worker-side admission (`worker/rq/loop/admission.py`) costs a dequeue, with long queues.
 
 Against a real redis-server on this machine (loopback), `--jobs` (10,000) raw RQ jobs waiting in one queue,
 each with a producer-like meta naming one of 50 clients. Measured, median of `--repeats` (5), in ms:
@@ -32,9 +32,9 @@ from rq.serializers import JSONSerializer
 from bench.common import emit, emit_summary
 from devstack.dev_servers import RedisServer
 from ltx_contract.keys import REFUSALS_KEY, RENDER_FUNC
-from worker.jobs.admission import QUOTA_WINDOW, Admission
 from worker.jobs.outcomes import JobOutcomes
-from worker.protocol.render_job import RenderJob
+from worker.rq.loop.admission import QUOTA_WINDOW, Admission
+from worker.rq.loop.job_class import RenderJob
 from worker.settings import WorkerSettings
 
 

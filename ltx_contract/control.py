@@ -6,13 +6,13 @@ Cancellation has two paths because RQ has two:
   the cancel are one optimistic transaction, so a worker cannot take the job in between;
 - a running job is stopped cooperatively by its worker, which receives RQ's stop-job command, cancels
   the render at the next denoising step (the fleet survives) and records it: `cancelled` state event, RQ
-  status `canceled` in the canceled registry (`worker.jobs.outcomes`, `worker.protocol.rq_compat`).
+  status `canceled` in the canceled registry (`worker.jobs.outcomes`, `worker.rq.loop.unstarted`).
 
 A tenant's Redis user (`ltx_contract.redis_acl`) may do neither: RQ's cancel removes the id from the shared queue
 list and registries, and the stop-job command is a `PUBLISH`. When Redis answers NOPERM the cancel is
 written into the job's own hash instead (`CANCEL_REQUESTED_FIELD`, and for a waiting job status
 `canceled` plus its `cancelled` state): a worker that dequeues such a job records it cancelled and never
-runs it, and a running one stops it at its next heartbeat (`worker.runtime.rq_worker`).
+runs it, and a running one stops it at its next heartbeat (`worker.rq.loop.beats`).
 
 Imports rq and redis but neither torch nor the fleet, so light clients can use it.
 """

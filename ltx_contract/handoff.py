@@ -1,7 +1,7 @@
 """`HandOff`: what the render job returns to RQ when the video goes on to the background encoder and
 uploader (`LTX_UPLOAD_PIPELINE`, `worker.stages.upload`). RQ stores it as the execution's result and marks
 the job `finished` while the service state is `rendering` (video still encoding) or `rendered` (in the
-spool); once the object is confirmed, `worker.protocol.rq_compat.record_success_after_return` deletes it and
+spool); once the object is confirmed, `worker.rq.record.JobRecord.record_success_after_return` deletes it and
 records the full upload result in its place.
 
 It deliberately carries no `sha256` or `url`, so nothing takes it for an upload result

@@ -143,14 +143,14 @@ def base_queue(queue: str) -> str:
 CANCEL_REQUESTED_FIELD = KEY_PREFIX + "_cancel_requested"
 
 #: Job-hash field the worker writes with the (random) token of each re-queue of a job RQ saw finish
-#: (`worker.protocol.rq_compat.requeue_after_return`): a retry after a lost reply finds its own token and
+#: (`worker.rq.record.JobRecord.requeue_after_return`): a retry after a lost reply finds its own token and
 #: pushes nothing a second time. A tenant may write the field but cannot guess a token.
 REQUEUE_TOKEN_FIELD = KEY_PREFIX + "_requeued"
 
 WORKER_HEALTH_KEY_TEMPLATE = KEY_PREFIX + ":worker:{name}:health"
 
 #: Jobs a worker took out of its queues without running them (over the depth cap or a client's quota),
-#: waiting to be recorded as failed (`worker.jobs.admission`): a list of JSON objects.
+#: waiting to be recorded as failed (`worker.rq.loop.admission`): a list of JSON objects.
 REFUSALS_KEY = KEY_PREFIX + ":worker:refusals"
 
 # ==== job owners (the client a job counts against; checked by the producer and by the worker) =========

@@ -1,10 +1,10 @@
 """What counts as a waiting job when the queue depth is counted: one rule for the producer (at submit,
-`producer.admission`) and the worker (each admission pass, `worker.jobs.admission`).
+`producer.admission`) and the worker (each admission pass, `worker.rq.loop.admission`).
 
 An entry of an RQ queue list counts only if it names a job that can still run: its hash exists and its
 RQ status is not an ended one (`RQ_ENDED_STATUSES`), counted once however often it is queued. Anything
 else (an id with no hash, an ended job pushed again, a repeat) counts for nothing: the dequeue drops it
-uncounted (`worker.jobs.tenant_queues.entry_problem`), so counting it would let junk on a shared queue (no
+uncounted (`worker.rq.loop.queues.entry_problem`), so counting it would let junk on a shared queue (no
 ACL: anyone may LPUSH there) fill the cap and end jobs the producer had admitted.
 
 Entries are judged within `DEPTH_WINDOW` entries from the heads of the queues (in serving order: one

@@ -13,14 +13,14 @@ client loads them as the worker does, within bounds:
 - the fields this service never writes and RQ would act on (callbacks, repeats, dependencies, webhooks:
   `REFUSED_HASH_FIELDS`) are dropped on load, so RQ never acts on them, and recorded as a refusal;
 - a meta field that is not JSON is kept as text (`{"unserialized": "..."}`).
-A client shows the job without the refusals; the worker's job class (`worker.protocol.render_job.RenderJob`)
+A client shows the job without the refusals; the worker's job class (`worker.rq.loop.job_class.RenderJob`)
 refuses to run a job that has any, and repairs what RQ cannot load.
 
 Of RQ this uses the client API (jobs, queues, the worker list) and one private method, `Queue._enqueue_job`:
 a tenant's enqueue is RQ's `enqueue_job` without its `SADD rq:queues`, which RQ does not offer otherwise.
 `tests/test_worker_rqcompat.py` checks that method's signature against the installed RQ (pinned to 2.12), and
 no other module of the contract touches RQ's private state; everything else RQ keeps private is the worker's
-(`worker.protocol.rq_compat`).
+(the worker's RQ wing, `worker.rq`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ _CALL_PLACEHOLDER = zlib.compress(json.dumps([RENDER_FUNC, None, [], {}]).encode
 
 class OversizedJob(ContractError, RuntimeError):
     """The job hash takes more memory than any job of this service: refused without reading it (raised by
-    `BoundedJob.refresh`; the worker records it: `worker.protocol.rq_compat.drop_oversized`)."""
+    `BoundedJob.refresh`; the worker records it: `worker.rq.loop.unstarted.drop_oversized`)."""
 
     def __init__(self, job_id: str, size: int, cap: int) -> None:
         super().__init__(f"the job hash takes {size} bytes in Redis, over {cap}: refused without reading it")
@@ -131,7 +131,7 @@ def _decompressed_size(data: bytes, limit: int) -> int:
 def enqueue_unregistered(queue: Queue, job: Job, *, pipeline: Any, at_front: bool = False) -> Job:
     """RQ's `Queue.enqueue_job` for a job without dependencies, minus its `SADD rq:queues`: a tenant's Redis
     user may not add names to that set (it could add them without bound); workers register the queues they
-    serve (`worker.protocol.rq_compat.register_queues`). The job hash and the push are RQ's own."""
+    serve (`worker.rq.loop.registries.register_queues`). The job hash and the push are RQ's own."""
     job.origin = queue.name
     return queue._enqueue_job(job, pipeline=pipeline, at_front=at_front)
 

@@ -116,7 +116,7 @@ def enqueue_admitted(
     connection: redis.Redis = queue.connection
     ckey = client_key(client) if client else None
     keys = [q.key for q in counted_queues] + [job.key] + ([ckey] if ckey else [])
-    ours = utcformat(job.created_at)  # (RQ's `created_at` names one submission: `rq_compat.submission_of`)
+    ours = utcformat(job.created_at)  # (RQ's `created_at` names one submission: `worker.rq.record.submission_of`)
     cut = False  # a connection died during a try: its EXEC may have run with the reply lost
     with connection.pipeline() as pipe:
         for _ in range(_MAX_ATTEMPTS):

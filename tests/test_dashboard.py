@@ -106,13 +106,13 @@ def test_the_queue_list_job_list_and_job_pages_show_our_jobs(stack: tuple[Any, D
     from ltx_contract.schema import RenderRequest
     from producer.client import ProducerClient
     from producer.settings import ProducerSettings
-    from worker.protocol import rq_compat
+    from worker.rq.loop.registries import register_queues
 
     server, dashboard, secrets = stack
     configured = f"q-{uuid.uuid4().hex[:8]}"
     queue = tenant_queue(configured, "alice")  # (alice submits to her own queue, which the workers register)
     with server.client() as admin:  # (as the worker serving it does when it starts: tenants may not)
-        rq_compat.register_queues(admin, [Queue(queue, connection=admin)])
+        register_queues(admin, [Queue(queue, connection=admin)])
     settings = ProducerSettings(redis_url=server.url, redis_username="alice", redis_password_file=secrets / "alice",
                                 queues=[configured])  # fmt: skip
     with ProducerClient(settings) as alice:

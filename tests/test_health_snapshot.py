@@ -16,7 +16,7 @@ from ltx_contract.health import FleetHealth, LoraOffer, SnapshotError, UploadsHe
 from ltx_contract.keys import worker_health_key
 from tests.support.cli import run
 
-#: A snapshot as `worker.runtime.rq_worker` writes it (every key, in its order).
+#: A snapshot as `worker.runtime.fleet_worker` writes it (every key, in its order).
 SNAPSHOT = {
     "worker": "ltx-cpu.abc123", "group": "cpu:2", "queues": ["ltx"], "runner": "smoke",
     "limits": {"runner": "smoke", "ranges": {"num_inference_steps": [1, 50]}},

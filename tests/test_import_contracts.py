@@ -15,6 +15,9 @@ down only:
 - worker never imports producer; kernels imports none of the packages above it;
 - inside worker/, a layer imports only the layers before it (`WORKER_LAYERS`) and no module is on an import
   cycle; these and the other `SOURCE_RULES` read the source, so an import inside a function counts;
+- the RQ wing (worker/rq/) is the only part of the worker that imports RQ (any of it: what the contract may use,
+  `RQ_CLIENT_API`, included), and the rest of the worker imports of the wing only its interface
+  (`RQ_WING_INTERFACE`); RQ's private state is the wing's alone too (tests/test_worker_rqcompat.py);
 - no package, bench/ included, imports tests;
 - `import ltx_mgpu`, `ltx_mgpu.control.devices`, `devstack.ports`, `ltx_mgpu.spec.*` and the ltx2 runners'
   description (`ltx_mgpu.runners.ltx2.spec`, what `ltx-worker plan` reads) import no torch (the worker's
@@ -205,6 +208,10 @@ RQ_CLIENT_API = (
     *(f"rq.{m}" for m in "job queue serializers exceptions command utils worker worker_registration".split()),
 )
 
+#: What the worker outside `worker/rq/` may import of the RQ wing: the job record the job path holds
+#: (`JobRecord`, `fetch_record`, `current_record`) and the RQ worker the runtime's `FleetWorker` extends.
+RQ_WING_INTERFACE = ("worker.rq.record", "worker.rq.loop.worker")
+
 SOURCE_RULES = [
     # The producer image copies ltx_contract/ and ltx_mgpu/spec/, nothing of worker/ (Dockerfile, `producer`).
     SourceRule("producer: nothing of the worker", folders=("producer",), forbidden=("worker",),
@@ -227,14 +234,27 @@ SOURCE_RULES = [
                plant=("worker/render/fleet.py", "from devstack.dev_servers import pid_alive")),
     SourceRule("worker.uploads: bytes only, no redis or rq", folders=("worker/uploads",), forbidden=("redis", "rq"),
                plant=("worker/uploads/uploader.py", "import redis")),
+    # The RQ wing (worker/rq/, its docstring): the rest of the worker imports nothing of RQ, not even its client API,
+    # so a move to another queue (or to RQ's own executions) touches only the wing; and of the wing only its
+    # interface, `RQ_WING_INTERFACE`.
+    SourceRule("worker: only the RQ wing imports rq", folders=("worker",), forbidden=("rq",),
+               excluded=("worker/rq",), plant=("worker/stages/upload.py", "from rq.job import Job")),
+    SourceRule("worker: the RQ wing only through its interface", folders=("worker",), forbidden=("worker.rq",),
+               allowed=RQ_WING_INTERFACE, excluded=("worker/rq",),
+               plant=("worker/stages/upload.py", "from worker.rq.loop.unstarted import fail_unreadable")),
 ]  # fmt: skip
 
 
 #: worker/'s layers, lowest first (`LayerRule`): a folder of worker/ or a module at its top (`__init__` is
-#: worker/__init__.py). A new folder goes after every layer it imports, before every layer importing it (`stages`,
-#: driven by render/: before it). Development servers live outside worker/, in devstack/ ("production: no devstack").
-WORKER_LAYERS = ("__init__", "errors", "protocol", "settings", "ops", "uploads", "jobs", "stages", "render", "job",
-                 "runtime", "cli", "__main__")  # fmt: skip
+#: worker/__init__.py), or a folder inside one named with its dot (`rq.loop`). A new folder goes after every layer
+#: it imports, before every layer importing it (`stages`, driven by render/: before it). The RQ wing, `worker/rq/`,
+#: is two layers: its job records (`rq`, below the job path that holds them) and its work loop (`rq.loop`, which
+#: drives the render service; only the runtime is above it). Development servers live outside worker/, in
+#: devstack/ ("production: no devstack").
+WORKER_LAYERS = (
+    *("__init__", "errors", "protocol", "rq", "settings", "ops", "uploads", "jobs", "stages", "render", "job"),
+    *("rq.loop", "runtime", "cli", "__main__"),
+)
 
 
 @dataclass(frozen=True)
@@ -247,8 +267,11 @@ class LayerRule:
     plant: tuple[str, str] = ("", "")
 
     def layer_of(self, module: str) -> str:
-        """The layer of a dotted name inside the package: its second part (`__init__` for the package)."""
+        """The layer of a dotted name inside the package: its second part (`__init__` for the package), or its
+        second and third where the layers name that folder (`rq.loop`)."""
         parts = module.split(".")
+        if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in self.layers:
+            return f"{parts[1]}.{parts[2]}"
         return parts[1] if len(parts) > 1 else "__init__"
 
     def violations(self, root: Path) -> dict[str, list[str]]:
@@ -325,6 +348,22 @@ def test_a_new_folder_fails_the_layer_rule_until_it_is_placed(tmp_path: Path) ->
     (tmp_path / "worker" / "stages").mkdir()  # (below render/, which feeds them: a stage never imports it)
     (tmp_path / "worker" / "stages" / "upload.py").write_text("def f():\n    from worker.render import service\n")
     assert rule.violations(tmp_path)["worker/stages/upload.py"] == ["worker.render", "worker.render.service"]
+
+
+def test_the_wing_is_two_layers_and_its_records_never_import_its_loop(tmp_path: Path) -> None:
+    """`worker/rq/` is one folder in two layers: its job records below the job path, its work loop above the render
+    service. A record that imports the loop (or the job path it sits below) is a layer violation."""
+    rule = next(r for r in SOURCE_RULES if isinstance(r, LayerRule))
+    assert [rule.layer_of(m) for m in ("worker.rq.record", "worker.rq.loop.worker", "worker.rq")] == [
+        "rq",
+        "rq.loop",
+        "rq",
+    ]
+    (tmp_path / "worker" / "rq" / "loop").mkdir(parents=True)
+    (tmp_path / "worker" / "rq" / "loop" / "worker.py").write_text("from worker.render import service\n")
+    (tmp_path / "worker" / "rq" / "record.py").write_text("def f():\n    from worker.rq.loop import worker\n")
+    found = rule.violations(tmp_path)
+    assert found == {"worker/rq/record.py": ["worker.rq.loop", "worker.rq.loop.worker"]}
 
 
 def test_cycles_are_found_around_a_loop() -> None:

@@ -1,6 +1,6 @@
 """The `loras` request field at the edge: its schema (count, strength, name, uri), `producer submit --lora`
 and `--dry-run` against what a live worker publishes (real Redis; the worker is an RQ worker registration
-with a health snapshot, as `worker.runtime.rq_worker` writes it).
+with a health snapshot, as `worker.runtime.fleet_worker` writes it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A job whose id a lost BLPOP reply took off every list is found and queued again (`worker.jobs.lost_pops`).
+"""A job whose id a lost BLPOP reply took off every list is found and queued again (`worker.rq.loop.lost_pops`).
 
 An idle worker serving several queues waits with BLPOP; if Redis ran it and the reply never arrived, the id was
 in no list and the job stayed `queued` forever (redis-py even re-sent the BLPOP and hid the error). The sweep's
@@ -21,7 +21,7 @@ from ltx_contract.states import FailureReason
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, enqueue, events, meta_state, wait_ready, wait_state, worker_env
 from worker.jobs.admission_rule import Refusal
-from worker.jobs.lost_pops import (
+from worker.rq.loop.lost_pops import (
     ENQUEUE_SLACK_S,
     MAX_PER_QUEUE,
     LostPops,
@@ -189,7 +189,7 @@ def test_a_sweep_redis_refuses_is_given_up_without_stopping_the_worker() -> None
     out with the sweep still pending)."""
     import redis
 
-    from worker.runtime.rq_worker import FleetWorker
+    from worker.runtime.fleet_worker import FleetWorker
 
     class Refusing:
         def __init__(self, exc: Exception) -> None:

@@ -70,7 +70,7 @@ def test_requeue_after_a_failed_upload_pushes_the_id_once_through_a_lost_reply(r
     from rq.registry import FinishedJobRegistry
 
     from ltx_contract.redis_retry import with_redis_retry
-    from worker.protocol import rq_compat
+    from worker.rq.record import JobRecord
 
     proxy, conn = _proxied(redis_server_factory)
     try:
@@ -85,11 +85,11 @@ def test_requeue_after_a_failed_upload_pushes_the_id_once_through_a_lost_reply(r
             pipe.execute()
         token = uuid.uuid4().hex
         proxy.drop_replies(1, after=b"EXEC")
-        with_redis_retry(lambda: rq_compat.requeue_after_return(job, token))
+        with_redis_retry(lambda: JobRecord(job).requeue_after_return(token))
         assert conn.lrange(queue.key, 0, -1) == [job.id.encode()]
         assert job.get_status(refresh=True) == JobStatus.QUEUED and job.id not in finished.get_job_ids()
         assert conn.ttl(job.key) == -1
-        rq_compat.requeue_after_return(job, token)  # (a retry that finds its own token writes nothing)
+        JobRecord(job).requeue_after_return(token)  # (a retry that finds its own token writes nothing)
         assert conn.lrange(queue.key, 0, -1) == [job.id.encode()]
     finally:
         conn.close()

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from ltx_contract.keys import check_tenant_name, job_tenant, tenant_job_id
 from ltx_contract.redis_acl import ACL_PASSWORD_ENV_PREFIX, AclUsers, generate, password_for, render_acl
 from tests.support.acl_stack import USERS, write_passwords
-from worker.protocol.render_job import RefusedJob, check_job_owner
+from worker.rq.loop.job_class import RefusedJob, check_job_owner
 
 # ==== the generator (no server) =========================================================================
 

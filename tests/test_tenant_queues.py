@@ -107,7 +107,7 @@ def test_100k_bogus_ids_on_a_tenants_queue_neither_refuse_nor_stall_another(stac
     assert took < 3 * baseline + 5, (took, baseline)
     # An idle worker goes on dropping junk, dequeue after dequeue, until the queue is empty. Five dequeues' worth
     # show that as well as the ~1000 the whole pile takes (each id costs its round trips: over a minute here).
-    from worker.jobs.tenant_queues import JUNK_PER_QUEUE
+    from worker.rq.loop.queues import JUNK_PER_QUEUE
 
     stack.admin.ltrim(key, -5 * JUNK_PER_QUEUE, -1)
     wait_for(lambda: stack.admin.llen(key) == 0, 60, "alice's queue cleaned", on_fail=stack.worker.log_tail)
@@ -205,8 +205,8 @@ def test_one_dequeue_drops_a_bounded_number_of_junk_ids_and_reaches_the_next_ten
     them (counted), then takes bob's job. RQ's own dequeue skipped missing ids in one loop over the queue."""
     from rq.serializers import JSONSerializer
 
-    from worker.jobs.tenant_queues import JUNK_PER_QUEUE, TakingQueue
-    from worker.protocol.render_job import RenderJob
+    from worker.rq.loop.job_class import RenderJob
+    from worker.rq.loop.queues import JUNK_PER_QUEUE, TakingQueue
 
     conn = redis_server.client()
     base = f"q-{uuid.uuid4().hex[:6]}"

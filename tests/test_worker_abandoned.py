@@ -25,7 +25,7 @@ def test_abandoned_job_is_recorded_as_worker_lost_with_the_budget_from_the_setti
     from rq.registry import StartedJobRegistry
 
     from worker.jobs.outcomes import JobOutcomes
-    from worker.runtime.rq_worker import FleetWorker
+    from worker.runtime.fleet_worker import FleetWorker
     from worker.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
@@ -73,8 +73,8 @@ def test_an_uploaded_job_the_abandoned_job_cleanup_marked_failed_ends_finished(
     from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
     from worker.jobs.outcomes import JobOutcomes
-    from worker.protocol import rq_compat
-    from worker.runtime.rq_worker import FleetWorker
+    from worker.rq.record import JobRecord
+    from worker.runtime.fleet_worker import FleetWorker
     from worker.settings import WorkerSettings
 
     q = Queue(unique_name, connection=redis_client, serializer=JSONSerializer)
@@ -97,7 +97,7 @@ def test_an_uploaded_job_the_abandoned_job_cleanup_marked_failed_ends_finished(
 
     def handler_then_recovery(job_, *exc) -> bool:  # the recovery runs while RQ's cleanup pipeline is open
         fallthrough = worker._abandoned_job_handler(job_, *exc)
-        rq_compat.record_success_after_return(recovered, result, 60, "restarted.cpu1.3", recovered=True)
+        JobRecord(recovered).record_success_after_return(result, 60, "restarted.cpu1.3", recovered=True)
         if cleanup_checks_last:
             record_uploaded()
         return fallthrough
@@ -110,10 +110,10 @@ def test_an_uploaded_job_the_abandoned_job_cleanup_marked_failed_ends_finished(
     if not cleanup_checks_last:  # the uploader records `uploaded` after that check, and checks itself
         assert recovered.get_status(refresh=True) == JobStatus.FAILED
         record_uploaded()
-        rq_compat.finish_if_uploaded(recovered, 60, uploaded_state="uploaded")
+        JobRecord(recovered).finish_if_uploaded(60, uploaded_state="uploaded")
     assert recovered.get_status(refresh=True) == JobStatus.FINISHED
     assert job.id not in FailedJobRegistry(unique_name, connection=redis_client, serializer=JSONSerializer)
     assert job.id in FinishedJobRegistry(unique_name, connection=redis_client, serializer=JSONSerializer)
     types = [r.type.name for r in recovered.results()]
     assert "FAILED" not in types and types.count("SUCCESSFUL") == 1, types
-    assert not rq_compat.finish_if_uploaded(recovered, 60, uploaded_state="uploaded")  # nothing left to repair
+    assert not JobRecord(recovered).finish_if_uploaded(60, uploaded_state="uploaded")  # nothing left to repair

@@ -22,8 +22,8 @@ from tests.support.fleet import JobFleet as AbuseWorker
 from tests.support.fleet import running_worker
 from tests.support.wait import wait_for
 from tests.support.workers import events, wait_state
-from worker.jobs.admission import Admission
 from worker.jobs.admission_rule import STALE, Waiting, plan
+from worker.rq.loop.admission import Admission
 
 pytestmark = pytest.mark.timeout(240)
 

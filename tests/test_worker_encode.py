@@ -140,7 +140,7 @@ def test_recovery_leaves_a_job_killed_before_rq_recorded_its_return_to_the_aband
     from rq.serializers import JSONSerializer
 
     from ltx_contract.keys import RENDER_FUNC
-    from worker.protocol.rq_compat import submission_of
+    from worker.rq.record import submission_of
     from worker.stages.encode import MARKER_NAME, EncodeStage
     from worker.stages.upload import UploadPipeline
     from worker.uploads.spool import Spool

@@ -30,7 +30,7 @@ def test_spool_recovery_waits_for_redis_instead_of_orphaning_live_jobs(redis_ser
     from rq.serializers import JSONSerializer
 
     from ltx_contract.keys import RENDER_FUNC
-    from worker.protocol.rq_compat import submission_of
+    from worker.rq.record import submission_of
     from worker.stages.upload import UploadPipeline
     from worker.uploads.spool import Spool
 

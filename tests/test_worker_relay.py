@@ -120,13 +120,18 @@ def test_the_final_rq_result_is_written_before_the_uploaded_state(monkeypatch):
     from worker.stages import upload as pipeline_module
 
     order: list[str] = []
-    monkeypatch.setattr(pipeline_module.rq_compat, "record_success_after_return",
-                        lambda *a, **k: order.append("rq result"))  # fmt: skip
-    outcomes = SimpleNamespace(uploaded=lambda *a: order.append("uploaded state"), result_ttl=lambda job: 60)
+    record = SimpleNamespace(
+        id="j",
+        result_ttl=None,
+        record_success_after_return=lambda *a, **k: order.append("rq result"),
+        finish_if_uploaded=lambda *a, **k: False,
+    )
+    relay = SimpleNamespace(state=lambda *a, **k: order.append("uploaded state"))
+    outcomes = SimpleNamespace(settings=None, worker_name="w", result_ttl=lambda ttl: 60, count=lambda *a: None)
     up = pipeline_module.UploadPipeline.__new__(pipeline_module.UploadPipeline)
     up.uploaded, up.outcomes, up.worker_name, up.on_uploaded = 0, outcomes, "w", None
     up.make_result = lambda *a: {"bucket": "b", "key": "k"}
-    attempt = JobAttempt(SimpleNamespace(id="j"), outcomes, relay=object())
+    attempt = JobAttempt(record, outcomes, relay=relay)
     item = SimpleNamespace(attempt=attempt, recovered=False, job_id="j")
     up._record_success(item, SimpleNamespace(key="k"), 0.1, 0.0)
     assert order == ["rq result", "uploaded state"]
@@ -140,11 +145,11 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
     from types import SimpleNamespace
 
     from worker.jobs.attempt import JobAttempt
-    from worker.protocol import rq_compat
+    from worker.rq.record import JobRecord
     from worker.stages import upload as pipeline_module
 
     job = Queue(unique_name, connection=redis_client, serializer=JSONSerializer).enqueue("worker.job.render", {})
-    real, calls = rq_compat.record_success_after_return, []
+    real, calls = JobRecord.record_success_after_return, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -154,14 +159,14 @@ def test_recording_an_upload_rides_out_a_redis_restart(monkeypatch, redis_client
             raise redis.ConnectionError("Connection closed by server (test)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline_module.rq_compat, "record_success_after_return", flaky)
+    monkeypatch.setattr(JobRecord, "record_success_after_return", flaky)
     states: list[str] = []
-    outcomes = SimpleNamespace(uploaded=lambda *a: states.append("uploaded"), result_ttl=lambda job: 60)
+    relay = SimpleNamespace(state=lambda *a, **k: states.append("uploaded"))
+    outcomes = SimpleNamespace(settings=None, worker_name="w", result_ttl=lambda ttl: 60, count=lambda *a: None)
     up = pipeline_module.UploadPipeline.__new__(pipeline_module.UploadPipeline)
     up.uploaded, up.outcomes, up.worker_name, up.on_uploaded = 0, outcomes, "w", None
     up.make_result = lambda *a: {"state": "uploaded", "bucket": "b", "key": "k"}
-    up._safe = lambda fn, *a, **k: None  # (the abandoned-job repair is not what this test is about)
-    item = SimpleNamespace(attempt=JobAttempt(job, outcomes, relay=object()), recovered=True, job_id=job.id)
+    item = SimpleNamespace(attempt=JobAttempt(JobRecord(job), outcomes, relay=relay), recovered=True, job_id=job.id)
     up._record_success(item, SimpleNamespace(key="k"), 0.1, 0.0)
     assert len(calls) == 2 and states == ["uploaded"]
     results = [r for r in Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).results()

@@ -1,4 +1,4 @@
-"""`worker.protocol.rq_compat` against the installed RQ: the version it is pinned to, and every RQ signature, attribute
+"""The RQ wing (`worker.rq`) against the installed RQ: the version it is pinned to, and every RQ signature, attribute
 and string it (and `FleetWorker`'s overrides) relies on. An RQ upgrade that changes one fails here, not in
 production (RQ's main branch already changed `perform_job`'s signature)."""
 
@@ -19,8 +19,10 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, StartedJobRegistry
 from rq.worker import SimpleWorker
 
-from worker.protocol import rq_compat
-from worker.runtime.rq_worker import FleetWorker
+from worker.rq import RQ_MINOR
+from worker.rq.loop import registries, unstarted
+from worker.rq.record import JobRecord
+from worker.runtime.fleet_worker import FleetWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +33,7 @@ def _params(fn: object) -> list[str]:
 
 def test_rq_is_the_pinned_minor_version() -> None:
     major, minor = (int(x) for x in version("rq").split(".")[:2])
-    assert (major, minor) == rq_compat.RQ_MINOR
+    assert (major, minor) == RQ_MINOR
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"rq>={major}.{minor},<{major}.{minor + 1}"' in pyproject
 
@@ -77,17 +79,17 @@ def test_rq_internals_used_by_rqcompat_exist(redis_client) -> None:
     assert isinstance(SimpleWorker.horse_pid, property)
     assert _params(StartedJobRegistry.cleanup) == ["self", "timestamp", "exception_handlers"]
     assert _params(StartedJobRegistry.add_execution) == ["self", "execution", "pipeline", "ttl", "xx"]
-    # worker.jobs.admission reads running job ids from started-registry members `<job id>:<execution id>`
+    # worker.rq.loop.admission reads running job ids from started-registry members `<job id>:<execution id>`
     member = Execution(id="e1", job_id="j1", connection=redis_client).composite_key
-    assert rq_compat.started_member_job_id(member.encode()) == "j1"
-    assert rq_compat.started_member_job_id(b"j1") == "j1"
-    # the intermediate-queue cleanup fails a stuck job with this exact string (rq_compat matches on it)
+    assert registries.started_member_job_id(member.encode()) == "j1"
+    assert registries.started_member_job_id(b"j1") == "j1"
+    # the intermediate-queue cleanup fails a stuck job with this exact string (the wing matches on it)
     source = (Path(rq.__file__).parent / "intermediate_queue.py").read_text()
-    assert f"exc_string='{rq_compat.STUCK_IN_INTERMEDIATE}." in source
+    assert f"exc_string='{registries.STUCK_IN_INTERMEDIATE}." in source
 
 
 def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
-    """`worker.jobs.tenant_queues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
+    """`worker.rq.loop.queues` replaces `Queue.dequeue_any` and moves ids to RQ's intermediate list itself;
     `ltx_contract.rq_client.enqueue_unregistered` is `enqueue_job` minus its SADD; `live_workers` is `Worker.all` minus
     its SREM."""
     from rq import worker_registration
@@ -95,7 +97,7 @@ def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
     from rq.queue import Queue
     from rq.worker import Worker
 
-    from worker.jobs.tenant_queues import TakingQueue
+    from worker.rq.loop.queues import TakingQueue
 
     dequeue = ["cls", "queues", "timeout", "connection", "job_class", "serializer", "death_penalty_class"]
     assert _params(Queue.dequeue_any.__func__) == dequeue and _params(TakingQueue.dequeue_any.__func__) == dequeue
@@ -109,7 +111,7 @@ def test_rq_queue_internals_used_by_tenant_queues_exist() -> None:
 
 
 def test_rq_maintenance_steps_mirrored_by_rqcompat_exist() -> None:
-    """`rq_compat.clean_registries` repeats RQ's maintenance steps with its own lock: RQ's must still be these."""
+    """`registries.clean_registries` repeats RQ's maintenance steps with its own lock: RQ's must still be these."""
     from rq import worker_registration
     from rq.intermediate_queue import IntermediateQueue
     from rq.queue import Queue
@@ -119,8 +121,12 @@ def test_rq_maintenance_steps_mirrored_by_rqcompat_exist() -> None:
     assert _params(worker_registration.clean_worker_registry) == ["queue"]
     assert _params(IntermediateQueue.cleanup) == ["self", "worker", "queue"]
     cleanup = inspect.getsource(IntermediateQueue.cleanup)  # (`clean_intermediate` repeats these steps)
-    for step in ("set_first_seen(job_id)", "should_be_cleaned_up(job_id)", "started_job_registry",
-                 f"exc_string='{rq_compat.STUCK_IN_INTERMEDIATE}.'"):  # fmt: skip
+    for step in (
+        "set_first_seen(job_id)",
+        "should_be_cleaned_up(job_id)",
+        "started_job_registry",
+        f"exc_string='{registries.STUCK_IN_INTERMEDIATE}.'",
+    ):
         assert step in cleanup, step
     assert isinstance(Queue.registry_cleaning_key, property) and callable(Queue.release_maintenance_lock)
     source = inspect.getsource(SimpleWorker.clean_registries)
@@ -132,7 +138,7 @@ def test_a_cleanup_lock_is_bounded_and_released_even_when_the_cleanup_fails(redi
     recovery on the queue for 15 minutes. Ours lives `lock_ttl_s` and is released whatever happens."""
     from rq.queue import Queue
 
-    from worker.runtime.rq_endings import maintenance_lock_ttl
+    from worker.rq.loop.endings import maintenance_lock_ttl
 
     queue = Queue("cleanq", connection=redis_client)
     worker = SimpleWorker([queue], connection=redis_client)
@@ -142,13 +148,13 @@ def test_a_cleanup_lock_is_bounded_and_released_even_when_the_cleanup_fails(redi
         seen.append(redis_client.ttl(q.registry_cleaning_key))
         raise ConnectionError("Redis went away mid-cleanup")
 
-    monkeypatch.setattr(rq_compat, "clean_queue_registries", failing_clean)
+    monkeypatch.setattr(registries, "clean_queue_registries", failing_clean)
     with pytest.raises(ConnectionError):
-        rq_compat.clean_registries(worker, lock_ttl_s=30)
+        registries.clean_registries(worker, lock_ttl_s=30)
     assert 0 < seen[0] <= 30  # while held: bounded (RQ's own: 899)
     assert not redis_client.exists(queue.registry_cleaning_key)  # released on the way out
     monkeypatch.undo()
-    rq_compat.clean_registries(worker, lock_ttl_s=30)  # the real steps run and record the time
+    registries.clean_registries(worker, lock_ttl_s=30)  # the real steps run and record the time
     assert worker.last_cleaned_at is not None and not redis_client.exists(queue.registry_cleaning_key)
     assert maintenance_lock_ttl(2) == 30 and maintenance_lock_ttl(60) == 180
 
@@ -163,11 +169,11 @@ def test_an_upload_recorded_twice_leaves_one_uploaded_result(redis_client) -> No
     job = queue.enqueue("worker.job.render", {"prompt": "x"})
     result = {"state": "uploaded", "key": f"videos/{job.id}/video.mp4", "bucket": "b"}
     for recovered in (False, True):
-        rq_compat.record_success_after_return(job, result, 60, "w", recovered=recovered)
+        JobRecord(job).record_success_after_return(result, 60, "w", recovered=recovered)
     uploads = [r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]
     assert len(uploads) == 1 and uploads[0].return_value["bucket"] == "b"
     other = {**result, "key": "videos/other/video.mp4"}  # a different object is a different upload
-    rq_compat.record_success_after_return(job, other, 60, "w", recovered=False)
+    JobRecord(job).record_success_after_return(other, 60, "w", recovered=False)
     assert len([r for r in job.results() if r.return_value and r.return_value.get("state") == "uploaded"]) == 2
 
 
@@ -187,20 +193,20 @@ def test_a_cancelled_job_deleted_after_its_dequeue_is_not_written_back(redis_cli
         return job
 
     recorded = dequeued("kept")  # the usual case: recorded as RQ records a cancelled queued job
-    assert rq_compat.drop_cancelled_dequeued(recorded, queue, 60)
+    assert unstarted.drop_cancelled_dequeued(recorded, queue, 60)
     assert recorded.get_status(refresh=True) == JobStatus.CANCELED
     assert recorded.id in CanceledJobRegistry(queue.name, connection=redis_client).get_job_ids()
 
     deleted = dequeued("deleted")
     redis_client.delete(deleted.key)
-    assert not rq_compat.drop_cancelled_dequeued(deleted, queue, 60)
+    assert not unstarted.drop_cancelled_dequeued(deleted, queue, 60)
     assert not redis_client.exists(deleted.key)
 
     replaced = dequeued("replaced")
     redis_client.delete(replaced.key)
     time.sleep(0.002)  # (RQ's created_at has microseconds: the new submission's differs)
     again = queue.enqueue("worker.job.render", {"prompt": "replaced"}, job_id=replaced.id)
-    assert not rq_compat.drop_cancelled_dequeued(replaced, queue, 60)
+    assert not unstarted.drop_cancelled_dequeued(replaced, queue, 60)
     assert again.get_status(refresh=True) == JobStatus.QUEUED
     assert not redis_client.hget(again.key, "ended_at")
     assert redis_client.ttl(again.key) == -1
@@ -210,7 +216,7 @@ def test_a_cancelled_job_deleted_after_its_dequeue_is_not_written_back(redis_cli
 
 def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: list[Any]) -> tuple[Any, list[str]]:
     """`jobs` in `queue`'s intermediate list, first seen 10 minutes ago, then RQ's cleanup of that list by a
-    `FleetWorker` (`rq_compat.clean_intermediate`, RQ's steps): (the list, the ids it recorded lost)."""
+    `FleetWorker` (`registries.clean_intermediate`, RQ's steps): (the list, the ids it recorded lost)."""
     from rq.intermediate_queue import IntermediateQueue
     from rq.utils import now
 
@@ -222,7 +228,7 @@ def _clean_intermediate(redis_client: Any, monkeypatch: Any, queue: Any, jobs: l
     lost: list[str] = []
     monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
     monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
-    rq_compat.clean_intermediate(worker, queue)
+    registries.clean_intermediate(worker, queue)
     return intermediate, lost
 
 
@@ -241,7 +247,7 @@ def test_a_stale_intermediate_entry_does_not_queue_a_job_twice(redis_client, mon
     assert lost == [stuck.id]  # the really stuck one is recorded lost (and re-queued by its budget)
     assert redis_client.lrange(queue.key, 0, -1).count(waiting.id.encode()) == 1
     assert intermediate.get_job_ids() == []
-    assert rq_compat.stale_intermediate_entry(waiting, queue) and not rq_compat.stale_intermediate_entry(stuck, queue)
+    assert registries.stale_intermediate_entry(waiting, queue) and not registries.stale_intermediate_entry(stuck, queue)
 
 
 def test_another_queues_job_on_an_intermediate_list_is_not_recorded_lost(redis_client, monkeypatch) -> None:
@@ -258,7 +264,7 @@ def test_another_queues_job_on_an_intermediate_list_is_not_recorded_lost(redis_c
     foreign.save()
     intermediate, lost = _clean_intermediate(redis_client, monkeypatch, mine, [foreign])
     assert lost == [] and intermediate.get_job_ids() == []
-    assert rq_compat.stale_intermediate_entry(foreign, mine)
+    assert registries.stale_intermediate_entry(foreign, mine)
 
 
 def _rq_private_names() -> set[str]:
@@ -274,15 +280,20 @@ def _rq_private_names() -> set[str]:
     return names
 
 
+#: The wing's module of RQ's private worker state (`worker_state`: stopped job, stop flags, exception handlers,
+#: polled queue order, the stand-in horse pid): by design the one file that reads and writes them.
+WORKER_STATE = "worker/rq/loop/worker_state.py"
+
+
 def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
-    """Places in worker/, ltx_contract/ and producer/ outside rq_compat that touch RQ's private state: `x._name`
+    """Places in worker/, ltx_contract/ and producer/ outside `WORKER_STATE` that touch RQ's private state: `x._name`
     on anything but `self`, and `self._name` or `def _name` inside a class derived from an RQ class, for the
-    names RQ keeps private; plus any `horse_pid` (a stand-in pid only rq_compat may fake)."""
+    names RQ keeps private; plus any `horse_pid` (a stand-in pid only `WORKER_STATE` may fake)."""
     import ast
 
     paths = [p for d in ("worker", "ltx_contract", "producer") for p in sorted((root / d).rglob("*.py"))]
-    trees = {p: ast.parse(p.read_text()) for p in paths if p.name != "rq_compat.py"}
-    rq_names = {"GuardedJob"}  # (rq_compat's RQ subclass)
+    trees = {p: ast.parse(p.read_text()) for p in paths if p.relative_to(root).as_posix() != WORKER_STATE}
+    rq_names: set[str] = set()
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq":
@@ -313,19 +324,39 @@ def _rq_private_uses(root: Path, private: set[str]) -> list[str]:
     return uses
 
 
-#: The one private call outside rq_compat: a tenant's enqueue is RQ's `enqueue_job` minus its `SADD`, which only
+#: The wing's one private hook besides `WORKER_STATE`: RQ calls the job function from `Job._execute`, which
+#: `GuardedJob` overrides to refuse a job right before the call (no public hook runs there).
+WING_PRIVATE_USES = ["worker/rq/loop/job_class.py GuardedJob._execute", "worker/rq/loop/job_class.py ._execute"]
+#: The one private call outside the wing: a tenant's enqueue is RQ's `enqueue_job` minus its `SADD`, which only
 #: `Queue._enqueue_job` does, and the producer may not import the worker (its signature: the queue test above).
 CLIENT_PRIVATE_USES = ["ltx_contract/rq_client.py ._enqueue_job"]
 
 
-def test_nothing_but_rqcompat_touches_rq_private_state() -> None:
-    """An RQ upgrade must be a review of rq_compat and the contract's client side alone: no other module
+def test_nothing_but_the_wing_touches_rq_private_state() -> None:
+    """An RQ upgrade must be a review of the RQ wing and the contract's client side alone: no other module
     overrides or reads what RQ keeps private (`Job._execute`, `Worker._ordered_queues`, ...) or fakes a horse
-    pid, and the client side makes exactly the one named call."""
+    pid; inside the wing only `WORKER_STATE` and `GuardedJob` do, and the client side makes the one named call."""
     private = _rq_private_names()
     assert {"_execute", "_ordered_queues", "_stopped_job_id"} <= private  # (the scan sees RQ's source)
     uses = [re.sub(r":\d+ ", " ", use) for use in _rq_private_uses(ROOT, private)]
-    assert uses == CLIENT_PRIVATE_USES
+    assert uses == WING_PRIVATE_USES + CLIENT_PRIVATE_USES
+
+
+def test_the_private_state_scan_finds_a_planted_use(tmp_path: Path) -> None:
+    """The scan above fails on a job-path module reading RQ's private worker state, or overriding a private
+    hook in a class of its own derived from an RQ class (so it cannot pass by scanning nothing)."""
+    (tmp_path / "worker" / "jobs").mkdir(parents=True)
+    (tmp_path / "worker" / "jobs" / "planted.py").write_text(
+        "from rq.worker import SimpleWorker\n\n\n"
+        "class Mine(SimpleWorker):\n    def _execute(self):\n        return self._ordered_queues\n\n\n"
+        "def stopped(worker):\n    return worker._stopped_job_id\n"
+    )
+    uses = [re.sub(r":\d+ ", " ", use) for use in _rq_private_uses(tmp_path, _rq_private_names())]
+    assert uses == [
+        "worker/jobs/planted.py Mine._execute",
+        "worker/jobs/planted.py Mine._ordered_queues",
+        "worker/jobs/planted.py ._stopped_job_id",
+    ]
 
 
 def test_a_fleet_worker_shows_rq_a_horse_only_while_a_render_runs() -> None:
@@ -362,11 +393,11 @@ def test_entries_that_are_no_jobs_do_not_stop_the_intermediate_cleanup(redis_cli
     lost: list[str] = []
     monkeypatch.setattr(FleetWorker, "_record_lost", lambda self, job, message: lost.append(job.id))
     monkeypatch.setattr(SimpleWorker, "handle_job_failure", lambda self, job, queue, *a, **k: None)
-    rq_compat.clean_intermediate(worker, queue)  # first pass: junk dropped, the rest only seen
+    registries.clean_intermediate(worker, queue)  # first pass: junk dropped, the rest only seen
     assert redis_client.lrange(intermediate.key, 0, -1) == [b"unreadable-1", stuck.id.encode()] and lost == []
     for job_id in ("unreadable-1", stuck.id):  # ... ten minutes later
         redis_client.set(intermediate.get_first_seen_key(job_id), now().timestamp() - 600)
-    rq_compat.clean_intermediate(worker, queue)
+    registries.clean_intermediate(worker, queue)
     assert redis_client.lrange(intermediate.key, 0, -1) == [] and lost == [stuck.id]
     assert redis_client.hget("rq:job:unreadable-1", "status") == b"failed"
 
@@ -389,3 +420,27 @@ def test_a_retrying_job_cancelled_while_it_waits_keeps_no_error(redis_client) ->
     assert cancel_job(redis_client, job.id) == CANCELLED
     meta = Job.fetch(job.id, connection=redis_client, serializer=JSONSerializer).get_meta(refresh=True)
     assert meta["state"] == "cancelled" and meta.get("error") is None and meta["attempts"] == attempts, meta
+
+
+def test_rqs_execution_holds_no_attempt_and_ends_before_it(redis_client) -> None:
+    """The evidence behind `JobAttempt` not using RQ's stored `Execution` (`worker.rq`'s docstring). While a job
+    runs RQ 2.12 keeps `rq:execution:<job>:<uuid>` with four fields (no attempt number, outcome, reason or
+    retries; a random id, so nothing counts or orders executions), expiring like a heartbeat (a vanished
+    worker's record is gone by the time the abandoned-job cleanup could read it); RQ deletes it in its
+    bookkeeping of the job function's return, before the upload stage records how the attempt ended. If RQ ever
+    keeps more, or keeps it past that, this fails and the decision is to be made again."""
+    from rq.queue import Queue
+    from rq.serializers import JSONSerializer
+
+    queue = Queue(f"exec-{uuid.uuid4().hex[:6]}", connection=redis_client, serializer=JSONSerializer)
+    job = queue.enqueue("tests.support.rq_probe.stored_executions")
+    worker = SimpleWorker([queue], connection=redis_client, serializer=JSONSerializer)
+    worker.work(burst=True, with_scheduler=False)
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    (during,) = job.return_value().values()  # one record while it ran
+    ttl = int(during.pop("ttl"))
+    assert set(during) == {"id", "created_at", "last_heartbeat", "worker_name"}
+    assert re.fullmatch(r"[0-9a-f]{32}", during["id"])  # (a uuid4)
+    assert 0 < ttl <= job.timeout + 60  # (a heartbeat's expiry: gone within the run's time after its worker)
+    assert not list(redis_client.scan_iter(match=f"rq:execution:{job.id}:*"))  # gone once RQ saw the return
+    assert not redis_client.exists(f"rq:executions:{job.id}")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rq import get_current_job
-
 from worker.render.service import RenderService
+from worker.rq.record import current_record
 
 __all__ = ["install_service", "render"]
 
@@ -31,7 +30,7 @@ def render(request: dict[str, Any]) -> dict[str, Any]:
             "worker.job.render must run inside an ltx-worker process (FleetWorker); "
             "it was picked up by a worker without a fleet"
         )
-    job = get_current_job()
-    if job is None:
+    record = current_record()
+    if record is None:
         raise RuntimeError("worker.job.render called outside an RQ job")
-    return _service.run_job(job, request)
+    return _service.run_job(record, request)

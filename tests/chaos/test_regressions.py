@@ -18,7 +18,7 @@ from ltx_contract.keys import RENDER_FUNC
 from tests.chaos.hostile import VALID, canary_paths, raw_job_hashes
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, enqueue, wait_ready, wait_state, worker_env
-from worker.protocol.render_job import RefusedJob, RenderJob
+from worker.rq.loop.job_class import RefusedJob, RenderJob
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,3 +1,4 @@
-"""RQ bookkeeping of render jobs on the worker side: one execution of a job (`attempt`), how an attempt ends
-(outcomes), admission caps and quotas, the tenant queues a worker takes from, and the ids of jobs that poisoned a
-fleet."""
+"""A render job's bookkeeping on the worker side, nothing of RQ (the job is a `worker.rq.record.JobRecord`): one
+execution of a job and the one place its end is decided (`attempt`), the values an end is told with (`ends`), the
+rules it is decided by (`outcomes`), the admission rule, the names and order of tenant queues, tenants' Redis
+memory, and the ids of jobs that poisoned a fleet."""

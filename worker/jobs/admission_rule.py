@@ -1,6 +1,6 @@
 """The worker's admission rule as a pure function of one snapshot (`plan`): which jobs a pass refuses, and
 where it trims each queue. The rule itself, and the Redis passes that take the snapshot and apply the plan,
-are in `worker.jobs.admission`; kept apart so the rule is unit-tested without Redis
+are in `worker.rq.loop.admission`; kept apart so the rule is unit-tested without Redis
 (`tests/test_worker_admission.py`)."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def plan(
     running_ids: Collection[str] = (),
 ) -> Plan:
     """Walk the unfinished jobs in serving order (running, the taken job `(id, queue, owner)`, the waiting
-    ones) and refuse what the rule (`worker.jobs.admission`'s docstring) refuses. A STALE entry (not a
+    ones) and refuse what the rule (`worker.rq.loop.admission`'s docstring) refuses. A STALE entry (not a
     job: no hash, ended, a repeat; `ltx_contract.queue_depth`) counts for nothing. Positions past a
     queue's window are unknown: they count for nothing, and are trimmed only when `depth_cap` jobs are
     admitted ahead of them.

@@ -3,7 +3,7 @@ worker record outcomes when Redis is full.
 
 Redis has no per-user memory limit, and a tenant's Redis user may write its own keys (job hashes, event
 streams, its admission set, its queues: `ltx_contract.redis_acl`) as often as it likes: each stays under the
-value cap (`--proto-max-bulk-len`) and the job-hash bound (`worker.protocol.render_job`), yet a few hundred of them
+value cap (`--proto-max-bulk-len`) and the job-hash bound (`worker.rq.loop.job_class`), yet a few hundred of them
 fill `maxmemory`. Then every write fails, the workers cannot record the outcome of the job they are
 running and wait, degraded, until an operator deletes the keys. So the workers measure and trim:
 

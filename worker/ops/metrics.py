@@ -51,7 +51,7 @@ class WorkerMetrics:
                                              "queue's, malformed; worker.jobs.tenant_queues)", [*labels, "reason"],
                                              registry=r)  # fmt: skip
         self.requeued_lost_pops = Counter("ltx_worker_requeued_lost_pops", "Jobs queued again after a wait for "
-                                          "a job lost its reply and the id it took (worker.jobs.lost_pops)", labels,
+                                          "a job lost its reply and the id it took (worker.rq.loop.lost_pops)", labels,
                                           registry=r)  # fmt: skip
         self.queue_wait_seconds = Histogram("ltx_worker_queue_wait_seconds", "Enqueue to start of a job",
                                             labels, buckets=_WAIT_BUCKETS, registry=r)  # fmt: skip

@@ -71,7 +71,7 @@ def boot_time() -> float | None:
 class LoraCacheFull(WorkerError, OSError):
     """No room for a fetch now: a cap (or the disk's free-space floor) cannot be kept even after evicting every
     file no job pins. An `OSError` (ENOSPC): a host condition, never `internal`; the service re-queues the job
-    to wait for room (`worker.jobs.attempt.JobAttempt.wait_for_room`)."""
+    to wait for room (`worker.jobs.ends.Failure.no_room`)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(errno.ENOSPC, message)

@@ -53,7 +53,7 @@ __all__ = ["LoraCache", "LoraCacheFull", "LoraRefused", "LoraResolver", "Resolve
 
 _SUFFIX = ".safetensors"
 #: how long one fetch waits in place for cache room (others' jobs ending, uploads freeing the disk) before the
-#: job is re-queued to wait (`worker.jobs.attempt.JobAttempt.wait_for_room`): the pause between its tries
+#: job is re-queued to wait (`worker.jobs.ends.Failure.no_room`): the pause between its tries
 ROOM_WAIT_S = 5.0
 
 

@@ -1,14 +1,13 @@
-"""What one execution of a render job gives back: the hand-off value while the stages still work (`handoff`)
-and the full result once its video is uploaded (`uploaded`), the same whichever path uploaded it (the job
-function itself, or the upload stage later: `for_upload`)."""
+"""The full result of a render job once its video is uploaded (`uploaded`), the same whichever path uploaded it
+(the job function itself, or the upload stage later: `for_upload`). While the stages still work the job function
+gives back a hand-off instead (`worker.jobs.attempt.JobAttempt.handed_off`)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from ltx_contract.handoff import HandOff
 from ltx_contract.states import JobState
 from worker.jobs.attempt import JobAttempt
 from worker.render.fleet import WarmFleet
@@ -27,15 +26,6 @@ class JobResults:
     fleet: WarmFleet
     group: str
     worker_name: str
-
-    def handoff(self, attempt: JobAttempt, entry: SpoolEntry | None, render_s: float) -> dict[str, Any]:
-        """The job function's return value with the pipeline on (`ltx_contract.handoff`). `entry` None:
-        the video is still being encoded (`worker.stages.encode`)."""
-        if entry is None:
-            handoff = HandOff(attempt.id, JobState.RENDERING.value, encode="pending")
-        else:
-            handoff = HandOff(attempt.id, JobState.RENDERED.value, key=entry.key, bytes=entry.size)
-        return replace(handoff, render_s=round(render_s, 4), worker=self.worker_name).to_json()
 
     def for_upload(self, item: PendingUpload, stored: StoredObject, upload_s: float, wait_s: float) -> dict[str, Any]:
         """The result of a render the upload stage uploaded (`UploadPipeline.make_result`)."""

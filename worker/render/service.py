@@ -4,7 +4,8 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
 (`worker.job.render`):
 
 1. bookkeeping (`JobAttempt.start`): attempts (capped: `max_attempts`), the `worker_lost` budget of executions that
-   vanished unrecorded (RQ's timeout and TTLs: `JobOutcomes.own_limits`); a job that poisoned fleets is refused;
+   vanished unrecorded (RQ's timeout and TTLs were set by the worker: `JobOutcomes.limits`); a job that poisoned
+   fleets is refused;
 2. validate the request (`RenderRequest`); a bad one fails at once naming the field, the fleet untouched;
 3. render: `controller.stream(**request.runner_kwargs(), output_path=<spool>)`, relaying every event into
    the job's Redis Stream (skipped when the spool already holds a complete render of this job: a re-run
@@ -15,7 +16,7 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
    the encoder's x264 runs start on the first of them (`ltx_mgpu.media.mp4_stream`); a render that
    fails after that aborts them. The drive of the fleet's stream, and every way it fails, is
    `worker.render.fleet_render.FleetRender`;
-4. commit the file to the spool (manifest written atomically), then either
+4. commit the file to the spool (manifest written atomically: `FleetRender.keep`), then either
    - (`upload_pipeline`, the default) hand it to the background `UploadPipeline` and return a small
      hand-off value at once: RQ marks the job `finished` while the state is `rendered`; the pipeline
      writes `uploading` → `uploaded` (or `retrying`/`failed`) and the full result later, or
@@ -26,9 +27,11 @@ The service state in the job meta (and the event stream) is the source of truth 
 `finished` only means "rendered" when the pipeline is on. See docs/worker.md, "Job lifecycle".
 
 Each execution is one `worker.jobs.attempt.JobAttempt` (the job, its relay, how it ends), handed on to the
-encode and upload stages. Failures raise `JobFailed(reason, ...)` after `worker.jobs.outcomes` recorded the
-attempt (a terminal or `retrying` state event) and set RQ's retry decision from the settings' budget for that
-reason, which RQ's failure handling then honours. The worker, not the enqueuer, owns the retry policy.
+encode and upload stages. No step here ends the job: a step that finds the attempt's end returns it as a value
+(`worker.jobs.ends.Failure`, `Cancelled`), `_run` returns it at once, and `run_job` hands whatever `_run` returned
+to the attempt (`JobAttempt.conclude`), which decides and records it (a terminal or `retrying` state event, RQ's
+retry decision from the settings' budget for that reason) and raises what RQ's failure handling then honours.
+The worker, not the enqueuer, owns the retry policy.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -48,6 +51,7 @@ from ltx_contract.schema import RenderRequest
 from ltx_contract.states import FailureReason, JobState
 from ltx_mgpu.spec import memory_plan as memplan
 from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import End, Failure
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
 from worker.render.fleet import WarmFleet
@@ -55,15 +59,13 @@ from worker.render.fleet_render import FleetRender
 from worker.render.loras import LoraCacheFull, LoraRefused, LoraResolver
 from worker.render.results import JobResults
 from worker.render.warmup import WarmupRefused
+from worker.rq.record import JobRecord
 from worker.settings import WorkerSettings
 from worker.stages.encode import EncodeStage, PendingEncode
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import Spool, SpoolEntry
-from worker.uploads.storage import Storage, new_render_id
+from worker.uploads.storage import Storage
 from worker.uploads.uploader import Uploader, UploadFailed
-
-if TYPE_CHECKING:
-    from rq.job import Job
 
 __all__ = ["RenderService"]
 
@@ -119,18 +121,11 @@ class RenderService:
         each device offers: `LTX_DEVICE_MEMORY_GIB`, else the least of the card's figure (known before loading)
         and what the fleet measured after its ranks' setup and its warm-ups (GPU fleets)."""
         memory = self._limits.memory
-        if memory is None or self.settings.device_memory_gib is not None:
-            return self._limits
-        measured = getattr(self.fleet, "device_memory_bytes", None)
-        if isinstance(measured, int | float) and measured > 0:  # (the least seen: the card's figure is never raised)
-            self._limits = self._limits.with_capacity(min(round(measured / 2**30, 2), memory.capacity_gib or 1e9))
+        if memory is not None and self.settings.device_memory_gib is None:
+            measured = getattr(self.fleet, "device_memory_bytes", None)
+            if isinstance(measured, int | float) and measured > 0:  # (the least seen: the card's figure stays a cap)
+                self._limits = self._limits.with_capacity(min(round(measured / 2**30, 2), memory.capacity_gib or 1e9))
         return self._limits
-
-    def deterministic_mode(self) -> str | None:
-        """The warm fleet's deterministic mode ("on", "strict", "off"; `ltx_mgpu.control.determinism`), recorded
-        beside each render's hashes: equal hashes are promised only between renders of a deterministic fleet."""
-        mode = getattr(getattr(self.fleet, "controller", None), "deterministic", None)
-        return mode if isinstance(mode, str) else None
 
     def memory_plans(self, width: int, height: int, num_frames: int,
                      frame_rate: float = memplan.DEFAULT_FRAME_RATE) -> list[dict[str, Any] | None]:  # fmt: skip
@@ -145,10 +140,12 @@ class RenderService:
         if memory is None:
             return [None, {"decode_chunked": True, "release_between_stages": True}]
         first = memplan.plan(memory, width, height, num_frames, frame_rate=frame_rate)
-        if first.decode_chunked and first.release_between_stages:  # (already memplan's lowest)
-            return [first.job_kwargs()]
-        low = memplan.plan(memory, width, height, num_frames, low_memory=True, frame_rate=frame_rate)
-        return [first.job_kwargs(), low.job_kwargs()]
+        plans: list[dict[str, Any] | None] = [first.job_kwargs()]
+        if not (first.decode_chunked and first.release_between_stages):  # (unless it is memplan's lowest already)
+            plans.append(
+                memplan.plan(memory, width, height, num_frames, low_memory=True, frame_rate=frame_rate).job_kwargs()
+            )
+        return plans
 
     def warmup_plans(self, kwargs: dict[str, Any]) -> list[dict[str, Any] | None]:
         """A warm-up request's plans (`memory_plans`, as for a client job of its size, with the capacity the fleet
@@ -159,17 +156,6 @@ class RenderService:
         if memory is not None and (refusal := memplan.plan(memory, w, h, f, frame_rate=rate).refusal()) is not None:
             raise WarmupRefused(refusal)
         return self.memory_plans(w, h, f, rate)
-
-    def _memory_plan(self, attempt: JobAttempt, req: RenderRequest) -> tuple[dict[str, Any] | None, bool]:
-        """This attempt's `memory_plan` kwarg (None: none sent) and whether a lower one is left for a retry: one
-        step down `memory_plans` per out-of-memory attempt before it. Fails the job (`out_of_memory`, not
-        retried) when the attempts before it already ran the lowest plan there is."""
-        steps = attempt.out_of_memory_retries()
-        plans = self.memory_plans(req.width, req.height, req.num_frames, req.frame_rate)
-        if steps >= len(plans):
-            attempt.fail(FailureReason.OUT_OF_MEMORY, f"ran out of memory {steps} time(s); no plan lower in memory "
-                         "than the last one is left", retryable=False)  # fmt: skip
-        return plans[steps], steps + 1 < len(plans)
 
     # ==== control from other threads ==================================================================
     def cancel(self, job_id: str | None = None) -> bool:
@@ -239,14 +225,15 @@ class RenderService:
         self.pipeline.update_spool_metrics()
 
     # ==== the job =====================================================================================
-    def run_job(self, job: Job, request: Any) -> dict[str, Any]:
-        attempt = JobAttempt(job, self.outcomes)
+    def run_job(self, record: JobRecord, request: Any) -> dict[str, Any]:
+        """The job function's body: what this execution gives back, or its end, decided by its attempt."""
+        attempt = JobAttempt(record, self.outcomes)
         with self._lock:
             self.current = attempt
             if self._cancel_before_start == attempt.id:
                 attempt.cancel.set()
         try:
-            return self._run(attempt, request)
+            return attempt.conclude(self._run(attempt, request))
         finally:
             self.loras.cache.release()  # (the fleet has read this job's LoRAs: others may evict them now)
             with self._lock:
@@ -254,88 +241,111 @@ class RenderService:
                 if self._cancel_before_start == attempt.id:
                     self._cancel_before_start = None
 
-    def _run(self, attempt: JobAttempt, request: Any) -> dict[str, Any]:
+    def _run(self, attempt: JobAttempt, request: Any) -> dict[str, Any] | End:
+        """The steps of one execution; the first that ends the attempt returns its end (`worker.jobs.ends`)."""
         if (result := self._already_uploaded(attempt)) is not None:
             return result
-        attempt.start(worker=self.worker_name, fleet=self.group)
-        if attempt.queue_wait_s is not None:
-            self.metrics.queue_wait_seconds.labels(self.group).observe(attempt.queue_wait_s)
-        attempt.check_poison(self.group)  # (re-pushed by id after its renders poisoned fleets: worker.jobs.poison)
-        req = self._validate(attempt, request)
-        entry = self._spooled(attempt)
-        render_s = 0.0
-        if entry is not None:
-            log.info("job %s: complete render found in the spool; uploading it instead of rendering", attempt.id)
-            if self.pipeline.hold(attempt.id):  # recovery already queued it: let that upload finish it
-                return self.results.handoff(attempt, entry, render_s)
-            attempt.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256 or None, bytes=entry.size)
-            return self._deliver(attempt, entry, render_s)
-        return self._deliver(attempt, *self._render(attempt, req))
+        begun = self._begin(attempt, request)
+        if not isinstance(begun, RenderRequest):
+            return begun
+        if (entry := self._spooled(attempt)) is not None:  # a re-run after an upload failure: upload it again
+            return entry if isinstance(entry, Failure) else self._resume(attempt, entry)
+        rendered = self._render(attempt, begun)
+        return rendered if isinstance(rendered, End) else self._deliver(attempt, *rendered)
 
     def _already_uploaded(self, attempt: JobAttempt) -> dict[str, Any] | None:
         """Recovery (or a late registry cleanup) re-queued a job whose video is already in storage: its result."""
         result = attempt.recorded_result()
-        if result is None or self.spool.load(attempt.id) is not None:
-            return None
-        if self.pipeline.is_pending(attempt.id) or self.encoder.is_pending(attempt.id):
+        if (
+            result is None
+            or self.spool.load(attempt.id) is not None
+            or self.pipeline.is_pending(attempt.id)
+            or self.encoder.is_pending(attempt.id)
+        ):
             return None
         log.info("job %s is already uploaded; returning its recorded result", attempt.id)
         return result
 
-    def _validate(self, attempt: JobAttempt, request: Any) -> RenderRequest:
-        """The request, or a failed attempt naming the field (what `producer submit` checks at the edge too)."""
+    def _begin(self, attempt: JobAttempt, request: Any) -> RenderRequest | End:
+        """The execution counted, if it may run (`JobAttempt.start`), and the request checked: what `producer
+        submit` checks at the edge too, a failure naming the field."""
+        if (end := attempt.start(worker=self.worker_name, fleet=self.group)) is not None:
+            return end
         try:
             req = RenderRequest.model_validate(request)
         except ValidationError as exc:
             err = exc.errors()[0]
-            field_name = ".".join(str(p) for p in err.get("loc", ())) or "(request)"
-            attempt.fail(FailureReason.INVALID_REQUEST, f"field {field_name!r}: {err.get('msg')}", field=field_name,
-                         errors=[{"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg")}
-                                 for e in exc.errors()])  # fmt: skip
+            field = ".".join(str(p) for p in err.get("loc", ())) or "(request)"
+            errors = [
+                {"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg")} for e in exc.errors()
+            ]
+            message = f"field {field!r}: {err.get('msg')}"
+            return Failure(FailureReason.INVALID_REQUEST, message, details={"field": field, "errors": errors})
         if violations := self.limits.violations(req):
-            first = violations[0]
-            attempt.fail(FailureReason.INVALID_REQUEST, first.message(), field=first.field,
-                         errors=[{"field": v.field, "message": v.message()} for v in violations])  # fmt: skip
+            errors = [{"field": v.field, "message": v.message()} for v in violations]
+            details = {"field": violations[0].field, "errors": errors}
+            return Failure(FailureReason.INVALID_REQUEST, violations[0].message(), details=details)
         return req
 
-    def _spooled(self, attempt: JobAttempt) -> SpoolEntry | None:
+    def _spooled(self, attempt: JobAttempt) -> SpoolEntry | Failure | None:
         """A complete render of this submission left in the spool (a re-run after an upload failure), else None."""
         try:
             entry = self.spool.load(attempt.id)
         except OSError as exc:
-            attempt.spool_failed(exc)
-        if entry is not None and not entry.belongs_to(attempt.submission):
+            return Failure.spool(exc)
+        if entry is not None and not entry.belongs_to(attempt.record.submission):
             # an earlier submission of this id (its job long expired) left its render here: not this job's video
-            log.warning("job %s: the spool holds a render of an earlier submission with this id (%s); "
-                        "discarding it and rendering this one", attempt.id, entry.submission)  # fmt: skip
+            log.warning(
+                "job %s: the spool holds a render of an earlier submission with this id (%s); "
+                "discarding it and rendering this one",
+                attempt.id,
+                entry.submission,
+            )
             self.spool.release(entry)
-            return None
+            entry = None
         return entry
 
-    def _deliver(self, attempt: JobAttempt, entry: SpoolEntry | PendingEncode, render_s: float) -> dict[str, Any]:
-        """Hand the render on: to the encode stage (frames), the upload stage (a file), or upload it here."""
-        if isinstance(entry, PendingEncode):  # frames, not a file: encoded beside the next job
-            if self.settings.upload_pipeline:
-                self.encoder.submit(entry)
-                return self.results.handoff(attempt, None, render_s)
-            entry = self._encode_now(attempt, entry)
-        if self.settings.upload_pipeline:  # the background uploader; the fleet takes the next job now
-            self.pipeline.submit(PendingUpload(entry=entry, attempt=attempt, render_s=render_s))
-            return self.results.handoff(attempt, entry, render_s)
-        return self._upload_now(attempt, entry, render_s)
+    def _resume(self, attempt: JobAttempt, entry: SpoolEntry) -> dict[str, Any] | End:
+        """A complete render of this job found in the spool: uploaded instead of rendered again."""
+        log.info("job %s: complete render found in the spool; uploading it instead of rendering", attempt.id)
+        if self.pipeline.hold(attempt.id):  # recovery already queued it: let that upload finish it
+            return attempt.handed_off(0.0, entry)
+        attempt.relay.state(JobState.RENDERED, resumed_from_spool=True, sha256=entry.sha256 or None, bytes=entry.size)
+        return self._deliver(attempt, entry, 0.0)
 
-    def _upload_now(self, attempt: JobAttempt, entry: SpoolEntry, render_s: float) -> dict[str, Any]:
-        """The synchronous path (`upload_pipeline` off): upload, confirm, record, before the job returns."""
+    def _deliver(self, attempt: JobAttempt, entry: SpoolEntry | PendingEncode, render_s: float) -> dict[str, Any] | End:
+        """Hand the render on beside the next job, to the encode stage (frames) or the upload stage (a file): the
+        fleet takes the next job now, and the job function gives back the hand-off. With `upload_pipeline` off
+        it is encoded and uploaded here (`_upload_now`)."""
+        if not self.settings.upload_pipeline:
+            return self._upload_now(attempt, entry, render_s)
+        frames = isinstance(entry, PendingEncode)
+        if frames:
+            self.encoder.submit(entry)
+        else:
+            self.pipeline.submit(PendingUpload(entry=entry, attempt=attempt, render_s=render_s))
+        return attempt.handed_off(render_s, None if frames else entry)
+
+    def _upload_now(
+        self, attempt: JobAttempt, entry: SpoolEntry | PendingEncode, render_s: float
+    ) -> dict[str, Any] | End:
+        """The synchronous path (`upload_pipeline` off): encode (frames) and commit, upload, confirm, record,
+        before the job returns."""
+        if isinstance(entry, PendingEncode):
+            encoded = self._encode_now(attempt, entry)
+            if isinstance(encoded, Failure):
+                return encoded
+            entry = encoded
         entry = self.spool.ensure_sha256(entry)
-        attempt.state(JobState.UPLOADING, key=entry.key, bytes=entry.size)
+        attempt.relay.state(JobState.UPLOADING, key=entry.key, bytes=entry.size)
         t_up = time.monotonic()
         try:
             stored = self.uploader.upload(entry, on_event=self.pipeline.event_fn(attempt), stop=self.stop_uploads)
         except UploadFailed as exc:
             self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
             self._upload_failed(exc)
-            attempt.fail(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
-                         spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
+            details = {"spool_path": str(exc.entry.path), "upload_attempts": exc.attempts}
+            return Failure(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable, details=details)
         upload_s = time.monotonic() - t_up
         self.metrics.upload_seconds.labels(self.group).observe(upload_s)
         self.metrics.upload_bytes.labels(self.group).inc(stored.size)
@@ -345,98 +355,77 @@ class RenderService:
         return result
 
     # ---- render ---------------------------------------------------------------------------------------
-    def _render(self, attempt: JobAttempt, req: RenderRequest) -> tuple[SpoolEntry | PendingEncode, float]:
+    def _render(self, attempt: JobAttempt, req: RenderRequest) -> tuple[SpoolEntry | PendingEncode, float] | End:
         """Render on the fleet (`FleetRender`); the video committed to the spool, or its frames for the encoder."""
-        attempt.check_cancelled()
-        kwargs = self._runner_kwargs(attempt, req)
-        memory_plan, lower_left = self._memory_plan(attempt, req)
-        if memory_plan is not None:
-            kwargs["memory_plan"] = memory_plan
-        mode = self.deterministic_mode()  # (in the summary from here on: docs/producer.md, "Reproducible renders")
-        attempt.state(JobState.RENDERING, devices=self.group, world_size=self.fleet.world_size, deterministic=mode)
-        run = FleetRender(attempt, self.fleet, self.encoder, self.spool, self.metrics, self.group,
-                          lower_plan_left=lower_left)  # fmt: skip
-        t_render = time.monotonic()
+        prepared = attempt.check_cancelled() or self._runner_kwargs(attempt, req)
+        if not isinstance(prepared, tuple):
+            return prepared
+        kwargs, lower_left = prepared
+        run = FleetRender(
+            attempt,
+            self.fleet,
+            self.encoder,
+            self.spool,
+            self.metrics,
+            self.group,
+            lower_left,
+            storage=self.storage,
+            hash_now=not self.settings.upload_pipeline,
+        )
         # (the worker's timeout alone: RQ's job_timeout is set from it, never a client's)
-        run.run(kwargs, float(self.settings.render_timeout))
-        render_s = time.monotonic() - t_render
-        self.metrics.render_seconds.labels(self.group).observe(render_s)
+        if (end := run.run(kwargs, float(self.settings.render_timeout))) is not None:
+            return end
+        self.metrics.render_seconds.labels(self.group).observe(run.render_s)
         if "loras" in kwargs and run.output is not None:
             self.loras.record_swap(run.output, attempt.relay)  # (the fleet's swap seconds for this job)
-        output_path = Path(kwargs["output_path"])
-        if run.output is None or (run.media is None and not output_path.exists()):
-            run.abort_stream()
-            self.spool.discard_incomplete(attempt.id)
-            message = f"the runner finished without writing {output_path.name} (output event: {run.output is not None})"
-            attempt.fail(FailureReason.NO_OUTPUT, message)
-        if run.media is not None:
-            return self._pending_encode(attempt, run, output_path, render_s), render_s
-        return self._commit(attempt, run, output_path, render_s), render_s
+        kept = run.keep(Path(kwargs["output_path"]), run.render_s)
+        return kept if isinstance(kept, Failure) else (kept, run.render_s)
 
-    def _runner_kwargs(self, attempt: JobAttempt, req: RenderRequest) -> dict[str, Any]:
+    def _runner_kwargs(self, attempt: JobAttempt, req: RenderRequest) -> tuple[dict[str, Any], bool] | End:
         """The request's runner kwargs with its LoRAs (fetched and checked: a bad one is a request error that
-        never reaches the fleet's weights), the spool path and the media hand-off."""
+        never reaches the fleet's weights), the spool path, the media hand-off and this attempt's memory plan
+        (one step down `memory_plans` per out-of-memory attempt before it; `out_of_memory` for good once those
+        attempts ran the lowest plan there is); and whether a lower plan is left for a retry."""
+        where = "lora cache"  # (whose disk an OSError is: the LoRA cache's, then the spool's)
         try:
             tenant = job_tenant(attempt.id) if self.settings.tenant_ids else None  # (whose S3 folder its LoRAs are in)
             loras = {"loras": self.loras.for_job(req.loras, attempt.relay, tenant)} if req.loras else {}
-        except LoraRefused as exc:
-            attempt.fail(FailureReason.INVALID_REQUEST, str(exc), field=exc.field)
-        except LoraCacheFull as exc:  # no room now (others' jobs pin it, the disk is short): a wait, not a failure
-            attempt.wait_for_room(exc)
-        except OSError as exc:  # the LoRA cache's disk failed: this host's
-            attempt.spool_failed(exc, where="lora cache")
-        try:
+            where = "spool"
             output_path = self.spool.prepare(attempt.id, self.settings.output_name)
-        except OSError as exc:
-            attempt.spool_failed(exc)
+        except (LoraRefused, OSError) as exc:
+            return _preparation_failure(exc, where)
         kwargs = {**req.runner_kwargs(), **loras, "output_path": str(output_path)}
         if self.hand_off_media:
             kwargs["media"] = self.media_mode
-        return kwargs
+        steps = attempt.out_of_memory_retries()
+        plans = self.memory_plans(req.width, req.height, req.num_frames, req.frame_rate)
+        if steps >= len(plans):
+            message = f"ran out of memory {steps} time(s); no plan lower in memory than the last one is left"
+            return Failure(FailureReason.OUT_OF_MEMORY, message, retryable=False)
+        if plans[steps] is not None:
+            kwargs["memory_plan"] = plans[steps]
+        return kwargs, steps + 1 < len(plans)
 
-    def _pending_encode(self, attempt: JobAttempt, run: FleetRender, path: Path, render_s: float) -> PendingEncode:
-        """Frames, not a file: the encode stage's crash marker written, the item for it (`_deliver`)."""
-        key = self.storage.key_for(attempt.id, new_render_id(), path.name)
-        pending = PendingEncode(attempt=attempt, output_path=path, media=run.media, output=run.output, key=key,
-                                render_s=render_s, deterministic=run.deterministic)  # fmt: skip
-        try:
-            self.encoder.prepare(pending)
-        except OSError as exc:
-            run.abort_stream()
-            self.spool.discard_incomplete(attempt.id)
-            attempt.spool_failed(exc)
-        return pending
-
-    def _commit(self, attempt: JobAttempt, run: FleetRender, path: Path, render_s: float) -> SpoolEntry:
-        """The runner's file committed to the spool (manifest written atomically): `rendered`. The pipeline
-        hashes it in its own thread, off the critical path; one storage object per render (`new_render_id`).
-        The manifest keeps the fleet's mode: the result of a render recovered after a restart names it."""
-        output = run.output or {}  # (never None here: `_render` checked it)
-        info = {k: output.get(k) for k in ("frames", "fps", "width", "height")}
-        info.update(render_s=round(render_s, 4), deterministic=run.deterministic)
-        key = self.storage.key_for(attempt.id, new_render_id(), path.name)
-        try:
-            entry = self.spool.commit(attempt.id, file_name=path.name, key=key, info=info, queue=attempt.job.origin,
-                                      content_type=str(output.get("content_type") or "video/mp4"),
-                                      hash_now=not self.settings.upload_pipeline,
-                                      submission=attempt.submission)  # fmt: skip
-        except OSError as exc:
-            self.spool.discard_incomplete(attempt.id)
-            attempt.spool_failed(exc)
-        sha = {"sha256": entry.sha256} if entry.sha256 else {}
-        attempt.state(JobState.RENDERED, bytes=entry.size, render_s=round(render_s, 4), **sha)
-        return entry
-
-    def _encode_now(self, attempt: JobAttempt, item: PendingEncode) -> SpoolEntry:
+    def _encode_now(self, attempt: JobAttempt, item: PendingEncode) -> SpoolEntry | Failure:
         """The synchronous path (`upload_pipeline` off): encode and commit before the upload."""
         try:
             return self.encoder.encode_now(item)
-        except OSError as exc:
-            self.spool.discard_incomplete(attempt.id)
-            attempt.spool_failed(exc)
         except Exception as exc:
             self.spool.discard_incomplete(attempt.id)
-            attempt.fail(FailureReason.INTERNAL, f"encode: {type(exc).__name__}: {exc}")
+            if isinstance(exc, OSError):
+                return Failure.spool(exc)
+            return Failure(FailureReason.INTERNAL, f"encode: {type(exc).__name__}: {exc}")
+
+
+def _preparation_failure(exc: LoraRefused | OSError, where: str) -> Failure:
+    """How a job ends whose request LoRAs could not be had or whose spool directory could not be made: a LoRA the
+    request may not use is the request's fault; a LoRA cache without room now (others' jobs pin it, the disk is
+    short) a wait, not a failure; a disk that failed (`where`: the LoRA cache's, the spool's) this host's."""
+    if isinstance(exc, LoraRefused):
+        return Failure(FailureReason.INVALID_REQUEST, str(exc), details={"field": exc.field})
+    if isinstance(exc, LoraCacheFull):
+        return Failure.no_room(exc)
+    return Failure.spool(exc, where)
 
 
 def _takes(runner_cls: Any, name: str) -> bool:

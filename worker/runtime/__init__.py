@@ -1,2 +1,3 @@
-"""How a worker runs: the supervisor (one process per device group), one worker process, the RQ worker loop
-and its parts, and the exit codes between them."""
+"""How a worker runs: the supervisor (one process per device group), one worker process, its `FleetWorker` (the RQ
+wing's worker with the worker's health, readiness and fleet policy), back-pressure, and the exit codes between
+them."""

@@ -137,7 +137,7 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     from worker.ops.metrics import WorkerMetrics
     from worker.render.fleet import WarmFleet
     from worker.render.service import RenderService
-    from worker.runtime.rq_worker import FleetWorker
+    from worker.runtime.fleet_worker import FleetWorker
     from worker.uploads.spool import Spool
     from worker.uploads.storage import StorageError, make_storage
 
@@ -282,20 +282,14 @@ def run_worker(
     # RQ installs its handlers only once its loop starts, after it has registered the worker: a signal in
     # between would take the default action and kill the process (-15) with the fleet still up. Until then a
     # signal asks the loop to stop at its first turn: a warm stop like any other.
-    from worker.protocol import rq_compat
-
     def stop_when_the_loop_starts(signum: int, frame: FrameType | None) -> None:
         log.info("stop requested (%s) while the work loop starts", signal.Signals(signum).name)
-        rq_compat.stop_at_first_turn(worker)
+        worker.stop_at_first_turn()
 
     signal.signal(signal.SIGTERM, stop_when_the_loop_starts)
     signal.signal(signal.SIGINT, stop_when_the_loop_starts)
-    from rq.exceptions import StopRequested
-
     try:
-        worker.work(burst=burst, max_jobs=max_jobs, logging_level=settings.log_level, with_scheduler=False)
-    except StopRequested:  # stopped while RQ was still registering (outside its loop's own handling)
-        log.info("stopped before the work loop began")
+        worker.run(burst=burst, max_jobs=max_jobs, logging_level=settings.log_level)
     except SystemExit as exc:  # cold stop (code None/0) or an unrecoverable fleet (code 3)
         code = exc.code if isinstance(exc.code, int) else 0
         return code or worker.exit_code

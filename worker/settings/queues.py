@@ -60,7 +60,7 @@ class QueueFields(BaseModel):
         60, ge=1, description="seconds between RQ registry cleanups (abandoned-job detection latency)"
     )
 
-    # ---- admission (the producer's caps, held by the worker too: worker.jobs.admission) -------------------
+    # ---- admission (the producer's caps, held by the worker too: worker.rq.loop.admission) -------------------
     max_queue_depth: int | None = Field(
         None,
         ge=0,

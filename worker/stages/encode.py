@@ -52,7 +52,8 @@ import redis
 
 from ltx_contract.states import FailureReason, JobState
 from worker.jobs.attempt import JobAttempt
-from worker.protocol import rq_compat
+from worker.jobs.ends import Failure
+from worker.rq.record import fetch_record
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
 
@@ -106,8 +107,13 @@ class EncodeStage:
     def prepare(self, item: PendingEncode) -> None:
         """Write the crash marker and take the entry's lock, before the job function returns."""
         directory = self.spool.job_dir(item.job_id)
-        marker = {"job_id": item.job_id, "queue": item.attempt.job.origin, "submission": item.attempt.submission,
-                  "created_at": time.time()}  # fmt: skip
+        record = item.attempt.record
+        marker = {
+            "job_id": item.job_id,
+            "queue": record.queue,
+            "submission": record.submission,
+            "created_at": time.time(),
+        }
         tmp = directory / f".{MARKER_NAME}.tmp"
         tmp.write_text(json.dumps(marker))
         os.replace(tmp, directory / MARKER_NAME)
@@ -203,7 +209,7 @@ class EncodeStage:
         from ltx_mgpu.runners.common.digest import MediaDigest
 
         media, stream = item.media, item.media.get("stream")
-        _safe(item.attempt.emit, {"type": "stage", "stage": "mux", "by": "worker"})
+        _safe(item.attempt.relay.emit, {"type": "stage", "stage": "mux", "by": "worker"})
         t0 = time.monotonic()
         digest = MediaDigest(media["video"], media.get("audio"))  # (hashes in its thread beside the x264 runs)
         audio = None
@@ -221,14 +227,20 @@ class EncodeStage:
         info = {k: item.output.get(k) for k in ("frames", "fps", "width", "height")}
         info.update(render_s=round(item.render_s, 4), encode_s=round(encode_s, 4), **overlap, digests=digests)
         info["deterministic"] = item.deterministic  # (the result reads it here, also after a restart)
-        entry = self.spool.commit(item.job_id, file_name=item.output_path.name, key=item.key,
-                                  content_type=str(item.output.get("content_type") or "video/mp4"),
-                                  queue=item.attempt.job.origin, info=info, hash_now=hash_now,
-                                  submission=item.attempt.submission)  # fmt: skip
+        entry = self.spool.commit(
+            item.job_id,
+            file_name=item.output_path.name,
+            key=item.key,
+            content_type=str(item.output.get("content_type") or "video/mp4"),
+            queue=item.attempt.record.queue,
+            info=info,
+            hash_now=hash_now,
+            submission=item.attempt.record.submission,
+        )
         (self.spool.job_dir(item.job_id) / MARKER_NAME).unlink(missing_ok=True)
         self.encoded += 1
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
-        _safe(item.attempt.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
+        _safe(item.attempt.relay.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
               encode_s=round(encode_s, 4), **overlap, **sha, digests=digests)  # fmt: skip
         return entry
 
@@ -250,14 +262,11 @@ class EncodeStage:
         if item.claim is not None:
             self.spool.unclaim(item.claim)
             item.claim = None
-        item.attempt.failed_after_return(reason, f"encode: {type(exc).__name__}: {exc}")
+        item.attempt.ended_after_return(Failure(reason, f"encode: {type(exc).__name__}: {exc}", retryable=True))
 
     # ---- recovery (at start) ---------------------------------------------------------------------------
     def recover(self, connection: Any) -> int:
         """Re-queue the jobs whose worker died mid-encode (marker, no manifest, lock free). Returns how many."""
-        from rq.job import Job, JobStatus
-        from rq.serializers import JSONSerializer
-
         found = 0
         for marker in sorted(self.spool.root.glob(f"*/{MARKER_NAME}")):
             directory = marker.parent
@@ -268,16 +277,17 @@ class EncodeStage:
                 continue
             try:
                 info = json.loads(marker.read_text())
-                job = self.pipeline._fetch_when_redis_answers(  # (Redis restarting: wait, never drop the job)
-                    lambda d=directory.name: Job.fetch(d, connection=connection, serializer=JSONSerializer)
+                record = self.pipeline._fetch_when_redis_answers(  # (Redis restarting: wait, never drop the job)
+                    lambda d=directory.name: fetch_record(connection, d)
                 )
-                state = (job.meta or {}).get("state")
+                state = record.meta.get("state")
                 # only a job whose return RQ recorded (`finished`): one killed before that is still in RQ's
                 # started registry, and the abandoned-job cleanup re-queues it (twice would run it twice)
-                returned = job.get_status(refresh=False) == JobStatus.FINISHED
-                if returned and rq_compat.submission_of(job) == info.get("submission") and state == JobState.RENDERING:
+                returned = record.returned()
+                if returned and record.submission == info.get("submission") and state == JobState.RENDERING:
                     lost = "the worker stopped while encoding the video; it renders again"
-                    JobAttempt(job, self.pipeline.outcomes).failed_after_return(FailureReason.WORKER_LOST, lost)
+                    failure = Failure(FailureReason.WORKER_LOST, lost, retryable=True)
+                    JobAttempt(record, self.pipeline.outcomes).ended_after_return(failure)
                     found += 1
             except (redis.ConnectionError, redis.TimeoutError):
                 log.error("encode marker %s: Redis unreachable; kept for the next start", directory.name)

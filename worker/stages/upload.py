@@ -29,7 +29,7 @@ holds the same sha256, so a crash between confirmation and the record costs one 
 
 Bounds: `full()` is true while `max_pending_uploads` renders or `max_pending_bytes` bytes are pending
 (queued or in flight); the worker does not take another job meanwhile (back-pressure, see
-`worker.runtime.rq_worker`). A render in progress can overshoot the byte bound by its own size.
+`worker.rq.loop.worker`). A render in progress can overshoot the byte bound by its own size.
 
 Stopping: `drain(timeout)` (warm stop) waits for pending uploads; what is left (all, on a cold stop) stays
 in the spool. `stop` cuts back-off sleeps short; an upload interrupted that way is not recorded as failed.
@@ -46,16 +46,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from rq.job import Job
-from rq.serializers import JSONSerializer
 
 from ltx_contract.health import UploadsHealth
-from ltx_contract.redis_retry import with_redis_retry
 from ltx_contract.states import FailureReason, JobState
 from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Failure
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
-from worker.protocol import rq_compat
+from worker.rq.record import JobRecord, fetch_record
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import StoredObject
 from worker.uploads.uploader import Uploader, UploadFailed
@@ -213,13 +211,13 @@ class UploadPipeline:
         """The upload of a render found in the spool; None when it waits for the next start (Redis does not
         answer) or its job is recorded as uploaded already (the copy is released)."""
         try:
-            job = self._job_for(entry)
+            record = self._job_for(entry)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # not "the job is gone": leave the render in the spool for the next start's recovery
             log.error("spool entry %s: Redis unreachable for %.0fs (%s); left in the spool", entry.job_id,
                       _RECOVERY_REDIS_WAIT_S, type(exc).__name__)  # fmt: skip
             return None
-        meta = job.meta if job is not None else {}
+        meta = record.meta if record is not None else {}
         result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
         if meta.get("state") == JobState.UPLOADED.value and result.get("key"):
             # (its key may differ: another render of the job, e.g. re-run elsewhere after this host
@@ -229,35 +227,31 @@ class UploadPipeline:
             self.spool.release(entry)
             return None
         attempt = None
-        if job is not None:
-            attempt = JobAttempt(job, self.outcomes, number=int(meta.get("attempt") or 1), t0=entry.created_at)
+        if record is not None:
+            attempt = JobAttempt(record, self.outcomes, number=int(meta.get("attempt") or 1), t0=entry.created_at)
         item = PendingUpload(entry=entry, attempt=attempt, render_s=float(entry.info.get("render_s") or 0.0),
                              recovered=True)  # fmt: skip
         item.released.set()
         return item
 
-    def _job_for(self, entry: SpoolEntry) -> Job | None:
+    def _job_for(self, entry: SpoolEntry) -> JobRecord | None:
         """The job a recovered render is recorded into: None when it is gone, unreadable, or a later
         submission of its id (the render is then uploaded as an orphan). Raises Redis's connection errors."""
         try:
-            job = self._fetch_when_redis_answers(
-                lambda: Job.fetch(entry.job_id, connection=self.connection, serializer=JSONSerializer)
-            )
-            if not isinstance(job.meta, dict):
-                job.meta = {}
+            record = self._fetch_when_redis_answers(lambda: fetch_record(self.connection, entry.job_id))
         except (redis.ConnectionError, redis.TimeoutError):
             raise
         except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
             log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
                         entry.job_id, type(exc).__name__)  # fmt: skip
             return None
-        if not entry.belongs_to(rq_compat.submission_of(job)):
+        if not entry.belongs_to(record.submission):
             # the id was submitted again after this render's job expired: upload it as an orphan
             # (its object key is its own), never into the new job
             log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
                         "without recording it into the current job", entry.job_id)  # fmt: skip
             return None
-        return job
+        return record
 
     def _fetch_when_redis_answers(self, fetch: Callable[[], Any]) -> Any:
         """`fetch()`, retried while Redis does not answer (a restart of Redis while this worker started:
@@ -357,7 +351,7 @@ class UploadPipeline:
         emit = self.event_fn(attempt)
         if attempt is not None:
             extra = {"recovered": True} if item.recovered else {}
-            self._safe(attempt.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
+            self._safe(attempt.relay.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
                        worker=self.worker_name, **extra)  # fmt: skip
         t_up = time.monotonic()
         wait_s = t_up - item.submitted
@@ -387,16 +381,8 @@ class UploadPipeline:
         if attempt is None:
             log.info("recovered render %s uploaded to %s (no job to update)", item.job_id, stored.key)
             return
-        result = self.make_result(item, stored, upload_s, wait_s)
-        # RQ's result first, then `uploaded`: whoever sees it finds the final result, never RQ's placeholder.
-        # Retried through a Redis restart (it is idempotent: one MULTI, and a result already there is not
-        # written again); giving up on the first connection error left the job `uploading` until the worker
-        # restarted and recovered its spool.
-        with_redis_retry(lambda: rq_compat.record_success_after_return(
-            attempt.job, result, attempt.result_ttl(), self.worker_name, recovered=item.recovered))  # fmt: skip
-        attempt.uploaded(result)
-        self._safe(rq_compat.finish_if_uploaded, attempt.job, attempt.result_ttl(),  # a late abandoned-job cleanup
-                   uploaded_state=JobState.UPLOADED.value)  # fmt: skip
+        # (RQ saw this job finish at `rendered`: the attempt records the result in RQ by hand, then `uploaded`)
+        attempt.uploaded(self.make_result(item, stored, upload_s, wait_s), after_return=True, recovered=item.recovered)
         if self.on_uploaded is not None:
             self.on_uploaded()
         log.info("job %s uploaded (%.2fs after %.2fs in the queue)", item.job_id, upload_s, wait_s)
@@ -406,9 +392,10 @@ class UploadPipeline:
         if item.attempt is None:
             log.error("recovered render %s: %s", item.job_id, exc)
             return
-        # RQ saw this job finish (it returned at `rendered`): `failed_after_return` moves it back by hand
-        item.attempt.failed_after_return(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable,
-                                         spool_path=str(exc.entry.path), upload_attempts=exc.attempts)  # fmt: skip
+        # RQ saw this job finish (it returned at `rendered`): `ended_after_return` moves it back by hand
+        details = {"spool_path": str(exc.entry.path), "upload_attempts": exc.attempts}
+        failure = Failure(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable, details=details)
+        item.attempt.ended_after_return(failure)
 
     # ---- helpers --------------------------------------------------------------------------------------
     def event_fn(self, attempt: JobAttempt | None) -> Callable[[dict[str, Any]], None]:
@@ -418,7 +405,7 @@ class UploadPipeline:
             if "error" in event:
                 self.metrics.upload_retries.labels(self.group).inc()
             if attempt is not None:
-                self._safe(attempt.emit, event)
+                self._safe(attempt.relay.emit, event)
 
         return emit
 

@@ -10,7 +10,7 @@ is never read, `data` and meta are bounded, the fields RQ would act on are dropp
 refusal). On top of it this class:
 
 - executes only `ltx_contract.keys.RENDER_FUNC` (checked in `check_runnable`, RQ's last step before the
-  call: `worker.protocol.rq_compat.GuardedJob`); any other function, a job id `ltx_contract.keys.check_job_id`
+  call: `GuardedJob`); any other function, a job id `ltx_contract.keys.check_job_id`
   refuses, an owner (meta `client`) that `ltx_contract.keys.check_client_name` refuses, or any refusal of the
   load (callbacks, repeats, dependencies, webhooks, data or meta over its bound) fails the job with
   `RefusedJob` (recorded as `invalid_request`; RQ calls a failure callback even for a refused job, so those
@@ -25,8 +25,8 @@ refusal). On top of it this class:
   unreadable, failed in RQ by `fail_unreadable` while its recorded state stayed `queued` (in a worker's
   class only, `repairs`: to a client such a hash stays unreadable);
 - an oversized hash (`ltx_contract.rq_client.OversizedJob`) is deleted and its failure recorded
-  (`rq_compat.drop_oversized`);
-- `worker.protocol.rq_compat.fail_unreadable()` records a job that still cannot be loaded as failed (hash status,
+  (`worker.rq.loop.unstarted.drop_oversized`);
+- `worker.rq.loop.unstarted.fail_unreadable()` records a job that still cannot be loaded as failed (hash status,
   failed registry, expiry), so a dequeue never kills the worker and the job never sits in `queued` forever.
 
 The limits come from the worker's settings through `RenderJob.with_limits()`, a subclass per worker.
@@ -41,15 +41,14 @@ import zlib
 from typing import Any
 
 import redis
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 from rq.utils import parse_timeout, str_to_date
 
 from ltx_contract.keys import RENDER_FUNC, check_job_id, job_owner, job_tenant
 from ltx_contract.rq_client import BoundedJob
 from worker.errors import WorkerError
-from worker.protocol.rq_compat import GuardedJob
 
-__all__ = ["RefusedJob", "RenderJob", "check_job_owner"]
+__all__ = ["GuardedJob", "RefusedJob", "RenderJob", "check_job_owner"]
 
 log = logging.getLogger("worker.rq")
 
@@ -83,6 +82,19 @@ _RQ_PARSED: dict[str, Any] = {
 _PARSED_WHEN_EMPTY = frozenset(
     {"enqueue_at_front", "success_callback_timeout", "failure_callback_timeout", "stopped_callback_timeout"}
 )
+
+
+class GuardedJob(Job):
+    """A `Job` that runs `check_runnable()` right before RQ calls its function, inside RQ's execution, so an
+    exception there fails the job exactly as one raised by the function would. RQ has no public hook at
+    that point: `Job.perform()` calls the private `_execute()`, which is overridden here and nowhere else."""
+
+    def check_runnable(self) -> None:
+        """Raise to fail the job without calling its function; the default lets every job run."""
+
+    def _execute(self) -> Any:
+        self.check_runnable()
+        return super()._execute()
 
 
 class RefusedJob(WorkerError, RuntimeError):

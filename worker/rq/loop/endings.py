@@ -5,7 +5,8 @@
 - A cancel is recorded `canceled` in RQ's canceled registry, not `stopped` in its failed registry (a cancel
   is not a failure).
 - Jobs whose worker vanished (found by RQ's abandoned-job or intermediate-queue cleanup, run by any worker
-  on the queue) are recorded as `worker_lost` by `worker.jobs.outcomes` with the budget from the settings.
+  on the queue) are recorded as `worker_lost` by their `worker.jobs.attempt.JobAttempt`, with the budget from the
+  settings.
   The cleanup's lock expires after `maintenance_lock_ttl` (RQ's: 15 minutes, so one worker SIGKILLed
   mid-cleanup stopped abandoned-job recovery on the whole queue for that long).
 """
@@ -25,10 +26,12 @@ from rq.registry import StartedJobRegistry
 from rq.worker import SimpleWorker
 
 from ltx_contract.states import RECORDED_END_STATES, RENDER_COMPLETE_STATES, TERMINAL_STATES, FailureReason, JobState
-from worker.jobs.attempt import JobCancelledByClient, JobFailed
+from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Failure, JobCancelledByClient, JobFailed
 from worker.jobs.outcomes import JobOutcomes
-from worker.protocol import rq_compat
-from worker.protocol.render_job import RefusedJob
+from worker.rq.loop import registries, unstarted, worker_state
+from worker.rq.loop.job_class import RefusedJob
+from worker.rq.record import JobRecord, set_retry
 from worker.settings import WorkerSettings
 
 __all__ = ["EndingWorker", "maintenance_lock_ttl"]
@@ -37,7 +40,7 @@ log = logging.getLogger("worker.rq")
 
 
 class EndingWorker(SimpleWorker):
-    """RQ's failure, exception and registry-cleanup hooks (module docstring). `FleetWorker` sets the
+    """RQ's failure, exception and registry-cleanup hooks (module docstring). `RqWorker` sets the
     attributes below in its `__init__`."""
 
     settings: WorkerSettings
@@ -48,12 +51,12 @@ class EndingWorker(SimpleWorker):
         """Expected outcomes (a failure with a reason, a cancel) get one log line, not a traceback."""
         exc = exc_info[1] if len(exc_info) > 1 else None
         if isinstance(exc, JobCancelledByClient):
-            rq_compat.mark_stopped(self, job.id)  # however the cancel arrived: RQ must not retry or fail it
+            worker_state.mark_stopped(self, job.id)  # however the cancel arrived: RQ must not retry or fail it
         if not isinstance(exc, JobFailed | JobCancelledByClient | AbandonedJobError):
             self._record_unrecorded_failure(job, exc)
         if isinstance(exc, JobFailed | JobCancelledByClient):
             log.info("job %s ended: %s", job.id, exc)
-            for handler in rq_compat.exception_handlers(self):
+            for handler in worker_state.exception_handlers(self):
                 handler(job, *exc_info)
             return
         super().handle_exception(job, *exc_info)
@@ -61,12 +64,12 @@ class EndingWorker(SimpleWorker):
     def handle_job_failure(
         self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry | None = None, exc_string: str = ""
     ) -> None:
-        if rq_compat.stopped_job_id(self) == job.id:
+        if worker_state.stopped_job_id(self) == job.id:
             # a cancel, not a failure: `canceled` in RQ's canceled registry (its default: failed registry)
-            rq_compat.record_cancelled_execution(self, job, self.outcomes.failure_ttl(job))
+            unstarted.record_cancelled_execution(self, job, self.outcomes.failure_ttl(job.failure_ttl))
             return None
-        if exc_string.startswith(rq_compat.STUCK_IN_INTERMEDIATE):
-            if rq_compat.stale_intermediate_entry(job, queue):  # RQ drops the entry after this returns
+        if exc_string.startswith(registries.STUCK_IN_INTERMEDIATE):
+            if registries.stale_intermediate_entry(job, queue):  # RQ drops the entry after this returns
                 log.info("job %s: stale intermediate-queue entry dropped (the job is %s)", job.id,
                          job.get_status(refresh=False))  # fmt: skip
                 return None
@@ -82,14 +85,15 @@ class EndingWorker(SimpleWorker):
             return  # the service recorded it and set the retry decision
         # Nobody decided: never re-queue on the `retries_left` the job hash came with (a client's or a
         # stale one), even if recording below fails (this path never spent a budget).
-        rq_compat.set_retry(job, False)
+        set_retry(job, False)
         try:
             if job.get_status(refresh=False) != JobStatus.FAILED:
                 return
             # a TypeError before the service started the job: arguments that do not fit render(request)
             refused = isinstance(exc, RefusedJob) or (isinstance(exc, TypeError) and state in (None, "queued"))
             reason = FailureReason.INVALID_REQUEST if refused else FailureReason.INTERNAL
-            self.outcomes.failed(job, reason, f"{type(exc).__name__}: {exc}"[:2000], retryable=False)
+            failure = Failure(reason, f"{type(exc).__name__}: {exc}"[:2000], retryable=False)
+            JobAttempt(JobRecord(job), self.outcomes).decide(failure)
         except StopRequested:
             raise
         except Exception:
@@ -101,7 +105,8 @@ class EndingWorker(SimpleWorker):
         try:
             meta = job.meta if isinstance(job.meta, dict) else {}
             worker = meta.get("worker") or job.worker_name or None  # (RQ's field: who dequeued it)
-            self.outcomes.failed(job, FailureReason.WORKER_LOST, message, worker=worker)
+            failure = Failure(FailureReason.WORKER_LOST, message, details={"worker": worker})
+            JobAttempt(JobRecord(job), self.outcomes).decide(failure)
         except StopRequested:
             raise
         except Exception:
@@ -110,10 +115,10 @@ class EndingWorker(SimpleWorker):
     # ==== abandoned jobs (found by registry cleanup, possibly for another worker's job) ===============
     def clean_registries(self) -> None:
         """RQ's registry maintenance under a lock that a dead holder keeps for at most three maintenance
-        intervals (RQ's keeps it 15 minutes: see `rq_compat.clean_registries`)."""
+        intervals (RQ's keeps it 15 minutes: see `registries.clean_registries`)."""
         self._complete_abandoned = []
         try:
-            rq_compat.clean_registries(self, lock_ttl_s=maintenance_lock_ttl(self.settings.maintenance_interval))
+            registries.clean_registries(self, lock_ttl_s=maintenance_lock_ttl(self.settings.maintenance_interval))
         finally:
             self._finish_complete_abandoned()
 
@@ -122,7 +127,8 @@ class EndingWorker(SimpleWorker):
         recovery that recorded `uploaded` meanwhile cannot see that write, so the check after it is ours."""
         for job in self._complete_abandoned:
             with contextlib.suppress(redis.RedisError):
-                rq_compat.finish_if_uploaded(job, self.outcomes.result_ttl(job), uploaded_state=JobState.UPLOADED.value)
+                ttl = self.outcomes.result_ttl(job.result_ttl)
+                JobRecord(job).finish_if_uploaded(ttl, uploaded_state=JobState.UPLOADED.value)
         self._complete_abandoned = []
 
     def _abandoned_job_handler(
@@ -140,7 +146,7 @@ class EndingWorker(SimpleWorker):
             # outcome, moving RQ's status from `failed` to `finished`; an `uploaded` job is done. So: never
             # re-run it and write no event.
             # (`failed`/`cancelled`: the execution recorded its end and vanished before RQ's bookkeeping.)
-            rq_compat.set_retry(job, False)
+            set_retry(job, False)
             self._complete_abandoned.append(job)
             log.warning("abandoned job %s (worker %s) is already %s: not re-queued%s", job.id, meta.get("worker"),
                         state, "; the spool recovery uploads/records it" if state in RENDER_COMPLETE_STATES

@@ -6,7 +6,7 @@ connection of its own (`side_connection`, with timeouts, so it never waits behin
 dead socket), retrying a failed beat after `_BEAT_RETRY_S`. The deadline is `job_heartbeat_ttl`, at least
 three intervals (the settings check it). The thread stops in `handle_execution_ended`, before RQ removes the
 execution, so a late beat can never re-add a finished job to the started registry. Each beat also checks
-whether a client cancelled the running job in Redis (`rq_compat.cancel_requested`) and cancels its render.
+whether a client cancelled the running job in Redis (`unstarted.cancel_requested`) and cancels its render.
 While a fleet (re)builds outside a job, another thread keeps the worker's registration alive
 (`_beat_while_rebuilding`).
 """
@@ -23,9 +23,9 @@ from rq.queue import Queue
 from rq.worker import SimpleWorker
 
 from worker.ops.health import HealthPublisher
-from worker.protocol import rq_compat
 from worker.protocol.redis_outage import RedisOutage
 from worker.render.service import RenderService
+from worker.rq.loop import unstarted, worker_state
 from worker.settings import WorkerSettings
 
 __all__ = ["HeartbeatingWorker", "open_side_connection"]
@@ -37,7 +37,7 @@ _SIDE_TIMEOUT_S = 5.0  # socket timeouts of the heartbeat/health connection
 
 
 class HeartbeatingWorker(SimpleWorker):
-    """Heartbeats while a job runs or a fleet rebuilds (module docstring). `FleetWorker` sets the attributes
+    """Heartbeats while a job runs or a fleet rebuilds (module docstring). `RqWorker` sets the attributes
     below in its `__init__`."""
 
     service: RenderService
@@ -66,7 +66,7 @@ class HeartbeatingWorker(SimpleWorker):
         wait = interval
         while not stop.wait(wait):
             try:
-                rq_compat.beat(self, job, self.side_connection, ttl)
+                worker_state.beat(self, job, self.side_connection, ttl)
             except Exception as exc:
                 if self.redis_outage.refused(exc, "job heartbeat") is None:  # (an outage is logged once)
                     log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc,
@@ -78,9 +78,9 @@ class HeartbeatingWorker(SimpleWorker):
             self.last_loop_beat = time.monotonic()
             self.health.notify()
             try:
-                if rq_compat.cancel_requested(self.side_connection, job):
+                if unstarted.cancel_requested(self.side_connection, job):
                     log.info("job %s was cancelled in Redis while running; stopping it", job.id)
-                    rq_compat.mark_stopped(self, job.id)
+                    worker_state.mark_stopped(self, job.id)
                     self.service.cancel(job.id)
             except Exception:
                 log.debug("cancel check failed", exc_info=True)

@@ -1,7 +1,7 @@
 """Jobs whose id a lost reply took off every list: found after the loss and queued again.
 
 An idle worker that serves several queues waits for a push on any of them with BLPOP (Redis has no blocking
-move from several lists: `worker.jobs.tenant_queues`). Redis takes the id off its queue when it runs the
+move from several lists: `worker.rq.loop.queues`). Redis takes the id off its queue when it runs the
 BLPOP; the worker then records it in RQ's intermediate list. If the connection drops after Redis ran the
 BLPOP and before its reply arrived (a restart, a network cut), the id is in no list, and the job would stay
 `queued` forever without running. (redis-py would even send the BLPOP again by itself and hide the error:
@@ -223,7 +223,7 @@ def requeue_orphan(connection: Any, orphan: Orphan) -> bool:
 class LostPops:
     """The waits of one worker whose reply was lost, and the sweep that finds their jobs.
 
-    `suspect()` is called by the dequeue (`worker.jobs.tenant_queues.TakingQueue`) when a BLPOP failed with a
+    `suspect()` is called by the dequeue (`worker.rq.loop.queues.TakingQueue`) when a BLPOP failed with a
     connection error; `sweep()` by the worker before its next dequeues, until one completes."""
 
     def __init__(self, tenants: Sequence[str] = (), *, confirm_s: float = CONFIRM_S,

@@ -17,7 +17,7 @@ a job is admitted unless
 Running jobs are always admitted (they count, they are never stopped). An entry that is not a waiting job
 (no hash, an ended job, a repeat: `ltx_contract.queue_depth`, the rule the producer counts by too) counts
 for nothing, so junk pushed onto a shared queue cannot end a job behind it; a job with a malformed owner
-counts for nobody's quota (it is refused as `invalid_request` when taken: `worker.protocol.render_job`).
+counts for nobody's quota (it is refused as `invalid_request` when taken: `worker.rq.loop.job_class`).
 
 **Producer-admitted jobs never trip it.** The producer admits a job only while fewer than `max_queue_depth`
 jobs wait and fewer than `quota` jobs of its client are unfinished, in one transaction; so at every instant
@@ -49,7 +49,7 @@ of at most `_TRIM_RECORDED` ids past the window (the newest; a bigger excess lea
 one before each dequeue, so a job taken in between waits for one pass, not for the whole excess). Refusals
 of ids without a hash are recorded with one pipelined status read per batch. Nothing here is O(queue
 length) per dequeue. With tenant queues
-(`worker.jobs.tenant_queues`) each tenant's queues get a pass of their own.
+(`worker.jobs.tenant_queues`, `worker.rq.loop.queues`) each tenant's queues get a pass of their own.
 """
 
 from __future__ import annotations
@@ -71,8 +71,12 @@ from ltx_contract.keys import REFUSALS_KEY, job_owner, job_tenant
 from ltx_contract.queue_depth import DEPTH_WINDOW, counts_as_waiting
 from ltx_contract.states import FailureReason, JobState
 from worker.jobs.admission_rule import STALE, Owner, Refusal, Waiting, plan
+from worker.jobs.attempt import JobAttempt
+from worker.jobs.ends import Failure
 from worker.jobs.outcomes import JobOutcomes
-from worker.protocol import rq_compat
+from worker.rq.loop.registries import started_member_job_id
+from worker.rq.loop.unstarted import fail_unreadable, fail_unstarted
+from worker.rq.record import JobRecord
 
 __all__ = ["QUOTA_WINDOW", "Admission"]
 
@@ -163,7 +167,7 @@ class Admission:
                     running: list[str] = []
                     for key in started:
                         for member in pipe.zrange(key, 0, -1):
-                            job_id = rq_compat.started_member_job_id(member)
+                            job_id = started_member_job_id(member)
                             if job_id != taken_id and job_id not in running:
                                 running.append(job_id)
                     owners = self._owners_of([*running, *(i for w in windows for i in w)],
@@ -330,7 +334,7 @@ class Admission:
             return
         except Exception as exc:
             queue = Queue(refusal.queue, connection=conn)
-            rq_compat.fail_unreadable(conn, refusal.job_id, queue, exc, self.outcomes.settings.failure_ttl)
+            fail_unreadable(conn, refusal.job_id, queue, exc, self.outcomes.settings.failure_ttl)
             return
         if job.get_status(refresh=False) != JobStatus.QUEUED:
             return  # already recorded, or not a job a pass took out of a queue
@@ -338,14 +342,15 @@ class Admission:
         error = meta.get("error") if isinstance(meta.get("error"), dict) else {}
         message = refusal.message()
         if not (meta.get("state") == JobState.FAILED.value and error.get("reason") == refusal.reason.value):
-            self.outcomes.failed(job, refusal.reason, message, retryable=False, quiet=True, **refusal.details)
-        rq_compat.fail_unstarted(job, message, self.outcomes.failure_ttl(job), self.worker_name)
+            failure = Failure(refusal.reason, message, retryable=False, details=refusal.details)
+            JobAttempt(JobRecord(job), self.outcomes).decide(failure, quiet=True)
+        fail_unstarted(job, message, self.outcomes.failure_ttl(job.failure_ttl), self.worker_name)
 
 
 def _owner_of_meta(meta: Any, tenant_job_id: str | None = None) -> Owner:
     """The owner a job counts against, or None (counts for nobody): a malformed one, or, with tenant ids
     (`tenant_job_id` given), a recorded client that is not the id's tenant. Both are refused as
-    invalid_request when taken (`worker.protocol.render_job`); until then a forged owner must not fill another
+    invalid_request when taken (`worker.rq.loop.job_class`); until then a forged owner must not fill another
     client's quota (a tenant can create only its own ids, but writes the meta itself)."""
     try:
         owner = job_owner(meta)

@@ -4,7 +4,7 @@ RQ's work loop quits on the first refused command. `OutageTolerantWorker` overri
 Redis outside a job (registration, the state write in `bootstrap`, deregistration, maintenance, the suspension
 check, the worker heartbeat) so that each waits the outage out with back-off and reports it (health,
 `ltx_worker_redis_up`). Out of memory, it first drops job hashes no job of this service can fill
-(`rq_compat.sweep_oversized`), at most every `_SWEEP_EVERY_S`.
+(`unstarted.sweep_oversized`), at most every `_SWEEP_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from rq.worker import SimpleWorker
 from ltx_contract.rq_client import OversizedJob
 from worker.jobs.tenant_memory import TenantMemory
 from worker.ops.health import HealthPublisher
-from worker.protocol import rq_compat
 from worker.protocol.redis_outage import RedisOutage
-from worker.protocol.render_job import RenderJob
 from worker.render.service import RenderService
+from worker.rq.loop import registries, unstarted, worker_state
+from worker.rq.loop.job_class import RenderJob
 from worker.settings import WorkerSettings
 
 __all__ = ["OutageTolerantWorker"]
@@ -35,7 +35,7 @@ _SWEEP_EVERY_S = 30.0  # while Redis is out of memory, how often job hashes are 
 
 class OutageTolerantWorker(SimpleWorker):
     """RQ's Redis-facing hooks outside a job, waiting an outage out instead of quitting (module docstring).
-    `FleetWorker` sets the attributes below in its `__init__`."""
+    `RqWorker` (and `FleetWorker`) set the attributes below in its `__init__`."""
 
     service: RenderService
     settings: WorkerSettings
@@ -67,7 +67,7 @@ class OutageTolerantWorker(SimpleWorker):
         if isinstance(exc, redis.exceptions.OutOfMemoryError) and time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
             try:
-                rq_compat.sweep_oversized(self.connection, self.job_class.max_hash_bytes(), self.settings.failure_ttl)
+                unstarted.sweep_oversized(self.connection, self.job_class.max_hash_bytes(), self.settings.failure_ttl)
             except Exception:
                 log.warning("sweep of oversized job hashes failed", exc_info=True)
         time.sleep(delay)
@@ -84,9 +84,9 @@ class OutageTolerantWorker(SimpleWorker):
                 # The queues this worker serves, registered with it (tenants may not: ltx_contract.redis_acl),
                 # inside the outage handling: a worker started against a Redis over `maxmemory` waits, it does not
                 # crash.
-                rq_compat.register_queues(self.connection, self.queues)
+                registries.register_queues(self.connection, self.queues)
             except Exception as exc:
-                if rq_compat.stop_requested(self):  # (before RQ's loop: a stop signal only sets the flag)
+                if worker_state.stop_requested(self):  # (before RQ's loop: a stop signal only sets the flag)
                     raise StopRequested() from exc
                 if not self._wait_out_redis(exc, "registration"):
                     raise
@@ -103,7 +103,7 @@ class OutageTolerantWorker(SimpleWorker):
                 super().set_state(state, pipeline=pipeline)
                 return
             except Exception as exc:
-                if pipeline is None and rq_compat.stop_requested(self):
+                if pipeline is None and worker_state.stop_requested(self):
                     raise StopRequested() from exc
                 if pipeline is not None or not self._wait_out_redis(exc, "state"):
                     raise
@@ -120,7 +120,7 @@ class OutageTolerantWorker(SimpleWorker):
         try:
             super().run_maintenance_tasks()
         except OversizedJob as exc:  # a hash grown past any job's size since it was taken
-            rq_compat.drop_oversized(self.connection, exc.job_id, exc, self.settings.failure_ttl)
+            unstarted.drop_oversized(self.connection, exc.job_id, exc, self.settings.failure_ttl)
         except Exception as exc:
             if self.redis_outage.refused(exc, "maintenance") is None:
                 raise

@@ -4,7 +4,7 @@
   service); `stop-job`/`kill-horse` pass on.
 - `kill_horse()`: RQ's stop-job command lands here (on the pubsub thread) and would be a no-op for a
   SimpleWorker; it cancels the running render cooperatively instead, so the fleet survives
-  (`rq_compat.FleetHorse` shows RQ a horse while a render runs).
+  (`worker_state.FleetHorse` shows RQ a horse while a render runs).
 - Warm stop (first SIGTERM/SIGINT): RQ finishes the job, then the loop ends and `teardown()` stops the
   fleet and drains pending uploads (bounded). A warm stop during a fleet rebuild is deferred until the
   rebuild attempt ends. Cold stop (second signal): the fleet is killed from a helper thread (never from
@@ -29,8 +29,8 @@ from rq.worker import SimpleWorker
 from ltx_contract.redis_retry import remove_memory_hook
 from worker.jobs.tenant_memory import TenantMemory
 from worker.ops.health import HealthPublisher
-from worker.protocol import rq_compat
 from worker.render.service import RenderService
+from worker.rq.loop import worker_state
 from worker.settings import WorkerSettings
 
 __all__ = ["StoppingWorker"]
@@ -38,8 +38,8 @@ __all__ = ["StoppingWorker"]
 log = logging.getLogger("worker.rq")
 
 
-class StoppingWorker(rq_compat.FleetHorse, SimpleWorker):
-    """Signals, pubsub commands and teardown (module docstring). `FleetWorker` sets the attributes below in
+class StoppingWorker(worker_state.FleetHorse, SimpleWorker):
+    """Signals, pubsub commands and teardown (module docstring). `RqWorker` sets the attributes below in
     its `__init__`."""
 
     service: RenderService
@@ -90,7 +90,7 @@ class StoppingWorker(rq_compat.FleetHorse, SimpleWorker):
         """RQ's stop-job / kill-horse command: cancel the running render cooperatively. RQ sends it for the job
         it has started here, which may not have reached its render yet (RQ marks a job started before it calls
         the job function): the service then remembers the cancel for that job's render."""
-        job_id = rq_compat.stopped_job_id(self)
+        job_id = worker_state.stopped_job_id(self)
         if self.service.cancel(job_id):
             return
         if job_id is not None and job_id == self.get_current_job_id():
@@ -99,12 +99,12 @@ class StoppingWorker(rq_compat.FleetHorse, SimpleWorker):
             log.info("stop command for %s: no such job running here", job_id)
 
     def fleet_busy(self) -> bool:
-        """A render is running (RQ's kill-horse command then reaches `kill_horse`: `rq_compat.FleetHorse`)."""
+        """A render is running (RQ's kill-horse command then reaches `kill_horse`: `worker_state.FleetHorse`)."""
         return self.service.current is not None
 
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """Second signal: kill the fleet (from a helper thread) and abort the running job."""
-        if rq_compat.cold_stop_is_repeat(self):
+        if worker_state.cold_stop_is_repeat(self):
             return  # the same Ctrl+C delivered twice (e.g. supervisor + terminal)
         log.warning("cold shutdown: killing the fleet and aborting the running job")
         self._cold = True
