@@ -32,17 +32,36 @@ from dataclasses import dataclass, field
 from ltx_mgpu.errors import LtxMgpuError
 
 __all__ = [
-    "MAX_HEADER_DEPTH", "LoraFile", "LoraFileError", "LoraLimits", "check_header", "check_lora", "header_length",
-    "parse_header", "read_header", "transformer_targets",
-]  # fmt: skip
+    "MAX_HEADER_DEPTH",
+    "LoraFile",
+    "LoraFileError",
+    "LoraLimits",
+    "check_header",
+    "check_lora",
+    "header_length",
+    "parse_header",
+    "read_header",
+    "transformer_targets",
+]
 
 #: bytes per element of the safetensors dtypes a LoRA factor may have (what ltx-core's fusion multiplies)
 LORA_DTYPES: Mapping[str, int] = {"F16": 2, "BF16": 2, "F32": 4}
 #: every safetensors dtype, for checking byte ranges of a checkpoint's header
 _ALL_DTYPES: Mapping[str, int] = {
-    **LORA_DTYPES, "F64": 8, "I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-}  # fmt: skip
+    **LORA_DTYPES,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 _LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _LORA_PREFIX = "diffusion_model."  #: what LTXV_LORA_COMFY_RENAMING_MAP strips

@@ -33,8 +33,13 @@ _OVERRIDES = ("redis_url", "runner", "metrics_port", "spool_dir", "log_format", 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
     options = [
-        click.option("--settings", "settings_file", type=click.Path(dir_okay=False), default=None,
-                     help=f"settings file (.json/.toml/.yaml); default ${SETTINGS_FILE_ENV}"),
+        click.option(
+            "--settings",
+            "settings_file",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help=f"settings file (.json/.toml/.yaml); default ${SETTINGS_FILE_ENV}",
+        ),
         click.option("--redis-url", default=None, help="Redis URL (LTX_REDIS_URL)"),
         click.option("--queue", "queues", multiple=True, help="queue to serve, repeatable (LTX_QUEUES)"),
         click.option("--runner", default=None, help="runner name from the registry (LTX_RUNNER)"),
@@ -42,7 +47,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--spool-dir", default=None, help="spool directory (LTX_SPOOL_DIR)"),
         click.option("--log-format", type=click.Choice(["json", "text"]), default=None),
         click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default=None),
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -103,10 +108,17 @@ def main(
     settings = _load(settings_file, groups, queues, **flags)
     setup_logging(settings.log_level, settings.log_format, group="supervisor")
     env = _child_env(settings, settings_file)
-    supervisor = Supervisor(settings.groups, child_command, env=env, kill_after_s=kill_after,
-                            backoff_s=settings.restart_backoff_s, backoff_max_s=settings.restart_backoff_max_s,
-                            alarm_after=settings.restart_alarm_after, port=settings.supervisor_port,
-                            host=settings.metrics_host)  # fmt: skip
+    supervisor = Supervisor(
+        settings.groups,
+        child_command,
+        env=env,
+        kill_after_s=kill_after,
+        backoff_s=settings.restart_backoff_s,
+        backoff_max_s=settings.restart_backoff_max_s,
+        alarm_after=settings.restart_alarm_after,
+        port=settings.supervisor_port,
+        host=settings.metrics_host,
+    )
     sys.exit(supervisor.run())
 
 

@@ -117,8 +117,12 @@ class Channel:
                     try:
                         view = view[os.write(fd, view) :]
                     except BlockingIOError:
-                        _wait(lambda wait_s, fd=fd: _ready(fd, select.POLLOUT, wait_s), alive, deadline,
-                              "room in the pipe (nobody reads it)")  # fmt: skip
+                        _wait(
+                            lambda wait_s, fd=fd: _ready(fd, select.POLLOUT, wait_s),
+                            alive,
+                            deadline,
+                            "room in the pipe (nobody reads it)",
+                        )
                     except BrokenPipeError:
                         raise ChannelClosed("the reading side of the channel is gone") from None
         finally:

@@ -84,13 +84,25 @@ class _Graph:
         self.k = graph.tensor(name="k", **layout(tk))
         self.v = graph.tensor(name="v", **layout(tk))
         one = {"dim": [1, 1, 1, 1], "stride": [1, 1, 1, 1], "data_type": f32}
-        self.scales = [graph.tensor(name=n, **one) for n in ("descale_q", "descale_k", "descale_v", "descale_s",
-                                                              "scale_s", "scale_o")]  # fmt: skip
+        self.scales = [
+            graph.tensor(name=n, **one)
+            for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+        ]
         o, _, amax_s, amax_o = graph.sdpa_fp8(
-            q=self.q, k=self.k, v=self.v, descale_q=self.scales[0], descale_k=self.scales[1],
-            descale_v=self.scales[2], descale_s=self.scales[3], scale_s=self.scales[4], scale_o=self.scales[5],
-            is_inference=True, attn_scale=1.0 / math.sqrt(d), use_causal_mask=False, name="ltx_fp8_sdpa",
-        )  # fmt: skip
+            q=self.q,
+            k=self.k,
+            v=self.v,
+            descale_q=self.scales[0],
+            descale_k=self.scales[1],
+            descale_v=self.scales[2],
+            descale_s=self.scales[3],
+            scale_s=self.scales[4],
+            scale_o=self.scales[5],
+            is_inference=True,
+            attn_scale=1.0 / math.sqrt(d),
+            use_causal_mask=False,
+            name="ltx_fp8_sdpa",
+        )
         o.set_output(True).set_dim(layout(tq)["dim"]).set_stride(layout(tq)["stride"]).set_data_type(e4m3)
         for amax in (amax_s, amax_o):
             amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
@@ -134,11 +146,19 @@ def cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales:
     workspace = torch.empty((max(g.workspace_bytes, 1),), dtype=torch.uint8, device=device)
     one = (1, 1, 1, 1)
     pack = {
-        g.q: q8.transpose(1, 2), g.k: k8.transpose(1, 2), g.v: v8.transpose(1, 2), g.o: o8.transpose(1, 2),
-        g.scales[0]: scales[0:1].view(one), g.scales[1]: scales[1:2].view(one), g.scales[2]: scales[2:3].view(one),
-        g.scales[3]: consts[0:1].view(one), g.scales[4]: consts[1:2].view(one), g.scales[5]: inv_v.view(one),
-        g.amax_s: amax[0:1].view(one), g.amax_o: amax[1:2].view(one),
-    }  # fmt: skip
+        g.q: q8.transpose(1, 2),
+        g.k: k8.transpose(1, 2),
+        g.v: v8.transpose(1, 2),
+        g.o: o8.transpose(1, 2),
+        g.scales[0]: scales[0:1].view(one),
+        g.scales[1]: scales[1:2].view(one),
+        g.scales[2]: scales[2:3].view(one),
+        g.scales[3]: consts[0:1].view(one),
+        g.scales[4]: consts[1:2].view(one),
+        g.scales[5]: inv_v.view(one),
+        g.amax_s: amax[0:1].view(one),
+        g.amax_o: amax[1:2].view(one),
+    }
     handle = _handle(cudnn, device)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
     g.graph.execute(pack, workspace, handle=handle)

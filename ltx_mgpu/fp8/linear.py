@@ -79,9 +79,13 @@ def _bias_in_gemm(device: torch.device) -> bool:
 
 
 def fp8_gemm(
-    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """(q * scale) @ (weight * weight_scale[:, None]).T + bias, in `out_dtype`; q (M, K), weight (N, K)."""
     n, k = weight.shape
     if fp8_tensor_cores(q.device) and k % 16 == 0 and n % 16 == 0 and out_dtype == torch.bfloat16:
@@ -92,9 +96,13 @@ def fp8_gemm(
 
 
 def emulated_gemm(
-    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """`fp8_gemm` without FP8 tensor cores: dequantize in fp32 (see the module docstring), one fp32 matmul."""
     out = (q.float() * scale) @ (weight.float() * weight_scale.view(-1, 1)).t()
     if bias is not None:
@@ -103,9 +111,13 @@ def emulated_gemm(
 
 
 def scaled_mm_rowwise(
-    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """The `torch._scaled_mm` call itself: q (M, K) row-major, the (N, K) weight passed transposed (so
     column-major, as the op wants), scales (M, 1) and (1, N) in fp32. CPU builds of torch implement it too,
     which lets the CPU tests check this call's semantics against the emulation."""
@@ -156,13 +168,16 @@ class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None) -> None:
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
-        self.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=E4M3, device=device),
-                                   requires_grad=False)  # fmt: skip
-        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
-                                         requires_grad=False)  # fmt: skip
+        self.weight = nn.Parameter(
+            torch.empty((out_features, in_features), dtype=E4M3, device=device), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.ones(out_features, dtype=torch.float32, device=device), requires_grad=False
+        )
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=torch.bfloat16, device=device),
-                                     requires_grad=False)  # fmt: skip
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=torch.bfloat16, device=device), requires_grad=False
+            )
         else:
             self.register_parameter("bias", None)
         self.share: SharedInput | None = None  #: set for an attention's input projections

@@ -42,8 +42,21 @@ MAX_ROW = 16384  #: the widest row one program holds in registers (LTX-2's wides
 if triton is not None:
 
     @triton.jit
-    def _fuse_rows_kernel(w_ptr, s_ptr, d_ptr, q_ptr, so_ptr, K, stride_w, stride_df, stride_dn, stride_q,
-                          NF: tl.constexpr, BLOCK: tl.constexpr, CAST: tl.constexpr):  # fmt: skip
+    def _fuse_rows_kernel(
+        w_ptr,
+        s_ptr,
+        d_ptr,
+        q_ptr,
+        so_ptr,
+        K,
+        stride_w,
+        stride_df,
+        stride_dn,
+        stride_q,
+        NF: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CAST: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < K
@@ -63,13 +76,18 @@ if triton is not None:
 
 def lora_deltas(factors: Sequence[tuple[torch.Tensor, torch.Tensor, float]], device: torch.device) -> torch.Tensor:
     """(F, N, K) bf16: each factor's `strength * B @ A`, made exactly as `lora.fuse_rowwise_eager` makes it."""
-    return torch.stack([torch.matmul(b.to(device) * float(strength), a.to(device)).to(torch.bfloat16)
-                        for a, b, strength in factors])  # fmt: skip
+    return torch.stack(
+        [torch.matmul(b.to(device) * float(strength), a.to(device)).to(torch.bfloat16) for a, b, strength in factors]
+    )
 
 
-def fuse_rowwise_triton(weight: torch.Tensor, scale: torch.Tensor,
-                        factors: Sequence[tuple[torch.Tensor, torch.Tensor, float]], *,
-                        uncast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def fuse_rowwise_triton(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    factors: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
+    *,
+    uncast: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`lora.fuse_rowwise` for an (N, K) e4m3 weight whose rows are contiguous; the inputs are not modified.
     `uncast`: return the clamped fp32 values the e4m3 cast would round (tests: Triton's CPU interpreter emulates
     that cast wrongly where rounding carries into the exponent; on a GPU it is one `cvt.rn.satfinite` each)."""
@@ -83,7 +101,21 @@ def fuse_rowwise_triton(weight: torch.Tensor, scale: torch.Tensor,
     warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     scale = scale.to(torch.float32).contiguous()
     with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():  # (its device's stream)
-        _fuse_rows_kernel[(n,)](weight, scale, deltas, q, new_scale, k, weight.stride(0), deltas.stride(0),
-                                deltas.stride(1), q.stride(0), NF=len(factors), BLOCK=block, CAST=not uncast,
-                                num_warps=warps, enable_fp_fusion=False)  # fmt: skip
+        _fuse_rows_kernel[(n,)](
+            weight,
+            scale,
+            deltas,
+            q,
+            new_scale,
+            k,
+            weight.stride(0),
+            deltas.stride(0),
+            deltas.stride(1),
+            q.stride(0),
+            NF=len(factors),
+            BLOCK=block,
+            CAST=not uncast,
+            num_warps=warps,
+            enable_fp_fusion=False,
+        )
     return q, new_scale

@@ -52,9 +52,16 @@ def fused_classes() -> tuple[type, type]:
                 return apply_rotary_emb(norm(t), pe, self.rope_type) if pe is not None else norm(t)
             return norm_rope(t, norm.weight, cos, sin, self.heads, eps=eps)
 
-        def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                    pe: Any = None, k_pe: Any = None, perturbation_mask: torch.Tensor | None = None,
-                    all_perturbed: bool = False) -> torch.Tensor:  # fmt: skip
+        def forward(
+            self,
+            x: torch.Tensor,
+            context: torch.Tensor | None = None,
+            mask: torch.Tensor | None = None,
+            pe: Any = None,
+            k_pe: Any = None,
+            perturbation_mask: torch.Tensor | None = None,
+            all_perturbed: bool = False,
+        ) -> torch.Tensor:
             if self.to_gate_logits is not None:
                 return super().forward(x, context, mask, pe, k_pe, perturbation_mask, all_perturbed)
             context = x if context is None else context
@@ -71,16 +78,22 @@ def fused_classes() -> tuple[type, type]:
     class FusedAVBlock(BasicAVTransformerBlock):
         """`BasicAVTransformerBlock.forward` with fused norms, modulation and gated residuals."""
 
-        def _self_and_text(self, x: torch.Tensor, args: Any, table: torch.Tensor, attn1: Any, attn2: Any,
-                           perturbations: Any, skip: Any) -> torch.Tensor:  # fmt: skip
+        def _self_and_text(
+            self, x: torch.Tensor, args: Any, table: torch.Tensor, attn1: Any, attn2: Any, perturbations: Any, skip: Any
+        ) -> torch.Tensor:
             eps = self.norm_eps
             shift, scale, gate = self.get_ada_values(table, x.shape[0], args.timesteps, slice(0, 3))
             normed = residual_norm(x, scale=scale, shift=shift, eps=eps)[1]
             all_p = perturbations.all_in_batch(skip, self.idx)
             none_p = not perturbations.any_in_batch(skip, self.idx)
             pmask = perturbations.mask_like(skip, self.idx, x) if not all_p and not none_p else None
-            out = attn1(normed, pe=args.positional_embeddings, mask=args.self_attention_mask,
-                        perturbation_mask=pmask, all_perturbed=all_p)  # fmt: skip
+            out = attn1(
+                normed,
+                pe=args.positional_embeddings,
+                mask=args.self_attention_mask,
+                perturbation_mask=pmask,
+                all_perturbed=all_p,
+            )
             x, normed = residual_norm(x, out, gate, eps=eps)
             return residual_norm(x, attn2(normed, context=args.context, mask=args.context_mask), norm=False)[0]
 
@@ -91,8 +104,9 @@ def fused_classes() -> tuple[type, type]:
             return residual_norm(x, ff(normed), gate, norm=False)[0]
 
         def _av_values(self, table: torch.Tensor, args: Any, x: torch.Tensor, idx: slice) -> tuple:
-            return self.get_av_ca_ada_values(table, x.shape[0], args.cross_scale_shift_timestep,
-                                             args.cross_gate_timestep, idx)  # fmt: skip
+            return self.get_av_ca_ada_values(
+                table, x.shape[0], args.cross_scale_shift_timestep, args.cross_gate_timestep, idx
+            )
 
         def forward(self, video: Any, audio: Any, perturbations: Any = None) -> tuple[Any, Any]:
             if self.cross_attention_adaln or video is None or audio is None:
@@ -103,11 +117,19 @@ def fused_classes() -> tuple[type, type]:
             run_vx, run_ax = video.enabled and vx.numel() > 0, audio.enabled and ax.numel() > 0
             run_a2v, run_v2a = run_vx and ax.numel() > 0, run_ax and vx.numel() > 0
             if run_vx:
-                vx = self._self_and_text(vx, video, self.scale_shift_table, self.attn1, self.attn2, perturbations,
-                                         P.SKIP_VIDEO_SELF_ATTN)  # fmt: skip
+                vx = self._self_and_text(
+                    vx, video, self.scale_shift_table, self.attn1, self.attn2, perturbations, P.SKIP_VIDEO_SELF_ATTN
+                )
             if run_ax:
-                ax = self._self_and_text(ax, audio, self.audio_scale_shift_table, self.audio_attn1,
-                                         self.audio_attn2, perturbations, P.SKIP_AUDIO_SELF_ATTN)  # fmt: skip
+                ax = self._self_and_text(
+                    ax,
+                    audio,
+                    self.audio_scale_shift_table,
+                    self.audio_attn1,
+                    self.audio_attn2,
+                    perturbations,
+                    P.SKIP_AUDIO_SELF_ATTN,
+                )
             v_pending: tuple = (None,)
             a_pending: tuple = (None,)
             vtab, atab = self.scale_shift_table_a2v_ca_video, self.scale_shift_table_a2v_ca_audio
@@ -116,16 +138,18 @@ def fused_classes() -> tuple[type, type]:
                 a_scale, a_shift, _ = self._av_values(atab, audio, ax, slice(0, 2))
                 v_in = residual_norm(vx, scale=v_scale, shift=v_shift, eps=self.norm_eps)[1]
                 a_in = residual_norm(ax, scale=a_scale, shift=a_shift, eps=self.norm_eps)[1]
-                out = self.audio_to_video_attn(v_in, context=a_in, pe=video.cross_positional_embeddings,
-                                               k_pe=audio.cross_positional_embeddings)  # fmt: skip
+                out = self.audio_to_video_attn(
+                    v_in, context=a_in, pe=video.cross_positional_embeddings, k_pe=audio.cross_positional_embeddings
+                )
                 v_pending = (out, v_gate, perturbations.mask_like(P.SKIP_A2V_CROSS_ATTN, self.idx, vx))
             if run_v2a and not perturbations.all_in_batch(P.SKIP_V2A_CROSS_ATTN, self.idx):
                 a_scale, a_shift, a_gate = self._av_values(atab, audio, ax, slice(2, 4))
                 v_scale, v_shift, _ = self._av_values(vtab, video, vx, slice(2, 4))
                 a_in = residual_norm(ax, scale=a_scale, shift=a_shift, eps=self.norm_eps)[1]
                 v_in = residual_norm(vx, scale=v_scale, shift=v_shift, eps=self.norm_eps)[1]  # (x before a2v's)
-                out = self.video_to_audio_attn(a_in, context=v_in, pe=audio.cross_positional_embeddings,
-                                               k_pe=video.cross_positional_embeddings)  # fmt: skip
+                out = self.video_to_audio_attn(
+                    a_in, context=v_in, pe=audio.cross_positional_embeddings, k_pe=video.cross_positional_embeddings
+                )
                 a_pending = (out, a_gate, perturbations.mask_like(P.SKIP_V2A_CROSS_ATTN, self.idx, ax))
             if run_vx:
                 vx = self._ff(vx, video, self.scale_shift_table, self.ff, v_pending)

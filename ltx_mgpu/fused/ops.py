@@ -51,10 +51,17 @@ def fused_available() -> bool:
     return True
 
 
-def residual_norm_eager(x: torch.Tensor, y: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-                        mask: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                        shift: torch.Tensor | None = None, *, eps: float = 1e-6,
-                        norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def residual_norm_eager(
+    x: torch.Tensor,
+    y: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ltx-core's expressions: `x + y * gate * mask`, `rms_norm(x) * (1 + scale) + shift`."""
     if y is not None:
         if gate is not None:
@@ -80,10 +87,18 @@ def _bt_strides(t: torch.Tensor, shape: torch.Size) -> tuple[int, int]:
     return e.stride(0), e.stride(1)
 
 
-def residual_norm(x: torch.Tensor, y: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-                  mask: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                  shift: torch.Tensor | None = None, *, eps: float = 1e-6, norm: bool = True,
-                  force_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def residual_norm(
+    x: torch.Tensor,
+    y: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    norm: bool = True,
+    force_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`residual_norm_eager`, as one Triton kernel on CUDA bf16 inputs (`force_kernel`: also on the CPU, for
     Triton's interpreter in tests)."""
     from .triton_block import MAX_ROW, residual_norm_kernel
@@ -106,17 +121,46 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor | None = None, gate: torch.Te
     m = None if mask is None else mask.reshape(-1).to(torch.bfloat16)
     if b * t:
         residual_norm_kernel[(b * t,)](
-            x, dummy if y is None else y, dummy if gate is None else gate, dummy if m is None else m,
-            dummy if scale is None else scale, dummy if shift is None else shift, xo, no, t, d, float(eps),
-            d, d, *sg, 0 if m is None else m.stride(0), *sc, *sh, d, d,
-            RESID=y is not None, GATE=gate is not None, MASK=m is not None, NORM=norm, MOD=scale is not None,
-            BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8, enable_fp_fusion=False,
-        )  # fmt: skip
+            x,
+            dummy if y is None else y,
+            dummy if gate is None else gate,
+            dummy if m is None else m,
+            dummy if scale is None else scale,
+            dummy if shift is None else shift,
+            xo,
+            no,
+            t,
+            d,
+            float(eps),
+            d,
+            d,
+            *sg,
+            0 if m is None else m.stride(0),
+            *sc,
+            *sh,
+            d,
+            d,
+            RESID=y is not None,
+            GATE=gate is not None,
+            MASK=m is not None,
+            NORM=norm,
+            MOD=scale is not None,
+            BLOCK=triton.next_power_of_2(d),
+            num_warps=4 if d <= 2048 else 8,
+            enable_fp_fusion=False,
+        )
     return xo, (no if norm else None)
 
 
-def norm_rope_eager(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                    heads: int, *, eps: float = 1e-6) -> torch.Tensor:  # fmt: skip
+def norm_rope_eager(
+    q: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    heads: int,
+    *,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """ltx-core's `q_norm(q)` then `apply_split_rotary_emb(q, (cos, sin))`, in its op order."""
     n = torch.nn.functional.rms_norm(q, (q.shape[-1],), weight=weight, eps=eps)
     if cos is None:
@@ -129,8 +173,16 @@ def norm_rope_eager(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | N
     return out.swapaxes(1, 2).reshape(b, t, -1)
 
 
-def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-              heads: int, *, eps: float = 1e-6, force_kernel: bool = False) -> torch.Tensor:  # fmt: skip
+def norm_rope(
+    q: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    heads: int,
+    *,
+    eps: float = 1e-6,
+    force_kernel: bool = False,
+) -> torch.Tensor:
     """`norm_rope_eager` as one Triton kernel on CUDA bf16 inputs with power-of-two heads and head halves."""
     from .triton_block import norm_rope_kernel
 
@@ -149,8 +201,21 @@ def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None, s
         sc = ss = (0, 0, 0)
     if b * t:
         norm_rope_kernel[(b * t,)](
-            q, weight.contiguous(), q if cos is None else cos, q if sin is None else sin, out, t, float(eps),
-            d, *sc, *ss, d, H=heads, HALF=half, ROPE=cos is not None, num_warps=8 if d > 2048 else 4,
+            q,
+            weight.contiguous(),
+            q if cos is None else cos,
+            q if sin is None else sin,
+            out,
+            t,
+            float(eps),
+            d,
+            *sc,
+            *ss,
+            d,
+            H=heads,
+            HALF=half,
+            ROPE=cos is not None,
+            num_warps=8 if d > 2048 else 4,
             enable_fp_fusion=False,
-        )  # fmt: skip
+        )
     return out

@@ -42,10 +42,36 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _residual_norm_kernel(x_ptr, y_ptr, g_ptr, m_ptr, sc_ptr, sh_ptr, xo_ptr, no_ptr, T, D, eps,
-                              sx, sy, sgb, sgt, smb, scb, sct, shb, sht, sxo, sno,
-                              RESID: tl.constexpr, GATE: tl.constexpr, MASK: tl.constexpr, NORM: tl.constexpr,
-                              MOD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def _residual_norm_kernel(
+        x_ptr,
+        y_ptr,
+        g_ptr,
+        m_ptr,
+        sc_ptr,
+        sh_ptr,
+        xo_ptr,
+        no_ptr,
+        T,
+        D,
+        eps,
+        sx,
+        sy,
+        sgb,
+        sgt,
+        smb,
+        scb,
+        sct,
+        shb,
+        sht,
+        sxo,
+        sno,
+        RESID: tl.constexpr,
+        GATE: tl.constexpr,
+        MASK: tl.constexpr,
+        NORM: tl.constexpr,
+        MOD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         b, t = row // T, row % T
         offs = tl.arange(0, BLOCK)
@@ -69,8 +95,26 @@ if triton is not None:
             tl.store(no_ptr + row * sno + offs, n.to(tl.bfloat16), mask=keep)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, c_ptr, s_ptr, o_ptr, T, eps, sx, scb, sch, sct, ssb, ssh, sst, so,
-                          H: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
+    def _norm_rope_kernel(
+        x_ptr,
+        w_ptr,
+        c_ptr,
+        s_ptr,
+        o_ptr,
+        T,
+        eps,
+        sx,
+        scb,
+        sch,
+        sct,
+        ssb,
+        ssh,
+        sst,
+        so,
+        H: tl.constexpr,
+        HALF: tl.constexpr,
+        ROPE: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         b, t = row // T, row % T
         heads = tl.arange(0, H)[:, None]
@@ -78,8 +122,9 @@ if triton is not None:
         first = heads * (2 * HALF) + j  # (H, HALF): each head's first half; + HALF: its second half
         x1 = tl.load(x_ptr + row * sx + first).to(tl.float32)
         x2 = tl.load(x_ptr + row * sx + first + HALF).to(tl.float32)
-        r = 1.0 / tl.sqrt((tl.sum(tl.sum(x1 * x1, axis=1), axis=0) + tl.sum(tl.sum(x2 * x2, axis=1), axis=0))
-                          / (2 * H * HALF) + eps)  # fmt: skip
+        r = 1.0 / tl.sqrt(
+            (tl.sum(tl.sum(x1 * x1, axis=1), axis=0) + tl.sum(tl.sum(x2 * x2, axis=1), axis=0)) / (2 * H * HALF) + eps
+        )
         n1 = _bf(x1 * r * tl.load(w_ptr + first).to(tl.float32))  # (torch: weight applied in fp32)
         n2 = _bf(x2 * r * tl.load(w_ptr + first + HALF).to(tl.float32))
         if ROPE:

@@ -42,8 +42,14 @@ class Mp4Stream:
         segments = options.segment_count(self.total)
         self.runs: SegmentStream | None = None
         if segments > 1:
-            self.runs = SegmentStream(self.video.numpy(), self.width, self.height, frame_rate_fraction(self.fps),
-                                      segment_settings(options, segments), segments)  # fmt: skip
+            self.runs = SegmentStream(
+                self.video.numpy(),
+                self.width,
+                self.height,
+                frame_rate_fraction(self.fps),
+                segment_settings(options, segments),
+                segments,
+            )
 
     def advance(self, event: dict[str, Any]) -> None:
         if self.aborted:  # (a late event starts nothing)
@@ -57,8 +63,10 @@ class Mp4Stream:
     def finish(self, event: dict[str, Any]) -> dict[str, Any]:
         """The closing `media` event -> the `media` dict of a whole hand-off, plus `stream` (this object)."""
         if self.ready < self.total or self.aborted:
-            raise RuntimeError(f"streamed hand-off closed with {self.ready} of {self.total} frames"
-                               + (" after an abort" if self.aborted else ""))  # fmt: skip
+            raise RuntimeError(
+                f"streamed hand-off closed with {self.ready} of {self.total} frames"
+                + (" after an abort" if self.aborted else "")
+            )
         return {**event, "video": self.video, "frames": self.total, "stream": self}
 
     def abort(self) -> None:
@@ -79,5 +87,7 @@ class Mp4Stream:
         `encode_tail_s`: seconds of it after (what the stream leaves on the critical path)."""
         if self.decoded_at is None:
             return {}
-        return {"encode_overlap_s": round(max(0.0, min(self.decoded_at, ended) - started), 4),
-                "encode_tail_s": round(max(0.0, ended - max(started, self.decoded_at)), 4)}  # fmt: skip
+        return {
+            "encode_overlap_s": round(max(0.0, min(self.decoded_at, ended) - started), 4),
+            "encode_tail_s": round(max(0.0, ended - max(started, self.decoded_at)), 4),
+        }

@@ -75,8 +75,9 @@ class SegmentStream:
     `frames` (F, H * 3 // 2, W) uint8 yuv420p may still be filling: only frames below what `advance(ready)`
     announced are read. `runs()` yields the `Run`s in order once every frame is announced."""
 
-    def __init__(self, frames: np.ndarray, width: int, height: int, rate: Fraction, settings: dict[str, Any],
-                 segments: int) -> None:  # fmt: skip
+    def __init__(
+        self, frames: np.ndarray, width: int, height: int, rate: Fraction, settings: dict[str, Any], segments: int
+    ) -> None:
         self.frames, self.width, self.height, self.rate, self.settings = frames, width, height, rate, settings
         self.bounds = segment_bounds(len(frames), segments)
         self.ready = 0
@@ -97,8 +98,18 @@ class SegmentStream:
             pool = _executor(len(self.bounds) - 1)
             while len(self._jobs) < len(self.bounds) - 1 and self.bounds[len(self._jobs) + 1] <= self.ready:
                 k = len(self._jobs)
-                self._jobs.append(pool.submit(_encode_run, self.frames, self.bounds[k], self.bounds[k + 1],
-                                              self.width, self.height, self.rate, self.settings))  # fmt: skip
+                self._jobs.append(
+                    pool.submit(
+                        _encode_run,
+                        self.frames,
+                        self.bounds[k],
+                        self.bounds[k + 1],
+                        self.width,
+                        self.height,
+                        self.rate,
+                        self.settings,
+                    )
+                )
 
     def runs(self) -> Iterator[Run]:
         """Each run in order as soon as it and the runs before it are encoded (every frame must be in).
@@ -140,8 +151,9 @@ def encode_segments(
     yield from stream.runs()
 
 
-def _encode_run(frames: np.ndarray, lo: int, hi: int, width: int, height: int, rate: Fraction,
-                settings: dict[str, Any]) -> Run:  # fmt: skip
+def _encode_run(
+    frames: np.ndarray, lo: int, hi: int, width: int, height: int, rate: Fraction, settings: dict[str, Any]
+) -> Run:
     """Frames [lo, hi) through one x264 whose headers are out of band, as the mp4 stream's encoder's are."""
     import av
     from av.codec.context import Flags

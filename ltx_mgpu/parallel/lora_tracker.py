@@ -131,8 +131,9 @@ class LoraWeightTracker:
             device = working[mine[0]].device
             self._clean = dict(zip(mine, pack_pinned([working[k].detach() for k in mine], device), strict=True))
         else:
-            self._clean = {k: working[k].detach().to(device=self.backup_device or working[k].device, copy=True)
-                           for k in mine}  # fmt: skip
+            self._clean = {
+                k: working[k].detach().to(device=self.backup_device or working[k].device, copy=True) for k in mine
+            }
         self._working = working
 
     @property
@@ -295,11 +296,14 @@ class LoraWeightTracker:
                 prefix = key[: -len(".weight")]
                 device = self._working[key].device
                 factors = [
-                    (lsd.state_dict.sd[f"{prefix}.lora_A.weight"].to(device, non_blocking=True),
-                     lsd.state_dict.sd[f"{prefix}.lora_B.weight"].to(device, non_blocking=True), lsd.strength)
+                    (
+                        lsd.state_dict.sd[f"{prefix}.lora_A.weight"].to(device, non_blocking=True),
+                        lsd.state_dict.sd[f"{prefix}.lora_B.weight"].to(device, non_blocking=True),
+                        lsd.strength,
+                    )
                     for lsd in lora_sds
                     if f"{prefix}.lora_A.weight" in lsd.state_dict.sd
-                ]  # fmt: skip
+                ]
                 q, s = fuse_rowwise(self._working[key], self._working[scale], factors)
                 self._working[key].copy_(q)
                 self._working[scale].copy_(s)

@@ -178,8 +178,13 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
         positions, mask = video.positions, getattr(video, "attention_mask", None)
         audio_positions = None if audio is None else audio.positions
         held = (positions, mask, audio_positions)
-        key = (grid, total, str(video.latent.device), video.latent.dtype,
-               *((None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()))) for t in held))  # fmt: skip
+        key = (
+            grid,
+            total,
+            str(video.latent.device),
+            video.latent.dtype,
+            *((None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()))) for t in held),
+        )
         cached = self._cached_plan
         if cached is not None and cached.key == key and all(a is b for a, b in zip(cached.held, held, strict=True)):
             return cached

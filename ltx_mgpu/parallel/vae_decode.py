@@ -205,8 +205,9 @@ class DistributedVideoDecoder:
     def _header(self, staged: bool, value: int = 0) -> torch.Tensor:
         return torch.tensor([value], dtype=torch.int64, device="cpu" if staged or self.world_size == 1 else self.device)
 
-    def _send_chunks(self, latent: torch.Tensor, tiles: list[VaeTile], mine: dict[int, Iterator[torch.Tensor]],
-                     staged: bool) -> Iterator[None]:  # fmt: skip
+    def _send_chunks(
+        self, latent: torch.Tensor, tiles: list[VaeTile], mine: dict[int, Iterator[torch.Tensor]], staged: bool
+    ) -> Iterator[None]:
         owned = [t for t in tiles if t.index in mine]
         driver = self._global(self.driver_rank)
         while owned:
@@ -234,8 +235,9 @@ class DistributedVideoDecoder:
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def _blend_chunks(self, latent: torch.Tensor, tiles: list[VaeTile], mine: dict[int, Iterator[torch.Tensor]],
-                      staged: bool) -> Iterator[torch.Tensor]:  # fmt: skip
+    def _blend_chunks(
+        self, latent: torch.Tensor, tiles: list[VaeTile], mine: dict[int, Iterator[torch.Tensor]], staged: bool
+    ) -> Iterator[torch.Tensor]:
         """Driver: chunk by chunk, every tile's part blended in tile order (the same floating-point order for
         every world size and chunking: each pixel sees the same sums as a whole-video blend)."""
         out_dev = self.output_device or self.device
@@ -278,16 +280,18 @@ class DistributedVideoDecoder:
                 acc[:, :, :, ph, pw] += decoded.to(device=out_dev, dtype=torch.float32) * weight
             if ended:
                 if ended != len(tiles) or done != n_frames:
-                    raise RuntimeError(f"decode chunks ended unevenly ({ended} of {len(tiles)} tiles, "
-                                       f"{done} of {n_frames} frames)")  # fmt: skip
+                    raise RuntimeError(
+                        f"decode chunks ended unevenly ({ended} of {len(tiles)} tiles, {done} of {n_frames} frames)"
+                    )
                 return
             assert acc is not None
             done += int(acc.shape[2])
             if int(acc.shape[2]):  # (ltx-core's first chunk may be empty)
                 yield acc if plain else acc / norm
 
-    def _next_part(self, latent: torch.Tensor, tile: VaeTile, mine: dict[int, Iterator[torch.Tensor]],
-                   staged: bool) -> torch.Tensor | None:  # fmt: skip
+    def _next_part(
+        self, latent: torch.Tensor, tile: VaeTile, mine: dict[int, Iterator[torch.Tensor]], staged: bool
+    ) -> torch.Tensor | None:
         """Driver: the next chunk of `tile`, decoded here or received from its owner; None after its last."""
         if tile.index in mine:
             with torch.no_grad():
@@ -297,8 +301,11 @@ class DistributedVideoDecoder:
         dist.recv(header, src=owner, group=self.group)
         if int(header.item()) == _END:
             return None
-        buf = torch.empty(self._tile_shape(latent, tile, int(header.item())), dtype=self.dtype,
-                          device="cpu" if staged else self.device)  # fmt: skip
+        buf = torch.empty(
+            self._tile_shape(latent, tile, int(header.item())),
+            dtype=self.dtype,
+            device="cpu" if staged else self.device,
+        )
         if buf.numel():
             dist.recv(buf, src=owner, group=self.group)
         return buf

@@ -57,6 +57,11 @@ class NoopRunner(MGPURunner):
                     fh.write(block[:remaining])
                     remaining -= len(block[:remaining])
             yield output_event(
-                str(path), frames=num_frames, fps=frame_rate, width=width, height=height,
-                size_bytes=self.output_bytes, content_type="video/mp4",
-            )  # fmt: skip
+                str(path),
+                frames=num_frames,
+                fps=frame_rate,
+                width=width,
+                height=height,
+                size_bytes=self.output_bytes,
+                content_type="video/mp4",
+            )

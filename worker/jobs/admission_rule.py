@@ -30,14 +30,19 @@ class Refusal:
     def message(self) -> str:
         d = self.details
         if self.reason is FailureReason.QUEUE_FULL:
-            return (f"{d.get('depth')} jobs were waiting (LTX_MAX_QUEUE_DEPTH={d.get('cap')}); this one, among the "
-                    f"newest, was ended without running")  # fmt: skip
-        return (f"client {d.get('client')!r} had {d.get('unfinished')} unfinished jobs ahead of this one "
-                f"(LTX_CLIENT_QUOTA={d.get('quota')}); it was ended without running")  # fmt: skip
+            return (
+                f"{d.get('depth')} jobs were waiting (LTX_MAX_QUEUE_DEPTH={d.get('cap')}); this one, among the "
+                f"newest, was ended without running"
+            )
+        return (
+            f"client {d.get('client')!r} had {d.get('unfinished')} unfinished jobs ahead of this one "
+            f"(LTX_CLIENT_QUOTA={d.get('quota')}); it was ended without running"
+        )
 
     def to_json(self) -> str:
-        return json.dumps({"job_id": self.job_id, "queue": self.queue, "reason": self.reason.value,
-                           "details": self.details})  # fmt: skip
+        return json.dumps(
+            {"job_id": self.job_id, "queue": self.queue, "reason": self.reason.value, "details": self.details}
+        )
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Refusal:
@@ -93,8 +98,9 @@ def plan(
         job_id, queue, owner = taken
         n = counts.get(owner, 0) if owner is not None and owner != STALE else 0
         if quota is not None and owner is not None and owner != STALE and n >= quota:
-            out.taken = Refusal(job_id, queue, FailureReason.QUOTA_EXCEEDED,
-                                {"client": owner, "unfinished": n, "quota": quota})  # fmt: skip
+            out.taken = Refusal(
+                job_id, queue, FailureReason.QUOTA_EXCEEDED, {"client": owner, "unfinished": n, "quota": quota}
+            )
         elif owner is not None and owner != STALE:
             counts[owner] = n + 1
     total = sum(q.length for q in queues)
@@ -108,8 +114,11 @@ def plan(
                 continue
             n = counts.get(owner, 0) if owner is not None else 0
             if quota is not None and owner is not None and n >= quota:
-                refused.append(Refusal(job_id, q.name, FailureReason.QUOTA_EXCEEDED,
-                                       {"client": owner, "unfinished": n, "quota": quota}))  # fmt: skip
+                refused.append(
+                    Refusal(
+                        job_id, q.name, FailureReason.QUOTA_EXCEEDED, {"client": owner, "unfinished": n, "quota": quota}
+                    )
+                )
                 continue
             if depth_cap is not None and admitted >= depth_cap:
                 cut = pos
@@ -127,8 +136,9 @@ def plan(
             done = {r.job_id for r in refused}
             for job_id, owner in window[cut:]:
                 if job_id not in done and owner != STALE:
-                    refused.append(Refusal(job_id, q.name, FailureReason.QUEUE_FULL,
-                                           {"depth": total, "cap": depth_cap}))  # fmt: skip
+                    refused.append(
+                        Refusal(job_id, q.name, FailureReason.QUEUE_FULL, {"depth": total, "cap": depth_cap})
+                    )
         out.cuts.append(cut)
         out.refused.append(refused)
     return out

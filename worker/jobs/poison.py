@@ -40,8 +40,11 @@ POISONED_KEY_TEMPLATE = KEY_PREFIX + ":worker:poisoned:{job_id}"
 #: Fleet failure reasons (`FleetFailure.reason`) that a retry on the same fleet would meet again.
 NON_TRANSIENT = frozenset({"split"})
 #: Signals a process raises on itself when its own code crashes (see the module docstring).
-_SELF_INFLICTED = frozenset(int(getattr(signal, n)) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
-                                                              "SIGSYS", "SIGTRAP") if hasattr(signal, n))  # fmt: skip
+_SELF_INFLICTED = frozenset(
+    int(getattr(signal, n))
+    for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGSYS", "SIGTRAP")
+    if hasattr(signal, n)
+)
 _KEPT = 16  # entries kept per job (the refusal comes at the budget; this only bounds a loop that ignores it)
 
 
@@ -87,21 +90,26 @@ def lasting(fleet_reason: str | None, exitcode: int | None, *, during_job: bool,
     return False
 
 
-def record(conn: Any, job_id: str, fleet_reason: str | None, ttl: int, *, group: str = "",
-           lasting: bool | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def record(
+    conn: Any, job_id: str, fleet_reason: str | None, ttl: int, *, group: str = "", lasting: bool | None = None
+) -> list[dict[str, Any]]:
     """Remember that `job_id`'s render poisoned group `group`'s fleet (for `fleet_reason`; `lasting`: the
     job's own doing, see `lasting`; None: from the reason alone); returns every entry so far."""
     key = poisoned_key(job_id)
     reason = str(fleet_reason or "unknown")
-    entry = {"reason": reason, "group": str(group), "lasting": bool(reason in NON_TRANSIENT if lasting is None
-                                                                    else lasting)}  # fmt: skip
+    entry = {
+        "reason": reason,
+        "group": str(group),
+        "lasting": bool(reason in NON_TRANSIENT if lasting is None else lasting),
+    }
     entries = [*_entries(conn, key), entry][-_KEPT:]
     conn.set(key, json.dumps(entries), ex=max(1, int(ttl)))
     return entries
 
 
-def refusal(conn: Any, job_id: str, budget: int, entries: list[dict[str, Any]] | None = None, *,
-            group: str = "") -> str | None:  # fmt: skip
+def refusal(
+    conn: Any, job_id: str, budget: int, entries: list[dict[str, Any]] | None = None, *, group: str = ""
+) -> str | None:
     """Why `job_id` must not be rendered again by a worker of `group` (None: it may be), given the
     `fleet_failure` retry budget. `entries`: what `record` returned, or read from Redis."""
     entries = _entries(conn, poisoned_key(job_id)) if entries is None else entries
@@ -112,11 +120,15 @@ def refusal(conn: Any, job_id: str, budget: int, entries: list[dict[str, Any]] |
     if lasting_here or len(lasting_all) > 1:
         first = (lasting_here or lasting_all)[0]
         where = f" on group {first['group']}" if first["group"] and lasting_here else " on two groups"
-        return (f"this job's render poisoned a fleet for a cause a retry would meet again ({first['reason']})"
-                f"{where}: it is not rendered again there (fleet reasons: {listed})")  # fmt: skip
+        return (
+            f"this job's render poisoned a fleet for a cause a retry would meet again ({first['reason']})"
+            f"{where}: it is not rendered again there (fleet reasons: {listed})"
+        )
     if len(reasons) > max(0, budget):
-        return (f"this job's render poisoned a fleet {len(reasons)} times: it is not rendered again "
-                f"(fleet reasons: {listed})")  # fmt: skip
+        return (
+            f"this job's render poisoned a fleet {len(reasons)} times: it is not rendered again "
+            f"(fleet reasons: {listed})"
+        )
     return None
 
 
@@ -134,8 +146,13 @@ def _entries(conn: Any, key: str) -> list[dict[str, Any]]:
     out = []
     for v in value:
         if isinstance(v, dict):
-            out.append({"reason": str(v.get("reason"))[:40], "group": str(v.get("group") or "")[:64],
-                        "lasting": bool(v.get("lasting"))})  # fmt: skip
+            out.append(
+                {
+                    "reason": str(v.get("reason"))[:40],
+                    "group": str(v.get("group") or "")[:64],
+                    "lasting": bool(v.get("lasting")),
+                }
+            )
         else:  # (a record written before groups were kept: a bare reason)
             out.append({"reason": str(v)[:40], "group": "", "lasting": str(v) in NON_TRANSIENT})
     return out

@@ -53,9 +53,11 @@ MAX_KEYS = 500_000  #: keys one sweep looks at (a bound on its time: ~1-3 s per 
 _BATCH = 1000
 
 _NAME = r"([A-Za-z0-9_]{1,32})"
-_TENANT_KEYS = re.compile(rf"(?:rq:job:|{KEY_PREFIX}:job:|rq:results:){_NAME}-(.+)"
-                          rf"|{KEY_PREFIX}:producer:client:{_NAME}:jobs"
-                          rf"|rq:queue:.+{re.escape(TENANT_QUEUE_INFIX)}{_NAME}")  # fmt: skip
+_TENANT_KEYS = re.compile(
+    rf"(?:rq:job:|{KEY_PREFIX}:job:|rq:results:){_NAME}-(.+)"
+    rf"|{KEY_PREFIX}:producer:client:{_NAME}:jobs"
+    rf"|rq:queue:.+{re.escape(TENANT_QUEUE_INFIX)}{_NAME}"
+)
 
 
 def key_tenant(key: str) -> tuple[str, str | None] | None:
@@ -72,9 +74,18 @@ def key_tenant(key: str) -> tuple[str, str | None] | None:
 class TenantMemory:
     """See the module docstring. `budget_bytes`: the setting (0 auto, -1 off); thread-safe."""
 
-    def __init__(self, connection: Any, *, worker_name: str, tenants: list[str] | tuple[str, ...] = (),
-                 budget_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES, reserve_ttl: int = 3600,
-                 max_keys: int = MAX_KEYS, on_trim: Callable[[str, int, int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        connection: Any,
+        *,
+        worker_name: str,
+        tenants: list[str] | tuple[str, ...] = (),
+        budget_bytes: int = 0,
+        reserve_bytes: int = RESERVE_BYTES,
+        reserve_ttl: int = 3600,
+        max_keys: int = MAX_KEYS,
+        on_trim: Callable[[str, int, int], None] | None = None,
+    ) -> None:
         self.connection = connection
         self.on_trim = on_trim  #: told (tenant, keys deleted, bytes freed) of every trim: the worker's metrics
         self.tenants = tuple(tenants)
@@ -110,8 +121,10 @@ class TenantMemory:
         `SWEEP_EVERY_S`). Never raises: called from the retry paths of every Redis write."""
         try:
             if self.connection.delete(self.reserve_key):
-                log.warning("Redis is out of memory: released this worker's reserve (%d bytes) to record outcomes",
-                            self.reserve_bytes)  # fmt: skip
+                log.warning(
+                    "Redis is out of memory: released this worker's reserve (%d bytes) to record outcomes",
+                    self.reserve_bytes,
+                )
             with self._lock:
                 if time.monotonic() < self._next_sweep:
                     return
@@ -160,8 +173,15 @@ class TenantMemory:
             self.deleted += n
             if self.on_trim is not None:
                 self.on_trim(tenant, n, freed)
-            log.warning("tenant %s held %d bytes of Redis memory, over its budget of %d: deleted %d of its keys "
-                        "(%d bytes), largest and ended first", tenant, total, budget, n, freed)  # fmt: skip
+            log.warning(
+                "tenant %s held %d bytes of Redis memory, over its budget of %d: deleted %d of its keys "
+                "(%d bytes), largest and ended first",
+                tenant,
+                total,
+                budget,
+                n,
+                freed,
+            )
         return trimmed
 
     def _memory(self) -> tuple[int, int]:

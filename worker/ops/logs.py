@@ -39,8 +39,11 @@ def bind_job(job_id: str) -> Iterator[None]:
 def event_text(event: dict[str, object]) -> str:
     """An event dict as `action key=value ...` for a log line: `%s` of the dict printed enum reprs
     (`{'type': <EventType.FLEET: 'fleet'>, ...}`) and quoted every string."""
-    fields = " ".join(f"{k}={json.dumps(v, default=str) if isinstance(v, dict | list) else v}"
-                      for k, v in event.items() if k not in ("type", "action"))  # fmt: skip
+    fields = " ".join(
+        f"{k}={json.dumps(v, default=str) if isinstance(v, dict | list) else v}"
+        for k, v in event.items()
+        if k not in ("type", "action")
+    )
     return f"{event.get('action', event.get('type'))} {fields}".strip()
 
 

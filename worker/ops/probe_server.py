@@ -34,8 +34,15 @@ log = logging.getLogger("worker.probes")
 
 Reply = tuple[int, bytes, str]  #: status, body, content type
 _MAX_HEAD = 8192
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 431: "Head Too Large",
-            500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Head Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 @dataclass(eq=False)
@@ -49,8 +56,15 @@ class _Conn:
 class ProbeServer:
     """`route(path) -> Reply` for GET requests; see the module docstring."""
 
-    def __init__(self, route: Callable[[str], Reply], *, host: str = "127.0.0.1", port: int = 0,
-                 max_connections: int = 256, timeout_s: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        route: Callable[[str], Reply],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_connections: int = 256,
+        timeout_s: float = 5.0,
+    ) -> None:
         self.route = route
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -172,8 +186,10 @@ class ProbeServer:
 
     def _respond(self, conn: _Conn, reply: Reply) -> None:
         status, body, ctype = reply
-        head = (f"HTTP/1.0 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")  # fmt: skip
+        head = (
+            f"HTTP/1.0 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
         conn.out = head.encode("latin-1") + body
         self.served += 1
         self._sel.modify(conn.sock, selectors.EVENT_WRITE)

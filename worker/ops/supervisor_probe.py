@@ -35,15 +35,28 @@ class SupervisorMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.worker_ready = Gauge("ltx_supervisor_worker_ready", "1 while the group's worker process's last "
-                                  "report says ready (its /readyz)", ["group"], registry=r)  # fmt: skip
-        self.never_ready_exits = Gauge("ltx_supervisor_never_ready_exits", "Exits in a row of the group's worker "
-                                       "before it was ever ready", ["group"], registry=r)  # fmt: skip
-        self.crash_loop = Gauge("ltx_supervisor_crash_loop", "1 while the group's worker keeps exiting before it "
-                                "is ready (LTX_RESTART_ALARM_AFTER exits in a row or more)", ["group"],
-                                registry=r)  # fmt: skip
-        self.restarts = Counter("ltx_supervisor_restarts", "Worker processes restarted after an unasked exit",
-                                ["group"], registry=r)  # fmt: skip
+        self.worker_ready = Gauge(
+            "ltx_supervisor_worker_ready",
+            "1 while the group's worker process's last report says ready (its /readyz)",
+            ["group"],
+            registry=r,
+        )
+        self.never_ready_exits = Gauge(
+            "ltx_supervisor_never_ready_exits",
+            "Exits in a row of the group's worker before it was ever ready",
+            ["group"],
+            registry=r,
+        )
+        self.crash_loop = Gauge(
+            "ltx_supervisor_crash_loop",
+            "1 while the group's worker keeps exiting before it "
+            "is ready (LTX_RESTART_ALARM_AFTER exits in a row or more)",
+            ["group"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "ltx_supervisor_restarts", "Worker processes restarted after an unasked exit", ["group"], registry=r
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

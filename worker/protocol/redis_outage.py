@@ -31,8 +31,9 @@ log = logging.getLogger("worker.redis")
 class RedisOutage:
     """The worker's view of whether Redis takes its commands; thread-safe. See the module docstring."""
 
-    def __init__(self, on_change: Callable[[bool], None] | None = None, *, first_delay_s: float = 0.5,
-                 max_delay_s: float = 10.0) -> None:  # fmt: skip
+    def __init__(
+        self, on_change: Callable[[bool], None] | None = None, *, first_delay_s: float = 0.5, max_delay_s: float = 10.0
+    ) -> None:
         self.on_change = on_change
         self.first_delay_s = first_delay_s
         self.max_delay_s = max_delay_s
@@ -61,12 +62,21 @@ class RedisOutage:
             self.reason = f"{where}: {reason}"
             delay = min(self.max_delay_s, self.first_delay_s * 2 ** min(self.refusals - 1, 16))
         if first:
-            log.error("Redis refuses the worker (%s during %s): waiting it out (no job is taken; retrying with "
-                      "back-off up to %.0fs)", reason, where, self.max_delay_s)  # fmt: skip
+            log.error(
+                "Redis refuses the worker (%s during %s): waiting it out (no job is taken; retrying with "
+                "back-off up to %.0fs)",
+                reason,
+                where,
+                self.max_delay_s,
+            )
             self._changed(False)
         elif self.refusals % 20 == 0:
-            log.warning("Redis still refuses the worker after %.0fs (%s during %s)", time.time() - (self.since or 0),
-                        reason, where)  # fmt: skip
+            log.warning(
+                "Redis still refuses the worker after %.0fs (%s during %s)",
+                time.time() - (self.since or 0),
+                reason,
+                where,
+            )
         return delay
 
     def cleared(self) -> None:
@@ -76,8 +86,9 @@ class RedisOutage:
         with self._lock:
             since, self.since, self.reason, refusals, self.refusals = self.since, None, None, self.refusals, 0
         if since is not None:
-            log.warning("Redis takes the worker's commands again after %.1fs (%d refusals)", time.time() - since,
-                        refusals)  # fmt: skip
+            log.warning(
+                "Redis takes the worker's commands again after %.1fs (%d refusals)", time.time() - since, refusals
+            )
             self._changed(True)
 
     def snapshot(self) -> RedisHealth:

@@ -117,8 +117,9 @@ class LoraCache:
         with self._locked():  # (no eviction between the lookup and the pin)
             try:
                 if not self._trusted(path):
-                    log.warning("LoRA cache: %s was written before the last boot and never fsynced; fetching again",
-                                path)  # fmt: skip
+                    log.warning(
+                        "LoRA cache: %s was written before the last boot and never fsynced; fetching again", path
+                    )
                     path.unlink()
                     return None
                 self._pin(path)

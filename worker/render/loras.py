@@ -91,9 +91,14 @@ class ResolvedLora:
         return {"path": self.path, "strength": self.strength}
 
     def summary(self) -> dict[str, Any]:
-        return {"lora": self.label, "strength": self.strength, "cached": self.cached,
-                "fetch_bytes": self.fetch_bytes, "fetch_s": round(self.fetch_s, 4),
-                "verify_s": round(self.verify_s, 4)}  # fmt: skip
+        return {
+            "lora": self.label,
+            "strength": self.strength,
+            "cached": self.cached,
+            "fetch_bytes": self.fetch_bytes,
+            "fetch_s": round(self.fetch_s, 4),
+            "verify_s": round(self.verify_s, 4),
+        }
 
 
 # ==== the resolver ==========================================================================================
@@ -155,8 +160,9 @@ class LoraResolver:
     def published(self) -> LoraOffer:
         names = []
         if self.catalogue is not None and self.catalogue.is_dir():
-            names = sorted(p.name[: -len(_SUFFIX)] for p in self.catalogue.glob(f"*{_SUFFIX}")
-                           if self._in_catalogue(p) is not None)[:1000]  # fmt: skip
+            names = sorted(
+                p.name[: -len(_SUFFIX)] for p in self.catalogue.glob(f"*{_SUFFIX}") if self._in_catalogue(p) is not None
+            )[:1000]
         most = self.settings.lora_max_per_request if self.takes_loras else 0  # (refused at submit, then)
         return LoraOffer(tuple(names), tuple(self.prefixes), most, tuple(self.shared), self.per_tenant)
 
@@ -286,8 +292,9 @@ class LoraResolver:
                 raise LoraRefused("", f"{ref.label}: not in the catalogue")
             st = source.stat()
             if st.st_size > self.limits.max_file_bytes:  # (before the job's sum: the file's own limit first)
-                raise LoraRefused("", f"{ref.label}: file is {st.st_size} bytes, over the "
-                                      f"{self.limits.max_file_bytes} byte limit")  # fmt: skip
+                raise LoraRefused(
+                    "", f"{ref.label}: file is {st.st_size} bytes, over the {self.limits.max_file_bytes} byte limit"
+                )
             memo = (str(source), st.st_size, st.st_mtime_ns)
             owner = (tenant or "") if self.per_tenant else ""
             digest = self._hashed.get(memo)  # (what its bytes are, once a job has copied them)
@@ -306,8 +313,12 @@ class LoraResolver:
             head = client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
-            raise LoraRefused("", f"{uri}: no such object ({code})" if code in ("404", "NoSuchKey", "NotFound")
-                              else f"{uri}: cannot read it ({code or exc})") from None  # fmt: skip
+            raise LoraRefused(
+                "",
+                f"{uri}: no such object ({code})"
+                if code in ("404", "NoSuchKey", "NotFound")
+                else f"{uri}: cannot read it ({code or exc})",
+            ) from None
         except BotoCoreError as exc:
             raise LoraRefused("", f"{uri}: cannot read it ({exc})") from None
         size = int(head.get("ContentLength", 0))

@@ -36,8 +36,9 @@ class JobResults:
             result["recovered"] = True
         return result
 
-    def uploaded(self, attempt: JobAttempt, entry: SpoolEntry, stored: StoredObject, render_s: float,
-                 upload_s: float) -> dict[str, Any]:  # fmt: skip
+    def uploaded(
+        self, attempt: JobAttempt, entry: SpoolEntry, stored: StoredObject, render_s: float, upload_s: float
+    ) -> dict[str, Any]:
         """The full result: where the video is, its hashes, size, timings and the fleet that rendered it."""
         url, url_expires_at = stored.url, stored.url_expires_at
         kept = attempt.kept_result_ttl()

@@ -108,8 +108,13 @@ class WarmUp:
                 if not is_out_of_memory(exc) or not ctl.is_alive:
                     raise RuntimeError(f"warm-up request {i} failed: {type(exc).__name__}: {exc}") from exc
                 if attempt + 1 < len(tries):
-                    log.warning("warm-up request %d (%s) ran out of memory; retrying with the lower-memory plan %s "
-                                "on the same fleet", i, _size(kwargs), tries[attempt + 1])  # fmt: skip
+                    log.warning(
+                        "warm-up request %d (%s) ran out of memory; retrying with the lower-memory plan %s "
+                        "on the same fleet",
+                        i,
+                        _size(kwargs),
+                        tries[attempt + 1],
+                    )
                     continue
                 why = "on the lower-memory plan too" if attempt else "and no lower-memory plan exists"
                 self._drop(i, kwargs, "out_of_memory", f"out of memory {why}: {_first_line(exc)}")
@@ -132,8 +137,13 @@ class WarmUp:
     def _drop(self, i: int, kwargs: dict[str, Any], reason: str, message: str) -> None:
         size = _size(kwargs)
         self.dropped[i] = {"index": i, "size": size, "reason": reason, "message": message}
-        log.warning("warm-up request %d (%s) dropped (%s): %s; the worker starts without it and serves what fits",
-                    i, size, reason, message)  # fmt: skip
+        log.warning(
+            "warm-up request %d (%s) dropped (%s): %s; the worker starts without it and serves what fits",
+            i,
+            size,
+            reason,
+            message,
+        )
         self.on_event({"type": EventType.FLEET, "action": "warmup_dropped", **self.dropped[i]})
 
 

@@ -69,8 +69,13 @@ def wait_for_redis(settings: WorkerSettings, *, first_delay_s: float = 0.5, max_
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if isinstance(exc.__context__, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
                     raise SettingsError(_misconfigured(exc, url)) from exc
-                log.warning("Redis at %s is not reachable (%s); waiting %.1fs before trying again (waited %.0fs)",
-                            safe_redis_url(url), exc, delay, time.monotonic() - t0)  # fmt: skip
+                log.warning(
+                    "Redis at %s is not reachable (%s); waiting %.1fs before trying again (waited %.0fs)",
+                    safe_redis_url(url),
+                    exc,
+                    delay,
+                    time.monotonic() - t0,
+                )
                 time.sleep(delay)
                 delay = min(max_delay_s, delay * 2)
                 continue
@@ -110,8 +115,10 @@ def check_devices(devices: list[str], group: str) -> None:
     missing = [d for d in cuda if int(d.split(":")[1]) >= available]
     if missing:
         seen = f"{available} GPU(s)" if available else "no GPU (CPU-only torch or no driver)"
-        raise SettingsError(f"group {group!r} needs {', '.join(missing)}, but torch {torch.__version__} sees "
-                            f"{seen}; on a machine without GPUs use --group cpu:N")  # fmt: skip
+        raise SettingsError(
+            f"group {group!r} needs {', '.join(missing)}, but torch {torch.__version__} sees "
+            f"{seen}; on a machine without GPUs use --group cpu:N"
+        )
 
 
 def place_for(settings: WorkerSettings, runner_cls: type, devices: list[str]) -> Any:
@@ -128,9 +135,49 @@ def place_for(settings: WorkerSettings, runner_cls: type, devices: list[str]) ->
     return place_fleet(settings, devices, fleet)
 
 
+def _checked_storage(settings: WorkerSettings) -> tuple[Any, str | None]:
+    """The worker's storage, checked: a definite configuration error raises (exit 2); storage unreachable right now
+    (an outage, the endpoint restarting) starts anyway, degraded: renders wait in the spool and their uploads retry,
+    and health, metrics and the log say so (the second value: why)."""
+    from worker.uploads.storage import StorageError, make_storage
+
+    storage = make_storage(settings)
+    try:
+        storage.check()
+    except StorageError as exc:
+        if not exc.retryable:
+            raise  # a 4xx answer, an unwritable directory: do not start
+        log.warning("storage degraded at start (renders wait in the spool, uploads retry): %s", exc)
+        return storage, str(exc)
+    return storage, None
+
+
+def _runner_limits(settings: WorkerSettings, runner_cls: type, placed: Any, world_size: int) -> Any:
+    """The runner's limits with the fleet's placement and card, and the warm-up requests checked against them: a
+    runner's bug here, or a warm-up the limits refuse (it would fail every build), is a configuration error."""
+    from ltx_contract.limits import RunnerLimits
+    from ltx_contract.schema import RenderRequest
+
+    try:
+        limits = RunnerLimits.of(
+            settings.runner,
+            runner_cls,
+            placed.setup_kwargs,
+            world_size=world_size,
+            capacity_gib=settings.device_memory_gib or placed.capacity_gib,
+            headroom_gib=settings.memory_headroom_gib,
+            lora_limits=settings.lora_limits(),
+        )
+    except Exception as exc:  # exit 2, one line
+        raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
+    for i, raw in enumerate(settings.warmup_requests):
+        if refused := limits.violations(RenderRequest.model_validate(raw)):
+            raise SettingsError(f"LTX_WARMUP_REQUESTS[{i}] is refused by the runner's limits: {refused[0].message()}")
+    return limits
+
+
 def build_worker(settings: WorkerSettings, group: str, *, controller_factory: Any = None) -> Any:
     """Build (but do not start) the `FleetWorker` for `group`, with its service, fleet and storage."""
-    from ltx_contract.limits import RunnerLimits
     from ltx_contract.redis_conn import connect
     from ltx_mgpu.control.devices import parse_device_group
     from worker.job import install_service
@@ -139,39 +186,17 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
     from worker.render.service import RenderService
     from worker.runtime.fleet_worker import FleetWorker
     from worker.uploads.spool import Spool
-    from worker.uploads.storage import StorageError, make_storage
 
     devices = parse_device_group(group)
     check_devices(devices, group)
     name = settings.worker_name_for(group)
     metrics = WorkerMetrics(group)
-    storage = make_storage(settings)
-    storage_error: str | None = None
-    try:
-        storage.check()
-    except StorageError as exc:
-        if not exc.retryable:
-            raise  # a definite configuration error (4xx answer, unwritable directory): do not start
-        # Storage unreachable right now (an outage, a restart of the endpoint): start anyway. Renders go to
-        # the spool and their uploads retry; health, metrics and the log say storage is degraded.
-        storage_error = str(exc)
-        log.warning("storage degraded at start (renders wait in the spool, uploads retry): %s", exc)
+    storage, storage_error = _checked_storage(settings)
     spool = Spool(settings.spool_dir)
     runner_cls = resolve_runner(settings)
     placed = place_for(settings, runner_cls, devices)  # before anything loads: exit 2 if it can never fit
     log.info("fleet %s: %s", group, placed.describe())
-    try:
-        limits = RunnerLimits.of(settings.runner, runner_cls, placed.setup_kwargs, world_size=len(devices),
-                                 capacity_gib=settings.device_memory_gib or placed.capacity_gib,
-                                 headroom_gib=settings.memory_headroom_gib,
-                                 lora_limits=settings.lora_limits())  # fmt: skip
-    except Exception as exc:  # a runner's bug here is a configuration error of this deployment: exit 2, one line
-        raise SettingsError(f"runner ({settings.runner!r}) request limits: {type(exc).__name__}: {exc}") from exc
-    from ltx_contract.schema import RenderRequest
-
-    for i, raw in enumerate(settings.warmup_requests):  # refused by the limits, a warm-up would fail every build
-        if refused := limits.violations(RenderRequest.model_validate(raw)):
-            raise SettingsError(f"LTX_WARMUP_REQUESTS[{i}] is refused by the runner's limits: {refused[0].message()}")
+    limits = _runner_limits(settings, runner_cls, placed, len(devices))
 
     def fleet_event(event: dict[str, Any]) -> None:
         if event.get("action") == "warmup_dropped":  # (worker.render.warmup logged it: one warning line)
@@ -200,8 +225,16 @@ def build_worker(settings: WorkerSettings, group: str, *, controller_factory: An
         warmup_dir=settings.spool_dir / ".warmup",
         warmup_timeout=settings.render_timeout,
     )
-    service = RenderService(settings, group=group, worker_name=name, fleet=fleet, storage=storage, spool=spool,
-                            metrics=metrics, limits=limits)  # fmt: skip
+    service = RenderService(
+        settings,
+        group=group,
+        worker_name=name,
+        fleet=fleet,
+        storage=storage,
+        spool=spool,
+        metrics=metrics,
+        limits=limits,
+    )
     service.set_storage_state(storage_error)
     service.process_started_at = process_started_at()
     install_service(service)
@@ -224,7 +257,6 @@ def run_worker(
     only the supervisor); if the supervisor dies without stopping them, they warm-stop themselves.
     """
     from worker.ops.logs import setup_logging
-    from worker.ops.metrics import HealthServer
     from worker.uploads.storage import StorageError
 
     setup_logging(settings.log_level, settings.log_format, group=group, worker=settings.worker_name_for(group))
@@ -246,29 +278,9 @@ def run_worker(
         except (SettingsError, StorageError) as exc:
             log.critical("cannot start: %s", exc)
             return EXIT_BAD_CONFIG
-        port = settings.metrics_port_for(index)
-        if port is not None:
-            health = HealthServer(worker.service.metrics, worker.health_snapshot, host=settings.metrics_host,
-                                  port=port).start()  # fmt: skip
-            worker.metrics_port = health.port
-            log.info("metrics and health on port %d", health.port)
-        from worker.render.fleet import FleetUnrecoverable
-
-        worker.health.start()  # (the snapshot says "starting" while the fleet loads)
-        # Recovery starts before the (possibly minutes-long) fleet start: renders a previous process left
-        # in the spool upload meanwhile, and count against the back-pressure bound before the first job.
-        worker.service.start_uploads(worker.connection)
-        try:
-            worker.service.fleet.start()  # warm before the first job
-        except FleetUnrecoverable as exc:
-            log.critical("%s", exc)
-            worker.health.stop()
-            return EXIT_FLEET_UNRECOVERABLE
-        worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
-        worker.service.update_spool_metrics()
-        from worker.runtime.readiness import report_to_supervisor
-
-        report_to_supervisor(worker.readiness)  # (its `/readyz` answer, kept current for the supervisor's)
+        health, failed = _start_serving(worker, settings, index)
+        if failed is not None:
+            return failed
     except _StartupInterrupted as exc:
         log.info("stopped by %s during startup", exc)
         if worker is not None:
@@ -278,6 +290,41 @@ def run_worker(
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
+
+    return _run_loop(worker, settings, burst, max_jobs, health)
+
+
+def _start_serving(worker: Any, settings: WorkerSettings, index: int) -> tuple[Any, int | None]:
+    """The metrics and health port, the spool's recovery (renders a previous process left upload while the fleet
+    starts, and count against the back-pressure bound before the first job), the fleet warm, and the supervisor
+    told. Returns the health server and, when the fleet could not be started, the exit code."""
+    from worker.ops.metrics import HealthServer
+    from worker.render.fleet import FleetUnrecoverable
+    from worker.runtime.readiness import report_to_supervisor
+
+    health = None
+    port = settings.metrics_port_for(index)
+    if port is not None:
+        health = HealthServer(worker.service.metrics, worker.health_snapshot, host=settings.metrics_host, port=port)
+        health.start()
+        worker.metrics_port = health.port
+        log.info("metrics and health on port %d", health.port)
+    worker.health.start()  # (the snapshot says "starting" while the fleet loads)
+    worker.service.start_uploads(worker.connection)
+    try:
+        worker.service.fleet.start()  # warm before the first job
+    except FleetUnrecoverable as exc:
+        log.critical("%s", exc)
+        worker.health.stop()
+        return health, EXIT_FLEET_UNRECOVERABLE
+    worker.service.metrics.set_fleet_state(worker.service.fleet.state, alive=worker.service.fleet.is_alive)
+    worker.service.update_spool_metrics()
+    report_to_supervisor(worker.readiness)  # (its `/readyz` answer, kept current for the supervisor's)
+    return health, None
+
+
+def _run_loop(worker: Any, settings: WorkerSettings, burst: bool, max_jobs: int | None, health: Any) -> int:
+    """The work loop until it stops; the fleet and the health server stopped on the way out. Returns the exit code."""
 
     # RQ installs its handlers only once its loop starts, after it has registered the worker: a signal in
     # between would take the default action and kill the process (-15) with the fleet still up. Until then a

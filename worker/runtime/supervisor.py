@@ -70,13 +70,19 @@ class _Child:
 
     def status(self, alarm_after: int) -> dict[str, Any]:
         running = self.proc is not None and self.proc.poll() is None
-        out: dict[str, Any] = {"group": self.group, "pid": self.proc.pid if running and self.proc else None,
-                               "ready": running and self.ready, "never_ready_exits": self.never_ready_exits,
-                               "last_exit_code": self.exit_codes[-1] if self.exit_codes else None,
-                               "crash_loop": self.never_ready_exits >= alarm_after}  # fmt: skip
+        out: dict[str, Any] = {
+            "group": self.group,
+            "pid": self.proc.pid if running and self.proc else None,
+            "ready": running and self.ready,
+            "never_ready_exits": self.never_ready_exits,
+            "last_exit_code": self.exit_codes[-1] if self.exit_codes else None,
+            "crash_loop": self.never_ready_exits >= alarm_after,
+        }
         if out["crash_loop"]:
-            out["reason"] = (f"group {self.group}: the worker exited {self.never_ready_exits} times in a row before it "
-                             f"was ever ready (last exit code {out['last_exit_code']}); its log says why")  # fmt: skip
+            out["reason"] = (
+                f"group {self.group}: the worker exited {self.never_ready_exits} times in a row before it "
+                f"was ever ready (last exit code {out['last_exit_code']}); its log says why"
+            )
         elif not out["ready"] and running and self.ever_ready:
             out["reason"] = f"group {self.group}: the worker is not ready: {self.not_ready}"
         elif not out["ready"]:
@@ -122,8 +128,7 @@ class Supervisor:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signals_received += 1
         mode = "warm" if self.signals_received == 1 else "cold"
-        log.warning("supervisor got %s: %s stop of %d worker(s)", signal.Signals(signum).name, mode,
-                    len(self.children))  # fmt: skip
+        log.warning("supervisor got %s: %s stop of %d worker(s)", signal.Signals(signum).name, mode, len(self.children))
         if self.signals_received >= 2 and self._cold_at is None:
             self._cold_at = time.monotonic()
         self._forward(signal.Signals(signum))
@@ -172,8 +177,11 @@ class Supervisor:
     def _first_ready(self, child: _Child) -> None:
         child.ever_ready = True
         if child.never_ready_exits >= self.alarm_after:
-            log.warning("worker for group %s is ready after %d exits in a row before readiness", child.group,
-                        child.never_ready_exits)  # fmt: skip
+            log.warning(
+                "worker for group %s is ready after %d exits in a row before readiness",
+                child.group,
+                child.never_ready_exits,
+            )
         child.never_ready_exits = 0
         self.metrics.never_ready_exits.labels(child.group).set(0)
         self.metrics.crash_loop.labels(child.group).set(0)
@@ -212,8 +220,11 @@ class Supervisor:
                 if self.signals_received:
                     if all(c.proc is None or c.proc.poll() is not None for c in self.children):
                         break
-                    if (self._cold_at is not None and self.kill_after_s is not None
-                            and time.monotonic() - self._cold_at > self.kill_after_s):  # fmt: skip
+                    if (
+                        self._cold_at is not None
+                        and self.kill_after_s is not None
+                        and time.monotonic() - self._cold_at > self.kill_after_s
+                    ):
                         log.error("workers still running %.0fs after a cold stop: SIGKILL", self.kill_after_s)
                         self._forward(signal.SIGKILL)
                         self._cold_at = None
@@ -263,8 +274,12 @@ class Supervisor:
             self._close_pipe(child)
             self.metrics.worker_ready.labels(child.group).set(0)
             if rc in PERMANENT_EXITS:
-                log.critical("worker for group %s exited %d: a configuration error (its log says which); "
-                             "restarting cannot fix it: stopping", child.group, rc)  # fmt: skip
+                log.critical(
+                    "worker for group %s exited %d: a configuration error (its log says which); "
+                    "restarting cannot fix it: stopping",
+                    child.group,
+                    rc,
+                )
                 return rc
             # (an unasked exit 0 too: the workers refuse RQ's pubsub shutdown command, so an older worker or
             # something else told it to; restarted with back-off, or anyone who can PUBLISH could end the service)
@@ -278,13 +293,26 @@ class Supervisor:
             what = "after it was ready" if child.ever_ready else "before it was ever ready"
             if child.never_ready_exits >= self.alarm_after:
                 self.metrics.crash_loop.labels(child.group).set(1)
-                log.critical("worker for group %s exited %d times in a row before it was ever ready (last exit code "
-                             "%d, after %.1fs): crash loop; restarting in %.1fs (back-off up to %.0fs); its log "
-                             "says why", child.group, child.never_ready_exits, rc, lived, delay,
-                             self.backoff_max_s)  # fmt: skip
+                log.critical(
+                    "worker for group %s exited %d times in a row before it was ever ready (last exit code "
+                    "%d, after %.1fs): crash loop; restarting in %.1fs (back-off up to %.0fs); its log "
+                    "says why",
+                    child.group,
+                    child.never_ready_exits,
+                    rc,
+                    lived,
+                    delay,
+                    self.backoff_max_s,
+                )
                 continue
-            log.error("worker for group %s exited with code %d after %.1fs, %s; restarting in %.1fs", child.group, rc,
-                      lived, what, delay)  # fmt: skip
+            log.error(
+                "worker for group %s exited with code %d after %.1fs, %s; restarting in %.1fs",
+                child.group,
+                rc,
+                lived,
+                what,
+                delay,
+            )
         return 0
 
     def _backoff(self, exits_in_a_row: int) -> float:
@@ -294,8 +322,19 @@ class Supervisor:
 
 def child_command(group: str, index: int, extra: Sequence[str] = ()) -> list[str]:
     """The command line of one worker process (this interpreter, `-m worker one`)."""
-    return [sys.executable, "-m", "worker", "one", "--group", group, "--index", str(index),
-            "--parent-pid", str(os.getpid()), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "one",
+        "--group",
+        group,
+        "--index",
+        str(index),
+        "--parent-pid",
+        str(os.getpid()),
+        *extra,
+    ]
 
 
 def child_env(overrides: dict[str, str]) -> dict[str, str]:

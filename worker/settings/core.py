@@ -84,14 +84,20 @@ class WorkerSettings(
             path = getattr(self, file_field)
             if path is not None:
                 object.__setattr__(self, secret, SecretStr(read_secret_file(path, file_field)))
-        for key_id, secret in (("s3_access_key_id", "s3_secret_access_key"),
-                               ("s3_presign_access_key_id", "s3_presign_secret_access_key")):  # fmt: skip
+        for key_id, secret in (
+            ("s3_access_key_id", "s3_secret_access_key"),
+            ("s3_presign_access_key_id", "s3_presign_secret_access_key"),
+        ):
             if (getattr(self, key_id) is None) != (getattr(self, secret) is None):
-                raise ValueError(f"{key_id} / {secret} ({ENV_PREFIX}{key_id.upper()}, {ENV_PREFIX}{secret.upper()}): "
-                                 "set both or neither")  # fmt: skip
+                raise ValueError(
+                    f"{key_id} / {secret} ({ENV_PREFIX}{key_id.upper()}, {ENV_PREFIX}{secret.upper()}): "
+                    "set both or neither"
+                )
         if self.tenants and not self.tenant_ids:
-            raise ValueError(f"tenants ({ENV_PREFIX}TENANTS) need tenant_ids ({ENV_PREFIX}TENANT_IDS=true): a "
-                             "tenant queue holds only ids with its tenant's prefix")  # fmt: skip
+            raise ValueError(
+                f"tenants ({ENV_PREFIX}TENANTS) need tenant_ids ({ENV_PREFIX}TENANT_IDS=true): a "
+                "tenant queue holds only ids with its tenant's prefix"
+            )
         if self.job_heartbeat_ttl < 3 * self.heartbeat_interval:
             # a running job is declared abandoned after this; two missed beats must never be enough
             raise ValueError(
@@ -109,8 +115,13 @@ class WorkerSettings(
     def public_dump(self) -> dict[str, Any]:
         """JSON-safe settings with secrets masked (for logs and `ltx-worker settings`)."""
         data = self.model_dump(mode="json")
-        for key in ("s3_access_key_id", "s3_secret_access_key", "s3_presign_access_key_id",
-                    "s3_presign_secret_access_key", "redis_password"):  # fmt: skip
+        for key in (
+            "s3_access_key_id",
+            "s3_secret_access_key",
+            "s3_presign_access_key_id",
+            "s3_presign_secret_access_key",
+            "redis_password",
+        ):
             if data.get(key) is not None:
                 data[key] = "**********"
         data["redis_url"] = safe_redis_url(self.redis_url)  # (its password)

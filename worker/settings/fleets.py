@@ -66,47 +66,59 @@ class FleetFields(BaseModel):
         "(compilation, allocator growth, caches for these sizes); their time is the warm-up of cold start",
     )
     device_memory_gib: float | None = Field(
-        None, gt=0, description="GiB each device offers the fleet's memory plan (ltx_mgpu.spec.memory_plan); unset: "
-        "measured after the warm-up on GPU fleets, no limit on CPU fleets"
-    )  # fmt: skip
+        None,
+        gt=0,
+        description="GiB each device offers the fleet's memory plan (ltx_mgpu.spec.memory_plan); unset: "
+        "measured after the warm-up on GPU fleets, no limit on CPU fleets",
+    )
     memory_headroom_gib: float = Field(
         4.0, ge=0, description="GiB the memory plan keeps free on every device beyond its predicted peak"
     )
     placement: str = Field(
-        "auto", description="where the fleet keeps its text encoder and its LoRA tracker's copies "
+        "auto",
+        description="where the fleet keeps its text encoder and its LoRA tracker's copies "
         "(ltx_mgpu.spec.placement): auto = the fastest placement that fits the card and the host memory, chosen "
         "before the fleet loads (a fleet that fits none is refused: exit 2); or JSON, e.g. "
-        '{"text_encoder": "park", "lora_backup": "host", "lora_factors": "host"} (unnamed parts stay on the GPU)'
-    )  # fmt: skip
+        '{"text_encoder": "park", "lora_backup": "host", "lora_factors": "host"} (unnamed parts stay on the GPU)',
+    )
     host_memory_gib: float | None = Field(
-        None, gt=0, description="GiB of pinned host memory this worker's fleet may take for its placement's host "
-        "tiers; unset: the memory available at start less 8 GiB, shared equally by the groups"
-    )  # fmt: skip
+        None,
+        gt=0,
+        description="GiB of pinned host memory this worker's fleet may take for its placement's host "
+        "tiers; unset: the memory available at start less 8 GiB, shared equally by the groups",
+    )
     render_timeout: float = Field(3600.0, gt=0, description="seconds one render may take in the fleet")
     fleet_shutdown_timeout: float = Field(30.0, ge=0, description="graceful seconds when stopping a fleet")
     fleet_error_settle_s: float = Field(
-        30.0, gt=0, description="once some ranks ended a job with an error, seconds the others get to end it too "
-        "before the fleet is taken to be stuck in a collective and rebuilt"
-    )  # fmt: skip
+        30.0,
+        gt=0,
+        description="once some ranks ended a job with an error, seconds the others get to end it too "
+        "before the fleet is taken to be stuck in a collective and rebuilt",
+    )
     deterministic: Literal["auto", "on", "off", "strict"] = Field(
-        "auto", description="deterministic renders (same request, seed, layout and software: the same frames and "
+        "auto",
+        description="deterministic renders (same request, seed, layout and software: the same frames and "
         "audio; ltx_mgpu.control.determinism): on, strict (torch refuses every nondeterministic op, cuDNN's "
         "attention included), off (the opt-out: buys back the mode's cost, docs/runners.md); auto = on for CPU "
-        "and GPU fleets alike"
-    )  # fmt: skip
+        "and GPU fleets alike",
+    )
     max_rebuild_failures: int = Field(
         3, ge=1, description="consecutive failed fleet (re)builds after which the worker exits non-zero"
     )
     rebuild_backoff_s: float = Field(2.0, ge=0, description="first back-off between failed rebuilds (doubles)")
     restart_backoff_s: float = Field(
-        1.0, ge=0, description="supervisor: first wait before restarting a worker that exited before it was ever "
-        "ready (doubles per such exit in a row); a worker that was ready is restarted after this"
-    )  # fmt: skip
+        1.0,
+        ge=0,
+        description="supervisor: first wait before restarting a worker that exited before it was ever "
+        "ready (doubles per such exit in a row); a worker that was ready is restarted after this",
+    )
     restart_backoff_max_s: float = Field(60.0, ge=0, description="supervisor: the cap of that back-off")
     restart_alarm_after: int = Field(
-        3, ge=1, description="supervisor: never-ready exits in a row from which it logs critical, sets "
-        "ltx_supervisor_crash_loop and answers /readyz 503"
-    )  # fmt: skip
+        3,
+        ge=1,
+        description="supervisor: never-ready exits in a row from which it logs critical, sets "
+        "ltx_supervisor_crash_loop and answers /readyz 503",
+    )
 
     # ---- retry policy (the worker decides per failure reason; RQ Retry objects are overridden) ------
     retry_fleet_failure: int = Field(1, ge=0, description="re-queues after a fleet failure")

@@ -20,9 +20,12 @@ class ObservabilityFields(BaseModel):
         description="Prometheus /metrics and /healthz port of group 0 (group i: +i); 0 = any free port, unset = off",
     )
     supervisor_port: int | None = Field(
-        None, ge=0, le=65535, description="the supervisor's /metrics, /healthz and /readyz (every group's worker "
-        "ready, else why not); 0 = any free port, unset = off"
-    )  # fmt: skip
+        None,
+        ge=0,
+        le=65535,
+        description="the supervisor's /metrics, /healthz and /readyz (every group's worker "
+        "ready, else why not); 0 = any free port, unset = off",
+    )
     metrics_host: str = Field(
         "127.0.0.1", description="address /metrics and /healthz listen on (loopback; compose sets 0.0.0.0)"
     )

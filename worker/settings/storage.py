@@ -42,9 +42,10 @@ class StorageFields(BaseModel):
     s3_access_key_id_file: Path | None = Field(None, description="read the access key id from this file")
     s3_secret_access_key_file: Path | None = Field(None, description="read the secret key from this file")
     s3_presign_access_key_id: SecretStr | None = Field(
-        None, description="sign result URLs with this read-only key (unset: the worker's key, whose id then "
-        "appears in every URL stored in Redis)"
-    )  # fmt: skip
+        None,
+        description="sign result URLs with this read-only key (unset: the worker's key, whose id then "
+        "appears in every URL stored in Redis)",
+    )
     s3_presign_secret_access_key: SecretStr | None = None
     s3_presign_access_key_id_file: Path | None = Field(None, description="read the presign key id from this file")
     s3_presign_secret_access_key_file: Path | None = Field(None, description="read the presign secret from this file")

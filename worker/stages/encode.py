@@ -123,8 +123,14 @@ class EncodeStage:
         from ltx_mgpu.media.mp4 import EncodeOptions
 
         s = self.settings
-        return EncodeOptions(crf=s.encode_crf, preset=s.encode_preset, tune=s.encode_tune, bframes=s.encode_bframes,
-                             threads=s.encode_threads, segments=s.encode_segments)  # fmt: skip
+        return EncodeOptions(
+            crf=s.encode_crf,
+            preset=s.encode_preset,
+            tune=s.encode_tune,
+            bframes=s.encode_bframes,
+            threads=s.encode_threads,
+            segments=s.encode_segments,
+        )
 
     def open_stream(self, event: dict[str, Any]) -> Any:
         """A streamed hand-off begins (`media_open`): its `Mp4Stream`, fed by the job function."""
@@ -215,8 +221,15 @@ class EncodeStage:
         audio = None
         if media.get("audio") is not None:
             audio = AudioTrack(media["audio"], int(media["audio_sample_rate"]))
-        write_mp4_yuv(media["video"], item.output_path, float(media["fps"]), width=int(media["width"]), audio=audio,
-                      options=self.options(), stream=None if stream is None else stream.runs)  # fmt: skip
+        write_mp4_yuv(
+            media["video"],
+            item.output_path,
+            float(media["fps"]),
+            width=int(media["width"]),
+            audio=audio,
+            options=self.options(),
+            stream=None if stream is None else stream.runs,
+        )
         digests = {**digest.result(), "deterministic": item.deterministic}
         ended = time.monotonic()
         # a streamed encode began with its first run, while the fleet still decoded
@@ -240,8 +253,16 @@ class EncodeStage:
         (self.spool.job_dir(item.job_id) / MARKER_NAME).unlink(missing_ok=True)
         self.encoded += 1
         sha = {"sha256": entry.sha256} if entry.sha256 else {}
-        _safe(item.attempt.relay.state, JobState.RENDERED, bytes=entry.size, render_s=round(item.render_s, 4),
-              encode_s=round(encode_s, 4), **overlap, **sha, digests=digests)  # fmt: skip
+        _safe(
+            item.attempt.relay.state,
+            JobState.RENDERED,
+            bytes=entry.size,
+            render_s=round(item.render_s, 4),
+            encode_s=round(encode_s, 4),
+            **overlap,
+            **sha,
+            digests=digests,
+        )
         return entry
 
     def _hand_to_uploads(self, item: PendingEncode, entry: SpoolEntry) -> None:
@@ -293,8 +314,7 @@ class EncodeStage:
                 log.error("encode marker %s: Redis unreachable; kept for the next start", directory.name)
                 continue  # (the lock is released by `finally`)
             except Exception:
-                log.warning("encode marker %s: job not recoverable; dropping the marker", directory.name,
-                            exc_info=True)  # fmt: skip
+                log.warning("encode marker %s: job not recoverable; dropping the marker", directory.name, exc_info=True)
             finally:
                 self.spool.unclaim(fd)
             self.spool.discard_incomplete(directory.name)

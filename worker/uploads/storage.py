@@ -191,9 +191,11 @@ class S3Storage:
         # supervisor gives up and the whole service is down.
         where = f"bucket {self.bucket!r} at {self.settings.s3_endpoint_url}"
         if self.presigns_with_worker_key:
-            log.warning("result URLs are signed with the worker's own read/write S3 key: its key id is in every "
-                        "URL stored in Redis and shown to clients; set LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE and "
-                        "LTX_S3_PRESIGN_SECRET_ACCESS_KEY_FILE to a read-only key (docs/security.md)")  # fmt: skip
+            log.warning(
+                "result URLs are signed with the worker's own read/write S3 key: its key id is in every "
+                "URL stored in Redis and shown to clients; set LTX_S3_PRESIGN_ACCESS_KEY_ID_FILE and "
+                "LTX_S3_PRESIGN_SECRET_ACCESS_KEY_FILE to a read-only key (docs/security.md)"
+            )
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
@@ -265,8 +267,9 @@ class S3Storage:
         if stored != {"size": entry.size, "sha256": entry.sha256}:
             raise StorageError(f"upload of {entry.key} not confirmed: stored {stored}, expected size {entry.size}")
         url, expires = self.url_for(entry.key)
-        return StoredObject("s3", self.bucket, entry.key, entry.size, entry.sha256, entry.content_type, url,
-                            expires, reused)  # fmt: skip
+        return StoredObject(
+            "s3", self.bucket, entry.key, entry.size, entry.sha256, entry.content_type, url, expires, reused
+        )
 
     def url_for(self, key: str, expiry_s: int | None = None) -> tuple[str, float | None]:
         expiry = self.settings.presign_expiry_s
@@ -324,8 +327,9 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"copy of {entry.key} failed: {exc}") from exc
         url, expires = self.url_for(entry.key)
-        return StoredObject("local", None, entry.key, entry.size, entry.sha256, entry.content_type, url,
-                            expires, reused)  # fmt: skip
+        return StoredObject(
+            "local", None, entry.key, entry.size, entry.sha256, entry.content_type, url, expires, reused
+        )
 
     def url_for(self, key: str, expiry_s: int | None = None) -> tuple[str, float | None]:
         return (self.root / key).resolve().as_uri(), None

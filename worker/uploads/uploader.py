@@ -97,8 +97,12 @@ class Uploader:
                 emit({"type": EventType.UPLOAD, "attempt": attempt, "error": last_error, "retry_in_s": round(wait, 3)})
                 log.warning(
                     "upload of %s failed (attempt %d/%d), retrying in %.1fs: %s",
-                    entry.key, attempt, self.attempts, wait, exc,
-                )  # fmt: skip
+                    entry.key,
+                    attempt,
+                    self.attempts,
+                    wait,
+                    exc,
+                )
                 if stop is not None:
                     if stop.wait(wait):
                         last_error = f"{last_error} (then interrupted by shutdown)"

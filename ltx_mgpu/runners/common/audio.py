@@ -95,8 +95,13 @@ def import_audio_vae() -> types.ModuleType:
 
 def _builder(configurator: str, sd_ops: str, checkpoint: str, what: str, registry: Any) -> Any:
     audio_vae = import_audio_vae()
-    return file_builder(getattr(audio_vae, configurator), checkpoint, f"LTX-2 checkpoint ({what})",
-                        sd_ops=getattr(audio_vae, sd_ops), registry=registry)  # fmt: skip
+    return file_builder(
+        getattr(audio_vae, configurator),
+        checkpoint,
+        f"LTX-2 checkpoint ({what})",
+        sd_ops=getattr(audio_vae, sd_ops),
+        registry=registry,
+    )
 
 
 def audio_decoder_builder(checkpoint: str, *, registry: Any = None) -> Any:

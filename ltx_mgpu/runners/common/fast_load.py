@@ -73,8 +73,9 @@ def read_header(path: str) -> tuple[list[_Entry], dict[str, str]]:
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         begin, end = (int(x) for x in info["data_offsets"])
-        entries.append(_Entry(name, _DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"]), base + begin,
-                              end - begin))  # fmt: skip
+        entries.append(
+            _Entry(name, _DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"]), base + begin, end - begin)
+        )
     entries.sort(key=lambda e: e.begin)
     return entries, metadata
 
@@ -99,8 +100,9 @@ class StagedSafetensorsLoader:
     """A `StateDictLoader` (ltx-core's protocol) that stages file reads through pinned memory; see the module
     docstring. `chunk_bytes` x `buffers` of pinned host memory are held only while a file loads."""
 
-    def __init__(self, *, chunk_bytes: int = 64 << 20, buffers: int = 6, readers: int = 4,
-                 stage_cpu: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, *, chunk_bytes: int = 64 << 20, buffers: int = 6, readers: int = 4, stage_cpu: bool = False
+    ) -> None:
         if chunk_bytes <= 0 or buffers < 2 or readers < 1:
             raise ValueError("need chunk_bytes > 0, buffers >= 2 and readers >= 1")
         self.chunk_bytes = chunk_bytes
@@ -170,8 +172,9 @@ class StagedSafetensorsLoader:
                 out = [(k, v.clone() if is_view else v) for (k, v), is_view in zip(out, views, strict=True)]
         return iter(out)
 
-    def _read_entries(self, path: str, entries: list[_Entry], device: torch.device, *, keep_runs: bool
-                      ) -> list[torch.Tensor]:  # fmt: skip
+    def _read_entries(
+        self, path: str, entries: list[_Entry], device: torch.device, *, keep_runs: bool
+    ) -> list[torch.Tensor]:
         """`entries` (in file order) read into one `device` allocation, as views. Each starts at a multiple of
         `_ALIGN` bytes, except, with `keep_runs`, one that follows its predecessor in the file at a 16-byte
         boundary: it stays adjacent, so a run of small tensors travels as one piece."""
@@ -191,8 +194,11 @@ class StagedSafetensorsLoader:
         """Read every segment's bytes into `flat`. Reader threads fill a ring of staging buffers; this thread
         sends the chunks on in file order. Chunk k uses buffer k % n, taken in chunk order (a turnstile), so
         a reader only ever waits for chunk k - n, which this thread has already sent: no deadlock."""
-        chunks = [(src + i, dst + i, min(self.chunk_bytes, n - i))
-                  for src, dst, n in segments for i in range(0, n, self.chunk_bytes)]  # fmt: skip
+        chunks = [
+            (src + i, dst + i, min(self.chunk_bytes, n - i))
+            for src, dst, n in segments
+            for i in range(0, n, self.chunk_bytes)
+        ]
         if not chunks:
             return
         cuda = flat.device.type == "cuda"

@@ -56,8 +56,14 @@ class FrameStream:
         self._locked = self.device.type == "cuda" and nbytes > 0 and page_lock(self.buffer, nbytes)
 
     def open_event(self) -> dict[str, Any]:
-        return {"type": MEDIA_OPEN, "video": self.buffer, "width": self.width, "height": self.height,
-                "fps": self.fps, "frames": self.total}  # fmt: skip
+        return {
+            "type": MEDIA_OPEN,
+            "video": self.buffer,
+            "width": self.width,
+            "height": self.height,
+            "fps": self.fps,
+            "frames": self.total,
+        }
 
     def put(self, frames: torch.Tensor) -> dict[str, Any]:
         """uint8 frames (f, H, W, 3) that follow the ones already put: converted on their device, copied
@@ -78,10 +84,16 @@ class FrameStream:
     def close_event(self, track: AudioTrack | None) -> dict[str, Any]:
         if self.ready != self.total:
             raise RuntimeError(f"frame stream closed with {self.ready} of {self.total} frames")
-        return {"type": MEDIA, "streamed": True, "width": self.width, "height": self.height, "fps": self.fps,
-                "frames": self.total,
-                "audio": None if track is None else shared_host_copy(track.waveform.detach().float()),
-                "audio_sample_rate": None if track is None else int(track.sample_rate)}  # fmt: skip
+        return {
+            "type": MEDIA,
+            "streamed": True,
+            "width": self.width,
+            "height": self.height,
+            "fps": self.fps,
+            "frames": self.total,
+            "audio": None if track is None else shared_host_copy(track.waveform.detach().float()),
+            "audio_sample_rate": None if track is None else int(track.sample_rate),
+        }
 
     def release(self) -> None:
         """Unlock the pages (safe to repeat); the buffer is freed with its last reference."""
@@ -130,8 +142,13 @@ def deliver_video(
     request asks. Returns the mp4's size in bytes (0 for a hand-off: the encoder learns it). `stream`
     from a runner that decoded the whole video already: the stream protocol with one chunk."""
     if args.media == "stream":
-        stream = FrameStream(frames=int(frames.shape[0]), width=int(frames.shape[2]), height=int(frames.shape[1]),
-                             fps=fps, device=frames.device)  # fmt: skip
+        stream = FrameStream(
+            frames=int(frames.shape[0]),
+            width=int(frames.shape[2]),
+            height=int(frames.shape[1]),
+            fps=fps,
+            device=frames.device,
+        )
         try:
             yield stream.open_event()
             with clock.stage(Stage.HANDOFF):

@@ -142,9 +142,14 @@ def build_sp_transformer(
         )
     else:
         attention = AttentionManager(
-            int(max_tokens), heads, head_dim, dtype, runner.groups.transformer_group, backend=backend,
+            int(max_tokens),
+            heads,
+            head_dim,
+            dtype,
+            runner.groups.transformer_group,
+            backend=backend,
             device=runner.device,
-        )  # fmt: skip
+        )
     if laps is not None:
         laps.lap("sp_attention")
     model = SequenceParallelBuilder(builder, attention).build(device=runner.device, dtype=build_dtype)

@@ -28,8 +28,9 @@ class LocalRunner:
         self._owns_group = False
         if not dist.is_initialized():
             # a world of one needs no port: an in-process store (no race for a free port)
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=datetime.timedelta(seconds=120))  # fmt: skip
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=120)
+            )
             self._owns_group = True
         if dist.get_world_size() != 1:
             raise RuntimeError("LocalRunner needs a world of one (a process group of size 1 or none)")

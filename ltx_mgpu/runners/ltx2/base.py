@@ -383,8 +383,14 @@ class Ltx2Runner(Ltx2Resident):
         return build_conditionings(images, [self._sync(lat, shape) for lat in latents])
 
     def _state(self, tools: Any, job: Job, **kwargs: Any) -> Any:
-        return make_state(tools, kwargs.pop("conditionings", []), generator=job.generator, device=self.device,
-                          dtype=self.dtype, **kwargs)  # fmt: skip
+        return make_state(
+            tools,
+            kwargs.pop("conditionings", []),
+            generator=job.generator,
+            device=self.device,
+            dtype=self.dtype,
+            **kwargs,
+        )
 
     def _denoise(
         self, stage: str, step_fn: Any, sigmas: torch.Tensor, video_state: Any, audio_state: Any

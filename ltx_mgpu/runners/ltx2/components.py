@@ -92,15 +92,17 @@ def transformer_builder(checkpoint: str, *, quantization: Any = None, registry: 
 def video_decoder_builder(checkpoint: str, *, registry: Any = None) -> Any:
     from ltx_core.model.video_vae import VAE_DECODER_COMFY_KEYS_FILTER, VideoDecoderConfigurator
 
-    return file_builder(VideoDecoderConfigurator, checkpoint, CHECKPOINT, sd_ops=VAE_DECODER_COMFY_KEYS_FILTER,
-                        registry=registry)  # fmt: skip
+    return file_builder(
+        VideoDecoderConfigurator, checkpoint, CHECKPOINT, sd_ops=VAE_DECODER_COMFY_KEYS_FILTER, registry=registry
+    )
 
 
 def video_encoder_builder(checkpoint: str, *, registry: Any = None) -> Any:
     from ltx_core.model.video_vae import VAE_ENCODER_COMFY_KEYS_FILTER, VideoEncoderConfigurator
 
-    return file_builder(VideoEncoderConfigurator, checkpoint, CHECKPOINT, sd_ops=VAE_ENCODER_COMFY_KEYS_FILTER,
-                        registry=registry)  # fmt: skip
+    return file_builder(
+        VideoEncoderConfigurator, checkpoint, CHECKPOINT, sd_ops=VAE_ENCODER_COMFY_KEYS_FILTER, registry=registry
+    )
 
 
 def upsampler_builder(path: str, *, registry: Any = None) -> Any:
@@ -120,8 +122,9 @@ def check_quantized(model: torch.nn.Module, name: str | None) -> None:
             raise RuntimeError(f"quantization {name!r} was requested but no transformer Linear computes in fp8")
         device = next(model.parameters()).device
         if device.type == "cuda" and not fp8_tensor_cores(device):  # the emulation would dequantize per call
-            raise ValueError(f"quantization {name!r} needs FP8 tensor cores (sm_89 or later) on {device}; "
-                             "use 'fp8-cast' there")  # fmt: skip
+            raise ValueError(
+                f"quantization {name!r} needs FP8 tensor cores (sm_89 or later) on {device}; use 'fp8-cast' there"
+            )
     if name == "fp8-mm+attn":
         from ...fp8.attention import fp8_attention_count, fp8_attention_support
 
@@ -133,9 +136,15 @@ def check_quantized(model: torch.nn.Module, name: str | None) -> None:
 
 
 def distributed_video_decoder(
-    checkpoint: str, group: Any, tiling: Any, chunked: bool, device: torch.device, dtype: torch.dtype,
-    *, chunk_frames: int = 0,
-) -> Any:  # fmt: skip
+    checkpoint: str,
+    group: Any,
+    tiling: Any,
+    chunked: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    chunk_frames: int = 0,
+) -> Any:
     """The video VAE decoder of `checkpoint` on every rank of `group`, decoding spatial tiles across ranks
     (`chunked`: each tile in ltx-core's default chunks, to bound memory; else `chunk_frames` > 0: temporal
     chunks of that many frames, 24 of overlap (8 below 32), so a streamed hand-off starts the encode early)."""

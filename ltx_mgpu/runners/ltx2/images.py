@@ -60,8 +60,10 @@ def decode_image(data: bytes) -> torch.Tensor:
                 raise ValueError(f"{codec} images are not accepted (PNG, JPEG, WebP, GIF or BMP only)")
             for frame in container.decode(video=0):
                 if (frame.width, frame.height) != (width, height):
-                    raise ValueError(f"the {name} header declares {width}x{height} pixels, the picture decoded "
-                                     f"to {frame.width}x{frame.height}")  # fmt: skip
+                    raise ValueError(
+                        f"the {name} header declares {width}x{height} pixels, the picture decoded "
+                        f"to {frame.width}x{frame.height}"
+                    )
                 return torch.from_numpy(frame.to_ndarray(format="rgb24")).contiguous()
     except (av.FFmpegError, OSError) as exc:  # FFmpeg's errors are OSError subclasses too
         raise ValueError(f"cannot decode the conditioning image: {exc}") from exc

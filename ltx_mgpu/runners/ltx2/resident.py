@@ -99,8 +99,11 @@ class Ltx2Resident(MGPURunner):
         self.rules = spec.request_rules(self.memory_kind, {"max_steps": self.max_steps})
         # the SP budget: the setting, else what the largest request the rules accept needs (`memory_plan.sp_tokens`,
         # the same function the plan counts the buffers with)
-        self.sp_max_tokens = sp_tokens(spec.memory_fleet(self.memory_kind, self.world_size, {
-            "sp_max_tokens": sp_max_tokens, "stage1_guidance": stage1_guidance}))  # fmt: skip
+        self.sp_max_tokens = sp_tokens(
+            spec.memory_fleet(
+                self.memory_kind, self.world_size, {"sp_max_tokens": sp_max_tokens, "stage1_guidance": stage1_guidance}
+            )
+        )
         self.synthetic = warn_if_synthetic(checkpoint_path, announce=self.is_driver)
         self.clock = StageClock(self.device)
         laps = SetupLaps(self.device)
@@ -116,9 +119,15 @@ class Ltx2Resident(MGPURunner):
         # an AttentionRouter over every G x S layout (groups made once, here): guidance-parallel stages run
         # the same resident model under smaller SP groups (docs/sequence-parallel.md, "Layouts")
         self.attention, self.sp_model = build_sp_transformer(
-            tb, self, max_tokens=self.sp_max_tokens, dtype=self.dtype, backend=sp_backend, build_dtype=build_dtype,
-            layouts=True, laps=laps,
-        )  # fmt: skip
+            tb,
+            self,
+            max_tokens=self.sp_max_tokens,
+            dtype=self.dtype,
+            backend=sp_backend,
+            build_dtype=build_dtype,
+            layouts=True,
+            laps=laps,
+        )
         comp.check_quantized(self.sp_model.model, quantization)
         if fused_elementwise:  # norms, modulation, gated residuals and split RoPE as Triton kernels (ltx_mgpu.fused)
             from ltx_mgpu.fused.block import fuse_elementwise
@@ -161,10 +170,13 @@ class Ltx2Resident(MGPURunner):
             from ..common.fast_load import StagedSafetensorsLoader
 
             host = {k: "cpu" if self.placement[k] == "host" else None for k in ("lora_backup", "lora_factors")}
-            self.tracker = LoraWeightTracker(self.groups.transformer_group, device_cache_bytes=cache_bytes,
-                                             factor_reader=StagedSafetensorsLoader().read_tensors,
-                                             backup_device=host["lora_backup"],
-                                             factor_device=host["lora_factors"])  # fmt: skip
+            self.tracker = LoraWeightTracker(
+                self.groups.transformer_group,
+                device_cache_bytes=cache_bytes,
+                factor_reader=StagedSafetensorsLoader().read_tensors,
+                backup_device=host["lora_backup"],
+                factor_device=host["lora_factors"],
+            )
             self.tracker.attach(self.sp_model.model)
             self.tracker.apply(self.base_loras)
             self.lora_targets = model_targets(self.sp_model.model)

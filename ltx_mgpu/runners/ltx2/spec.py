@@ -28,8 +28,12 @@ RUNNER_KINDS = {
     "ltx_mgpu.runners.ltx2.two_stage:Ltx2TwoStageRunner": "two-stage",
 }
 #: `Ltx2Runner.setup()`'s defaults this module needs (the setup signature uses these constants).
-SETUP_DEFAULTS: dict[str, Any] = {"sp_max_tokens": None, "vae_overlap": 1, "lora_device_cache_gib": 4.0,
-                                  "max_steps": 100}  # fmt: skip
+SETUP_DEFAULTS: dict[str, Any] = {
+    "sp_max_tokens": None,
+    "vae_overlap": 1,
+    "lora_device_cache_gib": 4.0,
+    "max_steps": 100,
+}
 #: Stage-1 guidance defaults (the reference's LTX-2 values): `two_stage.VIDEO_GUIDANCE` / `AUDIO_GUIDANCE`.
 VIDEO_GUIDANCE = {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0}
 AUDIO_GUIDANCE = {**VIDEO_GUIDANCE, "cfg_scale": 7.0}
@@ -45,10 +49,15 @@ def passes(kind: str, setup_kwargs: Mapping[str, Any]) -> int:
     if kind == "distilled":
         return 1
     overrides = dict(setup_kwargs.get("stage1_guidance") or {})
-    params = [{**base, **{k: float(v) for k, v in dict(overrides.get(name) or {}).items()}}
-              for name, base in (("video", VIDEO_GUIDANCE), ("audio", AUDIO_GUIDANCE))]  # fmt: skip
-    terms = [any(g["cfg_scale"] != 1.0 for g in params), any(g["stg_scale"] != 0.0 for g in params),
-             any(g["modality_scale"] != 1.0 for g in params)]  # fmt: skip
+    params = [
+        {**base, **{k: float(v) for k, v in dict(overrides.get(name) or {}).items()}}
+        for name, base in (("video", VIDEO_GUIDANCE), ("audio", AUDIO_GUIDANCE))
+    ]
+    terms = [
+        any(g["cfg_scale"] != 1.0 for g in params),
+        any(g["stg_scale"] != 0.0 for g in params),
+        any(g["modality_scale"] != 1.0 for g in params),
+    ]
     return 1 + sum(terms)
 
 
@@ -70,17 +79,24 @@ def memory_fleet(kind: str, world_size: int, setup_kwargs: Mapping[str, Any]) ->
     found = bool(lora_files) and all(os.path.isfile(p) for p in lora_files)  # else: the profile's LoRA
     budget = _setup("sp_max_tokens", setup_kwargs)
     where = placement(setup_kwargs)
-    return FleetMemory(kind, int(world_size), profile="tiny" if small else "ltx2-19b",
-                       lora_tracker=bool(lora_files) or request or kind == "two-stage",
-                       setup_lora_gib=sum(os.path.getsize(p) for p in lora_files) / (1 << 30) if found else None,
-                       request_loras=DEFAULT_REQUEST_LORAS if request else 0,
-                       lora_device_cache_gib=float(_setup("lora_device_cache_gib", setup_kwargs) or 0.0),
-                       text_encoder_rank=None if te_rank is None else int(te_rank),
-                       gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
-                       fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
-                       passes=passes(kind, setup_kwargs), vae_overlap=int(_setup("vae_overlap", setup_kwargs)),
-                       sp_max_tokens=None if budget is None else int(budget), text_encoder_at=where["text_encoder"],
-                       lora_backup_at=where["lora_backup"], lora_factors_at=where["lora_factors"])  # fmt: skip
+    return FleetMemory(
+        kind,
+        int(world_size),
+        profile="tiny" if small else "ltx2-19b",
+        lora_tracker=bool(lora_files) or request or kind == "two-stage",
+        setup_lora_gib=sum(os.path.getsize(p) for p in lora_files) / (1 << 30) if found else None,
+        request_loras=DEFAULT_REQUEST_LORAS if request else 0,
+        lora_device_cache_gib=float(_setup("lora_device_cache_gib", setup_kwargs) or 0.0),
+        text_encoder_rank=None if te_rank is None else int(te_rank),
+        gemma_every_rank=setup_kwargs.get("text_encoder") == "batch-parallel",
+        fp8_transformer=str(setup_kwargs.get("quantization") or "").startswith("fp8"),
+        passes=passes(kind, setup_kwargs),
+        vae_overlap=int(_setup("vae_overlap", setup_kwargs)),
+        sp_max_tokens=None if budget is None else int(budget),
+        text_encoder_at=where["text_encoder"],
+        lora_backup_at=where["lora_backup"],
+        lora_factors_at=where["lora_factors"],
+    )
 
 
 def placement(setup_kwargs: Mapping[str, Any]) -> dict[str, str]:

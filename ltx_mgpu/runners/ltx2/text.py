@@ -363,8 +363,11 @@ def build_gemma_prompt_encoder(
     text_encoder = check_materialized(text_encoder, f"Gemma at {gemma_root}")
     processor = embeddings_processor_builder(checkpoint, registry=registry).build(device=device, dtype=dtype)
     processor = check_materialized(processor, f"embeddings processor in {checkpoint}")
-    fingerprint = weights_fingerprint([*sorted(Path(gemma_root).rglob("*.safetensors")), Path(checkpoint)],
-                                      dtype=str(dtype), max_tokens=int(max_tokens))  # fmt: skip
+    fingerprint = weights_fingerprint(
+        [*sorted(Path(gemma_root).rglob("*.safetensors")), Path(checkpoint)],
+        dtype=str(dtype),
+        max_tokens=int(max_tokens),
+    )
     return GemmaPromptEncoder(
         text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens, fingerprint=fingerprint
     )

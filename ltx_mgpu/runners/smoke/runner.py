@@ -90,8 +90,10 @@ class SmokeRunner(MGPURunner):
     def request_limits(cls, **setup_kwargs: Any) -> dict[str, tuple[float, float]]:
         """`steps` in [1, max_steps] and the audio length within the token budget (what `_validate`
         enforces on every rank)."""
-        return {"steps": (1, int(cls.setup_default("max_steps", setup_kwargs))),
-                "audio_latents": (1, int(cls.setup_default("max_tokens", setup_kwargs)))}  # fmt: skip
+        return {
+            "steps": (1, int(cls.setup_default("max_steps", setup_kwargs))),
+            "audio_latents": (1, int(cls.setup_default("max_tokens", setup_kwargs))),
+        }
 
     def setup(
         self,

@@ -170,16 +170,24 @@ class Admission:
                             job_id = started_member_job_id(member)
                             if job_id != taken_id and job_id not in running:
                                 running.append(job_id)
-                    owners = self._owners_of([*running, *(i for w in windows for i in w)],
-                                             read_owners=self.quota is not None)  # fmt: skip
+                    owners = self._owners_of(
+                        [*running, *(i for w in windows for i in w)], read_owners=self.quota is not None
+                    )
                     taken_arg = None
                     if taken is not None:
                         owner = _owner_of_meta(taken[0].meta, taken_id if self.tenant_ids else None)
                         taken_arg = (taken_id, taken[1].name, owner)
-                    decided = plan([owners[i] for i in running], taken_arg,
-                                   [Waiting(q.name, n, [(i, owners[i]) for i in w])
-                                    for q, n, w in zip(self.queues, lengths, windows, strict=True)],
-                                   depth_cap=self.depth_cap, quota=self.quota, running_ids=running)  # fmt: skip
+                    decided = plan(
+                        [owners[i] for i in running],
+                        taken_arg,
+                        [
+                            Waiting(q.name, n, [(i, owners[i]) for i in w])
+                            for q, n, w in zip(self.queues, lengths, windows, strict=True)
+                        ],
+                        depth_cap=self.depth_cap,
+                        quota=self.quota,
+                        running_ids=running,
+                    )
                     # Per queue, everything from the cut on leaves, the newest _TRIM_RECORDED per pass (the
                     # rest in the next passes, one before each dequeue): LTRIM keeps [0, end). Refused are the
                     # jobs in [end, n) as the plan labels them (in the window; junk there leaves unrecorded)
@@ -188,8 +196,9 @@ class Admission:
                     refusals: list[Refusal] = []
                     ends: list[int] = []
                     removes: list[list[str]] = []  # per queue: LREM these
-                    for q, key, n, w, cut, refused in zip(self.queues, keys, lengths, windows, decided.cuts,
-                                                          decided.refused, strict=True):  # fmt: skip
+                    for q, key, n, w, cut, refused in zip(
+                        self.queues, keys, lengths, windows, decided.cuts, decided.refused, strict=True
+                    ):
                         end = max(cut, n - _TRIM_RECORDED) if cut < n else n
                         position = {job_id: pos for pos, job_id in reversed(list(enumerate(w)))}
                         for r in refused:
@@ -225,10 +234,15 @@ class Admission:
                 except redis.WatchError:
                     continue
             counts = {reason: sum(r.reason is reason for r in refusals) for reason in FailureReason}
-            log.warning("admission: %d job(s) past the queue-depth cap (%s) and %d past a client quota (%s) "
-                        "ended without running%s", counts[FailureReason.QUEUE_FULL], self.depth_cap,
-                        counts[FailureReason.QUOTA_EXCEEDED], self.quota,
-                        f", the taken job {taken_id} among them" if decided.taken else "")  # fmt: skip
+            log.warning(
+                "admission: %d job(s) past the queue-depth cap (%s) and %d past a client quota (%s) "
+                "ended without running%s",
+                counts[FailureReason.QUEUE_FULL],
+                self.depth_cap,
+                counts[FailureReason.QUOTA_EXCEEDED],
+                self.quota,
+                f", the taken job {taken_id} among them" if decided.taken else "",
+            )
             return decided.taken is None
         log.warning("admission pass skipped: the queues kept changing under it (the next dequeue retries)")
         return True

@@ -69,8 +69,7 @@ class HeartbeatingWorker(SimpleWorker):
                 worker_state.beat(self, job, self.side_connection, ttl)
             except Exception as exc:
                 if self.redis_outage.refused(exc, "job heartbeat") is None:  # (an outage is logged once)
-                    log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc,
-                                _BEAT_RETRY_S)  # fmt: skip
+                    log.warning("heartbeat failed (%s: %s); retrying in %.1fs", type(exc).__name__, exc, _BEAT_RETRY_S)
                 wait = _BEAT_RETRY_S
                 continue
             self.redis_outage.cleared()

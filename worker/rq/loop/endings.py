@@ -70,8 +70,11 @@ class EndingWorker(SimpleWorker):
             return None
         if exc_string.startswith(registries.STUCK_IN_INTERMEDIATE):
             if registries.stale_intermediate_entry(job, queue):  # RQ drops the entry after this returns
-                log.info("job %s: stale intermediate-queue entry dropped (the job is %s)", job.id,
-                         job.get_status(refresh=False))  # fmt: skip
+                log.info(
+                    "job %s: stale intermediate-queue entry dropped (the job is %s)",
+                    job.id,
+                    job.get_status(refresh=False),
+                )
                 return None
             self._record_lost(job, "the worker that dequeued this job vanished before starting it")
         return super().handle_job_failure(job, queue, started_job_registry, exc_string)
@@ -148,9 +151,13 @@ class EndingWorker(SimpleWorker):
             # (`failed`/`cancelled`: the execution recorded its end and vanished before RQ's bookkeeping.)
             set_retry(job, False)
             self._complete_abandoned.append(job)
-            log.warning("abandoned job %s (worker %s) is already %s: not re-queued%s", job.id, meta.get("worker"),
-                        state, "; the spool recovery uploads/records it" if state in RENDER_COMPLETE_STATES
-                        else "")  # fmt: skip
+            log.warning(
+                "abandoned job %s (worker %s) is already %s: not re-queued%s",
+                job.id,
+                meta.get("worker"),
+                state,
+                "; the spool recovery uploads/records it" if state in RENDER_COMPLETE_STATES else "",
+            )
             return True
         self._record_lost(job, "the worker running this job vanished (no heartbeat)")
         return True

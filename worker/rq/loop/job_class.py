@@ -165,8 +165,10 @@ def check_job_owner(job_id: str, meta: Any) -> None:
     owner = meta.get("client") if isinstance(meta, dict) else None
     tenant = job_tenant(job_id)
     if tenant is None or owner != tenant:
-        raise RefusedJob(f"job {job_id[:60]!r} is not a tenant job of its recorded client {str(owner)[:40]!r} "
-                         "(tenant ids: the id must be '<client>-<id>')")  # fmt: skip
+        raise RefusedJob(
+            f"job {job_id[:60]!r} is not a tenant job of its recorded client {str(owner)[:40]!r} "
+            "(tenant ids: the id must be '<client>-<id>')"
+        )
 
 
 def _drop_unparseable(obj: dict[str, Any]) -> list[tuple[str, bytes]]:

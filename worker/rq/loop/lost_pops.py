@@ -42,9 +42,17 @@ from ltx_contract.keys import REFUSALS_KEY, job_tenant, queue_tenant
 from worker.jobs.admission_rule import Refusal
 
 __all__ = [
-    "CONFIRM_S", "ENQUEUE_SLACK_S", "MAX_PER_QUEUE", "SWEEP_MAX_KEYS", "SWEEP_MAX_S", "LostPops", "Orphan",
-    "find_orphans", "requeue_orphan", "scan_orphans",
-]  # fmt: skip
+    "CONFIRM_S",
+    "ENQUEUE_SLACK_S",
+    "MAX_PER_QUEUE",
+    "SWEEP_MAX_KEYS",
+    "SWEEP_MAX_S",
+    "LostPops",
+    "Orphan",
+    "find_orphans",
+    "requeue_orphan",
+    "scan_orphans",
+]
 
 log = logging.getLogger("worker.jobs.lost_pops")
 
@@ -129,8 +137,9 @@ def _listed(connection: Any, origins: set[str]) -> set[bytes]:
     return {i for ids in lists for i in ids} | _refused_ids(refusals)
 
 
-def find_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: float,
-                 tenants: Sequence[str] = ()) -> list[Orphan]:  # fmt: skip
+def find_orphans(
+    connection: Any, queue_names: Iterable[str], enqueued_after: float, tenants: Sequence[str] = ()
+) -> list[Orphan]:
     """`queued` jobs of `queue_names` enqueued at or after `enqueued_after` (Unix time) that are in no list
     and `may_requeue` allows back onto their queue: the newest `MAX_PER_QUEUE` of each queue (a whole scan)."""
     found, cursor = scan_orphans(connection, queue_names, enqueued_after, tenants, max_keys=None, max_s=None)
@@ -138,9 +147,16 @@ def find_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: fl
     return found
 
 
-def scan_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: float, tenants: Sequence[str] = (),
-                 *, cursor: int = 0, max_keys: int | None = SWEEP_MAX_KEYS,
-                 max_s: float | None = SWEEP_MAX_S) -> tuple[list[Orphan], int]:  # fmt: skip
+def scan_orphans(
+    connection: Any,
+    queue_names: Iterable[str],
+    enqueued_after: float,
+    tenants: Sequence[str] = (),
+    *,
+    cursor: int = 0,
+    max_keys: int | None = SWEEP_MAX_KEYS,
+    max_s: float | None = SWEEP_MAX_S,
+) -> tuple[list[Orphan], int]:
     """`find_orphans` over one slice of the SCAN from `cursor`, ending after `max_keys` keys or `max_s` seconds
     (None: no bound): (what the slice found, the cursor to continue from; 0 when the scan is complete)."""
     names = set(queue_names)
@@ -164,14 +180,19 @@ def scan_orphans(connection: Any, queue_names: Iterable[str], enqueued_after: fl
             per_queue.setdefault(orphan.origin, []).append(orphan)
     for queue, orphans in per_queue.items():
         if len(orphans) > MAX_PER_QUEUE:
-            log.warning("%d queued jobs of queue %s are in no list; only the newest %d are queued again (a lost "
-                        "wait takes one id: the rest were written by hand)", len(orphans), queue,
-                        MAX_PER_QUEUE)  # fmt: skip
+            log.warning(
+                "%d queued jobs of queue %s are in no list; only the newest %d are queued again (a lost "
+                "wait takes one id: the rest were written by hand)",
+                len(orphans),
+                queue,
+                MAX_PER_QUEUE,
+            )
     return [o for orphans in per_queue.values() for o in orphans[:MAX_PER_QUEUE]], int(cursor)
 
 
-def _queued_in(connection: Any, batch: list[bytes], names: set[str], enqueued_after: float,
-               tenants: Sequence[str]) -> list[tuple[float, Orphan]]:  # fmt: skip
+def _queued_in(
+    connection: Any, batch: list[bytes], names: set[str], enqueued_after: float, tenants: Sequence[str]
+) -> list[tuple[float, Orphan]]:
     pipe = connection.pipeline(transaction=False)
     for key in batch:
         pipe.hmget(key, "status", "origin", "enqueued_at", "created_at")
@@ -226,9 +247,15 @@ class LostPops:
     `suspect()` is called by the dequeue (`worker.rq.loop.queues.TakingQueue`) when a BLPOP failed with a
     connection error; `sweep()` by the worker before its next dequeues, until one completes."""
 
-    def __init__(self, tenants: Sequence[str] = (), *, confirm_s: float = CONFIRM_S,
-                 sleep: Callable[[float], None] = time.sleep, max_keys: int = SWEEP_MAX_KEYS,
-                 max_s: float = SWEEP_MAX_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tenants: Sequence[str] = (),
+        *,
+        confirm_s: float = CONFIRM_S,
+        sleep: Callable[[float], None] = time.sleep,
+        max_keys: int = SWEEP_MAX_KEYS,
+        max_s: float = SWEEP_MAX_S,
+    ) -> None:
         self.tenants = tuple(tenants)
         self.confirm_s = confirm_s
         self.sleep = sleep
@@ -258,16 +285,26 @@ class LostPops:
         if self._since is None:
             return []
         since, queues = self._since, set(self._queues)
-        orphans, cursor = scan_orphans(connection, queues, since - ENQUEUE_SLACK_S, self.tenants, cursor=self._cursor,
-                                       max_keys=self.max_keys, max_s=self.max_s)  # fmt: skip
+        orphans, cursor = scan_orphans(
+            connection,
+            queues,
+            since - ENQUEUE_SLACK_S,
+            self.tenants,
+            cursor=self._cursor,
+            max_keys=self.max_keys,
+            max_s=self.max_s,
+        )
         orphans = [o for o in orphans if self._requeued.get(o.origin, 0) < MAX_PER_QUEUE]
         if orphans:
             self.sleep(self.confirm_s)
             orphans = [o for o in orphans if requeue_orphan(connection, o)]
         for orphan in orphans:
             self._requeued[orphan.origin] = self._requeued.get(orphan.origin, 0) + 1
-            log.warning("job %s was taken off queue %s by a wait whose reply was lost: queued again at its head",
-                        orphan.job_id, orphan.origin)  # fmt: skip
+            log.warning(
+                "job %s was taken off queue %s by a wait whose reply was lost: queued again at its head",
+                orphan.job_id,
+                orphan.origin,
+            )
         if cursor == 0:
             self.give_up()
         else:

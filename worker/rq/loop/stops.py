@@ -78,8 +78,11 @@ class StoppingWorker(worker_state.FleetHorse, SimpleWorker):
         label = command if command in ("shutdown", "stop-job", "kill-horse") else "invalid"
         if label in ("shutdown", "invalid"):
             self.service.metrics.ignored_commands.labels(self.service.group, label).inc()
-            log.warning("ignored RQ pubsub command %r on %s (stop workers with SIGTERM; docs/security.md)",
-                        command if label != "invalid" else str(message.get("data"))[:80], self.name)  # fmt: skip
+            log.warning(
+                "ignored RQ pubsub command %r on %s (stop workers with SIGTERM; docs/security.md)",
+                command if label != "invalid" else str(message.get("data"))[:80],
+                self.name,
+            )
             return
         try:
             super().handle_payload(message)

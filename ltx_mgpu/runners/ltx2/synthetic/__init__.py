@@ -133,8 +133,16 @@ def write_checkpoints(
                 report({"event": "file", "component": component, **row, "gb_per_s": round(gbps, 3)})
     if report is not None:
         seconds = time.perf_counter() - start
-        report({"event": "done", "profile": name, "device": str(device), "bytes": total,
-                "seconds": round(seconds, 3), "directory": str(files.directory)})  # fmt: skip
+        report(
+            {
+                "event": "done",
+                "profile": name,
+                "device": str(device),
+                "bytes": total,
+                "seconds": round(seconds, 3),
+                "directory": str(files.directory),
+            }
+        )
     return files
 
 

@@ -29,8 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     components = [c.strip() for c in args.components.split(",") if c.strip()]
     if args.plan:
         for plan in plan_files(args.profile, components):
-            print_json({"event": "plan", "file": plan.relpath, "component": plan.component,
-                        "tensors": len(plan.specs), "bytes": plan.nbytes})  # fmt: skip
+            print_json(
+                {
+                    "event": "plan",
+                    "file": plan.relpath,
+                    "component": plan.component,
+                    "tensors": len(plan.specs),
+                    "bytes": plan.nbytes,
+                }
+            )
         return
     write_checkpoints(
         args.profile, args.out, seed=args.seed, device=args.device, components=components, report=print_json

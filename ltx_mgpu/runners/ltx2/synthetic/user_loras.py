@@ -54,8 +54,12 @@ def write_user_loras(
     name: str, out: str | Path, *, ranks: Sequence[int] = (32, 128), seed: int = 0, device: str = "cpu"
 ) -> list[dict[str, Any]]:
     """Write one user LoRA per rank under `out`; one report row per file (path, bytes, seconds)."""
-    return [write_user_lora(name, Path(out) / f"user_lora_r{int(rank)}.safetensors", int(rank), seed=seed + 40 + i,
-                            device=device) for i, rank in enumerate(ranks)]  # fmt: skip
+    return [
+        write_user_lora(
+            name, Path(out) / f"user_lora_r{int(rank)}.safetensors", int(rank), seed=seed + 40 + i, device=device
+        )
+        for i, rank in enumerate(ranks)
+    ]
 
 
 def write_user_lora(name: str, path: str | Path, rank: int, *, seed: int, device: str = "cpu") -> dict[str, Any]:
