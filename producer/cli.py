@@ -5,7 +5,8 @@ User errors (bad files, bad values, refused submits, unknown jobs) end with one 
 documented exit code (`producer.exit_codes`), never a traceback.
 
 Over 450 lines on purpose: eight short click commands sharing one group, its options and the error guard;
-their logic lives in `producer.client`, `producer.backfill` and `producer.display`.
+their logic lives in `producer.client`, `producer.backfill` (with its console, `producer.backfill_console`) and
+`producer.display`.
 """
 
 from __future__ import annotations
@@ -14,24 +15,23 @@ import contextlib
 import functools
 import json
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from redis.exceptions import OutOfMemoryError
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rq.exceptions import InvalidJobOperation
 
 from ltx_contract.keys import check_job_id
 from ltx_contract.states import JobState
 from producer.admission import AdmissionRefused, JobExists
-from producer.backfill import Backfill, BackfillSummary, ManifestRecord, default_manifest_path
+from producer.backfill import Backfill, ManifestRecord, default_manifest_path
+from producer.backfill_console import BackfillProgress, first_sigint_sets
 from producer.client import (
     FetchRefused,
     IntegrityError,
@@ -91,8 +91,11 @@ def _guard(fn: F) -> F:
         except ServiceUnavailable as exc:
             raise UserError(str(exc), ExitCode.UNAVAILABLE) from None
         except OutOfMemoryError:  # (a tenant filled it, or the queue outgrew maxmemory; docs/security.md)
-            raise UserError("Redis is out of memory (maxmemory reached): it takes no new job now; try again "
-                            "later, or ask the operator", ExitCode.UNAVAILABLE) from None  # fmt: skip
+            raise UserError(
+                "Redis is out of memory (maxmemory reached): it takes no new job now; try again "
+                "later, or ask the operator",
+                ExitCode.UNAVAILABLE,
+            ) from None
         except IntegrityError as exc:
             raise UserError(str(exc), ExitCode.INTEGRITY) from None
         except InvalidJobOperation as exc:  # (cancel: taken by a worker that has not started it yet)
@@ -156,16 +159,26 @@ def cli(ctx: click.Context, redis_url: str | None, client_name: str | None) -> N
 @cli.command(epilog=_EPILOG)
 @click.argument("request_file")
 @click.option("--queue", "-q", help="queue to submit to [default: first of LTX_QUEUES]")
-@click.option("--priority", type=click.Choice(["normal", "high"]), default="normal", show_default=True,
-              help="high puts the job at the front of its queue")  # fmt: skip
+@click.option(
+    "--priority",
+    type=click.Choice(["normal", "high"]),
+    default="normal",
+    show_default=True,
+    help="high puts the job at the front of its queue",
+)
 @click.option("--watch", "-w", is_flag=True, help="follow the job(s) until they end (exit code reflects the end)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output (one JSON object per line)")
 @click.option("--max-queue-depth", type=click.IntRange(min=0), help="override the admission cap (0: none)")
 @click.option("--client-quota", type=click.IntRange(min=0), help="override the per-client quota (0: none)")
 @click.option("--job-id", help="choose the job id (letters, digits, _ and -; one request only); exit 2 if it exists")
 @click.option("--dry-run", is_flag=True, help="validate only; submit nothing")
-@click.option("--lora", "lora_options", multiple=True, metavar="NAME[:STRENGTH]",
-              help="add a LoRA (catalogue name or s3://bucket/key) to every request; repeatable")  # fmt: skip
+@click.option(
+    "--lora",
+    "lora_options",
+    multiple=True,
+    metavar="NAME[:STRENGTH]",
+    help="add a LoRA (catalogue name or s3://bucket/key) to every request; repeatable",
+)
 @click.pass_context
 @_guard
 def submit(
@@ -214,8 +227,14 @@ def submit(
         submitted: list[str] = []
         for loaded in requests:
             try:
-                job = client.submit(loaded.request, job_id=job_id, queue=queue, priority=priority,
-                                    max_queue_depth=max_queue_depth, client_quota=client_quota)  # fmt: skip
+                job = client.submit(
+                    loaded.request,
+                    job_id=job_id,
+                    queue=queue,
+                    priority=priority,
+                    max_queue_depth=max_queue_depth,
+                    client_quota=client_quota,
+                )
             except AdmissionRefused:
                 if submitted:
                     click.echo(f"producer: {len(submitted)} of {len(requests)} submitted before the refusal", err=True)
@@ -245,8 +264,11 @@ def _check_runner_limits(
     limits = client.runner_limits(queue)
     if not limits:
         if say_if_unchecked:
-            click.echo(f"producer: no live worker on queue {client.queue(queue).name!r} publishes runner limits; "
-                       "only the request schema was checked", err=True)  # fmt: skip
+            click.echo(
+                f"producer: no live worker on queue {client.queue(queue).name!r} publishes runner limits; "
+                "only the request schema was checked",
+                err=True,
+            )
         return
     for loaded in requests:
         if violations := client.limit_violations(loaded.request, limits):  # every problem, not the first of them
@@ -416,14 +438,28 @@ def stats(ctx: click.Context, queues: tuple[str, ...], failures: int, as_json: b
 
 @cli.command(epilog=_EPILOG)
 @click.argument("requests_file")
-@click.option("--concurrency", "-n", type=click.IntRange(min=1), default=4, show_default=True,
-              help="jobs in flight (queued or running) at most")  # fmt: skip
-@click.option("--manifest", "-m", type=click.Path(dir_okay=False), help="results manifest (JSON Lines) "
-              "[default: <file>.manifest.jsonl next to the input]")  # fmt: skip
+@click.option(
+    "--concurrency",
+    "-n",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="jobs in flight (queued or running) at most",
+)
+@click.option(
+    "--manifest",
+    "-m",
+    type=click.Path(dir_okay=False),
+    help="results manifest (JSON Lines) [default: <file>.manifest.jsonl next to the input]",
+)
 @click.option("--queue", "-q", help="queue to submit to [default: first of LTX_QUEUES]")
 @click.option("--priority", type=click.Choice(["normal", "high"]), default="normal", show_default=True)
-@click.option("--retry-failed/--no-retry-failed", default=True, show_default=True,
-              help="re-run jobs that ended failed or cancelled")  # fmt: skip
+@click.option(
+    "--retry-failed/--no-retry-failed",
+    default=True,
+    show_default=True,
+    help="re-run jobs that ended failed or cancelled",
+)
 @click.option("--json", "as_json", is_flag=True, help="print each manifest record and a summary as JSON lines")
 @click.pass_context
 @_guard
@@ -452,18 +488,26 @@ def backfill(
     console = _console(stderr=True)
     with _client(ctx) as client:
         runner: Backfill
-        progress = _BackfillProgress(console, live=console.is_terminal and not as_json)
+        progress = BackfillProgress(console, live=console.is_terminal and not as_json)
 
         def on_record(record: ManifestRecord) -> None:
             if as_json:
                 click.echo(record.to_json())
             progress.record(record)
 
-        runner = Backfill(client, requests, manifest=manifest_path, concurrency=concurrency, queue=queue,
-                          priority=priority, retry_failed=retry_failed,
-                          on_change=lambda s, note: progress.update(s, note, runner), on_record=on_record)  # fmt: skip
+        runner = Backfill(
+            client,
+            requests,
+            manifest=manifest_path,
+            concurrency=concurrency,
+            queue=queue,
+            priority=priority,
+            retry_failed=retry_failed,
+            on_change=lambda s, note: progress.update(s, note, runner),
+            on_record=on_record,
+        )
         stop = threading.Event()
-        with _first_sigint_sets(stop), progress:
+        with first_sigint_sets(stop), progress:
             summary = runner.run(stop)
     line = (
         f"backfill: {summary.done}/{summary.total} done ({summary.already_done} already, {summary.uploaded} uploaded, "
@@ -481,80 +525,6 @@ def backfill(
         ctx.exit(int(ExitCode.INTERRUPTED))
     console.print(line)
     ctx.exit(int(ExitCode.JOB_FAILED if summary.failed or summary.cancelled else ExitCode.OK))
-
-
-class _BackfillProgress:
-    """A progress bar on a terminal; otherwise one line per finished job and per admission wait."""
-
-    def __init__(self, console: Console, *, live: bool) -> None:
-        self.console = console
-        self.live = live
-        self.bar: Progress | None = None
-        self.task: Any = None
-        self._waiting = False
-        self._down = False
-
-    def __enter__(self) -> _BackfillProgress:
-        if self.live:
-            self.bar = Progress(
-                TextColumn("[bold]backfill"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeElapsedColumn(),
-                console=self.console,
-            )
-            self.bar.start()
-            self.task = self.bar.add_task("backfill", total=None, info="")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def update(self, summary: BackfillSummary, note: str, runner: Backfill) -> None:
-        refusal = runner.refusal
-        waiting = f" · waiting: {refusal.message().split(';')[0]}" if refusal is not None else ""
-        if self.bar is not None:
-            info = (f"{summary.uploaded + summary.already_done} ok · {summary.failed} failed · "
-                    f"enqueued {summary.enqueued} · adopted {summary.adopted}{waiting}")  # fmt: skip
-            self.bar.update(self.task, total=summary.total, completed=summary.done, info=info, refresh=True)
-            return
-        if note == "start":
-            self.console.print(f"backfill: {summary.total} jobs, {summary.already_done} already done per manifest")
-        elif note == "unavailable" and not self._down:
-            self.console.print("backfill: Redis unreachable; retrying (Ctrl+C to stop, run again to resume)")
-        elif note == "reconnected":
-            self.console.print("backfill: Redis reachable again; continuing")
-        self._down = note == "unavailable" or (self._down and note != "reconnected")
-        if refusal is not None and not self._waiting:
-            self.console.print(f"backfill: waiting for room{waiting.removeprefix(' · waiting')}")
-        self._waiting = refusal is not None
-
-    def record(self, record: ManifestRecord) -> None:
-        if self.bar is None:
-            where = f" {record.key}" if record.key else ""
-            err = f" {record.error.get('reason')}: {record.error.get('message')}" if record.error else ""
-            self.console.print(f"backfill: {record.job_id} {record.state}{where}{err} ({record.source})")
-
-
-@contextlib.contextmanager
-def _first_sigint_sets(stop: threading.Event) -> Iterator[None]:
-    """First Ctrl+C: ask the loop to stop cleanly (manifest flushed); second: abort at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: list[str] | None = None) -> None:

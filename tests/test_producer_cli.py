@@ -380,13 +380,13 @@ def test_backfill_progress_bar_on_a_terminal() -> None:
 
     from producer.admission import SubmitRefusal
     from producer.backfill import BackfillSummary, ManifestRecord
-    from producer.cli import _BackfillProgress
+    from producer.backfill_console import BackfillProgress
 
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=140, color_system=None)
     summary = BackfillSummary(total=5, already_done=1)
     runner = SimpleNamespace(refusal=None)
-    with _BackfillProgress(console, live=True) as progress:
+    with BackfillProgress(console, live=True) as progress:
         progress.update(summary, "start", runner)
         runner.refusal = SubmitRefusal("queue_full", 200, 200, "ltx-render")
         progress.update(summary, "waiting", runner)
