@@ -54,6 +54,7 @@ from ltx_contract.states import FailureReason, JobState
 from worker.jobs.attempt import JobAttempt
 from worker.jobs.ends import Failure
 from worker.rq.record import fetch_record
+from worker.stages.recovery import when_redis_answers
 from worker.stages.upload import PendingUpload, UploadPipeline
 from worker.uploads.spool import MANIFEST_NAME, Spool, SpoolEntry
 
@@ -298,8 +299,8 @@ class EncodeStage:
                 continue
             try:
                 info = json.loads(marker.read_text())
-                record = self.pipeline._fetch_when_redis_answers(  # (Redis restarting: wait, never drop the job)
-                    lambda d=directory.name: fetch_record(connection, d)
+                record = when_redis_answers(  # (Redis restarting: wait, never drop the job)
+                    lambda d=directory.name: fetch_record(connection, d), self.pipeline.stop
                 )
                 state = record.meta.get("state")
                 # only a job whose return RQ recorded (`finished`): one killed before that is still in RQ's

@@ -22,10 +22,11 @@ Waiting for `released` before writing the outcome keeps RQ's own success bookkee
 registries) from landing after ours.
 
 Recovery: `recover()` (at start, before the first job) queues every complete render the spool still
-holds. Its job is updated as above; a job already recorded as `uploaded` (by this render, or by another
-render of it that finished elsewhere) only has the copy released. Uploads are idempotent: the key is fixed
-in the manifest (job id + render id, see `worker.uploads.storage`) and `Storage.put` skips an object that already
-holds the same sha256, so a crash between confirmation and the record costs one HEAD request.
+holds, each recorded into the job `worker.stages.recovery` finds for it (a Redis restarting meanwhile is waited
+for). Its job is updated as above; a job already recorded as `uploaded` (by this render, or by another render of
+it that finished elsewhere) only has the copy released. Uploads are idempotent: the key is fixed in the manifest
+(job id + render id, see `worker.uploads.storage`) and `Storage.put` skips an object that already holds the same
+sha256, so a crash between confirmation and the record costs one HEAD request.
 
 Bounds: `full()` is true while `max_pending_uploads` renders or `max_pending_bytes` bytes are pending
 (queued or in flight); the worker does not take another job meanwhile (back-pressure, see
@@ -53,7 +54,7 @@ from worker.jobs.attempt import JobAttempt
 from worker.jobs.ends import Failure
 from worker.jobs.outcomes import JobOutcomes
 from worker.ops.metrics import WorkerMetrics
-from worker.rq.record import JobRecord, fetch_record
+from worker.stages.recovery import RECOVERY_REDIS_WAIT_S, job_of
 from worker.uploads.spool import Spool, SpoolEntry
 from worker.uploads.storage import StoredObject
 from worker.uploads.uploader import Uploader, UploadFailed
@@ -61,7 +62,6 @@ from worker.uploads.uploader import Uploader, UploadFailed
 __all__ = ["PendingUpload", "UploadPipeline"]
 
 log = logging.getLogger("worker.stages.upload")
-_RECOVERY_REDIS_WAIT_S = 300.0  # how long recovery waits for Redis before leaving a render in the spool
 _RELEASE_WAIT_S = 120.0  # RQ's success bookkeeping takes milliseconds; this only guards against a bug
 
 
@@ -211,62 +211,36 @@ class UploadPipeline:
         """The upload of a render found in the spool; None when it waits for the next start (Redis does not
         answer) or its job is recorded as uploaded already (the copy is released)."""
         try:
-            record = self._job_for(entry)
+            record = job_of(entry, self.connection, self.stop)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # not "the job is gone": leave the render in the spool for the next start's recovery
-            log.error("spool entry %s: Redis unreachable for %.0fs (%s); left in the spool", entry.job_id,
-                      _RECOVERY_REDIS_WAIT_S, type(exc).__name__)  # fmt: skip
+            log.error(
+                "spool entry %s: Redis unreachable for %.0fs (%s); left in the spool",
+                entry.job_id,
+                RECOVERY_REDIS_WAIT_S,
+                type(exc).__name__,
+            )
             return None
         meta = record.meta if record is not None else {}
         result = meta.get("result") if isinstance(meta.get("result"), dict) else {}
         if meta.get("state") == JobState.UPLOADED.value and result.get("key"):
             # (its key may differ: another render of the job, e.g. re-run elsewhere after this host
             # vanished, was recorded first; recording this one too would end the job twice)
-            log.info("spool entry %s: job already recorded as uploaded (%s); releasing the copy",
-                     entry.job_id, result.get("key"))  # fmt: skip
+            log.info(
+                "spool entry %s: job already recorded as uploaded (%s); releasing the copy",
+                entry.job_id,
+                result.get("key"),
+            )
             self.spool.release(entry)
             return None
         attempt = None
         if record is not None:
             attempt = JobAttempt(record, self.outcomes, number=int(meta.get("attempt") or 1), t0=entry.created_at)
-        item = PendingUpload(entry=entry, attempt=attempt, render_s=float(entry.info.get("render_s") or 0.0),
-                             recovered=True)  # fmt: skip
+        item = PendingUpload(
+            entry=entry, attempt=attempt, render_s=float(entry.info.get("render_s") or 0.0), recovered=True
+        )
         item.released.set()
         return item
-
-    def _job_for(self, entry: SpoolEntry) -> JobRecord | None:
-        """The job a recovered render is recorded into: None when it is gone, unreadable, or a later
-        submission of its id (the render is then uploaded as an orphan). Raises Redis's connection errors."""
-        try:
-            record = self._fetch_when_redis_answers(lambda: fetch_record(self.connection, entry.job_id))
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except Exception as exc:  # NoSuchJobError (expired, deleted) or an unreadable hash
-            log.warning("spool entry %s: job not readable in Redis (%s); uploading the video anyway",
-                        entry.job_id, type(exc).__name__)  # fmt: skip
-            return None
-        if not entry.belongs_to(record.submission):
-            # the id was submitted again after this render's job expired: upload it as an orphan
-            # (its object key is its own), never into the new job
-            log.warning("spool entry %s: rendered for an earlier submission of this id; uploading it "
-                        "without recording it into the current job", entry.job_id)  # fmt: skip
-            return None
-        return record
-
-    def _fetch_when_redis_answers(self, fetch: Callable[[], Any]) -> Any:
-        """`fetch()`, retried while Redis does not answer (a restart of Redis while this worker started:
-        taking the connection error for a vanished job uploaded live jobs' renders as orphans and left the
-        jobs `rendered` for good). Raises the connection error after `_RECOVERY_REDIS_WAIT_S`."""
-        deadline = time.monotonic() + _RECOVERY_REDIS_WAIT_S
-        delay = 0.2
-        while True:
-            try:
-                return fetch()
-            except (redis.ConnectionError, redis.TimeoutError):
-                if time.monotonic() + delay > deadline or self.stop.is_set():
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     # ==== back-pressure ===============================================================================
     def is_pending(self, job_id: str) -> bool:
@@ -351,8 +325,15 @@ class UploadPipeline:
         emit = self.event_fn(attempt)
         if attempt is not None:
             extra = {"recovered": True} if item.recovered else {}
-            self._safe(attempt.relay.state, JobState.UPLOADING, key=entry.key, bytes=entry.size, sha256=entry.sha256,
-                       worker=self.worker_name, **extra)  # fmt: skip
+            self._safe(
+                attempt.relay.state,
+                JobState.UPLOADING,
+                key=entry.key,
+                bytes=entry.size,
+                sha256=entry.sha256,
+                worker=self.worker_name,
+                **extra,
+            )
         t_up = time.monotonic()
         wait_s = t_up - item.submitted
         try:
