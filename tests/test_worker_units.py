@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.wait import wait_for
-from worker.render.fleet import FleetUnrecoverable, WarmFleet, await_released
+from worker.ops.procs import await_released
+from worker.render.fleet import FleetUnrecoverable, WarmFleet
 from worker.runtime.supervisor import EXIT_BAD_CONFIG, Supervisor
 
 # ==== fleet supervision (logic) =========================================================================

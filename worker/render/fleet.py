@@ -14,17 +14,16 @@ capture, allocator growth and caches for the sizes the service expects happen he
 The memory the devices offer (`device_memory_bytes`) is known once the ranks ran `setup()`, before the warm-up,
 which `worker.render.warmup.WarmUp` plans like a client job: an out-of-memory warm-up is retried once on the
 lower-memory plan, then dropped, never a failed build; any other warm-up error is a failed build. Before a new fleet
-starts, the old one's rank processes must be gone and (where NVML can tell) listed on no GPU: at real size a new
-fleet loading while a dead one's memory is still held runs out of memory. `startup` describes the last successful
-start: process start, weight load and warm-up seconds (see `ltx_mgpu.control.startup`), which the worker publishes
-in its health snapshot and metrics.
+starts, the old one's rank processes must be gone and (where NVML can tell) listed on no GPU
+(`worker.ops.procs.await_released`): at real size a new fleet loading while a dead one's memory is still held runs
+out of memory. `startup` describes the last successful start: process start, weight load and warm-up seconds (see
+`ltx_mgpu.control.startup`), which the worker publishes in its health snapshot and metrics.
 
 The controller is created through `factory` (default `ltx_mgpu.MGPUController`, imported lazily: no torch at import).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -36,10 +35,10 @@ from typing import Any
 from ltx_contract.states import EventType
 from worker.errors import WorkerError
 from worker.ops.error_ids import public_message
-from worker.ops.procs import pid_alive
+from worker.ops.procs import await_released
 from worker.render.warmup import WarmUp
 
-__all__ = ["FleetUnrecoverable", "WarmFleet", "await_released"]
+__all__ = ["FleetUnrecoverable", "WarmFleet"]
 
 log = logging.getLogger("worker.render.fleet")
 
@@ -190,16 +189,7 @@ class WarmFleet:
                     if self._stopped.is_set():
                         break
                     failures += 1
-                    self.build_failures += 1
-                    self.state = "failed"
-                    log.error("fleet build failed (%d/%d): %s", failures, self.max_failures, exc, exc_info=True)
-                    self.on_event({"type": EventType.FLEET, "action": "rebuild_failed" if rebuild else "start_failed",
-                                   "error": f"{type(exc).__name__}: {exc}", "attempt": failures})  # fmt: skip
-                    if failures >= self.max_failures:
-                        raise FleetUnrecoverable(
-                            f"fleet on devices {self.devices} failed to start {failures} times in a row; "
-                            f"last error: {type(exc).__name__}: {exc}"
-                        ) from exc
+                    self._build_failed(exc, failures, rebuild)
                     if self._stopped.wait(self.backoff_s * (2 ** (failures - 1))):
                         break
                     continue
@@ -207,23 +197,58 @@ class WarmFleet:
                 if self._stopped.is_set():
                     ctl.shutdown(graceful_timeout=0)
                     break
-                self.controller = ctl
-                self.ready_at = time.time()
-                self.state = "ready"
-                self.builds += 1
-                if rebuild:
-                    self.rebuilds += 1
-                seconds = round(time.monotonic() - t0, 3)
-                self.startup = _startup_report(ctl, started_at, warmup_s, self.warm.rendered)
-                if self.warm.dropped:
-                    self.startup["warmup_dropped"] = list(self.warm.dropped.values())
-                log.info("fleet ready on %s in %.2fs (pids %s): %s", self.devices, seconds, ctl.pids,
-                         {k: v for k, v in self.startup.items() if k.endswith("_s")})  # fmt: skip
-                self.on_event({"type": EventType.FLEET, "action": "rebuilt" if rebuild else "started",
-                               "seconds": seconds, "pids": list(ctl.pids), "startup": self.startup})  # fmt: skip
+                self._became_ready(ctl, rebuild, t0, started_at, warmup_s)
                 return
             self.state = "stopped"
             raise FleetUnrecoverable("fleet start interrupted by shutdown")
+
+    def _build_failed(self, exc: Exception, failures: int, rebuild: bool) -> None:
+        """Count a failed build (`failures` in a row) and say so; `FleetUnrecoverable` once that is `max_failures`."""
+        self.build_failures += 1
+        self.state = "failed"
+        log.error("fleet build failed (%d/%d): %s", failures, self.max_failures, exc, exc_info=True)
+        self.on_event(
+            {
+                "type": EventType.FLEET,
+                "action": "rebuild_failed" if rebuild else "start_failed",
+                "error": f"{type(exc).__name__}: {exc}",
+                "attempt": failures,
+            }
+        )
+        if failures >= self.max_failures:
+            raise FleetUnrecoverable(
+                f"fleet on devices {self.devices} failed to start {failures} times in a row; "
+                f"last error: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _became_ready(self, ctl: Any, rebuild: bool, t0: float, started_at: float, warmup_s: float) -> None:
+        """`ctl` started and warmed up: it is the fleet's controller now; its start's report (`startup`) is said."""
+        self.controller = ctl
+        self.ready_at = time.time()
+        self.state = "ready"
+        self.builds += 1
+        if rebuild:
+            self.rebuilds += 1
+        seconds = round(time.monotonic() - t0, 3)
+        self.startup = _startup_report(ctl, started_at, warmup_s, self.warm.rendered)
+        if self.warm.dropped:
+            self.startup["warmup_dropped"] = list(self.warm.dropped.values())
+        log.info(
+            "fleet ready on %s in %.2fs (pids %s): %s",
+            self.devices,
+            seconds,
+            ctl.pids,
+            {k: v for k, v in self.startup.items() if k.endswith("_s")},
+        )
+        self.on_event(
+            {
+                "type": EventType.FLEET,
+                "action": "rebuilt" if rebuild else "started",
+                "seconds": seconds,
+                "pids": list(ctl.pids),
+                "startup": self.startup,
+            }
+        )
 
     def ensure_ready(self, *, tick: Callable[[], None] | None = None) -> bool:
         """Make sure the controller is warm: if it is dead or poisoned, (re)build it in the rebuild thread
@@ -384,53 +409,6 @@ class WarmFleet:
         await_released(pids, self.release_timeout)
 
 
-def await_released(pids: Sequence[int], timeout: float) -> bool:
-    """Wait until none of `pids` runs and (where NVML answers) no GPU lists any of them; True if so.
-
-    A rank killed mid-job can take seconds to exit while the driver tears down a large context, and the
-    controller's shutdown does not wait forever; a fleet started meanwhile would find its GPUs still full.
-    NVML is optional (`nvidia-ml-py`): without it, or where it reports other pid namespaces' numbers,
-    only the processes themselves are awaited.
-    """
-    deadline = time.monotonic() + timeout
-    waiting = set(pids)
-    while True:
-        waiting = {pid for pid in waiting if pid_alive(pid)}
-        on_gpu = _pids_on_gpus(set(pids)) if not waiting else set()
-        if not waiting and not on_gpu:
-            return True
-        if time.monotonic() > deadline:
-            log.error("old fleet not released after %.0fs (running: %s, on a GPU: %s); starting anyway",
-                      timeout, sorted(waiting), sorted(on_gpu))  # fmt: skip
-            return False
-        time.sleep(0.05)
-
-
-def _pids_on_gpus(pids: set[int]) -> set[int]:
-    """Which of `pids` NVML lists as compute processes on any GPU (empty without NVML)."""
-    if not pids:
-        return set()
-    try:
-        import pynvml
-    except ImportError:
-        return set()
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return set()
-    found: set[int] = set()
-    try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            found |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)} & pids
-    except pynvml.NVMLError:
-        return found
-    finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
-    return found
-
-
 def _startup_report(ctl: Any, started_at: float, warmup_s: float, warmup_jobs: int) -> dict[str, Any]:
     """The phases of one successful start (see the module docstring), JSON-safe. With the engine's per-rank
     stamps the phases add up to `ready_s` by construction: `warmup_s` is everything after the last rank
@@ -445,6 +423,7 @@ def _startup_report(ctl: Any, started_at: float, warmup_s: float, warmup_jobs: i
         report["weight_load_s"] = round(engine.weight_load_s, 3)
         report["loaded_at"] = engine.ready_at
         warmup_s = max(0.0, ready_at - engine.ready_at)
-    report.update(ready_at=ready_at, warmup_s=round(warmup_s, 3), warmup_jobs=warmup_jobs,
-                  ready_s=round(ready_at - started_at, 3))  # fmt: skip
+    report.update(
+        ready_at=ready_at, warmup_s=round(warmup_s, 3), warmup_jobs=warmup_jobs, ready_s=round(ready_at - started_at, 3)
+    )
     return report
