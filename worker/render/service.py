@@ -20,7 +20,7 @@ One instance per worker process (one fleet). `run_job()` is the body of the RQ j
    - (`upload_pipeline`, the default) hand it to the background `UploadPipeline` and return a small
      hand-off value at once: RQ marks the job `finished` while the state is `rendered`; the pipeline
      writes `uploading` → `uploaded` (or `retrying`/`failed`) and the full result later, or
-   - (synchronous) upload it here (retries, confirmation), release it and
+   - (synchronous, `worker.render.sync_delivery`) upload it here (retries, confirmation), release it and
 5. return the result (bucket, key, size, sha256, presigned URL, timings, fleet).
 
 The service state in the job meta (and the event stream) is the source of truth for clients; RQ's
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,7 @@ from worker.render.fleet import WarmFleet
 from worker.render.fleet_render import FleetRender
 from worker.render.loras import LoraCacheFull, LoraRefused, LoraResolver
 from worker.render.results import JobResults
+from worker.render.sync_delivery import SyncDelivery
 from worker.render.warmup import WarmupRefused
 from worker.rq.record import JobRecord
 from worker.settings import WorkerSettings
@@ -75,8 +75,18 @@ log = logging.getLogger("worker.render.service")
 class RenderService:
     """Per-process job logic around one `WarmFleet`; see the module docstring."""
 
-    def __init__(self, settings: WorkerSettings, *, group: str, worker_name: str, fleet: WarmFleet, storage: Storage,
-                 spool: Spool, metrics: WorkerMetrics, limits: RunnerLimits | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        group: str,
+        worker_name: str,
+        fleet: WarmFleet,
+        storage: Storage,
+        spool: Spool,
+        metrics: WorkerMetrics,
+        limits: RunnerLimits | None = None,
+    ) -> None:
         self.settings = settings
         self._limits = limits or RunnerLimits(settings.runner, {})
         self.group, self.worker_name, self.fleet = group, worker_name, fleet
@@ -84,12 +94,18 @@ class RenderService:
         self.outcomes = JobOutcomes(settings, worker_name=worker_name, metrics=metrics)
         #: request LoRAs: fetched, cached and checked before the fleet sees them (worker.render.loras)
         self.loras = LoraResolver.for_worker(settings, fleet.runner_cls, storage, metrics)
-        self.uploader = Uploader(storage, spool, attempts=settings.upload_attempts, backoff_s=settings.upload_backoff_s,
-                                 backoff_max_s=settings.upload_backoff_max_s)  # fmt: skip
+        self.uploader = Uploader(
+            storage,
+            spool,
+            attempts=settings.upload_attempts,
+            backoff_s=settings.upload_backoff_s,
+            backoff_max_s=settings.upload_backoff_max_s,
+        )
         self.stop_uploads = threading.Event()  # set on cold shutdown: cut upload back-offs short
         self.results = JobResults(storage, fleet, group, worker_name)
         self.pipeline = self._upload_stage()
         self.encoder = EncodeStage(spool=spool, pipeline=self.pipeline, settings=settings, metrics=metrics, group=group)
+        self.sync = SyncDelivery(self.pipeline, self.encoder, self.results, self._count_done, self._upload_failed)
         self.hand_off_media = settings.encode_in_worker and _takes(fleet.runner_cls, "media")
         streams = settings.encode_stream and "stream" in getattr(fleet.runner_cls, "media_modes", ())
         self.media_mode = "stream" if streams else "frames"  #: what `media` the fleet is asked for
@@ -109,11 +125,21 @@ class RenderService:
         """The background uploader. It always exists (it recovers the spool at start); jobs use it only with
         `upload_pipeline` on, otherwise the job function uploads before it returns."""
         s = self.settings
-        return UploadPipeline(uploader=self.uploader, spool=self.spool, metrics=self.metrics, group=self.group,
-                              worker_name=self.worker_name, threads=s.upload_threads, max_pending=s.max_pending_uploads,
-                              max_pending_bytes=s.max_pending_bytes, outcomes=self.outcomes,
-                              make_result=self.results.for_upload, stop=self.stop_uploads,
-                              on_uploaded=self._count_done, on_upload_failed=self._upload_failed)  # fmt: skip
+        return UploadPipeline(
+            uploader=self.uploader,
+            spool=self.spool,
+            metrics=self.metrics,
+            group=self.group,
+            worker_name=self.worker_name,
+            threads=s.upload_threads,
+            max_pending=s.max_pending_uploads,
+            max_pending_bytes=s.max_pending_bytes,
+            outcomes=self.outcomes,
+            make_result=self.results.for_upload,
+            stop=self.stop_uploads,
+            on_uploaded=self._count_done,
+            on_upload_failed=self._upload_failed,
+        )
 
     @property
     def limits(self) -> RunnerLimits:
@@ -127,8 +153,9 @@ class RenderService:
                 self._limits = self._limits.with_capacity(min(round(measured / 2**30, 2), memory.capacity_gib or 1e9))
         return self._limits
 
-    def memory_plans(self, width: int, height: int, num_frames: int,
-                     frame_rate: float = memplan.DEFAULT_FRAME_RATE) -> list[dict[str, Any] | None]:  # fmt: skip
+    def memory_plans(
+        self, width: int, height: int, num_frames: int, frame_rate: float = memplan.DEFAULT_FRAME_RATE
+    ) -> list[dict[str, Any] | None]:
         """The runner's `memory_plan` job kwargs for a request of this size: the plan a job gets first, then each
         strictly lower-memory one down to the lowest (memplan's lower-memory plan, unless the first already is
         it). An out-of-memory attempt moves the job one step down; `[None]`: the runner takes no plan (nothing
@@ -316,43 +343,15 @@ class RenderService:
     def _deliver(self, attempt: JobAttempt, entry: SpoolEntry | PendingEncode, render_s: float) -> dict[str, Any] | End:
         """Hand the render on beside the next job, to the encode stage (frames) or the upload stage (a file): the
         fleet takes the next job now, and the job function gives back the hand-off. With `upload_pipeline` off
-        it is encoded and uploaded here (`_upload_now`)."""
+        it is encoded and uploaded here (`worker.render.sync_delivery`)."""
         if not self.settings.upload_pipeline:
-            return self._upload_now(attempt, entry, render_s)
+            return self.sync.deliver(attempt, entry, render_s)
         frames = isinstance(entry, PendingEncode)
         if frames:
             self.encoder.submit(entry)
         else:
             self.pipeline.submit(PendingUpload(entry=entry, attempt=attempt, render_s=render_s))
         return attempt.handed_off(render_s, None if frames else entry)
-
-    def _upload_now(
-        self, attempt: JobAttempt, entry: SpoolEntry | PendingEncode, render_s: float
-    ) -> dict[str, Any] | End:
-        """The synchronous path (`upload_pipeline` off): encode (frames) and commit, upload, confirm, record,
-        before the job returns."""
-        if isinstance(entry, PendingEncode):
-            encoded = self._encode_now(attempt, entry)
-            if isinstance(encoded, Failure):
-                return encoded
-            entry = encoded
-        entry = self.spool.ensure_sha256(entry)
-        attempt.relay.state(JobState.UPLOADING, key=entry.key, bytes=entry.size)
-        t_up = time.monotonic()
-        try:
-            stored = self.uploader.upload(entry, on_event=self.pipeline.event_fn(attempt), stop=self.stop_uploads)
-        except UploadFailed as exc:
-            self.metrics.upload_seconds.labels(self.group).observe(time.monotonic() - t_up)
-            self._upload_failed(exc)
-            details = {"spool_path": str(exc.entry.path), "upload_attempts": exc.attempts}
-            return Failure(FailureReason.UPLOAD_FAILED, str(exc), retryable=exc.retryable, details=details)
-        upload_s = time.monotonic() - t_up
-        self.metrics.upload_seconds.labels(self.group).observe(upload_s)
-        self.metrics.upload_bytes.labels(self.group).inc(stored.size)
-        result = self.results.uploaded(attempt, entry, stored, render_s, upload_s)
-        attempt.uploaded(result)
-        self._count_done()
-        return result
 
     # ---- render ---------------------------------------------------------------------------------------
     def _render(self, attempt: JobAttempt, req: RenderRequest) -> tuple[SpoolEntry | PendingEncode, float] | End:
@@ -405,16 +404,6 @@ class RenderService:
         if plans[steps] is not None:
             kwargs["memory_plan"] = plans[steps]
         return kwargs, steps + 1 < len(plans)
-
-    def _encode_now(self, attempt: JobAttempt, item: PendingEncode) -> SpoolEntry | Failure:
-        """The synchronous path (`upload_pipeline` off): encode and commit before the upload."""
-        try:
-            return self.encoder.encode_now(item)
-        except Exception as exc:
-            self.spool.discard_incomplete(attempt.id)
-            if isinstance(exc, OSError):
-                return Failure.spool(exc)
-            return Failure(FailureReason.INTERNAL, f"encode: {type(exc).__name__}: {exc}")
 
 
 def _preparation_failure(exc: LoraRefused | OSError, where: str) -> Failure:
