@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from ltx_mgpu.media.mp4 import AudioTrack, probe_mp4, read_audio, write_mp4
+from ltx_mgpu.media.mp4 import AudioTrack, write_mp4
+from ltx_mgpu.media.mp4_read import probe_mp4, read_audio
 
 RATE = 24000
 AAC_FRAME = 1024

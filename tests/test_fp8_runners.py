@@ -17,7 +17,7 @@ import torch
 
 from ltx_mgpu import MGPUController
 from ltx_mgpu.fp8 import Fp8Linear
-from ltx_mgpu.media.mp4 import read_mp4
+from ltx_mgpu.media.mp4_read import read_mp4
 from ltx_mgpu.runners.common.local import LocalRunner
 from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
 from tests.test_ltx2_runners import START_TIMEOUT, _LocalCtl, distilled_setup, render, two_stage_setup

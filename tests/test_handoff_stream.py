@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from ltx_mgpu.media.mp4 import AudioTrack, EncodeOptions, read_mp4, shared_empty, write_mp4_yuv
+from ltx_mgpu.media.mp4 import AudioTrack, EncodeOptions, shared_empty, write_mp4_yuv
+from ltx_mgpu.media.mp4_read import read_mp4
 from ltx_mgpu.media.mp4_stream import Mp4Stream
 from tests.support.wait import wait_for
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ltx_mgpu import MGPUController
-from ltx_mgpu.media.mp4 import read_mp4
+from ltx_mgpu.media.mp4_read import read_mp4
 from ltx_mgpu.runners.ltx2.runners import Ltx2TwoStageRunner
 
 JOB = {"prompt": "a cat walks along the beach", "width": 128, "height": 128, "num_frames": 9, "frame_rate": 8.0}

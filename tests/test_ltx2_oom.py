@@ -83,7 +83,7 @@ def test_the_memory_plan_switches_the_decode_per_job_and_back(tiny, tmp_path):
     decodes to the same frames either way (the chunks are the reference CLI's tiling, not a new blend)."""
     from ltx_core.model.video_vae import TilingConfig
 
-    from ltx_mgpu.media.mp4 import read_mp4
+    from ltx_mgpu.media.mp4_read import read_mp4
     from ltx_mgpu.runners.common.local import LocalRunner
     from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner
 

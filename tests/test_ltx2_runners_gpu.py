@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from ltx_mgpu import MGPUController
-from ltx_mgpu.media.mp4 import probe_mp4, read_mp4
+from ltx_mgpu.media.mp4_read import probe_mp4, read_mp4
 from ltx_mgpu.runners.common.local import LocalRunner
 from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner, Ltx2TwoStageRunner
 

@@ -18,13 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from ltx_mgpu.media.mp4 import (
-    EncodeOptions,
-    read_mp4,
-    rgb_to_yuv420p,
-    write_mp4,
-    write_mp4_yuv,
-)
+from ltx_mgpu.media.mp4 import EncodeOptions, rgb_to_yuv420p, write_mp4, write_mp4_yuv
+from ltx_mgpu.media.mp4_read import read_mp4
 
 #: Lossless H.264 (crf 0) of 2x2-aligned flat patches: the only errors are ours and the decoder's rounding.
 #: Ours: the 8-bit fixed-point coefficients differ from BT.601's by <= 0.0011 (<= 0.28 code values at 255)
@@ -155,7 +150,8 @@ def test_segments_joined_by_the_muxer_are_one_seamless_video(tmp_path: Path) -> 
 
 def test_segments_keep_the_aac_track_beside_them(tmp_path: Path) -> None:
     """The runs are muxed before the audio is encoded: the file still has both streams, whole."""
-    from ltx_mgpu.media.mp4 import AudioTrack, probe_mp4
+    from ltx_mgpu.media.mp4 import AudioTrack
+    from ltx_mgpu.media.mp4_read import probe_mp4
 
     t = torch.arange(5 * 24000, dtype=torch.float32) / 24000
     wave = torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * t)] * 2)

@@ -90,7 +90,7 @@ def test_the_host_tier_tracker_fuses_and_restores_exactly_what_the_gpu_one_does(
 
 
 def test_two_stage_renders_the_same_frames_with_host_tiers_and_a_parked_text_encoder(tmp_path):
-    from ltx_mgpu.media.mp4 import read_mp4
+    from ltx_mgpu.media.mp4_read import read_mp4
     from ltx_mgpu.runners.common.local import LocalRunner
     from ltx_mgpu.runners.ltx2.runners import Ltx2TwoStageRunner
     from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2

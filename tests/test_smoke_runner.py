@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ltx_mgpu import JobCancelledError, MGPUController, SymmetricRunnerError
-from ltx_mgpu.media.mp4 import AudioTrack, probe_mp4, read_audio, read_mp4, write_mp4
+from ltx_mgpu.media.mp4 import AudioTrack, write_mp4
+from ltx_mgpu.media.mp4_read import probe_mp4, read_audio, read_mp4
 from ltx_mgpu.runners.smoke import SmokeRunner, ensure_smoke_checkpoint
 
 START_TIMEOUT = 180

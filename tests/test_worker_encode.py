@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ltx_mgpu.media.mp4 import probe_mp4
+from ltx_mgpu.media.mp4_read import probe_mp4
 from tests.support.fleet import metric, running_worker, start_worker
 from tests.support.wait import wait_for
 from tests.support.workers import WorkerProcess, events, wait_ready, wait_state, worker_env

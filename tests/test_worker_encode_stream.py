@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ltx_contract.control import cancel_job
-from ltx_mgpu.media.mp4 import EncodeOptions, read_mp4, to_yuv420p, write_mp4_yuv
+from ltx_mgpu.media.mp4 import EncodeOptions, to_yuv420p, write_mp4_yuv
+from ltx_mgpu.media.mp4_read import read_mp4
 from tests.support.fleet import metric, running_worker
 from tests.support.runners import noise_frames
 from tests.support.wait import wait_for

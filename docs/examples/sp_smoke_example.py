@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ltx_mgpu import MGPUController
-from ltx_mgpu.media.mp4 import read_mp4
+from ltx_mgpu.media.mp4_read import read_mp4
 from ltx_mgpu.runners.smoke import SmokeRunner
 
 JOB = {"prompt": "a lighthouse at dusk", "seed": 3, "width": 128, "height": 96, "num_frames": 17, "steps": 2}

@@ -1,4 +1,5 @@
-"""mp4 out (H.264 video + optional AAC stereo audio) and back in, with PyAV. Used on the driver rank only.
+"""mp4 out (H.264 video + optional AAC stereo audio), with PyAV; reading one back is `mp4_read`. Used on the
+driver rank (or by the worker's encoder, beside the next job).
 
 `write_mp4(frames, path, fps, audio=AudioTrack(...))` muxes what LTX-2 renders: uint8 frames as H.264
 (yuv420p) at the frame rate, and the vocoder's waveform as AAC at the vocoder's own sample rate, stereo.
@@ -40,14 +41,10 @@ __all__ = [
     "MEDIA",
     "AudioTrack",
     "EncodeOptions",
-    "Mp4Streams",
     "audio_fields",
     "frame_rate_fraction",
     "media_event",
     "page_lock",
-    "probe_mp4",
-    "read_audio",
-    "read_mp4",
     "rgb_to_yuv420p",
     "shared_empty",
     "shared_host_copy",
@@ -139,31 +136,6 @@ def audio_fields(track: AudioTrack | None) -> dict[str, object]:
     return {"audio": True, "audio_sample_rate": int(track.sample_rate), "audio_duration_s": round(track.duration_s, 6)}
 
 
-@dataclass(frozen=True)
-class Mp4Streams:
-    """What an mp4 holds, as a player sees it (durations in seconds, from the decoded samples/frames)."""
-
-    video_codec: str
-    frames: int
-    fps: float
-    width: int
-    height: int
-    audio_codec: str | None = None
-    audio_sample_rate: int | None = None
-    audio_channels: int | None = None
-    audio_samples: int | None = None
-
-    @property
-    def video_duration_s(self) -> float:
-        return self.frames / self.fps if self.fps else 0.0
-
-    @property
-    def audio_duration_s(self) -> float | None:
-        if self.audio_samples is None or not self.audio_sample_rate:
-            return None
-        return self.audio_samples / self.audio_sample_rate
-
-
 def frame_rate_fraction(fps: float) -> Fraction:
     """The stream time base of `fps` (29.97 -> 30000/1001): what the muxer and the segment runs share."""
     return Fraction(fps).limit_denominator(1001)
@@ -206,8 +178,10 @@ def to_yuv420p(frames: torch.Tensor) -> torch.Tensor:
     import av
 
     rgb_to_yuv420p(frames[:0])  # the same checks (dtype, shape, even sizes) on no frames
-    planes = [av.VideoFrame.from_ndarray(f, format="rgb24").reformat(format="yuv420p").to_ndarray()
-              for f in frames.contiguous().numpy()]  # fmt: skip
+    planes = [
+        av.VideoFrame.from_ndarray(f, format="rgb24").reformat(format="yuv420p").to_ndarray()
+        for f in frames.contiguous().numpy()
+    ]
     return torch.from_numpy(np.stack(planes)) if planes else torch.empty((0, *_yuv_shape(frames)), dtype=torch.uint8)
 
 
@@ -337,8 +311,15 @@ def write_mp4_yuv(
     return path.stat().st_size
 
 
-def _mux_segments(container: Any, video: Any, frames: np.ndarray, options: EncodeOptions, segments: int,
-                  rate: Fraction, stream: Any = None) -> None:  # fmt: skip
+def _mux_segments(
+    container: Any,
+    video: Any,
+    frames: np.ndarray,
+    options: EncodeOptions,
+    segments: int,
+    rate: Fraction,
+    stream: Any = None,
+) -> None:
     """Parallel x264 runs (`x264_segments`) muxed in order as each finishes; every run's SPS/PPS must be the
     header's byte for byte (a decoder uses the header's for every frame), else the file is not written."""
     from .x264_segments import encode_segments
@@ -346,8 +327,11 @@ def _mux_segments(container: Any, video: Any, frames: np.ndarray, options: Encod
     container.start_encoding()  # opens the stream's encoder: its extradata is what the header carries
     header = bytes(video.codec_context.extradata or b"")
     settings = segment_settings(options, segments)
-    runs = stream.runs() if stream is not None else encode_segments(
-        frames, video.codec_context.width, video.codec_context.height, rate, settings, segments)  # fmt: skip
+    runs = (
+        stream.runs()
+        if stream is not None
+        else encode_segments(frames, video.codec_context.width, video.codec_context.height, rate, settings, segments)
+    )
     for k, run in enumerate(runs):
         if run.extradata != header:
             raise RuntimeError(f"x264 segment {k}: its SPS/PPS differ from the stream header's; not joined")
@@ -388,56 +372,3 @@ def _encode_audio(container: object, stream: object, audio: AudioTrack) -> None:
     for frame in [*resampler.resample(source), *resampler.resample(None)]:
         container.mux(stream.encode(frame))
     container.mux(stream.encode(None))
-
-
-def read_mp4(path: str | Path) -> tuple[torch.Tensor, float]:
-    """Decode an mp4 back to uint8 frames (F, H, W, 3) and its average frame rate."""
-    import av
-
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        fps = float(stream.average_rate) if stream.average_rate else 0.0
-        frames = [torch.from_numpy(f.to_ndarray(format="rgb24")) for f in container.decode(stream)]
-    return torch.stack(frames), fps
-
-
-def read_audio(path: str | Path) -> tuple[torch.Tensor, int]:
-    """Decode the first audio stream to float32 (channels, samples) and its sample rate (`ValueError` if the
-    file has none)."""
-    import av
-
-    with av.open(str(path)) as container:
-        if not container.streams.audio:
-            raise ValueError(f"{path} has no audio stream")
-        stream = container.streams.audio[0]
-        rate = int(stream.codec_context.sample_rate)
-        to_float = av.AudioResampler(format="fltp", layout=stream.codec_context.layout.name, rate=rate)
-        chunks = []
-        for frame in container.decode(stream):
-            chunks.extend(torch.from_numpy(f.to_ndarray()) for f in to_float.resample(frame))
-        chunks.extend(torch.from_numpy(f.to_ndarray()) for f in to_float.resample(None))
-    return torch.cat(chunks, dim=1), rate
-
-
-def probe_mp4(path: str | Path) -> Mp4Streams:
-    """Count what a player would decode: video frames and rate, audio codec, rate, channels and samples."""
-    import av
-
-    frames, fps = read_mp4(path)
-    with av.open(str(path)) as container:
-        video_codec = container.streams.video[0].codec_context.name
-        audio_info: dict[str, object] = {}
-        if container.streams.audio:
-            ctx = container.streams.audio[0].codec_context
-            audio_info = {"audio_codec": ctx.name, "audio_channels": ctx.channels}
-    if audio_info:
-        wave, rate = read_audio(path)
-        audio_info.update(audio_sample_rate=rate, audio_samples=int(wave.shape[1]))
-    return Mp4Streams(
-        video_codec=video_codec,
-        frames=int(frames.shape[0]),
-        fps=fps,
-        width=int(frames.shape[2]),
-        height=int(frames.shape[1]),
-        **audio_info,  # type: ignore[arg-type]
-    )
