@@ -1,6 +1,7 @@
-"""The engine's control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner contract,
-transport, job board, devices, errors, events, startup) names nothing of the data plane (`ltx_mgpu.parallel`) or
-of the model runners (`ltx_mgpu.runners`): not at import time, not in a function body, not under `TYPE_CHECKING`.
+"""The engine's control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet and its rank faults,
+runner contract, transport, job board, devices, errors, events, startup) names nothing of the data plane
+(`ltx_mgpu.parallel`) or of the model runners (`ltx_mgpu.runners`): not at import time, not in a function body, not
+under `TYPE_CHECKING`.
 
 Why by reading the source (AST) rather than importing: `tests/test_import_contracts.py` sees what an import
 pulls in, which misses a lazy import inside a function (the runner contract used to build the data plane's

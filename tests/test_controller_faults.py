@@ -24,7 +24,7 @@ from ltx_mgpu import (
     RenderOutOfMemory,
     SymmetricRunnerError,
 )
-from ltx_mgpu.control.fleet import _fleet_fault
+from ltx_mgpu.control.rank_faults import fleet_fault
 from tests.support.controller_runners import ScriptedRunner
 
 pytestmark = pytest.mark.timeout(300)
@@ -138,4 +138,4 @@ def test_an_error_on_one_rank_while_the_other_waits_in_a_collective_poisons_afte
 def test_which_errors_are_fleet_level_faults(error, fatal):
     """Sticky device errors and broken communicators end the rank (the fleet is rebuilt); everything else
     a render raises ends only the job."""
-    assert _fleet_fault(error) is fatal
+    assert fleet_fault(error) is fatal

@@ -9,9 +9,9 @@ down only:
 - ltx_contract never imports worker, producer, torch, boto3 or ltx_mgpu outside its specs, and of RQ only its
   client API (jobs, queues, serializers, commands, the worker list; never registries, results or executions);
 - ltx_mgpu never imports ltx_contract, worker, producer, redis, rq or boto3 (the engine knows no service);
-- the control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, runner, transport, job_board,
-  devices, errors, events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is model-agnostic; lazy
-  imports are held by `tests/test_control_plane_contract.py`, which reads the source);
+- the control plane (`ltx_mgpu/control/`: controller, stream, processes, fleet, rank_faults, runner, transport,
+  job_board, devices, errors, events, startup) never imports `ltx_mgpu.runners` or `ltx_mgpu.parallel` (it is
+  model-agnostic; lazy imports are held by `tests/test_control_plane_contract.py`, which reads the source);
 - worker never imports producer; kernels imports none of the packages above it;
 - inside worker/, a layer imports only the layers before it (`WORKER_LAYERS`) and no module is on an import
   cycle; these and the other `SOURCE_RULES` read the source, so an import inside a function counts;
@@ -60,8 +60,8 @@ class Rule:
         return root, [*modules_under(root, *self.packages), *self.modules], self.forbidden
 
 
-CONTROL_PLANE = tuple(f"ltx_mgpu.control.{m}" for m in (
-    "controller stream processes fleet runner transport job_board devices errors events startup").split())  # fmt: skip
+_CONTROL = "controller stream processes fleet rank_faults runner transport job_board devices errors events startup"
+CONTROL_PLANE = tuple(f"ltx_mgpu.control.{m}" for m in _CONTROL.split())
 
 #: Every module of the request specs (`ltx_mgpu/spec/`), and the exact names the producer and they may import
 SPEC = tuple(modules_under(ROOT, "ltx_mgpu/spec"))

@@ -112,18 +112,18 @@ def test_a_rule_refused_on_a_rank_is_a_refused_request_not_a_runner_error():
     import pickle
 
     from ltx_mgpu.control.errors import RequestRefused, RunnerError, SymmetricRunnerError
-    from ltx_mgpu.control.fleet import _job_error
+    from ltx_mgpu.control.rank_faults import job_error
 
     try:
         ltx2_rules("distilled").check(negative_prompt="blurry")
     except RequestRuleError as exc:
-        err = _job_error(exc, 0, 1)
+        err = job_error(exc, 0, 1)
     assert isinstance(err, RequestRefused) and err.field == "negative_prompt" and "no negative prompt" in err.message
     again = pickle.loads(pickle.dumps(err))  # (the rank -> controller pipe)
     assert isinstance(again, RequestRefused) and again.field == "negative_prompt"
     assert SymmetricRunnerError([err, again]).request_refused is err
     assert SymmetricRunnerError([err, RunnerError("over the budget")]).request_refused is None
-    assert not isinstance(_job_error(ValueError("other"), 0, 1), RequestRefused)
+    assert not isinstance(job_error(ValueError("other"), 0, 1), RequestRefused)
 
 
 # ==== the producer checks what the worker publishes (real Redis) ==========================================

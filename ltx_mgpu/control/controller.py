@@ -6,7 +6,7 @@ Contract (written once here; docs/controller.md links to it):
 - `stream(**kwargs)` dispatches a job and returns a `Stream` at once; iterating it yields every rank's
   yields in arrival order and ends when every rank has finished. A job belongs to its dispatching thread;
   another `stream()` while one is in flight raises `ControllerBusyError`.
-- Recoverable: any error a render raises that is not a fleet-level fault (`fleet._fleet_fault`) ends the
+- Recoverable: any error a render raises that is not a fleet-level fault (`rank_faults.fleet_fault`) ends the
   job: `RunnerError`/`ValueError` as they are, others as `RenderFault` (`RenderOutOfMemory`). On every rank →
   `SymmetricRunnerError` (cancelled → `JobCancelledError`); on some ranks, the others finishing →
   `AsymmetricRunnerError`. The fleet stays alive.

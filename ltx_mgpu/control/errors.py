@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from ..errors import LtxMgpuError
-from ..spec.request_rules import RequestRuleError  # (what a rank turns into `RequestRefused`: `fleet._job_error`)
+from ..spec.request_rules import RequestRuleError  # (what a rank turns into `RequestRefused`: `rank_faults.job_error`)
 
 __all__ = [
     "AsymmetricRunnerError",

@@ -12,7 +12,7 @@ Rank lifecycle (every rank, SPMD):
   6. on the shutdown announcement: tear down the process group and exit 0.
 An exception a render raises ends the job, not the rank (`_run_job`): `RunnerError`/`ValueError` as they are,
 anything else as a `RenderFault` (its traceback in this rank's log; an out-of-memory error as a
-`RenderOutOfMemory`, after the job's memory was released). A fleet-level fault (`_fleet_fault`: a
+`RenderOutOfMemory`, after the job's memory was released). A fleet-level fault (`rank_faults.fleet_fault`: a
 `torch.distributed` error, CUDA context loss, SystemExit) and anything outside a job is reported on the
 `failures` channel with its traceback, and the rank exits 1: a collective it may have left half-entered
 cannot be unwound.
@@ -53,8 +53,9 @@ import torch.distributed as dist
 
 from . import determinism
 from .devices import ALLOCATOR_ENV, MULTICAST_OFF_ENV
-from .errors import RenderFault, RenderOutOfMemory, RunnerError, value_error_terminal
+from .errors import RenderFault, RunnerError
 from .job_board import CancelPoints, JobBoard, cancel_key
+from .rank_faults import fleet_fault, job_error
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import ready_stamp
 from .transport import Channel, Failure, Job, MessageKind, Result, fill_tensors, placeholders
@@ -89,9 +90,12 @@ class FleetChannels:
     def create(cls, ctx: Any, devices: list[str]) -> FleetChannels:
         """The channels for a fleet on `devices`; `tensors` only where that path is used (CPU, rank > 0)."""
         world = len(devices)
-        return cls(jobs=Channel(ctx), up=[Channel(ctx) for _ in range(world)],
-                   failures=[Channel(ctx) for _ in range(world)],
-                   tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {})  # fmt: skip
+        return cls(
+            jobs=Channel(ctx),
+            up=[Channel(ctx) for _ in range(world)],
+            failures=[Channel(ctx) for _ in range(world)],
+            tensors={rank: Channel(ctx) for rank in range(1, world)} if devices[0] == "cpu" else {},
+        )
 
     def for_rank(self, rank: int) -> RankChannels:
         jobs = self.jobs if rank == DRIVER_RANK else None
@@ -306,7 +310,7 @@ def _take_job(jobs: Channel) -> Job | None:
 
 def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int, results: Channel) -> None:
     """Advance the runner's generator, forwarding yields; whatever the render raises ends the job (a
-    terminal `RunnerError`), unless it is a fleet-level fault (`_fleet_fault`), which ends the rank.
+    terminal `RunnerError`), unless it is a fleet-level fault (`fleet_fault`), which ends the rank.
 
     Argument binding and the generator check happen on every rank identically and before the runner
     touches any collective, so they are safe to report as `RunnerError` (symmetric) rather than fatal.
@@ -318,9 +322,9 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
     try:
         gen = runner(**kwargs)
     except BaseException as err:
-        if _fleet_fault(err):
+        if fleet_fault(err):
             raise
-        error = _job_error(err, rank, job_id)
+        error = job_error(err, rank, job_id)
     else:
         if not isinstance(gen, Iterator):
             msg = f"{type(runner).__name__}.__call__ must be a generator (got {type(gen).__name__})"
@@ -333,9 +337,9 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
                 send(MessageKind.DONE, stop.value)
                 return
             except BaseException as err:
-                if _fleet_fault(err):
+                if fleet_fault(err):
                     raise
-                error = _job_error(err, rank, job_id)
+                error = job_error(err, rank, job_id)
                 break
             send(MessageKind.YIELD, value)
         del gen  # (finished: its frame, and the tensors it held, go with it)
@@ -345,58 +349,6 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
     send(MessageKind.ERROR, error)
 
 
-#: Exception text of faults that leave a rank's device or its process group unusable (sticky CUDA errors,
-#: a communicator that failed or timed out): the rank exits and the fleet is rebuilt.
-_FLEET_FAULT_TEXT = ("CUDA error", "illegal memory access", "device-side assert", "NCCL", "CUBLAS_STATUS",
-                     "cuDNN error", "Connection closed by peer", "Connection reset by peer", "gloo")  # fmt: skip
-
-
-def _fleet_fault(err: BaseException) -> bool:
-    """Whether `err` means this rank (or its process group) can no longer be trusted with a job: anything
-    that is not an `Exception` (SystemExit, KeyboardInterrupt), a `torch.distributed` error (a collective
-    timed out, a peer vanished), CUDA context loss (`torch.AcceleratorError`), or a `RuntimeError` carrying
-    such a fault's text. An out-of-memory error is not one: the allocator recovers once the job is dropped."""
-    if isinstance(err, RunnerError | ValueError):
-        return False
-    if not isinstance(err, Exception) or isinstance(err, dist.DistError):
-        return True
-    if isinstance(err, torch.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(err, accelerator_error):
-        return True
-    text = _text(err)
-    return isinstance(err, RuntimeError) and any(marker in text for marker in _FLEET_FAULT_TEXT)
-
-
-_MESSAGE_CHARS = 500  # of an unexpected error's message in the job's error (the traceback stays in the log)
-
-
-def _job_error(err: BaseException, rank: int, job_id: int) -> RunnerError:
-    """The terminal a rank reports for an error that ends the job but not the fleet. Unexpected ones are
-    logged with their traceback here (the rank's log) and travel as `RenderFault` without it; the
-    traceback's frames are cleared so the tensors they hold can be freed."""
-    if isinstance(err, RunnerError):
-        error: RunnerError = err
-    elif isinstance(err, ValueError):  # (the request rules' refusal travels as `RequestRefused`)
-        error = value_error_terminal(err, _text(err))
-    else:
-        try:
-            tb = "".join(traceback.format_exception(err))
-        except Exception:  # (a message that cannot be printed)
-            tb = f"{type(err).__name__} (unprintable)\n"
-        sys.stderr.write(f"[ltx_mgpu rank {rank} pid {os.getpid()}] job {job_id} ended by {type(err).__name__} "
-                         f"(the fleet stays up):\n{tb}")  # fmt: skip
-        sys.stderr.flush()
-        message = f"{type(err).__name__}: {_text(err)}"[:_MESSAGE_CHARS]
-        cpu_oom = isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in message
-        kind = RenderOutOfMemory if cpu_oom or isinstance(err, torch.OutOfMemoryError | MemoryError) else RenderFault
-        error = kind(message, type(err).__name__)
-    if err.__traceback__ is not None:
-        traceback.clear_frames(err.__traceback__)
-    return error
-
-
 def _release_memory(runner: MGPURunner) -> None:
     """After a job that raised: collect what its frames held and hand cached device memory back, so an
     out-of-memory job leaves the next one the memory it had."""
@@ -404,13 +356,6 @@ def _release_memory(runner: MGPURunner) -> None:
     with contextlib.suppress(Exception):
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _text(err: BaseException) -> str:
-    try:
-        return str(err)
-    except Exception:  # (an exception whose __str__ raises, e.g. on a 5000-digit int)
-        return repr(type(err))
 
 
 def _teardown(device: torch.device) -> None:
