@@ -52,8 +52,10 @@ class BackfillProgress:
         refusal = runner.refusal
         waiting = f" · waiting: {refusal.message().split(';')[0]}" if refusal is not None else ""
         if self.bar is not None:
-            info = (f"{summary.uploaded + summary.already_done} ok · {summary.failed} failed · "
-                    f"enqueued {summary.enqueued} · adopted {summary.adopted}{waiting}")  # fmt: skip
+            info = (
+                f"{summary.uploaded + summary.already_done} ok · {summary.failed} failed · "
+                f"enqueued {summary.enqueued} · adopted {summary.adopted}{waiting}"
+            )
             self.bar.update(self.task, total=summary.total, completed=summary.done, info=info, refresh=True)
             return
         if note == "start":
