@@ -206,8 +206,8 @@ def test_the_function_length_check_fails_on_a_planted_function() -> None:
 # ==== lines as the formatter writes them ===================================================================
 #: Product code (and kernels/' Python) is laid out by `ruff format` everywhere, so the line limits above count what
 #: the formatter writes, not what a hand layout packed: a `# fmt: skip` or `# fmt: off` is allowed only on a genuine
-#: table (aligned rows of data), its file named here with the reason (none now: issue 50 took the last 31 out by
-#: splitting the six modules they kept under their limits).
+#: table (aligned rows of data), its file named here with the reason (none now: the last 31 kept six modules under
+#: their limits, which were split instead).
 FORMATTER_EXEMPT: dict[str, str] = {}
 FORMATTED = (*PRODUCT, "kernels/")
 _FORMATTER_OFF = re.compile(r"#\s*fmt:\s*(skip|off)\b")
