@@ -176,8 +176,8 @@ def _cross_size(ctx: Any, total: int, hidden: int, head_dim: int, iters: int, wa
     """One total token count: the exchanges (checked byte-equal first), then the P2P copy of the same bytes."""
     import torch.distributed as dist
 
-    from ltx_mgpu.parallel.backends.dist import create_dist_backend
-    from ltx_mgpu.parallel.backends.ipc import IpcBackend, create_ipc_backend
+    from ltx_mgpu.parallel.sp.backends.dist import create_dist_backend
+    from ltx_mgpu.parallel.sp.backends.ipc import IpcBackend, create_ipc_backend
 
     dev, w = ctx.device, ctx.world_size
     per = total // w

@@ -40,8 +40,8 @@ import torch
 
 from bench.common import emit, emit_summary
 from ltx_mgpu import MGPUController, MGPURunner
-from ltx_mgpu.parallel.cost_model import CostModel, LayerDims, StepShape, choose_layout, valid_layouts
-from ltx_mgpu.parallel.layout import ParallelLayout, layout_groups
+from ltx_mgpu.parallel.layouts.cost_model import CostModel, LayerDims, StepShape, choose_layout, valid_layouts
+from ltx_mgpu.parallel.layouts.layout import ParallelLayout, layout_groups
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GUIDANCE = {1: (1.0, 0.0, 1.0), 2: (3.0, 0.0, 1.0), 3: (3.0, 1.0, 1.0), 4: (3.0, 1.0, 3.0)}  # cfg, stg, modality
@@ -90,7 +90,7 @@ class ScalingRunner(MGPURunner):
         from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 
         from ltx_mgpu.parallel import AttentionRouter, SequenceParallelModelWrapper
-        from ltx_mgpu.parallel.builder import patch_sp_attention
+        from ltx_mgpu.parallel.sp.builder import patch_sp_attention
         from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
 
         d = model_dims(dims)

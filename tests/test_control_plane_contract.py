@@ -45,7 +45,7 @@ def test_control_plane_module_names_no_data_plane(name: str) -> None:
 @pytest.mark.parametrize(
     "planted",
     [
-        "from ..parallel.layout import LayoutGroups",  # relative, at the top
+        "from ..parallel.layouts.layout import LayoutGroups",  # relative, at the top
         "def f():\n    from ..parallel import AttentionRouter\n",  # lazy, inside a function
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import ltx_mgpu.runners.common.args\n",
         "from .. import parallel",  # the package itself, through `from .. import`

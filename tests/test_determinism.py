@@ -120,7 +120,7 @@ _PARTS = (torch.tensor([1.0e8, 3.0]), torch.tensor([1.0, 1.0e8]), torch.tensor([
 def _rank_ordered_sum(ctx: object) -> torch.Tensor:
     import torch.distributed as dist
 
-    from ltx_mgpu.parallel.collectives import ordered_sum
+    from ltx_mgpu.parallel.sharding.collectives import ordered_sum
 
     return ordered_sum(_PARTS[dist.get_rank()].clone(), None)
 
@@ -140,7 +140,7 @@ def test_ordered_sum_adds_in_rank_order_on_every_rank() -> None:
 def test_the_tiled_stage_uses_the_ordered_sum_under_deterministic_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
     """`TiledDataParallelModelWrapper._all_reduce` routes to `ordered_sum` exactly when deterministic
     algorithms are on (a unit check of the switch; the sum itself is checked across ranks above)."""
-    from ltx_mgpu.parallel import tdp
+    from ltx_mgpu.parallel.pipeline import tdp
 
     calls: list[str] = []
     monkeypatch.setattr(tdp, "ordered_sum", lambda flat, group: calls.append("ordered") or flat)

@@ -250,7 +250,7 @@ def test_lora_fuses_into_fp8_weights_and_reset_restores_their_bytes(tiny, tmp_pa
     from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP
 
     from ltx_mgpu.fp8.lora import fuse_rowwise
-    from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker
+    from ltx_mgpu.parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker
     from tests.test_lora_tracker import write_lora
 
     model = _build(str(tiny.checkpoint), "fp8-mm")

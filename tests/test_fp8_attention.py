@@ -184,8 +184,8 @@ class _Model(torch.nn.Module):
 
 @pytest.mark.parametrize("order", ["fp8-then-sp", "sp-then-fp8"])
 def test_fp8_attention_sits_inside_the_sp_wrapper_in_either_order(order):
-    from ltx_mgpu.parallel.attention import All2AllAttention, AttentionManager
-    from ltx_mgpu.parallel.builder import patch_sp_attention
+    from ltx_mgpu.parallel.sp.attention import All2AllAttention, AttentionManager
+    from ltx_mgpu.parallel.sp.builder import patch_sp_attention
 
     model = _Model()
     manager = AttentionManager(64, 4, 16, torch.float32, local=True)

@@ -1,7 +1,7 @@
 """The denoising step is graph-ready: no host sync, no host->device copy, no data-dependent shape and no
 CPU tensor in the transformer forward as the SP wrapper drives it, nor in a guidance-parallel step.
 
-Method (`ltx_mgpu.parallel.graph_audit.HostSyncAudit`): weights and inputs on the `meta` device, a
+Method (`ltx_mgpu.parallel.graphs.graph_audit.HostSyncAudit`): weights and inputs on the `meta` device, a
 `TorchDispatchMode` records every op that would involve the host on a GPU. Multi-rank forwards run in a
 fresh process under torch.distributed's "fake" backend (collectives complete without data), which audits
 any rank of any world size in one process.
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from ltx_mgpu.parallel.graph_audit import HostSyncAudit
+from ltx_mgpu.parallel.graphs.graph_audit import HostSyncAudit
 from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
 
 HEADS = 12
@@ -102,7 +102,7 @@ def _sp_forward_events(world: int, rank: int) -> dict[str, Any]:
     from ltx_core.model.transformer import X0Model
 
     from ltx_mgpu.parallel import AttentionManager, SequenceParallelModelWrapper, patch_sp_attention
-    from ltx_mgpu.parallel.capture_cache import capture_scope
+    from ltx_mgpu.parallel.graphs.capture_cache import capture_scope
 
     _init_fake(world, rank)
     out: dict[str, Any] = {}
@@ -223,7 +223,7 @@ def test_guidance_parallel_step_is_graph_ready(world: int, rank: int) -> None:
 def test_identity_cache_follows_the_inputs_lifetime_and_versions() -> None:
     import gc
 
-    from ltx_mgpu.parallel.capture_cache import IdentityCache
+    from ltx_mgpu.parallel.graphs.capture_cache import IdentityCache
 
     cache = IdentityCache(capacity=4)
     calls = []
@@ -252,7 +252,7 @@ def test_geometry_keeps_no_caller_tensor_alive() -> None:
     import gc
     import weakref
 
-    from ltx_mgpu.parallel.hoist import ForwardHoister
+    from ltx_mgpu.parallel.graphs.hoist import ForwardHoister
 
     from .test_graphs import _inputs
 

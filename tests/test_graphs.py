@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from ltx_mgpu.parallel.capture_cache import capturing
-from ltx_mgpu.parallel.graphs import CudaGraphBackend, CudaGraphForward
+from ltx_mgpu.parallel.graphs.capture_cache import capturing
+from ltx_mgpu.parallel.graphs.cuda_graph import CudaGraphBackend, CudaGraphForward
 
 from .test_graph_ready import BATCH, HEADS
 

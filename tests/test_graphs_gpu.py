@@ -42,7 +42,7 @@ TOKENS = (3, 4, 4)  # 48 video tokens
 
 def _ipc_available() -> bool:
     try:
-        from ltx_mgpu.parallel.backends.ipc import is_available
+        from ltx_mgpu.parallel.sp.backends.ipc import is_available
     except ImportError:
         return False
     return torch.cuda.device_count() >= 2 and is_available(torch.device("cuda", 0))

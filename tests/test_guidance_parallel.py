@@ -136,8 +136,9 @@ def _step(x0: Any, passes: int, pos: tuple, neg: tuple, max_batch: int, run: Any
 def _layouts_vs_reference(
     ctx: WorldContext, path: str, tokens: list[tuple[int, int, int]], defect: bool = False
 ) -> list[dict[str, Any]]:
-    from ltx_mgpu.parallel import GuidanceParallelPasses, layout
-    from ltx_mgpu.parallel import guidance as gmod
+    from ltx_mgpu.parallel import GuidanceParallelPasses
+    from ltx_mgpu.parallel.layouts import guidance as gmod
+    from ltx_mgpu.parallel.layouts import layout
     from ltx_mgpu.runners.ltx2.denoise import run_passes
 
     env = _setup(ctx, path)
@@ -178,7 +179,8 @@ def _layouts_vs_reference(
 def _budget(ctx: WorldContext, path: str) -> list[str]:
     """A step over budget raises the same ValueError on every rank before any collective, under every
     layout; the fleet is usable afterwards."""
-    from ltx_mgpu.parallel import GuidanceParallelPasses, layout
+    from ltx_mgpu.parallel import GuidanceParallelPasses
+    from ltx_mgpu.parallel.layouts import layout
     from ltx_mgpu.runners.ltx2.denoise import run_passes
 
     env = _setup(ctx, path)
@@ -258,7 +260,7 @@ def _gather_twice(ctx: WorldContext) -> dict[str, Any]:
     """P=3 over G=2 (rank 1 sends a spare row), two steps through one reused send buffer."""
     import torch.distributed as dist
 
-    from ltx_mgpu.parallel.guidance import gather_pass_outputs, split_passes
+    from ltx_mgpu.parallel.layouts.guidance import gather_pass_outputs, split_passes
 
     shares = split_passes(3, 2)
     specs = [((1, 4, 3), torch.float32), ((1, 2, 3), torch.float32)]

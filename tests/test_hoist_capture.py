@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ltx_mgpu.parallel.capture_cache import capture_scope
-from ltx_mgpu.parallel.hoist import ForwardHoister
+from ltx_mgpu.parallel.graphs.capture_cache import capture_scope
+from ltx_mgpu.parallel.graphs.hoist import ForwardHoister
 
 
 def _batched(*blocks: int) -> object:

@@ -19,6 +19,9 @@ down only:
   `RQ_CLIENT_API`, included), and the rest of the worker imports of the wing only its interface
   (`RQ_WING_INTERFACE`); RQ's private state is the wing's alone too (tests/test_worker_rqcompat.py);
 - no package, bench/ included, imports tests;
+- inside `ltx_mgpu/parallel/`, a subpackage imports of the package only itself and those below it (`PARALLEL_BELOW`),
+  never the runners (but the LoRA tracker, their pinned host tier), and no product module imports its test support
+  (`ltx_mgpu.parallel.testing`);
 - `import ltx_mgpu`, `ltx_mgpu.control.devices`, `devstack.ports`, `ltx_mgpu.spec.*` and the ltx2 runners'
   description (`ltx_mgpu.runners.ltx2.spec`, what `ltx-worker plan` reads) import no torch (the worker's
   settings and dev servers and the producer use them).
@@ -79,7 +82,7 @@ RULES = [
          plant=("ltx_mgpu/spec/bounds.py", "import ltx_mgpu.control.devices")),
     Rule("ltx_mgpu: no service", packages=("ltx_mgpu",),
          forbidden=("ltx_contract", "worker", "producer", "redis", "rq", "boto3", "botocore", "tests"),
-         plant=("ltx_mgpu/parallel/layout.py", "import redis")),
+         plant=("ltx_mgpu/parallel/layouts/layout.py", "import redis")),
     Rule("control plane: no runners, no data plane", modules=CONTROL_PLANE,
          forbidden=("ltx_mgpu.runners", "ltx_mgpu.parallel"),
          plant=("ltx_mgpu/control/job_board.py", "import ltx_mgpu.runners.common.args")),
@@ -329,6 +332,47 @@ SOURCE_RULES += [
     # (within one layer: settings.base is below settings.core, which imports it)
     CycleRule("worker: no import cycle",
               plant=("worker/settings/base.py", "from worker.settings.core import WorkerSettings")),
+]  # fmt: skip
+
+#: ltx_mgpu/parallel/'s subpackages (each `__init__` says what it is for) and what each may import of the package
+#: besides itself: the token partition and collectives at the bottom, the graph-ready forward on them, the SP core on
+#: both (its wrapper installs the hoister, its attention asks whether a capture runs), the layouts on the SP core; the
+#: pipeline's parallel parts and the LoRA tracker beside them. None imports the package itself, which imports them all.
+PARALLEL_BELOW = {
+    "sharding": (), "graphs": ("sharding",), "sp": ("sharding", "graphs"), "layouts": ("sharding", "graphs", "sp"),
+    "pipeline": ("sharding", "graphs"), "lora": ("sharding",),
+}  # fmt: skip
+#: The import each must refuse, planted (a file of the subpackage, an import of one it may not reach)
+PARALLEL_PLANTS = {
+    "sharding": ("collectives.py", "from ..graphs.capture_cache import capturing"),
+    "graphs": ("hoist.py", "from ..sp.attention import AttentionManager"),
+    "sp": ("wrapper.py", "from ..layouts.router import AttentionRouter"),
+    "layouts": ("guidance.py", "from ltx_mgpu.parallel import CudaGraphForward"),
+    "pipeline": ("tdp.py", "from ..sp.wrapper import check_token_budget"),
+    "lora": ("lora_tracker.py", "from ..pipeline.tdp import shared_weights_model"),
+}
+
+SOURCE_RULES += [
+    SourceRule(f"parallel.{sub}: of the package only {' and '.join((sub, *below))}",
+               folders=(f"ltx_mgpu/parallel/{sub}",), forbidden=("ltx_mgpu.parallel",),
+               allowed=tuple(f"ltx_mgpu.parallel.{s}" for s in (sub, *below)),
+               plant=(f"ltx_mgpu/parallel/{sub}/{PARALLEL_PLANTS[sub][0]}", PARALLEL_PLANTS[sub][1]))
+    for sub, below in PARALLEL_BELOW.items()
+]  # fmt: skip
+SOURCE_RULES += [
+    # The data plane is driven by the runners and never reaches back, but for the LoRA tracker, whose clean copy and
+    # factors live in the runners' pinned host tier (`pack_pinned`).
+    SourceRule("parallel: no runners (the CUDA graphs, the SP core, the layouts, the pipeline's parts)",
+               folders=("ltx_mgpu/parallel",), forbidden=("ltx_mgpu.runners",), excluded=("ltx_mgpu/parallel/lora",),
+               plant=("ltx_mgpu/parallel/graphs/cuda_graph.py", "from ...runners.ltx2.resident import Ltx2Resident")),
+    SourceRule("parallel.lora: of the runners only their pinned host tier", folders=("ltx_mgpu/parallel/lora",),
+               forbidden=("ltx_mgpu.runners",), allowed=("ltx_mgpu.runners.common.host_tier",),
+               plant=("ltx_mgpu/parallel/lora/lora_units.py", "from ...runners.common import job_loras")),
+    # `LocalWorld` (process worlds for tests) lives in the engine because bench/ uses it too and may not import
+    # tests; no product module may use it.
+    SourceRule("parallel.testing: imported by no product module",
+               folders=("producer", "ltx_contract", "worker", "ltx_mgpu"), forbidden=("ltx_mgpu.parallel.testing",),
+               plant=("ltx_mgpu/runners/smoke/runner.py", "from ...parallel.testing import LocalWorld")),
 ]  # fmt: skip
 
 

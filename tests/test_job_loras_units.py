@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker
+from ltx_mgpu.parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker
 from ltx_mgpu.runners.common.job_loras import job_lora_specs, model_targets
 
 from . import test_lora_tracker

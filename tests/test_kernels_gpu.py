@@ -197,8 +197,8 @@ def _scenario_compare(rank: int, world: int, trials: int, burst: int) -> dict[st
     import torch.distributed as dist
     from ltx_mgpu_kernels import reference as ref
 
-    from ltx_mgpu.parallel.backends.dist import create_dist_backend
-    from ltx_mgpu.parallel.backends.ipc import create_ipc_backend
+    from ltx_mgpu.parallel.sp.backends.dist import create_dist_backend
+    from ltx_mgpu.parallel.sp.backends.ipc import create_ipc_backend
 
     checks = 0
     max_tokens, hh_max, d = 24, 2, 64

@@ -250,8 +250,8 @@ def test_loopback_rejects_world_over_8_before_touching_cuda() -> None:
 
 
 def test_ipc_backend_module_imports_and_reports_availability() -> None:
-    from ltx_mgpu.parallel import all2all
-    from ltx_mgpu.parallel.backends import ipc
+    from ltx_mgpu.parallel.sp import all2all
+    from ltx_mgpu.parallel.sp.backends import ipc
 
     assert "ipc" in all2all.available_backends()
     assert not ipc.is_available(torch.device("cpu"))

@@ -20,8 +20,8 @@ from ltx_mgpu.parallel import (
     choose_layout,
     split_passes,
 )
-from ltx_mgpu.parallel.cost_model import StepShape, valid_layouts
-from ltx_mgpu.parallel.layout import layouts_for
+from ltx_mgpu.parallel.layouts.cost_model import StepShape, valid_layouts
+from ltx_mgpu.parallel.layouts.layout import layouts_for
 from ltx_mgpu.parallel.testing import LocalWorld, WorldContext
 
 DIMS_19B = LayerDims()  # ltx-core's configurator defaults: 32 x 128 video, 32 x 64 audio

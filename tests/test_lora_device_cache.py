@@ -11,7 +11,7 @@ import pytest
 import torch
 from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP as OPS
 
-from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker
+from ltx_mgpu.parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker
 from ltx_mgpu.runners.ltx2.distilled import Ltx2DistilledRunner
 from ltx_mgpu.spec.memory_plan import LTX2_19B, FleetMemory, lora_parts, plan
 from tests.test_memplan_loras import _tiny_model, _write_lora

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker, assign_owners
+from ltx_mgpu.parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker, assign_owners
 from ltx_mgpu.parallel.testing import LocalWorld
 
 

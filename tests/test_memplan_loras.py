@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker, assign_owners, lora_units, tracked_tensors
+from ltx_mgpu.parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker, assign_owners, lora_units, tracked_tensors
 from ltx_mgpu.spec import memory_plan
 from ltx_mgpu.spec.memory_plan import GIB, FleetMemory, lora_figures, lora_parts, plan
 

@@ -33,7 +33,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 def _ipc_available() -> bool:
     try:
-        from ltx_mgpu.parallel.backends.ipc import is_available
+        from ltx_mgpu.parallel.sp.backends.ipc import is_available
     except ImportError:
         return False
     return is_available(torch.device("cuda", 0))

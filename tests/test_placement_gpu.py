@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ltx_mgpu.parallel.lora_tracker import LoraSpec, LoraWeightTracker
+from ltx_mgpu.parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker
 from ltx_mgpu.runners.common.host_tier import ParkableWeights, pinned_buffer
 
 pytestmark = [

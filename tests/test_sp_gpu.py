@@ -28,7 +28,7 @@ pytestmark = [
 
 def _ipc_available() -> bool:
     try:
-        from ltx_mgpu.parallel.backends.ipc import is_available
+        from ltx_mgpu.parallel.sp.backends.ipc import is_available
     except ImportError:
         return False
     return torch.cuda.is_available() and is_available(torch.device("cuda", 0))

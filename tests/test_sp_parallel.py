@@ -230,8 +230,8 @@ def _run_numerics(
 
 
 def _round_trip(ctx: WorldContext, tokens: list[int], dtype_name: str, batch: int) -> dict[str, bool]:
-    from ltx_mgpu.parallel import all2all
-    from ltx_mgpu.parallel.backends.dist import create_dist_backend
+    from ltx_mgpu.parallel.sp import all2all
+    from ltx_mgpu.parallel.sp.backends.dist import create_dist_backend
 
     dtype = getattr(torch, dtype_name)
     w, r = ctx.world_size, ctx.rank
@@ -383,7 +383,7 @@ def _poisoned(ctx: WorldContext, path: str, scope: str) -> list[float]:
     from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 
     from ltx_mgpu.parallel import AttentionManager, SequenceParallelBuilder, register_backend
-    from ltx_mgpu.parallel.backends.dist import DistAll2All
+    from ltx_mgpu.parallel.sp.backends.dist import DistAll2All
 
     issued: list[torch.Tensor] = []  # every output handed out by any role ("any" scope)
 
@@ -448,7 +448,7 @@ def test_sp_survives_outputs_overwritten_at_next_exchange(worlds: dict, checkpoi
 
 
 def test_ipc_backend_copies_unless_asked_for_views(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ltx_mgpu.parallel.backends.ipc import ZERO_COPY_ENV, IpcBackend
+    from ltx_mgpu.parallel.sp.backends.ipc import ZERO_COPY_ENV, IpcBackend
 
     class Instance:
         rank, world_size = 0, 2
@@ -469,7 +469,7 @@ def test_ipc_backend_copies_unless_asked_for_views(monkeypatch: pytest.MonkeyPat
 def _plugin(ctx: WorldContext, path: str) -> dict[str, Any]:
     """A third-party backend registered by name is used by AttentionManager without touching callers."""
     from ltx_mgpu.parallel import AttentionManager, SequenceParallelBuilder, register_backend
-    from ltx_mgpu.parallel.backends.dist import DistAll2All
+    from ltx_mgpu.parallel.sp.backends.dist import DistAll2All
 
     calls: dict[str, int] = {"factory": 0, "set_rank_tokens": 0, "send": 0, "gather": 0, "all_gather": 0}
     token_sets: list[list[int]] = []

@@ -142,7 +142,7 @@ def test_backend_registry() -> None:
 
 
 def test_ipc_is_not_picked_without_cuda() -> None:
-    from ltx_mgpu.parallel.all2all import ipc_is_available
+    from ltx_mgpu.parallel.sp.all2all import ipc_is_available
 
     assert ipc_is_available(torch.device("cpu")) is False
 

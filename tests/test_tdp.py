@@ -16,9 +16,8 @@ import math
 import pytest
 import torch
 
-from ltx_mgpu.parallel.tdp import TiledDataParallelModelWrapper, shared_weights_model
-from ltx_mgpu.parallel.testing import LocalWorld
-from ltx_mgpu.parallel.tiling import (
+from ltx_mgpu.parallel.pipeline.tdp import TiledDataParallelModelWrapper, shared_weights_model
+from ltx_mgpu.parallel.pipeline.tiling import (
     BalancedTiling,
     DimensionTiling,
     TileCountConfig,
@@ -27,6 +26,7 @@ from ltx_mgpu.parallel.tiling import (
     split_axis,
     trapezoid,
 )
+from ltx_mgpu.parallel.testing import LocalWorld
 from ltx_mgpu.runners.smoke.checkpoint import tiny_transformer_config
 
 GRID = (2, 8, 12)
@@ -257,7 +257,7 @@ def test_the_steps_of_a_stage_reuse_one_plan_without_host_reads(model, monkeypat
     outputs are the bits a fresh wrapper gives at every step; a new job (`set_latent_shape`) plans again."""
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 
-    from ltx_mgpu.parallel import tiling as tiling_mod
+    from ltx_mgpu.parallel.pipeline import tiling as tiling_mod
 
     shape, video, audio = inputs(0.3, keyframe=keyframe)
     tiling = TileCountConfig(DimensionTiling(2, 0), DimensionTiling(2, 2))

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from ltx_mgpu.parallel.tdp import TiledDataParallelModelWrapper
+from ltx_mgpu.parallel.pipeline.tdp import TiledDataParallelModelWrapper
 
 from .test_tdp import TILING_2x2, inputs, tiny_model
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ltx_mgpu.control.errors import RunnerError
+from ltx_mgpu.parallel.pipeline.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
 from ltx_mgpu.parallel.testing import LocalWorld
-from ltx_mgpu.parallel.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
 
 PROMPTS = ["a cat walks along the beach at sunset", "blurry, low quality"]
 TOKENS = 128

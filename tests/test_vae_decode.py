@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ltx_mgpu.parallel.pipeline.tiling import BalancedTiling, DimensionTiling, TileCountConfig
+from ltx_mgpu.parallel.pipeline.vae_decode import DistributedVideoDecoder, frames_to_uint8, vae_tiles
 from ltx_mgpu.parallel.testing import LocalWorld
-from ltx_mgpu.parallel.tiling import BalancedTiling, DimensionTiling, TileCountConfig
-from ltx_mgpu.parallel.vae_decode import DistributedVideoDecoder, frames_to_uint8, vae_tiles
 
 LATENT_SHAPE = (1, 16, 2, 4, 6)
 GRID_2x2 = TileCountConfig(height=DimensionTiling(2, 1), width=DimensionTiling(2, 1))
@@ -80,7 +80,7 @@ def test_one_tile_is_the_plain_decode():
 def test_one_tile_makes_no_float32_accumulator(monkeypatch):
     """A fleet of one decodes one tile without ramps: its blend is x * 1 / 1, so the decoder's output is taken
     as it is (same bits, pinned above) and no float32 buffer of the whole video is allocated and summed."""
-    from ltx_mgpu.parallel import vae_decode
+    from ltx_mgpu.parallel.pipeline import vae_decode
 
     shapes = []
     real_zeros = torch.zeros

@@ -38,7 +38,7 @@ depends only on the inputs (dtype, shape, mask), never on free memory. `on` keep
 every other op torch knows to be nondeterministic raises (the warning filter), as under `strict`.
 
 What the switches do not cover is fixed where it lives: the tiled stage 2's cross-rank sum is gathered and
-added in rank order (`parallel/tdp.py`); the memory plan's capacity is the device's total memory, not its
+added in rank order (`parallel/pipeline/tdp.py`); the memory plan's capacity is the device's total memory, not its
 free memory (`offered_memory_bytes`, reported after `setup()` and by every render), so the decode's chunking
 depends only on the request and the GPU model; every random draw comes from a generator seeded from the
 request's seed. Imports no torch at module level (the worker's settings read `MODES`).

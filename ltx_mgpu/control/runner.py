@@ -56,7 +56,7 @@ class ProcessGroups:
     with another's. `control_group` is always gloo (CPU tensors): the framework's own small decisions.
 
     The G x S groups of guidance parallelism are not here: they are the data plane's
-    (`ltx_mgpu.parallel.layout.layout_groups(runner)` makes them once per runner), so the control plane's
+    (`ltx_mgpu.parallel.layouts.layout.layout_groups(runner)` makes them once per runner), so the control plane's
     contract names no type of `ltx_mgpu.parallel` (importing it costs seconds and the control plane must
     not depend on it; `tests/test_control_plane_contract.py`).
     """

@@ -5,7 +5,7 @@ that quantizes q, k and v to e4m3 with one scale per tensor and runs the attenti
 cuDNN's FP8 SDPA through `nvidia-cudnn-frontend` (`cudnn_attention.py`) on CUDA, and an emulation in fp32
 (`emulate_fp8_attention`: the same roundings, another summation order) elsewhere, which the CPU tests and
 the tiny renders use. It sits where ltx-core's attention function sits; under SP it is the `inner` of
-`parallel.attention.All2AllAttention`, so it runs on the rank's heads after the head exchange
+`parallel.sp.attention.All2AllAttention`, so it runs on the rank's heads after the head exchange
 (`install_fp8_attention` handles both orders of the module ops).
 
 Scales (all exact powers of two, chosen as `rowwise` chooses them: the smallest 2**e with amax / 2**e <= 448,

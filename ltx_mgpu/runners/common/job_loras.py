@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...lora_file import LoraFileError, LoraLimits, check_lora
-from ...parallel.lora_tracker import LoraSpec
+from ...parallel.lora.lora_tracker import LoraSpec
 
 __all__ = ["job_lora_specs", "model_targets"]
 

@@ -125,7 +125,7 @@ def build_sp_transformer(
     same resident model under smaller SP groups. `laps` (a `SetupLaps`): time the attention set-up (groups,
     exchange buffers) and the model build (weights) apart."""
     from ...parallel import AttentionManager, AttentionRouter, SequenceParallelBuilder
-    from ...parallel.layout import layout_groups
+    from ...parallel.layouts.layout import layout_groups
 
     cfg = builder.model_config()["transformer"]
     heads, head_dim = int(cfg["num_attention_heads"]), int(cfg["attention_head_dim"])

@@ -36,9 +36,9 @@ import torch
 from ...control.events import Stage, output_event, progress_event, stage_event
 from ...media.mp4 import AudioTrack, audio_fields
 from ...parallel import check_token_budget, padded_token_count
-from ...parallel.collectives import broadcast_tensor
-from ...parallel.lora_tracker import LoraSpec
-from ...parallel.vae_decode import frames_to_uint8, vae_tiles
+from ...parallel.lora.lora_tracker import LoraSpec
+from ...parallel.pipeline.vae_decode import frames_to_uint8, vae_tiles
+from ...parallel.sharding.collectives import broadcast_tensor
 from ...spec.bounds import check_audio_budget
 from ...spec.memory_plan import FleetMemory
 from ...spec.request_rules import RequestRules

@@ -150,7 +150,7 @@ def distributed_video_decoder(
     chunks of that many frames, 24 of overlap (8 below 32), so a streamed hand-off starts the encode early)."""
     from ltx_core.model.video_vae import TilingConfig
 
-    from ...parallel.vae_decode import DistributedDecoderBuilder
+    from ...parallel.pipeline.vae_decode import DistributedDecoderBuilder
 
     return DistributedDecoderBuilder(
         video_decoder_builder(checkpoint),

@@ -27,8 +27,8 @@ import torch
 
 from ...control.runner import MGPURunner
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy
-from ...parallel.lora_tracker import LoraSpec, LoraWeightTracker
-from ...parallel.tiling import BalancedTiling
+from ...parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker
+from ...parallel.pipeline.tiling import BalancedTiling
 from ...spec.memory_plan import sp_tokens
 from ..common.audio import AudioDecoding, build_audio_decoding
 from ..common.job_loras import model_targets

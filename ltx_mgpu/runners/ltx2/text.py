@@ -13,7 +13,7 @@ The tokenizer is found by `tokenizer.json` or `tokenizer.model` anywhere under t
 processor (only needed for image-conditioned prompt enhancement) is optional: it needs pillow and
 torchvision; without them `enhance(image=...)` fails clearly and text-only enhancement still works.
 
-`GemmaPromptEncoder` implements `ltx_mgpu.parallel.text_encoder.LocalPromptEncoder`.
+`GemmaPromptEncoder` implements `ltx_mgpu.parallel.pipeline.text_encoder.LocalPromptEncoder`.
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ def build_prompt_encoder(
     the audio decoder and does the mux; Gemma (24 GB at real size) elsewhere balances both memory and the
     weight load of a cold start (measured on two H200s: rank 0 took 26 s to load with Gemma, rank 1 10 s
     without)."""
-    from ...parallel.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
+    from ...parallel.pipeline.text_encoder import BatchParallelPromptEncoder, DistributedPromptEncoder
 
     if mode not in ("source", "batch-parallel"):
         raise ValueError(f"text_encoder must be 'source' or 'batch-parallel', got {mode!r}")

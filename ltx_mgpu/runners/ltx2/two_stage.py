@@ -24,11 +24,11 @@ import torch
 
 from ...control.events import Stage
 from ...parallel import GuidanceParallelPasses
-from ...parallel.builder import SP_MODULE_OPS_NAME
-from ...parallel.layout import layout_groups
-from ...parallel.lora_tracker import LoraSpec
-from ...parallel.tdp import TiledDataParallelBuilder
-from ...parallel.tiling import BalancedTiling
+from ...parallel.layouts.layout import layout_groups
+from ...parallel.lora.lora_tracker import LoraSpec
+from ...parallel.pipeline.tdp import TiledDataParallelBuilder
+from ...parallel.pipeline.tiling import BalancedTiling
+from ...parallel.sp.builder import SP_MODULE_OPS_NAME
 from ..common.args import RenderArgs
 from ..common.loading import checkpoint_metadata
 from . import spec

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .attention import DEFAULT_ALL2ALL_TIMEOUT_S, AttentionManager
-from .collectives import collective_device
+from ..sharding.collectives import collective_device
+from ..sp.attention import DEFAULT_ALL2ALL_TIMEOUT_S, AttentionManager
 from .layout import LayoutGroups, ParallelLayout
 
 __all__ = ["AttentionRouter"]

@@ -7,9 +7,9 @@ holds an `AttentionRouter`):
    frames.") identically on every rank *before any collective*, so under the controller it becomes a
    recoverable `SymmetricRunnerError` and the fleet survives;
 2. pad the video modality to a multiple of the world size and slice this rank's contiguous tokens
-   (`partition.py`). The position-dependent part (padded positions, key mask, RoPE, attention bias) is
+   (`sharding/partition.py`). The position-dependent part (padded positions, key mask, RoPE, attention bias) is
    the stage's *geometry*, computed once and reused while the same position tensor comes back
-   (`hoist.py`); per step only the latent and timesteps are padded and sliced;
+   (`graphs/hoist.py`); per step only the latent and timesteps are padded and sliced;
 3. publish the per-rank counts to the all2all channels (`AttentionManager.set_rank_tokens`: runtime
    state, not an op argument);
 4. run the model; the patched attentions exchange heads;
@@ -18,7 +18,7 @@ holds an `AttentionRouter`):
    ranks agree bit for bit even if replicated kernels were not deterministic).
 
 Nothing here synchronises with the device or copies host memory to it (`tests/test_graph_ready.py`), so
-the forward can be captured in a CUDA graph (`graphs.py`).
+the forward can be captured in a CUDA graph (`graphs/cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from typing import Any
 
 import torch
 
-from .attention import AttentionManager
-from .collectives import all_gather_tokens, broadcast_tensor
-from .hoist import ForwardHoister, ModalityGeometry, slice_tokens
-from .partition import (
+from ..graphs.hoist import ForwardHoister, ModalityGeometry, slice_tokens
+from ..sharding.collectives import all_gather_tokens, broadcast_tensor
+from ..sharding.partition import (
     OPTIONAL_TOKEN_FIELDS,
     pad_modality_for_uniform_sharding,
     padded_token_count,
     tile_modality_for_rank,
 )
+from .attention import AttentionManager
 
 __all__ = ["SequenceParallelModelWrapper", "check_token_budget"]
 

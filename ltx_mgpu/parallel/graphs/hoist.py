@@ -1,5 +1,5 @@
 """Host work taken out of the LTX-2 transformer forward, so a denoising step can run without the host in
-the loop and be captured in a CUDA graph (`graphs.py`).
+the loop and be captured in a CUDA graph (`cuda_graph.py`).
 
 What ltx-core's forward does on every call that a step loop does not need to redo (found by
 `graph_audit.HostSyncAudit`; `tests/test_graph_ready.py` keeps the list honest):
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from ..sharding.partition import pad_modality_for_uniform_sharding, tile_modality_for_rank
 from .capture_cache import IdentityCache, capturing
-from .partition import pad_modality_for_uniform_sharding, tile_modality_for_rank
 
 __all__ = [
     "ForwardHoister",

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..graphs.capture_cache import capturing
+from ..sharding.collectives import collective_device
 from .all2all import (
     All2AllBackend,
     all_gather_heads,
@@ -41,8 +43,6 @@ from .all2all import (
     send_recv_heads,
     unregister_runtime,
 )
-from .capture_cache import capturing
-from .collectives import collective_device
 
 __all__ = ["DEFAULT_ALL2ALL_TIMEOUT_S", "All2AllAttention", "AttentionManager", "AudioAll2AllAttention"]
 

@@ -44,7 +44,7 @@ Optional instance attributes (looked up with getattr, absent means the default):
                                           peers' token tables without an entry handshake)
 
 Backend selection: `AttentionManager(backend="auto")` picks "ipc" on CUDA devices when the module
-`ltx_mgpu.parallel.backends.ipc` imports (it must call `register_backend("ipc", factory)` at import time)
+`ltx_mgpu.parallel.sp.backends.ipc` imports (it must call `register_backend("ipc", factory)` at import time)
 and its module-level `is_available(device: torch.device) -> bool` returns True on every rank (the ranks
 agree by an all-reduce, so one rank without peer access makes all ranks fall back); otherwise "dist".
 Explicit names ("dist", "ipc", or anything registered) are used as given.
@@ -86,8 +86,8 @@ __all__ = [
     "unregister_runtime",
 ]
 
-IPC_MODULE = "ltx_mgpu.parallel.backends.ipc"  #: imported lazily; registers "ipc" on import
-_BUILTIN_MODULES = {"dist": "ltx_mgpu.parallel.backends.dist", "ipc": IPC_MODULE}
+IPC_MODULE = "ltx_mgpu.parallel.sp.backends.ipc"  #: imported lazily; registers "ipc" on import
+_BUILTIN_MODULES = {"dist": "ltx_mgpu.parallel.sp.backends.dist", "ipc": IPC_MODULE}
 
 
 @runtime_checkable

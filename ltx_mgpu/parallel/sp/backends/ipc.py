@@ -1,5 +1,5 @@
 """The `ipc` all2all backend: the CUDA-IPC kernel of `kernels/` (package `ltx_mgpu_kernels`) behind the
-`All2AllBackend` interface of `ltx_mgpu.parallel.all2all`.
+`All2AllBackend` interface of `ltx_mgpu.parallel.sp.all2all`.
 
 This module always imports, with or without the compiled extension (CPU installs, CI): it registers the
 factory under "ipc" and `is_available(device)` says whether the kernel can run here; `unavailable_reason()`

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from .collectives import all_gather_tokens
+from ..sharding.collectives import all_gather_tokens
+from ..sharding.partition import padded_token_count
+from ..sp.wrapper import check_token_budget
 from .cost_model import LayoutChoice
 from .layout import LayoutGroups, LayoutRank, ParallelLayout
-from .partition import padded_token_count
 from .router import AttentionRouter
-from .wrapper import check_token_budget
 
 __all__ = ["GuidanceParallelPasses", "gather_pass_outputs", "run_guidance_parallel", "split_passes"]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import needs_host_staging
+from ..sharding.collectives import needs_host_staging
 from .tiling import AxisInterval, BalancedTiling, TileCountConfig, trapezoid
 
 __all__ = ["DistributedDecoderBuilder", "DistributedVideoDecoder", "VaeTile", "frames_to_uint8", "vae_tiles"]

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..control.errors import RunnerError
-from .collectives import needs_host_staging
+from ...control.errors import RunnerError
+from ..sharding.collectives import needs_host_staging
 
 __all__ = [
     "BatchParallelPromptEncoder",

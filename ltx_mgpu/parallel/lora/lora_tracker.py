@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..fp8.lora import fuse_rowwise, is_rowwise_fp8
-from .collectives import needs_host_staging
+from ...fp8.lora import fuse_rowwise, is_rowwise_fp8
+from ..sharding.collectives import needs_host_staging
 from .lora_units import SCALE_SUFFIX, LoraSpec, assign_owners, lora_targets, lora_units, tracked_tensors
 
 __all__ = ["LoraSpec", "LoraWeightTracker", "assign_owners", "lora_units", "tracked_tensors"]
@@ -126,7 +126,7 @@ class LoraWeightTracker:
         self._owners = assign_owners({k: t.numel() * t.element_size() for k, t in working.items()}, self.world_size)
         mine = [k for k in working if self._owners[k] == self.rank]
         if self.backup_device is not None and self.backup_device.type == "cpu" and mine:
-            from ..runners.common.host_tier import pack_pinned  # one page-locked buffer, not 1,000 rounded blocks
+            from ...runners.common.host_tier import pack_pinned  # one page-locked buffer, not 1,000 rounded blocks
 
             device = working[mine[0]].device
             self._clean = dict(zip(mine, pack_pinned([working[k].detach() for k in mine], device), strict=True))
@@ -330,7 +330,7 @@ class LoraWeightTracker:
                     fresh[name] = self._mapped(spec, raw, got[raw])
                     self.stats["lora_bytes_read"] += fresh[name].nbytes
             if device.type == "cpu" and self._working[keys[0]].device.type == "cuda":  # host tier: page-locked
-                from ..runners.common.host_tier import pack_pinned
+                from ...runners.common.host_tier import pack_pinned
 
                 fresh = dict(zip(fresh, pack_pinned(list(fresh.values()), self._working[keys[0]].device), strict=True))
             kept.update(fresh)

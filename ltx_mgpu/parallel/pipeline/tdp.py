@@ -47,8 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import needs_host_staging, ordered_sum
-from .hoist import ForwardHoister
+from ..graphs.hoist import ForwardHoister
+from ..sharding.collectives import needs_host_staging, ordered_sum
 from .tiling import BalancedTiling, TdpTile, TileCountConfig, Tiling, build_tiles
 
 __all__ = ["TiledDataParallelBuilder", "TiledDataParallelModelWrapper", "shared_weights_model"]
@@ -154,7 +154,7 @@ class TiledDataParallelModelWrapper(torch.nn.Module):
             tile_video = self._slice(video, owned, total)
             if owned.geometry is None:
                 vx, ax = self.model(tile_video, audio, perturbations)
-            else:  # RoPE, masks and their host->device copies made once per job (parallel/hoist.py)
+            else:  # RoPE, masks and their host->device copies made once per job (parallel/graphs/hoist.py)
                 assert self.hoister is not None
                 with self.hoister.bind(video=owned.geometry, audio=plan.audio_geometry):
                     vx, ax = self.model(tile_video, audio, perturbations)
