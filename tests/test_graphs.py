@@ -287,3 +287,20 @@ def test_disabled_and_invalid_settings(x0: Any) -> None:
     assert blocked.last_path == "eager: SP group is gloo"
     with pytest.raises(ValueError, match="capture_after"):
         CudaGraphForward(model, capture_after=1)
+
+
+def test_a_forward_over_the_capture_bound_stays_eager_and_a_smaller_one_captures(x0: Any) -> None:
+    """`max_capture_rows` bounds batch x tokens as the wrapper sees them: BATCH x 8 is over a bound of
+    BATCH x 6, so that shape never captures (however often it comes), while BATCH x 6 captures on its second call."""
+    model, t = x0
+    backend = FakeBackend()
+    graphed = CudaGraphForward(Recording(model, backend), backend=backend, max_capture_rows=BATCH * 6)
+    with torch.no_grad():
+        for seed in range(3):
+            inputs = _inputs(t, seed, tokens=8)
+            assert _same(graphed(*inputs), model(*inputs))
+            assert graphed.last_path == f"eager: over {BATCH * 6} token-rows: launches are hidden, a pool would not be"
+        assert backend.captures == 0
+        for seed in range(2):
+            graphed(*_inputs(t, seed, tokens=6))
+        assert backend.captures == 1 and graphed.graphs == 1

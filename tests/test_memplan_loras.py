@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from ltx_mgpu.parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker, assign_owners, lora_units, tracked_tensors
-from ltx_mgpu.spec import memory_plan
+from ltx_mgpu.spec import memory_loras, memory_plan
 from ltx_mgpu.spec.memory_plan import GIB, FleetMemory, lora_figures, lora_parts, plan
 
 H200_GIB = 139.5  # what one H200 offers a rank (tests/test_memplan.py)
@@ -80,7 +80,7 @@ def test_two_ranks_hold_half_the_clean_copy_but_a_request_lora_may_land_on_one()
     p = memory_plan.LTX2_19B
     assert one["lora_backup"] == pytest.approx(p.lora_weights_gib)
     assert two["lora_backup"] == pytest.approx(p.lora_weights_gib / 2 + p.lora_unit_gib)
-    assert two["lora_staging"] == memory_plan.LORA_STAGING_GIB and "lora_staging" not in one
+    assert two["lora_staging"] == memory_loras.LORA_STAGING_GIB and "lora_staging" not in one
     assert two["lora_job_factors"] == one["lora_job_factors"]  # bounded per LoRA, not per rank
     eight = _distilled(2, loras=(8, 4 << 30, 256))
     assert plan(eight, 1536, 1024, 121).fits  # what one GPU refuses, two take

@@ -47,7 +47,7 @@ def test_an_h200_keeps_the_lora_parts_on_the_gpu_and_the_text_encoder_parkable()
 def test_a_parkable_text_encoder_is_parked_only_by_jobs_that_need_its_room():
     placed = pl.choose(fleet("distilled"), H100, host_gib=100)[0].fleet
     small = mp.plan(placed, 768, 512, 121)
-    large = mp.plan(placed, 1536, 1024, 121)
+    large = mp.plan(placed, 1536, 1024, 241)
     assert not small.park_text_encoder and small.fits
     assert large.park_text_encoder and large.fits and "park_text_encoder" in large.job_kwargs()
     # parked: every stage after the encode holds the resident set less Gemma; the encode holds it all
@@ -55,7 +55,7 @@ def test_a_parkable_text_encoder_is_parked_only_by_jobs_that_need_its_room():
     assert encode.allocated_gib - stage1.allocated_gib > 22.7 - 1.5  # less its activations
     assert [s.stage for s in large.stages][-1] == "unpark"
     # an out-of-memory retry takes the lowest plan: chunked and parked, and nothing is below it
-    low = mp.plan(placed, 1536, 1024, 121, low_memory=True)
+    low = mp.plan(placed, 1536, 1024, 241, low_memory=True)
     assert low.is_lowest and low.decode_chunked and low.park_text_encoder
 
 

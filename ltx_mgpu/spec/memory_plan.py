@@ -24,8 +24,11 @@ The model (every figure in GiB = 2**30 bytes; which numbers are calibrated and w
   `upsample_bytes` per full-resolution latent cell; the decode `decode_bytes` per pixel-frame it decodes at
   once (the driver also holds the blended float32 video and its uint8 frames: `frame_bytes` per pixel-frame,
   and decodes the audio: `audio_decode_bytes_per_s` per second of clip).
-- CUDA graphs: each captured forward keeps its private pool (`graph_pool_bytes` per token-row) to the end of
-  the job, so stage 1's pool is held through stage 2 and the decode, and stage 2's through the decode.
+- CUDA graphs: each captured forward keeps its private pool (`graph_pool_bytes` per token-row, its fp8 figure
+  with the fp8 recipe) from its capture in its own stage to the end of the job, so stage 1's pool is held
+  through stage 2 and the decode, and stage 2's through the decode; a forward over `MAX_CAPTURE_TOKEN_ROWS`
+  token-rows a rank is never captured (eager, no pool). Graphs of other sizes are the runner's to drop: it
+  keeps them only while `job_kwargs()["graph_room_gib"]` has room for them (`GraphRoom`).
 - sizes: `ltx_mgpu.spec.request_rules` (the runner's rules) decides which sizes exist at all; a size they refuse
   never fits, and `largest()` suggests only sizes they accept.
 - the allocator caches above its peak (`cache_fraction`): the predicted reservation is what must fit.
@@ -48,7 +51,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ltx_mgpu.spec.bounds import audio_latents
-from ltx_mgpu.spec.memory_profile import LTX2_19B, PROFILES, TINY, ModelProfile
+from ltx_mgpu.spec.memory_loras import lora_figures, lora_parts, with_lora_limits
+from ltx_mgpu.spec.memory_profile import LTX2_19B, MAX_CAPTURE_TOKEN_ROWS, PROFILES, TINY, ModelProfile
 from ltx_mgpu.spec.request_rules import RequestRules, ltx2_rules
 
 __all__ = [
@@ -60,6 +64,7 @@ __all__ = [
     "MemoryPlan",
     "ModelProfile",
     "StagePeak",
+    "graph_pools",
     "largest",
     "lora_figures",
     "lora_parts",
@@ -86,8 +91,6 @@ STAGES = ("encode", "stage1", "upsample", "stage2", "decode")
 UINT8_FRAME_BYTES = 3  #: the driver's decoded frames (uint8 RGB) per pixel-frame, held until they leave the device
 SUGGESTION_MARGIN = 0.02  #: of the capacity, kept free beyond the headroom by the sizes `largest()` suggests
 DEFAULT_REQUEST_LORAS = 4  #: a runner set up with `request_loras`, until the worker says its own (`with_lora_limits`)
-LORA_STAGING_GIB = 0.25  #: `LoraWeightTracker(bucket_bytes=256 MiB)`: its broadcast buffer, kept on W > 1
-LORA_FACTOR_BYTES = 4  #: the widest factor dtype a LoRA file may hold (F32, `lora_file.LORA_DTYPES`): kept as read
 
 
 RUNNER_KINDS = ("distilled", "two-stage")
@@ -230,6 +233,7 @@ class MemoryPlan:
     frame_rate: float = DEFAULT_FRAME_RATE
     notes: tuple[str, ...] = field(default=())
     park_text_encoder: bool = False  #: the text encoder's GPU copy is dropped after the encode, back after the decode
+    graph_pool_gib: float = 0.0  #: this request's CUDA-graph pools on a rank (`graph_pools`), counted in `stages`
 
     @property
     def is_lowest(self) -> bool:
@@ -265,6 +269,10 @@ class MemoryPlan:
         }
         if self.park_text_encoder:
             out["park_text_encoder"] = True
+        limit = self.limit_gib
+        # what the runner may keep of other sizes' CUDA graphs beside this job (`GraphRoom`): the plan's room
+        out["graph_pool_gib"] = round(self.graph_pool_gib, 3)
+        out["graph_room_gib"] = None if limit is None else round(max(0.0, limit - self.peak.reserved_gib), 3)
         return out
 
     def refusal(self) -> str | None:
@@ -306,61 +314,6 @@ class MemoryPlan:
 
 
 # ==== the plan ==============================================================================================
-
-
-def with_lora_limits(fleet: FleetMemory, per_request: int, max_file_bytes: int, max_rank: int) -> FleetMemory:
-    """`fleet` with the worker's request-LoRA limits (`lora_max_*` settings), where it takes request LoRAs."""
-    if fleet.request_loras:
-        fleet = replace(
-            fleet, request_loras=int(per_request), lora_max_file_bytes=int(max_file_bytes), lora_max_rank=int(max_rank)
-        )
-    return fleet
-
-
-def lora_figures(units: Any) -> dict[str, float]:
-    """The tracker's figures from the transformer's tensor shapes: `units` is (out, in, bytes with its scale) of
-    every weight `LoraWeightTracker.attach` backs up (`lora_tracker.lora_units`). Returns the clean copy and
-    its largest unit (GiB) and the sum of out + in (`ModelProfile`'s `lora_*` fields)."""
-    units = list(units)
-    sizes = [int(b) for _, _, b in units]
-    return {
-        "weights_gib": sum(sizes) / GIB,
-        "unit_gib": max(sizes, default=0) / GIB,
-        "width_sum": sum(int(o) + int(i) for o, i, _ in units),
-    }
-
-
-def lora_parts(fleet: FleetMemory, p: ModelProfile) -> dict[str, float]:
-    """What the LoRA tracker holds on the rank with the most of it (GiB, unrounded; empty: no tracker).
-
-    - `lora_backup`: the clean copy. Owners are a greedy balance on bytes (`assign_owners`), so one rank holds
-      at most 1/W of it plus its largest weight (exactly all of it on one rank).
-    - `lora_staging`: the broadcast's bucket (W > 1 only; one rank fuses, all receive).
-    - `lora_factors`: `keep_loras` keeps on the device the factors of each LoRA it fused, for the weights the
-      rank owns. The setup's (the distilled LoRA: every block linear) split like the weights; a job's
-      (`lora_job_factors`) are bounded per LoRA by the worker's limits, file bytes and rank x `lora_width_sum`
-      x 4 (float32, kept as read), not divided by W: a LoRA may name only weights one rank owns.
-    - `lora_cache`: past jobs' factors `drop_factors` keeps, at most `lora_device_cache_gib` per rank.
-    Parts the placement keeps in host memory (`lora_backup_at`, `lora_factors_at` "host") are not on the GPU and
-    not listed (`placement.host_parts` counts them)."""
-    if not fleet.has_tracker:
-        return {}
-    world = fleet.world_size
-    total = p.lora_weights_fp8_gib if fleet.fp8_transformer else p.lora_weights_gib
-    share = total if world == 1 else min(total, total / world + p.lora_unit_gib)
-    setup = fleet.setup_lora_gib
-    setup = (p.lora_factors_gib if fleet.runner == "two-stage" else 0.0) if setup is None else setup
-    per_lora = min(fleet.lora_max_file_bytes, fleet.lora_max_rank * p.lora_width_sum * LORA_FACTOR_BYTES) / GIB
-    parts = {"lora_backup": share} if fleet.lora_backup_at == "gpu" else {}
-    if setup and fleet.lora_factors_at == "gpu":
-        parts["lora_factors"] = setup * (share / total if total else 1.0)
-    if world > 1:
-        parts["lora_staging"] = LORA_STAGING_GIB
-    if fleet.request_loras:
-        parts["lora_job_factors"] = fleet.request_loras * per_lora
-        if fleet.lora_device_cache_gib:
-            parts["lora_cache"] = float(fleet.lora_device_cache_gib)
-    return parts
 
 
 def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]]:
@@ -443,19 +396,18 @@ def _stage_peaks(
     still on its device)."""
     w, h, f = size
     world = fleet.world_size
-    t1, t2 = _padded(_tokens(w, h, f, 2), world), _padded(_tokens(w, h, f, 1), world)
-    rows = max(1, min(fleet.passes, sp_tokens(fleet) // max(1, t1)))  # guidance rows batched within budget
+    t1, t2, rows = _forward_tokens(fleet, size)
     audio = audio_latents(f, frame_rate)  # (every rank holds the whole audio sequence)
-    pool1 = p.graph_pool_bytes * rows * t1 / world  # (held from its capture to the end of the job)
-    pool2 = p.graph_pool_bytes * t2 / world
+    pool1, pool2 = graph_pools(fleet, p, rows * t1, t2)
+    token_bytes = (p.fp8_token_bytes or p.token_bytes) if fleet.fp8_transformer else p.token_bytes
     pixels = w * h * f
     tile_pixels = math.ceil(w * h / world) * f  # one spatial tile per rank
     decoded_at_once = min(math.ceil(w * h / world), CHUNK_PIXELS) * min(f, CHUNK_FRAMES) if chunked else tile_pixels
     activations = {
         "encode": lambda rank: p.encode_gib * GIB if _holds_gemma(fleet, rank) else 0.0,
-        "stage1": lambda rank: p.token_bytes * rows * t1 / world + p.audio_token_bytes * rows * audio,
+        "stage1": lambda rank: pool1 + token_bytes * rows * t1 / world + p.audio_token_bytes * rows * audio,
         "upsample": lambda rank: pool1 + (p.upsample_bytes * _tokens(w, h, f, 1) if rank == 0 else 0.0),
-        "stage2": lambda rank: pool1 + p.token_bytes * t2 / world + p.audio_token_bytes * audio,
+        "stage2": lambda rank: pool1 + pool2 + token_bytes * t2 / world + p.audio_token_bytes * audio,
         "decode": lambda rank: (
             pool1
             + pool2
@@ -478,6 +430,18 @@ def _stage_peaks(
         assert worst is not None
         peaks.append(worst)
     return tuple(peaks)
+
+
+def graph_pools(fleet: FleetMemory, p: ModelProfile, rows1: int, t2: int) -> tuple[float, float]:
+    """The private pools (bytes, a rank) of stage 1's and stage 2's captured forwards (`rows1` token-rows, `t2`
+    tokens, whole sequence): each is held from its capture, during its own stage, to the end of the job (and
+    after, until the runner drops the graphs: `GraphRoom`); a forward over `MAX_CAPTURE_TOKEN_ROWS` a rank runs
+    eager and holds none."""
+    per_row = (p.fp8_graph_pool_bytes or p.graph_pool_bytes) if fleet.fp8_transformer else p.graph_pool_bytes
+    world = fleet.world_size
+    return tuple(  # type: ignore[return-value]
+        per_row * n / world if n / world <= MAX_CAPTURE_TOKEN_ROWS else 0.0 for n in (rows1, t2)
+    )
 
 
 def _rule_problem(fleet: FleetMemory, size: tuple[int, int, int], frame_rate: float) -> str | None:
@@ -549,7 +513,23 @@ def plan(
         frame_rate=frame_rate,
         notes=tuple(notes),
         park_text_encoder=park,
+        graph_pool_gib=_job_pools(fleet, p, size),
     )
+
+
+def _job_pools(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]) -> float:
+    """This request's CUDA-graph pools on a rank (GiB): stage 1's rows x tokens and stage 2's tokens."""
+    t1, t2, rows = _forward_tokens(fleet, size)
+    return sum(graph_pools(fleet, p, rows * t1, t2)) / GIB
+
+
+def _forward_tokens(fleet: FleetMemory, size: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Stage 1's and stage 2's video tokens (padded to the world size) and stage 1's guidance rows batched in one
+    forward (within the SP token budget)."""
+    w, h, f = size
+    world = fleet.world_size
+    t1, t2 = _padded(_tokens(w, h, f, 2), world), _padded(_tokens(w, h, f, 1), world)
+    return t1, t2, max(1, min(fleet.passes, sp_tokens(fleet) // max(1, t1)))
 
 
 def largest(

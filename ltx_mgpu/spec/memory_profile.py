@@ -10,7 +10,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-__all__ = ["GRAPH_POOL_BYTES", "LTX2_19B", "PROFILES", "RUNTIME_GIB", "TINY", "ModelProfile"]
+__all__ = [
+    "FP8_GRAPH_POOL_BYTES",
+    "FP8_TOKEN_BYTES",
+    "GRAPH_POOL_BYTES",
+    "LTX2_19B",
+    "MAX_CAPTURE_TOKEN_ROWS",
+    "PROFILES",
+    "RUNTIME_GIB",
+    "TINY",
+    "ModelProfile",
+]
 
 #: CUDA-graph private pools: the intermediates of every captured forward (per layout and shape) stay in the
 #: graph's pool until the graph is dropped, so stage 1's pool is still held in stage 2 and the decode. Per
@@ -18,6 +28,19 @@ __all__ = ["GRAPH_POOL_BYTES", "LTX2_19B", "PROFILES", "RUNTIME_GIB", "TINY", "M
 #: one H200 figure the allocator reported: 4.91 GiB in private pools at 1536x1024x241 two-stage CFG
 #: (2 x 11,904 stage-1 + 47,616 stage-2 token-rows).
 GRAPH_POOL_BYTES = 4.91 * (1 << 30) / (2 * 11904 + 47616)
+#: A forward with more token-rows than this on a rank runs eager, never captured: its kernels are long enough that
+#: launching them costs about 1% (2x H200, `bench.sp_scaling`: graphs saved 18% of a layer at 3,072 token-rows a
+#: rank and 1.2% at 9,216), while its private pool would hold a whole forward's intermediates for the rest of the
+#: fleet's life. The runners give the same bound to their `CudaGraphForward` (`max_capture_rows`).
+MAX_CAPTURE_TOKEN_ROWS = 16384
+#: `quantization="fp8-*"`: bounds from one H100 80GB (fp8-mm+attn, distilled; plan-check, commit bf56265) where the
+#: plan admitted sizes that then ran out of memory. Private pools: 9.38 GiB held after 768x512x121 (1,536 + 6,144
+#: token-rows) and 1536x1024x241's stage 1 (11,904), where 768x512x121 alone had added 3.9 GiB over the resident
+#: set: the bound charges all of it to the largest capture (9.38 GiB / 11,904). A forward's activations: 15.4 GiB
+#: live mid-forward at 47,616 tokens of stage 2 (the allocation that failed included), 2.6x the bf16 figure (the
+#: quantized copies and scales beside the bf16 tensors). Upper bounds to refit from `bench.plan_check` per stage.
+FP8_GRAPH_POOL_BYTES = 9.38 * (1 << 30) / 11904
+FP8_TOKEN_BYTES = 15.4 * (1 << 30) / 47616
 #: Workspaces, caches and the pools' fixed part, every rank: refitted with `decode_bytes` (116) once the pools
 #: and the SP buffers (none on one GPU) were counted apart, to the distilled 71 / 90 GiB allocator peaks at
 #: 768x512x121 / 1536x1024x121 (tests/test_memplan.py; two-stage 114 and 139.2 follow within 0.4 GiB).
@@ -50,6 +73,8 @@ class ModelProfile:
     frame_bytes: float  #: per pixel-frame of the driver's blended float32 video and uint8 frames
     cache_fraction: float  #: the allocator's cache above its allocated peak
     graph_pool_bytes: float = 0.0  #: CUDA-graph private pools per token-row of each captured forward (kept)
+    fp8_token_bytes: float = 0.0  #: `token_bytes` with the fp8 recipe (0: the same as bf16)
+    fp8_graph_pool_bytes: float = 0.0  #: `graph_pool_bytes` with the fp8 recipe (0: the same as bf16)
     audio_token_bytes: float = 64 * 1024.0  #: per audio latent x row of a forward (2048 wide: every rank holds all)
     audio_decode_bytes_per_s: float = 16 * 1024.0**2  #: the driver's audio decode + vocoder, per second of clip
 
@@ -84,6 +109,8 @@ LTX2_19B = ModelProfile(
     frame_bytes=15.0,  # 3 x float32 + 3 x uint8
     cache_fraction=0.046,
     graph_pool_bytes=GRAPH_POOL_BYTES,
+    fp8_token_bytes=FP8_TOKEN_BYTES,
+    fp8_graph_pool_bytes=FP8_GRAPH_POOL_BYTES,
 )
 #: The tiny test checkpoints (CPU fleets): the same shape of plan, with negligible bytes.
 TINY = replace(
@@ -100,6 +127,8 @@ TINY = replace(
     runtime_gib=0.05,
     sp_buffer_bytes=64.0,
     graph_pool_bytes=0.0,
+    fp8_token_bytes=0.0,
+    fp8_graph_pool_bytes=0.0,
     audio_token_bytes=256.0,
     lora_weights_gib=0.0049324,
     lora_weights_fp8_gib=0.0041599,

@@ -88,6 +88,11 @@ class _Slot:
         self.base.copy_(t)
 
 
+def _token_rows(latent: torch.Tensor) -> int:
+    """Batch x tokens of a (batch, tokens, channels) latent (its element count over its channels)."""
+    return latent.numel() // max(1, int(latent.shape[-1])) if latent.dim() else 0
+
+
 def _spec(value: Any) -> Hashable:
     """What a captured graph depends on for one argument (tensor layout, or the Python value)."""
     if isinstance(value, torch.Tensor):
@@ -179,6 +184,9 @@ class CudaGraphForward:
         agree: `(ok: bool) -> bool`, a collective AND over the ranks that run this forward together.
         capture_after: the call of a key that captures (2: shapes seen once stay eager).
         max_graphs: graphs kept (least recently used dropped first).
+        max_capture_rows: a forward whose video input has more token-rows (batch x tokens, as this wrapper sees
+            it) runs eager, never captured: long kernels hide their launches, and its pool would hold a whole
+            forward's intermediates (`memory_profile.MAX_CAPTURE_TOKEN_ROWS` a rank). None: no bound.
     """
 
     def __init__(
@@ -191,6 +199,7 @@ class CudaGraphForward:
         agree: Callable[[bool], bool] | None = None,
         capture_after: int = 2,
         max_graphs: int = 16,
+        max_capture_rows: int | None = None,
         backend: CudaGraphBackend | None = None,
     ) -> None:
         if capture_after < 2:
@@ -202,6 +211,7 @@ class CudaGraphForward:
         self.agree = agree
         self.capture_after = capture_after
         self.max_graphs = max_graphs
+        self.max_capture_rows = max_capture_rows
         self.backend = backend or CudaGraphBackend()
         self.stats = GraphStats()
         self.reasons: dict[str, int] = {}  #: eager reason -> how often
@@ -249,6 +259,8 @@ class CudaGraphForward:
         device = getattr(getattr(video, "latent", None), "device", None)
         if device is None or not self.backend.supports(device):
             return "not CUDA"
+        if self.max_capture_rows is not None and _token_rows(video.latent) > self.max_capture_rows:
+            return f"over {self.max_capture_rows} token-rows: launches are hidden, a pool would not be"
         return self.capturable() if self.capturable is not None else None
 
     def _eager(self, reason: str, video: Any, audio: Any, perturbations: Any) -> Any:

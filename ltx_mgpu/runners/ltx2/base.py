@@ -126,6 +126,7 @@ class Ltx2Runner(Ltx2Resident):
         """One job on every rank (SPMD); the driver yields the events and writes the file."""
         job = self._job(args)
         self._use_memory_plan(args.memory_plan)
+        self._make_graph_room((job.geo.width, job.geo.height, job.geo.num_frames, job.geo.frame_rate), args.memory_plan)
         self.clock.reset()
         if job.loras:  # part of the job's LoRA cost: `lora_swap_*` counts every part of it (a host-only stage)
             self.clock.timings_s[LORA_CHECK] = round(job.lora_check_s, 6)

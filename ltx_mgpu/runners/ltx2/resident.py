@@ -30,7 +30,9 @@ from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy
 from ...parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker
 from ...parallel.pipeline.tiling import BalancedTiling
 from ...spec.memory_plan import sp_tokens
+from ...spec.memory_profile import MAX_CAPTURE_TOKEN_ROWS
 from ..common.audio import AudioDecoding, build_audio_decoding
+from ..common.graph_room import GraphRoom
 from ..common.job_loras import model_targets
 from ..common.loading import build_checked, build_sp_transformer, warn_if_synthetic
 from ..common.stages import SetupLaps, StageClock, apply_memory_cap
@@ -147,7 +149,9 @@ class Ltx2Resident(MGPURunner):
             key_fn=lambda: self.attention.active_layout,
             capturable=self.attention.capture_blocker,
             agree=self.attention.all_agree,
+            max_capture_rows=MAX_CAPTURE_TOKEN_ROWS * self.world_size,  # (the wrapper sees the whole sequence)
         )
+        self.graph_room = GraphRoom()
         options = {
             "tdp_tiles": tdp_tiles,
             "tdp_overlap": int(tdp_overlap),
@@ -261,6 +265,18 @@ class Ltx2Resident(MGPURunner):
         self.release_between_stages = bool(plan.get("release_between_stages"))
         self.park_this_job = bool(plan.get("park_text_encoder"))  # (every rank: the graphs are dropped on all)
 
+    def _make_graph_room(self, size: tuple[Any, ...], plan: dict[str, Any] | None) -> None:
+        """Before a job: drop the CUDA graphs of other sizes when the plan has no room for their pools
+        (`GraphRoom`; the same decision on every rank)."""
+        if self.graph_room.before_job(size, plan):
+            self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Every CUDA graph and its pool, handed back to the device."""
+        self.x0_graphed.reset()
+        self.graph_room.clear()
+        self.clock.release()
+
     def _between_stages(self) -> None:
         if self.release_between_stages:
             self.clock.release()
@@ -288,8 +304,7 @@ class Ltx2Resident(MGPURunner):
         if not self.park_this_job:
             return
         with self.clock.stage("unpark"):
-            self.x0_graphed.reset()
-            self.clock.release()
+            self._drop_graphs()
             if self.parkable_text is not None:
                 self.parkable_text.unpark()
 
