@@ -214,3 +214,24 @@ def test_graph_pools_follow_the_capture_bound_and_fp8_plans_take_the_room_the_h1
     for f, size in ((fp8, (1536, 1024, 241)), (fp8, (1920, 1088, 241)), (two_stage, (1536, 1024, 121))):
         p = plan(f, *size)
         assert p.fits and p.park_text_encoder, (size, p.peak)
+
+
+def test_ltx_worker_plan_says_which_host_memory_its_placement_was_chosen_for(monkeypatch):
+    """A plan made on one machine for a card in another names the pinned host memory it placed the fleet with:
+    this machine's unless `--host-gib` gives the target's. On an H100 the bf16 two-stage fleet needs its LoRA
+    tiers in host memory (tests/test_placement.py), so with none it gets the all-GPU plan, refused, and says why."""
+    from worker.cli import main
+
+    for name in ("LTX_RUNNER_SETUP", "LTX_DEVICE_MEMORY_GIB", "LTX_HOST_MEMORY_GIB", "LTX_PLACEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    cli = CliRunner()
+    args = ["plan", "--runner", "ltx2-two-stage", "--group", "0", "--size", "768x512x121", "--gpu", "h100-80gb"]
+    roomy = cli.invoke(main, [*args, "--host-gib", "100"])
+    assert roomy.exit_code == 0 and "lora_backup host" in roomy.output, roomy.output
+    assert "chosen for 100.0 GiB of pinned host memory" in roomy.output
+    none = cli.invoke(main, [*args, "--host-gib", "0", "--json"])
+    data = json.loads(none.output)
+    assert none.exit_code == 1 and not data["fits"] and data["placement_note"].startswith("no placement fits with 0.0")
+    table = cli.invoke(main, ["plan", "--runner", "ltx2-two-stage", "--gpus", "1", "--host-gib", "100"])
+    assert "placements for 100.0 GiB of pinned host memory" in table.output.splitlines()[0], table.output
+    assert cli.invoke(main, [*args, "--host-gib", "-1"]).exit_code == 2

@@ -49,10 +49,16 @@ def _card_text(card: Card | None, headroom: float) -> str:
 
 
 def render_text(
-    plan: memory_plan.MemoryPlan, runner: str, group: str, largest: dict[str, str | None] | None, card: Card | None
+    plan: memory_plan.MemoryPlan,
+    runner: str,
+    group: str,
+    largest: dict[str, str | None] | None,
+    card: Card | None,
+    placement_note: str = "",
 ) -> str:
-    """The plan as an operator reads it: the card, placement, resident parts per rank, releases, decode tiling,
-    stage peaks, and the verdict, each line naming the card."""
+    """The plan as an operator reads it: the card, placement (with `placement_note`: the host memory it was
+    chosen for), resident parts per rank, releases, decode tiling, stage peaks, and the verdict, each line naming
+    the card."""
     f = plan.fleet
     w, h, n = plan.size
     where = _card_text(card, f.headroom_gib)
@@ -61,7 +67,8 @@ def render_text(
         f"memory plan: {runner} ({f.runner}, {f.passes} pass(es) per stage-1 step) on group {group} "
         f"({f.world_size} rank(s)), {w}x{h}x{n} at {plan.frame_rate:g} fps, profile {f.profile}, {where}"
     ]
-    lines.append(f"{tag} placement: " + ", ".join(f"{k} {v}" for k, v in f.placement.items()))
+    placed = ", ".join(f"{k} {v}" for k, v in f.placement.items())
+    lines.append(f"{tag} placement: {placed}" + (f" ({placement_note})" if placement_note else ""))
     ranks = sorted(plan.resident_gib)
     parts = list(dict.fromkeys(k for r in ranks for k in plan.resident_gib[r]))
     lines.append(f"{tag} resident (GiB)      " + "".join(f"{'rank ' + str(r):>10}" for r in ranks))
@@ -134,29 +141,48 @@ def fleet_memory(
     return memory_plan.with_lora_limits(fleet, *settings.lora_limits())
 
 
-def _placed(settings: WorkerSettings, fleet: memory_plan.FleetMemory, card: Card | None) -> memory_plan.FleetMemory:
-    """`fleet` as the worker places it on `card` (`worker.render.fleet_plan`); unplaceable: the all-GPU one, whose
-    plan then says what does not fit."""
+def _placed(
+    settings: WorkerSettings, fleet: memory_plan.FleetMemory, card: Card | None
+) -> tuple[memory_plan.FleetMemory, str]:
+    """`fleet` as the worker places it on `card` (`worker.render.fleet_plan`), and what the choice assumed (the
+    host memory it had: this machine's unless `--host-gib` names the target's); unplaceable: the all-GPU one,
+    whose plan then says what does not fit."""
     from ltx_mgpu.spec import placement as pl
-    from worker.render.fleet_plan import host_budget_gib
 
     if card is None:
-        return fleet
+        return fleet, ""
     explicit = settings.runner_setup.get("placement")
     if explicit is None and settings.placement != "auto":
         explicit = json.loads(settings.placement)
     if explicit is not None:
-        return replace(fleet, **{f"{k}_at": v for k, v in explicit.items()})
-    best, _ = pl.choose(fleet, card, host_gib=host_budget_gib(settings))
-    return fleet if best is None else replace(best.fleet, capacity_gib=fleet.capacity_gib)
+        return replace(fleet, **{f"{k}_at": v for k, v in explicit.items()}), "set by the settings"
+    host, budget = _host_budget(settings)
+    best, _ = pl.choose(fleet, card, host_gib=host)
+    if best is None:
+        return fleet, f"no placement fits with {budget}; the all-GPU plan follows"
+    return replace(best.fleet, capacity_gib=fleet.capacity_gib), f"chosen for {budget}"
 
 
-def render_table(rows: list[dict[str, Any]], runner: str, card: Card, headroom: float) -> str:
+def _host_budget(settings: WorkerSettings) -> tuple[float | None, str]:
+    """The pinned host memory the placement may take, and where that figure came from (a plan made on a laptop
+    for an H100 box needs the box's: `--host-gib`)."""
+    from worker.render.fleet_plan import host_budget_gib
+
+    host = host_budget_gib(settings)
+    if host is None:
+        return None, "host memory unknown"
+    if settings.host_memory_gib is not None:
+        return host, f"{host:.1f} GiB of pinned host memory (--host-gib / LTX_HOST_MEMORY_GIB)"
+    return host, f"{host:.1f} GiB of pinned host memory, this machine's (--host-gib names the target's)"
+
+
+def render_table(rows: list[dict[str, Any]], runner: str, card: Card, headroom: float, host_note: str = "") -> str:
     """One line per (size, GPUs), naming the card: the predicted reserved peak and its stage, the placement,
-    fits or the reason and the largest size that fits (a size the rules refuse has no peak)."""
+    fits or the reason and the largest size that fits (a size the rules refuse has no peak). `host_note`: the
+    host memory the placements were chosen for."""
     lines = [
         f"memory plans (predicted, not measured): {runner}, sequence parallel over the GPUs, "
-        f"{_card_text(card, headroom)}",
+        f"{_card_text(card, headroom)}" + (f"; placements for {host_note}" if host_note else ""),
         f"{'size':<16}{'GPUs':>5}  {'card':<11}{'peak GiB':>9}  {'at':<9}{'fits':<5} plan / why not; largest that fits",
     ]
     for row in rows:
@@ -206,6 +232,9 @@ def _card(gpu: str | None, free_gib: float | None, settings: WorkerSettings, gro
 @click.option("--gpu", default=None, help="the card: h100-80gb or h200 (default: the local GPU)")
 @click.option("--free-gib", type=float, default=None, help="GiB each device offers (default LTX_DEVICE_MEMORY_GIB)")
 @click.option("--headroom-gib", type=float, default=None, help="GiB kept free (default LTX_MEMORY_HEADROOM_GIB)")
+@click.option(
+    "--host-gib", type=float, default=None, help="pinned host memory the fleet may take (default LTX_HOST_MEMORY_GIB)"
+)
 @click.option("--low-memory", is_flag=True, help="the lower-memory plan (what an out-of-memory retry takes)")
 @click.option("--settings", "settings_file", type=click.Path(dir_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True, help="print the plan (or each row of the table) as JSON")
@@ -218,6 +247,7 @@ def command(
     gpu: str | None,
     free_gib: float | None,
     headroom_gib: float | None,
+    host_gib: float | None,
     low_memory: bool,
     settings_file: str | None,
     as_json: bool,
@@ -232,6 +262,10 @@ def command(
     rate = memory_plan.DEFAULT_FRAME_RATE if frame_rate is None else float(frame_rate)
     try:
         settings = load_settings(settings_file, runner=runner)
+        if host_gib is not None:  # the target machine's host memory, for a plan made elsewhere
+            if host_gib < 0:
+                raise ValueError(f"--host-gib must be >= 0, got {host_gib:g}")
+            settings = settings.model_copy(update={"host_memory_gib": host_gib})
         parsed = [memory_plan.parse_size(s) for s in (sizes or PRESETS)]
         worlds = [len(parse_device_group(validate_group(group)))] if group else [int(g) for g in gpus.split(",")]
         low, high = RANGES["frame_rate"]
@@ -244,16 +278,17 @@ def command(
         if group is None and card is None:
             card = CARDS[TABLE_CARD]
         capacity = None if card is None else card.offered_gib
-        fleets = {w: _placed(settings, fleet_memory(settings, w, capacity, headroom), card) for w in worlds}
+        placed = {w: _placed(settings, fleet_memory(settings, w, capacity, headroom), card) for w in worlds}
+        fleets = {w: fleet for w, (fleet, _) in placed.items()}
     except (SettingsError, ValueError) as exc:
         _fail(str(exc))
     if group and len(parsed) == 1:
-        _one(fleets[worlds[0]], parsed[0], runner, group, card, rate, low_memory, as_json)
-    _table(fleets, parsed, runner, card, headroom, rate, low_memory, as_json)
+        _one(placed[worlds[0]], parsed[0], runner, group, card, rate, low_memory, as_json)
+    _table(fleets, parsed, runner, card, headroom, rate, low_memory, as_json, _host_budget(settings)[1])
 
 
 def _one(
-    fleet: Any,
+    placed: tuple[Any, str],
     size: tuple[int, int, int],
     runner: str,
     group: str,
@@ -264,6 +299,7 @@ def _one(
 ) -> None:
     from ltx_mgpu.spec import memory_plan
 
+    fleet, placement_note = placed
     plan = memory_plan.plan(fleet, *size, low_memory=low_memory, frame_rate=rate)
     largest = None if plan.fits or plan.rule_problem else memory_plan.largest(fleet, *size, frame_rate=rate)
     unchecked = card is None and not group.startswith("cpu") and plan.fits
@@ -275,10 +311,11 @@ def _one(
             **plan.to_json(),
             "largest": largest,
             "memory_checked": not unchecked,
+            "placement_note": placement_note,
         }
         click.echo(json.dumps(out, sort_keys=True))
     else:
-        click.echo(render_text(plan, runner, group, largest, card))
+        click.echo(render_text(plan, runner, group, largest, card, placement_note))
     sys.exit(2 if unchecked else 0 if plan.fits else 1)
 
 
@@ -291,6 +328,7 @@ def _table(
     rate: float,
     low_memory: bool,
     as_json: bool,
+    host_note: str = "",
 ) -> None:
     from ltx_mgpu.spec import memory_plan
 
@@ -318,5 +356,5 @@ def _table(
     if as_json:
         click.echo("\n".join(json.dumps({"runner": runner, **row}, sort_keys=True) for row in rows))
     else:
-        click.echo(render_table(rows, runner, card, headroom))
+        click.echo(render_table(rows, runner, card, headroom, host_note))
     sys.exit(0 if any(row["fits"] for row in rows) else 1)
