@@ -109,3 +109,22 @@ def test_sage_int8_attention_is_within_its_int8_bound():
     err, _ = _check(out, q, k, v, 32)
     print(f"sage-int8 1x6144x32x128: rel err {err:.4f}")
     assert err <= 0.04, err
+
+
+def test_auto_takes_bf16_below_the_token_floor_and_fp8_above_it():
+    """The production backend (`auto`) runs the bf16 attention it replaced below `FP8_ATTENTION_MIN_TOKENS` keys
+    (bit for bit the fallback's output) and cuDNN FP8 from there on (within the e4m3 prediction, as above)."""
+    pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed")
+    from ltx_core.model.transformer.attention import AttentionFunction
+
+    bf16 = AttentionFunction.PYTORCH
+    below, above = fa.FP8_ATTENTION_MIN_TOKENS // 2, fa.FP8_ATTENTION_MIN_TOKENS
+    for t in (below, above):
+        q, k, v, norm = _qkv(1, t, 8, 128, seed=t)
+        with torch.no_grad():
+            out, ref = fa.Fp8SelfAttention(bf16, norm, norm)(q, k, v, 8), bf16(q, k, v, 8)
+        if t == below:
+            assert torch.equal(out, ref)
+        else:
+            err, predicted = _check(out, q, k, v, 8)
+            assert not torch.equal(out, ref) and 0.3 * predicted <= err <= predicted, (err, predicted)

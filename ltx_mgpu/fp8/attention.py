@@ -26,7 +26,9 @@ so dividing by them is exact and the only rounding is the cast to e4m3, round to
   writes e4m3 only) and widened to bf16 by one elementwise pass.
 
 A masked call (SP padding a token count that does not divide by the world size, or a caller's mask) runs
-the bf16 attention the callable replaced: cuDNN's FP8 SDPA takes no bias.
+the bf16 attention the callable replaced: cuDNN's FP8 SDPA takes no bias. So does, with the `auto` backend on
+CUDA, a call over fewer than `FP8_ATTENTION_MIN_TOKENS` keys: there FP8 is slower (the amax and the casts cost
+more than the kernel saves) as well as less exact.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import nn
 __all__ = [
     "BACKENDS",
     "E4M3_MAX",
+    "FP8_ATTENTION_MIN_TOKENS",
     "FP8_ATTENTION_MODULE_OPS_NAME",
     "P_SCALE",
     "Fp8SelfAttention",
@@ -61,6 +64,11 @@ E4M3_MAX = 448.0
 P_SCALE = 256.0  #: the softmax probabilities' scale in the kernel (P <= 1 -> <= 256, a power of two)
 FP8_ATTENTION_MODULE_OPS_NAME = "fp8_video_self_attention"
 BACKENDS = ("auto", "cudnn", "emulate", "sage")
+#: Fewest keys a call needs for `auto` to take cuDNN's FP8 SDPA. Measured on one H200 (docs/performance.md,
+#: "Attention backends"), the whole FP8 call against bf16 cuDNN: 0.453x at 1,536 tokens, 1.219x at 6,144, 1.527x
+#: at 24,576; the speed-up is 1.0 about 0.71 of the way from 1,536 to 6,144 in log tokens (~4,100): below it,
+#: bf16 attention is both faster and exact.
+FP8_ATTENTION_MIN_TOKENS = 4096
 _MANTISSA_1_75 = 0x600000  #: 448 = 1.75 * 2**8
 
 
@@ -175,10 +183,13 @@ class Fp8SelfAttention:
     """ltx-core `AttentionCallable` for a video self-attention in FP8 (module docstring).
 
     Args:
-        fallback: the attention it replaces (bf16), used for masked calls.
+        fallback: the attention it replaces (bf16), used for masked calls and calls `min_tokens` rules out.
         q_norm, k_norm: the attention's RMSNorms (their weights bound q and k); None: amax of q and k.
         backend: "auto" (cuDNN on CUDA, the emulation elsewhere), "cudnn", "emulate", or "sage" (SageAttention's
             INT8 Q.K^T with fp16 P.V: bf16 in, its own per-block scales, a comparison candidate).
+        min_tokens: with `auto`, calls over fewer keys run `fallback`; None: `FP8_ATTENTION_MIN_TOKENS` where
+            `auto` means cuDNN, 0 where it means the emulation (which exists for its numerics, not its speed).
+            A named backend always runs FP8 (benchmarks and tests ask for it by name).
     """
 
     def __init__(
@@ -187,12 +198,23 @@ class Fp8SelfAttention:
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         backend: str = "auto",
+        min_tokens: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown FP8 attention backend {backend!r}; expected one of {BACKENDS}")
+        if min_tokens is not None and min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self.fallback = fallback
         self.q_norm, self.k_norm = q_norm, k_norm
         self.backend = backend
+        self.min_tokens = min_tokens
+
+    def runs_fp8(self, keys: int, on_cuda: bool) -> bool:
+        """Whether an unmasked call over `keys` keys takes the FP8 path (`min_tokens`)."""
+        if self.backend != "auto":
+            return True
+        floor = self.min_tokens if self.min_tokens is not None else (FP8_ATTENTION_MIN_TOKENS if on_cuda else 0)
+        return keys >= floor
 
     def _bound(self, norm: nn.Module | None, device: torch.device) -> torch.Tensor | None:
         if norm is None:
@@ -202,7 +224,7 @@ class Fp8SelfAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if mask is not None:
+        if mask is not None or not self.runs_fp8(k.shape[1], q.is_cuda):
             return self.fallback(q, k, v, heads, mask)
         b, tq, hidden = q.shape
         d = hidden // heads
@@ -223,7 +245,10 @@ class Fp8SelfAttention:
         return out.transpose(1, 2).reshape(b, tq, hidden).to(q.dtype)
 
     def __repr__(self) -> str:
-        return f"Fp8SelfAttention(backend={self.backend!r}, static_qk={self.q_norm is not None})"
+        return (
+            f"Fp8SelfAttention(backend={self.backend!r}, static_qk={self.q_norm is not None}, "
+            f"min_tokens={self.min_tokens!r})"
+        )
 
 
 def _wrap(fn: Any, attn: nn.Module, backend: str) -> Any:
