@@ -43,3 +43,27 @@ def test_plans_for_an_80gb_card_drop_the_small_sizes_graphs_and_every_rank_decid
     ranks = [GraphRoom(), GraphRoom()]
     decisions = [[r.before_job(s, plans[s]) for r in ranks] for s in (SMALL, mid, mid, SMALL, mid)]
     assert decisions == [[False, False], [True, True], [False, False], [False, False], [True, True]]
+
+
+def test_the_runner_keeps_the_size_it_dropped_for_in_its_ledger() -> None:
+    """`Ltx2Resident._make_graph_room`: after a drop, the job's own size stays in the ledger (it captures in that
+    job), so a later size with no room for it drops it in turn; a drop at unpark empties the ledger."""
+    from types import SimpleNamespace
+
+    from ltx_mgpu.runners.ltx2.resident import Ltx2Resident
+
+    drops = []
+    runner = SimpleNamespace(
+        graph_room=GraphRoom(),
+        x0_graphed=SimpleNamespace(reset=lambda: drops.append("graphs")),
+        clock=SimpleNamespace(release=lambda: drops.append("cache")),
+    )
+    runner._release_graphs = lambda: Ltx2Resident._release_graphs(runner)
+    make = Ltx2Resident._make_graph_room
+    make(runner, SMALL, {"graph_pool_gib": 6.0, "graph_room_gib": 9.0})
+    make(runner, LARGE, {"graph_pool_gib": 9.4, "graph_room_gib": 5.0})
+    assert drops == ["graphs", "cache"] and runner.graph_room.held == {LARGE: 9.4}
+    make(runner, SMALL, {"graph_pool_gib": 6.0, "graph_room_gib": 9.0})  # LARGE's 9.4 > 9.0: dropped
+    assert drops == ["graphs", "cache"] * 2 and runner.graph_room.held == {SMALL: 6.0}
+    Ltx2Resident._drop_graphs(runner)
+    assert runner.graph_room.held == {} and len(drops) == 6

@@ -268,13 +268,16 @@ class Ltx2Resident(MGPURunner):
     def _make_graph_room(self, size: tuple[Any, ...], plan: dict[str, Any] | None) -> None:
         """Before a job: drop the CUDA graphs of other sizes when the plan has no room for their pools
         (`GraphRoom`; the same decision on every rank)."""
-        if self.graph_room.before_job(size, plan):
-            self._drop_graphs()
+        if self.graph_room.before_job(size, plan):  # (the ledger now holds this job's size: it captures next)
+            self._release_graphs()
 
     def _drop_graphs(self) -> None:
-        """Every CUDA graph and its pool, handed back to the device."""
-        self.x0_graphed.reset()
+        """Every CUDA graph and its pool, handed back to the device, and the ledger emptied."""
+        self._release_graphs()
         self.graph_room.clear()
+
+    def _release_graphs(self) -> None:
+        self.x0_graphed.reset()
         self.clock.release()
 
     def _between_stages(self) -> None:
