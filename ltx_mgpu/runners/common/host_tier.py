@@ -5,6 +5,9 @@
   torch's pinned allocator rounds every block up to a power of two, which would nearly double a 35 GiB copy),
   so copies to the device run at the link's full rate and need not block the host. A plain host buffer on CPU
   ranks, or where the driver refuses to lock that much (copies then run synchronously, and a warning says so).
+  The registration ends when the last tensor viewing the bytes is gone, before the bytes are freed: one that
+  outlived them would make the driver treat whatever is allocated there next as page-locked, and copies from it
+  fail ("invalid argument", "already mapped": seen on an H100 before this was done).
 - `pack_pinned(tensors, device)`: tensors packed into one such buffer, returned as views of it.
 - `ParkableWeights`: a module whose parameters can leave the GPU between uses. Its pinned mirror is made once
   (the weights never change), so `park()` only drops the GPU copy (no device-to-host copy) and `unpark()` copies
@@ -22,6 +25,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["ParkableWeights", "pack_pinned", "pinned_buffer"]
@@ -35,19 +39,45 @@ def _pin_ok(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+class _RegisteredBytes(np.ndarray):
+    """Host bytes registered with the CUDA driver, unregistered when this array is collected.
+
+    Why a numpy array and not a torch tensor: `torch.from_numpy` keeps the array alive for as long as any tensor
+    viewing its storage lives, and the array's `__del__` runs before its base frees the bytes, so the
+    registration ends exactly between the last use and the free. A torch tensor offers no such hook (a finalizer
+    on the first tensor would run while views of it still copy from the bytes)."""
+
+    _registered: int = 0  #: the registered address (0: none; numpy views of this array never own one)
+
+    def __del__(self) -> None:
+        if self._registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._registered)
+            except Exception:  # (at interpreter exit the runtime may be gone: nothing left to release then)
+                pass
+
+
+def _status(err: Any) -> int:
+    return int(getattr(err, "value", err))
+
+
 def pinned_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """`nbytes` host bytes (uint8), page-locked for copies to `device` when it is a CUDA device."""
-    buffer = torch.empty(max(1, int(nbytes)), dtype=torch.uint8)
+    """`nbytes` host bytes (uint8), page-locked for copies to `device` when it is a CUDA device, for as long as
+    any tensor viewing them lives."""
     if not _pin_ok(torch.device(device)):
-        return buffer
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    if int(getattr(err, "value", err)) != 0:  # (RLIMIT_MEMLOCK, a driver limit): slower copies, still correct
+        return torch.empty(max(1, int(nbytes)), dtype=torch.uint8)
+    array = np.empty(max(1, int(nbytes)), dtype=np.uint8).view(_RegisteredBytes)
+    address = int(array.ctypes.data)
+    err = torch.cuda.cudart().cudaHostRegister(address, array.size, 0)
+    if _status(err) == 0:
+        array._registered = address
+    else:  # (RLIMIT_MEMLOCK, a driver limit): slower copies, still correct
         log.warning(
             "could not page-lock %.1f GiB of host memory (%s): copies to the GPU will be synchronous",
             nbytes / 2**30,
             err,
         )
-    return buffer
+    return torch.from_numpy(array)
 
 
 def _aligned(n: int) -> int:
