@@ -225,3 +225,18 @@ def test_two_ranks_stream_the_same_chunks_as_one_process(world):
     for a, b in zip(driver, single, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert torch.equal(torch.cat(single, dim=2), single_dec.decode(long_latent(), seed=3))
+
+
+def test_uint8_conversion_in_frame_chunks_is_the_one_piece_conversion_byte_for_byte(monkeypatch):
+    """`frames_to_uint8` converts a few frames at a time (bounded temporaries); forced to one frame a chunk, and
+    with a chunk that does not divide the clip, every byte equals the whole-clip expression's."""
+    from ltx_mgpu.parallel.pipeline import vae_decode
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        video = (torch.rand(2, 3, 7, 5, 6, generator=g) * 2.4 - 1.2).to(dtype)  # past [-1, 1]: the clamp
+        whole = ((video[0].float() + 1.0) / 2.0).clamp(0.0, 1.0).mul(255.0).to(torch.uint8).permute(1, 2, 3, 0)
+        for chunk_bytes in (1, 3 * 5 * 6 * 4 * 3):  # one frame, three frames (7 = 3 + 3 + 1)
+            monkeypatch.setattr(vae_decode, "FRAME_CHUNK_BYTES", chunk_bytes)
+            out = frames_to_uint8(video)
+            assert out.is_contiguous() and out.shape == (7, 5, 6, 3) and torch.equal(out, whole)
