@@ -439,9 +439,8 @@ def graph_pools(fleet: FleetMemory, p: ModelProfile, rows1: int, t2: int) -> tup
     eager and holds none."""
     per_row = (p.fp8_graph_pool_bytes or p.graph_pool_bytes) if fleet.fp8_transformer else p.graph_pool_bytes
     world = fleet.world_size
-    return tuple(  # type: ignore[return-value]
-        per_row * n / world if n / world <= MAX_CAPTURE_TOKEN_ROWS else 0.0 for n in (rows1, t2)
-    )
+    stage1, stage2 = (per_row * n / world if n / world <= MAX_CAPTURE_TOKEN_ROWS else 0.0 for n in (rows1, t2))
+    return stage1, stage2
 
 
 def _rule_problem(fleet: FleetMemory, size: tuple[int, int, int], frame_rate: float) -> str | None:

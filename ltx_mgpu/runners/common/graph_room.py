@@ -26,7 +26,7 @@ class GraphRoom:
     def before_job(self, size: Hashable, plan: Mapping[str, Any] | None) -> bool:
         """A job of `size` with the worker's plan (`MemoryPlan.job_kwargs()`) is about to run: True when the other
         sizes' graphs must be dropped first, because their pools exceed the room the plan leaves
-        (`graph_room_gib`; none given: no limit, keep them). The ledger then holds `size` alone."""
+        (`graph_room_gib`; none given: no limit, keep them). The ledger then holds `size` too (alone after a drop)."""
         plan = plan or {}
         room = plan.get("graph_room_gib")
         others = sum(gib for key, gib in self.held.items() if key != size)
