@@ -1,6 +1,7 @@
 """One ltx-core transformer block, bf16 against `fp8-mm` against `fp8-mm+attn` (FP8 linears and FP8 video
-self-attention), at 1,536 / 6,144 / 24,576 video tokens: ms per call (timed with CUDA events over graph replays after
-warm-up, `bench.common.time_ms`; wall clock on the CPU) and the relative
+self-attention; also without the attention's value shift, `_unshifted`), at 1,536 / 6,144 / 24,576 video
+tokens: ms per call (timed with CUDA events over graph replays after warm-up, `bench.common.time_ms`; wall
+clock on the CPU) and the relative
 error of each against bf16 (video output and the video update out - x). Built on bench/block.py's block
 harness (imported, not changed); needs ltx-core (the GPU host's `wheels` phase) and, on CUDA, the cuDNN
 frontend (`.whl3/`). Every variant runs in a try/except that records its error as a JSON line.
@@ -36,13 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     holder = torch.nn.Module()
     holder.transformer_blocks = torch.nn.ModuleList([copy.deepcopy(case.fp8)])
     attn = install_fp8_attention(holder, only_converted=False).transformer_blocks[0]
+    unshifted = torch.nn.Module()  # the same without the value shift, to measure what it saves in the same run
+    unshifted.transformer_blocks = torch.nn.ModuleList([copy.deepcopy(case.fp8)])
+    unshifted = install_fp8_attention(unshifted, only_converted=False, smooth_v=False).transformer_blocks[0]
+    variants = (("bf16", case.bf16), ("fp8_mm", case.fp8), ("fp8_mm_attn", attn), ("fp8_mm_attn_unshifted", unshifted))
     summary = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         vargs, aargs, pert = case.ltx_args(tokens)
         with torch.no_grad():
             ref_v, _ = block_outputs(case.bf16(vargs, aargs, pert))
         row = {"kind": "block", "video_tokens": tokens}
-        for name, block in (("bf16", case.bf16), ("fp8_mm", case.fp8), ("fp8_mm_attn", attn)):
+        for name, block in variants:
             try:
                 with torch.no_grad():
                     out_v, _ = block_outputs(block(vargs, aargs, pert))  # (eager first: cuDNN builds its graph)
@@ -52,12 +57,15 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_rel_err_video_update"] = rel_err(out_v - vargs.x, ref_v - vargs.x)
             except Exception as exc:  # one shot on the GPU: record and go on
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        for name in ("fp8_mm", "fp8_mm_attn"):
+        for name in ("fp8_mm", "fp8_mm_attn", "fp8_mm_attn_unshifted"):
             if f"{name}_ms" in row and "bf16_ms" in row:
                 row[f"{name}_speedup"] = round(row["bf16_ms"] / row[f"{name}_ms"], 3)
         emit(row)
-        summary.append(f"{tokens}: fp8-mm {row.get('fp8_mm_speedup')}x, fp8-mm+attn {row.get('fp8_mm_attn_speedup')}x "
-                       f"(err {row.get('fp8_mm_attn_rel_err_video')})")  # fmt: skip
+        summary.append(
+            f"{tokens}: fp8-mm {row.get('fp8_mm_speedup')}x, fp8-mm+attn {row.get('fp8_mm_attn_speedup')}x "
+            f"(err {row.get('fp8_mm_attn_rel_err_video')}; unshifted {row.get('fp8_mm_attn_unshifted_speedup')}x, "
+            f"err {row.get('fp8_mm_attn_unshifted_rel_err_video')})"
+        )
     print("SUMMARY block speedups over bf16 | " + " | ".join(summary), flush=True)
     return 0
 

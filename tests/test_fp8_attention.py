@@ -13,7 +13,9 @@ c = 1/sqrt(D), each output element O_id receives, from independent roundings:
 - each v_j's: rho^2 sum_j P_ij^2 v_jd^2; the kernel's rounding of P (relative, before P.V, the row sum from
   the unrounded P): the same again; the output's own rounding: rho^2 O_id^2.
 The predicted relative error is sqrt(sum of the variances / sum O^2). For zero-mean random v (outputs that
-cancel) it is ~ rho * sqrt(5) ~ 0.08; for v with a common component, much less. The tests require the
+cancel) it is ~ rho * sqrt(5) ~ 0.08; for v with a common component, much less, and less again with v's mean
+over the tokens m taken out before the casts (the default): the v, P and output terms then see v_j - m and
+O_i - m (the q and k terms are unchanged: they see v_j - O_i). The tests require the
 emulation's error to lie between 0.5 and 1.0 times the prediction: below 1 because the model is an upper
 one, above 0.5 because a quantizer that did nothing (or kept more bits) would fall far below it.
 """
@@ -40,10 +42,16 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return p, p @ v
 
 
-def predicted_rel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
-    """The module docstring's first-order prediction for (B, H, T, D) float64 q, k, v."""
+def predicted_rel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True) -> float:
+    """The module docstring's first-order prediction for (B, H, T, D) float64 q, k, v; `smooth_v`: v's mean
+    over the tokens m is taken out before the roundings (the attention's default), so the v, P and output
+    roundings act on v - m and O - m (the q and k terms already see only v_j - O_i)."""
     c = 1.0 / math.sqrt(q.shape[-1])
     p, o = _attention(q, k, v)
+    norm2 = (o * o).sum().item()
+    if smooth_v:
+        m = v.mean(dim=-2, keepdim=True)
+        v, o = v - m, o - m
     p2 = p * p
     cov = torch.einsum("bhij,bhje,bhjd->bhied", p, k, v) - (p @ k).unsqueeze(-1) * o.unsqueeze(-2)
     var_q = c * c * torch.einsum("bhie,bhied->bhid", q * q, cov * cov)
@@ -51,7 +59,7 @@ def predicted_rel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> fl
     var_k = c * c * torch.einsum("bhij,bhijd->bhid", p2 * ((q * q) @ (k * k).transpose(-1, -2)), dv * dv)
     var_v = p2 @ (v * v)
     total = RHO2 * (var_q + var_k + 2 * var_v + o * o)
-    return math.sqrt(total.sum().item() / (o * o).sum().item())
+    return math.sqrt(total.sum().item() / norm2)
 
 
 def _data(kind: str, b: int = 1, t: int = 192, h: int = 4, d: int = 32) -> tuple[torch.Tensor, ...]:
@@ -142,6 +150,28 @@ def test_emulated_fp8_attention_error_matches_the_e4m3_prediction(kind, static_q
     predicted = predicted_rel_error(_heads(q, h), _heads(k, h), _heads(v, h))
     print(f"{kind} static_qk={static_qk}: measured {measured:.4f}, predicted {predicted:.4f}")
     assert 0.5 * predicted <= measured <= predicted, (kind, measured, predicted)
+
+
+def test_the_value_shift_takes_the_common_component_out_of_the_rounding():
+    """v with a common component (LTX-2's does): without the shift the output's e4m3 rounding lands on it, with
+    it only on what is left; each side within its own prediction, and the shift alone (no rounding) is exact."""
+    q, k, v, norm = _data("offset")
+    h = 4
+    _, ref = _attention(_heads(q, h), _heads(k, h), _heads(v, h))
+    ref = ref.transpose(1, 2).reshape(q.shape)
+    errors = {}
+    for smooth in (False, True):
+        attn = fa.Fp8SelfAttention(lambda *a: None, norm, norm, "emulate", smooth_v=smooth)
+        with torch.no_grad():
+            out = attn(q, k, v, h)
+        errors[smooth] = ((out.double() - ref).norm() / ref.norm()).item()
+        predicted = predicted_rel_error(_heads(q, h), _heads(k, h), _heads(v, h), smooth_v=smooth)
+        assert 0.5 * predicted <= errors[smooth] <= predicted, (smooth, errors[smooth], predicted)
+    assert errors[True] < errors[False] / 4, errors
+    m = fa.value_shift(v).double()  # (any shift would do: rows of P sum to 1; checked in float64)
+    heads = [_heads(x, h) for x in (q, k, v.double() - m)]
+    shifted = _attention(*heads)[1].transpose(1, 2).reshape(q.shape) + m
+    assert torch.allclose(shifted, ref, rtol=0, atol=1e-12 * ref.abs().max().item())
 
 
 def test_emulation_without_roundings_is_fp32_attention():

@@ -53,8 +53,9 @@ import torch.distributed as dist
 
 from . import determinism
 from .devices import ALLOCATOR_ENV, MULTICAST_OFF_ENV
-from .errors import RenderFault, RunnerError
+from .errors import RenderFault, RenderOutOfMemory, RunnerError
 from .job_board import CancelPoints, JobBoard, cancel_key
+from .memory_report import live_memory_report
 from .rank_faults import fleet_fault, job_error
 from .runner import MGPURunner, ProcessGroups, RankContext
 from .startup import ready_stamp
@@ -345,17 +346,23 @@ def _run_job(runner: MGPURunner, job_id: int, kwargs: dict[str, Any], rank: int,
         del gen  # (finished: its frame, and the tensors it held, go with it)
     kwargs.clear()  # the job's own tensors too (a dict `_job_loop` built for this call alone)
     if isinstance(error, RenderFault):
-        _release_memory(runner)
+        _release_memory(runner, oom=isinstance(error, RenderOutOfMemory))
     send(MessageKind.ERROR, error)
 
 
-def _release_memory(runner: MGPURunner) -> None:
+def _release_memory(runner: MGPURunner, oom: bool = False) -> None:
     """After a job that raised: collect what its frames held and hand cached device memory back, so an
-    out-of-memory job leaves the next one the memory it had."""
+    out-of-memory job leaves the next one the memory it had; after one (`oom`), log what still holds memory
+    (`memory_report`)."""
     gc.collect()
     with contextlib.suppress(Exception):
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
+    if oom and runner.device.type == "cuda":  # what the release could not free: the resident set, or a leak
+        try:
+            log.warning("after the out-of-memory job: %s", live_memory_report(runner.device))
+        except Exception as exc:  # a report must never turn a job error into a fleet fault
+            log.warning("after the out-of-memory job: no memory report (%s)", exc)
 
 
 def _teardown(device: torch.device) -> None:

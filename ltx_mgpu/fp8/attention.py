@@ -19,11 +19,19 @@ so dividing by them is exact and the only rounding is the cast to e4m3, round to
   which costs nothing in the normal range (e4m3's relative rounding is the same in every binade); only
   elements below ~sigma/2000 become subnormal, with an absolute error far below a typical element's.
   bf16 rounding can overshoot the bound by ulps; the cast saturates there.
-- v: its amax (one reduction, `torch.linalg.vector_norm(inf)`: one extra read of v; v = to_v(x) has no norm
-  to bound it). Under SP it is taken after the exchange, over this rank's heads.
-- the softmax P in [0, 1] (quantized inside the kernel for P @ V): 256; the output O is a convex
-  combination of v's rows, so |O| <= amax(v) and O is written in e4m3 with v's scale (Hopper's FP8 SDPA
-  writes e4m3 only) and widened to bf16 by one elementwise pass.
+- v: first shifted by its mean over the tokens m (per batch row and channel), since softmax rows sum to 1:
+  P (v - m) + m = P v exactly. Then its amax (one reduction, `torch.linalg.vector_norm(inf)`; v = to_v(x)
+  has no norm to bound it). Under SP both are taken after the exchange (this rank's heads, every token).
+- the softmax P in [0, 1] (quantized inside the kernel for P @ V): 256; the output O' = P (v - m) is a convex
+  combination of the shifted rows, so |O'| <= amax(v - m) and O' is written in e4m3 with that scale
+  (Hopper's FP8 SDPA writes e4m3 only), then widened to bf16 with m added back in one elementwise pass.
+
+Why the shift: e4m3 keeps 3 mantissa bits, so the output's own rounding costs about 2.5% of |O| whatever
+the scale. Where v has a common component (LTX-2's v does: on the 19B block with synthetic weights the
+attention output was 99% v's mean over the tokens), that rounding lands on the mean and dominates the whole
+error (2.6% of 2.65%, `python /path/to/diag` in docs/performance.md); shifted, it lands on what is left. The
+smaller accumulator of P (v - m) also helps Hopper's FP8 tensor cores, whose accumulation keeps fewer bits
+than fp32 (errors that grow with the number of keys summed). Cost: one mean and one subtraction over v.
 
 A masked call (SP padding a token count that does not divide by the world size, or a caller's mask) runs
 the bf16 attention the callable replaced: cuDNN's FP8 SDPA takes no bias. So does, with the `auto` backend on
@@ -57,6 +65,7 @@ __all__ = [
     "pow2_scales",
     "qk_bound",
     "quantize",
+    "value_shift",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -118,14 +127,24 @@ def quantize(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.float32) * inv_scale.reshape(())).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x8 * scale` in `dtype` (one Triton kernel on CUDA)."""
+def dequantize(
+    x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, shift: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x8 * scale` in `dtype` (one Triton kernel on CUDA); with `shift` (B, 1, C) for a (B, T, C) `x8`,
+    `x8 * scale + shift` computed in fp32 and rounded once."""
     if x8.is_cuda:
         from .triton_attn import dequantize_triton, triton_available
 
         if triton_available():
-            return dequantize_triton(x8, scale, dtype)
-    return (x8.to(torch.float32) * scale.reshape(())).to(dtype)
+            return dequantize_triton(x8, scale, dtype, shift)
+    y = x8.to(torch.float32) * scale.reshape(())
+    return (y if shift is None else y + shift.to(torch.float32)).to(dtype)
+
+
+def value_shift(v: torch.Tensor) -> torch.Tensor:
+    """v's mean over its tokens, (B, 1, C) in v's dtype: what the FP8 attention subtracts from v before the
+    cast and adds back to the output (module docstring, "v")."""
+    return v.mean(dim=1, keepdim=True, dtype=torch.float32).to(v.dtype)
 
 
 # ---- the emulation (CPU, and the reference of the GPU tests) --------------------------------------------
@@ -190,6 +209,8 @@ class Fp8SelfAttention:
         min_tokens: with `auto`, calls over fewer keys run `fallback`; None: `FP8_ATTENTION_MIN_TOKENS` where
             `auto` means cuDNN, 0 where it means the emulation (which exists for its numerics, not its speed).
             A named backend always runs FP8 (benchmarks and tests ask for it by name).
+        smooth_v: subtract v's mean over the tokens before the cast and add it back after (module docstring);
+            False only to measure what it saves.
     """
 
     def __init__(
@@ -199,6 +220,7 @@ class Fp8SelfAttention:
         k_norm: nn.Module | None = None,
         backend: str = "auto",
         min_tokens: int | None = None,
+        smooth_v: bool = True,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown FP8 attention backend {backend!r}; expected one of {BACKENDS}")
@@ -208,6 +230,7 @@ class Fp8SelfAttention:
         self.q_norm, self.k_norm = q_norm, k_norm
         self.backend = backend
         self.min_tokens = min_tokens
+        self.smooth_v = smooth_v
 
     def runs_fp8(self, keys: int, on_cuda: bool) -> bool:
         """Whether an unmasked call over `keys` keys takes the FP8 path (`min_tokens`)."""
@@ -233,25 +256,28 @@ class Fp8SelfAttention:
             from .sage_attention import sage_attention
 
             return sage_attention(q, k, v, heads)
+        shift = value_shift(v) if self.smooth_v else None
+        if shift is not None:
+            v = v - shift  # (bf16: a rounding of 2**-9, far under e4m3's; the same `shift` goes back below)
         scales, inv = attention_scales(q, k, v, self._bound(self.q_norm, q.device), self._bound(self.k_norm, q.device))
         q8, k8, v8 = (quantize(x, inv[i]) for i, x in enumerate((q, k, v)))
         if backend == "cudnn":
             from .cudnn_attention import cudnn_fp8_sdpa
 
             o8 = cudnn_fp8_sdpa(q8.view(b, tq, heads, d), k8.view(b, -1, heads, d), v8.view(b, -1, heads, d), scales)
-            return dequantize(o8, scales[2], q.dtype).view(b, tq, hidden)
+            return dequantize(o8.view(b, tq, hidden), scales[2], q.dtype, shift)
         heads_first = [x.view(b, -1, heads, d).transpose(1, 2) for x in (q8, k8, v8)]
-        out = emulate_fp8_attention(*heads_first, scales)
-        return out.transpose(1, 2).reshape(b, tq, hidden).to(q.dtype)
+        out = emulate_fp8_attention(*heads_first, scales).transpose(1, 2).reshape(b, tq, hidden)
+        return (out if shift is None else out + shift.to(torch.float32)).to(q.dtype)
 
     def __repr__(self) -> str:
         return (
             f"Fp8SelfAttention(backend={self.backend!r}, static_qk={self.q_norm is not None}, "
-            f"min_tokens={self.min_tokens!r})"
+            f"min_tokens={self.min_tokens!r}, smooth_v={self.smooth_v})"
         )
 
 
-def _wrap(fn: Any, attn: nn.Module, backend: str) -> Any:
+def _wrap(fn: Any, attn: nn.Module, backend: str, smooth_v: bool = True) -> Any:
     """`fn` (an attention slot's value) with its bf16 attention replaced by `Fp8SelfAttention`; an SP
     wrapper (anything with an `inner`) keeps wrapping, the FP8 callable goes inside."""
     if isinstance(fn, Fp8SelfAttention):
@@ -259,12 +285,15 @@ def _wrap(fn: Any, attn: nn.Module, backend: str) -> Any:
     inner = getattr(fn, "inner", None)
     if inner is not None and hasattr(fn, "manager"):
         if not isinstance(inner, Fp8SelfAttention):
-            fn.inner = Fp8SelfAttention(inner, attn.q_norm, attn.k_norm, backend)
+            fn.inner = Fp8SelfAttention(inner, attn.q_norm, attn.k_norm, backend, smooth_v=smooth_v)
         return fn
-    return Fp8SelfAttention(fn, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), backend)
+    norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return Fp8SelfAttention(fn, *norms, backend, smooth_v=smooth_v)
 
 
-def install_fp8_attention(model: nn.Module, *, backend: str = "auto", only_converted: bool = True) -> nn.Module:
+def install_fp8_attention(
+    model: nn.Module, *, backend: str = "auto", only_converted: bool = True, smooth_v: bool = True
+) -> nn.Module:
     """Make every block's video self-attention (`attn1`) run in FP8, in place (before or after the SP patch).
 
     `only_converted`: skip the blocks fp8-mm's recipe keeps in bf16 (blocks 0 and 43-47 of the 19B model),
@@ -278,9 +307,9 @@ def install_fp8_attention(model: nn.Module, *, backend: str = "auto", only_conve
         attn = getattr(block, "attn1", None)
         if attn is None or (only_converted and excluded(f"transformer_blocks.{i}.attn1.to_q")):
             continue
-        attn.attention_function = _wrap(attn.attention_function, attn, backend)
+        attn.attention_function = _wrap(attn.attention_function, attn, backend, smooth_v)
         if hasattr(attn, "masked_attention_function"):  # newer ltx-core: the masked call keeps bf16 anyway
-            attn.masked_attention_function = _wrap(attn.masked_attention_function, attn, backend)
+            attn.masked_attention_function = _wrap(attn.masked_attention_function, attn, backend, smooth_v)
     return model
 
 
