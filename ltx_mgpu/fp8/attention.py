@@ -27,11 +27,12 @@ so dividing by them is exact and the only rounding is the cast to e4m3, round to
   (Hopper's FP8 SDPA writes e4m3 only), then widened to bf16 with m added back in one elementwise pass.
 
 Why the shift: e4m3 keeps 3 mantissa bits, so the output's own rounding costs about 2.5% of |O| whatever
-the scale. Where v has a common component (LTX-2's v does: on the 19B block with synthetic weights the
-attention output was 99% v's mean over the tokens), that rounding lands on the mean and dominates the whole
-error (2.6% of 2.65%, `python /path/to/diag` in docs/performance.md); shifted, it lands on what is left. The
-smaller accumulator of P (v - m) also helps Hopper's FP8 tensor cores, whose accumulation keeps fewer bits
-than fp32 (errors that grow with the number of keys summed). Cost: one mean and one subtraction over v.
+the scale. Where v has a common component, that rounding lands on it and dominates the whole error: on the
+19B block with synthetic weights the attention output is 99% v's mean over the tokens, and the output's
+rounding was 2.6% of the call's 2.65% (`python -m bench.fp8_attn_error`); shifted, 0.07%. Trained weights
+attend more sharply, so less of O is the mean; the shift never costs accuracy. It may also help the
+accumulation of P (v - m) on Hopper's FP8 tensor cores, which keeps fewer bits than fp32 (an error that grows
+with the keys summed; `bench.fp8_attn_block` measures both ways). Cost: one mean and one subtraction over v.
 
 A masked call (SP padding a token count that does not divide by the world size, or a caller's mask) runs
 the bf16 attention the callable replaced: cuDNN's FP8 SDPA takes no bias. So does, with the `auto` backend on
