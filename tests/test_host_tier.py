@@ -73,3 +73,39 @@ def test_a_refused_registration_leaves_a_plain_buffer_and_says_so(monkeypatch, c
     del buf
     gc.collect()
     assert fake.unregistered == []  # nothing was registered: nothing to end
+
+
+def test_a_copy_back_that_finds_no_room_leaves_the_encoder_parked_for_the_next_encode(monkeypatch, caplog):
+    """The text encoder's copy back after a job's decode runs while that job's frames are still alive; when it
+    runs out of memory the finished video must not be lost: the job goes on, the encoder stays parked, and the
+    next encode (`_text_ready`, once the job's tensors are gone) copies it back."""
+    import contextlib
+    import types
+
+    from ltx_mgpu.runners.ltx2.resident import Ltx2Resident
+
+    module = torch.nn.Linear(8, 8)
+    before = [p.detach().clone() for p in module.parameters()]
+    parkable = host_tier.ParkableWeights(module, torch.device("cpu"))
+    parkable.park()
+    dropped = []
+    runner = types.SimpleNamespace(
+        park_this_job=True,
+        parkable_text=parkable,
+        clock=types.SimpleNamespace(stage=lambda name: contextlib.nullcontext()),
+        _drop_graphs=lambda: dropped.append(True),
+    )
+    real_unpark = host_tier.ParkableWeights.unpark
+
+    def no_room(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.58 GiB.")
+
+    monkeypatch.setattr(host_tier.ParkableWeights, "unpark", no_room)
+    with caplog.at_level(logging.WARNING, logger="ltx_mgpu.runners.ltx2"):
+        Ltx2Resident._unpark_text(runner)  # no exception: the job's video is made
+    assert dropped == [True] and parkable.parked
+    assert "stays parked until the next encode" in caplog.text
+    monkeypatch.setattr(host_tier.ParkableWeights, "unpark", real_unpark)
+    Ltx2Resident._text_ready(runner)
+    assert not parkable.parked
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))

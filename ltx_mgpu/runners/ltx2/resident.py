@@ -21,6 +21,7 @@ Setup kwargs (every rank; the table is in docs/runners.md): `checkpoint_path` (t
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 import torch
@@ -40,6 +41,8 @@ from . import components as comp
 from . import spec
 
 __all__ = ["Ltx2Resident"]
+
+log = logging.getLogger("ltx_mgpu.runners.ltx2")
 
 
 class Ltx2Resident(MGPURunner):
@@ -309,7 +312,14 @@ class Ltx2Resident(MGPURunner):
         with self.clock.stage("unpark"):
             self._drop_graphs()
             if self.parkable_text is not None:
-                self.parkable_text.unpark()
+                try:
+                    self.parkable_text.unpark()
+                except torch.OutOfMemoryError as exc:  # the video is made: the next encode copies it back
+                    log.warning(
+                        "the text encoder stays parked until the next encode (its copy back found no room "
+                        "while this job's tensors were alive): %s",
+                        str(exc).splitlines()[0][:300],
+                    )
 
     def _restore_clean_early(self) -> None:
         """After the last stage that uses LoRAs differing from stage 1's: with the clean copy in host memory on
