@@ -1,7 +1,8 @@
-"""Where the FP8 attention's error comes from, on one ltx-core block's own q, k and v (19B widths, bench/block.py's
-seeded weights): the relative error against fp32 attention of each e4m3 rounding alone (q and k, v, the softmax
-P, the output O), all of them (the kernel's emulation), and all of them with v's mean over the tokens taken out
-first (`Fp8SelfAttention`'s default). A few heads and up to 1,024 queries per token count keep it on a CPU.
+"""Measures where the FP8 attention's error comes from, on one ltx-core block's own q, k and v (19B widths,
+bench/block.py's seeded weights): the relative error against fp32 attention of each e4m3 rounding alone (q and
+k, v, the softmax P, the output O), all of them (the kernel's emulation), and all of them with v's mean over the
+tokens taken out first (`Fp8SelfAttention`'s default). A few heads and up to 1,024 queries per token count keep
+it on a CPU.
 
     python -m bench.fp8_attn_error --tokens 1536,6144          # CPU, ~2 min
     python -m bench.fp8_attn_error --device cuda:0 --tokens 1536,6144,24576
