@@ -30,6 +30,7 @@ import torch
 from ltx_mgpu.fp8 import attention as fa
 
 RHO2 = (2.0**-4) ** 2 / 3
+RHO2_BF16 = (2.0**-8) ** 2 / 3  #: the same upper model for bf16's 7 mantissa bits
 
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -42,10 +43,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch
     return p, p @ v
 
 
-def predicted_rel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True) -> float:
+def predicted_rel_error(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smooth_v: bool = True, bf16_out: bool = False
+) -> float:
     """The module docstring's first-order prediction for (B, H, T, D) float64 q, k, v; `smooth_v`: v's mean
     over the tokens m is taken out before the roundings (the attention's default), so the v, P and output
-    roundings act on v - m and O - m (the q and k terms already see only v_j - O_i)."""
+    roundings act on v - m and O - m (the q and k terms already see only v_j - O_i). `bf16_out`: the result is
+    returned in bf16, one more rounding of the whole O (7 mantissa bits: RHO2_BF16 O^2), negligible beside e4m3's
+    but the floor once the shift has taken the rest away."""
     c = 1.0 / math.sqrt(q.shape[-1])
     p, o = _attention(q, k, v)
     norm2 = (o * o).sum().item()
@@ -59,7 +64,7 @@ def predicted_rel_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, smoot
     var_k = c * c * torch.einsum("bhij,bhijd->bhid", p2 * ((q * q) @ (k * k).transpose(-1, -2)), dv * dv)
     var_v = p2 @ (v * v)
     total = RHO2 * (var_q + var_k + 2 * var_v + o * o)
-    return math.sqrt(total.sum().item() / norm2)
+    return math.sqrt(total.sum().item() / norm2 + (RHO2_BF16 if bf16_out else 0.0))
 
 
 def _data(kind: str, b: int = 1, t: int = 192, h: int = 4, d: int = 32) -> tuple[torch.Tensor, ...]:
