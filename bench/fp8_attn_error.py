@@ -11,7 +11,6 @@ it on a CPU.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
@@ -26,17 +25,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, round_p: bool, o_scale: float | None) -> torch.Tensor:
-    """fp32 attention over (B, H, T, D) inputs, with the kernel's P rounding and its output rounding on the
-    grid of `o_scale` where asked (as `emulate_fp8_attention`, over dequantized inputs)."""
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    p = torch.exp(s - s.amax(-1, keepdim=True))
-    rowsum = p.sum(-1, keepdim=True)
-    if round_p:
-        p = (p * fa.P_SCALE).to(fa.E4M3).float() / fa.P_SCALE
-    o = p @ v / rowsum
-    if o_scale is not None:
-        o = (o / o_scale).clamp(-fa.E4M3_MAX, fa.E4M3_MAX).to(fa.E4M3).float() * o_scale
-    return o
+    """`emulate_fp8_attention` over already dequantized fp32 (B, H, T, D) inputs (unit scales, v on the output's
+    grid: `o_scale` is a power of two, so the division is exact), with only the asked-for roundings: P's, and the
+    output's on the grid of `o_scale`."""
+    scale = 1.0 if o_scale is None else o_scale
+    scales = torch.tensor([1.0, 1.0, scale])
+    return fa.emulate_fp8_attention(q, k, v / scale, scales, quantize_p=round_p, quantize_o=o_scale is not None)
 
 
 def decompose(
@@ -64,10 +58,11 @@ def decompose(
         "err_all": _rel(_attention(qd, kd, vd, True, sv), ref),
     }
     shift = fa.value_shift(v)
-    vs = v - shift
-    s_scale, s_inv = fa.pow2_scales(vs.abs().amax().float().reshape(1))
-    vsd = split(fa.quantize(vs, s_inv)) * float(s_scale)
-    row["err_all_shifted"] = _rel(_attention(qd, kd, vsd, True, float(s_scale)) + split(shift), ref)
+    vs = v - shift  # (as `Fp8SelfAttention` does: scale, cast, attention on the shifted v, the shift back)
+    shifted_scales, shifted_inv = fa.attention_scales(q, k, vs, *bound)
+    s_scale = float(shifted_scales[2])
+    vsd = split(fa.quantize(vs, shifted_inv[2])) * s_scale
+    row["err_all_shifted"] = _rel(_attention(qd, kd, vsd, True, s_scale) + split(shift), ref)
     row["output_mean_share"] = round(float(split(shift).expand_as(ref).norm() / ref.norm()), 4)
     return row
 

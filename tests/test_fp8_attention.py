@@ -158,8 +158,9 @@ def test_emulated_fp8_attention_error_matches_the_e4m3_prediction(kind, static_q
 
 
 def test_the_value_shift_takes_the_common_component_out_of_the_rounding():
-    """v with a common component (LTX-2's does): without the shift the output's e4m3 rounding lands on it, with
-    it only on what is left; each side within its own prediction, and the shift alone (no rounding) is exact."""
+    """v with a common component (the synthetic 19B block's has one): without the shift the output's e4m3
+    rounding lands on it, with it only on what is left; each side within its own prediction, and the shift alone
+    (no rounding) is exact."""
     q, k, v, norm = _data("offset")
     h = 4
     _, ref = _attention(_heads(q, h), _heads(k, h), _heads(v, h))

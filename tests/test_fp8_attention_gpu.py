@@ -88,8 +88,8 @@ def test_cudnn_fp8_attention_is_within_the_e4m3_prediction(shape, static_qk):
 
 
 def test_cudnn_with_the_value_shift_keeps_a_common_component_out_of_the_rounding():
-    """v with a common component (as LTX-2's): cuDNN with the shift lands within the shifted prediction and
-    well under the unshifted call on the same inputs (module docstring of ltx_mgpu/fp8/attention.py)."""
+    """v with a common component (as the synthetic 19B block's): cuDNN with the shift lands within the shifted
+    prediction and well under the unshifted call on the same inputs (module docstring of ltx_mgpu/fp8/attention.py)."""
     pytest.importorskip("cudnn", reason="nvidia-cudnn-frontend is not installed")
     q, k, v, norm = _qkv(1, 6144, 8, 128, seed=11)
     v = (v.float() + 2.0).bfloat16()
