@@ -9,6 +9,7 @@ held here: the registration ends once, after the last tensor viewing the bytes i
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 
 import pytest
@@ -109,3 +110,65 @@ def test_a_copy_back_that_finds_no_room_leaves_the_encoder_parked_for_the_next_e
     Ltx2Resident._text_ready(runner)
     assert not parkable.parked
     assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
+
+
+class _TwoLayers(torch.nn.Module):
+    """Parameters of several sizes, one of them larger than the piece limit the test sets, and one tied pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)  # 8 KiB
+        self.small = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))  # ~1.1 KiB each
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embed.weight  # tied: one parameter, one place in the mirror
+
+
+def test_the_copy_back_comes_in_pieces_no_larger_than_the_limit_and_returns_every_byte(monkeypatch):
+    """A copy back in one allocation needs the whole encoder's size free in one piece; the pieces keep every
+    allocation at the limit (a larger single parameter alone in its own), cover the mirror exactly once, and the
+    parameters come back byte for byte, tied ones still tied."""
+    limit = 4096
+    monkeypatch.setattr(host_tier, "PIECE_BYTES", limit)
+    torch.manual_seed(3)
+    module = _TwoLayers()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    parkable = host_tier.ParkableWeights(module, torch.device("cpu"))
+    pieces = parkable._pieces
+    assert pieces[0][0] == 0 and pieces[-1][1] == parkable.nbytes
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))  # contiguous, no overlap
+    sizes = {start: size for start, size in parkable._layout}
+    for start, end in pieces:
+        alone = start in sizes and host_tier._aligned(sizes[start]) == end - start
+        assert end - start <= limit or alone, (start, end)
+    assert len(pieces) >= 3 and parkable.describe()["pieces"] == len(pieces)
+    for _ in range(2):
+        parkable.park()
+        parkable.unpark()
+        assert module.head.weight is module.embed.weight
+        for name, p in module.named_parameters():
+            assert torch.equal(p, before[name]), name
+
+
+def test_a_copy_back_that_runs_out_part_way_leaves_the_weights_parked(monkeypatch):
+    """Out of memory at the third piece: nothing is half-restored (every parameter still views the mirror) and a
+    later copy back, with room, restores them all."""
+    monkeypatch.setattr(host_tier, "PIECE_BYTES", 4096)
+    module = _TwoLayers()
+    parkable = host_tier.ParkableWeights(module, torch.device("cpu"))
+    parkable.park()
+    mirrored = [p.data_ptr() for p in module.parameters()]
+    real_empty, calls = torch.empty, []
+
+    def third_fails(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB.")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", third_fails)
+    with pytest.raises(torch.OutOfMemoryError):
+        parkable.unpark()
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert parkable.parked and [p.data_ptr() for p in module.parameters()] == mirrored
+    parkable.unpark()
+    assert not parkable.parked and parkable.stats == {"parks": 1, "unparks": 1}

@@ -28,7 +28,10 @@ def test_pinned_buffer_is_page_locked_and_exact_size():
 
 
 @torch.inference_mode()  # (as the runners run: an autograd graph would keep the parked weights alive)
-def test_a_parked_module_frees_its_memory_and_returns_byte_for_byte():
+def test_a_parked_module_frees_its_memory_and_returns_byte_for_byte(monkeypatch):
+    from ltx_mgpu.runners.common import host_tier
+
+    monkeypatch.setattr(host_tier, "PIECE_BYTES", 5 << 20)  # (several pieces: two layers' weights in each)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, dtype=torch.bfloat16) for _ in range(8)]).to(CUDA)
     x = torch.randn(4, 1024, dtype=torch.bfloat16, device=CUDA)
@@ -45,6 +48,7 @@ def test_a_parked_module_frees_its_memory_and_returns_byte_for_byte():
     assert all(p.device == CUDA for p in model.parameters())
     assert torch.equal(model(x), before)
     assert parkable.describe()["pinned"] and parkable.stats == {"parks": 1, "unparks": 1}
+    assert parkable.describe()["pieces"] == 4
 
 
 def _lora_file(path, model: torch.nn.Module, rank: int = 8) -> str:

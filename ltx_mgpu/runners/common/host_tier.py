@@ -11,9 +11,12 @@
 - `pack_pinned(tensors, device)`: tensors packed into one such buffer, returned as views of it.
 - `ParkableWeights`: a module whose parameters can leave the GPU between uses. Its pinned mirror is made once
   (the weights never change), so `park()` only drops the GPU copy (no device-to-host copy) and `unpark()` copies
-  the mirror back in ONE transfer into ONE allocation, laid out as the mirror is. The copy runs on a side
-  stream; the stream that uses the module next waits for it (`ensure()`), so a caller can start it as early as
-  the room exists and pay for it only where nothing else hides it.
+  the mirror back into a few allocations of at most `PIECE_BYTES` each (whole parameters; one larger parameter
+  gets a piece of its own), laid out as the mirror is. Pieces, not one block: Gemma's 24.6 GiB in one piece
+  needs that much contiguous free memory, which a card that has it in total but fragmented (CUDA-graph pools,
+  a decode's leftovers) cannot give; 1 GiB pieces cost nothing measurable in copy time (each copy still runs at
+  the link's rate). The copies run on a side stream; the stream that uses the module next waits for them
+  (`ensure()`), so a caller can start them as early as the room exists and pay only where nothing hides them.
 
 On CPU ranks the same calls run (the "GPU copy" is a second host tensor), so the CPU test suite covers the
 bookkeeping; the speed only shows on a GPU (`bench.host_link`).
@@ -33,6 +36,7 @@ __all__ = ["ParkableWeights", "pack_pinned", "pinned_buffer"]
 log = logging.getLogger("ltx_mgpu.runners.host_tier")
 
 _ALIGN = 256  #: byte alignment of every parameter in the mirror and in the device buffer
+PIECE_BYTES = 1 << 30  #: the largest device allocation `ParkableWeights.unpark` makes (unless one parameter is larger)
 
 
 def _pin_ok(device: torch.device) -> bool:
@@ -84,6 +88,19 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _pieces(layout: Sequence[tuple[int, int]], total: int, limit: int) -> list[tuple[int, int]]:
+    """Mirror byte ranges [start, end) that split `layout` (offset, bytes per parameter, in order) between
+    parameters, each at most `limit` bytes unless a single parameter is larger."""
+    pieces: list[tuple[int, int]] = []
+    begin = 0
+    for start, size in layout:
+        if start > begin and start + _aligned(size) - begin > limit:
+            pieces.append((begin, start))
+            begin = start
+    pieces.append((begin, total))
+    return pieces
+
+
 def pack_pinned(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host copies of `tensors` as views of one `pinned_buffer` (each at a 256-byte boundary)."""
     offsets, total = [], 0
@@ -118,6 +135,7 @@ class ParkableWeights:
             self._layout.append((offset, p.numel() * p.element_size()))
             offset += _aligned(p.numel() * p.element_size())
         self.nbytes = offset
+        self._pieces = _pieces(self._layout, offset, PIECE_BYTES)
         self._mirror = pinned_buffer(offset, self.device)
         for p, (start, size) in zip(self._params, self._layout, strict=True):
             self._mirror[start : start + size].copy_(p.detach().reshape(-1).view(torch.uint8))
@@ -126,11 +144,15 @@ class ParkableWeights:
         self._stream: torch.cuda.Stream | None = None
         self.stats = {"parks": 0, "unparks": 0}
 
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        return [
-            buffer[start : start + size].view(p.dtype).view(p.shape)
-            for p, (start, size) in zip(self._params, self._layout, strict=True)
-        ]
+    def _views(self, buffers: Sequence[torch.Tensor], bases: Sequence[int] = (0,)) -> list[torch.Tensor]:
+        """Each parameter's view of whichever buffer holds it (`buffers[i]` starts at mirror byte `bases[i]`)."""
+        views, piece = [], 0
+        for p, (start, size) in zip(self._params, self._layout, strict=True):
+            while piece + 1 < len(bases) and start >= bases[piece + 1]:
+                piece += 1
+            begin = start - bases[piece]
+            views.append(buffers[piece][begin : begin + size].view(p.dtype).view(p.shape))
+        return views
 
     def park(self) -> None:
         """Drop the GPU copy: the parameters point at the pinned mirror until `unpark()`. Idempotent."""
@@ -139,29 +161,34 @@ class ParkableWeights:
         self.ensure()  # (a copy still in flight targets the memory being dropped)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the last use of the GPU copy has finished
-        for p, view in zip(self._params, self._views(self._mirror), strict=True):
+        for p, view in zip(self._params, self._views([self._mirror]), strict=True):
             p.data = view
         self.parked = True
         self.stats["parks"] += 1
 
     def unpark(self) -> None:
-        """Copy the mirror back to the GPU in one transfer (a side stream on CUDA; `ensure()` orders the next
-        use after it). Idempotent."""
+        """Copy the mirror back to the GPU, piece by piece (a side stream on CUDA; `ensure()` orders the next use
+        after it). Idempotent. Out of memory part-way: the pieces already allocated are dropped, the weights stay
+        parked and the error is raised, so a caller may retry once there is room."""
         if not self.parked:
             return
-        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        buffers = [torch.empty(end - start, dtype=torch.uint8, device=self.device) for start, end in self._pieces]
+        bases = [start for start, _ in self._pieces]
         if self.device.type == "cuda":
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # (the buffer's memory is free there)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # (the buffers' memory is free there)
             with torch.cuda.stream(self._stream):
-                buffer.copy_(self._mirror, non_blocking=True)
+                for buffer, (start, end) in zip(buffers, self._pieces, strict=True):
+                    buffer.copy_(self._mirror[start:end], non_blocking=True)
                 self._ready = torch.cuda.Event()
                 self._ready.record(self._stream)
-            buffer.record_stream(self._stream)
+            for buffer in buffers:
+                buffer.record_stream(self._stream)
         else:
-            buffer.copy_(self._mirror)
-        for p, view in zip(self._params, self._views(buffer), strict=True):
+            for buffer, (start, end) in zip(buffers, self._pieces, strict=True):
+                buffer.copy_(self._mirror[start:end])
+        for p, view in zip(self._params, self._views(buffers, bases), strict=True):
             p.data = view
         self.parked = False
         self.stats["unparks"] += 1
@@ -173,4 +200,10 @@ class ParkableWeights:
             self._ready = None
 
     def describe(self) -> dict[str, Any]:
-        return {"bytes": self.nbytes, "parked": self.parked, "pinned": self._mirror.is_pinned(), **self.stats}
+        return {
+            "bytes": self.nbytes,
+            "pieces": len(self._pieces),
+            "parked": self.parked,
+            "pinned": self._mirror.is_pinned(),
+            **self.stats,
+        }
