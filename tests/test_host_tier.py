@@ -93,6 +93,7 @@ def test_a_copy_back_that_finds_no_room_leaves_the_encoder_parked_for_the_next_e
     runner = types.SimpleNamespace(
         park_this_job=True,
         parkable_text=parkable,
+        device=torch.device("cpu"),
         clock=types.SimpleNamespace(stage=lambda name: contextlib.nullcontext()),
         _drop_graphs=lambda: dropped.append(True),
     )
@@ -106,6 +107,7 @@ def test_a_copy_back_that_finds_no_room_leaves_the_encoder_parked_for_the_next_e
         Ltx2Resident._unpark_text(runner)  # no exception: the job's video is made
     assert dropped == [True] and parkable.parked
     assert "stays parked until the next encode" in caplog.text
+    assert "what holds the device: cpu: no device memory report off CUDA" in caplog.text
     monkeypatch.setattr(host_tier.ParkableWeights, "unpark", real_unpark)
     Ltx2Resident._text_ready(runner)
     assert not parkable.parked

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...control.memory_report import live_memory_report
 from ...control.runner import MGPURunner
 from ...parallel import CudaGraphForward, LayerDims, LayoutPolicy
 from ...parallel.lora.lora_tracker import LoraSpec, LoraWeightTracker
@@ -317,8 +318,9 @@ class Ltx2Resident(MGPURunner):
                 except torch.OutOfMemoryError as exc:  # the video is made: the next encode copies it back
                     log.warning(
                         "the text encoder stays parked until the next encode (its copy back found no room "
-                        "while this job's tensors were alive): %s",
+                        "while this job's tensors were alive): %s; what holds the device: %s",
                         str(exc).splitlines()[0][:300],
+                        live_memory_report(self.device),
                     )
 
     def _restore_clean_early(self) -> None:
