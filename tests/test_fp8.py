@@ -246,6 +246,30 @@ def test_attention_projections_share_one_quantization_per_input(tiny, monkeypatc
         assert torch.equal(fp8_gemm(q, s, down.weight, down.weight_scale, down.bias, h.dtype).view(1, 50, -1), hidden)
 
 
+def test_no_quantized_input_outlives_its_attention(tiny):
+    """A share's entries live from an attention's first input projection to its output projection, which must
+    not file its own input there: an entry left behind outlives the forward, one per attention of every
+    block (on the 19B model at 63,240 tokens about 27 GiB, which an H100 job ran out of memory on)."""
+    model = _build(str(tiny.checkpoint), "fp8-mm")
+    block = model.transformer_blocks[1]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 50, 192, generator=gen).to(torch.bfloat16)
+    ctx = torch.randn(1, 7, 192, generator=gen).to(torch.bfloat16)
+    audio = torch.randn(1, 13, 96, generator=gen).to(torch.bfloat16)
+    shares = {id(m.share): m.share for m in model.modules() if isinstance(m, Fp8Linear) and m.share is not None}
+    called = [block.attn1, block.attn2, block.audio_attn1, block.audio_to_video_attn, block.video_to_audio_attn]
+    assert len(shares) >= len(called)
+    with torch.inference_mode():
+        block.attn1(x)
+        block.attn2(x, context=ctx)
+        block.audio_attn1(audio)
+        block.audio_to_video_attn(x, context=audio)
+        block.video_to_audio_attn(audio, context=x)
+    held = {n: len(m.to_q.share._entries) for n, m in block.named_children() if m in called}
+    assert held == dict.fromkeys(held, 0) and len(held) == len(called)
+    assert all(not share._entries for share in shares.values())
+
+
 def test_lora_fuses_into_fp8_weights_and_reset_restores_their_bytes(tiny, tmp_path):
     from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP
 
