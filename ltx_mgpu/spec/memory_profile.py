@@ -38,7 +38,9 @@ MAX_CAPTURE_TOKEN_ROWS = 16384
 #: token-rows) and 1536x1024x241's stage 1 (11,904), where 768x512x121 alone had added 3.9 GiB over the resident
 #: set: the bound charges all of it to the largest capture (9.38 GiB / 11,904). A forward's activations: 15.4 GiB
 #: live mid-forward at 47,616 tokens of stage 2 (the allocation that failed included), 2.6x the bf16 figure (the
-#: quantized copies and scales beside the bf16 tensors). Upper bounds to refit from `bench.plan_check` per stage.
+#: quantized copies and scales beside the bf16 tensors). Upper bounds to refit from `bench.plan_check` per stage:
+#: both reports included a leak fixed since (each attention's output projection kept its quantized input, ~10 KB
+#: per video token and converted block; docs/memory.md "The fp8 figures were fitted to a leak").
 FP8_GRAPH_POOL_BYTES = 9.38 * (1 << 30) / 11904
 FP8_TOKEN_BYTES = 15.4 * (1 << 30) / 47616
 #: Workspaces, caches and the pools' fixed part, every rank: refitted with `decode_bytes` (116) once the pools
