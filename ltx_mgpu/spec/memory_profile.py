@@ -33,16 +33,15 @@ GRAPH_POOL_BYTES = 4.91 * (1 << 30) / (2 * 11904 + 47616)
 #: rank and 1.2% at 9,216), while its private pool would hold a whole forward's intermediates for the rest of the
 #: fleet's life. The runners give the same bound to their `CudaGraphForward` (`max_capture_rows`).
 MAX_CAPTURE_TOKEN_ROWS = 16384
-#: `quantization="fp8-*"`: bounds from one H100 80GB (fp8-mm+attn, distilled; plan-check, commit bf56265) where the
-#: plan admitted sizes that then ran out of memory. Private pools: 9.38 GiB held after 768x512x121 (1,536 + 6,144
-#: token-rows) and 1536x1024x241's stage 1 (11,904), where 768x512x121 alone had added 3.9 GiB over the resident
-#: set: the bound charges all of it to the largest capture (9.38 GiB / 11,904). A forward's activations: 15.4 GiB
-#: live mid-forward at 47,616 tokens of stage 2 (the allocation that failed included), 2.6x the bf16 figure (the
-#: quantized copies and scales beside the bf16 tensors). Upper bounds to refit from `bench.plan_check` per stage:
-#: both reports included a leak fixed since (each attention's output projection kept its quantized input, ~10 KB
-#: per video token and converted block; docs/memory.md "The fp8 figures were fitted to a leak").
-FP8_GRAPH_POOL_BYTES = 9.38 * (1 << 30) / 11904
-FP8_TOKEN_BYTES = 15.4 * (1 << 30) / 47616
+#: `quantization="fp8-*"`, measured on one H100 80GB (fp8-mm+attn, distilled, `bench.plan_check`, 2026-12-07, tree
+#: `2e982ab`, after the fix of the output projections' leak that the earlier bounds had been fitted to: docs/memory.md
+#: "The fp8 figures were fitted to a leak"). A stage-2 forward run eager allocated 8.39 GiB over the stage before at
+#: 47,616 tokens and 11.13 GiB at 63,240 (184.8 / 184.5 KiB a token: linear); stage 1's private pool, the reserved
+#: memory over the allocated once its capture was done (the upsample stage), 2.52 GiB at 11,904 token-rows and 3.25
+#: at 15,810 (222 / 215 KiB a row). Each figure is the larger of its two, plus 4% for what repeated runs of the same
+#: size differ by on these cards (the bf16 reserved peaks of one size across runs: 68.5 / 69.9 GiB, 2%).
+FP8_GRAPH_POOL_BYTES = 1.04 * 2.52 * (1 << 30) / 11904
+FP8_TOKEN_BYTES = 1.04 * 8.39 * (1 << 30) / 47616
 #: Workspaces, caches and the pools' fixed part, every rank: refitted with `decode_bytes` (116) once the pools
 #: and the SP buffers (none on one GPU) were counted apart, to the distilled 71 / 90 GiB allocator peaks at
 #: 768x512x121 / 1536x1024x121 (tests/test_memplan.py; two-stage 114 and 139.2 follow within 0.4 GiB).
