@@ -174,3 +174,45 @@ def test_a_copy_back_that_runs_out_part_way_leaves_the_weights_parked(monkeypatc
     assert parkable.parked and [p.data_ptr() for p in module.parameters()] == mirrored
     parkable.unpark()
     assert not parkable.parked and parkable.stats == {"parks": 1, "unparks": 1}
+
+
+class _Stack(torch.nn.Module):
+    """An embedding, a stack of layers and a norm: the shape of a decoder, small."""
+
+    def __init__(self, layers: int = 5) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h)) + h
+        return self.norm(h)
+
+
+def test_streamed_layers_visit_one_ahead_and_leave_after_their_use():
+    """Every forward copies each layer in once, at most two at a time (the one running and the next), and parks
+    each after its use; the output is the unstreamed module's, exactly (the same bytes, the same kernels)."""
+    torch.manual_seed(5)
+    module = _Stack()
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.inference_mode():
+        expected = module(ids)
+    assert host_tier.largest_layer_list(module) is module.layers
+    streamed = host_tier.StreamedLayers(module.layers, torch.device("cpu"))
+    assert streamed.describe()["on_device"] == 0  # parked from the start
+    in_flight = []
+    probes = [
+        layer.register_forward_pre_hook(lambda *_: in_flight.append(streamed.describe()["on_device"]))
+        for layer in module.layers
+    ]
+    with torch.inference_mode():
+        for forward in (1, 2):
+            assert torch.equal(module(ids), expected)
+            assert streamed.stats == {"forwards": forward, "copies": 5 * forward}
+            assert streamed.describe()["on_device"] == 0
+    assert in_flight == [2, 2, 2, 2, 1] * 2  # (seen as each layer starts: the last has no next one to copy)
+    for probe in probes:
+        probe.remove()

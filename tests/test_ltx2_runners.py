@@ -202,6 +202,21 @@ def test_audio_false_is_a_silent_file_without_the_audio_stage(distilled_fleet, t
 
 
 # ---- one process ------------------------------------------------------------------------------------------
+def test_a_streamed_text_encoder_renders_the_same_video(tiny, tmp_path):
+    """The `stream` placement changes where Gemma's layers live, not a number: the same frames as the resident
+    encoder (one process, the same seed), and every job's encode streams each layer in once."""
+    videos = {}
+    for tier in ("gpu", "stream"):
+        with LocalRunner(Ltx2DistilledRunner) as local:
+            local.start(**distilled_setup(tiny, placement={"text_encoder": tier}))
+            videos[tier], _, _ = render(_LocalCtl(local), tmp_path / f"{tier}.mp4", seed=4)
+            streamed = local.runner.text.encoder.streamed
+            assert (streamed is not None) == (tier == "stream")
+            if streamed is not None:
+                assert streamed.stats["forwards"] == 1 and streamed.describe()["on_device"] == 0
+    assert torch.equal(videos["gpu"], videos["stream"])
+
+
 def test_two_stage_single_process_with_fp8_quantization(tiny, tmp_path, caplog):
     with LocalRunner(Ltx2TwoStageRunner) as local:
         with caplog.at_level(logging.WARNING, logger="ltx_mgpu.runners"):

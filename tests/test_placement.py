@@ -67,7 +67,7 @@ def test_host_memory_limits_the_placement():
 
 
 def test_a_fleet_that_fits_no_placement_is_refused_in_one_line_that_says_what_would_fit():
-    small_card = pl.Card("a-64gb-card", 60.0, 25.0, "test")
+    small_card = pl.Card("a-48gb-card", 48.0, 25.0, "test")  # (60 GiB now fits: the text encoder streamed)
     two_stage = fleet("two-stage", stage1_guidance=CFG)
     best, judged = pl.choose(two_stage, small_card, host_gib=200)
     assert best is None
@@ -76,8 +76,29 @@ def test_a_fleet_that_fits_no_placement_is_refused_in_one_line_that_says_what_wo
         "2 GPUs per group": pl.choose(replace(two_stage, world_size=2), small_card, host_gib=200)[0],
     }
     line = pl.refusal(two_stage, small_card, judged, alternatives)
-    assert "\n" not in line and "cannot hold its resident set" in line and "a-64gb-card" in line
+    assert "\n" not in line and "cannot hold its resident set" in line and "a-48gb-card" in line
     assert "would fit:" in line
+
+
+def test_a_card_too_small_for_gemma_beside_the_transformer_streams_the_text_encoder():
+    """A 40 GiB card (a 48 GB one's room, the issue's stretch) cannot hold the fp8 distilled fleet with Gemma on
+    the GPU even for the encode (20.4 + 22.7 + the rest): the plan streams Gemma's layers (3.5 GiB stays) and
+    charges every job their copy; where Gemma fits resident or parked, as on an H100, streaming is never chosen
+    (it costs every job, parking costs nothing until a job needs the room)."""
+    small = pl.Card("a-40gib-card", 40.0, 25.0, "test")
+    fp8 = fleet("distilled", quantization="fp8-mm+attn")
+    best, judged = pl.choose(fp8, small, host_gib=100)
+    assert best is not None and best.placement["text_encoder"] == "stream"
+    profile = mp.PROFILES[fp8.profile]
+    assert best.plan.resident_gib[0]["text_encoder"] == profile.text_encoder_streamed_gib
+    assert best.seconds == pytest.approx(profile.text_encoder_layers_gib * 2**30 / (25.0 * 1e9), rel=1e-3)
+    assert pl.host_parts(best.fleet)["text_encoder"] == profile.text_encoder_layers_gib
+    assert not any(c.problem is None for c in judged if c.placement["text_encoder"] != "stream")
+    assert best.plan.park_text_encoder is False and "unpark" not in [s.stage for s in best.plan.stages]
+    for card in (H100, H200):
+        chosen, _ = pl.choose(fp8, card, host_gib=100)
+        assert chosen is not None and chosen.placement["text_encoder"] != "stream", card
+    assert fleet("distilled", placement={"text_encoder": "stream"}).text_encoder_at == "stream"
 
 
 def test_the_runner_setup_placement_reaches_the_plan_and_is_checked():

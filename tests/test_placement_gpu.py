@@ -51,6 +51,40 @@ def test_a_parked_module_frees_its_memory_and_returns_byte_for_byte(monkeypatch)
     assert parkable.describe()["pieces"] == 4
 
 
+@torch.inference_mode()
+def test_a_streamed_layer_stack_holds_two_layers_and_computes_what_the_resident_one_does():
+    """`StreamedLayers` on a GPU: the output equals the resident stack's bit for bit, and the device holds two
+    layers' weights (the running one and the next in flight), three at most while a parked layer's memory waits
+    for its copy stream, never the stack: 12 layers of 8 MiB, bounded by 3 layers plus 4 MiB of activations."""
+    from ltx_mgpu.runners.common.host_tier import StreamedLayers
+
+    torch.manual_seed(1)
+    layers = torch.nn.ModuleList(torch.nn.Linear(2048, 2048, dtype=torch.bfloat16) for _ in range(12))
+    x = torch.randn(64, 2048, dtype=torch.bfloat16, device=CUDA)
+
+    def run() -> torch.Tensor:
+        h = x
+        for layer in layers:
+            h = torch.tanh(layer(h)) + h
+        return h
+
+    layers.to(CUDA)
+    expected = run()
+    layers.to("cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(CUDA)
+    streamed = StreamedLayers(layers, CUDA)
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    for _ in range(2):
+        assert torch.equal(run(), expected)
+    torch.cuda.synchronize()
+    layer_bytes = streamed.largest_layer_bytes
+    assert torch.cuda.max_memory_allocated(CUDA) - base <= 3 * layer_bytes + (4 << 20)
+    assert streamed.describe()["on_device"] == 0 and streamed.describe()["pinned"]
+    assert streamed.stats == {"forwards": 2, "copies": 24}
+
+
 def _lora_file(path, model: torch.nn.Module, rank: int = 8) -> str:
     from safetensors.torch import save_file
 

@@ -56,6 +56,24 @@ def test_local_encoder_shapes_and_determinism(tiny):
     assert enc.enhance("a cat", seed=1) == enc.enhance("a cat", seed=1)
 
 
+def test_a_streamed_encoder_gives_the_resident_ones_embeddings(tiny, reference):
+    """The `stream` placement: Gemma loads on the host, its layer stack visits the device layer by layer (on
+    CPU ranks a second host copy: the bookkeeping), the rest moves to the device; the embeddings are the
+    resident encoder's, exactly, and every encode copies each layer once."""
+    from ltx_mgpu.runners.ltx2.text import build_gemma_prompt_encoder
+
+    enc = build_gemma_prompt_encoder(
+        tiny.gemma_root, str(tiny.checkpoint), device="cpu", dtype=torch.float32, max_tokens=TOKENS,
+        enhance_max_new_tokens=8, stream=True,
+    )  # fmt: skip
+    layers = enc.streamed.describe()["layers"]
+    assert layers >= 2 and enc.streamed.describe()["on_device"] == 0
+    for first, second in zip(enc.encode(PROMPTS), reference, strict=True):
+        for key in ("video", "audio", "mask"):
+            assert torch.equal(first[key], second[key]), key
+    assert enc.streamed.stats == {"forwards": 1, "copies": layers}
+
+
 def _rank_source(ctx, tiny, fail):
     import torch.distributed as dist
 

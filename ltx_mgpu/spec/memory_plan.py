@@ -130,7 +130,8 @@ class FleetMemory:
     lora_device_cache_gib: float = 0.0  #: setup `lora_device_cache_gib`: past request LoRAs' factors, per rank
     capacity_gib: float | None = None  #: what one device offers this fleet's rank; None: no limit
     headroom_gib: float = DEFAULT_HEADROOM_GIB
-    #: placement (`ltx_mgpu.spec.placement`): "gpu" resident, "park" a pinned host mirror, parked per job
+    #: placement (`ltx_mgpu.spec.placement`): "gpu" resident, "park" a pinned host mirror, parked per job,
+    #: "stream" its layers in pinned host memory, copied in one ahead of their use at every encode
     text_encoder_at: str = "gpu"
     lora_backup_at: str = "gpu"  #: "host": the tracker's clean copy in pinned host memory
     lora_factors_at: str = "gpu"  #: "host": the setup LoRAs' kept factors in pinned host memory
@@ -154,7 +155,7 @@ class FleetMemory:
         if self.text_encoder_rank is not None:
             _check_int("text_encoder_rank", self.text_encoder_rank, 0, self.world_size - 1)
         for name, allowed in (
-            ("text_encoder_at", ("gpu", "park")),
+            ("text_encoder_at", ("gpu", "park", "stream")),
             ("lora_backup_at", ("gpu", "host")),
             ("lora_factors_at", ("gpu", "host")),
         ):
@@ -328,7 +329,8 @@ def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]
         if rank == 0:
             parts.update(video_encoder=p.video_encoder_gib, upsampler=p.upsampler_gib, audio=p.audio_gib)
         if rank == fleet.gemma_rank or fleet.gemma_every_rank:
-            parts["text_encoder"] = p.text_encoder_gib
+            streamed = fleet.text_encoder_at == "stream" and p.text_encoder_streamed_gib
+            parts["text_encoder"] = p.text_encoder_streamed_gib if streamed else p.text_encoder_gib
         parts.update(lora_parts(fleet, p))  # (the worst rank's share, counted on every rank)
         if fleet.runner == "two-stage":
             parts["two_stage_extra"] = p.two_stage_extra_gib

@@ -74,6 +74,8 @@ class ModelProfile:
     frame_bytes: float  #: per pixel-frame of the driver's blended float32 video and uint8 frames
     cache_fraction: float  #: the allocator's cache above its allocated peak
     graph_pool_bytes: float = 0.0  #: CUDA-graph private pools per token-row of each captured forward (kept)
+    text_encoder_layers_gib: float = 0.0  #: its decoder layers: what the `stream` tier pins and copies per forward
+    text_encoder_streamed_gib: float = 0.0  #: what stays on the GPU with the `stream` tier (two layers included)
     fp8_token_bytes: float = 0.0  #: `token_bytes` with the fp8 recipe (0: the same as bf16)
     fp8_graph_pool_bytes: float = 0.0  #: `graph_pool_bytes` with the fp8 recipe (0: the same as bf16)
     audio_token_bytes: float = 64 * 1024.0  #: per audio latent x row of a forward (2048 wide: every rank holds all)
@@ -90,6 +92,11 @@ LTX2_19B = ModelProfile(
     name="ltx2-19b",
     transformer_gib=35.5,  # ~19.06 B parameters x 2 bytes
     text_encoder_gib=22.7,  # Gemma 3 12B, ~12.2 B x 2
+    # its 48 decoder layers 224.2 M parameters each (q 3840x4096, k and v 3840x2048, o 4096x3840, the gated MLP
+    # 3 x 3840x15360): 20.05 GiB in bf16; streamed, the embeddings (262,208 x 3,840: 1.88 GiB), the vision tower
+    # (~0.4 B: 0.75 GiB) and two layers (0.84 GiB) stay (derived from the shapes, not measured)
+    text_encoder_layers_gib=20.05,
+    text_encoder_streamed_gib=3.5,
     video_decoder_gib=0.8,
     video_encoder_gib=0.6,
     upsampler_gib=1.0,

@@ -4,9 +4,12 @@
 A fleet keeps what every denoising step reads on the GPU (the transformer, the VAE decoder). Three parts are
 read once per job or less, and may live in pinned host memory instead, copied to the GPU when a job needs them:
 
-- `text_encoder` (Gemma, on its rank): `gpu` or `park`. A parked encoder keeps a pinned host mirror beside its
-  GPU copy; a job whose plan needs the room drops the GPU copy after its encode and copies it back after its
-  decode (its bytes over the host link, per parked job). A job that fits with it resident pays nothing.
+- `text_encoder` (Gemma, on its rank): `gpu`, `park` or `stream`. A parked encoder keeps a pinned host mirror
+  beside its GPU copy; a job whose plan needs the room drops the GPU copy after its encode and copies it back
+  after its decode (its bytes over the host link, per parked job). A job that fits with it resident pays
+  nothing. A streamed encoder keeps only its embeddings and two layers on the GPU: every encode copies its
+  layers in one ahead of their use (their bytes over the host link, every job), for cards too small to hold
+  Gemma beside the transformer even for the encode.
 - `lora_backup` (the LoRA tracker's clean copy): `gpu` or `host`. Restored from the host on every swap back to
   clean weights: once per two-stage job, beside the video decode on one GPU.
 - `lora_factors` (the setup LoRAs' kept factors, the two-stage distilled LoRA): `gpu` or `host`. Copied to the
@@ -55,7 +58,7 @@ GB = 1e9
 GIB = float(1 << 30)
 #: component -> its tiers, the first the all-GPU default (`FleetMemory` field: `<component>_at`)
 TIERS: dict[str, tuple[str, ...]] = {
-    "text_encoder": ("gpu", "park"),
+    "text_encoder": ("gpu", "park", "stream"),
     "lora_backup": ("gpu", "host"),
     "lora_factors": ("gpu", "host"),
 }
@@ -111,6 +114,7 @@ def _gpu_parts(fleet: FleetMemory) -> dict[str, float]:
     parts = lora_parts(replace(fleet, lora_backup_at="gpu", lora_factors_at="gpu"), p)
     out = {"lora_backup": parts.get("lora_backup", 0.0), "lora_factors": parts.get("lora_factors", 0.0)}
     out["text_encoder"] = p.text_encoder_gib
+    out["text_encoder_layers"] = p.text_encoder_layers_gib or p.text_encoder_gib
     return out
 
 
@@ -119,8 +123,9 @@ def host_parts(fleet: FleetMemory) -> dict[str, float]:
     per_rank = _gpu_parts(fleet)
     world = fleet.world_size
     out: dict[str, float] = {}
-    if fleet.text_encoder_at == "park":
-        out["text_encoder"] = per_rank["text_encoder"] * (world if fleet.gemma_every_rank else 1)
+    if fleet.text_encoder_at in ("park", "stream"):
+        key = "text_encoder" if fleet.text_encoder_at == "park" else "text_encoder_layers"
+        out["text_encoder"] = per_rank[key] * (world if fleet.gemma_every_rank else 1)
     if fleet.has_tracker and fleet.lora_backup_at == "host":
         out["lora_backup"] = per_rank["lora_backup"] * world  # (the worst rank's share: an upper bound)
     if fleet.has_tracker and fleet.lora_factors_at == "host" and per_rank["lora_factors"]:
@@ -130,7 +135,8 @@ def host_parts(fleet: FleetMemory) -> dict[str, float]:
 
 def seconds_per_job(fleet: FleetMemory, card: Card, plan: MemoryPlan | None = None) -> float:
     """Host-link seconds a job spends on the placement: the clean copy and the setup LoRAs' factors once per
-    two-stage job (its two swaps), the text encoder when `plan` parks it."""
+    two-stage job (its two swaps), the text encoder when `plan` parks it, its layers at every encode when it
+    is streamed."""
     per_rank = _gpu_parts(fleet)
     gib = 0.0
     swaps = fleet.runner == "two-stage" and fleet.has_tracker
@@ -140,6 +146,8 @@ def seconds_per_job(fleet: FleetMemory, card: Card, plan: MemoryPlan | None = No
         gib += per_rank["lora_factors"]
     if plan is not None and plan.park_text_encoder:
         gib += per_rank["text_encoder"]
+    if fleet.text_encoder_at == "stream":
+        gib += per_rank["text_encoder_layers"]
     return gib * GIB / (card.h2d_gbps * GB)
 
 

@@ -230,6 +230,7 @@ class Ltx2Resident(MGPURunner):
             dtype=self.dtype,
             max_tokens=int(prompt_tokens),
             enhance_max_new_tokens=int(enhance_max_new_tokens),
+            stream=self.placement["text_encoder"] == "stream",
         )
         self.parkable_text = None  # this rank's Gemma with a pinned mirror (`placement["text_encoder"] == "park"`)
         local = getattr(self.text, "encoder", None)

@@ -281,8 +281,11 @@ class GemmaPromptEncoder:
         *,
         enhance_max_new_tokens: int = 512,
         fingerprint: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.text_encoder = text_encoder
+        self.device = device  #: where the inputs go (None: Gemma's first parameter's device)
+        self.streamed: Any = None  #: the `StreamedLayers` of a `stream`-placed encoder
         self.embeddings_processor = embeddings_processor
         self.enhance_max_new_tokens = int(enhance_max_new_tokens)
         self._fingerprint = fingerprint or f"object-{id(self)}"
@@ -301,7 +304,7 @@ class GemmaPromptEncoder:
         if not prompts:
             return []
         te = self.text_encoder
-        device = te.model.device
+        device = self.device or te.model.device
         pairs = [te.tokenizer.tokenize_with_weights(p)["gemma"] for p in prompts]
         input_ids = torch.tensor([[t[0] for t in row] for row in pairs], device=device)
         attention_mask = torch.tensor([[t[1] for t in row] for row in pairs], device=device)
@@ -332,8 +335,8 @@ class GemmaPromptEncoder:
             {"role": "user", "content": f"user prompt: {prompt}"},
         ]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(te.model.device)
-        dev = te.model.device
+        dev = self.device or te.model.device
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(dev)
         with torch.inference_mode(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(int(seed))
             generated = te.model.generate(
@@ -356,11 +359,23 @@ def build_gemma_prompt_encoder(
     max_tokens: int = DEFAULT_PROMPT_TOKENS,
     enhance_max_new_tokens: int = 512,
     registry: Any = None,
+    stream: bool = False,
 ) -> GemmaPromptEncoder:
-    """Load Gemma and the embeddings processor on `device` (the real loaders, meta-checked)."""
+    """Load Gemma and the embeddings processor on `device` (the real loaders, meta-checked). `stream`: Gemma's
+    decoder layers stay in pinned host memory and visit `device` one ahead of their use (`StreamedLayers`, the
+    `stream` placement tier): Gemma loads into host memory and only the rest of it moves to `device`, so the
+    device never holds the whole encoder, not even while loading."""
     device = torch.device(device)
-    text_encoder = gemma_builder(gemma_root, max_tokens=max_tokens, registry=registry).build(device=device, dtype=dtype)
+    load_on = torch.device("cpu") if stream else device
+    builder = gemma_builder(gemma_root, max_tokens=max_tokens, registry=registry)
+    text_encoder = builder.build(device=load_on, dtype=dtype)
     text_encoder = check_materialized(text_encoder, f"Gemma at {gemma_root}")
+    if stream:
+        from ..common.host_tier import stream_module
+
+        streamed = stream_module(text_encoder.model, device)
+    else:
+        streamed = None
     processor = embeddings_processor_builder(checkpoint, registry=registry).build(device=device, dtype=dtype)
     processor = check_materialized(processor, f"embeddings processor in {checkpoint}")
     fingerprint = weights_fingerprint(
@@ -368,9 +383,11 @@ def build_gemma_prompt_encoder(
         dtype=str(dtype),
         max_tokens=int(max_tokens),
     )
-    return GemmaPromptEncoder(
-        text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens, fingerprint=fingerprint
+    encoder = GemmaPromptEncoder(
+        text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens, fingerprint=fingerprint, device=device
     )
+    encoder.streamed = streamed
+    return encoder
 
 
 def weights_fingerprint(files: Sequence[Path], **options: Any) -> str:
@@ -396,9 +413,11 @@ def build_prompt_encoder(
     dtype: torch.dtype,
     max_tokens: int,
     enhance_max_new_tokens: int,
+    stream: bool = False,
 ) -> Any:
     """The fleet's prompt encoder for `runner`: "source" (Gemma on `source_rank`, embeddings broadcast) or
     "batch-parallel" (Gemma on every rank, prompts split). Checks the options before loading anything.
+    `stream`: Gemma's layers streamed from pinned host memory (`build_gemma_prompt_encoder`).
 
     `source_rank` None: the last rank. The driver (rank 0) already holds the VAE encoder, the upsampler and
     the audio decoder and does the mux; Gemma (24 GB at real size) elsewhere balances both memory and the
@@ -420,6 +439,7 @@ def build_prompt_encoder(
             dtype=dtype,
             max_tokens=max_tokens,
             enhance_max_new_tokens=enhance_max_new_tokens,
+            stream=stream,
         )
 
     group = runner.groups.gemma_group
