@@ -204,7 +204,8 @@ def test_audio_false_is_a_silent_file_without_the_audio_stage(distilled_fleet, t
 # ---- one process ------------------------------------------------------------------------------------------
 def test_a_streamed_text_encoder_renders_the_same_video(tiny, tmp_path):
     """The `stream` placement changes where Gemma's layers live, not a number: the same frames as the resident
-    encoder (one process, the same seed), and every job's encode streams each layer in once."""
+    encoder (one process, the same seed), and every job's encode streams each layer in once; prompt enhancement,
+    a forward per generated token, is refused up front."""
     videos = {}
     for tier in ("gpu", "stream"):
         with LocalRunner(Ltx2DistilledRunner) as local:
@@ -214,6 +215,10 @@ def test_a_streamed_text_encoder_renders_the_same_video(tiny, tmp_path):
             assert (streamed is not None) == (tier == "stream")
             if streamed is not None:
                 assert streamed.stats["forwards"] == 1 and streamed.describe()["on_device"] == 0
+                # enhancement would stream every layer once per generated token: refused before any work
+                with pytest.raises(ValueError, match="enhance_prompt is not available on this fleet"):
+                    list(local.stream(output_path=str(tmp_path / "e.mp4"), **{**JOB, "enhance_prompt": True}))
+                assert streamed.stats["forwards"] == 1
     assert torch.equal(videos["gpu"], videos["stream"])
 
 

@@ -240,7 +240,8 @@ class StreamedLayers:
     stream while the previous layer computes; a forward hook parks layer i once the current stream has run it.
     At most two layers are on the GPU at once; the rest of the module (embeddings, norms) stays where it is.
     Every forward copies the whole stack once (Gemma 12B: 20.1 GiB, ~0.4 s at 50 GB/s): fine for one encode a
-    job; prompt enhancement (one forward per generated token) works but pays that per token.
+    job; prompt enhancement (one forward per generated token) would pay it per token, so the runners refuse it
+    on such a fleet.
 
     On CPU ranks the same hooks run (the "GPU copy" is a second host tensor): the bookkeeping is tested there.
     """
