@@ -17,7 +17,8 @@ naming the limit and the largest sizes that fit, at the edge and in the worker a
 Rules (`rules`, a `ltx_mgpu.spec.request_rules.RequestRules`): what the runner accepts besides ranges (size
 multiples and the largest frame, 8k+1 frames, the clip's duration, fields it refuses such as the distilled
 runner's negative prompt); the same object the runner checks on every rank, so a request it would refuse is
-refused at submit, in one line.
+refused at submit, in one line. A fleet whose text encoder streams from host memory (`memory.text_encoder_at`,
+its placement) refuses `enhance_prompt`, here as on its ranks.
 
 Imports only pydantic, the schema and the stdlib-only plan and rules, so the producer can use it without torch.
 """
@@ -31,6 +32,7 @@ from typing import Any
 from ltx_contract.schema import RenderRequest
 from ltx_mgpu.spec import memory_plan
 from ltx_mgpu.spec.bounds import audio_latents
+from ltx_mgpu.spec.placement import STREAMED_ENHANCE_REFUSAL
 from ltx_mgpu.spec.request_rules import RequestRules
 
 __all__ = ["DERIVED", "LimitViolation", "MemoryViolation", "RuleViolation", "RunnerLimits"]
@@ -189,6 +191,8 @@ class RunnerLimits:
             if not low <= value <= high:
                 out.append(LimitViolation(field, value, low, high, self.runner))
         broken = self.rules.problems(request.model_dump()) if self.rules is not None else []
+        if request.enhance_prompt and self.memory is not None and self.memory.text_encoder_at == "stream":
+            broken.append(("enhance_prompt", f"{STREAMED_ENHANCE_REFUSAL} (runner {self.runner!r})"))
         out.extend(RuleViolation(field, 0.0, 0.0, 0.0, self.runner, text=text) for field, text in broken)
         if any(field == "size" for field, _ in broken):  # (the plan would only say the same again)
             return out

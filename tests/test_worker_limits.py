@@ -64,3 +64,22 @@ def test_limits_must_name_request_fields_and_bad_json_is_ignored() -> None:
     assert RunnerLimits.of("base", MGPURunner, {}).ranges == {}
     for junk in (None, {}, {"runner": "x"}, {"runner": "x", "ranges": {"steps": [1]}}, "text"):
         assert RunnerLimits.from_json(junk) is None
+
+
+def test_a_streaming_fleet_refuses_prompt_enhancement_at_the_edge() -> None:
+    """A fleet whose text encoder streams from host memory (its published placement) refuses `enhance_prompt`
+    in one line, the same words its ranks use; the other placements and requests without it pass."""
+    from ltx_contract.schema import RenderRequest
+    from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner
+    from ltx_mgpu.spec.placement import STREAMED_ENHANCE_REFUSAL
+
+    request = {"prompt": "a cat", "width": 768, "height": 512, "num_frames": 121}
+    for tier in ("gpu", "park", "stream"):
+        limits = RunnerLimits.of("d", Ltx2DistilledRunner, {"placement": {"text_encoder": tier}})
+        limits = RunnerLimits.from_json(limits.to_json())  # (as the producer reads it from the worker's snapshot)
+        assert limits is not None and limits.memory is not None and limits.memory.text_encoder_at == tier
+        plain = limits.violations(RenderRequest.model_validate(request))
+        enhanced = limits.violations(RenderRequest.model_validate({**request, "enhance_prompt": True}))
+        assert plain == [] and [v.field for v in enhanced] == (["enhance_prompt"] if tier == "stream" else [])
+        if enhanced:
+            assert enhanced[0].message().startswith(STREAMED_ENHANCE_REFUSAL) and "\n" not in enhanced[0].message()

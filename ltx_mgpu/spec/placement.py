@@ -42,6 +42,7 @@ __all__ = [
     "CARDS",
     "CONTEXT_GIB",
     "DESIGN_SIZE",
+    "STREAMED_ENHANCE_REFUSAL",
     "TIERS",
     "Card",
     "Choice",
@@ -65,6 +66,13 @@ TIERS: dict[str, tuple[str, ...]] = {
 #: what the CUDA context, cuBLAS/NCCL workspaces and the driver take from a card's total before a rank's
 #: allocator sees it, where the card is not in `CARDS` (H100 80GB: 79.2 GiB total, 76.9 offered)
 CONTEXT_GIB = 2.3
+#: Why a fleet whose text encoder streams refuses prompt enhancement (the runners on every rank, and the contract's
+#: limits at the edge): each generated token is a forward over every layer, so the stack would cross the host
+#: link once per token (Gemma 12B: 20 GiB, ~0.4 s a token).
+STREAMED_ENHANCE_REFUSAL = (
+    "enhance_prompt is not available on this fleet: its text encoder streams its layers from host memory "
+    "(placement 'stream', a card too small to hold it), which would copy them once per generated token"
+)
 #: the size a fleet is placed for when it has no warm-up requests: the default request (768x512, 5 s)
 DESIGN_SIZE = (768, 512, 121)
 

@@ -41,6 +41,7 @@ from ...parallel.pipeline.vae_decode import frames_to_uint8, vae_tiles
 from ...parallel.sharding.collectives import broadcast_tensor
 from ...spec.bounds import check_audio_budget
 from ...spec.memory_plan import FleetMemory
+from ...spec.placement import STREAMED_ENHANCE_REFUSAL
 from ...spec.request_rules import RequestRules
 from ..common.args import MEDIA_MODES, RenderArgs, job_entry
 from ..common.handoff import FrameStream, deliver_video, stream_video
@@ -198,12 +199,8 @@ class Ltx2Runner(Ltx2Resident):
         steps = self._job_steps(args)
         images = parse_images(args.images, geo.num_frames)
         self._validate(geo, steps, args.output_path)
-        if args.enhance_prompt and self.placement["text_encoder"] == "stream":
-            # (every generated token is a forward over every layer: the whole stack over the host link per token)
-            raise ValueError(
-                "enhance_prompt is not available on this fleet: its text encoder streams its layers from host memory "
-                "(placement 'stream', a card too small to hold it), which would copy them once per generated token"
-            )
+        if args.enhance_prompt and self.placement["text_encoder"] == "stream":  # (the edge refuses it too)
+            raise ValueError(STREAMED_ENHANCE_REFUSAL)
         t0 = time.perf_counter()
         loras = job_lora_specs(args.loras, self.lora_targets)  # (every rank, before any collective)
         checked = time.perf_counter() - t0
