@@ -329,7 +329,7 @@ def _resident(fleet: FleetMemory, p: ModelProfile) -> dict[int, dict[str, float]
         if rank == 0:
             parts.update(video_encoder=p.video_encoder_gib, upsampler=p.upsampler_gib, audio=p.audio_gib)
         if rank == fleet.gemma_rank or fleet.gemma_every_rank:
-            streamed = fleet.text_encoder_at == "stream" and p.text_encoder_streamed_gib
+            streamed = fleet.text_encoder_at == "stream" and p.text_encoder_streamed_gib > 0
             parts["text_encoder"] = p.text_encoder_streamed_gib if streamed else p.text_encoder_gib
         parts.update(lora_parts(fleet, p))  # (the worst rank's share, counted on every rank)
         if fleet.runner == "two-stage":

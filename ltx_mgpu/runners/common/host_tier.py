@@ -131,7 +131,7 @@ class ParkableWeights:
     Buffers stay where they are (rotary tables, scales: small). Not thread-safe; one rank's own module.
     """
 
-    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, module: torch.nn.Module, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.module = module
         self.device = torch.device(device)
         seen: dict[int, torch.nn.Parameter] = {}
@@ -150,7 +150,7 @@ class ParkableWeights:
             self._mirror[start : start + size].copy_(p.detach().reshape(-1).view(torch.uint8))
         self.parked = False
         self._ready: torch.cuda.Event | None = None
-        self._stream: torch.cuda.Stream | None = None
+        self._stream = stream  #: the copy-back stream (None: one of its own, made at the first copy back)
         self.stats = {"parks": 0, "unparks": 0}
 
     def _views(self, buffers: Sequence[torch.Tensor], bases: Sequence[int] = (0,)) -> list[torch.Tensor]:
@@ -238,7 +238,8 @@ class StreamedLayers:
     Each layer is a `ParkableWeights`, parked from the start. A forward pre-hook on layer i waits for its copy
     (started by layer i-1's hook, or now for the first) and starts layer i+1's, so the copies run on a side
     stream while the previous layer computes; a forward hook parks layer i once the current stream has run it.
-    At most two layers are on the GPU at once; the rest of the module (embeddings, norms) stays where it is.
+    At most two layers are on the GPU at once (a forward that fails part-way leaves those two, and the next
+    forward's hooks take them as they come); the rest of the module (embeddings, norms) stays where it is.
     Every forward copies the whole stack once (Gemma 12B: 20.1 GiB, ~0.4 s at 50 GB/s): fine for one encode a
     job; prompt enhancement (one forward per generated token) would pay it per token, so the runners refuse it
     on such a fleet.
@@ -249,18 +250,16 @@ class StreamedLayers:
     def __init__(self, layers: torch.nn.ModuleList, device: torch.device) -> None:
         self.layers = list(layers)
         self.device = torch.device(device)
-        self.units = [ParkableWeights(layer, self.device) for layer in self.layers]
-        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # (copies in layer order)
+        self.units = [ParkableWeights(layer, self.device, side) for layer in self.layers]
         for unit in self.units:
-            unit._stream = side  # (one copy stream for the stack: the copies run in layer order)
             unit.park()
         self.nbytes = sum(unit.nbytes for unit in self.units)
         self.largest_layer_bytes = max((unit.nbytes for unit in self.units), default=0)
         self.stats = {"forwards": 0, "copies": 0}
-        self._handles = []
-        for i, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._before(i)))
-            self._handles.append(layer.register_forward_hook(self._after(i)))
+        for i, layer in enumerate(self.layers):  # (for the module's life: nothing takes the stream off again)
+            layer.register_forward_pre_hook(self._before(i))
+            layer.register_forward_hook(self._after(i))
 
     def _before(self, i: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -284,11 +283,6 @@ class StreamedLayers:
             self.units[i].park()  # (waits for the current stream: this layer's kernels have run)
 
         return hook
-
-    def park_all(self) -> None:
-        """Every layer back to host memory (after a forward that failed part-way, say). Idempotent."""
-        for unit in self.units:
-            unit.park()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..common.fast_load import StagedSafetensorsLoader
+from ..common.host_tier import stream_module
 from ..common.loading import check_materialized
 
 __all__ = [
@@ -282,10 +283,11 @@ class GemmaPromptEncoder:
         enhance_max_new_tokens: int = 512,
         fingerprint: str | None = None,
         device: torch.device | None = None,
+        streamed: Any = None,
     ) -> None:
         self.text_encoder = text_encoder
         self.device = device  #: where the inputs go (None: Gemma's first parameter's device)
-        self.streamed: Any = None  #: the `StreamedLayers` of a `stream`-placed encoder
+        self.streamed = streamed  #: the `StreamedLayers` of a `stream`-placed encoder (None: resident)
         self.embeddings_processor = embeddings_processor
         self.enhance_max_new_tokens = int(enhance_max_new_tokens)
         self._fingerprint = fingerprint or f"object-{id(self)}"
@@ -370,12 +372,7 @@ def build_gemma_prompt_encoder(
     builder = gemma_builder(gemma_root, max_tokens=max_tokens, registry=registry)
     text_encoder = builder.build(device=load_on, dtype=dtype)
     text_encoder = check_materialized(text_encoder, f"Gemma at {gemma_root}")
-    if stream:
-        from ..common.host_tier import stream_module
-
-        streamed = stream_module(text_encoder.model, device)
-    else:
-        streamed = None
+    streamed = stream_module(text_encoder.model, device) if stream else None
     processor = embeddings_processor_builder(checkpoint, registry=registry).build(device=device, dtype=dtype)
     processor = check_materialized(processor, f"embeddings processor in {checkpoint}")
     fingerprint = weights_fingerprint(
@@ -383,11 +380,14 @@ def build_gemma_prompt_encoder(
         dtype=str(dtype),
         max_tokens=int(max_tokens),
     )
-    encoder = GemmaPromptEncoder(
-        text_encoder, processor, enhance_max_new_tokens=enhance_max_new_tokens, fingerprint=fingerprint, device=device
+    return GemmaPromptEncoder(
+        text_encoder,
+        processor,
+        enhance_max_new_tokens=enhance_max_new_tokens,
+        fingerprint=fingerprint,
+        device=device,
+        streamed=streamed,
     )
-    encoder.streamed = streamed
-    return encoder
 
 
 def weights_fingerprint(files: Sequence[Path], **options: Any) -> str:
