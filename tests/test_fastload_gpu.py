@@ -26,8 +26,8 @@ def test_tiny_transformer_and_gemma_equal_ltx_cores_load(tmp_path) -> None:
     from ltx_core.loader.sft_loader import SafetensorsModelStateDictLoader
 
     from ltx_mgpu.runners.ltx2.components import transformer_builder
+    from ltx_mgpu.runners.ltx2.gemma_loading import gemma_builder
     from ltx_mgpu.runners.ltx2.synthetic import write_checkpoints
-    from ltx_mgpu.runners.ltx2.text import gemma_builder
 
     files = write_checkpoints("tiny", tmp_path, components=("monolith", "gemma"))
     device = torch.device("cuda", 0)

@@ -216,3 +216,44 @@ def test_streamed_layers_visit_one_ahead_and_leave_after_their_use():
     assert in_flight == [2, 2, 2, 2, 1] * 2  # (seen as each layer starts: the last has no next one to copy)
     for probe in probes:
         probe.remove()
+
+
+class _TiedStack(_Stack):
+    """`_Stack` with an output head tied to its embeddings (as Gemma's is) and a part its forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+        self.unused = torch.nn.Linear(16, 16)
+
+
+def test_a_streamed_module_keeps_its_host_parts_on_the_host_and_runs_them_there():
+    """`stream_module(..., on_host=)`: the host parts' weights are never copied (on CPU ranks the device copy of
+    everything else is a second host tensor, as the stack's is: a new address tells a moved weight from a kept
+    one), a head tied to the embedding stays with it, the host parts run through their hooks, and the output is
+    the unstreamed module's, exactly. Which way each hook sends its tensors shows only on a GPU
+    (`test_placement_gpu.py`, the tiny Gemma streamed)."""
+    torch.manual_seed(6)
+    module = _TiedStack()
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.inference_mode():
+        expected = module(ids)
+    before = {name: p.data_ptr() for name, p in module.named_parameters()}
+    streamed = host_tier.stream_module(module, torch.device("cpu"), [module.embed, module.head, module.unused])
+    after = {name: p.data_ptr() for name, p in module.named_parameters()}
+    kept = {name for name in before if after[name] == before[name]}
+    assert kept == {"embed.weight", "unused.weight", "unused.bias"}  # (the head's weight is the embedding's)
+    assert module.head.weight is module.embed.weight
+    assert all(len(part._forward_pre_hooks) == 1 for part in (module.embed, module.head, module.unused))
+    assert streamed.describe()["layers"] == 5 and streamed.describe()["on_device"] == 0
+    with torch.inference_mode():
+        assert torch.equal(module(ids), expected)
+    assert streamed.stats == {"forwards": 1, "copies": 5}
+
+
+def test_a_weight_shared_with_a_host_part_must_stay_with_it():
+    """A tied weight cannot be on the host for one user and on the device for the other: refused, by name."""
+    module = _TiedStack()
+    with pytest.raises(ValueError, match="Linear shares a weight with a part kept on the host"):
+        host_tier.stream_module(module, torch.device("cpu"), [module.embed])

@@ -150,3 +150,34 @@ def test_two_stage_renders_the_same_frames_with_host_tiers_and_a_parked_text_enc
                 assert local.runner.parkable_text.stats == {"parks": 2, "unparks": 2}
     assert torch.equal(frames["gpu", 0], frames["gpu", 1])
     assert torch.equal(frames["host", 0], frames["gpu", 0]) and torch.equal(frames["host", 1], frames["gpu", 0])
+
+
+def test_a_streamed_tiny_gemma_encodes_what_the_resident_one_does_with_its_table_on_the_host():
+    """The `stream` tier's encoder on a GPU (the tiny real Gemma 3): its embeddings equal the resident encoder's
+    bit for bit; the token table (and the head tied to it) and the vision tower stay in host memory and the
+    embedding gathers there, from ids made on the device; the layers rest in pinned memory between encodes;
+    the norm and the embeddings processor are on the device."""
+    from ltx_mgpu.runners.ltx2.text import build_gemma_prompt_encoder
+    from ltx_mgpu.runners.ltx2.tiny import ensure_tiny_ltx2
+
+    tiny = ensure_tiny_ltx2()
+    prompts = ["a cat walks along the beach at sunset", "blurry, low quality"]
+
+    def encoder(stream: bool):
+        return build_gemma_prompt_encoder(
+            tiny.gemma_root, str(tiny.checkpoint), device=CUDA, dtype=torch.bfloat16, max_tokens=128, stream=stream
+        )
+
+    resident = encoder(False).encode(prompts)
+    streamed = encoder(True)
+    gemma = streamed.text_encoder.model
+    for first, second in zip(streamed.encode(prompts), resident, strict=True):
+        for key in ("video", "audio", "mask"):
+            assert first[key].device == second[key].device and torch.equal(first[key], second[key]), key
+    assert gemma.get_input_embeddings().weight.device.type == "cpu"
+    assert gemma.get_output_embeddings().weight is gemma.get_input_embeddings().weight
+    assert all(p.device.type == "cpu" for p in gemma.model.vision_tower.parameters())
+    assert gemma.model.language_model.norm.weight.device == CUDA
+    assert all(p.device == CUDA for p in streamed.embeddings_processor.parameters())
+    layers = streamed.streamed.describe()
+    assert layers["on_device"] == 0 and layers["pinned"] and layers["copies"] == layers["layers"]

@@ -60,7 +60,7 @@ def full_plans():
 def test_full_monolith_plan_is_what_every_loader_reads(full_plans, tmp_path):
     from ltx_mgpu.runners.common.audio import audio_decoder_builder, vocoder_builder
     from ltx_mgpu.runners.ltx2 import components as comp
-    from ltx_mgpu.runners.ltx2.text import embeddings_processor_builder
+    from ltx_mgpu.runners.ltx2.gemma_loading import embeddings_processor_builder
 
     plan = full_plans["ltx2.safetensors"]
     path = _header_only(tmp_path / "ltx2.safetensors", plan.metadata)
@@ -111,6 +111,7 @@ def test_full_upsampler_and_lora_plans(full_plans, tmp_path):
 def test_full_gemma_plan_tokenizer_and_config(full_plans, tmp_path):
     from transformers import PreTrainedTokenizerFast
 
+    from ltx_mgpu.runners.ltx2.gemma_loading import gemma_builder
     from ltx_mgpu.runners.ltx2.synthetic.gemma_files import (
         GEMMA_VOCAB_SIZE,
         build_tokenizer,
@@ -118,7 +119,6 @@ def test_full_gemma_plan_tokenizer_and_config(full_plans, tmp_path):
         write_side_files,
     )
     from ltx_mgpu.runners.ltx2.synthetic.profiles import full
-    from ltx_mgpu.runners.ltx2.text import gemma_builder
 
     root = tmp_path / "gemma"
     tok = build_tokenizer(full_vocab=True)

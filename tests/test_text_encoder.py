@@ -58,8 +58,9 @@ def test_local_encoder_shapes_and_determinism(tiny):
 
 def test_a_streamed_encoder_gives_the_resident_ones_embeddings(tiny, reference):
     """The `stream` placement: Gemma loads on the host, its layer stack visits the device layer by layer (on
-    CPU ranks a second host copy: the bookkeeping), the rest moves to the device; the embeddings are the
-    resident encoder's, exactly, and every encode copies each layer once."""
+    CPU ranks a second host copy: the bookkeeping), its token table and vision tower stay on the host and run
+    there, the rest moves to the device; the embeddings are the resident encoder's, exactly, and every encode
+    copies each layer once."""
     from ltx_mgpu.runners.ltx2.text import build_gemma_prompt_encoder
 
     enc = build_gemma_prompt_encoder(
@@ -68,6 +69,9 @@ def test_a_streamed_encoder_gives_the_resident_ones_embeddings(tiny, reference):
     )  # fmt: skip
     layers = enc.streamed.describe()["layers"]
     assert layers >= 2 and enc.streamed.describe()["on_device"] == 0
+    gemma = enc.text_encoder.model  # the token table (the head tied to it) and the vision tower run on the host
+    on_host = (gemma.get_input_embeddings(), gemma.get_output_embeddings(), gemma.model.vision_tower)
+    assert all(len(part._forward_pre_hooks) == 1 for part in on_host)
     for first, second in zip(enc.encode(PROMPTS), reference, strict=True):
         for key in ("video", "audio", "mask"):
             assert torch.equal(first[key], second[key]), key

@@ -93,10 +93,12 @@ LTX2_19B = ModelProfile(
     transformer_gib=35.5,  # ~19.06 B parameters x 2 bytes
     text_encoder_gib=22.7,  # Gemma 3 12B, ~12.2 B x 2
     # its 48 decoder layers 224.2 M parameters each (q 3840x4096, k and v 3840x2048, o 4096x3840, the gated MLP
-    # 3 x 3840x15360): 20.05 GiB in bf16; streamed, the embeddings (262,208 x 3,840: 1.88 GiB), the vision tower
-    # (~0.4 B: 0.75 GiB) and two layers (0.84 GiB) stay (derived from the shapes, not measured)
+    # 3 x 3840x15360): 20.05 GiB in bf16. Streamed, the token table (262,208 x 3,840: 1.88 GiB, the head tied to
+    # it) and the vision tower (~0.4 B: 0.75 GiB) stay in host memory (`text._host_parts`), and the card holds
+    # two layers, three while a parked one's block waits for its copy stream (0.42 GiB each), and the final
+    # norm (derived from the shapes, not measured; 3.5 GiB before the table and the tower left the card)
     text_encoder_layers_gib=20.05,
-    text_encoder_streamed_gib=3.5,
+    text_encoder_streamed_gib=1.3,
     video_decoder_gib=0.8,
     video_encoder_gib=0.6,
     upsampler_gib=1.0,

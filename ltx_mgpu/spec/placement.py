@@ -7,9 +7,9 @@ read once per job or less, and may live in pinned host memory instead, copied to
 - `text_encoder` (Gemma, on its rank): `gpu`, `park` or `stream`. A parked encoder keeps a pinned host mirror
   beside its GPU copy; a job whose plan needs the room drops the GPU copy after its encode and copies it back
   after its decode (its bytes over the host link, per parked job). A job that fits with it resident pays
-  nothing. A streamed encoder keeps only its embeddings and two layers on the GPU: every encode copies its
-  layers in one ahead of their use (their bytes over the host link, every job), for cards too small to hold
-  Gemma beside the transformer even for the encode.
+  nothing. A streamed encoder keeps only two of its layers on the GPU (its token table stays in host memory
+  and gathers there): every encode copies its layers in one ahead of their use (their bytes over the host
+  link, every job), for cards too small to hold Gemma beside the transformer even for the encode.
 - `lora_backup` (the LoRA tracker's clean copy): `gpu` or `host`. Restored from the host on every swap back to
   clean weights: once per two-stage job, beside the video decode on one GPU.
 - `lora_factors` (the setup LoRAs' kept factors, the two-stage distilled LoRA): `gpu` or `host`. Copied to the

@@ -11,6 +11,8 @@
 - `pack_pinned(tensors, device)`: tensors packed into one such buffer, returned as views of it.
 - `StreamedLayers`: a layer stack kept in pinned host memory, each layer copied in one layer ahead of its use
   and dropped after it (the text encoder's `stream` tier).
+- `compute_on_host`: a submodule that stays in host memory and runs there, its inputs brought to the host and
+  its outputs sent to the device (what the `stream` tier keeps off the card: a gather, or never-run parts).
 - `ParkableWeights`: a module whose parameters can leave the GPU between uses. Its pinned mirror is made once
   (the weights never change), so `park()` only drops the GPU copy (no device-to-host copy) and `unpark()` copies
   the mirror back into a few allocations of at most `PIECE_BYTES` each (whole parameters; one larger parameter
@@ -36,6 +38,7 @@ import torch
 __all__ = [
     "ParkableWeights",
     "StreamedLayers",
+    "compute_on_host",
     "largest_layer_list",
     "pack_pinned",
     "pinned_buffer",
@@ -295,21 +298,54 @@ class StreamedLayers:
         }
 
 
-def stream_module(module: torch.nn.Module, device: torch.device) -> StreamedLayers:
-    """`module` (loaded on the host) with its largest layer stack streamed to `device` (`StreamedLayers`) and
-    everything else moved there: its other parameters and every buffer, the stack's own included
-    (`ParkableWeights` moves parameters only). The device never holds the whole module, not even while loading."""
+def compute_on_host(module: torch.nn.Module, device: torch.device) -> None:
+    """Run `module` where its weights are (the host) for the rest of its life: its tensor arguments move to the
+    host before each forward and its tensor outputs (nested too) move to `device` after. For a part whose
+    weights cost the card more than its compute costs the CPU: an embedding table's lookup (a gather of a few
+    thousand rows), or parts a fleet never runs (kept correct should something call them)."""
+    from accelerate.utils import send_to_device  # (nested outputs: tuples, dicts, model outputs)
+
+    host = next((p.device for p in module.parameters()), torch.device("cpu"))
+
+    def before(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        del mod
+        return send_to_device(args, host), send_to_device(kwargs, host)
+
+    def after(mod: torch.nn.Module, args: Any, output: Any) -> Any:
+        del mod, args
+        return send_to_device(output, device, non_blocking=False)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
+
+
+def stream_module(
+    module: torch.nn.Module, device: torch.device, on_host: Sequence[torch.nn.Module] = ()
+) -> StreamedLayers:
+    """`module` (loaded on the host) with its largest layer stack streamed to `device` (`StreamedLayers`), the
+    submodules in `on_host` left on the host and run there (`compute_on_host`), and everything else moved to
+    `device`: its other parameters and every buffer, the stack's own included (`ParkableWeights` moves
+    parameters only). The device never holds the whole module, not even while loading."""
     layers = largest_layer_list(module)
     if layers is None:
         raise ValueError(f"placement 'stream': {type(module).__name__} has no layer stack to stream")
     streamed = StreamedLayers(layers, device)
+    kept = {id(p) for part in on_host for p in part.parameters()}
+    kept_modules = {id(sub) for part in on_host for sub in part.modules()}
     in_stack = {id(p) for p in layers.parameters()}
+    for sub in module.modules():  # (a tied weight cannot be in both places: its other user stays too)
+        if id(sub) not in kept_modules and any(id(p) in kept for p in sub.parameters(recurse=False)):
+            raise ValueError(f"placement 'stream': {type(sub).__name__} shares a weight with a part kept on the host")
     with torch.no_grad():
         for param in module.parameters():
-            if id(param) not in in_stack:
-                param.data = param.data.to(device)
+            if id(param) not in in_stack and id(param) not in kept:
+                param.data = param.data.to(device, copy=True)  # (a second host copy on CPU ranks, as the stack's)
         for sub in module.modules():
+            if id(sub) in kept_modules:
+                continue
             for name, buf in list(sub._buffers.items()):
                 if buf is not None:
-                    sub._buffers[name] = buf.to(device)
+                    sub._buffers[name] = buf.to(device, copy=True)
+    for part in on_host:
+        compute_on_host(part, device)
     return streamed

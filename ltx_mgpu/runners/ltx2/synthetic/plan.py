@@ -84,7 +84,7 @@ def transformer_meta(profile: Profile) -> torch.nn.Module:
 def monolith_plan(profile: Profile) -> FilePlan:
     from ltx_core.model.video_vae.model_configurator import VideoDecoderConfigurator, VideoEncoderConfigurator
 
-    from ..text import EmbeddingsProcessorFromConfig
+    from ..gemma_loading import EmbeddingsProcessorFromConfig
 
     cfg = profile.monolith_config
     with torch.device("meta"):
