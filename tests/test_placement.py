@@ -83,8 +83,9 @@ def test_a_fleet_that_fits_no_placement_is_refused_in_one_line_that_says_what_wo
 def test_a_card_too_small_for_gemma_beside_the_transformer_streams_the_text_encoder():
     """A 40 GiB card (a 48 GB one's room, the issue's stretch) cannot hold the fp8 distilled fleet with Gemma on
     the GPU even for the encode (20.4 + 22.7 + the rest): the plan streams Gemma's layers (1.3 GiB stays: the
-    token table gathers on the host) and charges every job their copy; where Gemma fits resident or parked, as on an H100, streaming is never chosen
-    (it costs every job, parking costs nothing until a job needs the room)."""
+    token table gathers on the host) and charges every job their copy; where Gemma fits resident or parked, as
+    on an H100, streaming is never chosen (it costs every job, parking costs nothing until a job needs the
+    room)."""
     small = pl.Card("a-40gib-card", 40.0, 25.0, "test")
     fp8 = fleet("distilled", quantization="fp8-mm+attn")
     best, judged = pl.choose(fp8, small, host_gib=100)

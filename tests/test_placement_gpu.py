@@ -2,7 +2,7 @@
 memory and comes back byte for byte in one copy from page-locked memory; the LoRA tracker with its clean copy
 and its factors in host memory fuses and restores (also asynchronously, beside other work) exactly what the
 all-GPU tracker does; the tiny two-stage runner renders the same frames with every component in host memory and
-its text encoder parked as with everything on the GPU.
+its text encoder parked as with everything on the GPU, and its setup leaves no allocator cache behind.
 
     pytest -q -m gpu tests/test_placement_gpu.py
 """
@@ -141,6 +141,9 @@ def test_two_stage_renders_the_same_frames_with_host_tiers_and_a_parked_text_enc
     for name, placement in (("gpu", None), ("host", host)):
         with LocalRunner(Ltx2TwoStageRunner, device="cuda:0") as local:
             local.start(**setup, placement=placement)
+            reserved = torch.cuda.memory_reserved(CUDA)  # setup handed back its cache: nothing left to free
+            torch.cuda.empty_cache()
+            assert torch.cuda.memory_reserved(CUDA) == reserved
             plan = {"decode_chunked": False, "release_between_stages": False, "park_text_encoder": name == "host"}
             for i in range(2):  # the second job: after a park, an unpark and an asynchronous restore
                 path = tmp_path / f"{name}{i}.mp4"
