@@ -8,6 +8,8 @@ peak, `peak_memory_bytes`, beside it): the plan must predict what the allocator 
     python -m bench.plan_check --weights /dev/shm/ltx2-full --runner ltx2-distilled --devices 0   # the presets
     python -m bench.plan_check --tiny --devices cpu,cpu --sizes 128x128x9      # a check of the script (no peaks)
     python -m bench.plan_check --weights DIR --runner ltx2-distilled --quantization fp8-mm+attn --devices 0
+    python -m bench.plan_check --weights DIR --runner ltx2-distilled --quantization fp8-mm+attn --devices 0 \
+        --offered-gib 40 --sizes 768x512x121                   # a 48 GB card emulated (allocator capped at 40)
 
 The fleet is placed as the worker places it (`ltx_mgpu.spec.placement.choose` for the local card and the host
 memory it may pin, `--host-gib`; `--placement JSON` fixes it): the placement and each rank's resident set as
@@ -88,6 +90,9 @@ def place(kind: str, devices: list[Any], setup: dict[str, Any], sizes: list, arg
     found = local_card([f"cuda:{d}" for d in devices if d != "cpu"])
     if args.card:
         found = (pl.CARDS[args.card], pl.CARDS[args.card].offered_gib)
+    if args.offered_gib:  # (a smaller card: the local one's link, or an H100's off a GPU)
+        link = (found[0] if found else pl.CARDS["h100-80gb"]).h2d_gbps
+        found = (pl.Card(f"{args.offered_gib:g}GiB", args.offered_gib, link, "--offered-gib"), args.offered_gib)
     if found is None:
         return spec.placement({})
     fleet = spec.memory_fleet(kind, len(devices), setup)
@@ -124,7 +129,16 @@ def main() -> None:
         help="plan for this card (h100-80gb, h200) instead of the local one; "
         "with LTX_MGPU_MEMORY_CAP_GIB its offered memory caps the ranks' allocators (an emulation)",
     )
+    ap.add_argument(
+        "--offered-gib",
+        type=float,
+        default=None,
+        help="plan for a card offering this many GiB a rank, and cap the ranks' allocators there "
+        "(LTX_MGPU_MEMORY_CAP_GIB, unless set): a 48 GB card emulated as 40",
+    )
     args = ap.parse_args()
+    import os
+
     import torch
 
     from ltx_mgpu import MGPUController, SymmetricRunnerError
@@ -142,6 +156,10 @@ def main() -> None:
     devices: list[Any] = [d if d == "cpu" else int(d) for d in args.devices.split(",")]
     kind = spec.RUNNER_KINDS[f"ltx_mgpu.runners.ltx2.runners:{RUNNERS[name]}"]
     setup["placement"] = place(kind, devices, setup, sizes, args)
+    if args.offered_gib:
+        from ltx_mgpu.runners.common.stages import MEMORY_CAP_ENV
+
+        os.environ.setdefault(MEMORY_CAP_ENV, f"{args.offered_gib:g}")  # (the ranks inherit it)
     ctl = MGPUController(getattr(ltx2, RUNNERS[name]), devices=devices)
     t0 = time.perf_counter()
     ctl.start(timeout=900, **setup)
@@ -161,6 +179,8 @@ def main() -> None:
                 capacity = capacity_gib(last, ctl)
                 if args.card:  # (the emulated card's figure, not the device's)
                     capacity = min(capacity or 1e9, pl.CARDS[args.card].offered_gib)
+                if args.offered_gib:
+                    capacity = min(capacity or 1e9, args.offered_gib)
                 fleet = memory_plan.FleetMemory(**{**fleet.to_json(), "capacity_gib": capacity,
                                                "headroom_gib": args.headroom_gib})  # fmt: skip
                 planned = memory_plan.plan(fleet, w, h, f, frame_rate=args.frame_rate)

@@ -19,3 +19,18 @@ def test_each_plan_stage_is_compared_on_its_worst_rank():
     assert rows["stage1"]["error"] == pytest.approx(0.0, abs=0.01) and rows["stage1"]["measured_allocated_gib"] == 2.0
     assert rows["stage1"]["seconds"] == 3.5
     assert "error" not in rows["decode"]  # nothing measured (a CPU fleet): no error claimed
+
+
+def test_a_smaller_card_is_placed_as_the_worker_would_place_it_there(capsys):
+    """`--offered-gib 40` (a 48 GB card emulated) places the fp8 distilled fleet for a card offering 40 GiB, not
+    for the local one: Gemma streams, as on such a card; an 80 GB card's figure keeps it resident or parked."""
+    import argparse
+
+    from bench.plan_check import place
+
+    args = argparse.Namespace(placement="auto", card=None, offered_gib=40.0, host_gib=100.0)
+    setup = {"quantization": "fp8-mm+attn"}
+    assert place("distilled", ["cpu"], setup, [(768, 512, 121)], args)["text_encoder"] == "stream"
+    assert '"card": "40GiB' in capsys.readouterr().out
+    args.offered_gib = 76.9
+    assert place("distilled", ["cpu"], setup, [(768, 512, 121)], args)["text_encoder"] != "stream"
