@@ -10,6 +10,8 @@ peak, `peak_memory_bytes`, beside it): the plan must predict what the allocator 
     python -m bench.plan_check --weights DIR --runner ltx2-distilled --quantization fp8-mm+attn --devices 0
     python -m bench.plan_check --weights DIR --runner ltx2-distilled --quantization fp8-mm+attn --devices 0 \
         --offered-gib 40 --sizes 768x512x121                   # a 48 GB card emulated (allocator capped at 40)
+    python -m bench.plan_check --weights DIR --runner ltx2-two-stage:cfg --quantization fp8-mm+attn --devices 0 \
+        --sizes 1536x1024x121 --variants      # every plan that fits, side by side: is the order the fastest?
 
 The fleet is placed as the worker places it (`ltx_mgpu.spec.placement.choose` for the local card and the host
 memory it may pin, `--host-gib`; `--placement JSON` fixes it): the placement and each rank's resident set as
@@ -76,6 +78,45 @@ def capacity_gib(output: dict[str, Any] | None, ctl: Any) -> float | None:
     return None if measured is None else round(float(measured) / GIB, 2)
 
 
+def _variant_name(planned: Any) -> str:
+    decode = "chunked" if planned.decode_chunked else "whole"
+    return f"decode {decode}, gemma {'parked' if planned.park_text_encoder else 'resident'}"
+
+
+def compare_variants(ctl: Any, out: Path, request: dict[str, Any], fleet: Any, chosen: Any, first: dict) -> int:
+    """Render `request` with every plan variant that fits in memory, twice each (the second counts: a parked
+    Gemma drops the CUDA graphs every job, so its second render pays the recapture a steady stream pays), the
+    chosen plan again last, and emit each one's wall and stage seconds beside the chosen one's. Returns how many
+    variants the plan said fit that ran out of memory."""
+    from ltx_mgpu import SymmetricRunnerError
+    from ltx_mgpu.spec import memory_plan
+
+    fitting = [v for v in memory_plan.variants(fleet, *chosen.size, frame_rate=chosen.frame_rate)
+               if v.limit_gib is None or v.peak.reserved_gib <= v.limit_gib]  # fmt: skip
+    tried = [v for v in fitting if v.job_kwargs() != chosen.job_kwargs()]
+    size, oom, walls = "x".join(map(str, chosen.size)), 0, {}
+    for variant in [*tried, chosen]:
+        try:
+            output = [render(ctl, out, request, variant.job_kwargs()) for _ in range(2)][-1]
+        except SymmetricRunnerError as exc:
+            oom += bool(exc.out_of_memory)
+            emit({"event": "variant_failed", "size": size, "variant": _variant_name(variant),
+                  "out_of_memory": exc.out_of_memory, "message": str(exc)[:300]})  # fmt: skip
+            continue
+        walls[_variant_name(variant)] = output["wall_s"]
+        measured = max((max(v) for v in (output.get("peak_reserved_bytes") or {}).values()), default=0)
+        emit({"event": "variant", "size": size, "variant": _variant_name(variant), "chosen": variant is chosen,
+              "wall_s": output["wall_s"], "timings_s": output.get("timings_s"),
+              "predicted_peak_gib": variant.peak.reserved_gib,
+              "measured_peak_gib": round(measured / GIB, 2)})  # fmt: skip
+    base = walls.get(_variant_name(chosen))
+    if base is not None:
+        emit({"event": "variants", "size": size, "chosen": _variant_name(chosen), "first_render_s": first["wall_s"],
+              "wall_s": walls, "wall_over_chosen": {k: round(v / base, 3) if base > 0 else None
+                                                    for k, v in walls.items()}})  # fmt: skip
+    return oom
+
+
 def place(kind: str, devices: list[Any], setup: dict[str, Any], sizes: list, args: Any) -> dict[str, str]:
     """The placement the worker would choose for this fleet on the local card (or `--placement`)."""
     import json
@@ -120,6 +161,12 @@ def main() -> None:
     ap.add_argument("--frame-rate", type=float, default=24.0)
     ap.add_argument("--headroom-gib", type=float, default=4.0)
     ap.add_argument("--warm", action="store_true", help="render each size twice, report the second")
+    ap.add_argument(
+        "--variants",
+        action="store_true",
+        help="also render every other plan the size fits in (fast / chunked decode, Gemma parked or not), twice "
+        "each, and print their seconds beside the chosen one's: what the plan's order assumes, measured",
+    )
     ap.add_argument("--quantization", default=None, help="the runners' setup quantization (fp8-mm, fp8-mm+attn)")
     ap.add_argument("--placement", default="auto", help="auto (as the worker chooses) or a JSON placement")
     ap.add_argument("--host-gib", type=float, default=None, help="pinned host memory the fleet may take (auto)")
@@ -169,7 +216,7 @@ def main() -> None:
           "planned_resident_gib": plan_resident})  # fmt: skip
     errors: list[float] = []
     done: list[dict[str, Any]] = []
-    admitted_oom = 0
+    admitted_oom = variant_oom = 0
     last: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -201,6 +248,8 @@ def main() -> None:
                     done.append({"size": size, "result": result})
                     continue
                 last = output
+                if args.variants:
+                    variant_oom += compare_variants(ctl, Path(tmp), request, fleet, planned, output)
                 for row in stage_rows(size, planned, output):
                     emit(row)
                     if "error" in row:
@@ -213,6 +262,7 @@ def main() -> None:
             ctl.shutdown(graceful_timeout=60)
     summary = {"runner": args.runner, "devices": devices, "sizes": done, "frame_rate": args.frame_rate,
                "worst_error": max(errors, key=abs) if errors else None, "admitted_oom": admitted_oom,
+               "variant_oom": variant_oom,
                "placement": setup["placement"], "quantization": args.quantization,
                "gpu": "cpu" if devices[0] == "cpu" else torch.cuda.get_device_name(devices[0]),
                "torch": torch.__version__}  # fmt: skip

@@ -35,7 +35,8 @@
 #              and the 65 GiB of pinned host tiers an 80 GB card's two-stage fleet takes (docs/memory.md)
 #   plan-check python -m bench.plan_check: RUNNER (ltx2-distilled), SIZES, QUANT (none), PLACEMENT (auto), CARD
 #              (plan for another card; with LTX_MGPU_MEMORY_CAP_GIB=76.9 an H200 emulates an H100's memory),
-#              OFFERED_GIB (a smaller card, its allocator capped there: OFFERED_GIB=40 for a 48 GB card)
+#              OFFERED_GIB (a smaller card, its allocator capped there: OFFERED_GIB=40 for a 48 GB card),
+#              VARIANTS=1 (every plan a size fits in rendered twice, seconds side by side)
 #   attn       FP8 attention: installs the carried .whl3/ (nvidia-cudnn-frontend, sageattention; fill it with the
 #              pip download in docs/performance.md) into $SITE, then python -m bench.attention with the candidates at
 #              LTX-2's shapes and tests/test_fp8_attention_gpu.py; every step runs even if one before failed
@@ -192,7 +193,7 @@ sys.exit(0 if s and (json.loads(s[-1][8:]).get('disk_write_gbps') or 0) >= 0.8 e
     timeout -s INT -k 60 "${LIMIT:-300}" "$PY" -m bench.plan_check --weights "$WEIGHTS" \
       --runner "${RUNNER:-ltx2-distilled}" --devices 0 --sizes "${SIZES:-768x512x121}" \
       ${QUANT:+--quantization "$QUANT"} --placement "${PLACEMENT:-auto}" ${HOST_GIB:+--host-gib "$HOST_GIB"} \
-      ${CARD:+--card "$CARD"} ${OFFERED_GIB:+--offered-gib "$OFFERED_GIB"} \
+      ${CARD:+--card "$CARD"} ${OFFERED_GIB:+--offered-gib "$OFFERED_GIB"} ${VARIANTS:+--variants} \
       >>"$OUT/plan-check.jsonl" 2>>"$OUT/plan-check.log"
     rc=$?
     tail -c 2500 "$OUT/plan-check.jsonl"; tail -5 "$OUT/plan-check.log"

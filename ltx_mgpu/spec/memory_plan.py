@@ -71,6 +71,7 @@ __all__ = [
     "parse_size",
     "plan",
     "sp_tokens",
+    "variants",
     "with_lora_limits",
 ]
 _ = (LTX2_19B, TINY)  # (re-exported: `memory_plan.LTX2_19B`, `memory_plan.TINY`)
@@ -466,12 +467,40 @@ def plan(
     low_memory: bool = False,
     frame_rate: float = DEFAULT_FRAME_RATE,
 ) -> MemoryPlan:
-    """The plan for one request: the first of these that fits (or the first when nothing limits the fleet):
-    the fast plan; the chunked decode (ltx-core's default chunks, the cache released between stages); with a
-    parkable text encoder (`text_encoder_at="park"`) the same two with it parked (its copy back costs its
-    bytes over the host link, measured dearer than the chunks at 768x512). The last is the lower-memory plan;
-    `low_memory` takes it (an out-of-memory retry). `frame_rate` sets the clip's duration, so its
-    audio. `fits` says whether the chosen one fits (and the runner's size rules accept the size)."""
+    """The plan for one request: the first of `variants()` that fits (or the first when nothing limits the
+    fleet). The last is the lower-memory plan; `low_memory` takes it (an out-of-memory retry). `frame_rate`
+    sets the clip's duration, so its audio. `fits` says whether the chosen one fits (and the runner's size
+    rules accept the size)."""
+    tried = variants(fleet, width, height, num_frames, frame_rate=frame_rate)
+    if low_memory:
+        tried = tried[-1:]
+    # (memory decides here; a size the rules refuse keeps the first plan that fits in memory, and says why)
+    chosen = next((v for v in tried if v.limit_gib is None or v.peak.reserved_gib <= v.limit_gib), tried[-1])
+    notes = list(chosen.notes)
+    if low_memory:
+        pass
+    elif _over_index(fleet, chosen.size):
+        notes.append("a one-piece decode would pass 32-bit indexing: the decode runs in ltx-core's default chunks")
+    elif chosen.decode_chunked:
+        notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
+    if chosen.park_text_encoder and not low_memory:
+        notes.append("the text encoder is parked in host memory from stage 1 to the decode (its room is needed)")
+    return replace(chosen, notes=tuple(notes))
+
+
+def _over_index(fleet: FleetMemory, size: tuple[int, int, int]) -> bool:
+    """The one-piece decode's largest tensor would pass 32-bit indexing (torch refuses it, whatever is free)."""
+    return math.ceil(size[0] * size[1] / fleet.world_size) * size[2] * DECODE_ELEMENTS_PER_PIXEL > INDEX_LIMIT
+
+
+def variants(
+    fleet: FleetMemory, width: int, height: int, num_frames: int, *, frame_rate: float = DEFAULT_FRAME_RATE
+) -> list[MemoryPlan]:
+    """Every plan a runner can take for one request, in the order `plan()` tries them: the fast plan; the chunked
+    decode (ltx-core's default chunks, the cache released between stages); with a parkable text encoder
+    (`text_encoder_at="park"`) the same two with it parked (its copy back costs its bytes over the host link,
+    measured dearer than the chunks at 768x512). Without the fast decode where it would pass 32-bit indexing.
+    `bench.plan_check --variants` renders each, to measure what the order assumes."""
     p = PROFILES[fleet.profile]
     size = (int(width), int(height), int(num_frames))
     frame_rate = float(frame_rate) if frame_rate and frame_rate > 0 else DEFAULT_FRAME_RATE
@@ -479,43 +508,28 @@ def plan(
     notes = []
     if fleet.world_size > 1 and fleet.gemma_rank == 0 and not fleet.gemma_every_rank:
         notes.append("Gemma shares the driver rank with the encoder, upsampler and audio: a later rank has room")
-    limit = None if fleet.capacity_gib is None else fleet.capacity_gib - fleet.headroom_gib
-    over_index = math.ceil(size[0] * size[1] / fleet.world_size) * size[2] * DECODE_ELEMENTS_PER_PIXEL > INDEX_LIMIT
-    parkable = fleet.text_encoder_at == "park"
-    variants = [(False, False), (True, False)] + ([(False, True), (True, True)] if parkable else [])
-    if over_index:  # the one-piece decode is refused by torch whatever memory is free
-        variants = [v for v in variants if v[0]]
-    if low_memory:
-        variants = variants[-1:]
-    chosen = variants[-1]
-    stages = ()
-    for chunked, park in variants:
-        stages = _stage_peaks(fleet, p, size, resident, chunked=chunked, frame_rate=frame_rate, park=park)
-        chosen = (chunked, park)
-        if limit is None or max(s.reserved_gib for s in stages) <= limit:
-            break
-    chunked, park = chosen
-    if over_index and not low_memory:
-        notes.append("a one-piece decode would pass 32-bit indexing: the decode runs in ltx-core's default chunks")
-    elif chunked and not low_memory:
-        notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
-    if park and not low_memory:
-        notes.append("the text encoder is parked in host memory from stage 1 to the decode (its room is needed)")
-    return MemoryPlan(
-        fleet,
-        size,
-        resident,
-        decode_chunked=chunked,
-        release_between_stages=chunked,
-        decode_tiles=fleet.world_size,
-        stages=stages,
-        token_problem=_token_problem(fleet, size),
-        rule_problem=_rule_problem(fleet, size, frame_rate),
-        frame_rate=frame_rate,
-        notes=tuple(notes),
-        park_text_encoder=park,
-        graph_pool_gib=_job_pools(fleet, p, size),
-    )
+    pairs = [(False, False), (True, False)] + ([(False, True), (True, True)] if fleet.text_encoder_at == "park" else [])
+    if _over_index(fleet, size):
+        pairs = [pair for pair in pairs if pair[0]]
+    token_problem, rule_problem = _token_problem(fleet, size), _rule_problem(fleet, size, frame_rate)
+    return [
+        MemoryPlan(
+            fleet,
+            size,
+            resident,
+            decode_chunked=chunked,
+            release_between_stages=chunked,
+            decode_tiles=fleet.world_size,
+            stages=_stage_peaks(fleet, p, size, resident, chunked=chunked, frame_rate=frame_rate, park=park),
+            token_problem=token_problem,
+            rule_problem=rule_problem,
+            frame_rate=frame_rate,
+            notes=tuple(notes),
+            park_text_encoder=park,
+            graph_pool_gib=_job_pools(fleet, p, size),
+        )
+        for chunked, park in pairs
+    ]
 
 
 def _job_pools(fleet: FleetMemory, p: ModelProfile, size: tuple[int, int, int]) -> float:
