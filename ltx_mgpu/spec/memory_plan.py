@@ -477,14 +477,13 @@ def plan(
     # (memory decides here; a size the rules refuse keeps the first plan that fits in memory, and says why)
     chosen = next((v for v in tried if v.limit_gib is None or v.peak.reserved_gib <= v.limit_gib), tried[-1])
     notes = list(chosen.notes)
-    if low_memory:
-        pass
-    elif _over_index(fleet, chosen.size):
-        notes.append("a one-piece decode would pass 32-bit indexing: the decode runs in ltx-core's default chunks")
-    elif chosen.decode_chunked:
-        notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
-    if chosen.park_text_encoder and not low_memory:
-        notes.append("the text encoder is parked in host memory from stage 1 to the decode (its room is needed)")
+    if not low_memory:  # (why this plan and not the fast one: an out-of-memory retry says so itself)
+        if _over_index(fleet, chosen.size):
+            notes.append("a one-piece decode would pass 32-bit indexing: the decode runs in ltx-core's default chunks")
+        elif chosen.decode_chunked:
+            notes.append("the fast plan does not fit: the decode runs in ltx-core's default chunks")
+        if chosen.park_text_encoder:
+            notes.append("the text encoder is parked in host memory from stage 1 to the decode (its room is needed)")
     return replace(chosen, notes=tuple(notes))
 
 
