@@ -45,6 +45,10 @@ FP8_TOKEN_BYTES = 1.04 * 8.39 * (1 << 30) / 47616
 #: Workspaces, caches and the pools' fixed part, every rank: refitted with `decode_bytes` (116) once the pools
 #: and the SP buffers (none on one GPU) were counted apart, to the distilled 71 / 90 GiB allocator peaks at
 #: 768x512x121 / 1536x1024x121 (tests/test_memplan.py; two-stage 114 and 139.2 follow within 0.4 GiB).
+#: Those were one-GPU fleets, so the fit also took in the LTX-2 embeddings processor that sits beside Gemma
+#: (feature extractor 1.35 GiB + two connectors 0.66 each = 2.67 GiB; the H100 setup's text-encoder lap
+#: measured 25.37 GiB against Gemma's 22.7): on a rank without Gemma the figure is ~2.7 GiB high (the plan
+#: errs safe there), and it stays whatever Gemma's tier, as the processor does (never parked or streamed).
 RUNTIME_GIB = 3.59
 
 
