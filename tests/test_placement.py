@@ -168,3 +168,54 @@ def test_ltx_worker_exits_2_at_once_without_starting_a_fleet(tmp_path, redis_ser
     refusals = [line for line in log.splitlines() if "cannot hold its resident set" in line]
     assert len(refusals) == 1, log
     assert "restarting cannot fix it: stopping" in log and "restarting in" not in log
+
+
+@pytest.mark.parametrize(
+    ("quantization", "capability", "refused"),
+    [
+        ("fp8-mm", (8, 0), True),  # A100: no FP8 tensor cores
+        ("fp8-mm", (8, 9), False),  # L40S, RTX 4090
+        ("fp8-mm+attn", (8, 9), True),  # cuDNN's FP8 attention wants Hopper
+        ("fp8-mm+attn", (9, 0), False),
+        ("fp8-cast", (7, 0), False),  # fp8 storage, bf16 compute: any GPU
+        (None, (7, 0), False),
+    ],
+)
+def test_each_quantization_states_the_gpu_it_needs_and_what_to_use_instead(quantization, capability, refused):
+    from ltx_mgpu.spec.gpu_needs import capability_problem
+
+    problem = capability_problem(quantization, capability, "NVIDIA X")
+    assert (problem is not None) == refused
+    if refused:
+        assert f"is {capability[0]}.{capability[1]}" in problem and "NVIDIA X" in problem and "\n" not in problem
+        assert ("'fp8-cast'" if quantization == "fp8-mm" else "'fp8-mm'") in problem
+
+
+def test_the_worker_refuses_fp8_gemms_on_an_a100_before_loading(tmp_path, monkeypatch):
+    """The group's compute capability, read without a CUDA context (NVML here, faked; nvidia-smi's `compute_cap`
+    where NVML is missing), refuses `fp8-mm` on an A100 in one line before any weight loads (exit 2, no
+    rebuilds); an H100 takes it; where neither answers, the ranks' own check stands."""
+    from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner
+    from worker.render import fleet_plan
+    from worker.runtime.process import place_for
+    from worker.settings import SettingsError
+
+    gpus = {"a100": ("NVIDIA A100-SXM4-80GB", (8, 0)), "h100": ("NVIDIA H100 80GB HBM3", (9, 0))}
+    settings = _worker_settings(tmp_path, runner="ltx2-distilled", runner_setup={"quantization": "fp8-mm"},
+                                device_memory_gib=76.9, host_memory_gib=200.0, groups=["cpu:1"])  # fmt: skip
+    for card, refused in (("a100", True), ("h100", False)):
+        monkeypatch.setattr(fleet_plan, "_nvml_capabilities", lambda idx, card=card: [gpus[card]] * len(idx))
+        if refused:
+            with pytest.raises(SettingsError) as caught:
+                place_for(settings, Ltx2DistilledRunner, ["cuda:0"])
+            line = str(caught.value)
+            assert line.startswith("GPU group cuda:0: quantization 'fp8-mm' needs FP8 tensor cores") and "8.0" in line
+        else:
+            fleet_plan.check_quantization(settings, ["cuda:0"])
+    monkeypatch.setattr(fleet_plan, "_nvml_capabilities", lambda idx: None)
+    smi = "0, NVIDIA A100-SXM4-80GB, 8.0\n1, NVIDIA H100 80GB HBM3, 9.0\n"
+    monkeypatch.setattr(fleet_plan.subprocess, "run", lambda *a, **k: type("R", (), {"stdout": smi})())
+    assert fleet_plan.group_capability(["cuda:1", "cuda:0"]) == ("NVIDIA A100-SXM4-80GB", (8, 0))
+    assert fleet_plan.group_capability(["cuda:1"]) == ("NVIDIA H100 80GB HBM3", (9, 0))
+    assert fleet_plan.group_capability(["cuda:2"]) is None and fleet_plan.group_capability(["cpu"]) is None
+    fleet_plan.check_quantization(settings, ["cuda:2"])  # (unknown: left to the ranks)

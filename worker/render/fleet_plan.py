@@ -6,7 +6,8 @@ without creating a CUDA context (NVML, else `nvidia-smi`), the pinned host memor
 (`LTX_HOST_MEMORY_GIB`, else the machine's available memory less a reserve, shared by the groups), and
 resolves `LTX_PLACEMENT` ("auto", or a fixed placement) into the runner's `placement` setup kwarg. A fleet that
 fits in no placement is a configuration error (`SettingsError`: exit 2, one line naming what does not fit and
-what would), so the supervisor does not restart a worker whose fleet could never load.
+what would), so the supervisor does not restart a worker whose fleet could never load; so is a quantization the
+group's GPUs cannot run (`check_quantization`: fp8 GEMMs on an A100).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from worker.settings import SettingsError, WorkerSettings
 
-__all__ = ["FleetPlacement", "host_budget_gib", "local_card", "place_fleet"]
+__all__ = ["FleetPlacement", "check_quantization", "group_capability", "host_budget_gib", "local_card", "place_fleet"]
 
 log = logging.getLogger("worker.render.fleet_plan")
 
@@ -88,6 +89,69 @@ def _smi_devices(indices: list[int]) -> list[tuple[str, int, int]] | None:
     return [rows[i] for i in indices] if all(i in rows for i in indices) else None
 
 
+def _nvml_capabilities(indices: list[int]) -> list[tuple[str, tuple[int, int]]] | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        out = []
+        for i in indices:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            out.append((name.decode() if isinstance(name, bytes) else str(name), (int(major), int(minor))))
+        return out
+    except pynvml.NVMLError:
+        return None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def _smi_capabilities(indices: list[int]) -> list[tuple[str, tuple[int, int]]] | None:
+    query = ["nvidia-smi", "--query-gpu=index,name,compute_cap", "--format=csv,noheader"]
+    try:
+        text = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = {}
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[0].isdigit() and parts[2].replace(".", "", 1).isdigit() and "." in parts[2]:
+            major, minor = parts[2].split(".")
+            rows[int(parts[0])] = (parts[1], (int(major), int(minor)))
+    return [rows[i] for i in indices] if all(i in rows for i in indices) else None
+
+
+def group_capability(devices: list[str]) -> tuple[str, tuple[int, int]] | None:
+    """The name and compute capability of the group's least capable GPU, from NVML or nvidia-smi (no CUDA
+    context); None for a CPU group or where neither answers."""
+    indices = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
+    if not indices:
+        return None
+    found = _nvml_capabilities(indices) or _smi_capabilities(indices)
+    return min(found, key=lambda row: row[1]) if found else None
+
+
+def check_quantization(settings: WorkerSettings, devices: list[str]) -> None:
+    """A quantization the group's GPUs cannot run is a configuration error before anything loads
+    (`ltx_mgpu.spec.gpu_needs`, the table the ranks check too): `SettingsError`, exit 2, one line."""
+    from ltx_mgpu.spec.gpu_needs import capability_problem
+
+    quantization = settings.runner_setup.get("quantization")
+    found = group_capability(devices) if quantization else None
+    if found is None:  # (nothing quantized, a CPU group, or no NVML nor nvidia-smi: the ranks check it then)
+        return
+    problem = capability_problem(quantization, found[1], found[0])
+    if problem is not None:
+        raise SettingsError(f"GPU group {','.join(devices)}: {problem}")
+
+
 def local_card(devices: list[str]) -> tuple[Any, float] | None:
     """The card of a GPU group (the smallest of its devices) and the least free memory among them (GiB, before
     the fleet's CUDA contexts), from NVML or nvidia-smi; None for a CPU group or where neither answers."""
@@ -131,6 +195,7 @@ def place_fleet(settings: WorkerSettings, devices: list[str], fleet: Any) -> Fle
     runner's `FleetMemory` without a placement (None: the runner describes no memory: its setup unchanged)."""
     from ltx_mgpu.spec import placement as pl
 
+    check_quantization(settings, devices)
     setup = dict(settings.runner_setup)
     explicit = _explicit(settings)
     found = local_card(devices)
