@@ -59,6 +59,14 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(-1).view(torch.uint8).cpu(), b.contiguous().view(-1).view(torch.uint8).cpu())
 
 
+def test_the_kernel_loads_on_every_visible_gpu(kernels) -> None:
+    """The load probe the `ipc` backend asks before it is offered: this build has code for these GPUs."""
+    from ltx_mgpu_kernels._loader import extension
+
+    for index in range(torch.cuda.device_count()):
+        assert extension().kernel_image_error(index) is None, torch.cuda.get_device_name(index)
+
+
 # ==== loopback ===========================================================================================
 
 

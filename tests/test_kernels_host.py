@@ -262,3 +262,37 @@ def test_ipc_backend_module_imports_and_reports_availability() -> None:
             ipc.create_ipc_backend(
                 group=None, max_tokens_per_rank=16, hidden_dim=64, dtype=torch.bfloat16, device=torch.device("cuda", 0)
             )
+
+
+def test_a_gpu_the_kernel_has_no_code_for_is_not_offered_the_ipc_backend(monkeypatch) -> None:
+    """On a GPU this build has no kernel image for (an A100, sm_80, with the default sm_90+ build), the
+    extension's load probe fails, so `auto` takes NCCL on every rank instead of failing each fleet's first
+    exchange; the reason names the device, its compute capability and the runtime's words. The probe itself is
+    compiled in (here, without a driver, it says so instead of loading); on a GPU it must pass
+    (`tests/test_kernels_gpu.py`)."""
+    import ltx_mgpu_kernels
+    from ltx_mgpu_kernels import _loader
+
+    if not ltx_mgpu_kernels.AVAILABLE:
+        pytest.skip(f"the compiled extension is absent: {ltx_mgpu_kernels.IMPORT_ERROR}")
+    from ltx_mgpu.parallel.sp.backends import ipc
+
+    if not torch.cuda.is_available():
+        assert isinstance(_loader.extension().kernel_image_error(0), str)  # (no driver: it cannot load)
+
+    class A100Build:
+        def device_count(self) -> int:
+            return 2
+
+        def kernel_image_error(self, device: int) -> str:
+            return "no kernel image is available for execution on the device"
+
+    monkeypatch.setattr(_loader, "extension", A100Build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    reason = ipc.unavailable_reason(torch.device("cuda", 1))
+    assert reason == (
+        "the exchange kernel does not load on cuda:1 (compute capability 8.0): "
+        "no kernel image is available for execution on the device"
+    )
+    assert not ipc.is_available(torch.device("cuda", 1))

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "exchange.cuh"
+#include "launch.hpp"
 #include "runtime.hpp"
 
 namespace py = pybind11;
@@ -92,6 +93,22 @@ PYBIND11_MODULE(_C, m) {
         return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
       },
       "CUDA devices visible to the extension's own runtime (0 when there is no driver).");
+  m.def(
+      "kernel_image_error",
+      [](int device) -> py::object {
+        int previous = 0;
+        if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+        cudaError_t err = cudaSetDevice(device);
+        int blocks = 0;
+        if (err == cudaSuccess) err = ltxk::exchange_blocks_per_sm(&blocks);
+        if (previous >= 0) cudaSetDevice(previous);
+        if (err == cudaSuccess) return py::none();
+        cudaGetLastError();  // (a failed load is not sticky; clear it so the next call starts clean)
+        return py::str(cudaGetErrorString(err));
+      },
+      py::arg("device"),
+      "None when the exchange kernel loads on `device` (this build has code for its architecture), else the CUDA "
+      "runtime's reason (e.g. no kernel image for an sm_80 GPU when built for sm_90 and later).");
 
   py::class_<Runtime>(m, "Runtime")
       .def(py::init([](int device, int rank, int world, int64_t capacity_bytes, int64_t itemsize, double timeout_s,

@@ -71,6 +71,11 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
     if device is not None:
         dev = torch.device(device)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
+        probe = getattr(extension(), "kernel_image_error", None)  # (a build from before the probe: not asked)
+        image = probe(index) if probe is not None else None
+        if image is not None:  # e.g. an sm_80 GPU (A100) and a build for sm_90 and later (kernels/CMakeLists.txt)
+            major, minor = torch.cuda.get_device_capability(index)
+            return f"the exchange kernel does not load on cuda:{index} (compute capability {major}.{minor}): {image}"
         # Peers may sit on any visible GPU: every other device must be reachable over P2P.
         for other in range(torch.cuda.device_count()):
             if other != index and not torch.cuda.can_device_access_peer(index, other):
