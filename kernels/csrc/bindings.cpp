@@ -96,12 +96,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "kernel_image_error",
       [](int device) -> py::object {
-        int previous = 0;
-        if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+        // (the device stays current for the extension's runtime, as every entry point leaves it: runtime.cpp)
         cudaError_t err = cudaSetDevice(device);
         int blocks = 0;
         if (err == cudaSuccess) err = ltxk::exchange_blocks_per_sm(&blocks);
-        if (previous >= 0) cudaSetDevice(previous);
         if (err == cudaSuccess) return py::none();
         cudaGetLastError();  // (a failed load is not sticky; clear it so the next call starts clean)
         return py::str(cudaGetErrorString(err));

@@ -32,20 +32,19 @@ using detail::invalid;
     if (err_ != cudaSuccess) cuda_fail(err_, #call, __FILE__, __LINE__); \
   } while (0)
 
-// Makes `device` current for this scope. The extension links its own (static) CUDA runtime, whose notion
-// of "current device" is separate from torch's, so every entry point sets it explicitly.
+// Makes `device` current for the extension's own (static) CUDA runtime, whose notion of "current device" is
+// separate from torch's, so every entry point sets it explicitly. Not restored afterwards on purpose: nothing
+// else reads it, and since CUDA 12 cudaSetDevice creates the device's primary context, so "restoring" the
+// runtime's default device 0 would give a rank on another GPU a context (and its memory) on GPU 0.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    LTXK_CUDA(cudaGetDevice(&prev_));
-    if (prev_ != device) LTXK_CUDA(cudaSetDevice(device));
+    int current = -1;
+    LTXK_CUDA(cudaGetDevice(&current));
+    if (current != device) LTXK_CUDA(cudaSetDevice(device));
   }
-  ~DeviceGuard() { cudaSetDevice(prev_); }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
 };
 
 int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
@@ -242,9 +241,7 @@ void Runtime::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
   ready_ = false;
-  int prev = 0;
-  const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
-  cudaSetDevice(device_);
+  cudaSetDevice(device_);  // (left current, as DeviceGuard leaves it)
   // No kernel of ours may still be writing into mapped peers or reading our region.
   cudaDeviceSynchronize();
   for (void* ptr : opened_) cudaIpcCloseMemHandle(ptr);
@@ -270,7 +267,6 @@ void Runtime::destroy() {
     data_[r] = nullptr;
     ctrl_[r] = nullptr;
   }
-  if (have_prev) cudaSetDevice(prev);
 }
 
 }  // namespace ltxk
