@@ -33,9 +33,10 @@ using detail::invalid;
   } while (0)
 
 // Makes `device` current for the extension's own (static) CUDA runtime, whose notion of "current device" is
-// separate from torch's, so every entry point sets it explicitly. Not restored afterwards on purpose: nothing
-// else reads it, and since CUDA 12 cudaSetDevice creates the device's primary context, so "restoring" the
-// runtime's default device 0 would give a rank on another GPU a context (and its memory) on GPU 0.
+// separate from torch's, so every entry point sets it explicitly. Not restored afterwards on purpose: in a
+// thread where no context was current yet the "previous" device is the default 0, and since CUDA 12
+// cudaSetDevice creates the primary context, so restoring it would give a rank on another GPU a context (and
+// its memory) on GPU 0. (Where torch made the rank's device current first, both read the same device.)
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
