@@ -219,3 +219,22 @@ def test_the_worker_refuses_fp8_gemms_on_an_a100_before_loading(tmp_path, monkey
     assert fleet_plan.group_capability(["cuda:1"]) == ("NVIDIA H100 80GB HBM3", (9, 0))
     assert fleet_plan.group_capability(["cuda:2"]) is None and fleet_plan.group_capability(["cpu"]) is None
     fleet_plan.check_quantization(settings, ["cuda:2"])  # (unknown: left to the ranks)
+
+
+def test_ltx_worker_plan_on_the_local_gpus_refuses_what_the_worker_would_refuse(monkeypatch):
+    """`ltx-worker plan` for the local GPUs (no `--gpu`, no `--free-gib`) says the worker's refusal of a
+    quantization they cannot run, exit 2; for a named card it plans (the named cards are Hopper)."""
+    from click.testing import CliRunner
+
+    from worker.cli import main
+    from worker.render import fleet_plan
+
+    for name in ("LTX_DEVICE_MEMORY_GIB", "LTX_HOST_MEMORY_GIB", "LTX_PLACEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LTX_RUNNER_SETUP", json.dumps({"quantization": "fp8-mm"}))
+    monkeypatch.setattr(fleet_plan, "_nvml_capabilities", lambda idx: [("NVIDIA A100-SXM4-80GB", (8, 0))] * len(idx))
+    args = ["plan", "--runner", "ltx2-distilled", "--group", "0", "--size", "768x512x121"]
+    local = CliRunner().invoke(main, args)
+    assert local.exit_code == 2 and "needs FP8 tensor cores" in local.output, local.output
+    named = CliRunner().invoke(main, [*args, "--gpu", "h100-80gb", "--host-gib", "100"])
+    assert named.exit_code == 0 and "fits: yes" in named.output, named.output

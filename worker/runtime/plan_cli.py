@@ -274,6 +274,10 @@ def command(
                 f"--frame-rate must be in [{low:g}, {high:g}] (the request schema's) and --gpus counts in [1, 4096]"
             )
         card = _card(gpu, free_gib, settings, group)
+        if gpu is None and free_gib is None and settings.device_memory_gib is None:  # (the local GPUs: as the worker)
+            from worker.render.fleet_plan import check_quantization
+
+            check_quantization(settings, parse_device_group(group) if group else ["cuda:0"])
         headroom = headroom_gib if headroom_gib is not None else settings.memory_headroom_gib
         if group is None and card is None:
             card = CARDS[TABLE_CARD]
