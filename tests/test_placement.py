@@ -193,10 +193,11 @@ def test_each_quantization_states_the_gpu_it_needs_and_what_to_use_instead(quant
 
 def test_the_worker_refuses_fp8_gemms_on_an_a100_before_loading(tmp_path, monkeypatch):
     """The group's compute capability, read without a CUDA context (NVML here, faked; nvidia-smi's `compute_cap`
-    where NVML is missing), refuses `fp8-mm` on an A100 in one line before any weight loads (exit 2, no
-    rebuilds); an H100 takes it; where neither answers, the ranks' own check stands."""
+    where NVML is missing, a GPU it reports without one unknown), refuses `fp8-mm` on an A100 in one line
+    before any weight loads (exit 2, no rebuilds); an H100 takes it; where neither answers, the ranks' own
+    check stands."""
     from ltx_mgpu.runners.ltx2.runners import Ltx2DistilledRunner
-    from worker.render import fleet_plan
+    from worker.render import fleet_plan, gpu_query
     from worker.runtime.process import place_for
     from worker.settings import SettingsError
 
@@ -204,7 +205,7 @@ def test_the_worker_refuses_fp8_gemms_on_an_a100_before_loading(tmp_path, monkey
     settings = _worker_settings(tmp_path, runner="ltx2-distilled", runner_setup={"quantization": "fp8-mm"},
                                 device_memory_gib=76.9, host_memory_gib=200.0, groups=["cpu:1"])  # fmt: skip
     for card, refused in (("a100", True), ("h100", False)):
-        monkeypatch.setattr(fleet_plan, "_nvml_capabilities", lambda idx, card=card: [gpus[card]] * len(idx))
+        monkeypatch.setattr(gpu_query, "nvml_rows", lambda idx, read, card=card: [gpus[card]] * len(idx))
         if refused:
             with pytest.raises(SettingsError) as caught:
                 place_for(settings, Ltx2DistilledRunner, ["cuda:0"])
@@ -212,12 +213,13 @@ def test_the_worker_refuses_fp8_gemms_on_an_a100_before_loading(tmp_path, monkey
             assert line.startswith("GPU group cuda:0: quantization 'fp8-mm' needs FP8 tensor cores") and "8.0" in line
         else:
             fleet_plan.check_quantization(settings, ["cuda:0"])
-    monkeypatch.setattr(fleet_plan, "_nvml_capabilities", lambda idx: None)
-    smi = "0, NVIDIA A100-SXM4-80GB, 8.0\n1, NVIDIA H100 80GB HBM3, 9.0\n"
-    monkeypatch.setattr(fleet_plan.subprocess, "run", lambda *a, **k: type("R", (), {"stdout": smi})())
+    monkeypatch.setattr(gpu_query, "nvml_rows", lambda idx, read: None)
+    smi = "0, NVIDIA A100-SXM4-80GB, 8.0\n1, NVIDIA H100 80GB HBM3, 9.0\n2, Tesla K80, [N/A]\n"
+    monkeypatch.setattr(gpu_query.subprocess, "run", lambda *a, **k: type("R", (), {"stdout": smi})())
     assert fleet_plan.group_capability(["cuda:1", "cuda:0"]) == ("NVIDIA A100-SXM4-80GB", (8, 0))
     assert fleet_plan.group_capability(["cuda:1"]) == ("NVIDIA H100 80GB HBM3", (9, 0))
     assert fleet_plan.group_capability(["cuda:2"]) is None and fleet_plan.group_capability(["cpu"]) is None
+    assert fleet_plan.group_capability(["cuda:3"]) is None
     fleet_plan.check_quantization(settings, ["cuda:2"])  # (unknown: left to the ranks)
 
 
@@ -227,14 +229,27 @@ def test_ltx_worker_plan_on_the_local_gpus_refuses_what_the_worker_would_refuse(
     from click.testing import CliRunner
 
     from worker.cli import main
-    from worker.render import fleet_plan
+    from worker.render import gpu_query
 
     for name in ("LTX_DEVICE_MEMORY_GIB", "LTX_HOST_MEMORY_GIB", "LTX_PLACEMENT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LTX_RUNNER_SETUP", json.dumps({"quantization": "fp8-mm"}))
-    monkeypatch.setattr(fleet_plan, "_nvml_capabilities", lambda idx: [("NVIDIA A100-SXM4-80GB", (8, 0))] * len(idx))
+    monkeypatch.setattr(gpu_query, "capabilities", lambda idx: [("NVIDIA A100-SXM4-80GB", (8, 0))] * len(idx))
     args = ["plan", "--runner", "ltx2-distilled", "--group", "0", "--size", "768x512x121"]
     local = CliRunner().invoke(main, args)
     assert local.exit_code == 2 and "needs FP8 tensor cores" in local.output, local.output
     named = CliRunner().invoke(main, [*args, "--gpu", "h100-80gb", "--host-gib", "100"])
     assert named.exit_code == 0 and "fits: yes" in named.output, named.output
+
+
+def test_the_local_card_is_read_from_nvidia_smi_where_nvml_is_missing(monkeypatch):
+    """`local_card` without NVML: nvidia-smi's name, total and free MiB per index; the group's smallest card and
+    least free memory (less the CUDA context), an index it does not list: nothing known."""
+    from worker.render import fleet_plan, gpu_query
+
+    smi = "0, NVIDIA H100 80GB HBM3, 81559, 81000\n1, NVIDIA H100 80GB HBM3, 81559, 60000\n"
+    monkeypatch.setattr(gpu_query, "nvml_rows", lambda idx, read: None)
+    monkeypatch.setattr(gpu_query.subprocess, "run", lambda *a, **k: type("R", (), {"stdout": smi})())
+    card, free = fleet_plan.local_card(["cuda:0", "cuda:1"])
+    assert card.name == "h100-80gb" and free == pytest.approx(60000 / 1024 - pl.CONTEXT_GIB)
+    assert fleet_plan.local_card(["cuda:2"]) is None

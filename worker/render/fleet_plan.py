@@ -12,13 +12,12 @@ group's GPUs cannot run (`check_quantization`: fp8 GEMMs on an A100).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import subprocess
 from dataclasses import dataclass, replace
 from typing import Any
 
+from worker.render import gpu_query
 from worker.settings import SettingsError, WorkerSettings
 
 __all__ = ["FleetPlacement", "check_quantization", "group_capability", "host_budget_gib", "local_card", "place_fleet"]
@@ -51,90 +50,13 @@ class FleetPlacement:
         )
 
 
-def _nvml_devices(indices: list[int]) -> list[tuple[str, int, int]] | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        out = []
-        for i in indices:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(handle)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            out.append((name.decode() if isinstance(name, bytes) else str(name), int(mem.total), int(mem.free)))
-        return out
-    except pynvml.NVMLError:
-        return None
-    finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
-
-
-def _smi_devices(indices: list[int]) -> list[tuple[str, int, int]] | None:
-    query = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.free", "--format=csv,noheader,nounits"]
-    try:
-        text = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    rows = {}
-    for line in text.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 4 and parts[0].isdigit():
-            rows[int(parts[0])] = (parts[1], int(float(parts[2])) << 20, int(float(parts[3])) << 20)
-    return [rows[i] for i in indices] if all(i in rows for i in indices) else None
-
-
-def _nvml_capabilities(indices: list[int]) -> list[tuple[str, tuple[int, int]]] | None:
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        out = []
-        for i in indices:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(handle)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-            out.append((name.decode() if isinstance(name, bytes) else str(name), (int(major), int(minor))))
-        return out
-    except pynvml.NVMLError:
-        return None
-    finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
-
-
-def _smi_capabilities(indices: list[int]) -> list[tuple[str, tuple[int, int]]] | None:
-    query = ["nvidia-smi", "--query-gpu=index,name,compute_cap", "--format=csv,noheader"]
-    try:
-        text = subprocess.run(query, capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    rows = {}
-    for line in text.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and parts[2].replace(".", "", 1).isdigit() and "." in parts[2]:
-            major, minor = parts[2].split(".")
-            rows[int(parts[0])] = (parts[1], (int(major), int(minor)))
-    return [rows[i] for i in indices] if all(i in rows for i in indices) else None
-
-
 def group_capability(devices: list[str]) -> tuple[str, tuple[int, int]] | None:
     """The name and compute capability of the group's least capable GPU, from NVML or nvidia-smi (no CUDA
     context); None for a CPU group or where neither answers."""
     indices = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
     if not indices:
         return None
-    found = _nvml_capabilities(indices) or _smi_capabilities(indices)
+    found = gpu_query.capabilities(indices)
     return min(found, key=lambda row: row[1]) if found else None
 
 
@@ -160,7 +82,7 @@ def local_card(devices: list[str]) -> tuple[Any, float] | None:
     indices = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
     if not indices:
         return None
-    found = _nvml_devices(indices) or _smi_devices(indices)
+    found = gpu_query.memory(indices)
     if not found:
         return None
     name, total, _ = min(found, key=lambda row: row[1])
