@@ -375,16 +375,13 @@ def test_e2e_bench_passes_the_quantization_to_the_runners_setup(monkeypatch):
 
 
 def test_fp8_mm_on_a_gpu_without_fp8_tensor_cores_fails_setup(monkeypatch):
-    import ltx_mgpu.fp8 as fp8
-
-    class OnOldGpu(torch.nn.Module):  # parameters() reports a CUDA device; nothing touches CUDA
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = Fp8Linear(16, 16, device="meta")
-
-        def parameters(self, recurse: bool = True):
-            yield type("P", (), {"device": torch.device("cuda", 0)})()
-
-    monkeypatch.setattr(fp8, "fp8_tensor_cores", lambda device: False)
+    """Setup checks the GPU before any weight loads (`components.check_gpu`, the worker's table): an sm_80 GPU
+    (an A100, faked: nothing touches CUDA) refuses `fp8-mm` and says what to use instead; sm_89 takes it."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="needs FP8 tensor cores .* use 'fp8-cast'"):
-        comp.check_quantized(OnOldGpu(), "fp8-mm")
+        comp.check_gpu("fp8-mm", torch.device("cuda", 0))
+    comp.check_gpu(None, torch.device("cuda", 0))
+    comp.check_gpu("fp8-mm", torch.device("cpu"))  # (CPU ranks: the emulation is the path)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    comp.check_gpu("fp8-mm", torch.device("cuda", 0))

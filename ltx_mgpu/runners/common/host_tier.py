@@ -313,7 +313,7 @@ def compute_on_host(module: torch.nn.Module, device: torch.device) -> None:
 
     def after(mod: torch.nn.Module, args: Any, output: Any) -> Any:
         del mod, args
-        return send_to_device(output, device, non_blocking=False)
+        return send_to_device(output, device)
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after)

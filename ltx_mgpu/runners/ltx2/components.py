@@ -24,6 +24,7 @@ CHECKPOINT = "LTX-2 checkpoint"
 __all__ = [
     "DTYPES",
     "QUANTIZATIONS",
+    "check_gpu",
     "check_quantized",
     "distributed_video_decoder",
     "parse_dtype",
@@ -111,20 +112,29 @@ def upsampler_builder(path: str, *, registry: Any = None) -> Any:
     return file_builder(LatentUpsamplerConfigurator, path, "spatial upsampler", registry=registry)
 
 
+def check_gpu(name: str | None, device: torch.device) -> None:
+    """Before anything loads: the quantization `name` can run on `device` (`ltx_mgpu.spec.gpu_needs`, the table
+    the worker checked before the fleet started; the emulation an older GPU would fall back to dequantizes every
+    weight per call)."""
+    if device.type != "cuda":
+        return
+    from ...spec.gpu_needs import capability_problem
+
+    capability = torch.cuda.get_device_capability(device)
+    problem = capability_problem(name, capability, torch.cuda.get_device_name(device))
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def check_quantized(model: torch.nn.Module, name: str | None) -> None:
     """Prove a quantization policy took effect (the reference's CLIs silently dropped it)."""
     if name == "fp8-cast" and torch.float8_e4m3fn not in {p.dtype for p in model.parameters()}:
         raise RuntimeError("quantization 'fp8-cast' was requested but no transformer weight is float8")
-    if name in ("fp8-mm", "fp8-mm+attn"):
-        from ...fp8 import Fp8Linear, fp8_tensor_cores
+    if name in ("fp8-mm", "fp8-mm+attn"):  # (the GPU's capability: `check_gpu`, before the weights load)
+        from ...fp8 import Fp8Linear
 
         if not any(isinstance(m, Fp8Linear) for m in model.modules()):
             raise RuntimeError(f"quantization {name!r} was requested but no transformer Linear computes in fp8")
-        device = next(model.parameters()).device
-        if device.type == "cuda" and not fp8_tensor_cores(device):  # the emulation would dequantize per call
-            raise ValueError(
-                f"quantization {name!r} needs FP8 tensor cores (sm_89 or later) on {device}; use 'fp8-cast' there"
-            )
     if name == "fp8-mm+attn":
         from ...fp8.attention import fp8_attention_count, fp8_attention_support
 

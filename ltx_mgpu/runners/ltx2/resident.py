@@ -95,13 +95,7 @@ class Ltx2Resident(MGPURunner):
         policy = comp.quantization_policy(quantization)
         if policy is not None and self.dtype != torch.bfloat16:
             raise ValueError("quantized transformers run in bfloat16: set dtype='bfloat16'")
-        if self.device.type == "cuda":  # (the worker checked the same table before the fleet started)
-            from ...spec.gpu_needs import capability_problem
-
-            name = torch.cuda.get_device_name(self.device)
-            problem = capability_problem(quantization, torch.cuda.get_device_capability(self.device), name)
-            if problem is not None:
-                raise ValueError(problem)
+        comp.check_gpu(quantization, self.device)
         from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP
 
         self.base_loras = tuple(LoraSpec(str(p), float(s), LTXV_LORA_COMFY_RENAMING_MAP) for p, s in loras)
