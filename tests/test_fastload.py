@@ -105,3 +105,72 @@ def test_read_tensors_gives_the_named_tensors_as_views_of_one_allocation(tmp_pat
         assert t.numel() == 0 or (t.data_ptr() - base) % 16 == 0  # (GEMM kernels want 16-byte aligned operands)
     with pytest.raises(KeyError, match="no tensor named"):
         loader.read_tensors(str(path), ["vocoder.x", "not.there"], "cpu")
+
+
+class _CastWeights:
+    """A quantization's shape of key-value op: each weight replaced by a cast (and its scale added), the rest
+    kept, one tensor filed under a second key; it notes the storage size of every original it is handed."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def apply_to_key(self, key: str) -> str:
+        return key
+
+    def apply_to_key_value(self, key: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        self.seen[key] = value.untyped_storage().nbytes()
+        if key.endswith(".weight"):
+            return [(key, value.to(torch.float16)), (key.replace("weight", "scale"), value.abs().amax(dim=1))]
+        if key == "tied.table":
+            return [(key, value), ("tied.head", value)]
+        return [(key, value)]
+
+
+def _weights_file(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    tensors = {f"b.{i}.weight": torch.randn(32, 16, generator=gen) for i in range(12)}  # 2 KiB each
+    tensors |= {f"b.{i}.bias": torch.randn(32, generator=gen) for i in range(12)}
+    tensors["big.weight"] = torch.randn(64, 64, generator=gen)  # 16 KiB: over the group limit, alone
+    tensors["tied.table"] = torch.randn(8, 4, generator=gen)
+    path = str(tmp_path / "w.safetensors")
+    save_file(tensors, path)
+    return path, tensors
+
+
+def test_value_ops_run_group_by_group_so_the_originals_never_sit_together(tmp_path, monkeypatch) -> None:
+    """With key-value ops that replace tensors (a quantization at load), at most `group_bytes` of the file's
+    originals (plus each tensor's 256-byte alignment) are read before the ops see them and let them go; the
+    result is the ops applied to the whole file, every kept tensor off the shared allocation, a tensor filed
+    under two keys still one tensor, and one staging ring serves the whole file."""
+    path, tensors = _weights_file(tmp_path)
+    limit = 6 << 10
+    loader = StagedSafetensorsLoader(chunk_bytes=1000, buffers=3, readers=2, group_bytes=limit, stage_cpu=True)
+    rings = []
+    make_ring = loader._staging
+    monkeypatch.setattr(loader, "_staging", lambda *a: rings.append(a) or make_ring(*a))
+    ops = _CastWeights()
+    got = loader.load(path, ops, torch.device("cpu")).sd
+    reference = _CastWeights()
+    want = {k: v for key, t in tensors.items() for k, v in reference.apply_to_key_value(key, t.clone())}
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    assert len(rings) == 1
+    whole = sum(t.nbytes for t in tensors.values())
+    for key, storage in ops.seen.items():  # (a group: its tensors' bytes, each padded to 256, at most)
+        assert storage <= max(limit, tensors[key].nbytes) + 256 * len(tensors) < whole, (key, storage)
+    assert ops.seen["big.weight"] <= tensors["big.weight"].nbytes + 256  # (larger than a group: alone)
+    kept = [got[k] for k in got if k.endswith(".bias") or k.startswith("tied.")]
+    assert len({t.untyped_storage().data_ptr() for t in kept}) == len(kept) - 1  # own storage; the pair shares one
+    assert got["tied.head"] is got["tied.table"]
+
+
+def test_without_value_ops_a_file_is_still_one_allocation(tmp_path) -> None:
+    """Key ops that only select and rename leave nothing to drop early: one read, one allocation, as before."""
+    from ltx_core.loader.sd_ops import SDOps
+
+    path, tensors = _weights_file(tmp_path)
+    loader = StagedSafetensorsLoader(chunk_bytes=1000, buffers=3, readers=2, group_bytes=1 << 10, stage_cpu=True)
+    got = loader.load(path, SDOps("all").with_matching(), torch.device("cpu")).sd
+    assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1

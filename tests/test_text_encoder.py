@@ -70,6 +70,7 @@ def test_a_streamed_encoder_gives_the_resident_ones_embeddings(tiny, reference):
     layers = enc.streamed.describe()["layers"]
     assert layers >= 2 and enc.streamed.describe()["on_device"] == 0
     gemma = enc.text_encoder.model  # the token table (the head tied to it) and the vision tower run on the host
+    assert gemma.get_output_embeddings().weight is gemma.get_input_embeddings().weight  # (one table, even in fp32)
     on_host = (gemma.get_input_embeddings(), gemma.get_output_embeddings(), gemma.model.vision_tower)
     assert all(len(part._forward_pre_hooks) == 1 for part in on_host)
     for first, second in zip(enc.encode(PROMPTS), reference, strict=True):

@@ -12,6 +12,13 @@ filled buffer to the device on a side stream while the next ones are read. All t
 one device allocation, packed in file order, each starting at a 256-byte boundary; the state dict holds
 views of it (a model built with `assign=True` keeps them as its parameters). CPU destinations use
 ltx-core's loader unchanged: there is nothing to stage.
+
+Key-value ops that replace tensors (a quantization casting each weight at load) change that: the file is read
+in groups of at most `group_bytes`, each group's ops run as soon as it has landed, and its originals are
+dropped before the next group is read. Read whole, the 19B transformer's 36.5 GiB of bf16 sat on the device
+beside its growing fp8 copy until the last weight was cast: an fp8 fleet capped at 40 GiB (a 48 GB card's
+share) ran out of memory at 39.7 GiB in the middle of its setup, for a transformer that holds 20.1 GiB once
+loaded. One ring of staging buffers serves every group of a file.
 """
 
 from __future__ import annotations
@@ -96,18 +103,74 @@ def _segments(entries: list[_Entry], offsets: list[int]) -> Iterator[tuple[int, 
         yield run[0], run[1], run[2]
 
 
+def _may_replace(sd_ops: Any) -> bool:
+    """Whether `sd_ops` has key-value ops, which may put new tensors in place of the file's (ltx-core's
+    `SDOps` says so in its mapping; ops of another shape are assumed to)."""
+    if sd_ops is None:
+        return False
+    mapping = getattr(sd_ops, "mapping", None)
+    if mapping is None:
+        return True
+    return any(hasattr(op, "kv_operation") for op in mapping)
+
+
+def _groups(chosen: list[tuple[_Entry, str]], limit: int) -> list[list[tuple[_Entry, str]]]:
+    """`chosen` (file order) cut into runs of at most `limit` bytes; a tensor larger than `limit` is a run alone."""
+    groups: list[list[tuple[_Entry, str]]] = []
+    size = 0
+    for item in chosen:
+        if not groups or (size + item[0].nbytes > limit and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item[0].nbytes
+    return groups
+
+
+def _apply_value_ops(
+    group: list[tuple[_Entry, str]], values: list[torch.Tensor], sd_ops: Any
+) -> list[tuple[str, torch.Tensor]]:
+    """The group's (key, tensor) pairs after `sd_ops`' key-value ops. Where the ops replaced some tensors (e.g.
+    a quantization casting weights), the few views left would keep the group's whole allocation alive beside the
+    replacements, so they get storage of their own."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for (_, key), value in zip(group, values, strict=True):
+        out.extend(((key, value),) if sd_ops is None else sd_ops.apply_to_key_value(key, value))
+    if not values:
+        return out
+    base = values[0].untyped_storage().data_ptr()
+    views = [v.untyped_storage().data_ptr() == base for _, v in out]
+    if all(views):
+        return out
+    clones: dict[int, torch.Tensor] = {}  # (a tensor an op filed under two keys stays one tensor)
+    for (_, value), is_view in zip(out, views, strict=True):
+        if is_view and id(value) not in clones:
+            clones[id(value)] = value.clone()
+    return [(k, clones.get(id(v), v)) for k, v in out]
+
+
 class StagedSafetensorsLoader:
     """A `StateDictLoader` (ltx-core's protocol) that stages file reads through pinned memory; see the module
     docstring. `chunk_bytes` x `buffers` of pinned host memory are held only while a file loads."""
 
     def __init__(
-        self, *, chunk_bytes: int = 64 << 20, buffers: int = 6, readers: int = 4, stage_cpu: bool = False
+        self,
+        *,
+        chunk_bytes: int = 64 << 20,
+        buffers: int = 6,
+        readers: int = 4,
+        group_bytes: int = 2 << 30,
+        stage_cpu: bool = False,
     ) -> None:
-        if chunk_bytes <= 0 or buffers < 2 or readers < 1:
-            raise ValueError("need chunk_bytes > 0, buffers >= 2 and readers >= 1")
+        if chunk_bytes <= 0 or buffers < 2 or readers < 1 or group_bytes <= 0:
+            raise ValueError("need chunk_bytes > 0, buffers >= 2, readers >= 1 and group_bytes > 0")
         self.chunk_bytes = chunk_bytes
         self.buffers = buffers
         self.readers = min(readers, buffers)
+        #: with key-value ops, the most bytes of originals on the device at once (a larger tensor: alone). 2 GiB
+        #: sits inside the memory plan's 4 GiB headroom with the largest weight's fp32 copy (0.25 GiB) that a
+        #: quantization makes; each group ends in a short pipeline drain (~one chunk), 18 of them in 36.5 GiB
+        self.group_bytes = group_bytes
         self.stage_cpu = stage_cpu  #: stage CPU destinations too (tests: the same path without a GPU)
 
     def metadata(self, path: str) -> dict:  # (the config entry, as ltx-core's model loader reads it)
@@ -152,28 +215,34 @@ class StagedSafetensorsLoader:
 
     # ---- one file ------------------------------------------------------------------------------------
     def _load_file(self, path: str, sd_ops: Any, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        """The (key, tensor) pairs of one file after the key ops, as views of one device allocation."""
+        """The (key, tensor) pairs of one file after the key ops: views of one device allocation, or, where the
+        ops may replace tensors, of one allocation per group (see the module docstring)."""
         entries, _ = read_header(path)
         chosen: list[tuple[_Entry, str]] = []
         for entry in entries:
             key = entry.name if sd_ops is None else sd_ops.apply_to_key(entry.name)
             if key is not None:
                 chosen.append((entry, key))
-        values = self._read_entries(path, [e for e, _ in chosen], device, keep_runs=False)
+        groups = _groups(chosen, self.group_bytes) if _may_replace(sd_ops) else [chosen]
+        staging = None
+        if len(groups) > 1:  # (one ring for every group: page-locking it again per group would cost ~0.2 s each)
+            chunks = sum(-(-e.nbytes // self.chunk_bytes) for e, _ in chosen)
+            staging = self._staging(min(self.buffers, chunks), device.type == "cuda")
         out: list[tuple[str, torch.Tensor]] = []
-        for (_, key), value in zip(chosen, values, strict=True):
-            out.extend(((key, value),) if sd_ops is None else sd_ops.apply_to_key_value(key, value))
-        if values:
-            base = values[0].untyped_storage().data_ptr()
-            views = [v.untyped_storage().data_ptr() == base for _, v in out]
-            if not all(views):
-                # Key-value ops replaced some tensors (e.g. a quantization casting weights): the few views left
-                # would keep the whole allocation alive beside the replacements, so they get storage of their own.
-                out = [(k, v.clone() if is_view else v) for (k, v), is_view in zip(out, views, strict=True)]
+        for group in groups:
+            values = self._read_entries(path, [e for e, _ in group], device, keep_runs=False, staging=staging)
+            out.extend(_apply_value_ops(group, values, sd_ops))
+            del values  # (the group's originals: only what the ops kept still refers to them)
         return iter(out)
 
     def _read_entries(
-        self, path: str, entries: list[_Entry], device: torch.device, *, keep_runs: bool
+        self,
+        path: str,
+        entries: list[_Entry],
+        device: torch.device,
+        *,
+        keep_runs: bool,
+        staging: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """`entries` (in file order) read into one `device` allocation, as views. Each starts at a multiple of
         `_ALIGN` bytes, except, with `keep_runs`, one that follows its predecessor in the file at a 16-byte
@@ -187,13 +256,24 @@ class StagedSafetensorsLoader:
             end += entry.nbytes
             previous = entry
         flat = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
-        self._copy(path, list(_segments(entries, offsets)), flat)
+        self._copy(path, list(_segments(entries, offsets)), flat, staging)
         return [flat[o : o + e.nbytes].view(e.dtype).view(e.shape) for e, o in zip(entries, offsets, strict=True)]
 
-    def _copy(self, path: str, segments: list[tuple[int, int, int]], flat: torch.Tensor) -> None:
-        """Read every segment's bytes into `flat`. Reader threads fill a ring of staging buffers; this thread
-        sends the chunks on in file order. Chunk k uses buffer k % n, taken in chunk order (a turnstile), so
-        a reader only ever waits for chunk k - n, which this thread has already sent: no deadlock."""
+    def _staging(self, count: int, pinned: bool) -> list[torch.Tensor]:
+        """A ring of `count` staging buffers of `chunk_bytes` (page-locked for a CUDA destination)."""
+        return [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(count)]
+
+    def _copy(
+        self,
+        path: str,
+        segments: list[tuple[int, int, int]],
+        flat: torch.Tensor,
+        staging: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Read every segment's bytes into `flat`. Reader threads fill a ring of staging buffers (`staging`,
+        else one of its own); this thread sends the chunks on in file order. Chunk k uses buffer k % n, taken
+        in chunk order (a turnstile), so a reader only ever waits for chunk k - n, which this thread has already
+        sent: no deadlock. Every copy out of the ring has finished when it returns."""
         chunks = [
             (src + i, dst + i, min(self.chunk_bytes, n - i))
             for src, dst, n in segments
@@ -202,8 +282,9 @@ class StagedSafetensorsLoader:
         if not chunks:
             return
         cuda = flat.device.type == "cuda"
-        nbuf = min(self.buffers, len(chunks))
-        staging = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(nbuf)]
+        if staging is None:
+            staging = self._staging(min(self.buffers, len(chunks)), cuda)
+        nbuf = min(len(staging), len(chunks))
         views = [memoryview(b.numpy()) for b in staging]
         slot_free = [threading.Semaphore(1) for _ in range(nbuf)]
         turn, next_turn = threading.Condition(), [0]
@@ -241,6 +322,10 @@ class StagedSafetensorsLoader:
             tasks.put(None)
             t.start()
         stream = torch.cuda.Stream(device=flat.device) if cuda else None
+        if stream is not None:
+            # `flat` may reuse memory that work queued on the current stream still reads (the previous group's
+            # conversion, freed by the caching allocator as soon as it was queued): the copies wait for that work
+            stream.wait_stream(torch.cuda.current_stream(flat.device))
         pending: list[tuple[Any, int]] = []  # (copy-done event, buffer) in chunk order
 
         def release(upto: int) -> None:  # wait for the oldest copies and hand their buffers back

@@ -33,6 +33,7 @@ __all__ = [
     "embeddings_processor_builder",
     "gemma_builder",
     "gemma_module_ops",
+    "tie_output_head",
 ]
 
 DEFAULT_PROMPT_TOKENS = 1024  #: ltx-core pads every prompt to 1024 Gemma tokens
@@ -184,6 +185,20 @@ def gemma_builder(gemma_root: str | Path, *, max_tokens: int = DEFAULT_PROMPT_TO
     from dataclasses import replace
 
     return replace(base, model_sd_ops=_gemma_sd_ops(meta_keys))
+
+
+def tie_output_head(gemma: Any) -> None:
+    """One Parameter for Gemma's token table and its output head. ltx-core's key ops file the checkpoint's
+    table under both names (the head, tied in Gemma 3, is only for enhancement's `generate()`), and the build
+    gives each key a Parameter of its own: the same storage where the load keeps the dtype, two copies where it
+    casts (a float32 CPU rank: the table twice), and, either way, two weights to every code that places,
+    parks or streams parameters one by one. A head with other values (not this checkpoint layout) stays."""
+    table, head = gemma.get_input_embeddings(), gemma.get_output_embeddings()
+    if head is None or head.weight is table.weight or head.weight.shape != table.weight.shape:
+        return
+    same = head.weight.data_ptr() == table.weight.data_ptr() and head.weight.stride() == table.weight.stride()
+    if same or torch.equal(head.weight, table.weight):
+        head.weight = table.weight
 
 
 # =========================================================================================================

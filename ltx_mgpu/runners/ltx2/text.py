@@ -16,7 +16,7 @@ import torch
 
 from ..common.host_tier import stream_module
 from ..common.loading import check_materialized
-from .gemma_loading import DEFAULT_PROMPT_TOKENS, embeddings_processor_builder, gemma_builder
+from .gemma_loading import DEFAULT_PROMPT_TOKENS, embeddings_processor_builder, gemma_builder, tie_output_head
 
 __all__ = [
     "GemmaPromptEncoder",
@@ -145,6 +145,7 @@ def build_gemma_prompt_encoder(
     builder = gemma_builder(gemma_root, max_tokens=max_tokens, registry=registry)
     text_encoder = builder.build(device=load_on, dtype=dtype)
     text_encoder = check_materialized(text_encoder, f"Gemma at {gemma_root}")
+    tie_output_head(text_encoder.model)
     streamed = stream_module(text_encoder.model, device, _host_parts(text_encoder.model)) if stream else None
     processor = embeddings_processor_builder(checkpoint, registry=registry).build(device=device, dtype=dtype)
     processor = check_materialized(processor, f"embeddings processor in {checkpoint}")
