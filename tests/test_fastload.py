@@ -174,3 +174,13 @@ def test_without_value_ops_a_file_is_still_one_allocation(tmp_path) -> None:
     got = loader.load(path, SDOps("all").with_matching(), torch.device("cpu")).sd
     assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
     assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
+
+
+def test_a_converting_loads_transient_fits_in_the_memory_plans_headroom() -> None:
+    """The plan does not model setup: what a quantizing load holds beyond the loaded model (one group of
+    originals, and the fp32 copy `quantize_weight` makes of the largest weight, 4096 x 16384 in the 19B
+    transformer: `lora_unit_gib` is its bf16 size) must fit in the headroom every admission keeps free."""
+    from ltx_mgpu.spec.memory_plan import DEFAULT_HEADROOM_GIB, GIB, LTX2_19B
+
+    transient = StagedSafetensorsLoader().group_bytes + 2 * LTX2_19B.lora_unit_gib * GIB
+    assert transient < DEFAULT_HEADROOM_GIB * GIB
