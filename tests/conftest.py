@@ -47,6 +47,14 @@ from devstack.tcp_proxy import TcpProxy  # noqa: E402
 from tests.support.tiers import tier_of  # noqa: E402
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With `LTX_TEST_RESUME_FILE` set, tests that passed at this tree are not run again
+    (`tests.support.resume`: how the GPU suite spreads over device calls)."""
+    from tests.support.resume import register
+
+    register(config)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its one tier (`tests.support.tiers.tier_of`)."""

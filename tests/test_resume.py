@@ -1,0 +1,82 @@
+"""`tests.support.resume`: a run with `LTX_TEST_RESUME_FILE` leaves out what passed before at the same tree,
+runs failures and skips again, keeps what finished when it is killed, and runs everything once a source changes
+(how `scripts/gpu_session.sh tests` spreads the GPU suite over device calls)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+_TESTS = """
+import os, signal, pytest
+from pathlib import Path
+
+def test_a():
+    pass
+
+def test_b():
+    assert Path(os.environ["FIXED"]).exists()
+
+@pytest.mark.skip(reason="not here")
+def test_c():
+    pass
+
+def test_d():
+    if os.environ.get("KILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+_CONFTEST = """
+def pytest_configure(config):
+    from tests.support.resume import register
+    register(config)
+"""
+
+
+def _run(src: Path, record: Path, fixed: Path, **env: str) -> tuple[int, str]:
+    environ = {**os.environ, "PYTHONPATH": str(_ROOT), "LTX_TEST_RESUME_FILE": str(record),
+               "LTX_TEST_RESUME_ROOT": str(src), "FIXED": str(fixed), **env}  # fmt: skip
+    environ.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", str(src)],
+        cwd=src, env=environ, capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_resumed_run_runs_only_what_has_not_passed_at_this_tree(tmp_path: Path) -> None:
+    src, record, fixed = tmp_path / "src", tmp_path / "outcomes.txt", tmp_path / "fixed"
+    src.mkdir()
+    (src / "test_x.py").write_text(_TESTS)
+    (src / "conftest.py").write_text(_CONFTEST)
+
+    rc, out = _run(src, record, fixed, KILL="1")  # killed in test_d: a, b and c are on record
+    assert rc != 0 and "PASSED" not in out.split("test_d")[-1]
+    assert [line.split(" ", 2)[1:] for line in record.read_text().splitlines()] == [
+        ["passed", "test_x.py::test_a"], ["failed", "test_x.py::test_b"], ["skipped", "test_x.py::test_c"],
+    ]  # fmt: skip
+
+    rc, out = _run(src, record, fixed)  # b fails again (failures run again), c and d run, a does not
+    assert rc == 1 and "1 passed before, 3 to run" in out
+    assert "PASSED test_x.py::test_d" in out and "FAILED test_x.py::test_b" in out and "test_x.py::test_a" not in out
+    assert "over every run so far: 2 passed, 1 skipped, 1 failed: test_x.py::test_b" in out
+
+    fixed.touch()  # the fix (outside the fingerprinted sources, like a server a test needs)
+    rc, out = _run(src, record, fixed)
+    assert rc == 0 and "2 passed before, 2 to run" in out and "PASSED test_x.py::test_b" in out
+    assert "3 passed, 1 skipped, 0 failed" in out
+
+    rc, out = _run(src, record, fixed)  # only the skip is left: it runs again, and skips
+    assert rc == 0 and "3 passed before, 1 to run" in out and "SKIPPED" in out and "PASSED" not in out
+
+    (src / "test_x.py").write_text(_TESTS + "\n# a change\n")  # another tree: everything runs again
+    rc, out = _run(src, record, fixed)
+    assert rc == 0 and "0 passed before, 4 to run" in out and out.count("PASSED") == 3
