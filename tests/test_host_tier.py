@@ -151,6 +151,25 @@ def test_the_copy_back_comes_in_pieces_no_larger_than_the_limit_and_returns_ever
             assert torch.equal(p, before[name]), name
 
 
+def test_two_parameters_over_one_tensor_are_parked_and_brought_back_as_one():
+    """What a load that files one tensor under two keys builds (ltx-core's Gemma: the token table and the head,
+    two Parameters over the same memory): mirrored once, and after a park and a copy back still one tensor.
+    Counted by identity alone (before), a bf16 Gemma's 1.88 GiB table was mirrored twice in pinned memory and came
+    back from each park as two device copies (read from the code: the GPU runs never measured it apart)."""
+    module = _TwoLayers()
+    module.head.weight = torch.nn.Parameter(module.embed.weight.data)  # a second Parameter, the same memory
+    table = module.embed.weight.detach().clone()
+    parkable = host_tier.ParkableWeights(module, torch.device("cpu"))
+    single = host_tier.ParkableWeights(_TwoLayers(), torch.device("cpu"))  # (tied: the table counted once)
+    assert parkable.nbytes == single.nbytes
+    for _ in range(2):
+        parkable.park()
+        assert module.head.weight.data_ptr() == module.embed.weight.data_ptr()
+        parkable.unpark()
+        assert module.head.weight.data_ptr() == module.embed.weight.data_ptr()
+        assert module.head.weight is not module.embed.weight and torch.equal(module.head.weight, table)
+
+
 def test_a_copy_back_that_runs_out_part_way_leaves_the_weights_parked(monkeypatch):
     """Out of memory at the third piece: nothing is half-restored (every parameter still views the mirror) and a
     later copy back, with room, restores them all."""

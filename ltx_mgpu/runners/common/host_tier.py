@@ -137,10 +137,19 @@ class ParkableWeights:
     def __init__(self, module: torch.nn.Module, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
         self.module = module
         self.device = torch.device(device)
-        seen: dict[int, torch.nn.Parameter] = {}
-        for p in module.parameters():
-            seen.setdefault(id(p), p)
-        self._params = list(seen.values())
+        # Each weight once: a Parameter met again (tied) or a second Parameter over the same memory (a load that
+        # filed one tensor under two keys, as ltx-core does Gemma's token table and head) follows its owner, so a
+        # park mirrors it once and an unpark does not bring it back as two device copies.
+        self._params: list[torch.nn.Parameter] = []
+        self._aliases: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (alias, owner)
+        owners: dict[tuple[Any, ...], torch.nn.Parameter] = {}
+        for p in module.parameters():  # (each Parameter object once)
+            where = (p.device, p.data_ptr(), p.dtype, tuple(p.shape), p.stride())
+            if p.numel() and where in owners:
+                self._aliases.append((p, owners[where]))
+                continue
+            owners[where] = p
+            self._params.append(p)
         self._layout: list[tuple[int, int]] = []  # (byte offset, bytes) per parameter
         offset = 0
         for p in self._params:
@@ -173,8 +182,7 @@ class ParkableWeights:
         self.ensure()  # (a copy still in flight targets the memory being dropped)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the last use of the GPU copy has finished
-        for p, view in zip(self._params, self._views([self._mirror]), strict=True):
-            p.data = view
+        self._point(self._views([self._mirror]))
         self.parked = True
         self.stats["parks"] += 1
 
@@ -200,10 +208,16 @@ class ParkableWeights:
         else:
             for buffer, (start, end) in zip(buffers, self._pieces, strict=True):
                 buffer.copy_(self._mirror[start:end])
-        for p, view in zip(self._params, self._views(buffers, bases), strict=True):
-            p.data = view
+        self._point(self._views(buffers, bases))
         self.parked = False
         self.stats["unparks"] += 1
+
+    def _point(self, views: list[torch.Tensor]) -> None:
+        """Every parameter, and every alias with its owner, at `views`."""
+        for p, view in zip(self._params, views, strict=True):
+            p.data = view
+        for alias, owner in self._aliases:
+            alias.data = owner.data
 
     def ensure(self) -> None:
         """Make the current stream wait for an `unpark()` copy still in flight (a no-op otherwise)."""
