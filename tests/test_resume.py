@@ -60,9 +60,11 @@ def test_a_resumed_run_runs_only_what_has_not_passed_at_this_tree(tmp_path: Path
 
     rc, out = _run(src, record, fixed, KILL="1")  # killed in test_d: a, b and c are on record
     assert rc != 0 and "PASSED" not in out.split("test_d")[-1]
-    assert [line.split(" ", 2)[1:] for line in record.read_text().splitlines()] == [
+    lines = [line.split(" ", 3) for line in record.read_text().splitlines()]
+    assert [[outcome, nodeid] for _, outcome, _, nodeid in lines] == [
         ["passed", "test_x.py::test_a"], ["failed", "test_x.py::test_b"], ["skipped", "test_x.py::test_c"],
     ]  # fmt: skip
+    assert all(float(seconds) >= 0 for _, _, seconds, _ in lines)
 
     rc, out = _run(src, record, fixed)  # b fails again (failures run again), c and d run, a does not
     assert rc == 1 and "1 passed before, 3 to run" in out

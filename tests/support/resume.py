@@ -2,18 +2,17 @@
 
 Why: a GPU session has about 30 minutes of device time and one call runs at most 10, while the GPU suite takes
 about 15 minutes of it on an H100. Split by hand over several calls, the split's guesses re-ran tests that had
-already passed (two minutes of one session's device time went to `test_ltx2_runners_gpu.py` twice). With
-`LTX_TEST_RESUME_FILE` set, every outcome is appended to that file as it happens (a call stopped by its time
-limit keeps what finished), and the next run with the same file deselects what passed, so
-`bash scripts/gpu_session.sh tests` is simply called again until nothing is left. Failures run again (the call
-after a fix is the one that shows it), and so do skips: they cost nothing, and a skip for a missing wheel or
-server must run once a later call has installed it.
+already passed (2.5 minutes of one session's device time re-ran `test_ltx2_runners_gpu.py` cases). With
+`LTX_TEST_RESUME_FILE` set, every outcome is appended to that file as it happens, with its seconds (setup and
+call: what a split of the suite needs), so a call stopped by its time limit keeps what finished; the next run
+with the same file deselects what passed, and `bash scripts/gpu_session.sh tests` is simply called again until
+nothing is left. Failures run again (the call after a fix is the one that shows it), and so do skips: they cost
+nothing, and a skip for a missing wheel or server must run once a later call has installed it.
 
 Outcomes count only for the tree they were recorded at: the file stores a fingerprint of every source file
 (names and bytes of the .py, CUDA, C++ and .toml files under `LTX_TEST_RESUME_ROOT` or the repository, hidden
-folders and build output left out), so a change to
-anything re-runs everything. pytest's own cache (`--lf`, `--sw`) keys on nothing of the sort and the device
-sessions run with `-p no:cacheprovider`.
+folders and build output left out), so a change to anything re-runs everything. pytest's own cache (`--lf`,
+`--sw`) keys on nothing of the sort, and the device sessions run with `-p no:cacheprovider`.
 """
 
 from __future__ import annotations
@@ -52,13 +51,13 @@ def fingerprint(root: Path) -> str:
 
 
 def read_outcomes(path: Path, tree: str) -> dict[str, str]:
-    """nodeid -> the last outcome recorded at `tree` (lines of "tree outcome nodeid")."""
+    """nodeid -> the last outcome recorded at `tree` (lines of "tree outcome seconds nodeid")."""
     outcomes: dict[str, str] = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            parts = line.split(" ", 2)
-            if len(parts) == 3 and parts[0] == tree:
-                outcomes[parts[2]] = parts[1]
+            parts = line.split(" ", 3)
+            if len(parts) == 4 and parts[0] == tree:
+                outcomes[parts[3]] = parts[1]
     return outcomes
 
 
@@ -69,6 +68,7 @@ class ResumePlugin:
         self.path = path
         self.tree = fingerprint(root)
         self.known = read_outcomes(path, self.tree)
+        self._setup_s: dict[str, float] = {}  # (a test's setup seconds, its fixtures', until its call is recorded)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -83,10 +83,13 @@ class ResumePlugin:
             )
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "setup":
+            self._setup_s[report.nodeid] = report.duration
         if report.when == "call" or report.outcome != "passed":  # (setup and teardown only when they fail/skip)
             outcome = "passed" if report.passed else "skipped" if report.skipped else "failed"
+            seconds = report.duration + (self._setup_s.pop(report.nodeid, 0.0) if report.when == "call" else 0.0)
             with self.path.open("a") as f:  # (one line at a time, flushed: a killed run keeps what finished)
-                f.write(f"{self.tree} {outcome} {report.nodeid}\n")
+                f.write(f"{self.tree} {outcome} {seconds:.1f} {report.nodeid}\n")
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         outcomes = read_outcomes(self.path, self.tree)
