@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["FILE_ENV", "ROOT_ENV", "ResumePlugin", "fingerprint", "read_outcomes"]
+__all__ = ["FILE_ENV", "ROOT_ENV", "ResumePlugin", "fingerprint", "read_outcomes", "register"]
 
 FILE_ENV = "LTX_TEST_RESUME_FILE"
 ROOT_ENV = "LTX_TEST_RESUME_ROOT"
