@@ -1,5 +1,6 @@
 """One ltx-core transformer block, bf16 against `fp8-mm` against `fp8-mm+attn` (FP8 linears and FP8 video
-self-attention; also without the attention's value shift, `_unshifted`), at 1,536 / 6,144 / 24,576 video
+self-attention; also without the attention's value shift, `_unshifted`; with `--fused`, `fp8-mm+attn` with its
+norms, modulation, gated residuals and split RoPE in Triton kernels, `_fused`), at 1,536 / 6,144 / 24,576 video
 tokens: ms per call (timed with CUDA events over graph replays after warm-up, `bench.common.time_ms`; wall
 clock on the CPU) and the relative
 error of each against bf16 (video output and the video update out - x). Built on bench/block.py's block
@@ -7,6 +8,7 @@ harness (imported, not changed); needs ltx-core (the GPU host's `wheels` phase) 
 frontend (`.whl3/`). Every variant runs in a try/except that records its error as a JSON line.
 
     python -m bench.fp8_attn_block                                  # one H200
+    python -m bench.fp8_attn_block --fused --tokens 6144,24576       # plus the fused-elementwise candidate
     python -m bench.fp8_attn_block --device cpu --dims tiny --tokens 96 --iters 1 --warmup 0   # smoke
 """
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="1536,6144,24576")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--fused", action="store_true", help="also fp8-mm+attn with fused elementwise kernels")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     case = BlockCase("ltx", DIMS[args.dims], device)
@@ -40,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     unshifted = torch.nn.Module()  # the same without the value shift, to measure what it saves in the same run
     unshifted.transformer_blocks = torch.nn.ModuleList([copy.deepcopy(case.fp8)])
     unshifted = install_fp8_attention(unshifted, only_converted=False, smooth_v=False).transformer_blocks[0]
-    variants = (("bf16", case.bf16), ("fp8_mm", case.fp8), ("fp8_mm_attn", attn), ("fp8_mm_attn_unshifted", unshifted))
+    variants = [("bf16", case.bf16), ("fp8_mm", case.fp8), ("fp8_mm_attn", attn), ("fp8_mm_attn_unshifted", unshifted)]
+    if args.fused:  # issue 49's candidate: the FP8 attention and linears plus the fused elementwise work
+        from ltx_mgpu.fused.block import fuse_elementwise
+
+        fused = copy.deepcopy(attn)
+        if not fuse_elementwise(fused):
+            raise SystemExit("--fused: no module of the block took the fused forward")
+        variants.append(("fp8_mm_attn_fused", fused))
+    compared = [name for name, _ in variants if name != "bf16"]
     summary = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         vargs, aargs, pert = case.ltx_args(tokens)
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_rel_err_video_update"] = rel_err(out_v - vargs.x, ref_v - vargs.x)
             except Exception as exc:  # one shot on the GPU: record and go on
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        for name in ("fp8_mm", "fp8_mm_attn", "fp8_mm_attn_unshifted"):
+        for name in compared:
             if f"{name}_ms" in row and "bf16_ms" in row:
                 row[f"{name}_speedup"] = round(row["bf16_ms"] / row[f"{name}_ms"], 3)
         emit(row)
@@ -65,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{tokens}: fp8-mm {row.get('fp8_mm_speedup')}x, fp8-mm+attn {row.get('fp8_mm_attn_speedup')}x "
             f"(err {row.get('fp8_mm_attn_rel_err_video')}; unshifted {row.get('fp8_mm_attn_unshifted_speedup')}x, "
             f"err {row.get('fp8_mm_attn_unshifted_rel_err_video')})"
+            + (
+                f", fused {row.get('fp8_mm_attn_fused_speedup')}x (err {row.get('fp8_mm_attn_fused_rel_err_video')})"
+                if args.fused
+                else ""
+            )
         )
     print("SUMMARY block speedups over bf16 | " + " | ".join(summary), flush=True)
     return 0
