@@ -85,10 +85,17 @@ def build_block(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -
 
 
 def block_inputs(
-    model: torch.nn.Module, cfg: dict[str, Any], tokens: int, device: torch.device, dtype: torch.dtype
+    model: torch.nn.Module,
+    cfg: dict[str, Any],
+    tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    one_timestep: bool = False,
 ) -> tuple:
-    """TransformerArgs for the block, prepared by the model's own preprocessors (real RoPE, AdaLN, etc.)."""
-    video, audio = modalities(cfg, tokens, device, dtype)
+    """TransformerArgs for the block, prepared by the model's own preprocessors (real RoPE, AdaLN, etc.).
+    `one_timestep`: one (1, 1, 1) timestep for all tokens, as the runners give a job without conditioning
+    (`ltx_mgpu.runners.ltx2.denoise.one_for_every_token`); else one per token, as ltx-core's pipelines do."""
+    video, audio = modalities(cfg, tokens, device, dtype, one_timestep=one_timestep)
     with torch.no_grad():
         vargs = model.video_args_preprocessor.prepare(video, audio)
         aargs = model.audio_args_preprocessor.prepare(audio, video)
@@ -98,7 +105,12 @@ def block_inputs(
 
 
 def modalities(
-    cfg: dict[str, Any], tokens: int, device: torch.device, dtype: torch.dtype, sigma: float = 0.7
+    cfg: dict[str, Any],
+    tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    sigma: float = 0.7,
+    one_timestep: bool = False,
 ) -> tuple[Any, Any]:
     """(video, audio) ltx-core `Modality` inputs: random latents at `tokens` video tokens and 126 audio
     tokens, real positions, a random 128-token text context, every token at `sigma`."""
@@ -124,7 +136,7 @@ def modalities(
         return Modality(
             latent=torch.randn(1, n, channels, generator=gen, device=device, dtype=dtype),
             sigma=sigma_t,
-            timesteps=torch.full((1, n, 1), sigma, device=device),
+            timesteps=torch.full((1, 1 if one_timestep else n, 1), sigma, device=device),
             positions=state.positions,
             context=ctx,
             context_mask=cmask,
@@ -175,11 +187,12 @@ class BlockCase:
         for b in self.fused:
             fuse_elementwise(b)
 
-    def ltx_args(self, tokens: int) -> tuple[Any, Any, Any]:
-        """(video args, audio args, perturbations): what an ltx-core block is called with at `tokens`."""
+    def ltx_args(self, tokens: int, one_timestep: bool = False) -> tuple[Any, Any, Any]:
+        """(video args, audio args, perturbations): what an ltx-core block is called with at `tokens`
+        (`one_timestep`: see `block_inputs`)."""
         from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 
-        vargs, aargs, _, _ = block_inputs(self.model, self.cfg, tokens, self.device, torch.bfloat16)
+        vargs, aargs, _, _ = block_inputs(self.model, self.cfg, tokens, self.device, torch.bfloat16, one_timestep)
         return vargs, aargs, BatchedPerturbationConfig.empty(1)
 
     def calls(self, tokens: int) -> tuple[Any, Any, Any]:

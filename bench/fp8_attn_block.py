@@ -9,6 +9,10 @@ frontend (`.whl3/`). Every variant runs in a try/except that records its error a
 
     python -m bench.fp8_attn_block                                  # one H200
     python -m bench.fp8_attn_block --fused --tokens 6144,24576       # plus the fused-elementwise candidate
+
+Each token count runs twice by default (`--timesteps both`): with one timestep per token, as ltx-core's
+pipelines call the blocks, and with one for all tokens, as the runners do for a job without conditioning; the
+second row also gives each variant's speed-up against the first row's bf16 block.
     python -m bench.fp8_attn_block --device cpu --dims tiny --tokens 96 --iters 1 --warmup 0   # smoke
 """
 
@@ -33,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--fused", action="store_true", help="also fp8-mm+attn with fused elementwise kernels")
+    ap.add_argument(
+        "--timesteps",
+        choices=("per-token", "one", "both"),
+        default="both",
+        help="the blocks' timesteps: one per token (ltx-core's pipelines), one for all tokens (the runners "
+        "without conditioning), or both, each row against the bf16 block on the same inputs",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     case = BlockCase("ltx", DIMS[args.dims], device)
@@ -44,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     unshifted.transformer_blocks = torch.nn.ModuleList([copy.deepcopy(case.fp8)])
     unshifted = install_fp8_attention(unshifted, only_converted=False, smooth_v=False).transformer_blocks[0]
     variants = [("bf16", case.bf16), ("fp8_mm", case.fp8), ("fp8_mm_attn", attn), ("fp8_mm_attn_unshifted", unshifted)]
-    if args.fused:  # issue 49's candidate: the FP8 attention and linears plus the fused elementwise work
+    if args.fused:  # the faster-block candidate: the FP8 attention and linears plus the fused elementwise work
         from ltx_mgpu.fused.block import fuse_elementwise
 
         fused = copy.deepcopy(attn)
@@ -53,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         variants.append(("fp8_mm_attn_fused", fused))
     compared = [name for name, _ in variants if name != "bf16"]
     summary = []
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        vargs, aargs, pert = case.ltx_args(tokens)
+    modes = ("per-token", "one") if args.timesteps == "both" else (args.timesteps,)
+    bf16_per_token: dict[int, float] = {}
+    for tokens, mode in ((int(t), m) for t in args.tokens.split(",") for m in modes):
+        vargs, aargs, pert = case.ltx_args(tokens, one_timestep=mode == "one")
         with torch.no_grad():
             ref_v, _ = block_outputs(case.bf16(vargs, aargs, pert))
-        row = {"kind": "block", "video_tokens": tokens}
+        row = {"kind": "block", "video_tokens": tokens, "timesteps": mode}
         for name, block in variants:
             try:
                 with torch.no_grad():
@@ -71,9 +84,16 @@ def main(argv: list[str] | None = None) -> int:
         for name in compared:
             if f"{name}_ms" in row and "bf16_ms" in row:
                 row[f"{name}_speedup"] = round(row["bf16_ms"] / row[f"{name}_ms"], 3)
+        if mode == "per-token" and "bf16_ms" in row:
+            bf16_per_token[tokens] = row["bf16_ms"]
+        elif tokens in bf16_per_token:  # what one timestep saves, against the per-token bf16 block of this run
+            for name, _ in variants:
+                if f"{name}_ms" in row:
+                    row[f"{name}_speedup_vs_per_token_bf16"] = round(bf16_per_token[tokens] / row[f"{name}_ms"], 3)
         emit(row)
         summary.append(
-            f"{tokens}: fp8-mm {row.get('fp8_mm_speedup')}x, fp8-mm+attn {row.get('fp8_mm_attn_speedup')}x "
+            f"{tokens} (timesteps: {mode}): fp8-mm {row.get('fp8_mm_speedup')}x, "
+            f"fp8-mm+attn {row.get('fp8_mm_attn_speedup')}x "
             f"(err {row.get('fp8_mm_attn_rel_err_video')}; unshifted {row.get('fp8_mm_attn_unshifted_speedup')}x, "
             f"err {row.get('fp8_mm_attn_unshifted_rel_err_video')})"
             + (

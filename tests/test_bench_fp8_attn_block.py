@@ -1,5 +1,5 @@
-"""`python -m bench.fp8_attn_block --fused` runs its CPU smoke version: one row per token count with every variant
-timed and compared with the bf16 block, and a SUMMARY line.
+"""`python -m bench.fp8_attn_block --fused` runs its CPU smoke version: two rows per token count (timesteps per
+token and one for all tokens) with every variant timed and compared with the bf16 block, and a SUMMARY line.
 
 On a CPU the fused block runs `ltx_mgpu.fused.ops`' eager definitions, which are ltx-core's expressions in
 ltx-core's order, so it computes what the unfused `fp8-mm+attn` block computes, bit for bit: the two errors
@@ -23,11 +23,15 @@ def test_fp8_attn_block_bench_with_the_fused_candidate_on_cpu() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("SUMMARY ") and "fused" in lines[-1]
-    (row,) = [r for r in map(json.loads, lines[:-1]) if r.get("kind") == "block"]
+    rows = {r["timesteps"]: r for r in map(json.loads, lines[:-1]) if r.get("kind") == "block"}
+    assert set(rows) == {"per-token", "one"}  # the default: both, side by side
     names = ("fp8_mm", "fp8_mm_attn", "fp8_mm_attn_unshifted", "fp8_mm_attn_fused")
-    assert not [k for k in row if k.endswith("_error")], row
-    for name in names:
-        assert row[f"{name}_ms"] > 0 and row[f"{name}_speedup"] > 0, (name, row)
-        assert 0 < row[f"{name}_rel_err_video"] < 2.0**-4, (name, row)
-    assert row["fp8_mm_attn_fused_rel_err_video"] == row["fp8_mm_attn_rel_err_video"]
-    assert row["fp8_mm_attn_fused_rel_err_video_update"] == row["fp8_mm_attn_rel_err_video_update"]
+    for row in rows.values():
+        assert not [k for k in row if k.endswith("_error")], row
+        for name in names:
+            assert row[f"{name}_ms"] > 0 and row[f"{name}_speedup"] > 0, (name, row)
+            assert 0 < row[f"{name}_rel_err_video"] < 2.0**-4, (name, row)
+        assert row["fp8_mm_attn_fused_rel_err_video"] == row["fp8_mm_attn_rel_err_video"]
+        assert row["fp8_mm_attn_fused_rel_err_video_update"] == row["fp8_mm_attn_rel_err_video_update"]
+    # the one-timestep row also says what it gains over the per-token bf16 block of the same run
+    assert all(rows["one"][f"{name}_speedup_vs_per_token_bf16"] > 0 for name in ("bf16", *names))

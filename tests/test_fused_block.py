@@ -86,11 +86,19 @@ def interpreter_checks() -> None:
     # 8 video tokens (8 latent frames of 1x1: a 57-frame clip, so 59 audio tokens): every row is its own kernel
     # program, so more rows check nothing new and cost interpreter time
     v, a, _, _ = block_inputs(model, cfg, 8, torch.device("cpu"), torch.bfloat16)
+    # one timestep for every token (the runners' for a job without conditioning): (B, 1, D) AdaLN values
+    v1, a1, _, _ = block_inputs(model, cfg, 8, torch.device("cpu"), torch.bfloat16, one_timestep=True)
+    assert v1.timesteps.shape[1] == 1 and v.timesteps.shape[1] == 8
     pert = BatchedPerturbationConfig.empty(1)
     ops.FORCE_KERNELS = True
     with torch.no_grad():
-        for block in (model.transformer_blocks[0], convert_linears(copy.deepcopy(model.transformer_blocks[0]),
-                                                                     quantize=True)):  # fmt: skip
+        bf16_block = model.transformer_blocks[0]
+        fp8_block = convert_linears(copy.deepcopy(bf16_block), quantize=True)
+        ref1 = bf16_block(v1, a1, pert)
+        one = copy.deepcopy(bf16_block)
+        fuse_elementwise(one)
+        assert all(torch.equal(r.x, o.x) for r, o in zip(ref1, one(v1, a1, pert), strict=True))
+        for block in (bf16_block, fp8_block):
             ref = block(v, a, pert)
             fused = copy.deepcopy(block)
             assert fuse_elementwise(fused) == 7  # the block and its six attentions

@@ -59,8 +59,9 @@ def test_norm_rope_kernel_matches_eager():
     _within(got, want, normed.abs().amax(dim=-1, keepdim=True).expand_as(normed))  # a rotation mixes the halves
 
 
+@pytest.mark.parametrize("one_timestep", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fused_block_matches_ltx_core_and_replays_in_a_graph(fp8):
+def test_fused_block_matches_ltx_core_and_replays_in_a_graph(fp8, one_timestep):
     pytest.importorskip("ltx_core")
     from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 
@@ -76,7 +77,7 @@ def test_fused_block_matches_ltx_core_and_replays_in_a_graph(fp8):
     block = model.transformer_blocks[0]
     if fp8:
         block = convert_linears(block, quantize=True)
-    v, a, _, _ = block_inputs(model, cfg, 6144, torch.device("cuda"), torch.bfloat16)
+    v, a, _, _ = block_inputs(model, cfg, 6144, torch.device("cuda"), torch.bfloat16, one_timestep=one_timestep)
     pert = BatchedPerturbationConfig.empty(1)
     fused = copy.deepcopy(block)
     assert fuse_elementwise(fused) == 7

@@ -222,6 +222,28 @@ def test_a_streamed_text_encoder_renders_the_same_video(tiny, tmp_path):
     assert torch.equal(videos["gpu"], videos["stream"])
 
 
+def test_a_job_without_conditioning_gives_the_transformer_one_timestep_per_row(tiny, tmp_path):
+    """Without conditioning items every token has the same timestep: the transformer embeds one per row (its
+    AdaLN embedding sees the batch rows, not rows x tokens) and every block broadcasts it; an image-conditioned
+    job keeps its per-token timesteps (the conditioned tokens are denoised less). tests/test_sp_parallel.py
+    holds the numbers: the same as the per-token forward up to fp32 summation order."""
+    seen: list[int] = []
+    with LocalRunner(Ltx2DistilledRunner) as local:
+        local.start(**distilled_setup(tiny))
+        adaln = local.runner.sp_model.model.adaln_single
+        hook = adaln.register_forward_pre_hook(lambda _m, args: seen.append(int(args[0].numel())))
+        try:
+            render(_LocalCtl(local), tmp_path / "plain.mp4", seed=3)
+            plain = list(seen)
+            seen.clear()
+            images = [{"data": png_b64(), "frame": 0, "strength": 1.0}]
+            render(_LocalCtl(local), tmp_path / "image.mp4", seed=3, images=images)
+        finally:
+            hook.remove()
+    assert plain and set(plain) == {1}, plain  # one row (the distilled runner's single pass), one timestep
+    assert seen and min(seen) > 1, seen  # per token: the first latent frame's tokens are the image's
+
+
 def test_two_stage_single_process_with_fp8_quantization(tiny, tmp_path, caplog):
     with LocalRunner(Ltx2TwoStageRunner) as local:
         with caplog.at_level(logging.WARNING, logger="ltx_mgpu.runners"):

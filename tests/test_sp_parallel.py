@@ -170,9 +170,14 @@ def _run_numerics(
     mask_audio_padding: bool = True,
     backend: str = "dist",
     dtype: str = "float32",
+    one_timestep: bool = False,
 ) -> list[dict]:
     """SP vs the same model in this process, per case. For dtypes other than fp32 also the error of SP
-    and of the single-process model against an fp32 single-process reference (SP must be no worse)."""
+    and of the single-process model against an fp32 single-process reference (SP must be no worse).
+    `one_timestep`: each row's timesteps as one (B, 1, 1) value (what the runners give a mask uniform over
+    the tokens); `per_token_diff` is then the single-process model against itself fed that value per token."""
+    import dataclasses
+
     from ltx_mgpu.parallel import All2AllAttention
 
     reference, sp, mgr = _models(ctx, path, backend=backend, dtype=dtype)
@@ -196,6 +201,8 @@ def _run_numerics(
     try:
         for f, h, w, batch, user_mask in cases:
             video, audio, pert = _inputs(tcfg, f, h, w, batch, user_mask)
+            if one_timestep:
+                video, audio = (dataclasses.replace(m, timesteps=m.timesteps[:, :1]) for m in (video, audio))
             video32, audio32 = _to(ctx.device, video, audio)
             video, audio = _to(ctx.device, video, audio, dtype=getattr(torch, dtype))
             for values in seen.values():
@@ -204,6 +211,14 @@ def _run_numerics(
                 rv, ra = reference(video, audio, pert)
                 sv, sa = sp(video, audio, pert)
                 r32v, r32a = reference32(video32, audio32, pert)
+                per_token_diff = None
+                if one_timestep:
+                    spread = [
+                        dataclasses.replace(m, timesteps=m.timesteps.expand(-1, m.latent.shape[1], -1).contiguous())
+                        for m in (video, audio)
+                    ]
+                    tv, ta = reference(*spread, pert)
+                    per_token_diff = max((tv - rv).abs().max().item(), (ta - ra).abs().max().item())
             rv, ra, sv, sa = (t.float() for t in (rv, ra, sv, sa))
             results.append(
                 {
@@ -220,6 +235,7 @@ def _run_numerics(
                     "sp_err": max((sv - r32v).abs().max().item(), (sa - r32a).abs().max().item()),
                     "single_err": max((rv - r32v).abs().max().item(), (ra - r32a).abs().max().item()),
                     "backend": mgr.backend_name,
+                    "per_token_diff": per_token_diff,
                 }
             )
     finally:
@@ -294,6 +310,27 @@ def test_sp_matches_single_process(worlds: dict, checkpoint: str, world_size: in
     # every rank ends with the same output
     for i in range(len(CASES)):
         assert len({rank_results[i]["video_sum"] for rank_results in per_rank}) == 1
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_timestep_per_row_is_sharded_as_a_broadcast_and_matches_the_per_token_forward(
+    worlds: dict, checkpoint: str, world_size: int
+) -> None:
+    """A (B, 1, 1) timestep (the runners' for a mask uniform over the tokens) stays whole on every rank while the
+    tokens are sharded and padded; SP matches the single process, and both match the per-token forward of the
+    same value. The per-token forward differs only in how many rows the AdaLN embedding's matmuls multiply
+    (B x T against B): another fp32 summation blocking, the same `TOL` as SP's. A timestep misread (a padded
+    zero, another row's value) moves the outputs by far more: ltx-core scales timesteps by 1000 before the
+    embedding, and on this model a shift of 0.001 moves them by 0.36-0.50 (measured over `CASES`)."""
+    per_rank = _world(worlds, world_size).run(_run_numerics, checkpoint, CASES, one_timestep=True)
+    for rank_results in per_rank:
+        for res in rank_results:
+            label = f"world {world_size}, {res['tokens']} tokens, case {res['case']}"
+            assert res["shapes_ok"], label
+            assert res["video_diff"] <= TOL and res["audio_diff"] <= TOL, (label, res)
+            assert res["per_token_diff"] is not None and res["per_token_diff"] <= TOL, (label, res)
+            assert res["video_scale"] > 0.1, label
 
 
 @pytest.mark.numerics

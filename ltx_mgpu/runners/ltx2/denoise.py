@@ -32,6 +32,7 @@ __all__ = [
     "image_latent_shape",
     "make_state",
     "modality",
+    "one_for_every_token",
     "run_passes",
     "simple_denoise",
     "upsample_latent",
@@ -127,11 +128,33 @@ def make_state(
     for cond in conditionings:
         state = cond.apply_to(latent_state=state, latent_tools=tools)
     if frozen:
-        return dataclasses.replace(state, denoise_mask=torch.zeros_like(state.denoise_mask))
+        return dataclasses.replace(state, denoise_mask=one_for_every_token(torch.zeros_like(state.denoise_mask)))
     noise = torch.randn(tuple(state.latent.shape), generator=generator, dtype=torch.float32)
     mask = state.denoise_mask.float() * float(noise_scale)
     noisy = noise.to(device) * mask + state.latent.float() * (1.0 - mask)
-    return dataclasses.replace(state, latent=noisy.to(dtype))
+    # without conditioning items every token is denoised alike (ltx-core's initial mask is all ones)
+    shared = state.denoise_mask if conditionings else one_for_every_token(state.denoise_mask)
+    return dataclasses.replace(state, latent=noisy.to(dtype), denoise_mask=shared)
+
+
+def one_for_every_token(mask: torch.Tensor) -> torch.Tensor:
+    """`mask` (B, T, ...) as its first token's value seen at every token: a view with stride 0 along the tokens,
+    for a mask known to be uniform. Every consumer still sees a per-token mask; `modality()` reads the stride
+    and gives the transformer one timestep per row instead of one per token.
+
+    Why: ltx-core embeds the timesteps per token and every block expands its AdaLN table over them, so a
+    per-token timestep costs each block six (tokens x width) tensors written and read again (~1.2 GB at 24,576
+    video tokens of the 19B), and the embedding itself (tokens x 6 x width) sits in memory for the whole
+    forward. One row broadcasts through the same code: ltx-core's blocks add the table to a (B, 1, ...)
+    timestep and the modulation broadcasts it over the tokens. Anything that copies the mask (a clone, a
+    gather) loses the stride and with it only the saving: a copied mask is an ordinary per-token one."""
+    return mask[:, :1].expand(mask.shape) if mask.dim() >= 2 and mask.shape[1] > 1 else mask
+
+
+def _token_timesteps(mask: torch.Tensor) -> torch.Tensor:
+    """The mask the timesteps are made from: one token's where `mask` holds one value for every token (stride
+    0 along the tokens: `one_for_every_token`), else the mask itself."""
+    return mask[:, :1] if mask.dim() >= 2 and mask.shape[1] > 1 and mask.stride(1) == 0 else mask
 
 
 def modality(state: Any, context: torch.Tensor, sigma: torch.Tensor, batch: int = 1) -> Any:
@@ -145,7 +168,8 @@ def modality(state: Any, context: torch.Tensor, sigma: torch.Tensor, batch: int 
     return Modality(
         latent=rows(state.latent),
         sigma=sig,
-        timesteps=rows(state.denoise_mask) * sig.view(-1, 1, 1),  # (B, T, 1): X0Model needs the trailing 1
+        # (B, T, 1) or, for a mask uniform by construction, (B, 1, 1); X0Model needs the trailing 1
+        timesteps=rows(_token_timesteps(state.denoise_mask)) * sig.view(-1, 1, 1),
         positions=rows(state.positions),
         context=context.to(device=state.latent.device, dtype=state.latent.dtype),
         context_mask=None,
