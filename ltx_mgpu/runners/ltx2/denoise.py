@@ -132,9 +132,12 @@ def make_state(
     noise = torch.randn(tuple(state.latent.shape), generator=generator, dtype=torch.float32)
     mask = state.denoise_mask.float() * float(noise_scale)
     noisy = noise.to(device) * mask + state.latent.float() * (1.0 - mask)
-    # without conditioning items every token is denoised alike (ltx-core's initial mask is all ones)
-    shared = state.denoise_mask if conditionings else one_for_every_token(state.denoise_mask)
-    return dataclasses.replace(state, latent=noisy.to(dtype), denoise_mask=shared)
+    # without conditioning items every token is denoised alike (ltx-core's initial mask is all ones); checked,
+    # not assumed, at one host sync per state (a stage's), so a mask of another making stays per token
+    denoise_mask = state.denoise_mask
+    if not conditionings and denoise_mask.dim() >= 2 and bool((denoise_mask == denoise_mask[:, :1]).all()):
+        denoise_mask = one_for_every_token(denoise_mask)
+    return dataclasses.replace(state, latent=noisy.to(dtype), denoise_mask=denoise_mask)
 
 
 def one_for_every_token(mask: torch.Tensor) -> torch.Tensor:
