@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import emit, emit_summary
+from ltx_mgpu.runners.ltx2.spec import QUANTIZATIONS  # (stdlib only: the setup's names)
 
-#: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)
-QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 RUNNERS = {"ltx2-distilled": "Ltx2DistilledRunner", "ltx2-two-stage": "Ltx2TwoStageRunner"}
 PROMPT = "A red fox trots through fresh snow at dawn, breath steaming, the camera tracking low beside it"
 REQUEST = {"width": 768, "height": 512, "num_frames": 121, "frame_rate": 24.0, "prompt": PROMPT}

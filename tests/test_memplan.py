@@ -231,6 +231,35 @@ def test_graph_pools_follow_the_capture_bound_and_fp8_plans_cover_what_the_h100_
     assert plan(two_stage, 1536, 1024, 121).fits
 
 
+def test_ltx_worker_plan_for_another_quantization_than_the_settings(monkeypatch):
+    """`--quantization` plans the setup the operator is choosing, not only the one configured: an fp8 fleet's
+    plan counts the fp8 transformer (a lower peak than bf16 for the same size), `none` takes a configured fp8
+    back to bf16, every header names the transformer's dtype, and a name the runners do not know is a usage
+    error (exit 2), as it would fail the fleet's setup."""
+    from worker.cli import main
+
+    for name in ("LTX_DEVICE_MEMORY_GIB", "LTX_HOST_MEMORY_GIB", "LTX_PLACEMENT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LTX_RUNNER_SETUP", json.dumps({"quantization": "fp8-mm+attn"}))
+    cli = CliRunner()
+    args = ["plan", "--runner", "ltx2-distilled", "--group", "0", "--size", "768x512x121", "--gpu", "h100-80gb",
+            "--host-gib", "100", "--json"]  # fmt: skip
+    peaks = {}
+    for quantization in (None, "none", "fp8-mm"):
+        out = cli.invoke(main, args + ([] if quantization is None else ["--quantization", quantization]))
+        assert out.exit_code == 0, out.output
+        data = json.loads(out.output)
+        peaks[quantization] = data["peak"]["allocated_gib"]
+        assert data["fleet"]["fp8_transformer"] is (quantization != "none"), (quantization, data["fleet"])
+    assert peaks[None] == peaks["fp8-mm"] < peaks["none"] - 10  # 36.5 GiB of bf16 against 20.1 of fp8, less Gemma
+    text = cli.invoke(main, [*args[:-1], "--quantization", "none"]).output
+    assert "bf16 transformer" in text.splitlines()[0], text
+    table = cli.invoke(main, ["plan", "--runner", "ltx2-two-stage", "--gpus", "1", "--host-gib", "100"])
+    assert "fp8 transformer" in table.output.splitlines()[0], table.output
+    bad = cli.invoke(main, [*args, "--quantization", "fp8"])
+    assert bad.exit_code == 2 and "--quantization must be none or one of" in bad.output
+
+
 def test_ltx_worker_plan_says_which_host_memory_its_placement_was_chosen_for(monkeypatch):
     """A plan made on one machine for a card in another names the pinned host memory it placed the fleet with:
     this machine's unless `--host-gib` gives the target's. On an H100 the bf16 two-stage fleet needs its LoRA

@@ -78,12 +78,11 @@ from bench.e2e.stack import (
     wait_event,
     wait_terminal,
 )
+from ltx_mgpu.runners.ltx2.spec import QUANTIZATIONS  # (stdlib only: the setup's names)
 from worker.settings import validate_group
 
 PROG = "python -m bench.e2e runs"
 GIB = 1024**3
-#: the setup `quantization` names (ltx_mgpu.runners.ltx2.components.QUANTIZATIONS; tests/test_fp8_attention.py)
-QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 
 
 def cold_ready(workers: Workers, ready: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
     ltx-worker plan --runner ltx2-two-stage --group 0 --size 1536x1024x121 --gpu h100-80gb
     ltx-worker plan --runner ltx2-distilled --group 0,1 --size 1536x1024x241 --json
     ltx-worker plan --runner ltx2-distilled                  # the presets on 1, 2, 4 and 8 GPUs (a table)
+    ltx-worker plan --runner ltx2-two-stage --gpu h100-80gb --quantization fp8-mm+attn   # another setup's plan
 
 The runner comes from the worker's registry and its setup kwargs from the worker's settings
 (`LTX_RUNNER_SETUP`, `--settings FILE`), so the plan is the one the worker would make, on a card: `--gpu NAME`
@@ -42,6 +43,10 @@ __all__ = ["command", "fleet_memory", "render_table", "render_text"]
 TABLE_CARD = "h100-80gb"  #: the table's card when none is named or found
 
 
+def _weights_text(fleet: memory_plan.FleetMemory) -> str:
+    return "fp8 transformer" if fleet.fp8_transformer else "bf16 transformer"
+
+
 def _card_text(card: Card | None, headroom: float) -> str:
     if card is None:
         return "no card named (memory not checked)"
@@ -65,7 +70,8 @@ def render_text(
     tag = f"[{card.name if card else 'no card'}]"
     lines = [
         f"memory plan: {runner} ({f.runner}, {f.passes} pass(es) per stage-1 step) on group {group} "
-        f"({f.world_size} rank(s)), {w}x{h}x{n} at {plan.frame_rate:g} fps, profile {f.profile}, {where}"
+        f"({f.world_size} rank(s)), {w}x{h}x{n} at {plan.frame_rate:g} fps, profile {f.profile}, "
+        f"{_weights_text(f)}, {where}"
     ]
     placed = ", ".join(f"{k} {v}" for k, v in f.placement.items())
     lines.append(f"{tag} placement: {placed}" + (f" ({placement_note})" if placement_note else ""))
@@ -176,13 +182,17 @@ def _host_budget(settings: WorkerSettings) -> tuple[float | None, str]:
     return host, f"{host:.1f} GiB of pinned host memory, this machine's (--host-gib names the target's)"
 
 
-def render_table(rows: list[dict[str, Any]], runner: str, card: Card, headroom: float, host_note: str = "") -> str:
+def render_table(
+    rows: list[dict[str, Any]], runner: str, card: Card, headroom: float, host_note: str = "", weights: str = ""
+) -> str:
     """One line per (size, GPUs), naming the card: the predicted reserved peak and its stage, the placement,
     fits or the reason and the largest size that fits (a size the rules refuse has no peak). `host_note`: the
-    host memory the placements were chosen for."""
+    host memory the placements were chosen for; `weights`: the transformer's dtype as the plan counts it."""
     lines = [
         f"memory plans (predicted, not measured): {runner}, sequence parallel over the GPUs, "
-        f"{_card_text(card, headroom)}" + (f"; placements for {host_note}" if host_note else ""),
+        + (f"{weights}, " if weights else "")
+        + f"{_card_text(card, headroom)}"
+        + (f"; placements for {host_note}" if host_note else ""),
         f"{'size':<16}{'GPUs':>5}  {'card':<11}{'peak GiB':>9}  {'at':<9}{'fits':<5} plan / why not; largest that fits",
     ]
     for row in rows:
@@ -197,6 +207,17 @@ def render_table(rows: list[dict[str, Any]], runner: str, card: Card, headroom: 
             fits = " or ".join(s for s in (row["largest"] or {}).values() if s) or "none near it"
             lines.append(f"{head}{'NO':<5} {row['reason']}; largest that fits: {fits}")
     return "\n".join(lines)
+
+
+def _with_quantization(settings: WorkerSettings, name: str) -> WorkerSettings:
+    """`settings` with the runner's setup `quantization` replaced (`none`: bf16); a name the runners do not know is
+    a usage error here, as it would fail the fleet's setup."""
+    from ltx_mgpu.runners.ltx2.spec import QUANTIZATIONS
+
+    if name != "none" and name not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be none or one of {', '.join(QUANTIZATIONS)}, got {name!r}")
+    setup = {**settings.runner_setup, "quantization": None if name == "none" else name}
+    return settings.model_copy(update={"runner_setup": setup})
 
 
 def _card(gpu: str | None, free_gib: float | None, settings: WorkerSettings, group: str | None) -> Card | None:
@@ -235,6 +256,12 @@ def _card(gpu: str | None, free_gib: float | None, settings: WorkerSettings, gro
 @click.option(
     "--host-gib", type=float, default=None, help="pinned host memory the fleet may take (default LTX_HOST_MEMORY_GIB)"
 )
+@click.option(
+    "--quantization",
+    default=None,
+    help="the transformer's quantization for this plan: none (bf16), fp8-mm, fp8-mm+attn, fp8-cast or "
+    "fp8-scaled-mm (default: the settings' LTX_RUNNER_SETUP)",
+)
 @click.option("--low-memory", is_flag=True, help="the lower-memory plan (what an out-of-memory retry takes)")
 @click.option("--settings", "settings_file", type=click.Path(dir_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True, help="print the plan (or each row of the table) as JSON")
@@ -248,6 +275,7 @@ def command(
     free_gib: float | None,
     headroom_gib: float | None,
     host_gib: float | None,
+    quantization: str | None,
     low_memory: bool,
     settings_file: str | None,
     as_json: bool,
@@ -266,6 +294,8 @@ def command(
             if host_gib < 0:
                 raise ValueError(f"--host-gib must be >= 0, got {host_gib:g}")
             settings = settings.model_copy(update={"host_memory_gib": host_gib})
+        if quantization is not None:  # a plan for another setup than the settings' own
+            settings = _with_quantization(settings, quantization)
         parsed = [memory_plan.parse_size(s) for s in (sizes or PRESETS)]
         worlds = [len(parse_device_group(validate_group(group)))] if group else [int(g) for g in gpus.split(",")]
         low, high = RANGES["frame_rate"]
@@ -355,10 +385,11 @@ def _table(
                     "rule_problem": p.rule_problem,
                     "largest": largest,
                     "placement": ",".join(f"{k}={v}" for k, v in fleet.placement.items()),
+                    "fp8_transformer": fleet.fp8_transformer,
                 }
             )
     if as_json:
         click.echo("\n".join(json.dumps({"runner": runner, **row}, sort_keys=True) for row in rows))
     else:
-        click.echo(render_table(rows, runner, card, headroom, host_note))
+        click.echo(render_table(rows, runner, card, headroom, host_note, _weights_text(next(iter(fleets.values())))))
     sys.exit(0 if any(row["fits"] for row in rows) else 1)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..common.loading import file_builder
+from .spec import QUANTIZATIONS
 
 CHECKPOINT = "LTX-2 checkpoint"
 
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 
 
 def parse_dtype(name: str) -> torch.dtype:

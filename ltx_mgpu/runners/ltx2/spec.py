@@ -18,7 +18,19 @@ from ...spec.memory_plan import DEFAULT_REQUEST_LORAS, FleetMemory, sp_tokens
 from ...spec.placement import TIERS
 from ...spec.request_rules import RequestRules, ltx2_rules
 
-__all__ = ["RUNNER_KINDS", "SETUP_DEFAULTS", "describe", "memory_fleet", "placement", "request_limits", "request_rules"]
+__all__ = [
+    "QUANTIZATIONS",
+    "RUNNER_KINDS",
+    "SETUP_DEFAULTS",
+    "describe",
+    "memory_fleet",
+    "placement",
+    "request_limits",
+    "request_rules",
+]
+
+#: the setup `quantization` names (None: bf16); `components.quantization_policy` builds each
+QUANTIZATIONS = ("fp8-cast", "fp8-scaled-mm", "fp8-mm", "fp8-mm+attn")
 
 #: The registry import paths of the ltx2 runners and their kind (`memory_plan.FleetMemory.runner`).
 RUNNER_KINDS = {
