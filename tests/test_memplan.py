@@ -258,6 +258,9 @@ def test_ltx_worker_plan_for_another_quantization_than_the_settings(monkeypatch)
     assert "fp8 transformer" in table.output.splitlines()[0], table.output
     bad = cli.invoke(main, [*args, "--quantization", "fp8"])
     assert bad.exit_code == 2 and "--quantization must be none or one of" in bad.output
+    other = cli.invoke(main, ["plan", "--runner", "smoke", "--group", "cpu:1", "--size", "64x64x9",
+                              "--quantization", "fp8-mm"])  # fmt: skip
+    assert other.exit_code == 2 and "setup of the ltx2 runners" in other.output, other.output
 
 
 def test_ltx_worker_plan_says_which_host_memory_its_placement_was_chosen_for(monkeypatch):

@@ -212,8 +212,10 @@ def render_table(
 def _with_quantization(settings: WorkerSettings, name: str) -> WorkerSettings:
     """`settings` with the runner's setup `quantization` replaced (`none`: bf16); a name the runners do not know is
     a usage error here, as it would fail the fleet's setup."""
-    from ltx_mgpu.runners.ltx2.spec import QUANTIZATIONS
+    from ltx_mgpu.runners.ltx2.spec import QUANTIZATIONS, describe
 
+    if describe(settings.runner_registry[settings.runner]) is None:
+        raise ValueError(f"--quantization is a setup of the ltx2 runners, not of {settings.runner!r}")
     if name != "none" and name not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be none or one of {', '.join(QUANTIZATIONS)}, got {name!r}")
     setup = {**settings.runner_setup, "quantization": None if name == "none" else name}
