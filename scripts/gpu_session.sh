@@ -19,7 +19,8 @@
 #   tests      every tests/*_gpu.py (one GPU and two-GPU cases), JUnit XML + log     (~15 min on one H100, 2-3 calls)
 #              TESTS="tests/test_multi_gpu_gpu.py tests/test_worker_fleet_gpu.py" runs a subset. Resumable: a call
 #              stopped at LIMIT (or with failures) is followed by the same call, which runs only what has not
-#              passed at this tree on this machine ($RESUME_FILE, tests/support/resume.py);
+#              passed at this tree on this machine ($RESUME_FILE, tests/support/resume.py), or on an earlier one
+#              whose $OUT/tests-gpu-outcomes.txt is carried in as .gpu-outcomes.txt ($RESUME_SEED);
 #              test_worker_fleet_gpu.py needs the .whl4 carry's wheels (a later call's `wheels`)
 #   all2all    python -m bench.all2all --mode cross: the kernel across GPUs vs NCCL vs P2P copy (~1 min)
 #   weights    full-size synthetic checkpoints into $WEIGHTS (python -m ltx_mgpu.runners.ltx2.synthetic)
@@ -135,6 +136,11 @@ PYCHECK
     # yet (tests/support/resume.py), so this phase is simply called again until only skips are left
     # (RESUME_FILE=none: run everything named)
     [ "${RESUME_FILE:-}" = none ] || export LTX_TEST_RESUME_FILE="${RESUME_FILE:-/tmp/ltx-gpu-outcomes.txt}"
+    # A machine given back takes /tmp with it: a call on a fresh one starts from the outcomes an earlier call sent
+    # back, carried in as $RESUME_SEED (copy $OUT/tests-gpu-outcomes.txt to .gpu-outcomes.txt, carry that path)
+    seed=${RESUME_SEED:-.gpu-outcomes.txt}
+    case "$seed" in /*) ;; *) seed="$PWD/$seed" ;; esac
+    if [ -n "${LTX_TEST_RESUME_FILE:-}" ] && [ -f "$seed" ]; then export LTX_TEST_RESUME_SEED="$seed"; fi
     # shellcheck disable=SC2086  # TESTS is a list of paths
     timeout "${LIMIT:-570}" "$PY" -m pytest -v -p no:cacheprovider -m gpu ${TESTS:-tests/*_gpu.py} -rs \
       --junitxml="$OUT/tests-gpu.xml" >"$OUT/tests-gpu.log" 2>&1

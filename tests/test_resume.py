@@ -82,3 +82,25 @@ def test_a_resumed_run_runs_only_what_has_not_passed_at_this_tree(tmp_path: Path
     (src / "test_x.py").write_text(_TESTS + "\n# a change\n")  # another tree: everything runs again
     rc, out = _run(src, record, fixed)
     assert rc == 0 and "0 passed before, 4 to run" in out and out.count("PASSED") == 3
+
+
+def test_outcomes_carried_in_from_another_machine_count_and_the_record_carries_them_on(tmp_path: Path) -> None:
+    """A fresh machine's record starts from the seed's lines of this tree (an earlier machine's `$OUT` copy):
+    what passed there is left out here, the record then holds the seed's lines too (so its own copy carries them
+    to the next machine), and the record's own, later, outcomes win over the seed's."""
+    src, record, fixed, carried = tmp_path / "src", tmp_path / "outcomes.txt", tmp_path / "fixed", tmp_path / "in.txt"
+    src.mkdir()
+    (src / "test_x.py").write_text(_TESTS)
+    (src / "conftest.py").write_text(_CONFTEST)
+    earlier = tmp_path / "earlier.txt"
+    rc, out = _run(src, earlier, fixed, KILL="1")  # the earlier machine: a passed, b failed, c skipped, then killed
+    carried.write_text(earlier.read_text() + "0123456789abcdef passed 1.0 test_x.py::test_d\n")  # (another tree)
+    fixed.touch()
+    rc, out = _run(src, record, fixed, LTX_TEST_RESUME_SEED=str(carried))
+    assert rc == 0 and "3 outcomes carried in): 1 passed before, 3 to run" in out, out
+    assert "test_x.py::test_a" not in out and "PASSED test_x.py::test_b" in out and "PASSED test_x.py::test_d" in out
+    assert "3 passed, 1 skipped, 0 failed" in out  # b's own pass wins over the seed's failure
+    lines = record.read_text().splitlines()
+    assert lines[:3] == earlier.read_text().splitlines() and not any(x.startswith("0123") for x in lines)
+    rc, out = _run(src, record, fixed, LTX_TEST_RESUME_SEED=str(carried))  # seeding again adds nothing
+    assert rc == 0 and "carried in" not in out and "3 passed before, 1 to run" in out

@@ -9,6 +9,11 @@ with the same file deselects what passed, and `bash scripts/gpu_session.sh tests
 nothing is left. Failures run again (the call after a fix is the one that shows it), and so do skips: they cost
 nothing, and a skip for a missing wheel or server must run once a later call has installed it.
 
+A machine lent for a device call is given back when idle or after 30 minutes held, and its /tmp goes with it.
+`LTX_TEST_RESUME_SEED` names a file of earlier outcomes carried in from another machine (the `$OUT` copy of the
+record a previous call sent back): its lines of this tree are put ahead of the record's own at start, so the
+record's own, newer, outcomes win and the record carries the seed's on to the next copy.
+
 Outcomes count only for the tree they were recorded at: the file stores a fingerprint of every source file
 (names and bytes of the .py, CUDA, C++ and .toml files under `LTX_TEST_RESUME_ROOT` or the repository, hidden
 folders and build output left out), so a change to anything re-runs everything. pytest's own cache (`--lf`,
@@ -24,10 +29,11 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["FILE_ENV", "ROOT_ENV", "ResumePlugin", "fingerprint", "read_outcomes", "register"]
+__all__ = ["FILE_ENV", "ROOT_ENV", "SEED_ENV", "ResumePlugin", "fingerprint", "read_outcomes", "register", "seed"]
 
 FILE_ENV = "LTX_TEST_RESUME_FILE"
 ROOT_ENV = "LTX_TEST_RESUME_ROOT"
+SEED_ENV = "LTX_TEST_RESUME_SEED"
 _SUFFIXES = {".py", ".cu", ".cuh", ".cpp", ".h", ".hpp", ".toml"}
 _SKIP_DIRS = {"__pycache__", "build", "_skbuild", "node_modules"}  # (and every hidden one: .git, .venv, .whl*)
 _DONE = ("passed",)
@@ -61,12 +67,26 @@ def read_outcomes(path: Path, tree: str) -> dict[str, str]:
     return outcomes
 
 
+def seed(path: Path, source: Path, tree: str) -> int:
+    """Put `source`'s lines recorded at `tree` ahead of `path`'s own (which, later in the file, win); returns how
+    many were added. Lines `path` already holds are not repeated, so seeding twice changes nothing."""
+    if not source.exists():
+        return 0
+    own = path.read_text().splitlines() if path.exists() else []
+    present = set(own)
+    carried = [line for line in source.read_text().splitlines() if line.startswith(f"{tree} ") and line not in present]
+    if carried:
+        path.write_text("".join(f"{line}\n" for line in (*carried, *own)))
+    return len(carried)
+
+
 class ResumePlugin:
     """Deselects what passed at this tree; records each outcome as it happens."""
 
-    def __init__(self, path: Path, root: Path) -> None:
+    def __init__(self, path: Path, root: Path, seed_from: Path | None = None) -> None:
         self.path = path
         self.tree = fingerprint(root)
+        self.seeded = seed(path, seed_from, self.tree) if seed_from is not None else 0
         self.known = read_outcomes(path, self.tree)
         self._setup_s: dict[str, float] = {}  # (a test's setup seconds, its fixtures', until its call is recorded)
 
@@ -78,8 +98,9 @@ class ResumePlugin:
             config.hook.pytest_deselected(items=done)
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
+            carried = f", {self.seeded} outcomes carried in" if self.seeded else ""
             reporter.write_line(
-                f"resume ({self.path}, tree {self.tree}): {len(done)} passed before, {len(items)} to run"
+                f"resume ({self.path}, tree {self.tree}{carried}): {len(done)} passed before, {len(items)} to run"
             )
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -106,4 +127,6 @@ def register(config: pytest.Config) -> None:
     path = os.environ.get(FILE_ENV)
     if path:
         root = Path(os.environ.get(ROOT_ENV) or Path(__file__).resolve().parents[2])
-        config.pluginmanager.register(ResumePlugin(Path(path), root), "ltx-resume")
+        seed_from = os.environ.get(SEED_ENV)
+        plugin = ResumePlugin(Path(path), root, Path(seed_from) if seed_from else None)
+        config.pluginmanager.register(plugin, "ltx-resume")
